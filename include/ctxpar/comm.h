@@ -1,0 +1,154 @@
+// Communicators: P ranks that exchange messages. One interface, one file per transport
+// (src/comm/threads.cc, src/comm/mpi.cc). See docs/comm.md.
+//
+// Point-to-point messages are owned byte buffers that move: on the threads transport a send
+// hands the buffer itself to the receiver (no copy); on MPI it is the send buffer. Collectives
+// take raw buffers. Every call is counted (bytes and calls per kind) so tests can assert the
+// communication volume of each strategy.
+#pragma once
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ctxpar/error.h"
+
+namespace ctxpar {
+
+// A movable, 64-byte-aligned byte buffer: the unit of point-to-point transfer.
+class Buffer {
+ public:
+  Buffer() = default;
+  explicit Buffer(size_t bytes);  // zero-filled
+  size_t size() const { return size_; }
+  std::byte* data() const { return data_.get(); }
+  template <typename T>
+  T* as() const { return reinterpret_cast<T*>(data_.get()); }
+  bool empty() const { return size_ == 0; }
+
+ private:
+  struct Free {
+    void operator()(std::byte* p) const;
+  };
+  std::unique_ptr<std::byte, Free> data_;
+  size_t size_ = 0;
+};
+
+enum class CommKind { send, recv, allgather, reduce_scatter, alltoall, allreduce, barrier, count_ };
+const char* comm_kind_name(CommKind k);
+
+struct CommCounters {
+  uint64_t bytes_sent = 0;      // payload bytes this rank sent, all kinds together
+  uint64_t bytes_received = 0;  // payload bytes this rank received
+  uint64_t calls[static_cast<int>(CommKind::count_)] = {};
+  uint64_t bytes_sent_by[static_cast<int>(CommKind::count_)] = {};
+  uint64_t calls_of(CommKind k) const { return calls[static_cast<int>(k)]; }
+  uint64_t sent_by(CommKind k) const { return bytes_sent_by[static_cast<int>(k)]; }
+};
+
+class Communicator;
+
+// A pending send or receive. wait() blocks until done (or the communicator's timeout passes:
+// then it throws ctxpar::Error naming rank, peer and tag). A receive's buffer is taken with
+// take() after wait().
+class Request {
+ public:
+  struct Impl {
+    virtual ~Impl() = default;
+    virtual bool test() = 0;        // true when complete (never blocks)
+    virtual void wait() = 0;        // blocks; throws on timeout / group failure
+    virtual Buffer take() { return {}; }
+  };
+  Request() = default;
+  explicit Request(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  bool valid() const { return impl_ != nullptr; }
+  bool test() { return !impl_ || impl_->test(); }
+  void wait() { if (impl_) impl_->wait(); }
+  Buffer take() { wait(); Buffer b = impl_->take(); impl_.reset(); return b; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string transport() const = 0;  // "threads" | "mpi"
+
+  // Non-blocking point-to-point. `tag` should identify the step so a timeout can name it.
+  // recv must be told the exact byte count it expects (a mismatch is an error).
+  virtual Request isend(Buffer&& buf, int peer, int tag) = 0;
+  virtual Request irecv(size_t bytes, int peer, int tag) = 0;
+
+  // Collectives (blocking, every rank of this communicator must call them in the same order).
+  // allgather: send `bytes` from each rank; recv holds size()*bytes in rank order.
+  virtual void allgather(const void* send, void* recv, size_t bytes) = 0;
+  // reduce_scatter (sum, fp32): send holds size()*count floats; rank r receives the sum of
+  // every rank's r-th chunk of `count` floats.
+  virtual void reduce_scatter(const float* send, float* recv, size_t count) = 0;
+  // alltoall: send holds size() chunks of `bytes`; chunk j goes to rank j; recv chunk i came
+  // from rank i.
+  virtual void alltoall(const void* send, void* recv, size_t bytes) = 0;
+  // allreduce (sum) in place.
+  virtual void allreduce(float* buf, size_t count) = 0;
+  virtual void allreduce(double* buf, size_t count) = 0;
+  virtual void barrier() = 0;
+
+  // Sub-groups: ranks with the same color form a new communicator, ordered by key.
+  virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+
+  const CommCounters& counters() const { return counters_; }
+  void reset_counters() { counters_ = {}; }
+  void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+ protected:
+  void count(CommKind k, uint64_t sent, uint64_t received) {
+    counters_.calls[static_cast<int>(k)] += 1;
+    counters_.bytes_sent_by[static_cast<int>(k)] += sent;
+    counters_.bytes_sent += sent;
+    counters_.bytes_received += received;
+  }
+  CommCounters counters_;
+  std::chrono::milliseconds timeout_{std::chrono::seconds(120)};
+};
+
+// ---- threads transport ------------------------------------------------------------------
+
+// Optional simulated link on the threads transport: each message is delivered
+// latency + bytes / bandwidth after it is sent, and a rank's outgoing link carries one message
+// at a time (so back-to-back sends queue), as on a real wire.
+struct SimulatedLink {
+  double gbytes_per_second = 0;  // 0: no link model (instant hand-over)
+  double latency_us = 0;
+};
+
+struct ThreadsOptions {
+  SimulatedLink link;
+  std::chrono::milliseconds timeout{std::chrono::seconds(120)};
+};
+
+// Runs fn(comm) on P threads, one rank each, and returns when all have returned. If any rank
+// throws, every other rank's pending or next communication fails promptly (no deadlock), and
+// run_threads rethrows a ctxpar::Error naming the first failing rank and its message.
+void run_threads(int ranks, const std::function<void(Communicator&)>& fn,
+                 const ThreadsOptions& options = {});
+
+// ---- MPI transport ------------------------------------------------------------------------
+
+// True when this process was started by mpirun / mpiexec (reads the launcher's environment).
+bool launched_by_mpi();
+// Initialises MPI (MPI_Init_thread, MPI_THREAD_FUNNELED) once and returns the world
+// communicator; finalised at exit. Throws if ctxpar was built without MPI.
+Communicator& mpi_world();
+// Runs fn on this process's rank of MPI_COMM_WORLD; an exception prints
+// "ctxpar: rank R failed: ..." to stderr and aborts the whole job (MPI_Abort), so no rank
+// waits forever.
+void run_mpi(const std::function<void(Communicator&)>& fn);
+
+}  // namespace ctxpar

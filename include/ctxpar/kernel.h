@@ -1,0 +1,103 @@
+// The single-rank attention kernel: one Q block against one K/V block, with global positions.
+// Every strategy is built from these calls. See docs/kernel.md.
+//
+// Shapes (row-major, strided views allowed on the last-but-one dims; the last dim must be
+// contiguous):
+//   q, o, do     [B, Tq, Hq, D]    fp32 or bf16
+//   k, v         [B, Tk, Hkv, D]   fp32 or bf16 (Hq % Hkv == 0; query head h reads kv head
+//                                  h / (Hq / Hkv))
+//   lse, delta   [B, Hq, Tq]       fp32
+//   dq           [B, Tq, Hq, D]    fp32 accumulator
+//   dk, dv       [B, Tk, Hkv, D]   fp32 accumulators
+// 16 <= D <= 256. Arithmetic and accumulation are fp32 whatever the storage type.
+#pragma once
+#include <cstdint>
+
+#include "ctxpar/mask.h"
+#include "ctxpar/tensor.h"
+
+namespace ctxpar {
+
+struct KernelConfig {
+  int threads = 1;      // OpenMP threads inside this rank (over batch, head, query tile)
+  float scale = 0.0f;   // softmax scale; 0 means 1/sqrt(D)
+};
+
+// What a call actually computed, for load-balance and throughput figures.
+struct KernelStats {
+  double flops = 0;         // 4 * (unmasked-tile scores) * D for forward; 2.5x that for backward
+  int64_t tiles_computed = 0;
+  int64_t tiles_skipped = 0;
+  KernelStats& operator+=(const KernelStats& o) {
+    flops += o.flops;
+    tiles_computed += o.tiles_computed;
+    tiles_skipped += o.tiles_skipped;
+    return *this;
+  }
+};
+
+// Running online-softmax state of one Q block [B, Tq, Hq, D]: fp32 running max m and sum l
+// ([B, Hq, Tq]) and unnormalised output acc ([B, Tq, Hq, D]). Absorbs K/V blocks in any
+// order; finalise() turns it into O and LSE.
+class ForwardState {
+ public:
+  ForwardState() = default;
+  ForwardState(int64_t batch, int64_t tq, int64_t hq, int64_t d);
+  void reset();  // back to "no key seen": m = -inf, l = 0, acc = 0
+  int64_t batch() const { return acc_.dim(0); }
+  int64_t tokens() const { return acc_.dim(1); }
+  int64_t heads() const { return acc_.dim(2); }
+  int64_t head_dim() const { return acc_.dim(3); }
+  const Tensor& acc() const { return acc_; }
+  const Tensor& m() const { return m_; }
+  const Tensor& l() const { return l_; }
+  Tensor& acc() { return acc_; }
+  Tensor& m() { return m_; }
+  Tensor& l() { return l_; }
+  size_t bytes() const { return acc_.bytes() + m_.bytes() + l_.bytes(); }
+
+ private:
+  Tensor acc_, m_, l_;
+};
+
+// Accumulates the attention of q over one K/V block into `state`. Tiles whose position ranges
+// are fully masked are skipped. Throws ctxpar::Error on bad shapes / dtypes / positions.
+KernelStats attention_forward_block(const TensorView& q, const Tokens& q_tokens,
+                                    const TensorView& k, const TensorView& v,
+                                    const Tokens& k_tokens, const Mask& mask,
+                                    ForwardState& state, const KernelConfig& config = {});
+
+// O = acc / l (fp32 -> out's dtype), LSE = m + log(l). Rows that saw no visible key:
+// O = 0, LSE = -inf.
+void attention_forward_finalize(const ForwardState& state, const TensorView& out,
+                                const TensorView& lse, const KernelConfig& config = {});
+
+// delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d]  (fp32), the FA2 row term.
+void attention_backward_delta(const TensorView& out, const TensorView& dout,
+                              const TensorView& delta, const KernelConfig& config = {});
+
+// Adds one K/V block's contribution to dq (for all of q) and to that block's dk, dv, given the
+// *final* LSE and delta of the q rows. FA2 form: P = exp(S*scale - lse), dV += P^T dO,
+// dP = dO V^T, dS = P * (dP - delta), dQ += scale * dS K, dK += scale * dS^T Q.
+KernelStats attention_backward_block(const TensorView& q, const Tokens& q_tokens,
+                                     const TensorView& k, const TensorView& v,
+                                     const Tokens& k_tokens, const Mask& mask,
+                                     const TensorView& dout, const TensorView& lse,
+                                     const TensorView& delta, const TensorView& dq,
+                                     const TensorView& dk, const TensorView& dv,
+                                     const KernelConfig& config = {});
+
+// Combines two partial results of the same queries over disjoint key sets, in place into a:
+//   lse = max + log(exp(lse_a - max) + exp(lse_b - max)),
+//   o_a = o_a * exp(lse_a - lse) + o_b * exp(lse_b - lse).
+// Rows with lse = -inf on both sides stay O = 0, LSE = -inf (never NaN).
+// o_a, o_b [B, T, H, D] fp32; lse_a, lse_b [B, H, T] fp32.
+void merge(const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b,
+           const TensorView& lse_b);
+
+// Forward FLOPs of a full (unmasked) problem: 4 * B * Hq * Tq * Tk * D.
+inline double attention_flops(int64_t b, int64_t hq, int64_t tq, int64_t tk, int64_t d) {
+  return 4.0 * static_cast<double>(b) * hq * tq * tk * d;
+}
+
+}  // namespace ctxpar

@@ -1,0 +1,72 @@
+// Context-parallel attention: exact attention over a sequence split across the ranks of a
+// communicator. One file per algorithm under src/strategy/, all behind this one interface.
+// See docs/ring.md, docs/allgather.md, docs/ulysses.md, docs/hybrid.md.
+//
+// Per rank (local shard of Tl = T/P tokens, in the layout's order):
+//   q, out, dout, dq   [B, Tl, Hq, D]     fp32 or bf16 (dq fp32 or bf16)
+//   k, v, dk, dv       [B, Tl, Hkv, D]
+//   lse                [B, Hq, Tl]        fp32
+//   tokens             global positions (and document ids) of the Tl local tokens
+// Every rank must call forward / backward with the same shapes and options; arguments are
+// checked before any communication, with the same verdict on every rank.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "ctxpar/comm.h"
+#include "ctxpar/kernel.h"
+#include "ctxpar/mask.h"
+#include "ctxpar/tensor.h"
+
+namespace ctxpar {
+
+enum class StrategyKind { ring, allgather, ulysses, hybrid };
+const char* strategy_name(StrategyKind k);
+StrategyKind parse_strategy(const std::string& name);  // throws listing the valid names
+
+struct StrategyOptions {
+  StrategyKind kind = StrategyKind::ring;
+  int ulysses_degree = 0;  // hybrid: ranks per Ulysses group u (must divide P); 0 = P
+  int head_groups = 0;     // allgather: K/V gathered in this many head groups; 0 = auto
+  Mask mask;
+  KernelConfig kernel;
+};
+
+// What one rank did in the last call.
+struct StrategyStats {
+  double attention_flops = 0;   // FLOPs the kernel actually computed (masked tiles skipped)
+  double busy_seconds = 0;      // time inside kernel calls
+  double wall_seconds = 0;      // whole call
+  double comm_wait_seconds = 0; // time blocked waiting for transfers (exposed communication)
+  uint64_t bytes_sent = 0;
+  uint64_t bytes_received = 0;
+  size_t peak_bytes = 0;        // largest total of buffers the strategy held at once
+};
+
+class Strategy {
+ public:
+  virtual ~Strategy() = default;
+  // Builds the strategy for this communicator (hybrid splits it into sub-groups here, once).
+  // Throws ctxpar::Error for invalid options (e.g. ulysses_degree not dividing P).
+  static std::unique_ptr<Strategy> create(Communicator& comm, const StrategyOptions& options);
+
+  virtual void forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                       const Tokens& tokens, const TensorView& out, const TensorView& lse) = 0;
+  // Uses the global out and lse of forward. dq, dk, dv are overwritten (not accumulated).
+  virtual void backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const Tokens& tokens, const TensorView& out, const TensorView& lse,
+                        const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                        const TensorView& dv) = 0;
+
+  const StrategyStats& last_stats() const { return stats_; }
+  const StrategyOptions& options() const { return options_; }
+
+ protected:
+  Strategy(Communicator& comm, const StrategyOptions& options) : comm_(comm), options_(options) {}
+  Communicator& comm_;
+  StrategyOptions options_;
+  StrategyStats stats_;
+};
+
+}  // namespace ctxpar

@@ -1,0 +1,63 @@
+// ctxpar: context parallelism for long-sequence attention. See README.md.
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "commands.h"
+#include "options.h"
+
+namespace {
+
+struct Command {
+  const char* name;
+  int (*run)(int, char**);
+  const char* summary;
+};
+
+const Command kCommands[] = {
+    {"attention", ctxpar::cli::cmd_attention,
+     "run, check and time one (distributed) attention, forward and backward"},
+    {"bench", ctxpar::cli::cmd_bench, "benchmarks: the kernel against the FMA peak; CP sweeps"},
+    {"train", ctxpar::cli::cmd_train, "train a transformer with context parallelism"},
+    {"plan", ctxpar::cli::cmd_plan, "memory / communication / overlap model for real clusters"},
+};
+
+void usage(FILE* out) {
+  std::fprintf(out,
+               "usage: ctxpar <command> [options]   (ctxpar <command> --help for its options)\n\n"
+               "commands:\n");
+  for (const auto& c : kCommands) std::fprintf(out, "  %-10s %s\n", c.name, c.summary);
+  std::fprintf(out,
+               "\nexamples:\n"
+               "  ctxpar attention --seq 65536 --ranks 4 --strategy ring --layout zigzag "
+               "--mask causal --backward --check\n"
+               "  ctxpar bench kernel --seq 4096 --heads 8 --head-dim 128 --threads 1 --json\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    usage(argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  for (const auto& c : kCommands) {
+    if (std::strcmp(argv[1], c.name) != 0) continue;
+    try {
+      return c.run(argc - 2, argv + 2);
+    } catch (const ctxpar::cli::UsageError& e) {
+      std::fprintf(stderr, "ctxpar %s: %s\n(ctxpar %s --help lists every option)\n", c.name,
+                   e.what(), c.name);
+      return 2;
+    } catch (const ctxpar::Error& e) {
+      std::fprintf(stderr, "ctxpar %s: error: %s\n", c.name, e.what());
+      return 2;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "ctxpar %s: failed: %s\n", c.name, e.what());
+      return 1;
+    }
+  }
+  std::fprintf(stderr, "ctxpar: unknown command '%s'\n\n", argv[1]);
+  usage(stderr);
+  return 2;
+}
