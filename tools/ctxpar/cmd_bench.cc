@@ -1,6 +1,20 @@
+// `ctxpar bench <what>`: kernel (bench_kernel.cc) and cp sweeps (bench_cp.cc).
+#include <cstring>
+
 #include "commands.h"
 #include "options.h"
 
 namespace ctxpar::cli {
-int cmd_bench(int argc, char** argv) { throw UsageError("'bench' is not built yet"); }
+
+int bench_kernel(int argc, char** argv);
+int bench_cp(int argc, char** argv);
+
+int cmd_bench(int argc, char** argv) {
+  if (argc >= 1 && !std::strcmp(argv[0], "kernel")) return bench_kernel(argc - 1, argv + 1);
+  if (argc >= 1 && !std::strcmp(argv[0], "cp")) return bench_cp(argc - 1, argv + 1);
+  throw UsageError(
+      "which benchmark? 'ctxpar bench kernel --help' (the kernel against this machine's FMA "
+      "peak) or 'ctxpar bench cp --help' (sweeps of strategies, layouts, lengths and ranks)");
+}
+
 }  // namespace ctxpar::cli
