@@ -1,0 +1,80 @@
+#include "ctxpar/tensor.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+namespace ctxpar {
+namespace {
+
+TEST(Bf16, RoundsToNearestEven) {
+  // 1 + 2^-8 is halfway between two bf16 values (1 and 1 + 2^-7): ties go to even (1).
+  EXPECT_EQ(round_to_bf16(1.0f + 0x1.0p-8f), 1.0f);
+  // 1 + 3 * 2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties to even -> 1 + 2^-6.
+  EXPECT_EQ(round_to_bf16(1.0f + 3 * 0x1.0p-8f), 1.0f + 0x1.0p-6f);
+  EXPECT_EQ(round_to_bf16(1.0f + 0x1.8p-8f), 1.0f + 0x1.0p-7f);  // above half: up
+  EXPECT_EQ(round_to_bf16(-2.5f), -2.5f);                          // exact
+  EXPECT_TRUE(std::isnan(round_to_bf16(std::numeric_limits<float>::quiet_NaN())));
+  EXPECT_EQ(round_to_bf16(-std::numeric_limits<float>::infinity()),
+            -std::numeric_limits<float>::infinity());
+}
+
+TEST(Bf16, RelativeErrorBound) {
+  // bf16 keeps 8 significant bits: half an ulp is 2^-8 of the leading power of two, so the
+  // relative rounding error is at most 2^-8.
+  for (float x = 1e-3f; x < 1e3f; x *= 1.37f) {
+    EXPECT_LE(std::fabs(round_to_bf16(x) - x), x * 0x1.0p-8f) << x;
+  }
+}
+
+TEST(Tensor, ZeroFilledAndShaped) {
+  Tensor t(DType::f32, {2, 3, 4, 5});
+  EXPECT_EQ(t.numel(), 120);
+  EXPECT_EQ(t.bytes(), 480u);
+  for (int64_t i = 0; i < t.numel(); ++i) EXPECT_EQ(t.ptr<float>()[i], 0.0f);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data()) % 64, 0u);
+}
+
+TEST(Tensor, StridedSliceAndCopyConvert) {
+  Tensor t(DType::f32, {2, 6, 3, 4});
+  for (int64_t i = 0; i < t.numel(); ++i) t.ptr<float>()[i] = static_cast<float>(i);
+  TensorView s = t.view().slice(1, 2, 5);  // tokens 2..4
+  EXPECT_EQ(s.shape(), (Shape{2, 3, 3, 4}));
+  EXPECT_FALSE(s.contiguous());
+  Tensor c = Tensor::copy_of(s, DType::bf16);
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t i = 0; i < 3; ++i)
+      for (int64_t h = 0; h < 3; ++h)
+        for (int64_t d = 0; d < 4; ++d) {
+          float want = static_cast<float>(((b * 6 + i + 2) * 3 + h) * 4 + d);
+          EXPECT_EQ(c.view().get(b, i, h, d), round_to_bf16(want));
+        }
+  Tensor back = Tensor::copy_of(c.view(), DType::f32);
+  EXPECT_EQ(back.view().get(1, 2, 2, 3), c.view().get(1, 2, 2, 3));
+}
+
+TEST(Tensor, BadSliceAndShapeMismatchThrow) {
+  Tensor t(DType::f32, {1, 4, 1, 16});
+  EXPECT_THROW(t.view().slice(1, 3, 5), Error);
+  Tensor u(DType::f32, {1, 5, 1, 16});
+  EXPECT_THROW(copy_into(t.view(), u.view()), Error);
+  EXPECT_THROW(parse_dtype("fp8"), Error);
+}
+
+TEST(Tensor, FillNormalIsSeededAndStandard) {
+  Tensor a(DType::f32, {1, 1000, 2, 16}), b(DType::f32, {1, 1000, 2, 16});
+  fill_normal(a.view(), 7);
+  fill_normal(b.view(), 7);
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.bytes()), 0);
+  double sum = 0, sq = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) sum += a.ptr<float>()[i], sq += a.ptr<float>()[i] * a.ptr<float>()[i];
+  double mean = sum / a.numel(), var = sq / a.numel() - mean * mean;
+  EXPECT_NEAR(mean, 0.0, 0.03);  // 32000 samples: sd of the mean ~ 0.0056
+  EXPECT_NEAR(var, 1.0, 0.05);
+  fill_normal(b.view(), 8);
+  EXPECT_NE(std::memcmp(a.data(), b.data(), a.bytes()), 0);
+}
+
+}  // namespace
+}  // namespace ctxpar
