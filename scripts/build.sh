@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Installs the dependencies (Debian packages) and builds ctxpar into ./build (Release).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j "$(nproc)"
