@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "ctxpar/error.h"
 #include "ctxpar/tensor.h"
 
 namespace ctxpar {
@@ -40,10 +41,28 @@ class Layout {
   // Same for per-token integer arrays.
   template <typename T>
   std::vector<T> shard(const std::vector<T>& full, int rank) const {
+    CTXPAR_CHECK(static_cast<int64_t>(full.size()) == tokens_, "layout shard: per-token array has ",
+                 full.size(), " entries, expected T = ", tokens_);
     std::vector<T> out;
     out.reserve(local_tokens());
     for (int64_t p : positions(rank)) out.push_back(full[p]);
     return out;
+  }
+  // Inverse for per-token arrays: shards[r] is rank r's share; returns the T entries in
+  // global token order.
+  template <typename T>
+  std::vector<T> unshard(const std::vector<std::vector<T>>& shards) const {
+    CTXPAR_CHECK(static_cast<int>(shards.size()) == ranks_, "layout unshard: got ",
+                 shards.size(), " shards, expected one per rank (", ranks_, ")");
+    std::vector<T> full(tokens_);
+    for (int r = 0; r < ranks_; ++r) {
+      CTXPAR_CHECK(static_cast<int64_t>(shards[r].size()) == local_tokens(),
+                   "layout unshard: shard ", r, " has ", shards[r].size(), " entries, expected ",
+                   local_tokens());
+      std::vector<int64_t> pos = positions(r);
+      for (size_t i = 0; i < pos.size(); ++i) full[pos[i]] = shards[r][i];
+    }
+    return full;
   }
 
  private:
