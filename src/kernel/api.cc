@@ -1,0 +1,128 @@
+// The public kernel calls: argument checks, then the fast SIMD path (or the readable scalar one
+// when CTXPAR_KERNEL=scalar is set in the environment, for debugging and for the lab).
+// Also the cheap per-row steps: ForwardState, finalize and the backward delta.
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "ctxpar/kernel.h"
+#include "kernel/problem.h"
+
+namespace ctxpar {
+
+using kernel::kNegInf;
+
+ForwardState::ForwardState(int64_t batch, int64_t tq, int64_t hq, int64_t d)
+    : acc_(DType::f32, {batch, tq, hq, d}), m_(DType::f32, {batch, hq, tq}),
+      l_(DType::f32, {batch, hq, tq}) {
+  reset();
+}
+
+void ForwardState::reset() {
+  acc_.fill_zero();
+  l_.fill_zero();
+  float* m = m_.ptr<float>();
+  for (int64_t i = 0; i < m_.numel(); ++i) m[i] = kNegInf;
+}
+
+namespace kernel {
+bool use_scalar_path() {
+  static const bool scalar = [] {
+    const char* e = std::getenv("CTXPAR_KERNEL");
+    return e != nullptr && std::strcmp(e, "scalar") == 0;
+  }();
+  return scalar;
+}
+}  // namespace kernel
+
+KernelStats attention_forward_block(const TensorView& q, const Tokens& q_tokens,
+                                    const TensorView& k, const TensorView& v,
+                                    const Tokens& k_tokens, const Mask& mask,
+                                    ForwardState& state, const KernelConfig& config) {
+  const kernel::Problem p = kernel::check_forward_args(q, q_tokens, k, v, k_tokens, mask, config);
+  CTXPAR_CHECK(!state.acc().empty() && state.batch() == p.batch && state.tokens() == p.tq &&
+                   state.heads() == p.hq && state.head_dim() == p.d,
+               "state: expected a ForwardState for q's [B, Tq, Hq, D] = ",
+               shape_str({p.batch, p.tq, p.hq, p.d}), ", got ",
+               state.acc().empty() ? std::string("an empty state") : shape_str(state.acc().shape()));
+  if (p.tq == 0 || p.tk == 0 || p.batch == 0) return {};
+  if (kernel::use_scalar_path())
+    return kernel::forward_scalar(p, q, q_tokens, k, v, k_tokens, mask, state);
+  return kernel::forward_simd(p, q, q_tokens, k, v, k_tokens, mask, state);
+}
+
+void attention_forward_finalize(const ForwardState& state, const TensorView& out,
+                                const TensorView& lse, const KernelConfig& config) {
+  const int64_t b = state.batch(), t = state.tokens(), h = state.heads(), d = state.head_dim();
+  CTXPAR_CHECK(!state.acc().empty(), "state: empty ForwardState (construct it with the q shape)");
+  kernel::check_activation("out", out, true);
+  CTXPAR_CHECK(out.shape() == Shape({b, t, h, d}), "out: expected shape [B, Tq, Hq, D] = ",
+               shape_str({b, t, h, d}), " (the state's), got ", shape_str(out.shape()));
+  kernel::check_rows_f32("lse", lse, b, h, t);
+  CTXPAR_CHECK(config.threads >= 1, "config.threads: expected >= 1, got ", config.threads);
+  const float* acc = state.acc().ptr<const float>();
+  const float* m = state.m().ptr<const float>();
+  const float* l = state.l().ptr<const float>();
+#pragma omp parallel num_threads(config.threads)
+  {
+    std::vector<float> row(d);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < b * t * h; ++r) {
+      const int64_t hi = r % h, ti = (r / h) % t, bi = r / (h * t);
+      const int64_t stat = (bi * h + hi) * t + ti;
+      const float li = l[stat];
+      float& lse_out = lse.ptr<float>()[lse.offset(bi, hi, ti)];
+      if (!(li > 0)) {  // no visible key: O = 0, LSE = -inf
+        std::fill(row.begin(), row.end(), 0.0f);
+        lse_out = kNegInf;
+      } else {
+        const float inv = 1.0f / li;
+        for (int64_t c = 0; c < d; ++c) row[c] = acc[r * d + c] * inv;
+        lse_out = m[stat] + std::log(li);
+      }
+      kernel::store_row(out, out.offset(bi, ti, hi), d, row.data());
+    }
+  }
+}
+
+void attention_backward_delta(const TensorView& out, const TensorView& dout,
+                              const TensorView& delta, const KernelConfig& config) {
+  kernel::check_activation("out", out, true);
+  kernel::check_activation("dout", dout, true);
+  CTXPAR_CHECK(dout.shape() == out.shape(), "dout: expected out's shape ", shape_str(out.shape()),
+               ", got ", shape_str(dout.shape()));
+  const int64_t b = out.dim(0), t = out.dim(1), h = out.dim(2), d = out.dim(3);
+  kernel::check_rows_f32("delta", delta, b, h, t);
+  CTXPAR_CHECK(config.threads >= 1, "config.threads: expected >= 1, got ", config.threads);
+#pragma omp parallel num_threads(config.threads)
+  {
+    std::vector<float> o(d), g(d);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < b * t * h; ++r) {
+      const int64_t hi = r % h, ti = (r / h) % t, bi = r / (h * t);
+      kernel::load_row(out, out.offset(bi, ti, hi), d, o.data());
+      kernel::load_row(dout, dout.offset(bi, ti, hi), d, g.data());
+      float sum = 0;
+      for (int64_t c = 0; c < d; ++c) sum += o[c] * g[c];
+      delta.ptr<float>()[delta.offset(bi, hi, ti)] = sum;
+    }
+  }
+}
+
+KernelStats attention_backward_block(const TensorView& q, const Tokens& q_tokens,
+                                     const TensorView& k, const TensorView& v,
+                                     const Tokens& k_tokens, const Mask& mask,
+                                     const TensorView& dout, const TensorView& lse,
+                                     const TensorView& delta, const TensorView& dq,
+                                     const TensorView& dk, const TensorView& dv,
+                                     const KernelConfig& config) {
+  const kernel::Problem p = kernel::check_backward_args(q, q_tokens, k, v, k_tokens, mask, dout,
+                                                        lse, delta, dq, dk, dv, config);
+  if (p.tq == 0 || p.tk == 0 || p.batch == 0) return {};
+  if (kernel::use_scalar_path())
+    return kernel::backward_scalar(p, q, q_tokens, k, v, k_tokens, mask, dout, lse, delta, dq,
+                                   dk, dv);
+  return kernel::backward_simd(p, q, q_tokens, k, v, k_tokens, mask, dout, lse, delta, dq, dk, dv);
+}
+
+}  // namespace ctxpar

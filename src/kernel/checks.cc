@@ -1,0 +1,127 @@
+// Argument checks of the kernel calls. Every check names the argument and what was expected,
+// so a strategy author can act on the message without reading this file.
+#include <cmath>
+
+#include "kernel/problem.h"
+
+namespace ctxpar::kernel {
+
+void check_activation(const char* name, const TensorView& t, bool allow_bf16) {
+  CTXPAR_CHECK(!t.empty(), name, ": tensor is empty (no data), expected a [B, T, H, D] tensor");
+  CTXPAR_CHECK(t.ndim() == 4, name, ": expected 4 dimensions [B, T, H, D], got shape ",
+               shape_str(t.shape()));
+  CTXPAR_CHECK(t.dtype() == DType::f32 || (allow_bf16 && t.dtype() == DType::bf16), name,
+               ": expected dtype ", allow_bf16 ? "fp32 or bf16" : "fp32", ", got ",
+               dtype_name(t.dtype()));
+  CTXPAR_CHECK(t.dim(3) <= 1 || t.stride(3) == 1, name,
+               ": the last (head) dimension must be contiguous (stride 1), got stride ",
+               t.stride(3));
+}
+
+void check_rows_f32(const char* name, const TensorView& t, int64_t b, int64_t h, int64_t tokens) {
+  CTXPAR_CHECK(!t.empty(), name, ": tensor is empty, expected [B, H, T] = ",
+               shape_str({b, h, tokens}), " fp32");
+  CTXPAR_CHECK(t.dtype() == DType::f32, name, ": expected dtype fp32, got ", dtype_name(t.dtype()));
+  CTXPAR_CHECK(t.shape() == Shape({b, h, tokens}), name, ": expected shape [B, H, T] = ",
+               shape_str({b, h, tokens}), ", got ", shape_str(t.shape()));
+}
+
+namespace {
+void check_tokens(const char* name, const Tokens& tokens, int64_t n, const Mask& mask) {
+  CTXPAR_CHECK(static_cast<int64_t>(tokens.positions.size()) == n, name,
+               ".positions: expected one position per token (", n, "), got ",
+               tokens.positions.size());
+  if (mask.documents)
+    CTXPAR_CHECK(static_cast<int64_t>(tokens.documents.size()) == n, name,
+                 ".documents: the mask uses documents, expected one document id per token (", n,
+                 "), got ", tokens.documents.size());
+}
+
+void check_same(const char* name, const TensorView& t, const Shape& want, const char* what) {
+  CTXPAR_CHECK(t.shape() == want, name, ": expected shape ", what, " = ", shape_str(want),
+               ", got ", shape_str(t.shape()));
+}
+}  // namespace
+
+Problem check_forward_args(const TensorView& q, const Tokens& q_tokens, const TensorView& k,
+                           const TensorView& v, const Tokens& k_tokens, const Mask& mask,
+                           const KernelConfig& config) {
+  check_activation("q", q, true);
+  check_activation("k", k, true);
+  check_activation("v", v, true);
+  Problem p;
+  p.batch = q.dim(0), p.tq = q.dim(1), p.hq = q.dim(2), p.d = q.dim(3);
+  p.tk = k.dim(1), p.hkv = k.dim(2);
+  CTXPAR_CHECK(p.d >= 16 && p.d <= 256, "q: head dim D must be in 16..256, got ", p.d);
+  CTXPAR_CHECK(k.dim(0) == p.batch, "k: batch ", k.dim(0), " does not match q's batch ", p.batch);
+  CTXPAR_CHECK(k.dim(3) == p.d, "k: head dim ", k.dim(3), " does not match q's head dim ", p.d);
+  check_same("v", v, k.shape(), "k's [B, Tk, Hkv, D]");
+  CTXPAR_CHECK(p.hkv > 0 && p.hq % p.hkv == 0, "k: kv heads (", p.hkv,
+               ") must divide q's heads (", p.hq, "): Hq % Hkv == 0 (GQA/MQA)");
+  p.group = p.hq / p.hkv;
+  check_tokens("q_tokens", q_tokens, p.tq, mask);
+  check_tokens("k_tokens", k_tokens, p.tk, mask);
+  CTXPAR_CHECK(config.threads >= 1, "config.threads: expected >= 1, got ", config.threads);
+  CTXPAR_CHECK(std::isfinite(config.scale) && config.scale >= 0, "config.scale: expected a finite "
+               "value >= 0 (0 = 1/sqrt(D)), got ", config.scale);
+  p.scale = config.scale > 0 ? config.scale : 1.0f / std::sqrt(static_cast<float>(p.d));
+  p.threads = config.threads;
+  return p;
+}
+
+Problem check_backward_args(const TensorView& q, const Tokens& q_tokens, const TensorView& k,
+                            const TensorView& v, const Tokens& k_tokens, const Mask& mask,
+                            const TensorView& dout, const TensorView& lse,
+                            const TensorView& delta, const TensorView& dq, const TensorView& dk,
+                            const TensorView& dv, const KernelConfig& config) {
+  Problem p = check_forward_args(q, q_tokens, k, v, k_tokens, mask, config);
+  check_activation("dout", dout, true);
+  check_same("dout", dout, q.shape(), "q's [B, Tq, Hq, D]");
+  check_rows_f32("lse", lse, p.batch, p.hq, p.tq);
+  check_rows_f32("delta", delta, p.batch, p.hq, p.tq);
+  check_activation("dq", dq, false);
+  check_same("dq", dq, q.shape(), "q's [B, Tq, Hq, D]");
+  check_activation("dk", dk, false);
+  check_same("dk", dk, k.shape(), "k's [B, Tk, Hkv, D]");
+  check_activation("dv", dv, false);
+  check_same("dv", dv, k.shape(), "k's [B, Tk, Hkv, D]");
+  return p;
+}
+
+TileRanges tile_ranges(const Tokens& tokens, int64_t n, int64_t tile, bool documents) {
+  TileRanges r;
+  r.tile = tile;
+  const int64_t count = (n + tile - 1) / tile;
+  r.pos_lo.resize(count), r.pos_hi.resize(count);
+  r.doc_lo.assign(count, 0), r.doc_hi.assign(count, 0);
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t a = t * tile, b = std::min(n, a + tile);
+    auto [lo, hi] = std::minmax_element(tokens.positions.begin() + a, tokens.positions.begin() + b);
+    r.pos_lo[t] = *lo, r.pos_hi[t] = *hi;
+    if (documents) {
+      auto [dl, dh] = std::minmax_element(tokens.documents.begin() + a, tokens.documents.begin() + b);
+      r.doc_lo[t] = *dl, r.doc_hi[t] = *dh;
+    }
+  }
+  return r;
+}
+
+KernelStats count_tiles(const Problem& p, const Mask& mask, const TileRanges& qr,
+                        const TileRanges& kr, double factor) {
+  KernelStats st;
+  const int64_t heads = p.batch * p.hq;
+  for (int64_t qt = 0; qt < qr.count(); ++qt)
+    for (int64_t kt = 0; kt < kr.count(); ++kt) {
+      if (classify(mask, qr, qt, kr, kt) == TileKind::skip) {
+        st.tiles_skipped += heads;
+        continue;
+      }
+      const int64_t rows = std::min(p.tq, (qt + 1) * qr.tile) - qt * qr.tile;
+      const int64_t cols = std::min(p.tk, (kt + 1) * kr.tile) - kt * kr.tile;
+      st.tiles_computed += heads;
+      st.flops += factor * 4.0 * static_cast<double>(p.d) * rows * cols * heads;
+    }
+  return st;
+}
+
+}  // namespace ctxpar::kernel

@@ -1,0 +1,118 @@
+// Private to the kernel layer: the checked shape of one kernel call, tile ranges of positions
+// and document ids, and row loaders that widen bf16 to fp32. Both the readable scalar path
+// (scalar_*.cc) and the fast SIMD path (simd_*.cc) start from a Problem.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "ctxpar/kernel.h"
+#include "ctxpar/mask.h"
+#include "ctxpar/tensor.h"
+
+namespace ctxpar::kernel {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Sizes of one call, after the argument checks.
+struct Problem {
+  int64_t batch = 0, tq = 0, tk = 0, hq = 0, hkv = 0, d = 0;
+  int64_t group = 1;  // hq / hkv: query heads per kv head
+  float scale = 0;    // softmax scale actually used
+  int threads = 1;
+};
+
+// Checks q [B, Tq, Hq, D], k, v [B, Tk, Hkv, D], the tokens and the mask's needs; throws
+// ctxpar::Error naming the argument and what was expected.
+Problem check_forward_args(const TensorView& q, const Tokens& q_tokens, const TensorView& k,
+                           const TensorView& v, const Tokens& k_tokens, const Mask& mask,
+                           const KernelConfig& config);
+// Also checks dout, lse, delta, dq, dk, dv against the Problem.
+Problem check_backward_args(const TensorView& q, const Tokens& q_tokens, const TensorView& k,
+                            const TensorView& v, const Tokens& k_tokens, const Mask& mask,
+                            const TensorView& dout, const TensorView& lse,
+                            const TensorView& delta, const TensorView& dq, const TensorView& dk,
+                            const TensorView& dv, const KernelConfig& config);
+// Throws unless t is [B, H, T] fp32 (any strides).
+void check_rows_f32(const char* name, const TensorView& t, int64_t b, int64_t h, int64_t tokens);
+// Throws unless t is 4-d fp32 or bf16 with a contiguous last dim.
+void check_activation(const char* name, const TensorView& t, bool allow_bf16);
+
+// The position / document range of each tile of `tile` consecutive tokens. Positions need not
+// be sorted, so a range is the min and max over the tile.
+struct TileRanges {
+  std::vector<int64_t> pos_lo, pos_hi;
+  std::vector<int32_t> doc_lo, doc_hi;
+  int64_t tile = 0;
+  int64_t count() const { return static_cast<int64_t>(pos_lo.size()); }
+};
+TileRanges tile_ranges(const Tokens& tokens, int64_t n, int64_t tile, bool documents);
+
+// What a (query tile, key tile) pair needs.
+enum class TileKind { skip, full, partial };
+inline TileKind classify(const Mask& mask, const TileRanges& qr, int64_t qi,
+                         const TileRanges& kr, int64_t kj) {
+  int32_t dql = 0, dqh = 0, dkl = 0, dkh = 0;
+  if (mask.documents) {
+    dql = qr.doc_lo[qi], dqh = qr.doc_hi[qi], dkl = kr.doc_lo[kj], dkh = kr.doc_hi[kj];
+  }
+  if (mask.tile_masked(qr.pos_lo[qi], qr.pos_hi[qi], kr.pos_lo[kj], kr.pos_hi[kj], dql, dqh,
+                       dkl, dkh))
+    return TileKind::skip;
+  if (mask.tile_full(qr.pos_lo[qi], qr.pos_hi[qi], kr.pos_lo[kj], kr.pos_hi[kj], dql, dqh, dkl,
+                     dkh))
+    return TileKind::full;
+  return TileKind::partial;
+}
+
+// Tiles computed / skipped over all (batch, query head) and their FLOPs: 4 * D per computed
+// score for forward, times `factor` (2.5 for backward).
+KernelStats count_tiles(const Problem& p, const Mask& mask, const TileRanges& qr,
+                        const TileRanges& kr, double factor);
+
+inline bool visible(const Mask& mask, const Tokens& qt, int64_t i, const Tokens& kt, int64_t j) {
+  return mask.visible(qt.positions[i], kt.positions[j], mask.documents ? qt.documents[i] : 0,
+                      mask.documents ? kt.documents[j] : 0);
+}
+
+// Reads n contiguous elements of t (fp32 or bf16) starting at element offset `off` as fp32.
+inline void load_row(const TensorView& t, int64_t off, int64_t n, float* out) {
+  if (t.dtype() == DType::f32) {
+    std::memcpy(out, t.ptr<const float>() + off, static_cast<size_t>(n) * sizeof(float));
+  } else {
+    const uint16_t* src = t.ptr<const uint16_t>() + off;
+    for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(src[i]);
+  }
+}
+// Writes n fp32 values into t (fp32 or bf16, rounding to nearest even).
+inline void store_row(const TensorView& t, int64_t off, int64_t n, const float* in) {
+  if (t.dtype() == DType::f32) {
+    std::memcpy(t.ptr<float>() + off, in, static_cast<size_t>(n) * sizeof(float));
+  } else {
+    uint16_t* dst = t.ptr<uint16_t>() + off;
+    for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(in[i]);
+  }
+}
+
+// The two implementations behind the public calls (see api.cc for the choice).
+KernelStats forward_scalar(const Problem& p, const TensorView& q, const Tokens& q_tokens,
+                           const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                           const Mask& mask, ForwardState& state);
+KernelStats backward_scalar(const Problem& p, const TensorView& q, const Tokens& q_tokens,
+                            const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                            const Mask& mask, const TensorView& dout, const TensorView& lse,
+                            const TensorView& delta, const TensorView& dq, const TensorView& dk,
+                            const TensorView& dv);
+
+KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
+                         const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                         const Mask& mask, ForwardState& state);
+KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
+                          const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                          const Mask& mask, const TensorView& dout, const TensorView& lse,
+                          const TensorView& delta, const TensorView& dq, const TensorView& dk,
+                          const TensorView& dv);
+
+}  // namespace ctxpar::kernel

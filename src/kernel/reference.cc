@@ -1,0 +1,117 @@
+// The plain references: scores materialised per (batch, head), softmax, products, in fp64 (the
+// truth every test compares against) and in fp32 (naive32, which sets the tolerance). One
+// template, instantiated for both, so the two differ only in precision.
+#include "ctxpar/reference.h"
+
+#include <cmath>
+#include <limits>
+
+#include "kernel/problem.h"
+
+namespace ctxpar::reference {
+
+namespace {
+
+template <typename T>
+Result attention(const TensorView& q, const Tokens& q_tokens, const TensorView& k,
+                 const TensorView& v, const Tokens& k_tokens, const Mask& mask,
+                 const TensorView& dout, float scale_arg) {
+  // q, dout [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D] -> o [B, Tq, Hq, D], lse [B, Hq, Tq],
+  // dq like q, dk / dv like k.
+  KernelConfig config;
+  config.scale = scale_arg;
+  const kernel::Problem p = kernel::check_forward_args(q, q_tokens, k, v, k_tokens, mask, config);
+  const bool backward = !dout.empty();
+  if (backward) {
+    kernel::check_activation("dout", dout, true);
+    CTXPAR_CHECK(dout.shape() == q.shape(), "dout: expected q's shape ", shape_str(q.shape()),
+                 ", got ", shape_str(dout.shape()));
+  }
+  const int64_t B = p.batch, Tq = p.tq, Tk = p.tk, Hq = p.hq, D = p.d;
+  const T scale = static_cast<T>(p.scale);
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  auto qi = [&](int64_t b, int64_t i, int64_t h) { return ((b * Tq + i) * Hq + h) * D; };
+  auto kj = [&](int64_t b, int64_t j, int64_t h) { return ((b * Tk + j) * p.hkv + h) * D; };
+
+  Result r;
+  std::vector<T> o(B * Tq * Hq * D, 0), lse(B * Hq * Tq, neg_inf);
+  std::vector<T> dq, dk, dv;
+  if (backward) dq.assign(o.size(), 0), dk.assign(B * Tk * p.hkv * D, 0), dv = dk;
+  std::vector<T> P(Tq * Tk), dP(Tq * Tk);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hq; ++h) {
+      const int64_t hk = h / p.group;
+      // S = scale * Q K^T with masked entries at -inf; P = softmax(S) per row.
+      for (int64_t i = 0; i < Tq; ++i) {
+        T mx = neg_inf;
+        for (int64_t j = 0; j < Tk; ++j) {
+          T s = neg_inf;
+          if (kernel::visible(mask, q_tokens, i, k_tokens, j)) {
+            s = 0;
+            for (int64_t c = 0; c < D; ++c)
+              s += static_cast<T>(q.get(b, i, h, c)) * static_cast<T>(k.get(b, j, hk, c));
+            s *= scale;
+          }
+          P[i * Tk + j] = s;
+          mx = std::max(mx, s);
+        }
+        if (mx == neg_inf) {  // fully masked row: O = 0, LSE = -inf, P = 0
+          for (int64_t j = 0; j < Tk; ++j) P[i * Tk + j] = 0;
+          continue;
+        }
+        T sum = 0;
+        for (int64_t j = 0; j < Tk; ++j) sum += (P[i * Tk + j] = std::exp(P[i * Tk + j] - mx));
+        for (int64_t j = 0; j < Tk; ++j) P[i * Tk + j] /= sum;
+        lse[(b * Hq + h) * Tq + i] = mx + std::log(sum);
+        for (int64_t j = 0; j < Tk; ++j) {
+          const T pij = P[i * Tk + j];
+          for (int64_t c = 0; c < D; ++c) o[qi(b, i, h) + c] += pij * static_cast<T>(v.get(b, j, hk, c));
+        }
+      }
+      if (!backward) continue;
+      // dP = dO V^T; dS = P * (dP - rowsum(P * dP)); dQ = scale dS K; dK = scale dS^T Q;
+      // dV = P^T dO.
+      for (int64_t i = 0; i < Tq; ++i) {
+        T row = 0;
+        for (int64_t j = 0; j < Tk; ++j) {
+          T s = 0;
+          for (int64_t c = 0; c < D; ++c)
+            s += static_cast<T>(dout.get(b, i, h, c)) * static_cast<T>(v.get(b, j, hk, c));
+          dP[i * Tk + j] = s;
+          row += P[i * Tk + j] * s;
+        }
+        for (int64_t j = 0; j < Tk; ++j) {
+          const T pij = P[i * Tk + j];
+          if (pij == 0) continue;
+          const T ds = pij * (dP[i * Tk + j] - row) * scale;
+          for (int64_t c = 0; c < D; ++c) {
+            dq[qi(b, i, h) + c] += ds * static_cast<T>(k.get(b, j, hk, c));
+            dk[kj(b, j, hk) + c] += ds * static_cast<T>(q.get(b, i, h, c));
+            dv[kj(b, j, hk) + c] += pij * static_cast<T>(dout.get(b, i, h, c));
+          }
+        }
+      }
+    }
+  r.o.assign(o.begin(), o.end());
+  r.lse.assign(lse.begin(), lse.end());
+  r.dq.assign(dq.begin(), dq.end());
+  r.dk.assign(dk.begin(), dk.end());
+  r.dv.assign(dv.begin(), dv.end());
+  return r;
+}
+
+}  // namespace
+
+Result attention_f64(const TensorView& q, const Tokens& q_tokens, const TensorView& k,
+                     const TensorView& v, const Tokens& k_tokens, const Mask& mask,
+                     const TensorView& dout, float scale) {
+  return attention<double>(q, q_tokens, k, v, k_tokens, mask, dout, scale);
+}
+
+Result attention_naive_f32(const TensorView& q, const Tokens& q_tokens, const TensorView& k,
+                           const TensorView& v, const Tokens& k_tokens, const Mask& mask,
+                           const TensorView& dout, float scale) {
+  return attention<float>(q, q_tokens, k, v, k_tokens, mask, dout, scale);
+}
+
+}  // namespace ctxpar::reference

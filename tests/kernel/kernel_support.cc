@@ -1,0 +1,137 @@
+#include "kernel/kernel_support.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <sstream>
+
+namespace ctxpar::test {
+
+std::string Case::name() const {
+  std::ostringstream s;
+  s << "B" << batch << " Tq" << tq << " Tk" << tk << " Hq" << hq << " Hkv" << hkv << " D" << d
+    << " " << dtype_name(dtype) << " mask=" << mask.describe() << " qpos=" << q_offset << "+"
+    << q_stride << "i kpos=" << k_offset << "+" << k_stride << "j doc_len=" << doc_len
+    << " threads=" << threads;
+  return s.str();
+}
+
+Inputs make_inputs(const Case& c) {
+  Inputs in;
+  auto make = [&](int64_t t, int64_t h, uint64_t seed) {
+    Tensor f(DType::f32, {c.batch, t, h, c.d});
+    fill_normal(f.view(), seed);
+    return Tensor::copy_of(f.view(), c.dtype);
+  };
+  in.q = make(c.tq, c.hq, c.seed * 4 + 0);
+  in.k = make(c.tk, c.hkv, c.seed * 4 + 1);
+  in.v = make(c.tk, c.hkv, c.seed * 4 + 2);
+  in.dout = make(c.tq, c.hq, c.seed * 4 + 3);
+  for (int64_t i = 0; i < c.tq; ++i) in.q_pos.push_back(c.q_offset + c.q_stride * i);
+  for (int64_t j = 0; j < c.tk; ++j) in.k_pos.push_back(c.k_offset + c.k_stride * j);
+  auto doc = [&](int64_t pos) { return static_cast<int32_t>(c.doc_len > 0 ? pos / c.doc_len : 0); };
+  if (c.mask.documents) {
+    for (int64_t p : in.q_pos) in.q_doc.push_back(doc(p));
+    for (int64_t p : in.k_pos) in.k_doc.push_back(doc(p));
+  }
+  return in;
+}
+
+Outputs run_fast(const Inputs& in, const Mask& mask, int threads, bool backward, int kv_blocks,
+                 std::vector<int> order) {
+  const int64_t b = in.q.dim(0), tq = in.q.dim(1), hq = in.q.dim(2), d = in.q.dim(3);
+  const int64_t tk = in.k.dim(1), hkv = in.k.dim(2);
+  KernelConfig cfg;
+  cfg.threads = threads;
+  if (order.empty()) {
+    order.resize(kv_blocks);
+    std::iota(order.begin(), order.end(), 0);
+  }
+  // Block j covers keys [tk * j / n, tk * (j + 1) / n).
+  auto block = [&](int j, const TensorView& t) {
+    return t.slice(1, tk * j / kv_blocks, tk * (j + 1) / kv_blocks);
+  };
+  auto tokens = [&](int j) {
+    const int64_t a = tk * j / kv_blocks, e = tk * (j + 1) / kv_blocks;
+    Tokens t;
+    t.positions = std::span<const int64_t>(in.k_pos).subspan(a, e - a);
+    if (!in.k_doc.empty()) t.documents = std::span<const int32_t>(in.k_doc).subspan(a, e - a);
+    return t;
+  };
+  Outputs out;
+  ForwardState state(b, tq, hq, d);
+  for (int j : order)
+    out.fwd += attention_forward_block(in.q, in.q_tokens(), block(j, in.k), block(j, in.v),
+                                       tokens(j), mask, state, cfg);
+  out.o = Tensor(DType::f32, {b, tq, hq, d});
+  out.lse = Tensor(DType::f32, {b, hq, tq});
+  attention_forward_finalize(state, out.o, out.lse, cfg);
+  if (!backward) return out;
+  Tensor delta(DType::f32, {b, hq, tq});
+  attention_backward_delta(out.o, in.dout, delta, cfg);
+  out.dq = Tensor(DType::f32, {b, tq, hq, d});
+  out.dk = Tensor(DType::f32, {b, tk, hkv, d});
+  out.dv = Tensor(DType::f32, {b, tk, hkv, d});
+  for (int j : order)
+    out.bwd += attention_backward_block(in.q, in.q_tokens(), block(j, in.k), block(j, in.v),
+                                        tokens(j), mask, in.dout, out.lse, delta, out.dq,
+                                        block(j, out.dk.view()), block(j, out.dv.view()), cfg);
+  return out;
+}
+
+double max_abs(const std::vector<double>& ref) {
+  double m = 0;
+  for (double x : ref)
+    if (std::isfinite(x)) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+double max_err(const std::vector<double>& a, const std::vector<double>& ref) {
+  if (a.size() != ref.size()) return INFINITY;
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isnan(a[i])) return INFINITY;
+    if (std::isinf(a[i]) || std::isinf(ref[i])) {
+      if (a[i] != ref[i]) return INFINITY;
+      continue;
+    }
+    m = std::max(m, std::fabs(a[i] - ref[i]));
+  }
+  return m;
+}
+
+double max_err(const Tensor& t, const std::vector<double>& ref) {
+  std::vector<double> a(t.numel());
+  for (int64_t i = 0; i < t.numel(); ++i)
+    a[i] = t.dtype() == DType::f32 ? t.ptr<float>()[i] : bf16_to_f32(t.ptr<uint16_t>()[i]);
+  return max_err(a, ref);
+}
+
+std::string check_case(const Case& c, bool backward) {
+  const Inputs in = make_inputs(c);
+  const TensorView dout = backward ? in.dout.view() : TensorView();
+  const auto ref = reference::attention_f64(in.q, in.q_tokens(), in.k, in.v, in.k_tokens(),
+                                            c.mask, dout);
+  const auto naive = reference::attention_naive_f32(in.q, in.q_tokens(), in.k, in.v,
+                                                    in.k_tokens(), c.mask, dout);
+  const Outputs fast = run_fast(in, c.mask, c.threads, backward);
+  std::ostringstream fail;
+  auto check = [&](const char* what, const Tensor& t, const std::vector<double>& n,
+                   const std::vector<double>& r) {
+    const double floor = 1e-5 * std::max(1.0, max_abs(r));
+    const double naive_err = max_err(n, r), fast_err = max_err(t, r);
+    if (!(fast_err <= 2 * naive_err + floor))
+      fail << what << ": max|fast-ref64| = " << fast_err << " > 2 * max|naive32-ref64| ("
+           << naive_err << ") + " << floor << "; ";
+  };
+  check("o", fast.o, naive.o, ref.o);
+  check("lse", fast.lse, naive.lse, ref.lse);
+  if (backward) {
+    check("dq", fast.dq, naive.dq, ref.dq);
+    check("dk", fast.dk, naive.dk, ref.dk);
+    check("dv", fast.dv, naive.dv, ref.dv);
+  }
+  return fail.str().empty() ? "" : c.name() + ": " + fail.str();
+}
+
+}  // namespace ctxpar::test

@@ -1,0 +1,54 @@
+// Test support for the kernel tests: seeded inputs with positions / documents, one call of the
+// fast kernel (forward + finalize + delta + backward), and the tolerance rule of issue 2:
+//   max |fast - ref64| <= 2 * max |naive32 - ref64| + floor,   floor = 1e-5 * max(1, max|ref64|)
+// where naive32 is the materialised fp32 computation on the same (bf16-rounded) inputs.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ctxpar/kernel.h"
+#include "ctxpar/reference.h"
+
+namespace ctxpar::test {
+
+struct Case {
+  int64_t batch = 1, tq = 7, tk = 7, hq = 2, hkv = 2, d = 16;
+  DType dtype = DType::f32;
+  Mask mask;
+  // Positions: q_pos[i] = q_offset + q_stride * i (likewise for k); striped layouts have
+  // stride P. Documents: doc of a position = position / doc_len (doc_len 0: one document).
+  int64_t q_offset = 0, q_stride = 1, k_offset = 0, k_stride = 1, doc_len = 0;
+  int threads = 1;
+  uint64_t seed = 1;
+  std::string name() const;
+};
+
+struct Inputs {
+  Tensor q, k, v, dout;
+  std::vector<int64_t> q_pos, k_pos;
+  std::vector<int32_t> q_doc, k_doc;
+  Tokens q_tokens() const { return {q_pos, q_doc}; }
+  Tokens k_tokens() const { return {k_pos, k_doc}; }
+};
+Inputs make_inputs(const Case& c);
+
+struct Outputs {
+  Tensor o, lse, dq, dk, dv;  // o fp32 (finalised from the fp32 state), grads fp32
+  KernelStats fwd, bwd;
+};
+// Forward over the K/V split into `kv_blocks` blocks absorbed in `order` (empty: 0, 1, ...),
+// then finalize, delta from the fp32 O, and backward block by block in the same order.
+Outputs run_fast(const Inputs& in, const Mask& mask, int threads, bool backward = true,
+                 int kv_blocks = 1, std::vector<int> order = {});
+
+double max_abs(const std::vector<double>& ref);
+// max |t - ref| over finite entries; an entry where exactly one side is -inf counts as infinite.
+double max_err(const Tensor& t, const std::vector<double>& ref);
+double max_err(const std::vector<double>& a, const std::vector<double>& ref);
+
+// Runs the case through fast, naive32 and ref64 and checks every output by the rule.
+// Returns a description of the first violation, or "" when all pass.
+std::string check_case(const Case& c, bool backward);
+
+}  // namespace ctxpar::test
