@@ -12,7 +12,7 @@ std::string Case::name() const {
   s << "B" << batch << " Tq" << tq << " Tk" << tk << " Hq" << hq << " Hkv" << hkv << " D" << d
     << " " << dtype_name(dtype) << " mask=" << mask.describe() << " qpos=" << q_offset << "+"
     << q_stride << "i kpos=" << k_offset << "+" << k_stride << "j doc_len=" << doc_len
-    << " threads=" << threads;
+    << (shuffle ? " shuffled" : "") << " threads=" << threads;
   return s.str();
 }
 
@@ -29,6 +29,17 @@ Inputs make_inputs(const Case& c) {
   in.dout = make(c.tq, c.hq, c.seed * 4 + 3);
   for (int64_t i = 0; i < c.tq; ++i) in.q_pos.push_back(c.q_offset + c.q_stride * i);
   for (int64_t j = 0; j < c.tk; ++j) in.k_pos.push_back(c.k_offset + c.k_stride * j);
+  if (c.shuffle) {  // a fixed pseudo-random permutation (LCG-driven Fisher-Yates)
+    uint64_t st = c.seed * 77 + 5;
+    auto perm = [&st](std::vector<int64_t>& v) {
+      for (size_t i = v.size(); i > 1; --i) {
+        st = st * 6364136223846793005ull + 1442695040888963407ull;
+        std::swap(v[i - 1], v[(st >> 33) % i]);
+      }
+    };
+    perm(in.q_pos);
+    perm(in.k_pos);
+  }
   auto doc = [&](int64_t pos) { return static_cast<int32_t>(c.doc_len > 0 ? pos / c.doc_len : 0); };
   if (c.mask.documents) {
     for (int64_t p : in.q_pos) in.q_doc.push_back(doc(p));

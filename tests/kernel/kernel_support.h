@@ -19,6 +19,7 @@ struct Case {
   // Positions: q_pos[i] = q_offset + q_stride * i (likewise for k); striped layouts have
   // stride P. Documents: doc of a position = position / doc_len (doc_len 0: one document).
   int64_t q_offset = 0, q_stride = 1, k_offset = 0, k_stride = 1, doc_len = 0;
+  bool shuffle = false;  // permute the tokens' positions (unsorted, as after a Ulysses all-to-all)
   int threads = 1;
   uint64_t seed = 1;
   std::string name() const;
