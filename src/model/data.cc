@@ -1,0 +1,91 @@
+// Byte-level data: sequences of T + 1 bytes give T inputs and their T next-token labels.
+//
+// The built-in long-range task (no --data): each sequence is
+//
+//   [ block: L distinct bytes from 128..255 ][ filler: random bytes 0..127 ][ copy of block ]
+//    0                                     L                          T+1-L              T+1
+//
+// with loss only on the copy. Copy byte i sits T+1-L tokens after its source, more than T/2
+// back (L <= T/4), so a model that does not look that far back can do no better than chance
+// on it: loss log(128) once it knows the copy uses the upper half, 1/128 accuracy. The block's
+// bytes are distinct, so "find where the current byte appeared in the block and read the
+// next one" (an induction head) answers exactly; the filler cannot be confused with it.
+#include <fstream>
+#include <iterator>
+
+#include "ctxpar/error.h"
+#include "model/training.h"
+
+namespace ctxpar::model {
+
+namespace {
+struct Rng {  // splitmix64: small, portable, reproducible everywhere
+  uint64_t s;
+  uint64_t next() {
+    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  uint32_t below(uint32_t n) { return static_cast<uint32_t>(next() % n); }
+};
+}  // namespace
+
+DataSource::DataSource(const TrainConfig& config) : config_(config) {
+  const int64_t t = config.seq;
+  CTXPAR_CHECK(t >= 8, "train: --seq must be >= 8, got ", t);
+  CTXPAR_CHECK(config.batch >= 1, "train: --batch must be >= 1, got ", config.batch);
+  if (!config.data_path.empty()) {
+    std::ifstream in(config.data_path, std::ios::binary);
+    CTXPAR_CHECK(in.good(), "train: cannot open --data ", config.data_path);
+    bytes_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    CTXPAR_CHECK(int64_t(bytes_.size()) >= t + 1, "train: --data ", config.data_path, " has ",
+                 bytes_.size(), " bytes; one sequence of --seq ", t, " needs ", t + 1,
+                 " (use a shorter --seq or a larger file)");
+    return;
+  }
+  copy_len_ = config.copy_len > 0 ? config.copy_len : std::min<int64_t>(128, t / 4);
+  CTXPAR_CHECK(copy_len_ >= 1 && copy_len_ <= 128 && copy_len_ <= t / 4,
+               "train: --copy-len must be in [1, min(128, T/4)] so that the copy lies more "
+               "than T/2 back, got ", copy_len_, " with T = ", t);
+}
+
+Batch DataSource::batch(int64_t step, int group) const {
+  const int64_t t = config_.seq, nb = config_.batch;
+  Batch out;
+  out.batch = nb;
+  out.tokens = t;
+  out.inputs.resize(nb * t);
+  out.labels.resize(nb * t);
+  out.weight.resize(nb * t);
+  std::vector<uint8_t> seq(t + 1);
+  for (int64_t b = 0; b < nb; ++b) {
+    // Sequence number in the stream of all groups' sequences, step after step.
+    const uint64_t index = (uint64_t(step - 1) * config_.dp + group) * nb + b;
+    if (!bytes_.empty()) {
+      const uint64_t count = (bytes_.size() - 1) / t;
+      const uint64_t start = (index % count) * t;
+      std::copy(bytes_.begin() + start, bytes_.begin() + start + t + 1, seq.begin());
+      for (int64_t i = 0; i < t; ++i) out.weight[b * t + i] = 1;
+    } else {
+      Rng rng{config_.seed * 0x9e3779b97f4a7c15ull ^ (index + 1) * 0xd1b54a32d192ed03ull};
+      const int64_t l = copy_len_;
+      uint8_t perm[128];
+      for (int i = 0; i < 128; ++i) perm[i] = static_cast<uint8_t>(128 + i);
+      for (int i = 127; i > 0; --i) std::swap(perm[i], perm[rng.below(i + 1)]);
+      for (int64_t i = 0; i < l; ++i) seq[i] = perm[i];
+      for (int64_t i = l; i < t + 1 - l; ++i) seq[i] = static_cast<uint8_t>(rng.below(128));
+      for (int64_t i = 0; i < l; ++i) seq[t + 1 - l + i] = seq[i];
+      // Input position p predicts seq[p + 1]; the copy starts at p + 1 = T + 1 - L.
+      for (int64_t p = 0; p < t; ++p) out.weight[b * t + p] = p >= t - l;
+    }
+    for (int64_t p = 0; p < t; ++p) {
+      out.inputs[b * t + p] = seq[p];
+      out.labels[b * t + p] = seq[p + 1];
+      out.counted += out.weight[b * t + p];
+    }
+  }
+  return out;
+}
+
+}  // namespace ctxpar::model

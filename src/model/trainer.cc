@@ -1,0 +1,174 @@
+// The training loop on one rank of the data x context mesh.
+//
+//   world rank r = group * cp + c          context group: same `group`, ordered by c
+//                                          data group:    same `c`, ordered by group
+//
+// Each step: every rank of a data group builds the group's batch (a few bytes per token),
+// keeps its layout shard (inputs, labels and loss weights sharded alike), runs the model, and
+// the gradients are summed over the context group (the shards of one sequence), then averaged
+// over the data groups. Every rank then applies the same AdamW update to identical gradients.
+#include <cblas.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "ctxpar/error.h"
+#include "ctxpar/model.h"
+#include "model/training.h"
+#include "model/transformer.h"
+
+namespace ctxpar {
+
+void set_blas_threads(int threads) { openblas_set_num_threads(threads < 1 ? 1 : threads); }
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void dump_step(const TrainConfig& config, const model::Batch& batch,
+               const std::vector<float>& weights, const std::vector<float>& grads, double loss,
+               int64_t step) {
+  auto infos = model::param_infos(config.model);
+  std::vector<model::NamedTensor> tensors;
+  for (const auto& p : infos) {
+    tensors.push_back({p.name, "F32", p.shape, weights.data() + p.offset, p.numel * 4});
+    tensors.push_back({"grad." + p.name, "F32", p.shape, grads.data() + p.offset, p.numel * 4});
+  }
+  const std::vector<int64_t> bt = {batch.batch, batch.tokens};
+  tensors.push_back({"batch.inputs", "U8", bt, batch.inputs.data(), batch.inputs.size()});
+  tensors.push_back({"batch.labels", "U8", bt, batch.labels.data(), batch.labels.size()});
+  tensors.push_back({"batch.weight", "U8", bt, batch.weight.data(), batch.weight.size()});
+  const auto& m = config.model;
+  char loss_text[64];
+  std::snprintf(loss_text, sizeof loss_text, "%.17g", loss);
+  model::write_safetensors(config.dump_path, tensors,
+                           {{"format", "ctxpar-grad-dump-1"},
+                            {"step", std::to_string(step)},
+                            {"loss", loss_text},
+                            {"layers", std::to_string(m.layers)},
+                            {"dim", std::to_string(m.dim)},
+                            {"heads", std::to_string(m.heads)},
+                            {"kv_heads", std::to_string(m.kv_heads)},
+                            {"head_dim", std::to_string(m.head_dim)},
+                            {"hidden", std::to_string(m.hidden)},
+                            {"rope_base", std::to_string(m.rope_base)},
+                            {"norm_eps", std::to_string(m.norm_eps)},
+                            {"counted", std::to_string(batch.counted)}});
+}
+
+}  // namespace
+
+TrainResult train(Communicator& world, const TrainConfig& config,
+                  const std::function<void(const StepRecord&)>& on_step) {
+  // Every check before the first collective, with the same verdict on every rank.
+  config.model.validate();
+  CTXPAR_CHECK(config.dp >= 1 && config.cp >= 1 && config.dp * config.cp == world.size(),
+               "train: --dp x --cp must equal the number of ranks: ", config.dp, " x ", config.cp,
+               " != ", world.size());
+  CTXPAR_CHECK(config.steps >= 1, "train: --steps must be >= 1, got ", config.steps);
+  CTXPAR_CHECK(config.dump_path.empty() || config.dp == 1,
+               "train: --dump-grads needs --dp 1 (the dump holds one batch)");
+  const Layout layout(config.layout, config.seq, config.cp);
+  model::DataSource data(config);
+  const int group = world.rank() / config.cp, crank = world.rank() % config.cp;
+  const bool leader = world.rank() == 0;
+
+  std::unique_ptr<Communicator> cp_comm = world.split(group, crank);
+  std::unique_ptr<Communicator> dp_comm = world.split(crank, group);
+  StrategyOptions so;
+  so.kind = config.strategy;
+  so.ulysses_degree = config.ulysses_degree;
+  so.mask = Mask::causal_mask();
+  so.kernel.threads = config.threads;
+  std::unique_ptr<Strategy> strategy = Strategy::create(*cp_comm, so);
+
+  const auto infos = model::param_infos(config.model);
+  std::vector<float> weights, grads(model::param_count(infos));
+  model::AdamState adam;
+  model::init_params(config.model, weights, config.seed);
+  if (!config.resume_path.empty()) model::load_checkpoint(config.resume_path, config, weights, adam);
+  const int64_t first = adam.step + 1;
+
+  const std::vector<int64_t> positions = layout.positions(crank);
+  const int64_t tl = layout.local_tokens(), nb = config.batch;
+  model::Transformer net(config.model, *strategy, positions, nb);
+  std::vector<uint8_t> inputs(nb * tl), labels(nb * tl), weight(nb * tl);
+
+  std::ofstream log;
+  if (leader && !config.log_path.empty()) {
+    log.open(config.log_path, first > 1 ? std::ios::app : std::ios::trunc);
+    CTXPAR_CHECK(log.good(), "train: cannot write --log ", config.log_path);
+  }
+
+  TrainResult result;
+  result.first_step = first;
+  for (int64_t step = first; step <= config.steps; ++step) {
+    const auto t0 = Clock::now();
+    const model::Batch batch = data.batch(step, group);
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t i = 0; i < tl; ++i) {
+        const int64_t src = b * config.seq + positions[i];
+        inputs[b * tl + i] = batch.inputs[src];
+        labels[b * tl + i] = batch.labels[src];
+        weight[b * tl + i] = batch.weight[src];
+      }
+    std::fill(grads.begin(), grads.end(), 0.0f);
+    const model::LossSums sums =
+        net.forward_backward(weights.data(), grads.data(), inputs.data(), labels.data(),
+                             weight.data(), double(std::max<int64_t>(1, batch.counted)));
+    // Sum over the shards of each sequence, then average over the data groups.
+    cp_comm->allreduce(grads.data(), grads.size());
+    if (config.dp > 1) {
+      dp_comm->allreduce(grads.data(), grads.size());
+      const float inv = 1.0f / float(config.dp);
+      for (float& g : grads) g *= inv;
+    }
+    double totals[3] = {sums.loss, double(sums.counted), double(sums.correct)};
+    world.allreduce(totals, 3);
+    const double loss = totals[0] / config.dp;
+    if (leader && !config.dump_path.empty() && step == first)
+      dump_step(config, batch, weights, grads, loss, step);
+
+    StepRecord rec;
+    rec.step = step;
+    rec.loss = loss;
+    rec.accuracy = totals[1] > 0 ? totals[2] / totals[1] : 0.0;
+    rec.grad_norm = model::clip_grad_norm(grads, config.clip);
+    rec.lr = model::learning_rate(config, step);
+    model::adamw_update(weights, grads, adam, infos, config, rec.lr);
+    rec.peak_bytes = net.peak_bytes();
+    std::vector<uint64_t> peaks(world.size());
+    const uint64_t mine = rec.peak_bytes;
+    world.allgather(&mine, peaks.data(), sizeof mine);
+    for (uint64_t p : peaks) rec.peak_bytes_max = std::max<size_t>(rec.peak_bytes_max, p);
+    rec.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    rec.tokens_per_second = double(config.dp * nb * config.seq) / rec.seconds;
+    result.steps.push_back(rec);
+
+    if (log.is_open()) {
+      nlohmann::json j = {{"step", rec.step},
+                          {"loss", rec.loss},
+                          {"accuracy", rec.accuracy},
+                          {"lr", rec.lr},
+                          {"grad_norm", rec.grad_norm},
+                          {"seconds", rec.seconds},
+                          {"tokens_per_second", rec.tokens_per_second},
+                          {"peak_bytes_rank0", rec.peak_bytes},
+                          {"peak_bytes_max", rec.peak_bytes_max},
+                          {"seq", config.seq},
+                          {"ranks", world.size()}};
+      log << j.dump() << "\n" << std::flush;
+    }
+    const bool save_now = !config.save_path.empty() &&
+                          ((config.save_every > 0 && step % config.save_every == 0) ||
+                           step == config.steps);
+    if (leader && save_now) model::save_checkpoint(config.save_path, config, weights, adam);
+    if (on_step) on_step(rec);
+  }
+  result.weights = std::move(weights);
+  return result;
+}
+
+}  // namespace ctxpar

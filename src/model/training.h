@@ -1,0 +1,82 @@
+// The pieces of the training loop around the model: optimiser (adamw.cc), data (data.cc),
+// checkpoints (checkpoint.cc).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "ctxpar/model.h"
+#include "model/params.h"
+
+namespace ctxpar::model {
+
+// ---- adamw.cc -------------------------------------------------------------------------------
+// Linear warm-up over `warmup` steps to lr, then cosine decay to min_lr at `steps`.
+double learning_rate(const TrainConfig& config, int64_t step);  // step is 1-based
+double global_norm(const std::vector<float>& grads);
+// Scales grads so their global norm is at most max_norm (no-op when max_norm <= 0); returns the
+// norm before clipping.
+double clip_grad_norm(std::vector<float>& grads, double max_norm);
+struct AdamState {
+  std::vector<float> m, v;
+  int64_t step = 0;  // number of updates applied
+};
+// Decoupled weight decay (AdamW) on the tensors marked decay; bias-corrected moments.
+void adamw_update(std::vector<float>& weights, const std::vector<float>& grads, AdamState& state,
+                  const std::vector<ParamInfo>& infos, const TrainConfig& config, double lr);
+
+// ---- data.cc --------------------------------------------------------------------------------
+// One data group's batch in global token order: tokens, labels (the next token) and the loss
+// weight (1 = counted), each [B, T].
+struct Batch {
+  int64_t batch = 0, tokens = 0;
+  std::vector<uint8_t> inputs, labels, weight;
+  int64_t counted = 0;  // number of weight-1 tokens in the batch
+};
+class DataSource {
+ public:
+  explicit DataSource(const TrainConfig& config);  // reads --data once; checks sizes
+  // Deterministic in (seed, step, group): a resumed run sees the same batches.
+  Batch batch(int64_t step, int group) const;
+  int64_t copy_len() const { return copy_len_; }
+  bool builtin() const { return bytes_.empty(); }
+
+ private:
+  TrainConfig config_;
+  std::vector<uint8_t> bytes_;
+  int64_t copy_len_ = 0;
+};
+
+// ---- checkpoint.cc: safetensors -------------------------------------------------------------
+struct NamedTensor {
+  std::string name;
+  std::string dtype;              // "F32" | "U8"
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+  size_t bytes = 0;
+};
+// Writes path atomically: path.tmp, fsync, rename, fsync of the folder; an existing file at
+// path stays intact until the new one is complete.
+void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata);
+
+struct LoadedTensor {
+  std::string dtype;
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> bytes;
+};
+struct SafetensorsFile {
+  std::map<std::string, std::string> metadata;
+  std::map<std::string, LoadedTensor> tensors;
+};
+// Throws ctxpar::Error for a missing, truncated or malformed file, naming what is wrong.
+SafetensorsFile read_safetensors(const std::string& path);
+
+void save_checkpoint(const std::string& path, const TrainConfig& config,
+                     const std::vector<float>& weights, const AdamState& adam);
+// Refuses (ctxpar::Error) a checkpoint of another model config, with both configs in the message.
+void load_checkpoint(const std::string& path, const TrainConfig& config,
+                     std::vector<float>& weights, AdamState& adam);
+
+}  // namespace ctxpar::model
