@@ -1,17 +1,125 @@
-// Placeholder until the SIMD path lands: forwards to the scalar path.
+// The fast forward: K/V of the block packed once per call (K transposed, V row-major, fp32,
+// zero-padded to 64-key tiles) and shared by every query tile; per (batch, query head, query
+// tile) task the scores S = Q K^T and the update O += P V run through the register-blocked
+// micro-kernel of simd_tile.h, with the online softmax in base 2 in between.
+//
+// Note [Online softmax in base 2]: Q is packed pre-multiplied by scale * log2(e), so S is in
+// log2 units and P = 2^(S - m) needs only exp2. The state keeps m in natural units (the scalar
+// path and finalize read it), converted on load and store. Rescaling is lazy: a row's acc and l
+// are multiplied by alpha = 2^(m_old - m_new) only when its max actually grew.
+#include <vector>
+
 #include "kernel/problem.h"
+#include "kernel/simd_tile.h"
 
 namespace ctxpar::kernel {
+
+using namespace simd;
+
 KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                          const TensorView& k, const TensorView& v, const Tokens& k_tokens,
                          const Mask& mask, ForwardState& state) {
-  return forward_scalar(p, q, q_tokens, k, v, k_tokens, mask, state);
+  // q [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; state.acc [B, Tq, Hq, D], state.m/l [B, Hq, Tq].
+  const TileRanges qr = tile_ranges(q_tokens, p.tq, kTile, mask.documents);
+  const TileRanges kr = tile_ranges(k_tokens, p.tk, kTile, mask.documents);
+  const int64_t d = p.d, dp = round_up(d, lanes()), nkt = kr.count(), nqt = qr.count();
+  // Packed K^T tiles [B, Hkv, nkt][D][64] and V tiles [B, Hkv, nkt][64][dp].
+  std::vector<float> kpack(p.batch * p.hkv * nkt * d * kTile);
+  std::vector<float> vpack(p.batch * p.hkv * nkt * kTile * dp);
+  const int64_t pack_tasks = p.batch * p.hkv * nkt;
+#pragma omp parallel num_threads(p.threads)
+  {
+    std::vector<float> row(d);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < pack_tasks; ++t) {
+      const int64_t kt = t % nkt, hk = (t / nkt) % p.hkv, b = t / (nkt * p.hkv);
+      const int64_t cols = std::min(p.tk, (kt + 1) * kTile) - kt * kTile;
+      pack_transposed(k, b, hk, kt * kTile, cols, d, kpack.data() + t * d * kTile, row.data());
+      pack_rows(v, b, hk, kt * kTile, cols, d, dp, vpack.data() + t * kTile * dp);
+    }
+  }
+
+  float* acc_state = state.acc().ptr<float>();
+  float* m_state = state.m().ptr<float>();
+  float* l_state = state.l().ptr<float>();
+  const int64_t tasks = p.batch * p.hq * nqt;
+  const DF df;
+  const int64_t nl = lanes();
+#pragma omp parallel num_threads(p.threads)
+  {
+    std::vector<float> qt(kTile * dp), s(kTile * kTile), acc(kTile * dp), m(kTile), l(kTile);
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t qi = task % nqt, h = (task / nqt) % p.hq, b = task / (nqt * p.hq);
+      const int64_t hk = h / p.group, i0 = qi * kTile;
+      const int64_t rows = std::min(p.tq, i0 + kTile) - i0, mrows = round_up(rows, 4);
+      pack_rows(q, b, h, i0, rows, d, dp, qt.data(), p.scale * kLog2e);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t stat = (b * p.hq + h) * p.tq + i0 + r;
+        m[r] = m_state[stat] * kLog2e;
+        l[r] = l_state[stat];
+        std::copy_n(acc_state + ((b * p.tq + i0 + r) * p.hq + h) * d, d, acc.data() + r * dp);
+      }
+      bool touched = false;
+      for (int64_t kt = 0; kt < nkt; ++kt) {
+        const TileKind kind = classify(mask, qr, qi, kr, kt);
+        if (kind == TileKind::skip) continue;
+        touched = true;
+        const int64_t j0 = kt * kTile, cols = std::min(p.tk, j0 + kTile) - j0;
+        const int64_t pk = (b * p.hkv + hk) * nkt + kt;
+        gemm_rows(mrows, kTile, d, qt.data(), dp, kpack.data() + pk * d * kTile, kTile, s.data(),
+                  kTile, false);
+        if (kind == TileKind::partial || cols < kTile) {
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < kTile; ++c)
+              if (c >= cols || (kind == TileKind::partial &&
+                                !visible(mask, q_tokens, i0 + r, k_tokens, j0 + c)))
+                s[r * kTile + c] = kNegInf;
+        }
+        for (int64_t r = 0; r < mrows; ++r) {
+          float* sr = s.data() + r * kTile;
+          if (r >= rows) {  // padding rows: P = 0 keeps their (unused) acc at 0
+            std::fill(sr, sr + kTile, 0.0f);
+            continue;
+          }
+          VF vmax = hn::LoadU(df, sr);
+          for (int64_t c = nl; c < kTile; c += nl) vmax = hn::Max(vmax, hn::LoadU(df, sr + c));
+          const float m_new = std::max(m[r], hn::GetLane(hn::MaxOfLanes(df, vmax)));
+          if (m_new == kNegInf) {  // nothing visible to this row yet: P = 0, state unchanged
+            std::fill(sr, sr + kTile, 0.0f);
+            continue;
+          }
+          if (m_new > m[r]) {  // the max grew: rescale (m = -inf gives alpha = 0, l = acc = 0)
+            const float alpha = std::exp2(m[r] - m_new);
+            l[r] *= alpha;
+            const VF va = hn::Set(df, alpha);
+            for (int64_t c = 0; c < dp; c += nl)
+              hn::StoreU(hn::Mul(va, hn::LoadU(df, acc.data() + r * dp + c)), df, acc.data() + r * dp + c);
+            m[r] = m_new;
+          }
+          const VF vm = hn::Set(df, m_new);
+          VF vsum = hn::Zero(df);
+          for (int64_t c = 0; c < kTile; c += nl) {
+            const VF e = exp2_neg(df, hn::Sub(hn::LoadU(df, sr + c), vm));
+            vsum = hn::Add(vsum, e);
+            hn::StoreU(e, df, sr + c);
+          }
+          l[r] += hn::GetLane(hn::SumOfLanes(df, vsum));
+        }
+        gemm_rows(mrows, dp, cols, s.data(), kTile, vpack.data() + pk * kTile * dp, dp,
+                  acc.data(), dp, true);
+      }
+      if (!touched) continue;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t stat = (b * p.hq + h) * p.tq + i0 + r;
+        m_state[stat] = m[r] * kLn2;
+        l_state[stat] = l[r];
+        std::copy_n(acc.data() + r * dp, d, acc_state + ((b * p.tq + i0 + r) * p.hq + h) * d);
+      }
+    }
+  }
+  return count_tiles(p, mask, qr, kr, 1.0);
 }
-KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
-                          const TensorView& k, const TensorView& v, const Tokens& k_tokens,
-                          const Mask& mask, const TensorView& dout, const TensorView& lse,
-                          const TensorView& delta, const TensorView& dq, const TensorView& dk,
-                          const TensorView& dv) {
-  return backward_scalar(p, q, q_tokens, k, v, k_tokens, mask, dout, lse, delta, dq, dk, dv);
-}
+
 }  // namespace ctxpar::kernel

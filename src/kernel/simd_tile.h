@@ -1,0 +1,118 @@
+// Private SIMD building blocks of the fast path (Google Highway, static dispatch: the widest
+// target that -march allows, AVX2+FMA on Zen 3, AVX-512 where present):
+//   - gemm_rows: C[M x N] (+)= A[M x K] * B[K x N], A read by broadcast, B by rows of vectors,
+//     register-blocked 4 rows x up to 4 vectors (16 accumulators), the one micro-kernel behind
+//     all five products of forward and backward (S = Q K^T, O += P V, dP = dO V^T, ...);
+//   - exp2 over a vector: 2^t for t <= 0 with exact 0 below 2^-126 and for -inf;
+//   - tile packing of K / V (transposed or row-major, zero-padded).
+#pragma once
+// Highway 1.0.3 with -march=native on AVX-512 machines trips its own dynamic-target logic;
+// we only ever use static dispatch (the target -march selects), so say so.
+#ifndef HWY_COMPILE_ONLY_STATIC
+#define HWY_COMPILE_ONLY_STATIC 1
+#endif
+#include <hwy/highway.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernel/problem.h"
+
+namespace ctxpar::kernel::simd {
+
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+constexpr int64_t kTile = 64;  // query and key tile (same as the scalar path: same tile stats)
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+inline int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// 2^t for t <= 0 (t = -inf gives 0). Range reduction t = n + f, |f| <= 1/2, then the degree-7
+// Taylor polynomial of 2^f (relative error < 1e-8, below fp32 rounding) times 2^n built in
+// the exponent bits. Below -126 the result would be denormal: flush to exactly 0.
+HWY_INLINE VF exp2_neg(DF d, VF t) {
+  const hn::RebindToSigned<DF> di;
+  const auto tiny = hn::Lt(t, hn::Set(d, -126.0f));
+  t = hn::Max(t, hn::Set(d, -126.0f));
+  const VF n = hn::Round(t);
+  const VF f = hn::Sub(t, n);
+  VF p = hn::Set(d, 1.5252733804059841e-5f);
+  p = hn::MulAdd(p, f, hn::Set(d, 1.5403530393381606e-4f));
+  p = hn::MulAdd(p, f, hn::Set(d, 1.3333558146428443e-3f));
+  p = hn::MulAdd(p, f, hn::Set(d, 9.6181291076284772e-3f));
+  p = hn::MulAdd(p, f, hn::Set(d, 5.5504108664821580e-2f));
+  p = hn::MulAdd(p, f, hn::Set(d, 2.4022650695910071e-1f));
+  p = hn::MulAdd(p, f, hn::Set(d, 6.9314718055994531e-1f));
+  p = hn::MulAdd(p, f, hn::Set(d, 1.0f));
+  const auto bits = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
+  return hn::IfThenZeroElse(tiny, hn::Mul(p, hn::BitCast(d, bits)));
+}
+
+// R rows x C vectors of C: acc over k of A[r][k] * B[k][c]. A row stride lda, B row stride ldb
+// (floats, B rows 64-byte friendly), C row stride ldc. accumulate = false overwrites C.
+template <int R, int C>
+HWY_INLINE void micro(const float* HWY_RESTRICT a, int64_t lda, const float* HWY_RESTRICT b,
+                      int64_t ldb, int64_t k, float* HWY_RESTRICT c, int64_t ldc, bool accumulate) {
+  const DF d;
+  const int64_t n = lanes();
+  VF acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j)
+      acc[r][j] = accumulate ? hn::LoadU(d, c + r * ldc + j * n) : hn::Zero(d);
+  for (int64_t x = 0; x < k; ++x) {
+    VF bv[C];
+    for (int j = 0; j < C; ++j) bv[j] = hn::LoadU(d, b + x * ldb + j * n);
+    for (int r = 0; r < R; ++r) {
+      const VF av = hn::Set(d, a[r * lda + x]);
+      for (int j = 0; j < C; ++j) acc[r][j] = hn::MulAdd(av, bv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) hn::StoreU(acc[r][j], d, c + r * ldc + j * n);
+}
+
+// C[M x N] (+)= A[M x K] B[K x N]; M a multiple of 4, N a multiple of the lane count.
+inline void gemm_rows(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                      const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  const int64_t nl = lanes();
+  // 16 accumulators fit AVX-512's 32 registers and, at 4 x 2, AVX2's 16.
+  constexpr int kC = HWY_MAX_BYTES >= 64 ? 4 : 2;
+  for (int64_t r = 0; r < m; r += 4) {
+    int64_t j = 0;
+    for (; j + kC * nl <= n; j += kC * nl)
+      micro<4, kC>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+    for (; j < n; j += nl) micro<4, 1>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+  }
+}
+
+// Packs rows [j0, j0 + cols) of one (batch, head) of t [B, T, H, D] as a zero-padded tile:
+// transposed [D][kTile] (for A * B^T products) or row-major [kTile][dp].
+inline void pack_transposed(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t cols,
+                            int64_t d, float* out, float* row) {
+  std::fill(out, out + d * kTile, 0.0f);
+  for (int64_t j = 0; j < cols; ++j) {
+    load_row(t, t.offset(b, j0 + j, h), d, row);
+    for (int64_t c = 0; c < d; ++c) out[c * kTile + j] = row[c];
+  }
+}
+inline void pack_rows(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t rows,
+                      int64_t d, int64_t dp, float* out, float mul = 1.0f) {
+  std::fill(out, out + kTile * dp, 0.0f);
+  for (int64_t j = 0; j < rows; ++j) {
+    load_row(t, t.offset(b, j0 + j, h), d, out + j * dp);
+    if (mul != 1.0f)
+      for (int64_t c = 0; c < d; ++c) out[j * dp + c] *= mul;
+  }
+}
+
+// 64 x 64 transpose (for P^T and dS^T in the backward).
+inline void transpose_tile(const float* in, float* out) {
+  for (int64_t i = 0; i < kTile; ++i)
+    for (int64_t j = 0; j < kTile; ++j) out[j * kTile + i] = in[i * kTile + j];
+}
+
+}  // namespace ctxpar::kernel::simd
