@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ctxpar/error.h"
@@ -23,6 +24,14 @@ class Buffer {
  public:
   Buffer() = default;
   explicit Buffer(size_t bytes);  // zero-filled
+  // A moved-from Buffer is empty (size 0, no data).
+  Buffer(Buffer&& other) noexcept
+      : data_(std::move(other.data_)), size_(std::exchange(other.size_, 0)) {}
+  Buffer& operator=(Buffer&& other) noexcept {
+    data_ = std::move(other.data_);
+    size_ = std::exchange(other.size_, 0);
+    return *this;
+  }
   size_t size() const { return size_; }
   std::byte* data() const { return data_.get(); }
   template <typename T>

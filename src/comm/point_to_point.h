@@ -1,0 +1,65 @@
+// The shared half of every transport: a transport supplies uncounted point-to-point sends and
+// receives on two channels (user messages and collective traffic, so a user tag never meets a
+// collective's message), and this class builds the counted public calls and every collective
+// on top of them. Both transports therefore run the same collective algorithms, in the same
+// summation order, and give bitwise identical results. See docs/comm.md.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ctxpar/comm.h"
+
+namespace ctxpar::comm_detail {
+
+enum class Channel { user = 0, collective = 1 };
+
+// Collective tags: call number (12 bits, wraps) | kind (4 bits) | phase (4 bits). The kind is in
+// the tag so that ranks calling different collectives never match each other's messages.
+int collective_tag(uint32_t call, CommKind kind, int phase);
+// "tag 5" for user messages, "tag 5 of allgather call 3" for collective ones.
+std::string describe_tag(Channel ch, int tag);
+
+class PointToPointCommunicator : public Communicator {
+ public:
+  Request isend(Buffer&& buf, int peer, int tag) final;
+  Request irecv(size_t bytes, int peer, int tag) final;
+
+  void allgather(const void* send, void* recv, size_t bytes) final;
+  void reduce_scatter(const float* send, float* recv, size_t count) final;
+  void alltoall(const void* send, void* recv, size_t bytes) final;
+  void allreduce(float* buf, size_t count) final;
+  void allreduce(double* buf, size_t count) final;
+  void barrier() final;
+  std::unique_ptr<Communicator> split(int color, int key) final;
+
+  // This rank's number in the outermost group (the one run_threads / mpirun made): errors
+  // name ranks this way, so a message from a sub-group points at the right thread/process.
+  virtual int world_rank() const = 0;
+  virtual int world_rank_of(int peer) const = 0;
+
+ protected:
+  // Uncounted transfers; tags are the caller's (user) or from collective_tag (collective).
+  virtual Request post_send(Buffer&& buf, int peer, int tag, Channel ch) = 0;
+  virtual Request post_recv(size_t bytes, int peer, int tag, Channel ch) = 0;
+  // Makes the communicator of the ranks that share this rank's color. `members` are the
+  // parent ranks of that group in their new order (by key, then parent rank); every rank of
+  // the parent calls this once per split, in the same order.
+  virtual std::unique_ptr<Communicator> make_split(int color, int key,
+                                                   const std::vector<int>& members,
+                                                   uint32_t split_number) = 0;
+  virtual int max_user_tag() const = 0;
+
+ private:
+  uint32_t next_call(CommKind kind);
+  void check_peer(int peer, const char* what) const;
+  void ring_allgatherv(const std::vector<size_t>& offsets, std::byte* data, int tag);
+  template <typename T>
+  void allreduce_sum(T* buf, size_t count);
+
+  uint32_t calls_ = 0;    // collectives called so far (all kinds): the call number in tags
+  uint32_t splits_ = 0;
+};
+
+}  // namespace ctxpar::comm_detail

@@ -1,0 +1,43 @@
+#include <gtest/gtest.h>
+
+#include <cstdint>
+
+#include "ctxpar/comm.h"
+
+namespace ctxpar {
+namespace {
+
+TEST(Buffer, IsZeroFilledAndAligned) {
+  for (size_t bytes : {size_t(1), size_t(63), size_t(64), size_t(1000003)}) {
+    Buffer b(bytes);
+    ASSERT_EQ(b.size(), bytes);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(b.data()) % 64, 0u);
+    for (size_t i = 0; i < bytes; ++i) ASSERT_EQ(b.as<unsigned char>()[i], 0) << i;
+  }
+}
+
+TEST(Buffer, MovesWithoutCopying) {
+  Buffer a(256);
+  a.as<float>()[3] = 1.5f;
+  std::byte* where = a.data();
+  Buffer b = std::move(a);
+  EXPECT_EQ(b.data(), where);
+  EXPECT_EQ(b.as<float>()[3], 1.5f);
+  EXPECT_EQ(b.size(), 256u);
+  EXPECT_EQ(a.size(), 0u);  // NOLINT(bugprone-use-after-move): moved-from is empty
+  EXPECT_TRUE(a.empty());
+  Buffer empty;
+  EXPECT_TRUE(empty.empty());
+  EXPECT_EQ(empty.data(), nullptr);
+  Buffer zero(0);
+  EXPECT_TRUE(zero.empty());
+}
+
+TEST(CommKind, HasNames) {
+  EXPECT_STREQ(comm_kind_name(CommKind::reduce_scatter), "reduce_scatter");
+  EXPECT_STREQ(comm_kind_name(CommKind::send), "send");
+  EXPECT_STREQ(comm_kind_name(CommKind::barrier), "barrier");
+}
+
+}  // namespace
+}  // namespace ctxpar

@@ -1,0 +1,249 @@
+// The threads transport: zero-copy hand-over, the simulated link's timing, and failures
+// (each bounded in time: nothing may hang).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "ctxpar/comm.h"
+
+namespace ctxpar {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// Runs and returns the Error's message, or "" if nothing was thrown.
+std::string failure_of(int p, const std::function<void(Communicator&)>& fn,
+                       const ThreadsOptions& options = {}) {
+  try {
+    run_threads(p, fn, options);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Threads, SendHandsTheBufferOverWithoutCopying) {
+  std::atomic<const std::byte*> sent{nullptr};
+  run_threads(2, [&](Communicator& comm) {
+    if (comm.rank() == 0) {
+      Buffer b(1 << 20);
+      sent = b.data();
+      comm.isend(std::move(b), 1, 0).wait();
+    } else {
+      Buffer b = comm.irecv(1 << 20, 0, 0).take();
+      EXPECT_EQ(b.data(), sent.load());
+    }
+  });
+}
+
+TEST(Threads, TestPollsWithoutBlocking) {
+  run_threads(2, [](Communicator& comm) {
+    if (comm.rank() == 1) {
+      Request r = comm.irecv(4, 0, 1);
+      EXPECT_FALSE(r.test());  // rank 0 sends only after the barrier
+      comm.barrier();
+      while (!r.test()) std::this_thread::yield();
+      EXPECT_EQ(r.take().size(), 4u);
+    } else {
+      comm.barrier();
+      comm.isend(Buffer(4), 1, 1).wait();
+    }
+  });
+}
+
+TEST(Threads, BarrierHoldsEveryRankUntilAllArrive) {
+  for (int p : {2, 3, 5, 8}) {
+    std::atomic<int> arrived{0};
+    run_threads(p, [&](Communicator& comm) {
+      // Late arrivals: a rank leaving early would see fewer than p.
+      std::this_thread::sleep_for(milliseconds(2 * comm.rank()));
+      arrived++;
+      comm.barrier();
+      EXPECT_EQ(arrived.load(), p);
+      comm.barrier();
+    });
+  }
+}
+
+// Link model: delivery = latency + bytes / bandwidth after the send, one message at a time
+// per outgoing link. Lower bounds are exact (the transport must not deliver early); upper
+// bounds leave room for a busy machine.
+TEST(Threads, SimulatedLinkDelaysDeliveries) {
+  ThreadsOptions options;
+  options.link = {/*gbytes_per_second=*/1.0, /*latency_us=*/2000};
+  const size_t bytes = 4'000'000;  // 4 ms on the wire at 1 GB/s
+  const double wire = 0.004, latency = 0.002, slack = 0.1;
+  std::atomic<int64_t> start_ns{0};
+  run_threads(2, [&](Communicator& comm) {
+    comm.barrier();
+    if (comm.rank() == 0) {
+      const auto t0 = Clock::now();
+      start_ns = t0.time_since_epoch().count();
+      Request a = comm.isend(Buffer(bytes), 1, 0);
+      Request b = comm.isend(Buffer(bytes), 1, 1);
+      a.wait();
+      EXPECT_GE(seconds_since(t0), wire);  // the first message's last byte has left
+      b.wait();
+      EXPECT_GE(seconds_since(t0), 2 * wire);  // the second waited for the first
+    } else {
+      Request a = comm.irecv(bytes, 0, 0), b = comm.irecv(bytes, 0, 1);
+      a.wait();
+      const auto t0 = Clock::time_point(Clock::duration(start_ns.load()));
+      const double first = seconds_since(t0);
+      b.wait();
+      const double second = seconds_since(t0);
+      EXPECT_GE(first, wire + latency);
+      EXPECT_LT(first, wire + latency + slack);
+      EXPECT_GE(second, 2 * wire + latency);
+      EXPECT_LT(second, 2 * wire + latency + slack);
+    }
+  }, options);
+}
+
+TEST(Threads, NoLinkDeliversAtOnce) {
+  run_threads(2, [&](Communicator& comm) {
+    comm.barrier();
+    const auto t0 = Clock::now();
+    if (comm.rank() == 0) comm.isend(Buffer(4'000'000), 1, 0).wait();
+    else comm.irecv(4'000'000, 0, 0).wait();
+    EXPECT_LT(seconds_since(t0), 0.1);
+  });
+}
+
+TEST(ThreadsFaults, RankThrowingMidExchangeStopsEveryRankPromptly) {
+  ThreadsOptions options;
+  options.timeout = std::chrono::seconds(60);  // must not be what ends it
+  const auto t0 = Clock::now();
+  const std::string msg = failure_of(4, [](Communicator& comm) {
+    const int p = comm.size(), r = comm.rank();
+    for (int step = 0; step < 10; ++step) {
+      if (r == 2 && step == 3) throw Error("boom at step 3");
+      Request rq = comm.irecv(1024, (r + p - 1) % p, step);
+      comm.isend(Buffer(1024), (r + 1) % p, step).wait();
+      rq.wait();
+    }
+    comm.barrier();
+  }, options);
+  EXPECT_LT(seconds_since(t0), 5.0);
+  EXPECT_EQ(msg, "rank 2 failed: boom at step 3");
+}
+
+TEST(ThreadsFaults, OthersSeeWhichRankFailed) {
+  std::atomic<int> told{0};
+  const std::string msg = failure_of(3, [&](Communicator& comm) {
+    if (comm.rank() == 1) throw std::runtime_error("bad input");
+    try {
+      comm.barrier();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("rank 1 failed: bad input"), std::string::npos)
+          << e.what();
+      told++;
+      throw;
+    }
+  });
+  EXPECT_EQ(msg, "rank 1 failed: bad input");
+  EXPECT_EQ(told.load(), 2);
+}
+
+TEST(ThreadsFaults, WaitTimesOutNamingRankPeerAndTag) {
+  ThreadsOptions options;
+  options.timeout = milliseconds(300);
+  const auto t0 = Clock::now();
+  const std::string msg = failure_of(2, [](Communicator& comm) {
+    if (comm.rank() == 0) comm.irecv(8, 1, 7).wait();  // rank 1 never sends it
+    else std::this_thread::sleep_for(milliseconds(1500));
+  }, options);
+  EXPECT_EQ(msg, "rank 0 failed: rank 0: timed out after 0.3 s waiting for recv from rank 1 (tag 7)");
+  EXPECT_GE(seconds_since(t0), 0.3);
+  EXPECT_LT(seconds_since(t0), 5.0);
+}
+
+TEST(ThreadsFaults, WaitingForARankThatReturnedFailsAtOnce) {
+  const auto t0 = Clock::now();
+  const std::string msg = failure_of(2, [](Communicator& comm) {
+    if (comm.rank() == 0) comm.irecv(8, 1, 4).wait();
+  });
+  EXPECT_LT(seconds_since(t0), 5.0);  // the 120 s default timeout is not what ended it
+  EXPECT_NE(msg.find("rank 1 has returned without sending it"), std::string::npos) << msg;
+}
+
+TEST(ThreadsFaults, ReceiveOfWrongSizeNamesBothSizes) {
+  const std::string msg = failure_of(2, [](Communicator& comm) {
+    if (comm.rank() == 0) comm.isend(Buffer(8), 1, 3).wait();
+    else comm.irecv(16, 0, 3).wait();
+  });
+  EXPECT_EQ(msg, "rank 1 failed: rank 1: recv from rank 0 (tag 3) expected 16 bytes, but the "
+                 "message has 8 bytes");
+}
+
+TEST(ThreadsFaults, CollectiveSkippedByOneRankFails) {
+  ThreadsOptions options;
+  options.timeout = milliseconds(400);
+  // Rank 1 skips the all-gather and goes on to a barrier: every rank waits for a message of
+  // the collective it called, which never comes, so timeouts end it.
+  const auto t0 = Clock::now();
+  std::string msg = failure_of(3, [](Communicator& comm) {
+    float x[3] = {}, y = 1;
+    if (comm.rank() != 1) comm.allgather(&y, x, sizeof(float));
+    comm.barrier();
+  }, options);
+  EXPECT_LT(seconds_since(t0), 5.0);
+  EXPECT_NE(msg.find("timed out after 0.4 s"), std::string::npos) << msg;
+  // Rank 1 skips and returns: the ranks waiting for it fail at once.
+  msg = failure_of(3, [](Communicator& comm) {
+    double v = 1;
+    if (comm.rank() != 1) comm.allreduce(&v, 1);
+  });
+  EXPECT_NE(msg.find("rank 1 has returned without sending it"), std::string::npos) << msg;
+}
+
+TEST(ThreadsFaults, InvalidArgumentsAreErrors) {
+  run_threads(2, [](Communicator& comm) {
+    EXPECT_THROW(comm.isend(Buffer(4), 2, 0), Error);
+    EXPECT_THROW(comm.irecv(4, -1, 0), Error);
+    EXPECT_THROW(comm.isend(Buffer(4), 1, -5), Error);
+    try {
+      comm.irecv(4, 5, 0);
+    } catch (const Error& e) {
+      EXPECT_STREQ(e.what(), "irecv: peer must be in [0, 2), got 5");
+    }
+  });
+  EXPECT_THROW(run_threads(0, [](Communicator&) {}), Error);
+  ThreadsOptions bad;
+  bad.link.gbytes_per_second = -1;
+  EXPECT_THROW(run_threads(2, [](Communicator&) {}, bad), Error);
+}
+
+TEST(ThreadsFaults, NonStandardExceptionIsReported) {
+  const std::string msg = failure_of(2, [](Communicator& comm) {
+    if (comm.rank() == 0) throw 42;
+    comm.barrier();
+  });
+  EXPECT_NE(msg.find("rank 0 failed: unknown exception"), std::string::npos) << msg;
+}
+
+TEST(ThreadsFaults, DroppedReceiveDoesNotSwallowALaterMessage) {
+  run_threads(2, [](Communicator& comm) {
+    if (comm.rank() == 1) {
+      { Request dropped = comm.irecv(4, 0, 0); }
+      comm.barrier();
+      Buffer b = comm.irecv(4, 0, 0).take();
+      EXPECT_EQ(b.as<int>()[0], 99);
+    } else {
+      comm.barrier();
+      Buffer b(4);
+      b.as<int>()[0] = 99;
+      comm.isend(std::move(b), 1, 0).wait();
+    }
+  });
+}
+
+}  // namespace
+}  // namespace ctxpar
