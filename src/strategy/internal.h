@@ -1,0 +1,166 @@
+// Private pieces shared by the strategies: the argument verdict, per-call statistics, the K/V
+// block that travels, and the two cores that hybrid composes (ring over a communicator, and
+// Ulysses' head <-> sequence all-to-all around an inner computation).
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ctxpar/comm.h"
+#include "ctxpar/kernel.h"
+#include "ctxpar/strategy.h"
+
+namespace ctxpar::strategy {
+
+// ---- arguments ----------------------------------------------------------------------------
+
+// One rank's problem, read from its arguments.
+struct Dims {
+  int64_t batch = 0, tokens = 0, hq = 0, hkv = 0, d = 0;
+  DType dtype = DType::f32;      // q, k, v storage
+  DType out_dtype = DType::f32;  // out (and dout)
+  bool documents = false;
+};
+
+// Local checks of one rank's forward / backward arguments. Returns "" when fine, else the
+// message (never throws, so that the verdict can be shared before anyone gives up).
+std::string check_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                          const Tokens& tokens, const TensorView& out, const TensorView& lse,
+                          const Mask& mask, Dims& dims);
+std::string check_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                           const Tokens& tokens, const TensorView& out, const TensorView& lse,
+                           const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                           const TensorView& dv, const Mask& mask, Dims& dims);
+// Ulysses' head split over `ranks`: "" when Hq % P == 0 and the KV heads split (Hkv % P == 0)
+// or replicate whole (each rank's Hq/P query heads read one KV head).
+std::string check_ulysses_heads(const Dims& dims, int ranks, const char* who);
+
+// Every rank contributes its local error ("" if none) and a signature of its shapes and
+// options; all ranks then throw the same ctxpar::Error if any rank failed or if signatures
+// differ. One small allgather on `comm`, done before any other communication of the call.
+void agree(Communicator& comm, const std::string& what, const std::string& local_error,
+           const std::vector<int64_t>& signature);
+std::vector<int64_t> signature_of(const Dims& dims, const StrategyOptions& options);
+
+// ---- per-call bookkeeping -----------------------------------------------------------------
+
+inline double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Running total of the buffers a strategy holds, and its peak.
+class MemoryTracker {
+ public:
+  void hold(size_t bytes) {
+    current_ += bytes;
+    if (current_ > peak_) peak_ = current_;
+  }
+  void release(size_t bytes) { current_ -= bytes < current_ ? bytes : current_; }
+  size_t peak() const { return peak_; }
+
+ private:
+  size_t current_ = 0, peak_ = 0;
+};
+
+// What the cores need to report into: stats, memory, and how to call the kernel.
+struct Run {
+  StrategyStats* stats;
+  MemoryTracker* memory;
+  Mask mask;
+  KernelConfig kernel;
+
+  template <typename F>
+  void busy(F&& f) {
+    double t0 = now_seconds();
+    KernelStats ks = f();
+    stats->busy_seconds += now_seconds() - t0;
+    stats->attention_flops += ks.flops;
+  }
+  template <typename F>
+  void waiting(F&& f) {
+    double t0 = now_seconds();
+    f();
+    stats->comm_wait_seconds += now_seconds() - t0;
+  }
+};
+
+// Resets stats, snapshots the byte counters of `comms` at start; finish() writes deltas, wall
+// time and the memory peak.
+class CallRecord {
+ public:
+  CallRecord(StrategyStats& stats, std::vector<Communicator*> comms);
+  void finish(const MemoryTracker& memory);
+
+ private:
+  StrategyStats& stats_;
+  std::vector<Communicator*> comms_;
+  uint64_t sent0_ = 0, received0_ = 0;
+  double t0_ = 0;
+};
+
+// ---- the K/V block that travels -----------------------------------------------------------
+
+// [k | v | positions (int64) | documents (int32, only with a documents mask)], k and v
+// [B, T, Hkv, D] in their storage dtype. No padding: every section is a multiple of 8 bytes
+// because D >= 16.
+struct KvPacking {
+  int64_t batch, tokens, heads, d;
+  DType dtype;
+  bool documents;
+  size_t kv_bytes() const { return size_t(batch * tokens * heads * d) * dtype_size(dtype); }
+  size_t bytes() const { return 2 * kv_bytes() + size_t(tokens) * (8 + (documents ? 4 : 0)); }
+  Buffer pack(const TensorView& k, const TensorView& v, const Tokens& tokens) const;
+  TensorView k(const Buffer& b) const;
+  TensorView v(const Buffer& b) const;
+  Tokens tokens_of(const Buffer& b) const;
+};
+
+// ---- cores --------------------------------------------------------------------------------
+
+// Ring forward on `comm`: q [B, Tq, Hq, D] stays; k, v [B, Tk, Hkv, D] (with kv_tokens) rotate
+// P-1 times; out [B, Tq, Hq, D], lse [B, Hq, Tq].
+void ring_forward(Communicator& comm, Run& run, const TensorView& q, const Tokens& q_tokens,
+                  const TensorView& k, const TensorView& v, const Tokens& kv_tokens,
+                  const TensorView& out, const TensorView& lse);
+// Ring backward on `comm` with the global lse and delta [B, Hq, Tq] of q's rows: dq is an fp32
+// accumulator [B, Tq, Hq, D] (added to); dk, dv fp32 [B, Tk, Hkv, D] are overwritten with the
+// gradient of this rank's K/V, summed over every rank's queries.
+void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Tokens& q_tokens,
+                   const TensorView& k, const TensorView& v, const Tokens& kv_tokens,
+                   const TensorView& dout, const TensorView& lse, const TensorView& delta,
+                   const TensorView& dq, const TensorView& dk, const TensorView& dv);
+
+// Ulysses around an inner computation on the whole (group) sequence for Hq/P heads. The inner
+// receives the sequence of all ranks of `comm`, sorted by global position.
+//   forward inner:  (q, k, v, tokens, out, lse) with q [B, T, Hq/P, D], k, v [B, T, Hkv', D],
+//                   out [B, T, Hq/P, D] (out's dtype), lse [B, Hq/P, T]
+//   backward inner: (q, k, v, tokens, dout, lse, delta, dq, dk, dv), dq/dk/dv fp32 zeroed.
+using UlyssesForwardInner =
+    std::function<void(const TensorView&, const TensorView&, const TensorView&, const Tokens&,
+                       const TensorView&, const TensorView&)>;
+using UlyssesBackwardInner = std::function<void(
+    const TensorView&, const TensorView&, const TensorView&, const Tokens&, const TensorView&,
+    const TensorView&, const TensorView&, const TensorView&, const TensorView&, const TensorView&)>;
+
+void ulysses_forward(Communicator& comm, Run& run, const Dims& dims, const TensorView& q,
+                     const TensorView& k, const TensorView& v, const Tokens& tokens,
+                     const TensorView& out, const TensorView& lse,
+                     const UlyssesForwardInner& inner);
+void ulysses_backward(Communicator& comm, Run& run, const Dims& dims, const TensorView& q,
+                      const TensorView& k, const TensorView& v, const Tokens& tokens,
+                      const TensorView& out, const TensorView& lse, const TensorView& dout,
+                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                      const UlyssesBackwardInner& inner);
+
+// ---- factories (one per file) -------------------------------------------------------------
+
+std::unique_ptr<Strategy> make_ring(Communicator& comm, const StrategyOptions& options);
+std::unique_ptr<Strategy> make_allgather(Communicator& comm, const StrategyOptions& options);
+std::unique_ptr<Strategy> make_ulysses(Communicator& comm, const StrategyOptions& options);
+std::unique_ptr<Strategy> make_hybrid(Communicator& comm, const StrategyOptions& options);
+
+}  // namespace ctxpar::strategy

@@ -1,0 +1,257 @@
+// Names, create(), and what every strategy shares: argument checks whose verdict all ranks
+// agree on, per-call statistics, and the packed K/V block.
+#include "ctxpar/strategy.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "strategy/internal.h"
+
+namespace ctxpar {
+
+const char* strategy_name(StrategyKind k) {
+  switch (k) {
+    case StrategyKind::ring: return "ring";
+    case StrategyKind::allgather: return "allgather";
+    case StrategyKind::ulysses: return "ulysses";
+    case StrategyKind::hybrid: return "hybrid";
+  }
+  return "?";
+}
+
+StrategyKind parse_strategy(const std::string& name) {
+  if (name == "ring") return StrategyKind::ring;
+  if (name == "allgather") return StrategyKind::allgather;
+  if (name == "ulysses") return StrategyKind::ulysses;
+  if (name == "hybrid") return StrategyKind::hybrid;
+  throw Error("unknown strategy '" + name + "': use ring, allgather, ulysses or hybrid");
+}
+
+std::unique_ptr<Strategy> Strategy::create(Communicator& comm, const StrategyOptions& options) {
+  // Options are checked here and agreed on by every rank before hybrid's split (a collective).
+  std::string error;
+  const int p = comm.size();
+  if (options.ulysses_degree < 0)
+    error = detail::concat("ulysses_degree: expected >= 0 (0 = P), got ", options.ulysses_degree);
+  else if (options.kind == StrategyKind::hybrid && options.ulysses_degree > 0 &&
+           p % options.ulysses_degree != 0)
+    error = detail::concat("hybrid: ulysses_degree u = ", options.ulysses_degree,
+                           " must divide the number of ranks P = ", p,
+                           " (ulysses groups of u ranks x ring over P/u groups)");
+  else if (options.head_groups < 0)
+    error = detail::concat("head_groups: expected >= 0 (0 = auto), got ", options.head_groups);
+  else if (options.kernel.threads < 1)
+    error = detail::concat("kernel.threads: expected >= 1, got ", options.kernel.threads);
+  strategy::agree(comm, std::string(strategy_name(options.kind)) + " create", error,
+                  strategy::signature_of(strategy::Dims{}, options));
+  switch (options.kind) {
+    case StrategyKind::ring: return strategy::make_ring(comm, options);
+    case StrategyKind::allgather: return strategy::make_allgather(comm, options);
+    case StrategyKind::ulysses: return strategy::make_ulysses(comm, options);
+    case StrategyKind::hybrid: return strategy::make_hybrid(comm, options);
+  }
+  throw Error("unknown strategy kind");
+}
+
+namespace strategy {
+namespace {
+
+std::string check_activation(const char* name, const TensorView& t, const Shape& want,
+                             bool allow_bf16, const char* what) {
+  if (t.empty()) return detail::concat(name, ": tensor is empty, expected ", what);
+  if (t.shape() != want)
+    return detail::concat(name, ": expected shape ", what, " = ", shape_str(want), ", got ",
+                          shape_str(t.shape()));
+  if (!(t.dtype() == DType::f32 || (allow_bf16 && t.dtype() == DType::bf16)))
+    return detail::concat(name, ": expected dtype ", allow_bf16 ? "fp32 or bf16" : "fp32",
+                          ", got ", dtype_name(t.dtype()));
+  if (t.ndim() == 4 && t.dim(3) > 1 && t.stride(3) != 1)
+    return detail::concat(name, ": the last dimension must be contiguous (stride 1)");
+  return "";
+}
+
+}  // namespace
+
+std::string check_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                          const Tokens& tokens, const TensorView& out, const TensorView& lse,
+                          const Mask& mask, Dims& dims) {
+  if (q.empty() || q.ndim() != 4)
+    return detail::concat("q: expected a [B, Tl, Hq, D] tensor, got shape ", shape_str(q.shape()));
+  if (k.empty() || k.ndim() != 4)
+    return detail::concat("k: expected a [B, Tl, Hkv, D] tensor, got shape ", shape_str(k.shape()));
+  dims.batch = q.dim(0);
+  dims.tokens = q.dim(1);
+  dims.hq = q.dim(2);
+  dims.d = q.dim(3);
+  dims.hkv = k.dim(2);
+  dims.dtype = q.dtype();
+  dims.out_dtype = out.dtype();
+  dims.documents = mask.documents;
+  std::string e;
+  if (!(e = check_activation("q", q, q.shape(), true, "[B, Tl, Hq, D]")).empty()) return e;
+  if (dims.d < 16 || dims.d > 256)
+    return detail::concat("q: head dim D must be in 16..256, got ", dims.d);
+  if (dims.hkv < 1 || dims.hq % dims.hkv != 0)
+    return detail::concat("k: kv heads Hkv = ", dims.hkv, " must divide query heads Hq = ",
+                          dims.hq, " (GQA)");
+  const Shape kv{dims.batch, dims.tokens, dims.hkv, dims.d};
+  if (!(e = check_activation("k", k, kv, true, "[B, Tl, Hkv, D]")).empty()) return e;
+  if (!(e = check_activation("v", v, kv, true, "[B, Tl, Hkv, D]")).empty()) return e;
+  if (k.dtype() != q.dtype() || v.dtype() != q.dtype())
+    return detail::concat("q, k, v: expected one storage dtype, got ", dtype_name(q.dtype()), ", ",
+                          dtype_name(k.dtype()), ", ", dtype_name(v.dtype()));
+  if (!(e = check_activation("out", out, q.shape(), true, "q's [B, Tl, Hq, D]")).empty()) return e;
+  if (!(e = check_activation("lse", lse, {dims.batch, dims.hq, dims.tokens}, false,
+                             "[B, Hq, Tl]")).empty())
+    return e;
+  if (static_cast<int64_t>(tokens.positions.size()) != dims.tokens)
+    return detail::concat("tokens.positions: expected ", dims.tokens, " entries (Tl), got ",
+                          tokens.positions.size());
+  if (mask.documents && static_cast<int64_t>(tokens.documents.size()) != dims.tokens)
+    return detail::concat("tokens.documents: the documents mask needs one id per local token (",
+                          dims.tokens, "), got ", tokens.documents.size());
+  return "";
+}
+
+std::string check_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                           const Tokens& tokens, const TensorView& out, const TensorView& lse,
+                           const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                           const TensorView& dv, const Mask& mask, Dims& dims) {
+  std::string e = check_forward(q, k, v, tokens, out, lse, mask, dims);
+  if (!e.empty()) return e;
+  const Shape kv{dims.batch, dims.tokens, dims.hkv, dims.d};
+  if (!(e = check_activation("dout", dout, q.shape(), true, "q's [B, Tl, Hq, D]")).empty()) return e;
+  if (dout.dtype() != out.dtype())
+    return detail::concat("dout: expected out's dtype ", dtype_name(out.dtype()), ", got ",
+                          dtype_name(dout.dtype()));
+  if (!(e = check_activation("dq", dq, q.shape(), true, "q's [B, Tl, Hq, D]")).empty()) return e;
+  if (!(e = check_activation("dk", dk, kv, true, "k's [B, Tl, Hkv, D]")).empty()) return e;
+  if (!(e = check_activation("dv", dv, kv, true, "k's [B, Tl, Hkv, D]")).empty()) return e;
+  return "";
+}
+
+std::string check_ulysses_heads(const Dims& dims, int ranks, const char* who) {
+  if (dims.hq % ranks != 0)
+    return detail::concat(who, ": query heads Hq = ", dims.hq, " must be divisible by the ",
+                          ranks, " Ulysses ranks (each rank takes Hq/P heads)");
+  const int64_t per_rank = dims.hq / ranks, group = dims.hq / dims.hkv;
+  if (dims.hkv % ranks != 0 && group % per_rank != 0)
+    return detail::concat(who, ": kv heads Hkv = ", dims.hkv, " can neither be split over the ",
+                          ranks, " Ulysses ranks (Hkv % P != 0) nor replicated (each rank's Hq/P = ",
+                          per_rank, " query heads must read one kv head: (Hq/Hkv) % (Hq/P) == 0)");
+  return "";
+}
+
+std::vector<int64_t> signature_of(const Dims& dims, const StrategyOptions& options) {
+  uint32_t scale_bits;
+  std::memcpy(&scale_bits, &options.kernel.scale, 4);
+  return {static_cast<int64_t>(options.kind), options.ulysses_degree, options.head_groups,
+          options.mask.causal, options.mask.window_left, options.mask.window_right,
+          options.mask.documents, scale_bits, dims.batch, dims.tokens, dims.hq, dims.hkv, dims.d,
+          static_cast<int64_t>(dims.dtype), static_cast<int64_t>(dims.out_dtype)};
+}
+
+namespace {
+
+constexpr int kSignatureSlots = 24;
+constexpr int kMessageBytes = 440;
+
+struct Verdict {
+  int64_t signature[kSignatureSlots];
+  int64_t failed;
+  char message[kMessageBytes];
+};
+
+std::string describe_signature(const int64_t* s) {
+  Mask m;
+  m.causal = s[3];
+  m.window_left = s[4];
+  m.window_right = s[5];
+  m.documents = s[6];
+  return detail::concat(strategy_name(static_cast<StrategyKind>(s[0])), " u=", s[1],
+                        " head_groups=", s[2], " mask=", m.describe(), " q=",
+                        shape_str({s[8], s[9], s[10], s[12]}), " Hkv=", s[11], " dtype=",
+                        dtype_name(static_cast<DType>(s[13])));
+}
+
+}  // namespace
+
+void agree(Communicator& comm, const std::string& what, const std::string& local_error,
+           const std::vector<int64_t>& signature) {
+  CTXPAR_ASSERT(signature.size() <= kSignatureSlots);
+  Verdict mine{};
+  std::copy(signature.begin(), signature.end(), mine.signature);
+  mine.failed = local_error.empty() ? 0 : 1;
+  std::strncpy(mine.message, local_error.c_str(), kMessageBytes - 1);
+  std::vector<Verdict> all(comm.size());
+  comm.allgather(&mine, all.data(), sizeof(Verdict));
+  std::string failed_ranks;
+  int first = -1;
+  for (int r = 0; r < comm.size(); ++r)
+    if (all[r].failed) {
+      failed_ranks += (failed_ranks.empty() ? "" : ", ") + std::to_string(r);
+      if (first < 0) first = r;
+    }
+  if (first >= 0)
+    throw Error(detail::concat(what, ": invalid arguments on rank ", failed_ranks, " (of ",
+                               comm.size(), "): ", all[first].message));
+  for (int r = 1; r < comm.size(); ++r)
+    if (std::memcmp(all[r].signature, all[0].signature, sizeof(mine.signature)) != 0)
+      throw Error(detail::concat(what, ": rank ", r, " was called with different shapes or options "
+                                 "than rank 0 (every rank must pass the same): rank 0 has ",
+                                 describe_signature(all[0].signature), "; rank ", r, " has ",
+                                 describe_signature(all[r].signature)));
+}
+
+CallRecord::CallRecord(StrategyStats& stats, std::vector<Communicator*> comms)
+    : stats_(stats), comms_(std::move(comms)) {
+  stats_ = StrategyStats{};
+  for (Communicator* c : comms_) {
+    sent0_ += c->counters().bytes_sent;
+    received0_ += c->counters().bytes_received;
+  }
+  t0_ = now_seconds();
+}
+
+void CallRecord::finish(const MemoryTracker& memory) {
+  uint64_t sent = 0, received = 0;
+  for (Communicator* c : comms_) {
+    sent += c->counters().bytes_sent;
+    received += c->counters().bytes_received;
+  }
+  stats_.bytes_sent = sent - sent0_;
+  stats_.bytes_received = received - received0_;
+  stats_.peak_bytes = memory.peak();
+  stats_.wall_seconds = now_seconds() - t0_;
+}
+
+Buffer KvPacking::pack(const TensorView& k, const TensorView& v, const Tokens& t) const {
+  Buffer b(bytes());
+  copy_into(k, this->k(b));
+  copy_into(v, this->v(b));
+  std::memcpy(b.data() + 2 * kv_bytes(), t.positions.data(), size_t(tokens) * 8);
+  if (documents)
+    std::memcpy(b.data() + 2 * kv_bytes() + size_t(tokens) * 8, t.documents.data(),
+                size_t(tokens) * 4);
+  return b;
+}
+
+TensorView KvPacking::k(const Buffer& b) const {
+  return TensorView(b.data(), dtype, {batch, tokens, heads, d});
+}
+
+TensorView KvPacking::v(const Buffer& b) const {
+  return TensorView(b.data() + kv_bytes(), dtype, {batch, tokens, heads, d});
+}
+
+Tokens KvPacking::tokens_of(const Buffer& b) const {
+  Tokens t;
+  t.positions = {reinterpret_cast<const int64_t*>(b.data() + 2 * kv_bytes()), size_t(tokens)};
+  if (documents)
+    t.documents = {reinterpret_cast<const int32_t*>(b.data() + 2 * kv_bytes() + tokens * 8),
+                   size_t(tokens)};
+  return t;
+}
+
+}  // namespace strategy
+}  // namespace ctxpar
