@@ -1,0 +1,335 @@
+// MPI transport: one rank per process, started by mpirun (OpenMPI 4.1 here).
+//
+// Point-to-point messages are MPI_Isend / MPI_Irecv of bytes on a duplicate of the parent
+// communicator; collective traffic goes over a second duplicate, so user tags can never match
+// it. The collectives themselves are the shared ones over point-to-point
+// (point_to_point.cc): same algorithms, same summation order as the threads transport, so
+// both give bitwise identical answers. Waits poll MPI_Test against the communicator's
+// timeout. Errors: MPI_ERRORS_RETURN on every communicator, each code checked and turned
+// into ctxpar::Error; run_mpi turns any exception into a message and MPI_Abort, so no rank
+// waits forever for a dead one. See docs/comm.md.
+#include <mpi.h>
+
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "comm/point_to_point.h"
+
+namespace ctxpar {
+namespace comm_detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int world_rank_now() {
+  int initialized = 0, finalized = 0, r = -1;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+bool mpi_finalized() {
+  int f = 0;
+  MPI_Finalized(&f);
+  return f != 0;
+}
+
+std::string mpi_error_string(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return detail::concat("MPI error ", code);
+  return std::string(text, len);
+}
+
+void mpi_check(int code, const char* call) {
+  if (code != MPI_SUCCESS)
+    throw Error(detail::concat("rank ", world_rank_now(), ": ", call, " failed: ",
+                               mpi_error_string(code)));
+}
+
+struct Where {
+  int me = 0;
+  int peer = 0;
+  int tag = 0;
+  Channel ch = Channel::user;
+  std::chrono::milliseconds timeout{};
+};
+
+[[noreturn]] void throw_timeout(const Where& at, const char* waiting_for) {
+  throw Error(detail::concat("rank ", at.me, ": timed out after ", at.timeout.count() / 1000.0,
+                             " s waiting for ", waiting_for, " rank ", at.peer, " (",
+                             describe_tag(at.ch, at.tag), ")"));
+}
+
+// Backs off from yielding to short sleeps: ranks often outnumber cores (mpirun
+// --oversubscribe), and a hard spin would starve the rank we are waiting for.
+class Backoff {
+ public:
+  void pause() {
+    if (++spins_ < 100) {
+      std::this_thread::yield();
+    } else {
+      const int us = std::min(200, 2 * (spins_ - 99));
+      std::this_thread::sleep_for(std::chrono::microseconds(us));
+    }
+  }
+
+ private:
+  int spins_ = 0;
+};
+
+// Sends dropped before completion: MPI still reads their buffers, so they are kept here
+// until MPI_Test says they are done (checked on every new send).
+struct DetachedSend {
+  MPI_Request request;
+  Buffer buffer;
+};
+std::vector<DetachedSend>& detached_sends() {
+  static std::vector<DetachedSend> list;
+  return list;
+}
+void reap_detached_sends() {
+  auto& list = detached_sends();
+  for (size_t i = 0; i < list.size();) {
+    int done = 0;
+    MPI_Test(&list[i].request, &done, MPI_STATUS_IGNORE);
+    if (done) {
+      list[i] = std::move(list.back());
+      list.pop_back();
+    } else {
+      ++i;
+    }
+  }
+}
+
+template <typename Poll>
+void wait_until_done(const Where& at, const char* waiting_for, Poll&& done) {
+  if (done()) return;
+  const auto deadline = Clock::now() + at.timeout;
+  Backoff backoff;
+  while (!done()) {
+    if (Clock::now() >= deadline) throw_timeout(at, waiting_for);
+    backoff.pause();
+  }
+}
+
+class MpiSendRequest final : public Request::Impl {
+ public:
+  MpiSendRequest(Buffer&& buf, Where at) : buf_(std::move(buf)), at_(at) {}
+  ~MpiSendRequest() override {
+    if (!done_ && !mpi_finalized()) detached_sends().push_back({request_, std::move(buf_)});
+  }
+  MPI_Request* request() { return &request_; }
+  const Buffer& buffer() const { return buf_; }
+  bool test() override {
+    if (done_) return true;
+    int flag = 0;
+    mpi_check(MPI_Test(&request_, &flag, MPI_STATUS_IGNORE), "MPI_Test (send)");
+    done_ = flag != 0;
+    return done_;
+  }
+  void wait() override { wait_until_done(at_, "send to", [this] { return test(); }); }
+
+ private:
+  Buffer buf_;
+  Where at_;
+  MPI_Request request_ = MPI_REQUEST_NULL;
+  bool done_ = false;
+};
+
+class MpiRecvRequest final : public Request::Impl {
+ public:
+  MpiRecvRequest(size_t bytes, Where at) : buf_(bytes), at_(at) {}
+  ~MpiRecvRequest() override {
+    if (done_ || request_ == MPI_REQUEST_NULL || mpi_finalized()) return;
+    // Cancel, then wait: the cancel completes at once unless the message already matched.
+    MPI_Cancel(&request_);
+    MPI_Wait(&request_, MPI_STATUS_IGNORE);
+  }
+  MPI_Request* request() { return &request_; }
+  Buffer& buffer() { return buf_; }
+  bool test() override {
+    if (done_) return true;
+    int flag = 0;
+    MPI_Status status;
+    const int rc = MPI_Test(&request_, &flag, &status);
+    if (rc != MPI_SUCCESS) {
+      int cls = rc;
+      MPI_Error_class(rc, &cls);
+      CTXPAR_CHECK(cls != MPI_ERR_TRUNCATE, "rank ", at_.me, ": recv from rank ", at_.peer, " (",
+                   describe_tag(at_.ch, at_.tag), ") expected ", buf_.size(),
+                   " bytes, but the message has more than ", buf_.size(), " bytes");
+      mpi_check(rc, "MPI_Test (recv)");
+    }
+    if (!flag) return false;
+    int got = 0;
+    MPI_Get_count(&status, MPI_BYTE, &got);
+    CTXPAR_CHECK(size_t(got) == buf_.size(), "rank ", at_.me, ": recv from rank ", at_.peer,
+                 " (", describe_tag(at_.ch, at_.tag), ") expected ", buf_.size(),
+                 " bytes, but the message has ", got, " bytes");
+    done_ = true;
+    return true;
+  }
+  void wait() override { wait_until_done(at_, "recv from", [this] { return test(); }); }
+  Buffer take() override { return std::move(buf_); }
+
+ private:
+  Buffer buf_;
+  Where at_;
+  MPI_Request request_ = MPI_REQUEST_NULL;
+  bool done_ = false;
+};
+
+class MpiCommunicator final : public PointToPointCommunicator {
+ public:
+  // Takes ownership of `user` (a communicator this transport created).
+  explicit MpiCommunicator(MPI_Comm user) : user_(user) {
+    mpi_check(MPI_Comm_set_errhandler(user_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    mpi_check(MPI_Comm_dup(user_, &collective_), "MPI_Comm_dup");
+    mpi_check(MPI_Comm_rank(user_, &rank_), "MPI_Comm_rank");
+    mpi_check(MPI_Comm_size(user_, &size_), "MPI_Comm_size");
+    // World ranks of this group's members, for error messages.
+    MPI_Group mine, world;
+    MPI_Comm_group(user_, &mine);
+    MPI_Comm_group(MPI_COMM_WORLD, &world);
+    std::vector<int> local(size_);
+    for (int i = 0; i < size_; ++i) local[i] = i;
+    world_ranks_.resize(size_);
+    MPI_Group_translate_ranks(mine, size_, local.data(), world, world_ranks_.data());
+    MPI_Group_free(&mine);
+    MPI_Group_free(&world);
+    void* ub = nullptr;
+    int found = 0;
+    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &found);
+    tag_ub_ = found ? *static_cast<int*>(ub) : 32767;
+    // collective_tag uses 20 bits.
+    CTXPAR_CHECK(tag_ub_ >= (1 << 20) - 1, "MPI: this MPI's tag upper bound (", tag_ub_,
+                 ") is below 2^20 - 1, which ctxpar's collectives need");
+  }
+  ~MpiCommunicator() override {
+    if (mpi_finalized()) return;
+    MPI_Comm_free(&collective_);
+    MPI_Comm_free(&user_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string transport() const override { return "mpi"; }
+  int world_rank() const override { return world_ranks_[rank_]; }
+  int world_rank_of(int peer) const override { return world_ranks_[peer]; }
+
+ protected:
+  int max_user_tag() const override { return tag_ub_; }
+
+  Request post_send(Buffer&& buf, int peer, int tag, Channel ch) override {
+    reap_detached_sends();
+    CTXPAR_CHECK(buf.size() <= size_t(INT_MAX), "isend: messages over ", INT_MAX,
+                 " bytes are not supported on MPI, got ", buf.size());
+    auto req = std::make_unique<MpiSendRequest>(std::move(buf), where(peer, tag, ch));
+    const Buffer& b = req->buffer();
+    mpi_check(MPI_Isend(b.data(), static_cast<int>(b.size()), MPI_BYTE, peer, tag, comm(ch),
+                        req->request()),
+              "MPI_Isend");
+    return Request(std::move(req));
+  }
+
+  Request post_recv(size_t bytes, int peer, int tag, Channel ch) override {
+    CTXPAR_CHECK(bytes <= size_t(INT_MAX), "irecv: messages over ", INT_MAX,
+                 " bytes are not supported on MPI, got ", bytes);
+    auto req = std::make_unique<MpiRecvRequest>(bytes, where(peer, tag, ch));
+    Buffer& b = req->buffer();
+    mpi_check(MPI_Irecv(b.data(), static_cast<int>(bytes), MPI_BYTE, peer, tag, comm(ch),
+                        req->request()),
+              "MPI_Irecv");
+    return Request(std::move(req));
+  }
+
+  std::unique_ptr<Communicator> make_split(int color, int key, const std::vector<int>& members,
+                                           uint32_t) override {
+    MPI_Comm sub = MPI_COMM_NULL;
+    // MPI orders by key, then by parent rank: the same order as `members`.
+    mpi_check(MPI_Comm_split(user_, color, key, &sub), "MPI_Comm_split");
+    auto out = std::make_unique<MpiCommunicator>(sub);
+    CTXPAR_ASSERT(out->size() == static_cast<int>(members.size()) &&
+                  members[out->rank()] == rank_);
+    return out;
+  }
+
+ private:
+  MPI_Comm comm(Channel ch) const { return ch == Channel::user ? user_ : collective_; }
+  Where where(int peer, int tag, Channel ch) const {
+    return Where{world_rank(), world_rank_of(peer), tag, ch, timeout()};
+  }
+
+  MPI_Comm user_ = MPI_COMM_NULL;
+  MPI_Comm collective_ = MPI_COMM_NULL;
+  int rank_ = 0, size_ = 1, tag_ub_ = 32767;
+  std::vector<int> world_ranks_;
+};
+
+MpiCommunicator* g_world = nullptr;
+
+void finalize_at_exit() {
+  delete g_world;
+  g_world = nullptr;
+  if (mpi_finalized()) return;
+  // Sends nobody received: let MPI forget them; their buffers are deliberately leaked, as
+  // MPI may still read them.
+  for (auto& d : detached_sends()) {
+    MPI_Request_free(&d.request);
+    new Buffer(std::move(d.buffer));
+  }
+  detached_sends().clear();
+  MPI_Finalize();
+}
+
+}  // namespace
+}  // namespace comm_detail
+
+Communicator& mpi_world() {
+  using namespace comm_detail;
+  if (g_world) return *g_world;
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) {
+    int provided = 0;
+    // FUNNELED: only the thread that initialised MPI calls it (ranks' compute may use
+    // OpenMP threads, but communication stays on the main thread).
+    const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+    if (rc != MPI_SUCCESS) throw Error("mpi_world: MPI_Init_thread failed: " + mpi_error_string(rc));
+    CTXPAR_CHECK(provided >= MPI_THREAD_FUNNELED,
+                 "mpi_world: this MPI does not provide MPI_THREAD_FUNNELED");
+    std::atexit(finalize_at_exit);
+  }
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  MPI_Comm dup = MPI_COMM_NULL;
+  mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &dup), "MPI_Comm_dup");
+  g_world = new MpiCommunicator(dup);
+  return *g_world;
+}
+
+void run_mpi(const std::function<void(Communicator&)>& fn) {
+  std::string error;
+  try {
+    fn(mpi_world());
+    return;
+  } catch (const std::exception& e) {
+    error = e.what();
+  } catch (...) {
+    error = "unknown exception (not derived from std::exception)";
+  }
+  std::fprintf(stderr, "ctxpar: rank %d failed: %s\n", comm_detail::world_rank_now(),
+               error.c_str());
+  std::fflush(stderr);
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (initialized && !comm_detail::mpi_finalized()) MPI_Abort(MPI_COMM_WORLD, 1);
+  std::exit(1);
+}
+
+}  // namespace ctxpar
