@@ -1,12 +1,149 @@
-// Placeholder until the SIMD backward lands: forwards to the scalar path.
+// The fast backward (flash-attention-2 form) on the micro-kernel of simd_tile.h.
+//
+// Note [Backward tasks]: a task is (batch, kv head, chunk of key tiles). It owns the dK / dV
+// rows of its key tiles (accumulated in a 64-row tile, added to the caller's dk / dv once) and
+// writes the dQ of its query-head group into its own partial buffer; partials are summed in a
+// fixed chunk order at the end. There is one chunk per (batch, kv head) unless there are fewer
+// of those than threads, so the result is bitwise the same for a given thread count and no two
+// threads ever write the same element.
+//
+// Per (query tile, key tile), in log2 units as the forward (Note [Online softmax in base 2]):
+//   S  = Q2 K^T            Q2 = Q * scale * log2(e)
+//   P  = 2^(S - lse2)      lse2 = lse * log2(e); masked and fully masked rows give P = 0
+//   dP = dO V^T
+//   dS = P * (dP - delta)
+//   dV += P^T dO,  dQ += scale * dS K,  dK += ln(2) * dS^T Q2  (= scale * dS^T Q)
+#include <vector>
+
 #include "kernel/problem.h"
+#include "kernel/simd_tile.h"
 
 namespace ctxpar::kernel {
+
+using namespace simd;
+
 KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                           const TensorView& k, const TensorView& v, const Tokens& k_tokens,
                           const Mask& mask, const TensorView& dout, const TensorView& lse,
                           const TensorView& delta, const TensorView& dq, const TensorView& dk,
                           const TensorView& dv) {
-  return backward_scalar(p, q, q_tokens, k, v, k_tokens, mask, dout, lse, delta, dq, dk, dv);
+  // q, dout, dq [B, Tq, Hq, D]; k, v, dk, dv [B, Tk, Hkv, D]; lse, delta [B, Hq, Tq].
+  const TileRanges qr = tile_ranges(q_tokens, p.tq, kTile, mask.documents);
+  const TileRanges kr = tile_ranges(k_tokens, p.tk, kTile, mask.documents);
+  const int64_t d = p.d, dp = round_up(d, lanes()), nkt = kr.count(), nqt = qr.count();
+  const int64_t heads = p.batch * p.hkv;
+  const int64_t chunks = heads >= p.threads ? 1 : std::min(nkt, (p.threads + heads - 1) / heads);
+  const int64_t tasks = heads * chunks;
+  const int64_t q_block = p.group * nqt * kTile * dp;  // one task's packed Q (or dO, or dQ)
+  std::vector<float> dq_partial(tasks * q_block);
+  const DF df;
+  const int64_t nl = lanes();
+
+#pragma omp parallel num_threads(p.threads)
+  {
+    std::vector<float> qpack(q_block), dopack(q_block);
+    std::vector<float> lse2(p.group * nqt * kTile), dlt(p.group * nqt * kTile);
+    std::vector<float> kt_pack(d * kTile), k_rows(kTile * dp), vt_pack(d * kTile), row(d);
+    std::vector<float> s(kTile * kTile), dpm(kTile * kTile), pt(kTile * kTile), dst(kTile * kTile);
+    std::vector<float> dk_tile(kTile * dp), dv_tile(kTile * dp);
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t chunk = task % chunks, bh = task / chunks;
+      const int64_t b = bh / p.hkv, hk = bh % p.hkv;
+      const int64_t kt0 = nkt * chunk / chunks, kt1 = nkt * (chunk + 1) / chunks;
+      float* dq_acc = dq_partial.data() + task * q_block;
+      // Pack the group's Q (scaled) and dO tiles, and their row statistics, once per task.
+      for (int64_t g = 0; g < p.group; ++g)
+        for (int64_t qi = 0; qi < nqt; ++qi) {
+          const int64_t h = hk * p.group + g, i0 = qi * kTile;
+          const int64_t rows = std::min(p.tq, i0 + kTile) - i0, off = (g * nqt + qi) * kTile;
+          pack_rows(q, b, h, i0, rows, d, dp, qpack.data() + off * dp, p.scale * kLog2e);
+          pack_rows(dout, b, h, i0, rows, d, dp, dopack.data() + off * dp);
+          for (int64_t r = 0; r < kTile; ++r) {
+            lse2[off + r] = r < rows ? lse.ptr<const float>()[lse.offset(b, h, i0 + r)] * kLog2e : kNegInf;
+            dlt[off + r] = r < rows ? delta.ptr<const float>()[delta.offset(b, h, i0 + r)] : 0.0f;
+          }
+        }
+      for (int64_t kt = kt0; kt < kt1; ++kt) {
+        const int64_t j0 = kt * kTile, cols = std::min(p.tk, j0 + kTile) - j0;
+        bool packed = false;
+        std::fill(dk_tile.begin(), dk_tile.end(), 0.0f);
+        std::fill(dv_tile.begin(), dv_tile.end(), 0.0f);
+        for (int64_t g = 0; g < p.group; ++g)
+          for (int64_t qi = 0; qi < nqt; ++qi) {
+            const TileKind kind = classify(mask, qr, qi, kr, kt);
+            if (kind == TileKind::skip) continue;
+            if (!packed) {  // pack this key tile only when some query tile sees it
+              pack_transposed(k, b, hk, j0, cols, d, kt_pack.data(), row.data());
+              pack_transposed(v, b, hk, j0, cols, d, vt_pack.data(), row.data());
+              pack_rows(k, b, hk, j0, cols, d, dp, k_rows.data());
+              packed = true;
+            }
+            const int64_t i0 = qi * kTile, rows = std::min(p.tq, i0 + kTile) - i0;
+            const int64_t mrows = round_up(rows, 4), off = (g * nqt + qi) * kTile;
+            const float* q2 = qpack.data() + off * dp;
+            const float* dot = dopack.data() + off * dp;
+            gemm_rows(mrows, kTile, d, q2, dp, kt_pack.data(), kTile, s.data(), kTile, false);
+            gemm_rows(mrows, kTile, d, dot, dp, vt_pack.data(), kTile, dpm.data(), kTile, false);
+            if (kind == TileKind::partial || cols < kTile)
+              for (int64_t r = 0; r < rows; ++r)
+                for (int64_t c = 0; c < kTile; ++c)
+                  if (c >= cols || (kind == TileKind::partial &&
+                                    !visible(mask, q_tokens, i0 + r, k_tokens, j0 + c)))
+                    s[r * kTile + c] = kNegInf;
+            for (int64_t r = 0; r < kTile; ++r) {
+              float* sr = s.data() + r * kTile;
+              float* dr = dpm.data() + r * kTile;
+              if (r >= rows || lse2[off + r] == kNegInf) {  // padding or fully masked row
+                std::fill(sr, sr + kTile, 0.0f);
+                std::fill(dr, dr + kTile, 0.0f);
+                continue;
+              }
+              const VF vl = hn::Set(df, lse2[off + r]), vd = hn::Set(df, dlt[off + r]);
+              const VF vscale = hn::Set(df, p.scale);
+              for (int64_t c = 0; c < kTile; c += nl) {
+                const VF pv = exp2_neg(df, hn::Sub(hn::LoadU(df, sr + c), vl));
+                const VF ds = hn::Mul(pv, hn::Sub(hn::LoadU(df, dr + c), vd));
+                hn::StoreU(pv, df, sr + c);                   // s <- P
+                hn::StoreU(hn::Mul(ds, vscale), df, dr + c);  // dpm <- scale * dS
+              }
+            }
+            transpose_tile(s.data(), pt.data());
+            transpose_tile(dpm.data(), dst.data());
+            // dV += P^T dO; dK += (scale dS)^T Q2 (times ln2 / scale at the end); dQ += scale dS K.
+            gemm_rows(kTile, dp, mrows, pt.data(), kTile, dot, dp, dv_tile.data(), dp, true);
+            gemm_rows(kTile, dp, mrows, dst.data(), kTile, q2, dp, dk_tile.data(), dp, true);
+            gemm_rows(mrows, dp, cols, dpm.data(), kTile, k_rows.data(), dp, dq_acc + off * dp, dp,
+                      true);
+          }
+        if (!packed) continue;
+        const float dk_mul = kLn2 / p.scale;
+        for (int64_t j = 0; j < cols; ++j) {
+          float* dkr = dk.ptr<float>() + dk.offset(b, j0 + j, hk);
+          float* dvr = dv.ptr<float>() + dv.offset(b, j0 + j, hk);
+          for (int64_t c = 0; c < d; ++c) {
+            dkr[c] += dk_mul * dk_tile[j * dp + c];
+            dvr[c] += dv_tile[j * dp + c];
+          }
+        }
+      }
+    }
+    // dQ: the partials of each (batch, kv head) summed in chunk order into the caller's dq.
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < heads; ++bh) {
+      const int64_t b = bh / p.hkv, hk = bh % p.hkv;
+      for (int64_t g = 0; g < p.group; ++g)
+        for (int64_t i = 0; i < p.tq; ++i) {
+          float* dqr = dq.ptr<float>() + dq.offset(b, i, hk * p.group + g);
+          const int64_t off = ((g * nqt) * kTile + i) * dp;
+          for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+            const float* part = dq_partial.data() + (bh * chunks + chunk) * q_block + off;
+            for (int64_t c = 0; c < d; ++c) dqr[c] += part[c];
+          }
+        }
+    }
+  }
+  return count_tiles(p, mask, qr, kr, 2.5);
 }
+
 }  // namespace ctxpar::kernel

@@ -1,0 +1,75 @@
+#include "kernel/peak.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "kernel/simd_tile.h"
+
+namespace ctxpar::kernel {
+
+namespace {
+// 12 independent FMA chains: enough to cover FMA latency x throughput (4 cycles x 2 ports)
+// on Zen 3 and on AVX-512 cores, while staying within 16 registers.
+constexpr int kChains = 12;  // a0 .. a11 below
+
+HWY_NOINLINE float fma_chains(int64_t iterations, float seed) {
+  using namespace simd;
+  const DF d;
+  // Named variables, not an array: GCC keeps arrays of vectors on the stack.
+  VF a0 = hn::Set(d, seed), a1 = hn::Set(d, seed + 1), a2 = hn::Set(d, seed + 2);
+  VF a3 = hn::Set(d, seed + 3), a4 = hn::Set(d, seed + 4), a5 = hn::Set(d, seed + 5);
+  VF a6 = hn::Set(d, seed + 6), a7 = hn::Set(d, seed + 7), a8 = hn::Set(d, seed + 8);
+  VF a9 = hn::Set(d, seed + 9), a10 = hn::Set(d, seed + 10), a11 = hn::Set(d, seed + 11);
+  const VF mul = hn::Set(d, 0.999999f), add = hn::Set(d, 1e-7f);
+  for (int64_t i = 0; i < iterations; ++i) {
+    a0 = hn::MulAdd(a0, mul, add), a1 = hn::MulAdd(a1, mul, add), a2 = hn::MulAdd(a2, mul, add);
+    a3 = hn::MulAdd(a3, mul, add), a4 = hn::MulAdd(a4, mul, add), a5 = hn::MulAdd(a5, mul, add);
+    a6 = hn::MulAdd(a6, mul, add), a7 = hn::MulAdd(a7, mul, add), a8 = hn::MulAdd(a8, mul, add);
+    a9 = hn::MulAdd(a9, mul, add), a10 = hn::MulAdd(a10, mul, add), a11 = hn::MulAdd(a11, mul, add);
+    // An empty asm that "may change" the chains: the compiler can neither drop nor merge the
+    // loop, and the values stay in registers ("v": any vector register).
+    __asm__ volatile("" : "+v"(a0.raw), "+v"(a1.raw), "+v"(a2.raw), "+v"(a3.raw), "+v"(a4.raw),
+                     "+v"(a5.raw), "+v"(a6.raw), "+v"(a7.raw), "+v"(a8.raw), "+v"(a9.raw),
+                     "+v"(a10.raw), "+v"(a11.raw));
+  }
+  VF sum = hn::Add(hn::Add(hn::Add(a0, a1), hn::Add(a2, a3)), hn::Add(hn::Add(a4, a5), hn::Add(a6, a7)));
+  sum = hn::Add(sum, hn::Add(hn::Add(a8, a9), hn::Add(a10, a11)));
+  return hn::GetLane(sum);
+}
+}  // namespace
+
+double measure_fma_peak_gflops(int threads, double seconds) {
+  const double flops_per_iter = 2.0 * kChains * simd::lanes();
+  // Calibrate the iteration count on one thread so each run lasts about `seconds`.
+  int64_t iters = 1 << 16;
+  for (;;) {
+    const auto t0 = std::chrono::steady_clock::now();
+    volatile float sink = fma_chains(iters, 1.0f);
+    (void)sink;
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (s > seconds / 4) {
+      iters = static_cast<int64_t>(iters * seconds / s);
+      break;
+    }
+    iters *= 4;
+  }
+  double best = 0;
+  for (int run = 0; run < 3; ++run) {
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads)
+    {
+      volatile float sink = fma_chains(iters, 1.0f + omp_get_thread_num());
+      (void)sink;
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, flops_per_iter * iters * threads / s / 1e9);
+  }
+  return best;
+}
+
+const char* simd_target_name() { return hwy::TargetName(HWY_STATIC_TARGET); }
+int simd_lanes() { return static_cast<int>(simd::lanes()); }
+
+}  // namespace ctxpar::kernel

@@ -1,0 +1,15 @@
+// The machine's own FMA peak, measured with the vector width the kernel uses, so that the
+// kernel benchmark can report a ratio measured in the same run (machines here are shared).
+#pragma once
+
+namespace ctxpar::kernel {
+
+// GFLOP/s of a register-only FMA loop (several independent accumulators per thread, all
+// `threads` threads busy at once), best of a few runs of about `seconds` each.
+double measure_fma_peak_gflops(int threads, double seconds = 0.2);
+
+// The SIMD target the kernel was compiled for, e.g. "AVX3" or "AVX2".
+const char* simd_target_name();
+int simd_lanes();
+
+}  // namespace ctxpar::kernel
