@@ -5,8 +5,15 @@
 namespace ctxpar::kernel {
 
 // GFLOP/s of a register-only FMA loop (several independent accumulators per thread, all
-// `threads` threads busy at once), best of a few runs of about `seconds` each.
-double measure_fma_peak_gflops(int threads, double seconds = 0.2);
+// `threads` threads busy at once), best of a few runs of about `seconds` each: by wall time,
+// and by process CPU time / threads (which time stolen by other processes does not inflate).
+struct Peak {
+  double gflops = 0, cpu_gflops = 0;
+};
+Peak measure_fma_peak(int threads, double seconds = 0.2);
+
+// Process CPU seconds (all threads), for the CPU-time figures.
+double process_cpu_seconds();
 
 // The SIMD target the kernel was compiled for, e.g. "AVX3" or "AVX2".
 const char* simd_target_name();

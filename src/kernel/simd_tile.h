@@ -75,17 +75,30 @@ HWY_INLINE void micro(const float* HWY_RESTRICT a, int64_t lda, const float* HWY
     for (int j = 0; j < C; ++j) hn::StoreU(acc[r][j], d, c + r * ldc + j * n);
 }
 
-// C[M x N] (+)= A[M x K] B[K x N]; M a multiple of 4, N a multiple of the lane count.
+// C[M x N] (+)= A[M x K] B[K x N]; M a multiple of 2, N a multiple of the lane count.
+// AVX-512 (32 registers): 6 rows x 4 vectors = 24 accumulators, 1 load of B per 6 FMAs.
+// AVX2 (16 registers): 4 rows x 2 vectors = 8 accumulators.
 inline void gemm_rows(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                       const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
   const int64_t nl = lanes();
-  // 16 accumulators fit AVX-512's 32 registers and, at 4 x 2, AVX2's 16.
   constexpr int kC = HWY_MAX_BYTES >= 64 ? 4 : 2;
-  for (int64_t r = 0; r < m; r += 4) {
-    int64_t j = 0;
-    for (; j + kC * nl <= n; j += kC * nl)
+  constexpr int kR = HWY_MAX_BYTES >= 64 ? 6 : 4;
+  int64_t j = 0;
+  for (; j + kC * nl <= n; j += kC * nl) {
+    int64_t r = 0;
+    for (; r + kR <= m; r += kR)
+      micro<kR, kC>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+    for (; r + 4 <= m; r += 4)
       micro<4, kC>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
-    for (; j < n; j += nl) micro<4, 1>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+    for (; r < m; r += 2)
+      micro<2, kC>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+  }
+  for (; j < n; j += nl) {
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4)
+      micro<4, 1>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+    for (; r < m; r += 2)
+      micro<2, 1>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
   }
 }
 
