@@ -95,6 +95,19 @@ class Communicator {
   virtual Request irecv(size_t bytes, int peer, int tag) = 0;
 
   // Collectives (blocking, every rank of this communicator must call them in the same order).
+  // Sums add the ranks' contributions in rank order 0..P-1 (deterministic, and bitwise equal
+  // on every transport). Counted per rank (P = size(), r = rank(); docs/comm.md):
+  //   kind            bytes_sent                           bytes_received
+  //   allgather       (P-1) * bytes                        (P-1) * bytes
+  //   reduce_scatter  (P-1) * count * 4                    (P-1) * count * 4
+  //   alltoall        (P-1) * bytes                        (P-1) * bytes
+  //   allreduce       (2n - len(r) - len(r+1 mod P)) * s   (n + (P-2) * len(r)) * s
+  //                   with s = sizeof(T), len(j) = floor((j+1)n/P) - floor(jn/P);
+  //                   2 (P-1) n/P * s both ways when P divides n; 0 when P = 1
+  //   barrier         0                                    0
+  //   send / recv     the Buffer's size (isend)            `bytes` (irecv)
+  // Each call adds 1 to calls[kind]; split is not counted.
+  //
   // allgather: send `bytes` from each rank; recv holds size()*bytes in rank order.
   virtual void allgather(const void* send, void* recv, size_t bytes) = 0;
   // reduce_scatter (sum, fp32): send holds size()*count floats; rank r receives the sum of
@@ -108,7 +121,8 @@ class Communicator {
   virtual void allreduce(double* buf, size_t count) = 0;
   virtual void barrier() = 0;
 
-  // Sub-groups: ranks with the same color form a new communicator, ordered by key.
+  // Sub-groups: ranks with the same color (>= 0) form a new communicator, ordered by key (ties:
+  // parent rank order). It inherits the timeout; its counters start at zero.
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
 
   const CommCounters& counters() const { return counters_; }

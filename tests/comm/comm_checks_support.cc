@@ -180,8 +180,13 @@ void check_split_mesh(Communicator& comm) {
   // Mesh data x context with D = 2 when P is even: rank = d * C + c.
   const int d_size = p % 2 == 0 ? 2 : 1, c_size = p / d_size;
   const int d = r / c_size, c = r % c_size;
+  const CommCounters before = comm.counters();
   auto context = comm.split(/*color=*/d, /*key=*/c);
   auto data = comm.split(/*color=*/c, /*key=*/d);
+  // split is not counted, and a new group's counters start at zero.
+  EXPECT_EQ(comm.counters().bytes_sent, before.bytes_sent);
+  EXPECT_EQ(comm.counters().bytes_received, before.bytes_received);
+  EXPECT_EQ(context->counters().bytes_sent + context->counters().calls_of(CommKind::allgather), 0u);
   ASSERT_EQ(context->size(), c_size);
   ASSERT_EQ(context->rank(), c);
   ASSERT_EQ(data->size(), d_size);
