@@ -1,0 +1,63 @@
+// Shared by the kernel lab programs: inputs, timing (CPU time, robust on a shared machine) and
+// the check against the library's fp64 reference. Each lab_NN program is one version of the
+// non-causal attention forward, fp32, [T, H, D] with B = 1 and Hq = Hkv.
+#pragma once
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <functional>
+#include <vector>
+
+#include "ctxpar/reference.h"
+#include "ctxpar/tensor.h"
+
+namespace lab {
+
+struct Problem {
+  int64_t t = 1024, h = 2, d = 128;
+  ctxpar::Tensor q, k, v;  // [1, T, H, D] fp32
+  std::vector<int64_t> pos;
+  Problem(int argc, char** argv) {
+    if (argc > 1) t = std::atoll(argv[1]);
+    if (argc > 2) h = std::atoll(argv[2]);
+    if (argc > 3) d = std::atoll(argv[3]);
+    q = ctxpar::Tensor(ctxpar::DType::f32, {1, t, h, d});
+    k = ctxpar::Tensor(ctxpar::DType::f32, {1, t, h, d});
+    v = ctxpar::Tensor(ctxpar::DType::f32, {1, t, h, d});
+    ctxpar::fill_normal(q, 1), ctxpar::fill_normal(k, 2), ctxpar::fill_normal(v, 3);
+    for (int64_t i = 0; i < t; ++i) pos.push_back(i);
+  }
+  double flops() const { return 4.0 * h * t * t * d; }
+};
+
+inline double cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+// Times `run` (best of 3 by CPU time), checks `o` ([T, H, D]) against the fp64 reference on
+// the first 64 query rows, prints one line, returns 0 when the error is below 1e-4.
+inline int report(const char* name, const Problem& p, const std::function<void()>& run,
+                  const std::vector<float>& o) {
+  double best = 1e300;
+  for (int r = 0; r < 3; ++r) {
+    const double c0 = cpu_seconds();
+    run();
+    best = std::min(best, cpu_seconds() - c0);
+  }
+  const int64_t rows = std::min<int64_t>(64, p.t);
+  ctxpar::TensorView q_rows = p.q.view().slice(1, 0, rows);
+  std::vector<int64_t> qpos(p.pos.begin(), p.pos.begin() + rows);
+  const auto ref = ctxpar::reference::attention_f64(q_rows, {qpos, {}}, p.k, p.v, {p.pos, {}},
+                                                    ctxpar::Mask{});
+  double err = 0;
+  for (size_t i = 0; i < ref.o.size(); ++i) err = std::max(err, std::fabs(ref.o[i] - o[i]));
+  std::printf("%-12s T=%lld H=%lld D=%lld  %8.2f GFLOP/s (CPU time, best of 3)  max|o - ref64| = %.2e\n",
+              name, (long long)p.t, (long long)p.h, (long long)p.d, p.flops() / best / 1e9, err);
+  return err < 1e-4 ? 0 : 1;
+}
+
+}  // namespace lab
