@@ -1,0 +1,216 @@
+// Faults: invalid arguments on some ranks only, different shapes on one rank, bad options, and
+// a rank that fails in the middle of a ring. Every rank must fail with a clear message, and
+// nothing may hang: each case runs with a short communicator timeout and is timed.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+
+#include "strategy/strategy_support.h"
+
+namespace ctxpar::testing {
+namespace {
+
+const StrategyKind kAll[] = {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses,
+                             StrategyKind::hybrid};
+
+// Runs fn on P threads and returns each rank's error message ("" when it returned normally).
+// Ranks catch their own errors, so every rank's verdict is seen, not only the first.
+std::vector<std::string> errors_on_ranks(int p, const std::function<void(Communicator&)>& fn,
+                                         double* seconds = nullptr) {
+  std::vector<std::string> errors(p);
+  ThreadsOptions opt;
+  opt.timeout = std::chrono::seconds(5);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    run_threads(
+        p,
+        [&](Communicator& comm) {
+          try {
+            fn(comm);
+          } catch (const Error& e) {
+            errors[comm.rank()] = e.what();
+            throw;
+          }
+        },
+        opt);
+  } catch (const Error&) {
+  }
+  if (seconds)
+    *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return errors;
+}
+
+struct Shard {
+  Tensor q, k, v, o, lse, dout, dq, dk, dv;
+  std::vector<int64_t> positions;
+};
+Shard make_shard(int p, int r, int64_t hq = 4, int64_t hkv = 2, int64_t d = 16, int64_t t = 48) {
+  const Layout layout(LayoutKind::zigzag, t, p);
+  const int64_t tl = t / p;
+  Shard s;
+  s.q = Tensor(DType::f32, {1, tl, hq, d});
+  s.k = Tensor(DType::f32, {1, tl, hkv, d});
+  s.v = Tensor(DType::f32, {1, tl, hkv, d});
+  for (Tensor* x : {&s.q, &s.k, &s.v}) fill_normal(*x, 11 + r);
+  s.o = Tensor(DType::f32, {1, tl, hq, d});
+  s.dout = Tensor(DType::f32, {1, tl, hq, d});
+  fill_normal(s.dout, 5);
+  s.lse = Tensor(DType::f32, {1, hq, tl});
+  s.dq = Tensor(DType::f32, {1, tl, hq, d});
+  s.dk = Tensor(DType::f32, {1, tl, hkv, d});
+  s.dv = Tensor(DType::f32, {1, tl, hkv, d});
+  s.positions = layout.positions(r);
+  return s;
+}
+
+TEST(Faults, InvalidArgumentsOnOneRankFailEveryRank) {
+  for (StrategyKind kind : kAll)
+    for (bool backward : {false, true}) {
+      double seconds = 0;
+      auto errors = errors_on_ranks(
+          4,
+          [&](Communicator& comm) {
+            StrategyOptions opt;
+            opt.kind = kind;
+            opt.mask = Mask::causal_mask();
+            opt.ulysses_degree = kind == StrategyKind::hybrid ? 2 : 0;
+            auto s = Strategy::create(comm, opt);
+            Shard x = make_shard(4, comm.rank());
+            Tensor bad_lse(DType::f32, {1, 4, 5});  // rank 2 passes a wrong lse
+            const TensorView lse = comm.rank() == 2 ? bad_lse.view() : x.lse.view();
+            Tokens tok{x.positions, {}};
+            if (!backward) s->forward(x.q, x.k, x.v, tok, x.o, lse);
+            else s->backward(x.q, x.k, x.v, tok, x.o, lse, x.dout, x.dq, x.dk, x.dv);
+          },
+          &seconds);
+      for (int r = 0; r < 4; ++r) {
+        EXPECT_NE(errors[r].find("invalid arguments on rank 2"), std::string::npos)
+            << strategy_name(kind) << " rank " << r << ": '" << errors[r] << "'";
+        EXPECT_NE(errors[r].find("lse"), std::string::npos) << errors[r];
+      }
+      EXPECT_LT(seconds, 4.0) << "a failing call must not wait for the timeout";
+    }
+}
+
+TEST(Faults, DifferentShapesOnOneRankFailEveryRank) {
+  for (StrategyKind kind : kAll) {
+    auto errors = errors_on_ranks(4, [&](Communicator& comm) {
+      StrategyOptions opt;
+      opt.kind = kind;
+      opt.ulysses_degree = kind == StrategyKind::hybrid ? 2 : 0;
+      auto s = Strategy::create(comm, opt);
+      Shard x = make_shard(4, comm.rank(), 4, 2, comm.rank() == 1 ? 32 : 16);
+      s->forward(x.q, x.k, x.v, Tokens{x.positions, {}}, x.o, x.lse);
+    });
+    for (int r = 0; r < 4; ++r)
+      EXPECT_NE(errors[r].find("rank 1 was called with different shapes"), std::string::npos)
+          << strategy_name(kind) << " rank " << r << ": '" << errors[r] << "'";
+  }
+}
+
+TEST(Faults, BadOptionsAndHeadCountsAreClearErrors) {
+  // u must divide P.
+  auto errors = errors_on_ranks(4, [&](Communicator& comm) {
+    StrategyOptions opt;
+    opt.kind = StrategyKind::hybrid;
+    opt.ulysses_degree = 3;
+    Strategy::create(comm, opt);
+  });
+  for (const std::string& e : errors) EXPECT_NE(e.find("must divide"), std::string::npos) << e;
+  // Options that differ on one rank (its mask) fail in create(), on every rank.
+  errors = errors_on_ranks(3, [&](Communicator& comm) {
+    StrategyOptions opt;
+    opt.kind = StrategyKind::ring;
+    if (comm.rank() == 2) opt.mask = Mask::causal_mask();
+    Strategy::create(comm, opt);
+  });
+  for (const std::string& e : errors) EXPECT_NE(e.find("rank 2"), std::string::npos) << e;
+  // Ulysses: Hq % P != 0, and KV heads that can neither split nor replicate.
+  struct HeadCase {
+    int p;
+    int64_t hq, hkv;
+    const char* expect;
+  } cases[] = {{4, 6, 6, "Hq = 6"}, {3, 6, 2, "replicated"}};
+  for (const HeadCase& hc : cases) {
+    errors = errors_on_ranks(hc.p, [&](Communicator& comm) {
+      StrategyOptions opt;
+      opt.kind = StrategyKind::ulysses;
+      auto s = Strategy::create(comm, opt);
+      Shard x = make_shard(hc.p, comm.rank(), hc.hq, hc.hkv);
+      s->forward(x.q, x.k, x.v, Tokens{x.positions, {}}, x.o, x.lse);
+    });
+    for (const std::string& e : errors) EXPECT_NE(e.find(hc.expect), std::string::npos) << e;
+  }
+  // allgather: head groups must divide Hkv.
+  errors = errors_on_ranks(2, [&](Communicator& comm) {
+    StrategyOptions opt;
+    opt.kind = StrategyKind::allgather;
+    opt.head_groups = 3;
+    auto s = Strategy::create(comm, opt);
+    Shard x = make_shard(2, comm.rank());
+    s->forward(x.q, x.k, x.v, Tokens{x.positions, {}}, x.o, x.lse);
+  });
+  for (const std::string& e : errors) EXPECT_NE(e.find("head_groups"), std::string::npos) << e;
+  EXPECT_THROW(parse_strategy("rings"), Error);
+  EXPECT_EQ(parse_strategy("hybrid"), StrategyKind::hybrid);
+}
+
+// A communicator that forwards to the real one but throws on its n-th point-to-point send:
+// a rank failing in the middle of the ring.
+class FailingComm final : public Communicator {
+ public:
+  FailingComm(Communicator& inner, int fail_at) : inner_(inner), fail_at_(fail_at) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::string transport() const override { return inner_.transport(); }
+  Request isend(Buffer&& buf, int peer, int tag) override {
+    if (++sends_ == fail_at_) throw Error("injected failure at send " + std::to_string(sends_));
+    return inner_.isend(std::move(buf), peer, tag);
+  }
+  Request irecv(size_t bytes, int peer, int tag) override { return inner_.irecv(bytes, peer, tag); }
+  void allgather(const void* s, void* r, size_t b) override { inner_.allgather(s, r, b); }
+  void reduce_scatter(const float* s, float* r, size_t c) override { inner_.reduce_scatter(s, r, c); }
+  void alltoall(const void* s, void* r, size_t b) override { inner_.alltoall(s, r, b); }
+  void allreduce(float* b, size_t c) override { inner_.allreduce(b, c); }
+  void allreduce(double* b, size_t c) override { inner_.allreduce(b, c); }
+  void barrier() override { inner_.barrier(); }
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    return inner_.split(color, key);
+  }
+
+ private:
+  Communicator& inner_;
+  int fail_at_;
+  int sends_ = 0;
+};
+
+TEST(Faults, RankFailingMidRingFailsTheGroupPromptly) {
+  for (StrategyKind kind : {StrategyKind::ring, StrategyKind::allgather})
+    for (bool backward : {false, true}) {
+      double seconds = 0;
+      auto errors = errors_on_ranks(
+          4,
+          [&](Communicator& comm) {
+            FailingComm failing(comm, comm.rank() == 1 ? 2 : 1 << 30);
+            StrategyOptions opt;
+            opt.kind = kind;
+            auto s = Strategy::create(failing, opt);
+            Shard x = make_shard(4, comm.rank());
+            Tokens tok{x.positions, {}};
+            if (!backward) s->forward(x.q, x.k, x.v, tok, x.o, x.lse);
+            else s->backward(x.q, x.k, x.v, tok, x.o, x.lse, x.dout, x.dq, x.dk, x.dv);
+          },
+          &seconds);
+      EXPECT_NE(errors[1].find("injected failure"), std::string::npos) << errors[1];
+      for (int r = 0; r < 4; ++r)
+        EXPECT_NE(errors[r].find("injected failure"), std::string::npos)
+            << strategy_name(kind) << " rank " << r << " did not fail naming the cause: '"
+            << errors[r] << "'";
+      EXPECT_LT(seconds, 4.0) << "the group must fail promptly, not at the timeout";
+    }
+}
+
+}  // namespace
+}  // namespace ctxpar::testing
