@@ -45,6 +45,8 @@ int collective_tag(uint32_t call, CommKind kind, int phase) {
   return make_tag(call, static_cast<int>(kind), phase);
 }
 
+const char* tag_kind_name(int tag) { return kind_name((tag >> 4) & 15); }
+
 std::string describe_tag(Channel ch, int tag) {
   if (ch == Channel::user) return detail::concat("tag ", tag);
   return detail::concat("tag ", tag, " of ", kind_name((tag >> 4) & 15), " call ", tag >> 8,

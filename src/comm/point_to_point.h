@@ -18,6 +18,9 @@ enum class Channel { user = 0, collective = 1 };
 // Collective tags: call number (12 bits, wraps) | kind (4 bits) | phase (4 bits). The kind is in
 // the tag so that ranks calling different collectives never match each other's messages.
 int collective_tag(uint32_t call, CommKind kind, int phase);
+// The parts of a collective tag.
+inline uint32_t tag_call(int tag) { return static_cast<uint32_t>(tag) >> 8; }
+const char* tag_kind_name(int tag);
 // "tag 5" for user messages, "tag 5 of allgather call 3" for collective ones.
 std::string describe_tag(Channel ch, int tag);
 

@@ -157,6 +157,7 @@ class RecvRequest final : public Request::Impl {
         throw Error(detail::concat("rank ", at_.me, ": waiting for recv from rank ", at_.peer,
                                    " (", describe_tag(at_.ch, at_.tag), "), but rank ",
                                    at_.peer, " has returned without sending it"));
+      if (!m_->arrived && at_.ch == Channel::collective) check_same_collective();
       if (now >= deadline) throw_timeout(at_, "recv from");
       world_->cv.wait_until(lock, m_->arrived ? std::min(m_->deliver_at, deadline) : deadline);
     }
@@ -171,6 +172,21 @@ class RecvRequest final : public Request::Impl {
                  at_.peer, " (", describe_tag(at_.ch, at_.tag), ") expected ", m_->expected,
                  " bytes, but the message has ", m_->payload.size(), " bytes");
     return true;
+  }
+
+  // Caller holds the lock. A message of the same collective call number but another kind
+  // means a rank called a different collective: no message this rank waits for will come.
+  void check_same_collective() const {
+    const int kind = (at_.tag >> 4) & 15;
+    for (const auto& u : group_->unexpected[local_rank_]) {
+      if (u->ch != Channel::collective || tag_call(u->tag) != tag_call(at_.tag) ||
+          ((u->tag >> 4) & 15) == kind)
+        continue;
+      throw Error(detail::concat(
+          "rank ", at_.me, ": collective mismatch: this rank is in ", tag_kind_name(at_.tag),
+          " (call ", tag_call(at_.tag), ") but rank ", group_->world[u->src], " called ",
+          tag_kind_name(u->tag), "; every rank must call the same collectives in the same order"));
+    }
   }
 
   std::shared_ptr<World> world_;

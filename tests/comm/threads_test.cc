@@ -158,7 +158,7 @@ TEST(ThreadsFaults, WaitTimesOutNamingRankPeerAndTag) {
   const auto t0 = Clock::now();
   const std::string msg = failure_of(2, [](Communicator& comm) {
     if (comm.rank() == 0) comm.irecv(8, 1, 7).wait();  // rank 1 never sends it
-    else std::this_thread::sleep_for(milliseconds(1500));
+    else std::this_thread::sleep_for(milliseconds(900));
   }, options);
   EXPECT_EQ(msg, "rank 0 failed: rank 0: timed out after 0.3 s waiting for recv from rank 1 (tag 7)");
   EXPECT_GE(seconds_since(t0), 0.3);
@@ -185,9 +185,9 @@ TEST(ThreadsFaults, ReceiveOfWrongSizeNamesBothSizes) {
 
 TEST(ThreadsFaults, CollectiveSkippedByOneRankFails) {
   ThreadsOptions options;
-  options.timeout = milliseconds(400);
-  // Rank 1 skips the all-gather and goes on to a barrier: every rank waits for a message of
-  // the collective it called, which never comes, so timeouts end it.
+  options.timeout = std::chrono::seconds(30);  // must not be what ends it
+  // Rank 1 skips the all-gather and goes on to a barrier: the ranks see a message of another
+  // collective with the same call number and fail at once.
   const auto t0 = Clock::now();
   std::string msg = failure_of(3, [](Communicator& comm) {
     float x[3] = {}, y = 1;
@@ -195,13 +195,26 @@ TEST(ThreadsFaults, CollectiveSkippedByOneRankFails) {
     comm.barrier();
   }, options);
   EXPECT_LT(seconds_since(t0), 5.0);
-  EXPECT_NE(msg.find("timed out after 0.4 s"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("collective mismatch"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("rank 1"), std::string::npos) << msg;
   // Rank 1 skips and returns: the ranks waiting for it fail at once.
   msg = failure_of(3, [](Communicator& comm) {
     double v = 1;
     if (comm.rank() != 1) comm.allreduce(&v, 1);
-  });
+  }, options);
+  EXPECT_LT(seconds_since(t0), 5.0);
   EXPECT_NE(msg.find("rank 1 has returned without sending it"), std::string::npos) << msg;
+  // Rank 2 skips one all-reduce then waits on a user message nobody sends: the ranks still in
+  // the all-reduce wait for rank 2's share, so the timeout ends it.
+  options.timeout = std::chrono::milliseconds(400);
+  msg = failure_of(3, [](Communicator& comm) {
+    double v = 1;
+    if (comm.rank() != 2) comm.allreduce(&v, 1);
+    else comm.irecv(8, 0, 1).wait();
+  }, options);
+  EXPECT_NE(msg.find("timed out after 0.4 s waiting for recv from rank"), std::string::npos)
+      << msg;
+  EXPECT_LT(seconds_since(t0), 8.0);
 }
 
 TEST(ThreadsFaults, InvalidArgumentsAreErrors) {
