@@ -1,6 +1,194 @@
+// ctxpar plan: memory, communication and overlap of context-parallel training for a model on a
+// cluster, from the model in src/plan/ (see docs/plan.md).
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+
 #include "commands.h"
+#include "ctxpar/plan.h"
 #include "options.h"
 
 namespace ctxpar::cli {
-int cmd_plan(int argc, char** argv) { throw UsageError("'plan' is not built yet"); }
+namespace {
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
+  return s;
+}
+
+// "A" or "A,B": intra-node and inter-node values (one value sets both).
+std::pair<double, double> pair_of(const Options& o, const std::string& name) {
+  const auto items = o.list(name);
+  if (items.empty() || items.size() > 2)
+    throw UsageError("--" + name + " expects VALUE or INTRA,INTER, got '" + o.str(name) + "'");
+  auto num = [&](const std::string& s) {
+    char* end = nullptr;
+    double v = std::strtod(s.c_str(), &end);
+    if (s.empty() || *end != '\0' || v < 0)
+      throw UsageError("--" + name + " expects non-negative numbers, got '" + s + "'");
+    return v;
+  };
+  return {num(items[0]), num(items.back())};
+}
+
+ModelSpec model_from(const Options& o) {
+  ModelSpec m;
+  if (o.given("model") || !o.given("layers")) m = model_preset(o.str("model"));
+  auto set = [&](const char* name, int64_t& field) {
+    if (o.given(name)) {
+      field = o.i64(name);
+      m.name = o.given("model") ? m.name + "+custom" : "custom";
+    }
+  };
+  set("layers", m.layers);
+  set("hidden", m.hidden);
+  set("heads", m.heads);
+  set("kv-heads", m.kv_heads);
+  set("ffn", m.ffn);
+  set("vocab", m.vocab);
+  if (o.given("head-dim")) {
+    m.head_dim = o.i64("head-dim");
+  } else if (o.given("hidden") || o.given("heads")) {
+    if (m.heads > 0) m.head_dim = m.hidden / m.heads;
+  }
+  if (!o.given("kv-heads") && o.given("heads") && !o.given("model")) m.kv_heads = m.heads;
+  return m;
+}
+
+// `local`: our kernel timed on one block pair of this plan's shape, our transport timed with
+// the simulated link of --link-gbps / --latency-us, the cores shared by the cp ranks.
+HardwareSpec hardware_from(const Options& o, const PlanInput& in) {
+  HardwareSpec h;
+  const std::string name = o.str("hardware");
+  if (name == "local") {
+    LocalOptions lo;
+    lo.block_tokens = in.seq / in.cp;
+    lo.batch = in.batch;
+    lo.heads = in.model.heads / in.tp;
+    lo.kv_heads = std::max<int64_t>(1, in.model.kv_heads / in.tp);
+    lo.head_dim = in.model.head_dim;
+    lo.dtype = in.dtype;
+    if (o.given("link-gbps")) lo.link.gbytes_per_second = pair_of(o, "link-gbps").first;
+    if (o.given("latency-us")) lo.link.latency_us = pair_of(o, "latency-us").first;
+    lo.message_bytes = 2.0 * lo.batch * lo.block_tokens * lo.kv_heads * lo.head_dim *
+                       dtype_size(in.dtype);
+    lo.cores = static_cast<int>(o.i64("cores"));
+    h = local_hardware(measure_local(lo), in.cp);
+  } else if (o.given("hardware") || !o.given("flops")) {
+    h = hardware_preset(name);
+  } else {
+    h.name = "custom";
+  }
+  if (o.given("flops")) h.flops = o.num("flops") * 1e12;
+  if (o.given("mem-gb")) h.mem_gb = o.num("mem-gb");
+  if (o.given("link-gbps") && name != "local") {
+    auto [a, b] = pair_of(o, "link-gbps");
+    h.intra.gbytes_per_second = a;
+    h.inter.gbytes_per_second = b;
+  }
+  if (o.given("latency-us") && name != "local") {
+    auto [a, b] = pair_of(o, "latency-us");
+    h.intra.latency_us = a;
+    h.inter.latency_us = b;
+  }
+  if (o.given("devices-per-node")) h.devices_per_node = static_cast<int>(o.i64("devices-per-node"));
+  if (o.given("efficiency")) h.efficiency = o.num("efficiency");
+  return h;
+}
+
+}  // namespace
+
+int cmd_plan(int argc, char** argv) {
+  Options o("plan",
+            "Memory, FLOPs, communication and ring overlap of context-parallel training for a "
+            "model on a cluster (see docs/plan.md).");
+  o.add("model", "llama3-8b", "model preset: " + join(model_preset_names()))
+      .add("layers", "", "transformer blocks (custom model; overrides the preset)")
+      .add("hidden", "", "model width")
+      .add("heads", "", "query heads")
+      .add("kv-heads", "", "key/value heads (GQA; default = heads for a custom model)")
+      .add("head-dim", "", "head dimension (default hidden / heads)")
+      .add("ffn", "", "MLP inner width (SwiGLU)")
+      .add("vocab", "", "vocabulary size")
+      .add("seq", "131072", "tokens per sequence (64K, 1M suffixes accepted)")
+      .add("video-hours", "", "set --seq from a video: hours * 3600 * fps * tokens-per-frame")
+      .add("fps", "1", "video frames per second (with --video-hours)")
+      .add("tokens-per-frame", "256", "tokens per video frame (with --video-hours)")
+      .add("batch", "1", "sequences per data-parallel replica per step")
+      .add("dp", "1", "data-parallel degree")
+      .add("cp", "auto", "context-parallel degree (auto: the smallest power of two that fits)")
+      .add("tp", "1", "tensor-parallel degree (sequence-parallel activations)")
+      .add("pp", "1", "pipeline stages (layers per device = layers / pp)")
+      .add("zero", "3", "ZeRO stage over dp x cp: 0 replicated, 1 optimizer, 2 +grads, 3 +weights")
+      .add("strategy", "ring", "ring | allgather | ulysses | hybrid")
+      .add("ulysses-degree", "0", "hybrid: ranks per Ulysses group (0: largest within a node)")
+      .add("layout", "zigzag", "contiguous | zigzag | striped")
+      .add("mask", "causal", "causal | none")
+      .add("dtype", "bf16", "bf16 | fp32 (weights, activations and transfers)")
+      .flag("recompute", "full activation recomputation (keep only each layer's input)")
+      .add("hardware", "h100", "hardware preset: " + join(hardware_preset_names()))
+      .add("flops", "", "peak dense TFLOP/s per device (overrides the preset)")
+      .add("efficiency", "", "fraction of peak the kernels reach (presets: 1, as the Ring "
+                             "Attention paper assumes)")
+      .add("mem-gb", "", "device memory in GB")
+      .add("link-gbps", "", "link GB/s per device, one direction: INTRA[,INTER]")
+      .add("latency-us", "", "link latency in microseconds: INTRA[,INTER]")
+      .add("devices-per-node", "", "devices sharing the intra-node link")
+      .add("cores", "0", "local: cores the ranks share (0: this machine's)")
+      .add("tile", "0", "kernel tile edge for masked-tile skipping (0: exact pairs; local: 64)")
+      .flag("compare", "estimate and rank ring, allgather, ulysses and hybrid")
+      .flag("json", "print every figure as JSON")
+      .example("ctxpar plan --model lwm-7b --video-hours 1")
+      .example("ctxpar plan --model llama3-70b --seq 1M --cp 16 --tp 8 --hardware h100 --compare")
+      .example("ctxpar plan --hardware local --layers 1 --hidden 512 --heads 4 --ffn 1024 "
+               "--vocab 1000 --seq 8192 --cp 4 --link-gbps 1 --json");
+  if (!o.parse(argc, argv)) return 0;
+
+  PlanInput in;
+  in.model = model_from(o);
+  if (o.given("video-hours")) {
+    if (o.given("seq")) throw UsageError("give --seq or --video-hours, not both");
+    in.seq = video_tokens(o.num("video-hours"), o.num("fps"), o.i64("tokens-per-frame"));
+  } else {
+    in.seq = o.i64("seq");
+  }
+  in.batch = o.i64("batch");
+  in.dp = static_cast<int>(o.i64("dp"));
+  in.tp = static_cast<int>(o.i64("tp"));
+  in.pp = static_cast<int>(o.i64("pp"));
+  in.zero = static_cast<int>(o.i64("zero"));
+  in.strategy = parse_strategy(o.str("strategy"));
+  in.ulysses_degree = static_cast<int>(o.i64("ulysses-degree"));
+  in.layout = parse_layout(o.str("layout"));
+  const std::string mask = o.str("mask");
+  if (mask != "causal" && mask != "none")
+    throw UsageError("--mask must be causal or none, got '" + mask + "'");
+  in.causal = mask == "causal";
+  in.dtype = parse_dtype(o.str("dtype"));
+  in.recompute = o.on("recompute") ? Recompute::full : Recompute::none;
+  in.tile = static_cast<int>(o.i64("tile"));
+  const bool auto_cp = o.str("cp") == "auto";
+  in.cp = auto_cp ? 1 : static_cast<int>(o.i64("cp"));
+  if (o.str("hardware") == "local" && !o.given("tile")) in.tile = 64;  // our kernel's tile
+  const bool local = o.str("hardware") == "local";
+  if (auto_cp) {
+    if (local) throw UsageError("--hardware local needs an explicit --cp (the ranks share this machine)");
+    in.hardware = hardware_from(o, in);
+    Plan probe = make_plan(in, false);
+    const int fit = in.recompute == Recompute::full ? probe.cp_to_fit_recompute : probe.cp_to_fit;
+    in.cp = fit > 0 ? fit : 8;
+    while (in.layout == LayoutKind::zigzag && in.seq % (2 * in.cp) != 0 && in.cp > 1) in.cp /= 2;
+  }
+  in.hardware = hardware_from(o, in);
+  const Plan plan = make_plan(in, o.on("compare"));
+  if (o.on("json")) {
+    std::cout << plan_json(plan) << "\n";
+  } else {
+    std::cout << plan_table(plan);
+  }
+  return 0;
+}
+
 }  // namespace ctxpar::cli

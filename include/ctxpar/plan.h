@@ -1,0 +1,215 @@
+// The planning model behind `ctxpar plan`: per-device memory, FLOPs, communication volume and
+// a step-by-step simulation of the ring schedule, for real models on real clusters. It models
+// the same schedules src/strategy/ runs (ring with double-buffered K/V, all-gather, Ulysses,
+// hybrid), so its predictions can be checked against our own measured runs. See docs/plan.md.
+//
+// Units: bytes, FLOPs, seconds; link bandwidth in GB/s (1e9 bytes per second, one direction).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ctxpar/layout.h"
+#include "ctxpar/strategy.h"
+#include "ctxpar/tensor.h"
+
+namespace ctxpar {
+
+// A decoder-only transformer of the LLaMA family (RMSNorm, GQA attention, SwiGLU MLP,
+// untied embedding and LM head).
+struct ModelSpec {
+  std::string name = "custom";
+  int64_t layers = 0, hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, ffn = 0, vocab = 0;
+  double layer_params() const;   // one transformer block
+  double params() const;         // whole model, embeddings and LM head included
+};
+ModelSpec model_preset(const std::string& name);  // throws listing the valid names
+std::vector<std::string> model_preset_names();
+
+struct LinkSpec {
+  double gbytes_per_second = 0;  // one direction, per device
+  double latency_us = 0;
+  double seconds(double bytes) const;  // latency + bytes / bandwidth
+};
+
+struct HardwareSpec {
+  std::string name = "custom";
+  double flops = 0;              // peak dense FLOP/s per device in the training dtype
+  double efficiency = 1.0;       // fraction of peak the kernels reach (1: the paper's F)
+  double mem_gb = 0;             // device memory, GB (1e9 bytes)
+  LinkSpec intra;                // between devices of one node (NVLink, ICI)
+  LinkSpec inter;                // between nodes (InfiniBand, DCN)
+  int devices_per_node = 8;
+  double backward_flops = 0;     // backward kernel FLOP/s when measured apart (0: = flops)
+  double effective_flops() const { return flops * efficiency; }
+  double effective_backward_flops() const {
+    return (backward_flops > 0 ? backward_flops : flops) * efficiency;
+  }
+};
+// a100-nvlink a100-infiniband h100 h200 b200 tpu-v4 (published figures); `local` is measured
+// by measure_local_hardware() instead.
+HardwareSpec hardware_preset(const std::string& name);
+std::vector<std::string> hardware_preset_names();
+
+enum class Recompute { none, full };
+
+struct PlanInput {
+  ModelSpec model;
+  HardwareSpec hardware;
+  int64_t seq = 0;               // tokens per sequence
+  int64_t batch = 1;             // sequences per data-parallel replica per step
+  int dp = 1, cp = 1, tp = 1, pp = 1;
+  int zero = 3;                  // 0: replicated states; 1/2/3: ZeRO stage over dp*cp (FSDP)
+  StrategyKind strategy = StrategyKind::ring;
+  int ulysses_degree = 0;        // hybrid: ranks per Ulysses group (0: as large as heads allow)
+  LayoutKind layout = LayoutKind::zigzag;
+  bool causal = true;
+  DType dtype = DType::bf16;
+  Recompute recompute = Recompute::none;
+  int tile = 0;                  // kernel tile edge for masked-tile skipping (0: exact pairs)
+};
+// Throws ctxpar::Error naming the argument and the rule (e.g. heads % tp == 0).
+void validate(const PlanInput& in);
+
+// ---- memory ----------------------------------------------------------------------------
+struct MemoryBreakdown {
+  double weights = 0, gradients = 0, optimizer = 0;
+  double gathered_weights = 0;     // ZeRO-3: full layers gathered for compute (prefetch: 2)
+  double activations_per_layer = 0;
+  double activations = 0;          // all layers on this device (+ the layer being recomputed)
+  double logits = 0;               // LM head output and its fp32 softmax for the loss
+  double attention_buffers = 0;    // the strategy's working set (ring: double-buffered K/V)
+  double total = 0, capacity = 0;
+  bool fits = false;
+};
+MemoryBreakdown plan_memory(const PlanInput& in);
+
+// ---- FLOPs ------------------------------------------------------------------------------
+struct FlopCount {
+  double attention_forward = 0;  // per layer, whole sequence batch (masked pairs skipped)
+  double attention_step = 0;     // all layers, forward + backward (+ recompute), per replica
+  double dense_step = 0;         // matmuls: projections, MLP, LM head, per replica
+  double total_step = 0;
+  double per_device = 0;         // total_step / (cp * tp * pp)
+};
+FlopCount plan_flops(const PlanInput& in);
+
+// ---- communication ----------------------------------------------------------------------
+// Bytes one device sends for one layer's attention (forward, backward), per strategy: the
+// formulas of docs/plan.md, which the tests check against our communicators' counters.
+struct CommVolume {
+  StrategyKind strategy = StrategyKind::ring;
+  double forward_bytes = 0, backward_bytes = 0;
+  double step_bytes = 0;         // all layers on this device, forward + backward
+};
+// Per-device sizes: `tokens` local tokens (T/P), `heads`/`kv_heads` as this device holds them.
+CommVolume attention_comm_bytes(StrategyKind kind, int ranks, int ulysses_degree,
+                                int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
+                                int64_t head_dim, size_t dtype_bytes);
+
+// ---- the ring: balance, overlap and a step-by-step schedule ------------------------------
+// Score pairs (q, k) that rank q_rank's queries compute against rank k_rank's keys, per
+// batch row and head: visible pairs when tile == 0, else whole tiles of tile x tile that are
+// not fully masked (as our kernel skips them).
+double visible_pairs(LayoutKind layout, int64_t seq, int ranks, int q_rank, int k_rank,
+                     bool causal, int tile = 0);
+
+// Ring Attention's c >= F/B, generalised: the smallest per-rank block (tokens) whose compute
+// hides one step's transfer. fraction = visible share of a block pair (causal balanced: 1/2).
+struct MinBlock {
+  double forward = 0, backward = 0, tokens = 0;  // tokens = max(forward, backward)
+};
+MinBlock min_block_tokens(double flops_per_second, const LinkSpec& link, int64_t heads,
+                          int64_t kv_heads, int64_t head_dim, size_t dtype_bytes,
+                          double fraction);
+
+struct RingStepTrace {
+  double start = 0, compute = 0, wait = 0;  // seconds; wait = blocked on the next block
+};
+struct RingRankTrace {
+  std::vector<RingStepTrace> forward, backward;
+  double compute = 0, wait = 0, finish = 0, bytes_sent = 0;
+};
+struct RingSimulation {
+  std::vector<RingRankTrace> ranks;
+  double forward_seconds = 0, backward_seconds = 0, seconds = 0;  // slowest rank
+  double compute_seconds = 0;    // slowest rank's pure compute
+  double exposed_comm = 0;       // seconds - slowest rank's compute
+  double perfect_seconds = 0;    // one device's compute / P, no communication
+  double efficiency = 0;         // perfect_seconds / seconds
+};
+// Simulates one attention layer (forward, then backward when `backward`) of the ring on P
+// ranks: rank r posts the send of the block it holds before computing on it, each outgoing
+// link carries one message at a time, a step starts when its block has arrived. links[r] is
+// the link from rank r to rank r+1; flops_per_second[r] is rank r's attention throughput.
+struct RingProblem {
+  int ranks = 1;
+  int64_t batch = 1, seq = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  size_t dtype_bytes = 2;
+  LayoutKind layout = LayoutKind::zigzag;
+  bool causal = true;
+  bool backward = true;
+  int tile = 0;
+  std::vector<LinkSpec> links;             // size ranks (or 1: the same for all)
+  std::vector<double> flops_per_second;    // size ranks (or 1)
+  std::vector<double> backward_flops_per_second;  // empty: the same as forward
+  bool barrier_after_forward = false;      // threads transport, P > 2: ring.cc's barrier
+  double step_overhead_seconds = 0;        // fixed cost per kernel call (local: measured)
+};
+RingSimulation simulate_ring(const RingProblem& problem);
+
+// ---- this machine ------------------------------------------------------------------------
+// The `local` preset: our kernel and threads transport, measured on the spot.
+struct LocalOptions {
+  int64_t block_tokens = 1024;   // tokens per rank (measured on at most 1024)
+  int64_t batch = 1, heads = 8, kv_heads = 8, head_dim = 128;
+  DType dtype = DType::f32;
+  SimulatedLink link;            // the threads transport's simulated link (0: none)
+  double message_bytes = 1 << 20;  // size of the timed message (use one K/V block)
+  int cores = 0;                 // cores the ranks share (0: this machine's)
+};
+struct LocalMeasurement {
+  double forward_flops = 0, backward_flops = 0;  // one kernel thread, FLOP/s
+  int cores = 1;
+  LinkSpec link;                 // measured: latency of a small message, bandwidth of a large
+  double mem_gb = 0;
+};
+LocalMeasurement measure_local(const LocalOptions& options);
+// The hardware P ranks see when they share this machine's cores.
+HardwareSpec local_hardware(const LocalMeasurement& measured, int ranks);
+
+// ---- the whole plan ---------------------------------------------------------------------
+struct StrategyEstimate {
+  StrategyKind strategy = StrategyKind::ring;
+  bool valid = true;
+  std::string why_invalid;
+  double attention_seconds = 0;    // per step, all layers on the device, fwd + bwd
+  double exposed_comm_seconds = 0;
+  double efficiency = 0;           // vs perfect scaling of the same attention compute
+  double bytes_per_step = 0;
+  double attention_buffer_bytes = 0;
+};
+
+struct Plan {
+  PlanInput input;
+  MemoryBreakdown memory;
+  FlopCount flops;
+  std::vector<CommVolume> comm;           // ring, allgather, ulysses, hybrid
+  MinBlock min_block;
+  int64_t block_tokens = 0;               // this plan's per-rank block (T / cp)
+  RingSimulation ring;                    // one layer
+  std::vector<StrategyEstimate> compare;  // ranked, fastest first (valid ones)
+  double dense_seconds = 0;               // per step, per device
+  double step_seconds = 0;                // dense + the chosen strategy's attention
+  int cp_to_fit = 0;                      // smallest power-of-two cp that fits (0: none <= 2^16)
+  int cp_to_fit_recompute = 0;            // the same with full recomputation
+};
+// compare: also estimate every strategy (else only the chosen one).
+Plan make_plan(const PlanInput& in, bool compare = false);
+std::string plan_json(const Plan& plan);   // every figure of the table
+std::string plan_table(const Plan& plan);  // human-readable
+
+// Tokens of a video: hours * 3600 * fps * tokens_per_frame.
+int64_t video_tokens(double hours, double fps, int64_t tokens_per_frame);
+
+}  // namespace ctxpar

@@ -1,0 +1,130 @@
+// Per-device memory and per-step FLOPs of mixed-precision training with Adam. See
+// docs/plan.md, "Memory" and "FLOPs", for each term and where it comes from.
+#include <algorithm>
+
+#include "ctxpar/error.h"
+#include "ctxpar/plan.h"
+
+namespace ctxpar {
+
+void validate(const PlanInput& in) {
+  const ModelSpec& m = in.model;
+  CTXPAR_CHECK(m.layers > 0 && m.hidden > 0 && m.heads > 0 && m.kv_heads > 0 && m.head_dim > 0 &&
+                   m.ffn > 0 && m.vocab > 0,
+               "model: --layers --hidden --heads --kv-heads --head-dim --ffn --vocab must all be "
+               "> 0 (or use --model)");
+  CTXPAR_CHECK(m.heads % m.kv_heads == 0, "model: --heads (", m.heads,
+               ") must be a multiple of --kv-heads (", m.kv_heads, ")");
+  CTXPAR_CHECK(in.seq > 0, "--seq must be > 0 (or give --video-hours)");
+  CTXPAR_CHECK(in.batch > 0, "--batch must be > 0");
+  CTXPAR_CHECK(in.dp >= 1 && in.cp >= 1 && in.tp >= 1 && in.pp >= 1,
+               "--dp --cp --tp --pp must be >= 1");
+  CTXPAR_CHECK(m.heads % in.tp == 0, "--tp ", in.tp, " must divide the query heads (", m.heads, ")");
+  CTXPAR_CHECK(m.kv_heads % in.tp == 0 || in.tp % m.kv_heads == 0, "--tp ", in.tp,
+               " must divide the KV heads (", m.kv_heads, ") or be a multiple of them");
+  CTXPAR_CHECK(m.layers % in.pp == 0, "--pp ", in.pp, " must divide --layers (", m.layers, ")");
+  CTXPAR_CHECK(in.zero >= 0 && in.zero <= 3, "--zero must be 0, 1, 2 or 3, got ", in.zero);
+  CTXPAR_CHECK(in.dtype == DType::bf16 || in.dtype == DType::f32, "--dtype must be bf16 or fp32");
+  const int64_t parts = in.layout == LayoutKind::zigzag ? 2 * int64_t{in.cp} : in.cp;
+  CTXPAR_CHECK(in.seq % parts == 0, layout_name(in.layout), " layout needs seq % ",
+               in.layout == LayoutKind::zigzag ? "2cp" : "cp", " == 0: seq = ", in.seq,
+               ", cp = ", in.cp);
+  const HardwareSpec& h = in.hardware;
+  CTXPAR_CHECK(h.flops > 0 && h.mem_gb > 0 && h.intra.gbytes_per_second > 0 &&
+                   h.inter.gbytes_per_second > 0 && h.devices_per_node >= 1,
+               "hardware: --flops, --mem-gb and link bandwidths must be > 0 (or use --hardware)");
+  CTXPAR_CHECK(h.efficiency > 0 && h.efficiency <= 1, "--efficiency must be in (0, 1]");
+}
+
+namespace {
+double bytes_of(DType t) { return static_cast<double>(dtype_size(t)); }
+int64_t kv_heads_per_device(const PlanInput& in) {
+  return std::max<int64_t>(1, in.model.kv_heads / in.tp);  // replicated when tp > kv heads
+}
+}  // namespace
+
+MemoryBreakdown plan_memory(const PlanInput& in) {
+  validate(in);
+  const ModelSpec& m = in.model;
+  const double s = bytes_of(in.dtype);
+  const double layers = static_cast<double>(m.layers / in.pp);
+  // Embedding and LM head live on the first and last pipeline stages; count both when pp = 1.
+  const double embed = (in.pp == 1 ? 2.0 : 1.0) * m.vocab * m.hidden;
+  const double params = (layers * m.layer_params() + embed) / in.tp;
+  const double shard = static_cast<double>(in.dp) * in.cp;  // ZeRO / FSDP group
+
+  MemoryBreakdown mb;
+  mb.weights = params * s / (in.zero >= 3 ? shard : 1);
+  mb.gradients = params * 4.0 / (in.zero >= 2 ? shard : 1);  // fp32 gradient accumulation
+  const double opt = in.dtype == DType::bf16 ? 12.0 : 8.0;    // (fp32 master +) Adam m, v
+  mb.optimizer = params * opt / (in.zero >= 1 ? shard : 1);
+  if (in.zero >= 3 && shard > 1) mb.gathered_weights = 2 * m.layer_params() / in.tp * s;
+
+  // Saved activations per layer, per local token (sequence-parallel TP shards all of them):
+  // norm-1 in and out, Q, K, V, attention out, norm-2 in and out, gate, up, gate*up, and the
+  // fp32 LSE the flash-style backward needs. No score matrix is ever stored.
+  const double tokens = static_cast<double>(in.batch) * (in.seq / in.cp);
+  const double qd = static_cast<double>(m.heads) * m.head_dim;
+  const double kvd = static_cast<double>(m.kv_heads) * m.head_dim;
+  const double per_token = s * (4.0 * m.hidden + 2 * qd + 2 * kvd + 3.0 * m.ffn) + 4.0 * m.heads;
+  const double full_layer = tokens * per_token / in.tp;
+  const double layer_input = tokens * m.hidden * s / in.tp;
+  mb.activations_per_layer = in.recompute == Recompute::full ? layer_input : full_layer;
+  mb.activations = in.recompute == Recompute::full ? layers * layer_input + full_layer
+                                                   : layers * full_layer;
+  mb.logits = tokens * (static_cast<double>(m.vocab) / in.tp) * (s + 4.0);
+
+  // The strategy's working set for one layer (the larger of forward and backward).
+  const double n = tokens, hq = static_cast<double>(m.heads) / in.tp;
+  const double hkv = static_cast<double>(kv_heads_per_device(in)), D = m.head_dim;
+  const double kv = n * hkv * D * s, kv32 = n * hkv * D * 4, q32 = n * hq * D * 4;
+  const double rows32 = n * hq * 4;
+  const double P = in.cp;
+  switch (in.strategy) {
+    case StrategyKind::ring:
+      // K, V double-buffered; backward adds the travelling fp32 dK, dV (double-buffered), dq.
+      mb.attention_buffers = std::max(2 * 2 * kv + q32 + 2 * rows32,
+                                      2 * 2 * kv + 2 * 2 * kv32 + q32 + rows32);
+      break;
+    case StrategyKind::allgather:
+      mb.attention_buffers = std::max(2 * P * kv + q32 + 2 * rows32,
+                                      2 * P * kv + 2 * P * kv32 + q32 + rows32);
+      break;
+    case StrategyKind::ulysses:
+    case StrategyKind::hybrid: {
+      // [T/P, H] <-> [T, H/P] is the same size; q, k, v, o, dO gathered plus dq, dk, dv and
+      // the fp32 state, with send buffers alongside.
+      const double q = n * hq * D * s;
+      mb.attention_buffers = 2 * (3 * q + 2 * kv) + q32 + 2 * kv32 + 2 * rows32;
+      if (in.strategy == StrategyKind::hybrid) mb.attention_buffers += 2 * 2 * kv + 2 * 2 * kv32;
+      break;
+    }
+  }
+  mb.total = mb.weights + mb.gradients + mb.optimizer + mb.gathered_weights + mb.activations +
+             mb.logits + mb.attention_buffers;
+  mb.capacity = in.hardware.mem_gb * 1e9;
+  mb.fits = mb.total <= mb.capacity;
+  return mb;
+}
+
+FlopCount plan_flops(const PlanInput& in) {
+  validate(in);
+  const ModelSpec& m = in.model;
+  const double T = static_cast<double>(in.seq), b = static_cast<double>(in.batch);
+  const double pairs = in.causal ? T * (T + 1) / 2 : T * T;
+  FlopCount f;
+  f.attention_forward = 4.0 * b * m.heads * m.head_dim * pairs;
+  // Backward is 2.5x forward (FA2: five matmuls to forward's two); recomputation adds one
+  // more forward.
+  const double passes = 3.5 + (in.recompute == Recompute::full ? 1.0 : 0.0);
+  f.attention_step = m.layers * f.attention_forward * passes;
+  const double tokens = b * T;
+  const double dense_passes = 3.0 + (in.recompute == Recompute::full ? 1.0 : 0.0);
+  f.dense_step = 2.0 * tokens * m.layers * m.layer_params() * dense_passes +
+                 6.0 * tokens * m.vocab * m.hidden;
+  f.total_step = f.attention_step + f.dense_step;
+  f.per_device = f.total_step / (static_cast<double>(in.cp) * in.tp * in.pp);
+  return f;
+}
+
+}  // namespace ctxpar
