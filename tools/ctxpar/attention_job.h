@@ -35,6 +35,9 @@ struct AttentionJob {
   SimulatedLink link;                 // threads transport only
   double timeout_seconds = 300;
   bool keep_outputs = false;          // fill AttentionResult's full tensors (on the root)
+  // --check cost budget: B * Hq * rows * T * D multiply-adds of the fp64 reference. Above it,
+  // a sample of evenly spaced query rows (and key rows for dK, dV) is checked instead.
+  double check_budget = 1.5e9;
 
   // User inputs, full and unsharded, [B, T, H, D] (empty: seeded random inputs).
   Tensor q, k, v, dout;
@@ -50,7 +53,18 @@ struct RankReport {
   double wall_seconds = 0;
   double comm_wait_seconds = 0;
   uint64_t bytes_sent = 0, bytes_received = 0;
-  size_t peak_bytes = 0;
+  size_t peak_bytes = 0;          // largest total of buffers the strategy held (max fwd, bwd)
+  size_t shard_bytes = 0;         // this rank's own inputs and outputs (q, k, v, o, lse, ...)
+  double forward_flops = 0, backward_flops = 0;
+  double forward_busy_seconds = 0, backward_busy_seconds = 0;
+};
+
+// One compared quantity of --check: error of the run and of a plain fp32 computation, both
+// against fp64; passes when max_abs_err <= tolerance = 2 * naive_err + floor.
+struct QuantityCheck {
+  std::string name;  // "out", "lse", "dq", "dk", "dv"
+  double max_abs_err = 0, naive_err = 0, tolerance = 0;
+  bool passed = false;
 };
 
 struct AttentionResult {
@@ -58,8 +72,13 @@ struct AttentionResult {
   std::vector<RankReport> ranks;
   double forward_seconds = 0, backward_seconds = 0;  // wall, slowest rank
   double single_rank_bytes = 0;   // memory one rank would need for the whole problem
+  double scores_bytes = 0;        // a materialised fp32 score matrix B*Hq*T*T (no flash kernel)
   bool checked = false, check_passed = false;
-  double max_abs_err = 0, tolerance = 0;
+  double max_abs_err = 0, tolerance = 0;  // of the quantity closest to its tolerance
+  std::vector<QuantityCheck> checks;
+  bool check_sampled = false;     // only some rows were checked (T too large for full fp64)
+  std::vector<int64_t> check_query_rows, check_key_rows;  // token indices (when sampled)
+  std::string check_note;
   Tensor out, lse, dq, dk, dv;    // full, unsharded, original order (keep_outputs, root only)
 };
 

@@ -1,6 +1,276 @@
+// `ctxpar attention`: run, check and time one distributed attention (attention_job.h), on
+// random inputs or the user's .npy tensors, and print a per-rank table or one JSON object.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+
+#include "attention_job.h"
 #include "commands.h"
+#include "ctxpar/npy.h"
 #include "options.h"
 
 namespace ctxpar::cli {
-int cmd_attention(int argc, char** argv) { throw UsageError("'attention' is not built yet"); }
+namespace {
+
+Options attention_options() {
+  Options o("attention",
+            "Exact attention over a sequence split across P ranks (ring, all-gather, Ulysses or\n"
+            "hybrid), forward and backward, checked against an fp64 reference. Under\n"
+            "`mpirun -n P` each process is one rank and rank 0 prints the result.");
+  o.add("seq", "4096", "sequence length T (64K, 1M suffixes accepted)")
+      .add("heads", "8", "query heads Hq")
+      .add("kv-heads", "0", "key/value heads Hkv (GQA: Hq % Hkv == 0; 0 = same as --heads)")
+      .add("head-dim", "128", "head dimension D, 16..256")
+      .add("batch", "1", "batch size B")
+      .add("mask", "none",
+           "none | causal | window:L,R | documents:len1,len2,... | rules joined by '+', "
+           "e.g. causal+documents:300,724")
+      .add("dtype", "fp32", "storage type of q, k, v, o, do: fp32 | bf16")
+      .add("threads", "1", "OpenMP threads per rank")
+      .add("ranks", "1", "ranks P (under mpirun: the number of processes)")
+      .add("strategy", "ring", "ring | allgather | ulysses | hybrid")
+      .add("ulysses-degree", "0", "hybrid: ranks per Ulysses group u, must divide P (0 = P)")
+      .add("layout", "contiguous",
+           "how tokens map to ranks: contiguous | zigzag (T % 2P == 0) | striped")
+      .add("transport", "auto", "threads | mpi (auto: mpi under mpirun, else threads)")
+      .add("link-gbps", "0", "threads transport: simulated link bandwidth in GB/s (0 = none)")
+      .add("link-latency-us", "0", "threads transport: simulated link latency in microseconds")
+      .add("timeout", "300", "seconds a rank waits for a message before the job fails")
+      .add("seed", "0", "seed of the random inputs")
+      .add("repeats", "1", "timed repetitions; times are of the fastest")
+      .flag("backward", "also run the backward pass (dq, dk, dv)")
+      .flag("check", "compare with the fp64 reference of the whole problem; exit 1 on mismatch")
+      .add("check-budget", "1.5e9",
+           "--check: fp64 multiply-adds allowed (B*Hq*rows*T*D); above it, rows are sampled")
+      .flag("json", "print one JSON object instead of the table")
+      .add("q", "", "queries .npy (float32/float16, [B, T, Hq, D]; see --layout-in)")
+      .add("k", "", "keys .npy ([B, T, Hkv, D])")
+      .add("v", "", "values .npy ([B, T, Hkv, D])")
+      .add("do", "", "output gradient .npy ([B, T, Hq, D]; implies --backward)")
+      .add("layout-in", "bthd", "axis order of the .npy tensors: bthd | bhtd (PyTorch SDPA)")
+      .add("documents", "", "document id per token, .npy int32/int64 [T] (packed sequences)")
+      .add("positions", "", "position id per token, .npy int32/int64 [T] (default 0..T-1)")
+      .add("out", "", "write out.npy, lse.npy (and dq, dk, dv .npy) to this folder");
+  o.example("ctxpar attention --seq 64K --heads 2 --head-dim 64 --ranks 4 --strategy ring "
+            "--layout zigzag --mask causal --backward --check");
+  o.example("mpirun -n 4 ctxpar attention --seq 16K --strategy ulysses --mask causal --check");
+  o.example("ctxpar attention --q q.npy --k k.npy --v v.npy --layout-in bhtd --ranks 2 "
+            "--mask causal --out results/");
+  return o;
+}
+
+// bhtd file -> [B, T, H, D] tensor (and back for writing).
+Tensor swap_heads_tokens(const Tensor& t, DType dtype) {
+  const Shape s = t.shape();
+  TensorView swapped(t.data(), t.dtype(), {s[0], s[2], s[1], s[3]},
+                     {s[1] * s[2] * s[3], s[3], s[2] * s[3], 1});
+  return Tensor::copy_of(swapped, dtype);
+}
+
+Tensor read_input(const Options& o, const std::string& name, DType dtype) {
+  const std::string path = o.str(name);
+  Tensor t = read_npy(path, DType::f32);
+  CTXPAR_CHECK(t.dtype() == DType::f32, path, ": --", name, " must hold float32 or float16, not ",
+               dtype_name(t.dtype()));
+  CTXPAR_CHECK(t.shape().size() == 4, path, ": --", name, " must be 4-D [B, T, H, D] (or ",
+               "[B, H, T, D] with --layout-in bhtd), got ", shape_str(t.shape()));
+  return o.str("layout-in") == "bhtd" ? swap_heads_tokens(t, dtype) : Tensor::copy_of(t, dtype);
+}
+
+// "documents:300,724" inside a '+'-joined mask -> the lengths.
+std::vector<int64_t> document_lengths(const std::string& mask) {
+  std::vector<int64_t> lengths;
+  size_t at = mask.find("documents:");
+  if (at == std::string::npos) return lengths;
+  std::string list = mask.substr(at + 10, mask.find('+', at) - (at + 10));
+  size_t start = 0;
+  while (start <= list.size()) {
+    size_t comma = list.find(',', start);
+    std::string item = list.substr(start, comma - start);
+    char* end = nullptr;
+    long long v = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || v < 1)
+      throw UsageError("--mask documents: '" + item + "' is not a length >= 1 (documents:512,512)");
+    lengths.push_back(v);
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return lengths;
+}
+
+AttentionJob job_from(const Options& o) {
+  AttentionJob job;
+  job.seq = o.i64("seq");
+  job.heads = o.i64("heads");
+  job.kv_heads = o.i64("kv-heads");
+  job.head_dim = o.i64("head-dim");
+  job.batch = o.i64("batch");
+  job.mask = parse_mask(o.str("mask"));
+  job.document_lengths = document_lengths(o.str("mask"));
+  job.dtype = parse_dtype(o.str("dtype"));
+  job.threads = static_cast<int>(o.i64("threads"));
+  job.strategy = parse_strategy(o.str("strategy"));
+  job.ulysses_degree = static_cast<int>(o.i64("ulysses-degree"));
+  job.layout = parse_layout(o.str("layout"));
+  job.transport = o.str("transport");
+  if (job.transport == "auto") job.transport = launched_by_mpi() ? "mpi" : "threads";
+  job.ranks = static_cast<int>(o.i64("ranks"));
+  if (job.transport == "mpi" && !o.given("ranks") && launched_by_mpi())
+    job.ranks = mpi_world().size();
+  job.link.gbytes_per_second = o.num("link-gbps");
+  job.link.latency_us = o.num("link-latency-us");
+  job.timeout_seconds = o.num("timeout");
+  job.seed = static_cast<uint64_t>(o.i64("seed"));
+  job.repeats = static_cast<int>(o.i64("repeats"));
+  job.backward = o.on("backward") || o.given("do");
+  job.check = o.on("check");
+  job.check_budget = o.num("check-budget");
+  job.keep_outputs = o.given("out");
+
+  const std::string layout_in = o.str("layout-in");
+  if (layout_in != "bthd" && layout_in != "bhtd")
+    throw UsageError("--layout-in must be bthd ([B, T, H, D]) or bhtd ([B, H, T, D]), got '" +
+                     layout_in + "'");
+  if (o.given("q") || o.given("k") || o.given("v")) {
+    if (!(o.given("q") && o.given("k") && o.given("v")))
+      throw UsageError("--q, --k and --v come together (and --do for the backward)");
+    job.q = read_input(o, "q", job.dtype);
+    job.k = read_input(o, "k", job.dtype);
+    job.v = read_input(o, "v", job.dtype);
+    if (o.given("do")) job.dout = read_input(o, "do", job.dtype);
+    // The files decide the problem's shape; a conflicting explicit option is a mistake.
+    auto take = [&](const char* name, int64_t& field, int64_t value) {
+      if (o.given(name) && o.i64(name) != value)
+        throw UsageError(std::string("--") + name + " " + o.str(name) + " disagrees with --q/--k (" +
+                         std::to_string(value) + "); drop it");
+      field = value;
+    };
+    take("batch", job.batch, job.q.dim(0));
+    take("seq", job.seq, job.q.dim(1));
+    take("heads", job.heads, job.q.dim(2));
+    take("head-dim", job.head_dim, job.q.dim(3));
+    take("kv-heads", job.kv_heads, job.k.dim(2));
+  } else if (o.given("do")) {
+    throw UsageError("--do needs --q, --k and --v");
+  }
+  if (o.given("documents")) {
+    for (int64_t id : read_npy_ints(o.str("documents")))
+      job.documents.push_back(static_cast<int32_t>(id));
+    job.mask.documents = true;
+  }
+  if (o.given("positions")) job.positions = read_npy_ints(o.str("positions"));
+  return job;
+}
+
+std::string bytes_str(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) b /= 1024, ++u;
+  char s[32];
+  std::snprintf(s, sizeof s, u == 0 ? "%.0f %s" : "%.1f %s", b, units[u]);
+  return s;
+}
+
+std::string count_str(int64_t n) {  // 65536 -> 65,536
+  std::string s = std::to_string(n), out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i > 0 && (s.size() - i) % 3 == 0) out += ',';
+    out += s[i];
+  }
+  return out;
+}
+
+void print_table(const AttentionJob& job, const AttentionResult& r) {
+  const int64_t hkv = job.kv_heads ? job.kv_heads : job.heads;
+  std::printf("%s attention, T = %s tokens, B = %lld, H = %lld (kv %lld), D = %lld, %s%s\n",
+              job.mask.describe().c_str(), count_str(job.seq).c_str(),
+              static_cast<long long>(job.batch), static_cast<long long>(job.heads),
+              static_cast<long long>(hkv), static_cast<long long>(job.head_dim),
+              job.dtype == DType::bf16 ? "bf16" : "fp32", job.backward ? ", forward + backward" : "");
+  std::string how = strategy_name(job.strategy);
+  if (job.strategy == StrategyKind::hybrid)
+    how += " (ulysses groups of " + std::to_string(job.ulysses_degree ? job.ulysses_degree : job.ranks) + ")";
+  std::printf("%s over %d ranks, %s layout, %s transport, %d thread%s per rank\n\n", how.c_str(),
+              job.ranks, layout_name(job.layout), job.transport.c_str(), job.threads,
+              job.threads == 1 ? "" : "s");
+  std::printf("%5s %10s %12s %9s %9s %11s %11s %12s\n", "rank", "tokens", "work GFLOP", "busy s",
+              "wait s", "sent", "received", "peak memory");
+  double flops = 0, max_flops = 0, busy = 0, wait = 0, sent = 0, recv = 0, peak = 0;
+  for (const auto& k : r.ranks) {
+    const double mem = static_cast<double>(k.peak_bytes + k.shard_bytes);
+    std::printf("%5d %10s %12.2f %9.3f %9.3f %11s %11s %12s\n", k.rank, count_str(k.tokens).c_str(),
+                k.attention_flops * 1e-9, k.busy_seconds, k.comm_wait_seconds,
+                bytes_str(static_cast<double>(k.bytes_sent)).c_str(),
+                bytes_str(static_cast<double>(k.bytes_received)).c_str(), bytes_str(mem).c_str());
+    flops += k.attention_flops, max_flops = std::max(max_flops, k.attention_flops);
+    busy += k.busy_seconds, wait += k.comm_wait_seconds;
+    sent += static_cast<double>(k.bytes_sent), recv += static_cast<double>(k.bytes_received);
+    peak = std::max(peak, mem);
+  }
+  std::printf("%5s %10s %12.2f %9.3f %9.3f %11s %11s %12s\n\n", "total", count_str(job.seq).c_str(),
+              flops * 1e-9, busy, wait, bytes_str(sent).c_str(), bytes_str(recv).c_str(),
+              ("max " + bytes_str(peak)).c_str());
+  double fwd_flops = 0, bwd_flops = 0;
+  for (const auto& k : r.ranks) fwd_flops += k.forward_flops, bwd_flops += k.backward_flops;
+  std::printf("forward   %.3f s  (%.1f GFLOP/s)\n", r.forward_seconds,
+              r.forward_seconds > 0 ? fwd_flops / r.forward_seconds * 1e-9 : 0.0);
+  if (job.backward)
+    std::printf("backward  %.3f s  (%.1f GFLOP/s)\n", r.backward_seconds,
+                r.backward_seconds > 0 ? bwd_flops / r.backward_seconds * 1e-9 : 0.0);
+  if (!r.ranks.empty() && flops > 0)
+    std::printf("load balance: busiest rank does %.2fx the mean work\n",
+                max_flops / (flops / r.ranks.size()));
+  std::printf("memory: %s on the busiest rank; one rank alone would need %s "
+              "(%s more with a materialised fp32 score matrix)\n",
+              bytes_str(peak).c_str(), bytes_str(r.single_rank_bytes).c_str(),
+              bytes_str(r.scores_bytes).c_str());
+  if (!r.checked) return;
+  std::printf("check: %s  max |err| %.3g, tolerance %.3g  (", r.check_passed ? "PASSED" : "FAILED",
+              r.max_abs_err, r.tolerance);
+  for (size_t i = 0; i < r.checks.size(); ++i)
+    std::printf("%s%s %.2g%s", i ? ", " : "", r.checks[i].name.c_str(), r.checks[i].max_abs_err,
+                r.checks[i].passed ? "" : " FAIL");
+  std::printf(")\n       %s\n", r.check_note.c_str());
+}
+
+void write_outputs(const Options& o, const AttentionJob& job, const AttentionResult& r) {
+  namespace fs = std::filesystem;
+  const fs::path dir = o.str("out");
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  CTXPAR_CHECK(!ec, "--out ", dir.string(), ": cannot create the folder: ", ec.message());
+  const bool bhtd = o.str("layout-in") == "bhtd";
+  auto put = [&](const char* name, const Tensor& t) {
+    if (t.empty()) return;
+    const Tensor& w = bhtd ? swap_heads_tokens(t, DType::f32) : t;
+    write_npy((dir / name).string(), w);
+  };
+  put("out.npy", r.out);
+  write_npy((dir / "lse.npy").string(), r.lse);  // [B, H, T] whatever --layout-in
+  put("dq.npy", r.dq);
+  put("dk.npy", r.dk);
+  put("dv.npy", r.dv);
+}
+
+}  // namespace
+
+int cmd_attention(int argc, char** argv) {
+  Options o = attention_options();
+  if (!o.parse(argc, argv)) return 0;
+  AttentionJob job = job_from(o);
+  AttentionResult result = run_attention_job(job);
+  if (!result.is_root) return 0;
+  if (o.given("out")) write_outputs(o, job, result);
+  if (o.on("json")) {
+    std::printf("%s\n", to_json(job, result).dump(2).c_str());
+  } else {
+    print_table(job, result);
+    if (o.given("out")) std::printf("wrote %s\n", o.str("out").c_str());
+  }
+  std::fflush(stdout);
+  return result.checked && !result.check_passed ? 1 : 0;
+}
+
 }  // namespace ctxpar::cli

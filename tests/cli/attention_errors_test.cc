@@ -1,0 +1,64 @@
+// `ctxpar attention` refuses what cannot run with exit code 2 and a message that says what
+// would work instead; it never crashes or starts ranks that would then hang.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+
+#include "cli/cli_support.h"
+
+namespace ctxpar::test {
+namespace {
+
+struct Refusal {
+  std::string args;
+  std::vector<std::string> says;  // every part must appear in stderr
+};
+
+TEST(CliAttentionErrors, InvalidCombinationsExit2WithWhatWouldWork) {
+  const Refusal cases[] = {
+      {"--seq 1000 --ranks 3 --layout zigzag", {"T % 2P == 0", "--seq 996 or 1002"}},
+      {"--seq 1000 --ranks 3", {"T % P == 0", "--seq 999 or 1002"}},
+      {"--seq 64 --heads 6 --ranks 4 --strategy ulysses",
+       {"--heads (6) divisible by 4", "--heads 8", "--strategy ring", "--ulysses-degree 2"}},
+      {"--seq 64 --heads 8 --ranks 4 --strategy hybrid --ulysses-degree 3",
+       {"--ulysses-degree 3 does not divide --ranks 4", "1, 2, 4"}},
+      {"--seq 64 --ranks 2 --ulysses-degree 2", {"--strategy hybrid"}},
+      {"--seq 64 --heads 6 --kv-heads 4", {"multiple of --kv-heads", "--kv-heads 2"}},
+      {"--seq 64 --head-dim 8", {"--head-dim must be in [16, 256]"}},
+      {"--seq 64 --mask documents:30,30", {"add up to 60", "--seq is 64"}},
+      {"--seq 64 --mask documents", {"documents:512,512", "--documents"}},
+      {"--seq 64 --mask causl", {"unknown mask 'causl'", "causal"}},
+      {"--seq 64 --strategy rings", {"rings"}},
+      {"--seq 64 --layout zigzig", {"zigzig"}},
+      {"--seq 64 --transport mpi", {"mpirun -n 1", "--transport threads"}},
+      {"--seq 64 --rank 2", {"unknown option --rank", "did you mean --ranks?"}},
+      {"--seq 64 --dtype fp16", {"fp16"}},
+      {"--seq many", {"--seq expects a whole number"}},
+      {"--do x.npy", {"--do needs --q, --k and --v"}},
+      {"--q /nonexistent/q.npy --k /nonexistent/k.npy --v /nonexistent/v.npy",
+       {"/nonexistent/q.npy"}},
+  };
+  for (const Refusal& c : cases) {
+    CommandResult r = run_ctxpar("attention " + c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args << "\nstderr: " << r.err << "\nstdout: " << r.out;
+    for (const auto& part : c.says)
+      EXPECT_NE(r.err.find(part), std::string::npos)
+          << c.args << ": stderr lacks '" << part << "':\n" << r.err;
+    EXPECT_TRUE(r.out.empty()) << c.args << ": nothing on stdout on refusal, got " << r.out;
+  }
+}
+
+TEST(CliAttentionErrors, MalformedInputFileIsOneLineAndExit2) {
+  const std::string dir = temp_dir("malformed");
+  const std::string bad = dir + "/q.npy";
+  std::ofstream(bad) << "this is not a numpy file";
+  CommandResult r = run_ctxpar("attention --q " + bad + " --k " + bad + " --v " + bad);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find(bad), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("ctxpar attention: error: "), 0u) << r.err;
+  EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << "one line, got:\n" << r.err;
+}
+
+}  // namespace
+}  // namespace ctxpar::test

@@ -1,0 +1,81 @@
+// A user's own tensors: NumPy writes q, k, v, dO (PyTorch's [B, H, T, D] order), ctxpar runs
+// them sharded over 4 ranks with the zigzag ring and writes out, lse, dq, dk, dv; NumPy then
+// computes the same attention in float64 and compares. Needs /usr/bin/python3 with numpy.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "cli/cli_support.h"
+
+namespace ctxpar::test {
+namespace {
+
+// argv: dir, then "write" or "compare". Causal GQA attention, float64, [B, H, T, D].
+const char* kScript = R"PY(
+import sys, numpy as np
+d, mode = sys.argv[1], sys.argv[2]
+B, H, HKV, T, D = 2, 4, 2, 64, 16
+if mode == "write":
+    rng = np.random.default_rng(7)
+    for name, h in (("q", H), ("k", HKV), ("v", HKV), ("do", H)):
+        np.save(f"{d}/{name}.npy", rng.standard_normal((B, h, T, D)).astype(np.float32))
+    np.save(f"{d}/docs.npy", np.array([0] * 40 + [1] * 24, dtype=np.int64))
+    sys.exit(0)
+q, k, v, do = (np.load(f"{d}/{n}.npy").astype(np.float64) for n in ("q", "k", "v", "do"))
+docs = np.load(f"{d}/docs.npy")
+k = np.repeat(k, H // HKV, axis=1); v = np.repeat(v, H // HKV, axis=1)
+scale = 1 / np.sqrt(D)
+i = np.arange(T)
+visible = (i[None, :] <= i[:, None]) & (docs[None, :] == docs[:, None])
+s = np.where(visible, q @ k.transpose(0, 1, 3, 2) * scale, -np.inf)
+m = s.max(-1, keepdims=True)
+p = np.exp(s - m); l = p.sum(-1, keepdims=True); p /= l
+o = p @ v
+lse = (m + np.log(l))[..., 0]
+dv = p.transpose(0, 1, 3, 2) @ do
+dp = do @ v.transpose(0, 1, 3, 2)
+ds = p * (dp - (do * o).sum(-1, keepdims=True))
+dq = ds @ k * scale
+dk = ds.transpose(0, 1, 3, 2) @ q * scale
+g = H // HKV
+dk = dk.reshape(B, HKV, g, T, D).sum(2); dv = dv.reshape(B, HKV, g, T, D).sum(2)
+worst = 0.0
+for name, ref in (("out", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+    got = np.load(f"{d}/out/{name}.npy")
+    assert got.shape == ref.shape, (name, got.shape, ref.shape)
+    err = np.abs(got - ref).max()
+    print(name, err)
+    worst = max(worst, err)
+sys.exit(0 if worst < 1e-4 else 1)
+)PY";
+
+TEST(CliAttentionNpy, ShardedRunOfUserTensorsMatchesNumpy) {
+  if (!std::filesystem::exists("/usr/bin/python3")) GTEST_SKIP() << "no /usr/bin/python3";
+  const std::string dir = temp_dir("npy");
+  std::ofstream(dir + "/ref.py") << kScript;
+  CommandResult w = run_shell("/usr/bin/python3 " + dir + "/ref.py " + dir + " write");
+  if (w.exit_code != 0 && w.err.find("numpy") != std::string::npos)
+    GTEST_SKIP() << "python3-numpy missing: " << w.err;
+  ASSERT_EQ(w.exit_code, 0) << w.err;
+
+  CommandResult r = run_ctxpar("attention --q " + dir + "/q.npy --k " + dir + "/k.npy --v " +
+                               dir + "/v.npy --do " + dir + "/do.npy --documents " + dir +
+                               "/docs.npy --layout-in bhtd --mask causal --ranks 4 --layout "
+                               "zigzag --strategy ring --out " + dir + "/out");
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  for (const char* f : {"out.npy", "lse.npy", "dq.npy", "dk.npy", "dv.npy"})
+    EXPECT_TRUE(std::filesystem::exists(dir + "/out/" + f)) << f;
+  // Files are written whole or not at all: no temporary names left behind.
+  for (const auto& e : std::filesystem::directory_iterator(dir + "/out"))
+    EXPECT_EQ(e.path().extension(), ".npy") << e.path();
+
+  CommandResult c = run_shell("/usr/bin/python3 " + dir + "/ref.py " + dir + " compare");
+  EXPECT_EQ(c.exit_code, 0) << "max |ctxpar - numpy| per output (limit 1e-4):\n"
+                            << c.out << c.err;
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace ctxpar::test

@@ -1,0 +1,25 @@
+// Runs the built `ctxpar` command (CTXPAR_BUILD_DIR/ctxpar, set by CTest) and captures its exit
+// code, stdout and stderr, so the CLI tests exercise exactly what a user runs.
+#pragma once
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace ctxpar::test {
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+// `args` is appended to the ctxpar path as shell words (quote them yourself).
+CommandResult run_ctxpar(const std::string& args);
+// Any shell command line (e.g. /usr/bin/python3 ...).
+CommandResult run_shell(const std::string& command);
+std::string ctxpar_path();
+// A fresh empty folder under the test's temporary directory.
+std::string temp_dir(const std::string& name);
+// Parses stdout as the one JSON object of --json; fails the test (throws) if it is not.
+nlohmann::json parse_json(const CommandResult& r);
+
+}  // namespace ctxpar::test
