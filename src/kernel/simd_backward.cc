@@ -86,11 +86,8 @@ KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q
             gemm_rows(mrows, kTile, d, q2, dp, kt_pack.data(), kTile, s.data(), kTile, false);
             gemm_rows(mrows, kTile, d, dot, dp, vt_pack.data(), kTile, dpm.data(), kTile, false);
             if (kind == TileKind::partial || cols < kTile)
-              for (int64_t r = 0; r < rows; ++r)
-                for (int64_t c = 0; c < kTile; ++c)
-                  if (c >= cols || (kind == TileKind::partial &&
-                                    !visible(mask, q_tokens, i0 + r, k_tokens, j0 + c)))
-                    s[r * kTile + c] = kNegInf;
+              mask_tile(s.data(), rows, cols, kind == TileKind::partial, mask, q_tokens, i0,
+                        k_tokens, j0);
             for (int64_t r = 0; r < kTile; ++r) {
               float* sr = s.data() + r * kTile;
               float* dr = dpm.data() + r * kTile;

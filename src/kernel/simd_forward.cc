@@ -70,13 +70,8 @@ KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_
         const int64_t pk = (b * p.hkv + hk) * nkt + kt;
         gemm_rows(mrows, kTile, d, qt.data(), dp, kpack.data() + pk * d * kTile, kTile, s.data(),
                   kTile, false);
-        if (kind == TileKind::partial || cols < kTile) {
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t c = 0; c < kTile; ++c)
-              if (c >= cols || (kind == TileKind::partial &&
-                                !visible(mask, q_tokens, i0 + r, k_tokens, j0 + c)))
-                s[r * kTile + c] = kNegInf;
-        }
+        if (kind == TileKind::partial || cols < kTile)
+          mask_tile(s.data(), rows, cols, kind == TileKind::partial, mask, q_tokens, i0, k_tokens, j0);
         for (int64_t r = 0; r < mrows; ++r) {
           float* sr = s.data() + r * kTile;
           if (r >= rows) {  // padding rows: P = 0 keeps their (unused) acc at 0

@@ -122,6 +122,32 @@ inline void pack_rows(const TensorView& t, int64_t b, int64_t h, int64_t j0, int
   }
 }
 
+// Sets the masked scores of a rows x kTile score tile (row stride kTile) to -inf: columns at
+// or beyond `cols`, and when `partial`, every (i0 + r, j0 + c) pair the mask hides. The loop
+// is branch-free over the columns so the compiler vectorises it (the diagonal tiles of a
+// causal mask would otherwise cost about as much as their matrix products).
+inline void mask_tile(float* s, int64_t rows, int64_t cols, bool partial, const Mask& mask,
+                      const Tokens& q_tokens, int64_t i0, const Tokens& k_tokens, int64_t j0) {
+  const int64_t* kp = k_tokens.positions.data() + j0;
+  const int32_t* kd = mask.documents ? k_tokens.documents.data() + j0 : nullptr;
+  const bool causal = mask.causal, docs = mask.documents;
+  const int64_t wl = mask.window_left, wr = mask.window_right;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = s + r * kTile;
+    if (partial) {
+      const int64_t pq = q_tokens.positions[i0 + r];
+      const int32_t dq = docs ? q_tokens.documents[i0 + r] : 0;
+      for (int64_t c = 0; c < cols; ++c) {
+        bool seen = (!causal || kp[c] <= pq) && (wl < 0 || pq - kp[c] <= wl) &&
+                    (wr < 0 || kp[c] - pq <= wr);
+        if (docs) seen = seen && kd[c] == dq;
+        sr[c] = seen ? sr[c] : kNegInf;
+      }
+    }
+    for (int64_t c = cols; c < kTile; ++c) sr[c] = kNegInf;
+  }
+}
+
 // 64 x 64 transpose (for P^T and dS^T in the backward).
 inline void transpose_tile(const float* in, float* out) {
   for (int64_t i = 0; i < kTile; ++i)
