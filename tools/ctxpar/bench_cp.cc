@@ -1,5 +1,421 @@
+// `ctxpar bench cp`: sweeps sequence lengths x ranks x strategies x layouts through the same
+// attention job as `ctxpar attention` (attention_job.h), writes one row per run to
+// results.json and results.csv after every run (so Ctrl-C keeps what finished), prints a
+// short table, and draws the plots with scripts/plot_cp.py. See docs/cli-files.md.
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "attention_job.h"
+#include "ctxpar/npy.h"
 #include "options.h"
+#include "progress.h"
+
+extern char** environ;
 
 namespace ctxpar::cli {
-int bench_cp(int argc, char** argv) { throw UsageError("not built yet"); }
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+struct Combo {
+  int64_t seq;
+  int ranks;
+  StrategyKind strategy;
+  LayoutKind layout;
+  std::string name() const {
+    return detail::concat("T=", seq, " P=", ranks, " ", strategy_name(strategy), "/",
+                          layout_name(layout));
+  }
+};
+
+// ---- results.json / results.csv ----------------------------------------------------------
+
+// One CSV column per figure: objects and arrays of objects flatten to dotted names
+// ("ranks.3.peak_bytes"); an array of plain values stays one cell, space-separated.
+void flatten(const json& j, const std::string& prefix, std::vector<std::pair<std::string, std::string>>& out) {
+  auto cell = [](const json& v) -> std::string {
+    if (v.is_string()) return v.get<std::string>();
+    if (v.is_null()) return "";
+    return v.dump();
+  };
+  if (j.is_object()) {
+    for (auto it = j.begin(); it != j.end(); ++it)
+      flatten(it.value(), prefix.empty() ? it.key() : prefix + '.' + it.key(), out);
+  } else if (j.is_array() && std::any_of(j.begin(), j.end(), [](const json& v) { return v.is_structured(); })) {
+    for (size_t i = 0; i < j.size(); ++i) flatten(j[i], prefix + '.' + std::to_string(i), out);
+  } else if (j.is_array()) {
+    std::string s;
+    for (const auto& v : j) {
+      if (!s.empty()) s += ' ';
+      s += cell(v);
+    }
+    out.emplace_back(prefix, s);
+  } else {
+    out.emplace_back(prefix, cell(j));
+  }
+}
+
+std::string csv_field(const std::string& s) {
+  if (s.find_first_of(",\"\n\r") == std::string::npos) return s;
+  std::string q = "\"";
+  for (char c : s) q += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return q + "\"";
+}
+
+std::string to_csv(const std::vector<json>& rows) {
+  std::vector<std::vector<std::pair<std::string, std::string>>> flat(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) flatten(rows[i], "", flat[i]);
+  // Columns: what identifies a run first, then the union of every row's figures; the row with
+  // the most ranks sets the order, so ranks.0..ranks.P-1 come out in rank order.
+  std::vector<std::string> columns = {"seq", "num_ranks", "strategy", "layout", "mask"};
+  std::set<std::string> seen(columns.begin(), columns.end());
+  std::vector<size_t> order(rows.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return flat[a].size() > flat[b].size(); });
+  for (size_t i : order)
+    for (const auto& [k, v] : flat[i])
+      if (seen.insert(k).second) columns.push_back(k);
+  // The run's own figures before the per-rank ones (ranks.0.tokens, ...).
+  std::stable_partition(columns.begin(), columns.end(),
+                        [](const std::string& c) { return c.find('.') == std::string::npos; });
+  std::string out;
+  for (size_t c = 0; c < columns.size(); ++c) {
+    if (c) out += ',';
+    out += csv_field(columns[c]);
+  }
+  out += "\n";
+  for (const auto& row : flat) {
+    for (size_t c = 0; c < columns.size(); ++c) {
+      if (c) out += ",";
+      for (const auto& [k, v] : row)
+        if (k == columns[c]) {
+          out += csv_field(v);
+          break;
+        }
+    }
+    out += "\n";
+  }
+  return out;
+}
+
+void write_results(const fs::path& dir, const json& sweep, const std::vector<json>& rows,
+                   const json& skipped, bool complete, bool interrupted) {
+  json j;
+  j["sweep"] = sweep;
+  j["runs"] = rows;
+  j["skipped"] = skipped;
+  j["complete"] = complete;
+  j["interrupted"] = interrupted;
+  write_file_atomic((dir / "results.json").string(), j.dump(1) + "\n");
+  write_file_atomic((dir / "results.csv").string(), to_csv(rows));
+}
+
+// ---- plots ------------------------------------------------------------------------------
+
+// scripts/plot_cp.py: --plot-script, $CTXPAR_PLOT_SCRIPT, the source tree this binary was
+// built from, or beside the binary (build dir inside the source tree, or an install prefix).
+std::string find_plot_script(const std::string& given) {
+  if (!given.empty()) return given;
+  if (const char* env = std::getenv("CTXPAR_PLOT_SCRIPT")) return env;
+  std::vector<fs::path> candidates = {fs::path(__FILE__).parent_path() / "../../scripts/plot_cp.py"};
+  std::error_code ec;
+  fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    candidates.push_back(exe.parent_path() / "../scripts/plot_cp.py");
+    candidates.push_back(exe.parent_path() / "../share/ctxpar/plot_cp.py");
+  }
+  for (const auto& c : candidates)
+    if (fs::exists(c, ec)) return fs::weakly_canonical(c, ec).string();
+  return "";
+}
+
+// Runs `python script results.json --out dir` with its output on our stderr; returns its exit
+// status (127: python could not be started).
+int run_plot_script(const std::string& python, const std::string& script, const fs::path& dir) {
+  std::string results = (dir / "results.json").string(), out = dir.string();
+  std::vector<char*> argv = {const_cast<char*>(python.c_str()), const_cast<char*>(script.c_str()),
+                             results.data(), const_cast<char*>("--out"), out.data(), nullptr};
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, STDERR_FILENO, STDOUT_FILENO);  // keep stdout for the table
+  pid_t pid;
+  int rc = posix_spawn(&pid, python.c_str(), &fa, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  if (rc != 0) return 127;
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+void draw_plots(const Options& opts, const fs::path& dir) {
+  const std::string python = opts.str("python");
+  const std::string script = find_plot_script(opts.str("plot-script"));
+  if (script.empty()) {
+    std::fprintf(stderr, "plots skipped: scripts/plot_cp.py not found (give --plot-script PATH); "
+                         "results.json and results.csv are written\n");
+    return;
+  }
+  if (access(python.c_str(), X_OK) != 0) {
+    std::fprintf(stderr, "plots skipped: %s not found (apt-get install python3-matplotlib); "
+                         "results.json and results.csv are written\n", python.c_str());
+    return;
+  }
+  const int rc = run_plot_script(python, script, dir);
+  if (rc == 3)  // plot_cp.py's code for "matplotlib is missing"
+    std::fprintf(stderr, "plots skipped: %s has no matplotlib (apt-get install "
+                         "python3-matplotlib); results.json and results.csv are written\n",
+                 python.c_str());
+  else if (rc != 0)
+    std::fprintf(stderr, "plots failed: %s %s exited with %d; results.json and results.csv are "
+                         "written\n", python.c_str(), script.c_str(), rc);
+}
+
+// ---- the table on stdout ----------------------------------------------------------------
+
+double num(const json& j, const char* key) {
+  auto it = j.find(key);
+  return it != j.end() && it->is_number() ? it->get<double>() : 0.0;
+}
+
+void print_table(const std::vector<json>& rows, bool backward) {
+  std::printf("\n%8s %3s %-10s %-10s %10s", "seq", "P", "strategy", "layout", "fwd ms");
+  if (backward) std::printf(" %10s", "bwd ms");
+  std::printf(" %9s %8s %11s %9s %8s %6s\n", "GFLOP/s", "balance", "MiB/rank", "vs 1 rank",
+              "exposed", "check");
+  for (const json& r : rows) {
+    double peak = 0, wall = 0, wait = 0;
+    for (const json& rk : r.value("ranks", json::array())) {
+      peak = std::max(peak, num(rk, "peak_bytes") + num(rk, "shard_bytes"));
+      wall += num(rk, "wall_seconds"), wait += num(rk, "comm_wait_seconds");
+    }
+    const double single = num(r, "single_rank_bytes");
+    std::printf("%8lld %3lld %-10s %-10s %10.2f", static_cast<long long>(num(r, "seq")),
+                static_cast<long long>(num(r, "num_ranks")), r.value("strategy", "?").c_str(),
+                r.value("layout", "?").c_str(), num(r, "forward_seconds") * 1e3);
+    if (backward) std::printf(" %10.2f", num(r, "backward_seconds") * 1e3);
+    std::printf(" %9.1f %8.2f %11.1f %8.1f%% %7.1f%% %6s\n", num(r, "forward_gflops_per_second"),
+                num(r, "load_balance"), peak / (1 << 20), single > 0 ? 100 * peak / single : 0.0,
+                wall > 0 ? 100 * wait / wall : 0.0,
+                !r.contains("check_passed") ? "-" : r["check_passed"].get<bool>() ? "pass" : "FAIL");
+  }
+  std::printf("\nGFLOP/s: forward attention FLOPs computed / wall time of the slowest rank. "
+              "balance: busiest rank's FLOPs / mean (1.00 is even).\nMiB/rank: largest rank's "
+              "shards + strategy buffers; vs 1 rank: that, as a share of what one rank would need "
+              "alone. exposed: time ranks waited for communication.\n");
+}
+
+// ---- the sweep --------------------------------------------------------------------------
+
+template <typename Parse>
+auto parse_list(const Options& opts, const std::string& name, Parse parse) {
+  std::vector<decltype(parse(std::string()))> out;
+  for (const auto& item : opts.list(name)) {
+    try {
+      out.push_back(parse(item));
+    } catch (const UsageError&) {
+      throw;
+    } catch (const Error& e) {
+      throw UsageError("--" + name + ": " + e.what());
+    }
+  }
+  if (out.empty()) throw UsageError("--" + name + " needs at least one value");
+  return out;
+}
+
+}  // namespace
+
+int bench_cp(int argc, char** argv) {
+  Options opts("bench cp",
+               "Sweeps context-parallel attention over sequence lengths, rank counts, strategies "
+               "and layouts (threads transport), skipping invalid combinations with a note. "
+               "Writes DIR/results.json and DIR/results.csv after every run (Ctrl-C keeps the "
+               "finished rows) and draws DIR/*.png with scripts/plot_cp.py.");
+  opts.add("seq", "4096,16384", "sequence lengths T (comma-separated; 64K, 1M allowed)")
+      .add("ranks", "1,2,4,8", "rank counts P")
+      .add("strategy", "ring,allgather,ulysses", "strategies: ring, allgather, ulysses, hybrid")
+      .add("layout", "contiguous,zigzag,striped", "layouts: contiguous, zigzag, striped")
+      .add("mask", "causal", "mask: none, causal, window:L,R, causal+window:L,R")
+      .add("out", "cp-sweep", "output directory (created if missing)")
+      .add("batch", "1", "batch size B")
+      .add("heads", "8", "query heads Hq")
+      .add("kv-heads", "0", "key/value heads (0: same as --heads)")
+      .add("head-dim", "64", "head dimension D")
+      .add("dtype", "fp32", "storage type: fp32 or bf16")
+      .add("threads", "1", "OpenMP threads per rank")
+      .add("ulysses-degree", "0", "hybrid only: ranks per Ulysses group (0: all)")
+      .add("repeats", "1", "timed repetitions per run; figures are of the fastest")
+      .add("seed", "0", "seed of the random inputs")
+      .add("link-gbps", "0", "simulated link bandwidth in GB/s (0: none)")
+      .add("link-latency-us", "0", "simulated link latency in microseconds")
+      .flag("backward", "time the backward pass too")
+      .flag("check", "check every run against the fp64 reference (slow for long sequences)")
+      .flag("dry-run", "print the runs and skips, run nothing")
+      .flag("no-plots", "write results.json and results.csv only")
+      .add("python", "/usr/bin/python3", "Python with matplotlib, for the plots")
+      .add("plot-script", "", "plot script (default: scripts/plot_cp.py of this source tree)")
+      .example("ctxpar bench cp --seq 4096,16384,65536 --ranks 1,2,4,8 --strategy "
+               "ring,allgather,ulysses --layout contiguous,zigzag,striped --mask causal --out cp")
+      .example("ctxpar bench cp --seq 2048 --ranks 4 --backward --link-gbps 25 --out slow-link");
+  if (!opts.parse(argc, argv)) return 0;
+
+  const auto seqs = parse_list(opts, "seq", [](const std::string& s) {
+    char* end = nullptr;
+    long long v = std::strtoll(s.c_str(), &end, 10);
+    if (end && (*end == 'K' || *end == 'k') && end[1] == '\0') v *= 1024, ++end;
+    else if (end && (*end == 'M' || *end == 'm') && end[1] == '\0') v *= 1024 * 1024, ++end;
+    if (!end || *end != '\0' || v < 1) throw UsageError("--seq expects positive whole numbers, got '" + s + "'");
+    return static_cast<int64_t>(v);
+  });
+  const auto ranks = parse_list(opts, "ranks", [](const std::string& s) {
+    char* end = nullptr;
+    long v = std::strtol(s.c_str(), &end, 10);
+    if (!end || *end != '\0' || v < 1 || v > 4096)
+      throw UsageError("--ranks expects whole numbers in [1, 4096], got '" + s + "'");
+    return static_cast<int>(v);
+  });
+  const auto strategies = parse_list(opts, "strategy", [](const std::string& s) { return parse_strategy(s); });
+  const auto layouts = parse_list(opts, "layout", [](const std::string& s) { return parse_layout(s); });
+
+  AttentionJob base;
+  try {
+    base.mask = parse_mask(opts.str("mask"));
+    base.dtype = parse_dtype(opts.str("dtype"));
+  } catch (const Error& e) {
+    throw UsageError(e.what());
+  }
+  if (base.mask.documents)
+    throw UsageError("--mask documents is not swept (lengths depend on --seq); use ctxpar "
+                     "attention --mask documents:... for packed sequences");
+  base.batch = opts.i64("batch");
+  base.heads = opts.i64("heads");
+  base.kv_heads = opts.i64("kv-heads");
+  base.head_dim = opts.i64("head-dim");
+  base.threads = static_cast<int>(opts.i64("threads"));
+  base.repeats = static_cast<int>(opts.i64("repeats"));
+  base.seed = static_cast<uint64_t>(opts.i64("seed"));
+  base.backward = opts.on("backward");
+  base.check = opts.on("check");
+  base.link.gbytes_per_second = opts.num("link-gbps");
+  base.link.latency_us = opts.num("link-latency-us");
+  const int ulysses_degree = static_cast<int>(opts.i64("ulysses-degree"));
+
+  // The plan: short sequences first, so an interrupted sweep has whole small sizes. At P = 1
+  // every layout is the same run, so only the first layout listed runs there.
+  std::vector<Combo> plan;
+  json skipped = json::array();
+  std::vector<std::string> notes;
+  std::vector<int64_t> sorted_seqs = seqs;
+  std::sort(sorted_seqs.begin(), sorted_seqs.end());
+  std::vector<int> sorted_ranks = ranks;
+  std::sort(sorted_ranks.begin(), sorted_ranks.end());
+  bool p1_note = false;
+  for (int64_t T : sorted_seqs)
+    for (int P : sorted_ranks)
+      for (StrategyKind s : strategies)
+        for (size_t li = 0; li < layouts.size(); ++li) {
+          Combo c{T, P, s, layouts[li]};
+          if (P == 1 && li > 0) {
+            p1_note = true;
+            continue;
+          }
+          AttentionJob job = base;
+          job.seq = T, job.ranks = P, job.strategy = s, job.layout = c.layout;
+          job.ulysses_degree = s == StrategyKind::hybrid ? ulysses_degree : 0;
+          try {
+            validate(job);
+            plan.push_back(c);
+          } catch (const Error& e) {
+            notes.push_back("skip " + c.name() + ": " + e.what());
+            skipped.push_back({{"seq", T}, {"num_ranks", P}, {"strategy", strategy_name(s)},
+                               {"layout", layout_name(c.layout)}, {"reason", e.what()}});
+          }
+        }
+  if (p1_note && layouts.size() > 1)
+    notes.push_back(std::string("note: at P=1 every layout is the same run; running ") +
+                    layout_name(layouts[0]) + " only");
+  for (const auto& n : notes) std::fprintf(stderr, "%s\n", n.c_str());
+  if (plan.empty())
+    throw UsageError("no valid combination to run (every one was skipped, see above)");
+  std::fprintf(stderr, "bench cp: %zu runs, %zu skipped\n", plan.size(), skipped.size());
+  if (opts.on("dry-run")) {
+    for (const Combo& c : plan) std::printf("run %s\n", c.name().c_str());
+    return 0;
+  }
+
+  const fs::path dir = opts.str("out");
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec || !fs::is_directory(dir))
+    throw Error("--out " + dir.string() + ": cannot create the directory (" + ec.message() + ")");
+  json sweep = {{"seq", seqs}, {"ranks", ranks}, {"mask", opts.str("mask")},
+                {"batch", base.batch}, {"heads", base.heads}, {"kv_heads", base.kv_heads},
+                {"head_dim", base.head_dim}, {"dtype", opts.str("dtype")},
+                {"threads", base.threads}, {"backward", base.backward}, {"check", base.check},
+                {"repeats", base.repeats}, {"transport", "threads"}};
+  std::vector<std::string> names;
+  for (auto s : strategies) names.push_back(strategy_name(s));
+  sweep["strategy"] = names;
+  names.clear();
+  for (auto l : layouts) names.push_back(layout_name(l));
+  sweep["layout"] = names;
+
+  install_interrupt_handler();
+  std::vector<json> rows;
+  bool failed_check = false;
+  write_results(dir, sweep, rows, skipped, false, false);
+  {
+    Progress bar("bench cp", static_cast<int64_t>(plan.size()));
+    for (const Combo& c : plan) {
+      if (interrupted()) break;
+      bar.note(c.name());
+      AttentionJob job = base;
+      job.seq = c.seq, job.ranks = c.ranks, job.strategy = c.strategy, job.layout = c.layout;
+      job.ulysses_degree = c.strategy == StrategyKind::hybrid ? ulysses_degree : 0;
+      try {
+        AttentionResult result = run_attention_job(job);
+        json row = to_json(job, result);
+        if (result.checked && !result.check_passed) {
+          failed_check = true;
+          bar.print("check FAILED: " + c.name());
+        }
+        rows.push_back(std::move(row));
+      } catch (const Error& e) {
+        // One failed run (e.g. out of memory at the largest size) does not lose the sweep.
+        bar.print("failed " + c.name() + ": " + e.what());
+        skipped.push_back({{"seq", c.seq}, {"num_ranks", c.ranks},
+                           {"strategy", strategy_name(c.strategy)},
+                           {"layout", layout_name(c.layout)}, {"reason", std::string("failed: ") + e.what()}});
+      }
+      write_results(dir, sweep, rows, skipped, false, false);
+      bar.advance();
+    }
+  }
+  const bool stopped = interrupted();
+  write_results(dir, sweep, rows, skipped, !stopped, stopped);
+  if (stopped)
+    std::fprintf(stderr, "bench cp: interrupted after %zu of %zu runs; kept in %s\n", rows.size(),
+                 plan.size(), dir.c_str());
+  if (!rows.empty()) print_table(rows, base.backward);
+  std::fflush(stdout);  // the table before the plot script's messages, also through a pipe
+  std::fprintf(stderr, "wrote %s and %s\n", (dir / "results.json").c_str(), (dir / "results.csv").c_str());
+  if (!rows.empty() && !opts.on("no-plots")) draw_plots(opts, dir);
+  if (stopped) return 130;
+  return failed_check ? 1 : 0;
+}
+
 }  // namespace ctxpar::cli

@@ -182,6 +182,16 @@ void Progress::maybe_print_locked(bool force) {
   last_print_ = now;
 }
 
+void Progress::print(const std::string& text) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!out_) return;
+  const bool redraw = mode_ == ProgressOptions::Mode::terminal && printed_ && !finished_;
+  if (redraw) std::fputs("\r\x1b[K", out_);
+  std::fprintf(out_, "%s\n", text.c_str());
+  if (redraw) std::fprintf(out_, "%s", line_locked(width_).c_str());
+  std::fflush(out_);
+}
+
 void Progress::finish() {
   std::lock_guard<std::mutex> lock(mu_);
   if (finished_) return;

@@ -56,6 +56,9 @@ class Progress {
   void set_total(int64_t total);
   // Short text shown after the figures (e.g. the item being run); kept until replaced.
   void note(const std::string& text);
+  // Prints a whole line of its own (a note, a warning) without garbling the bar: on a terminal
+  // the bar is cleared, the line printed, and the bar drawn again below it.
+  void print(const std::string& text);
   // Prints the final state (also when interrupted) and ends the line; later calls do nothing.
   void finish();
 
