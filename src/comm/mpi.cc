@@ -70,6 +70,7 @@ struct Where {
 // --oversubscribe), and a hard spin would starve the rank we are waiting for.
 class Backoff {
  public:
+  bool spinning() const { return spins_ < 100; }
   void pause() {
     if (++spins_ < 100) {
       std::this_thread::yield();
@@ -90,8 +91,10 @@ struct DetachedSend {
   Buffer buffer;
 };
 std::vector<DetachedSend>& detached_sends() {
-  static std::vector<DetachedSend> list;
-  return list;
+  // Never destroyed: finalize_at_exit (an atexit handler) reads it after static destructors
+  // registered later have run.
+  static auto* list = new std::vector<DetachedSend>;
+  return *list;
 }
 void reap_detached_sends() {
   auto& list = detached_sends();
@@ -107,13 +110,15 @@ void reap_detached_sends() {
   }
 }
 
-template <typename Poll>
-void wait_until_done(const Where& at, const char* waiting_for, Poll&& done) {
+// `stalled` runs on every poll once the wait has stopped spinning (it may throw).
+template <typename Poll, typename Stalled>
+void wait_until_done(const Where& at, const char* waiting_for, Poll&& done, Stalled&& stalled) {
   if (done()) return;
   const auto deadline = Clock::now() + at.timeout;
   Backoff backoff;
   while (!done()) {
     if (Clock::now() >= deadline) throw_timeout(at, waiting_for);
+    if (!backoff.spinning()) stalled();
     backoff.pause();
   }
 }
@@ -133,7 +138,9 @@ class MpiSendRequest final : public Request::Impl {
     done_ = flag != 0;
     return done_;
   }
-  void wait() override { wait_until_done(at_, "send to", [this] { return test(); }); }
+  void wait() override {
+    wait_until_done(at_, "send to", [this] { return test(); }, [] {});
+  }
 
  private:
   Buffer buf_;
@@ -144,7 +151,9 @@ class MpiSendRequest final : public Request::Impl {
 
 class MpiRecvRequest final : public Request::Impl {
  public:
-  MpiRecvRequest(size_t bytes, Where at) : buf_(bytes), at_(at) {}
+  // `world_ranks`: of the communicator's members, to name a rank in errors.
+  MpiRecvRequest(size_t bytes, Where at, MPI_Comm comm, const std::vector<int>* world_ranks)
+      : buf_(bytes), at_(at), comm_(comm), world_ranks_(world_ranks) {}
   ~MpiRecvRequest() override {
     if (done_ || request_ == MPI_REQUEST_NULL || mpi_finalized()) return;
     // Cancel, then wait: the cancel completes at once unless the message already matched.
@@ -175,12 +184,38 @@ class MpiRecvRequest final : public Request::Impl {
     done_ = true;
     return true;
   }
-  void wait() override { wait_until_done(at_, "recv from", [this] { return test(); }); }
+  void wait() override {
+    wait_until_done(at_, "recv from", [this] { return test(); }, [this] {
+      if (at_.ch == Channel::collective) check_same_collective();
+    });
+  }
   Buffer take() override { return std::move(buf_); }
 
  private:
+  // A pending message of the same collective call number but another kind means a rank
+  // called a different collective: what this rank waits for will never come. (Best effort:
+  // a probe sees the first pending message of each source.)
+  void check_same_collective() const {
+    const int kind = (at_.tag >> 4) & 15;
+    for (int src = 0; src < static_cast<int>(world_ranks_->size()); ++src) {
+      int flag = 0;
+      MPI_Status status;
+      mpi_check(MPI_Iprobe(src, MPI_ANY_TAG, comm_, &flag, &status), "MPI_Iprobe");
+      if (!flag || tag_call(status.MPI_TAG) != tag_call(at_.tag) ||
+          ((status.MPI_TAG >> 4) & 15) == kind)
+        continue;
+      throw Error(detail::concat(
+          "rank ", at_.me, ": collective mismatch: this rank is in ", tag_kind_name(at_.tag),
+          " (call ", tag_call(at_.tag), ") but rank ", (*world_ranks_)[src], " called ",
+          tag_kind_name(status.MPI_TAG),
+          "; every rank must call the same collectives in the same order"));
+    }
+  }
+
   Buffer buf_;
   Where at_;
+  MPI_Comm comm_;
+  const std::vector<int>* world_ranks_;
   MPI_Request request_ = MPI_REQUEST_NULL;
   bool done_ = false;
 };
@@ -241,7 +276,8 @@ class MpiCommunicator final : public PointToPointCommunicator {
   Request post_recv(size_t bytes, int peer, int tag, Channel ch) override {
     CTXPAR_CHECK(bytes <= size_t(INT_MAX), "irecv: messages over ", INT_MAX,
                  " bytes are not supported on MPI, got ", bytes);
-    auto req = std::make_unique<MpiRecvRequest>(bytes, where(peer, tag, ch));
+    auto req =
+        std::make_unique<MpiRecvRequest>(bytes, where(peer, tag, ch), comm(ch), &world_ranks_);
     Buffer& b = req->buffer();
     mpi_check(MPI_Irecv(b.data(), static_cast<int>(bytes), MPI_BYTE, peer, tag, comm(ch),
                         req->request()),
@@ -275,16 +311,17 @@ class MpiCommunicator final : public PointToPointCommunicator {
 MpiCommunicator* g_world = nullptr;
 
 void finalize_at_exit() {
-  delete g_world;
-  g_world = nullptr;
   if (mpi_finalized()) return;
   // Sends nobody received: let MPI forget them; their buffers are deliberately leaked, as
   // MPI may still read them.
+  reap_detached_sends();
   for (auto& d : detached_sends()) {
     MPI_Request_free(&d.request);
     new Buffer(std::move(d.buffer));
   }
   detached_sends().clear();
+  delete g_world;
+  g_world = nullptr;
   MPI_Finalize();
 }
 
