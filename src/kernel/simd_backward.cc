@@ -35,13 +35,14 @@ KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q
   const int64_t chunks = heads >= p.threads ? 1 : std::min(nkt, (p.threads + heads - 1) / heads);
   const int64_t tasks = heads * chunks;
   const int64_t q_block = p.group * nqt * kTile * dp;  // one task's packed Q (or dO, or dQ)
-  std::vector<float> dq_partial(tasks * q_block);
+  float* dq_partial = scratch(Scratch::dq_partial, tasks * q_block);
   const DF df;
   const int64_t nl = lanes();
 
 #pragma omp parallel num_threads(p.threads)
   {
-    std::vector<float> qpack(q_block), dopack(q_block);
+    float* qpack = scratch(Scratch::q_pack, q_block);
+    float* dopack = scratch(Scratch::do_pack, q_block);
     std::vector<float> lse2(p.group * nqt * kTile), dlt(p.group * nqt * kTile);
     std::vector<float> kt_pack(d * kTile), k_rows(kTile * dp), vt_pack(d * kTile), row(d);
     std::vector<float> s(kTile * kTile), dpm(kTile * kTile), pt(kTile * kTile), dst(kTile * kTile);
@@ -51,14 +52,15 @@ KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q
       const int64_t chunk = task % chunks, bh = task / chunks;
       const int64_t b = bh / p.hkv, hk = bh % p.hkv;
       const int64_t kt0 = nkt * chunk / chunks, kt1 = nkt * (chunk + 1) / chunks;
-      float* dq_acc = dq_partial.data() + task * q_block;
+      float* dq_acc = dq_partial + task * q_block;
+      std::fill(dq_acc, dq_acc + q_block, 0.0f);
       // Pack the group's Q (scaled) and dO tiles, and their row statistics, once per task.
       for (int64_t g = 0; g < p.group; ++g)
         for (int64_t qi = 0; qi < nqt; ++qi) {
           const int64_t h = hk * p.group + g, i0 = qi * kTile;
           const int64_t rows = std::min(p.tq, i0 + kTile) - i0, off = (g * nqt + qi) * kTile;
-          pack_rows(q, b, h, i0, rows, d, dp, qpack.data() + off * dp, p.scale * kLog2e);
-          pack_rows(dout, b, h, i0, rows, d, dp, dopack.data() + off * dp);
+          pack_rows(q, b, h, i0, rows, d, dp, qpack + off * dp, p.scale * kLog2e);
+          pack_rows(dout, b, h, i0, rows, d, dp, dopack + off * dp);
           for (int64_t r = 0; r < kTile; ++r) {
             lse2[off + r] = r < rows ? lse.ptr<const float>()[lse.offset(b, h, i0 + r)] * kLog2e : kNegInf;
             dlt[off + r] = r < rows ? delta.ptr<const float>()[delta.offset(b, h, i0 + r)] : 0.0f;
@@ -81,8 +83,8 @@ KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q
             }
             const int64_t i0 = qi * kTile, rows = std::min(p.tq, i0 + kTile) - i0;
             const int64_t mrows = round_up(rows, 4), off = (g * nqt + qi) * kTile;
-            const float* q2 = qpack.data() + off * dp;
-            const float* dot = dopack.data() + off * dp;
+            const float* q2 = qpack + off * dp;
+            const float* dot = dopack + off * dp;
             gemm_rows(mrows, kTile, d, q2, dp, kt_pack.data(), kTile, s.data(), kTile, false);
             gemm_rows(mrows, kTile, d, dot, dp, vt_pack.data(), kTile, dpm.data(), kTile, false);
             if (kind == TileKind::partial || cols < kTile)
@@ -134,7 +136,7 @@ KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q
           float* dqr = dq.ptr<float>() + dq.offset(b, i, hk * p.group + g);
           const int64_t off = ((g * nqt) * kTile + i) * dp;
           for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-            const float* part = dq_partial.data() + (bh * chunks + chunk) * q_block + off;
+            const float* part = dq_partial + (bh * chunks + chunk) * q_block + off;
             for (int64_t c = 0; c < d; ++c) dqr[c] += part[c];
           }
         }

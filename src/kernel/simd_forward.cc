@@ -24,8 +24,8 @@ KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_
   const TileRanges kr = tile_ranges(k_tokens, p.tk, kTile, mask.documents);
   const int64_t d = p.d, dp = round_up(d, lanes()), nkt = kr.count(), nqt = qr.count();
   // Packed K^T tiles [B, Hkv, nkt][D][64] and V tiles [B, Hkv, nkt][64][dp].
-  std::vector<float> kpack(p.batch * p.hkv * nkt * d * kTile);
-  std::vector<float> vpack(p.batch * p.hkv * nkt * kTile * dp);
+  float* kpack = scratch(Scratch::k_pack, p.batch * p.hkv * nkt * d * kTile);
+  float* vpack = scratch(Scratch::v_pack, p.batch * p.hkv * nkt * kTile * dp);
   const int64_t pack_tasks = p.batch * p.hkv * nkt;
 #pragma omp parallel num_threads(p.threads)
   {
@@ -34,8 +34,8 @@ KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_
     for (int64_t t = 0; t < pack_tasks; ++t) {
       const int64_t kt = t % nkt, hk = (t / nkt) % p.hkv, b = t / (nkt * p.hkv);
       const int64_t cols = std::min(p.tk, (kt + 1) * kTile) - kt * kTile;
-      pack_transposed(k, b, hk, kt * kTile, cols, d, kpack.data() + t * d * kTile, row.data());
-      pack_rows(v, b, hk, kt * kTile, cols, d, dp, vpack.data() + t * kTile * dp);
+      pack_transposed(k, b, hk, kt * kTile, cols, d, kpack + t * d * kTile, row.data());
+      pack_rows(v, b, hk, kt * kTile, cols, d, dp, vpack + t * kTile * dp);
     }
   }
 
@@ -68,7 +68,7 @@ KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_
         touched = true;
         const int64_t j0 = kt * kTile, cols = std::min(p.tk, j0 + kTile) - j0;
         const int64_t pk = (b * p.hkv + hk) * nkt + kt;
-        gemm_rows(mrows, kTile, d, qt.data(), dp, kpack.data() + pk * d * kTile, kTile, s.data(),
+        gemm_rows(mrows, kTile, d, qt.data(), dp, kpack + pk * d * kTile, kTile, s.data(),
                   kTile, false);
         if (kind == TileKind::partial || cols < kTile)
           mask_tile(s.data(), rows, cols, kind == TileKind::partial, mask, q_tokens, i0, k_tokens, j0);
@@ -102,7 +102,7 @@ KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_
           }
           l[r] += hn::GetLane(hn::SumOfLanes(df, vsum));
         }
-        gemm_rows(mrows, dp, cols, s.data(), kTile, vpack.data() + pk * kTile * dp, dp,
+        gemm_rows(mrows, dp, cols, s.data(), kTile, vpack + pk * kTile * dp, dp,
                   acc.data(), dp, true);
       }
       if (!touched) continue;

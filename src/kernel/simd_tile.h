@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "kernel/problem.h"
 
@@ -146,6 +147,18 @@ inline void mask_tile(float* s, int64_t rows, int64_t cols, bool partial, const 
     }
     for (int64_t c = cols; c < kTile; ++c) sr[c] = kNegInf;
   }
+}
+
+// Scratch memory that keeps its pages between kernel calls: a ring strategy calls the kernel
+// once per step with same-sized blocks, and fresh multi-megabyte buffers would cost a page
+// fault per 4 KiB every call. One set per thread (a rank of the threads transport is a thread;
+// OpenMP workers persist). Contents are undefined: callers fill what they read.
+enum class Scratch { k_pack, v_pack, dq_partial, q_pack, do_pack, count };
+inline float* scratch(Scratch slot, size_t n) {
+  thread_local std::vector<float> buffers[static_cast<int>(Scratch::count)];
+  std::vector<float>& b = buffers[static_cast<int>(slot)];
+  if (b.size() < n) b.resize(n);
+  return b.data();
 }
 
 // 64 x 64 transpose (for P^T and dS^T in the backward).
