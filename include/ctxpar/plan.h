@@ -102,10 +102,11 @@ struct CommVolume {
   double forward_bytes = 0, backward_bytes = 0;
   double step_bytes = 0;         // all layers on this device, forward + backward
 };
-// Per-device sizes: `tokens` local tokens (T/P), `heads`/`kv_heads` as this device holds them.
+// `heads`/`kv_heads` as one device of the cp group holds them (after tensor parallelism);
+// head_groups: allgather's (0: as the strategy picks, the largest divisor of kv_heads <= 4).
 CommVolume attention_comm_bytes(StrategyKind kind, int ranks, int ulysses_degree,
                                 int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
-                                int64_t head_dim, size_t dtype_bytes);
+                                int64_t head_dim, size_t dtype_bytes, int head_groups = 0);
 
 // ---- the ring: balance, overlap and a step-by-step schedule ------------------------------
 // Score pairs (q, k) that rank q_rank's queries compute against rank k_rank's keys, per

@@ -34,13 +34,14 @@ CommVolume ring(int P, const Sizes& z) {
   return c;
 }
 
-// All-gather: each rank's K, V and positions reach P-1 others, again in backward, where the
-// fp32 dK, dV partials are reduce-scattered (P-1 blocks sent).
-CommVolume allgather(int P, const Sizes& z) {
+// All-gather: each rank's K, V reach P-1 others in g head groups (each group's message
+// carries the positions), again in backward, where the fp32 dK, dV partials are
+// reduce-scattered (P-1 blocks sent).
+CommVolume allgather(int P, const Sizes& z, int groups) {
   CommVolume c;
   c.strategy = StrategyKind::allgather;
   if (P == 1) return c;
-  const double block = 2 * z.kv() + z.positions();
+  const double block = 2 * z.kv() + groups * z.positions();
   c.forward_bytes = (P - 1) * block;
   c.backward_bytes = (P - 1) * block + (P - 1) * 2 * z.kv() * 4 / z.s;
   return c;
@@ -71,7 +72,7 @@ CommVolume ulysses(int P, const Sizes& z) {
 
 CommVolume attention_comm_bytes(StrategyKind kind, int P, int ulysses_degree, int64_t batch,
                                 int64_t seq, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                size_t dtype_bytes) {
+                                size_t dtype_bytes, int head_groups) {
   CTXPAR_CHECK(P >= 1 && seq % P == 0, "attention_comm_bytes: seq ", seq,
                " must be a multiple of ranks ", P);
   CTXPAR_CHECK(heads > 0 && kv_heads > 0 && head_dim > 0 && batch > 0,
@@ -81,7 +82,16 @@ CommVolume attention_comm_bytes(StrategyKind kind, int P, int ulysses_degree, in
                 static_cast<double>(kv_heads), static_cast<double>(head_dim)};
   switch (kind) {
     case StrategyKind::ring: return ring(P, z);
-    case StrategyKind::allgather: return allgather(P, z);
+    case StrategyKind::allgather: {
+      // As src/strategy/allgather.cc: the largest divisor of Hkv up to 4 unless given.
+      int g = head_groups;
+      if (g <= 0)
+        for (g = 4; g > 1 && kv_heads % g != 0; --g) {
+        }
+      CTXPAR_CHECK(kv_heads % g == 0, "allgather: head groups ", g, " must divide kv heads ",
+                   kv_heads);
+      return allgather(P, z, g);
+    }
     case StrategyKind::ulysses: return ulysses(P, z);
     case StrategyKind::hybrid: {
       const int u = ulysses_degree > 0 ? ulysses_degree : P;
