@@ -24,6 +24,8 @@ class Buffer {
  public:
   Buffer() = default;
   explicit Buffer(size_t bytes);  // zero-filled
+  // Like Buffer(bytes), but the contents are left undefined: for a buffer about to be filled.
+  static Buffer uninitialized(size_t bytes);
   // A moved-from Buffer is empty (size 0, no data).
   Buffer(Buffer&& other) noexcept
       : data_(std::move(other.data_)), size_(std::exchange(other.size_, 0)) {}
@@ -76,7 +78,14 @@ class Request {
   bool valid() const { return impl_ != nullptr; }
   bool test() { return !impl_ || impl_->test(); }
   void wait() { if (impl_) impl_->wait(); }
-  Buffer take() { wait(); Buffer b = impl_->take(); impl_.reset(); return b; }
+  // An empty Buffer for an empty Request (or one already taken).
+  Buffer take() {
+    if (!impl_) return {};
+    wait();
+    Buffer b = impl_->take();
+    impl_.reset();
+    return b;
+  }
 
  private:
   std::unique_ptr<Impl> impl_;

@@ -13,14 +13,20 @@ namespace {
 constexpr size_t kAlignment = 64;
 }  // namespace
 
-Buffer::Buffer(size_t bytes) : size_(bytes) {
-  if (bytes == 0) return;
+Buffer Buffer::uninitialized(size_t bytes) {
+  Buffer b;
+  if (bytes == 0) return b;
   // aligned_alloc wants a size that is a multiple of the alignment.
-  size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
   void* p = std::aligned_alloc(kAlignment, rounded);
   CTXPAR_CHECK(p != nullptr, "Buffer: could not allocate ", bytes, " bytes");
-  std::memset(p, 0, bytes);
-  data_.reset(static_cast<std::byte*>(p));
+  b.data_.reset(static_cast<std::byte*>(p));
+  b.size_ = bytes;
+  return b;
+}
+
+Buffer::Buffer(size_t bytes) : Buffer(uninitialized(bytes)) {
+  if (bytes) std::memset(data(), 0, bytes);
 }
 
 void Buffer::Free::operator()(std::byte* p) const { std::free(p); }

@@ -153,7 +153,7 @@ class MpiRecvRequest final : public Request::Impl {
  public:
   // `world_ranks`: of the communicator's members, to name a rank in errors.
   MpiRecvRequest(size_t bytes, Where at, MPI_Comm comm, const std::vector<int>* world_ranks)
-      : buf_(bytes), at_(at), comm_(comm), world_ranks_(world_ranks) {}
+      : buf_(Buffer::uninitialized(bytes)), at_(at), comm_(comm), world_ranks_(world_ranks) {}
   ~MpiRecvRequest() override {
     if (done_ || request_ == MPI_REQUEST_NULL || mpi_finalized()) return;
     // Cancel, then wait: the cancel completes at once unless the message already matched.

@@ -85,7 +85,7 @@ void PointToPointCommunicator::ring_allgatherv(const std::vector<size_t>& offset
   const int right = (r + 1) % p, left = (r + p - 1) % p;
   if (p == 1) return;
   auto len = [&](int j) { return offsets[j + 1] - offsets[j]; };
-  Buffer cur(len(r));
+  Buffer cur = Buffer::uninitialized(len(r));
   copy_bytes(cur.data(), data + offsets[r], len(r));
   for (int s = 0; s < p - 1; ++s) {
     const int from = (r - s - 1 + 2 * p) % p;  // whose segment arrives in this step
@@ -123,7 +123,7 @@ void PointToPointCommunicator::reduce_scatter(const float* send, float* recv, si
   }
   for (int k = 1; k < p; ++k) {
     const int j = (r + k) % p;
-    Buffer b(bytes);
+    Buffer b = Buffer::uninitialized(bytes);
     copy_bytes(b.data(), send + j * n, bytes);
     sq[j] = post_send(std::move(b), j, tag, Channel::collective);
   }
@@ -159,7 +159,7 @@ void PointToPointCommunicator::alltoall(const void* send, void* recv, size_t byt
   }
   for (int k = 1; k < p; ++k) {
     const int j = (r + k) % p;
-    Buffer b(bytes);
+    Buffer b = Buffer::uninitialized(bytes);
     copy_bytes(b.data(), in + j * bytes, bytes);
     sq[j] = post_send(std::move(b), j, tag, Channel::collective);
   }
@@ -199,7 +199,7 @@ void PointToPointCommunicator::allreduce_sum(T* buf, size_t n) {
   }
   for (int k = 1; k < p; ++k) {
     const int j = (r + k) % p;
-    Buffer b(len(j) * sizeof(T));
+    Buffer b = Buffer::uninitialized(len(j) * sizeof(T));
     copy_bytes(b.data(), buf + off[j], len(j) * sizeof(T));
     sq[j] = post_send(std::move(b), j, tag0, Channel::collective);
   }

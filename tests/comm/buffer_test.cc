@@ -33,6 +33,21 @@ TEST(Buffer, MovesWithoutCopying) {
   EXPECT_TRUE(zero.empty());
 }
 
+TEST(Buffer, UninitializedHasSizeAndAlignment) {
+  Buffer b = Buffer::uninitialized(1000);
+  EXPECT_EQ(b.size(), 1000u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(b.data()) % 64, 0u);
+  EXPECT_TRUE(Buffer::uninitialized(0).empty());
+}
+
+TEST(Request, EmptyRequestIsCompleteAndTakesNothing) {
+  Request r;
+  EXPECT_FALSE(r.valid());
+  EXPECT_TRUE(r.test());
+  r.wait();
+  EXPECT_TRUE(r.take().empty());
+}
+
 TEST(CommKind, HasNames) {
   EXPECT_STREQ(comm_kind_name(CommKind::reduce_scatter), "reduce_scatter");
   EXPECT_STREQ(comm_kind_name(CommKind::send), "send");
