@@ -66,22 +66,22 @@ struct Where {
                              describe_tag(at.ch, at.tag), ")"));
 }
 
-// Backs off from yielding to short sleeps: ranks often outnumber cores (mpirun
-// --oversubscribe), and a hard spin would starve the rank we are waiting for.
+// Polls by yielding: a large message over shared memory moves one fragment per progress
+// call on each side, so sleeping between polls would cut bandwidth to fragment / sleep.
+// Yielding still lets an oversubscribed rank (mpirun --oversubscribe) run. Only a wait that
+// has lasted a second (a stuck peer, or a huge message) sleeps between polls.
 class Backoff {
  public:
-  bool spinning() const { return spins_ < 100; }
+  bool spinning() const { return Clock::now() - start_ < std::chrono::seconds(1); }
   void pause() {
-    if (++spins_ < 100) {
+    if (spinning())
       std::this_thread::yield();
-    } else {
-      const int us = std::min(200, 2 * (spins_ - 99));
-      std::this_thread::sleep_for(std::chrono::microseconds(us));
-    }
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
 
  private:
-  int spins_ = 0;
+  Clock::time_point start_ = Clock::now();
 };
 
 // Sends dropped before completion: MPI still reads their buffers, so they are kept here
@@ -110,15 +110,20 @@ void reap_detached_sends() {
   }
 }
 
-// `stalled` runs on every poll once the wait has stopped spinning (it may throw).
+// `stalled` runs every 10 ms while the wait lasts (it may throw).
 template <typename Poll, typename Stalled>
 void wait_until_done(const Where& at, const char* waiting_for, Poll&& done, Stalled&& stalled) {
   if (done()) return;
   const auto deadline = Clock::now() + at.timeout;
+  auto next_check = Clock::now() + std::chrono::milliseconds(10);
   Backoff backoff;
   while (!done()) {
-    if (Clock::now() >= deadline) throw_timeout(at, waiting_for);
-    if (!backoff.spinning()) stalled();
+    const auto now = Clock::now();
+    if (now >= deadline) throw_timeout(at, waiting_for);
+    if (now >= next_check) {
+      stalled();
+      next_check = now + std::chrono::milliseconds(10);
+    }
     backoff.pause();
   }
 }
