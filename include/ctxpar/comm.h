@@ -136,6 +136,8 @@ class Communicator {
 
   const CommCounters& counters() const { return counters_; }
   void reset_counters() { counters_ = {}; }
+  // How long one wait may block (a request keeps the timeout set when it was posted).
+  // A Communicator and its requests are used by one thread at a time.
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 

@@ -79,7 +79,7 @@ TEST(Threads, SimulatedLinkDelaysDeliveries) {
   ThreadsOptions options;
   options.link = {/*gbytes_per_second=*/1.0, /*latency_us=*/2000};
   const size_t bytes = 4'000'000;  // 4 ms on the wire at 1 GB/s
-  const double wire = 0.004, latency = 0.002, slack = 0.1;
+  const double wire = 0.004, latency = 0.002, slack = 0.5;  // slack: a loaded 2-core machine
   std::atomic<int64_t> start_ns{0};
   run_threads(2, [&](Communicator& comm) {
     comm.barrier();
@@ -113,7 +113,7 @@ TEST(Threads, NoLinkDeliversAtOnce) {
     const auto t0 = Clock::now();
     if (comm.rank() == 0) comm.isend(Buffer(4'000'000), 1, 0).wait();
     else comm.irecv(4'000'000, 0, 0).wait();
-    EXPECT_LT(seconds_since(t0), 0.1);
+    EXPECT_LT(seconds_since(t0), 0.5);  // nothing is modelled: only scheduling delays (loaded machine)
   });
 }
 
