@@ -48,7 +48,10 @@ class Strategy {
  public:
   virtual ~Strategy() = default;
   // Builds the strategy for this communicator (hybrid splits it into sub-groups here, once).
-  // Throws ctxpar::Error for invalid options (e.g. ulysses_degree not dividing P).
+  // Collective: every rank of comm calls it with the same options. Throws ctxpar::Error on
+  // every rank for invalid options (e.g. ulysses_degree not dividing P) or options that differ
+  // between ranks. forward / backward are collective too; last_stats() excludes the small
+  // all-gather that shares the argument verdict before any other communication.
   static std::unique_ptr<Strategy> create(Communicator& comm, const StrategyOptions& options);
 
   virtual void forward(const TensorView& q, const TensorView& k, const TensorView& v,

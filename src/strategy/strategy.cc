@@ -89,6 +89,8 @@ std::string check_forward(const TensorView& q, const TensorView& k, const Tensor
   dims.documents = mask.documents;
   std::string e;
   if (!(e = check_activation("q", q, q.shape(), true, "[B, Tl, Hq, D]")).empty()) return e;
+  if (dims.batch < 1 || dims.tokens < 1 || dims.hq < 1)
+    return detail::concat("q: expected B, Tl, Hq >= 1, got shape ", shape_str(q.shape()));
   if (dims.d < 16 || dims.d > 256)
     return detail::concat("q: head dim D must be in 16..256, got ", dims.d);
   if (dims.hkv < 1 || dims.hq % dims.hkv != 0)

@@ -4,6 +4,8 @@
 // floor = 1e-5 * max(1, max|ref64|); and no drift with P: err_P <= 1.5 * err_1 + floor.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
 #include <sstream>
 
 #include "strategy/strategy_support.h"
@@ -117,6 +119,35 @@ TEST(Accuracy, Bf16StorageEveryStrategy) {
     EXPECT_LE(e.dq, bound.dq) << strategy_name(kind);
     EXPECT_LE(e.dk, bound.dk) << strategy_name(kind);
     EXPECT_LE(e.dv, bound.dv) << strategy_name(kind);
+  }
+}
+
+// bf16 outputs and gradients (out, dout, dq, dk, dv held as bf16 by the ranks): accumulation
+// is fp32 until the single final rounding, so the error is the rule's plus one bf16 rounding
+// (relative 2^-8) of the largest value.
+TEST(Accuracy, Bf16OutputsAndGradients) {
+  Problem pr;
+  pr.hq = 8;
+  pr.hkv = 2;
+  pr.dtype = DType::bf16;
+  pr.out_dtype = DType::bf16;
+  pr.mask = parse_mask("causal+window:20,-1");
+  pr.build();
+  const References& refs = references_of(pr);
+  const Errors bound = bounds_of(refs);
+  const double r = std::ldexp(1.0, -8);
+  for (StrategyKind kind : {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses,
+                            StrategyKind::hybrid}) {
+    StrategyOptions opt;
+    opt.kind = kind;
+    opt.mask = pr.mask;
+    opt.ulysses_degree = kind == StrategyKind::hybrid ? 2 : 0;
+    const Errors e = errors_of(run_sharded(pr, 4, LayoutKind::zigzag, opt), refs);
+    EXPECT_LE(e.o, bound.o + r * max_abs(refs.ref64.o)) << strategy_name(kind);
+    EXPECT_LE(e.lse, bound.lse) << strategy_name(kind);  // LSE stays fp32
+    EXPECT_LE(e.dq, bound.dq + r * max_abs(refs.ref64.dq)) << strategy_name(kind);
+    EXPECT_LE(e.dk, bound.dk + r * max_abs(refs.ref64.dk)) << strategy_name(kind);
+    EXPECT_LE(e.dv, bound.dv + r * max_abs(refs.ref64.dv)) << strategy_name(kind);
   }
 }
 

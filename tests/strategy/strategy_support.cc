@@ -45,14 +45,14 @@ RunResult run_sharded(const Problem& pr, int ranks, LayoutKind layout_kind,
     x.q = layout.shard(pr.q, r);
     x.k = layout.shard(pr.k, r);
     x.v = layout.shard(pr.v, r);
-    x.dout = layout.shard(pr.dout, r);
+    x.dout = Tensor::copy_of(layout.shard(pr.dout, r), pr.out_dtype);
     x.positions = layout.positions(r);
     if (options.mask.documents) x.documents = layout.shard(pr.documents, r);
-    x.o = Tensor(DType::f32, {pr.batch, tl, pr.hq, pr.d});
+    x.o = Tensor(pr.out_dtype, {pr.batch, tl, pr.hq, pr.d});
     x.lse = Tensor(DType::f32, {pr.batch, pr.hq, tl});
-    x.dq = Tensor(DType::f32, {pr.batch, tl, pr.hq, pr.d});
-    x.dk = Tensor(DType::f32, {pr.batch, tl, pr.hkv, pr.d});
-    x.dv = Tensor(DType::f32, {pr.batch, tl, pr.hkv, pr.d});
+    x.dq = Tensor(pr.out_dtype, {pr.batch, tl, pr.hq, pr.d});
+    x.dk = Tensor(pr.out_dtype, {pr.batch, tl, pr.hkv, pr.d});
+    x.dv = Tensor(pr.out_dtype, {pr.batch, tl, pr.hkv, pr.d});
   }
   RunResult res;
   res.forward_stats.resize(ranks);
@@ -97,14 +97,17 @@ const References& references_of(const Problem& pr) {
   static std::mutex mu;
   static std::map<Key, References> cache;
   std::lock_guard<std::mutex> lock(mu);
-  Key key{pr.batch, pr.tokens, pr.hq, pr.hkv, pr.d, int(pr.dtype), pr.seed, pr.mask.describe()};
+  // dout is fp32 in the problem; ranks holding it as bf16 see it rounded, as the reference must.
+  Key key{pr.batch, pr.tokens, pr.hq, pr.hkv, pr.d, int(pr.dtype) * 8 + int(pr.out_dtype), pr.seed,
+          pr.mask.describe()};
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   References& r = cache[key];
   Tokens t = pr.token_ids();
   if (!pr.mask.documents) t.documents = {};
-  r.ref64 = reference::attention_f64(pr.q, t, pr.k, pr.v, t, pr.mask, pr.dout);
-  r.naive32 = reference::attention_naive_f32(pr.q, t, pr.k, pr.v, t, pr.mask, pr.dout);
+  const Tensor dout = Tensor::copy_of(Tensor::copy_of(pr.dout, pr.out_dtype), DType::f32);
+  r.ref64 = reference::attention_f64(pr.q, t, pr.k, pr.v, t, pr.mask, dout);
+  r.naive32 = reference::attention_naive_f32(pr.q, t, pr.k, pr.v, t, pr.mask, dout);
   return r;
 }
 

@@ -13,7 +13,8 @@ namespace ctxpar::testing {
 
 struct Problem {
   int64_t batch = 1, tokens = 48, hq = 4, hkv = 4, d = 16;
-  DType dtype = DType::f32;  // q, k, v storage (out, dout, grads are fp32)
+  DType dtype = DType::f32;      // q, k, v storage
+  DType out_dtype = DType::f32;  // out, dout, dq, dk, dv as the ranks hold them
   Mask mask;
   uint64_t seed = 1;
   // Filled by build():
