@@ -8,8 +8,9 @@
 //           wait
 //
 // Backward adds a second ring for the fp32 dK/dV accumulators: the accumulator of block j is
-// updated by the rank that holds block j, then sent on after that rank's compute, so after P
-// hops (one per step) it is back at rank j holding every rank's contribution.
+// created by its first visitor (rank j+1), added to by every rank that holds block j and sent
+// on after that rank's compute, so after P-1 hops it is back at rank j, which adds it to its
+// own contribution.
 #include <cstring>
 
 #include "strategy/internal.h"
@@ -103,7 +104,10 @@ void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Toke
     outgoing = pack.pack(k, v, kv_tokens);
     run.memory->hold(pack.bytes());
   }
-  Buffer acc(grad_bytes);  // step 0: the accumulator of this rank's own block
+  // Step 0 (this rank's own block) adds into `own`, which never travels. The accumulator of
+  // block r-s starts empty on its first visitor after the owner (step 1) and moves on after
+  // every step: P-1 hops bring it home, where it is added to `own`.
+  Buffer own(grad_bytes), acc;
   run.memory->hold(grad_bytes);
   Request grad_recv, grad_send;
   for (int s = 0; s < p; ++s) {
@@ -113,18 +117,22 @@ void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Toke
       run.memory->hold(pack.bytes());
       send = comm.isend(std::move(outgoing), next, s + 1);
     }
-    if (s > 0) {  // the accumulator of the block held now comes after prev's compute on it
+    if (s == 1) {
+      acc = Buffer(grad_bytes);
+      run.memory->hold(grad_bytes);
+    } else if (s > 1) {  // comes after prev's compute on the same block
       run.waiting([&] { acc = grad_recv.take(); });
     }
-    if (p > 1) {  // step s+1's accumulator (or, after the last step, our own coming home)
+    if (s > 0) {  // step s+1's accumulator (after the last step: our own, coming home)
       grad_recv = comm.irecv(grad_bytes, prev, kGradTag + s + 1);
       run.memory->hold(grad_bytes);
     }
+    const Buffer& into = s == 0 ? own : acc;
     run.busy([&] {
       return attention_backward_block(q, q_tokens, cur_k, cur_v, cur_tokens, run.mask, dout, lse,
-                                      delta, dq, grad.k(acc), grad.v(acc), run.kernel);
+                                      delta, dq, grad.k(into), grad.v(into), run.kernel);
     });
-    if (p > 1) {
+    if (s > 0) {
       run.waiting([&] { grad_send.wait(); });
       if (grad_send.valid()) run.memory->release(grad_bytes);
       grad_send = comm.isend(std::move(acc), next, kGradTag + s + 1);
@@ -147,15 +155,19 @@ void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Toke
     }
   }
   if (p > 1) {
+    Buffer home;
     run.waiting([&] {
-      acc = grad_recv.take();
+      home = grad_recv.take();
       grad_send.wait();
     });
     grad_send = Request();
-    run.memory->release(grad_bytes);
+    float* o = own.as<float>();
+    const float* h = home.as<const float>();
+    for (size_t i = 0; i < grad_bytes / 4; ++i) o[i] += h[i];  // fixed order: bitwise stable
+    run.memory->release(2 * grad_bytes);
   }
-  copy_into(grad.k(acc), dk);
-  copy_into(grad.v(acc), dv);
+  copy_into(grad.k(own), dk);
+  copy_into(grad.v(own), dv);
 }
 
 namespace {

@@ -44,7 +44,7 @@ uint64_t ring_forward_bytes(const Problem& pr, int p, int64_t tokens, int64_t he
   return (p - 1) * kv_block(pr, tokens, heads);
 }
 uint64_t ring_backward_bytes(const Problem& pr, int p, int64_t tokens, int64_t heads) {
-  return (p - 1) * kv_block(pr, tokens, heads) + (p > 1 ? p * grad_block(pr, tokens, heads) : 0);
+  return (p - 1) * (kv_block(pr, tokens, heads) + grad_block(pr, tokens, heads));
 }
 // Ulysses over n ranks: positions (+docs) all-gathered, then one all-to-all in and one back,
 // each sending n-1 of its n chunks. out / dout are fp32 in these tests.
@@ -156,11 +156,11 @@ TEST(Volume, RingPeakBytesDoNotGrowWithP) {
   };
   const size_t block = 2 * 16 * 2 * 16 * 4 + 16 * 8;  // K + V + positions of 16 tokens
   for (bool bwd : {false, true}) {
-    // P = 2 holds a little less (nothing arrives during its last step); from P = 3 on the
-    // pipeline is full and the peak is the same for every P.
-    const size_t p3 = peak(StrategyKind::ring, 3, bwd);
-    EXPECT_GE(p3, 2 * block);
-    for (int p : {2, 4, 8}) EXPECT_LE(peak(StrategyKind::ring, p, bwd), p3) << "P=" << p;
+    // Small P hold a little less (the last step receives nothing, and backward's dK/dV
+    // pipeline fills from P = 4 on); from there the peak is the same for every P.
+    const size_t p4 = peak(StrategyKind::ring, 4, bwd);
+    EXPECT_GE(p4, 2 * block);
+    for (int p : {2, 3, 8, 16}) EXPECT_LE(peak(StrategyKind::ring, p, bwd), p4) << "P=" << p;
   }
   EXPECT_GT(peak(StrategyKind::allgather, 8, false), peak(StrategyKind::allgather, 2, false));
 }
