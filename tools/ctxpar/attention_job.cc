@@ -73,6 +73,10 @@ SequenceTokens sequence_tokens(const AttentionJob& job) {
 void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens& seq,
               RankData& rd) {
   const int r = comm.rank();
+  auto step = [&](const std::string& name) {
+    if (r == 0 && job.on_step) job.on_step(name);
+  };
+  step("inputs");
   const Layout layout(job.layout, job.seq, job.ranks);
   const std::vector<int64_t> index = layout.positions(r);
   const int64_t B = job.batch, Tl = layout.local_tokens(), Hq = job.heads;
@@ -111,7 +115,12 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
   std::unique_ptr<Strategy> strategy = Strategy::create(comm, options);
   const Tokens tokens{rd.positions, rd.documents};
 
+  auto nth = [&](const char* phase, int rep) {
+    return job.repeats == 1 ? std::string(phase)
+                            : detail::concat(phase, " ", rep + 1, "/", job.repeats);
+  };
   for (int rep = 0; rep < job.repeats; ++rep) {
+    step(nth("forward", rep));
     comm.barrier();  // every rank starts the timed call together
     auto t0 = Clock::now();
     strategy->forward(rd.q, rd.k, rd.v, tokens, rd.out, rd.lse);
@@ -120,6 +129,7 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
   }
   if (!job.backward) return;
   for (int rep = 0; rep < job.repeats; ++rep) {
+    step(nth("backward", rep));
     comm.barrier();
     auto t0 = Clock::now();
     strategy->backward(rd.q, rd.k, rd.v, tokens, rd.out, rd.lse, rd.dout, rd.dq, rd.dk, rd.dv);
@@ -334,6 +344,10 @@ void validate(const AttentionJob& job) {
                "--q, --k and --v come together");
 }
 
+int progress_steps(const AttentionJob& job) {
+  return 1 + job.repeats * (job.backward ? 2 : 1) + (job.check ? 1 : 0);
+}
+
 AttentionResult run_attention_job(const AttentionJob& job) {
   validate(job);
   const SequenceTokens seq = sequence_tokens(job);
@@ -424,6 +438,7 @@ AttentionResult run_attention_job(const AttentionJob& job) {
     in.tokens = Tokens{seq.positions, seq.documents};
     in.mask = job.mask;
     in.dtype = job.dtype;
+    if (job.on_step) job.on_step("check");
     const int threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
     check_against_reference(in, job.check_budget, threads, result);
   }

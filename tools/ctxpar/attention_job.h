@@ -4,6 +4,7 @@
 // outputs, and check them against the fp64 reference of the whole unsharded problem.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,9 @@ struct AttentionJob {
   // --check cost budget: B * Hq * rows * T * D multiply-adds of the fp64 reference. Above it,
   // a sample of evenly spaced query rows (and key rows for dK, dV) is checked instead.
   double check_budget = 1.5e9;
+  // Called on rank 0 before each of progress_steps(job) steps ("inputs", "forward 1/3", ...,
+  // "check"), for a progress bar. May be empty.
+  std::function<void(const std::string& step)> on_step;
 
   // User inputs, full and unsharded, [B, T, H, D] (empty: seeded random inputs).
   Tensor q, k, v, dout;
@@ -85,6 +89,7 @@ struct AttentionResult {
 // Validates the job (same verdict on every rank), throws ctxpar::Error naming what is wrong
 // and what would work instead.
 void validate(const AttentionJob& job);
+int progress_steps(const AttentionJob& job);
 AttentionResult run_attention_job(const AttentionJob& job);
 nlohmann::json to_json(const AttentionJob& job, const AttentionResult& result);
 

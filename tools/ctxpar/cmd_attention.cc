@@ -4,12 +4,16 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 #include <string>
+
+#include <unistd.h>
 
 #include "attention_job.h"
 #include "commands.h"
 #include "ctxpar/npy.h"
 #include "options.h"
+#include "progress.h"
 
 namespace ctxpar::cli {
 namespace {
@@ -260,7 +264,20 @@ int cmd_attention(int argc, char** argv) {
   Options o = attention_options();
   if (!o.parse(argc, argv)) return 0;
   AttentionJob job = job_from(o);
+  // A bar (stderr) for runs long enough to wonder about: always on a terminal, in logs only
+  // for big problems (plain lines every few seconds).
+  const double work = static_cast<double>(job.batch) * job.heads * job.seq * job.seq *
+                      job.head_dim * job.repeats * (job.backward ? 3.5 : 1.0);
+  ProgressOptions po;
+  if (work < 2e10 && !isatty(fileno(stderr))) po.mode = ProgressOptions::Mode::quiet;
+  std::unique_ptr<Progress> bar;
+  job.on_step = [&](const std::string& step) {
+    if (!bar) bar = std::make_unique<Progress>("attention", progress_steps(job), stderr, po);
+    else bar->advance();
+    bar->note(step);
+  };
   AttentionResult result = run_attention_job(job);
+  if (bar) bar->advance(), bar->finish();
   if (!result.is_root) return 0;
   if (o.given("out")) write_outputs(o, job, result);
   if (o.on("json")) {
