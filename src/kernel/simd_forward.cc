@@ -47,7 +47,9 @@ KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_
   const int64_t nl = lanes();
 #pragma omp parallel num_threads(p.threads)
   {
-    std::vector<float> qt(kTile * dp), s(kTile * kTile), acc(kTile * dp), m(kTile), l(kTile);
+    std::vector<float> qt(kTile * dp), s(kTile * kTile), acc(kTile * dp), m(kTile);
+    // Row sums kept as one vector per row (lanes summed once per task, not once per tile).
+    std::vector<float> lv(kTile * nl);
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t qi = task % nqt, h = (task / nqt) % p.hq, b = task / (nqt * p.hq);
@@ -58,7 +60,8 @@ KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t stat = (b * p.hq + h) * p.tq + i0 + r;
         m[r] = m_state[stat] * kLog2e;
-        l[r] = l_state[stat];
+        std::fill_n(lv.data() + r * nl, nl, 0.0f);
+        lv[r * nl] = l_state[stat];
         std::copy_n(acc_state + ((b * p.tq + i0 + r) * p.hq + h) * d, d, acc.data() + r * dp);
       }
       bool touched = false;
@@ -87,8 +90,8 @@ KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_
           }
           if (m_new > m[r]) {  // the max grew: rescale (m = -inf gives alpha = 0, l = acc = 0)
             const float alpha = std::exp2(m[r] - m_new);
-            l[r] *= alpha;
             const VF va = hn::Set(df, alpha);
+            hn::StoreU(hn::Mul(va, hn::LoadU(df, lv.data() + r * nl)), df, lv.data() + r * nl);
             for (int64_t c = 0; c < dp; c += nl)
               hn::StoreU(hn::Mul(va, hn::LoadU(df, acc.data() + r * dp + c)), df, acc.data() + r * dp + c);
             m[r] = m_new;
@@ -100,7 +103,7 @@ KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_
             vsum = hn::Add(vsum, e);
             hn::StoreU(e, df, sr + c);
           }
-          l[r] += hn::GetLane(hn::SumOfLanes(df, vsum));
+          hn::StoreU(hn::Add(vsum, hn::LoadU(df, lv.data() + r * nl)), df, lv.data() + r * nl);
         }
         gemm_rows(mrows, dp, cols, s.data(), kTile, vpack + pk * kTile * dp, dp,
                   acc.data(), dp, true);
@@ -109,7 +112,7 @@ KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t stat = (b * p.hq + h) * p.tq + i0 + r;
         m_state[stat] = m[r] * kLn2;
-        l_state[stat] = l[r];
+        l_state[stat] = hn::GetLane(hn::SumOfLanes(df, hn::LoadU(df, lv.data() + r * nl)));
         std::copy_n(acc.data() + r * dp, d, acc_state + ((b * p.tq + i0 + r) * p.hq + h) * d);
       }
     }

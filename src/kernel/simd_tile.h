@@ -33,14 +33,8 @@ inline int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // 2^t for t <= 0 (t = -inf gives 0). Range reduction t = n + f, |f| <= 1/2, then the degree-7
-// Taylor polynomial of 2^f (relative error < 1e-8, below fp32 rounding) times 2^n built in
-// the exponent bits. Below -126 the result would be denormal: flush to exactly 0.
-HWY_INLINE VF exp2_neg(DF d, VF t) {
-  const hn::RebindToSigned<DF> di;
-  const auto tiny = hn::Lt(t, hn::Set(d, -126.0f));
-  t = hn::Max(t, hn::Set(d, -126.0f));
-  const VF n = hn::Round(t);
-  const VF f = hn::Sub(t, n);
+// Taylor polynomial of 2^f (relative error < 1e-8, below fp32 rounding) times 2^n.
+HWY_INLINE VF exp2_poly(DF d, VF f) {
   VF p = hn::Set(d, 1.5252733804059841e-5f);
   p = hn::MulAdd(p, f, hn::Set(d, 1.5403530393381606e-4f));
   p = hn::MulAdd(p, f, hn::Set(d, 1.3333558146428443e-3f));
@@ -48,10 +42,30 @@ HWY_INLINE VF exp2_neg(DF d, VF t) {
   p = hn::MulAdd(p, f, hn::Set(d, 5.5504108664821580e-2f));
   p = hn::MulAdd(p, f, hn::Set(d, 2.4022650695910071e-1f));
   p = hn::MulAdd(p, f, hn::Set(d, 6.9314718055994531e-1f));
-  p = hn::MulAdd(p, f, hn::Set(d, 1.0f));
+  return hn::MulAdd(p, f, hn::Set(d, 1.0f));
+}
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+// AVX-512: vscalefps does 2^n (and the underflow to 0) in one instruction. Clamping at -150
+// maps -inf to 2^-150, which rounds to exactly 0.
+HWY_INLINE VF exp2_neg(DF d, VF t) {
+  t = hn::Max(t, hn::Set(d, -150.0f));
+  const __m512 n = _mm512_roundscale_ps(t.raw, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const VF p = exp2_poly(d, hn::Sub(t, VF{n}));
+  return VF{_mm512_scalef_ps(p.raw, n)};
+}
+#else
+// Elsewhere: 2^n built in the exponent bits; below -126 the result would be denormal, so it is
+// flushed to exactly 0 (which also covers -inf).
+HWY_INLINE VF exp2_neg(DF d, VF t) {
+  const hn::RebindToSigned<DF> di;
+  const auto tiny = hn::Lt(t, hn::Set(d, -126.0f));
+  t = hn::Max(t, hn::Set(d, -126.0f));
+  const VF n = hn::Round(t);
+  const VF p = exp2_poly(d, hn::Sub(t, n));
   const auto bits = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
   return hn::IfThenZeroElse(tiny, hn::Mul(p, hn::BitCast(d, bits)));
 }
+#endif
 
 // R rows x C vectors of C: acc over k of A[r][k] * B[k][c]. A row stride lda, B row stride ldb
 // (floats, B rows 64-byte friendly), C row stride ldc. accumulate = false overwrites C.
@@ -78,12 +92,12 @@ HWY_INLINE void micro(const float* HWY_RESTRICT a, int64_t lda, const float* HWY
 
 // C[M x N] (+)= A[M x K] B[K x N]; M a multiple of 2, N a multiple of the lane count.
 // AVX-512 (32 registers): 6 rows x 4 vectors = 24 accumulators, 1 load of B per 6 FMAs.
-// AVX2 (16 registers): 4 rows x 2 vectors = 8 accumulators.
+// AVX2 (16 registers): 6 rows x 2 vectors = 12 accumulators + 2 B vectors + 1 broadcast.
 inline void gemm_rows(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                       const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
   const int64_t nl = lanes();
   constexpr int kC = HWY_MAX_BYTES >= 64 ? 4 : 2;
-  constexpr int kR = HWY_MAX_BYTES >= 64 ? 6 : 4;
+  constexpr int kR = 6;
   int64_t j = 0;
   for (; j + kC * nl <= n; j += kC * nl) {
     int64_t r = 0;
