@@ -7,6 +7,7 @@
 #include <atomic>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 
 namespace ctxpar::cli {
 
@@ -141,8 +142,9 @@ std::string Progress::line_locked(int width) const {
   std::string line = label_;
   line += ' ';
   if (mode_ == ProgressOptions::Mode::terminal) {
-    // The bar takes what is left of a third of the line, at least 10 cells.
-    int cells = std::clamp(width / 3, 10, 40);
+    // The bar takes what the figures and the note leave of the line: 10 to 30 cells.
+    const int rest = static_cast<int>(label_.size() + std::strlen(figures) + note_.size()) + 7;
+    int cells = std::clamp(width - 1 - rest, 10, 30);
     int filled = static_cast<int>(frac * cells);
     line += '[';
     line.append(filled, '#');
@@ -195,6 +197,7 @@ void Progress::print(const std::string& text) {
 void Progress::finish() {
   std::lock_guard<std::mutex> lock(mu_);
   if (finished_) return;
+  note_.clear();  // the last item's name would read as still running
   if (mode_ != ProgressOptions::Mode::quiet) {
     maybe_print_locked(true);
     if (mode_ == ProgressOptions::Mode::terminal) std::fputc('\n', out_);
