@@ -54,16 +54,15 @@ HWY_INLINE VF exp2_neg(DF d, VF t) {
   return VF{_mm512_scalef_ps(p.raw, n)};
 }
 #else
-// Elsewhere: 2^n built in the exponent bits; below -126 the result would be denormal, so it is
-// flushed to exactly 0 (which also covers -inf).
+// Elsewhere: 2^n built in the exponent bits. Clamping at -127 makes n + 127 = 0 for anything
+// below about -126.5 (and -inf): exponent bits 0 with a zero mantissa, exactly 0.
 HWY_INLINE VF exp2_neg(DF d, VF t) {
   const hn::RebindToSigned<DF> di;
-  const auto tiny = hn::Lt(t, hn::Set(d, -126.0f));
-  t = hn::Max(t, hn::Set(d, -126.0f));
+  t = hn::Max(t, hn::Set(d, -127.0f));
   const VF n = hn::Round(t);
   const VF p = exp2_poly(d, hn::Sub(t, n));
   const auto bits = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
-  return hn::IfThenZeroElse(tiny, hn::Mul(p, hn::BitCast(d, bits)));
+  return hn::Mul(p, hn::BitCast(d, bits));
 }
 #endif
 
