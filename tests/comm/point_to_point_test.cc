@@ -25,8 +25,11 @@ INSTANTIATE_TEST_SUITE_P(Threads, EveryOperation,
                          ::testing::Combine(::testing::Values(1, 2, 3, 4, 8),
                                             ::testing::Bool()),
                          [](const auto& info) {
-                           return "P" + std::to_string(std::get<0>(info.param)) +
-                                  (std::get<1>(info.param) ? "_link" : "_nolink");
+                           // Built with += : GCC 12 warns (falsely) on "P" + std::string.
+                           std::string name = "P";
+                           name += std::to_string(std::get<0>(info.param));
+                           name += std::get<1>(info.param) ? "_link" : "_nolink";
+                           return name;
                          });
 
 // Same inputs: the same bits run after run, with or without a link (message arrival order
