@@ -205,6 +205,7 @@ def plot_work(runs, out_dir):
     fig, axes = panels(len(strategies), width=width, max_cols=3 if width <= 6 else 2)
     for ax, s in zip(axes, strategies):
         width = 0.8 / max(len(layouts), 1)
+        balance = []
         for li, lay in enumerate(layouts):
             run = next((r for r in sel if r["strategy"] == s and r["layout"] == lay), None)
             if run is None:
@@ -212,16 +213,20 @@ def plot_work(runs, out_dir):
             work = per_rank(run, "attention_flops")
             mean = sum(work) / len(work) if work else 0
             xs = [rk + (li - (len(layouts) - 1) / 2) * width for rk in range(len(work))]
-            ax.bar(xs, [w / 1e9 for w in work], width, color=LAYOUT_COLORS.get(lay),
-                   label="%s (max/mean %.2f)" % (lay, max(work) / mean if mean else 1))
+            ax.bar(xs, [w / 1e9 for w in work], width, color=LAYOUT_COLORS.get(lay))
+            balance.append("%s %.2f" % (lay, max(work) / mean if mean else 1.0))
         ax.set_xticks(range(p))
         ax.set_xlabel("rank")
         ax.set_ylabel("attention GFLOP computed")
         ax.set_title("%s, T = %s, P = %d" % (s, tokens_label(seq), p), fontsize=10)
         ax.grid(True, axis="y", alpha=0.3)
-        # Headroom above the tallest bar for the legend, so it never hides a bar.
-        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)
-        ax.legend(fontsize=8, loc="upper center", ncol=len(layouts), framealpha=0.9)
+        # Headroom above the tallest bar for the max/mean box, so it never hides a bar.
+        ax.set_ylim(0, ax.get_ylim()[1] * (1.1 + 0.1 * len(balance)))
+        ax.text(0.02, 0.97, "max / mean work:\n" + "\n".join(balance), transform=ax.transAxes,
+                va="top", ha="left", fontsize=8,
+                bbox=dict(boxstyle="round", facecolor="white", alpha=0.9, edgecolor="#bbbbbb"))
+    handles = [plt.Rectangle((0, 0), 1, 1, color=LAYOUT_COLORS.get(lay), label=lay) for lay in layouts]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=9, frameon=False)
     save(fig, out_dir, "work.png", "Per-rank work: load balance by layout", runs)
 
 

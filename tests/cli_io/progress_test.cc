@@ -38,7 +38,7 @@ TEST(Progress, PlainModePrintsWholeLinesWithCountsAndFinalLine) {
   std::fclose(f);
   EXPECT_EQ(s.find('\r'), std::string::npos) << "plain logs must not contain carriage returns";
   EXPECT_EQ(s.find("\x1b"), std::string::npos) << "plain logs must not contain escapes";
-  EXPECT_NE(s.find("sweep : 1/4  25%"), std::string::npos) << s;
+  EXPECT_NE(s.find("sweep: 1/4  25%"), std::string::npos) << s;
   EXPECT_NE(s.find("3/4  75%"), std::string::npos) << s;
   EXPECT_NE(s.find("ring zigzag T=4096"), std::string::npos) << s;
   EXPECT_NE(s.find("elapsed 0:00"), std::string::npos) << s;
@@ -105,6 +105,19 @@ TEST(Progress, EtaFromMeanTimePerItem) {
   o.mode = ProgressOptions::Mode::quiet;
   Progress p("x", 4, nullptr, o);
   EXPECT_NE(p.line().find("eta --:--"), std::string::npos) << "no ETA before the first item";
+}
+
+TEST(Progress, EtaFollowsWorkWhenItemsDiffer) {
+  ProgressOptions o;
+  o.mode = ProgressOptions::Mode::quiet;
+  Progress p("x", 3, nullptr, o);
+  p.set_work(100);
+  p.advance_work(10);  // the cheap first item: 1/3 of the items, a tenth of the work
+  std::string line = p.line();
+  EXPECT_NE(line.find("1/3  10%"), std::string::npos) << line;
+  p.advance_work(90, 2);
+  EXPECT_NE(p.line().find("3/3 100%"), std::string::npos) << p.line();
+  EXPECT_NE(p.line().find("eta 0:00"), std::string::npos) << p.line();
 }
 
 TEST(Interrupt, SigintSetsTheFlagInsteadOfKilling) {

@@ -380,6 +380,11 @@ int bench_cp(int argc, char** argv) {
   write_results(dir, sweep, rows, skipped, false, false);
   {
     Progress bar("bench cp", static_cast<int64_t>(plan.size()));
+    // A run's cost grows as T^2 (attention) whatever P: the ETA weighs runs by it.
+    auto work = [&](const Combo& c) { return static_cast<double>(c.seq) * static_cast<double>(c.seq); };
+    double total_work = 0;
+    for (const Combo& c : plan) total_work += work(c);
+    bar.set_work(total_work);
     for (const Combo& c : plan) {
       if (interrupted()) break;
       bar.note(c.name());
@@ -402,7 +407,7 @@ int bench_cp(int argc, char** argv) {
                            {"layout", layout_name(c.layout)}, {"reason", std::string("failed: ") + e.what()}});
       }
       write_results(dir, sweep, rows, skipped, false, false);
-      bar.advance();
+      bar.advance_work(work(c));
     }
   }
   const bool stopped = interrupted();

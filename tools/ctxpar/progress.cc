@@ -93,6 +93,18 @@ void Progress::advance(int64_t n) {
   maybe_print_locked(false);
 }
 
+void Progress::set_work(double total_work) {
+  std::lock_guard<std::mutex> lock(mu_);
+  work_total_ = total_work > 0 ? total_work : 0;
+}
+
+void Progress::advance_work(double work, int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  work_done_ += work > 0 ? work : 0;
+  done_ += n;
+  maybe_print_locked(false);
+}
+
 void Progress::set_done(int64_t done) {
   std::lock_guard<std::mutex> lock(mu_);
   done_ = done;
@@ -130,11 +142,15 @@ std::string Progress::line() const {
 std::string Progress::line_locked(int width) const {
   const double elapsed = elapsed_locked();
   const int64_t done = std::min(done_, total_ > 0 ? total_ : done_);
-  const double frac = total_ > 0 ? static_cast<double>(done) / static_cast<double>(total_) : 0;
-  // ETA from the mean time per finished item: items in a sweep vary, but the mean over the
-  // run so far is the honest estimate without a cost model.
+  // ETA from the mean time per finished unit: of work when the caller has a cost model
+  // (set_work), else of items.
+  const bool by_work = work_total_ > 0;
+  double frac = by_work ? work_done_ / work_total_
+                        : total_ > 0 ? static_cast<double>(done) / static_cast<double>(total_) : 0;
+  frac = std::clamp(frac, 0.0, 1.0);
   std::string eta = "--:--";
-  if (done > 0 && total_ > 0) eta = format_duration(elapsed / done * (total_ - done));
+  if (done >= total_ && total_ > 0) eta = "0:00";
+  else if (frac > 0) eta = format_duration(elapsed / frac * (1 - frac));
   char figures[160];
   std::snprintf(figures, sizeof figures, "%lld/%lld %3d%%  elapsed %s  eta %s",
                 static_cast<long long>(done), static_cast<long long>(total_),
@@ -151,7 +167,8 @@ std::string Progress::line_locked(int width) const {
     line.append(cells - filled, '.');
     line += "] ";
   } else {
-    line += ": ";
+    line.back() = ':';
+    line += ' ';
   }
   line += figures;
   if (!note_.empty()) {

@@ -52,6 +52,11 @@ class Progress {
   Progress& operator=(const Progress&) = delete;
 
   void advance(int64_t n = 1);
+  // Items of unequal cost (a sweep's runs grow as T^2): give the total estimated work once and
+  // each item's work as it finishes; the bar, percentage and ETA then follow the work, the
+  // done/total figures still count items.
+  void set_work(double total_work);
+  void advance_work(double work, int64_t n = 1);
   void set_done(int64_t done);
   void set_total(int64_t total);
   // Short text shown after the figures (e.g. the item being run); kept until replaced.
@@ -84,6 +89,7 @@ class Progress {
   int width_ = 80;
   mutable std::mutex mu_;
   int64_t done_ = 0, total_ = 0;
+  double work_total_ = 0, work_done_ = 0;
   std::string note_;
   Clock::time_point start_, last_print_;
   bool printed_ = false, finished_ = false;
