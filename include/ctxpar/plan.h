@@ -162,17 +162,22 @@ RingSimulation simulate_ring(const RingProblem& problem);
 // ---- this machine ------------------------------------------------------------------------
 // The `local` preset: our kernel and threads transport, measured on the spot.
 struct LocalOptions {
-  int64_t block_tokens = 1024;   // tokens per rank (measured on at most 1024)
+  int ranks = 1;                 // kernel threads timed at once (the ranks sharing the cores)
+  int64_t block_tokens = 1024;   // tokens per rank (measured on at most 2048)
   int64_t batch = 1, heads = 8, kv_heads = 8, head_dim = 128;
   DType dtype = DType::f32;
+  LayoutKind layout = LayoutKind::zigzag;
+  bool causal = true;
   SimulatedLink link;            // the threads transport's simulated link (0: none)
   double message_bytes = 1 << 20;  // size of the timed message (use one K/V block)
-  int cores = 0;                 // cores the ranks share (0: this machine's)
+  double min_seconds = 0.2;      // each timing runs at least this long
 };
 struct LocalMeasurement {
-  double forward_flops = 0, backward_flops = 0;  // one kernel thread, FLOP/s
-  int cores = 1;
-  LinkSpec link;                 // measured: latency of a small message, bandwidth of a large
+  double forward_flops = 0, backward_flops = 0;  // per rank, all ranks running, FLOP/s
+  int cores = 1;                 // this machine's (for the record)
+  LinkSpec link;                 // the simulated link, its latency + the measured hand-over
+  double handover_seconds = 0;   // one message between two rank threads, link off
+  double block_message_seconds = 0;  // one block through the simulated link (0: no link)
   double mem_gb = 0;
 };
 LocalMeasurement measure_local(const LocalOptions& options);

@@ -23,14 +23,15 @@ struct Sizes {
 };
 
 // Ring: K, V and positions visit the P-1 other ranks (P-1 sends); in backward they go round
-// again and their fp32 dK, dV make the full circle home (P sends).
+// again, and each block's fp32 dK, dV accumulator, started by its first visitor, makes the
+// P-1 hops home.
 CommVolume ring(int P, const Sizes& z) {
   CommVolume c;
   c.strategy = StrategyKind::ring;
   if (P == 1) return c;
   const double block = 2 * z.kv() + z.positions();
   c.forward_bytes = (P - 1) * block;
-  c.backward_bytes = (P - 1) * block + P * 2 * z.kv() * 4 / z.s;
+  c.backward_bytes = (P - 1) * (block + 2 * z.kv() * 4 / z.s);
   return c;
 }
 

@@ -1,8 +1,9 @@
 // The `local` hardware preset: this machine, measured on the spot. The kernel's throughput is
-// timed on one ring step's block pair (one thread per rank, as `ctxpar attention` runs), the
-// cores are shared by the ranks, and the threads transport's simulated link is timed with a
+// timed on one ring step's block pair by P threads at once (one per rank, as `ctxpar attention`
+// runs them, sharing the cores), and the threads transport's simulated link is timed with a
 // real message. See docs/plan.md, "Checked against ourselves".
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <numeric>
 #include <thread>
@@ -12,6 +13,7 @@
 #include "ctxpar/comm.h"
 #include "ctxpar/error.h"
 #include "ctxpar/kernel.h"
+#include "ctxpar/layout.h"
 #include "ctxpar/plan.h"
 
 namespace ctxpar {
@@ -24,7 +26,7 @@ double now_seconds() {
 
 // Best of `repeats` timings of fn(), each repeated until it has run for at least `min_seconds`.
 template <typename Fn>
-double seconds_per_call(Fn&& fn, int repeats = 3, double min_seconds = 0.05) {
+double seconds_per_call(Fn&& fn, int repeats, double min_seconds) {
   fn();  // warm caches and pages
   double best = 1e30;
   for (int r = 0; r < repeats; ++r) {
@@ -43,72 +45,121 @@ double seconds_per_call(Fn&& fn, int repeats = 3, double min_seconds = 0.05) {
 
 }  // namespace
 
+namespace {
+
+// FLOP/s of one rank's kernel thread while `ranks` such threads run at once, as the ranks of
+// `ctxpar attention` do: this measures the cores they share, and whatever else this machine
+// is running at the time, in one number.
+struct KernelRates {
+  double forward = 0, backward = 0;
+};
+
+KernelRates rates_of_one_rank(const LocalOptions& o, int rank, std::atomic<int>& ready) {
+  // Rank `rank`'s queries against its own block (the diagonal, with partially masked tiles)
+  // and against its predecessor's (the ring's next step), as the layout and mask place them:
+  // masked-tile skipping and partial tiles cost what they cost in the real ring. Large
+  // problems are measured on a scaled-down sequence of 2048 tokens a rank and 4 heads.
+  const int P = o.ranks;
+  const int64_t n = std::min<int64_t>(o.block_tokens, 2048);
+  const int64_t b = o.batch, d = o.head_dim;
+  const int64_t hq = std::min<int64_t>(o.heads, 4);
+  const int64_t hkv = std::max<int64_t>(1, hq * o.kv_heads / o.heads);
+  Tensor q(o.dtype, {b, n, hq, d}), k(o.dtype, {b, n, hkv, d}), v(o.dtype, {b, n, hkv, d});
+  Tensor dout(o.dtype, {b, n, hq, d});
+  Tensor lse(DType::f32, {b, hq, n}), delta(DType::f32, {b, hq, n});
+  Tensor dq(DType::f32, {b, n, hq, d}), dk(DType::f32, {b, n, hkv, d}), dv(DType::f32, {b, n, hkv, d});
+  const Layout layout(o.layout, n * P, P);
+  const std::vector<int64_t> qpos = layout.positions(rank);
+  const std::vector<int64_t> kpos[2] = {qpos, layout.positions((rank + P - 1) % P)};
+  const Tokens qt{qpos, {}}, kt[2] = {{kpos[0], {}}, {kpos[1], {}}};
+  const Mask mask = o.causal ? Mask::causal_mask() : Mask::none();
+  KernelConfig one;
+  one.threads = 1;
+  ready.fetch_add(1);
+  while (ready.load() < P) std::this_thread::yield();
+  KernelRates r;
+  double flops = 0;
+  auto both = [&](auto&& call) {
+    flops = 0;
+    for (const Tokens& t : kt) flops += call(t).flops;
+  };
+  ForwardState state(b, n, hq, d);
+  const double fwd = seconds_per_call(
+      [&] { both([&](const Tokens& t) { return attention_forward_block(q, qt, k, v, t, mask, state, one); }); },
+      2, o.min_seconds);
+  r.forward = flops / fwd;
+  const double bwd = seconds_per_call(
+      [&] {
+        both([&](const Tokens& t) {
+          return attention_backward_block(q, qt, k, v, t, mask, dout, lse, delta, dq, dk, dv, one);
+        });
+      },
+      2, o.min_seconds);
+  r.backward = flops / bwd;
+  return r;
+}
+
+}  // namespace
+
 LocalMeasurement measure_local(const LocalOptions& o) {
   CTXPAR_CHECK(o.block_tokens > 0 && o.heads > 0 && o.kv_heads > 0 && o.head_dim > 0 && o.batch > 0,
                "local hardware: block, heads, kv heads, head dim and batch must be > 0");
+  CTXPAR_CHECK(o.ranks >= 1, "local hardware: ranks must be >= 1");
   LocalMeasurement m;
-  // One unmasked block pair; large blocks are measured on a 1024-token slice (the rate no
-  // longer depends on the size there) to keep the measurement short.
-  const int64_t n = std::min<int64_t>(o.block_tokens, 1024);
-  const int64_t b = o.batch, hq = o.heads, hkv = o.kv_heads, d = o.head_dim;
-  Tensor q(o.dtype, {b, n, hq, d}), k(o.dtype, {b, n, hkv, d}), v(o.dtype, {b, n, hkv, d});
-  Tensor out(o.dtype, {b, n, hq, d}), dout(o.dtype, {b, n, hq, d});
-  Tensor lse(DType::f32, {b, hq, n}), delta(DType::f32, {b, hq, n});
-  Tensor dq(DType::f32, {b, n, hq, d}), dk(DType::f32, {b, n, hkv, d}), dv(DType::f32, {b, n, hkv, d});
-  std::vector<int64_t> qpos(n), kpos(n);
-  std::iota(qpos.begin(), qpos.end(), n);
-  std::iota(kpos.begin(), kpos.end(), 0);
-  const Tokens qt{qpos, {}}, kt{kpos, {}};
-  const Mask none;
-  KernelConfig one;
-  one.threads = 1;
-  ForwardState state(b, n, hq, d);
-  double flops = 0;
-  const double fwd = seconds_per_call([&] {
-    flops = attention_forward_block(q, qt, k, v, kt, none, state, one).flops;
-  });
-  m.forward_flops = flops / fwd;
-  const double bwd = seconds_per_call([&] {
-    flops = attention_backward_block(q, qt, k, v, kt, none, dout, lse, delta, dq, dk, dv, one).flops;
-  });
-  m.backward_flops = flops / bwd;
+  std::vector<KernelRates> rates(o.ranks);
+  std::atomic<int> ready{0};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < o.ranks; ++r)
+    threads.emplace_back([&, r] { rates[r] = rates_of_one_rank(o, r, ready); });
+  for (auto& t : threads) t.join();
+  for (const auto& r : rates) {
+    m.forward_flops += r.forward / o.ranks;
+    m.backward_flops += r.backward / o.ranks;
+  }
   m.mem_gb = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE) / 1e9;
-  m.cores = o.cores > 0 ? o.cores : std::max(1u, std::thread::hardware_concurrency());
+  m.cores = std::max(1u, std::thread::hardware_concurrency());
 
-  // The transport: time one block-sized message over the simulated link (or the plain
-  // hand-over when no link is simulated) between two ranks.
-  const size_t bytes = std::max<size_t>(1, static_cast<size_t>(o.message_bytes));
-  ThreadsOptions to;
-  to.link = o.link;
-  double small = 0, large = 0;
-  run_threads(2, [&](Communicator& comm) {
-    auto one_message = [&](size_t size) {
-      comm.barrier();
-      const double t0 = now_seconds();
-      if (comm.rank() == 0) {
-        comm.isend(Buffer(size), 1, 0).wait();
-      } else {
-        comm.irecv(size, 0, 0).take();
+  // The transport. The simulated link is a model we configure (latency + bytes / bandwidth,
+  // one message at a time), so the plan uses its figures; what it adds is the hand-over of a
+  // message between two rank threads, timed here with the link off. A block-sized message is
+  // also timed through the link, for the record.
+  auto time_messages = [](const SimulatedLink& link, size_t size, int repeats) {
+    ThreadsOptions to;
+    to.link = link;
+    double best = 1e30;
+    run_threads(2, [&](Communicator& comm) {
+      for (int i = 0; i < repeats; ++i) {
+        comm.barrier();
+        const double t0 = now_seconds();
+        if (comm.rank() == 0) {
+          comm.isend(Buffer(size), 1, 0).wait();
+          comm.irecv(8, 1, 1).take();
+        } else {
+          comm.irecv(size, 0, 0).take();
+          comm.isend(Buffer(8), 0, 1).wait();
+        }
+        if (comm.rank() == 0) best = std::min(best, now_seconds() - t0);
       }
-      return now_seconds() - t0;
-    };
-    double s = 1e30, l = 1e30;
-    for (int i = 0; i < 3; ++i) s = std::min(s, one_message(8)), l = std::min(l, one_message(bytes));
-    if (comm.rank() == 1) small = s, large = l;
-  }, to);
-  m.link.latency_us = small * 1e6;
-  m.link.gbytes_per_second = bytes / std::max(large - small, 1e-9) / 1e9;
+    }, to);
+    return best;
+  };
+  // A ping-pong of two small messages: half of it is one hand-over.
+  m.handover_seconds = time_messages(SimulatedLink{}, 8, 7) / 2;
+  const size_t bytes = std::max<size_t>(8, static_cast<size_t>(o.message_bytes));
+  if (o.link.gbytes_per_second > 0 || o.link.latency_us > 0)
+    m.block_message_seconds = time_messages(o.link, bytes, 3) - m.handover_seconds -
+                              o.link.latency_us * 1e-6 - 8 / std::max(o.link.gbytes_per_second * 1e9, 1.0);
+  m.link.gbytes_per_second = o.link.gbytes_per_second > 0 ? o.link.gbytes_per_second : 1e6;
+  m.link.latency_us = o.link.latency_us + m.handover_seconds * 1e6;
   return m;
 }
 
 HardwareSpec local_hardware(const LocalMeasurement& m, int ranks) {
   HardwareSpec h;
   h.name = "local";
-  // Ranks share the cores: each gets cores / ranks of one (at most one: a rank is one thread).
-  const double share = std::min(1.0, static_cast<double>(m.cores) / std::max(1, ranks));
-  h.flops = m.forward_flops * share;
+  h.flops = m.forward_flops;  // already per rank, measured with all ranks running
+  h.backward_flops = m.backward_flops;
   h.efficiency = 1.0;
-  h.backward_flops = m.backward_flops * share;
   h.mem_gb = m.mem_gb;
   h.intra = m.link;
   h.inter = m.link;

@@ -48,8 +48,9 @@ MemoryBreakdown plan_memory(const PlanInput& in) {
   const ModelSpec& m = in.model;
   const double s = bytes_of(in.dtype);
   const double layers = static_cast<double>(m.layers / in.pp);
-  // Embedding and LM head live on the first and last pipeline stages; count both when pp = 1.
-  const double embed = (in.pp == 1 ? 2.0 : 1.0) * m.vocab * m.hidden;
+  // Embedding and LM head (with the final norm) live on the first and last pipeline stages;
+  // count both when pp = 1.
+  const double embed = (in.pp == 1 ? 2.0 : 1.0) * m.vocab * m.hidden + m.hidden;
   const double params = (layers * m.layer_params() + embed) / in.tp;
   const double shard = static_cast<double>(in.dp) * in.cp;  // ZeRO / FSDP group
 

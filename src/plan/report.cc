@@ -44,6 +44,7 @@ std::string plan_json(const Plan& p) {
                 {"ffn", m.ffn},           {"vocab", m.vocab},       {"params", m.params()}};
   j["hardware"] = {{"name", h.name},
                    {"flops", h.flops},
+                   {"backward_flops", h.backward_flops > 0 ? h.backward_flops : h.flops},
                    {"efficiency", h.efficiency},
                    {"mem_gb", h.mem_gb},
                    {"intra", link_json(h.intra)},

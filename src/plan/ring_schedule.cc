@@ -195,10 +195,12 @@ RingSimulation simulate_ring(const RingProblem& pr) {
   sim.forward_seconds = fwd_end;
 
   if (pr.backward) {
-    // Backward: K, V go ahead as in forward. The fp32 dK, dV of the block held at step s
-    // arrive from rank r-1 after its compute on that block at step s-1, and must be here
-    // before our compute adds to them; after the compute (and once our previous dK, dV send
-    // has left) they go on to r+1. The last hop brings each rank its own.
+    // Backward (src/strategy/ring.cc): K, V go ahead as in forward. Step 0 adds the rank's
+    // own block's dK, dV into a buffer that never travels; from step 1 on, the fp32
+    // accumulator of the block held is created by its first visitor (step 1) or arrives from
+    // rank r-1 after its compute on that block (step > 1), and must be here before our
+    // compute adds to it; after the compute (and once our previous accumulator has left) it
+    // goes on to r+1. P-1 hops bring every accumulator home.
     std::vector<double> arrive_dkv(P, 0.0), dkv_done(P, 0.0);
     for (int s = 0; s < P; ++s) {
       std::vector<Posted> sent(P, Posted{0, 0});
@@ -209,11 +211,11 @@ RingSimulation simulate_ring(const RingProblem& pr) {
         RingStepTrace st;
         st.start = now[r];
         double t = st.start;
-        if (s > 0 && P > 1) t = std::max(t, arrive_dkv[r]);
+        if (s > 1) t = std::max(t, arrive_dkv[r]);
         st.compute = compute_seconds(r, s, 2.5, true);
         double end = t + st.compute;
         double waited = t - st.start;
-        if (P > 1) {
+        if (s > 0) {
           const double after = std::max(end, dkv_done[r]);
           waited += after - end;
           end = after;

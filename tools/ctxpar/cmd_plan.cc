@@ -74,7 +74,9 @@ HardwareSpec hardware_from(const Options& o, const PlanInput& in) {
     if (o.given("latency-us")) lo.link.latency_us = pair_of(o, "latency-us").first;
     lo.message_bytes = 2.0 * lo.batch * lo.block_tokens * lo.kv_heads * lo.head_dim *
                        dtype_size(in.dtype);
-    lo.cores = static_cast<int>(o.i64("cores"));
+    lo.ranks = in.cp;
+    lo.layout = in.layout;
+    lo.causal = in.causal;
     h = local_hardware(measure_local(lo), in.cp);
   } else if (o.given("hardware") || !o.given("flops")) {
     h = hardware_preset(name);
@@ -136,7 +138,6 @@ int cmd_plan(int argc, char** argv) {
       .add("link-gbps", "", "link GB/s per device, one direction: INTRA[,INTER]")
       .add("latency-us", "", "link latency in microseconds: INTRA[,INTER]")
       .add("devices-per-node", "", "devices sharing the intra-node link")
-      .add("cores", "0", "local: cores the ranks share (0: this machine's)")
       .add("tile", "0", "kernel tile edge for masked-tile skipping (0: exact pairs; local: 64)")
       .flag("compare", "estimate and rank ring, allgather, ulysses and hybrid")
       .flag("json", "print every figure as JSON")
