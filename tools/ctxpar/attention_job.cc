@@ -440,7 +440,9 @@ AttentionResult run_attention_job(const AttentionJob& job) {
     in.dtype = job.dtype;
     if (job.on_step) job.on_step("check");
     const int threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+    const auto t0 = Clock::now();
     check_against_reference(in, job.check_budget, threads, result);
+    result.check_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   }
   return result;
 }
@@ -499,6 +501,7 @@ nlohmann::json to_json(const AttentionJob& job, const AttentionResult& result) {
   j["scores_bytes"] = result.scores_bytes;
   if (result.checked) {
     j["check_passed"] = result.check_passed;
+    j["check_seconds"] = result.check_seconds;
     j["max_abs_err"] = result.max_abs_err;
     j["tolerance"] = result.tolerance;
     nlohmann::json q = nlohmann::json::array();
