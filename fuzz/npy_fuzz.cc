@@ -6,7 +6,13 @@
 //     Tensor or throws ctxpar::Error, and nothing else;
 //   - its error message is one line that names the file;
 //   - an accepted image survives our writer: parse(write(parse(x))) == parse(x) bit for bit;
-//   - reading as bf16 accepts exactly the images that reading as fp32 accepts.
+//   - reading as bf16 accepts exactly the images that reading as fp32 accepts;
+//   - read_npy (the file reader: header in two reads, data streamed, fp16 converted in
+//     chunks) agrees with parse_npy on validity and on every byte. The file is an in-memory
+//     memfd, so this costs no disk.
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -40,6 +46,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } catch (const ctxpar::Error&) {
   }
   if (ok32 != ok16) fuzz_fail("fp32 and bf16 reads disagree on validity", std::to_string(size));
+
+  static const int fd = memfd_create("npy_fuzz", 0);
+  if (fd >= 0 && ftruncate(fd, 0) == 0 && pwrite(fd, data, size, 0) == static_cast<ssize_t>(size)) {
+    bool ok_file = false;
+    ctxpar::Tensor f;
+    try {
+      f = ctxpar::read_npy("/proc/self/fd/" + std::to_string(fd));
+      ok_file = true;
+    } catch (const ctxpar::Error&) {
+    }
+    if (ok_file != ok32) fuzz_fail("read_npy and parse_npy disagree on validity", std::to_string(size));
+    if (ok_file && (f.shape() != t.shape() || f.dtype() != t.dtype() ||
+                    std::memcmp(f.data(), t.data(), t.bytes()) != 0))
+      fuzz_fail("read_npy and parse_npy read different tensors", ctxpar::shape_str(t.shape()));
+  }
   if (!ok32) return 0;
   std::vector<uint8_t> again = ctxpar::npy_bytes(t.view());
   ctxpar::Tensor u = ctxpar::parse_npy(again, ctxpar::DType::f32, "rewritten.npy");
