@@ -272,6 +272,9 @@ int bench_cp(int argc, char** argv) {
                "ring,allgather,ulysses --layout contiguous,zigzag,striped --mask causal --out cp")
       .example("ctxpar bench cp --seq 2048 --ranks 4 --backward --link-gbps 25 --out slow-link");
   if (!opts.parse(argc, argv)) return 0;
+  if (launched_by_mpi())
+    throw UsageError("bench cp sweeps P on the threads transport inside one process; run it "
+                     "without mpirun (for MPI timings: mpirun -n P ctxpar attention ...)");
 
   const auto seqs = parse_list(opts, "seq", [](const std::string& s) {
     char* end = nullptr;
@@ -399,7 +402,7 @@ int bench_cp(int argc, char** argv) {
           bar.print("check FAILED: " + c.name());
         }
         rows.push_back(std::move(row));
-      } catch (const Error& e) {
+      } catch (const std::exception& e) {
         // One failed run (e.g. out of memory at the largest size) does not lose the sweep.
         bar.print("failed " + c.name() + ": " + e.what());
         skipped.push_back({{"seq", c.seq}, {"num_ranks", c.ranks},
