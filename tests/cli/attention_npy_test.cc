@@ -77,5 +77,24 @@ TEST(CliAttentionNpy, ShardedRunOfUserTensorsMatchesNumpy) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(CliAttentionNpy, CheckMismatchExits1) {
+  // One query row near FLT_MAX: its fp32 scores overflow (inf - inf = NaN in the softmax)
+  // while the fp64 reference stays finite, so the check must say FAILED and the command exit 1
+  // (not 0, and not 2: the file itself is well formed).
+  if (!std::filesystem::exists("/usr/bin/python3")) GTEST_SKIP() << "no /usr/bin/python3";
+  const std::string dir = temp_dir("nan");
+  CommandResult w = run_shell(
+      "/usr/bin/python3 -c \"import numpy as np; r = np.random.default_rng(1); "
+      "[np.save('" + dir + "/' + n + '.npy', r.standard_normal((1, 32, 2, 16)).astype(np.float32)) "
+      "for n in 'kv']; q = r.standard_normal((1, 32, 2, 16)).astype(np.float32); "
+      "q[0, 5, 1, :] = 3e38; q[0, 5, 1, ::2] = -3e38; np.save('" + dir + "/q.npy', q)\"");
+  if (w.exit_code != 0) GTEST_SKIP() << "numpy unavailable: " << w.err;
+  CommandResult r = run_ctxpar("attention --q " + dir + "/q.npy --k " + dir + "/k.npy --v " +
+                               dir + "/v.npy --ranks 2 --check");
+  EXPECT_EQ(r.exit_code, 1) << r.err << r.out;
+  EXPECT_NE(r.out.find("check: FAILED"), std::string::npos) << r.out;
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace ctxpar::test
