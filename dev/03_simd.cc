@@ -1,5 +1,5 @@
 // Lab 03: the library's fast path (src/kernel/simd_forward.cc): K packed transposed and V
-// row-major once per call, a 6 x 4-vector register-blocked micro-kernel (AVX-512; 4 x 2 on
+// row-major once per call, a 6 x 4-vector register-blocked micro-kernel (AVX-512; 6 x 2 on
 // AVX2) for S = Q K^T and O += P V, exp2 as a vector polynomial fused with the row sum, Q
 // pre-scaled by scale * log2(e), lazy rescaling. Run through the public API, one thread.
 //   ./build/dev/lab_03_simd [T] [H] [D]
