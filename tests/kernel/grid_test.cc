@@ -48,6 +48,9 @@ TEST(Grid, HeadDims) {
   std::vector<Case> cases;
   for (int64_t d : {16, 64, 80, 128, 256}) cases.push_back(make(65, 63, 1, 1, d, Mask::causal_mask()));
   cases.push_back(make(130, 130, 1, 1, 256, window(40, 10), DType::bf16));
+  // Head dims that are not a multiple of the vector width (zero padding in the packed tiles).
+  cases.push_back(make(70, 67, 2, 1, 20, Mask::causal_mask()));
+  cases.push_back(make(33, 90, 1, 1, 100, window(30, 30), DType::bf16));
   run_all(cases);
 }
 
