@@ -85,7 +85,8 @@ def subtitle(runs):
 def panels(n, width=5.0, height=3.8, max_cols=3):
     cols = min(n, max_cols)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows + 0.8),
+    # At least 8 inches wide, so the two-line title and the legend row fit one panel too.
+    fig, axes = plt.subplots(rows, cols, figsize=(max(width * cols, 8.0), height * rows + 0.8),
                              squeeze=False)
     flat = [a for row in axes for a in row]
     for a in flat[n:]:
@@ -93,10 +94,18 @@ def panels(n, width=5.0, height=3.8, max_cols=3):
     return fig, flat[:n]
 
 
+def figure_legend(fig, handles):
+    """One legend below the panels, as many entries a row as fit (about 1.3 inch each)."""
+    ncol = max(1, min(len(handles), int(fig.get_figwidth() / 1.3)))
+    fig.legend(handles=handles, loc="lower center", fontsize=9, frameon=False, ncol=ncol)
+    fig.legend_rows = math.ceil(len(handles) / ncol)  # read by save() to leave room
+
+
 def save(fig, out_dir, name, title, runs):
     fig.suptitle(title + "\n" + subtitle(runs), fontsize=11)
-    # Leave room at the bottom for a figure-level legend (about 0.45 inch).
-    bottom = 0.45 / fig.get_figheight() if fig.legends else 0.0
+    # Leave room at the bottom for the figure-level legend: about 0.3 inch a row.
+    rows = getattr(fig, "legend_rows", 0)
+    bottom = (0.15 + 0.3 * rows) / fig.get_figheight() if rows else 0.0
     fig.tight_layout(rect=(0, bottom, 1, 1))
     path = os.path.join(out_dir, name)
     tmp = path + ".tmp.png"
@@ -138,17 +147,16 @@ def plot_throughput(runs, out_dir):
             seq_axis(ax, seqs)
             ax.set_ylim(bottom=0)
             ax.set_ylabel("%s GFLOP/s (all ranks)" % phase)
-            ax.set_title("%s, P = %d ranks" % (phase, p), fontsize=10)
+            ax.set_title("%s, P = %d rank%s" % (phase, p, "s" if p > 1 else ""), fontsize=10)
     # One legend for the figure: colour = strategy, line style = layout.
     strategies = sorted({r["strategy"] for r in runs})
     layouts = [lay for lay in LAYOUT_STYLES if any(r["layout"] == lay for r in runs)]
     handles = [plt.Line2D([], [], color=STRATEGY_COLORS.get(s), lw=3, label=s) for s in strategies]
     handles += [plt.Line2D([], [], color="grey", ls=LAYOUT_STYLES[lay][0],
                            marker=LAYOUT_STYLES[lay][1], label=lay) for lay in layouts]
-    if single:
+    if single and any(p > 1 for p in shown):
         handles.append(plt.Line2D([], [], color="black", ls="-.", alpha=0.6, label="1 rank (best)"))
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=9,
-               frameon=False)
+    figure_legend(fig, handles)
     save(fig, out_dir, "throughput.png",
          "Attention throughput vs sequence length (FLOPs actually computed / slowest rank's time)",
          runs)
@@ -226,7 +234,7 @@ def plot_work(runs, out_dir):
                 va="top", ha="left", fontsize=8,
                 bbox=dict(boxstyle="round", facecolor="white", alpha=0.9, edgecolor="#bbbbbb"))
     handles = [plt.Rectangle((0, 0), 1, 1, color=LAYOUT_COLORS.get(lay), label=lay) for lay in layouts]
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=9, frameon=False)
+    figure_legend(fig, handles)
     save(fig, out_dir, "work.png", "Per-rank work: load balance by layout", runs)
 
 
@@ -262,7 +270,7 @@ def plot_time_split(runs, out_dir):
         ax.set_title("T = %s, P = %d" % (tokens_label(seq), p), fontsize=10)
         ax.grid(True, axis="x", alpha=0.3)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c, label=n) for n, c in PART_COLORS.items()]
-    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=9, frameon=False)
+    figure_legend(fig, handles)
     save(fig, out_dir, "time_split.png",
          "Where the time goes: compute, exposed (waited-for) communication, idle", runs)
 
