@@ -34,8 +34,8 @@ std::string check_backward(const TensorView& q, const TensorView& k, const Tenso
                            const Tokens& tokens, const TensorView& out, const TensorView& lse,
                            const TensorView& dout, const TensorView& dq, const TensorView& dk,
                            const TensorView& dv, const Mask& mask, Dims& dims);
-// Ulysses' head split over `ranks`: "" when Hq % P == 0 and the KV heads split (Hkv % P == 0)
-// or replicate whole (each rank's Hq/P query heads read one KV head).
+// Ulysses' head split over `ranks`: "" when Hq % P == 0 (KV heads split when Hkv % P == 0,
+// else are replicated to the ranks whose query heads read them).
 std::string check_ulysses_heads(const Dims& dims, int ranks, const char* who);
 
 // Every rank contributes its local error ("" if none) and a signature of its shapes and

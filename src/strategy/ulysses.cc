@@ -6,8 +6,9 @@
 //
 // The gathered sequence is put in global position order (positions are all-gathered first),
 // so the kernel's tiles see increasing positions whatever the layout and skip masked tiles.
-// GQA: when Hkv % P != 0 each rank receives the one KV head its Hq/P query heads read (KV
-// heads replicated over ranks); in backward the replicas' dK/dV are summed in rank order.
+// GQA: when Hkv % P != 0 each rank receives the KV heads its Hq/P query heads read (KV heads
+// replicated over ranks, see HeadSplit); in backward the replicas' dK/dV are summed in rank
+// order.
 #include <algorithm>
 #include <cstring>
 #include <numeric>
@@ -17,19 +18,35 @@
 namespace ctxpar::strategy {
 namespace {
 
-// How heads are dealt out over the P ranks of a Ulysses group.
+// How heads are dealt out over the P ranks of a Ulysses group: rank j takes query heads
+// [j*Hq/P, (j+1)*Hq/P) and, for its local KV slot i, the global KV head kv_heads[j][i].
+//   Hkv % P == 0:             its Hkv/P KV heads (split like the query heads);
+//   (Hq/Hkv) % (Hq/P) == 0:   its query heads all read one KV head: that one (replicated);
+//   otherwise:                one KV slot per query head (replicated; locally MHA).
 struct HeadSplit {
-  int ranks;
   int64_t hq_local, hkv_local;
-  std::vector<int64_t> kv_first;  // first KV head rank j receives
+  std::vector<std::vector<int64_t>> kv_heads;
 
-  HeadSplit(const Dims& dims, int p) : ranks(p), hq_local(dims.hq / p) {
+  HeadSplit(const Dims& dims, int p) : hq_local(dims.hq / p) {
     const int64_t group = dims.hq / dims.hkv;
-    hkv_local = dims.hkv % p == 0 ? dims.hkv / p : 1;
-    for (int j = 0; j < p; ++j)
-      kv_first.push_back(dims.hkv % p == 0 ? j * hkv_local : j * hq_local / group);
+    hkv_local = dims.hkv % p == 0 ? dims.hkv / p : group % hq_local == 0 ? 1 : hq_local;
+    for (int j = 0; j < p; ++j) {
+      std::vector<int64_t> heads;
+      for (int64_t i = 0; i < hkv_local; ++i) {
+        if (dims.hkv % p == 0) heads.push_back(j * hkv_local + i);
+        else if (hkv_local == 1) heads.push_back(j * hq_local / group);
+        else heads.push_back((j * hq_local + i) / group);
+      }
+      kv_heads.push_back(heads);
+    }
   }
 };
+
+// dst [B, Tl, hkv_local, D] <- src's KV heads `heads`, one slot each.
+void copy_kv_heads(const TensorView& src, const std::vector<int64_t>& heads, const TensorView& dst) {
+  for (size_t i = 0; i < heads.size(); ++i)
+    copy_into(src.slice(2, heads[i], heads[i] + 1), dst.slice(2, int64_t(i), int64_t(i) + 1));
+}
 
 // The whole sequence of the group: positions (and documents) of every rank, in rank order,
 // and `sorted_index[g]`, where gathered token g goes in increasing-position order.
@@ -138,10 +155,10 @@ void ulysses_forward(Communicator& comm, Run& run, const Dims& dims, const Tenso
   const Shape qc{b, tl, split.hq_local, d}, kc{b, tl, split.hkv_local, d};
   for (int j = 0; j < p; ++j) {
     std::byte* c = send.data() + j * in.bytes;
-    const int64_t h0 = j * split.hq_local, k0 = split.kv_first[j];
+    const int64_t h0 = j * split.hq_local;
     copy_into(q.slice(2, h0, h0 + split.hq_local), TensorView(c + in.offset[sq], dims.dtype, qc));
-    copy_into(k.slice(2, k0, k0 + split.hkv_local), TensorView(c + in.offset[sk], dims.dtype, kc));
-    copy_into(v.slice(2, k0, k0 + split.hkv_local), TensorView(c + in.offset[sv], dims.dtype, kc));
+    copy_kv_heads(k, split.kv_heads[j], TensorView(c + in.offset[sk], dims.dtype, kc));
+    copy_kv_heads(v, split.kv_heads[j], TensorView(c + in.offset[sv], dims.dtype, kc));
   }
   run.waiting([&] { comm.alltoall(send.data(), recv.data(), in.bytes); });
   Tensor qf(dims.dtype, {b, t, split.hq_local, d}), kf(dims.dtype, {b, t, split.hkv_local, d}),
@@ -208,10 +225,10 @@ void ulysses_backward(Communicator& comm, Run& run, const Dims& dims, const Tens
   const Shape qc{b, tl, hq, d}, kc{b, tl, hk, d}, rc{b, hq, tl};
   for (int j = 0; j < p; ++j) {
     std::byte* c = send.data() + j * in.bytes;
-    const int64_t h0 = j * hq, k0 = split.kv_first[j];
+    const int64_t h0 = j * hq;
     copy_into(q.slice(2, h0, h0 + hq), TensorView(c + in.offset[sq], dims.dtype, qc));
-    copy_into(k.slice(2, k0, k0 + hk), TensorView(c + in.offset[sk], dims.dtype, kc));
-    copy_into(v.slice(2, k0, k0 + hk), TensorView(c + in.offset[sv], dims.dtype, kc));
+    copy_kv_heads(k, split.kv_heads[j], TensorView(c + in.offset[sk], dims.dtype, kc));
+    copy_kv_heads(v, split.kv_heads[j], TensorView(c + in.offset[sv], dims.dtype, kc));
     copy_into(dout.slice(2, h0, h0 + hq), TensorView(c + in.offset[sdo], dims.out_dtype, qc));
     copy_into(lse.slice(1, h0, h0 + hq), TensorView(c + in.offset[sl], DType::f32, rc));
     copy_into(delta.view().slice(1, h0, h0 + hq), TensorView(c + in.offset[sdl], DType::f32, rc));
@@ -251,7 +268,8 @@ void ulysses_backward(Communicator& comm, Run& run, const Dims& dims, const Tens
   run.memory->hold(dk32.bytes() + dv32.bytes());
   for (int j = 0; j < p; ++j) {
     const std::byte* c = recv2.data() + j * back.bytes;
-    const int64_t h0 = j * hq, k0 = split.kv_first[j];
+    const int64_t h0 = j * hq;
+    const std::vector<int64_t>& heads = split.kv_heads[j];
     copy_into(TensorView(const_cast<std::byte*>(c + back.offset[gq]), DType::f32, qc),
               dq.slice(2, h0, h0 + hq));
     const float* pk = reinterpret_cast<const float*>(c + back.offset[gk]);
@@ -261,8 +279,8 @@ void ulysses_backward(Communicator& comm, Run& run, const Dims& dims, const Tens
     for (int64_t row = 0; row < b * tl; ++row)
       for (int64_t h = 0; h < hk; ++h)
         for (int64_t x = 0; x < d; ++x) {
-          ak[(row * dims.hkv + k0 + h) * d + x] += pk[(row * hk + h) * d + x];
-          av[(row * dims.hkv + k0 + h) * d + x] += pv[(row * hk + h) * d + x];
+          ak[(row * dims.hkv + heads[h]) * d + x] += pk[(row * hk + h) * d + x];
+          av[(row * dims.hkv + heads[h]) * d + x] += pv[(row * hk + h) * d + x];
         }
   }
   copy_into(dk32, dk);

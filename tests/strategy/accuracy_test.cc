@@ -18,7 +18,7 @@ struct Heads {
   const char* name;
 };
 // MHA with 24 heads lets Ulysses split over every P in {1, 2, 3, 4, 8}; GQA 8/2 (batch 2) splits
-// KV heads for P = 2 and replicates them for P = 4, 8 (P = 3 is invalid for Ulysses).
+// KV heads for P = 2 and replicates them for P = 4, 8 (P = 3 is invalid for Ulysses: Hq % P).
 const Heads kHeads[] = {{1, 24, 24, 16, "MHA"}, {2, 8, 2, 32, "GQA"}};
 const char* const kMasks[] = {"none",      "causal",           "window:8,4",
                               "documents", "causal+window:6,-1", "causal+documents"};
@@ -26,10 +26,7 @@ const int kRanks[] = {1, 2, 3, 4, 8};
 const LayoutKind kLayouts[] = {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped};
 
 bool valid_for(StrategyKind kind, const Heads& h, int p, int u) {
-  auto ulysses_ok = [&](int n) {
-    if (h.hq % n) return false;
-    return h.hkv % n == 0 || (h.hq / h.hkv) % (h.hq / n) == 0;
-  };
+  auto ulysses_ok = [&](int n) { return h.hq % n == 0; };
   if (kind == StrategyKind::ulysses) return ulysses_ok(p);
   if (kind == StrategyKind::hybrid) return ulysses_ok(u);
   return true;
@@ -149,6 +146,42 @@ TEST(Accuracy, Bf16OutputsAndGradients) {
     EXPECT_LE(e.dk, bound.dk + r * max_abs(refs.ref64.dk)) << strategy_name(kind);
     EXPECT_LE(e.dv, bound.dv + r * max_abs(refs.ref64.dv)) << strategy_name(kind);
   }
+}
+
+// Ulysses' KV-head replication when Hkv does not split over the ranks: one KV head per rank
+// (Hq 8, Hkv 2, P 4 in the grid above), or one KV slot per query head when a rank's query heads
+// straddle KV heads (Hq 6, Hkv 2, P 3: rank 1 reads KV heads 0 and 1; Hq 12, Hkv 3, P 2).
+TEST(Accuracy, UlyssesReplicatesKvHeadsThatDoNotSplit) {
+  struct Case {
+    int64_t hq, hkv;
+    int p, u;
+    StrategyKind kind;
+  } cases[] = {{6, 2, 3, 0, StrategyKind::ulysses},
+               {12, 3, 2, 0, StrategyKind::ulysses},
+               {6, 2, 6, 3, StrategyKind::hybrid}};
+  for (const Case& c : cases)
+    for (const char* mask : {"causal", "window:7,7+documents"}) {
+      Problem pr;
+      pr.hq = c.hq;
+      pr.hkv = c.hkv;
+      pr.mask = parse_mask(mask);
+      pr.build();
+      const References& refs = references_of(pr);
+      const Errors bound = bounds_of(refs);
+      StrategyOptions opt;
+      opt.kind = c.kind;
+      opt.mask = pr.mask;
+      opt.ulysses_degree = c.u;
+      const Errors e = errors_of(run_sharded(pr, c.p, LayoutKind::zigzag, opt), refs);
+      const std::string where = std::string(strategy_name(c.kind)) + " Hq=" +
+                                std::to_string(c.hq) + " Hkv=" + std::to_string(c.hkv) +
+                                " P=" + std::to_string(c.p) + " mask=" + mask;
+      EXPECT_LE(e.o, bound.o) << where;
+      EXPECT_LE(e.lse, bound.lse) << where;
+      EXPECT_LE(e.dq, bound.dq) << where;
+      EXPECT_LE(e.dk, bound.dk) << where;
+      EXPECT_LE(e.dv, bound.dv) << where;
+    }
 }
 
 // The same call twice gives the same bits (no order-dependent sums anywhere).

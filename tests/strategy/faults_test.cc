@@ -127,12 +127,12 @@ TEST(Faults, BadOptionsAndHeadCountsAreClearErrors) {
     Strategy::create(comm, opt);
   });
   for (const std::string& e : errors) EXPECT_NE(e.find("rank 2"), std::string::npos) << e;
-  // Ulysses: Hq % P != 0, and KV heads that can neither split nor replicate.
+  // Ulysses: Hq % P != 0 (KV heads that do not split are replicated, not an error).
   struct HeadCase {
     int p;
     int64_t hq, hkv;
     const char* expect;
-  } cases[] = {{4, 6, 6, "Hq = 6"}, {3, 6, 2, "replicated"}};
+  } cases[] = {{4, 6, 6, "Hq = 6"}, {3, 4, 2, "Hq = 4"}};
   for (const HeadCase& hc : cases) {
     errors = errors_on_ranks(hc.p, [&](Communicator& comm) {
       StrategyOptions opt;

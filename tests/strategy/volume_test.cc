@@ -49,7 +49,9 @@ uint64_t ring_backward_bytes(const Problem& pr, int p, int64_t tokens, int64_t h
 // Ulysses over n ranks: positions (+docs) all-gathered, then one all-to-all in and one back,
 // each sending n-1 of its n chunks. out / dout are fp32 in these tests.
 uint64_t ulysses_bytes(const Problem& pr, int n, int64_t tl, bool backward) {
-  const int64_t hq = pr.hq / n, hk = pr.hkv % n == 0 ? pr.hkv / n : 1;
+  const int64_t hq = pr.hq / n, rep = pr.hq / pr.hkv;
+  // KV heads per rank: split, or replicated (one head, or one per query head).
+  const int64_t hk = pr.hkv % n == 0 ? pr.hkv / n : rep % hq == 0 ? 1 : hq;
   const int64_t es = dtype_size(pr.dtype), b = pr.batch, d = pr.d;
   uint64_t in = b * tl * (hq + 2 * hk) * d * es, back;
   if (!backward) {
@@ -77,7 +79,8 @@ uint64_t expected_bytes(const Case& c, bool backward) {
     case StrategyKind::ulysses: return ulysses_bytes(pr, c.p, tl, backward);
     case StrategyKind::hybrid: {
       const int u = c.opt.ulysses_degree, rings = c.p / u;
-      const int64_t hk = pr.hkv % u == 0 ? pr.hkv / u : 1;
+      const int64_t hq = pr.hq / u, rep = pr.hq / pr.hkv;
+      const int64_t hk = pr.hkv % u == 0 ? pr.hkv / u : rep % hq == 0 ? 1 : hq;
       return ulysses_bytes(pr, u, tl, backward) +
              (backward ? ring_backward_bytes(pr, rings, u * tl, hk)
                        : ring_forward_bytes(pr, rings, u * tl, hk));
