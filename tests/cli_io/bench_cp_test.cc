@@ -230,6 +230,24 @@ TEST_F(BenchCp, WithoutPythonTheResultsAreStillWritten) {
   EXPECT_FALSE(fs::exists(out() / "throughput.png"));
 }
 
+TEST_F(BenchCp, WithoutMatplotlibTheResultsAreStillWritten) {
+  if (std::system("/usr/bin/python3 -c 'import sys' >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "/usr/bin/python3 is not installed";
+  // A Python on which `import matplotlib` fails, whatever is installed.
+  const fs::path fake = dir_ / "python-without-matplotlib";
+  std::ofstream(fake) << "#!/bin/sh\nexec /usr/bin/python3 -c \"import sys; sys.modules['matplotlib'] = "
+                         "None; sys.argv = sys.argv[1:]; exec(open(sys.argv[0]).read())\" \"$@\"\n";
+  fs::permissions(fake, fs::perms::owner_all);
+  ASSERT_EQ(run({"--seq", "64", "--ranks", "2", "--strategy", "ring", "--layout", "zigzag",
+                 "--heads", "2", "--head-dim", "16", "--python", fake.string()}),
+            0)
+      << err_text_;
+  EXPECT_NE(err_text_.find("has no matplotlib"), std::string::npos) << err_text_;
+  EXPECT_TRUE(fs::exists(out() / "results.json"));
+  EXPECT_TRUE(fs::exists(out() / "results.csv"));
+  EXPECT_FALSE(fs::exists(out() / "throughput.png"));
+}
+
 TEST_F(BenchCp, CtrlCStopsAfterTheCurrentRunAndKeepsFinishedRows) {
   const pid_t pid = start({"--seq", "512,1024,1536,2048,2560,3072", "--ranks", "2,4", "--strategy",
                            "ring,allgather", "--layout", "contiguous,zigzag,striped", "--heads", "2",
