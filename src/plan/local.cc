@@ -86,7 +86,7 @@ KernelRates rates_of_one_rank(const LocalOptions& o, int rank, std::atomic<int>&
   ForwardState state(b, n, hq, d);
   const double fwd = seconds_per_call(
       [&] { both([&](const Tokens& t) { return attention_forward_block(q, qt, k, v, t, mask, state, one); }); },
-      2, o.min_seconds);
+      3, o.min_seconds);
   r.forward = flops / fwd;
   const double bwd = seconds_per_call(
       [&] {
@@ -94,7 +94,7 @@ KernelRates rates_of_one_rank(const LocalOptions& o, int rank, std::atomic<int>&
           return attention_backward_block(q, qt, k, v, t, mask, dout, lse, delta, dq, dk, dv, one);
         });
       },
-      2, o.min_seconds);
+      3, o.min_seconds);
   r.backward = flops / bwd;
   return r;
 }
@@ -147,7 +147,7 @@ LocalMeasurement measure_local(const LocalOptions& o) {
   m.handover_seconds = time_messages(SimulatedLink{}, 8, 7) / 2;
   const size_t bytes = std::max<size_t>(8, static_cast<size_t>(o.message_bytes));
   if (o.link.gbytes_per_second > 0 || o.link.latency_us > 0)
-    m.block_message_seconds = time_messages(o.link, bytes, 3) - m.handover_seconds -
+    m.block_message_seconds = time_messages(o.link, bytes, 2) - m.handover_seconds -
                               o.link.latency_us * 1e-6 - 8 / std::max(o.link.gbytes_per_second * 1e9, 1.0);
   m.link.gbytes_per_second = o.link.gbytes_per_second > 0 ? o.link.gbytes_per_second : 1e6;
   m.link.latency_us = o.link.latency_us + m.handover_seconds * 1e6;

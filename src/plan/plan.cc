@@ -91,7 +91,8 @@ StrategyEstimate estimate(const PlanInput& in, StrategyKind kind, const RingSimu
   const double T = static_cast<double>(in.seq);
   const double pairs = in.causal ? T * (T + 1) / 2 : T * T;
   const double fwd_flops = 4.0 * in.batch * hq * in.model.head_dim * pairs;
-  const double perfect = 3.5 * fwd_flops / F / P;  // one layer, fwd + bwd, perfectly split
+  const double Fb = in.hardware.effective_backward_flops();
+  const double perfect = (fwd_flops / F + 2.5 * fwd_flops / Fb) / P;  // one layer, split evenly
   const size_t s = dtype_size(in.dtype);
   PlanInput sized = in;
   sized.strategy = kind;
@@ -118,7 +119,7 @@ StrategyEstimate estimate(const PlanInput& in, StrategyKind kind, const RingSimu
         auto pass = [&](double compute) {
           return gather / g + std::max(compute, gather * (g - 1) / g);
         };
-        worst = std::max(worst, pass(c) + pass(2.5 * c) + scatter);
+        worst = std::max(worst, pass(c) + pass(2.5 * c * F / Fb) + scatter);
       }
       seconds = worst;
       break;

@@ -144,8 +144,10 @@ std::string plan_table(const Plan& p) {
   std::ostringstream o;
   o << "model " << in.model.name << " (" << fixed(in.model.params() / 1e9, 2) << "B params, "
     << in.model.layers << " layers, " << in.model.heads << "/" << in.model.kv_heads
-    << " heads)  on " << in.hardware.name << " (" << fixed(in.hardware.flops / 1e12, 0)
-    << " TFLOP/s x " << in.hardware.efficiency << ", " << in.hardware.mem_gb << " GB, links "
+    << " heads)  on " << in.hardware.name << " ("
+    << (in.hardware.flops >= 1e12 ? fixed(in.hardware.flops / 1e12, 0) + " TFLOP/s"
+                                  : fixed(in.hardware.flops / 1e9, 2) + " GFLOP/s")
+    << " x " << in.hardware.efficiency << ", " << fixed(in.hardware.mem_gb, 1) << " GB, links "
     << in.hardware.intra.gbytes_per_second << " / " << in.hardware.inter.gbytes_per_second
     << " GB/s)\n";
   o << "sequence " << in.seq << " tokens x batch " << in.batch << ", mesh dp " << in.dp
