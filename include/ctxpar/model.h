@@ -44,7 +44,7 @@ struct TrainConfig {
   std::string data_path;    // empty: the built-in long-range copy task
   int64_t copy_len = 0;     // built-in task: length of the copied block; 0 = min(128, T/4)
   // Optimiser: AdamW, global-norm clipping, linear warm-up then cosine decay to min_lr.
-  double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double lr = 3e-3, min_lr = 1e-3, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double clip = 1.0;        // <= 0: no clipping
   int64_t warmup = 10;
   // Files (written by world rank 0).

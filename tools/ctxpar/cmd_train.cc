@@ -62,7 +62,7 @@ int cmd_train(int argc, char** argv) {
             "distinct bytes, random filler, then the same L bytes again; the loss counts only\n"
             "the copy, which lies more than T/2 tokens back (chance: loss log 128, accuracy 1/128).");
   o.add("seq", "8192", "tokens per sequence T (64K / 1M suffixes accepted)")
-      .add("steps", "150", "optimizer steps")
+      .add("steps", "300", "optimizer steps")
       .add("batch", "1", "sequences per data group per step")
       .add("seed", "1", "seed for weights and the built-in task")
       .add("ranks", "4", "ranks on the threads transport (ignored under mpirun)")
@@ -80,7 +80,7 @@ int cmd_train(int argc, char** argv) {
       .add("head-dim", "16", "head dimension (16..256, even)")
       .add("hidden", "192", "SwiGLU inner width")
       .add("lr", "3e-3", "peak learning rate")
-      .add("min-lr", "3e-4", "final learning rate of the cosine decay")
+      .add("min-lr", "1e-3", "final learning rate of the cosine decay")
       .add("warmup", "10", "warm-up steps")
       .add("weight-decay", "0.1", "AdamW decoupled weight decay")
       .add("clip", "1.0", "clip gradients to this global norm (0: off)")
@@ -93,7 +93,7 @@ int cmd_train(int argc, char** argv) {
       .add("resume", "", "continue from this checkpoint")
       .add("dump-grads", "", "write weights, batch and gradients of the first step (safetensors)")
       .flag("quiet", "no per-step lines")
-      .example("ctxpar train --seq 8192 --ranks 4 --steps 150 --log train.jsonl")
+      .example("ctxpar train --seq 8192 --ranks 4 --steps 300 --log train.jsonl")
       .example("ctxpar train --seq 16384 --ranks 2 --strategy allgather --layout contiguous")
       .example("mpirun -n 4 ctxpar train --seq 8192 --dp 2 --cp 2")
       .example("ctxpar train --data book.txt --seq 2048 --save ck.safetensors --save-every 50");
