@@ -1,6 +1,7 @@
 // The fast backward (flash-attention-2 form) on the micro-kernel of simd_tile.h.
 //
-// Note [Backward tasks]: a task is (batch, kv head, chunk of key tiles). It owns the dK / dV
+// Note [Backward tasks]: a task is (batch, kv head, chunk of key tiles; chunk c of n takes key
+// tiles c, c + n, c + 2n, ..., which balances causal masks). It owns the dK / dV
 // rows of its key tiles (accumulated in a 64-row tile, added to the caller's dk / dv once) and
 // writes the dQ of its query-head group into its own partial buffer; partials are summed in a
 // fixed chunk order at the end. There is one chunk per (batch, kv head) unless there are fewer
@@ -47,11 +48,12 @@ KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q
     std::vector<float> kt_pack(d * kTile), k_rows(kTile * dp), vt_pack(d * kTile), row(d);
     std::vector<float> s(kTile * kTile), dpm(kTile * kTile), pt(kTile * kTile), dst(kTile * kTile);
     std::vector<float> dk_tile(kTile * dp), dv_tile(kTile * dp);
-#pragma omp for schedule(static)
+    // A task's result does not depend on the thread that runs it (see the note), so dynamic
+    // scheduling is safe for determinism.
+#pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t chunk = task % chunks, bh = task / chunks;
       const int64_t b = bh / p.hkv, hk = bh % p.hkv;
-      const int64_t kt0 = nkt * chunk / chunks, kt1 = nkt * (chunk + 1) / chunks;
       float* dq_acc = dq_partial + task * q_block;
       std::fill(dq_acc, dq_acc + q_block, 0.0f);
       // Pack the group's Q (scaled) and dO tiles, and their row statistics, once per task.
@@ -66,7 +68,9 @@ KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q
             dlt[off + r] = r < rows ? delta.ptr<const float>()[delta.offset(b, h, i0 + r)] : 0.0f;
           }
         }
-      for (int64_t kt = kt0; kt < kt1; ++kt) {
+      // Chunks take every chunks-th key tile: under a causal mask early key tiles see more
+      // query tiles, so contiguous ranges would give the first chunk most of the work.
+      for (int64_t kt = chunk; kt < nkt; kt += chunks) {
         const int64_t j0 = kt * kTile, cols = std::min(p.tk, j0 + kTile) - j0;
         bool packed = false;
         std::fill(dk_tile.begin(), dk_tile.end(), 0.0f);

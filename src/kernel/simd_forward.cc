@@ -50,7 +50,9 @@ KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_
     std::vector<float> qt(kTile * dp), s(kTile * kTile), acc(kTile * dp), m(kTile);
     // Row sums kept as one vector per row (lanes summed once per task, not once per tile).
     std::vector<float> lv(kTile * nl);
-#pragma omp for schedule(static)
+    // Each task owns its rows of the state, so which thread runs it cannot change the result:
+    // dynamic scheduling balances causal masks (late query tiles see more keys) for free.
+#pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t qi = task % nqt, h = (task / nqt) % p.hq, b = task / (nqt * p.hq);
       const int64_t hk = h / p.group, i0 = qi * kTile;
