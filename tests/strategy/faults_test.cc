@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
+#include <thread>
 
 #include "strategy/strategy_support.h"
 
@@ -161,12 +162,17 @@ TEST(Faults, BadOptionsAndHeadCountsAreClearErrors) {
 // a rank failing in the middle of the ring.
 class FailingComm final : public Communicator {
  public:
-  FailingComm(Communicator& inner, int fail_at) : inner_(inner), fail_at_(fail_at) {}
+  // drop = true: the n-th send silently never happens (a lost message) instead of throwing.
+  FailingComm(Communicator& inner, int fail_at, bool drop = false)
+      : inner_(inner), fail_at_(fail_at), drop_(drop) {}
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
   std::string transport() const override { return inner_.transport(); }
   Request isend(Buffer&& buf, int peer, int tag) override {
-    if (++sends_ == fail_at_) throw Error("injected failure at send " + std::to_string(sends_));
+    if (++sends_ == fail_at_) {
+      if (drop_) return Request();
+      throw Error("injected failure at send " + std::to_string(sends_));
+    }
     return inner_.isend(std::move(buf), peer, tag);
   }
   Request irecv(size_t bytes, int peer, int tag) override { return inner_.irecv(bytes, peer, tag); }
@@ -183,6 +189,7 @@ class FailingComm final : public Communicator {
  private:
   Communicator& inner_;
   int fail_at_;
+  bool drop_;
   int sends_ = 0;
 };
 
@@ -210,6 +217,31 @@ TEST(Faults, RankFailingMidRingFailsTheGroupPromptly) {
             << errors[r] << "'";
       EXPECT_LT(seconds, 4.0) << "the group must fail promptly, not at the timeout";
     }
+}
+
+// A lost message mid-ring: the rank waiting for it times out (after the communicator's
+// timeout, here 1 s) with a message naming itself, the peer and the step (the tag). P = 2 so
+// that exactly one rank waits; with more ranks whichever wait expires first is reported.
+TEST(Faults, LostMessageMidRingTimesOutNamingRankPeerAndStep) {
+  double seconds = 0;
+  auto errors = errors_on_ranks(
+      2,
+      [&](Communicator& comm) {
+        comm.set_timeout(std::chrono::milliseconds(1000));
+        FailingComm lossy(comm, comm.rank() == 1 ? 1 : 1 << 30, /*drop=*/true);
+        StrategyOptions opt;
+        auto s = Strategy::create(lossy, opt);
+        Shard x = make_shard(2, comm.rank());
+        s->forward(x.q, x.k, x.v, Tokens{x.positions, {}}, x.o, x.lse);
+        // Rank 1 stays alive (a hung peer), so rank 0's wait can only end by its timeout.
+        if (comm.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      },
+      &seconds);
+  // Rank 1's first send is step 1's block to rank 0 (tag 1).
+  EXPECT_NE(errors[0].find("rank 0: timed out"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("rank 1"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("tag 1"), std::string::npos) << errors[0];
+  EXPECT_LT(seconds, 4.0);
 }
 
 }  // namespace
