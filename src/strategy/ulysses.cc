@@ -171,6 +171,9 @@ void ulysses_forward(Communicator& comm, Run& run, const Dims& dims, const Tenso
     chunk_to_group(c + in.offset[sk], kf, group, i, tl);
     chunk_to_group(c + in.offset[sv], vf, group, i, tl);
   }
+  run.memory->release(2 * send.size());  // the all-to-all buffers are done with
+  std::vector<std::byte>().swap(send);
+  std::vector<std::byte>().swap(recv);
   inner(qf, kf, vf, group.tokens(), of, lf);
 
   Sections back;
@@ -248,6 +251,9 @@ void ulysses_backward(Communicator& comm, Run& run, const Dims& dims, const Tens
     rows_chunk_to_group(reinterpret_cast<const float*>(c + in.offset[sl]), lf, group, i, tl);
     rows_chunk_to_group(reinterpret_cast<const float*>(c + in.offset[sdl]), df, group, i, tl);
   }
+  run.memory->release(2 * send.size());
+  std::vector<std::byte>().swap(send);
+  std::vector<std::byte>().swap(recv);
   inner(qf, kf, vf, group.tokens(), dof, lf, df, dqf, dkf, dvf);
 
   Sections back;
