@@ -46,8 +46,11 @@ int main(int argc, char** argv) {
     try {
       return c.run(argc - 2, argv + 2);
     } catch (const ctxpar::cli::UsageError& e) {
-      std::fprintf(stderr, "ctxpar %s: %s\n(ctxpar %s --help lists every option)\n", c.name,
-                   e.what(), c.name);
+      // `bench` has subcommands of its own: point at the one that was asked for.
+      std::string full = c.name;
+      if (!std::strcmp(c.name, "bench") && argc > 2 && argv[2][0] != '-') full += std::string(" ") + argv[2];
+      std::fprintf(stderr, "ctxpar %s: %s\n(ctxpar %s --help lists every option)\n", full.c_str(),
+                   e.what(), full.c_str());
       return 2;
     } catch (const ctxpar::Error& e) {
       std::fprintf(stderr, "ctxpar %s: error: %s\n", c.name, e.what());
