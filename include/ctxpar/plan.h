@@ -70,6 +70,10 @@ struct PlanInput {
 };
 // Throws ctxpar::Error naming the argument and the rule (e.g. heads % tp == 0).
 void validate(const PlanInput& in);
+// The largest pipeline stage: ceil(layers / pp) (uneven stages, as Llama 3 trained).
+inline int64_t layers_per_stage(const PlanInput& in) {
+  return (in.model.layers + in.pp - 1) / in.pp;
+}
 
 // ---- memory ----------------------------------------------------------------------------
 struct MemoryBreakdown {
@@ -194,6 +198,7 @@ struct StrategyEstimate {
   double efficiency = 0;           // vs perfect scaling of the same attention compute
   double bytes_per_step = 0;
   double attention_buffer_bytes = 0;
+  bool fits = true;                // the whole device memory with this strategy's buffers
 };
 
 struct Plan {

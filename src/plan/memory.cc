@@ -22,7 +22,7 @@ void validate(const PlanInput& in) {
   CTXPAR_CHECK(m.heads % in.tp == 0, "--tp ", in.tp, " must divide the query heads (", m.heads, ")");
   CTXPAR_CHECK(m.kv_heads % in.tp == 0 || in.tp % m.kv_heads == 0, "--tp ", in.tp,
                " must divide the KV heads (", m.kv_heads, ") or be a multiple of them");
-  CTXPAR_CHECK(m.layers % in.pp == 0, "--pp ", in.pp, " must divide --layers (", m.layers, ")");
+  CTXPAR_CHECK(in.pp <= m.layers, "--pp ", in.pp, " must not exceed --layers (", m.layers, ")");
   CTXPAR_CHECK(in.zero >= 0 && in.zero <= 3, "--zero must be 0, 1, 2 or 3, got ", in.zero);
   CTXPAR_CHECK(in.dtype == DType::bf16 || in.dtype == DType::f32, "--dtype must be bf16 or fp32");
   const int64_t parts = in.layout == LayoutKind::zigzag ? 2 * int64_t{in.cp} : in.cp;
@@ -47,7 +47,7 @@ MemoryBreakdown plan_memory(const PlanInput& in) {
   validate(in);
   const ModelSpec& m = in.model;
   const double s = bytes_of(in.dtype);
-  const double layers = static_cast<double>(m.layers / in.pp);
+  const double layers = static_cast<double>(layers_per_stage(in));
   // Embedding and LM head (with the final norm) live on the first and last pipeline stages;
   // count both when pp = 1.
   const double embed = (in.pp == 1 ? 2.0 : 1.0) * m.vocab * m.hidden + m.hidden;
@@ -71,8 +71,11 @@ MemoryBreakdown plan_memory(const PlanInput& in) {
   const double full_layer = tokens * per_token / in.tp;
   const double layer_input = tokens * m.hidden * s / in.tp;
   mb.activations_per_layer = in.recompute == Recompute::full ? layer_input : full_layer;
-  mb.activations = in.recompute == Recompute::full ? layers * layer_input + full_layer
-                                                   : layers * full_layer;
+  // With pipeline stages (1F1B), the first stage holds pp micro-batches in flight.
+  const double in_flight = static_cast<double>(in.pp);
+  mb.activations = in.recompute == Recompute::full
+                       ? in_flight * layers * layer_input + full_layer
+                       : in_flight * layers * full_layer;
   mb.logits = tokens * (static_cast<double>(m.vocab) / in.tp) * (s + 4.0);
 
   // The strategy's working set for one layer (the larger of forward and backward).

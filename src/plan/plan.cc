@@ -85,7 +85,7 @@ StrategyEstimate estimate(const PlanInput& in, StrategyKind kind, const RingSimu
   StrategyEstimate e;
   e.strategy = kind;
   const int P = in.cp;
-  const double layers = static_cast<double>(in.model.layers / in.pp);
+  const double layers = static_cast<double>(layers_per_stage(in));
   const int64_t hq = in.model.heads / in.tp, hkv = kv_per_device(in);
   const double F = in.hardware.effective_flops();
   const double T = static_cast<double>(in.seq);
@@ -152,7 +152,9 @@ StrategyEstimate estimate(const PlanInput& in, StrategyKind kind, const RingSimu
   e.attention_seconds = layers * seconds;
   e.exposed_comm_seconds = std::max(0.0, layers * (seconds - perfect));
   e.efficiency = seconds > 0 ? perfect / seconds : 1.0;
-  e.attention_buffer_bytes = plan_memory(sized).attention_buffers;
+  const MemoryBreakdown mem = plan_memory(sized);
+  e.attention_buffer_bytes = mem.attention_buffers;
+  e.fits = mem.fits;
   return e;
 }
 
@@ -176,7 +178,7 @@ Plan make_plan(const PlanInput& in, bool compare) {
   p.flops = plan_flops(in);
   const int64_t hq = in.model.heads / in.tp, hkv = kv_per_device(in);
   const size_t s = dtype_size(in.dtype);
-  const double layers = static_cast<double>(in.model.layers / in.pp);
+  const double layers = static_cast<double>(layers_per_stage(in));
   for (StrategyKind k : {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses,
                          StrategyKind::hybrid}) {
     const int u = k == StrategyKind::hybrid

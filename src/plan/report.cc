@@ -127,6 +127,7 @@ std::string plan_json(const Plan& p) {
       x["efficiency"] = e.efficiency;
       x["bytes_per_step"] = e.bytes_per_step;
       x["attention_buffer_bytes"] = e.attention_buffer_bytes;
+      x["fits"] = e.fits;
     } else {
       x["why_invalid"] = e.why_invalid;
     }
@@ -209,7 +210,7 @@ std::string plan_table(const Plan& p) {
     o << "  " << name << std::string(12 - name.size(), ' ') << fixed(e.attention_seconds, 3)
       << " s, exposed comm " << fixed(e.exposed_comm_seconds, 3) << " s, efficiency "
       << fixed(100 * e.efficiency, 1) << "%, sends " << gb(e.bytes_per_step) << ", buffers "
-      << gb(e.attention_buffer_bytes) << "\n";
+      << gb(e.attention_buffer_bytes) << (e.fits ? "" : " (DOES NOT FIT)") << "\n";
   }
   o << "\nstep time per device: dense " << fixed(p.dense_seconds, 3) << " s + attention = "
     << fixed(p.step_seconds, 3) << " s\n";
