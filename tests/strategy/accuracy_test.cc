@@ -184,6 +184,30 @@ TEST(Accuracy, UlyssesReplicatesKvHeadsThatDoNotSplit) {
     }
 }
 
+// Kernel threads inside each rank (OpenMP within a run_threads rank) change nothing but speed.
+TEST(Accuracy, KernelThreadsInsideRanks) {
+  Problem pr;
+  pr.hq = 4;
+  pr.hkv = 2;
+  pr.tokens = 96;
+  pr.mask = Mask::causal_mask();
+  pr.build();
+  const References& refs = references_of(pr);
+  const Errors bound = bounds_of(refs);
+  for (StrategyKind kind : {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses,
+                            StrategyKind::hybrid}) {
+    StrategyOptions opt;
+    opt.kind = kind;
+    opt.mask = pr.mask;
+    opt.kernel.threads = 2;
+    const Errors e = errors_of(run_sharded(pr, 2, LayoutKind::zigzag, opt), refs);
+    EXPECT_LE(e.o, bound.o) << strategy_name(kind);
+    EXPECT_LE(e.dq, bound.dq) << strategy_name(kind);
+    EXPECT_LE(e.dk, bound.dk) << strategy_name(kind);
+    EXPECT_LE(e.dv, bound.dv) << strategy_name(kind);
+  }
+}
+
 // The same call twice gives the same bits (no order-dependent sums anywhere).
 TEST(Accuracy, BitwiseDeterministic) {
   Problem pr;
