@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <ctime>
 #include <numeric>
 #include <thread>
 
@@ -17,6 +18,12 @@ namespace ctxpar::cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
 
 int64_t kv_heads_of(const AttentionJob& job) { return job.kv_heads ? job.kv_heads : job.heads; }
 
@@ -43,7 +50,7 @@ struct RankData {
   std::vector<int32_t> documents;
   int64_t tokens = 0;
   size_t shard_bytes = 0;
-  std::vector<double> fwd_wall, bwd_wall;
+  std::vector<double> fwd_wall, bwd_wall, fwd_cpu, bwd_cpu;
   std::vector<StrategyStats> fwd_stats, bwd_stats;
 };
 
@@ -123,8 +130,10 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
     step(nth("forward", rep));
     comm.barrier();  // every rank starts the timed call together
     auto t0 = Clock::now();
+    const double c0 = thread_cpu_seconds();
     strategy->forward(rd.q, rd.k, rd.v, tokens, rd.out, rd.lse);
     rd.fwd_wall.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    rd.fwd_cpu.push_back(thread_cpu_seconds() - c0);
     rd.fwd_stats.push_back(strategy->last_stats());
   }
   if (!job.backward) return;
@@ -132,26 +141,29 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
     step(nth("backward", rep));
     comm.barrier();
     auto t0 = Clock::now();
+    const double c0 = thread_cpu_seconds();
     strategy->backward(rd.q, rd.k, rd.v, tokens, rd.out, rd.lse, rd.dout, rd.dq, rd.dk, rd.dv);
     rd.bwd_wall.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    rd.bwd_cpu.push_back(thread_cpu_seconds() - c0);
     rd.bwd_stats.push_back(strategy->last_stats());
   }
 }
 
 // ---- MPI: every rank's measurements and (when the root needs them) tensors go to rank 0 ----
 
-constexpr int kStatFields = 8;
+constexpr int kStatFields = 9;
 
-void pack_stats(const StrategyStats& s, double wall, double* out) {
-  const double v[kStatFields] = {wall, s.attention_flops, s.busy_seconds, s.wall_seconds,
+void pack_stats(const StrategyStats& s, double wall, double cpu, double* out) {
+  const double v[kStatFields] = {cpu, wall, s.attention_flops, s.busy_seconds, s.wall_seconds,
                                  s.comm_wait_seconds, static_cast<double>(s.bytes_sent),
                                  static_cast<double>(s.bytes_received),
                                  static_cast<double>(s.peak_bytes)};
   std::copy(v, v + kStatFields, out);
 }
 
-StrategyStats unpack_stats(const double* in, double& wall) {
+StrategyStats unpack_stats(const double* in, double& wall, double& cpu) {
   StrategyStats s;
+  cpu = *in++;
   wall = in[0];
   s.attention_flops = in[1], s.busy_seconds = in[2], s.wall_seconds = in[3];
   s.comm_wait_seconds = in[4];
@@ -167,9 +179,11 @@ void gather_to_root(Communicator& comm, const AttentionJob& job, RankData& mine,
   std::vector<double> send(n, 0), recv(n * P);
   send[0] = static_cast<double>(mine.tokens), send[1] = static_cast<double>(mine.shard_bytes);
   for (int rep = 0; rep < R; ++rep) {
-    pack_stats(mine.fwd_stats[rep], mine.fwd_wall[rep], &send[2 + rep * kStatFields]);
+    pack_stats(mine.fwd_stats[rep], mine.fwd_wall[rep], mine.fwd_cpu[rep],
+               &send[2 + rep * kStatFields]);
     if (job.backward)
-      pack_stats(mine.bwd_stats[rep], mine.bwd_wall[rep], &send[2 + (R + rep) * kStatFields]);
+      pack_stats(mine.bwd_stats[rep], mine.bwd_wall[rep], mine.bwd_cpu[rep],
+                 &send[2 + (R + rep) * kStatFields]);
   }
   comm.allgather(send.data(), recv.data(), n * sizeof(double));
   if (comm.rank() == 0) {
@@ -178,12 +192,14 @@ void gather_to_root(Communicator& comm, const AttentionJob& job, RankData& mine,
       const double* in = &recv[p * n];
       RankData& rd = all[p];
       rd.tokens = static_cast<int64_t>(in[0]), rd.shard_bytes = static_cast<size_t>(in[1]);
-      rd.fwd_wall.resize(R), rd.fwd_stats.resize(R);
+      rd.fwd_wall.resize(R), rd.fwd_cpu.resize(R), rd.fwd_stats.resize(R);
       for (int rep = 0; rep < R; ++rep) {
-        rd.fwd_stats[rep] = unpack_stats(&in[2 + rep * kStatFields], rd.fwd_wall[rep]);
+        rd.fwd_stats[rep] =
+            unpack_stats(&in[2 + rep * kStatFields], rd.fwd_wall[rep], rd.fwd_cpu[rep]);
         if (!job.backward) continue;
-        rd.bwd_wall.resize(R), rd.bwd_stats.resize(R);
-        rd.bwd_stats[rep] = unpack_stats(&in[2 + (R + rep) * kStatFields], rd.bwd_wall[rep]);
+        rd.bwd_wall.resize(R), rd.bwd_cpu.resize(R), rd.bwd_stats.resize(R);
+        rd.bwd_stats[rep] =
+            unpack_stats(&in[2 + (R + rep) * kStatFields], rd.bwd_wall[rep], rd.bwd_cpu[rep]);
       }
     }
   }
@@ -387,6 +403,7 @@ AttentionResult run_attention_job(const AttentionJob& job) {
     const StrategyStats& f = rd.fwd_stats[fwd];
     rep.forward_flops = f.attention_flops;
     rep.forward_busy_seconds = f.busy_seconds;
+    rep.forward_cpu_seconds = rd.fwd_cpu[fwd];
     rep.wall_seconds = rd.fwd_wall[fwd];
     rep.comm_wait_seconds = f.comm_wait_seconds;
     rep.bytes_sent = f.bytes_sent, rep.bytes_received = f.bytes_received;
@@ -396,6 +413,7 @@ AttentionResult run_attention_job(const AttentionJob& job) {
       const StrategyStats& b = rd.bwd_stats[bwd];
       rep.backward_flops = b.attention_flops;
       rep.backward_busy_seconds = b.busy_seconds;
+      rep.backward_cpu_seconds = rd.bwd_cpu[bwd];
       rep.wall_seconds += rd.bwd_wall[bwd];
       rep.comm_wait_seconds += b.comm_wait_seconds;
       rep.bytes_sent += b.bytes_sent, rep.bytes_received += b.bytes_received;
@@ -482,6 +500,8 @@ nlohmann::json to_json(const AttentionJob& job, const AttentionResult& result) {
                      {"busy_seconds", r.busy_seconds},
                      {"forward_busy_seconds", r.forward_busy_seconds},
                      {"backward_busy_seconds", r.backward_busy_seconds},
+                     {"forward_cpu_seconds", r.forward_cpu_seconds},
+                     {"backward_cpu_seconds", r.backward_cpu_seconds},
                      {"wall_seconds", r.wall_seconds},
                      {"comm_wait_seconds", r.comm_wait_seconds},
                      {"bytes_sent", r.bytes_sent},

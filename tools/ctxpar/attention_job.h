@@ -61,6 +61,10 @@ struct RankReport {
   size_t shard_bytes = 0;         // this rank's own inputs and outputs (q, k, v, o, lse, ...)
   double forward_flops = 0, backward_flops = 0;
   double forward_busy_seconds = 0, backward_busy_seconds = 0;
+  // CPU time of the rank's own thread in the timed calls (its OpenMP workers not included, so
+  // with --threads 1 it is all the rank's work). On a shared machine this, not the wall time,
+  // shows what the rank would take with a core of its own.
+  double forward_cpu_seconds = 0, backward_cpu_seconds = 0;
 };
 
 // One compared quantity of --check: error of the run and of a plain fp32 computation, both
