@@ -196,7 +196,10 @@ Plan make_plan(const PlanInput& in, bool compare) {
   p.min_block = min_block_tokens(in.hardware.effective_flops(), slow, hq, hkv,
                                  in.model.head_dim, s, in.causal ? 0.5 : 1.0);
   p.block_tokens = in.seq / in.cp;
-  p.ring = simulate_ring(ring_problem(in, in.cp, hq, hkv, 1));
+  RingProblem rp = ring_problem(in, in.cp, hq, hkv, 1);
+  p.ring = simulate_ring(rp);
+  rp.accumulator_before_compute = false;
+  p.ring_seconds_accumulator_after = simulate_ring(rp).seconds;
   p.dense_seconds = p.flops.dense_step / (static_cast<double>(in.cp) * in.tp * in.pp) /
                     in.hardware.effective_flops();
   std::vector<StrategyKind> kinds = {in.strategy};

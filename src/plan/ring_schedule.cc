@@ -211,10 +211,14 @@ RingSimulation simulate_ring(const RingProblem& pr) {
         RingStepTrace st;
         st.start = now[r];
         double t = st.start;
-        if (s > 1) t = std::max(t, arrive_dkv[r]);
+        if (s > 1 && pr.accumulator_before_compute) t = std::max(t, arrive_dkv[r]);
         st.compute = compute_seconds(r, s, 2.5, true);
         double end = t + st.compute;
         double waited = t - st.start;
+        if (s > 1 && !pr.accumulator_before_compute) {
+          waited += std::max(0.0, arrive_dkv[r] - end);
+          end = std::max(end, arrive_dkv[r]);
+        }
         if (s > 0) {
           const double after = std::max(end, dkv_done[r]);
           waited += after - end;
