@@ -122,7 +122,7 @@ int cmd_plan(int argc, char** argv) {
       .add("dp", "1", "data-parallel degree")
       .add("cp", "auto", "context-parallel degree (auto: the smallest power of two that fits)")
       .add("tp", "1", "tensor-parallel degree (sequence-parallel activations)")
-      .add("pp", "1", "pipeline stages (layers per device = layers / pp)")
+      .add("pp", "1", "pipeline stages (ceil(layers / pp) layers a device; 1F1B: pp micro-batches in flight)")
       .add("zero", "3", "ZeRO stage over dp x cp: 0 replicated, 1 optimizer, 2 +grads, 3 +weights")
       .add("strategy", "ring", "ring | allgather | ulysses | hybrid")
       .add("ulysses-degree", "0", "hybrid: ranks per Ulysses group (0: largest within a node)")
