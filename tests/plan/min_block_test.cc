@@ -13,12 +13,13 @@ namespace {
 // Table 2: A100 NVLink 1.0K, A100 InfiniBand 24.5K, TPU v4 1.0K tokens (rounded by the paper;
 // 312e12 / 12.5e9 = 24.96K, so 2% is the tolerance).
 TEST(MinBlock, RingAttentionTable2) {
+  // The paper's minimal sequence length per device is s = 6c: 6.2K, 149.5K and 6.2K.
   struct Case {
     const char* hardware;
     bool inter;
-    double paper_tokens;
-  } cases[] = {{"a100-nvlink", false, 1.0e3}, {"a100-infiniband", true, 24.5e3},
-               {"tpu-v4", false, 1.0e3}};
+    double paper_tokens, paper_sequence;
+  } cases[] = {{"a100-nvlink", false, 1.0e3, 6.2e3}, {"a100-infiniband", true, 24.5e3, 149.5e3},
+               {"tpu-v4", false, 1.0e3, 6.2e3}};
   for (const auto& c : cases) {
     HardwareSpec h = hardware_preset(c.hardware);
     LinkSpec link = c.inter ? h.inter : h.intra;
@@ -26,6 +27,7 @@ TEST(MinBlock, RingAttentionTable2) {
     const MinBlock m = min_block_tokens(h.flops, link, 32, 32, 128, 2, 1.0);
     EXPECT_NEAR(m.forward / c.paper_tokens, 1.0, 0.05) << c.hardware << ": " << m.forward;
     EXPECT_NEAR(m.forward, h.flops / (link.gbytes_per_second * 1e9), 1e-6 * m.forward);
+    EXPECT_NEAR(6 * m.forward / c.paper_sequence, 1.0, 0.02) << c.hardware;
   }
 }
 
