@@ -111,6 +111,7 @@ struct CpCase {
   int cp;
   StrategyKind strategy;
   LayoutKind layout;
+  int ulysses_degree = 0;
 };
 
 class ContextParallel : public ::testing::TestWithParam<CpCase> {};
@@ -122,6 +123,7 @@ TEST_P(ContextParallel, SameLossesAndWeightsAsOneRank) {
   c.cp = cs.cp;
   c.strategy = cs.strategy;
   c.layout = cs.layout;
+  c.ulysses_degree = cs.ulysses_degree;
   RunOut multi = run(c, cs.cp);
   ASSERT_EQ(multi.losses.size(), single.losses.size());
   for (size_t s = 0; s < single.losses.size(); ++s)
@@ -142,7 +144,8 @@ INSTANTIATE_TEST_SUITE_P(
                       CpCase{4, StrategyKind::ring, LayoutKind::zigzag},
                       CpCase{2, StrategyKind::allgather, LayoutKind::contiguous},
                       CpCase{4, StrategyKind::allgather, LayoutKind::zigzag},
-                      CpCase{2, StrategyKind::ulysses, LayoutKind::striped}),
+                      CpCase{2, StrategyKind::ulysses, LayoutKind::striped},
+                      CpCase{4, StrategyKind::hybrid, LayoutKind::zigzag, 2}),
     [](const auto& info) {
       return std::string(strategy_name(info.param.strategy)) + "_" +
              layout_name(info.param.layout) + "_cp" + std::to_string(info.param.cp);
