@@ -159,10 +159,10 @@ struct RingProblem {
   std::vector<double> flops_per_second;    // size ranks (or 1)
   std::vector<double> backward_flops_per_second;  // empty: the same as forward
   bool barrier_after_forward = false;      // threads transport, P > 2: ring.cc's barrier
-  // ring.cc waits for a block's dK/dV accumulator before the compute that adds to it (true);
-  // false models computing into a local partial and adding the accumulator after, which
-  // hides the accumulator's hop behind one step's compute (ring-flash-attention's order).
-  bool accumulator_before_compute = true;
+  // ring.cc computes into a local partial and adds the travelling dK/dV accumulator after the
+  // compute (false), which hides the accumulator's hop behind one step's compute; true models
+  // waiting for the accumulator before the compute (ring.cc's order until 2026-11-30).
+  bool accumulator_before_compute = false;
   double step_overhead_seconds = 0;        // fixed cost per kernel call (local: measured)
 };
 RingSimulation simulate_ring(const RingProblem& problem);
@@ -213,7 +213,7 @@ struct Plan {
   MinBlock min_block;
   int64_t block_tokens = 0;               // this plan's per-rank block (T / cp)
   RingSimulation ring;                    // one layer
-  double ring_seconds_accumulator_after = 0;  // the same with accumulator_before_compute off
+  double ring_seconds_accumulator_before = 0;  // the same with accumulator_before_compute on
   std::vector<StrategyEstimate> compare;  // ranked, fastest first (valid ones)
   double dense_seconds = 0;               // per step, per device
   double step_seconds = 0;                // dense + the chosen strategy's attention

@@ -86,9 +86,10 @@ MemoryBreakdown plan_memory(const PlanInput& in) {
   const double P = in.cp;
   switch (in.strategy) {
     case StrategyKind::ring:
-      // K, V double-buffered; backward adds the travelling fp32 dK, dV (double-buffered), dq.
+      // K, V double-buffered; backward adds fp32 dK, dV four times over (the rank's own, the
+      // local partial, the travelling accumulator double-buffered), dq.
       mb.attention_buffers = std::max(2 * 2 * kv + q32 + 2 * rows32,
-                                      2 * 2 * kv + 2 * 2 * kv32 + q32 + rows32);
+                                      2 * 2 * kv + 4 * 2 * kv32 + q32 + rows32);
       break;
     case StrategyKind::allgather:
       mb.attention_buffers = std::max(2 * P * kv + q32 + 2 * rows32,

@@ -198,8 +198,8 @@ Plan make_plan(const PlanInput& in, bool compare) {
   p.block_tokens = in.seq / in.cp;
   RingProblem rp = ring_problem(in, in.cp, hq, hkv, 1);
   p.ring = simulate_ring(rp);
-  rp.accumulator_before_compute = false;
-  p.ring_seconds_accumulator_after = simulate_ring(rp).seconds;
+  rp.accumulator_before_compute = true;
+  p.ring_seconds_accumulator_before = simulate_ring(rp).seconds;
   p.dense_seconds = p.flops.dense_step / (static_cast<double>(in.cp) * in.tp * in.pp) /
                     in.hardware.effective_flops();
   std::vector<StrategyKind> kinds = {in.strategy};

@@ -117,8 +117,8 @@ std::string plan_json(const Plan& p) {
                      {"exposed_comm_seconds", p.ring.exposed_comm},
                      {"perfect_seconds", p.ring.perfect_seconds},
                      {"efficiency", p.ring.efficiency},
-                     {"seconds_if_accumulator_added_after_compute",
-                      p.ring_seconds_accumulator_after},
+                     {"seconds_if_accumulator_waited_before_compute",
+                      p.ring_seconds_accumulator_before},
                      {"ranks", ranks}};
   json cmp = json::array();
   for (const auto& e : p.compare) {

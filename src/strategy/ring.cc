@@ -10,7 +10,8 @@
 // Backward adds a second ring for the fp32 dK/dV accumulators: the accumulator of block j is
 // created by its first visitor (rank j+1), added to by every rank that holds block j and sent
 // on after that rank's compute, so after P-1 hops it is back at rank j, which adds it to its
-// own contribution.
+// own contribution. Each rank computes its share into a local buffer first and adds it to the
+// travelling accumulator afterwards, so that accumulator transfers hide behind compute.
 #include <cstring>
 
 #include "strategy/internal.h"
@@ -105,9 +106,12 @@ void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Toke
     run.memory->hold(pack.bytes());
   }
   // Step 0 (this rank's own block) adds into `own`, which never travels. The accumulator of
-  // block r-s starts empty on its first visitor after the owner (step 1) and moves on after
-  // every step: P-1 hops bring it home, where it is added to `own`.
-  Buffer own(grad_bytes), acc;
+  // block r-s starts on its first visitor after the owner (step 1) and moves on after every
+  // step: P-1 hops bring it home, where it is added to `own`. From step 2 on, a step computes
+  // into a local `part` while the accumulator is still in flight from the previous rank, and
+  // adds `part` into it only after the compute: the accumulator's transfer hides behind the
+  // compute instead of being waited for before it (one more fp32 buffer per rank).
+  Buffer own(grad_bytes), acc, part;
   run.memory->hold(grad_bytes);
   Request grad_recv, grad_send;
   for (int s = 0; s < p; ++s) {
@@ -120,19 +124,26 @@ void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Toke
     if (s == 1) {
       acc = Buffer(grad_bytes);
       run.memory->hold(grad_bytes);
-    } else if (s > 1) {  // comes after prev's compute on the same block
-      run.waiting([&] { acc = grad_recv.take(); });
-    }
-    if (s > 0) {  // step s+1's accumulator (after the last step: our own, coming home)
-      grad_recv = comm.irecv(grad_bytes, prev, kGradTag + s + 1);
+    } else if (s == 2) {
+      part = Buffer(grad_bytes);
       run.memory->hold(grad_bytes);
+    } else if (s > 2) {
+      std::memset(part.data(), 0, grad_bytes);
     }
-    const Buffer& into = s == 0 ? own : acc;
+    const Buffer& into = s == 0 ? own : s == 1 ? acc : part;
     run.busy([&] {
       return attention_backward_block(q, q_tokens, cur_k, cur_v, cur_tokens, run.mask, dout, lse,
                                       delta, dq, grad.k(into), grad.v(into), run.kernel);
     });
-    if (s > 0) {
+    if (s > 1) {  // the accumulator left the previous rank after its compute on this block
+      run.waiting([&] { acc = grad_recv.take(); });
+      float* a = acc.as<float>();
+      const float* b = part.as<const float>();
+      for (size_t i = 0; i < grad_bytes / 4; ++i) a[i] += b[i];  // fixed order: bitwise stable
+    }
+    if (s > 0) {  // step s+1's accumulator (after the last step: our own, coming home)
+      grad_recv = comm.irecv(grad_bytes, prev, kGradTag + s + 1);
+      run.memory->hold(grad_bytes);
       run.waiting([&] { grad_send.wait(); });
       if (grad_send.valid()) run.memory->release(grad_bytes);
       grad_send = comm.isend(std::move(acc), next, kGradTag + s + 1);
@@ -165,6 +176,7 @@ void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Toke
     const float* h = home.as<const float>();
     for (size_t i = 0; i < grad_bytes / 4; ++i) o[i] += h[i];  // fixed order: bitwise stable
     run.memory->release(2 * grad_bytes);
+    if (!part.empty()) run.memory->release(grad_bytes);
   }
   copy_into(grad.k(own), dk);
   copy_into(grad.v(own), dv);

@@ -112,9 +112,9 @@ TEST(Balance, TransferDominatedRingIsLinkBound) {
 namespace ctxpar {
 namespace {
 
-// ring.cc waits for a block's dK/dV accumulator before computing on the block, so each
-// backward step exposes one accumulator hop even when compute is long enough to hide it;
-// adding the accumulator after the compute (ring-flash-attention's order) hides it.
+// Waiting for a block's dK/dV accumulator before computing on the block exposes one
+// accumulator hop per backward step even when compute is long enough to hide it; adding the
+// accumulator after the compute (ring.cc's order) hides it.
 TEST(Balance, AccumulatorOrderInBackward) {
   RingProblem pr;
   pr.ranks = 8;
@@ -126,6 +126,7 @@ TEST(Balance, AccumulatorOrderInBackward) {
   pr.flops_per_second = {10e12};
   // A backward step computes for ~8.6 ms; its K/V (17 MB) take 0.17 ms and its fp32 dK/dV
   // (34 MB) 0.34 ms at 100 GB/s: compute dominates, and only the accumulator's wait shows.
+  pr.accumulator_before_compute = true;
   const RingSimulation before = simulate_ring(pr);
   pr.accumulator_before_compute = false;
   const RingSimulation after = simulate_ring(pr);
