@@ -115,9 +115,13 @@ TrainResult train(Communicator& world, const TrainConfig& config,
         weight[b * tl + i] = batch.weight[src];
       }
     std::fill(grads.begin(), grads.end(), 0.0f);
-    const model::LossSums sums =
-        net.forward_backward(weights.data(), grads.data(), inputs.data(), labels.data(),
-                             weight.data(), double(std::max<int64_t>(1, batch.counted)));
+    model::LossSums sums;
+    try {
+      sums = net.forward_backward(weights.data(), grads.data(), inputs.data(), labels.data(),
+                                  weight.data(), double(std::max<int64_t>(1, batch.counted)));
+    } catch (const Error& e) {
+      throw Error("train step " + std::to_string(step) + ": " + e.what());
+    }
     // Sum over the shards of each sequence, then average over the data groups.
     cp_comm->allreduce(grads.data(), grads.size());
     if (config.dp > 1) {

@@ -28,6 +28,7 @@ void plot_loss(const std::string& log_path, const std::string& png_path) {
       "fig,ax=plt.subplots(1,2,figsize=(10,4))\n"
       "ax[0].plot(s,[r['loss'] for r in rs],label='loss (counted tokens)')\n"
       "ax[0].axhline(math.log(256),ls='--',c='gray',label='log 256')\n"
+      "ax[0].axhline(math.log(128),ls=':',c='gray',label='log 128 (no long-range context)')\n"
       "ax[0].set_xlabel('step'); ax[0].set_ylabel('cross-entropy (nats)'); ax[0].legend()\n"
       "ax[1].plot(s,[r['accuracy'] for r in rs],c='C1')\n"
       "ax[1].set_xlabel('step'); ax[1].set_ylabel('accuracy on counted tokens')\n"
