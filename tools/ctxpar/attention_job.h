@@ -38,7 +38,7 @@ struct AttentionJob {
   bool keep_outputs = false;          // fill AttentionResult's full tensors (on the root)
   // --check cost budget: B * Hq * rows * T * D multiply-adds of the fp64 reference. Above it,
   // a sample of evenly spaced query rows (and key rows for dK, dV) is checked instead.
-  double check_budget = 1e9;
+  double check_budget = 3e8;
   // Called on rank 0 before each of progress_steps(job) steps ("inputs", "forward 1/3", ...,
   // "check"), for a progress bar. May be empty.
   std::function<void(const std::string& step)> on_step;

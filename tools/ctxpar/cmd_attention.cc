@@ -46,7 +46,7 @@ Options attention_options() {
       .add("repeats", "1", "timed repetitions; times are of the fastest")
       .flag("backward", "also run the backward pass (dq, dk, dv)")
       .flag("check", "compare with the fp64 reference of the whole problem; exit 1 on mismatch")
-      .add("check-budget", "1e9",
+      .add("check-budget", "3e8",
            "--check: fp64 multiply-adds allowed (B*Hq*rows*T*D); above it, rows are sampled")
       .flag("json", "print one JSON object instead of the table")
       .add("q", "", "queries .npy (float32/float16, [B, T, Hq, D]; see --layout-in)")
