@@ -270,14 +270,28 @@ int cmd_attention(int argc, char** argv) {
                       job.head_dim * job.repeats * (job.backward ? 3.5 : 1.0);
   ProgressOptions po;
   if (work < 2e10 && !isatty(fileno(stderr))) po.mode = ProgressOptions::Mode::quiet;
+  // Rough relative cost of each step, so the ETA follows the work: backward is 2.5 forwards,
+  // drawing the inputs and the sampled check are a fraction of one.
+  auto weight = [](const std::string& step) {
+    return step.rfind("backward", 0) == 0 ? 2.5 : step.rfind("forward", 0) == 0 ? 1.0
+           : step == "check" ? 0.5 : 0.05;
+  };
+  const double total_work = 0.05 + job.repeats * (1.0 + (job.backward ? 2.5 : 0.0)) +
+                            (job.check ? 0.5 : 0.0);
   std::unique_ptr<Progress> bar;
+  std::string current;
   job.on_step = [&](const std::string& step) {
-    if (!bar) bar = std::make_unique<Progress>("attention", progress_steps(job), stderr, po);
-    else bar->advance();
+    if (!bar) {
+      bar = std::make_unique<Progress>("attention", progress_steps(job), stderr, po);
+      bar->set_work(total_work);
+    } else {
+      bar->advance_work(weight(current));
+    }
+    current = step;
     bar->note(step);
   };
   AttentionResult result = run_attention_job(job);
-  if (bar) bar->advance(), bar->finish();
+  if (bar) bar->advance_work(weight(current)), bar->finish();
   if (!result.is_root) return 0;
   if (o.given("out")) write_outputs(o, job, result);
   if (o.on("json")) {
