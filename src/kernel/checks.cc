@@ -26,6 +26,35 @@ void check_rows_f32(const char* name, const TensorView& t, int64_t b, int64_t h,
                shape_str({b, h, tokens}), ", got ", shape_str(t.shape()));
 }
 
+void check_finite(const char* name, const TensorView& t) {
+  // A NaN or Inf input would not fail loudly: the running max drops NaN, so a poisoned row
+  // comes out as "fully masked" (O = 0, LSE = -inf) -- a silently wrong answer. One pass over
+  // the block costs O(T H D) against the O(Tq Tk H D) of the attention it guards.
+  const int64_t b = t.dim(0), n = t.dim(1), h = t.dim(2), d = t.dim(3);
+  const bool bf16 = t.dtype() == DType::bf16;
+  for (int64_t ib = 0; ib < b; ++ib)
+    for (int64_t it = 0; it < n; ++it)
+      for (int64_t ih = 0; ih < h; ++ih) {
+        const int64_t o = t.offset(ib, it, ih, 0);
+        bool bad = false;
+        if (bf16) {
+          const uint16_t* x = t.ptr<const uint16_t>() + o;
+          for (int64_t i = 0; i < d; ++i) bad |= (x[i] & 0x7f80u) == 0x7f80u;
+        } else {
+          const uint32_t* x = reinterpret_cast<const uint32_t*>(t.ptr<const float>() + o);
+          for (int64_t i = 0; i < d; ++i) bad |= (x[i] & 0x7f800000u) == 0x7f800000u;
+        }
+        if (!bad) continue;
+        for (int64_t i = 0; i < d; ++i) {
+          const float x = t.get(ib, it, ih, i);
+          CTXPAR_CHECK(std::isfinite(x), name, ": non-finite value (", x, ") at [", ib, ", ", it,
+                       ", ", ih, ", ", i, "]: attention would silently treat the row as masked; "
+                       "find where the NaN/Inf comes from (inputs, a diverging step, an "
+                       "uninitialised buffer)");
+        }
+      }
+}
+
 namespace {
 void check_tokens(const char* name, const Tokens& tokens, int64_t n, const Mask& mask) {
   CTXPAR_CHECK(static_cast<int64_t>(tokens.positions.size()) == n, name,
@@ -66,6 +95,9 @@ Problem check_forward_args(const TensorView& q, const Tokens& q_tokens, const Te
                "value >= 0 (0 = 1/sqrt(D)), got ", config.scale);
   p.scale = config.scale > 0 ? config.scale : 1.0f / std::sqrt(static_cast<float>(p.d));
   p.threads = config.threads;
+  check_finite("q", q);
+  check_finite("k", k);
+  check_finite("v", v);
   return p;
 }
 
@@ -77,6 +109,7 @@ Problem check_backward_args(const TensorView& q, const Tokens& q_tokens, const T
   Problem p = check_forward_args(q, q_tokens, k, v, k_tokens, mask, config);
   check_activation("dout", dout, true);
   check_same("dout", dout, q.shape(), "q's [B, Tq, Hq, D]");
+  check_finite("dout", dout);
   check_rows_f32("lse", lse, p.batch, p.hq, p.tq);
   check_rows_f32("delta", delta, p.batch, p.hq, p.tq);
   check_activation("dq", dq, false);

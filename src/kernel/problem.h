@@ -39,6 +39,8 @@ Problem check_backward_args(const TensorView& q, const Tokens& q_tokens, const T
 void check_rows_f32(const char* name, const TensorView& t, int64_t b, int64_t h, int64_t tokens);
 // Throws unless t is 4-d fp32 or bf16 with a contiguous last dim.
 void check_activation(const char* name, const TensorView& t, bool allow_bf16);
+// Throws naming the first NaN / Inf element of a [B, T, H, D] tensor.
+void check_finite(const char* name, const TensorView& t);
 
 // The position / document range of each tile of `tile` consecutive tokens. Positions need not
 // be sorted, so a range is the min and max over the tile.

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <limits>
 
 #include "ctxpar/kernel.h"
 #include "ctxpar/reference.h"
@@ -95,6 +96,39 @@ TEST(Args, BackwardAndFinalizeRejectBadShapes) {
   expect_error([&] { attention_forward_finalize(a.state, o, lse_bad); }, "lse: expected shape");
   expect_error([&] { attention_backward_delta(o, dq_bf, lse_bad); }, "delta: expected shape");
   expect_error([&] { Tensor k5(DType::f32, {1, 6, 5, 16}); reference::attention_f64(a.q, a.qt(), k5, k5, a.kt(), m); }, "k:");
+}
+
+}  // namespace
+}  // namespace ctxpar
+
+namespace ctxpar {
+namespace {
+
+// NaN / Inf inputs must fail loudly: without the check a NaN in q comes out as a fully masked
+// row (O = 0, LSE = -inf), a silently wrong answer.
+TEST(Args, NonFiniteInputsAreRejected) {
+  const Mask m = Mask::none();
+  for (DType dt : {DType::f32, DType::bf16}) {
+    Args a;
+    Tensor q = Tensor::copy_of(a.q.view(), dt), k = Tensor::copy_of(a.k.view(), dt),
+           v = Tensor::copy_of(a.v.view(), dt);
+    EXPECT_NO_THROW(attention_forward_block(q, a.qt(), k, v, a.kt(), m, a.state));
+    q.view().set(std::numeric_limits<float>::quiet_NaN(), 0, 3, 1, 7);
+    expect_error([&] { attention_forward_block(q, a.qt(), k, v, a.kt(), m, a.state); },
+                 "q: non-finite value (nan) at [0, 3, 1, 7]");
+    q.view().set(0.0f, 0, 3, 1, 7);
+    v.view().set(std::numeric_limits<float>::infinity(), 0, 5, 0, 0);
+    expect_error([&] { attention_forward_block(q, a.qt(), k, v, a.kt(), m, a.state); },
+                 "v: non-finite value (inf) at [0, 5, 0, 0]");
+    v.view().set(0.0f, 0, 5, 0, 0);
+    Tensor dout = Tensor::copy_of(a.q.view(), dt), lse(DType::f32, {1, 4, 5}),
+           delta(DType::f32, {1, 4, 5}), dq(DType::f32, {1, 5, 4, 16}),
+           dk(DType::f32, {1, 6, 2, 16}), dv(DType::f32, {1, 6, 2, 16});
+    dout.view().set(-std::numeric_limits<float>::infinity(), 0, 0, 0, 0);
+    expect_error([&] {
+      attention_backward_block(q, a.qt(), k, v, a.kt(), m, dout, lse, delta, dq, dk, dv);
+    }, "dout: non-finite value (-inf)");
+  }
 }
 
 }  // namespace
