@@ -38,10 +38,9 @@ class AllGatherStrategy final : public Strategy {
     Dims dims;
     std::string e = check_forward(q, k, v, tokens, out, lse, options_.mask, dims);
     if (e.empty()) e = check_groups(dims);
-    agree(comm_, "allgather forward", e, signature_of(dims, options_));
-    CallRecord record(stats_, {&comm_});
-    MemoryTracker memory;
-    Run run{&stats_, &memory, options_.mask, options_.kernel};
+    CallScope call(comm_, stats_, options_, "allgather forward", e, dims, {&comm_});
+    Run& run = call.run;
+    MemoryTracker& memory = call.memory;
     const int64_t groups = groups_of(dims), hg = dims.hkv / groups, qg = hg * (dims.hq / dims.hkv);
     const KvPacking pack{dims.batch, dims.tokens, hg, dims.d, dims.dtype, options_.mask.documents};
     std::vector<Gathered> gathered(groups);
@@ -70,7 +69,7 @@ class AllGatherStrategy final : public Strategy {
       memory.release(state.bytes() + 2 * size_t(comm_.size() - 1) * pack.bytes());
       gathered[g] = Gathered();
     }
-    record.finish(memory);
+    call.finish();
   }
 
   void backward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -81,10 +80,9 @@ class AllGatherStrategy final : public Strategy {
     std::string e =
         check_backward(q, k, v, tokens, out, lse, dout, dq, dk, dv, options_.mask, dims);
     if (e.empty()) e = check_groups(dims);
-    agree(comm_, "allgather backward", e, signature_of(dims, options_));
-    CallRecord record(stats_, {&comm_});
-    MemoryTracker memory;
-    Run run{&stats_, &memory, options_.mask, options_.kernel};
+    CallScope call(comm_, stats_, options_, "allgather backward", e, dims, {&comm_});
+    Run& run = call.run;
+    MemoryTracker& memory = call.memory;
     const int p = comm_.size(), r = comm_.rank();
     const int64_t groups = groups_of(dims), hg = dims.hkv / groups, qg = hg * (dims.hq / dims.hkv);
     const KvPacking pack{dims.batch, dims.tokens, hg, dims.d, dims.dtype, options_.mask.documents};
@@ -166,7 +164,7 @@ class AllGatherStrategy final : public Strategy {
     }
     finish_reduce(groups - 1);
     copy_into(dq32, dq);
-    record.finish(memory);
+    call.finish();
   }
 
  private:

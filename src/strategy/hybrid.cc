@@ -27,16 +27,14 @@ class HybridStrategy final : public Strategy {
     Dims dims;
     std::string e = check_forward(q, k, v, tokens, out, lse, options_.mask, dims);
     if (e.empty()) e = check_ulysses_heads(dims, u_, "hybrid (ulysses_degree u)");
-    agree(comm_, "hybrid forward", e, signature_of(dims, options_));
-    CallRecord record(stats_, {ulysses_.get(), ring_.get()});
-    MemoryTracker memory;
-    Run run{&stats_, &memory, options_.mask, options_.kernel};
+    CallScope call(comm_, stats_, options_, "hybrid forward", e, dims, {ulysses_.get(), ring_.get()});
+    Run& run = call.run;
     ulysses_forward(*ulysses_, run, dims, q, k, v, tokens, out, lse,
                     [&](const TensorView& qf, const TensorView& kf, const TensorView& vf,
                         const Tokens& tf, const TensorView& of, const TensorView& lf) {
                       ring_forward(*ring_, run, qf, tf, kf, vf, tf, of, lf);
                     });
-    record.finish(memory);
+    call.finish();
   }
 
   void backward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -47,10 +45,8 @@ class HybridStrategy final : public Strategy {
     std::string e =
         check_backward(q, k, v, tokens, out, lse, dout, dq, dk, dv, options_.mask, dims);
     if (e.empty()) e = check_ulysses_heads(dims, u_, "hybrid (ulysses_degree u)");
-    agree(comm_, "hybrid backward", e, signature_of(dims, options_));
-    CallRecord record(stats_, {ulysses_.get(), ring_.get()});
-    MemoryTracker memory;
-    Run run{&stats_, &memory, options_.mask, options_.kernel};
+    CallScope call(comm_, stats_, options_, "hybrid backward", e, dims, {ulysses_.get(), ring_.get()});
+    Run& run = call.run;
     ulysses_backward(
         *ulysses_, run, dims, q, k, v, tokens, out, lse, dout, dq, dk, dv,
         [&](const TensorView& qf, const TensorView& kf, const TensorView& vf, const Tokens& tf,
@@ -58,7 +54,7 @@ class HybridStrategy final : public Strategy {
             const TensorView& dqf, const TensorView& dkf, const TensorView& dvf) {
           ring_backward(*ring_, run, qf, tf, kf, vf, tf, dof, lf, df, dqf, dkf, dvf);
         });
-    record.finish(memory);
+    call.finish();
   }
 
  private:

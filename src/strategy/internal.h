@@ -102,6 +102,29 @@ class CallRecord {
   double t0_ = 0;
 };
 
+// One strategy call's frame: every rank agrees on the argument checks first (before any other
+// communication, and before the byte counters are read, so the check's small all-gather is not
+// counted in the call's stats); then the call runs with `run` and `memory`, and finish()
+// records its time, bytes and peak memory.
+class CallScope {
+ public:
+  CallScope(Communicator& comm, StrategyStats& stats, const StrategyOptions& options,
+            const std::string& what, const std::string& error, const Dims& dims,
+            std::vector<Communicator*> counted)
+      : agreed_((agree(comm, what, error, signature_of(dims, options)), true)),
+        record_(stats, std::move(counted)),
+        run{&stats, &memory, options.mask, options.kernel} {}
+  void finish() { record_.finish(memory); }
+
+ private:
+  bool agreed_;  // first member: the agreement happens before the record starts counting
+  CallRecord record_;
+
+ public:
+  MemoryTracker memory;
+  Run run;
+};
+
 // ---- the K/V block that travels -----------------------------------------------------------
 
 // [k | v | positions (int64) | documents (int32, only with a documents mask)], k and v

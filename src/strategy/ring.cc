@@ -192,12 +192,10 @@ class RingStrategy final : public Strategy {
                const Tokens& tokens, const TensorView& out, const TensorView& lse) override {
     Dims dims;
     std::string e = check_forward(q, k, v, tokens, out, lse, options_.mask, dims);
-    agree(comm_, "ring forward", e, signature_of(dims, options_));
-    CallRecord record(stats_, {&comm_});
-    MemoryTracker memory;
-    Run run{&stats_, &memory, options_.mask, options_.kernel};
+    CallScope call(comm_, stats_, options_, "ring forward", e, dims, {&comm_});
+    Run& run = call.run;
     ring_forward(comm_, run, q, tokens, k, v, tokens, out, lse);
-    record.finish(memory);
+    call.finish();
   }
 
   void backward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -207,10 +205,9 @@ class RingStrategy final : public Strategy {
     Dims dims;
     std::string e =
         check_backward(q, k, v, tokens, out, lse, dout, dq, dk, dv, options_.mask, dims);
-    agree(comm_, "ring backward", e, signature_of(dims, options_));
-    CallRecord record(stats_, {&comm_});
-    MemoryTracker memory;
-    Run run{&stats_, &memory, options_.mask, options_.kernel};
+    CallScope call(comm_, stats_, options_, "ring backward", e, dims, {&comm_});
+    Run& run = call.run;
+    MemoryTracker& memory = call.memory;
     Tensor delta(DType::f32, {dims.batch, dims.hq, dims.tokens});
     Tensor dq32(DType::f32, q.shape());
     memory.hold(delta.bytes() + dq32.bytes());
@@ -220,7 +217,7 @@ class RingStrategy final : public Strategy {
     });
     ring_backward(comm_, run, q, tokens, k, v, tokens, dout, lse, delta, dq32, dk, dv);
     copy_into(dq32, dq);
-    record.finish(memory);
+    call.finish();
   }
 };
 

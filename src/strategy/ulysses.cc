@@ -304,10 +304,9 @@ class UlyssesStrategy final : public Strategy {
     Dims dims;
     std::string e = check_forward(q, k, v, tokens, out, lse, options_.mask, dims);
     if (e.empty()) e = check_ulysses_heads(dims, comm_.size(), "ulysses");
-    agree(comm_, "ulysses forward", e, signature_of(dims, options_));
-    CallRecord record(stats_, {&comm_});
-    MemoryTracker memory;
-    Run run{&stats_, &memory, options_.mask, options_.kernel};
+    CallScope call(comm_, stats_, options_, "ulysses forward", e, dims, {&comm_});
+    Run& run = call.run;
+    MemoryTracker& memory = call.memory;
     ulysses_forward(comm_, run, dims, q, k, v, tokens, out, lse,
                     [&](const TensorView& qf, const TensorView& kf, const TensorView& vf,
                         const Tokens& tf, const TensorView& of, const TensorView& lf) {
@@ -320,7 +319,7 @@ class UlyssesStrategy final : public Strategy {
                         return ks;
                       });
                     });
-    record.finish(memory);
+    call.finish();
   }
 
   void backward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -331,10 +330,8 @@ class UlyssesStrategy final : public Strategy {
     std::string e =
         check_backward(q, k, v, tokens, out, lse, dout, dq, dk, dv, options_.mask, dims);
     if (e.empty()) e = check_ulysses_heads(dims, comm_.size(), "ulysses");
-    agree(comm_, "ulysses backward", e, signature_of(dims, options_));
-    CallRecord record(stats_, {&comm_});
-    MemoryTracker memory;
-    Run run{&stats_, &memory, options_.mask, options_.kernel};
+    CallScope call(comm_, stats_, options_, "ulysses backward", e, dims, {&comm_});
+    Run& run = call.run;
     ulysses_backward(
         comm_, run, dims, q, k, v, tokens, out, lse, dout, dq, dk, dv,
         [&](const TensorView& qf, const TensorView& kf, const TensorView& vf, const Tokens& tf,
@@ -345,7 +342,7 @@ class UlyssesStrategy final : public Strategy {
                                             dvf, run.kernel);
           });
         });
-    record.finish(memory);
+    call.finish();
   }
 };
 
