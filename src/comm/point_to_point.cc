@@ -110,13 +110,10 @@ void PointToPointCommunicator::allgather(const void* send, void* recv, size_t by
   count(CommKind::allgather, (p - 1) * bytes, (p - 1) * bytes);
 }
 
-void PointToPointCommunicator::reduce_scatter(const float* send, float* recv, size_t n) {
-  // send: [size()][n] fp32; recv: [n] = sum over ranks of their chunk rank().
-  CTXPAR_CHECK(n == 0 || (send && recv), "reduce_scatter: send and recv must not be null");
+void PointToPointCommunicator::post_pairwise(const std::byte* chunks, size_t bytes, int tag,
+                                             std::vector<Request>& rq,
+                                             std::vector<Request>& sq) {
   const int p = size(), r = rank();
-  const size_t bytes = n * sizeof(float);
-  const int tag = collective_tag(next_call(CommKind::reduce_scatter), CommKind::reduce_scatter, 0);
-  std::vector<Request> rq(p), sq(p);
   for (int k = 1; k < p; ++k) {
     const int j = (r - k + p) % p;
     rq[j] = post_recv(bytes, j, tag, Channel::collective);
@@ -124,9 +121,19 @@ void PointToPointCommunicator::reduce_scatter(const float* send, float* recv, si
   for (int k = 1; k < p; ++k) {
     const int j = (r + k) % p;
     Buffer b = Buffer::uninitialized(bytes);
-    copy_bytes(b.data(), send + j * n, bytes);
+    copy_bytes(b.data(), chunks + j * bytes, bytes);
     sq[j] = post_send(std::move(b), j, tag, Channel::collective);
   }
+}
+
+void PointToPointCommunicator::reduce_scatter(const float* send, float* recv, size_t n) {
+  // send: [size()][n] fp32; recv: [n] = sum over ranks of their chunk rank().
+  CTXPAR_CHECK(n == 0 || (send && recv), "reduce_scatter: send and recv must not be null");
+  const int p = size(), r = rank();
+  const size_t bytes = n * sizeof(float);
+  const int tag = collective_tag(next_call(CommKind::reduce_scatter), CommKind::reduce_scatter, 0);
+  std::vector<Request> rq(p), sq(p);
+  post_pairwise(reinterpret_cast<const std::byte*>(send), bytes, tag, rq, sq);
   std::vector<Buffer> got(p);
   std::vector<const float*> parts(p);
   for (int j = 0; j < p; ++j) {
@@ -153,16 +160,7 @@ void PointToPointCommunicator::alltoall(const void* send, void* recv, size_t byt
   const auto* in = static_cast<const std::byte*>(send);
   auto* out = static_cast<std::byte*>(recv);
   std::vector<Request> rq(p), sq(p);
-  for (int k = 1; k < p; ++k) {
-    const int j = (r - k + p) % p;
-    rq[j] = post_recv(bytes, j, tag, Channel::collective);
-  }
-  for (int k = 1; k < p; ++k) {
-    const int j = (r + k) % p;
-    Buffer b = Buffer::uninitialized(bytes);
-    copy_bytes(b.data(), in + j * bytes, bytes);
-    sq[j] = post_send(std::move(b), j, tag, Channel::collective);
-  }
+  post_pairwise(in, bytes, tag, rq, sq);
   // Every outgoing chunk is already copied out, so recv may alias send.
   copy_bytes(out + r * bytes, in + r * bytes, bytes);
   for (int j = 0; j < p; ++j) {

@@ -58,6 +58,11 @@ class PointToPointCommunicator : public Communicator {
   uint32_t next_call(CommKind kind);
   void check_peer(int peer, const char* what) const;
   void ring_allgatherv(const std::vector<size_t>& offsets, std::byte* data, int tag);
+  // Posts, for every other rank j, a receive of `bytes` (rq[j]) and a send of a copy of
+  // chunks[j * bytes, (j + 1) * bytes) (sq[j]); the shifted orders spread the load. Every
+  // outgoing chunk is copied before return, so the caller may then overwrite `chunks`.
+  void post_pairwise(const std::byte* chunks, size_t bytes, int tag, std::vector<Request>& rq,
+                     std::vector<Request>& sq);
   template <typename T>
   void allreduce_sum(T* buf, size_t count);
 
