@@ -91,9 +91,11 @@ TrainResult train(Communicator& world, const TrainConfig& config,
   if (!config.resume_path.empty()) model::load_checkpoint(config.resume_path, config, weights, adam);
   const int64_t first = adam.step + 1;
 
-  const std::vector<int64_t> positions = layout.positions(crank);
+  // Any --seq: the layout pads it to its granule; padding tokens (index >= seq) have no input,
+  // no label and no loss weight, and attention neither sees them nor lets them see.
+  const std::vector<int64_t> index = layout.positions(crank);
   const int64_t tl = layout.local_tokens(), nb = config.batch;
-  model::Transformer net(config.model, *strategy, positions, nb);
+  model::Transformer net(config.model, *strategy, layout.token_positions(crank), nb);
   std::vector<uint8_t> inputs(nb * tl), labels(nb * tl), weight(nb * tl);
 
   std::ofstream log;
@@ -109,10 +111,11 @@ TrainResult train(Communicator& world, const TrainConfig& config,
     const model::Batch batch = data.batch(step, group);
     for (int64_t b = 0; b < nb; ++b)
       for (int64_t i = 0; i < tl; ++i) {
-        const int64_t src = b * config.seq + positions[i];
-        inputs[b * tl + i] = batch.inputs[src];
-        labels[b * tl + i] = batch.labels[src];
-        weight[b * tl + i] = batch.weight[src];
+        const bool pad = layout.is_padding(index[i]);
+        const int64_t src = b * config.seq + index[i];
+        inputs[b * tl + i] = pad ? 0 : batch.inputs[src];
+        labels[b * tl + i] = pad ? 0 : batch.labels[src];
+        weight[b * tl + i] = pad ? 0 : batch.weight[src];
       }
     std::fill(grads.begin(), grads.end(), 0.0f);
     model::LossSums sums;

@@ -17,8 +17,6 @@ struct Refusal {
 
 TEST(CliAttentionErrors, InvalidCombinationsExit2WithWhatWouldWork) {
   const Refusal cases[] = {
-      {"--seq 1000 --ranks 3 --layout zigzag", {"T % 2P == 0", "--seq 996 or 1002"}},
-      {"--seq 1000 --ranks 3", {"T % P == 0", "--seq 999 or 1002"}},
       {"--seq 64 --heads 6 --ranks 4 --strategy ulysses",
        {"--heads (6) divisible by 4", "--heads 8", "--strategy ring", "--ulysses-degree 2"}},
       {"--seq 64 --heads 8 --ranks 4 --strategy hybrid --ulysses-degree 3",

@@ -35,12 +35,15 @@ uint64_t token_seed(uint64_t seed, int which, int64_t b, int64_t t) {
   return z ^ (z >> 31);
 }
 
-// shard [B, Tl, H, D]: row i is global token index[i], drawn from its own seed.
-void fill_shard(const TensorView& shard, const std::vector<int64_t>& index, uint64_t seed,
-                int which) {
+// shard [B, Tl, H, D]: row i is global token index[i], drawn from its own seed; padding rows
+// (index >= the layout's T) stay zero.
+void fill_shard(const TensorView& shard, const Layout& layout, const std::vector<int64_t>& index,
+                uint64_t seed, int which) {
   for (int64_t b = 0; b < shard.dim(0); ++b)
     for (size_t i = 0; i < index.size(); ++i)
-      fill_normal(shard.slice(0, b, b + 1).slice(1, i, i + 1), token_seed(seed, which, b, index[i]));
+      if (!layout.is_padding(index[i]))
+        fill_normal(shard.slice(0, b, b + 1).slice(1, i, i + 1),
+                    token_seed(seed, which, b, index[i]));
 }
 
 // One rank's tensors and measurements. Under threads, rank r's thread fills all_data[r].
@@ -88,15 +91,14 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
   const std::vector<int64_t> index = layout.positions(r);
   const int64_t B = job.batch, Tl = layout.local_tokens(), Hq = job.heads;
   const int64_t Hkv = kv_heads_of(job), D = job.head_dim;
-  rd.tokens = Tl;
-  for (int64_t t : index) {
-    rd.positions.push_back(seq.positions[t]);
-    if (!seq.documents.empty()) rd.documents.push_back(seq.documents[t]);
-  }
+  rd.tokens = std::count_if(index.begin(), index.end(),
+                            [&](int64_t t) { return !layout.is_padding(t); });
+  rd.positions = layout.token_positions(r, seq.positions);
+  if (!seq.documents.empty()) rd.documents = layout.shard(seq.documents, r);
   auto input = [&](const Tensor& given, int64_t heads, int which) {
     if (!given.empty()) return Tensor::copy_of(layout.shard(given, r), job.dtype);
     Tensor t(job.dtype, {B, Tl, heads, D});
-    fill_shard(t, index, job.seed, which);
+    fill_shard(t, layout, index, job.seed, which);
     return t;
   };
   rd.q = input(job.q, Hq, 0);
@@ -280,15 +282,7 @@ void validate(const AttentionJob& job) {
   CTXPAR_CHECK(job.repeats >= 1, "--repeats must be >= 1, got ", job.repeats);
   CTXPAR_CHECK(job.timeout_seconds > 0, "--timeout must be > 0 seconds");
 
-  const int64_t chunks = job.layout == LayoutKind::zigzag ? 2 * P : P;
-  if (T % chunks != 0) {
-    const int64_t lo = T / chunks * chunks, hi = lo + chunks;
-    throw Error(detail::concat(
-        layout_name(job.layout), " layout needs --seq divisible by ",
-        job.layout == LayoutKind::zigzag ? "2 x --ranks (T % 2P == 0)" : "--ranks (T % P == 0)",
-        ": T = ", T, ", P = ", P, "; use --seq ", lo > 0 ? std::to_string(lo) + " or " : "", hi,
-        job.layout == LayoutKind::zigzag && T % P == 0 ? ", or --layout contiguous|striped" : ""));
-  }
+  // Any --seq works: the layout pads it to its granule (docs/layouts.md, "Padding").
 
   const bool uses_ulysses =
       job.strategy == StrategyKind::ulysses || job.strategy == StrategyKind::hybrid;
