@@ -339,6 +339,9 @@ void validate(const AttentionJob& job) {
                "--documents: ", job.documents.size(), " ids for ", T, " tokens");
   CTXPAR_CHECK(job.positions.empty() || static_cast<int64_t>(job.positions.size()) == T,
                "--positions: ", job.positions.size(), " positions for ", T, " tokens");
+  for (size_t i = 0; i < job.positions.size(); ++i)
+    CTXPAR_CHECK(job.positions[i] != kPaddingPosition, "--positions: token ", i, " has position ",
+                 kPaddingPosition, " (INT64_MIN), which marks padding; use any other value");
 
   auto check_input = [&](const Tensor& t, const char* name, int64_t heads) {
     if (t.empty()) return;
