@@ -55,6 +55,24 @@ TEST_F(Checkpoint, ResumeGivesTheLossesOfAnUninterruptedRun) {
     EXPECT_EQ(resumed2[i].loss, whole[4 + i].loss) << "same mesh: bitwise, step " << 5 + i;
 }
 
+// A checkpoint already at --steps (or past it): nothing is trained, and the result says so
+// (no step records) rather than reporting a loss.
+TEST_F(Checkpoint, ResumeAtOrPastStepsTrainsNothing) {
+  TrainConfig c = small();
+  c.steps = 3;
+  c.save_path = path("ck.safetensors");
+  run(c, 1);
+  for (int64_t steps : {3, 2}) {
+    TrainConfig r = small();
+    r.steps = steps;
+    r.resume_path = c.save_path;
+    TrainResult result;
+    run_threads(1, [&](Communicator& comm) { result = train(comm, r); });
+    EXPECT_TRUE(result.steps.empty()) << "--steps " << steps;
+    EXPECT_EQ(result.first_step, 4) << "--steps " << steps;
+  }
+}
+
 TEST_F(Checkpoint, TruncatedFileIsRefused) {
   TrainConfig c = small();
   c.steps = 2;
