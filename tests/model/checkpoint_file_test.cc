@@ -65,11 +65,13 @@ class CheckpointFile : public test::TempDirTest {
     }
     return "";
   }
-  // The good checkpoint with its header edited by `edit` (the checksum removed, so that the
-  // range checks, not the checksum, must catch the edit).
+  // The good checkpoint with its header edited by `edit`, the checksum removed and the format
+  // that of a file written before checksums (ctxpar-train-1, which loads without one): only
+  // the range and type checks stand between the edit and a load.
   std::string edited(const std::function<void(json&)>& edit) {
     json h = header_;
     h["__metadata__"].erase("checksum");
+    h["__metadata__"]["format"] = "ctxpar-train-1";
     edit(h);
     const std::string p = path("edited.safetensors");
     write_raw(p, h, data_);
@@ -203,9 +205,10 @@ TEST_F(CheckpointFile, FlippedBitIsRefused) {
 }
 
 TEST_F(CheckpointFile, MissingChecksumIsRefused) {
-  expect_refused(edited([](json&) {}), "has no checksum");
+  expect_refused(edited([](json& h) { h["__metadata__"]["format"] = "ctxpar-train-2"; }),
+                 "has no checksum");
   // A file written before checksums existed (format ctxpar-train-1) still loads.
-  EXPECT_EQ(load_error(edited([](json& h) { h["__metadata__"]["format"] = "ctxpar-train-1"; })), "");
+  EXPECT_EQ(load_error(edited([](json&) {})), "");
 }
 
 TEST_F(CheckpointFile, StepThatIsNotANonNegativeIntegerIsRefused) {
