@@ -48,6 +48,7 @@ void plot_loss(const std::string& log_path, const std::string& png_path) {
   std::vector<char*> argv = {const_cast<char*>(python), const_cast<char*>("-c"),
                              const_cast<char*>(script), const_cast<char*>(log_path.c_str()),
                              const_cast<char*>(png_path.c_str()), nullptr};
+  std::fflush(stdout);  // our lines before Python's, when stdout is a file
   pid_t pid = -1;
   if (posix_spawn(&pid, python, nullptr, nullptr, argv.data(), environ) != 0) {
     std::fprintf(stderr, "ctxpar train: could not start %s for the plot\n", python);
@@ -190,10 +191,10 @@ int cmd_train(int argc, char** argv) {
   int64_t first_step = 1;
   auto body = [&](Communicator& comm) {
     const bool leader = comm.rank() == 0;
-    TrainResult r = train(comm, c, [&](const StepRecord& r) {
+    const TrainResult result = train(comm, c, [&](const StepRecord& r) {
       if (leader) on_step(r);
     });
-    if (leader) first_step = r.first_step;
+    if (leader) first_step = result.first_step;
   };
   if (!quiet)
     std::printf("ctxpar train: T=%lld, %d ranks (dp %d x cp %d, %s, %s, %s), model %s, %s\n",
