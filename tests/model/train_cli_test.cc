@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "model/train_support.h"
+#include "model/training.h"
 
 namespace ctxpar {
 namespace {
@@ -50,7 +51,9 @@ struct Result {
 class TrainCli : public test::TempDirTest {
  protected:
   // Runs `ctxpar train` with a tiny model, then `args`, in dir_.
-  Result train(const std::vector<std::string>& args) {
+  Result train(const std::vector<std::string>& args) { return wait(start(args)); }
+
+  pid_t start(const std::vector<std::string>& args) {
     const char* build = std::getenv("CTXPAR_BUILD_DIR");
     std::vector<std::string> full = {std::string(build ? build : ".") + "/ctxpar", "train",
                                      "--seq", "64", "--ranks", "1", "--layers", "1", "--dim",
@@ -61,7 +64,7 @@ class TrainCli : public test::TempDirTest {
     for (auto& a : full) argv.push_back(a.data());
     argv.push_back(nullptr);
     const std::string out = path(".stdout"), err = path(".stderr");
-    const auto t0 = std::chrono::steady_clock::now();
+    t0_ = std::chrono::steady_clock::now();
     const pid_t pid = ::fork();
     if (pid == 0) {
       if (::chdir(dir_.c_str()) != 0) _exit(126);
@@ -74,13 +77,18 @@ class TrainCli : public test::TempDirTest {
       ::execv(argv[0], argv.data());
       _exit(127);
     }
+    return pid;
+  }
+
+  Result wait(pid_t pid) {
+    const std::string out = path(".stdout"), err = path(".stderr");
     Result r;
     int status = 0;
     for (int i = 0; ::waitpid(pid, &status, WNOHANG) == 0; ++i) {
       if (i == 6000) ::kill(pid, SIGKILL);  // 60 s: it hangs
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
-    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
     r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 1000 + WTERMSIG(status);
     r.out = slurp(out);
     r.err = slurp(err);
@@ -88,6 +96,8 @@ class TrainCli : public test::TempDirTest {
     fs::remove(err);
     return r;
   }
+
+  std::chrono::steady_clock::time_point t0_;
 };
 
 // The two payloads of the fault matrix: each once ran `touch PWNED` through the shell that
@@ -142,6 +152,25 @@ TEST_F(TrainCli, ResumePastStepsSaysNothingWasTrained) {
   const Result loud = train({"--resume", "ck.safetensors", "--steps", "2", "--log", "run.jsonl"});
   EXPECT_EQ(loud.out.find("final loss"), std::string::npos) << loud.out;
   EXPECT_EQ(lines_in(dir_ / "run.jsonl"), 2u);
+}
+
+// kill -9 while checkpointing every step: the file at --save is always a whole checkpoint
+// (the previous or the new one), and the run resumes from it.
+TEST_F(TrainCli, KillDuringCheckpointingLeavesAWholeCheckpoint) {
+  const std::string ck = path("ck.safetensors");
+  const pid_t pid = start({"--steps", "100000", "--save", ck, "--save-every", "1"});
+  for (int i = 0; i < 3000 && !fs::exists(ck); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // mid-run, mid-save likely
+  ::kill(pid, SIGKILL);
+  EXPECT_EQ(wait(pid).exit_code, 1000 + SIGKILL);
+  ASSERT_TRUE(fs::exists(ck));
+  const model::SafetensorsFile f = model::read_safetensors(ck);  // ranges and checksum
+  EXPECT_TRUE(f.checksummed);
+  const int64_t step = std::stoll(f.metadata.at("step"));
+  const Result r = train({"--steps", std::to_string(step + 2), "--resume", ck, "--log", "r.jsonl"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(lines_in(dir_ / "r.jsonl"), 2u) << "steps " << step + 1 << " and " << step + 2;
 }
 
 // Refused at once with the figure and what to lower; once allocated until the OOM killer
