@@ -209,6 +209,10 @@ void bind_attention(nb::module_& m) {
   m.def("_backward", &whole_backward);
   m.def("_local_forward", &local_forward);
   m.def("_local_backward", &local_backward);
+  // The address DLPack handed over: tests compare it with the caller's pointer (zero-copy).
+  m.def("_data_pointer", [](const ReadArray& a) {
+    return reinterpret_cast<uintptr_t>(a.data());
+  });
   m.def("_layout_positions", &layout_positions, nb::arg("layout"), nb::arg("tokens"),
         nb::arg("ranks"), nb::arg("rank"));
 }

@@ -97,12 +97,12 @@ class Tensors:
 
 def check_attention_shapes(q, k, v):
     """q [B, T, Hq, D], k and v [B, T, Hkv, D] with Hq % Hkv == 0."""
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
     B, T, Hq, D = q.shape
     if (k.shape[0], k.shape[1], k.shape[3]) != (B, T, D):
         raise ValueError(f"k: shape {tuple(k.shape)} does not match q's {tuple(q.shape)} "
                          "(expected [B, T, Hkv, D] with q's B, T and D)")
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
     if k.shape[2] < 1 or Hq % k.shape[2] != 0:
         raise ValueError(f"k: kv heads Hkv = {k.shape[2]} must divide q's heads Hq = {Hq} (GQA)")
 
