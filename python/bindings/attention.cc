@@ -13,6 +13,7 @@
 
 #include "communicator.h"
 #include "ctxpar/layout.h"
+#include "ctxpar/reference.h"
 #include "ctxpar/strategy.h"
 
 namespace ctxpar::python {
@@ -182,6 +183,33 @@ void local_backward(const PyCommunicator& c, const ReadArray& q, const ReadArray
   strategy->backward(qv, kv, vv, tokens.view(), ov, lv, gv, dqv, dkv, dvv);
 }
 
+// A std::vector<double> handed to NumPy without a copy (the capsule frees it).
+nb::ndarray<nb::numpy, double> numpy_of(std::vector<double>&& values, const Shape& shape) {
+  auto* owned = new std::vector<double>(std::move(values));
+  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<double>*>(p); });
+  std::vector<size_t> dims(shape.begin(), shape.end());
+  return nb::ndarray<nb::numpy, double>(owned->data(), dims.size(), dims.data(), owner);
+}
+
+// The project's fp64 reference (or the naive fp32 computation that sets the tolerance) of
+// whole tensors, on one rank: (out [B, T, Hq, D], lse [B, Hq, T]) as float64 NumPy arrays.
+nb::tuple reference_forward(const ReadArray& q, const ReadArray& k, const ReadArray& v,
+                            const JobArgs& args, bool naive32) {
+  const TensorView qv = view_of(q, "q", 4), kv = view_of(k, "k", 4), vv = view_of(v, "v", 4);
+  const Job job = args.make(qv.dim(1));
+  const Tokens tokens{job.positions, job.documents};
+  reference::Result r;
+  {
+    nb::gil_scoped_release release;
+    r = naive32 ? reference::attention_naive_f32(qv, tokens, kv, vv, tokens, job.strategy.mask,
+                                                 {}, job.strategy.kernel.scale)
+                : reference::attention_f64(qv, tokens, kv, vv, tokens, job.strategy.mask, {},
+                                           job.strategy.kernel.scale);
+  }
+  return nb::make_tuple(numpy_of(std::move(r.o), qv.shape()),
+                        numpy_of(std::move(r.lse), {qv.dim(0), qv.dim(2), qv.dim(1)}));
+}
+
 std::vector<int64_t> layout_positions(const std::string& layout, int64_t tokens, int ranks,
                                       int rank) {
   const LayoutKind kind = parse_named("layout", layout, parse_layout);
@@ -213,6 +241,8 @@ void bind_attention(nb::module_& m) {
   m.def("_data_pointer", [](const ReadArray& a) {
     return reinterpret_cast<uintptr_t>(a.data());
   });
+  m.def("_reference", &reference_forward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("args"), nb::arg("naive32") = false);
   m.def("_layout_positions", &layout_positions, nb::arg("layout"), nb::arg("tokens"),
         nb::arg("ranks"), nb::arg("rank"));
 }
