@@ -1,9 +1,24 @@
 """Shared pieces of the Python tests: random problems, the fp64 PyTorch autograd reference
 (plain softmax attention, written here, independent of ctxpar) and the project's tolerance
 rule: max|ours - fp64| <= 2 * max|naive fp32 - fp64| + 1e-5 * max(1, max|fp64|)."""
+import os
+import shutil
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
+
+MPIRUN = shutil.which("mpirun")
+
+
+def mpirun(ranks, script, *args, timeout=180):
+    """`mpirun -n ranks python script args` as root, oversubscribed, one OpenMP thread."""
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMP_NUM_THREADS="1")
+    cmd = [MPIRUN, "-n", str(ranks), "--oversubscribe", sys.executable, script, *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def problem(B=2, T=32, Hq=4, Hkv=2, D=16, seed=0, dtype=np.float32):
