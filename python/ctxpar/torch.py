@@ -10,6 +10,7 @@ Local tensors are [B, Tl, H, D] (cp_attention) and hold this rank's tokens in la
 (ctxpar.layout.shard). See docs/python.md.
 """
 import contextlib
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -75,27 +76,58 @@ def cp_attention(q_local, k_local, v_local, comm, layout="zigzag", causal=False,
     return (out, lse) if return_lse else out
 
 
-def _sdpa_on(comm, layout, strategy, threads):
-    """F.scaled_dot_product_attention's signature ([B, H, Tl, D]) on cp_attention."""
-
-    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                     is_causal=False, scale=None, enable_gqa=False):
-        if attn_mask is not None:
-            raise ValueError("attn_mask: not supported inside ctxpar's context_parallel (masks "
-                             "come from global positions); use is_causal=True, or "
-                             "ctxpar.torch.cp_attention(mask=...)")
-        if dropout_p != 0.0:
-            raise ValueError(f"dropout_p: ctxpar computes exact attention; got {dropout_p}")
-        # [B, H, Tl, D] -> [B, Tl, H, D]: a strided view, no copy (last dim stays contiguous).
-        out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                           comm, layout=layout, causal=is_causal, strategy=strategy,
-                           threads=threads, scale=scale)
-        return out.transpose(1, 2)
-
-    return scaled_dot_product_attention
-
-
 _MISSING = object()
+# The SDPA patch is process-wide, but blocks may be active on several threads at once (ranks
+# run as threads): the first block in saves and installs the router, the last one out puts the
+# original back, and each thread routes through its own innermost block.
+_patch_lock = threading.Lock()
+_patch = {"depth": 0, "original": _MISSING}
+_blocks = threading.local()
+
+
+def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                  is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention's signature ([B, H, Tl, D]) on cp_attention."""
+    stack = getattr(_blocks, "stack", None)
+    if not stack:  # another thread's block is active, not this thread's
+        original = _patch["original"]
+        if original is _MISSING:
+            raise RuntimeError("scaled_dot_product_attention: this torch has none (torch < 2.0) "
+                               "outside ctxpar's context_parallel block")
+        extra = {} if scale is None else {"scale": scale}
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                        is_causal=is_causal, **extra)
+    comm, layout, strategy, threads = stack[-1]
+    if attn_mask is not None:
+        raise ValueError("attn_mask: not supported inside ctxpar's context_parallel (masks come "
+                         "from global positions); use is_causal=True, or "
+                         "ctxpar.torch.cp_attention(mask=...)")
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p: ctxpar computes exact attention; got {dropout_p}")
+    # [B, H, Tl, D] -> [B, Tl, H, D]: a strided view, no copy (last dim stays contiguous).
+    out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), comm,
+                       layout=layout, causal=is_causal, strategy=strategy, threads=threads,
+                       scale=scale)
+    return out.transpose(1, 2)
+
+
+def _enter_patch():
+    with _patch_lock:
+        if _patch["depth"] == 0:
+            _patch["original"] = getattr(F, "scaled_dot_product_attention", _MISSING)
+            F.scaled_dot_product_attention = _scaled_dot_product_attention
+        _patch["depth"] += 1
+
+
+def _exit_patch():
+    with _patch_lock:
+        _patch["depth"] -= 1
+        if _patch["depth"] == 0:
+            if _patch["original"] is _MISSING:
+                del F.scaled_dot_product_attention
+            else:
+                F.scaled_dot_product_attention = _patch["original"]
+            _patch["original"] = _MISSING
 
 
 @contextlib.contextmanager
@@ -115,17 +147,17 @@ def context_parallel(comm, buffers=(), buffer_seq_dims=(), no_restore_buffers=No
     keep = {id(b) for b in (no_restore_buffers or ())}
     originals = [b.data for b in buffers]
     shards = [_layout.shard(b.data, comm, layout=layout, seq_dim=d) for b, d in zip(buffers, dims)]
-    original_sdpa = getattr(F, "scaled_dot_product_attention", _MISSING)
+    if not hasattr(_blocks, "stack"):
+        _blocks.stack = []
+    _enter_patch()
+    _blocks.stack.append((comm, layout, strategy, threads))
     try:
         for b, s in zip(buffers, shards):
             b.data = s  # in place: the caller's tensor object now holds its shard
-        F.scaled_dot_product_attention = _sdpa_on(comm, layout, strategy, threads)
         yield
     finally:
-        if original_sdpa is _MISSING:
-            del F.scaled_dot_product_attention
-        else:
-            F.scaled_dot_product_attention = original_sdpa
+        _blocks.stack.pop()
+        _exit_patch()
         for b, full in zip(buffers, originals):
             if id(b) not in keep:
                 b.data = full

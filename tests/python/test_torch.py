@@ -187,3 +187,30 @@ def test_layout_shard_and_unshard_round_trip():
 
     for full in run_ranks(4, rank):
         assert np.array_equal(full.numpy(), x)
+
+
+def test_blocks_on_threads_that_overlap_restore_sdpa_once_the_last_one_ends():
+    # Rank 0 enters, rank 1 enters, rank 0 leaves, rank 1 leaves: the original SDPA must come
+    # back after the last exit, and rank 1 must still be routed after rank 0 has left.
+    import threading
+    sdpa_before = getattr(F, "scaled_dot_product_attention", None)
+    step = [threading.Event() for _ in range(3)]
+    x = torch.zeros(1, 2, 8, 16)
+
+    def rank(comm):
+        buf = x.clone()
+        if comm.rank == 0:
+            with context_parallel(comm, buffers=[buf], buffer_seq_dims=[2]):
+                step[0].set()
+                step[1].wait(30)
+            step[2].set()
+            return None
+        step[0].wait(30)
+        with context_parallel(comm, buffers=[buf], buffer_seq_dims=[2]):
+            step[1].set()
+            step[2].wait(30)
+            routed = F.scaled_dot_product_attention.__module__ == "ctxpar.torch"
+        return routed
+
+    assert run_ranks(2, rank)[1]
+    assert getattr(F, "scaled_dot_product_attention", None) is sdpa_before
