@@ -14,7 +14,9 @@ namespace ctxpar::python {
 
 namespace nb = nanobind;
 
-// Read-only inputs (q, k, v, ...) and written outputs (out, lse, dq, ...).
+// Written outputs (out, lse, dq, ...) and read-only inputs (q, k, v, ...: a read-only NumPy
+// array is accepted). Neither constrains dtype or device: view_of checks them, so a mistake
+// gets a message naming the argument instead of nanobind's "incompatible function arguments".
 using Array = nb::ndarray<>;
 using ReadArray = nb::ndarray<nb::ro>;
 
