@@ -44,6 +44,8 @@ def attention(q, k, v, *, ranks=1, strategy="ring", layout="zigzag", mask="none"
         if t.converted:
             raise TypeError("out: not supported with float16 inputs (the result is converted)")
         Tensors({"q": q, "out": out})
+        if t.kind == "numpy" and not out.flags.writeable:
+            raise ValueError("out: the array is read-only")
         check_same_shape("out", out, (B, T, Hq, D), "q's [B, T, Hq, D]")
         result = out.detach() if t.kind == "torch" else out
     else:

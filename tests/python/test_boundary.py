@@ -83,6 +83,15 @@ def test_last_dimension_must_be_contiguous():
         ctxpar.attention(q_t, k, v)
 
 
+def test_read_only_inputs_are_read_and_a_read_only_out_is_refused():
+    q, k, v, _ = problem()
+    for x in (q, k, v):
+        x.flags.writeable = False
+    out, _ = ctxpar.attention(q, k, v)
+    with pytest.raises(ValueError, match="out: the array is read-only"):
+        ctxpar.attention(q, k, v, out=q)
+
+
 def test_backward_checks_lse_and_dout():
     q, k, v, dout = problem()
     out, lse = ctxpar.attention(q, k, v)
