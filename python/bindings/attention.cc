@@ -68,13 +68,26 @@ struct RankTokens {
   std::vector<int32_t> documents;
   Tokens view() const { return Tokens{positions, documents}; }
 };
+// Any T: the layout pads it to its granule (padding tokens get kPaddingPosition, invisible to
+// the kernel in both directions; docs/layouts.md).
 RankTokens rank_tokens(const Job& job, const Layout& layout, int rank) {
   RankTokens t;
-  for (int64_t g : layout.positions(rank)) {
-    t.positions.push_back(job.positions[g]);
-    if (!job.documents.empty()) t.documents.push_back(job.documents[g]);
-  }
+  t.positions = layout.token_positions(rank, job.positions);
+  if (!job.documents.empty()) t.documents = layout.shard(job.documents, rank);
   return t;
+}
+
+// Per-process shards hold Tl tokens each, so T = Tl * P must be a whole number of the layout's
+// units: there is no room for padding in shards the caller already cut.
+Layout shard_layout(LayoutKind kind, int64_t local_tokens, int ranks) {
+  Layout layout(kind, local_tokens * ranks, ranks);
+  if (layout.padding() != 0)
+    throw nb::value_error(detail::concat(
+        "q: ", local_tokens, " tokens per rank x ", ranks, " ranks cannot be cut by the ",
+        layout_name(kind), " layout (it needs T % ", kind == LayoutKind::zigzag ? "2P" : "P",
+        " == 0: an even number of tokens per rank); pad the sequence, or use ctxpar.attention "
+        "on whole tensors, which pads internally").c_str());
+  return layout;
 }
 
 std::vector<TensorView> views(const std::vector<Tensor>& ts) {
@@ -159,7 +172,7 @@ void local_forward(const PyCommunicator& c, const ReadArray& q, const ReadArray&
   const TensorView ov = view_of(out, "out", 4), lv = view_of(lse, "lse", 3);
   const Job job = args.make(qv.dim(1) * comm.size());
   nb::gil_scoped_release release;
-  const Layout layout(job.layout, qv.dim(1) * comm.size(), comm.size());
+  const Layout layout = shard_layout(job.layout, qv.dim(1), comm.size());
   const RankTokens tokens = rank_tokens(job, layout, comm.rank());
   auto strategy = Strategy::create(comm, job.strategy);
   strategy->forward(qv, kv, vv, tokens.view(), ov, lv);
@@ -177,7 +190,7 @@ void local_backward(const PyCommunicator& c, const ReadArray& q, const ReadArray
                    dvv = view_of(dv, "dv", 4);
   const Job job = args.make(qv.dim(1) * comm.size());
   nb::gil_scoped_release release;
-  const Layout layout(job.layout, qv.dim(1) * comm.size(), comm.size());
+  const Layout layout = shard_layout(job.layout, qv.dim(1), comm.size());
   const RankTokens tokens = rank_tokens(job, layout, comm.rank());
   auto strategy = Strategy::create(comm, job.strategy);
   strategy->backward(qv, kv, vv, tokens.view(), ov, lv, gv, dqv, dkv, dvv);
@@ -215,7 +228,14 @@ std::vector<int64_t> layout_positions(const std::string& layout, int64_t tokens,
   const LayoutKind kind = parse_named("layout", layout, parse_layout);
   if (rank < 0 || rank >= ranks)
     throw nb::value_error(detail::concat("rank: ", rank, " is out of range [0, ", ranks, ")").c_str());
-  return Layout(kind, tokens, ranks).positions(rank);
+  const Layout l(kind, tokens, ranks);
+  if (l.padding() != 0)
+    throw nb::value_error(detail::concat(
+        "tokens: ", tokens, " tokens cannot be cut into ", ranks, " equal shards by the ",
+        layout, " layout (it needs T % ", kind == LayoutKind::zigzag ? "2P" : "P",
+        " == 0); pad the sequence to ", l.padded_tokens(),
+        ", or use ctxpar.attention on whole tensors, which pads internally").c_str());
+  return l.positions(rank);
 }
 
 }  // namespace
