@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cstring>
 #include <ctime>
 #include <numeric>
@@ -264,6 +265,19 @@ Tensor unshard_field(const Layout& layout, std::vector<RankData>& all, Tensor Ra
 
 }  // namespace
 
+std::vector<int32_t> dense_document_labels(const std::vector<int64_t>& ids) {
+  std::vector<int64_t> distinct = ids;
+  std::sort(distinct.begin(), distinct.end());
+  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+  CTXPAR_CHECK(distinct.size() <= static_cast<size_t>(INT32_MAX),
+               "--documents: more than 2^31 distinct document ids");
+  std::vector<int32_t> labels(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i)
+    labels[i] = static_cast<int32_t>(std::lower_bound(distinct.begin(), distinct.end(), ids[i]) -
+                                     distinct.begin());
+  return labels;
+}
+
 void validate(const AttentionJob& job) {
   const int64_t T = job.seq, P = job.ranks, Hq = job.heads, Hkv = kv_heads_of(job);
   CTXPAR_CHECK(job.batch >= 1, "--batch must be >= 1, got ", job.batch);
@@ -454,6 +468,7 @@ AttentionResult run_attention_job(const AttentionJob& job) {
     in.out = result.out, in.lse = result.lse;
     if (job.backward) in.dq = result.dq, in.dk = result.dk, in.dv = result.dv;
     in.tokens = Tokens{seq.positions, seq.documents};
+    if (!seq.documents.empty()) in.document_ids = job.document_ids;
     in.mask = job.mask;
     in.dtype = job.dtype;
     if (job.on_step) job.on_step("check");

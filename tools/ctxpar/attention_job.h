@@ -45,7 +45,11 @@ struct AttentionJob {
 
   // User inputs, full and unsharded, [B, T, H, D] (empty: seeded random inputs).
   Tensor q, k, v, dout;
-  std::vector<int32_t> documents;  // per token (empty: from document_lengths, if any)
+  // Per token (empty: from document_lengths, if any). The kernel's ids are int32: a user's
+  // int64 ids (document_ids) become their rank among the distinct ids (dense_document_labels),
+  // which keeps equality and order, so tiles are still skipped by id ranges.
+  std::vector<int32_t> documents;
+  std::vector<int64_t> document_ids;  // the user's --documents ids as given (for --check)
   std::vector<int64_t> positions;  // per token (empty: 0..T-1)
 };
 
@@ -90,6 +94,10 @@ struct AttentionResult {
   double check_seconds = 0;       // wall time of the check itself
   Tensor out, lse, dq, dk, dv;    // full, unsharded, original order (keep_outputs, root only)
 };
+
+// Label of each id = its rank among the distinct ids: equal ids get equal labels, and
+// id_i < id_j exactly when label_i < label_j.
+std::vector<int32_t> dense_document_labels(const std::vector<int64_t>& ids);
 
 // Validates the job (same verdict on every rank), throws ctxpar::Error naming what is wrong
 // and what would work instead.

@@ -160,8 +160,8 @@ AttentionJob job_from(const Options& o) {
     throw UsageError("--do needs --q, --k and --v");
   }
   if (o.given("documents")) {
-    for (int64_t id : read_npy_ints(o.str("documents")))
-      job.documents.push_back(static_cast<int32_t>(id));
+    job.document_ids = read_npy_ints(o.str("documents"));
+    job.documents = dense_document_labels(job.document_ids);
     job.mask.documents = true;
   }
   if (o.given("positions")) job.positions = read_npy_ints(o.str("positions"));
