@@ -6,6 +6,7 @@
 #include "attention_job.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cstdlib>
@@ -310,7 +311,8 @@ void validate(const AttentionJob& job) {
   CTXPAR_CHECK(P >= 1, "--ranks must be >= 1, got ", P);
   CTXPAR_CHECK(job.threads >= 1, "--threads must be >= 1, got ", job.threads);
   CTXPAR_CHECK(job.repeats >= 1, "--repeats must be >= 1, got ", job.repeats);
-  CTXPAR_CHECK(job.timeout_seconds > 0, "--timeout must be > 0 seconds");
+  CTXPAR_CHECK(job.timeout_seconds >= 1e-3, "--timeout must be at least 0.001 seconds (waits are "
+               "counted in milliseconds), got ", job.timeout_seconds);
 
   const int64_t chunks = job.layout == LayoutKind::zigzag ? 2 * P : P;
   if (T % chunks != 0) {
@@ -428,11 +430,17 @@ AttentionResult run_attention_job(const AttentionJob& job) {
     ThreadsOptions options;
     options.link = job.link;
     options.timeout = std::chrono::milliseconds(static_cast<int64_t>(job.timeout_seconds * 1000));
+    std::atomic<bool> started{false};
     try {
-      run_threads(P, [&](Communicator& comm) { run_rank(comm, job, seq, all[comm.rank()]); },
-                  options);
+      run_threads(P, [&](Communicator& comm) {
+        started = true;
+        run_rank(comm, job, seq, all[comm.rank()]);
+      }, options);
     } catch (const Error& e) {
-      throw RankFailure(e.what());  // as under MPI (run_mpi): a run-time failure, exit 1
+      // A rank that failed is a run-time failure (exit 1, as under MPI: run_mpi); run_threads
+      // refusing its arguments before any rank started is not.
+      if (started) throw RankFailure(e.what());
+      throw;
     }
   }
 

@@ -62,6 +62,8 @@ OutFolder::OutFolder(std::string dir) : dir_(std::move(dir)) {
   while (dir_.size() > 1 && dir_.back() == '/') dir_.pop_back();
   if (dir_.empty()) throw UsageError("--out needs a folder name");
   const fs::path p(dir_);
+  if (p.filename() == "." || p.filename() == "..")
+    throw UsageError("--out " + dir_ + ": give the folder by its name (it is replaced as a whole)");
   parent_ = p.has_parent_path() ? p.parent_path().string() : ".";
   check_replaceable(dir_);
   std::error_code ec;
