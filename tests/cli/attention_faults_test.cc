@@ -162,6 +162,10 @@ TEST(CliAttentionFaults, LauncherWithoutMpiIsRefusedWithHowToLaunch) {
     EXPECT_NE(r.err.find("--ranks 2"), std::string::npos) << r.err;
     EXPECT_TRUE(r.out.empty()) << r.out;
   }
+  // bench cp sweeps P itself, in one process.
+  CommandResult b = run_shell("env WORLD_SIZE=2 RANK=0 " + ctxpar_path() + " bench cp --seq 64 --dry-run");
+  EXPECT_EQ(b.exit_code, 2) << b.err;
+  EXPECT_NE(b.err.find("run it once, without a launcher"), std::string::npos) << b.err;
   // One process: a batch script (SLURM_NTASKS without a step), a torchrun of one.
   for (const char* env : {"SLURM_PROCID=0 SLURM_NTASKS=4", "WORLD_SIZE=1 RANK=0"}) {
     CommandResult r = run_shell(std::string("env ") + env + " " + ctxpar_path() + " " + kSmall);
