@@ -6,10 +6,16 @@
 // See docs/kernel.md, "Note [Masks from positions]".
 #pragma once
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <string>
 
 namespace ctxpar {
+
+// The position of a padding token (a Layout pads T up to its granule; see layout.h): whatever
+// the mask, no query sees a padding key and a padding query sees nothing (O = 0, LSE = -inf,
+// no gradient). No real token may have this position.
+inline constexpr int64_t kPaddingPosition = std::numeric_limits<int64_t>::min();
 
 struct Mask {
   bool causal = false;
@@ -23,6 +29,7 @@ struct Mask {
   std::string describe() const;
 
   bool visible(int64_t pos_q, int64_t pos_k, int32_t doc_q = 0, int32_t doc_k = 0) const {
+    if (pos_q == kPaddingPosition || pos_k == kPaddingPosition) return false;
     if (causal && pos_k > pos_q) return false;
     if (window_left >= 0 && pos_q - pos_k > window_left) return false;
     if (window_right >= 0 && pos_k - pos_q > window_right) return false;
@@ -57,7 +64,7 @@ Mask parse_mask(const std::string& text);
 // The global identity of a block's tokens: a position per token (int64) and, when documents are
 // used, a document id per token. Both have T entries (shared by every batch row). Positions
 // need not be sorted (after a Ulysses all-to-all of a zigzag shard they are not): the kernel
-// reads a tile's range as the min and max of its positions.
+// reads a tile's range as the min and max of its positions, padding (kPaddingPosition) left out.
 struct Tokens {
   std::span<const int64_t> positions;
   std::span<const int32_t> documents;  // empty unless the mask uses documents

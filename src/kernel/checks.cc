@@ -125,16 +125,25 @@ TileRanges tile_ranges(const Tokens& tokens, int64_t n, int64_t tile, bool docum
   TileRanges r;
   r.tile = tile;
   const int64_t count = (n + tile - 1) / tile;
-  r.pos_lo.resize(count), r.pos_hi.resize(count);
+  r.pos_lo.assign(count, 0), r.pos_hi.assign(count, 0);
   r.doc_lo.assign(count, 0), r.doc_hi.assign(count, 0);
+  r.padding.assign(count, TileRanges::none);
   for (int64_t t = 0; t < count; ++t) {
     const int64_t a = t * tile, b = std::min(n, a + tile);
-    auto [lo, hi] = std::minmax_element(tokens.positions.begin() + a, tokens.positions.begin() + b);
-    r.pos_lo[t] = *lo, r.pos_hi[t] = *hi;
-    if (documents) {
-      auto [dl, dh] = std::minmax_element(tokens.documents.begin() + a, tokens.documents.begin() + b);
-      r.doc_lo[t] = *dl, r.doc_hi[t] = *dh;
+    int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
+    int32_t dl = std::numeric_limits<int32_t>::max(), dh = std::numeric_limits<int32_t>::min();
+    int64_t real = 0;
+    for (int64_t i = a; i < b; ++i) {
+      const int64_t pos = tokens.positions[i];
+      if (pos == kPaddingPosition) continue;
+      ++real;
+      lo = std::min(lo, pos), hi = std::max(hi, pos);
+      if (documents) dl = std::min(dl, tokens.documents[i]), dh = std::max(dh, tokens.documents[i]);
     }
+    r.padding[t] = real == b - a ? TileRanges::none : real == 0 ? TileRanges::all : TileRanges::some;
+    if (real == 0) continue;  // all padding: classify() skips it, the ranges are never read
+    r.pos_lo[t] = lo, r.pos_hi[t] = hi;
+    if (documents) r.doc_lo[t] = dl, r.doc_hi[t] = dh;
   }
   return r;
 }

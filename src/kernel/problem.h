@@ -45,8 +45,10 @@ void check_finite(const char* name, const TensorView& t);
 // The position / document range of each tile of `tile` consecutive tokens. Positions need not
 // be sorted, so a range is the min and max over the tile.
 struct TileRanges {
-  std::vector<int64_t> pos_lo, pos_hi;
+  enum Padding : uint8_t { none, some, all };  // padding tokens (kPaddingPosition) in the tile
+  std::vector<int64_t> pos_lo, pos_hi;         // over the tile's real tokens
   std::vector<int32_t> doc_lo, doc_hi;
+  std::vector<Padding> padding;
   int64_t tile = 0;
   int64_t count() const { return static_cast<int64_t>(pos_lo.size()); }
 };
@@ -56,6 +58,7 @@ TileRanges tile_ranges(const Tokens& tokens, int64_t n, int64_t tile, bool docum
 enum class TileKind { skip, full, partial };
 inline TileKind classify(const Mask& mask, const TileRanges& qr, int64_t qi,
                          const TileRanges& kr, int64_t kj) {
+  if (qr.padding[qi] == TileRanges::all || kr.padding[kj] == TileRanges::all) return TileKind::skip;
   int32_t dql = 0, dqh = 0, dkl = 0, dkh = 0;
   if (mask.documents) {
     dql = qr.doc_lo[qi], dqh = qr.doc_hi[qi], dkl = kr.doc_lo[kj], dkh = kr.doc_hi[kj];
@@ -63,8 +66,9 @@ inline TileKind classify(const Mask& mask, const TileRanges& qr, int64_t qi,
   if (mask.tile_masked(qr.pos_lo[qi], qr.pos_hi[qi], kr.pos_lo[kj], kr.pos_hi[kj], dql, dqh,
                        dkl, dkh))
     return TileKind::skip;
-  if (mask.tile_full(qr.pos_lo[qi], qr.pos_hi[qi], kr.pos_lo[kj], kr.pos_hi[kj], dql, dqh, dkl,
-                     dkh))
+  const bool padded = qr.padding[qi] != TileRanges::none || kr.padding[kj] != TileRanges::none;
+  if (!padded && mask.tile_full(qr.pos_lo[qi], qr.pos_hi[qi], kr.pos_lo[kj], kr.pos_hi[kj], dql,
+                                dqh, dkl, dkh))
     return TileKind::full;
   return TileKind::partial;
 }

@@ -151,9 +151,13 @@ inline void mask_tile(float* s, int64_t rows, int64_t cols, bool partial, const 
     if (partial) {
       const int64_t pq = q_tokens.positions[i0 + r];
       const int32_t dq = docs ? q_tokens.documents[i0 + r] : 0;
+      if (pq == kPaddingPosition) {  // a padding query sees nothing
+        std::fill(sr, sr + kTile, kNegInf);
+        continue;
+      }
       for (int64_t c = 0; c < cols; ++c) {
-        bool seen = (!causal || kp[c] <= pq) && (wl < 0 || pq - kp[c] <= wl) &&
-                    (wr < 0 || kp[c] - pq <= wr);
+        bool seen = kp[c] != kPaddingPosition && (!causal || kp[c] <= pq) &&
+                    (wl < 0 || pq - kp[c] <= wl) && (wr < 0 || kp[c] - pq <= wr);
         if (docs) seen = seen && kd[c] == dq;
         sr[c] = seen ? sr[c] : kNegInf;
       }

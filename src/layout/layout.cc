@@ -1,6 +1,8 @@
 // Token -> rank maps. See docs/layouts.md.
 #include "ctxpar/layout.h"
 
+#include <algorithm>
+#include <limits>
 #include <utility>
 
 #include "ctxpar/error.h"
@@ -25,7 +27,7 @@ LayoutKind parse_layout(const std::string& name) {
 
 namespace {
 
-// Tokens per "unit" the layout cuts the sequence into: T must be a multiple of it.
+// Tokens per "unit" the layout cuts the sequence into: T is padded up to a multiple of it.
 int64_t granule(LayoutKind kind, int ranks) {
   return kind == LayoutKind::zigzag ? 2 * int64_t(ranks) : int64_t(ranks);
 }
@@ -66,16 +68,11 @@ void check_token_dim(const TensorView& t, int token_dim, int64_t expected, const
 Layout::Layout(LayoutKind kind, int64_t tokens, int ranks)
     : kind_(kind), tokens_(tokens), ranks_(ranks) {
   CTXPAR_CHECK(ranks >= 1, "layout: ranks must be >= 1, got ", ranks);
+  CTXPAR_CHECK(tokens >= 1, "layout: the sequence needs at least one token, got T = ", tokens);
   const int64_t g = granule(kind, ranks);
-  const char* rule = kind == LayoutKind::zigzag ? "T % 2P == 0" : "T % P == 0";
-  if (tokens <= 0 || tokens % g != 0) {
-    const int64_t below = tokens / g * g, above = (tokens / g + 1) * g;
-    std::string hint = below > 0 ? "use T = " + std::to_string(below) + " or " +
-                                       std::to_string(above)
-                                 : "use T = " + std::to_string(above);
-    throw Error(detail::concat(layout_name(kind), " layout needs ", rule, ": T = ", tokens,
-                               ", P = ", ranks, "; ", hint));
-  }
+  CTXPAR_CHECK(tokens <= std::numeric_limits<int64_t>::max() - g, "layout: T = ", tokens,
+               " is too large");
+  padded_ = (tokens + g - 1) / g * g;
 }
 
 std::vector<int64_t> Layout::positions(int rank) const {
@@ -83,17 +80,26 @@ std::vector<int64_t> Layout::positions(int rank) const {
                ")");
   std::vector<int64_t> out;
   out.reserve(local_tokens());
-  for (auto [b, e] : runs(kind_, tokens_, ranks_, rank))
+  for (auto [b, e] : runs(kind_, padded_, ranks_, rank))
     for (int64_t t = b; t < e; ++t) out.push_back(t);
   return out;
 }
 
+std::vector<int64_t> Layout::token_positions(int rank, std::span<const int64_t> given) const {
+  CTXPAR_CHECK(given.empty() || static_cast<int64_t>(given.size()) == tokens_,
+               "layout: ", given.size(), " positions for T = ", tokens_, " tokens");
+  std::vector<int64_t> out = positions(rank);
+  for (int64_t& t : out)
+    t = is_padding(t) ? kPaddingPosition : given.empty() ? t : given[static_cast<size_t>(t)];
+  return out;
+}
+
 int Layout::owner(int64_t t) const {
-  CTXPAR_CHECK(t >= 0 && t < tokens_, "layout: token ", t, " out of range [0, ", tokens_, ")");
+  CTXPAR_CHECK(t >= 0 && t < padded_, "layout: token ", t, " out of range [0, ", padded_, ")");
   switch (kind_) {
     case LayoutKind::contiguous: return static_cast<int>(t / local_tokens());
     case LayoutKind::zigzag: {
-      const int64_t chunk = t / (tokens_ / (2 * int64_t(ranks_)));
+      const int64_t chunk = t / (padded_ / (2 * int64_t(ranks_)));
       return static_cast<int>(chunk < ranks_ ? chunk : 2 * int64_t(ranks_) - 1 - chunk);
     }
     case LayoutKind::striped: return static_cast<int>(t % ranks_);
@@ -106,7 +112,7 @@ int64_t Layout::local_index(int64_t t) const {
   switch (kind_) {
     case LayoutKind::contiguous: return t - r * local_tokens();
     case LayoutKind::zigzag: {
-      const int64_t c = tokens_ / (2 * int64_t(ranks_));
+      const int64_t c = padded_ / (2 * int64_t(ranks_));
       return t / c < ranks_ ? t - r * c : c + t - (2 * int64_t(ranks_) - 1 - r) * c;
     }
     case LayoutKind::striped: return t / ranks_;
@@ -114,16 +120,20 @@ int64_t Layout::local_index(int64_t t) const {
   return 0;
 }
 
+// The part of run [b, e) that holds real tokens: [b, min(e, T)).
 Tensor Layout::shard(const TensorView& full, int rank, int token_dim) const {
   check_token_dim(full, token_dim, tokens_, "layout shard: full");
   CTXPAR_CHECK(rank >= 0 && rank < ranks_, "layout shard: rank ", rank, " out of range [0, ",
                ranks_, ")");
   Shape shape = full.shape();
   shape[token_dim] = local_tokens();
-  Tensor out(full.dtype(), shape);
+  Tensor out(full.dtype(), shape);  // zero-filled: padding rows stay zero
   int64_t i = 0;
-  for (auto [b, e] : runs(kind_, tokens_, ranks_, rank)) {
-    copy_into(full.slice(token_dim, b, e), out.view().slice(token_dim, i, i + (e - b)));
+  for (auto [b, e] : runs(kind_, padded_, ranks_, rank)) {
+    const int64_t real_end = std::min(e, tokens_);
+    if (real_end > b)
+      copy_into(full.slice(token_dim, b, real_end),
+                out.view().slice(token_dim, i, i + (real_end - b)));
     i += e - b;
   }
   return out;
@@ -140,8 +150,11 @@ void Layout::unshard(const std::vector<TensorView>& shards, const TensorView& fu
     CTXPAR_CHECK(shards[r].shape() == want, "layout unshard: shard ", r, " has shape ",
                  shape_str(shards[r].shape()), ", expected ", shape_str(want));
     int64_t i = 0;
-    for (auto [b, e] : runs(kind_, tokens_, ranks_, r)) {
-      copy_into(shards[r].slice(token_dim, i, i + (e - b)), full.slice(token_dim, b, e));
+    for (auto [b, e] : runs(kind_, padded_, ranks_, r)) {
+      const int64_t real_end = std::min(e, tokens_);
+      if (real_end > b)
+        copy_into(shards[r].slice(token_dim, i, i + (real_end - b)),
+                  full.slice(token_dim, b, real_end));
       i += e - b;
     }
   }

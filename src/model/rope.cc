@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "ctxpar/error.h"
+#include "ctxpar/mask.h"
 #include "model/layers.h"
 
 namespace ctxpar::model {
@@ -19,7 +20,9 @@ RopeTable rope_table(const std::vector<int64_t>& positions, int64_t head_dim, do
   for (int64_t i = 0; i < t.tokens; ++i)
     for (int64_t k = 0; k < t.half; ++k) {
       const double theta = std::pow(base, -2.0 * double(k) / double(head_dim));
-      const double a = double(positions[i]) * theta;
+      // A padding token (layouts pad T to their granule) sees and is seen by nothing; its
+      // rotation is irrelevant, so it gets angle 0 rather than one from a sentinel position.
+      const double a = positions[i] == kPaddingPosition ? 0.0 : double(positions[i]) * theta;
       t.cos[i * t.half + k] = static_cast<float>(std::cos(a));
       t.sin[i * t.half + k] = static_cast<float>(std::sin(a));
     }

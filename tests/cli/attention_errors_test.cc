@@ -6,6 +6,8 @@
 #include <string>
 
 #include "cli/cli_support.h"
+#include "ctxpar/mask.h"
+#include "ctxpar/npy.h"
 
 namespace ctxpar::test {
 namespace {
@@ -17,8 +19,6 @@ struct Refusal {
 
 TEST(CliAttentionErrors, InvalidCombinationsExit2WithWhatWouldWork) {
   const Refusal cases[] = {
-      {"--seq 1000 --ranks 3 --layout zigzag", {"T % 2P == 0", "--seq 996 or 1002"}},
-      {"--seq 1000 --ranks 3", {"T % P == 0", "--seq 999 or 1002"}},
       {"--seq 64 --heads 6 --ranks 4 --strategy ulysses",
        {"--heads (6) divisible by 4", "--heads 8", "--strategy ring", "--ulysses-degree 2"}},
       {"--seq 64 --heads 8 --ranks 4 --strategy hybrid --ulysses-degree 3",
@@ -58,6 +58,21 @@ TEST(CliAttentionErrors, MalformedInputFileIsOneLineAndExit2) {
   EXPECT_NE(r.err.find(bad), std::string::npos) << r.err;
   EXPECT_EQ(r.err.find("ctxpar attention: error: "), 0u) << r.err;
   EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << "one line, got:\n" << r.err;
+}
+
+// INT64_MIN marks padding tokens (docs/layouts.md); a user position equal to it is refused
+// rather than silently treated as padding.
+TEST(CliAttentionErrors, PaddingPositionIsReserved) {
+  const std::string dir = temp_dir("padpos");
+  std::vector<int64_t> pos(16);
+  for (int64_t i = 0; i < 16; ++i) pos[i] = i;
+  pos[5] = kPaddingPosition;
+  write_npy(dir + "/pos.npy", std::span<const int64_t>(pos));
+  CommandResult r = run_ctxpar("attention --seq 16 --heads 2 --head-dim 16 --ranks 2 --positions " +
+                               dir + "/pos.npy");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("token 5"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("marks padding"), std::string::npos) << r.err;
 }
 
 }  // namespace

@@ -148,7 +148,7 @@ TEST(CliAttentionFaults, FailingRankExits1AndBadUsageExits2) {
   CommandResult r = run_shell("CTXPAR_FAULT_RANK=1 " + ctxpar_path() + " " + kSmall + "--ranks 2");
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("rank 1 failed: injected fault"), std::string::npos) << r.err;
-  r = run_ctxpar(std::string(kSmall) + "--ranks 3");
+  r = run_ctxpar(std::string(kSmall) + "--head-dim 8");
   EXPECT_EQ(r.exit_code, 2) << r.err;
 }
 

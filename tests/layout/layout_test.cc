@@ -107,24 +107,57 @@ TEST(Layout, ShardUnshardRoundTripsTensorsAndArrays) {
     }
 }
 
-TEST(Layout, NonDivisibleSizesNameTheRuleAndSuggestLengths) {
-  try {
-    Layout(LayoutKind::zigzag, 1000, 3);
-    FAIL() << "expected ctxpar::Error";
-  } catch (const Error& e) {
-    std::string m = e.what();
-    EXPECT_NE(m.find("T % 2P == 0"), std::string::npos) << m;
-    EXPECT_NE(m.find("996"), std::string::npos) << m;
-    EXPECT_NE(m.find("1002"), std::string::npos) << m;
-  }
-  try {
-    Layout(LayoutKind::striped, 10, 4);
-    FAIL() << "expected ctxpar::Error";
-  } catch (const Error& e) {
-    std::string m = e.what();
-    EXPECT_NE(m.find("T % P == 0"), std::string::npos) << m;
-    EXPECT_NE(m.find("8 or 12"), std::string::npos) << m;
-  }
+// Any T: the layout pads to its granule (P, or 2P for zigzag) with tokens at the end. Checked
+// against the definitions on the padded length, and against the full tensors: shard fills
+// padding rows with zeros, unshard drops them, token_positions marks them kPaddingPosition.
+TEST(Layout, PadsAnyLengthToItsGranule) {
+  for (LayoutKind kind : kKinds)
+    for (int p : {1, 2, 3, 4})
+      for (int64_t t : {1, 5, 23, 24, 25}) {
+        const int64_t g = kind == LayoutKind::zigzag ? 2 * p : p;
+        const int64_t tp = (t + g - 1) / g * g;
+        const std::string what = std::string(layout_name(kind)) + " P=" + std::to_string(p) +
+                                 " T=" + std::to_string(t);
+        Layout layout(kind, t, p);
+        ASSERT_EQ(layout.tokens(), t) << what;
+        ASSERT_EQ(layout.padded_tokens(), tp) << what;
+        ASSERT_EQ(layout.local_tokens(), tp / p) << what;
+        Tensor full(DType::f32, {2, t, 3, 4});
+        fill_normal(full, 11);
+        std::vector<int64_t> user_pos(t);
+        for (int64_t i = 0; i < t; ++i) user_pos[i] = 1000 - 3 * i;  // any positions
+        std::vector<Tensor> shards;
+        std::vector<TensorView> views;
+        std::vector<int> seen(tp, 0);
+        for (int r = 0; r < p; ++r) {
+          shards.push_back(layout.shard(full, r));
+          views.push_back(shards.back());
+          const std::vector<int64_t> idx = layout.positions(r);
+          const std::vector<int64_t> pos = layout.token_positions(r, user_pos);
+          ASSERT_EQ(static_cast<int64_t>(idx.size()), tp / p) << what;
+          for (size_t i = 0; i < idx.size(); ++i) {
+            ++seen[idx[i]];
+            EXPECT_EQ(owner_by_definition(kind, idx[i], tp, p), r) << what;
+            const bool padding = idx[i] >= t;
+            EXPECT_EQ(layout.is_padding(idx[i]), padding) << what;
+            EXPECT_EQ(pos[i], padding ? kPaddingPosition : user_pos[idx[i]]) << what;
+            for (int64_t b = 0; b < 2; ++b)
+              for (int64_t h = 0; h < 3; ++h)
+                EXPECT_EQ(shards[r].view().get(b, i, h, 0),
+                          padding ? 0.0f : full.view().get(b, idx[i], h, 0))
+                    << what;
+          }
+          const std::vector<int32_t> ids = layout.shard(std::vector<int32_t>(t, 7), r, -1);
+          for (size_t i = 0; i < idx.size(); ++i) EXPECT_EQ(ids[i], idx[i] >= t ? -1 : 7) << what;
+        }
+        for (int64_t i = 0; i < tp; ++i) EXPECT_EQ(seen[i], 1) << what << " token " << i;
+        Tensor back(DType::f32, {2, t, 3, 4});
+        layout.unshard(views, back);
+        EXPECT_EQ(std::memcmp(back.data(), full.data(), full.bytes()), 0) << what;
+      }
+}
+
+TEST(Layout, BadArgumentsNameTheProblem) {
   EXPECT_THROW(Layout(LayoutKind::contiguous, 0, 2), Error);
   EXPECT_THROW(Layout(LayoutKind::contiguous, 8, 0), Error);
   EXPECT_THROW(parse_layout("zig-zag"), Error);

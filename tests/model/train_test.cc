@@ -114,6 +114,30 @@ struct CpCase {
   int ulysses_degree = 0;
 };
 
+// Any --seq: 61 tokens divide by no granule here; the layout pads, padding tokens carry no
+// input, label or loss, and attention ignores them: the losses are those of one rank (same
+// rule as below).
+TEST(ContextParallelAnyLength, PaddedSequenceSameLossesAsOneRank) {
+  TrainConfig c = tiny_config();
+  c.seq = 61;
+  c.copy_len = 12;
+  c.steps = 8;
+  const RunOut single = run(c, 1);
+  for (CpCase cs : {CpCase{4, StrategyKind::ring, LayoutKind::zigzag},
+                    CpCase{3, StrategyKind::allgather, LayoutKind::striped},
+                    CpCase{2, StrategyKind::ulysses, LayoutKind::contiguous}}) {
+    TrainConfig m = c;
+    m.cp = cs.cp;
+    m.strategy = cs.strategy;
+    m.layout = cs.layout;
+    const RunOut multi = run(m, cs.cp);
+    ASSERT_EQ(multi.losses.size(), single.losses.size());
+    for (size_t s = 0; s < single.losses.size(); ++s)
+      EXPECT_LE(std::fabs(multi.losses[s] - single.losses[s]), 1e-4 * std::fabs(single.losses[s]))
+          << strategy_name(cs.strategy) << " cp " << cs.cp << " step " << s + 1;
+  }
+}
+
 class ContextParallel : public ::testing::TestWithParam<CpCase> {};
 
 TEST_P(ContextParallel, SameLossesAndWeightsAsOneRank) {

@@ -46,7 +46,7 @@ RunResult run_sharded(const Problem& pr, int ranks, LayoutKind layout_kind,
     x.k = layout.shard(pr.k, r);
     x.v = layout.shard(pr.v, r);
     x.dout = Tensor::copy_of(layout.shard(pr.dout, r), pr.out_dtype);
-    x.positions = layout.positions(r);
+    x.positions = layout.token_positions(r, pr.positions);  // padding: kPaddingPosition
     if (options.mask.documents) x.documents = layout.shard(pr.documents, r);
     x.o = Tensor(pr.out_dtype, {pr.batch, tl, pr.hq, pr.d});
     x.lse = Tensor(DType::f32, {pr.batch, pr.hq, tl});

@@ -39,12 +39,15 @@ uint64_t token_seed(uint64_t seed, int which, int64_t b, int64_t t) {
   return z ^ (z >> 31);
 }
 
-// shard [B, Tl, H, D]: row i is global token index[i], drawn from its own seed.
-void fill_shard(const TensorView& shard, const std::vector<int64_t>& index, uint64_t seed,
-                int which) {
+// shard [B, Tl, H, D]: row i is global token index[i], drawn from its own seed; padding rows
+// (index >= the layout's T) stay zero.
+void fill_shard(const TensorView& shard, const Layout& layout, const std::vector<int64_t>& index,
+                uint64_t seed, int which) {
   for (int64_t b = 0; b < shard.dim(0); ++b)
     for (size_t i = 0; i < index.size(); ++i)
-      fill_normal(shard.slice(0, b, b + 1).slice(1, i, i + 1), token_seed(seed, which, b, index[i]));
+      if (!layout.is_padding(index[i]))
+        fill_normal(shard.slice(0, b, b + 1).slice(1, i, i + 1),
+                    token_seed(seed, which, b, index[i]));
 }
 
 // One rank's tensors and measurements. Under threads, rank r's thread fills all_data[r].
@@ -96,25 +99,30 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
   const std::vector<int64_t> index = layout.positions(r);
   const int64_t B = job.batch, Tl = layout.local_tokens(), Hq = job.heads;
   const int64_t Hkv = kv_heads_of(job), D = job.head_dim;
-  rd.tokens = Tl;
-  for (int64_t t : index) {
-    rd.positions.push_back(seq.positions[t]);
-    if (!seq.documents.empty()) rd.documents.push_back(seq.documents[t]);
-  }
+  rd.tokens = std::count_if(index.begin(), index.end(),
+                            [&](int64_t t) { return !layout.is_padding(t); });
+  rd.positions = layout.token_positions(r, seq.positions);
+  if (!seq.documents.empty()) rd.documents = layout.shard(seq.documents, r);
   auto input = [&](const Tensor& given, const InputFile& file, int64_t heads, int which) {
     if (!given.empty()) return Tensor::copy_of(layout.shard(given, r), job.dtype);
     if (file.given()) {
-      // Read as fp32 and then stored as job.dtype: the same rounding as a whole-file read.
-      Tensor rows = read_npy_rows(file.path, file.heads_first ? 2 : 1, index, DType::f32,
+      // The real tokens' rows (padding, indices >= T, ends the increasing index), read as fp32
+      // and then stored as job.dtype: the same rounding as a whole-file read. Padding rows
+      // stay zero, as layout.shard leaves them.
+      const std::vector<int64_t> real(index.begin(), index.begin() + rd.tokens);
+      Tensor rows = read_npy_rows(file.path, file.heads_first ? 2 : 1, real, DType::f32,
                                   &rd.input_bytes_read);
-      if (!file.heads_first) return Tensor::copy_of(rows, job.dtype);
-      const Shape s = rows.shape();  // [B, H, Tl, D] -> [B, Tl, H, D]
-      TensorView swapped(rows.data(), rows.dtype(), {s[0], s[2], s[1], s[3]},
-                         {s[1] * s[2] * s[3], s[3], s[2] * s[3], 1});
-      return Tensor::copy_of(swapped, job.dtype);
+      const Shape s = rows.shape();  // [B, H, T_real, D] -> [B, T_real, H, D] when heads first
+      const TensorView rows_bthd =
+          file.heads_first ? TensorView(rows.data(), rows.dtype(), {s[0], s[2], s[1], s[3]},
+                                        {s[1] * s[2] * s[3], s[3], s[2] * s[3], 1})
+                           : rows.view();
+      Tensor t(job.dtype, {B, Tl, heads, D});
+      copy_into(rows_bthd, t.view().slice(1, 0, rd.tokens));
+      return t;
     }
     Tensor t(job.dtype, {B, Tl, heads, D});
-    fill_shard(t, index, job.seed, which);
+    fill_shard(t, layout, index, job.seed, which);
     return t;
   };
   rd.q = input(job.q, job.q_file, Hq, 0);
@@ -314,15 +322,7 @@ void validate(const AttentionJob& job) {
   CTXPAR_CHECK(job.timeout_seconds >= 1e-3, "--timeout must be at least 0.001 seconds (waits are "
                "counted in milliseconds), got ", job.timeout_seconds);
 
-  const int64_t chunks = job.layout == LayoutKind::zigzag ? 2 * P : P;
-  if (T % chunks != 0) {
-    const int64_t lo = T / chunks * chunks, hi = lo + chunks;
-    throw Error(detail::concat(
-        layout_name(job.layout), " layout needs --seq divisible by ",
-        job.layout == LayoutKind::zigzag ? "2 x --ranks (T % 2P == 0)" : "--ranks (T % P == 0)",
-        ": T = ", T, ", P = ", P, "; use --seq ", lo > 0 ? std::to_string(lo) + " or " : "", hi,
-        job.layout == LayoutKind::zigzag && T % P == 0 ? ", or --layout contiguous|striped" : ""));
-  }
+  // Any --seq works: the layout pads it to its granule (docs/layouts.md, "Padding").
 
   const bool uses_ulysses =
       job.strategy == StrategyKind::ulysses || job.strategy == StrategyKind::hybrid;
@@ -379,6 +379,9 @@ void validate(const AttentionJob& job) {
                "--documents: ", job.documents.size(), " ids for ", T, " tokens");
   CTXPAR_CHECK(job.positions.empty() || static_cast<int64_t>(job.positions.size()) == T,
                "--positions: ", job.positions.size(), " positions for ", T, " tokens");
+  for (size_t i = 0; i < job.positions.size(); ++i)
+    CTXPAR_CHECK(job.positions[i] != kPaddingPosition, "--positions: token ", i, " has position ",
+                 kPaddingPosition, " (INT64_MIN), which marks padding; use any other value");
 
   // Tensors given by a library caller, or files (shape from the header) by the command.
   struct Input {
