@@ -11,6 +11,8 @@
 #include <mpi.h>
 
 #include <climits>
+#include <condition_variable>
+#include <mutex>
 #include <cstdio>
 #include <cstdlib>
 #include <thread>
@@ -315,6 +317,47 @@ class MpiCommunicator final : public PointToPointCommunicator {
 
 MpiCommunicator* g_world = nullptr;
 
+// MPI_Init waits for every process of the job to start MPI; one that exited without it (an
+// MPMD line whose other program is not an MPI one, a crash before main) leaves it waiting
+// forever, and OpenMPI 4.1 has no setting that bounds that wait (pmix_base_exchange_timeout
+// does not; mpirun --timeout bounds the whole job). So MPI_Init runs under a watchdog.
+void init_mpi_with_watchdog() {
+  double limit = 120;
+  if (const char* env = std::getenv("CTXPAR_MPI_INIT_TIMEOUT")) {
+    char* end = nullptr;
+    const double v = std::strtod(env, &end);
+    if (end != env && *end == '\0' && v > 0) limit = v;
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::thread watchdog([&] {
+    std::unique_lock lock(mu);
+    if (cv.wait_for(lock, std::chrono::duration<double>(limit), [&] { return done; })) return;
+    std::fprintf(stderr,
+                 "ctxpar: MPI_Init has not returned after %g s: a process of this mpirun job "
+                 "exited or hangs without initialising MPI (every program on the mpirun line "
+                 "must be ctxpar, started with the same options); CTXPAR_MPI_INIT_TIMEOUT=s "
+                 "waits longer\n",
+                 limit);
+    std::fflush(stderr);
+    std::_Exit(1);
+  });
+  int provided = 0;
+  // FUNNELED: only the thread that initialised MPI calls it (ranks' compute may use
+  // OpenMP threads, but communication stays on the main thread).
+  const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+  {
+    std::lock_guard lock(mu);
+    done = true;
+  }
+  cv.notify_all();
+  watchdog.join();
+  if (rc != MPI_SUCCESS) throw Error("mpi_world: MPI_Init_thread failed: " + mpi_error_string(rc));
+  CTXPAR_CHECK(provided >= MPI_THREAD_FUNNELED,
+               "mpi_world: this MPI does not provide MPI_THREAD_FUNNELED");
+}
+
 void finalize_at_exit() {
   if (mpi_finalized()) return;
   // Sends nobody received: let MPI forget them; their buffers are deliberately leaked, as
@@ -339,13 +382,7 @@ Communicator& mpi_world() {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {
-    int provided = 0;
-    // FUNNELED: only the thread that initialised MPI calls it (ranks' compute may use
-    // OpenMP threads, but communication stays on the main thread).
-    const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
-    if (rc != MPI_SUCCESS) throw Error("mpi_world: MPI_Init_thread failed: " + mpi_error_string(rc));
-    CTXPAR_CHECK(provided >= MPI_THREAD_FUNNELED,
-                 "mpi_world: this MPI does not provide MPI_THREAD_FUNNELED");
+    init_mpi_with_watchdog();
     std::atexit(finalize_at_exit);
   }
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
@@ -381,10 +418,14 @@ void run_mpi(const std::function<void(Communicator&)>& fn) {
   std::fprintf(stderr, "ctxpar: rank %d failed: %s\n", comm_detail::world_rank_now(),
                error.c_str());
   std::fflush(stderr);
+  abort_mpi_job(1);
+  std::exit(1);
+}
+
+void abort_mpi_job(int code) {
   int initialized = 0;
   MPI_Initialized(&initialized);
-  if (initialized && !comm_detail::mpi_finalized()) MPI_Abort(MPI_COMM_WORLD, 1);
-  std::exit(1);
+  if (initialized && !comm_detail::mpi_finalized()) MPI_Abort(MPI_COMM_WORLD, code);
 }
 
 }  // namespace ctxpar
