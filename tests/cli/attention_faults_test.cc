@@ -166,6 +166,12 @@ TEST(CliAttentionFaults, LauncherWithoutMpiIsRefusedWithHowToLaunch) {
   CommandResult b = run_shell("env WORLD_SIZE=2 RANK=0 " + ctxpar_path() + " bench cp --seq 64 --dry-run");
   EXPECT_EQ(b.exit_code, 2) << b.err;
   EXPECT_NE(b.err.find("run it once, without a launcher"), std::string::npos) << b.err;
+  // train: the same refusal (each copy would train alone), before any work.
+  CommandResult t = run_shell("env WORLD_SIZE=4 RANK=0 LOCAL_RANK=0 " + ctxpar_path() +
+                              " train --seq 64 --steps 1");
+  EXPECT_EQ(t.exit_code, 2) << t.err;
+  EXPECT_NE(t.err.find("mpirun -n 4 ctxpar train"), std::string::npos) << t.err;
+  EXPECT_TRUE(t.out.empty()) << t.out;
   // One process: a batch script (SLURM_NTASKS without a step), a torchrun of one.
   for (const char* env : {"SLURM_PROCID=0 SLURM_NTASKS=4", "WORLD_SIZE=1 RANK=0"}) {
     CommandResult r = run_shell(std::string("env ") + env + " " + ctxpar_path() + " " + kSmall);

@@ -305,6 +305,20 @@ std::vector<int32_t> dense_document_labels(const std::vector<int64_t>& ids) {
   return labels;
 }
 
+void run_rank_threads(int ranks, const std::function<void(Communicator&)>& fn,
+                      const ThreadsOptions& options) {
+  std::atomic<bool> started{false};
+  try {
+    run_threads(ranks, [&](Communicator& comm) {
+      started = true;
+      fn(comm);
+    }, options);
+  } catch (const Error& e) {
+    if (started) throw RankFailure(e.what());
+    throw;
+  }
+}
+
 void validate(const AttentionJob& job) {
   const int64_t T = job.seq, P = job.ranks, Hq = job.heads, Hkv = kv_heads_of(job);
   CTXPAR_CHECK(job.batch >= 1, "--batch must be >= 1, got ", job.batch);
@@ -433,18 +447,8 @@ AttentionResult run_attention_job(const AttentionJob& job) {
     ThreadsOptions options;
     options.link = job.link;
     options.timeout = std::chrono::milliseconds(static_cast<int64_t>(job.timeout_seconds * 1000));
-    std::atomic<bool> started{false};
-    try {
-      run_threads(P, [&](Communicator& comm) {
-        started = true;
-        run_rank(comm, job, seq, all[comm.rank()]);
-      }, options);
-    } catch (const Error& e) {
-      // A rank that failed is a run-time failure (exit 1, as under MPI: run_mpi); run_threads
-      // refusing its arguments before any rank started is not.
-      if (started) throw RankFailure(e.what());
-      throw;
-    }
+    run_rank_threads(P, [&](Communicator& comm) { run_rank(comm, job, seq, all[comm.rank()]); },
+                     options);
   }
 
   const int fwd = fastest_repeat(all, false);

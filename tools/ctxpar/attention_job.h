@@ -26,6 +26,12 @@ class RankFailure : public std::runtime_error {
   explicit RankFailure(const std::string& what) : std::runtime_error(what) {}
 };
 
+// run_threads for a command: a rank that fails once the ranks run becomes a RankFailure (exit
+// 1, as under MPI), while run_threads refusing its arguments before any rank starts stays a
+// ctxpar::Error (exit 2).
+void run_rank_threads(int ranks, const std::function<void(Communicator&)>& fn,
+                      const ThreadsOptions& options = {});
+
 // A user's .npy input, read by each rank for its own token rows only (read_npy_rows): memory
 // and bytes read per rank are those of its shard, T/P of the file.
 struct InputFile {

@@ -267,16 +267,6 @@ void write_outputs(const Options& o, const OutFolder& folder, const AttentionRes
   folder.replace_with(files);
 }
 
-// Refuses a launcher that started copies of ctxpar without MPI: each would run alone.
-void refuse_foreign_launcher() {
-  const ForeignLauncher l = foreign_launcher();
-  if (l.ranks == 0) return;
-  throw UsageError(detail::concat(
-      "started by ", l.name, " as ", l.ranks, " separate processes without MPI: each would run "
-      "the whole job alone. Launch it with mpirun -n ", l.ranks, " ctxpar attention ... (or srun "
-      "--mpi=pmix with an MPI build), or as one process with --ranks ", l.ranks));
-}
-
 // --threads when not given: OMP_NUM_THREADS (its first number, as OpenMP reads "4,2"), else 1.
 int default_threads() {
   const char* env = std::getenv("OMP_NUM_THREADS");
@@ -321,7 +311,7 @@ Signature signature_of(const Options& o, const AttentionJob& job) {
 int cmd_attention(int argc, char** argv) {
   Options o = attention_options();
   if (!o.parse(argc, argv)) return 0;
-  refuse_foreign_launcher();
+  refuse_foreign_launcher("attention");
   // Under mpirun, MPI first: from here on a rank's error ends every rank at once (main.cc),
   // where a rank that exits before MPI_Init would leave the others waiting in it.
   if (launched_by_mpi() && o.str("transport") != "threads") mpi_world();
