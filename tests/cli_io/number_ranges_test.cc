@@ -1,0 +1,150 @@
+// Numbers on the command line: every one is range-checked where it is read, so none is
+// wrapped by a cast or an overflowing 64K / 1M suffix, and none is NaN or infinite. Out of
+// range is a usage error (exit 2) naming the option and its range (docs/cli.md, "Number
+// ranges"). The parser is tested directly; the commands through the built binary.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "cli/cli_support.h"
+#include "options.h"
+
+namespace ctxpar::cli {
+namespace {
+
+Options parsed(std::vector<std::string> args) {
+  Options o("test", "options under test");
+  o.add("n", "1", "a whole number").add("x", "1", "a number");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  o.parse(static_cast<int>(argv.size()), argv.data());
+  return o;
+}
+
+std::string usage_error(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(NumberParse, SuffixesAndLimitsOfInt64) {
+  int64_t v = 0;
+  ASSERT_TRUE(parse_whole_number("64K", v));
+  EXPECT_EQ(v, 65536);
+  ASSERT_TRUE(parse_whole_number("1M", v));
+  EXPECT_EQ(v, 1 << 20);
+  ASSERT_TRUE(parse_whole_number("9223372036854775807", v));
+  EXPECT_EQ(v, INT64_MAX);
+  ASSERT_TRUE(parse_whole_number("-9223372036854775808", v));
+  EXPECT_EQ(v, INT64_MIN);
+  // 2^54 + 1 K wrapped to 1024 before (the suffix's multiply overflowed).
+  EXPECT_FALSE(parse_whole_number("18014398509481985K", v));
+  EXPECT_FALSE(parse_whole_number("8796093022208M", v));  // 2^43 M = 2^63
+  EXPECT_FALSE(parse_whole_number("9223372036854775808", v));  // strtoll's ERANGE
+  EXPECT_FALSE(parse_whole_number("", v));
+  EXPECT_FALSE(parse_whole_number("K", v));
+  EXPECT_FALSE(parse_whole_number("12x", v));
+  EXPECT_FALSE(parse_whole_number("1.5", v));
+}
+
+TEST(NumberParse, RangedAccessorsNameOptionAndRange) {
+  EXPECT_EQ(parsed({"--n", "4K"}).i64("n", 1, 1 << 20), 4096);
+  EXPECT_EQ(parsed({"--n", "1024"}).i32("n", 1, 1024), 1024);
+  // 2^32 + 2 became 2 through static_cast<int> before.
+  EXPECT_EQ(usage_error([] { parsed({"--n", "4294967298"}).i32("n", 1, 1024, "why"); }),
+            "--n must be in [1, 1024] (why), got '4294967298'");
+  EXPECT_EQ(usage_error([] { parsed({"--n", "0"}).i32("n", 1, 8); }), "--n must be in [1, 8], got '0'");
+  EXPECT_EQ(usage_error([] { parsed({"--n", "99999999999999999999"}).i64("n", 1, 8); }),
+            "--n must be in [1, 8], got '99999999999999999999'");
+  EXPECT_EQ(usage_error([] { parsed({"--n", "lots"}).i64("n", 1, 8); }),
+            "--n expects a whole number in [1, 8] (64K, 1M suffixes accepted), got 'lots'");
+  EXPECT_EQ(parsed({"--x", "2.5"}).num("x", 0, 10), 2.5);
+  for (const char* bad : {"inf", "-inf", "nan", "1e400", "1e-400", "11", "-1", "x"})
+    EXPECT_EQ(usage_error([&] { parsed({"--x", bad}).num("x", 0, 10); }),
+              std::string("--x must be a number in [0, 10], got '") + bad + "'")
+        << bad;
+  // Unranged: still no NaN, infinity or overflow.
+  EXPECT_NE(usage_error([] { parsed({"--x", "nan"}).num("x"); }), "");
+  EXPECT_NE(usage_error([] { parsed({"--n", "18014398509481985K"}).i64("n"); }), "");
+}
+
+TEST(NumberParse, ZeroMeansOffButTinyIsRefused) {
+  EXPECT_EQ(parsed({"--x", "0"}).num_or_zero("x", 1e-6, 1e6), 0.0);
+  EXPECT_EQ(parsed({"--x", "1e-6"}).num_or_zero("x", 1e-6, 1e6), 1e-6);
+  // 1e-300 GB/s switched the simulated link off before (its time overflowed).
+  EXPECT_EQ(usage_error([] { parsed({"--x", "1e-300"}).num_or_zero("x", 1e-6, 1e6); }),
+            "--x must be 0 or a number in [1e-06, 1e+06], got '1e-300'");
+  EXPECT_NE(usage_error([] { parsed({"--x", "inf"}).num_or_zero("x", 1e-6, 1e6); }), "");
+}
+
+// The command: exit 2, the option and its range in the message, and no run started.
+struct Case {
+  std::string args, expect;
+};
+
+void expect_refused(const std::vector<Case>& cases) {
+  for (const auto& c : cases) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const test::CommandResult r = test::run_ctxpar(c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.err;
+    EXPECT_NE(r.err.find(c.expect), std::string::npos) << c.args << "\nstderr: " << r.err;
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0)
+        << c.args;
+  }
+}
+
+TEST(NumberRanges, AttentionRefusesWhatItOnceWrapped) {
+  expect_refused({
+      {"attention --ranks 4294967298", "--ranks must be in [1, 1024] (threads transport"},
+      {"attention --ranks 40000", "--ranks must be in [1, 1024]"},
+      {"attention --threads 4294967297", "--threads must be in [1, 1024]"},
+      {"attention --seq 18014398509481985K", "--seq must be in [1, 1099511627776]"},
+      {"attention --link-gbps 1e-300", "--link-gbps must be 0 or a number in [1e-06, 1e+06]"},
+      {"attention --link-latency-us inf", "--link-latency-us must be a number in [0, 1e+07]"},
+      {"attention --link-latency-us nan", "--link-latency-us must be a number in [0, 1e+07]"},
+      {"attention --timeout 0", "--timeout must be a number in [0.001, 1e+06]"},
+      {"attention --repeats 4294967297", "--repeats must be in [1, 1000000]"},
+      {"attention --heads 4294967304", "--heads must be in [1, 65536]"},
+      {"attention --seed -1", "--seed must be in [0, 9223372036854775807]"},
+  });
+}
+
+TEST(NumberRanges, EverySubcommandChecksItsNumbers) {
+  expect_refused({
+      {"bench cp --ranks 4294967298 --dry-run", "--ranks must be in [1, 1024]"},
+      {"bench cp --seq 18014398509481985K --dry-run", "--seq must be in [1, 1099511627776]"},
+      {"bench cp --link-gbps 1e-300 --dry-run", "--link-gbps must be 0 or a number in"},
+      {"bench kernel --threads 4294967297", "--threads must be in [1, 1024]"},
+      {"bench kernel --seq 18014398509481985K", "--seq must be in [1, 1099511627776]"},
+      {"train --ranks 4294967298", "--ranks must be in [1, 1024]"},
+      {"train --layers 4294967298", "--layers must be in [1, 65536]"},
+      {"train --lr nan", "--lr must be a number in [0, 10]"},
+      {"train --dp 65536 --cp 65536", "--dp x --cp must equal the number of ranks"},
+      {"plan --cp 4294967298", "--cp must be in [1, 4096]"},
+      {"plan --seq 18014398509481985K", "--seq must be in [1, 1099511627776]"},
+      {"plan --tp 4294967297", "--tp must be in [1, 1048576]"},
+      {"plan --efficiency inf", "--efficiency must be a number in [1e-06, 1]"},
+      {"plan --link-gbps nan", "--link-gbps expects numbers in [0, 1e+06]"},
+      {"plan --video-hours 1e6 --fps 1e4 --tokens-per-frame 1M",
+       "more than the largest --seq"},
+  });
+}
+
+TEST(NumberRanges, InRangeValuesStillRun) {
+  const test::CommandResult r = test::run_ctxpar(
+      "attention --seq 4K --ranks 2 --heads 1 --head-dim 16 --link-gbps 1e3 "
+      "--link-latency-us 1 --timeout 60 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = test::parse_json(r);
+  EXPECT_EQ(j["seq"], 4096);
+  EXPECT_EQ(j["num_ranks"], 2);
+  EXPECT_EQ(j["link_gbps"], 1e3);
+}
+
+}  // namespace
+}  // namespace ctxpar::cli
