@@ -197,6 +197,12 @@ int cmd_plan(int argc, char** argv) {
     const int fit = in.recompute == Recompute::full ? probe.cp_to_fit_recompute : probe.cp_to_fit;
     in.cp = fit > 0 ? fit : 8;
     while (in.layout == LayoutKind::zigzag && in.seq % (2 * in.cp) != 0 && in.cp > 1) in.cp /= 2;
+    if (in.cp > kMaxPlanCp)
+      throw Error(detail::concat(
+          "--seq ", in.seq, " needs cp ", in.cp, " to fit in memory (with full recompute: ",
+          probe.cp_to_fit_recompute, "), more than the ", kMaxPlanCp, " ranks whose ring the plan "
+          "simulates (", kPlanCpNote, "); add --recompute or --tp, or give --cp ", kMaxPlanCp,
+          " to see that plan (it will show what does not fit)"));
   }
   in.hardware = hardware_from(o, in);
   const Plan plan = make_plan(in, o.on("compare"));

@@ -1,7 +1,8 @@
-// Numbers on the command line: every one is range-checked where it is read, so none is
-// wrapped by a cast or an overflowing 64K / 1M suffix, and none is NaN or infinite. Out of
+// The commands at their limits. Numbers: every one is range-checked where it is read, so none
+// is wrapped by a cast or an overflowing 64K / 1M suffix, and none is NaN or infinite; out of
 // range is a usage error (exit 2) naming the option and its range (docs/cli.md, "Number
-// ranges"). The parser is tested directly; the commands through the built binary.
+// ranges"). Sizes: a plan of thousands of ranks answers in seconds. The parser is tested
+// directly; the commands through the built binary.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -144,6 +145,36 @@ TEST(NumberRanges, InRangeValuesStillRun) {
   EXPECT_EQ(j["seq"], 4096);
   EXPECT_EQ(j["num_ranks"], 2);
   EXPECT_EQ(j["link_gbps"], 1e3);
+}
+
+double seconds_of(const std::function<void()>& f) {
+  const auto t0 = std::chrono::steady_clock::now();
+  f();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Printed nothing for over a minute before (4096 rank threads timing the kernel at once, and
+// P^2 tile walks); now a few seconds. Bounded by `timeout` and `ulimit -v` (8 GB) so that the
+// old behaviour fails the test instead of the machine.
+TEST(PlanLimits, LocalHardwareWithThousandsOfRanksAnswersInSeconds) {
+  test::CommandResult r;
+  const double wall = seconds_of([&] {
+    r = test::run_shell("ulimit -v 8000000; timeout 120 " + test::ctxpar_path() +
+                        " plan --seq 4M --cp 4096 --hardware local --json");
+  });
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = test::parse_json(r);
+  EXPECT_EQ(j["ring_layer"]["ranks"].size(), 4096u);
+  EXPECT_LT(wall, 60.0);  // ~4 s on 2 busy cores
+}
+
+TEST(PlanLimits, AutoCpBeyondTheSimulatedRingIsRefusedAtOnce) {
+  test::CommandResult r;
+  const double wall = seconds_of([&] { r = test::run_ctxpar("plan --seq 256M"); });
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("needs cp 32768 to fit in memory"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("give --cp 4096"), std::string::npos) << r.err;
+  EXPECT_LT(wall, 5.0);
 }
 
 }  // namespace
