@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cli/cli_support.h"
+#include "memory_estimate.h"
 #include "options.h"
 
 namespace ctxpar::cli {
@@ -175,6 +176,83 @@ TEST(PlanLimits, AutoCpBeyondTheSimulatedRingIsRefusedAtOnce) {
   EXPECT_NE(r.err.find("needs cp 32768 to fit in memory"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("give --cp 4096"), std::string::npos) << r.err;
   EXPECT_LT(wall, 5.0);
+}
+
+// ---- memory: estimated before anything is allocated ----
+
+// --seq 12M filled 3.4 GB for 48 s before failing; now refused before the first allocation.
+TEST(MemoryLimits, JobAboveTheLimitIsRefusedAtOnce) {
+  test::CommandResult r;
+  const double wall = seconds_of([&] {
+    r = test::run_shell("CTXPAR_MEMORY_LIMIT_BYTES=50000000 " + test::ctxpar_path() +
+                        " attention --seq 12M --heads 1 --head-dim 16 --ranks 4 --check");
+  });
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  for (const char* part : {"this job needs about ", "4 ranks x (shards ", "--check reference",
+                           "but 47.7 MiB is available (CTXPAR_MEMORY_LIMIT_BYTES)", "lower --seq"})
+    EXPECT_NE(r.err.find(part), std::string::npos) << part << "\n" << r.err;
+  EXPECT_LT(wall, 1.0);
+  // The same job under a limit it fits in runs (a normal job passes).
+  const test::CommandResult ok = test::run_shell(
+      "CTXPAR_MEMORY_LIMIT_BYTES=1e9 " + test::ctxpar_path() +
+      " attention --seq 1024 --heads 1 --head-dim 16 --ranks 4 --check --json");
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+  const test::CommandResult bad = test::run_shell(
+      "CTXPAR_MEMORY_LIMIT_BYTES=lots " + test::ctxpar_path() + " attention --seq 64");
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("CTXPAR_MEMORY_LIMIT_BYTES must be a positive number of bytes"),
+            std::string::npos) << bad.err;
+}
+
+// The per-rank estimate against what the run reports (`--json`: peak_bytes of the strategy's
+// buffers + shard_bytes, the largest rank): the shards exactly, and the total within
+// measured <= estimate <= 2 x measured, for every strategy, forward and backward, fp32 and
+// bf16, GQA, document masks, P = 1, 2, 4, 8.
+TEST(MemoryLimits, EstimateBoundsTheMeasuredPeak) {
+  struct Config {
+    const char* strategy;
+    int ranks;
+    const char* extra;
+    const char* mask = "none";
+  };
+  const Config configs[] = {
+      {"ring", 1, ""}, {"ring", 4, ""}, {"ring", 8, "--dtype bf16"},
+      {"allgather", 2, ""}, {"allgather", 4, "--dtype bf16 --kv-heads 1"}, {"allgather", 8, ""},
+      {"ulysses", 1, ""}, {"ulysses", 4, "--kv-heads 2"}, {"ulysses", 4, "--dtype bf16"},
+      {"hybrid", 4, "--ulysses-degree 2"}, {"hybrid", 8, "--ulysses-degree 4 --kv-heads 2"},
+      {"ring", 4, "", "causal+documents:1000,1048"},
+  };
+  for (const Config& c : configs)
+    for (const char* pass : {"", "--backward"}) {
+      const std::string args = std::string("attention --seq 2048 --heads 4 --head-dim 32 ") +
+                               "--strategy " + c.strategy + " --ranks " +
+                               std::to_string(c.ranks) + " --mask " + c.mask + " " + c.extra + " " +
+                               pass + " --json";
+      const test::CommandResult r = test::run_ctxpar(args);
+      ASSERT_EQ(r.exit_code, 0) << args << "\n" << r.err;
+      const auto j = test::parse_json(r);
+      double measured = 0, shard = 0;
+      for (const auto& rank : j["ranks"]) {
+        measured = std::max(measured, rank["peak_bytes"].get<double>() +
+                                          rank["shard_bytes"].get<double>());
+        shard = std::max(shard, rank["shard_bytes"].get<double>());
+      }
+      AttentionJob job;
+      job.seq = 2048, job.heads = 4, job.head_dim = 32, job.ranks = c.ranks;
+      job.kv_heads = j["kv_heads"], job.batch = 1;
+      job.strategy = parse_strategy(c.strategy);
+      job.ulysses_degree = c.strategy == std::string("hybrid") ? j["ulysses_degree"].get<int>() : 0;
+      job.dtype = j["dtype"] == "bf16" ? DType::bf16 : DType::f32;
+      job.mask = parse_mask(c.mask);
+      job.backward = pass[0] != '\0';
+      const MemoryEstimate m = estimate_memory(job);
+      const double estimate = m.shard_bytes + m.strategy_bytes;
+      EXPECT_EQ(m.shard_bytes, shard) << args;
+      EXPECT_GE(estimate, measured) << args;
+      EXPECT_LE(estimate, 2 * measured) << args;
+      std::printf("%-90s measured %9.0f estimate %9.0f ratio %.2f\n", args.c_str(), measured,
+                  estimate, estimate / measured);
+    }
 }
 
 }  // namespace

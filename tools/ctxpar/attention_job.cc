@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "attention_check.h"
+#include "memory_estimate.h"
 
 namespace ctxpar::cli {
 namespace {
@@ -358,6 +359,7 @@ void validate(const AttentionJob& job) {
   check_input(job.dout, "--do", Hq);
   CTXPAR_CHECK(job.q.empty() == job.k.empty() && job.k.empty() == job.v.empty(),
                "--q, --k and --v come together");
+  check_memory(job);  // last: a shape that is wrong is named as such, not as too large
 }
 
 int progress_steps(const AttentionJob& job) {
