@@ -14,6 +14,9 @@ namespace {
 // Per-thread cost beyond the tensors: the stack pages a rank touches and its share of the
 // allocator's per-thread arenas.
 constexpr double kPerRankOverhead = 1 << 20;
+// Every strategy call agrees on its arguments by an allgather of a ~640-byte verdict per rank
+// (src/strategy/strategy.cc): on the threads transport all P ranks hold all P verdicts at once.
+constexpr double kVerdictBytes = 640;
 
 std::string gib(double bytes) {
   char buf[48];
@@ -93,7 +96,8 @@ MemoryEstimate estimate_memory(const AttentionJob& job) {
   m.strategy_bytes = strategy_bytes(job);
   const bool mpi = job.transport == "mpi";
   m.ranks_here = mpi ? 1 : job.ranks;
-  m.run_bytes = m.ranks_here * (m.shard_bytes + m.strategy_bytes + kPerRankOverhead);
+  m.run_bytes = m.ranks_here * (m.shard_bytes + m.strategy_bytes + kPerRankOverhead) +
+                double(m.ranks_here) * job.ranks * kVerdictBytes;
 
   const double full = P * m.shard_bytes;  // every tensor of the whole sequence
   if (job.check || job.keep_outputs) {

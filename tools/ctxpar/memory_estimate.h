@@ -12,7 +12,7 @@ struct MemoryEstimate {
   double shard_bytes = 0;     // one rank's q, k, v, out, lse (+ dout, dq, dk, dv)
   double strategy_bytes = 0;  // one rank's strategy buffers at their peak (fwd or bwd)
   int ranks_here = 1;         // ranks in this process: P on threads, 1 under MPI
-  double run_bytes = 0;       // ranks_here x (shard + strategy) + per-thread overhead
+  double run_bytes = 0;       // ranks_here x (shard + strategy + thread) + argument verdicts
   double gather_bytes = 0;    // --check / --out: shards plus the unsharded copies
   double check_bytes = 0;     // --check: unsharded tensors, fp32 copies, fp64 reference rows
   double total_bytes = 0;     // the peak of this process: max of the three phases
