@@ -63,8 +63,12 @@ TEST(NumberParse, RangedAccessorsNameOptionAndRange) {
   EXPECT_EQ(usage_error([] { parsed({"--n", "0"}).i32("n", 1, 8); }), "--n must be in [1, 8], got '0'");
   EXPECT_EQ(usage_error([] { parsed({"--n", "99999999999999999999"}).i64("n", 1, 8); }),
             "--n must be in [1, 8], got '99999999999999999999'");
-  EXPECT_EQ(usage_error([] { parsed({"--n", "lots"}).i64("n", 1, 8); }),
-            "--n expects a whole number in [1, 8] (64K, 1M suffixes accepted), got 'lots'");
+  for (const char* bad : {"lots", "", "K", "-", "1e3", "12KB", "0x10"})
+    EXPECT_EQ(usage_error([&] { parsed({"--n", bad}).i64("n", 1, 8); }),
+              std::string("--n expects a whole number in [1, 8] (64K, 1M suffixes accepted), got '") +
+                  bad + "'");
+  EXPECT_EQ(usage_error([] { parsed({"--n", "-99999999999999999999K"}).i64("n", 1, 8); }),
+            "--n must be in [1, 8], got '-99999999999999999999K'");
   EXPECT_EQ(parsed({"--x", "2.5"}).num("x", 0, 10), 2.5);
   for (const char* bad : {"inf", "-inf", "nan", "1e400", "1e-400", "11", "-1", "x"})
     EXPECT_EQ(usage_error([&] { parsed({"--x", bad}).num("x", 0, 10); }),

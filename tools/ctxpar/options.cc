@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <sstream>
 
@@ -149,8 +150,12 @@ int64_t whole_number_in(const std::string& option, const std::string& text, int6
   const std::string range = range_text(std::to_string(lo), std::to_string(hi), note);
   int64_t v = 0;
   if (!parse_whole_number(text, v)) {
-    // A whole number that does not fit in 64 bits is out of range, not malformed.
-    const bool digits = !text.empty() && text.find_first_not_of("+-0123456789KkMm") == std::string::npos;
+    // A whole number that does not fit in 64 bits is out of range, not malformed:
+    // [+-]digits[K|M].
+    const size_t i = (text[0] == '+' || text[0] == '-') ? 1 : 0;
+    const size_t end = text.find_first_not_of("0123456789", i);
+    const bool digits = end > i && i < text.size() && (end == std::string::npos ||
+                                    (end + 1 == text.size() && std::strchr("KkMm", text[end])));
     throw UsageError("--" + option + (digits ? " must be in " : " expects a whole number in ") +
                      range + (digits ? "" : " (64K, 1M suffixes accepted)") + ", got '" + text + "'");
   }
