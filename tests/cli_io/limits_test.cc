@@ -182,6 +182,22 @@ TEST(PlanLimits, AutoCpBeyondTheSimulatedRingIsRefusedAtOnce) {
   EXPECT_LT(wall, 5.0);
 }
 
+// A system that refuses threads (here: 1.5 GB of address space against 1024 rank stacks of
+// 8 MB) ended the command in SIGABRT; now exit 2 naming how many ranks had started.
+TEST(ThreadLimits, RefusedThreadEndsTheCommandWithAnError) {
+  for (const char* command : {"attention --ranks 1024 --seq 1024 --heads 1 --head-dim 16",
+                              "train --ranks 1024 --seq 1024 --steps 1 --quiet"}) {
+    test::CommandResult r;
+    const double wall = seconds_of([&] {
+      r = test::run_shell("ulimit -v 1500000; timeout 60 " + test::ctxpar_path() + " " + command);
+    });
+    EXPECT_EQ(r.exit_code, 2) << command << "\n" << r.err;
+    EXPECT_NE(r.err.find("run_threads: the system refused thread"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("ranks already started were stopped"), std::string::npos) << r.err;
+    EXPECT_LT(wall, 30.0) << command;
+  }
+}
+
 // ---- memory: estimated before anything is allocated ----
 
 // --seq 12M filled 3.4 GB for 48 s before failing; now refused before the first allocation.
