@@ -1,6 +1,6 @@
 // The `local` hardware preset: this machine, measured on the spot. The kernel's throughput is
-// timed on one ring step's block pair by P threads at once (one per rank, as `ctxpar attention`
-// runs them, sharing the cores), and the threads transport's simulated link is timed with a
+// timed on one ring step's block pair by min(P, cores) threads at once (one per rank, as
+// `ctxpar attention` runs them, sharing the cores; beyond the cores the rate is scaled by cores/P), and the threads transport's simulated link is timed with a
 // real message. See docs/plan.md, "Checked against ourselves".
 #include <algorithm>
 #include <atomic>
@@ -54,7 +54,8 @@ struct KernelRates {
   double forward = 0, backward = 0;
 };
 
-KernelRates rates_of_one_rank(const LocalOptions& o, int rank, std::atomic<int>& ready) {
+KernelRates rates_of_one_rank(const LocalOptions& o, int rank, int running,
+                              std::atomic<int>& ready) {
   // Rank `rank`'s queries against its own block (the diagonal, with partially masked tiles)
   // and against its predecessor's (the ring's next step), as the layout and mask place them:
   // masked-tile skipping and partial tiles cost what they cost in the real ring. Large
@@ -76,7 +77,7 @@ KernelRates rates_of_one_rank(const LocalOptions& o, int rank, std::atomic<int>&
   KernelConfig one;
   one.threads = 1;
   ready.fetch_add(1);
-  while (ready.load() < P) std::this_thread::yield();
+  while (ready.load() < running) std::this_thread::yield();
   KernelRates r;
   double flops = 0;
   auto both = [&](auto&& call) {
@@ -106,18 +107,25 @@ LocalMeasurement measure_local(const LocalOptions& o) {
                "local hardware: block, heads, kv heads, head dim and batch must be > 0");
   CTXPAR_CHECK(o.ranks >= 1, "local hardware: ranks must be >= 1");
   LocalMeasurement m;
-  std::vector<KernelRates> rates(o.ranks);
+  m.mem_gb = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE) / 1e9;
+  m.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // More rank threads than cores only share the cores: P ranks on C < P cores each get C/P of
+  // a core. Timing all P threads (P = 4096 once took minutes and gigabytes) measures the same
+  // share, so C threads run, on ranks spread over the ring, and their rate is scaled by C/P.
+  const int running = std::min(o.ranks, m.cores);
+  std::vector<KernelRates> rates(running);
   std::atomic<int> ready{0};
   std::vector<std::thread> threads;
-  for (int r = 0; r < o.ranks; ++r)
-    threads.emplace_back([&, r] { rates[r] = rates_of_one_rank(o, r, ready); });
-  for (auto& t : threads) t.join();
-  for (const auto& r : rates) {
-    m.forward_flops += r.forward / o.ranks;
-    m.backward_flops += r.backward / o.ranks;
+  for (int i = 0; i < running; ++i) {
+    const int rank = static_cast<int>(int64_t{i} * o.ranks / running);
+    threads.emplace_back([&, i, rank] { rates[i] = rates_of_one_rank(o, rank, running, ready); });
   }
-  m.mem_gb = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE) / 1e9;
-  m.cores = std::max(1u, std::thread::hardware_concurrency());
+  for (auto& t : threads) t.join();
+  const double share = static_cast<double>(running) / o.ranks;
+  for (const auto& r : rates) {
+    m.forward_flops += r.forward / running * share;
+    m.backward_flops += r.backward / running * share;
+  }
 
   // The transport. The simulated link is a model we configure (latency + bytes / bandwidth,
   // one message at a time), so the plan uses its figures; what it adds is the hand-over of a
