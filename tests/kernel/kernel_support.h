@@ -48,6 +48,14 @@ double max_abs(const std::vector<double>& ref);
 double max_err(const Tensor& t, const std::vector<double>& ref);
 double max_err(const std::vector<double>& a, const std::vector<double>& ref);
 
+// The fp64 truth and the naive fp32 computation of the same inputs.
+struct References {
+  reference::Result ref64, naive32;
+};
+References references_of(const Inputs& in, const Mask& mask, bool backward);
+// Checks every output of `fast` by the rule; "" when all pass, else what failed and by how much.
+std::string rule_violations(const Outputs& fast, const References& refs, bool backward);
+
 // Runs the case through fast, naive32 and ref64 and checks every output by the rule.
 // Returns a description of the first violation, or "" when all pass.
 std::string check_case(const Case& c, bool backward);
