@@ -102,8 +102,12 @@ void attention_backward_delta(const TensorView& out, const TensorView& dout,
       const int64_t hi = r % h, ti = (r / h) % t, bi = r / (h * t);
       kernel::load_row(out, out.offset(bi, ti, hi), d, o.data());
       kernel::load_row(dout, dout.offset(bi, ti, hi), d, g.data());
+      // Fused multiply-adds in order c = 0, 1, ...: exactly how the backward computes each
+      // dP = dO . V (the SIMD micro-kernel, scalar_backward.cc). Where a row's softmax is
+      // one-hot, O is that key's V, and dS = P (dP - delta) must come out exactly 0 (the
+      // truth): any rounding difference here would be amplified by |K| into dQ.
       float sum = 0;
-      for (int64_t c = 0; c < d; ++c) sum += o[c] * g[c];
+      for (int64_t c = 0; c < d; ++c) sum = std::fma(o[c], g[c], sum);
       delta.ptr<float>()[delta.offset(bi, hi, ti)] = sum;
     }
   }

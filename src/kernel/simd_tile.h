@@ -27,7 +27,6 @@ using VF = hn::Vec<DF>;
 
 constexpr int64_t kTile = 64;  // query and key tile (same as the scalar path: same tile stats)
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 inline int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }

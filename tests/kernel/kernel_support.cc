@@ -12,19 +12,22 @@ std::string Case::name() const {
   s << "B" << batch << " Tq" << tq << " Tk" << tk << " Hq" << hq << " Hkv" << hkv << " D" << d
     << " " << dtype_name(dtype) << " mask=" << mask.describe() << " qpos=" << q_offset << "+"
     << q_stride << "i kpos=" << k_offset << "+" << k_stride << "j doc_len=" << doc_len
-    << (shuffle ? " shuffled" : "") << " threads=" << threads;
+    << (shuffle ? " shuffled" : "") << (qk_scale != 1 ? " qk_scale=" + std::to_string(qk_scale) : "")
+    << (qk_common != 0 ? " qk_common=" + std::to_string(qk_common) : "") << " threads=" << threads;
   return s.str();
 }
 
 Inputs make_inputs(const Case& c) {
   Inputs in;
-  auto make = [&](int64_t t, int64_t h, uint64_t seed) {
+  auto make = [&](int64_t t, int64_t h, uint64_t seed, float mul = 1, float common = 0) {
     Tensor f(DType::f32, {c.batch, t, h, c.d});
-    fill_normal(f.view(), seed);
+    fill_normal(f.view(), seed, mul);
+    if (common != 0)
+      for (int64_t i = 0; i < f.numel(); i += c.d) f.ptr<float>()[i] = common;
     return Tensor::copy_of(f.view(), c.dtype);
   };
-  in.q = make(c.tq, c.hq, c.seed * 4 + 0);
-  in.k = make(c.tk, c.hkv, c.seed * 4 + 1);
+  in.q = make(c.tq, c.hq, c.seed * 4 + 0, c.qk_scale, c.qk_common);
+  in.k = make(c.tk, c.hkv, c.seed * 4 + 1, c.qk_scale, c.qk_common);
   in.v = make(c.tk, c.hkv, c.seed * 4 + 2);
   in.dout = make(c.tq, c.hq, c.seed * 4 + 3);
   for (int64_t i = 0; i < c.tq; ++i) in.q_pos.push_back(c.q_offset + c.q_stride * i);
