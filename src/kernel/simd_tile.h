@@ -143,16 +143,16 @@ inline void mask_tile(float* s, int64_t rows, int64_t cols, bool partial, const 
                       const Tokens& q_tokens, int64_t i0, const Tokens& k_tokens, int64_t j0) {
   const int64_t* kp = k_tokens.positions.data() + j0;
   const int32_t* kd = mask.documents ? k_tokens.documents.data() + j0 : nullptr;
-  const bool causal = mask.causal, docs = mask.documents;
-  const int64_t wl = mask.window_left, wr = mask.window_right;
+  const bool docs = mask.documents;
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = s + r * kTile;
     if (partial) {
-      const int64_t pq = q_tokens.positions[i0 + r];
+      // The row's visible key positions [lo, hi], saturated at the ends of int64 (Mask::key_range):
+      // no subtraction of positions here, so no overflow anywhere in the int64 range.
+      const Mask::KeyRange kr = mask.key_range(q_tokens.positions[i0 + r]);
       const int32_t dq = docs ? q_tokens.documents[i0 + r] : 0;
       for (int64_t c = 0; c < cols; ++c) {
-        bool seen = (!causal || kp[c] <= pq) && (wl < 0 || pq - kp[c] <= wl) &&
-                    (wr < 0 || kp[c] - pq <= wr);
+        bool seen = kp[c] >= kr.lo && kp[c] <= kr.hi;
         if (docs) seen = seen && kd[c] == dq;
         sr[c] = seen ? sr[c] : kNegInf;
       }
