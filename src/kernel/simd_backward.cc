@@ -19,16 +19,21 @@
 // in exact arithmetic; in fp32, S - lse may come out a few ulps of |S| above 0 where S is the
 // row's max (lse is rounded), and at |S| ~ 5e8 an ulp is 64: P = 2^64 made dq ~ 4e7 where the
 // truth is 0. Clamping the exponent at 0 is exact for the true P and bounds the rounded one.
+// Compiled once per SIMD target (hwy/foreach_target.h re-includes this file); backward_simd at
+// the bottom dispatches to the chosen one.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernel/simd_backward.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
 #include <vector>
 
 #include "kernel/problem.h"
 #include "kernel/simd_tile.h"
 
-namespace ctxpar::kernel {
+HWY_BEFORE_NAMESPACE();
+namespace ctxpar::kernel::HWY_NAMESPACE {
 
-using namespace simd;
-
-KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
+KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                           const TensorView& k, const TensorView& v, const Tokens& k_tokens,
                           const Mask& mask, const TensorView& dout, const TensorView& lse,
                           const TensorView& delta, const TensorView& dq, const TensorView& dk,
@@ -156,4 +161,22 @@ KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q
   return count_tiles(p, mask, qr, kr, 2.5);
 }
 
+}  // namespace ctxpar::kernel::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace ctxpar::kernel {
+
+HWY_EXPORT(BackwardSimd);
+
+KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
+                          const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                          const Mask& mask, const TensorView& dout, const TensorView& lse,
+                          const TensorView& delta, const TensorView& dq, const TensorView& dk,
+                          const TensorView& dv) {
+  return HWY_DYNAMIC_DISPATCH(BackwardSimd)(p, q, q_tokens, k, v, k_tokens, mask, dout, lse,
+                                            delta, dq, dk, dv);
+}
+
 }  // namespace ctxpar::kernel
+#endif  // HWY_ONCE

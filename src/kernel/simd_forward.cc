@@ -12,16 +12,21 @@
 // exactly). Scores converted to log2 units and back differed from LSE by an ulp of |S| -- at
 // |S| ~ 5e8 that is 2^(+-64) (issue 9). Rescaling is lazy: a row's acc and l are multiplied by
 // alpha = exp(m_old - m_new) only when its max actually grew.
+// Compiled once per SIMD target (hwy/foreach_target.h re-includes this file); forward_simd at
+// the bottom dispatches to the chosen one.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernel/simd_forward.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
 #include <vector>
 
 #include "kernel/problem.h"
 #include "kernel/simd_tile.h"
 
-namespace ctxpar::kernel {
+HWY_BEFORE_NAMESPACE();
+namespace ctxpar::kernel::HWY_NAMESPACE {
 
-using namespace simd;
-
-KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
+KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                          const TensorView& k, const TensorView& v, const Tokens& k_tokens,
                          const Mask& mask, ForwardState& state) {
   // q [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; state.acc [B, Tq, Hq, D], state.m/l [B, Hq, Tq].
@@ -127,4 +132,46 @@ KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_
   return count_tiles(p, mask, qr, kr, 1.0);
 }
 
+// The target's vector exp2 over n values (n any), for its accuracy test.
+void Exp2Neg(const float* in, float* out, int64_t n) {
+  const DF df;
+  const int64_t nl = lanes();
+  std::vector<float> a(round_up(n, nl), 0.0f), b(a.size());
+  std::copy_n(in, n, a.data());
+  for (int64_t i = 0; i < static_cast<int64_t>(a.size()); i += nl)
+    hn::StoreU(exp2_neg(df, hn::LoadU(df, a.data() + i)), df, b.data() + i);
+  std::copy_n(b.data(), n, out);
+}
+
+// Whether the target's MulAdd is one fused operation (AVX2, AVX-512) or a multiply then an
+// add (SSE4, SSSE3): the backward's delta must round the same way (api.cc).
+bool NativeFma() { return HWY_NATIVE_FMA != 0; }
+
+}  // namespace ctxpar::kernel::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace ctxpar::kernel {
+
+HWY_EXPORT(ForwardSimd);
+HWY_EXPORT(Exp2Neg);
+HWY_EXPORT(NativeFma);
+
+KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
+                         const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                         const Mask& mask, ForwardState& state) {
+  return HWY_DYNAMIC_DISPATCH(ForwardSimd)(p, q, q_tokens, k, v, k_tokens, mask, state);
+}
+
+bool simd_fused_multiply_add() {
+  select_simd_target();
+  return HWY_DYNAMIC_DISPATCH(NativeFma)();
+}
+
+void exp2_neg_simd(const float* in, float* out, int64_t n) {
+  select_simd_target();
+  HWY_DYNAMIC_DISPATCH(Exp2Neg)(in, out, n);
+}
+
 }  // namespace ctxpar::kernel
+#endif  // HWY_ONCE

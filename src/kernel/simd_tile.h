@@ -1,16 +1,20 @@
-// Private SIMD building blocks of the fast path (Google Highway, static dispatch: the widest
-// target that -march allows, AVX2+FMA on Zen 3, AVX-512 where present):
+// Private SIMD building blocks of the fast path (Google Highway, dynamic dispatch: every file
+// that includes this one is compiled once per SIMD target through hwy/foreach_target.h, and
+// the best target the CPU runs -- or a lower one CTXPAR_SIMD asks for -- is chosen at run
+// time; see dispatch.cc):
 //   - gemm_rows: C[M x N] (+)= A[M x K] * B[K x N], A read by broadcast, B by rows of vectors,
-//     register-blocked 4 rows x up to 4 vectors (16 accumulators), the one micro-kernel behind
+//     register-blocked 6 rows x up to 4 vectors (per target), the one micro-kernel behind
 //     all five products of forward and backward (S = Q K^T, O += P V, dP = dO V^T, ...);
 //   - exp2 over a vector: 2^t for t <= 0 with exact 0 below 2^-126 and for -inf;
 //   - tile packing of K / V (transposed or row-major, zero-padded).
-#pragma once
-// Highway 1.0.3 with -march=native on AVX-512 machines trips its own dynamic-target logic;
-// we only ever use static dispatch (the target -march selects), so say so.
-#ifndef HWY_COMPILE_ONLY_STATIC
-#define HWY_COMPILE_ONLY_STATIC 1
+// Per-target include guard (Highway's idiom): re-opened for each target of foreach_target.h.
+#if defined(CTXPAR_KERNEL_SIMD_TILE_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef CTXPAR_KERNEL_SIMD_TILE_H_
+#undef CTXPAR_KERNEL_SIMD_TILE_H_
+#else
+#define CTXPAR_KERNEL_SIMD_TILE_H_
 #endif
+
 #include <hwy/highway.h>
 
 #include <cmath>
@@ -19,7 +23,8 @@
 
 #include "kernel/problem.h"
 
-namespace ctxpar::kernel::simd {
+HWY_BEFORE_NAMESPACE();
+namespace ctxpar::kernel::HWY_NAMESPACE {
 
 namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
@@ -89,8 +94,9 @@ HWY_INLINE void micro(const float* HWY_RESTRICT a, int64_t lda, const float* HWY
 }
 
 // C[M x N] (+)= A[M x K] B[K x N]; M a multiple of 2, N a multiple of the lane count.
+// The shape is chosen per target (HWY_MAX_BYTES is the compiled target's vector size):
 // AVX-512 (32 registers): 6 rows x 4 vectors = 24 accumulators, 1 load of B per 6 FMAs.
-// AVX2 (16 registers): 6 rows x 2 vectors = 12 accumulators + 2 B vectors + 1 broadcast.
+// AVX2 / SSE4 (16 registers): 6 rows x 2 vectors = 12 accumulators + 2 B vectors + 1 broadcast.
 inline void gemm_rows(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                       const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
   const int64_t nl = lanes();
@@ -179,4 +185,7 @@ inline void transpose_tile(const float* in, float* out) {
     for (int64_t j = 0; j < kTile; ++j) out[j * kTile + i] = in[i * kTile + j];
 }
 
-}  // namespace ctxpar::kernel::simd
+}  // namespace ctxpar::kernel::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // per-target include guard

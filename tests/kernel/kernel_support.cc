@@ -1,11 +1,32 @@
 #include "kernel/kernel_support.h"
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
+#include <cstdio>
 #include <cmath>
 #include <numeric>
 #include <sstream>
 
 namespace ctxpar::test {
+
+namespace {
+// Every test of the binary runs on the SIMD target CTXPAR_SIMD names (one ctest entry per
+// target): where this CPU or binary lacks it, the whole binary skips with the reason.
+class SimdTargetEnvironment : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    const SimdTargets t = simd_targets();
+    if (!t.error.empty()) {
+      std::printf("kernel tests skipped: %s\n", t.error.c_str());
+      GTEST_SKIP() << t.error;
+    }
+    std::printf("kernel SIMD target: %s\n", t.chosen.c_str());
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kSimdEnvironment =
+    ::testing::AddGlobalTestEnvironment(new SimdTargetEnvironment);
+}  // namespace
 
 std::string Case::name() const {
   std::ostringstream s;
