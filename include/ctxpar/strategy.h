@@ -47,6 +47,13 @@ struct StrategyStats {
   size_t peak_bytes = 0;        // largest total of buffers the strategy held at once
 };
 
+// The rules the strategies check, exported so that a caller (the ctxpar command) can say them
+// in its own words instead of keeping a copy that may disagree: "" when fine, else the reason.
+// Ulysses (and hybrid's Ulysses groups of u ranks) split the query heads: Hq % ranks == 0
+// (KV heads that do not split are replicated). All-gather's head groups must divide Hkv.
+std::string ulysses_heads_rule(int64_t hq, int ranks);
+std::string allgather_head_groups_rule(int64_t hkv, int head_groups);
+
 class Strategy {
  public:
   virtual ~Strategy() = default;

@@ -158,10 +158,8 @@ class AllGatherStrategy final : public Strategy {
     return options_.head_groups > 0 ? options_.head_groups : auto_groups(dims.hkv);
   }
   std::string check_groups(const Dims& dims) const {
-    if (options_.head_groups > 0 && dims.hkv % options_.head_groups != 0)
-      return detail::concat("allgather: head_groups = ", options_.head_groups,
-                            " must divide the kv heads Hkv = ", dims.hkv);
-    return "";
+    const std::string e = allgather_head_groups_rule(dims.hkv, options_.head_groups);
+    return e.empty() ? e : "allgather: " + e;
   }
 
   // Posts head group g's exchange: every peer's chunk from it, and a packed copy of mine to

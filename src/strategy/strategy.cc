@@ -53,6 +53,21 @@ std::unique_ptr<Strategy> Strategy::create(Communicator& comm, const StrategyOpt
   throw Error("unknown strategy kind");
 }
 
+std::string ulysses_heads_rule(int64_t hq, int ranks) {
+  // KV heads that do not split over the ranks are replicated (see ulysses.cc, HeadSplit), so
+  // only the query heads must divide.
+  if (ranks < 1 || hq % ranks != 0)
+    return detail::concat("query heads Hq = ", hq, " must be divisible by the ", ranks,
+                          " Ulysses ranks (each rank takes Hq/P heads)");
+  return "";
+}
+
+std::string allgather_head_groups_rule(int64_t hkv, int head_groups) {
+  if (head_groups > 0 && hkv % head_groups != 0)
+    return detail::concat("head_groups = ", head_groups, " must divide the kv heads Hkv = ", hkv);
+  return "";
+}
+
 namespace strategy {
 namespace {
 
@@ -133,12 +148,8 @@ std::string check_backward(const TensorView& q, const TensorView& k, const Tenso
 }
 
 std::string check_ulysses_heads(const Dims& dims, int ranks, const char* who) {
-  // KV heads that do not split over the ranks are replicated (see ulysses.cc, HeadSplit), so
-  // only the query heads must divide.
-  if (dims.hq % ranks != 0)
-    return detail::concat(who, ": query heads Hq = ", dims.hq, " must be divisible by the ",
-                          ranks, " Ulysses ranks (each rank takes Hq/P heads)");
-  return "";
+  const std::string e = ulysses_heads_rule(dims.hq, ranks);
+  return e.empty() ? e : detail::concat(who, ": ", e);
 }
 
 std::vector<int64_t> signature_of(const Dims& dims, const StrategyOptions& options) {

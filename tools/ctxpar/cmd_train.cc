@@ -73,6 +73,8 @@ int cmd_train(int argc, char** argv) {
       .add("ulysses-degree", "0", "hybrid: ranks per Ulysses group (0 = all)")
       .add("layout", "zigzag", "token layout: contiguous | zigzag | striped")
       .add("threads", "1", "BLAS and kernel threads per rank")
+      .add("device", "cpu", "cpu | sim (an asynchronous device simulated on the host: streams on worker threads, random delays; same bits as cpu)")
+      .add("sim-seed", "1", "--device sim: seed of its random delays")
       .add("transport", "auto", "auto | threads | mpi (auto: mpi when started by mpirun)")
       .add("layers", "2", "transformer blocks")
       .add("dim", "64", "model width")
@@ -107,6 +109,8 @@ int cmd_train(int argc, char** argv) {
   c.seed = static_cast<uint64_t>(o.i64("seed"));
   c.strategy = parse_strategy(o.str("strategy"));
   c.ulysses_degree = static_cast<int>(o.i64("ulysses-degree"));
+  c.device.kind = parse_device(o.str("device"));
+  c.device.sim_seed = static_cast<uint64_t>(o.i64("sim-seed"));
   c.layout = parse_layout(o.str("layout"));
   c.threads = static_cast<int>(o.i64("threads"));
   c.model.layers = static_cast<int>(o.i64("layers"));
@@ -133,6 +137,8 @@ int cmd_train(int argc, char** argv) {
   if (transport != "auto" && transport != "threads" && transport != "mpi")
     throw UsageError("--transport must be auto, threads or mpi, got '" + transport + "'");
   const bool use_mpi = transport == "mpi" || (transport == "auto" && launched_by_mpi());
+  if (use_mpi && c.device.kind != DeviceKind::cpu)
+    throw UsageError("--device sim runs on the threads transport only; use --device cpu under mpirun");
   int ranks = use_mpi ? mpi_world().size() : static_cast<int>(o.i64("ranks"));
   if (ranks < 1) throw UsageError("--ranks must be >= 1");
   c.dp = static_cast<int>(o.i64("dp"));
