@@ -173,7 +173,7 @@ class CpuDevice final : public Device {
       if (p.storage == s) p.storage = nullptr;
     try {
       if (s->transfer.valid()) complete(s);
-    } catch (const Error&) {
+    } catch (...) {
       // Freed while unwinding from a failed call: that failure is the one reported.
     }
   }

@@ -22,7 +22,8 @@ void host_add(const TensorView& x, const TensorView& y) {
   for (int64_t i0 = 0; i0 < s[0]; ++i0)
     for (int64_t i1 = 0; i1 < s[1]; ++i1)
       for (int64_t i2 = 0; i2 < s[2]; ++i2)
-        for (int64_t i3 = 0; i3 < s[3]; ++i3) b[y.offset(i0, i1, i2, i3)] += a[x.offset(i0, i1, i2, i3)];
+        for (int64_t i3 = 0; i3 < s[3]; ++i3)
+          b[y.offset(i0, i1, i2, i3)] += a[x.offset(i0, i1, i2, i3)];
 }
 
 void host_fill_zero(const TensorView& t) {

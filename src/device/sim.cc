@@ -331,7 +331,8 @@ class SimDevice final : public Device {
   }
 
   void check_all(int s, uint64_t seq, const std::string& name,
-                 std::initializer_list<TensorView> reads, std::initializer_list<TensorView> writes) {
+                 std::initializer_list<TensorView> reads,
+                 std::initializer_list<TensorView> writes) {
     for (const TensorView& t : reads) check(s, seq, name, t, false);
     for (const TensorView& t : writes) check(s, seq, name, t, true);
   }

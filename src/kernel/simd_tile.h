@@ -1,7 +1,7 @@
 // Private SIMD building blocks of the fast path (Google Highway, static dispatch: the widest
 // target that -march allows, AVX2+FMA on Zen 3, AVX-512 where present):
-//   - gemm_rows: C[M x N] (+)= A[M x K] * B[K x N], A read by broadcast, B by rows of vectors,
-//     register-blocked 4 rows x up to 4 vectors (16 accumulators), the one micro-kernel behind
+//   - gemm_rows: C[M x N] (+)= A[M x K] * B[K x N], register-blocked 6 rows x 4 vectors on
+//     AVX-512, 6 x 2 on AVX2, remainders 4 and 2 rows (see gemm_rows); the one micro-kernel behind
 //     all five products of forward and backward (S = Q K^T, O += P V, dP = dO V^T, ...);
 //   - exp2 over a vector: 2^t for t <= 0 with exact 0 below 2^-126 and for -inf;
 //   - tile packing of K / V (transposed or row-major, zero-padded).

@@ -32,7 +32,8 @@ class RingComm {
  public:
   RingComm(Device& dev, Communicator& comm, size_t bytes, int tag_base)
       : dev_(dev), comm_(comm), bytes_(bytes), tag_base_(tag_base),
-        next_((comm.rank() + 1) % comm.size()), prev_((comm.rank() + comm.size() - 1) % comm.size()) {}
+        next_((comm.rank() + 1) % comm.size()),
+        prev_((comm.rank() + comm.size() - 1) % comm.size()) {}
 
   void send_recv(DeviceBuffer& block, int step) {
     dev_.wait(kCommStream, dev_.record(kComputeStream));

@@ -157,9 +157,10 @@ void ulysses_forward(Communicator& comm, Run& run, const Dims& dims, const Tenso
   DeviceBuffer vf = dev.alloc(size_t(b * t * hk * d) * dtype_size(dims.dtype));
   DeviceBuffer of = dev.alloc(size_t(b * t * hq * d) * dtype_size(dims.out_dtype));
   DeviceBuffer lf = dev.alloc(size_t(b * hq * t) * 4);
-  const TensorView qv = qf.view(dims.dtype, {b, t, hq, d}), kv = kf.view(dims.dtype, {b, t, hk, d}),
-                   vv = vf.view(dims.dtype, {b, t, hk, d}),
-                   ov = of.view(dims.out_dtype, {b, t, hq, d}), lv = lf.view(DType::f32, {b, hq, t});
+  const TensorView qv = qf.view(dims.dtype, {b, t, hq, d});
+  const TensorView kv = kf.view(dims.dtype, {b, t, hk, d}), vv = vf.view(dims.dtype, {b, t, hk, d});
+  const TensorView ov = of.view(dims.out_dtype, {b, t, hq, d});
+  const TensorView lv = lf.view(DType::f32, {b, hq, t});
   for (int i = 0; i < p; ++i) {
     dev.scatter_tokens(kComputeStream, in.view(recv, i, sq), qv, group.index(i));
     dev.scatter_tokens(kComputeStream, in.view(recv, i, sk), kv, group.index(i));
@@ -170,7 +171,8 @@ void ulysses_forward(Communicator& comm, Run& run, const Dims& dims, const Tenso
   inner(qv, kv, vv, group.tokens(), ov, lv);
 
   Sections back;
-  const size_t so = back.add(dims.out_dtype, {b, tl, hq, d}), sl = back.add(DType::f32, {b, hq, tl});
+  const size_t so = back.add(dims.out_dtype, {b, tl, hq, d});
+  const size_t sl = back.add(DType::f32, {b, hq, tl});
   DeviceBuffer send2 = dev.alloc(back.bytes * p), recv2 = dev.alloc(back.bytes * p);
   for (int i = 0; i < p; ++i) {
     dev.gather_tokens(kComputeStream, ov, back.view(send2, i, so), group.index(i));
@@ -224,7 +226,8 @@ void ulysses_backward(Communicator& comm, Run& run, const Dims& dims, const Tens
   const size_t fq = whole.add(es, {b, t, hq, d}), fk = whole.add(es, {b, t, hk, d}),
                fv = whole.add(es, {b, t, hk, d}), fdo = whole.add(eo, {b, t, hq, d}),
                fl = whole.add(DType::f32, {b, hq, t}), fdl = whole.add(DType::f32, {b, hq, t}),
-               fdq = whole.add(DType::f32, {b, t, hq, d}), fdk = whole.add(DType::f32, {b, t, hk, d}),
+               fdq = whole.add(DType::f32, {b, t, hq, d}),
+               fdk = whole.add(DType::f32, {b, t, hk, d}),
                fdv = whole.add(DType::f32, {b, t, hk, d});
   DeviceBuffer full = dev.alloc(whole.bytes);
   auto f = [&](size_t i) { return whole.view(full, 0, i); };
@@ -254,9 +257,10 @@ void ulysses_backward(Communicator& comm, Run& run, const Dims& dims, const Tens
   exchange(dev, comm, send2, recv2, back);
   // Replicated KV heads get a dK/dV part from every rank that read them: summed in rank order,
   // in fp32, so the result is the same run after run.
-  DeviceBuffer dkv32 = dev.alloc(2 * size_t(b * tl * dims.hkv * d) * 4);
+  const size_t kv32_bytes = size_t(b * tl * dims.hkv * d) * 4;
+  DeviceBuffer dkv32 = dev.alloc(2 * kv32_bytes);
   const TensorView dk32 = dkv32.view(DType::f32, {b, tl, dims.hkv, d});
-  const TensorView dv32 = dkv32.view(DType::f32, {b, tl, dims.hkv, d}, size_t(b * tl * dims.hkv * d) * 4);
+  const TensorView dv32 = dkv32.view(DType::f32, {b, tl, dims.hkv, d}, kv32_bytes);
   dev.fill_zero(kComputeStream, flat_f32(dkv32));
   for (int j = 0; j < p; ++j) {
     const int64_t h0 = j * hq;

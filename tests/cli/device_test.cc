@@ -62,7 +62,7 @@ TEST(CliDevice, UlyssesHeadsFollowTheLibrarysRule) {
   const CommandResult bad = run_ctxpar("attention --heads 6 --kv-heads 2 --ranks 4 --strategy "
                                        "ulysses --seq 256 --head-dim 16");
   EXPECT_EQ(bad.exit_code, 2);
-  EXPECT_NE(bad.err.find("--heads (6) must be divisible by 4"), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("needs --heads (6) divisible by 4"), std::string::npos) << bad.err;
 }
 
 }  // namespace

@@ -297,14 +297,15 @@ void validate(const AttentionJob& job) {
       if (P % d == 0) divisors += (divisors.empty() ? "" : ", ") + std::to_string(d);
     CTXPAR_CHECK(u >= 1 && P % u == 0, "--ulysses-degree ", u, " does not divide --ranks ", P,
                  "; use one of ", divisors);
-    if (const std::string rule = ulysses_heads_rule(Hq, int(u)); !rule.empty()) {
+    if (!ulysses_heads_rule(Hq, int(u)).empty()) {
       // The library's rule, in flag names; the largest Ulysses group it allows, for the hint.
       int64_t best = 1;
       for (int64_t d = 1; d <= P; ++d)
         if (P % d == 0 && ulysses_heads_rule(Hq, int(d)).empty()) best = d;
       throw Error(detail::concat(
-          strategy_name(job.strategy), " splits heads across ", u, " ranks: --heads (", Hq,
-          ") must be divisible by ", u, " (", rule, "); use --heads ", (Hq + u - 1) / u * u,
+          strategy_name(job.strategy), " splits heads across ", u, " ranks: needs --heads (", Hq,
+          ") divisible by ", u, " (--kv-heads that do not split are replicated); use --heads ",
+          (Hq + u - 1) / u * u,
           ", or --strategy ring, or --strategy hybrid --ulysses-degree ", best));
     }
   }
