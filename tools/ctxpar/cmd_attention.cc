@@ -38,8 +38,7 @@ Options attention_options() {
       .add("ulysses-degree", "0", "hybrid: ranks per Ulysses group u, must divide P (0 = P)")
       .add("layout", "contiguous",
            "how tokens map to ranks: contiguous | zigzag (T % 2P == 0) | striped")
-      .add("device", "cpu", "cpu | sim (an asynchronous device simulated on the host: streams on worker threads, random delays; same bits as cpu)")
-      .add("sim-seed", "1", "--device sim: seed of its random delays")
+      .add_device()
       .add("transport", "auto", "threads | mpi (auto: mpi under mpirun, else threads)")
       .add("link-gbps", "0", "threads transport: simulated link bandwidth in GB/s (0 = none)")
       .add("link-latency-us", "0", "threads transport: simulated link latency in microseconds")
@@ -120,8 +119,7 @@ AttentionJob job_from(const Options& o) {
   job.strategy = parse_strategy(o.str("strategy"));
   job.ulysses_degree = static_cast<int>(o.i64("ulysses-degree"));
   job.layout = parse_layout(o.str("layout"));
-  job.device.kind = parse_device(o.str("device"));
-  job.device.sim_seed = static_cast<uint64_t>(o.i64("sim-seed"));
+  job.device = device_of(o);
   job.transport = o.str("transport");
   if (job.transport == "auto") job.transport = launched_by_mpi() ? "mpi" : "threads";
   job.ranks = static_cast<int>(o.i64("ranks"));

@@ -73,8 +73,7 @@ int cmd_train(int argc, char** argv) {
       .add("ulysses-degree", "0", "hybrid: ranks per Ulysses group (0 = all)")
       .add("layout", "zigzag", "token layout: contiguous | zigzag | striped")
       .add("threads", "1", "BLAS and kernel threads per rank")
-      .add("device", "cpu", "cpu | sim (an asynchronous device simulated on the host: streams on worker threads, random delays; same bits as cpu)")
-      .add("sim-seed", "1", "--device sim: seed of its random delays")
+      .add_device()
       .add("transport", "auto", "auto | threads | mpi (auto: mpi when started by mpirun)")
       .add("layers", "2", "transformer blocks")
       .add("dim", "64", "model width")
@@ -109,8 +108,7 @@ int cmd_train(int argc, char** argv) {
   c.seed = static_cast<uint64_t>(o.i64("seed"));
   c.strategy = parse_strategy(o.str("strategy"));
   c.ulysses_degree = static_cast<int>(o.i64("ulysses-degree"));
-  c.device.kind = parse_device(o.str("device"));
-  c.device.sim_seed = static_cast<uint64_t>(o.i64("sim-seed"));
+  c.device = device_of(o);
   c.layout = parse_layout(o.str("layout"));
   c.threads = static_cast<int>(o.i64("threads"));
   c.model.layers = static_cast<int>(o.i64("layers"));

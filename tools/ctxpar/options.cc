@@ -167,4 +167,22 @@ std::string Options::help() const {
   return out.str();
 }
 
+Options& Options::add_device() {
+  return add("device", "cpu",
+             "cpu | sim (an asynchronous device simulated on the host: streams on worker threads, "
+             "random delays, race checks; the same bits as cpu; threads transport only)")
+      .add("sim-seed", "1", "--device sim: seed of its random operation delays");
+}
+
+DeviceOptions device_of(const Options& o) {
+  DeviceOptions d;
+  try {
+    d.kind = parse_device(o.str("device"));
+  } catch (const Error& e) {
+    throw UsageError(e.what());
+  }
+  d.sim_seed = static_cast<uint64_t>(o.i64("sim-seed"));
+  return d;
+}
+
 }  // namespace ctxpar::cli

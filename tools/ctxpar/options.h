@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "ctxpar/device.h"
 #include "ctxpar/error.h"
 
 namespace ctxpar::cli {
@@ -25,6 +26,8 @@ class Options {
   // --name (boolean, off by default).
   Options& flag(const std::string& name, const std::string& help);
   Options& example(const std::string& line);
+  // --device cpu | sim and --sim-seed (attention, bench cp, train); read with device_of().
+  Options& add_device();
   // Returns false when --help was given (help already printed to stdout).
   bool parse(int argc, char** argv);
 
@@ -50,5 +53,8 @@ class Options {
   std::map<std::string, std::string> values_;
   std::vector<std::string> examples_;
 };
+
+// The device that --device / --sim-seed ask for (throws UsageError for an unknown one).
+DeviceOptions device_of(const Options& o);
 
 }  // namespace ctxpar::cli
