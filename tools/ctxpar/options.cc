@@ -174,15 +174,4 @@ Options& Options::add_device() {
       .add("sim-seed", "1", "--device sim: seed of its random operation delays");
 }
 
-DeviceOptions device_of(const Options& o) {
-  DeviceOptions d;
-  try {
-    d.kind = parse_device(o.str("device"));
-  } catch (const Error& e) {
-    throw UsageError(e.what());
-  }
-  d.sim_seed = static_cast<uint64_t>(o.i64("sim-seed"));
-  return d;
-}
-
 }  // namespace ctxpar::cli

@@ -55,6 +55,16 @@ class Options {
 };
 
 // The device that --device / --sim-seed ask for (throws UsageError for an unknown one).
-DeviceOptions device_of(const Options& o);
+// Inline: dev/ programs compile options.cc without linking the device layer.
+inline DeviceOptions device_of(const Options& o) {
+  DeviceOptions d;
+  try {
+    d.kind = parse_device(o.str("device"));
+  } catch (const Error& e) {
+    throw UsageError(e.what());
+  }
+  d.sim_seed = static_cast<uint64_t>(o.i64("sim-seed"));
+  return d;
+}
 
 }  // namespace ctxpar::cli
