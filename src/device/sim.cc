@@ -311,23 +311,30 @@ class SimDevice final : public Device {
   }
 
   // Refuses an access that races an earlier one of another stream; records it. Holds mu_.
+  // A refusal also fails the device (its queued work is dropped), so that the rank leaves the
+  // call at once and its peers fail with it instead of waiting for its messages.
   void check(int s, uint64_t seq, const std::string& op, const TensorView& t, bool write) {
     Allocation* a = allocation_of(t);
     if (!a) return;
     if (a->freed)
-      throw Error(detail::concat("sim: '", op, "' on the ", stream_name(Stream{s}),
-                                 " stream uses a buffer that was already freed (a view kept "
-                                 "past its DeviceBuffer)"));
+      refuse(detail::concat("sim: '", op, "' on the ", stream_name(Stream{s}),
+                            " stream uses a buffer that was already freed (a view kept "
+                            "past its DeviceBuffer)"));
     const std::vector<uint64_t>& clock = streams_[s].clock;
     for (const Access& x : a->accesses)
       if (x.stream != s && x.seq > clock[x.stream] && (write || x.write))
-        throw Error(detail::concat(
+        refuse(detail::concat(
             "sim: '", op, "' on the ", stream_name(Stream{s}), " stream ",
             write ? "writes" : "reads", " a buffer that '", x.op, "' on the ",
             stream_name(Stream{x.stream}), " stream ", x.write ? "writes" : "reads",
             ", with no wait in between (a missing Device::wait(", stream_name(Stream{s}),
             ", record(", stream_name(Stream{x.stream}), ")))"));
     a->accesses.push_back({s, seq, write, op});
+  }
+
+  [[noreturn]] void refuse(const std::string& what) {  // caller holds mu_
+    fail(what);
+    throw Error(what);
   }
 
   void check_all(int s, uint64_t seq, const std::string& name,
@@ -355,6 +362,12 @@ class SimDevice final : public Device {
     std::lock_guard lock(mu_);
     check_all(s.index, streams_[s.index].enqueued + 1, name, reads, writes);
     push(s, std::move(op));
+  }
+
+  void fail(const std::string& what) {  // caller holds mu_
+    if (!failed_) error_ = what;
+    failed_ = true;
+    cv_.notify_all();
   }
 
   // Caller holds mu_.
@@ -402,12 +415,6 @@ class SimDevice final : public Device {
   }
 
   // ---- workers --------------------------------------------------------------------------
-
-  void fail(const std::string& what) {  // caller holds mu_
-    if (!failed_) error_ = what;
-    failed_ = true;
-    cv_.notify_all();
-  }
 
   // Completes the transfers that are done (never blocks). Caller holds mu_; it is released
   // while the communicator is asked.

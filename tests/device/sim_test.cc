@@ -47,6 +47,7 @@ TEST(Sim, UsingAFreedBufferIsRefused) {
     EXPECT_NE(std::string(e.what()).find("'copy' on the compute stream uses a buffer that was "
                                          "already freed"), std::string::npos) << e.what();
   }
+  EXPECT_THROW(dev->synchronize(), Error);
 }
 
 // Read after write on another stream with no wait: refused naming both operations.
@@ -62,28 +63,34 @@ TEST(Sim, ReadOfAnotherStreamsWriteWithoutWaitIsRefused) {
                                          "'fill_zero' on the compute stream writes, with no wait"),
               std::string::npos) << e.what();
   }
-  dev->synchronize();
+  // The refusal failed the device: its queued work is dropped and synchronize says why.
+  EXPECT_THROW(dev->synchronize(), Error);
 }
 
 // Reuse: writing a buffer that an operation queued on another stream still reads.
 TEST(Sim, ReuseWhileAnotherStreamReadsIsRefused) {
-  auto dev = sim();
-  DeviceBuffer a = dev->alloc(64), b = dev->alloc(64);
-  dev->fill_zero(kComputeStream, floats(a));
-  dev->wait(kCommStream, dev->record(kComputeStream));
-  dev->copy(kCommStream, floats(a), floats(b));  // ordered after the fill: fine
-  try {
-    dev->fill_zero(kComputeStream, floats(a));  // but the copy may still be reading a
-    FAIL() << "the reuse was not seen";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("'fill_zero' on the compute stream writes a buffer that "
-                                         "'copy' on the comm stream reads"),
-              std::string::npos) << e.what();
+  for (bool with_wait : {false, true}) {
+    auto dev = sim();
+    DeviceBuffer a = dev->alloc(64), b = dev->alloc(64);
+    dev->fill_zero(kComputeStream, floats(a));
+    dev->wait(kCommStream, dev->record(kComputeStream));
+    dev->copy(kCommStream, floats(a), floats(b));  // ordered after the fill: fine
+    if (with_wait) {
+      dev->wait(kComputeStream, dev->record(kCommStream));
+      dev->fill_zero(kComputeStream, floats(a));  // after the copy: fine
+      dev->synchronize();
+      EXPECT_EQ(reinterpret_cast<const float*>(b.data())[0], 0.0f);
+      continue;
+    }
+    try {
+      dev->fill_zero(kComputeStream, floats(a));  // but the copy may still be reading a
+      FAIL() << "the reuse was not seen";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("'fill_zero' on the compute stream writes a buffer "
+                                           "that 'copy' on the comm stream reads"),
+                std::string::npos) << e.what();
+    }
   }
-  dev->wait(kComputeStream, dev->record(kCommStream));
-  dev->fill_zero(kComputeStream, floats(a));  // with the wait: fine
-  dev->synchronize();
-  EXPECT_EQ(reinterpret_cast<const float*>(b.data())[0], 0.0f);
 }
 
 // A waited-for event orders the streams transitively: compute -> comm -> compute.
