@@ -41,6 +41,15 @@ def read_safetensors(path):
     header = json.loads(blob[8:8 + n])
     meta = header.pop("__metadata__", {})
     base = 8 + n
+    if "checksum" in meta:  # docs/training.md, "Checksum": recomputed independently here
+        rest = {k: v for k, v in meta.items() if k != "checksum"}
+        summed = dict(header, **({"__metadata__": rest} if rest else {}))
+        h = 0xcbf29ce484222325
+        for byte in json.dumps(summed, sort_keys=True, separators=(",", ":"),
+                               ensure_ascii=False).encode() + blob[base:]:
+            h = ((h ^ byte) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+        if meta["checksum"] != f"fnv1a64:{h:016x}":
+            sys.exit(f"{path}: checksum {meta['checksum']} but the bytes give fnv1a64:{h:016x}")
     tensors = {}
     for name, t in header.items():
         a, b = t["data_offsets"]

@@ -183,6 +183,11 @@ bool launched_by_mpi();
 // Initialises MPI (MPI_Init_thread, MPI_THREAD_FUNNELED) once and returns the world
 // communicator; finalised at exit. Throws if ctxpar was built without MPI.
 Communicator& mpi_world();
+// Wraps a communicator MPI was already initialised with (mpi4py's MPI.COMM_WORLD, ...):
+// `mpi_comm` points to an MPI_Comm handle (mpi4py: MPI._addressof(comm)). The handle is
+// duplicated, so the caller's communicator sees none of ctxpar's traffic. Throws if MPI is not
+// initialised, or if ctxpar was built without MPI.
+std::unique_ptr<Communicator> mpi_wrap(const void* mpi_comm);
 // Runs fn on this process's rank of MPI_COMM_WORLD; an exception prints
 // "ctxpar: rank R failed: ..." to stderr and aborts the whole job (MPI_Abort), so no rank
 // waits forever.

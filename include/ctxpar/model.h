@@ -70,10 +70,32 @@ struct StepRecord {
 };
 
 struct TrainResult {
+  // Empty when the checkpoint resumed from is already at config.steps or past it (nothing
+  // was trained; first_step is then its step + 1).
   std::vector<StepRecord> steps;
   std::vector<float> weights;   // final weights, flat, in parameter order
   int64_t first_step = 1;
 };
+
+// What one rank of a training run holds, estimated from the config alone (nothing is
+// allocated), in bytes; doubles, so an absurd config gives a huge figure rather than an
+// overflow. See docs/training.md, "Memory".
+struct TrainMemory {
+  double params = 0;       // parameter count
+  double state = 0;        // weights, gradients, Adam m and v: 16 bytes a parameter
+  double activations = 0;  // the model's activations and scratch for B x T/cp tokens, plus the
+                           // strategy's K/V buffers
+  double data = 0;         // the batch (3 bytes a token of B x T), the --data file (read whole
+                           // by every rank) and, on --resume, the checkpoint file read whole
+  double total() const { return state + activations + data; }
+};
+TrainMemory estimate_train_memory(const TrainConfig& config);
+// MemAvailable from /proc/meminfo in bytes; a negative figure where it cannot be read.
+double available_memory_bytes();
+// Throws ctxpar::Error when `ranks_here` ranks of this config (the ranks sharing this machine's
+// memory) need more than `available` bytes, with the figures and the options to lower.
+// available < 0: no check.
+void check_train_memory(const TrainConfig& config, int ranks_here, double available);
 
 // OpenBLAS threads for the whole process (a global setting: call it before starting ranks).
 void set_blas_threads(int threads);

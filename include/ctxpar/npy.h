@@ -65,5 +65,10 @@ void write_npy(const std::string& path, std::span<const int32_t> values, const S
 // partial one. Throws ctxpar::Error naming the path and the system error.
 void write_file_atomic(const std::string& path, std::span<const uint8_t> bytes);
 void write_file_atomic(const std::string& path, const std::string& text);
+// The same for a file made of several pieces, written in order (no concatenated copy): a
+// checkpoint's header and tensors. The temporary is created exclusively (mkstemp), so a file
+// or link planted at a guessable name is never written through, and two writers of one path
+// never share a temporary.
+void write_file_atomic(const std::string& path, std::span<const std::span<const uint8_t>> pieces);
 
 }  // namespace ctxpar

@@ -355,6 +355,19 @@ Communicator& mpi_world() {
   return *g_world;
 }
 
+std::unique_ptr<Communicator> mpi_wrap(const void* mpi_comm) {
+  using namespace comm_detail;
+  CTXPAR_CHECK(mpi_comm != nullptr, "mpi_wrap: null MPI_Comm pointer");
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  CTXPAR_CHECK(initialized && !mpi_finalized(),
+               "mpi_wrap: MPI is not initialised (or already finalised); initialise it first "
+               "(e.g. `from mpi4py import MPI`)");
+  MPI_Comm dup = MPI_COMM_NULL;
+  mpi_check(MPI_Comm_dup(*static_cast<const MPI_Comm*>(mpi_comm), &dup), "MPI_Comm_dup");
+  return std::make_unique<MpiCommunicator>(dup);
+}
+
 void run_mpi(const std::function<void(Communicator&)>& fn) {
   std::string error;
   try {

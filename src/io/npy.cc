@@ -481,6 +481,10 @@ void write_npy(const std::string& path, std::span<const int32_t> values, const S
 }
 
 void write_file_atomic(const std::string& path, std::span<const uint8_t> bytes) {
+  write_file_atomic(path, std::span<const std::span<const uint8_t>>(&bytes, 1));
+}
+
+void write_file_atomic(const std::string& path, std::span<const std::span<const uint8_t>> pieces) {
   // The temporary lives in the same directory so that rename() is atomic (same filesystem).
   std::string tmpl = path + ".tmp.XXXXXX";
   int fd = mkstemp(tmpl.data());
@@ -491,12 +495,14 @@ void write_file_atomic(const std::string& path, std::span<const uint8_t> bytes) 
     unlink(tmpl.c_str());
     fail(path, std::string(what) + ": " + std::strerror(err));
   };
-  size_t off = 0;
-  while (off < bytes.size()) {
-    ssize_t n = write(fd, bytes.data() + off, bytes.size() - off);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) give_up("write failed");
-    off += static_cast<size_t>(n);
+  for (std::span<const uint8_t> bytes : pieces) {
+    size_t off = 0;
+    while (off < bytes.size()) {
+      ssize_t n = write(fd, bytes.data() + off, bytes.size() - off);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) give_up("write failed");
+      off += static_cast<size_t>(n);
+    }
   }
   // mkstemp makes 0600; a result file should be as readable as any other the user creates.
   const mode_t mask = umask(0);

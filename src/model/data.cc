@@ -10,8 +10,12 @@
 // on it: loss log(128) once it knows the copy uses the upper half, 1/128 accuracy. The block's
 // bytes are distinct, so "find where the current byte appeared in the block and read the
 // next one" (an induction head) answers exactly; the filler cannot be confused with it.
-#include <fstream>
-#include <iterator>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include "ctxpar/error.h"
 #include "model/training.h"
@@ -29,6 +33,33 @@ struct Rng {  // splitmix64: small, portable, reproducible everywhere
   }
   uint32_t below(uint32_t n) { return static_cast<uint32_t>(next() % n); }
 };
+
+// Reads a regular file whole, exactly the size it had when opened. Anything else is refused
+// before a byte is read: /dev/zero would grow without bound, a FIFO would block (hence
+// O_NONBLOCK on the open), a folder has no bytes. The file's size is in the memory estimate
+// (estimate_train_memory), so a file too large for this machine is refused there.
+void read_data_file(const std::string& path, std::vector<uint8_t>& bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  CTXPAR_CHECK(fd >= 0, "train: cannot open --data ", path, ": ", std::strerror(errno));
+  struct stat st = {};
+  const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+  if (!regular) ::close(fd);
+  CTXPAR_CHECK(regular, "train: --data ", path, " is not a regular file (a device, FIFO or "
+               "folder); --data reads a file's bytes, so save the stream to a file first");
+  bytes.resize(size_t(st.st_size));
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::read(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    const int err = errno;
+    if (n <= 0) ::close(fd);
+    CTXPAR_CHECK(n >= 0, "train: reading --data ", path, " failed: ", std::strerror(err));
+    CTXPAR_CHECK(n > 0, "train: --data ", path, " shrank while being read (", done, " of ",
+                 bytes.size(), " bytes); is another process writing it?");
+    done += size_t(n);
+  }
+  ::close(fd);
+}
 }  // namespace
 
 DataSource::DataSource(const TrainConfig& config) : config_(config) {
@@ -36,9 +67,7 @@ DataSource::DataSource(const TrainConfig& config) : config_(config) {
   CTXPAR_CHECK(t >= 8, "train: --seq must be >= 8, got ", t);
   CTXPAR_CHECK(config.batch >= 1, "train: --batch must be >= 1, got ", config.batch);
   if (!config.data_path.empty()) {
-    std::ifstream in(config.data_path, std::ios::binary);
-    CTXPAR_CHECK(in.good(), "train: cannot open --data ", config.data_path);
-    bytes_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    read_data_file(config.data_path, bytes_);
     CTXPAR_CHECK(int64_t(bytes_.size()) >= t + 1, "train: --data ", config.data_path, " has ",
                  bytes_.size(), " bytes; one sequence of --seq ", t, " needs ", t + 1,
                  " (use a shorter --seq or a larger file)");

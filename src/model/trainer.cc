@@ -9,9 +9,13 @@
 // over the data groups. Every rank then applies the same AdamW update to identical gradients.
 #include <cblas.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
+#include <cstring>
 #include <nlohmann/json.hpp>
 
 #include "ctxpar/error.h"
@@ -26,6 +30,45 @@ void set_blas_threads(int threads) { openblas_set_num_threads(threads < 1 ? 1 : 
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// The --log file. Every write is checked (a full disk fails the run naming the file, instead
+// of an exit 0 behind an empty log); each line is flushed so a killed run keeps its log; close()
+// makes it durable.
+class LogFile {
+ public:
+  void open(const std::string& path, bool append) {
+    path_ = path;
+    f_ = std::fopen(path.c_str(), append ? "a" : "w");
+    if (!f_) fail("opening");
+  }
+  bool is_open() const { return f_ != nullptr; }
+  void write_line(const std::string& line) {
+    if (std::fputs(line.c_str(), f_) < 0 || std::fputc('\n', f_) < 0 || std::fflush(f_) != 0)
+      fail("writing");
+  }
+  void close() {
+    if (!f_) return;
+    struct stat st = {};
+    // fsync of a regular file only: a terminal or a pipe cannot be synced (EINVAL).
+    const bool regular = ::fstat(fileno(f_), &st) == 0 && S_ISREG(st.st_mode);
+    if (std::fflush(f_) != 0 || (regular && ::fsync(fileno(f_)) != 0)) fail("writing");
+    FILE* f = f_;
+    f_ = nullptr;
+    if (std::fclose(f) != 0) fail("closing");
+  }
+  ~LogFile() {
+    if (f_) std::fclose(f_);
+  }
+
+ private:
+  [[noreturn]] void fail(const char* what) {
+    const int err = errno;
+    throw Error(detail::concat("train: ", what, " --log ", path_, " failed: ", std::strerror(err),
+                               " (errno ", err, "); free space there or give another --log path"));
+  }
+  std::string path_;
+  FILE* f_ = nullptr;
+};
 
 void dump_step(const TrainConfig& config, const model::Batch& batch,
                const std::vector<float>& weights, const std::vector<float>& grads, double loss,
@@ -99,11 +142,8 @@ TrainResult train(Communicator& world, const TrainConfig& config,
   model::Transformer net(config.model, *strategy, layout.token_positions(crank), nb);
   std::vector<uint8_t> inputs(nb * tl), labels(nb * tl), weight(nb * tl);
 
-  std::ofstream log;
-  if (leader && !config.log_path.empty()) {
-    log.open(config.log_path, first > 1 ? std::ios::app : std::ios::trunc);
-    CTXPAR_CHECK(log.good(), "train: cannot write --log ", config.log_path);
-  }
+  LogFile log;
+  if (leader && !config.log_path.empty()) log.open(config.log_path, first > 1);
 
   TrainResult result;
   result.first_step = first;
@@ -167,7 +207,7 @@ TrainResult train(Communicator& world, const TrainConfig& config,
                           {"peak_bytes_max", rec.peak_bytes_max},
                           {"seq", config.seq},
                           {"ranks", world.size()}};
-      log << j.dump() << "\n" << std::flush;
+      log.write_line(j.dump());
     }
     const bool save_now = !config.save_path.empty() &&
                           ((config.save_every > 0 && step % config.save_every == 0) ||
@@ -175,6 +215,7 @@ TrainResult train(Communicator& world, const TrainConfig& config,
     if (leader && save_now) model::save_checkpoint(config.save_path, config, weights, adam);
     if (on_step) on_step(rec);
   }
+  log.close();
   result.weights = std::move(weights);
   return result;
 }

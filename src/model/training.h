@@ -1,5 +1,5 @@
 // The pieces of the training loop around the model: optimiser (adamw.cc), data (data.cc),
-// checkpoints (checkpoint.cc).
+// checkpoints (safetensors.cc, checkpoint.cc) and the memory estimate (train_memory.cc).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -48,7 +48,7 @@ class DataSource {
   int64_t copy_len_ = 0;
 };
 
-// ---- checkpoint.cc: safetensors -------------------------------------------------------------
+// ---- safetensors.cc -------------------------------------------------------------------------
 struct NamedTensor {
   std::string name;
   std::string dtype;              // "F32" | "U8"
@@ -56,8 +56,10 @@ struct NamedTensor {
   const void* data = nullptr;
   size_t bytes = 0;
 };
-// Writes path atomically: path.tmp, fsync, rename, fsync of the folder; an existing file at
-// path stays intact until the new one is complete.
+// Writes path atomically: an exclusively created temporary beside it (never a planted file or
+// link; two writers never share one), fsync, rename, fsync of the folder; an existing file at
+// path stays intact until the new one is complete. Adds __metadata__["checksum"] (FNV-1a 64 of
+// the header and the data section; see safetensors.cc).
 void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
                        const std::map<std::string, std::string>& metadata);
 
@@ -69,13 +71,19 @@ struct LoadedTensor {
 struct SafetensorsFile {
   std::map<std::string, std::string> metadata;
   std::map<std::string, LoadedTensor> tensors;
+  bool checksummed = false;  // the file had a checksum, and it matched
 };
-// Throws ctxpar::Error for a missing, truncated or malformed file, naming what is wrong.
+// Throws ctxpar::Error for a missing, truncated, malformed or corrupt file, naming what is
+// wrong: not a regular file, a header length past the file, a byte range that is not exactly
+// dtype x shape, ranges that do not tile the data section, a checksum that does not match.
 SafetensorsFile read_safetensors(const std::string& path);
 
+// ---- checkpoint.cc --------------------------------------------------------------------------
 void save_checkpoint(const std::string& path, const TrainConfig& config,
                      const std::vector<float>& weights, const AdamState& adam);
-// Refuses (ctxpar::Error) a checkpoint of another model config, with both configs in the message.
+// Refuses (ctxpar::Error) a checkpoint of another model config, with both configs in the
+// message; one without a checksum (unless it predates them), a step that is not a non-negative
+// integer, non-finite values or a negative Adam second moment, naming the tensor.
 void load_checkpoint(const std::string& path, const TrainConfig& config,
                      std::vector<float>& weights, AdamState& adam);
 

@@ -1,70 +1,33 @@
 // Checkpoints: a resumed run continues with exactly the losses of an uninterrupted one; a
 // truncated checkpoint, or one from another model config, is refused with a clear message;
-// the file is valid safetensors (header length, JSON, 8-byte aligned data).
+// the file is valid safetensors (header length, JSON, 8-byte aligned data); the writer never
+// writes through a planted link, and concurrent writers of one path leave one whole file.
+// Crafted and corrupt files: checkpoint_file_test.cc.
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
-#include <mutex>
+#include <cstring>
+#include <thread>
 
 #include "ctxpar/comm.h"
 #include "ctxpar/model.h"
+#include "model/train_support.h"
 #include "model/training.h"
 
 namespace ctxpar {
 namespace {
 
 namespace fs = std::filesystem;
-
-TrainConfig small() {
-  TrainConfig c;
-  c.model.layers = 1;
-  c.model.dim = 32;
-  c.model.heads = 2;
-  c.model.kv_heads = 1;
-  c.model.head_dim = 16;
-  c.model.hidden = 40;
-  c.seq = 32;
-  c.batch = 2;
-  c.steps = 10;
-  c.warmup = 2;
-  c.copy_len = 8;
-  return c;
-}
+using test::small_train_config;
+using Checkpoint = test::TempDirTest;
 
 std::vector<StepRecord> run(const TrainConfig& c, int ranks,
                             const std::function<void(const StepRecord&)>& on_step = {}) {
-  std::vector<StepRecord> out;
-  std::mutex mu;
-  run_threads(ranks, [&](Communicator& comm) {
-    TrainResult r = train(comm, c, comm.rank() == 0 ? on_step : nullptr);
-    std::lock_guard<std::mutex> lock(mu);
-    if (comm.rank() == 0) out = r.steps;
-  });
-  return out;
+  return test::run_train(c, ranks, on_step);
 }
-
-std::string error_of(const TrainConfig& c, int ranks) {
-  try {
-    run(c, ranks);
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
-class Checkpoint : public ::testing::Test {
- protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("ctxpar_ckpt_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-  fs::path dir_;
-};
+std::string error_of(const TrainConfig& c, int ranks) { return test::train_error(c, ranks); }
+TrainConfig small() { return small_train_config(); }
 
 TEST_F(Checkpoint, ResumeGivesTheLossesOfAnUninterruptedRun) {
   TrainConfig c = small();
@@ -92,6 +55,24 @@ TEST_F(Checkpoint, ResumeGivesTheLossesOfAnUninterruptedRun) {
     EXPECT_EQ(resumed2[i].loss, whole[4 + i].loss) << "same mesh: bitwise, step " << 5 + i;
 }
 
+// A checkpoint already at --steps (or past it): nothing is trained, and the result says so
+// (no step records) rather than reporting a loss.
+TEST_F(Checkpoint, ResumeAtOrPastStepsTrainsNothing) {
+  TrainConfig c = small();
+  c.steps = 3;
+  c.save_path = path("ck.safetensors");
+  run(c, 1);
+  for (int64_t steps : {3, 2}) {
+    TrainConfig r = small();
+    r.steps = steps;
+    r.resume_path = c.save_path;
+    TrainResult result;
+    run_threads(1, [&](Communicator& comm) { result = train(comm, r); });
+    EXPECT_TRUE(result.steps.empty()) << "--steps " << steps;
+    EXPECT_EQ(result.first_step, 4) << "--steps " << steps;
+  }
+}
+
 TEST_F(Checkpoint, TruncatedFileIsRefused) {
   TrainConfig c = small();
   c.steps = 2;
@@ -106,7 +87,58 @@ TEST_F(Checkpoint, TruncatedFileIsRefused) {
     const std::string e = error_of(r, 1);
     EXPECT_NE(e.find("truncated"), std::string::npos) << "cut at " << cut << ": " << e;
   }
-  EXPECT_FALSE(fs::exists(c.save_path + ".tmp"));
+  for (const auto& e : fs::directory_iterator(dir_))  // no temporary left behind
+    EXPECT_EQ(e.path().string().find(".tmp"), std::string::npos) << e.path();
+}
+
+// A link planted where a predictable temporary name would be: the writer must neither write
+// through it nor fail because of it.
+TEST_F(Checkpoint, LinkPlantedAtTheTemporaryNameIsNotFollowed) {
+  const std::string victim = path("victim.txt");
+  std::ofstream(victim) << "precious";
+  TrainConfig c = small();
+  c.steps = 2;
+  c.save_path = path("ck.safetensors");
+  fs::create_symlink(victim, c.save_path + ".tmp");
+  run(c, 1);
+  std::ifstream in(victim);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(text == "precious") << "the link's target was overwritten (" << text.size()
+                                  << " bytes now)";
+  EXPECT_TRUE(fs::is_symlink(c.save_path + ".tmp"));
+  EXPECT_EQ(model::read_safetensors(c.save_path).metadata.at("step"), "2");
+}
+
+// Two writers of one path (two runs with the same --save): every save succeeds, and the file
+// is always one writer's whole checkpoint, never a mix.
+TEST_F(Checkpoint, ConcurrentWritersOfOnePathLeaveOneWholeFile) {
+  const std::string target = path("ck.safetensors");
+  const size_t n = 64 * 1024;  // floats per writer: big enough that writes interleave
+  std::vector<std::vector<float>> payload = {std::vector<float>(n, 1.0f),
+                                             std::vector<float>(n, 2.0f)};
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> writers;
+  for (int w = 0; w < 2; ++w)
+    writers.emplace_back([&, w] {
+      try {
+        for (int i = 0; i < 20; ++i)
+          model::write_safetensors(target, {{"x", "F32", {int64_t(n)}, payload[w].data(), n * 4}},
+                                   {{"writer", std::to_string(w)}});
+      } catch (const std::exception& e) {
+        errors[w] = e.what();
+      }
+    });
+  for (auto& t : writers) t.join();
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+  const auto f = model::read_safetensors(target);  // checks ranges and the checksum
+  EXPECT_TRUE(f.checksummed);
+  const int w = std::stoi(f.metadata.at("writer"));
+  const auto& bytes = f.tensors.at("x").bytes;
+  ASSERT_EQ(bytes.size(), n * 4);
+  EXPECT_EQ(std::memcmp(bytes.data(), payload[w].data(), n * 4), 0) << "a mix of both writers";
+  for (const auto& e : fs::directory_iterator(dir_))
+    EXPECT_EQ(e.path().filename(), "ck.safetensors") << "left behind";
 }
 
 TEST_F(Checkpoint, OtherModelConfigIsRefused) {

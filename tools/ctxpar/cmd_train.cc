@@ -1,11 +1,16 @@
 // ctxpar train: train a byte-level transformer whose attention is context-parallel.
 // See docs/training.md.
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "commands.h"
 #include "ctxpar/comm.h"
@@ -13,11 +18,15 @@
 #include "options.h"
 #include "progress.h"
 
+extern char** environ;
+
 namespace ctxpar::cli {
 
 namespace {
 
-// Draws the loss and accuracy curves of a JSON-lines log with matplotlib.
+// Draws the loss and accuracy curves of a JSON-lines log with matplotlib. The paths reach
+// Python as argument strings (sys.argv), never through a shell: a file name may hold quotes,
+// $(...) or spaces and is still only a file name.
 void plot_loss(const std::string& log_path, const std::string& png_path) {
   const char* script =
       "import json,sys,math\n"
@@ -33,18 +42,34 @@ void plot_loss(const std::string& log_path, const std::string& png_path) {
       "ax[1].plot(s,[r['accuracy'] for r in rs],c='C1')\n"
       "ax[1].set_xlabel('step'); ax[1].set_ylabel('accuracy on counted tokens')\n"
       "t=rs[-1]; fig.suptitle('ctxpar train: T=%d, %d ranks'%(t.get('seq',0),t.get('ranks',1)))\n"
-      "fig.tight_layout(); fig.savefig(sys.argv[2],dpi=100)\n";
-  std::string cmd = "/usr/bin/python3 - '" + log_path + "' '" + png_path + "'";
-  FILE* p = popen(cmd.c_str(), "w");
-  if (!p) {
-    std::fprintf(stderr, "ctxpar train: could not start /usr/bin/python3 for the plot\n");
+      "fig.tight_layout(); fig.savefig(sys.argv[2],dpi=100,format='png')\n";
+  const char* python = "/usr/bin/python3";
+  // python3 -c SCRIPT A B: sys.argv is ['-c', A, B]; nothing after -c SCRIPT is an option.
+  std::vector<char*> argv = {const_cast<char*>(python), const_cast<char*>("-c"),
+                             const_cast<char*>(script), const_cast<char*>(log_path.c_str()),
+                             const_cast<char*>(png_path.c_str()), nullptr};
+  std::fflush(stdout);  // our lines before Python's, when stdout is a file
+  pid_t pid = -1;
+  if (posix_spawn(&pid, python, nullptr, nullptr, argv.data(), environ) != 0) {
+    std::fprintf(stderr, "ctxpar train: could not start %s for the plot\n", python);
     return;
   }
-  std::fputs(script, p);
-  if (pclose(p) != 0)
-    std::fprintf(stderr, "ctxpar train: plotting failed (needs matplotlib under /usr/bin/python3)\n");
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    std::fprintf(stderr, "ctxpar train: plotting failed (see above; needs matplotlib under "
+                 "%s)\n", python);
   else
     std::printf("loss curve: %s\n", png_path.c_str());
+}
+
+// Ranks of this job on this machine: they share its memory. OpenMPI and MPICH say how many.
+int ranks_on_this_machine(bool use_mpi, int ranks) {
+  if (!use_mpi) return ranks;
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"})
+    if (const char* v = std::getenv(var)) return std::max(1, std::atoi(v));
+  return 1;
 }
 
 std::string human_bytes(double b) {
@@ -146,6 +171,8 @@ int cmd_train(int argc, char** argv) {
                      "), got " + std::to_string(c.dp) + " x " + std::to_string(c.cp));
   // One BLAS thread per rank unless told: ranks already fill the cores.
   set_blas_threads(c.threads);
+  c.model.validate();
+  check_train_memory(c, ranks_on_this_machine(use_mpi, ranks), available_memory_bytes());
 
   const bool quiet = o.on("quiet");
   const bool tty = isatty(fileno(stderr));
@@ -165,11 +192,13 @@ int cmd_train(int argc, char** argv) {
     std::fflush(stdout);
     bar->set_done(r.step);
   };
+  int64_t first_step = 1;
   auto body = [&](Communicator& comm) {
     const bool leader = comm.rank() == 0;
-    train(comm, c, [&](const StepRecord& r) {
+    const TrainResult result = train(comm, c, [&](const StepRecord& r) {
       if (leader) on_step(r);
     });
+    if (leader) first_step = result.first_step;
   };
   if (!quiet)
     std::printf("ctxpar train: T=%lld, %d ranks (dp %d x cp %d, %s, %s, %s), model %s, %s\n",
@@ -180,6 +209,14 @@ int cmd_train(int argc, char** argv) {
   else run_threads(ranks, body);
   const bool leader = !use_mpi || mpi_world().rank() == 0;
   if (bar) bar->finish();
+  if (first_step > c.steps) {
+    // Nothing was trained, so there is no loss to report and nothing new to save or plot.
+    if (leader)
+      std::printf("ctxpar train: checkpoint %s is already at step %lld >= --steps %lld: nothing "
+                  "to train (raise --steps above %lld to continue)\n", c.resume_path.c_str(),
+                  (long long)(first_step - 1), (long long)c.steps, (long long)(first_step - 1));
+    return 0;
+  }
   if (leader && !quiet)
     std::printf("done: final loss %.4f (log 256 = %.4f), long-range accuracy %.3f, %.0f tok/s "
                 "mean (after step 1), peak %s/rank\n",

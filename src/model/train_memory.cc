@@ -1,0 +1,101 @@
+// How much memory a training run needs, from the config alone, so that `--layers 100000` is
+// refused with the figure before anything is allocated rather than found by the OOM killer.
+//
+// The activation term mirrors the buffers Transformer allocates (transformer.cc), the strategy
+// term is fitted to the peaks the strategies report; the test
+// TrainMemory.ActivationEstimateBoundsTheMeasuredPeak holds both to what a step really holds.
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "ctxpar/error.h"
+#include "ctxpar/model.h"
+
+namespace ctxpar {
+
+namespace {
+
+double file_bytes(const std::string& path) {
+  struct stat st = {};
+  return !path.empty() && ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)
+             ? double(st.st_size)
+             : 0.0;
+}
+
+std::string human(double bytes) {
+  const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 6) bytes /= 1024, ++u;
+  char buf[48];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", bytes, units[u]);
+  return buf;
+}
+
+std::string params_text(double n) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.3g", n);
+  return buf;
+}
+
+}  // namespace
+
+TrainMemory estimate_train_memory(const TrainConfig& config) {
+  const ModelConfig& m = config.model;
+  const double c = m.dim, f = m.hidden, v = m.vocab, h = m.heads;
+  const double qw = h * m.head_dim, kvw = double(m.kv_heads) * m.head_dim;
+  const double cp = config.cp > 0 ? config.cp : 1;
+  const double t = double(config.seq), b = double(config.batch), tl = t / cp, n = b * tl;
+  TrainMemory out;
+  // param_infos, as arithmetic: embed [V, C], per block two norms, wq, wk, wv, wo and the
+  // three MLP matrices, the final norm.
+  out.params = v * c + double(m.layers) * (2 * c + 2 * qw * c + 2 * kvw * c + 3 * f * c) + c;
+  out.state = 16 * out.params;
+  // Per block: x_in, xn1, x_mid, xn2 [N, C]; rstd1, rstd2 [N]; q, att [N, qw]; k, v [N, kvw];
+  // lse [B, H, Tl]; h1, h3, g [N, F]. Once: x, xf, xnf, dx, dxn, tmp [N, C]; rstdf [N];
+  // logits [N, V]; dg, dh1, dh3 [N, F]; datt, dq [N, qw]; dk, dv [N, kvw]; RoPE cos and sin.
+  const double per_block = n * (4 * c + 2 + 2 * qw + 2 * kvw + h + 3 * f);
+  const double once = n * (6 * c + 1 + v + 3 * f + 2 * qw + 2 * kvw) + tl * m.head_dim;
+  // Strategy buffers, in floats: a multiple of the whole sequence's q, k and v, the multiple
+  // fitted to the peaks the strategies report (StrategyStats::peak_bytes) at cp 2 and 4 with a
+  // margin: ring and allgather up to 1.53x, ulysses and hybrid up to 4.05x at cp 2, 2.02x at
+  // cp 4. Ring holds more than its own block on the threads transport (forwarded blocks are
+  // shared, kept by their final owner).
+  const double qkv = b * t * (qw + 2 * kvw);
+  const bool heads_split = config.strategy == StrategyKind::ulysses ||
+                           config.strategy == StrategyKind::hybrid;
+  const double strategy = heads_split ? 4.5 * qkv * 2 / std::max(2.0, cp) : 1.6 * qkv;
+  out.activations = 4 * (double(m.layers) * per_block + once + strategy);
+  out.data = 3 * b * t + 3 * n + file_bytes(config.data_path) + file_bytes(config.resume_path);
+  return out;
+}
+
+double available_memory_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  std::string unit;
+  while (in >> key >> kib) {
+    std::getline(in, unit);
+    if (key == "MemAvailable:") return kib * 1024.0;
+  }
+  return -1.0;
+}
+
+void check_train_memory(const TrainConfig& config, int ranks_here, double available) {
+  if (available < 0) return;
+  const TrainMemory need = estimate_train_memory(config);
+  const double total = need.total() * ranks_here;
+  CTXPAR_CHECK(total <= available, "train: this run needs about ", human(total), " of memory (",
+               ranks_here, " rank(s) on this machine, ", human(need.total()), " each) and ",
+               human(available), " is available (MemAvailable). Per rank:\n  ",
+               human(need.state), " weights, gradients and Adam moments (",
+               params_text(need.params), " parameters: lower --layers, --dim, --hidden or "
+               "--heads)\n  ", human(need.activations), " activations (lower --seq or --batch, "
+               "or spread them over more ranks with --cp on more machines)\n  ",
+               human(need.data), " data (the batch, --data and --resume files, read whole)");
+}
+
+}  // namespace ctxpar

@@ -1,0 +1,80 @@
+// The memory estimate that lets `ctxpar train` refuse a run before allocating it, held against
+// what the model really allocates (Transformer::peak_bytes, counted from its buffers) and
+// param_infos' count.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "ctxpar/comm.h"
+#include "ctxpar/model.h"
+#include "model/params.h"
+#include "model/train_support.h"
+
+namespace ctxpar {
+namespace {
+
+TEST(TrainMemory, ParameterCountIsParamInfos) {
+  TrainConfig c = test::small_train_config();
+  for (int layers : {1, 3}) {
+    c.model.layers = layers;
+    c.model.hidden = 40 + layers;
+    EXPECT_EQ(estimate_train_memory(c).params,
+              double(model::param_count(model::param_infos(c.model))));
+    EXPECT_EQ(estimate_train_memory(c).state, 16 * estimate_train_memory(c).params);
+  }
+}
+
+// The activation estimate must not fall below what a step really holds (or the check would
+// pass runs that do not fit), nor be far above it (or it would refuse runs that do).
+TEST(TrainMemory, ActivationEstimateBoundsTheMeasuredPeak) {
+  TrainConfig c = test::small_train_config();
+  c.model.layers = 2;
+  c.model.heads = 4;
+  c.model.kv_heads = 2;  // ulysses and hybrid split heads over cp
+  c.seq = 128;
+  c.steps = 1;
+  for (int cp : {2, 4}) {
+    for (StrategyKind s : {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses,
+                           StrategyKind::hybrid}) {
+      c.cp = cp;
+      c.strategy = s;
+      const double measured = double(test::run_train(c, cp).at(0).peak_bytes_max);
+      const double estimate = estimate_train_memory(c).activations;
+      EXPECT_GE(estimate, measured) << strategy_name(s) << " cp " << cp;
+      EXPECT_LE(estimate, 1.5 * measured) << strategy_name(s) << " cp " << cp;
+    }
+  }
+}
+
+TEST(TrainMemory, DataAndCheckpointFilesAreCounted) {
+  TrainConfig c = test::small_train_config();
+  const double without = estimate_train_memory(c).data;
+  const std::string file = ::testing::TempDir() + "ctxpar_memory_data.bin";
+  std::ofstream(file, std::ios::binary) << std::string(1 << 20, 'x');
+  c.data_path = file;
+  EXPECT_EQ(estimate_train_memory(c).data, without + (1 << 20));
+  c.resume_path = file;
+  EXPECT_EQ(estimate_train_memory(c).data, without + 2 * (1 << 20));
+  std::remove(file.c_str());
+}
+
+TEST(TrainMemory, TooBigARunIsRefusedWithTheFigureAndWhatToLower) {
+  TrainConfig c = test::small_train_config();
+  const double gib = double(1ull << 30);
+  EXPECT_NO_THROW(check_train_memory(c, 4, 16 * gib));
+  EXPECT_NO_THROW(check_train_memory(c, 4, -1));  // unknown: no check
+  c.model.layers = 100000;  // ~4e9 parameters: 16 bytes each, per rank
+  try {
+    check_train_memory(c, 4, 16 * gib);
+    FAIL() << "not refused";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("and 16.0 GiB is available"), std::string::npos) << m;
+    EXPECT_NE(m.find("(4 rank(s) on this machine,"), std::string::npos) << m;
+    EXPECT_NE(m.find("lower --layers"), std::string::npos) << m;
+  }
+  EXPECT_GT(available_memory_bytes(), 0.0) << "MemAvailable not read from /proc/meminfo";
+}
+
+}  // namespace
+}  // namespace ctxpar

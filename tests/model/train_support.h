@@ -1,0 +1,32 @@
+// What the training tests share: a small config that trains in milliseconds, running it on
+// the threads transport, and a fresh folder per test.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "ctxpar/model.h"
+
+namespace ctxpar::test {
+
+// 1 block, C = 32, T = 32, B = 2, 10 steps.
+TrainConfig small_train_config();
+// Rank 0's step records.
+std::vector<StepRecord> run_train(const TrainConfig& c, int ranks,
+                                  const std::function<void(const StepRecord&)>& on_step = {});
+// The ctxpar::Error message of the run ("" when it succeeds).
+std::string train_error(const TrainConfig& c, int ranks);
+
+// A fresh folder per test, removed afterwards.
+class TempDirTest : public ::testing::Test {
+ protected:
+  void SetUp() override;
+  void TearDown() override;
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  std::filesystem::path dir_;
+};
+
+}  // namespace ctxpar::test
