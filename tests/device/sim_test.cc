@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "ctxpar/device.h"
 
@@ -105,6 +106,29 @@ TEST(Sim, EventsOrderStreams) {
   }
   dev->synchronize();
   EXPECT_EQ(reinterpret_cast<const float*>(b.data())[1000], 0.0f);
+}
+
+// The one operation no strategy uses today: both devices run kernel.h's merge, bit for bit.
+TEST(Device, MergeIsTheKernelsMerge) {
+  const Shape o{1, 8, 2, 16}, l{1, 2, 8};
+  Tensor oa(DType::f32, o), ob(DType::f32, o), la(DType::f32, l), lb(DType::f32, l);
+  fill_normal(oa, 1);
+  fill_normal(ob, 2);
+  fill_normal(la, 3);
+  fill_normal(lb, 4);
+  la.ptr<float>()[0] = lb.ptr<float>()[0] = -INFINITY;  // a fully masked row stays 0, -inf
+  Tensor want_o = Tensor::copy_of(oa), want_l = Tensor::copy_of(la);
+  merge(want_o, want_l, ob, lb);
+  for (DeviceKind kind : {DeviceKind::cpu, DeviceKind::sim}) {
+    DeviceOptions opt;
+    opt.kind = kind;
+    auto dev = make_device(opt, 0);
+    Tensor got_o = Tensor::copy_of(oa), got_l = Tensor::copy_of(la);
+    dev->merge(kComputeStream, got_o, got_l, ob, lb);
+    dev->synchronize();
+    EXPECT_EQ(std::memcmp(got_o.data(), want_o.data(), want_o.bytes()), 0) << dev->name();
+    EXPECT_EQ(std::memcmp(got_l.data(), want_l.data(), want_l.bytes()), 0) << dev->name();
+  }
 }
 
 TEST(Device, Names) {
