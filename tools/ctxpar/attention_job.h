@@ -1,7 +1,9 @@
-// One distributed attention run, as `ctxpar attention`, `ctxpar bench cp` and `ctxpar plan`
-// (hardware `local`) use it: make or take the full inputs, shard them by the layout, run the
-// strategy on P ranks (threads transport, or this process's rank under mpirun), gather the
-// outputs, and check them against the fp64 reference of the whole unsharded problem.
+// One distributed attention run, as `ctxpar attention` and `ctxpar bench cp` use it (the
+// library ctxpar_job: validate in job_validate.cc, one rank in job_rank.cc, the MPI gather in
+// job_gather.cc, the run in job_run.cc, the JSON in job_report.cc): each rank draws or reads
+// its own shard of the inputs, the strategy runs on P ranks (threads transport, or this
+// process's rank under mpirun), and the outputs, gathered to rank 0 when asked for, are checked
+// against the fp64 reference of the whole unsharded problem.
 #pragma once
 #include <cstdint>
 #include <functional>

@@ -1,0 +1,88 @@
+// The JSON report of an attention job (`ctxpar attention --json`, `bench cp` rows).
+#include <algorithm>
+
+#include "job_internal.h"
+
+namespace ctxpar::cli {
+
+using job::kv_heads_of;
+
+nlohmann::json to_json(const AttentionJob& job, const AttentionResult& result) {
+  nlohmann::json j;
+  j["command"] = "attention";
+  j["batch"] = job.batch, j["seq"] = job.seq, j["heads"] = job.heads;
+  j["kv_heads"] = kv_heads_of(job), j["head_dim"] = job.head_dim;
+  j["dtype"] = job.dtype == DType::bf16 ? "bf16" : "fp32";
+  j["mask"] = job.mask.describe();
+  j["num_ranks"] = job.ranks;
+  j["strategy"] = strategy_name(job.strategy);
+  j["ulysses_degree"] = job.strategy == StrategyKind::hybrid
+                            ? (job.ulysses_degree ? job.ulysses_degree : job.ranks)
+                            : (job.strategy == StrategyKind::ulysses ? job.ranks : 1);
+  j["layout"] = layout_name(job.layout);
+  j["transport"] = job.transport;
+  j["device"] = device_name(job.device.kind);
+  j["threads"] = job.threads;
+  j["backward"] = job.backward;
+  j["seed"] = job.seed;
+  j["repeats"] = job.repeats;
+  j["link_gbps"] = job.link.gbytes_per_second;
+  j["link_latency_us"] = job.link.latency_us;
+  j["forward_seconds"] = result.forward_seconds;
+  j["backward_seconds"] = result.backward_seconds;
+  double fwd_flops = 0, bwd_flops = 0, max_flops = 0, total_flops = 0;
+  nlohmann::json ranks = nlohmann::json::array();
+  for (const auto& r : result.ranks) {
+    fwd_flops += r.forward_flops, bwd_flops += r.backward_flops;
+    total_flops += r.attention_flops, max_flops = std::max(max_flops, r.attention_flops);
+    ranks.push_back({{"rank", r.rank},
+                     {"tokens", r.tokens},
+                     {"attention_flops", r.attention_flops},
+                     {"forward_flops", r.forward_flops},
+                     {"backward_flops", r.backward_flops},
+                     {"busy_seconds", r.busy_seconds},
+                     {"forward_busy_seconds", r.forward_busy_seconds},
+                     {"backward_busy_seconds", r.backward_busy_seconds},
+                     {"forward_cpu_seconds", r.forward_cpu_seconds},
+                     {"backward_cpu_seconds", r.backward_cpu_seconds},
+                     {"wall_seconds", r.wall_seconds},
+                     {"comm_wait_seconds", r.comm_wait_seconds},
+                     {"bytes_sent", r.bytes_sent},
+                     {"bytes_received", r.bytes_received},
+                     {"peak_bytes", r.peak_bytes},
+                     {"shard_bytes", r.shard_bytes},
+                     {"input_bytes_read", r.input_bytes_read}});
+  }
+  j["ranks"] = ranks;
+  j["forward_flops"] = fwd_flops;
+  j["backward_flops"] = bwd_flops;
+  j["forward_gflops_per_second"] =
+      result.forward_seconds > 0 ? fwd_flops / result.forward_seconds * 1e-9 : 0.0;
+  j["backward_gflops_per_second"] =
+      result.backward_seconds > 0 ? bwd_flops / result.backward_seconds * 1e-9 : 0.0;
+  j["load_balance"] = total_flops > 0 ? max_flops / (total_flops / result.ranks.size()) : 1.0;
+  j["single_rank_bytes"] = result.single_rank_bytes;
+  j["scores_bytes"] = result.scores_bytes;
+  if (result.checked) {
+    j["check_passed"] = result.check_passed;
+    j["check_seconds"] = result.check_seconds;
+    j["max_abs_err"] = result.max_abs_err;
+    j["tolerance"] = result.tolerance;
+    nlohmann::json q = nlohmann::json::array();
+    for (const auto& c : result.checks)
+      q.push_back({{"name", c.name},
+                   {"max_abs_err", c.max_abs_err},
+                   {"naive32_err", c.naive_err},
+                   {"tolerance", c.tolerance},
+                   {"passed", c.passed}});
+    j["check"] = {{"sampled", result.check_sampled},
+                  {"note", result.check_note},
+                  {"rule", "max|run - fp64| <= 2 * max|naive fp32 - fp64| + floor"},
+                  {"quantities", q},
+                  {"query_rows", result.check_query_rows},
+                  {"key_rows", result.check_key_rows}};
+  }
+  return j;
+}
+
+}  // namespace ctxpar::cli

@@ -1,0 +1,142 @@
+// The job runner behind `ctxpar attention` and `ctxpar bench cp`: the threads transport runs
+// job::run_rank on P threads sharing one RankData per rank, MPI runs it once per process and
+// gathers to rank 0; then the per-rank reports, and the check against the fp64 reference.
+#include <algorithm>
+#include <atomic>
+#include <thread>
+
+#include "attention_check.h"
+#include "job_internal.h"
+#include "options.h"
+
+namespace ctxpar::cli {
+
+using namespace job;
+
+void refuse_foreign_launcher(const char* command) {
+  const ForeignLauncher l = foreign_launcher();
+  if (l.ranks == 0) return;
+  throw UsageError(detail::concat(
+      "started by ", l.name, " as ", l.ranks, " separate processes without MPI: each would run "
+      "the whole job alone. Launch it with mpirun -n ", l.ranks, " ctxpar ", command,
+      " ... (or srun --mpi=pmix with an MPI build), or as one process with --ranks ", l.ranks));
+}
+
+void run_rank_threads(int ranks, const std::function<void(Communicator&)>& fn,
+                      const ThreadsOptions& options) {
+  std::atomic<bool> started{false};
+  try {
+    run_threads(ranks, [&](Communicator& comm) {
+      started = true;
+      fn(comm);
+    }, options);
+  } catch (const Error& e) {
+    if (started) throw RankFailure(e.what());
+    throw;
+  }
+}
+
+AttentionResult run_attention_job(const AttentionJob& job) {
+  validate(job);
+  const SequenceTokens seq = sequence_tokens(job);
+  const int P = job.ranks;
+  const bool need_tensors = job.check || job.keep_outputs;
+  std::vector<RankData> all;
+  AttentionResult result;
+
+  if (job.transport == "mpi") {
+    Communicator& world = mpi_world();
+    CTXPAR_CHECK(world.size() == P, "mpirun started ", world.size(), " processes but --ranks is ",
+                 P, "; drop --ranks or use mpirun -n ", P);
+    run_mpi([&](Communicator& comm) {
+      RankData mine;
+      run_rank(comm, job, seq, mine);
+      gather_to_root(comm, job, mine, all, need_tensors);
+    });
+    result.is_root = world.rank() == 0;
+    if (!result.is_root) return result;
+  } else {
+    all.resize(P);
+    ThreadsOptions options;
+    options.link = job.link;
+    options.timeout = std::chrono::milliseconds(static_cast<int64_t>(job.timeout_seconds * 1000));
+    run_rank_threads(P, [&](Communicator& comm) { run_rank(comm, job, seq, all[comm.rank()]); },
+                     options);
+  }
+
+  const int fwd = fastest_repeat(all, false);
+  const int bwd = job.backward ? fastest_repeat(all, true) : 0;
+  for (int p = 0; p < P; ++p) {
+    const RankData& rd = all[p];
+    RankReport rep;
+    rep.rank = p;
+    rep.tokens = rd.tokens;
+    rep.shard_bytes = rd.shard_bytes;
+    rep.input_bytes_read = rd.input_bytes_read;
+    const StrategyStats& f = rd.fwd_stats[fwd];
+    rep.forward_flops = f.attention_flops;
+    rep.forward_busy_seconds = f.busy_seconds;
+    rep.forward_cpu_seconds = rd.fwd_cpu[fwd];
+    rep.wall_seconds = rd.fwd_wall[fwd];
+    rep.comm_wait_seconds = f.comm_wait_seconds;
+    rep.bytes_sent = f.bytes_sent, rep.bytes_received = f.bytes_received;
+    rep.peak_bytes = f.peak_bytes;
+    result.forward_seconds = std::max(result.forward_seconds, rd.fwd_wall[fwd]);
+    if (job.backward) {
+      const StrategyStats& b = rd.bwd_stats[bwd];
+      rep.backward_flops = b.attention_flops;
+      rep.backward_busy_seconds = b.busy_seconds;
+      rep.backward_cpu_seconds = rd.bwd_cpu[bwd];
+      rep.wall_seconds += rd.bwd_wall[bwd];
+      rep.comm_wait_seconds += b.comm_wait_seconds;
+      rep.bytes_sent += b.bytes_sent, rep.bytes_received += b.bytes_received;
+      rep.peak_bytes = std::max(rep.peak_bytes, b.peak_bytes);
+      result.backward_seconds = std::max(result.backward_seconds, rd.bwd_wall[bwd]);
+    }
+    rep.attention_flops = rep.forward_flops + rep.backward_flops;
+    rep.busy_seconds = rep.forward_busy_seconds + rep.backward_busy_seconds;
+    result.ranks.push_back(rep);
+  }
+
+  // One rank alone: inputs and outputs of the whole sequence plus the kernel's fp32 state
+  // (acc [B, T, Hq, D], m and l [B, Hq, T]); backward adds dO, fp32 dQ, dK, dV and delta.
+  const double B = static_cast<double>(job.batch), T = static_cast<double>(job.seq);
+  const double Hq = static_cast<double>(job.heads), Hkv = static_cast<double>(kv_heads_of(job));
+  const double D = static_cast<double>(job.head_dim), es = static_cast<double>(dtype_size(job.dtype));
+  double single = B * T * (2 * Hq + 2 * Hkv) * D * es + B * Hq * T * 4 + B * T * Hq * D * 4 +
+                  2 * B * Hq * T * 4;
+  if (job.backward) single += B * T * Hq * D * (es + 4) + 2 * B * T * Hkv * D * 4 + B * Hq * T * 4;
+  result.single_rank_bytes = single;
+  result.scores_bytes = B * Hq * T * T * 4;
+
+  if (!need_tensors) return result;
+  const Layout layout(job.layout, job.seq, P);
+  result.out = unshard_field(layout, all, &RankData::out, 1);
+  result.lse = unshard_field(layout, all, &RankData::lse, 2);
+  result.dq = unshard_field(layout, all, &RankData::dq, 1);
+  result.dk = unshard_field(layout, all, &RankData::dk, 1);
+  result.dv = unshard_field(layout, all, &RankData::dv, 1);
+  if (job.check) {
+    CheckInputs in;
+    Tensor q = unshard_field(layout, all, &RankData::q, 1);
+    Tensor k = unshard_field(layout, all, &RankData::k, 1);
+    Tensor v = unshard_field(layout, all, &RankData::v, 1);
+    Tensor dout = unshard_field(layout, all, &RankData::dout, 1);
+    all.clear();  // the shards are no longer needed; the reference wants the memory
+    in.q = q, in.k = k, in.v = v, in.dout = dout.empty() ? TensorView() : dout.view();
+    in.out = result.out, in.lse = result.lse;
+    if (job.backward) in.dq = result.dq, in.dk = result.dk, in.dv = result.dv;
+    in.tokens = Tokens{seq.positions, seq.documents};
+    if (!seq.documents.empty()) in.document_ids = job.document_ids;
+    in.mask = job.mask;
+    in.dtype = job.dtype;
+    if (job.on_step) job.on_step("check");
+    const int threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+    const auto t0 = Clock::now();
+    check_against_reference(in, job.check_budget, threads, result);
+    result.check_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  }
+  return result;
+}
+
+}  // namespace ctxpar::cli
