@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Ring overlap over a real network (issue 15): MPI ranks talk TCP through the loopback of a
+# network namespace whose link is shaped with `tc tbf`, with the MPI progress thread off and
+# on. Prints, per run, the transfer time the shaped link implies and how much of it each rank
+# waited for (comm_wait_seconds); every figure is a ratio measured in the same run.
+#
+#   bench/net_overlap.sh [--ctxpar build/ctxpar] [--ranks "2 4"] [--rate-per-rank 50]
+#       [--seq-per-rank 4096] [--progress "off thread"] [--out bench-net] [-- ctxpar args]
+#
+# Ranks share one loopback, so lo is shaped to P x rate-per-rank Mbit/s: each rank's ring
+# transfer then gets the share a link of rate-per-rank would give it. Sequence = seq-per-rank
+# x P, so every P computes and sends the same per step. Default problem: --heads 8 --kv-heads 1
+# --head-dim 64 --mask none (forward; add `-- --backward` for both passes); extra arguments
+# after `--` are appended to `ctxpar attention`.
+#
+# Needs root (or CAP_NET_ADMIN), iproute2's `ip` and `tc`, and mpirun; without them it prints
+# "SKIP: <why>" and exits 77. The namespace (ctxpar-net-<pid>) is deleted on exit, and
+# namespaces left by a killed run are deleted by the next one. See docs/BENCHMARKS.md.
+set -euo pipefail
+
+CTXPAR=build/ctxpar
+RANKS="2 4"
+RATE=50          # Mbit/s per rank
+SEQ_PER_RANK=4096
+MODES="off thread"
+OUT=bench-net
+RUN_TIMEOUT=300  # seconds per mpirun
+EXTRA=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --ctxpar) CTXPAR=$2; shift 2 ;;
+    --ranks) RANKS=$2; shift 2 ;;
+    --rate-per-rank) RATE=$2; shift 2 ;;
+    --seq-per-rank) SEQ_PER_RANK=$2; shift 2 ;;
+    --progress) MODES=$2; shift 2 ;;
+    --out) OUT=$2; shift 2 ;;
+    --run-timeout) RUN_TIMEOUT=$2; shift 2 ;;
+    --) shift; EXTRA=("$@"); break ;;
+    *) echo "net_overlap.sh: unknown option '$1' (see the header of $0 for the options)" >&2
+       exit 2 ;;
+  esac
+done
+
+skip() { echo "SKIP: $*"; exit 77; }
+[ -x "$CTXPAR" ] || { echo "net_overlap.sh: --ctxpar $CTXPAR is not an executable (build it: cmake --build build --target ctxpar_cli)" >&2; exit 2; }
+command -v ip >/dev/null || skip "iproute2's ip is not installed (apt-get install iproute2)"
+command -v tc >/dev/null || skip "tc is not installed (apt-get install iproute2)"
+command -v mpirun >/dev/null || skip "mpirun is not on PATH"
+
+# Namespaces of runs that were killed before their trap ran (their pid is gone).
+for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep '^ctxpar-net-' || true); do
+  pid=${ns#ctxpar-net-}
+  kill -0 "$pid" 2>/dev/null || ip netns del "$ns" 2>/dev/null || true
+done
+
+NS=ctxpar-net-$$
+ip netns add "$NS" 2>/dev/null || skip "cannot create a network namespace (ip netns add needs root or CAP_NET_ADMIN)"
+trap 'ip netns del "$NS" 2>/dev/null || true' EXIT
+trap 'exit 130' INT TERM
+ip netns exec "$NS" ip link set lo up || skip "cannot bring up lo inside the namespace"
+# burst >= lo's 64 KiB MTU (a larger packet would be dropped); latency 2 s: a deep queue, so
+# nothing is dropped and TCP sees a clean bottleneck.
+ip netns exec "$NS" tc qdisc add dev lo root tbf rate 1mbit burst 256kb latency 2s 2>/dev/null ||
+  skip "tc tbf is not available here (kernel without sch_tbf, or no permission)"
+
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+mkdir -p "$OUT"
+for p in $RANKS; do
+  total=$((RATE * p))
+  ip netns exec "$NS" tc qdisc change dev lo root tbf rate "${total}mbit" burst 256kb latency 2s
+  for mode in $MODES; do
+    file="$OUT/p${p}_${mode}.json"
+    echo "P=$p progress=$mode, lo shaped to ${total} Mbit/s ($RATE per rank) -> $file" >&2
+    timeout -k 5 "$RUN_TIMEOUT" ip netns exec "$NS" env CTXPAR_MPI_PROGRESS="$mode" \
+      mpirun -n "$p" --oversubscribe --bind-to none \
+        --mca btl tcp,self --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo \
+        "$CTXPAR" attention --seq $((SEQ_PER_RANK * p)) --heads 8 --kv-heads 1 --head-dim 64 \
+        --mask none --json "${EXTRA[@]}" > "$file"
+    echo "$total" > "$OUT/p${p}_${mode}.mbit"
+  done
+done
+
+# Transfer time: every rank's bytes cross the one shaped loopback, so a blocking exchange
+# exposes sum(bytes_sent) / rate per rank (for the ring: P-1 steps of one block at the
+# per-rank rate). exposed = comm_wait / transfer. A rank's comm_wait also holds the time it
+# waited for a slower neighbour to forward a block (ranks that share cores are unevenly
+# fast); the slowest rank (most busy_seconds) sets the pace and waits for nobody, so its wait
+# is the exposed communication on the critical path: `exposed`. Median and max over ranks are
+# printed too. compute_ratio = a step's transfer / the median rank's busy time per step
+# (below 1: the transfer can hide).
+/usr/bin/env python3 - "$OUT" $RANKS -- $MODES <<'PY'
+import json, os, statistics, sys
+out = sys.argv[1]
+sep = sys.argv.index("--")
+ranks, modes = sys.argv[2:sep], sys.argv[sep + 1:]
+summary = []
+for p in ranks:
+    for mode in modes:
+        base = os.path.join(out, f"p{p}_{mode}")
+        j = json.load(open(base + ".json"))
+        mbit = float(open(base + ".mbit").read())
+        P = int(p)
+        transfer = sum(r["bytes_sent"] for r in j["ranks"]) / (mbit * 1e6 / 8)
+        waits = [r["comm_wait_seconds"] for r in j["ranks"]]
+        busy = statistics.median(r["busy_seconds"] for r in j["ranks"])
+        steps = P  # ring: P blocks computed per pass
+        slowest = max(j["ranks"], key=lambda r: r["busy_seconds"])
+        row = {"ranks": P, "progress": mode, "link_mbit_per_rank": mbit / P,
+               "transfer_seconds": transfer, "compute_seconds_per_step": busy / steps,
+               "compute_ratio": transfer / (P - 1) / (busy / steps) if P > 1 else 0.0,
+               "forward_seconds": j["forward_seconds"], "backward_seconds": j["backward_seconds"],
+               "comm_wait_seconds": waits,
+               "exposed": slowest["comm_wait_seconds"] / transfer,
+               "exposed_median": statistics.median(waits) / transfer,
+               "exposed_max": max(waits) / transfer}
+        summary.append(row)
+        print(f"P={P} progress={mode:6} transfer {transfer:.3f} s (x{row['compute_ratio']:.2f} of a "
+              f"step's compute)  forward {j['forward_seconds']:.3f} s  backward "
+              f"{j['backward_seconds']:.3f} s  exposed {row['exposed']:.3f} of the transfer "
+              f"(waits: median {row['exposed_median']:.3f}, max {row['exposed_max']:.3f})")
+json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
+PY
