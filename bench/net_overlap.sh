@@ -87,7 +87,9 @@ done
 # fast); the slowest rank (most busy_seconds) sets the pace and waits for nobody, so its wait
 # is the exposed communication on the critical path: `exposed`. Median and max over ranks are
 # printed too. compute_ratio = a step's transfer / the median rank's busy time per step
-# (below 1: the transfer can hide).
+# (below 1: the transfer can hide). step_over_transfer = (forward - one step's compute) /
+# (P - 1) / a step's transfer: every step after the first waits for its block, so when the
+# transfer is longer than the compute this is ~1 when the step is as fast as the link allows.
 /usr/bin/env python3 - "$OUT" $RANKS -- $MODES <<'PY'
 import json, os, statistics, sys
 out = sys.argv[1]
@@ -111,12 +113,18 @@ for p in ranks:
                "forward_seconds": j["forward_seconds"], "backward_seconds": j["backward_seconds"],
                "comm_wait_seconds": waits,
                "exposed": slowest["comm_wait_seconds"] / transfer,
+               "step_over_transfer": (j["forward_seconds"] - busy / steps) / (P - 1)
+                                     / (transfer / (P - 1)) if P > 1 else 0.0,
                "exposed_median": statistics.median(waits) / transfer,
                "exposed_max": max(waits) / transfer}
+        if j["backward"]:  # bytes and busy time mix both passes: these two are forward's
+            row["compute_ratio"] = row["step_over_transfer"] = None
         summary.append(row)
-        print(f"P={P} progress={mode:6} transfer {transfer:.3f} s (x{row['compute_ratio']:.2f} of a "
+        f3 = lambda x: "n/a" if x is None else f"{x:.3f}"
+        print(f"P={P} progress={mode:6} transfer {transfer:.3f} s (x{f3(row['compute_ratio'])} of a "
               f"step's compute)  forward {j['forward_seconds']:.3f} s  backward "
               f"{j['backward_seconds']:.3f} s  exposed {row['exposed']:.3f} of the transfer "
-              f"(waits: median {row['exposed_median']:.3f}, max {row['exposed_max']:.3f})")
+              f"(waits: median {row['exposed_median']:.3f}, max {row['exposed_max']:.3f}); step / "
+              f"transfer {f3(row['step_over_transfer'])}")
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 PY

@@ -177,8 +177,10 @@ void run_threads(int ranks, const std::function<void(Communicator&)>& fn,
 
 // True when this process was started by mpirun / mpiexec (reads the launcher's environment).
 bool launched_by_mpi();
-// Initialises MPI (MPI_Init_thread, MPI_THREAD_FUNNELED) once and returns the world
-// communicator; finalised at exit. Throws if ctxpar was built without MPI.
+// Initialises MPI (MPI_Init_thread, MPI_THREAD_MULTIPLE asked for) once and returns the world
+// communicator; finalised at exit. Throws if ctxpar was built without MPI. Pending transfers
+// move while the rank computes: a progress thread drives MPI (docs/comm.md, "Progress";
+// CTXPAR_MPI_PROGRESS=off turns it off). The communicator is still used by one thread.
 Communicator& mpi_world();
 // Runs fn on this process's rank of MPI_COMM_WORLD; an exception prints
 // "ctxpar: rank R failed: ..." to stderr and aborts the whole job (MPI_Abort), so no rank
