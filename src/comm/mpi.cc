@@ -380,9 +380,9 @@ Communicator& mpi_world() {
   MPI_Initialized(&initialized);
   if (!initialized) {
     int provided = 0;
-    // MULTIPLE (SERIALIZED would do, MULTIPLE also makes MPI_Abort legal at any time): the
-    // progress thread calls MPI too, one call at a time under mpi_mutex() (Note [MPI
-    // progress]). An MPI that only gives FUNNELED still works, without the thread.
+    // MULTIPLE: the progress thread calls MPI too (one call at a time with the rank's, under
+    // mpi_mutex(); Note [MPI progress]). An MPI that gives less still works, without the
+    // thread.
     const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
     if (rc != MPI_SUCCESS) throw Error("mpi_world: MPI_Init_thread failed: " + mpi_error_string(rc));
     CTXPAR_CHECK(provided >= MPI_THREAD_FUNNELED,

@@ -23,11 +23,11 @@
 //   the receive needs for its size check. It probes a private duplicate of MPI_COMM_SELF on
 //   which nothing is ever sent, so the probe never matches; its only effect is the progress
 //   call every MPI implementation makes inside an unmatched probe.
-// * All MPI calls of the transport hold one lock (MPI_THREAD_SERIALIZED suffices, and we ask
-//   for MULTIPLE so that MPI_Abort from the rank's thread is always legal). A poke holds it
-//   for microseconds; the rank's thread holds it only inside its own short, non-blocking calls
-//   (and inside the blocking collectives of split / construction, where MPI progresses
-//   itself).
+// * All MPI calls of the transport hold one lock, so the thread and the rank never enter MPI
+//   together. The thread still needs MPI_THREAD_MULTIPLE: MPI_Abort, or a program's own MPI
+//   calls, do not take the lock. A poke holds it for microseconds; the rank's thread holds it
+//   only inside its own short, non-blocking calls (and inside the blocking collectives of
+//   split / construction, where MPI progresses itself).
 // * It sleeps `interval` (100 us) between pokes: ob1 keeps ~3 fragments of 128 KB in flight,
 //   so a poke every 100 us sustains several GB/s, while the thread costs ~1 % of a core. With
 //   nothing pending it sleeps on a condition variable and costs nothing.
@@ -83,8 +83,10 @@ void ProgressThread::start_once() {
   MpiLock mpi(mpi_mutex());
   int provided = MPI_THREAD_SINGLE;
   MPI_Query_thread(&provided);
-  if (provided < MPI_THREAD_SERIALIZED) {
-    description_ = "off (MPI was initialised without MPI_THREAD_SERIALIZED)";
+  // MULTIPLE, not just SERIALIZED: a program that initialised MPI itself may make its own MPI
+  // calls, which do not take mpi_mutex().
+  if (provided < MPI_THREAD_MULTIPLE) {
+    description_ = "off (MPI was initialised without MPI_THREAD_MULTIPLE)";
     return;
   }
   if (MPI_Comm_dup(MPI_COMM_SELF, &probe_comm_) != MPI_SUCCESS) {

@@ -21,8 +21,8 @@
 namespace ctxpar::comm_detail {
 
 // Every MPI call of this transport holds this lock (recursive: an error path inside a locked
-// call asks MPI for the rank and the error text). MPI is initialised with at least
-// MPI_THREAD_SERIALIZED, which is exactly "one call at a time, from any thread".
+// call asks MPI for the rank and the error text), so the progress thread and the rank's
+// thread never enter MPI together.
 std::recursive_mutex& mpi_mutex();
 using MpiLock = std::lock_guard<std::recursive_mutex>;
 
@@ -37,8 +37,8 @@ ProgressSettings progress_settings_from_env();
 class ProgressThread {
  public:
   // Starts the thread on first use (from the rank's thread, MPI initialised), unless the
-  // settings say off or MPI was not initialised with MPI_THREAD_SERIALIZED or better; then
-  // transfers move only inside the rank's own waits, as before. Idempotent.
+  // settings say off or MPI was not initialised with MPI_THREAD_MULTIPLE; then transfers move
+  // only inside the rank's own waits, as before. Idempotent.
   void start_once();
   // Joins the thread (before MPI_Finalize or MPI_Abort). start_once does not restart it.
   void stop();
