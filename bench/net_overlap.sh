@@ -41,39 +41,18 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-skip() { echo "SKIP: $*"; exit 77; }
 [ -x "$CTXPAR" ] || { echo "net_overlap.sh: --ctxpar $CTXPAR is not an executable (build it: cmake --build build --target ctxpar_cli)" >&2; exit 2; }
-command -v ip >/dev/null || skip "iproute2's ip is not installed (apt-get install iproute2)"
-command -v tc >/dev/null || skip "tc is not installed (apt-get install iproute2)"
-command -v mpirun >/dev/null || skip "mpirun is not on PATH"
-
-# Namespaces of runs that were killed before their trap ran (their pid is gone).
-for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep '^ctxpar-net-' || true); do
-  pid=${ns#ctxpar-net-}
-  kill -0 "$pid" 2>/dev/null || ip netns del "$ns" 2>/dev/null || true
-done
-
-NS=ctxpar-net-$$
-ip netns add "$NS" 2>/dev/null || skip "cannot create a network namespace (ip netns add needs root or CAP_NET_ADMIN)"
-trap 'ip netns del "$NS" 2>/dev/null || true' EXIT
-trap 'exit 130' INT TERM
-ip netns exec "$NS" ip link set lo up || skip "cannot bring up lo inside the namespace"
-# burst >= lo's 64 KiB MTU (a larger packet would be dropped); latency 2 s: a deep queue, so
-# nothing is dropped and TCP sees a clean bottleneck.
-ip netns exec "$NS" tc qdisc add dev lo root tbf rate 1mbit burst 256kb latency 2s 2>/dev/null ||
-  skip "tc tbf is not available here (kernel without sch_tbf, or no permission)"
-
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+. "$(dirname "$0")/netns.sh"
+netns_create
+NETNS_TIMEOUT=$RUN_TIMEOUT
 mkdir -p "$OUT"
 for p in $RANKS; do
   total=$((RATE * p))
-  ip netns exec "$NS" tc qdisc change dev lo root tbf rate "${total}mbit" burst 256kb latency 2s
+  netns_shape "$total"
   for mode in $MODES; do
     file="$OUT/p${p}_${mode}.json"
     echo "P=$p progress=$mode, lo shaped to ${total} Mbit/s ($RATE per rank) -> $file" >&2
-    timeout -k 5 "$RUN_TIMEOUT" ip netns exec "$NS" env CTXPAR_MPI_PROGRESS="$mode" \
-      mpirun -n "$p" --oversubscribe --bind-to none \
-        --mca btl tcp,self --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo \
+    CTXPAR_MPI_PROGRESS="$mode" netns_mpirun "$p" \
         "$CTXPAR" attention --seq $((SEQ_PER_RANK * p)) --heads 8 --kv-heads 1 --head-dim 64 \
         --mask none --json "${EXTRA[@]}" > "$file"
     echo "$total" > "$OUT/p${p}_${mode}.mbit"
