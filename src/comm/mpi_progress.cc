@@ -131,6 +131,11 @@ void ProgressThread::loop() {
     lock.unlock();
     {
       MpiLock mpi(mpi_mutex());
+      // A program that initialised MPI itself also finalises it, without stop(): from then on
+      // no MPI call is allowed (MPI_Finalized is, at any time).
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (finalized) return;
       int flag = 0;
       MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, probe_comm_, &flag, MPI_STATUS_IGNORE);
     }
