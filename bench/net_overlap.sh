@@ -61,11 +61,12 @@ done
 
 # Transfer time: every rank's bytes cross the one shaped loopback, so a blocking exchange
 # exposes sum(bytes_sent) / rate per rank (for the ring: P-1 steps of one block at the
-# per-rank rate). exposed = comm_wait / transfer. A rank's comm_wait also holds the time it
-# waited for a slower neighbour to forward a block (ranks that share cores are unevenly
-# fast); the slowest rank (most busy_seconds) sets the pace and waits for nobody, so its wait
-# is the exposed communication on the critical path: `exposed`. Median and max over ranks are
-# printed too. compute_ratio = a step's transfer / the median rank's busy time per step
+# per-rank rate). exposed = (forward + backward seconds - the busiest rank's busy_seconds) /
+# transfer: how much longer the job took than its busiest rank's compute, i.e. the
+# communication left on the critical path. (A rank's own comm_wait is no such measure: it also
+# holds waiting for a slower neighbour to forward a block, when ranks share cores unevenly,
+# and the two directions of a shared link need not finish together.) Median and max of
+# comm_wait / transfer over ranks are printed too. compute_ratio = a step's transfer / the median rank's busy time per step
 # (below 1: the transfer can hide). step_over_transfer = (forward - one step's compute) /
 # (P - 1) / a step's transfer: every step after the first waits for its block, so when the
 # transfer is longer than the compute this is ~1 when the step is as fast as the link allows.
@@ -85,13 +86,14 @@ for p in ranks:
         waits = [r["comm_wait_seconds"] for r in j["ranks"]]
         busy = statistics.median(r["busy_seconds"] for r in j["ranks"])
         steps = P  # ring: P blocks computed per pass
-        slowest = max(j["ranks"], key=lambda r: r["busy_seconds"])
+        busiest = max(r["busy_seconds"] for r in j["ranks"])
+        elapsed = j["forward_seconds"] + j["backward_seconds"]
         row = {"ranks": P, "progress": mode, "link_mbit_per_rank": mbit / P,
                "transfer_seconds": transfer, "compute_seconds_per_step": busy / steps,
                "compute_ratio": transfer / (P - 1) / (busy / steps) if P > 1 else 0.0,
                "forward_seconds": j["forward_seconds"], "backward_seconds": j["backward_seconds"],
                "comm_wait_seconds": waits,
-               "exposed": slowest["comm_wait_seconds"] / transfer,
+               "exposed": (elapsed - busiest) / transfer,
                "step_over_transfer": (j["forward_seconds"] - busy / steps) / (P - 1)
                                      / (transfer / (P - 1)) if P > 1 else 0.0,
                "exposed_median": statistics.median(waits) / transfer,
