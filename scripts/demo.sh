@@ -5,5 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build.sh
+.venv/bin/pip install -q --no-build-isolation .   # the Python package ctxpar (docs/python.md)
 exec ./build/ctxpar attention --seq 65536 --heads 4 --head-dim 64 --ranks 4 \
   --strategy ring --layout zigzag --mask causal --backward --check "$@"

@@ -177,14 +177,33 @@ void run_threads(int ranks, const std::function<void(Communicator&)>& fn,
 
 // True when this process was started by mpirun / mpiexec (reads the launcher's environment).
 bool launched_by_mpi();
+// A launcher that started several copies of this program without MPI (torchrun: RANK /
+// WORLD_SIZE; srun without an MPI plugin: SLURM_PROCID / SLURM_STEP_NUM_TASKS): each copy
+// would run the whole job alone. `ranks` is 0 when there is none (or MPI started us).
+struct ForeignLauncher {
+  std::string name;  // "torchrun (WORLD_SIZE=4)", "srun (SLURM_STEP_NUM_TASKS=4)"
+  int ranks = 0;
+};
+ForeignLauncher foreign_launcher();
 // Initialises MPI (MPI_Init_thread, MPI_THREAD_MULTIPLE asked for) once and returns the world
-// communicator; finalised at exit. Throws if ctxpar was built without MPI. Pending transfers
-// move while the rank computes: a progress thread drives MPI (docs/comm.md, "Progress";
+// communicator; finalised at exit. Throws if ctxpar was built without MPI. MPI_Init waits for
+// every process of the job; if it has not returned after CTXPAR_MPI_INIT_TIMEOUT seconds
+// (default 120) — a process of the mpirun line exited or hangs without initialising MPI —
+// the process prints why and exits 1, which ends the job. Pending transfers move while the
+// rank computes: a progress thread drives MPI (docs/comm.md, "Progress";
 // CTXPAR_MPI_PROGRESS=off turns it off). The communicator is still used by one thread.
 Communicator& mpi_world();
+// Wraps a communicator MPI was already initialised with (mpi4py's MPI.COMM_WORLD, ...):
+// `mpi_comm` points to an MPI_Comm handle (mpi4py: MPI._addressof(comm)). The handle is
+// duplicated, so the caller's communicator sees none of ctxpar's traffic. Throws if MPI is not
+// initialised, or if ctxpar was built without MPI.
+std::unique_ptr<Communicator> mpi_wrap(const void* mpi_comm);
 // Runs fn on this process's rank of MPI_COMM_WORLD; an exception prints
 // "ctxpar: rank R failed: ..." to stderr and aborts the whole job (MPI_Abort), so no rank
 // waits forever.
 void run_mpi(const std::function<void(Communicator&)>& fn);
+// When MPI is initialised (and not finalised): ends every process of the job at once with
+// exit status `code` (MPI_Abort), so that no other rank waits for this one. Otherwise returns.
+void abort_mpi_job(int code);
 
 }  // namespace ctxpar

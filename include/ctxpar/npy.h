@@ -44,8 +44,21 @@ NpyHeader parse_npy_header(std::span<const uint8_t> head, uint64_t file_size,
 Tensor parse_npy(std::span<const uint8_t> bytes, DType float_dtype = DType::f32,
                  const std::string& name = "<memory>");
 
-// Reads a file; the data goes straight into the Tensor (no second copy of the file).
+// Reads a file; the data goes straight into the Tensor (no second copy of the file). Anything
+// but a regular file (a FIFO, a folder, a device) is refused at once, before any read.
 Tensor read_npy(const std::string& path, DType float_dtype = DType::f32);
+
+// Only the header (shape, type), checked against the file's size: what a reader of a slice
+// needs to know first.
+NpyHeader read_npy_header(const std::string& path);
+
+// The rows `tokens` (increasing indices) of axis `token_dim`, read straight from the file:
+// the result has the file's shape with that axis cut to tokens.size(), and is bitwise the
+// same as slicing read_npy(path). Memory and bytes read are those of the rows (one rank's
+// shard), not of the file. `bytes_read`, if given, is increased by the bytes read (header
+// included).
+Tensor read_npy_rows(const std::string& path, int token_dim, std::span<const int64_t> tokens,
+                     DType float_dtype = DType::f32, uint64_t* bytes_read = nullptr);
 
 // Reads an int32 or int64 array of any shape as int64 values in C order (document ids,
 // positions). A float array is an error naming the expected dtypes.

@@ -1,5 +1,6 @@
 // Launcher detection (always built) and the MPI entry points of a build without MPI.
 #include <cstdlib>
+#include <string>
 
 #include "ctxpar/comm.h"
 
@@ -12,6 +13,37 @@ bool launched_by_mpi() {
   return false;
 }
 
+namespace {
+// The variable as a whole number >= 0, or -1 when unset or not a number.
+long env_count(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return -1;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  return *end == '\0' && n >= 0 ? n : -1;
+}
+}  // namespace
+
+ForeignLauncher foreign_launcher() {
+  if (launched_by_mpi()) return {};
+  // torchrun (and torch.distributed.launch) set WORLD_SIZE with RANK / LOCAL_RANK.
+  const long world = env_count("WORLD_SIZE");
+  if (world > 1 && (env_count("RANK") >= 0 || env_count("LOCAL_RANK") >= 0))
+    return {"torchrun (WORLD_SIZE=" + std::to_string(world) + ")", static_cast<int>(world)};
+  // srun sets SLURM_PROCID and the step's task count for each task it starts. A batch
+  // script (one process, SLURM_NTASKS from #SBATCH --ntasks) is not a step of several tasks.
+  if (env_count("SLURM_PROCID") >= 0) {
+    long tasks = env_count("SLURM_STEP_NUM_TASKS");
+    const char* name = "SLURM_STEP_NUM_TASKS";
+    if (tasks < 0 && (std::getenv("SLURM_STEP_ID") || std::getenv("SLURM_STEPID")))
+      tasks = env_count("SLURM_NTASKS"), name = "SLURM_NTASKS";
+    if (tasks > 1)
+      return {std::string("srun (") + name + "=" + std::to_string(tasks) + ")",
+              static_cast<int>(tasks)};
+  }
+  return {};
+}
+
 #ifndef CTXPAR_HAVE_MPI
 Communicator& mpi_world() {
   throw Error(
@@ -19,7 +51,14 @@ Communicator& mpi_world() {
       "(needs Debian's libopenmpi-dev)");
 }
 
+std::unique_ptr<Communicator> mpi_wrap(const void*) {
+  mpi_world();  // throws: built without MPI
+  return nullptr;
+}
+
 void run_mpi(const std::function<void(Communicator&)>& fn) { fn(mpi_world()); }
+
+void abort_mpi_job(int) {}
 #endif
 
 }  // namespace ctxpar

@@ -13,6 +13,8 @@
 #include <mpi.h>
 
 #include <climits>
+#include <condition_variable>
+#include <mutex>
 #include <cstdio>
 #include <cstdlib>
 #include <thread>
@@ -354,6 +356,48 @@ class MpiCommunicator final : public PointToPointCommunicator {
 
 MpiCommunicator* g_world = nullptr;
 
+// MPI_Init waits for every process of the job to start MPI; one that exited without it (an
+// MPMD line whose other program is not an MPI one, a crash before main) leaves it waiting
+// forever, and OpenMPI 4.1 has no setting that bounds that wait (pmix_base_exchange_timeout
+// does not; mpirun --timeout bounds the whole job). So MPI_Init runs under a watchdog.
+void init_mpi_with_watchdog() {
+  double limit = 120;
+  if (const char* env = std::getenv("CTXPAR_MPI_INIT_TIMEOUT")) {
+    char* end = nullptr;
+    const double v = std::strtod(env, &end);
+    if (end != env && *end == '\0' && v > 0) limit = v;
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::thread watchdog([&] {
+    std::unique_lock lock(mu);
+    if (cv.wait_for(lock, std::chrono::duration<double>(limit), [&] { return done; })) return;
+    std::fprintf(stderr,
+                 "ctxpar: MPI_Init has not returned after %g s: a process of this mpirun job "
+                 "exited or hangs without initialising MPI (every program on the mpirun line "
+                 "must be ctxpar, started with the same options); CTXPAR_MPI_INIT_TIMEOUT=s "
+                 "waits longer\n",
+                 limit);
+    std::fflush(stderr);
+    std::_Exit(1);
+  });
+  int provided = 0;
+  // MULTIPLE: the progress thread calls MPI too (one call at a time with the rank's, under
+  // mpi_mutex(); Note [MPI progress]). An MPI that gives less still works, without the
+  // thread.
+  const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+  {
+    std::lock_guard lock(mu);
+    done = true;
+  }
+  cv.notify_all();
+  watchdog.join();
+  if (rc != MPI_SUCCESS) throw Error("mpi_world: MPI_Init_thread failed: " + mpi_error_string(rc));
+  CTXPAR_CHECK(provided >= MPI_THREAD_FUNNELED,
+               "mpi_world: this MPI does not provide MPI_THREAD_FUNNELED");
+}
+
 void finalize_at_exit() {
   if (mpi_finalized()) return;
   progress_thread().stop();  // nothing may be inside MPI when it ends
@@ -379,21 +423,29 @@ Communicator& mpi_world() {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {
-    int provided = 0;
-    // MULTIPLE: the progress thread calls MPI too (one call at a time with the rank's, under
-    // mpi_mutex(); Note [MPI progress]). An MPI that gives less still works, without the
-    // thread.
-    const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-    if (rc != MPI_SUCCESS) throw Error("mpi_world: MPI_Init_thread failed: " + mpi_error_string(rc));
-    CTXPAR_CHECK(provided >= MPI_THREAD_FUNNELED,
-                 "mpi_world: this MPI does not provide MPI_THREAD_FUNNELED");
+    init_mpi_with_watchdog();
     std::atexit(finalize_at_exit);
   }
+  MpiLock lock(mpi_mutex());  // a communicator of mpi_wrap may have started the progress thread
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   MPI_Comm dup = MPI_COMM_NULL;
   mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &dup), "MPI_Comm_dup");
   g_world = new MpiCommunicator(dup);
   return *g_world;
+}
+
+std::unique_ptr<Communicator> mpi_wrap(const void* mpi_comm) {
+  using namespace comm_detail;
+  CTXPAR_CHECK(mpi_comm != nullptr, "mpi_wrap: null MPI_Comm pointer");
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  CTXPAR_CHECK(initialized && !mpi_finalized(),
+               "mpi_wrap: MPI is not initialised (or already finalised); initialise it first "
+               "(e.g. `from mpi4py import MPI`)");
+  MPI_Comm dup = MPI_COMM_NULL;
+  MpiLock lock(mpi_mutex());
+  mpi_check(MPI_Comm_dup(*static_cast<const MPI_Comm*>(mpi_comm), &dup), "MPI_Comm_dup");
+  return std::make_unique<MpiCommunicator>(dup);
 }
 
 void run_mpi(const std::function<void(Communicator&)>& fn) {
@@ -409,10 +461,14 @@ void run_mpi(const std::function<void(Communicator&)>& fn) {
   std::fprintf(stderr, "ctxpar: rank %d failed: %s\n", comm_detail::world_rank_now(),
                error.c_str());
   std::fflush(stderr);
+  abort_mpi_job(1);
+  std::exit(1);
+}
+
+void abort_mpi_job(int code) {
   int initialized = 0;
   MPI_Initialized(&initialized);
-  if (initialized && !comm_detail::mpi_finalized()) MPI_Abort(MPI_COMM_WORLD, 1);
-  std::exit(1);
+  if (initialized && !comm_detail::mpi_finalized()) MPI_Abort(MPI_COMM_WORLD, code);
 }
 
 }  // namespace ctxpar

@@ -93,6 +93,20 @@ void ProgressThread::start_once() {
     description_ = "off (MPI_Comm_dup of MPI_COMM_SELF failed)";
     return;
   }
+  // MPI_Finalize deletes MPI_COMM_SELF's attributes first, with MPI still whole: the hook that
+  // stops the thread when the program finalises MPI itself (mpi_wrap: mpi4py at exit), not
+  // finalize_at_exit.
+  int keyval = MPI_KEYVAL_INVALID;
+  if (MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN,
+                             [](MPI_Comm, int, void*, void*) {
+                               progress_thread().stop();
+                               return MPI_SUCCESS;
+                             },
+                             &keyval, nullptr) != MPI_SUCCESS ||
+      MPI_Comm_set_attr(MPI_COMM_SELF, keyval, nullptr) != MPI_SUCCESS) {
+    description_ = "off (no MPI_Finalize hook on MPI_COMM_SELF)";
+    return;
+  }
   description_ = "thread, every " + std::to_string(settings_.interval.count()) + " us";
   thread_ = std::thread([this] { loop(); });
 }
@@ -131,8 +145,8 @@ void ProgressThread::loop() {
     lock.unlock();
     {
       MpiLock mpi(mpi_mutex());
-      // A program that initialised MPI itself also finalises it, without stop(): from then on
-      // no MPI call is allowed (MPI_Finalized is, at any time).
+      // Should MPI end without the hook having run (it always runs, per the standard), no MPI
+      // call is allowed after it: MPI_Finalized is, at any time.
       int finalized = 0;
       MPI_Finalized(&finalized);
       if (finalized) return;

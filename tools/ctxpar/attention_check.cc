@@ -117,6 +117,23 @@ void key_row_grads(const float* q, const float* k, const float* v, const float* 
     }
 }
 
+// True when, for all tokens i, j: label_i == label_j exactly when id_i == id_j, and
+// label_i < label_j exactly when id_i < id_j. Then the mask (equality) and the kernel's tile
+// skipping (id ranges) read the labels as they would read the ids, and so can the reference.
+// Proof by one sort: along tokens ordered by id, equal neighbours must have equal labels and
+// increasing neighbours increasing labels.
+bool labels_preserve_ids(std::span<const int32_t> labels, std::span<const int64_t> ids) {
+  if (labels.size() != ids.size()) return false;
+  std::vector<size_t> order(ids.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return ids[a] < ids[b]; });
+  for (size_t n = 1; n < order.size(); ++n) {
+    const size_t a = order[n - 1], b = order[n];
+    if (ids[a] == ids[b] ? labels[a] != labels[b] : labels[a] >= labels[b]) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 void check_against_reference(const CheckInputs& in, double budget, int threads,
@@ -235,6 +252,14 @@ void check_against_reference(const CheckInputs& in, double budget, int threads,
     result.checks.push_back(finish("dq", e_dq, grad_floor));
     result.checks.push_back(finish("dk", e_dk, grad_floor));
     result.checks.push_back(finish("dv", e_dv, grad_floor));
+  }
+  if (!in.document_ids.empty()) {
+    // The reference reads the labels; it may only because they are proven to be the ids'.
+    QuantityCheck ids;
+    ids.name = "document ids";
+    ids.passed = labels_preserve_ids(in.tokens.documents, in.document_ids);
+    ids.max_abs_err = ids.passed ? 0.0 : std::numeric_limits<double>::infinity();
+    result.checks.push_back(ids);
   }
   result.check_passed = true;
   double worst = -1;

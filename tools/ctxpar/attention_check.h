@@ -7,6 +7,7 @@
 // keys), and dk, dv are checked on evenly spaced key rows by an fp64 sum over every query that
 // uses the run's own LSE and O (themselves checked on the sampled rows): see check_note.
 #pragma once
+#include <span>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,9 @@ struct CheckInputs {
   //   dq [B, T, Hq, D] fp32; dk, dv [B, T, Hkv, D] fp32 (empty views without backward).
   TensorView q, k, v, dout, out, lse, dq, dk, dv;
   Tokens tokens;  // T positions (and document ids) of the whole sequence
+  // The user's own document ids (T, int64) when tokens.documents are labels made from them:
+  // the check first proves the labels an order-preserving bijection of these ids.
+  std::span<const int64_t> document_ids;
   Mask mask;
   DType dtype = DType::f32;  // storage type of q, k, v, out, dout
 };

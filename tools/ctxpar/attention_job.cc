@@ -6,13 +6,17 @@
 #include "attention_job.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <numeric>
 #include <thread>
 
 #include "attention_check.h"
+#include "ctxpar/npy.h"
 
 namespace ctxpar::cli {
 namespace {
@@ -53,6 +57,7 @@ struct RankData {
   std::vector<int32_t> documents;
   int64_t tokens = 0;
   size_t shard_bytes = 0;
+  uint64_t input_bytes_read = 0;
   std::vector<double> fwd_wall, bwd_wall, fwd_cpu, bwd_cpu;
   std::vector<StrategyStats> fwd_stats, bwd_stats;
 };
@@ -87,6 +92,9 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
     if (r == 0 && job.on_step) job.on_step(name);
   };
   step("inputs");
+  // Test hook: CTXPAR_FAULT_RANK=r makes rank r fail here, as a rank failing at run time would.
+  if (const char* fault = std::getenv("CTXPAR_FAULT_RANK"); fault && std::atoi(fault) == r)
+    throw Error(detail::concat("injected fault (CTXPAR_FAULT_RANK=", fault, ")"));
   const Layout layout(job.layout, job.seq, job.ranks);
   const std::vector<int64_t> index = layout.positions(r);
   const int64_t B = job.batch, Tl = layout.local_tokens(), Hq = job.heads;
@@ -95,19 +103,35 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
                             [&](int64_t t) { return !layout.is_padding(t); });
   rd.positions = layout.token_positions(r, seq.positions);
   if (!seq.documents.empty()) rd.documents = layout.shard(seq.documents, r);
-  auto input = [&](const Tensor& given, int64_t heads, int which) {
+  auto input = [&](const Tensor& given, const InputFile& file, int64_t heads, int which) {
     if (!given.empty()) return Tensor::copy_of(layout.shard(given, r), job.dtype);
+    if (file.given()) {
+      // The real tokens' rows (padding, indices >= T, ends the increasing index), read as fp32
+      // and then stored as job.dtype: the same rounding as a whole-file read. Padding rows
+      // stay zero, as layout.shard leaves them.
+      const std::vector<int64_t> real(index.begin(), index.begin() + rd.tokens);
+      Tensor rows = read_npy_rows(file.path, file.heads_first ? 2 : 1, real, DType::f32,
+                                  &rd.input_bytes_read);
+      const Shape s = rows.shape();  // [B, H, T_real, D] -> [B, T_real, H, D] when heads first
+      const TensorView rows_bthd =
+          file.heads_first ? TensorView(rows.data(), rows.dtype(), {s[0], s[2], s[1], s[3]},
+                                        {s[1] * s[2] * s[3], s[3], s[2] * s[3], 1})
+                           : rows.view();
+      Tensor t(job.dtype, {B, Tl, heads, D});
+      copy_into(rows_bthd, t.view().slice(1, 0, rd.tokens));
+      return t;
+    }
     Tensor t(job.dtype, {B, Tl, heads, D});
     fill_shard(t, layout, index, job.seed, which);
     return t;
   };
-  rd.q = input(job.q, Hq, 0);
-  rd.k = input(job.k, Hkv, 1);
-  rd.v = input(job.v, Hkv, 2);
+  rd.q = input(job.q, job.q_file, Hq, 0);
+  rd.k = input(job.k, job.k_file, Hkv, 1);
+  rd.v = input(job.v, job.v_file, Hkv, 2);
   rd.out = Tensor(job.dtype, {B, Tl, Hq, D});
   rd.lse = Tensor(DType::f32, {B, Hq, Tl});
   if (job.backward) {
-    rd.dout = input(job.dout, Hq, 3);
+    rd.dout = input(job.dout, job.dout_file, Hq, 3);
     rd.dq = Tensor(DType::f32, {B, Tl, Hq, D});
     rd.dk = Tensor(DType::f32, {B, Tl, Hkv, D});
     rd.dv = Tensor(DType::f32, {B, Tl, Hkv, D});
@@ -177,15 +201,16 @@ StrategyStats unpack_stats(const double* in, double& wall, double& cpu) {
 void gather_to_root(Communicator& comm, const AttentionJob& job, RankData& mine,
                     std::vector<RankData>& all, bool tensors) {
   const int P = comm.size(), R = job.repeats;
-  const size_t n = 2 + 2 * static_cast<size_t>(R) * kStatFields;
+  const size_t n = 3 + 2 * static_cast<size_t>(R) * kStatFields;
   std::vector<double> send(n, 0), recv(n * P);
   send[0] = static_cast<double>(mine.tokens), send[1] = static_cast<double>(mine.shard_bytes);
+  send[2] = static_cast<double>(mine.input_bytes_read);
   for (int rep = 0; rep < R; ++rep) {
     pack_stats(mine.fwd_stats[rep], mine.fwd_wall[rep], mine.fwd_cpu[rep],
-               &send[2 + rep * kStatFields]);
+               &send[3 + rep * kStatFields]);
     if (job.backward)
       pack_stats(mine.bwd_stats[rep], mine.bwd_wall[rep], mine.bwd_cpu[rep],
-                 &send[2 + (R + rep) * kStatFields]);
+                 &send[3 + (R + rep) * kStatFields]);
   }
   comm.allgather(send.data(), recv.data(), n * sizeof(double));
   if (comm.rank() == 0) {
@@ -194,14 +219,15 @@ void gather_to_root(Communicator& comm, const AttentionJob& job, RankData& mine,
       const double* in = &recv[p * n];
       RankData& rd = all[p];
       rd.tokens = static_cast<int64_t>(in[0]), rd.shard_bytes = static_cast<size_t>(in[1]);
+      rd.input_bytes_read = static_cast<uint64_t>(in[2]);
       rd.fwd_wall.resize(R), rd.fwd_cpu.resize(R), rd.fwd_stats.resize(R);
       for (int rep = 0; rep < R; ++rep) {
         rd.fwd_stats[rep] =
-            unpack_stats(&in[2 + rep * kStatFields], rd.fwd_wall[rep], rd.fwd_cpu[rep]);
+            unpack_stats(&in[3 + rep * kStatFields], rd.fwd_wall[rep], rd.fwd_cpu[rep]);
         if (!job.backward) continue;
         rd.bwd_wall.resize(R), rd.bwd_cpu.resize(R), rd.bwd_stats.resize(R);
         rd.bwd_stats[rep] =
-            unpack_stats(&in[2 + (R + rep) * kStatFields], rd.bwd_wall[rep], rd.bwd_cpu[rep]);
+            unpack_stats(&in[3 + (R + rep) * kStatFields], rd.bwd_wall[rep], rd.bwd_cpu[rep]);
       }
     }
   }
@@ -266,6 +292,33 @@ Tensor unshard_field(const Layout& layout, std::vector<RankData>& all, Tensor Ra
 
 }  // namespace
 
+std::vector<int32_t> dense_document_labels(const std::vector<int64_t>& ids) {
+  std::vector<int64_t> distinct = ids;
+  std::sort(distinct.begin(), distinct.end());
+  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+  CTXPAR_CHECK(distinct.size() <= static_cast<size_t>(INT32_MAX),
+               "--documents: more than 2^31 distinct document ids");
+  std::vector<int32_t> labels(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i)
+    labels[i] = static_cast<int32_t>(std::lower_bound(distinct.begin(), distinct.end(), ids[i]) -
+                                     distinct.begin());
+  return labels;
+}
+
+void run_rank_threads(int ranks, const std::function<void(Communicator&)>& fn,
+                      const ThreadsOptions& options) {
+  std::atomic<bool> started{false};
+  try {
+    run_threads(ranks, [&](Communicator& comm) {
+      started = true;
+      fn(comm);
+    }, options);
+  } catch (const Error& e) {
+    if (started) throw RankFailure(e.what());
+    throw;
+  }
+}
+
 void validate(const AttentionJob& job) {
   const int64_t T = job.seq, P = job.ranks, Hq = job.heads, Hkv = kv_heads_of(job);
   CTXPAR_CHECK(job.batch >= 1, "--batch must be >= 1, got ", job.batch);
@@ -280,7 +333,8 @@ void validate(const AttentionJob& job) {
   CTXPAR_CHECK(P >= 1, "--ranks must be >= 1, got ", P);
   CTXPAR_CHECK(job.threads >= 1, "--threads must be >= 1, got ", job.threads);
   CTXPAR_CHECK(job.repeats >= 1, "--repeats must be >= 1, got ", job.repeats);
-  CTXPAR_CHECK(job.timeout_seconds > 0, "--timeout must be > 0 seconds");
+  CTXPAR_CHECK(job.timeout_seconds >= 1e-3, "--timeout must be at least 0.001 seconds (waits are "
+               "counted in milliseconds), got ", job.timeout_seconds);
 
   // Any --seq works: the layout pads it to its granule (docs/layouts.md, "Padding").
 
@@ -343,17 +397,25 @@ void validate(const AttentionJob& job) {
     CTXPAR_CHECK(job.positions[i] != kPaddingPosition, "--positions: token ", i, " has position ",
                  kPaddingPosition, " (INT64_MIN), which marks padding; use any other value");
 
-  auto check_input = [&](const Tensor& t, const char* name, int64_t heads) {
-    if (t.empty()) return;
-    Shape want{job.batch, T, heads, job.head_dim};
-    CTXPAR_CHECK(t.shape() == want, name, ": shape ", shape_str(t.shape()), ", expected ",
-                 shape_str(want), " [B, T, H, D] to match the other inputs");
+  // Tensors given by a library caller, or files (shape from the header) by the command.
+  struct Input {
+    const char* name;
+    const Tensor& tensor;
+    const InputFile& file;
+    int64_t heads;
   };
-  check_input(job.q, "--q", Hq);
-  check_input(job.k, "--k", Hkv);
-  check_input(job.v, "--v", Hkv);
-  check_input(job.dout, "--do", Hq);
-  CTXPAR_CHECK(job.q.empty() == job.k.empty() && job.k.empty() == job.v.empty(),
+  const Input inputs[] = {{"--q", job.q, job.q_file, Hq}, {"--k", job.k, job.k_file, Hkv},
+                          {"--v", job.v, job.v_file, Hkv}, {"--do", job.dout, job.dout_file, Hq}};
+  for (const Input& in : inputs) {
+    if (in.tensor.empty() && !in.file.given()) continue;
+    const Shape want{job.batch, T, in.heads, job.head_dim};
+    const Shape got = in.file.given() ? in.file.shape : in.tensor.shape();
+    CTXPAR_CHECK(got == want, in.name, in.file.given() ? " " + in.file.path : "", ": shape ",
+                 shape_str(got), ", expected ", shape_str(want),
+                 " [B, T, H, D] to match the other inputs");
+  }
+  auto given = [](const Input& in) { return !in.tensor.empty() || in.file.given(); };
+  CTXPAR_CHECK(given(inputs[0]) == given(inputs[1]) && given(inputs[1]) == given(inputs[2]),
                "--q, --k and --v come together");
 }
 
@@ -385,8 +447,8 @@ AttentionResult run_attention_job(const AttentionJob& job) {
     ThreadsOptions options;
     options.link = job.link;
     options.timeout = std::chrono::milliseconds(static_cast<int64_t>(job.timeout_seconds * 1000));
-    run_threads(P, [&](Communicator& comm) { run_rank(comm, job, seq, all[comm.rank()]); },
-                options);
+    run_rank_threads(P, [&](Communicator& comm) { run_rank(comm, job, seq, all[comm.rank()]); },
+                     options);
   }
 
   const int fwd = fastest_repeat(all, false);
@@ -397,6 +459,7 @@ AttentionResult run_attention_job(const AttentionJob& job) {
     rep.rank = p;
     rep.tokens = rd.tokens;
     rep.shard_bytes = rd.shard_bytes;
+    rep.input_bytes_read = rd.input_bytes_read;
     const StrategyStats& f = rd.fwd_stats[fwd];
     rep.forward_flops = f.attention_flops;
     rep.forward_busy_seconds = f.busy_seconds;
@@ -451,6 +514,7 @@ AttentionResult run_attention_job(const AttentionJob& job) {
     in.out = result.out, in.lse = result.lse;
     if (job.backward) in.dq = result.dq, in.dk = result.dk, in.dv = result.dv;
     in.tokens = Tokens{seq.positions, seq.documents};
+    if (!seq.documents.empty()) in.document_ids = job.document_ids;
     in.mask = job.mask;
     in.dtype = job.dtype;
     if (job.on_step) job.on_step("check");
@@ -504,7 +568,8 @@ nlohmann::json to_json(const AttentionJob& job, const AttentionResult& result) {
                      {"bytes_sent", r.bytes_sent},
                      {"bytes_received", r.bytes_received},
                      {"peak_bytes", r.peak_bytes},
-                     {"shard_bytes", r.shard_bytes}});
+                     {"shard_bytes", r.shard_bytes},
+                     {"input_bytes_read", r.input_bytes_read}});
   }
   j["ranks"] = ranks;
   j["forward_flops"] = fwd_flops;

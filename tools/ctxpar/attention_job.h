@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,28 @@
 #include "ctxpar/tensor.h"
 
 namespace ctxpar::cli {
+
+// A failure while the ranks run (a rank threw, timed out, ran out of memory): exit status 1,
+// where a ctxpar::Error before the run (bad options, bad input) is 2.
+class RankFailure : public std::runtime_error {
+ public:
+  explicit RankFailure(const std::string& what) : std::runtime_error(what) {}
+};
+
+// run_threads for a command: a rank that fails once the ranks run becomes a RankFailure (exit
+// 1, as under MPI), while run_threads refusing its arguments before any rank starts stays a
+// ctxpar::Error (exit 2).
+void run_rank_threads(int ranks, const std::function<void(Communicator&)>& fn,
+                      const ThreadsOptions& options = {});
+
+// A user's .npy input, read by each rank for its own token rows only (read_npy_rows): memory
+// and bytes read per rank are those of its shard, T/P of the file.
+struct InputFile {
+  std::string path;            // empty: not given
+  bool heads_first = false;    // the file is [B, H, T, D] (--layout-in bhtd), else [B, T, H, D]
+  Shape shape;                 // [B, T, H, D] as the header says (after --layout-in)
+  bool given() const { return !path.empty(); }
+};
 
 struct AttentionJob {
   int64_t batch = 1, seq = 4096, heads = 8, kv_heads = 0 /* 0 = heads */, head_dim = 128;
@@ -43,9 +66,15 @@ struct AttentionJob {
   // "check"), for a progress bar. May be empty.
   std::function<void(const std::string& step)> on_step;
 
-  // User inputs, full and unsharded, [B, T, H, D] (empty: seeded random inputs).
+  // User inputs, full and unsharded, [B, T, H, D] (empty: seeded random inputs) ...
   Tensor q, k, v, dout;
-  std::vector<int32_t> documents;  // per token (empty: from document_lengths, if any)
+  // ... or .npy files, each rank reading its own rows (what `ctxpar attention --q` uses).
+  InputFile q_file, k_file, v_file, dout_file;
+  // Per token (empty: from document_lengths, if any). The kernel's ids are int32: a user's
+  // int64 ids (document_ids) become their rank among the distinct ids (dense_document_labels),
+  // which keeps equality and order, so tiles are still skipped by id ranges.
+  std::vector<int32_t> documents;
+  std::vector<int64_t> document_ids;  // the user's --documents ids as given (for --check)
   std::vector<int64_t> positions;  // per token (empty: 0..T-1)
 };
 
@@ -59,6 +88,7 @@ struct RankReport {
   uint64_t bytes_sent = 0, bytes_received = 0;
   size_t peak_bytes = 0;          // largest total of buffers the strategy held (max fwd, bwd)
   size_t shard_bytes = 0;         // this rank's own inputs and outputs (q, k, v, o, lse, ...)
+  uint64_t input_bytes_read = 0;  // bytes of --q/--k/--v/--do files this rank read (its rows)
   double forward_flops = 0, backward_flops = 0;
   double forward_busy_seconds = 0, backward_busy_seconds = 0;
   // CPU time of the rank's own thread in the timed calls (its OpenMP workers not included, so
@@ -90,6 +120,10 @@ struct AttentionResult {
   double check_seconds = 0;       // wall time of the check itself
   Tensor out, lse, dq, dk, dv;    // full, unsharded, original order (keep_outputs, root only)
 };
+
+// Label of each id = its rank among the distinct ids: equal ids get equal labels, and
+// id_i < id_j exactly when label_i < label_j.
+std::vector<int32_t> dense_document_labels(const std::vector<int64_t>& ids);
 
 // Validates the job (same verdict on every rank), throws ctxpar::Error naming what is wrong
 // and what would work instead.

@@ -275,6 +275,10 @@ int bench_cp(int argc, char** argv) {
   if (launched_by_mpi())
     throw UsageError("bench cp sweeps P on the threads transport inside one process; run it "
                      "without mpirun (for MPI timings: mpirun -n P ctxpar attention ...)");
+  if (const ForeignLauncher l = foreign_launcher(); l.ranks > 0)
+    throw UsageError("started by " + l.name + " as " + std::to_string(l.ranks) +
+                     " processes, each of which would run the whole sweep: bench cp sweeps P on "
+                     "the threads transport inside one process; run it once, without a launcher");
 
   const auto seqs = parse_list(opts, "seq", [](const std::string& s) {
     char* end = nullptr;

@@ -1,6 +1,8 @@
 // `ctxpar attention`: run, check and time one distributed attention (attention_job.h), on
 // random inputs or the user's .npy tensors, and print a per-rank table or one JSON object.
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -13,7 +15,9 @@
 #include "commands.h"
 #include "ctxpar/npy.h"
 #include "options.h"
+#include "out_folder.h"
 #include "progress.h"
+#include "rank_agreement.h"
 
 namespace ctxpar::cli {
 namespace {
@@ -32,7 +36,7 @@ Options attention_options() {
            "none | causal | window:L,R | documents:len1,len2,... | rules joined by '+', "
            "e.g. causal+documents:300,724")
       .add("dtype", "fp32", "storage type of q, k, v, o, do: fp32 | bf16")
-      .add("threads", "1", "OpenMP threads per rank")
+      .add("threads", "1", "OpenMP threads per rank (not given: OMP_NUM_THREADS when set)")
       .add("ranks", "1", "ranks P (under mpirun: the number of processes)")
       .add("strategy", "ring", "ring | allgather | ulysses | hybrid")
       .add("ulysses-degree", "0", "hybrid: ranks per Ulysses group u, must divide P (0 = P)")
@@ -56,7 +60,8 @@ Options attention_options() {
       .add("layout-in", "bthd", "axis order of the .npy tensors: bthd | bhtd (PyTorch SDPA)")
       .add("documents", "", "document id per token, .npy int32/int64 [T] (packed sequences)")
       .add("positions", "", "position id per token, .npy int32/int64 [T] (default 0..T-1)")
-      .add("out", "", "write out.npy, lse.npy (and dq, dk, dv .npy) to this folder");
+      .add("out", "", "write out.npy, lse.npy (and dq, dk, dv .npy) to this folder, replacing "
+           "it as a whole (a new, empty, or earlier --out folder)");
   o.example("ctxpar attention --seq 64K --heads 2 --head-dim 64 --ranks 4 --strategy ring "
             "--layout zigzag --mask causal --backward --check");
   o.example("mpirun -n 4 ctxpar attention --seq 16K --strategy ulysses --mask causal --check");
@@ -73,14 +78,19 @@ Tensor swap_heads_tokens(const Tensor& t, DType dtype) {
   return Tensor::copy_of(swapped, dtype);
 }
 
-Tensor read_input(const Options& o, const std::string& name, DType dtype) {
-  const std::string path = o.str(name);
-  Tensor t = read_npy(path, DType::f32);
-  CTXPAR_CHECK(t.dtype() == DType::f32, path, ": --", name, " must hold float32 or float16, not ",
-               dtype_name(t.dtype()));
-  CTXPAR_CHECK(t.shape().size() == 4, path, ": --", name, " must be 4-D [B, T, H, D] (or ",
-               "[B, H, T, D] with --layout-in bhtd), got ", shape_str(t.shape()));
-  return o.str("layout-in") == "bhtd" ? swap_heads_tokens(t, dtype) : Tensor::copy_of(t, dtype);
+// The header of an input file (each rank reads its own rows later, in the job).
+InputFile input_file(const Options& o, const std::string& name) {
+  InputFile f;
+  f.path = o.str(name);
+  f.heads_first = o.str("layout-in") == "bhtd";
+  const NpyHeader h = read_npy_header(f.path);
+  CTXPAR_CHECK(h.type == NpyType::f32 || h.type == NpyType::f16, f.path, ": --", name,
+               " must hold float32 or float16, not ", npy_type_name(h.type));
+  CTXPAR_CHECK(h.shape.size() == 4, f.path, ": --", name, " must be 4-D [B, T, H, D] (or ",
+               "[B, H, T, D] with --layout-in bhtd), got ", shape_str(h.shape));
+  f.shape = h.shape;
+  if (f.heads_first) std::swap(f.shape[1], f.shape[2]);
+  return f;
 }
 
 // "documents:300,724" inside a '+'-joined mask -> the lengths.
@@ -140,10 +150,10 @@ AttentionJob job_from(const Options& o) {
   if (o.given("q") || o.given("k") || o.given("v")) {
     if (!(o.given("q") && o.given("k") && o.given("v")))
       throw UsageError("--q, --k and --v come together (and --do for the backward)");
-    job.q = read_input(o, "q", job.dtype);
-    job.k = read_input(o, "k", job.dtype);
-    job.v = read_input(o, "v", job.dtype);
-    if (o.given("do")) job.dout = read_input(o, "do", job.dtype);
+    job.q_file = input_file(o, "q");
+    job.k_file = input_file(o, "k");
+    job.v_file = input_file(o, "v");
+    if (o.given("do")) job.dout_file = input_file(o, "do");
     // The files decide the problem's shape; a conflicting explicit option is a mistake.
     auto take = [&](const char* name, int64_t& field, int64_t value) {
       if (o.given(name) && o.i64(name) != value)
@@ -151,17 +161,17 @@ AttentionJob job_from(const Options& o) {
                          std::to_string(value) + "); drop it");
       field = value;
     };
-    take("batch", job.batch, job.q.dim(0));
-    take("seq", job.seq, job.q.dim(1));
-    take("heads", job.heads, job.q.dim(2));
-    take("head-dim", job.head_dim, job.q.dim(3));
-    take("kv-heads", job.kv_heads, job.k.dim(2));
+    take("batch", job.batch, job.q_file.shape[0]);
+    take("seq", job.seq, job.q_file.shape[1]);
+    take("heads", job.heads, job.q_file.shape[2]);
+    take("head-dim", job.head_dim, job.q_file.shape[3]);
+    take("kv-heads", job.kv_heads, job.k_file.shape[2]);
   } else if (o.given("do")) {
     throw UsageError("--do needs --q, --k and --v");
   }
   if (o.given("documents")) {
-    for (int64_t id : read_npy_ints(o.str("documents")))
-      job.documents.push_back(static_cast<int32_t>(id));
+    job.document_ids = read_npy_ints(o.str("documents"));
+    job.documents = dense_document_labels(job.document_ids);
     job.mask.documents = true;
   }
   if (o.given("positions")) job.positions = read_npy_ints(o.str("positions"));
@@ -239,23 +249,61 @@ void print_table(const AttentionJob& job, const AttentionResult& r) {
   std::printf(")\n       %s (%.1f s)\n", r.check_note.c_str(), r.check_seconds);
 }
 
-void write_outputs(const Options& o, const AttentionJob& job, const AttentionResult& r) {
-  namespace fs = std::filesystem;
-  const fs::path dir = o.str("out");
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  CTXPAR_CHECK(!ec, "--out ", dir.string(), ": cannot create the folder: ", ec.message());
+void write_outputs(const Options& o, const OutFolder& folder, const AttentionResult& r) {
   const bool bhtd = o.str("layout-in") == "bhtd";
+  std::vector<Tensor> kept;  // the bhtd copies must live until written
+  std::vector<std::pair<std::string, TensorView>> files;
   auto put = [&](const char* name, const Tensor& t) {
     if (t.empty()) return;
-    const Tensor& w = bhtd ? swap_heads_tokens(t, DType::f32) : t;
-    write_npy((dir / name).string(), w);
+    if (bhtd) kept.push_back(swap_heads_tokens(t, DType::f32));
+    files.emplace_back(name, bhtd ? kept.back().view() : t.view());
   };
+  kept.reserve(5);
   put("out.npy", r.out);
-  write_npy((dir / "lse.npy").string(), r.lse);  // [B, H, T] whatever --layout-in
+  files.emplace_back("lse.npy", r.lse.view());  // [B, H, T] whatever --layout-in
   put("dq.npy", r.dq);
   put("dk.npy", r.dk);
   put("dv.npy", r.dv);
+  folder.replace_with(files);
+}
+
+// --threads when not given: OMP_NUM_THREADS (its first number, as OpenMP reads "4,2"), else 1.
+int default_threads() {
+  const char* env = std::getenv("OMP_NUM_THREADS");
+  if (!env || !*env) return 1;
+  char* end = nullptr;
+  const long n = std::strtol(env, &end, 10);
+  if (end == env || (*end != '\0' && *end != ',') || n < 1 || n > 65536)
+    throw UsageError(std::string("OMP_NUM_THREADS='") + env +
+                     "' is not a thread count; unset it or give --threads N");
+  return static_cast<int>(n);
+}
+
+// Every option that changes the answer, or what the ranks send each other, for the ranks to
+// agree on under MPI (rank_agreement.h). --threads and --timeout are left out: they change
+// neither. Input files: path, header and a sample of the contents (file_fingerprint).
+Signature signature_of(const Options& o, const AttentionJob& job) {
+  auto num = [](auto v) { return std::to_string(v); };
+  auto file = [](const InputFile& f) {
+    return f.given() ? f.path + " " + shape_str(f.shape) + ", " + file_fingerprint(f.path) : "";
+  };
+  auto ints = [](const auto& v) { return v.empty() ? std::string() : hash_hex(v.data(), v.size() * sizeof v[0]); };
+  std::string lengths;
+  for (int64_t l : job.document_lengths) lengths += num(l) + ",";
+  // Files first: they decide the shape, so a file on one rank only is named as the cause.
+  return {{"q", file(job.q_file)}, {"k", file(job.k_file)}, {"v", file(job.v_file)},
+          {"do", file(job.dout_file)}, {"layout-in", o.str("layout-in")},
+          {"seq", num(job.seq)}, {"batch", num(job.batch)}, {"heads", num(job.heads)},
+          {"kv-heads", num(job.kv_heads ? job.kv_heads : job.heads)},
+          {"head-dim", num(job.head_dim)},
+          {"mask", job.mask.describe() + " " + lengths}, {"dtype", dtype_name(job.dtype)},
+          {"ranks", num(job.ranks)}, {"strategy", strategy_name(job.strategy)},
+          {"ulysses-degree", num(job.ulysses_degree)}, {"layout", layout_name(job.layout)},
+          {"transport", job.transport}, {"seed", num(job.seed)}, {"repeats", num(job.repeats)},
+          {"backward", job.backward ? "on" : "off"}, {"check", job.check ? "on" : "off"},
+          {"check-budget", o.str("check-budget")}, {"out", o.given("out") ? "given" : ""},
+          {"json", o.on("json") ? "on" : "off"}, {"documents", ints(job.document_ids)},
+          {"positions", ints(job.positions)}};
 }
 
 }  // namespace
@@ -263,7 +311,23 @@ void write_outputs(const Options& o, const AttentionJob& job, const AttentionRes
 int cmd_attention(int argc, char** argv) {
   Options o = attention_options();
   if (!o.parse(argc, argv)) return 0;
+  refuse_foreign_launcher("attention");
+  // Under mpirun, MPI first: from here on a rank's error ends every rank at once (main.cc),
+  // where a rank that exits before MPI_Init would leave the others waiting in it.
+  if (launched_by_mpi() && o.str("transport") != "threads") mpi_world();
   AttentionJob job = job_from(o);
+  if (!o.given("threads")) job.threads = default_threads();
+  // (--transport mpi without mpirun is refused by validate, with how to start it.)
+  const bool under_mpi = job.transport == "mpi" && launched_by_mpi();
+  if (under_mpi) {
+    mpi_world().set_timeout(
+        std::chrono::milliseconds(static_cast<int64_t>(std::max(1.0, job.timeout_seconds) * 1000)));
+    agree_across_ranks(mpi_world(), signature_of(o, job));
+  }
+  // Before computing: an --out that cannot be written fails now, not after the run.
+  std::unique_ptr<OutFolder> out_folder;
+  const bool writes_out = o.given("out") && (!under_mpi || mpi_world().rank() == 0);
+  if (writes_out) out_folder = std::make_unique<OutFolder>(o.str("out"));
   // A bar (stderr) for runs long enough to wonder about: always on a terminal, in logs only
   // for big problems (plain lines every few seconds).
   const double work = static_cast<double>(job.batch) * job.heads * job.seq * job.seq *
@@ -293,7 +357,13 @@ int cmd_attention(int argc, char** argv) {
   AttentionResult result = run_attention_job(job);
   if (bar) bar->advance_work(weight(current)), bar->finish();
   if (!result.is_root) return 0;
-  if (o.given("out")) write_outputs(o, job, result);
+  if (out_folder) {
+    try {
+      write_outputs(o, *out_folder, result);
+    } catch (const Error& e) {
+      throw RankFailure(e.what());  // the run is done: a failed write is a run-time failure
+    }
+  }
   if (o.on("json")) {
     std::printf("%s\n", to_json(job, result).dump(2).c_str());
   } else {

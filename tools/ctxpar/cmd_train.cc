@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "attention_job.h"
 #include "commands.h"
 #include "ctxpar/comm.h"
 #include "ctxpar/model.h"
@@ -124,6 +125,7 @@ int cmd_train(int argc, char** argv) {
       .example("mpirun -n 4 ctxpar train --seq 8192 --dp 2 --cp 2")
       .example("ctxpar train --data book.txt --seq 2048 --save ck.safetensors --save-every 50");
   if (!o.parse(argc, argv)) return 0;
+  refuse_foreign_launcher("train");
 
   TrainConfig c;
   c.seq = o.i64("seq");
@@ -202,7 +204,7 @@ int cmd_train(int argc, char** argv) {
                 layout_name(c.layout), use_mpi ? "mpi" : "threads", c.model.describe().c_str(),
                 c.data_path.empty() ? "built-in copy task" : c.data_path.c_str());
   if (use_mpi) run_mpi(body);
-  else run_threads(ranks, body);
+  else run_rank_threads(ranks, body);
   const bool leader = !use_mpi || mpi_world().rank() == 0;
   if (bar) bar->finish();
   if (first_step > c.steps) {

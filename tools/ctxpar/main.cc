@@ -4,6 +4,7 @@
 #include <string>
 
 #include "commands.h"
+#include "ctxpar/comm.h"
 #include "options.h"
 
 namespace {
@@ -34,6 +35,15 @@ void usage(FILE* out) {
                "  ctxpar bench kernel --seq 4096 --heads 8 --head-dim 128 --threads 1 --json\n");
 }
 
+// Exit status: 2 bad usage or bad input (before any computing), 1 a failure at run time (a
+// rank failed, a file could not be written). Under mpirun the other ranks may be waiting for
+// this one: end them all at once with the same status.
+int end_job(int code) {
+  std::fflush(stderr);
+  ctxpar::abort_mpi_job(code);
+  return code;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -51,13 +61,13 @@ int main(int argc, char** argv) {
       if (!std::strcmp(c.name, "bench") && argc > 2 && argv[2][0] != '-') full += std::string(" ") + argv[2];
       std::fprintf(stderr, "ctxpar %s: %s\n(ctxpar %s --help lists every option)\n", full.c_str(),
                    e.what(), full.c_str());
-      return 2;
+      return end_job(2);
     } catch (const ctxpar::Error& e) {
       std::fprintf(stderr, "ctxpar %s: error: %s\n", c.name, e.what());
-      return 2;
+      return end_job(2);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "ctxpar %s: failed: %s\n", c.name, e.what());
-      return 1;
+      return end_job(1);
     }
   }
   std::fprintf(stderr, "ctxpar: unknown command '%s'\n\n", argv[1]);

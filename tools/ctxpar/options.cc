@@ -1,11 +1,22 @@
 #include "options.h"
 
+#include "ctxpar/comm.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
 
 namespace ctxpar::cli {
+
+void refuse_foreign_launcher(const char* command) {
+  const ForeignLauncher l = foreign_launcher();
+  if (l.ranks == 0) return;
+  throw UsageError(detail::concat(
+      "started by ", l.name, " as ", l.ranks, " separate processes without MPI: each would run "
+      "the whole job alone. Launch it with mpirun -n ", l.ranks, " ctxpar ", command,
+      " ... (or srun --mpi=pmix with an MPI build), or as one process with --ranks ", l.ranks));
+}
 
 Options::Options(std::string command, std::string summary)
     : command_(std::move(command)), summary_(std::move(summary)) {}

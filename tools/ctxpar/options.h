@@ -17,6 +17,10 @@ class UsageError : public Error {
   explicit UsageError(const std::string& what) : Error(what) {}
 };
 
+// Refuses a launcher (torchrun, srun) that started copies of `ctxpar <command>` without MPI:
+// each copy would run the whole job alone.
+void refuse_foreign_launcher(const char* command);
+
 class Options {
  public:
   Options(std::string command, std::string summary);

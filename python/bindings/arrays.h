@@ -1,0 +1,33 @@
+// DLPack arrays (nanobind's nb::ndarray: NumPy arrays, torch tensors, ...) seen as
+// ctxpar::TensorView, without copies: the view points at the caller's memory with the caller's
+// strides. See docs/python.md, "Zero-copy rules".
+#pragma once
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <optional>
+#include <vector>
+
+#include "ctxpar/tensor.h"
+
+namespace ctxpar::python {
+
+namespace nb = nanobind;
+
+// Written outputs (out, lse, dq, ...) and read-only inputs (q, k, v, ...: a read-only NumPy
+// array is accepted). Neither constrains dtype or device: view_of checks them, so a mistake
+// gets a message naming the argument instead of nanobind's "incompatible function arguments".
+using Array = nb::ndarray<>;
+using ReadArray = nb::ndarray<nb::ro>;
+
+// A view of `a` named `name` in errors. Raises TypeError (not on the CPU, unsupported dtype)
+// or ValueError (wrong ndim, last dimension not contiguous) naming the argument.
+TensorView view_of(const ReadArray& a, const char* name, int ndim);
+TensorView view_of(const Array& a, const char* name, int ndim);
+
+// A one-dimensional integer array (int32 or int64, any stride) copied into a vector: per-token
+// positions and document ids are small (T entries).
+template <typename T>
+std::vector<T> int_vector(const std::optional<ReadArray>& a, const char* name, int64_t tokens);
+
+}  // namespace ctxpar::python

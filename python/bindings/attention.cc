@@ -1,0 +1,270 @@
+// Attention entry points of the extension. Outputs are allocated by the Python side (in the
+// caller's framework) and written here in place; inputs are read where they lie.
+//   whole tensors  q, out, dout, dq  [B, T, Hq, D]; k, v, dk, dv [B, T, Hkv, D]; lse [B, Hq, T]
+//                  P ranks run as threads: shard by the layout, run the strategy, unshard.
+//   one rank       the same with T replaced by the local Tl = T / P, on a communicator.
+// The GIL is released while ranks compute and communicate.
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <numeric>
+#include <string>
+
+#include "communicator.h"
+#include "ctxpar/layout.h"
+#include "ctxpar/reference.h"
+#include "ctxpar/strategy.h"
+
+namespace ctxpar::python {
+namespace {
+
+// Options shared by every entry point; names are parsed here so a bad name is a ValueError
+// naming the argument before any rank starts.
+struct Job {
+  LayoutKind layout = LayoutKind::zigzag;
+  StrategyOptions strategy;
+  std::vector<int64_t> positions;  // T global positions (0..T-1 unless given)
+  std::vector<int32_t> documents;  // T document ids, empty without the documents mask
+};
+
+template <typename Parse>
+auto parse_named(const char* arg, const std::string& text, Parse&& parse) {
+  try {
+    return parse(text);
+  } catch (const Error& e) {
+    throw nb::value_error(detail::concat(arg, ": ", e.what()).c_str());
+  }
+}
+
+Job make_job(int64_t tokens, const std::string& strategy, const std::string& layout,
+             const std::string& mask, const std::optional<ReadArray>& positions,
+             const std::optional<ReadArray>& documents, int ulysses_degree, int head_groups,
+             int threads, float scale) {
+  Job job;
+  job.layout = parse_named("layout", layout, parse_layout);
+  job.strategy.kind = parse_named("strategy", strategy, parse_strategy);
+  job.strategy.mask = parse_named("mask", mask, parse_mask);
+  job.strategy.ulysses_degree = ulysses_degree;
+  job.strategy.head_groups = head_groups;
+  if (threads < 1) throw nb::value_error(detail::concat("threads: must be >= 1, got ", threads).c_str());
+  job.strategy.kernel.threads = threads;
+  job.strategy.kernel.scale = scale;
+  job.positions = int_vector<int64_t>(positions, "positions", tokens);
+  if (job.positions.empty()) {
+    job.positions.resize(tokens);
+    std::iota(job.positions.begin(), job.positions.end(), int64_t{0});
+  }
+  job.documents = int_vector<int32_t>(documents, "document_ids", tokens);
+  if (!job.documents.empty()) job.strategy.mask.documents = true;
+  if (job.strategy.mask.documents && job.documents.empty())
+    throw nb::value_error("mask: the documents rule needs document_ids= (one id per token)");
+  return job;
+}
+
+// The positions and document ids of rank r's tokens.
+struct RankTokens {
+  std::vector<int64_t> positions;
+  std::vector<int32_t> documents;
+  Tokens view() const { return Tokens{positions, documents}; }
+};
+// Any T: the layout pads it to its granule (padding tokens get kPaddingPosition, invisible to
+// the kernel in both directions; docs/layouts.md).
+RankTokens rank_tokens(const Job& job, const Layout& layout, int rank) {
+  RankTokens t;
+  t.positions = layout.token_positions(rank, job.positions);
+  if (!job.documents.empty()) t.documents = layout.shard(job.documents, rank);
+  return t;
+}
+
+// Per-process shards hold Tl tokens each, so T = Tl * P must be a whole number of the layout's
+// units: there is no room for padding in shards the caller already cut.
+Layout shard_layout(LayoutKind kind, int64_t local_tokens, int ranks) {
+  Layout layout(kind, local_tokens * ranks, ranks);
+  if (layout.padding() != 0)
+    throw nb::value_error(detail::concat(
+        "q: ", local_tokens, " tokens per rank x ", ranks, " ranks cannot be cut by the ",
+        layout_name(kind), " layout (it needs T % ", kind == LayoutKind::zigzag ? "2P" : "P",
+        " == 0: an even number of tokens per rank); pad the sequence, or use ctxpar.attention "
+        "on whole tensors, which pads internally").c_str());
+  return layout;
+}
+
+std::vector<TensorView> views(const std::vector<Tensor>& ts) {
+  return std::vector<TensorView>(ts.begin(), ts.end());
+}
+Shape local_shape(const TensorView& t, int token_dim, int64_t local) {
+  Shape s = t.shape();
+  s[token_dim] = local;
+  return s;
+}
+
+struct JobArgs {
+  std::string strategy, layout, mask;
+  std::optional<ReadArray> positions, documents;
+  int ulysses_degree, head_groups, threads;
+  float scale;
+  Job make(int64_t tokens) const {
+    return make_job(tokens, strategy, layout, mask, positions, documents, ulysses_degree,
+                    head_groups, threads, scale);
+  }
+};
+
+void whole_forward(const ReadArray& q, const ReadArray& k, const ReadArray& v, const Array& out,
+                   const Array& lse, int ranks, const JobArgs& args) {
+  const TensorView qv = view_of(q, "q", 4), kv = view_of(k, "k", 4), vv = view_of(v, "v", 4);
+  const TensorView ov = view_of(out, "out", 4), lv = view_of(lse, "lse", 3);
+  if (ranks < 1) throw nb::value_error(detail::concat("ranks: must be >= 1, got ", ranks).c_str());
+  const Job job = args.make(qv.dim(1));
+  nb::gil_scoped_release release;
+  const Layout layout(job.layout, qv.dim(1), ranks);
+  const int64_t tl = layout.local_tokens();
+  std::vector<Tensor> outs(ranks), lses(ranks);
+  run_threads(ranks, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const RankTokens tokens = rank_tokens(job, layout, r);
+    const Tensor qs = layout.shard(qv, r), ks = layout.shard(kv, r), vs = layout.shard(vv, r);
+    outs[r] = Tensor(ov.dtype(), local_shape(ov, 1, tl));
+    lses[r] = Tensor(DType::f32, local_shape(lv, 2, tl));
+    auto strategy = Strategy::create(comm, job.strategy);
+    strategy->forward(qs, ks, vs, tokens.view(), outs[r], lses[r]);
+  });
+  layout.unshard(views(outs), ov, 1);
+  layout.unshard(views(lses), lv, 2);
+}
+
+void whole_backward(const ReadArray& q, const ReadArray& k, const ReadArray& v,
+                    const ReadArray& out, const ReadArray& lse, const ReadArray& dout,
+                    const Array& dq, const Array& dk, const Array& dv, int ranks,
+                    const JobArgs& args) {
+  const TensorView qv = view_of(q, "q", 4), kv = view_of(k, "k", 4), vv = view_of(v, "v", 4);
+  const TensorView ov = view_of(out, "out", 4), lv = view_of(lse, "lse", 3),
+                   gv = view_of(dout, "dout", 4);
+  const TensorView dqv = view_of(dq, "dq", 4), dkv = view_of(dk, "dk", 4),
+                   dvv = view_of(dv, "dv", 4);
+  if (ranks < 1) throw nb::value_error(detail::concat("ranks: must be >= 1, got ", ranks).c_str());
+  const Job job = args.make(qv.dim(1));
+  nb::gil_scoped_release release;
+  const Layout layout(job.layout, qv.dim(1), ranks);
+  const int64_t tl = layout.local_tokens();
+  std::vector<Tensor> dqs(ranks), dks(ranks), dvs(ranks);
+  run_threads(ranks, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const RankTokens tokens = rank_tokens(job, layout, r);
+    const Tensor qs = layout.shard(qv, r), ks = layout.shard(kv, r), vs = layout.shard(vv, r);
+    const Tensor os = layout.shard(ov, r), gs = layout.shard(gv, r), ls = layout.shard(lv, r, 2);
+    dqs[r] = Tensor(dqv.dtype(), local_shape(dqv, 1, tl));
+    dks[r] = Tensor(dkv.dtype(), local_shape(dkv, 1, tl));
+    dvs[r] = Tensor(dvv.dtype(), local_shape(dvv, 1, tl));
+    auto strategy = Strategy::create(comm, job.strategy);
+    strategy->backward(qs, ks, vs, tokens.view(), os, ls, gs, dqs[r], dks[r], dvs[r]);
+  });
+  layout.unshard(views(dqs), dqv, 1);
+  layout.unshard(views(dks), dkv, 1);
+  layout.unshard(views(dvs), dvv, 1);
+}
+
+// One rank's shard: T = Tl * comm.size(); positions / document_ids (if given) have T entries.
+void local_forward(const PyCommunicator& c, const ReadArray& q, const ReadArray& k,
+                   const ReadArray& v, const Array& out, const Array& lse, const JobArgs& args) {
+  Communicator& comm = c.get();
+  const TensorView qv = view_of(q, "q", 4), kv = view_of(k, "k", 4), vv = view_of(v, "v", 4);
+  const TensorView ov = view_of(out, "out", 4), lv = view_of(lse, "lse", 3);
+  const Job job = args.make(qv.dim(1) * comm.size());
+  nb::gil_scoped_release release;
+  const Layout layout = shard_layout(job.layout, qv.dim(1), comm.size());
+  const RankTokens tokens = rank_tokens(job, layout, comm.rank());
+  auto strategy = Strategy::create(comm, job.strategy);
+  strategy->forward(qv, kv, vv, tokens.view(), ov, lv);
+}
+
+void local_backward(const PyCommunicator& c, const ReadArray& q, const ReadArray& k,
+                    const ReadArray& v, const ReadArray& out, const ReadArray& lse,
+                    const ReadArray& dout, const Array& dq, const Array& dk, const Array& dv,
+                    const JobArgs& args) {
+  Communicator& comm = c.get();
+  const TensorView qv = view_of(q, "q", 4), kv = view_of(k, "k", 4), vv = view_of(v, "v", 4);
+  const TensorView ov = view_of(out, "out", 4), lv = view_of(lse, "lse", 3),
+                   gv = view_of(dout, "dout", 4);
+  const TensorView dqv = view_of(dq, "dq", 4), dkv = view_of(dk, "dk", 4),
+                   dvv = view_of(dv, "dv", 4);
+  const Job job = args.make(qv.dim(1) * comm.size());
+  nb::gil_scoped_release release;
+  const Layout layout = shard_layout(job.layout, qv.dim(1), comm.size());
+  const RankTokens tokens = rank_tokens(job, layout, comm.rank());
+  auto strategy = Strategy::create(comm, job.strategy);
+  strategy->backward(qv, kv, vv, tokens.view(), ov, lv, gv, dqv, dkv, dvv);
+}
+
+// A std::vector<double> handed to NumPy without a copy (the capsule frees it).
+nb::ndarray<nb::numpy, double> numpy_of(std::vector<double>&& values, const Shape& shape) {
+  auto* owned = new std::vector<double>(std::move(values));
+  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<double>*>(p); });
+  std::vector<size_t> dims(shape.begin(), shape.end());
+  return nb::ndarray<nb::numpy, double>(owned->data(), dims.size(), dims.data(), owner);
+}
+
+// The project's fp64 reference (or the naive fp32 computation that sets the tolerance) of
+// whole tensors, on one rank: (out [B, T, Hq, D], lse [B, Hq, T]) as float64 NumPy arrays.
+nb::tuple reference_forward(const ReadArray& q, const ReadArray& k, const ReadArray& v,
+                            const JobArgs& args, bool naive32) {
+  const TensorView qv = view_of(q, "q", 4), kv = view_of(k, "k", 4), vv = view_of(v, "v", 4);
+  const Job job = args.make(qv.dim(1));
+  const Tokens tokens{job.positions, job.documents};
+  reference::Result r;
+  {
+    nb::gil_scoped_release release;
+    r = naive32 ? reference::attention_naive_f32(qv, tokens, kv, vv, tokens, job.strategy.mask,
+                                                 {}, job.strategy.kernel.scale)
+                : reference::attention_f64(qv, tokens, kv, vv, tokens, job.strategy.mask, {},
+                                           job.strategy.kernel.scale);
+  }
+  return nb::make_tuple(numpy_of(std::move(r.o), qv.shape()),
+                        numpy_of(std::move(r.lse), {qv.dim(0), qv.dim(2), qv.dim(1)}));
+}
+
+std::vector<int64_t> layout_positions(const std::string& layout, int64_t tokens, int ranks,
+                                      int rank) {
+  const LayoutKind kind = parse_named("layout", layout, parse_layout);
+  if (rank < 0 || rank >= ranks)
+    throw nb::value_error(detail::concat("rank: ", rank, " is out of range [0, ", ranks, ")").c_str());
+  const Layout l(kind, tokens, ranks);
+  if (l.padding() != 0)
+    throw nb::value_error(detail::concat(
+        "tokens: ", tokens, " tokens cannot be cut into ", ranks, " equal shards by the ",
+        layout, " layout (it needs T % ", kind == LayoutKind::zigzag ? "2P" : "P",
+        " == 0); pad the sequence to ", l.padded_tokens(),
+        ", or use ctxpar.attention on whole tensors, which pads internally").c_str());
+  return l.positions(rank);
+}
+
+}  // namespace
+
+void bind_attention(nb::module_& m) {
+  // Keyword arguments shared by every entry point (the Python layer passes all of them).
+  auto job_args = [](const std::string& strategy, const std::string& layout,
+                     const std::string& mask, std::optional<ReadArray> positions,
+                     std::optional<ReadArray> documents, int ulysses_degree, int head_groups,
+                     int threads, float scale) {
+    return JobArgs{strategy, layout, mask, std::move(positions), std::move(documents),
+                   ulysses_degree, head_groups, threads, scale};
+  };
+  nb::class_<JobArgs>(m, "_JobArgs")
+      .def(nb::new_(job_args), nb::arg("strategy"), nb::arg("layout"), nb::arg("mask"),
+           nb::arg("positions").none(), nb::arg("documents").none(), nb::arg("ulysses_degree"),
+           nb::arg("head_groups"), nb::arg("threads"), nb::arg("scale"));
+  m.def("_forward", &whole_forward);
+  m.def("_backward", &whole_backward);
+  m.def("_local_forward", &local_forward);
+  m.def("_local_backward", &local_backward);
+  // The address DLPack handed over: tests compare it with the caller's pointer (zero-copy).
+  m.def("_data_pointer", [](const ReadArray& a) {
+    return reinterpret_cast<uintptr_t>(a.data());
+  });
+  m.def("_reference", &reference_forward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("args"), nb::arg("naive32") = false);
+  m.def("_layout_positions", &layout_positions, nb::arg("layout"), nb::arg("tokens"),
+        nb::arg("ranks"), nb::arg("rank"));
+}
+
+}  // namespace ctxpar::python

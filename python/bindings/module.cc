@@ -1,0 +1,23 @@
+// ctxpar._ctxpar: the C++ side of the Python package (python/ctxpar/). nanobind, for its
+// nb::ndarray (DLPack in, zero-copy, device and dtype visible) and small, fast-building
+// bindings. See docs/python.md.
+#include <nanobind/nanobind.h>
+
+#include "communicator.h"
+
+namespace ctxpar::python {
+void bind_attention(nb::module_& m);
+}
+
+NB_MODULE(_ctxpar, m) {
+  namespace nb = nanobind;
+  m.attr("__version__") = CTXPAR_VERSION;
+  // torch's autograd graph keeps the communicator and options it saved (ctx) alive until
+  // interpreter exit; nanobind would report them as leaks.
+  nb::set_leak_warnings(false);
+  // A ctxpar::Error is a user mistake the library found (its message says what and how to
+  // fix it), so it is a ValueError to Python code.
+  nb::exception<ctxpar::Error>(m, "Error", PyExc_ValueError);
+  ctxpar::python::bind_communicator(m);
+  ctxpar::python::bind_attention(m);
+}

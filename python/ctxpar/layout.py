@@ -1,0 +1,91 @@
+"""How global tokens map to ranks (see docs/layouts.md): contiguous, zigzag, striped.
+
+    q_local = ctxpar.layout.shard(q, comm, layout="zigzag", seq_dim=1)
+    q = ctxpar.layout.unshard(q_local, comm, layout="zigzag", seq_dim=1)
+
+Works on NumPy arrays and torch tensors (torch: differentiable, shard is an index_select).
+"""
+import numpy as np
+
+from . import _ctxpar
+from ._arrays import framework
+
+LAYOUTS = ("contiguous", "zigzag", "striped")
+
+
+def positions(tokens, ranks, rank, layout="zigzag"):
+    """Global positions (int64, increasing) of rank `rank`'s tokens out of `tokens`."""
+    return np.asarray(_ctxpar._layout_positions(layout, int(tokens), int(ranks), int(rank)),
+                      dtype=np.int64)
+
+
+def _seq_dim(x, seq_dim, name):
+    if not -x.ndim <= seq_dim < x.ndim:
+        raise ValueError(f"seq_dim: {seq_dim} is out of range for {name} with {x.ndim} dimensions")
+    return seq_dim % x.ndim
+
+
+def _take(x, index, dim):
+    if framework(x, "x") == "torch":
+        import torch
+        return x.index_select(dim, torch.as_tensor(index, device=x.device))
+    return np.take(x, index, axis=dim)
+
+
+def shard(x, comm=None, layout="zigzag", seq_dim=1, *, rank=None, ranks=None):
+    """Rank `rank`'s share (default: comm.rank of comm.size) of x along seq_dim."""
+    rank, ranks = _rank_of(comm, rank, ranks)
+    d = _seq_dim(x, seq_dim, "x")
+    return _take(x, positions(x.shape[d], ranks, rank, layout), d)
+
+
+def shard_all(x, ranks, layout="zigzag", seq_dim=1):
+    """Every rank's share of x, as a list indexed by rank."""
+    return [shard(x, rank=r, ranks=ranks, layout=layout, seq_dim=seq_dim) for r in range(ranks)]
+
+
+def unshard_all(shards, layout="zigzag", seq_dim=1):
+    """Inverse of shard_all: the full tensor from every rank's share (rank order)."""
+    ranks = len(shards)
+    d = _seq_dim(shards[0], seq_dim, "shards[0]")
+    local = shards[0].shape[d]
+    for r, s in enumerate(shards):
+        if tuple(s.shape) != tuple(shards[0].shape):
+            raise ValueError(f"shards[{r}]: shape {tuple(s.shape)} differs from shards[0]'s "
+                             f"{tuple(shards[0].shape)}")
+    order = np.concatenate([positions(local * ranks, ranks, r, layout) for r in range(ranks)])
+    inverse = np.argsort(order, kind="stable")
+    if framework(shards[0], "shards[0]") == "torch":
+        import torch
+        return _take(torch.cat(list(shards), dim=d), inverse, d)
+    return _take(np.concatenate(shards, axis=d), inverse, d)
+
+
+def unshard(x_local, comm, layout="zigzag", seq_dim=1):
+    """The full tensor on every rank, gathered from each rank's share (collective)."""
+    d = _seq_dim(x_local, seq_dim, "x_local")
+    is_torch = framework(x_local, "x_local") == "torch"
+    if is_torch:
+        import torch
+        x = x_local.detach().cpu().contiguous()
+        # NumPy has no bfloat16: move its bits as int16.
+        local = (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).numpy()
+    else:
+        local = np.ascontiguousarray(x_local)
+    gathered = np.empty((comm.size,) + local.shape, dtype=local.dtype)
+    comm.allgather(local, gathered)
+    full = np.ascontiguousarray(unshard_all(list(gathered), layout=layout, seq_dim=d))
+    if is_torch:
+        out = torch.from_numpy(full)
+        return out.view(torch.bfloat16) if x_local.dtype == torch.bfloat16 else out
+    return full
+
+
+def _rank_of(comm, rank, ranks):
+    if comm is not None:
+        return comm.rank, comm.size
+    if rank is None or ranks is None:
+        raise ValueError("comm: pass a communicator, or rank= and ranks=")
+    if not 0 <= rank < ranks:
+        raise ValueError(f"rank: {rank} is out of range [0, {ranks})")
+    return rank, ranks

@@ -1,0 +1,163 @@
+"""PyTorch on one rank's shard: a differentiable cp_attention and the context_parallel block of
+torch.distributed.tensor.experimental (the seeds' API), both on a ctxpar.Communicator.
+
+    out_local = cp_attention(q_local, k_local, v_local, comm=comm, layout="zigzag", causal=True)
+
+    with context_parallel(comm, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)   # [B, H, Tl, D]
+
+Local tensors are [B, Tl, H, D] (cp_attention) and hold this rank's tokens in layout order
+(ctxpar.layout.shard). See docs/python.md.
+"""
+import contextlib
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from . import _ctxpar
+from . import layout as _layout
+from ._arrays import Tensors, check_attention_shapes
+from ._attention import job_args
+
+
+class _CPAttention(torch.autograd.Function):
+    """One rank's attention over the distributed sequence; backward is the strategy's
+    (collective too: every rank must run backward)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, comm, args):
+        t = Tensors({"q": q, "k": k, "v": v})
+        check_attention_shapes(q, k, v)
+        B, Tl, Hq, _ = q.shape
+        out = t.empty(q.shape)
+        lse = t.empty((B, Hq, Tl), like_dtype=False)
+        _ctxpar._local_forward(comm, t["q"], t["k"], t["v"], out, lse, args)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.args = comm, args
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        # Upstream gradients may be broadcast views (stride 0) or of another dtype.
+        dout = dout.to(out.dtype)
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _ctxpar._local_backward(ctx.comm, q.detach(), k.detach(), v.detach(), out, lse,
+                                dout.detach(), dq, dk, dv, ctx.args)
+        return dq, dk, dv, None, None
+
+
+def cp_attention(q_local, k_local, v_local, comm, layout="zigzag", causal=False, *, mask=None,
+                 strategy="ring", document_ids=None, positions=None, return_lse=False,
+                 ulysses_degree=0, head_groups=0, threads=1, scale=None):
+    """Exact attention of this rank's queries over the whole distributed sequence.
+
+    q_local [B, Tl, Hq, D], k_local / v_local [B, Tl, Hkv, D]: this rank's tokens in `layout`
+    order; every rank of `comm` calls it (and later backward) with the same options.
+    mask overrides causal ("none" | "causal" | ("window", L, R) | mask text); document_ids and
+    positions describe the whole sequence (T = Tl * comm.size entries). float16 is computed in
+    float32 (differentiable casts). Returns out_local [B, Tl, Hq, D] (and lse [B, Hq, Tl])."""
+    if not isinstance(comm, _ctxpar.Communicator):
+        raise TypeError(f"comm: expected a ctxpar.Communicator, got {type(comm).__name__}")
+    mask = mask if mask is not None else ("causal" if causal else "none")
+    args = job_args(strategy, layout, mask, document_ids, positions, ulysses_degree,
+                    head_groups, threads, scale)
+    half = [x.dtype == torch.float16 for x in (q_local, k_local, v_local)
+            if isinstance(x, torch.Tensor)]
+    if half and all(half):
+        q_local, k_local, v_local = q_local.float(), k_local.float(), v_local.float()
+    out, lse = _CPAttention.apply(q_local, k_local, v_local, comm, args)
+    if half and all(half):
+        out = out.half()
+    return (out, lse) if return_lse else out
+
+
+_MISSING = object()
+# The SDPA patch is process-wide, but blocks may be active on several threads at once (ranks
+# run as threads): the first block in saves and installs the router, the last one out puts the
+# original back, and each thread routes through its own innermost block.
+_patch_lock = threading.Lock()
+_patch = {"depth": 0, "original": _MISSING}
+_blocks = threading.local()
+
+
+def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                  is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention's signature ([B, H, Tl, D]) on cp_attention."""
+    stack = getattr(_blocks, "stack", None)
+    if not stack:  # another thread's block is active, not this thread's
+        original = _patch["original"]
+        if original is _MISSING:
+            raise RuntimeError("scaled_dot_product_attention: this torch has none (torch < 2.0) "
+                               "outside ctxpar's context_parallel block")
+        extra = {} if scale is None else {"scale": scale}
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                        is_causal=is_causal, **extra)
+    comm, layout, strategy, threads = stack[-1]
+    if attn_mask is not None:
+        raise ValueError("attn_mask: not supported inside ctxpar's context_parallel (masks come "
+                         "from global positions); use is_causal=True, or "
+                         "ctxpar.torch.cp_attention(mask=...)")
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p: ctxpar computes exact attention; got {dropout_p}")
+    # [B, H, Tl, D] -> [B, Tl, H, D]: a strided view, no copy (last dim stays contiguous).
+    out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), comm,
+                       layout=layout, causal=is_causal, strategy=strategy, threads=threads,
+                       scale=scale)
+    return out.transpose(1, 2)
+
+
+def _enter_patch():
+    with _patch_lock:
+        if _patch["depth"] == 0:
+            _patch["original"] = getattr(F, "scaled_dot_product_attention", _MISSING)
+            F.scaled_dot_product_attention = _scaled_dot_product_attention
+        _patch["depth"] += 1
+
+
+def _exit_patch():
+    with _patch_lock:
+        _patch["depth"] -= 1
+        if _patch["depth"] == 0:
+            if _patch["original"] is _MISSING:
+                del F.scaled_dot_product_attention
+            else:
+                F.scaled_dot_product_attention = _patch["original"]
+            _patch["original"] = _MISSING
+
+
+@contextlib.contextmanager
+def context_parallel(comm, buffers=(), buffer_seq_dims=(), no_restore_buffers=None,
+                     layout="zigzag", strategy="ring", threads=1):
+    """Shards `buffers` in place along `buffer_seq_dims` (this rank's tokens in `layout`
+    order) and, inside the block, runs torch.nn.functional.scaled_dot_product_attention on
+    ctxpar. On exit, even by an exception, the original SDPA comes back and every buffer not in
+    no_restore_buffers gets its full contents back. (torch 1.13 has no F.scaled_dot_product_
+    attention: inside the block it exists, and it is removed again on exit.)"""
+    buffers, dims = list(buffers), list(buffer_seq_dims)
+    if len(buffers) != len(dims):
+        raise ValueError(f"buffer_seq_dims: {len(dims)} entries for {len(buffers)} buffers")
+    for i, b in enumerate(buffers):
+        if not isinstance(b, torch.Tensor):
+            raise TypeError(f"buffers[{i}]: expected a torch tensor, got {type(b).__name__}")
+    keep = {id(b) for b in (no_restore_buffers or ())}
+    originals = [b.data for b in buffers]
+    shards = [_layout.shard(b.data, comm, layout=layout, seq_dim=d) for b, d in zip(buffers, dims)]
+    if not hasattr(_blocks, "stack"):
+        _blocks.stack = []
+    _enter_patch()
+    _blocks.stack.append((comm, layout, strategy, threads))
+    try:
+        for b, s in zip(buffers, shards):
+            b.data = s  # in place: the caller's tensor object now holds its shard
+        yield
+    finally:
+        _blocks.stack.pop()
+        _exit_patch()
+        for b, full in zip(buffers, originals):
+            if id(b) not in keep:
+                b.data = full

@@ -1,0 +1,216 @@
+"""ctxpar.torch on in-process ranks: cp_attention's gradients (autograd) against the fp64
+reference, gradcheck, and the context_parallel block (restores buffers and SDPA, also on
+exceptions). Every rank is a thread (ctxpar.run_threads); cp_attention releases the GIL while
+it communicates, or these tests would deadlock."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ctxpar
+from ctxpar import layout as cl
+from ctxpar.torch import context_parallel, cp_attention
+from conftest import check_close, problem, reference, visible
+
+T = 32
+
+
+def run_ranks(ranks, fn):
+    """fn(comm) on `ranks` threads; returns the per-rank results in rank order."""
+    results = [None] * ranks
+
+    def body(comm):
+        results[comm.rank] = fn(comm)
+
+    ctxpar.run_threads(ranks, body)
+    return results
+
+
+@pytest.mark.parametrize("ranks, layout, strategy", [
+    (1, "zigzag", "ring"), (2, "zigzag", "ring"), (4, "zigzag", "ring"),
+    (4, "contiguous", "allgather"), (4, "striped", "ulysses"), (2, "zigzag", "hybrid")])
+def test_cp_attention_gradients_match_fp64(ranks, layout, strategy):
+    q, k, v, dout = problem(T=T)
+    full = [torch.from_numpy(x) for x in (q, k, v, dout)]
+
+    def rank(comm):
+        qs, ks, vs, gs = (cl.shard(x, comm, layout=layout, seq_dim=1) for x in full)
+        qs, ks, vs = (x.clone().requires_grad_() for x in (qs, ks, vs))
+        out = cp_attention(qs, ks, vs, comm=comm, layout=layout, causal=True, strategy=strategy)
+        (out * gs).sum().backward()
+        return out.detach(), qs.grad, ks.grad, vs.grad
+
+    per_rank = run_ranks(ranks, rank)
+    ours = [cl.unshard_all([r[i] for r in per_rank], layout=layout) for i in range(4)]
+    ok = visible(T, "causal")
+    ref, naive = reference(q, k, v, dout, ok), reference(q, k, v, dout, ok, dtype=torch.float32)
+    for name, o, r, n in zip(["out", "dq", "dk", "dv"], ours, [ref[0]] + ref[2:],
+                             [naive[0]] + naive[2:]):
+        check_close(name, o, r, n)
+
+
+def test_gradcheck_on_the_fp32_kernel():
+    # On one rank: with P > 1 a rank's backward returns dK/dV summed over every rank's dout,
+    # so a per-rank Jacobian (what gradcheck builds) does not exist; the distributed gradients
+    # are the fp64 reference test above.
+    # ctxpar computes in fp32 only, so gradcheck runs on an fp64 wrapper that casts to fp32.
+    # The finite differences then carry fp32 rounding: a central difference with step eps has
+    # error ~ 2^-24 * max|f| / eps, ~1e-4 at eps = 1e-3 for |f| ~ 1, hence atol = rtol = 1e-2.
+    # Loose, but a wrong backward (a missing scale, a transposed head, a lost rank's share)
+    # is off by O(1). The exact check is the fp64 reference test above.
+    q, k, v, _ = problem(B=1, T=8, Hq=2, Hkv=1, D=16)
+    inputs = [torch.from_numpy(x).double().requires_grad_() for x in (q, k, v)]
+
+    def rank(comm):
+        def f(q, k, v):
+            parts = [cl.shard(x, comm, layout="zigzag", seq_dim=1).float() for x in (q, k, v)]
+            return cp_attention(*parts, comm=comm, causal=True).double()
+        return torch.autograd.gradcheck(f, inputs, eps=1e-3, atol=1e-2, rtol=1e-2,
+                                        check_undefined_grad=False)
+
+    assert all(run_ranks(1, rank))
+
+
+def test_cp_attention_bf16_and_fp16_keep_their_dtype():
+    q, k, v, _ = problem(T=T)
+
+    def rank(comm):
+        got = []
+        for dt in (torch.bfloat16, torch.float16):
+            xs = [cl.shard(torch.from_numpy(x), comm, seq_dim=1).to(dt).requires_grad_()
+                  for x in (q, k, v)]
+            out = cp_attention(*xs, comm=comm, causal=True)
+            out.float().sum().backward()
+            got.append((out.dtype, xs[0].grad.dtype))
+        return got
+
+    for got in run_ranks(2, rank):
+        assert got == [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)]
+
+
+def test_cp_attention_bad_arguments():
+    q, k, v, _ = (torch.from_numpy(x) for x in problem(T=T))
+    with pytest.raises(TypeError, match="comm: expected a ctxpar.Communicator"):
+        cp_attention(q, k, v, comm=None)
+
+    def rank(comm):
+        with pytest.raises(ValueError, match="k: shape"):
+            cp_attention(q, k[:, :8], v, comm=comm)
+        return True
+
+    assert all(run_ranks(2, rank))
+
+
+def test_an_exception_on_one_rank_is_raised_as_itself_and_others_do_not_hang():
+    def rank(comm):
+        if comm.rank == 1:
+            raise KeyError("boom on rank 1")
+        comm.barrier()  # fails promptly: rank 1 is gone
+
+    with pytest.raises(KeyError, match="boom on rank 1"):
+        ctxpar.run_threads(2, rank, timeout_s=30)
+
+
+def test_communicator_used_after_its_block_is_refused():
+    kept = run_ranks(1, lambda comm: comm)
+    with pytest.raises(ValueError, match="run_threads block has ended"):
+        kept[0].rank
+
+
+def test_context_parallel_shards_routes_sdpa_and_restores():
+    # The seeds' example: [B, H, T, D] buffers, seq dim 2, SDPA with is_causal inside.
+    q, k, v, _ = problem(T=T)
+    full = [torch.from_numpy(x).transpose(1, 2).contiguous() for x in (q, k, v)]
+    sdpa_before = getattr(F, "scaled_dot_product_attention", None)
+
+    def rank(comm):
+        bufs = [x.clone().requires_grad_() for x in full]
+        ids = [id(b) for b in bufs]
+        with context_parallel(comm, buffers=bufs, buffer_seq_dims=[2, 2, 2]):
+            assert bufs[0].shape[2] == T // comm.size  # sharded in place
+            out = F.scaled_dot_product_attention(*bufs, is_causal=True)
+        assert [id(b) for b in bufs] == ids
+        assert all(torch.equal(b, x) for b, x in zip(bufs, full))  # restored
+        return out.detach().transpose(1, 2)
+
+    out = cl.unshard_all(run_ranks(2, rank), layout="zigzag")
+    assert getattr(F, "scaled_dot_product_attention", None) is sdpa_before
+    ok = visible(T, "causal")
+    ref, naive = reference(q, k, v, q, ok), reference(q, k, v, q, ok, dtype=torch.float32)
+    check_close("out", out, ref[0], naive[0])
+
+
+def test_context_parallel_restores_on_exceptions():
+    x = torch.arange(2 * 8, dtype=torch.float32).reshape(1, 2, 8, 1).repeat(1, 1, 1, 16)
+    sdpa_before = getattr(F, "scaled_dot_product_attention", None)
+
+    def rank(comm):
+        buf = x.clone()
+        with pytest.raises(RuntimeError, match="inside the block"):
+            with context_parallel(comm, buffers=[buf], buffer_seq_dims=[2]):
+                assert F.scaled_dot_product_attention is not sdpa_before
+                raise RuntimeError("inside the block")
+        assert torch.equal(buf, x)
+        with pytest.raises(ValueError, match="attn_mask"):
+            with context_parallel(comm, buffers=[buf], buffer_seq_dims=[2]):
+                F.scaled_dot_product_attention(buf, buf, buf, attn_mask=torch.ones(1))
+        assert torch.equal(buf, x)
+        return True
+
+    assert all(run_ranks(2, rank))
+    assert getattr(F, "scaled_dot_product_attention", None) is sdpa_before
+
+
+def test_no_restore_buffers_keep_their_shard():
+    x = torch.arange(8, dtype=torch.float32).reshape(1, 8)
+
+    def rank(comm):
+        a, b = x.clone(), x.clone()
+        with context_parallel(comm, buffers=[a, b], buffer_seq_dims=[1, 1], no_restore_buffers=[b]):
+            pass
+        return a, b
+
+    for r, (a, b) in enumerate(run_ranks(2, rank)):
+        assert torch.equal(a, x)
+        assert b.tolist() == [[float(p) for p in cl.positions(8, 2, r, "zigzag")]]
+
+
+def test_layout_shard_and_unshard_round_trip():
+    x = np.arange(2 * 24 * 3).reshape(2, 24, 3)
+    for layout in cl.LAYOUTS:
+        shards = cl.shard_all(x, 4, layout=layout, seq_dim=1)
+        assert np.array_equal(cl.unshard_all(shards, layout=layout, seq_dim=1), x)
+
+    def rank(comm):
+        s = cl.shard(torch.from_numpy(x).float(), comm, layout="striped", seq_dim=-2)
+        return cl.unshard(s, comm, layout="striped", seq_dim=-2)
+
+    for full in run_ranks(4, rank):
+        assert np.array_equal(full.numpy(), x)
+
+
+def test_blocks_on_threads_that_overlap_restore_sdpa_once_the_last_one_ends():
+    # Rank 0 enters, rank 1 enters, rank 0 leaves, rank 1 leaves: the original SDPA must come
+    # back after the last exit, and rank 1 must still be routed after rank 0 has left.
+    import threading
+    sdpa_before = getattr(F, "scaled_dot_product_attention", None)
+    step = [threading.Event() for _ in range(3)]
+    x = torch.zeros(1, 2, 8, 16)
+
+    def rank(comm):
+        buf = x.clone()
+        if comm.rank == 0:
+            with context_parallel(comm, buffers=[buf], buffer_seq_dims=[2]):
+                step[0].set()
+                step[1].wait(30)
+            step[2].set()
+            return None
+        step[0].wait(30)
+        with context_parallel(comm, buffers=[buf], buffer_seq_dims=[2]):
+            step[1].set()
+            step[2].wait(30)
+            routed = F.scaled_dot_product_attention.__module__ == "ctxpar.torch"
+        return routed
+
+    assert run_ranks(2, rank)[1]
+    assert getattr(F, "scaled_dot_product_attention", None) is sdpa_before
