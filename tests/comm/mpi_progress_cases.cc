@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <thread>
@@ -99,3 +100,32 @@ TEST(MpiProgress, SettingsComeFromTheEnvironment) {
 
 }  // namespace
 }  // namespace ctxpar
+
+namespace ctxpar::testing {
+
+// `test_comm_mpi --wrap-demo`: a program that owns MPI, as mpi4py does. It initialises MPI
+// itself, wraps MPI_COMM_WORLD (mpi_wrap), moves a ring of 1 MB messages (which starts the
+// progress thread) and finalises MPI itself: ctxpar's exit handler never runs, so the
+// MPI_COMM_SELF attribute hook must stop the thread inside MPI_Finalize. The job must end,
+// every rank printing "rank R: wrapped program finalised".
+int progress_wrap_demo() {
+  int provided = 0;
+  MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+  int r = 0;
+  {
+    MPI_Comm world = MPI_COMM_WORLD;
+    auto comm = mpi_wrap(&world);
+    r = comm->rank();
+    const int p = comm->size();
+    Request recv = comm->irecv(size_t(1) << 20, (r + p - 1) % p, 1);
+    Request send = comm->isend(Buffer(size_t(1) << 20), (r + 1) % p, 1);
+    recv.take();
+    send.wait();
+    comm->barrier();
+  }
+  MPI_Finalize();
+  std::printf("rank %d: wrapped program finalised\n", r);
+  return 0;
+}
+
+}  // namespace ctxpar::testing
