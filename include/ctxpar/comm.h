@@ -167,9 +167,18 @@ struct ThreadsOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};
 };
 
+// The most ranks run_threads takes. Every rank is a thread of this one process, and what a
+// rank holds about all others adds up to P x P in one address space (each strategy call
+// agrees on its arguments by an allgather of a ~640-byte verdict: at P = 2000 that alone was
+// 2.6 GB, and a ring's P steps wake all P threads per message). Beyond it, use MPI.
+constexpr int kMaxThreadsRanks = 1024;
+
 // Runs fn(comm) on P threads, one rank each, and returns when all have returned. If any rank
 // throws, every other rank's pending or next communication fails promptly (no deadlock), and
-// run_threads rethrows a ctxpar::Error naming the first failing rank and its message.
+// run_threads rethrows a ctxpar::Error naming the first failing rank and its message. If the
+// system refuses a thread, the ranks already started are stopped the same way and the Error
+// says how many started. A simulated link message that could not arrive within the timeout
+// fails its send with an Error naming the link (it is never silently delivered at once).
 void run_threads(int ranks, const std::function<void(Communicator&)>& fn,
                  const ThreadsOptions& options = {});
 

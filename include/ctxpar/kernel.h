@@ -12,6 +12,8 @@
 // 16 <= D <= 256. Arithmetic and accumulation are fp32 whatever the storage type.
 #pragma once
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "ctxpar/mask.h"
 #include "ctxpar/tensor.h"
@@ -94,6 +96,17 @@ KernelStats attention_backward_block(const TensorView& q, const Tokens& q_tokens
 // o_a, o_b [B, T, H, D] fp32; lse_a, lse_b [B, H, T] fp32.
 void merge(const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b,
            const TensorView& lse_b);
+
+// The SIMD targets of the fast kernel (Highway dynamic dispatch; docs/kernel.md, "SIMD
+// targets"). Names: avx512, avx2, sse4, ssse3 (and avx512_dl in a -march=native build on such
+// a CPU); "scalar" is the readable scalar path.
+struct SimdTargets {
+  std::vector<std::string> compiled;  // in this binary, best first
+  std::vector<std::string> runnable;  // of those, the ones this CPU can run
+  std::string chosen;  // what kernel calls run: the best runnable, or CTXPAR_SIMD's choice
+  std::string error;   // why CTXPAR_SIMD cannot be honoured ("" if fine); kernel calls throw it
+};
+SimdTargets simd_targets();
 
 // Forward FLOPs of a full (unmasked) problem: 4 * B * Hq * Tq * Tk * D.
 inline double attention_flops(int64_t b, int64_t hq, int64_t tq, int64_t tk, int64_t d) {

@@ -118,6 +118,20 @@ CommVolume attention_comm_bytes(StrategyKind kind, int ranks, int ulysses_degree
 // not fully masked (as our kernel skips them).
 double visible_pairs(LayoutKind layout, int64_t seq, int ranks, int q_rank, int k_rank,
                      bool causal, int tile = 0);
+// visible_pairs for every (q_rank, k_rank) of one ring, from three evaluations: under the
+// contiguous, zigzag and striped layouts the count depends only on whether the key rank comes
+// before, is, or comes after the query rank (see ring_schedule.cc). P^2 pairs of a 4096-rank
+// plan cost three tile walks instead of 16.7 million.
+class RankPairs {
+ public:
+  RankPairs(LayoutKind layout, int64_t seq, int ranks, bool causal, int tile = 0);
+  double operator()(int q_rank, int k_rank) const {
+    return k_rank < q_rank ? before_ : k_rank == q_rank ? same_ : after_;
+  }
+
+ private:
+  double before_ = 0, same_ = 0, after_ = 0;
+};
 
 // Ring Attention's c >= F/B, generalised: the smallest per-rank block (tokens) whose compute
 // hides one step's transfer. fraction = visible share of a block pair (causal balanced: 1/2).
@@ -131,8 +145,11 @@ MinBlock min_block_tokens(double flops_per_second, const LinkSpec& link, int64_t
 struct RingStepTrace {
   double start = 0, compute = 0, wait = 0;  // seconds; wait = blocked on the next block
 };
+// simulate_ring keeps per-step traces (RingRankTrace::forward / backward) only up to this many
+// ranks: there are P^2 of them. The per-rank totals are kept for any P.
+constexpr int kRingStepsTraced = 64;
 struct RingRankTrace {
-  std::vector<RingStepTrace> forward, backward;
+  std::vector<RingStepTrace> forward, backward;  // per step (empty above kRingStepsTraced ranks)
   double compute = 0, wait = 0, finish = 0, bytes_sent = 0;
 };
 struct RingSimulation {
@@ -170,7 +187,7 @@ RingSimulation simulate_ring(const RingProblem& problem);
 // ---- this machine ------------------------------------------------------------------------
 // The `local` preset: our kernel and threads transport, measured on the spot.
 struct LocalOptions {
-  int ranks = 1;                 // kernel threads timed at once (the ranks sharing the cores)
+  int ranks = 1;                 // ranks sharing the cores (min(ranks, cores) threads are timed)
   int64_t block_tokens = 1024;   // tokens per rank (measured on at most 2048)
   int64_t batch = 1, heads = 8, kv_heads = 8, head_dim = 128;
   DType dtype = DType::f32;

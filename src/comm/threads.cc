@@ -9,11 +9,13 @@
 // delivery time; waits sleep until then. See docs/comm.md.
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <condition_variable>
 #include <deque>
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <system_error>
 #include <thread>
 #include <tuple>
 
@@ -224,10 +226,21 @@ class ThreadsCommunicator final : public PointToPointCommunicator {
     if (w.link_modelled() && peer != rank_) {
       // One message at a time on this rank's outgoing link: start when it is idle.
       const auto start = std::max(now, w.link_free[at.me]);
-      std::chrono::duration<double> wire(0.0);
-      if (w.link.gbytes_per_second > 0)
-        wire = std::chrono::duration<double>(buf.size() / (w.link.gbytes_per_second * 1e9));
-      done = start + std::chrono::duration_cast<Clock::duration>(wire);
+      const double wire = w.link.gbytes_per_second > 0
+                              ? static_cast<double>(buf.size()) / (w.link.gbytes_per_second * 1e9)
+                              : 0.0;
+      // In double seconds first: a delay past the timeout (or past what a clock duration
+      // holds) must fail here, not wrap into a time in the past that reads as "no link".
+      const double queued = std::chrono::duration<double>(start - now).count();
+      const double delay = queued + wire + w.link.latency_us * 1e-6;
+      const double limit = std::chrono::duration<double>(at.timeout).count();
+      if (!(delay <= limit))
+        throw Error(detail::concat(
+            "rank ", at.me, ": the simulated link (", w.link.gbytes_per_second, " GB/s, ",
+            w.link.latency_us, " us latency) would deliver this ", buf.size(), "-byte message to rank ",
+            at.peer, " after ", delay, " s, past the ", limit, " s timeout; raise the link's "
+            "bandwidth, lower its latency, or raise the timeout"));
+      done = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(wire));
       w.link_free[at.me] = done;
       deliver = done + std::chrono::duration_cast<Clock::duration>(
                            std::chrono::duration<double, std::micro>(w.link.latency_us));
@@ -311,11 +324,14 @@ void run_threads(int ranks, const std::function<void(Communicator&)>& fn,
                  const ThreadsOptions& options) {
   using namespace comm_detail;
   CTXPAR_CHECK(ranks >= 1, "run_threads: ranks must be >= 1, got ", ranks);
-  CTXPAR_CHECK(options.link.gbytes_per_second >= 0,
-               "run_threads: link.gbytes_per_second must be >= 0 (0 = no link model), got ",
+  CTXPAR_CHECK(ranks <= kMaxThreadsRanks, "run_threads: ", ranks, " ranks is more than the "
+               "threads transport's ", kMaxThreadsRanks, " (every rank is a thread of this "
+               "process and per-pair state grows as ranks^2); use MPI for more ranks");
+  CTXPAR_CHECK(options.link.gbytes_per_second >= 0 && std::isfinite(options.link.gbytes_per_second),
+               "run_threads: link.gbytes_per_second must be finite and >= 0 (0 = no link model), got ",
                options.link.gbytes_per_second);
-  CTXPAR_CHECK(options.link.latency_us >= 0, "run_threads: link.latency_us must be >= 0, got ",
-               options.link.latency_us);
+  CTXPAR_CHECK(options.link.latency_us >= 0 && std::isfinite(options.link.latency_us),
+               "run_threads: link.latency_us must be finite and >= 0, got ", options.link.latency_us);
   CTXPAR_CHECK(options.timeout.count() > 0, "run_threads: timeout must be positive, got ",
                options.timeout.count(), " ms");
   auto world = std::make_shared<World>(ranks, options.link);
@@ -347,8 +363,29 @@ void run_threads(int ranks, const std::function<void(Communicator&)>& fn,
   };
   std::vector<std::thread> threads;
   threads.reserve(ranks);
-  for (int r = 0; r < ranks; ++r) threads.emplace_back(body, r);
+  std::string refused;  // why the system would not start a thread (empty: all started)
+  for (int r = 0; r < ranks && refused.empty(); ++r) {
+    try {
+      threads.emplace_back(body, r);
+    } catch (const std::system_error& e) {
+      refused = e.what();
+      // The ranks that never start count as finished and failed, so every started rank's
+      // pending or next communication throws instead of waiting for them.
+      std::lock_guard lock(world->mu);
+      for (int q = r; q < ranks; ++q) world->finished[q] = true;
+      if (world->failed_rank < 0) {
+        world->failed_rank = r;
+        world->failure = "its thread could not be started";
+      }
+      world->cv.notify_all();
+    }
+  }
   for (auto& t : threads) t.join();
+  if (!refused.empty())
+    throw Error(detail::concat("run_threads: the system refused thread ", threads.size() + 1,
+                               " of ", ranks, " (", refused, "); the ", threads.size(),
+                               " ranks already started were stopped. Use fewer ranks, or raise "
+                               "the limit on threads / memory (ulimit -u, ulimit -v)"));
   if (world->failed_rank >= 0)
     throw Error(detail::concat("rank ", world->failed_rank, " failed: ", world->failure));
 }

@@ -1,5 +1,6 @@
-// The public kernel calls: argument checks, then the fast SIMD path (or the readable scalar one
-// when CTXPAR_KERNEL=scalar is set in the environment, for debugging and for the lab).
+// The public kernel calls: argument checks, then the fast SIMD path on the chosen target (or
+// the readable scalar one with CTXPAR_SIMD=scalar or CTXPAR_KERNEL=scalar, for debugging and
+// for the lab; see dispatch.cc).
 // Also the cheap per-row steps: ForwardState, finalize and the backward delta.
 #include <cmath>
 #include <cstdlib>
@@ -25,16 +26,6 @@ void ForwardState::reset() {
   for (int64_t i = 0; i < m_.numel(); ++i) m[i] = kNegInf;
 }
 
-namespace kernel {
-bool use_scalar_path() {
-  static const bool scalar = [] {
-    const char* e = std::getenv("CTXPAR_KERNEL");
-    return e != nullptr && std::strcmp(e, "scalar") == 0;
-  }();
-  return scalar;
-}
-}  // namespace kernel
-
 KernelStats attention_forward_block(const TensorView& q, const Tokens& q_tokens,
                                     const TensorView& k, const TensorView& v,
                                     const Tokens& k_tokens, const Mask& mask,
@@ -46,7 +37,7 @@ KernelStats attention_forward_block(const TensorView& q, const Tokens& q_tokens,
                shape_str({p.batch, p.tq, p.hq, p.d}), ", got ",
                state.acc().empty() ? std::string("an empty state") : shape_str(state.acc().shape()));
   if (p.tq == 0 || p.tk == 0 || p.batch == 0) return {};
-  if (kernel::use_scalar_path())
+  if (kernel::use_scalar_path())  // also applies CTXPAR_SIMD, or throws naming what is wrong
     return kernel::forward_scalar(p, q, q_tokens, k, v, k_tokens, mask, state);
   return kernel::forward_simd(p, q, q_tokens, k, v, k_tokens, mask, state);
 }
@@ -94,6 +85,7 @@ void attention_backward_delta(const TensorView& out, const TensorView& dout,
   const int64_t b = out.dim(0), t = out.dim(1), h = out.dim(2), d = out.dim(3);
   kernel::check_rows_f32("delta", delta, b, h, t);
   CTXPAR_CHECK(config.threads >= 1, "config.threads: expected >= 1, got ", config.threads);
+  const bool fused = kernel::use_scalar_path() || kernel::simd_fused_multiply_add();
 #pragma omp parallel num_threads(config.threads)
   {
     std::vector<float> o(d), g(d);
@@ -102,8 +94,16 @@ void attention_backward_delta(const TensorView& out, const TensorView& dout,
       const int64_t hi = r % h, ti = (r / h) % t, bi = r / (h * t);
       kernel::load_row(out, out.offset(bi, ti, hi), d, o.data());
       kernel::load_row(dout, dout.offset(bi, ti, hi), d, g.data());
+      // Multiply-adds in order c = 0, 1, ..., rounded exactly as the backward computes each
+      // dP = dO . V: fused on the scalar path (std::fma) and on SIMD targets with FMA, a
+      // multiply then an add on those without (SSE4, SSSE3). Where a row's softmax is one-hot,
+      // O is that key's V, and dS = P (dP - delta) must come out exactly 0 (the truth): any
+      // rounding difference here would be amplified by |K| into dQ.
       float sum = 0;
-      for (int64_t c = 0; c < d; ++c) sum += o[c] * g[c];
+      if (fused)
+        for (int64_t c = 0; c < d; ++c) sum = std::fma(o[c], g[c], sum);
+      else
+        for (int64_t c = 0; c < d; ++c) sum = sum + o[c] * g[c];  // -ffp-contract=off: not fused
       delta.ptr<float>()[delta.offset(bi, hi, ti)] = sum;
     }
   }

@@ -2,6 +2,7 @@
 // so a strategy author can act on the message without reading this file.
 #include <cmath>
 
+#include "kernel/finite.h"
 #include "kernel/problem.h"
 
 namespace ctxpar::kernel {
@@ -26,10 +27,13 @@ void check_rows_f32(const char* name, const TensorView& t, int64_t b, int64_t h,
                shape_str({b, h, tokens}), ", got ", shape_str(t.shape()));
 }
 
-void check_finite(const char* name, const TensorView& t) {
-  // A NaN or Inf input would not fail loudly: the running max drops NaN, so a poisoned row
-  // comes out as "fully masked" (O = 0, LSE = -inf) -- a silently wrong answer. One pass over
-  // the block costs O(T H D) against the O(Tq Tk H D) of the attention it guards.
+const char* const kNonFiniteHint =
+    "attention would silently treat the row as masked; find where the NaN/Inf comes from "
+    "(inputs, a diverging step, an uninitialised buffer)";
+
+NonFinite find_non_finite(const TensorView& t) {
+  // One pass over the block costs O(T H D) against the O(Tq Tk H D) of the attention it guards;
+  // a row is re-read element by element only when its bit test fails.
   const int64_t b = t.dim(0), n = t.dim(1), h = t.dim(2), d = t.dim(3);
   const bool bf16 = t.dtype() == DType::bf16;
   for (int64_t ib = 0; ib < b; ++ib)
@@ -47,12 +51,18 @@ void check_finite(const char* name, const TensorView& t) {
         if (!bad) continue;
         for (int64_t i = 0; i < d; ++i) {
           const float x = t.get(ib, it, ih, i);
-          CTXPAR_CHECK(std::isfinite(x), name, ": non-finite value (", x, ") at [", ib, ", ", it,
-                       ", ", ih, ", ", i, "]: attention would silently treat the row as masked; "
-                       "find where the NaN/Inf comes from (inputs, a diverging step, an "
-                       "uninitialised buffer)");
+          if (!std::isfinite(x)) return {ib, it, ih, i, x};
         }
       }
+  return {};
+}
+
+void check_finite(const char* name, const TensorView& t) {
+  // A NaN or Inf input would not fail loudly: the running max drops NaN, so a poisoned row
+  // comes out as "fully masked" (O = 0, LSE = -inf) -- a silently wrong answer.
+  const NonFinite f = find_non_finite(t);
+  CTXPAR_CHECK(!f.found(), name, ": non-finite value (", f.value, ") at [", f.b, ", ", f.t, ", ",
+               f.h, ", ", f.d, "]: ", kNonFiniteHint);
 }
 
 namespace {

@@ -1,4 +1,8 @@
-#include "kernel/peak.h"
+// Compiled once per SIMD target (hwy/foreach_target.h): the peak is measured with the vector
+// width of the target the kernel actually runs.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernel/peak.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
 
 #include <omp.h>
 
@@ -6,17 +10,17 @@
 #include <chrono>
 #include <ctime>
 
+#include "kernel/peak.h"
 #include "kernel/simd_tile.h"
 
-namespace ctxpar::kernel {
+HWY_BEFORE_NAMESPACE();
+namespace ctxpar::kernel::HWY_NAMESPACE {
 
-namespace {
 // 12 independent FMA chains: enough to cover FMA latency x throughput (4 cycles x 2 ports)
 // on Zen 3 and on AVX-512 cores, while staying within 16 registers.
 constexpr int kChains = 12;  // a0 .. a11 below
 
-HWY_NOINLINE float fma_chains(int64_t iterations, float seed) {
-  using namespace simd;
+HWY_NOINLINE float FmaChains(int64_t iterations, float seed) {
   const DF d;
   // Named variables, not an array: GCC keeps arrays of vectors on the stack.
   VF a0 = hn::Set(d, seed), a1 = hn::Set(d, seed + 1), a2 = hn::Set(d, seed + 2);
@@ -39,6 +43,22 @@ HWY_NOINLINE float fma_chains(int64_t iterations, float seed) {
   sum = hn::Add(sum, hn::Add(hn::Add(a8, a9), hn::Add(a10, a11)));
   return hn::GetLane(sum);
 }
+
+int64_t Lanes() { return lanes(); }
+
+}  // namespace ctxpar::kernel::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace ctxpar::kernel {
+
+HWY_EXPORT(FmaChains);
+HWY_EXPORT(Lanes);
+
+namespace {
+float fma_chains(int64_t iterations, float seed) {
+  return HWY_DYNAMIC_DISPATCH(FmaChains)(iterations, seed);
+}
 }  // namespace
 
 double process_cpu_seconds() {
@@ -48,7 +68,7 @@ double process_cpu_seconds() {
 }
 
 Peak measure_fma_peak(int threads, double seconds) {
-  const double flops_per_iter = 2.0 * kChains * simd::lanes();
+  const double flops_per_iter = 2.0 * HWY_NAMESPACE::kChains * simd_lanes();
   // Calibrate the iteration count on one thread so each run lasts about `seconds`.
   int64_t iters = 1 << 16;
   for (;;) {
@@ -79,7 +99,14 @@ Peak measure_fma_peak(int threads, double seconds) {
   return best;
 }
 
-const char* simd_target_name() { return hwy::TargetName(HWY_STATIC_TARGET); }
-int simd_lanes() { return static_cast<int>(simd::lanes()); }
+const char* simd_target_name() {
+  static const std::string name = simd_targets().chosen;
+  return name.c_str();
+}
+int simd_lanes() {
+  select_simd_target();
+  return static_cast<int>(HWY_DYNAMIC_DISPATCH(Lanes)());
+}
 
 }  // namespace ctxpar::kernel
+#endif  // HWY_ONCE

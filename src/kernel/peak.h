@@ -15,7 +15,8 @@ Peak measure_fma_peak(int threads, double seconds = 0.2);
 // Process CPU seconds (all threads), for the CPU-time figures.
 double process_cpu_seconds();
 
-// The SIMD target the kernel was compiled for, e.g. "AVX3" or "AVX2".
+// The SIMD target the kernel runs (simd_targets().chosen, e.g. "avx512" or "avx2") and its
+// float lanes.
 const char* simd_target_name();
 int simd_lanes();
 

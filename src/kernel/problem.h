@@ -102,6 +102,16 @@ inline void store_row(const TensorView& t, int64_t off, int64_t n, const float* 
   }
 }
 
+// The SIMD target (dispatch.cc): select_simd_target() applies CTXPAR_SIMD once and throws
+// ctxpar::Error when it names a target this binary or CPU lacks; use_scalar_path() is true for
+// CTXPAR_SIMD=scalar or CTXPAR_KERNEL=scalar.
+void select_simd_target();
+bool use_scalar_path();
+// Whether the chosen target's multiply-add is fused (AVX2, AVX-512: yes; SSE4, SSSE3: no).
+bool simd_fused_multiply_add();
+// The chosen target's vector exp2 (2^t, t <= 0) over n values, for its accuracy test.
+void exp2_neg_simd(const float* in, float* out, int64_t n);
+
 // The two implementations behind the public calls (see api.cc for the choice).
 KernelStats forward_scalar(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                            const TensorView& k, const TensorView& v, const Tokens& k_tokens,

@@ -12,6 +12,18 @@ namespace ctxpar::reference {
 
 namespace {
 
+// The mask rules of mask.h as written there (pos_q - pos_k against the bounds), in 128-bit
+// arithmetic: exact for any int64 positions, and independent of Mask::visible, whose
+// saturating form the kernel uses (a shared bug would otherwise pass its own test).
+bool visible_exact(const Mask& m, const Tokens& qt, int64_t i, const Tokens& kt, int64_t j) {
+  const __int128 diff = static_cast<__int128>(qt.positions[i]) - kt.positions[j];
+  if (m.causal && diff < 0) return false;
+  if (m.window_left >= 0 && diff > m.window_left) return false;
+  if (m.window_right >= 0 && -diff > m.window_right) return false;
+  if (m.documents && qt.documents[i] != kt.documents[j]) return false;
+  return true;
+}
+
 template <typename T>
 Result attention(const TensorView& q, const Tokens& q_tokens, const TensorView& k,
                  const TensorView& v, const Tokens& k_tokens, const Mask& mask,
@@ -46,7 +58,7 @@ Result attention(const TensorView& q, const Tokens& q_tokens, const TensorView& 
         T mx = neg_inf;
         for (int64_t j = 0; j < Tk; ++j) {
           T s = neg_inf;
-          if (kernel::visible(mask, q_tokens, i, k_tokens, j)) {
+          if (visible_exact(mask, q_tokens, i, k_tokens, j)) {
             s = 0;
             for (int64_t c = 0; c < D; ++c)
               s += static_cast<T>(q.get(b, i, h, c)) * static_cast<T>(k.get(b, j, hk, c));

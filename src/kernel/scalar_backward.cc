@@ -49,8 +49,12 @@ KernelStats backward_scalar(const Problem& p, const TensorView& q, const Tokens&
                 load_row(v, v.offset(b, j, hk), d, vrow.data());
                 float s = 0, dp = 0;
                 for (int64_t c = 0; c < d; ++c) s += qrow[c] * krow[c];
-                for (int64_t c = 0; c < d; ++c) dp += dorow[c] * vrow[c];
-                const float pij = std::exp(s * p.scale - lse_i);
+                // Fused, in order: the rounding of the delta (api.cc), so one-hot rows give dS = 0.
+                for (int64_t c = 0; c < d; ++c) dp = std::fma(dorow[c], vrow[c], dp);
+                // P <= 1 (simd_backward.cc, Note [P at most one]); s * scale is rounded exactly
+                // as the forward rounded it (the kernel is built with -ffp-contract=off, so no
+                // fused multiply-add skips that rounding here and not there).
+                const float pij = std::exp(std::min(s * p.scale - lse_i, 0.0f));
                 const float ds = pij * (dp - delta_i) * p.scale;
                 float* dk_j = dk.ptr<float>() + dk.offset(b, j, hk);
                 float* dv_j = dv.ptr<float>() + dv.offset(b, j, hk);

@@ -8,22 +8,32 @@
 // of those than threads, so the result is bitwise the same for a given thread count and no two
 // threads ever write the same element.
 //
-// Per (query tile, key tile), in log2 units as the forward (Note [Online softmax in base 2]):
-//   S  = Q2 K^T            Q2 = Q * scale * log2(e)
-//   P  = 2^(S - lse2)      lse2 = lse * log2(e); masked and fully masked rows give P = 0
+// Per (query tile, key tile), in natural units as the forward (Note [Scores in natural units,
+// exponents in base 2]):
+//   S  = Qs K^T            Qs = Q * scale, rounded exactly as the forward rounded it
+//   P  = 2^(min(S - lse, 0) log2(e))   masked and fully masked rows give P = 0; P <= 1 always
 //   dP = dO V^T
 //   dS = P * (dP - delta)
-//   dV += P^T dO,  dQ += scale * dS K,  dK += ln(2) * dS^T Q2  (= scale * dS^T Q)
+//   dV += P^T dO,  dQ += scale * dS K,  dK += dS^T Qs  (= scale * dS^T Q)
+// Note [P at most one]: exp(S - lse) with lse = log sum exp(S) over the row can never exceed 1
+// in exact arithmetic; in fp32, S - lse may come out a few ulps of |S| above 0 where S is the
+// row's max (lse is rounded), and at |S| ~ 5e8 an ulp is 64: P = 2^64 made dq ~ 4e7 where the
+// truth is 0. Clamping the exponent at 0 is exact for the true P and bounds the rounded one.
+// Compiled once per SIMD target (hwy/foreach_target.h re-includes this file); backward_simd at
+// the bottom dispatches to the chosen one.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernel/simd_backward.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
 #include <vector>
 
 #include "kernel/problem.h"
 #include "kernel/simd_tile.h"
 
-namespace ctxpar::kernel {
+HWY_BEFORE_NAMESPACE();
+namespace ctxpar::kernel::HWY_NAMESPACE {
 
-using namespace simd;
-
-KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
+KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                           const TensorView& k, const TensorView& v, const Tokens& k_tokens,
                           const Mask& mask, const TensorView& dout, const TensorView& lse,
                           const TensorView& delta, const TensorView& dq, const TensorView& dk,
@@ -44,7 +54,7 @@ KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q
   {
     float* qpack = scratch(Scratch::q_pack, q_block);
     float* dopack = scratch(Scratch::do_pack, q_block);
-    std::vector<float> lse2(p.group * nqt * kTile), dlt(p.group * nqt * kTile);
+    std::vector<float> lse_rows(p.group * nqt * kTile), dlt(p.group * nqt * kTile);
     std::vector<float> kt_pack(d * kTile), k_rows(kTile * dp), vt_pack(d * kTile), row(d);
     std::vector<float> s(kTile * kTile), dpm(kTile * kTile), pt(kTile * kTile), dst(kTile * kTile);
     std::vector<float> dk_tile(kTile * dp), dv_tile(kTile * dp);
@@ -61,10 +71,10 @@ KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q
         for (int64_t qi = 0; qi < nqt; ++qi) {
           const int64_t h = hk * p.group + g, i0 = qi * kTile;
           const int64_t rows = std::min(p.tq, i0 + kTile) - i0, off = (g * nqt + qi) * kTile;
-          pack_rows(q, b, h, i0, rows, d, dp, qpack + off * dp, p.scale * kLog2e);
+          pack_rows(q, b, h, i0, rows, d, dp, qpack + off * dp, p.scale);
           pack_rows(dout, b, h, i0, rows, d, dp, dopack + off * dp);
           for (int64_t r = 0; r < kTile; ++r) {
-            lse2[off + r] = r < rows ? lse.ptr<const float>()[lse.offset(b, h, i0 + r)] * kLog2e : kNegInf;
+            lse_rows[off + r] = r < rows ? lse.ptr<const float>()[lse.offset(b, h, i0 + r)] : kNegInf;
             dlt[off + r] = r < rows ? delta.ptr<const float>()[delta.offset(b, h, i0 + r)] : 0.0f;
           }
         }
@@ -87,9 +97,9 @@ KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q
             }
             const int64_t i0 = qi * kTile, rows = std::min(p.tq, i0 + kTile) - i0;
             const int64_t mrows = round_up(rows, 4), off = (g * nqt + qi) * kTile;
-            const float* q2 = qpack + off * dp;
+            const float* qs = qpack + off * dp;
             const float* dot = dopack + off * dp;
-            gemm_rows(mrows, kTile, d, q2, dp, kt_pack.data(), kTile, s.data(), kTile, false);
+            gemm_rows(mrows, kTile, d, qs, dp, kt_pack.data(), kTile, s.data(), kTile, false);
             gemm_rows(mrows, kTile, d, dot, dp, vt_pack.data(), kTile, dpm.data(), kTile, false);
             if (kind == TileKind::partial || cols < kTile)
               mask_tile(s.data(), rows, cols, kind == TileKind::partial, mask, q_tokens, i0,
@@ -97,15 +107,17 @@ KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q
             for (int64_t r = 0; r < kTile; ++r) {
               float* sr = s.data() + r * kTile;
               float* dr = dpm.data() + r * kTile;
-              if (r >= rows || lse2[off + r] == kNegInf) {  // padding or fully masked row
+              if (r >= rows || lse_rows[off + r] == kNegInf) {  // padding or fully masked row
                 std::fill(sr, sr + kTile, 0.0f);
                 std::fill(dr, dr + kTile, 0.0f);
                 continue;
               }
-              const VF vl = hn::Set(df, lse2[off + r]), vd = hn::Set(df, dlt[off + r]);
-              const VF vscale = hn::Set(df, p.scale);
+              const VF vl = hn::Set(df, lse_rows[off + r]), vd = hn::Set(df, dlt[off + r]);
+              const VF vscale = hn::Set(df, p.scale), vlog2e = hn::Set(df, kLog2e);
               for (int64_t c = 0; c < kTile; c += nl) {
-                const VF pv = exp2_neg(df, hn::Sub(hn::LoadU(df, sr + c), vl));
+                // Note [P at most one]: the exponent is clamped at 0.
+                const VF t = hn::Min(hn::Sub(hn::LoadU(df, sr + c), vl), hn::Zero(df));
+                const VF pv = exp2_neg(df, hn::Mul(t, vlog2e));
                 const VF ds = hn::Mul(pv, hn::Sub(hn::LoadU(df, dr + c), vd));
                 hn::StoreU(pv, df, sr + c);                   // s <- P
                 hn::StoreU(hn::Mul(ds, vscale), df, dr + c);  // dpm <- scale * dS
@@ -113,14 +125,14 @@ KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q
             }
             transpose_tile(s.data(), pt.data());
             transpose_tile(dpm.data(), dst.data());
-            // dV += P^T dO; dK += (scale dS)^T Q2 (times ln2 / scale at the end); dQ += scale dS K.
+            // dV += P^T dO; dK += (scale dS)^T Qs (times 1 / scale at the end); dQ += scale dS K.
             gemm_rows(kTile, dp, mrows, pt.data(), kTile, dot, dp, dv_tile.data(), dp, true);
-            gemm_rows(kTile, dp, mrows, dst.data(), kTile, q2, dp, dk_tile.data(), dp, true);
+            gemm_rows(kTile, dp, mrows, dst.data(), kTile, qs, dp, dk_tile.data(), dp, true);
             gemm_rows(mrows, dp, cols, dpm.data(), kTile, k_rows.data(), dp, dq_acc + off * dp, dp,
                       true);
           }
         if (!packed) continue;
-        const float dk_mul = kLn2 / p.scale;
+        const float dk_mul = 1.0f / p.scale;
         for (int64_t j = 0; j < cols; ++j) {
           float* dkr = dk.ptr<float>() + dk.offset(b, j0 + j, hk);
           float* dvr = dv.ptr<float>() + dv.offset(b, j0 + j, hk);
@@ -149,4 +161,22 @@ KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q
   return count_tiles(p, mask, qr, kr, 2.5);
 }
 
+}  // namespace ctxpar::kernel::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace ctxpar::kernel {
+
+HWY_EXPORT(BackwardSimd);
+
+KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
+                          const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                          const Mask& mask, const TensorView& dout, const TensorView& lse,
+                          const TensorView& delta, const TensorView& dq, const TensorView& dk,
+                          const TensorView& dv) {
+  return HWY_DYNAMIC_DISPATCH(BackwardSimd)(p, q, q_tokens, k, v, k_tokens, mask, dout, lse,
+                                            delta, dq, dk, dv);
+}
+
 }  // namespace ctxpar::kernel
+#endif  // HWY_ONCE

@@ -3,20 +3,30 @@
 // tile) task the scores S = Q K^T and the update O += P V run through the register-blocked
 // micro-kernel of simd_tile.h, with the online softmax in base 2 in between.
 //
-// Note [Online softmax in base 2]: Q is packed pre-multiplied by scale * log2(e), so S is in
-// log2 units and P = 2^(S - m) needs only exp2. The state keeps m in natural units (the scalar
-// path and finalize read it), converted on load and store. Rescaling is lazy: a row's acc and l
-// are multiplied by alpha = 2^(m_old - m_new) only when its max actually grew.
+// Note [Scores in natural units, exponents in base 2]: Q is packed pre-multiplied by the
+// softmax scale, so S and the running max m are in natural units, exactly as the state, the
+// LSE and the backward hold them. Only the argument of each exponential, the small difference
+// S - m, is converted: P = 2^((S - m) log2(e)). Keeping S itself in natural units matters for
+// the backward: it recomputes P = exp(S - LSE) from the forward's fp32 LSE, and the row's max
+// score must come out as the same fp32 number there (for a one-hot row LSE == max S, so P = 1
+// exactly). Scores converted to log2 units and back differed from LSE by an ulp of |S| -- at
+// |S| ~ 5e8 that is 2^(+-64) (issue 9). Rescaling is lazy: a row's acc and l are multiplied by
+// alpha = exp(m_old - m_new) only when its max actually grew.
+// Compiled once per SIMD target (hwy/foreach_target.h re-includes this file); forward_simd at
+// the bottom dispatches to the chosen one.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernel/simd_forward.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
 #include <vector>
 
 #include "kernel/problem.h"
 #include "kernel/simd_tile.h"
 
-namespace ctxpar::kernel {
+HWY_BEFORE_NAMESPACE();
+namespace ctxpar::kernel::HWY_NAMESPACE {
 
-using namespace simd;
-
-KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
+KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                          const TensorView& k, const TensorView& v, const Tokens& k_tokens,
                          const Mask& mask, ForwardState& state) {
   // q [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; state.acc [B, Tq, Hq, D], state.m/l [B, Hq, Tq].
@@ -57,11 +67,11 @@ KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_
       const int64_t qi = task % nqt, h = (task / nqt) % p.hq, b = task / (nqt * p.hq);
       const int64_t hk = h / p.group, i0 = qi * kTile;
       const int64_t rows = std::min(p.tq, i0 + kTile) - i0, mrows = round_up(rows, 4);
-      pack_rows(q, b, h, i0, rows, d, dp, qt.data(), p.scale * kLog2e);
+      pack_rows(q, b, h, i0, rows, d, dp, qt.data(), p.scale);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t stat = (b * p.hq + h) * p.tq + i0 + r;
-        m[r] = m_state[stat] * kLog2e;
+        m[r] = m_state[stat];
         std::fill_n(lv.data() + r * nl, nl, 0.0f);
         lv[r * nl] = l_state[stat];
         std::copy_n(acc_state + ((b * p.tq + i0 + r) * p.hq + h) * d, d, acc.data() + r * dp);
@@ -91,17 +101,17 @@ KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_
             continue;
           }
           if (m_new > m[r]) {  // the max grew: rescale (m = -inf gives alpha = 0, l = acc = 0)
-            const float alpha = std::exp2(m[r] - m_new);
+            const float alpha = std::exp2((m[r] - m_new) * kLog2e);
             const VF va = hn::Set(df, alpha);
             hn::StoreU(hn::Mul(va, hn::LoadU(df, lv.data() + r * nl)), df, lv.data() + r * nl);
             for (int64_t c = 0; c < dp; c += nl)
               hn::StoreU(hn::Mul(va, hn::LoadU(df, acc.data() + r * dp + c)), df, acc.data() + r * dp + c);
             m[r] = m_new;
           }
-          const VF vm = hn::Set(df, m_new);
+          const VF vm = hn::Set(df, m_new), vlog2e = hn::Set(df, kLog2e);
           VF vsum = hn::Zero(df);
           for (int64_t c = 0; c < kTile; c += nl) {
-            const VF e = exp2_neg(df, hn::Sub(hn::LoadU(df, sr + c), vm));
+            const VF e = exp2_neg(df, hn::Mul(hn::Sub(hn::LoadU(df, sr + c), vm), vlog2e));
             vsum = hn::Add(vsum, e);
             hn::StoreU(e, df, sr + c);
           }
@@ -113,7 +123,7 @@ KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_
       if (!touched) continue;
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t stat = (b * p.hq + h) * p.tq + i0 + r;
-        m_state[stat] = m[r] * kLn2;
+        m_state[stat] = m[r];
         l_state[stat] = hn::GetLane(hn::SumOfLanes(df, hn::LoadU(df, lv.data() + r * nl)));
         std::copy_n(acc.data() + r * dp, d, acc_state + ((b * p.tq + i0 + r) * p.hq + h) * d);
       }
@@ -122,4 +132,46 @@ KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_
   return count_tiles(p, mask, qr, kr, 1.0);
 }
 
+// The target's vector exp2 over n values (n any), for its accuracy test.
+void Exp2Neg(const float* in, float* out, int64_t n) {
+  const DF df;
+  const int64_t nl = lanes();
+  std::vector<float> a(round_up(n, nl), 0.0f), b(a.size());
+  std::copy_n(in, n, a.data());
+  for (int64_t i = 0; i < static_cast<int64_t>(a.size()); i += nl)
+    hn::StoreU(exp2_neg(df, hn::LoadU(df, a.data() + i)), df, b.data() + i);
+  std::copy_n(b.data(), n, out);
+}
+
+// Whether the target's MulAdd is one fused operation (AVX2, AVX-512) or a multiply then an
+// add (SSE4, SSSE3): the backward's delta must round the same way (api.cc).
+bool NativeFma() { return HWY_NATIVE_FMA != 0; }
+
+}  // namespace ctxpar::kernel::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace ctxpar::kernel {
+
+HWY_EXPORT(ForwardSimd);
+HWY_EXPORT(Exp2Neg);
+HWY_EXPORT(NativeFma);
+
+KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
+                         const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                         const Mask& mask, ForwardState& state) {
+  return HWY_DYNAMIC_DISPATCH(ForwardSimd)(p, q, q_tokens, k, v, k_tokens, mask, state);
+}
+
+bool simd_fused_multiply_add() {
+  select_simd_target();
+  return HWY_DYNAMIC_DISPATCH(NativeFma)();
+}
+
+void exp2_neg_simd(const float* in, float* out, int64_t n) {
+  select_simd_target();
+  HWY_DYNAMIC_DISPATCH(Exp2Neg)(in, out, n);
+}
+
 }  // namespace ctxpar::kernel
+#endif  // HWY_ONCE

@@ -1,16 +1,20 @@
-// Private SIMD building blocks of the fast path (Google Highway, static dispatch: the widest
-// target that -march allows, AVX2+FMA on Zen 3, AVX-512 where present):
+// Private SIMD building blocks of the fast path (Google Highway, dynamic dispatch: every file
+// that includes this one is compiled once per SIMD target through hwy/foreach_target.h, and
+// the best target the CPU runs -- or a lower one CTXPAR_SIMD asks for -- is chosen at run
+// time; see dispatch.cc):
 //   - gemm_rows: C[M x N] (+)= A[M x K] * B[K x N], A read by broadcast, B by rows of vectors,
-//     register-blocked 4 rows x up to 4 vectors (16 accumulators), the one micro-kernel behind
+//     register-blocked 6 rows x up to 4 vectors (per target), the one micro-kernel behind
 //     all five products of forward and backward (S = Q K^T, O += P V, dP = dO V^T, ...);
 //   - exp2 over a vector: 2^t for t <= 0 with exact 0 below 2^-126 and for -inf;
 //   - tile packing of K / V (transposed or row-major, zero-padded).
-#pragma once
-// Highway 1.0.3 with -march=native on AVX-512 machines trips its own dynamic-target logic;
-// we only ever use static dispatch (the target -march selects), so say so.
-#ifndef HWY_COMPILE_ONLY_STATIC
-#define HWY_COMPILE_ONLY_STATIC 1
+// Per-target include guard (Highway's idiom): re-opened for each target of foreach_target.h.
+#if defined(CTXPAR_KERNEL_SIMD_TILE_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef CTXPAR_KERNEL_SIMD_TILE_H_
+#undef CTXPAR_KERNEL_SIMD_TILE_H_
+#else
+#define CTXPAR_KERNEL_SIMD_TILE_H_
 #endif
+
 #include <hwy/highway.h>
 
 #include <cmath>
@@ -19,7 +23,8 @@
 
 #include "kernel/problem.h"
 
-namespace ctxpar::kernel::simd {
+HWY_BEFORE_NAMESPACE();
+namespace ctxpar::kernel::HWY_NAMESPACE {
 
 namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
@@ -27,7 +32,6 @@ using VF = hn::Vec<DF>;
 
 constexpr int64_t kTile = 64;  // query and key tile (same as the scalar path: same tile stats)
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 inline int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -90,8 +94,9 @@ HWY_INLINE void micro(const float* HWY_RESTRICT a, int64_t lda, const float* HWY
 }
 
 // C[M x N] (+)= A[M x K] B[K x N]; M a multiple of 2, N a multiple of the lane count.
+// The shape is chosen per target (HWY_MAX_BYTES is the compiled target's vector size):
 // AVX-512 (32 registers): 6 rows x 4 vectors = 24 accumulators, 1 load of B per 6 FMAs.
-// AVX2 (16 registers): 6 rows x 2 vectors = 12 accumulators + 2 B vectors + 1 broadcast.
+// AVX2 / SSE4 (16 registers): 6 rows x 2 vectors = 12 accumulators + 2 B vectors + 1 broadcast.
 inline void gemm_rows(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                       const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
   const int64_t nl = lanes();
@@ -144,20 +149,21 @@ inline void mask_tile(float* s, int64_t rows, int64_t cols, bool partial, const 
                       const Tokens& q_tokens, int64_t i0, const Tokens& k_tokens, int64_t j0) {
   const int64_t* kp = k_tokens.positions.data() + j0;
   const int32_t* kd = mask.documents ? k_tokens.documents.data() + j0 : nullptr;
-  const bool causal = mask.causal, docs = mask.documents;
-  const int64_t wl = mask.window_left, wr = mask.window_right;
+  const bool docs = mask.documents;
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = s + r * kTile;
     if (partial) {
+      // The row's visible key positions [lo, hi], saturated at the ends of int64 (Mask::key_range):
+      // no subtraction of positions here, so no overflow anywhere in the int64 range.
       const int64_t pq = q_tokens.positions[i0 + r];
-      const int32_t dq = docs ? q_tokens.documents[i0 + r] : 0;
       if (pq == kPaddingPosition) {  // a padding query sees nothing
         std::fill(sr, sr + kTile, kNegInf);
         continue;
       }
+      const Mask::KeyRange kr = mask.key_range(pq);
+      const int32_t dq = docs ? q_tokens.documents[i0 + r] : 0;
       for (int64_t c = 0; c < cols; ++c) {
-        bool seen = kp[c] != kPaddingPosition && (!causal || kp[c] <= pq) &&
-                    (wl < 0 || pq - kp[c] <= wl) && (wr < 0 || kp[c] - pq <= wr);
+        bool seen = kp[c] != kPaddingPosition && kp[c] >= kr.lo && kp[c] <= kr.hi;
         if (docs) seen = seen && kd[c] == dq;
         sr[c] = seen ? sr[c] : kNegInf;
       }
@@ -184,4 +190,7 @@ inline void transpose_tile(const float* in, float* out) {
     for (int64_t j = 0; j < kTile; ++j) out[j * kTile + i] = in[i * kTile + j];
 }
 
-}  // namespace ctxpar::kernel::simd
+}  // namespace ctxpar::kernel::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // per-target include guard

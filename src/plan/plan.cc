@@ -111,10 +111,10 @@ StrategyEstimate estimate(const PlanInput& in, StrategyKind kind, const RingSimu
       const double gather = P > 1 ? (P - 1) * slow.seconds(2 * kv) : 0;
       const double scatter = P > 1 ? (P - 1) * slow.seconds(2 * kv * 4.0 / s) : 0;
       double worst = 0;
+      const RankPairs pairs_of(in.layout, in.seq, P, in.causal, in.tile);
       for (int r = 0; r < P; ++r) {
         double rank_pairs = 0;
-        for (int k = 0; k < P; ++k)
-          rank_pairs += visible_pairs(in.layout, in.seq, P, r, k, in.causal, in.tile);
+        for (int k = 0; k < P; ++k) rank_pairs += pairs_of(r, k);
         const double c = 4.0 * in.batch * hq * in.model.head_dim * rank_pairs / F;
         auto pass = [&](double compute) {
           return gather / g + std::max(compute, gather * (g - 1) / g);

@@ -107,7 +107,7 @@ std::string plan_json(const Plan& p) {
                          {"wait", (*pass)[s].wait}});
     json rank = {{"rank", r},          {"compute_seconds", t.compute}, {"wait_seconds", t.wait},
                  {"finish", t.finish}, {"bytes_sent", t.bytes_sent}};
-    if (p.ring.ranks.size() <= 64) rank["steps"] = steps;
+    if (p.ring.ranks.size() <= kRingStepsTraced) rank["steps"] = steps;
     ranks.push_back(rank);
   }
   j["ring_layer"] = {{"forward_seconds", p.ring.forward_seconds},

@@ -88,6 +88,22 @@ double visible_pairs(LayoutKind layout, int64_t seq, int ranks, int q_rank, int 
   return 0;
 }
 
+// Why three values suffice: each layout places a rank's tokens in chunks of consecutive
+// positions (contiguous: chunk r; zigzag: chunks r and 2P-1-r of 2P; striped: position r + P i),
+// and visible_pairs only compares key positions with query positions. Two positions in
+// different chunks compare as their chunks do. For zigzag, with k != q: chunk k < chunk
+// 2P-1-q and chunk 2P-1-k > chunk q always, while k vs q and 2P-1-k vs 2P-1-q follow the sign
+// of q - k; contiguous is the one-chunk case. Striped: k + P j <= q + P i iff j <= i (k <= q)
+// or j < i (k > q), as |q - k| < P. So every comparison, and the count, depends on the sign
+// of q - k alone (tests/plan/balance_test.cc checks this against visible_pairs pair by pair).
+RankPairs::RankPairs(LayoutKind layout, int64_t seq, int ranks, bool causal, int tile) {
+  CTXPAR_CHECK(ranks >= 1, "RankPairs: ranks must be >= 1, got ", ranks);
+  same_ = visible_pairs(layout, seq, ranks, 0, 0, causal, tile);
+  if (ranks == 1) return;
+  before_ = visible_pairs(layout, seq, ranks, 1, 0, causal, tile);
+  after_ = visible_pairs(layout, seq, ranks, 0, 1, causal, tile);
+}
+
 namespace {
 // Smallest c > 0 with alpha c^2 >= beta c + gamma.
 double solve_overlap(double alpha, double beta, double gamma) {
@@ -139,14 +155,25 @@ RingSimulation simulate_ring(const RingProblem& pr) {
   // A K/V block travels with its tokens' positions; dK, dV travel as fp32.
   const double kv_bytes = 2.0 * pr.batch * n * pr.kv_heads * pr.head_dim * pr.dtype_bytes + 8.0 * n;
   const double dkv_bytes = 2.0 * pr.batch * n * pr.kv_heads * pr.head_dim * 4.0;
-  // pairs[r][s]: rank r at step s holds the block of rank (r - s) mod P.
-  std::vector<std::vector<double>> pairs(P, std::vector<double>(P));
+  // pairs[r]: score pairs rank r computes at the current step, where it holds the block of
+  // rank (r - s) mod P. Filled a step at a time: memory O(P), not P x P.
+  const RankPairs rank_pairs(pr.layout, pr.seq, P, pr.causal, pr.tile);
+  std::vector<double> pairs(P);
+  auto pairs_of_step = [&](int s) {
+    for (int r = 0; r < P; ++r) pairs[r] = rank_pairs(r, ((r - s) % P + P) % P);
+  };
   double total_pairs = 0;
-  for (int r = 0; r < P; ++r)
-    for (int s = 0; s < P; ++s) {
-      pairs[r][s] = visible_pairs(pr.layout, pr.seq, P, r, ((r - s) % P + P) % P, pr.causal, pr.tile);
-      total_pairs += pairs[r][s];
-    }
+  // Per-step traces only for rings small enough to read them (plan_json prints them up to
+  // this size); every rank's totals are kept either way. P^2 traces at P = 4096 were 0.8 GB.
+  const bool keep_steps = P <= kRingStepsTraced;
+  auto record = [&](std::vector<RingStepTrace>& steps, RingRankTrace& t, const RingStepTrace& st) {
+    t.compute += st.compute, t.wait += st.wait;
+    if (keep_steps) steps.push_back(st);
+  };
+  auto add_wait = [&](std::vector<RingStepTrace>& steps, RingRankTrace& t, double w) {
+    t.wait += w;
+    if (keep_steps) steps.back().wait += w;
+  };
 
   RingSimulation sim;
   sim.ranks.assign(P, {});
@@ -161,34 +188,37 @@ RingSimulation simulate_ring(const RingProblem& pr) {
     sim.ranks[r].bytes_sent += bytes;
     return Posted{link_free[r], link_free[r] + link(r).latency_us * 1e-6};
   };
-  auto compute_seconds = [&](int r, int s, double factor, bool bwd) {
-    if (pairs[r][s] == 0) return 0.0;  // fully masked: every tile skipped
-    return factor * per_pair * pairs[r][s] / rate(r, bwd) + pr.step_overhead_seconds;
+  auto compute_seconds = [&](int r, double factor, bool bwd) {
+    if (pairs[r] == 0) return 0.0;  // fully masked: every tile skipped
+    return factor * per_pair * pairs[r] / rate(r, bwd) + pr.step_overhead_seconds;
   };
 
   // Forward (src/strategy/ring.cc): post step s+1's send and receive, compute step s, then
   // wait for the receive and for our own send to have left.
   // Each step in two phases: every rank posts at its step start (known from the step
   // before), then computes and waits for what its predecessor posted.
+  std::vector<Posted> sent(P);
   for (int s = 0; s < P; ++s) {
-    std::vector<Posted> sent(P, Posted{0, 0});
+    pairs_of_step(s);
+    for (int r = 0; r < P; ++r) total_pairs += pairs[r];
+    std::fill(sent.begin(), sent.end(), Posted{0, 0});
     if (s + 1 < P)
       for (int r = 0; r < P; ++r) sent[r] = post(r, now[r], kv_bytes);
     for (int r = 0; r < P; ++r) {
       RingStepTrace st;
       st.start = now[r];
-      st.compute = compute_seconds(r, s, 1.0, false);
+      st.compute = compute_seconds(r, 1.0, false);
       const double end = st.start + st.compute;
       now[r] = s + 1 < P ? std::max({end, sent[(r + P - 1) % P].arrive, sent[r].done}) : end;
       st.wait = now[r] - end;
-      sim.ranks[r].forward.push_back(st);
+      record(sim.ranks[r].forward, sim.ranks[r], st);
     }
   }
   double fwd_end = 0;
   for (int r = 0; r < P; ++r) fwd_end = std::max(fwd_end, now[r]);
   if (pr.barrier_after_forward && P > 2) {
     for (int r = 0; r < P; ++r) {
-      sim.ranks[r].forward.back().wait += fwd_end - now[r];
+      add_wait(sim.ranks[r].forward, sim.ranks[r], fwd_end - now[r]);
       now[r] = fwd_end;
     }
   }
@@ -201,18 +231,19 @@ RingSimulation simulate_ring(const RingProblem& pr) {
     // rank r-1 after its compute on that block (step > 1), and must be here before our
     // compute adds to it; after the compute (and once our previous accumulator has left) it
     // goes on to r+1. P-1 hops bring every accumulator home.
-    std::vector<double> arrive_dkv(P, 0.0), dkv_done(P, 0.0);
+    std::vector<double> arrive_dkv(P, 0.0), dkv_done(P, 0.0), next_dkv(P);
     for (int s = 0; s < P; ++s) {
-      std::vector<Posted> sent(P, Posted{0, 0});
+      pairs_of_step(s);
+      std::fill(sent.begin(), sent.end(), Posted{0, 0});
       if (s + 1 < P)
         for (int r = 0; r < P; ++r) sent[r] = post(r, now[r], kv_bytes);
-      std::vector<double> next_dkv(P, 0.0);
+      std::fill(next_dkv.begin(), next_dkv.end(), 0.0);
       for (int r = 0; r < P; ++r) {
         RingStepTrace st;
         st.start = now[r];
         double t = st.start;
         if (s > 1 && pr.accumulator_before_compute) t = std::max(t, arrive_dkv[r]);
-        st.compute = compute_seconds(r, s, 2.5, true);
+        st.compute = compute_seconds(r, 2.5, true);
         double end = t + st.compute;
         double waited = t - st.start;
         if (s > 1 && !pr.accumulator_before_compute) {
@@ -234,14 +265,14 @@ RingSimulation simulate_ring(const RingProblem& pr) {
         }
         st.wait = waited;
         now[r] = end;
-        sim.ranks[r].backward.push_back(st);
+        record(sim.ranks[r].backward, sim.ranks[r], st);
       }
-      arrive_dkv = next_dkv;
+      std::swap(arrive_dkv, next_dkv);
     }
     if (P > 1)
       for (int r = 0; r < P; ++r) {
         const double after = std::max({now[r], arrive_dkv[r], dkv_done[r]});
-        sim.ranks[r].backward.back().wait += after - now[r];
+        add_wait(sim.ranks[r].backward, sim.ranks[r], after - now[r]);
         now[r] = after;
       }
   }
@@ -249,8 +280,6 @@ RingSimulation simulate_ring(const RingProblem& pr) {
   double slowest_compute = 0;
   for (int r = 0; r < P; ++r) {
     RingRankTrace& t = sim.ranks[r];
-    for (const auto& st : t.forward) t.compute += st.compute, t.wait += st.wait;
-    for (const auto& st : t.backward) t.compute += st.compute, t.wait += st.wait;
     t.finish = now[r];
     sim.seconds = std::max(sim.seconds, t.finish);
     slowest_compute = std::max(slowest_compute, t.compute);

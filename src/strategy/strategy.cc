@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "kernel/finite.h"
 #include "strategy/internal.h"
 
 namespace ctxpar {
@@ -70,6 +71,17 @@ std::string check_activation(const char* name, const TensorView& t, const Shape&
   return "";
 }
 
+// A NaN / Inf in this rank's own input, named by the token's global position (the kernel only
+// sees slices: a head group, a gathered block, a Ulysses head shard) -- checked before any
+// communication, so the verdict the ranks share names the rank that holds the bad token.
+std::string check_finite(const char* name, const TensorView& t, const Tokens& tokens) {
+  const kernel::NonFinite f = kernel::find_non_finite(t);
+  if (!f.found()) return "";
+  return detail::concat(name, ": non-finite value (", f.value, ") at token position ",
+                        tokens.positions[f.t], ", batch ", f.b, ", head ", f.h, ", dim ", f.d,
+                        " (local row ", f.t, " of this rank): ", kernel::kNonFiniteHint);
+}
+
 }  // namespace
 
 std::string check_forward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -112,7 +124,9 @@ std::string check_forward(const TensorView& q, const TensorView& k, const Tensor
   if (mask.documents && static_cast<int64_t>(tokens.documents.size()) != dims.tokens)
     return detail::concat("tokens.documents: the documents mask needs one id per local token (",
                           dims.tokens, "), got ", tokens.documents.size());
-  return "";
+  if (!(e = check_finite("q", q, tokens)).empty()) return e;
+  if (!(e = check_finite("k", k, tokens)).empty()) return e;
+  return check_finite("v", v, tokens);
 }
 
 std::string check_backward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -129,7 +143,7 @@ std::string check_backward(const TensorView& q, const TensorView& k, const Tenso
   if (!(e = check_activation("dq", dq, q.shape(), true, "q's [B, Tl, Hq, D]")).empty()) return e;
   if (!(e = check_activation("dk", dk, kv, true, "k's [B, Tl, Hkv, D]")).empty()) return e;
   if (!(e = check_activation("dv", dv, kv, true, "k's [B, Tl, Hkv, D]")).empty()) return e;
-  return "";
+  return check_finite("dout", dout, tokens);
 }
 
 std::string check_ulysses_heads(const Dims& dims, int ranks, const char* who) {

@@ -1,6 +1,7 @@
 // A user's own tensors: NumPy writes q, k, v, dO (PyTorch's [B, H, T, D] order), ctxpar runs
 // them sharded over 4 ranks with the zigzag ring and writes out, lse, dq, dk, dv; NumPy then
-// computes the same attention in float64 and compares. Needs /usr/bin/python3 with numpy.
+// computes the same attention in float64 (and in naive float32, for the tolerance rule) and
+// compares. Needs /usr/bin/python3 with numpy.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -12,7 +13,7 @@
 namespace ctxpar::test {
 namespace {
 
-// argv: dir, then "write" or "compare". Causal GQA attention, float64, [B, H, T, D].
+// argv: dir, then "write" or "compare". Causal GQA attention, [B, H, T, D].
 const char* kScript = R"PY(
 import sys, numpy as np
 d, mode = sys.argv[1], sys.argv[2]
@@ -23,32 +24,38 @@ if mode == "write":
         np.save(f"{d}/{name}.npy", rng.standard_normal((B, h, T, D)).astype(np.float32))
     np.save(f"{d}/docs.npy", np.array([0] * 40 + [1] * 24, dtype=np.int64))
     sys.exit(0)
-q, k, v, do = (np.load(f"{d}/{n}.npy").astype(np.float64) for n in ("q", "k", "v", "do"))
-docs = np.load(f"{d}/docs.npy")
-k = np.repeat(k, H // HKV, axis=1); v = np.repeat(v, H // HKV, axis=1)
-scale = 1 / np.sqrt(D)
-i = np.arange(T)
-visible = (i[None, :] <= i[:, None]) & (docs[None, :] == docs[:, None])
-s = np.where(visible, q @ k.transpose(0, 1, 3, 2) * scale, -np.inf)
-m = s.max(-1, keepdims=True)
-p = np.exp(s - m); l = p.sum(-1, keepdims=True); p /= l
-o = p @ v
-lse = (m + np.log(l))[..., 0]
-dv = p.transpose(0, 1, 3, 2) @ do
-dp = do @ v.transpose(0, 1, 3, 2)
-ds = p * (dp - (do * o).sum(-1, keepdims=True))
-dq = ds @ k * scale
-dk = ds.transpose(0, 1, 3, 2) @ q * scale
-g = H // HKV
-dk = dk.reshape(B, HKV, g, T, D).sum(2); dv = dv.reshape(B, HKV, g, T, D).sum(2)
-worst = 0.0
-for name, ref in (("out", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+def attention(dt):
+    q, k, v, do = (np.load(f"{d}/{n}.npy").astype(dt) for n in ("q", "k", "v", "do"))
+    docs = np.load(f"{d}/docs.npy")
+    k = np.repeat(k, H // HKV, axis=1); v = np.repeat(v, H // HKV, axis=1)
+    scale = dt(1 / np.sqrt(D))
+    i = np.arange(T)
+    visible = (i[None, :] <= i[:, None]) & (docs[None, :] == docs[:, None])
+    s = np.where(visible, q @ k.transpose(0, 1, 3, 2) * scale, -np.inf).astype(dt)
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m); l = p.sum(-1, keepdims=True); p /= l
+    o = p @ v
+    lse = (m + np.log(l))[..., 0]
+    dv = p.transpose(0, 1, 3, 2) @ do
+    dp = do @ v.transpose(0, 1, 3, 2)
+    ds = p * (dp - (do * o).sum(-1, keepdims=True))
+    dq = ds @ k * scale
+    dk = ds.transpose(0, 1, 3, 2) @ q * scale
+    g = H // HKV
+    dk = dk.reshape(B, HKV, g, T, D).sum(2); dv = dv.reshape(B, HKV, g, T, D).sum(2)
+    return dict(out=o, lse=lse, dq=dq, dk=dk, dv=dv)
+# The kernel tests' rule: max|ctxpar - fp64| <= 2 * max|naive fp32 - fp64| + 1e-5 * max(1, |fp64|),
+# where naive fp32 is this same computation in float32 (a fixed limit would hold on one CPU only).
+ref, naive = attention(np.float64), attention(np.float32)
+ok = True
+for name in ("out", "lse", "dq", "dk", "dv"):
     got = np.load(f"{d}/out/{name}.npy")
-    assert got.shape == ref.shape, (name, got.shape, ref.shape)
-    err = np.abs(got - ref).max()
-    print(name, err)
-    worst = max(worst, err)
-sys.exit(0 if worst < 1e-4 else 1)
+    assert got.shape == ref[name].shape, (name, got.shape, ref[name].shape)
+    err = np.abs(got - ref[name]).max()
+    bound = 2 * np.abs(naive[name] - ref[name]).max() + 1e-5 * max(1.0, np.abs(ref[name]).max())
+    print(name, "error", err, "bound", bound)
+    ok = ok and err <= bound
+sys.exit(0 if ok else 1)
 )PY";
 
 TEST(CliAttentionNpy, ShardedRunOfUserTensorsMatchesNumpy) {
@@ -74,7 +81,7 @@ TEST(CliAttentionNpy, ShardedRunOfUserTensorsMatchesNumpy) {
         << e.path();
 
   CommandResult c = run_shell("/usr/bin/python3 " + dir + "/ref.py " + dir + " compare");
-  EXPECT_EQ(c.exit_code, 0) << "max |ctxpar - numpy| per output (limit 1e-4):\n"
+  EXPECT_EQ(c.exit_code, 0) << "max |ctxpar - numpy fp64| per output against its bound:\n"
                             << c.out << c.err;
   std::filesystem::remove_all(dir);
 }

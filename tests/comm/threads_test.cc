@@ -2,8 +2,17 @@
 // (each bounded in time: nothing may hang).
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <string>
 #include <thread>
 
 #include "ctxpar/comm.h"
@@ -256,6 +265,117 @@ TEST(ThreadsFaults, DroppedReceiveDoesNotSwallowALaterMessage) {
       comm.isend(std::move(b), 1, 0).wait();
     }
   });
+}
+
+// ---- at the limits: too many ranks, a system that refuses a thread, a simulated link too slow
+// (or too strange) to model. Each must end in an Error that says what happened, promptly:
+// never an abort, a hang, or a link silently switched off.
+
+bool has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+TEST(ThreadsLimits, TooManyRanksAreRefusedBeforeAnyThreadStarts) {
+  std::atomic<int> started{0};
+  const auto t0 = Clock::now();
+  const std::string msg =
+      failure_of(kMaxThreadsRanks + 1, [&](Communicator&) { started.fetch_add(1); });
+  EXPECT_TRUE(has(msg, std::to_string(kMaxThreadsRanks + 1) + " ranks is more than")) << msg;
+  EXPECT_TRUE(has(msg, "use MPI")) << msg;
+  EXPECT_EQ(started.load(), 0);
+  EXPECT_LT(seconds_since(t0), 1.0);
+}
+
+// Virtual memory in use now (VmSize), in bytes.
+long long vm_size_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string key;
+  long long kb = -1;
+  while (in >> key) {
+    if (key == "VmSize:") {
+      in >> kb;
+      break;
+    }
+    in.ignore(1 << 12, '\n');
+  }
+  return kb * 1024;
+}
+
+// The system refuses threads once the address space is nearly full (each thread's stack is a
+// mapping of its own; RLIMIT_AS binds root too, unlike RLIMIT_NPROC). In a child process, so
+// the limit and any abort stay there: exit 0 = the Error came with the expected message;
+// 3 = wrong message; 4 = no error at all; a signal = the abort this test guards against.
+TEST(ThreadsLimits, RefusedThreadIsAnErrorAndStopsTheStartedRanks) {
+  if (vm_size_bytes() <= 0) GTEST_SKIP() << "no /proc/self/status VmSize";
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    const rlim_t cap = static_cast<rlim_t>(vm_size_bytes() + (48ll << 20));
+    rlimit lim{cap, cap};
+    if (setrlimit(RLIMIT_AS, &lim) != 0) _exit(5);
+    int code = 4;
+    try {
+      // Every rank waits in a barrier: the started ones can only leave it by being stopped.
+      run_threads(kMaxThreadsRanks, [](Communicator& comm) { comm.barrier(); });
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      code = has(msg, "the system refused thread") && has(msg, "ranks already started were stopped")
+                 ? 0 : 3;
+      if (code) std::fprintf(stderr, "message: %s\n", msg.c_str());
+    }
+    _exit(code);
+  }
+  int status = 0;
+  const auto t0 = Clock::now();
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child died of signal " << WTERMSIG(status)
+                                 << " (SIGABRT = " << SIGABRT << ")";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "3: wrong message, 4: no error, 5: setrlimit failed";
+  EXPECT_LT(seconds_since(t0), 30.0);
+}
+
+// 1e-300 GB/s once overflowed the delivery time into the past: the link read as "off".
+TEST(ThreadsLimits, LinkTooSlowForTheTimeoutFailsAtTheSend) {
+  ThreadsOptions o;
+  o.link.gbytes_per_second = 1e-300;
+  o.timeout = std::chrono::seconds(5);
+  const auto t0 = Clock::now();
+  const std::string msg = failure_of(2, [](Communicator& comm) {
+    if (comm.rank() == 0) comm.isend(Buffer(1024), 1, 0).wait();
+    else comm.irecv(1024, 0, 0).take();
+  }, o);
+  EXPECT_TRUE(has(msg, "rank 0 failed: rank 0: the simulated link (1e-300 GB/s")) << msg;
+  EXPECT_TRUE(has(msg, "past the 5 s timeout")) << msg;
+  EXPECT_LT(seconds_since(t0), 3.0);
+
+  o.link.gbytes_per_second = 0;
+  o.link.latency_us = 1e300;  // finite, but far past any timeout
+  const std::string late = failure_of(2, [](Communicator& comm) {
+    if (comm.rank() == 0) comm.isend(Buffer(8), 1, 0).wait();
+    else comm.irecv(8, 0, 0).take();
+  }, o);
+  EXPECT_TRUE(has(late, "the simulated link (0 GB/s, 1e+300 us latency)")) << late;
+}
+
+TEST(ThreadsLimits, NonFiniteLinkIsRefused) {
+  ThreadsOptions o;
+  o.link.latency_us = std::numeric_limits<double>::infinity();
+  EXPECT_TRUE(has(failure_of(2, [](Communicator&) {}, o), "link.latency_us must be finite"));
+  o.link.latency_us = 0;
+  o.link.gbytes_per_second = std::nan("");
+  EXPECT_TRUE(has(failure_of(2, [](Communicator&) {}, o), "link.gbytes_per_second must be finite"));
+}
+
+// A slow link that does fit in the timeout still works, and still delays.
+TEST(ThreadsLimits, SlowLinkWithinTheTimeoutDelivers) {
+  ThreadsOptions o;
+  o.link.gbytes_per_second = 1e-6;  // 1 kB/s: 100 bytes take 0.1 s
+  const auto t0 = Clock::now();
+  run_threads(2, [](Communicator& comm) {
+    if (comm.rank() == 0) comm.isend(Buffer(100), 1, 0).wait();
+    else EXPECT_EQ(comm.irecv(100, 0, 0).take().size(), 100u);
+  }, o);
+  EXPECT_GE(seconds_since(t0), 0.09);
 }
 
 }  // namespace

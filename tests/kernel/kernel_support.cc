@@ -1,30 +1,54 @@
 #include "kernel/kernel_support.h"
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
+#include <cstdio>
 #include <cmath>
 #include <numeric>
 #include <sstream>
 
 namespace ctxpar::test {
 
+namespace {
+// Every test of the binary runs on the SIMD target CTXPAR_SIMD names (one ctest entry per
+// target): where this CPU or binary lacks it, the whole binary skips with the reason.
+class SimdTargetEnvironment : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    const SimdTargets t = simd_targets();
+    if (!t.error.empty()) {
+      std::printf("kernel tests skipped: %s\n", t.error.c_str());
+      GTEST_SKIP() << t.error;
+    }
+    std::printf("kernel SIMD target: %s\n", t.chosen.c_str());
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kSimdEnvironment =
+    ::testing::AddGlobalTestEnvironment(new SimdTargetEnvironment);
+}  // namespace
+
 std::string Case::name() const {
   std::ostringstream s;
   s << "B" << batch << " Tq" << tq << " Tk" << tk << " Hq" << hq << " Hkv" << hkv << " D" << d
     << " " << dtype_name(dtype) << " mask=" << mask.describe() << " qpos=" << q_offset << "+"
     << q_stride << "i kpos=" << k_offset << "+" << k_stride << "j doc_len=" << doc_len
-    << (shuffle ? " shuffled" : "") << " threads=" << threads;
+    << (shuffle ? " shuffled" : "") << (qk_scale != 1 ? " qk_scale=" + std::to_string(qk_scale) : "")
+    << (qk_common != 0 ? " qk_common=" + std::to_string(qk_common) : "") << " threads=" << threads;
   return s.str();
 }
 
 Inputs make_inputs(const Case& c) {
   Inputs in;
-  auto make = [&](int64_t t, int64_t h, uint64_t seed) {
+  auto make = [&](int64_t t, int64_t h, uint64_t seed, float mul = 1, float common = 0) {
     Tensor f(DType::f32, {c.batch, t, h, c.d});
-    fill_normal(f.view(), seed);
+    fill_normal(f.view(), seed, mul);
+    if (common != 0)
+      for (int64_t i = 0; i < f.numel(); i += c.d) f.ptr<float>()[i] = common;
     return Tensor::copy_of(f.view(), c.dtype);
   };
-  in.q = make(c.tq, c.hq, c.seed * 4 + 0);
-  in.k = make(c.tk, c.hkv, c.seed * 4 + 1);
+  in.q = make(c.tq, c.hq, c.seed * 4 + 0, c.qk_scale, c.qk_common);
+  in.k = make(c.tk, c.hkv, c.seed * 4 + 1, c.qk_scale, c.qk_common);
   in.v = make(c.tk, c.hkv, c.seed * 4 + 2);
   in.dout = make(c.tq, c.hq, c.seed * 4 + 3);
   for (int64_t i = 0; i < c.tq; ++i) in.q_pos.push_back(c.q_offset + c.q_stride * i);
@@ -118,14 +142,14 @@ double max_err(const Tensor& t, const std::vector<double>& ref) {
   return max_err(a, ref);
 }
 
-std::string check_case(const Case& c, bool backward) {
-  const Inputs in = make_inputs(c);
+References references_of(const Inputs& in, const Mask& mask, bool backward) {
   const TensorView dout = backward ? in.dout.view() : TensorView();
-  const auto ref = reference::attention_f64(in.q, in.q_tokens(), in.k, in.v, in.k_tokens(),
-                                            c.mask, dout);
-  const auto naive = reference::attention_naive_f32(in.q, in.q_tokens(), in.k, in.v,
-                                                    in.k_tokens(), c.mask, dout);
-  const Outputs fast = run_fast(in, c.mask, c.threads, backward);
+  return {reference::attention_f64(in.q, in.q_tokens(), in.k, in.v, in.k_tokens(), mask, dout),
+          reference::attention_naive_f32(in.q, in.q_tokens(), in.k, in.v, in.k_tokens(), mask,
+                                         dout)};
+}
+
+std::string rule_violations(const Outputs& fast, const References& refs, bool backward) {
   std::ostringstream fail;
   auto check = [&](const char* what, const Tensor& t, const std::vector<double>& n,
                    const std::vector<double>& r) {
@@ -135,14 +159,22 @@ std::string check_case(const Case& c, bool backward) {
       fail << what << ": max|fast-ref64| = " << fast_err << " > 2 * max|naive32-ref64| ("
            << naive_err << ") + " << floor << "; ";
   };
-  check("o", fast.o, naive.o, ref.o);
-  check("lse", fast.lse, naive.lse, ref.lse);
+  check("o", fast.o, refs.naive32.o, refs.ref64.o);
+  check("lse", fast.lse, refs.naive32.lse, refs.ref64.lse);
   if (backward) {
-    check("dq", fast.dq, naive.dq, ref.dq);
-    check("dk", fast.dk, naive.dk, ref.dk);
-    check("dv", fast.dv, naive.dv, ref.dv);
+    check("dq", fast.dq, refs.naive32.dq, refs.ref64.dq);
+    check("dk", fast.dk, refs.naive32.dk, refs.ref64.dk);
+    check("dv", fast.dv, refs.naive32.dv, refs.ref64.dv);
   }
-  return fail.str().empty() ? "" : c.name() + ": " + fail.str();
+  return fail.str();
+}
+
+std::string check_case(const Case& c, bool backward) {
+  const Inputs in = make_inputs(c);
+  const std::string fail =
+      rule_violations(run_fast(in, c.mask, c.threads, backward), references_of(in, c.mask, backward),
+                      backward);
+  return fail.empty() ? "" : c.name() + ": " + fail;
 }
 
 }  // namespace ctxpar::test

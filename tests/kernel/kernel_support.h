@@ -19,6 +19,8 @@ struct Case {
   // Positions: q_pos[i] = q_offset + q_stride * i (likewise for k); striped layouts have
   // stride P. Documents: doc of a position = position / doc_len (doc_len 0: one document).
   int64_t q_offset = 0, q_stride = 1, k_offset = 0, k_stride = 1, doc_len = 0;
+  float qk_scale = 1;   // q and k are multiplied by it: logits spread by its square
+  float qk_common = 0;  // q[..., 0] = k[..., 0] = it: every logit offset by qk_common^2 * scale
   bool shuffle = false;  // permute the tokens' positions (unsorted, as after a Ulysses all-to-all)
   int threads = 1;
   uint64_t seed = 1;
@@ -47,6 +49,14 @@ double max_abs(const std::vector<double>& ref);
 // max |t - ref| over finite entries; an entry where exactly one side is -inf counts as infinite.
 double max_err(const Tensor& t, const std::vector<double>& ref);
 double max_err(const std::vector<double>& a, const std::vector<double>& ref);
+
+// The fp64 truth and the naive fp32 computation of the same inputs.
+struct References {
+  reference::Result ref64, naive32;
+};
+References references_of(const Inputs& in, const Mask& mask, bool backward);
+// Checks every output of `fast` by the rule; "" when all pass, else what failed and by how much.
+std::string rule_violations(const Outputs& fast, const References& refs, bool backward);
 
 // Runs the case through fast, naive32 and ref64 and checks every output by the rule.
 // Returns a description of the first violation, or "" when all pass.

@@ -1,5 +1,5 @@
 // Properties of the kernel that the grid does not show: K/V absorbed as blocks in any order
-// equals one call; gradients match finite differences; fully masked rows give O = 0,
+// is as accurate as one call; gradients match finite differences; fully masked rows give O = 0,
 // LSE = -inf, zero gradients and no NaN; bitwise determinism; the FLOP / tile counts.
 #include <gtest/gtest.h>
 
@@ -11,31 +11,19 @@
 namespace ctxpar::test {
 namespace {
 
-double max_diff(const Tensor& a, const Tensor& b) {
-  double m = 0;
-  for (int64_t i = 0; i < a.numel(); ++i) {
-    const float x = a.ptr<float>()[i], y = b.ptr<float>()[i];
-    if (x == y) continue;  // also equal infinities
-    m = std::max(m, std::isfinite(x - y) ? std::fabs(double(x) - y) : INFINITY);
-  }
-  return m;
-}
-
 TEST(Properties, BlocksInAnyOrderEqualOneCall) {
   Case c;
   c.tq = 100, c.tk = 150, c.hq = 4, c.hkv = 2, c.d = 64, c.mask = Mask::causal_mask();
   c.q_offset = 60;
   const Inputs in = make_inputs(c);
-  const Outputs one = run_fast(in, c.mask, 1);
-  // Reordering blocks changes only the rounding of the online softmax: differences are bounded
-  // by a few fp32 ulps of the values (|O| <= ~4, |grads| <= ~20 here).
-  for (std::vector<int> order : {std::vector<int>{0, 1, 2}, {2, 0, 1}, {1, 2, 0}}) {
-    const Outputs blocks = run_fast(in, c.mask, 1, true, 3, order);
-    EXPECT_LE(max_diff(one.o, blocks.o), 1e-5);
-    EXPECT_LE(max_diff(one.lse, blocks.lse), 1e-5);
-    EXPECT_LE(max_diff(one.dq, blocks.dq), 1e-4);
-    EXPECT_LE(max_diff(one.dk, blocks.dk), 1e-4);
-    EXPECT_LE(max_diff(one.dv, blocks.dv), 1e-4);
+  // Reordering blocks changes only the rounding of the online softmax, so every order is held
+  // to the kernel rule against the fp64 reference (not to a fixed distance from one order,
+  // which would depend on the CPU's SIMD width).
+  const References refs = references_of(in, c.mask, true);
+  for (std::vector<int> order : {std::vector<int>{0}, {0, 1, 2}, {2, 0, 1}, {1, 2, 0}}) {
+    const Outputs blocks = run_fast(in, c.mask, 1, true, static_cast<int>(order.size()), order);
+    EXPECT_EQ(rule_violations(blocks, refs, true), "") << order.size() << " blocks, first "
+                                                       << order[0];
   }
 }
 

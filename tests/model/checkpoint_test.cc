@@ -48,6 +48,8 @@ TEST_F(Checkpoint, ResumeGivesTheLossesOfAnUninterruptedRun) {
   ASSERT_EQ(resumed.size(), 6u);
   EXPECT_EQ(resumed.front().step, 5);
   for (size_t i = 0; i < resumed.size(); ++i)
+    // Another mesh changes only the order of fp32 additions: the rule of train_test.cc (1e-4
+    // relative per loss; measured ~1e-9 on both AVX2 and AVX-512 kernels).
     EXPECT_NEAR(resumed[i].loss, whole[4 + i].loss, 1e-4 * whole[4 + i].loss) << "step " << 5 + i;
   r.cp = 2;
   const auto resumed2 = run(r, 2);

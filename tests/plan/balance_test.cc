@@ -55,6 +55,28 @@ TEST(Balance, PairCountsMatchBruteForce) {
     }
 }
 
+// RankPairs answers every (q, k) from three evaluations (the sign of q - k): against the brute
+// force, for tiles that do and do not divide the chunks, causal or not.
+TEST(Balance, RankPairsMatchBruteForceForEveryPair) {
+  for (LayoutKind kind : kLayouts)
+    for (int P : {1, 2, 3, 5, 8})
+      for (int64_t chunk : {6, 7, 16}) {
+        const int64_t T = 2 * P * chunk;
+        const Layout layout(kind, T, P);
+        for (int tile : {0, 4, 5, 64})
+          for (bool causal : {true, false}) {
+            const RankPairs pairs(kind, T, P, causal, tile);
+            for (int q = 0; q < P; ++q)
+              for (int k = 0; k < P; ++k) {
+                const double want = causal ? brute_pairs(layout, q, k, tile)
+                                           : double(T / P) * double(T / P);
+                ASSERT_EQ(pairs(q, k), want) << layout_name(kind) << " P=" << P << " T=" << T
+                                             << " tile " << tile << " q=" << q << " k=" << k;
+              }
+          }
+      }
+}
+
 RingSimulation compute_only(LayoutKind layout, int P, int64_t T) {
   RingProblem pr;
   pr.ranks = P;

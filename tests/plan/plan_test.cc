@@ -1,6 +1,8 @@
 // The whole plan: memory, FLOPs, the video example, JSON, argument checks.
 #include <gtest/gtest.h>
 
+#include <ctime>
+
 #include <nlohmann/json.hpp>
 
 #include "ctxpar/error.h"
@@ -131,6 +133,39 @@ TEST(Plan, CompareRanksStrategies) {
   const double zigzag = make_plan(node).ring.efficiency;
   node.layout = LayoutKind::contiguous;
   EXPECT_GT(zigzag, make_plan(node).ring.efficiency + 0.3);
+}
+
+double process_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// `ctxpar plan --seq 4M --cp 4096` once took minutes and ~1 GB: P^2 tile walks (16 tiles
+// each) and P^2 step traces per simulation. In CPU seconds, so a loaded machine cannot fail
+// it; the simulation is still P^2 steps (~0.3 s each here), so 5 s leaves room for slower CPUs.
+TEST(Plan, ManyRanksAnswerInSeconds) {
+  PlanInput in = llama8b(int64_t{4} << 20, 4096);
+  in.tile = 64;  // as --hardware local: the kernel's tile skipping, the expensive count
+  const double c0 = process_cpu_seconds();
+  const Plan p = make_plan(in, true);
+  EXPECT_LT(process_cpu_seconds() - c0, 5.0);
+  ASSERT_EQ(p.ring.ranks.size(), 4096u);
+  EXPECT_TRUE(p.ring.ranks[0].forward.empty());  // no P^2 traces above kRingStepsTraced
+  EXPECT_GT(p.ring.ranks[0].compute, 0.0);
+  EXPECT_EQ(p.compare.size(), 4u);
+  // The totals are those of the traces where traces are kept.
+  PlanInput small = llama8b(int64_t{1} << 20, kRingStepsTraced);
+  small.tile = 64;
+  const Plan q = make_plan(small, false);
+  for (const auto& t : q.ring.ranks) {
+    double compute = 0, wait = 0;
+    for (const auto* pass : {&t.forward, &t.backward})
+      for (const auto& st : *pass) compute += st.compute, wait += st.wait;
+    ASSERT_EQ(t.forward.size(), size_t(kRingStepsTraced));
+    EXPECT_NEAR(t.compute, compute, 1e-12 * compute);
+    EXPECT_NEAR(t.wait, wait, 1e-9 * (t.compute + wait));
+  }
 }
 
 TEST(Plan, BadInputNamesTheArgument) {

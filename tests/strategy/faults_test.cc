@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <mutex>
 #include <thread>
 
@@ -93,6 +94,54 @@ TEST(Faults, InvalidArgumentsOnOneRankFailEveryRank) {
       }
       EXPECT_LT(seconds, 4.0) << "a failing call must not wait for the timeout";
     }
+}
+
+TEST(Faults, NonFiniteInputNamesItsGlobalToken) {
+  // A NaN (or Inf) at global token 200, batch 1, head 1, dim 3 of q, k, v or dO: every rank
+  // fails before any communication with a message naming that token by its global position,
+  // under every strategy and layout (the kernel alone named the row of the slice it was given,
+  // e.g. token 72 of a gathered block).
+  const int p = 4;
+  const int64_t t = 256, hq = 4, hkv = 2, d = 16;
+  for (StrategyKind kind : kAll)
+    for (LayoutKind layout_kind : {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped})
+      for (const char* name : {"q", "k", "v", "dout"}) {
+        const bool backward = std::string(name) == "dout";
+        const Layout layout(layout_kind, t, p);
+        Tensor full[4];  // q, k, v, dout [2, T, H, D]
+        for (int i = 0; i < 4; ++i) {
+          full[i] = Tensor(DType::f32, {2, t, i == 1 || i == 2 ? hkv : hq, d});
+          fill_normal(full[i], 30 + i);
+        }
+        const int which = std::string("qkvd").find(name[0]);
+        const float poison = which == 2 ? INFINITY : NAN;
+        full[which].ptr<float>()[full[which].view().offset(1, 200, 1, 3)] = poison;
+        const auto errors = errors_on_ranks(p, [&](Communicator& comm) {
+          StrategyOptions opt;
+          opt.kind = kind;
+          opt.mask = Mask::causal_mask();
+          opt.ulysses_degree = kind == StrategyKind::hybrid ? 2 : 0;
+          auto s = Strategy::create(comm, opt);
+          const int r = comm.rank();
+          Tensor q = layout.shard(full[0], r), k = layout.shard(full[1], r);
+          Tensor v = layout.shard(full[2], r), dout = layout.shard(full[3], r);
+          const std::vector<int64_t> pos = layout.positions(r);
+          const int64_t tl = pos.size();
+          Tensor o(DType::f32, {2, tl, hq, d}), lse(DType::f32, {2, hq, tl});
+          Tensor dq(DType::f32, {2, tl, hq, d}), dk(DType::f32, {2, tl, hkv, d});
+          Tensor dv(DType::f32, {2, tl, hkv, d});
+          const Tokens tok{pos, {}};
+          if (!backward) s->forward(q, k, v, tok, o, lse);
+          else s->backward(q, k, v, tok, o, lse, dout, dq, dk, dv);
+        });
+        const std::string want = std::string(name) + ": non-finite value (" +
+                                 (poison == INFINITY ? "inf" : "nan") +
+                                 ") at token position 200, batch 1, head 1, dim 3";
+        for (int r = 0; r < p; ++r)
+          EXPECT_NE(errors[r].find(want), std::string::npos)
+              << strategy_name(kind) << " " << layout_name(layout_kind) << " rank " << r
+              << ": '" << errors[r] << "'";
+      }
 }
 
 TEST(Faults, DifferentShapesOnOneRankFailEveryRank) {

@@ -16,7 +16,9 @@
 #include <thread>
 
 #include "attention_check.h"
+#include "options.h"
 #include "ctxpar/npy.h"
+#include "memory_estimate.h"
 
 namespace ctxpar::cli {
 namespace {
@@ -305,6 +307,15 @@ std::vector<int32_t> dense_document_labels(const std::vector<int64_t>& ids) {
   return labels;
 }
 
+void refuse_foreign_launcher(const char* command) {
+  const ForeignLauncher l = foreign_launcher();
+  if (l.ranks == 0) return;
+  throw UsageError(detail::concat(
+      "started by ", l.name, " as ", l.ranks, " separate processes without MPI: each would run "
+      "the whole job alone. Launch it with mpirun -n ", l.ranks, " ctxpar ", command,
+      " ... (or srun --mpi=pmix with an MPI build), or as one process with --ranks ", l.ranks));
+}
+
 void run_rank_threads(int ranks, const std::function<void(Communicator&)>& fn,
                       const ThreadsOptions& options) {
   std::atomic<bool> started{false};
@@ -417,6 +428,7 @@ void validate(const AttentionJob& job) {
   auto given = [](const Input& in) { return !in.tensor.empty() || in.file.given(); };
   CTXPAR_CHECK(given(inputs[0]) == given(inputs[1]) && given(inputs[1]) == given(inputs[2]),
                "--q, --k and --v come together");
+  check_memory(job);  // last: a shape that is wrong is named as such, not as too large
 }
 
 int progress_steps(const AttentionJob& job) {

@@ -26,6 +26,10 @@ class RankFailure : public std::runtime_error {
   explicit RankFailure(const std::string& what) : std::runtime_error(what) {}
 };
 
+// Refuses a launcher (torchrun, srun) that started copies of `ctxpar <command>` without MPI:
+// each copy would run the whole job alone (a UsageError saying how to launch it).
+void refuse_foreign_launcher(const char* command);
+
 // run_threads for a command: a rank that fails once the ranks run becomes a RankFailure (exit
 // 1, as under MPI), while run_threads refusing its arguments before any rank starts stays a
 // ctxpar::Error (exit 2).

@@ -281,19 +281,10 @@ int bench_cp(int argc, char** argv) {
                      "the threads transport inside one process; run it once, without a launcher");
 
   const auto seqs = parse_list(opts, "seq", [](const std::string& s) {
-    char* end = nullptr;
-    long long v = std::strtoll(s.c_str(), &end, 10);
-    if (end && (*end == 'K' || *end == 'k') && end[1] == '\0') v *= 1024, ++end;
-    else if (end && (*end == 'M' || *end == 'm') && end[1] == '\0') v *= 1024 * 1024, ++end;
-    if (!end || *end != '\0' || v < 1) throw UsageError("--seq expects positive whole numbers, got '" + s + "'");
-    return static_cast<int64_t>(v);
+    return whole_number_in("seq", s, 1, kMaxTokens);
   });
   const auto ranks = parse_list(opts, "ranks", [](const std::string& s) {
-    char* end = nullptr;
-    long v = std::strtol(s.c_str(), &end, 10);
-    if (!end || *end != '\0' || v < 1 || v > 4096)
-      throw UsageError("--ranks expects whole numbers in [1, 4096], got '" + s + "'");
-    return static_cast<int>(v);
+    return static_cast<int>(whole_number_in("ranks", s, 1, kMaxThreadsRanks, kThreadsRanksNote));
   });
   const auto strategies = parse_list(opts, "strategy", [](const std::string& s) { return parse_strategy(s); });
   const auto layouts = parse_list(opts, "layout", [](const std::string& s) { return parse_layout(s); });
@@ -308,18 +299,18 @@ int bench_cp(int argc, char** argv) {
   if (base.mask.documents)
     throw UsageError("--mask documents is not swept (lengths depend on --seq); use ctxpar "
                      "attention --mask documents:... for packed sequences");
-  base.batch = opts.i64("batch");
-  base.heads = opts.i64("heads");
-  base.kv_heads = opts.i64("kv-heads");
-  base.head_dim = opts.i64("head-dim");
-  base.threads = static_cast<int>(opts.i64("threads"));
-  base.repeats = static_cast<int>(opts.i64("repeats"));
-  base.seed = static_cast<uint64_t>(opts.i64("seed"));
+  base.batch = opts.i64("batch", 1, kMaxBatch);
+  base.heads = opts.i64("heads", 1, kMaxHeads);
+  base.kv_heads = opts.i64("kv-heads", 0, kMaxHeads);
+  base.head_dim = opts.i64("head-dim", 16, 256);
+  base.threads = opts.i32("threads", 1, kMaxThreads);
+  base.repeats = opts.i32("repeats", 1, kMaxRepeats);
+  base.seed = static_cast<uint64_t>(opts.i64("seed", 0, kMaxSeed));
   base.backward = opts.on("backward");
   base.check = opts.on("check");
-  base.link.gbytes_per_second = opts.num("link-gbps");
-  base.link.latency_us = opts.num("link-latency-us");
-  const int ulysses_degree = static_cast<int>(opts.i64("ulysses-degree"));
+  base.link.gbytes_per_second = opts.num_or_zero("link-gbps", kMinLinkGbps, kMaxLinkGbps);
+  base.link.latency_us = opts.num("link-latency-us", 0, kMaxLinkLatencyUs);
+  const int ulysses_degree = opts.i32("ulysses-degree", 0, kMaxThreadsRanks);
 
   // The plan: short sequences first, so an interrupted sweep has whole small sizes. At P = 1
   // every layout is the same run, so only the first layout listed runs there.

@@ -51,10 +51,11 @@ int bench_kernel(int argc, char** argv) {
       .flag("json", "print one JSON object instead of text");
   o.example("ctxpar bench kernel --seq 4096 --heads 8 --head-dim 128 --threads 1 --json");
   if (!o.parse(argc, argv)) return 0;
-  const int64_t t = o.i64("seq"), hq = o.i64("heads"), d = o.i64("head-dim"), b = o.i64("batch");
-  const int64_t hkv = o.i64("kv-heads") > 0 ? o.i64("kv-heads") : hq;
-  const int threads = static_cast<int>(o.i64("threads"));
-  const int repeats = static_cast<int>(std::max<int64_t>(1, o.i64("repeats")));
+  const int64_t t = o.i64("seq", 1, kMaxTokens), hq = o.i64("heads", 1, kMaxHeads);
+  const int64_t d = o.i64("head-dim", 16, 256), b = o.i64("batch", 1, kMaxBatch);
+  const int64_t kv = o.i64("kv-heads", 0, kMaxHeads), hkv = kv > 0 ? kv : hq;
+  const int threads = o.i32("threads", 1, kMaxThreads);
+  const int repeats = o.i32("repeats", 1, kMaxRepeats);
   const DType dtype = parse_dtype(o.str("dtype"));
   CTXPAR_CHECK(t >= 1 && hq >= 1 && b >= 1 && threads >= 1, "bench kernel: --seq, --heads, --batch "
                "and --threads must be >= 1");

@@ -116,31 +116,32 @@ std::vector<int64_t> document_lengths(const std::string& mask) {
 
 AttentionJob job_from(const Options& o) {
   AttentionJob job;
-  job.seq = o.i64("seq");
-  job.heads = o.i64("heads");
-  job.kv_heads = o.i64("kv-heads");
-  job.head_dim = o.i64("head-dim");
-  job.batch = o.i64("batch");
+  job.seq = o.i64("seq", 1, kMaxTokens);
+  job.heads = o.i64("heads", 1, kMaxHeads);
+  job.kv_heads = o.i64("kv-heads", 0, kMaxHeads);
+  job.head_dim = o.i64("head-dim", 16, 256);
+  job.batch = o.i64("batch", 1, kMaxBatch);
   job.mask = parse_mask(o.str("mask"));
   job.document_lengths = document_lengths(o.str("mask"));
   job.dtype = parse_dtype(o.str("dtype"));
-  job.threads = static_cast<int>(o.i64("threads"));
+  job.threads = o.i32("threads", 1, kMaxThreads);
   job.strategy = parse_strategy(o.str("strategy"));
-  job.ulysses_degree = static_cast<int>(o.i64("ulysses-degree"));
+  job.ulysses_degree = o.i32("ulysses-degree", 0, kMaxProcesses);
   job.layout = parse_layout(o.str("layout"));
   job.transport = o.str("transport");
   if (job.transport == "auto") job.transport = launched_by_mpi() ? "mpi" : "threads";
-  job.ranks = static_cast<int>(o.i64("ranks"));
+  job.ranks = job.transport == "threads" ? o.i32("ranks", 1, kMaxThreadsRanks, kThreadsRanksNote)
+                                         : o.i32("ranks", 1, kMaxProcesses);
   if (job.transport == "mpi" && !o.given("ranks") && launched_by_mpi())
     job.ranks = mpi_world().size();
-  job.link.gbytes_per_second = o.num("link-gbps");
-  job.link.latency_us = o.num("link-latency-us");
-  job.timeout_seconds = o.num("timeout");
-  job.seed = static_cast<uint64_t>(o.i64("seed"));
-  job.repeats = static_cast<int>(o.i64("repeats"));
+  job.link.gbytes_per_second = o.num_or_zero("link-gbps", kMinLinkGbps, kMaxLinkGbps);
+  job.link.latency_us = o.num("link-latency-us", 0, kMaxLinkLatencyUs);
+  job.timeout_seconds = o.num("timeout", kMinTimeout, kMaxTimeout);
+  job.seed = static_cast<uint64_t>(o.i64("seed", 0, kMaxSeed));
+  job.repeats = o.i32("repeats", 1, kMaxRepeats);
   job.backward = o.on("backward") || o.given("do");
   job.check = o.on("check");
-  job.check_budget = o.num("check-budget");
+  job.check_budget = o.num("check-budget", 0, 1e18);
   job.keep_outputs = o.given("out");
 
   const std::string layout_in = o.str("layout-in");

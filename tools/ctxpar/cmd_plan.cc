@@ -2,6 +2,7 @@
 // cluster, from the model in src/plan/ (see docs/plan.md).
 #include <algorithm>
 #include <cstdio>
+#include <cerrno>
 #include <cstdlib>
 #include <iostream>
 
@@ -12,6 +13,14 @@
 namespace ctxpar::cli {
 namespace {
 
+// Model sizes (--layers, --hidden, --heads, --ffn, --vocab, ...): far past any real model.
+constexpr int64_t kMaxModelSize = int64_t{1} << 30;
+// The ring schedule is simulated rank by rank and step by step: P^2 steps (see
+// src/plan/ring_schedule.cc). 4096 ranks answer in seconds; beyond that no real cluster runs
+// one ring.
+constexpr int kMaxPlanCp = 4096;
+constexpr const char* kPlanCpNote = "the ring is simulated step by step, cp^2 steps";
+
 std::string join(const std::vector<std::string>& v) {
   std::string s;
   for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
@@ -19,15 +28,17 @@ std::string join(const std::vector<std::string>& v) {
 }
 
 // "A" or "A,B": intra-node and inter-node values (one value sets both).
-std::pair<double, double> pair_of(const Options& o, const std::string& name) {
+std::pair<double, double> pair_of(const Options& o, const std::string& name, double hi) {
   const auto items = o.list(name);
   if (items.empty() || items.size() > 2)
     throw UsageError("--" + name + " expects VALUE or INTRA,INTER, got '" + o.str(name) + "'");
   auto num = [&](const std::string& s) {
     char* end = nullptr;
+    errno = 0;
     double v = std::strtod(s.c_str(), &end);
-    if (s.empty() || *end != '\0' || v < 0)
-      throw UsageError("--" + name + " expects non-negative numbers, got '" + s + "'");
+    if (s.empty() || *end != '\0' || errno == ERANGE || !(v >= 0 && v <= hi))
+      throw UsageError("--" + name + " expects numbers in [0, " + number_text(hi) +
+                       "] (VALUE or INTRA,INTER), got '" + s + "'");
     return v;
   };
   return {num(items[0]), num(items.back())};
@@ -38,7 +49,7 @@ ModelSpec model_from(const Options& o) {
   if (o.given("model") || !o.given("layers")) m = model_preset(o.str("model"));
   auto set = [&](const char* name, int64_t& field) {
     if (o.given(name)) {
-      field = o.i64(name);
+      field = o.i64(name, 1, kMaxModelSize);
       m.name = o.given("model") ? m.name + "+custom" : "custom";
     }
   };
@@ -49,7 +60,7 @@ ModelSpec model_from(const Options& o) {
   set("ffn", m.ffn);
   set("vocab", m.vocab);
   if (o.given("head-dim")) {
-    m.head_dim = o.i64("head-dim");
+    m.head_dim = o.i64("head-dim", 1, 1 << 16);
   } else if (o.given("hidden") || o.given("heads")) {
     if (m.heads > 0) m.head_dim = m.hidden / m.heads;
   }
@@ -71,8 +82,8 @@ HardwareSpec hardware_from(const Options& o, const PlanInput& in) {
     lo.kv_heads = std::max<int64_t>(1, in.model.kv_heads / in.tp);
     lo.head_dim = in.model.head_dim;
     lo.dtype = in.dtype;
-    if (o.given("link-gbps")) lo.link.gbytes_per_second = pair_of(o, "link-gbps").first;
-    if (o.given("latency-us")) lo.link.latency_us = pair_of(o, "latency-us").first;
+    if (o.given("link-gbps")) lo.link.gbytes_per_second = pair_of(o, "link-gbps", kMaxLinkGbps).first;
+    if (o.given("latency-us")) lo.link.latency_us = pair_of(o, "latency-us", kMaxLinkLatencyUs).first;
     lo.message_bytes = 2.0 * lo.batch * lo.block_tokens * lo.kv_heads * lo.head_dim *
                        dtype_size(in.dtype);
     lo.ranks = in.cp;
@@ -94,20 +105,20 @@ HardwareSpec hardware_from(const Options& o, const PlanInput& in) {
   } else {
     h.name = "custom";
   }
-  if (o.given("flops")) h.flops = o.num("flops") * 1e12;
-  if (o.given("mem-gb")) h.mem_gb = o.num("mem-gb");
+  if (o.given("flops")) h.flops = o.num("flops", 1e-6, 1e9) * 1e12;
+  if (o.given("mem-gb")) h.mem_gb = o.num("mem-gb", 1e-3, 1e9);
   if (o.given("link-gbps") && name != "local") {
-    auto [a, b] = pair_of(o, "link-gbps");
+    auto [a, b] = pair_of(o, "link-gbps", kMaxLinkGbps);
     h.intra.gbytes_per_second = a;
     h.inter.gbytes_per_second = b;
   }
   if (o.given("latency-us") && name != "local") {
-    auto [a, b] = pair_of(o, "latency-us");
+    auto [a, b] = pair_of(o, "latency-us", kMaxLinkLatencyUs);
     h.intra.latency_us = a;
     h.inter.latency_us = b;
   }
-  if (o.given("devices-per-node")) h.devices_per_node = static_cast<int>(o.i64("devices-per-node"));
-  if (o.given("efficiency")) h.efficiency = o.num("efficiency");
+  if (o.given("devices-per-node")) h.devices_per_node = o.i32("devices-per-node", 1, kMaxProcesses);
+  if (o.given("efficiency")) h.efficiency = o.num("efficiency", 1e-6, 1);
   return h;
 }
 
@@ -163,17 +174,22 @@ int cmd_plan(int argc, char** argv) {
   in.model = model_from(o);
   if (o.given("video-hours")) {
     if (o.given("seq")) throw UsageError("give --seq or --video-hours, not both");
-    in.seq = video_tokens(o.num("video-hours"), o.num("fps"), o.i64("tokens-per-frame"));
+    in.seq = video_tokens(o.num("video-hours", 1e-6, 1e6), o.num("fps", 1e-6, 1e4),
+                          o.i64("tokens-per-frame", 1, 1 << 20));
+    if (in.seq > kMaxTokens)
+      throw UsageError("--video-hours x 3600 x --fps x --tokens-per-frame is " +
+                       std::to_string(in.seq) + " tokens, more than the largest --seq (" +
+                       std::to_string(kMaxTokens) + ")");
   } else {
-    in.seq = o.i64("seq");
+    in.seq = o.i64("seq", 1, kMaxTokens);
   }
-  in.batch = o.i64("batch");
-  in.dp = static_cast<int>(o.i64("dp"));
-  in.tp = static_cast<int>(o.i64("tp"));
-  in.pp = static_cast<int>(o.i64("pp"));
-  in.zero = static_cast<int>(o.i64("zero"));
+  in.batch = o.i64("batch", 1, kMaxBatch);
+  in.dp = o.i32("dp", 1, kMaxProcesses);
+  in.tp = o.i32("tp", 1, kMaxProcesses);
+  in.pp = o.i32("pp", 1, kMaxProcesses);
+  in.zero = o.i32("zero", 0, 3);
   in.strategy = parse_strategy(o.str("strategy"));
-  in.ulysses_degree = static_cast<int>(o.i64("ulysses-degree"));
+  in.ulysses_degree = o.i32("ulysses-degree", 0, kMaxPlanCp);
   in.layout = parse_layout(o.str("layout"));
   const std::string mask = o.str("mask");
   if (mask != "causal" && mask != "none")
@@ -181,9 +197,9 @@ int cmd_plan(int argc, char** argv) {
   in.causal = mask == "causal";
   in.dtype = parse_dtype(o.str("dtype"));
   in.recompute = o.on("recompute") ? Recompute::full : Recompute::none;
-  in.tile = static_cast<int>(o.i64("tile"));
+  in.tile = o.i32("tile", 0, 1 << 16);
   const bool auto_cp = o.str("cp") == "auto";
-  in.cp = auto_cp ? 1 : static_cast<int>(o.i64("cp"));
+  in.cp = auto_cp ? 1 : o.i32("cp", 1, kMaxPlanCp, kPlanCpNote);
   if (o.str("hardware") == "local" && !o.given("tile")) in.tile = 64;  // our kernel's tile
   const bool local = o.str("hardware") == "local";
   if (auto_cp) {
@@ -193,6 +209,12 @@ int cmd_plan(int argc, char** argv) {
     const int fit = in.recompute == Recompute::full ? probe.cp_to_fit_recompute : probe.cp_to_fit;
     in.cp = fit > 0 ? fit : 8;
     while (in.layout == LayoutKind::zigzag && in.seq % (2 * in.cp) != 0 && in.cp > 1) in.cp /= 2;
+    if (in.cp > kMaxPlanCp)
+      throw Error(detail::concat(
+          "--seq ", in.seq, " needs cp ", in.cp, " to fit in memory (with full recompute: ",
+          probe.cp_to_fit_recompute, "), more than the ", kMaxPlanCp, " ranks whose ring the plan "
+          "simulates (", kPlanCpNote, "); add --recompute or --tp, or give --cp ", kMaxPlanCp,
+          " to see that plan (it will show what does not fit)"));
   }
   in.hardware = hardware_from(o, in);
   const Plan plan = make_plan(in, o.on("compare"));

@@ -128,30 +128,31 @@ int cmd_train(int argc, char** argv) {
   refuse_foreign_launcher("train");
 
   TrainConfig c;
-  c.seq = o.i64("seq");
-  c.steps = o.i64("steps");
-  c.batch = o.i64("batch");
-  c.seed = static_cast<uint64_t>(o.i64("seed"));
+  constexpr int64_t kMaxSteps = int64_t{1} << 40;
+  c.seq = o.i64("seq", 1, kMaxTokens);
+  c.steps = o.i64("steps", 1, kMaxSteps);
+  c.batch = o.i64("batch", 1, kMaxBatch);
+  c.seed = static_cast<uint64_t>(o.i64("seed", 0, kMaxSeed));
   c.strategy = parse_strategy(o.str("strategy"));
-  c.ulysses_degree = static_cast<int>(o.i64("ulysses-degree"));
+  c.ulysses_degree = o.i32("ulysses-degree", 0, kMaxProcesses);
   c.layout = parse_layout(o.str("layout"));
-  c.threads = static_cast<int>(o.i64("threads"));
-  c.model.layers = static_cast<int>(o.i64("layers"));
-  c.model.dim = static_cast<int>(o.i64("dim"));
-  c.model.heads = static_cast<int>(o.i64("heads"));
-  c.model.kv_heads = static_cast<int>(o.i64("kv-heads"));
-  c.model.head_dim = static_cast<int>(o.i64("head-dim"));
-  c.model.hidden = static_cast<int>(o.i64("hidden"));
-  c.lr = o.num("lr");
-  c.min_lr = o.num("min-lr");
-  c.warmup = o.i64("warmup");
-  c.weight_decay = o.num("weight-decay");
-  c.clip = o.num("clip");
+  c.threads = o.i32("threads", 1, kMaxThreads);
+  c.model.layers = o.i32("layers", 1, 1 << 16);
+  c.model.dim = o.i32("dim", 1, 1 << 20);
+  c.model.heads = o.i32("heads", 1, kMaxHeads);
+  c.model.kv_heads = o.i32("kv-heads", 1, kMaxHeads);
+  c.model.head_dim = o.i32("head-dim", 16, 256);
+  c.model.hidden = o.i32("hidden", 1, 1 << 20);
+  c.lr = o.num("lr", 0, 10);
+  c.min_lr = o.num("min-lr", 0, 10);
+  c.warmup = o.i64("warmup", 0, kMaxSteps);
+  c.weight_decay = o.num("weight-decay", 0, 10);
+  c.clip = o.num("clip", 0, 1e9);
   c.data_path = o.str("data");
-  c.copy_len = o.i64("copy-len");
+  c.copy_len = o.i64("copy-len", 0, 128);
   c.log_path = o.str("log");
   c.save_path = o.str("save");
-  c.save_every = o.i64("save-every");
+  c.save_every = o.i64("save-every", 0, kMaxSteps);
   c.resume_path = o.str("resume");
   c.dump_path = o.str("dump-grads");
   if (c.threads < 1) throw UsageError("--threads must be >= 1");
@@ -160,11 +161,12 @@ int cmd_train(int argc, char** argv) {
   if (transport != "auto" && transport != "threads" && transport != "mpi")
     throw UsageError("--transport must be auto, threads or mpi, got '" + transport + "'");
   const bool use_mpi = transport == "mpi" || (transport == "auto" && launched_by_mpi());
-  int ranks = use_mpi ? mpi_world().size() : static_cast<int>(o.i64("ranks"));
+  int ranks = use_mpi ? mpi_world().size() : o.i32("ranks", 1, kMaxThreadsRanks, kThreadsRanksNote);
   if (ranks < 1) throw UsageError("--ranks must be >= 1");
-  c.dp = static_cast<int>(o.i64("dp"));
-  c.cp = o.i64("cp") > 0 ? static_cast<int>(o.i64("cp")) : ranks / std::max(1, c.dp);
-  if (c.dp < 1 || c.dp * c.cp != ranks)
+  c.dp = o.i32("dp", 1, kMaxProcesses);
+  const int cp = o.i32("cp", 0, kMaxProcesses);
+  c.cp = cp > 0 ? cp : ranks / std::max(1, c.dp);
+  if (c.dp < 1 || int64_t{c.dp} * c.cp != ranks)
     throw UsageError("--dp x --cp must equal the number of ranks (" + std::to_string(ranks) +
                      "), got " + std::to_string(c.dp) + " x " + std::to_string(c.cp));
   // One BLAS thread per rank unless told: ranks already fill the cores.
@@ -204,7 +206,7 @@ int cmd_train(int argc, char** argv) {
                 layout_name(c.layout), use_mpi ? "mpi" : "threads", c.model.describe().c_str(),
                 c.data_path.empty() ? "built-in copy task" : c.data_path.c_str());
   if (use_mpi) run_mpi(body);
-  else run_rank_threads(ranks, body);
+  else run_threads(ranks, body);
   const bool leader = !use_mpi || mpi_world().rank() == 0;
   if (bar) bar->finish();
   if (first_step > c.steps) {

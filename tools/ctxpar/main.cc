@@ -1,10 +1,12 @@
 // ctxpar: context parallelism for long-sequence attention. See README.md.
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
 #include "commands.h"
 #include "ctxpar/comm.h"
+#include "ctxpar/kernel.h"
 #include "options.h"
 
 namespace {
@@ -25,7 +27,8 @@ const Command kCommands[] = {
 
 void usage(FILE* out) {
   std::fprintf(out,
-               "usage: ctxpar <command> [options]   (ctxpar <command> --help for its options)\n\n"
+               "usage: ctxpar <command> [options]   (ctxpar <command> --help for its options)\n"
+               "       ctxpar --version              (version and SIMD targets)\n\n"
                "commands:\n");
   for (const auto& c : kCommands) std::fprintf(out, "  %-10s %s\n", c.name, c.summary);
   std::fprintf(out,
@@ -44,9 +47,31 @@ int end_job(int code) {
   return code;
 }
 
+std::string joined(const std::vector<std::string>& names) {
+  std::string s;
+  for (const std::string& n : names) s += (s.empty() ? "" : ", ") + n;
+  return s;
+}
+
+// The version and the kernel's SIMD targets: compiled in, runnable here, chosen (docs/kernel.md).
+int version() {
+  const ctxpar::SimdTargets t = ctxpar::simd_targets();
+  std::printf("ctxpar %s\nSIMD targets compiled in: %s\nthis CPU can run: %s\n", CTXPAR_VERSION,
+              joined(t.compiled).c_str(), joined(t.runnable).c_str());
+  if (!t.error.empty()) {
+    std::fprintf(stderr, "ctxpar: error: %s\n", t.error.c_str());
+    return 2;
+  }
+  std::printf("chosen: %s%s\n", t.chosen.c_str(),
+              std::getenv("CTXPAR_SIMD") ? " (CTXPAR_SIMD)"
+                                         : " (the best; CTXPAR_SIMD=<name> forces a lower one)");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc >= 2 && !std::strcmp(argv[1], "--version")) return version();
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     usage(argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;

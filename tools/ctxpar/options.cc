@@ -1,22 +1,16 @@
 #include "options.h"
 
-#include "ctxpar/comm.h"
-
 #include <algorithm>
+#include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <sstream>
 
 namespace ctxpar::cli {
 
-void refuse_foreign_launcher(const char* command) {
-  const ForeignLauncher l = foreign_launcher();
-  if (l.ranks == 0) return;
-  throw UsageError(detail::concat(
-      "started by ", l.name, " as ", l.ranks, " separate processes without MPI: each would run "
-      "the whole job alone. Launch it with mpirun -n ", l.ranks, " ctxpar ", command,
-      " ... (or srun --mpi=pmix with an MPI build), or as one process with --ranks ", l.ranks));
-}
 
 Options::Options(std::string command, std::string summary)
     : command_(std::move(command)), summary_(std::move(summary)) {}
@@ -113,24 +107,95 @@ std::string Options::str(const std::string& name) const {
   return it != values_.end() ? it->second : spec(name).default_value;
 }
 
-int64_t Options::i64(const std::string& name) const {
-  std::string s = str(name);
+std::string number_text(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+namespace {
+
+std::string range_text(const std::string& lo, const std::string& hi, const std::string& note) {
+  return "[" + lo + ", " + hi + "]" + (note.empty() ? "" : " (" + note + ")");
+}
+
+// A finite number, or nothing when `text` is not one (NaN, infinite, out of double's range,
+// or too close to 0 to be represented: strtod's ERANGE on underflow).
+bool parse_finite(const std::string& text, double& value) {
+  if (text.empty()) return false;
   char* end = nullptr;
-  long long v = std::strtoll(s.c_str(), &end, 10);
-  // Accept 64K / 1M suffixes: sequence lengths are often written that way.
-  if (end && (*end == 'K' || *end == 'k') && end[1] == '\0') v *= 1024, ++end;
-  else if (end && (*end == 'M' || *end == 'm') && end[1] == '\0') v *= 1024 * 1024, ++end;
-  if (s.empty() || !end || *end != '\0')
-    throw UsageError("--" + name + " expects a whole number, got '" + s + "'");
+  errno = 0;
+  value = std::strtod(text.c_str(), &end);
+  return *end == '\0' && errno != ERANGE && std::isfinite(value);
+}
+
+}  // namespace
+
+bool parse_whole_number(const std::string& text, int64_t& value) {
+  if (text.empty()) return false;
+  char* end = nullptr;
+  errno = 0;
+  long long v = std::strtoll(text.c_str(), &end, 10);
+  if (end == text.c_str() || errno == ERANGE) return false;
+  // 64K / 1M suffixes: sequence lengths are often written that way.
+  long long scale = 1;
+  if ((*end == 'K' || *end == 'k') && end[1] == '\0') scale = 1024, ++end;
+  else if ((*end == 'M' || *end == 'm') && end[1] == '\0') scale = 1024 * 1024, ++end;
+  if (*end != '\0' || __builtin_mul_overflow(v, scale, &v)) return false;
+  value = v;
+  return true;
+}
+
+int64_t whole_number_in(const std::string& option, const std::string& text, int64_t lo,
+                        int64_t hi, const std::string& note) {
+  const std::string range = range_text(std::to_string(lo), std::to_string(hi), note);
+  int64_t v = 0;
+  if (!parse_whole_number(text, v)) {
+    // A whole number that does not fit in 64 bits is out of range, not malformed:
+    // [+-]digits[K|M].
+    const size_t i = (text[0] == '+' || text[0] == '-') ? 1 : 0;
+    const size_t end = text.find_first_not_of("0123456789", i);
+    const bool digits = end > i && i < text.size() && (end == std::string::npos ||
+                                    (end + 1 == text.size() && std::strchr("KkMm", text[end])));
+    throw UsageError("--" + option + (digits ? " must be in " : " expects a whole number in ") +
+                     range + (digits ? "" : " (64K, 1M suffixes accepted)") + ", got '" + text + "'");
+  }
+  if (v < lo || v > hi) throw UsageError("--" + option + " must be in " + range + ", got '" + text + "'");
+  return v;
+}
+
+int64_t Options::i64(const std::string& name, int64_t lo, int64_t hi, const std::string& note) const {
+  return whole_number_in(name, str(name), lo, hi, note);
+}
+
+int Options::i32(const std::string& name, int lo, int hi, const std::string& note) const {
+  return static_cast<int>(i64(name, lo, hi, note));
+}
+
+int64_t Options::i64(const std::string& name) const {
+  return i64(name, std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max());
+}
+
+double Options::num(const std::string& name, double lo, double hi, const std::string& note) const {
+  const std::string s = str(name);
+  double v = 0;
+  if (!parse_finite(s, v) || v < lo || v > hi)
+    throw UsageError("--" + name + " must be a number in " + range_text(number_text(lo), number_text(hi), note) +
+                     ", got '" + s + "'");
   return v;
 }
 
 double Options::num(const std::string& name) const {
-  std::string s = str(name);
-  char* end = nullptr;
-  double v = std::strtod(s.c_str(), &end);
-  if (s.empty() || !end || *end != '\0')
-    throw UsageError("--" + name + " expects a number, got '" + s + "'");
+  return num(name, -std::numeric_limits<double>::max(), std::numeric_limits<double>::max());
+}
+
+double Options::num_or_zero(const std::string& name, double lo, double hi,
+                            const std::string& note) const {
+  const std::string s = str(name);
+  double v = 0;
+  if (!parse_finite(s, v) || (v != 0 && (v < lo || v > hi)))
+    throw UsageError("--" + name + " must be 0 or a number in " +
+                     range_text(number_text(lo), number_text(hi), note) + ", got '" + s + "'");
   return v;
 }
 
@@ -146,12 +211,10 @@ std::vector<std::string> Options::list(const std::string& name) const {
 std::vector<int64_t> Options::list_i64(const std::string& name) const {
   std::vector<int64_t> out;
   for (const auto& item : list(name)) {
-    char* end = nullptr;
-    long long v = std::strtoll(item.c_str(), &end, 10);
-    if (end && (*end == 'K' || *end == 'k') && end[1] == '\0') v *= 1024, ++end;
-    else if (end && (*end == 'M' || *end == 'm') && end[1] == '\0') v *= 1024 * 1024, ++end;
-    if (!end || *end != '\0')
-      throw UsageError("--" + name + " expects comma-separated whole numbers, got '" + item + "'");
+    int64_t v = 0;
+    if (!parse_whole_number(item, v))
+      throw UsageError("--" + name + " expects comma-separated whole numbers (each within 64 "
+                       "bits), got '" + item + "'");
     out.push_back(v);
   }
   return out;

@@ -17,9 +17,32 @@ class UsageError : public Error {
   explicit UsageError(const std::string& what) : Error(what) {}
 };
 
-// Refuses a launcher (torchrun, srun) that started copies of `ctxpar <command>` without MPI:
-// each copy would run the whole job alone.
-void refuse_foreign_launcher(const char* command);
+// Ranges the commands share (docs/cli.md, "Number ranges"). A value outside its range is a
+// usage error naming the option and the range, never a wrapped or clamped number.
+constexpr int64_t kMaxTokens = int64_t{1} << 40;    // --seq: far past any machine's memory
+constexpr int64_t kMaxHeads = 1 << 16;              // --heads, --kv-heads
+constexpr int64_t kMaxBatch = 1 << 20;              // --batch
+constexpr int kMaxThreads = 1024;                   // --threads (OpenMP threads per rank)
+constexpr int kMaxProcesses = 1 << 20;              // MPI ranks, plan parallel degrees
+constexpr int kMaxRepeats = 1000000;                // --repeats
+constexpr double kMinLinkGbps = 1e-6, kMaxLinkGbps = 1e6;  // --link-gbps: 1 kB/s .. 1 PB/s
+constexpr double kMaxLinkLatencyUs = 1e7;                  // --link-latency-us: 10 s
+constexpr double kMinTimeout = 1e-3, kMaxTimeout = 1e6;    // --timeout, seconds
+constexpr int64_t kMaxSeed = INT64_MAX;                    // --seed: [0, 2^63 - 1]
+// Why --ranks stops at kMaxThreadsRanks (ctxpar/comm.h) on the threads transport.
+inline constexpr const char* kThreadsRanksNote =
+    "threads transport: every rank is a thread of this process and the per-pair state grows "
+    "as ranks^2; for more ranks use mpirun -n P";
+
+// "4096", "64K", "1M" -> the number. False when `text` is not a whole number or the number
+// (after the K / M suffix) does not fit in int64.
+bool parse_whole_number(const std::string& text, int64_t& value);
+// v as %g ("1e+06"), for messages that state a range.
+std::string number_text(double v);
+// The same as a command's usage check: a whole number in [lo, hi], else a UsageError naming
+// --option and the range (`note` is added after the range, e.g. why the limit is there).
+int64_t whole_number_in(const std::string& option, const std::string& text, int64_t lo,
+                        int64_t hi, const std::string& note = "");
 
 class Options {
  public:
@@ -35,6 +58,17 @@ class Options {
   bool given(const std::string& name) const;
   bool on(const std::string& name) const;
   std::string str(const std::string& name) const;
+  // Numbers, range-checked. Every number a command uses goes through one of these, so that
+  // none is wrapped by a cast or an overflowing suffix (64K / 1M are accepted for whole
+  // numbers) and none is NaN or infinite.
+  int64_t i64(const std::string& name, int64_t lo, int64_t hi, const std::string& note = "") const;
+  int i32(const std::string& name, int lo, int hi, const std::string& note = "") const;
+  double num(const std::string& name, double lo, double hi, const std::string& note = "") const;
+  // 0 (meaning "off") or a number in [lo, hi]: a value too small to model is refused, not
+  // taken as "off".
+  double num_or_zero(const std::string& name, double lo, double hi,
+                     const std::string& note = "") const;
+  // Any int64 (seeds) / any finite number: still refuse overflow, NaN and infinity.
   int64_t i64(const std::string& name) const;
   double num(const std::string& name) const;
   std::vector<std::string> list(const std::string& name) const;  // comma-separated

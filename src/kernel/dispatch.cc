@@ -1,0 +1,116 @@
+// Which SIMD target the fast kernel runs. Highway compiles simd_*.cc once per target in
+// HWY_TARGETS (baseline SSSE3, SSE4, AVX2, AVX-512 for the default -march=x86-64-v2) and
+// HWY_DYNAMIC_DISPATCH calls the best one the CPU supports. CTXPAR_SIMD=<name> restricts the
+// choice to one lower target (for testing every path on one machine, and for comparing them);
+// CTXPAR_SIMD=scalar (or CTXPAR_KERNEL=scalar) selects the readable scalar path instead.
+#include <hwy/highway.h>
+#include <hwy/targets.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "kernel/problem.h"
+
+namespace ctxpar {
+
+namespace kernel {
+namespace {
+
+struct Named {
+  int64_t target;
+  const char* name;
+};
+// Best first (a lower Highway bit is a better target).
+constexpr Named kNames[] = {{HWY_AVX3_DL, "avx512_dl"}, {HWY_AVX3, "avx512"}, {HWY_AVX2, "avx2"},
+                            {HWY_SSE4, "sse4"},         {HWY_SSSE3, "ssse3"}, {HWY_EMU128, "emu128"},
+                            {HWY_SCALAR, "hwy_scalar"}};
+
+std::string names_of(int64_t targets) {
+  std::string s;
+  for (const Named& n : kNames)
+    if (targets & n.target) s += (s.empty() ? "" : ", ") + std::string(n.name);
+  return s;
+}
+
+const char* env(const char* name) {
+  const char* e = std::getenv(name);
+  return e != nullptr && *e != '\0' ? e : nullptr;
+}
+
+struct Choice {
+  int64_t runnable = 0;  // compiled targets this CPU supports (before any restriction)
+  bool scalar = false;   // the readable scalar path
+  int64_t chosen = 0;    // the SIMD target in use (0 when scalar)
+  std::string error;     // why CTXPAR_SIMD cannot be honoured
+};
+
+Choice decide() {
+  Choice c;
+  c.runnable = hwy::SupportedTargets() & HWY_TARGETS;
+  c.chosen = c.runnable & -c.runnable;  // the best
+  const char* kernel_env = env("CTXPAR_KERNEL");
+  c.scalar = kernel_env != nullptr && std::strcmp(kernel_env, "scalar") == 0;
+  const char* want = env("CTXPAR_SIMD");
+  if (want == nullptr) return c;
+  if (std::strcmp(want, "scalar") == 0) {
+    c.scalar = true;
+    return c;
+  }
+  int64_t target = 0;
+  for (const Named& n : kNames)
+    if (std::strcmp(want, n.name) == 0) target = n.target;
+  if (target == 0 || !(target & HWY_TARGETS)) {
+    c.error = "CTXPAR_SIMD=" + std::string(want) + ": " +
+              (target == 0 ? "unknown SIMD target" : "not compiled into this binary") +
+              "; use one of: " + names_of(HWY_TARGETS) + ", scalar (or unset it for the best)";
+  } else if (!(target & c.runnable)) {
+    c.error = "CTXPAR_SIMD=" + std::string(want) + ": this CPU lacks it; it can run: " +
+              names_of(c.runnable) + ", scalar (or unset CTXPAR_SIMD for the best)";
+  } else {
+    c.chosen = target;
+  }
+  return c;
+}
+
+// Decided once per process, before the first dispatch.
+const Choice& choice() {
+  static const Choice c = [] {
+    Choice d = decide();
+    // Restrict Highway's dispatch to the chosen target; the best one needs no restriction.
+    if (d.error.empty() && !d.scalar && d.chosen != (d.runnable & -d.runnable))
+      hwy::SetSupportedTargetsForTest(d.chosen);
+    return d;
+  }();
+  return c;
+}
+
+}  // namespace
+
+void select_simd_target() {
+  const Choice& c = choice();
+  CTXPAR_CHECK(c.error.empty(), c.error);
+}
+
+bool use_scalar_path() {
+  const Choice& c = choice();
+  CTXPAR_CHECK(c.error.empty(), c.error);
+  return c.scalar;
+}
+
+}  // namespace kernel
+
+SimdTargets simd_targets() {
+  const kernel::Choice& c = kernel::choice();
+  SimdTargets t;
+  for (const kernel::Named& n : kernel::kNames) {
+    if (n.target & HWY_TARGETS) t.compiled.push_back(n.name);
+    if (n.target & c.runnable) t.runnable.push_back(n.name);
+    if (n.target == c.chosen && !c.scalar && c.error.empty()) t.chosen = n.name;
+  }
+  if (c.scalar) t.chosen = "scalar";
+  t.error = c.error;
+  return t;
+}
+
+}  // namespace ctxpar

@@ -1,0 +1,127 @@
+// Inputs at the edges of fp32 and int64, against the fp64 reference with the kernel rule
+// (kernel_support.h): max|fast - ref64| <= 2 max|naive32 - ref64| + 1e-5 max(1, |ref64|).
+//  - Logits spread to |s| ~ 1e4 .. 5e8 (q, k scaled; the softmax is one-hot) or offset by
+//    1e4 .. 1e6 (a common component in q and k): the backward recomputes P = exp(S - LSE) from
+//    the forward's LSE, so S must be rounded exactly as the forward rounded it and P can never
+//    exceed 1 (issue 9: dq was 3.9e7 where the truth is 0, dv many times the naive error).
+//    See docs/kernel.md, Note [P at most one].
+//  - Positions anywhere in int64 (INT64_MIN itself marks padding), near INT64_MAX / INT64_MIN and +-2^62 on both sides, with
+//    windows up to INT64_MAX: the mask arithmetic must not overflow (issue 9: every row came
+//    out zero). The reference decides visibility in 128-bit arithmetic, independently.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "kernel/kernel_support.h"
+
+namespace ctxpar::test {
+namespace {
+
+Case logits(float qk_scale, int64_t d, Mask mask, DType dtype = DType::f32) {
+  Case c;
+  c.tq = 70, c.tk = 130, c.hq = 2, c.hkv = 1, c.d = d, c.mask = mask, c.dtype = dtype;
+  c.k_offset = 0, c.q_offset = 60;
+  c.qk_scale = qk_scale;
+  return c;
+}
+
+// Spread: |s| ~ qk_scale^2 (unit normal q, k times qk_scale; scale 1/sqrt(D)).
+TEST(ExtremeLogits, LargeLogitsBackwardWithinTheRule) {
+  for (float qk : {100.0f, 1000.0f})  // |s| ~ 1e4, 1e6
+    for (int64_t d : {16, 64, 80})
+      for (Mask m : {Mask::none(), Mask::causal_mask()}) {
+        const std::string err = check_case(logits(qk, d, m), true);
+        EXPECT_TRUE(err.empty()) << err;
+      }
+}
+
+// Offset: every logit ~ common^2 + N(0, 1), so the softmax is not one-hot and the naive fp32
+// error is large; the rounding of S against LSE is what separates the fast path from it.
+TEST(ExtremeLogits, OffsetLogitsBackwardWithinTheRule) {
+  for (float common : {100.0f, 300.0f, 1000.0f})  // offsets 1e4, 9e4, 1e6
+    for (int64_t d : {16, 64, 80})
+      for (Mask m : {Mask::none(), Mask::causal_mask()}) {
+        Case c = logits(1, d, m);
+        c.qk_common = common * std::sqrt(std::sqrt(float(d)));
+        const std::string err = check_case(c, true);
+        EXPECT_TRUE(err.empty()) << err;
+      }
+}
+
+TEST(ExtremeLogits, HugeLogitsGivePAtMostOne) {
+  // |s| ~ 5e8: the fp32 ulp of a score is 32 or more, so any difference between the forward's
+  // and the backward's rounding of S used to give P = 2^(tens), dq ~ 1e7. Softmax is one-hot
+  // here: the truth is dq = dk = 0, dv = the dO of the query rows whose argmax is that key.
+  for (int64_t d : {16, 64})
+    for (Mask m : {Mask::none(), Mask::causal_mask()}) {
+      const std::string err = check_case(logits(22360.0f, d, m), true);
+      EXPECT_TRUE(err.empty()) << err;
+    }
+}
+
+constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+// The smallest position a real token may have: INT64_MIN itself marks padding (kPaddingPosition,
+// mask.h), which no query sees and which sees nothing.
+constexpr int64_t kMin = std::numeric_limits<int64_t>::min() + 1;
+static_assert(kMin - 1 == kPaddingPosition);
+
+Mask window(int64_t l, int64_t r, bool causal) {
+  Mask m;
+  m.window_left = l, m.window_right = r, m.causal = causal;
+  return m;
+}
+
+Case positions(int64_t q_offset, int64_t q_stride, int64_t k_offset, int64_t k_stride, Mask m) {
+  Case c;
+  c.tq = 70, c.tk = 130, c.hq = 2, c.hkv = 1, c.d = 16, c.mask = m;
+  c.q_offset = q_offset, c.q_stride = q_stride, c.k_offset = k_offset, c.k_stride = k_stride;
+  return c;
+}
+
+TEST(ExtremePositions, WholeInt64RangeWithWindows) {
+  const std::vector<Mask> masks = {Mask::causal_mask(), window(20, 0, true), window(30, 30, false),
+                                   window(kMax, 0, false), window(0, kMax, false),
+                                   window(kMax, kMax, true), window(1LL << 62, 5, false)};
+  std::vector<Case> cases;
+  for (const Mask& m : masks) {
+    cases.push_back(positions(kMax - 100, 1, kMax - 150, 1, m));  // near INT64_MAX
+    cases.push_back(positions(kMin + 40, 1, kMin, 1, m));         // near INT64_MIN
+    cases.push_back(positions(1LL << 62, 1, -(1LL << 62), 1, m));  // +-2^62: distance 2^63
+    cases.push_back(positions(-(1LL << 62), 1, 1LL << 62, 1, m));
+    cases.push_back(positions(kMin, 1LL << 57, kMin + 5, 1LL << 57, m));  // spans the range
+    Case shuffled = positions(kMax - 69, 1, kMin, (kMax / 129) * 2, m);
+    shuffled.shuffle = true;  // unsorted: tiles' ranges from min / max of their positions
+    cases.push_back(shuffled);
+  }
+  int64_t rows_seen = 0;
+  for (const Case& c : cases) {
+    const std::string err = check_case(c, true);
+    EXPECT_TRUE(err.empty()) << err;
+    const Inputs in = make_inputs(c);
+    const auto ref = reference::attention_f64(in.q, in.q_tokens(), in.k, in.v, in.k_tokens(), c.mask);
+    for (double l : ref.lse) rows_seen += std::isfinite(l);
+  }
+  EXPECT_GT(rows_seen, 0) << "the cases must not all be fully masked";
+}
+
+TEST(ExtremePositions, MaskRulesAgreeWithExactArithmetic) {
+  const std::vector<int64_t> at = {kMin, kMin + 1, kMin + 2, -(1LL << 62), -1, 0, 1, 1LL << 62, kMax - 1, kMax};
+  const std::vector<int64_t> bounds = {-1, 0, 1, 1LL << 62, kMax};
+  for (int64_t l : bounds)
+    for (int64_t r : bounds)
+      for (bool causal : {false, true}) {
+        const Mask m = window(l, r, causal);
+        for (int64_t q : at)
+          for (int64_t k : at) {
+            const __int128 diff = static_cast<__int128>(q) - k;
+            const bool want = !(causal && diff < 0) && !(l >= 0 && diff > l) && !(r >= 0 && -diff > r);
+            ASSERT_EQ(m.visible(q, k), want) << m.describe() << " q=" << q << " k=" << k;
+            ASSERT_EQ(m.tile_masked(q, q, k, k), !want) << m.describe() << " q=" << q << " k=" << k;
+            ASSERT_EQ(m.tile_full(q, q, k, k), want) << m.describe() << " q=" << q << " k=" << k;
+          }
+      }
+}
+
+}  // namespace
+}  // namespace ctxpar::test

@@ -1,0 +1,158 @@
+#include "memory_estimate.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+namespace ctxpar::cli {
+namespace {
+
+// Per-thread cost beyond the tensors: the stack pages a rank touches and its share of the
+// allocator's per-thread arenas.
+constexpr double kPerRankOverhead = 1 << 20;
+// Every strategy call agrees on its arguments by an allgather of a ~640-byte verdict per rank
+// (src/strategy/strategy.cc): on the threads transport all P ranks hold all P verdicts at once.
+constexpr double kVerdictBytes = 640;
+
+std::string gib(double bytes) {
+  char buf[48];
+  if (bytes >= double(1 << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / double(1 << 30));
+  else if (bytes >= double(1 << 20)) std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / double(1 << 20));
+  else std::snprintf(buf, sizeof buf, "%.0f bytes", bytes);
+  return buf;
+}
+
+// One rank's strategy buffers at their peak, from the hold() calls of src/strategy/*.cc:
+//   Q = B*Tl*Hq*D, KV = B*Tl*Hkv*D elements of this rank; L = B*Hq*Tl (lse, m, l, delta);
+//   a K/V message `pack` = 2*KV*es + the tokens' positions (and document ids);
+//   forward state: fp32 accumulator + m, l = 4Q + 8L; backward base: fp32 dQ + delta = 4Q + 4L;
+//   a travelling fp32 dK/dV `grad` = 8*KV.
+// ring: 3 packs in flight (backward: + own, acc, part and up to two travelling grads);
+// allgather: every peer's pack, two head groups at once; ulysses: the full-sequence tensors of
+// its heads (KV heads replicated when u > Hkv) and, at their peak, the all-to-all send and
+// receive buffers (backward: the larger of the inputs' exchange in the dtype and the fp32
+// gradients' exchange with the fp32 dK, dV sums); hybrid: its Ulysses part plus a ring's.
+double strategy_bytes(const AttentionJob& job) {
+  const double B = static_cast<double>(job.batch), P = job.ranks;
+  const double Tl = static_cast<double>(job.seq) / P, D = static_cast<double>(job.head_dim);
+  const double Hq = static_cast<double>(job.heads);
+  const double Hkv = static_cast<double>(job.kv_heads ? job.kv_heads : job.heads);
+  const double es = static_cast<double>(dtype_size(job.dtype));
+  const double Q = B * Tl * Hq * D, KV = B * Tl * Hkv * D, L = B * Hq * Tl;
+  const double pack = 2 * KV * es + Tl * (8 + (job.mask.documents ? 4 : 0));
+  const double grad = 8 * KV;
+  const double state = 4 * Q + 8 * L, bwd_base = 4 * Q + 4 * L;
+  const bool bwd = job.backward;
+
+  auto ring = [&](double fwd_extra, double bwd_extra) {
+    const double f = state + fwd_extra + (P > 1 ? 3 * pack : 0);
+    const double b = bwd_base + bwd_extra + (P > 1 ? 3 * pack + 5 * grad : grad);
+    return bwd ? std::max(f, b) : f;
+  };
+  auto ulysses = [&](double u) {
+    const double KVr = KV * std::max(1.0, u / Hkv);
+    const double f = 2 * (Q + 2 * KVr) * es + (2 * Q + 2 * KVr) * es + 4 * L + state;
+    const double full = (2 * Q + 2 * KVr) * es + 12 * L + (Q + 2 * KVr) * 4;
+    const double exchange = std::max(2 * ((2 * Q + 2 * KVr) * es + 8 * L),
+                                     2 * (Q + 2 * KVr) * 4 + 8 * KV);
+    const double b = full + exchange + bwd_base;
+    return bwd ? std::max(f, b) : f;
+  };
+  switch (job.strategy) {
+    case StrategyKind::ring:
+      return ring(0, 0);
+    case StrategyKind::allgather: {
+      const double f = state + 2 * (P - 1) * pack;
+      const double b = bwd_base + 2 * (P - 1) * (pack + grad) + grad;
+      return bwd ? std::max(f, b) : f;
+    }
+    case StrategyKind::ulysses:
+      return ulysses(P);
+    case StrategyKind::hybrid: {
+      const double u = job.ulysses_degree ? job.ulysses_degree : P;
+      return ulysses(u) + (P / u > 1 ? 3 * pack + (bwd ? 5 * grad : 0) : 0);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+MemoryEstimate estimate_memory(const AttentionJob& job) {
+  MemoryEstimate m;
+  const double B = static_cast<double>(job.batch), T = static_cast<double>(job.seq);
+  const double P = job.ranks, Tl = T / P, D = static_cast<double>(job.head_dim);
+  const double Hq = static_cast<double>(job.heads);
+  const double Hkv = static_cast<double>(job.kv_heads ? job.kv_heads : job.heads);
+  const double es = static_cast<double>(dtype_size(job.dtype));
+  // q, out [B, Tl, Hq, D], k, v [B, Tl, Hkv, D] in the job's dtype; lse [B, Hq, Tl] fp32;
+  // backward: dout in the dtype, dq, dk, dv fp32 (as run_rank allocates them).
+  m.shard_bytes = B * Tl * D * (2 * Hq + 2 * Hkv) * es + B * Hq * Tl * 4;
+  if (job.backward) m.shard_bytes += B * Tl * D * (Hq * es + (Hq + 2 * Hkv) * 4);
+  m.strategy_bytes = strategy_bytes(job);
+  const bool mpi = job.transport == "mpi";
+  m.ranks_here = mpi ? 1 : job.ranks;
+  m.run_bytes = m.ranks_here * (m.shard_bytes + m.strategy_bytes + kPerRankOverhead) +
+                double(m.ranks_here) * job.ranks * kVerdictBytes;
+
+  const double full = P * m.shard_bytes;  // every tensor of the whole sequence
+  if (job.check || job.keep_outputs) {
+    // Threads: the P shards and their unsharded copies. MPI root: its own shard, every
+    // rank's gathered shard and the copies.
+    m.gather_bytes = mpi ? m.shard_bytes + 2 * full : 2 * full;
+  }
+  if (job.check) {
+    // The shards are freed first; the reference reads the unsharded tensors, (backward) their
+    // fp32 copies for the key rows, and keeps fp64 and fp32 results per checked row.
+    const double per_row = B * Hq * T * D;
+    const double rows = std::min(T, std::max(16.0, std::floor(job.check_budget / per_row)));
+    double bytes = full + rows * B * Hq * D * 64;
+    if (job.backward)
+      bytes += (B * T * D * (3 * Hq + 2 * Hkv) + B * Hq * T) * 4 + rows * B * Hkv * 2 * D * 12;
+    m.check_bytes = bytes;
+  }
+  m.total_bytes = std::max({m.run_bytes, m.gather_bytes, m.check_bytes});
+  return m;
+}
+
+double available_memory_bytes() {
+  if (const char* env = std::getenv("CTXPAR_MEMORY_LIMIT_BYTES")) {
+    char* end = nullptr;
+    errno = 0;
+    const double v = std::strtod(env, &end);
+    CTXPAR_CHECK(*env != '\0' && *end == '\0' && errno != ERANGE && std::isfinite(v) && v > 0,
+                 "CTXPAR_MEMORY_LIMIT_BYTES must be a positive number of bytes, got '", env, "'");
+    return v;
+  }
+  std::ifstream in("/proc/meminfo");
+  std::string key, unit;
+  double kb = 0;
+  while (in >> key >> kb >> unit)
+    if (key == "MemAvailable:") return kb * 1024;
+  return 0;
+}
+
+void check_memory(const AttentionJob& job) {
+  const double available = available_memory_bytes();
+  if (available <= 0) return;
+  const MemoryEstimate m = estimate_memory(job);
+  if (m.total_bytes <= available) return;
+  const bool from_env = std::getenv("CTXPAR_MEMORY_LIMIT_BYTES") != nullptr;
+  std::string parts = detail::concat(m.ranks_here, " rank", m.ranks_here > 1 ? "s" : "",
+                                     " x (shards ", gib(m.shard_bytes), " + strategy buffers ",
+                                     gib(m.strategy_bytes), ")");
+  if (m.gather_bytes > 0) parts += "; --check/--out gather " + gib(m.gather_bytes);
+  if (m.check_bytes > 0) parts += "; --check reference " + gib(m.check_bytes);
+  throw Error(detail::concat(
+      "this job needs about ", gib(m.total_bytes), " of memory (", parts, ") but ",
+      gib(available), " is available (",
+      from_env ? "CTXPAR_MEMORY_LIMIT_BYTES" : "MemAvailable in /proc/meminfo",
+      "); lower --seq, --batch, --heads or --head-dim, use --dtype bf16, drop --check / --out, "
+      "or run the ranks on several machines (mpirun)"));
+}
+
+}  // namespace ctxpar::cli
