@@ -97,6 +97,9 @@ class Communicator {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual std::string transport() const = 0;  // "threads" | "mpi"
+  // True when isend hands the Buffer's memory itself to the receiver (threads transport): the
+  // sender may then read it only as long as the receiver keeps it.
+  virtual bool shares_send_buffers() const { return false; }
 
   // Non-blocking point-to-point. `tag` should identify the step so a timeout can name it.
   // recv must be told the exact byte count it expects (a mismatch is an error).

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "ctxpar/comm.h"
+#include "ctxpar/device.h"
 #include "ctxpar/kernel.h"
 #include "ctxpar/mask.h"
 #include "ctxpar/tensor.h"
@@ -31,6 +32,7 @@ struct StrategyOptions {
   int head_groups = 0;     // allgather: K/V gathered in this many head groups; 0 = auto
   Mask mask;
   KernelConfig kernel;
+  DeviceOptions device;    // each rank makes its own device of this kind (default: cpu)
 };
 
 // What one rank did in the last call.
@@ -38,11 +40,19 @@ struct StrategyStats {
   double attention_flops = 0;   // FLOPs the kernel actually computed (masked tiles skipped)
   double busy_seconds = 0;      // time inside kernel calls
   double wall_seconds = 0;      // whole call
-  double comm_wait_seconds = 0; // time blocked waiting for transfers (exposed communication)
+  double comm_wait_seconds = 0; // host time blocked waiting (cpu: for transfers, the exposed
+                                // communication; sim: for the device)
   uint64_t bytes_sent = 0;
   uint64_t bytes_received = 0;
   size_t peak_bytes = 0;        // largest total of buffers the strategy held at once
 };
+
+// The rules the strategies check, exported so that a caller (the ctxpar command) can say them
+// in its own words instead of keeping a copy that may disagree: "" when fine, else the reason.
+// Ulysses (and hybrid's Ulysses groups of u ranks) split the query heads: Hq % ranks == 0
+// (KV heads that do not split are replicated). All-gather's head groups must divide Hkv.
+std::string ulysses_heads_rule(int64_t hq, int ranks);
+std::string allgather_head_groups_rule(int64_t hkv, int head_groups);
 
 class Strategy {
  public:
@@ -64,12 +74,15 @@ class Strategy {
 
   const StrategyStats& last_stats() const { return stats_; }
   const StrategyOptions& options() const { return options_; }
+  Device& device() { return *device_; }
 
  protected:
-  Strategy(Communicator& comm, const StrategyOptions& options) : comm_(comm), options_(options) {}
+  Strategy(Communicator& comm, const StrategyOptions& options)
+      : comm_(comm), options_(options), device_(make_device(options.device, comm.rank())) {}
   Communicator& comm_;
   StrategyOptions options_;
   StrategyStats stats_;
+  std::unique_ptr<Device> device_;
 };
 
 }  // namespace ctxpar

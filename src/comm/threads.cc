@@ -210,6 +210,7 @@ class ThreadsCommunicator final : public PointToPointCommunicator {
   int rank() const override { return rank_; }
   int size() const override { return static_cast<int>(group_->world.size()); }
   std::string transport() const override { return "threads"; }
+  bool shares_send_buffers() const override { return true; }
   int world_rank() const override { return group_->world[rank_]; }
   int world_rank_of(int peer) const override { return group_->world[peer]; }
 

@@ -125,6 +125,7 @@ TrainResult train(Communicator& world, const TrainConfig& config,
   so.ulysses_degree = config.ulysses_degree;
   so.mask = Mask::causal_mask();
   so.kernel.threads = config.threads;
+  so.device = config.device;
   std::unique_ptr<Strategy> strategy = Strategy::create(*cp_comm, so);
 
   const auto infos = model::param_infos(config.model);

@@ -7,8 +7,6 @@
 // group g computes; the MPI transport is FUNNELED (only the calling thread may communicate),
 // which rules out a helper thread running the collective. Likewise the reduce-scatter of group
 // g's dK/dV is posted right after its compute and summed, in rank order, one group later.
-#include <cstring>
-
 #include "strategy/internal.h"
 
 namespace ctxpar::strategy {
@@ -23,10 +21,19 @@ int64_t auto_groups(int64_t hkv) {
   return 1;
 }
 
-// One head group's gathered K/V: chunk[j] is rank j's (empty for this rank: read in place).
+// One head group's gathered K/V: chunks[j] is rank j's (empty for this rank: read in place),
+// complete for the compute stream after `arrived`; `sent` are this rank's packed copies.
 struct Gathered {
-  std::vector<Request> sends, recvs;
-  std::vector<Buffer> chunks;
+  std::vector<DeviceBuffer> chunks, sent;
+  Event arrived;
+};
+
+// Reduce-scatter of one head group's dK/dV: parts[j] is rank j's share of this rank's dK/dV
+// (this rank's own computed here, the others received), complete after `arrived`; `sent` are
+// the shares this rank computed for the others.
+struct Reduce {
+  std::vector<DeviceBuffer> parts, sent;
+  Event arrived;
 };
 
 class AllGatherStrategy final : public Strategy {
@@ -38,35 +45,30 @@ class AllGatherStrategy final : public Strategy {
     Dims dims;
     std::string e = check_forward(q, k, v, tokens, out, lse, options_.mask, dims);
     if (e.empty()) e = check_groups(dims);
-    CallScope call(comm_, stats_, options_, "allgather forward", e, dims, {&comm_});
+    CallScope call(comm_, *device_, stats_, options_, "allgather forward", e, dims, {&comm_});
     Run& run = call.run;
-    MemoryTracker& memory = call.memory;
+    Device& dev = *device_;
     const int64_t groups = groups_of(dims), hg = dims.hkv / groups, qg = hg * (dims.hq / dims.hkv);
     const KvPacking pack{dims.batch, dims.tokens, hg, dims.d, dims.dtype, options_.mask.documents};
     std::vector<Gathered> gathered(groups);
-    post_gather(run, pack, k, v, tokens, 0, gathered[0]);
+    post_gather(pack, k, v, tokens, 0, gathered[0]);
     for (int64_t g = 0; g < groups; ++g) {
-      if (g + 1 < groups) post_gather(run, pack, k, v, tokens, g + 1, gathered[g + 1]);
-      finish_gather(run, pack, gathered[g]);
+      if (g + 1 < groups) post_gather(pack, k, v, tokens, g + 1, gathered[g + 1]);
+      dev.wait(kComputeStream, gathered[g].arrived);
       const TensorView qv = q.slice(2, g * qg, (g + 1) * qg);
-      ForwardState state(dims.batch, dims.tokens, qg, dims.d);
-      memory.hold(state.bytes());
+      DeviceForwardState state(dev, dims.batch, dims.tokens, qg, dims.d);
       for (int j = 0; j < comm_.size(); ++j) {
-        const bool own = j == comm_.rank();
-        const Buffer& c = gathered[g].chunks[j];
-        run.busy([&] {
-          return attention_forward_block(
-              qv, tokens, own ? k.slice(2, g * hg, (g + 1) * hg) : pack.k(c),
-              own ? v.slice(2, g * hg, (g + 1) * hg) : pack.v(c), own ? tokens : pack.tokens_of(c),
-              run.mask, state, run.kernel);
-        });
+        const DeviceBuffer& c = gathered[g].chunks[j];
+        if (j == comm_.rank())
+          dev.forward_block(kComputeStream, qv, tokens, k.slice(2, g * hg, (g + 1) * hg),
+                            v.slice(2, g * hg, (g + 1) * hg), tokens, run.mask, state.get(),
+                            run.kernel);
+        else
+          dev.forward_block(kComputeStream, qv, tokens, pack.k(c), pack.v(c), pack.tokens_of(c),
+                            run.mask, state.get(), run.kernel);
       }
-      run.busy([&] {
-        attention_forward_finalize(state, out.slice(2, g * qg, (g + 1) * qg),
-                                   lse.slice(1, g * qg, (g + 1) * qg), run.kernel);
-        return KernelStats{};
-      });
-      memory.release(state.bytes() + 2 * size_t(comm_.size() - 1) * pack.bytes());
+      dev.forward_finalize(kComputeStream, state.get(), out.slice(2, g * qg, (g + 1) * qg),
+                           lse.slice(1, g * qg, (g + 1) * qg), run.kernel);
       gathered[g] = Gathered();
     }
     call.finish();
@@ -80,90 +82,74 @@ class AllGatherStrategy final : public Strategy {
     std::string e =
         check_backward(q, k, v, tokens, out, lse, dout, dq, dk, dv, options_.mask, dims);
     if (e.empty()) e = check_groups(dims);
-    CallScope call(comm_, stats_, options_, "allgather backward", e, dims, {&comm_});
+    CallScope call(comm_, *device_, stats_, options_, "allgather backward", e, dims, {&comm_});
     Run& run = call.run;
-    MemoryTracker& memory = call.memory;
+    Device& dev = *device_;
     const int p = comm_.size(), r = comm_.rank();
     const int64_t groups = groups_of(dims), hg = dims.hkv / groups, qg = hg * (dims.hq / dims.hkv);
     const KvPacking pack{dims.batch, dims.tokens, hg, dims.d, dims.dtype, options_.mask.documents};
     const KvPacking grad{dims.batch, dims.tokens, hg, dims.d, DType::f32, false};
     const size_t grad_bytes = 2 * grad.kv_bytes();
 
-    Tensor delta(DType::f32, {dims.batch, dims.hq, dims.tokens});
-    Tensor dq32(DType::f32, q.shape());
-    memory.hold(delta.bytes() + dq32.bytes());
-    run.busy([&] {
-      attention_backward_delta(out, dout, delta, run.kernel);
-      return KernelStats{};
-    });
-    // Reduce-scatter of one group: my own contribution, and the peers' on their way to me.
-    struct Reduce {
-      Buffer own;
-      std::vector<Request> sends, recvs;
-    };
+    DeviceBuffer delta = dev.alloc(size_t(dims.batch * dims.hq * dims.tokens) * 4);
+    DeviceBuffer dq32 = dev.alloc(size_t(q.numel()) * 4);
+    const TensorView delta_v = delta.view(DType::f32, {dims.batch, dims.hq, dims.tokens});
+    const TensorView dq32_v = dq32.view(DType::f32, q.shape());
+    dev.fill_zero(kComputeStream, dq32_v);
+    dev.backward_delta(kComputeStream, out, dout, delta_v, run.kernel);
     std::vector<Reduce> reduces(groups);
     auto finish_reduce = [&](int64_t g) {
       Reduce& red = reduces[g];
-      std::vector<Buffer> parts(p);
-      run.waiting([&] {
-        for (int j = 0; j < p; ++j)
-          if (j != r) parts[j] = red.recvs[j].take();
-        for (Request& s : red.sends) s.wait();
-      });
-      parts[r] = std::move(red.own);
-      Tensor sum_k(DType::f32, {dims.batch, dims.tokens, hg, dims.d});
-      Tensor sum_v(DType::f32, {dims.batch, dims.tokens, hg, dims.d});
-      for (int j = 0; j < p; ++j) {  // rank order: the same sum on every run
-        const float* pk = grad.k(parts[j]).ptr<const float>();
-        const float* pv = grad.v(parts[j]).ptr<const float>();
-        for (int64_t i = 0; i < sum_k.numel(); ++i) {
-          sum_k.ptr<float>()[i] += pk[i];
-          sum_v.ptr<float>()[i] += pv[i];
-        }
-      }
-      copy_into(sum_k, dk.slice(2, g * hg, (g + 1) * hg));
-      copy_into(sum_v, dv.slice(2, g * hg, (g + 1) * hg));
-      memory.release(size_t(2 * p - 1) * grad_bytes);
+      dev.wait(kComputeStream, red.arrived);
+      DeviceBuffer sum = dev.alloc(grad_bytes);
+      dev.fill_zero(kComputeStream, flat_f32(sum));
+      for (int j = 0; j < p; ++j)  // rank order: the same sum on every run
+        dev.add(kComputeStream, flat_f32(red.parts[j]), flat_f32(sum));
+      dev.copy(kComputeStream, grad.k(sum), dk.slice(2, g * hg, (g + 1) * hg));
+      dev.copy(kComputeStream, grad.v(sum), dv.slice(2, g * hg, (g + 1) * hg));
       reduces[g] = Reduce();
     };
 
     std::vector<Gathered> gathered(groups);
-    post_gather(run, pack, k, v, tokens, 0, gathered[0]);
+    post_gather(pack, k, v, tokens, 0, gathered[0]);
     for (int64_t g = 0; g < groups; ++g) {
-      if (g + 1 < groups) post_gather(run, pack, k, v, tokens, g + 1, gathered[g + 1]);
-      finish_gather(run, pack, gathered[g]);
+      if (g + 1 < groups) post_gather(pack, k, v, tokens, g + 1, gathered[g + 1]);
+      dev.wait(kComputeStream, gathered[g].arrived);
       const TensorView qv = q.slice(2, g * qg, (g + 1) * qg);
       const TensorView dov = dout.slice(2, g * qg, (g + 1) * qg);
       const TensorView lv = lse.slice(1, g * qg, (g + 1) * qg);
-      const TensorView dlv = delta.view().slice(1, g * qg, (g + 1) * qg);
-      const TensorView dqv = dq32.view().slice(2, g * qg, (g + 1) * qg);
+      const TensorView dlv = delta_v.slice(1, g * qg, (g + 1) * qg);
+      const TensorView dqv = dq32_v.slice(2, g * qg, (g + 1) * qg);
       Reduce& red = reduces[g];
-      red.recvs.resize(p);
+      red.parts.resize(p);
       for (int j = 0; j < p; ++j)
-        if (j != r) red.recvs[j] = comm_.irecv(grad_bytes, j, kReduceTag + int(g));
-      memory.hold(size_t(p - 1) * grad_bytes);
+        if (j != r) red.parts[j] = dev.recv(kCommStream, comm_, grad_bytes, j, kReduceTag + int(g));
       for (int j = 0; j < p; ++j) {
         const bool own = j == r;
-        const Buffer& c = gathered[g].chunks[j];
-        Buffer part(grad_bytes);  // this rank's share of rank j's dK/dV for this head group
-        memory.hold(grad_bytes);
-        run.busy([&] {
-          return attention_backward_block(
-              qv, tokens, own ? k.slice(2, g * hg, (g + 1) * hg) : pack.k(c),
-              own ? v.slice(2, g * hg, (g + 1) * hg) : pack.v(c), own ? tokens : pack.tokens_of(c),
-              run.mask, dov, lv, dlv, dqv, grad.k(part), grad.v(part), run.kernel);
-        });
+        const DeviceBuffer& c = gathered[g].chunks[j];
+        DeviceBuffer part = dev.alloc(grad_bytes);  // this rank's share of rank j's dK/dV
+        dev.fill_zero(kComputeStream, flat_f32(part));
         if (own)
-          red.own = std::move(part);
+          dev.backward_block(kComputeStream, qv, tokens, k.slice(2, g * hg, (g + 1) * hg),
+                             v.slice(2, g * hg, (g + 1) * hg), tokens, run.mask, dov, lv, dlv,
+                             dqv, grad.k(part), grad.v(part), run.kernel);
         else
-          red.sends.push_back(comm_.isend(std::move(part), j, kReduceTag + int(g)));
+          dev.backward_block(kComputeStream, qv, tokens, pack.k(c), pack.v(c), pack.tokens_of(c),
+                             run.mask, dov, lv, dlv, dqv, grad.k(part), grad.v(part), run.kernel);
+        if (own) {
+          red.parts[r] = std::move(part);
+        } else {
+          dev.wait(kCommStream, dev.record(kComputeStream));
+          dev.send(kCommStream, comm_, part, j, kReduceTag + int(g));
+          red.sent.push_back(std::move(part));
+        }
       }
-      memory.release(2 * size_t(p - 1) * pack.bytes());
+      red.arrived = dev.record(kCommStream);
       gathered[g] = Gathered();
       if (g > 0) finish_reduce(g - 1);  // its messages travelled during this group's compute
     }
     finish_reduce(groups - 1);
-    copy_into(dq32, dq);
+    dev.copy(kComputeStream, dq32_v, dq);
     call.finish();
   }
 
@@ -172,36 +158,27 @@ class AllGatherStrategy final : public Strategy {
     return options_.head_groups > 0 ? options_.head_groups : auto_groups(dims.hkv);
   }
   std::string check_groups(const Dims& dims) const {
-    if (options_.head_groups > 0 && dims.hkv % options_.head_groups != 0)
-      return detail::concat("allgather: head_groups = ", options_.head_groups,
-                            " must divide the kv heads Hkv = ", dims.hkv);
-    return "";
+    const std::string e = allgather_head_groups_rule(dims.hkv, options_.head_groups);
+    return e.empty() ? e : "allgather: " + e;
   }
 
-  void post_gather(Run& run, const KvPacking& pack, const TensorView& k, const TensorView& v,
+  // Posts head group g's exchange: every peer's chunk from it, and a packed copy of mine to
+  // every peer (one copy each, so that each send may lend its memory).
+  void post_gather(const KvPacking& pack, const TensorView& k, const TensorView& v,
                    const Tokens& tokens, int64_t g, Gathered& out) {
+    Device& dev = *device_;
     const int p = comm_.size(), r = comm_.rank();
     out.chunks.resize(p);
-    out.recvs.resize(p);
     const int64_t h0 = g * pack.heads, h1 = h0 + pack.heads;
+    for (int i = 1; i < p; ++i)
+      out.sent.push_back(pack.pack(dev, kComputeStream, k.slice(2, h0, h1), v.slice(2, h0, h1),
+                                   tokens));
+    dev.wait(kCommStream, dev.record(kComputeStream));
     for (int j = 0; j < p; ++j)
-      if (j != r) out.recvs[j] = comm_.irecv(pack.bytes(), j, int(g));
-    for (int i = 1; i < p; ++i) {  // r+1 first, so that no rank is everyone's first target
-      const int j = (r + i) % p;
-      out.sends.push_back(comm_.isend(pack.pack(k.slice(2, h0, h1), v.slice(2, h0, h1), tokens),
-                                      j, int(g)));
-    }
-    // Held until the group is done: the P-1 chunks coming in and the P-1 copies going out.
-    run.memory->hold(size_t(p - 1) * pack.bytes() * 2);
-  }
-
-  void finish_gather(Run& run, const KvPacking&, Gathered& g) {
-    run.waiting([&] {
-      for (int j = 0; j < comm_.size(); ++j)
-        if (j != comm_.rank()) g.chunks[j] = g.recvs[j].take();
-      for (Request& s : g.sends) s.wait();
-    });
-    g.sends.clear();
+      if (j != r) out.chunks[j] = dev.recv(kCommStream, comm_, pack.bytes(), j, int(g));
+    for (int i = 1; i < p; ++i)  // r+1 first, so that no rank is everyone's first target
+      dev.send(kCommStream, comm_, out.sent[i - 1], (r + i) % p, int(g));
+    out.arrived = dev.record(kCommStream);
   }
 };
 

@@ -27,7 +27,8 @@ class HybridStrategy final : public Strategy {
     Dims dims;
     std::string e = check_forward(q, k, v, tokens, out, lse, options_.mask, dims);
     if (e.empty()) e = check_ulysses_heads(dims, u_, "hybrid (ulysses_degree u)");
-    CallScope call(comm_, stats_, options_, "hybrid forward", e, dims, {ulysses_.get(), ring_.get()});
+    CallScope call(comm_, *device_, stats_, options_, "hybrid forward", e, dims,
+                   {ulysses_.get(), ring_.get()});
     Run& run = call.run;
     ulysses_forward(*ulysses_, run, dims, q, k, v, tokens, out, lse,
                     [&](const TensorView& qf, const TensorView& kf, const TensorView& vf,
@@ -45,7 +46,8 @@ class HybridStrategy final : public Strategy {
     std::string e =
         check_backward(q, k, v, tokens, out, lse, dout, dq, dk, dv, options_.mask, dims);
     if (e.empty()) e = check_ulysses_heads(dims, u_, "hybrid (ulysses_degree u)");
-    CallScope call(comm_, stats_, options_, "hybrid backward", e, dims, {ulysses_.get(), ring_.get()});
+    CallScope call(comm_, *device_, stats_, options_, "hybrid backward", e, dims,
+                   {ulysses_.get(), ring_.get()});
     Run& run = call.run;
     ulysses_backward(
         *ulysses_, run, dims, q, k, v, tokens, out, lse, dout, dq, dk, dv,

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ctxpar/comm.h"
+#include "ctxpar/device.h"
 #include "ctxpar/kernel.h"
 #include "ctxpar/strategy.h"
 
@@ -52,76 +53,72 @@ inline double now_seconds() {
       .count();
 }
 
-// Running total of the buffers a strategy holds, and its peak.
-class MemoryTracker {
- public:
-  void hold(size_t bytes) {
-    current_ += bytes;
-    if (current_ > peak_) peak_ = current_;
-  }
-  void release(size_t bytes) { current_ -= bytes < current_ ? bytes : current_; }
-  size_t peak() const { return peak_; }
-
- private:
-  size_t current_ = 0, peak_ = 0;
-};
-
-// What the cores need to report into: stats, memory, and how to call the kernel.
+// What the cores need: the device they enqueue on, and how to call the kernel.
 struct Run {
-  StrategyStats* stats;
-  MemoryTracker* memory;
+  Device* dev;
   Mask mask;
   KernelConfig kernel;
+  double host_wait_seconds = 0;  // blocked in host-side collectives (device waits: counters)
 
+  // A blocking collective on the host: the device is synchronised first, so that no transfer
+  // of a stream uses the communicator at the same time (device.h's rules).
   template <typename F>
-  void busy(F&& f) {
-    double t0 = now_seconds();
-    KernelStats ks = f();
-    stats->busy_seconds += now_seconds() - t0;
-    stats->attention_flops += ks.flops;
-  }
-  template <typename F>
-  void waiting(F&& f) {
-    double t0 = now_seconds();
+  void host_collective(F&& f) {
+    const double t0 = now_seconds();
+    dev->synchronize();
     f();
-    stats->comm_wait_seconds += now_seconds() - t0;
+    host_wait_seconds += now_seconds() - t0;
   }
 };
 
-// Resets stats, snapshots the byte counters of `comms` at start; finish() writes deltas, wall
-// time and the memory peak.
+// Resets stats and snapshots the device's counters and the byte counters of `comms` at start;
+// finish() synchronises the device and writes deltas, wall time and the memory peak.
 class CallRecord {
  public:
-  CallRecord(StrategyStats& stats, std::vector<Communicator*> comms);
-  void finish(const MemoryTracker& memory);
+  CallRecord(StrategyStats& stats, Device& device, std::vector<Communicator*> comms);
+  void finish(const Run& run);
 
  private:
   StrategyStats& stats_;
+  Device& device_;
   std::vector<Communicator*> comms_;
   uint64_t sent0_ = 0, received0_ = 0;
+  DeviceCounters device0_;
+  size_t held0_ = 0;
   double t0_ = 0;
 };
 
 // One strategy call's frame: every rank agrees on the argument checks first (before any other
 // communication, and before the byte counters are read, so the check's small all-gather is not
-// counted in the call's stats); then the call runs with `run` and `memory`, and finish()
-// records its time, bytes and peak memory.
+// counted in the call's stats); then the call enqueues its work with `run`, and finish()
+// waits for the device and records time, bytes and peak memory. A call that throws still
+// waits for its queued work before its buffers and the caller's tensors go.
 class CallScope {
  public:
-  CallScope(Communicator& comm, StrategyStats& stats, const StrategyOptions& options,
-            const std::string& what, const std::string& error, const Dims& dims,
-            std::vector<Communicator*> counted)
+  CallScope(Communicator& comm, Device& device, StrategyStats& stats,
+            const StrategyOptions& options, const std::string& what, const std::string& error,
+            const Dims& dims, std::vector<Communicator*> counted)
       : agreed_((agree(comm, what, error, signature_of(dims, options)), true)),
-        record_(stats, std::move(counted)),
-        run{&stats, &memory, options.mask, options.kernel} {}
-  void finish() { record_.finish(memory); }
+        record_(stats, device, std::move(counted)),
+        run{&device, options.mask, options.kernel} {}
+  ~CallScope() {
+    if (finished_) return;
+    try {
+      run.dev->synchronize();
+    } catch (...) {  // the exception in flight says what went wrong first
+    }
+  }
+  void finish() {
+    finished_ = true;
+    record_.finish(run);
+  }
 
  private:
   bool agreed_;  // first member: the agreement happens before the record starts counting
   CallRecord record_;
+  bool finished_ = false;
 
  public:
-  MemoryTracker memory;
   Run run;
 };
 
@@ -136,11 +133,18 @@ struct KvPacking {
   bool documents;
   size_t kv_bytes() const { return size_t(batch * tokens * heads * d) * dtype_size(dtype); }
   size_t bytes() const { return 2 * kv_bytes() + size_t(tokens) * (8 + (documents ? 4 : 0)); }
-  Buffer pack(const TensorView& k, const TensorView& v, const Tokens& tokens) const;
-  TensorView k(const Buffer& b) const;
-  TensorView v(const Buffer& b) const;
-  Tokens tokens_of(const Buffer& b) const;
+  // A new block holding k, v and tokens, packed on `s`.
+  DeviceBuffer pack(Device& dev, Stream s, const TensorView& k, const TensorView& v,
+                    const Tokens& tokens) const;
+  TensorView k(const DeviceBuffer& b) const;
+  TensorView v(const DeviceBuffer& b) const;
+  Tokens tokens_of(const DeviceBuffer& b) const;
 };
+
+// A whole buffer as one flat fp32 tensor (for add / fill_zero).
+inline TensorView flat_f32(const DeviceBuffer& b) {
+  return b.view(DType::f32, {int64_t(b.size() / 4)});
+}
 
 // ---- cores --------------------------------------------------------------------------------
 

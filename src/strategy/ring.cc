@@ -12,8 +12,6 @@
 // on after that rank's compute, so after P-1 hops it is back at rank j, which adds it to its
 // own contribution. Each rank computes its share into a local buffer first and adds it to the
 // travelling accumulator afterwards, so that accumulator transfers hide behind compute.
-#include <cstring>
-
 #include "strategy/internal.h"
 
 namespace ctxpar::strategy {
@@ -25,66 +23,72 @@ KvPacking packing_of(const TensorView& k, bool documents) {
   return {k.dim(0), k.dim(1), k.dim(2), k.dim(3), k.dtype(), documents};
 }
 
+// Moves equal-sized blocks one hop around the ring of `comm` (ring-flash-attention's RingComm):
+// send_recv() enqueues on the comm stream, after the compute stream's work so far (which may
+// have written the block), the send of `block` to rank r+1 and the receive of the next block
+// from rank r-1; wait() makes the compute stream wait for both and hands over the received
+// block. The sent block stays readable: the caller keeps it while it computes on it.
+class RingComm {
+ public:
+  RingComm(Device& dev, Communicator& comm, size_t bytes, int tag_base)
+      : dev_(dev), comm_(comm), bytes_(bytes), tag_base_(tag_base),
+        next_((comm.rank() + 1) % comm.size()),
+        prev_((comm.rank() + comm.size() - 1) % comm.size()) {}
+
+  void send_recv(DeviceBuffer& block, int step) {
+    dev_.wait(kCommStream, dev_.record(kComputeStream));
+    incoming_ = dev_.recv(kCommStream, comm_, bytes_, prev_, tag_base_ + step);
+    dev_.send(kCommStream, comm_, block, next_, tag_base_ + step);
+    arrived_ = dev_.record(kCommStream);
+  }
+  DeviceBuffer wait() {
+    if (!ring_skip_wait_for_testing()) dev_.wait(kComputeStream, arrived_);
+    return std::move(incoming_);
+  }
+
+ private:
+  Device& dev_;
+  Communicator& comm_;
+  size_t bytes_;
+  int tag_base_, next_, prev_;
+  DeviceBuffer incoming_;
+  Event arrived_;
+};
+
 }  // namespace
 
 void ring_forward(Communicator& comm, Run& run, const TensorView& q, const Tokens& q_tokens,
                   const TensorView& k, const TensorView& v, const Tokens& kv_tokens,
                   const TensorView& out, const TensorView& lse) {
   // q, out [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; lse [B, Hq, Tq]
-  const int p = comm.size(), r = comm.rank();
-  const int next = (r + 1) % p, prev = (r + p - 1) % p;
+  Device& dev = *run.dev;
+  const int p = comm.size();
   const KvPacking pack = packing_of(k, run.mask.documents);
-  ForwardState state(q.dim(0), q.dim(1), q.dim(2), q.dim(3));
-  run.memory->hold(state.bytes());
+  DeviceForwardState state(dev, q.dim(0), q.dim(1), q.dim(2), q.dim(3));
+  RingComm ring(dev, comm, pack.bytes(), 0);
 
-  // Step 0 computes on the caller's k, v directly; later steps on the received buffer. The
-  // buffer just computed on is also the one in flight to the next rank: on the threads
-  // transport that is the same memory (no copy), read by both ranks.
-  TensorView cur_k = k, cur_v = v;
-  Tokens cur_tokens = kv_tokens;
-  Buffer outgoing;  // what is sent next (owned until it is handed to isend)
-  Buffer current;   // the received block computed on in this step (when it is not sent on)
-  if (p > 1) {
-    outgoing = pack.pack(k, v, kv_tokens);
-    run.memory->hold(pack.bytes());
-  }
+  // Step 0 computes on the caller's k, v directly; step s on `block`, the block of rank r-s,
+  // which is also the one in flight to the next rank (sent before the compute: it overlaps).
+  DeviceBuffer block;
+  if (p > 1) block = pack.pack(dev, kComputeStream, k, v, kv_tokens);
   for (int s = 0; s < p; ++s) {
-    Request send, recv;
-    if (s + 1 < p) {  // post step s+1's transfer before step s's compute (double buffer)
-      recv = comm.irecv(pack.bytes(), prev, s + 1);
-      run.memory->hold(pack.bytes());
-      send = comm.isend(std::move(outgoing), next, s + 1);
-    }
-    run.busy([&] {
-      return attention_forward_block(q, q_tokens, cur_k, cur_v, cur_tokens, run.mask, state,
-                                     run.kernel);
-    });
-    if (s + 1 < p) {
-      Buffer incoming;
-      run.waiting([&] {
-        incoming = recv.take();
-        send.wait();
-      });
-      send = Request();  // on MPI the sent block is freed here, after its compute
-      run.memory->release(pack.bytes());
-      cur_k = pack.k(incoming);
-      cur_v = pack.v(incoming);
-      cur_tokens = pack.tokens_of(incoming);
-      if (s + 2 < p)
-        outgoing = std::move(incoming);  // forwarded at the top of the next step
-      else
-        current = std::move(incoming);  // the last block: computed on, never sent
-    }
+    if (s + 1 < p) ring.send_recv(block, s + 1);
+    if (s == 0)
+      dev.forward_block(kComputeStream, q, q_tokens, k, v, kv_tokens, run.mask, state.get(),
+                        run.kernel);
+    else
+      dev.forward_block(kComputeStream, q, q_tokens, pack.k(block), pack.v(block),
+                        pack.tokens_of(block), run.mask, state.get(), run.kernel);
+    if (s + 1 < p) block = ring.wait();  // the block just computed on is freed stream-ordered
   }
-  run.busy([&] {
-    attention_forward_finalize(state, out, lse, run.kernel);
-    return KernelStats{};
-  });
-  // On the threads transport a forwarded block is shared memory; its final owner (the rank
-  // holding it at step P-1) must not free it while a rank that forwarded it earlier may still
-  // be computing on it. Nothing else orders those two ranks in forward, so wait for all.
-  if (p > 2 && comm.transport() == "threads") run.waiting([&] { comm.barrier(); });
-  current = Buffer();
+  dev.forward_finalize(kComputeStream, state.get(), out, lse, run.kernel);
+  // When sends lend their memory (threads transport on cpu), a forwarded block's final owner
+  // (the rank holding it at step P-1) must not free it while a rank that forwarded it earlier
+  // may still be computing on it. Nothing else orders those two ranks in forward: wait for all.
+  if (p > 2 && dev.lends_sent_buffers(comm)) {
+    dev.wait(kCommStream, dev.record(kComputeStream));
+    dev.barrier(kCommStream, comm);
+  }
 }
 
 void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Tokens& q_tokens,
@@ -92,94 +96,53 @@ void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Toke
                    const TensorView& dout, const TensorView& lse, const TensorView& delta,
                    const TensorView& dq, const TensorView& dk, const TensorView& dv) {
   // q, dout, dq [B, Tq, Hq, D]; k, v, dk, dv [B, Tk, Hkv, D]; lse, delta [B, Hq, Tq]
-  const int p = comm.size(), r = comm.rank();
-  const int next = (r + 1) % p, prev = (r + p - 1) % p;
+  Device& dev = *run.dev;
+  const int p = comm.size();
   const KvPacking pack = packing_of(k, run.mask.documents);
   const KvPacking grad{k.dim(0), k.dim(1), k.dim(2), k.dim(3), DType::f32, false};
   const size_t grad_bytes = 2 * grad.kv_bytes();  // [dk | dv] fp32, no tokens
+  RingComm kv_ring(dev, comm, pack.bytes(), 0), grad_ring(dev, comm, grad_bytes, kGradTag);
 
-  TensorView cur_k = k, cur_v = v;
-  Tokens cur_tokens = kv_tokens;
-  Buffer outgoing, current;
-  if (p > 1) {
-    outgoing = pack.pack(k, v, kv_tokens);
-    run.memory->hold(pack.bytes());
-  }
+  DeviceBuffer block;
+  if (p > 1) block = pack.pack(dev, kComputeStream, k, v, kv_tokens);
   // Step 0 (this rank's own block) adds into `own`, which never travels. The accumulator of
   // block r-s starts on its first visitor after the owner (step 1) and moves on after every
   // step: P-1 hops bring it home, where it is added to `own`. From step 2 on, a step computes
   // into a local `part` while the accumulator is still in flight from the previous rank, and
   // adds `part` into it only after the compute: the accumulator's transfer hides behind the
   // compute instead of being waited for before it (one more fp32 buffer per rank).
-  Buffer own(grad_bytes), acc, part;
-  run.memory->hold(grad_bytes);
-  Request grad_recv, grad_send;
+  DeviceBuffer own = dev.alloc(grad_bytes), acc, part;
+  dev.fill_zero(kComputeStream, flat_f32(own));
   for (int s = 0; s < p; ++s) {
-    Request send, recv;
-    if (s + 1 < p) {
-      recv = comm.irecv(pack.bytes(), prev, s + 1);
-      run.memory->hold(pack.bytes());
-      send = comm.isend(std::move(outgoing), next, s + 1);
-    }
+    if (s + 1 < p) kv_ring.send_recv(block, s + 1);
     if (s == 1) {
-      acc = Buffer(grad_bytes);
-      run.memory->hold(grad_bytes);
-    } else if (s == 2) {
-      part = Buffer(grad_bytes);
-      run.memory->hold(grad_bytes);
-    } else if (s > 2) {
-      std::memset(part.data(), 0, grad_bytes);
+      acc = dev.alloc(grad_bytes);
+      dev.fill_zero(kComputeStream, flat_f32(acc));
+    } else if (s >= 2) {
+      if (part.empty()) part = dev.alloc(grad_bytes);
+      dev.fill_zero(kComputeStream, flat_f32(part));
     }
-    const Buffer& into = s == 0 ? own : s == 1 ? acc : part;
-    run.busy([&] {
-      return attention_backward_block(q, q_tokens, cur_k, cur_v, cur_tokens, run.mask, dout, lse,
-                                      delta, dq, grad.k(into), grad.v(into), run.kernel);
-    });
+    const DeviceBuffer& into = s == 0 ? own : s == 1 ? acc : part;
+    if (s == 0)
+      dev.backward_block(kComputeStream, q, q_tokens, k, v, kv_tokens, run.mask, dout, lse, delta,
+                         dq, grad.k(into), grad.v(into), run.kernel);
+    else
+      dev.backward_block(kComputeStream, q, q_tokens, pack.k(block), pack.v(block),
+                         pack.tokens_of(block), run.mask, dout, lse, delta, dq, grad.k(into),
+                         grad.v(into), run.kernel);
     if (s > 1) {  // the accumulator left the previous rank after its compute on this block
-      run.waiting([&] { acc = grad_recv.take(); });
-      float* a = acc.as<float>();
-      const float* b = part.as<const float>();
-      for (size_t i = 0; i < grad_bytes / 4; ++i) a[i] += b[i];  // fixed order: bitwise stable
+      acc = grad_ring.wait();
+      dev.add(kComputeStream, flat_f32(part), flat_f32(acc));
     }
-    if (s > 0) {  // step s+1's accumulator (after the last step: our own, coming home)
-      grad_recv = comm.irecv(grad_bytes, prev, kGradTag + s + 1);
-      run.memory->hold(grad_bytes);
-      run.waiting([&] { grad_send.wait(); });
-      if (grad_send.valid()) run.memory->release(grad_bytes);
-      grad_send = comm.isend(std::move(acc), next, kGradTag + s + 1);
-    }
-    if (s + 1 < p) {
-      Buffer incoming;
-      run.waiting([&] {
-        incoming = recv.take();
-        send.wait();
-      });
-      send = Request();
-      run.memory->release(pack.bytes());
-      cur_k = pack.k(incoming);
-      cur_v = pack.v(incoming);
-      cur_tokens = pack.tokens_of(incoming);
-      if (s + 2 < p)
-        outgoing = std::move(incoming);
-      else
-        current = std::move(incoming);
-    }
+    if (s > 0) grad_ring.send_recv(acc, s + 1);  // after the last step: our own, coming home
+    if (s + 1 < p) block = kv_ring.wait();
   }
   if (p > 1) {
-    Buffer home;
-    run.waiting([&] {
-      home = grad_recv.take();
-      grad_send.wait();
-    });
-    grad_send = Request();
-    float* o = own.as<float>();
-    const float* h = home.as<const float>();
-    for (size_t i = 0; i < grad_bytes / 4; ++i) o[i] += h[i];  // fixed order: bitwise stable
-    run.memory->release(2 * grad_bytes);
-    if (!part.empty()) run.memory->release(grad_bytes);
+    DeviceBuffer home = grad_ring.wait();
+    dev.add(kComputeStream, flat_f32(home), flat_f32(own));
   }
-  copy_into(grad.k(own), dk);
-  copy_into(grad.v(own), dv);
+  dev.copy(kComputeStream, grad.k(own), dk);
+  dev.copy(kComputeStream, grad.v(own), dv);
 }
 
 namespace {
@@ -192,9 +155,8 @@ class RingStrategy final : public Strategy {
                const Tokens& tokens, const TensorView& out, const TensorView& lse) override {
     Dims dims;
     std::string e = check_forward(q, k, v, tokens, out, lse, options_.mask, dims);
-    CallScope call(comm_, stats_, options_, "ring forward", e, dims, {&comm_});
-    Run& run = call.run;
-    ring_forward(comm_, run, q, tokens, k, v, tokens, out, lse);
+    CallScope call(comm_, *device_, stats_, options_, "ring forward", e, dims, {&comm_});
+    ring_forward(comm_, call.run, q, tokens, k, v, tokens, out, lse);
     call.finish();
   }
 
@@ -205,18 +167,16 @@ class RingStrategy final : public Strategy {
     Dims dims;
     std::string e =
         check_backward(q, k, v, tokens, out, lse, dout, dq, dk, dv, options_.mask, dims);
-    CallScope call(comm_, stats_, options_, "ring backward", e, dims, {&comm_});
-    Run& run = call.run;
-    MemoryTracker& memory = call.memory;
-    Tensor delta(DType::f32, {dims.batch, dims.hq, dims.tokens});
-    Tensor dq32(DType::f32, q.shape());
-    memory.hold(delta.bytes() + dq32.bytes());
-    run.busy([&] {
-      attention_backward_delta(out, dout, delta, options_.kernel);
-      return KernelStats{};
-    });
-    ring_backward(comm_, run, q, tokens, k, v, tokens, dout, lse, delta, dq32, dk, dv);
-    copy_into(dq32, dq);
+    CallScope call(comm_, *device_, stats_, options_, "ring backward", e, dims, {&comm_});
+    Device& dev = *device_;
+    DeviceBuffer delta = dev.alloc(size_t(dims.batch * dims.hq * dims.tokens) * 4);
+    DeviceBuffer dq32 = dev.alloc(size_t(q.numel()) * 4);
+    const TensorView delta_v = delta.view(DType::f32, {dims.batch, dims.hq, dims.tokens});
+    const TensorView dq32_v = dq32.view(DType::f32, q.shape());
+    dev.fill_zero(kComputeStream, dq32_v);
+    dev.backward_delta(kComputeStream, out, dout, delta_v, options_.kernel);
+    ring_backward(comm_, call.run, q, tokens, k, v, tokens, dout, lse, delta_v, dq32_v, dk, dv);
+    dev.copy(kComputeStream, dq32_v, dq);
     call.finish();
   }
 };

@@ -54,6 +54,21 @@ std::unique_ptr<Strategy> Strategy::create(Communicator& comm, const StrategyOpt
   throw Error("unknown strategy kind");
 }
 
+std::string ulysses_heads_rule(int64_t hq, int ranks) {
+  // KV heads that do not split over the ranks are replicated (see ulysses.cc, HeadSplit), so
+  // only the query heads must divide.
+  if (ranks < 1 || hq % ranks != 0)
+    return detail::concat("query heads Hq = ", hq, " must be divisible by the ", ranks,
+                          " Ulysses ranks (each rank takes Hq/P heads)");
+  return "";
+}
+
+std::string allgather_head_groups_rule(int64_t hkv, int head_groups) {
+  if (head_groups > 0 && hkv % head_groups != 0)
+    return detail::concat("head_groups = ", head_groups, " must divide the kv heads Hkv = ", hkv);
+  return "";
+}
+
 namespace strategy {
 namespace {
 
@@ -147,12 +162,8 @@ std::string check_backward(const TensorView& q, const TensorView& k, const Tenso
 }
 
 std::string check_ulysses_heads(const Dims& dims, int ranks, const char* who) {
-  // KV heads that do not split over the ranks are replicated (see ulysses.cc, HeadSplit), so
-  // only the query heads must divide.
-  if (dims.hq % ranks != 0)
-    return detail::concat(who, ": query heads Hq = ", dims.hq, " must be divisible by the ",
-                          ranks, " Ulysses ranks (each rank takes Hq/P heads)");
-  return "";
+  const std::string e = ulysses_heads_rule(dims.hq, ranks);
+  return e.empty() ? e : detail::concat(who, ": ", e);
 }
 
 std::vector<int64_t> signature_of(const Dims& dims, const StrategyOptions& options) {
@@ -161,7 +172,8 @@ std::vector<int64_t> signature_of(const Dims& dims, const StrategyOptions& optio
   return {static_cast<int64_t>(options.kind), options.ulysses_degree, options.head_groups,
           options.mask.causal, options.mask.window_left, options.mask.window_right,
           options.mask.documents, scale_bits, dims.batch, dims.tokens, dims.hq, dims.hkv, dims.d,
-          static_cast<int64_t>(dims.dtype), static_cast<int64_t>(dims.out_dtype)};
+          static_cast<int64_t>(dims.dtype), static_cast<int64_t>(dims.out_dtype),
+          static_cast<int64_t>(options.device.kind)};
 }
 
 namespace {
@@ -216,48 +228,52 @@ void agree(Communicator& comm, const std::string& what, const std::string& local
                                  describe_signature(all[r].signature)));
 }
 
-CallRecord::CallRecord(StrategyStats& stats, std::vector<Communicator*> comms)
-    : stats_(stats), comms_(std::move(comms)) {
+CallRecord::CallRecord(StrategyStats& stats, Device& device, std::vector<Communicator*> comms)
+    : stats_(stats), device_(device), comms_(std::move(comms)) {
   stats_ = StrategyStats{};
   for (Communicator* c : comms_) {
     sent0_ += c->counters().bytes_sent;
     received0_ += c->counters().bytes_received;
   }
+  device0_ = device_.counters();
+  held0_ = device_.held_bytes();
+  device_.reset_peak();
   t0_ = now_seconds();
 }
 
-void CallRecord::finish(const MemoryTracker& memory) {
+void CallRecord::finish(const Run& run) {
+  device_.synchronize();
   uint64_t sent = 0, received = 0;
   for (Communicator* c : comms_) {
     sent += c->counters().bytes_sent;
     received += c->counters().bytes_received;
   }
+  const DeviceCounters d = device_.counters();
   stats_.bytes_sent = sent - sent0_;
   stats_.bytes_received = received - received0_;
-  stats_.peak_bytes = memory.peak();
+  stats_.attention_flops = d.flops - device0_.flops;
+  stats_.busy_seconds = d.busy_seconds - device0_.busy_seconds;
+  stats_.comm_wait_seconds = d.wait_seconds - device0_.wait_seconds + run.host_wait_seconds;
+  stats_.peak_bytes = device_.peak_bytes() - held0_;
   stats_.wall_seconds = now_seconds() - t0_;
 }
 
-Buffer KvPacking::pack(const TensorView& k, const TensorView& v, const Tokens& t) const {
-  Buffer b(bytes());
-  copy_into(k, this->k(b));
-  copy_into(v, this->v(b));
-  std::memcpy(b.data() + 2 * kv_bytes(), t.positions.data(), size_t(tokens) * 8);
-  if (documents)
-    std::memcpy(b.data() + 2 * kv_bytes() + size_t(tokens) * 8, t.documents.data(),
-                size_t(tokens) * 4);
+DeviceBuffer KvPacking::pack(Device& dev, Stream s, const TensorView& k, const TensorView& v,
+                             const Tokens& t) const {
+  DeviceBuffer b = dev.alloc(bytes());
+  dev.pack_kv(s, k, v, t, documents, this->k(b), this->v(b), b.data() + 2 * kv_bytes());
   return b;
 }
 
-TensorView KvPacking::k(const Buffer& b) const {
-  return TensorView(b.data(), dtype, {batch, tokens, heads, d});
+TensorView KvPacking::k(const DeviceBuffer& b) const {
+  return b.view(dtype, {batch, tokens, heads, d});
 }
 
-TensorView KvPacking::v(const Buffer& b) const {
-  return TensorView(b.data() + kv_bytes(), dtype, {batch, tokens, heads, d});
+TensorView KvPacking::v(const DeviceBuffer& b) const {
+  return b.view(dtype, {batch, tokens, heads, d}, kv_bytes());
 }
 
-Tokens KvPacking::tokens_of(const Buffer& b) const {
+Tokens KvPacking::tokens_of(const DeviceBuffer& b) const {
   Tokens t;
   t.positions = {reinterpret_cast<const int64_t*>(b.data() + 2 * kv_bytes()), size_t(tokens)};
   if (documents)

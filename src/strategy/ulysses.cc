@@ -43,25 +43,37 @@ struct HeadSplit {
 };
 
 // dst [B, Tl, hkv_local, D] <- src's KV heads `heads`, one slot each.
-void copy_kv_heads(const TensorView& src, const std::vector<int64_t>& heads, const TensorView& dst) {
+void copy_kv_heads(Device& dev, const TensorView& src, const std::vector<int64_t>& heads,
+                   const TensorView& dst) {
   for (size_t i = 0; i < heads.size(); ++i)
-    copy_into(src.slice(2, heads[i], heads[i] + 1), dst.slice(2, int64_t(i), int64_t(i) + 1));
+    dev.copy(kComputeStream, src.slice(2, heads[i], heads[i] + 1),
+             dst.slice(2, int64_t(i), int64_t(i) + 1));
 }
 
-// The whole sequence of the group: positions (and documents) of every rank, in rank order,
-// and `sorted_index[g]`, where gathered token g goes in increasing-position order.
+// The whole sequence of the group on the device: positions (and documents) sorted by
+// position, and `sorted_index[g]`, where gathered token g (rank-major) goes.
 struct GroupTokens {
-  std::vector<int64_t> positions;
-  std::vector<int32_t> documents;
-  std::vector<int64_t> sorted_index;
-  Tokens tokens() const { return {positions, documents}; }
+  DeviceBuffer positions, documents, sorted_index;
+  int64_t tl = 0;
+  Tokens tokens() const {
+    const size_t t = positions.size() / 8;
+    Tokens out;
+    out.positions = {reinterpret_cast<const int64_t*>(positions.data()), t};
+    if (!documents.empty())
+      out.documents = {reinterpret_cast<const int32_t*>(documents.data()), t};
+    return out;
+  }
+  // The rows of rank `rank`'s chunk: chunk row i is group row index(rank)[i].
+  TensorView index(int rank) const {
+    return sorted_index.view(DType::i64, {tl}, size_t(rank) * size_t(tl) * 8);
+  }
 };
 
 GroupTokens gather_tokens(Communicator& comm, Run& run, const Tokens& local, int64_t tl) {
   const int p = comm.size();
   std::vector<int64_t> pos(size_t(p) * tl);
   std::vector<int32_t> docs;
-  run.waiting([&] {
+  run.host_collective([&] {
     comm.allgather(local.positions.data(), pos.data(), size_t(tl) * 8);
     if (run.mask.documents) {
       docs.resize(size_t(p) * tl);
@@ -71,67 +83,49 @@ GroupTokens gather_tokens(Communicator& comm, Run& run, const Tokens& local, int
   std::vector<int64_t> order(pos.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return pos[a] < pos[b]; });
-  GroupTokens g;
-  g.sorted_index.resize(pos.size());
-  g.positions.resize(pos.size());
-  if (run.mask.documents) g.documents.resize(pos.size());
+  std::vector<int64_t> sorted_index(pos.size()), positions(pos.size());
+  std::vector<int32_t> documents(run.mask.documents ? pos.size() : 0);
   for (size_t i = 0; i < order.size(); ++i) {
-    g.sorted_index[order[i]] = int64_t(i);
-    g.positions[i] = pos[order[i]];
-    if (run.mask.documents) g.documents[i] = docs[order[i]];
+    sorted_index[order[i]] = int64_t(i);
+    positions[i] = pos[order[i]];
+    if (run.mask.documents) documents[i] = docs[order[i]];
   }
+  GroupTokens g;
+  g.tl = tl;
+  g.sorted_index = run.dev->upload(sorted_index.data(), sorted_index.size() * 8);
+  g.positions = run.dev->upload(positions.data(), positions.size() * 8);
+  if (run.mask.documents) g.documents = run.dev->upload(documents.data(), documents.size() * 4);
   return g;
 }
 
-// Moves token rows between a rank's chunk [B, Tl, h, D] (tokens in that rank's local order) and
-// the sorted group tensor [B, T, h, D]: row t of source rank `src` is group row
-// sorted_index[src * Tl + t]. Same dtype both sides.
-void chunk_to_group(const std::byte* chunk, const TensorView& group, const GroupTokens& g,
-                    int src, int64_t tl) {
-  const int64_t b = group.dim(0), t = group.dim(1);
-  const size_t row = size_t(group.dim(2) * group.dim(3)) * dtype_size(group.dtype());
-  auto* dst = static_cast<std::byte*>(group.data());
-  for (int64_t bi = 0; bi < b; ++bi)
-    for (int64_t i = 0; i < tl; ++i)
-      std::memcpy(dst + (bi * t + g.sorted_index[src * tl + i]) * row, chunk + (bi * tl + i) * row,
-                  row);
-}
-void group_to_chunk(const TensorView& group, std::byte* chunk, const GroupTokens& g, int dst_rank,
-                    int64_t tl) {
-  const int64_t b = group.dim(0), t = group.dim(1);
-  const size_t row = size_t(group.dim(2) * group.dim(3)) * dtype_size(group.dtype());
-  const auto* src = static_cast<const std::byte*>(group.data());
-  for (int64_t bi = 0; bi < b; ++bi)
-    for (int64_t i = 0; i < tl; ++i)
-      std::memcpy(chunk + (bi * tl + i) * row,
-                  src + (bi * t + g.sorted_index[dst_rank * tl + i]) * row, row);
-}
-// Same for per-row statistics [B, h, Tl] <-> [B, h, T] (fp32).
-void rows_chunk_to_group(const float* chunk, const TensorView& group, const GroupTokens& g,
-                         int src, int64_t tl) {
-  const int64_t b = group.dim(0), h = group.dim(1), t = group.dim(2);
-  float* dst = group.ptr<float>();
-  for (int64_t bh = 0; bh < b * h; ++bh)
-    for (int64_t i = 0; i < tl; ++i) dst[bh * t + g.sorted_index[src * tl + i]] = chunk[bh * tl + i];
-}
-void rows_group_to_chunk(const TensorView& group, float* chunk, const GroupTokens& g,
-                         int dst_rank, int64_t tl) {
-  const int64_t b = group.dim(0), h = group.dim(1), t = group.dim(2);
-  const float* src = group.ptr<const float>();
-  for (int64_t bh = 0; bh < b * h; ++bh)
-    for (int64_t i = 0; i < tl; ++i) chunk[bh * tl + i] = src[bh * t + g.sorted_index[dst_rank * tl + i]];
-}
-
-// Sections of one all-to-all chunk, laid out back to back.
+// Sections of one all-to-all chunk, laid out back to back; view() is section i of chunk j.
 struct Sections {
   std::vector<size_t> offset;
+  std::vector<DType> dtype;
+  std::vector<Shape> shape;
   size_t bytes = 0;
-  size_t add(size_t n) {
+  size_t add(DType t, const Shape& s) {
+    int64_t n = 1;
+    for (int64_t x : s) n *= x;
     offset.push_back(bytes);
-    bytes += n;
+    dtype.push_back(t);
+    shape.push_back(s);
+    bytes += size_t(n) * dtype_size(t);
     return offset.size() - 1;
   }
+  TensorView view(const DeviceBuffer& b, int j, size_t i) const {
+    return b.view(dtype[i], shape[i], size_t(j) * bytes + offset[i]);
+  }
 };
+
+// The all-to-all of `sections`: send -> recv on the comm stream, after what the compute stream
+// wrote into `send`, before what it reads from `recv`.
+void exchange(Device& dev, Communicator& comm, const DeviceBuffer& send, const DeviceBuffer& recv,
+              const Sections& sections) {
+  dev.wait(kCommStream, dev.record(kComputeStream));
+  dev.alltoall(kCommStream, comm, send, recv, sections.bytes);
+  dev.wait(kComputeStream, dev.record(kCommStream));
+}
 
 }  // namespace
 
@@ -140,61 +134,55 @@ void ulysses_forward(Communicator& comm, Run& run, const Dims& dims, const Tenso
                      const TensorView& out, const TensorView& lse,
                      const UlyssesForwardInner& inner) {
   // q, out [B, Tl, Hq, D]; k, v [B, Tl, Hkv, D]; lse [B, Hq, Tl]
+  Device& dev = *run.dev;
   const int p = comm.size();
   const int64_t b = dims.batch, tl = dims.tokens, t = tl * p, d = dims.d;
   const HeadSplit split(dims, p);
-  const size_t es = dtype_size(dims.dtype), eo = dtype_size(dims.out_dtype);
+  const int64_t hq = split.hq_local, hk = split.hkv_local;
   const GroupTokens group = gather_tokens(comm, run, tokens, tl);
 
   Sections in;
-  const size_t sq = in.add(b * tl * split.hq_local * d * es);
-  const size_t sk = in.add(b * tl * split.hkv_local * d * es);
-  const size_t sv = in.add(b * tl * split.hkv_local * d * es);
-  std::vector<std::byte> send(in.bytes * p), recv(in.bytes * p);
-  run.memory->hold(2 * send.size());
-  const Shape qc{b, tl, split.hq_local, d}, kc{b, tl, split.hkv_local, d};
+  const size_t sq = in.add(dims.dtype, {b, tl, hq, d}), sk = in.add(dims.dtype, {b, tl, hk, d}),
+               sv = in.add(dims.dtype, {b, tl, hk, d});
+  DeviceBuffer send = dev.alloc(in.bytes * p), recv = dev.alloc(in.bytes * p);
   for (int j = 0; j < p; ++j) {
-    std::byte* c = send.data() + j * in.bytes;
-    const int64_t h0 = j * split.hq_local;
-    copy_into(q.slice(2, h0, h0 + split.hq_local), TensorView(c + in.offset[sq], dims.dtype, qc));
-    copy_kv_heads(k, split.kv_heads[j], TensorView(c + in.offset[sk], dims.dtype, kc));
-    copy_kv_heads(v, split.kv_heads[j], TensorView(c + in.offset[sv], dims.dtype, kc));
+    const int64_t h0 = j * hq;
+    dev.copy(kComputeStream, q.slice(2, h0, h0 + hq), in.view(send, j, sq));
+    copy_kv_heads(dev, k, split.kv_heads[j], in.view(send, j, sk));
+    copy_kv_heads(dev, v, split.kv_heads[j], in.view(send, j, sv));
   }
-  run.waiting([&] { comm.alltoall(send.data(), recv.data(), in.bytes); });
-  Tensor qf(dims.dtype, {b, t, split.hq_local, d}), kf(dims.dtype, {b, t, split.hkv_local, d}),
-      vf(dims.dtype, {b, t, split.hkv_local, d});
-  Tensor of(dims.out_dtype, {b, t, split.hq_local, d}), lf(DType::f32, {b, split.hq_local, t});
-  run.memory->hold(qf.bytes() + kf.bytes() + vf.bytes() + of.bytes() + lf.bytes());
+  exchange(dev, comm, send, recv, in);
+  DeviceBuffer qf = dev.alloc(size_t(b * t * hq * d) * dtype_size(dims.dtype));
+  DeviceBuffer kf = dev.alloc(size_t(b * t * hk * d) * dtype_size(dims.dtype));
+  DeviceBuffer vf = dev.alloc(size_t(b * t * hk * d) * dtype_size(dims.dtype));
+  DeviceBuffer of = dev.alloc(size_t(b * t * hq * d) * dtype_size(dims.out_dtype));
+  DeviceBuffer lf = dev.alloc(size_t(b * hq * t) * 4);
+  const TensorView qv = qf.view(dims.dtype, {b, t, hq, d});
+  const TensorView kv = kf.view(dims.dtype, {b, t, hk, d}), vv = vf.view(dims.dtype, {b, t, hk, d});
+  const TensorView ov = of.view(dims.out_dtype, {b, t, hq, d});
+  const TensorView lv = lf.view(DType::f32, {b, hq, t});
   for (int i = 0; i < p; ++i) {
-    const std::byte* c = recv.data() + i * in.bytes;
-    chunk_to_group(c + in.offset[sq], qf, group, i, tl);
-    chunk_to_group(c + in.offset[sk], kf, group, i, tl);
-    chunk_to_group(c + in.offset[sv], vf, group, i, tl);
+    dev.scatter_tokens(kComputeStream, in.view(recv, i, sq), qv, group.index(i));
+    dev.scatter_tokens(kComputeStream, in.view(recv, i, sk), kv, group.index(i));
+    dev.scatter_tokens(kComputeStream, in.view(recv, i, sv), vv, group.index(i));
   }
-  run.memory->release(2 * send.size());  // the all-to-all buffers are done with
-  std::vector<std::byte>().swap(send);
-  std::vector<std::byte>().swap(recv);
-  inner(qf, kf, vf, group.tokens(), of, lf);
+  send.reset();  // the all-to-all buffers are done with (freed stream-ordered)
+  recv.reset();
+  inner(qv, kv, vv, group.tokens(), ov, lv);
 
   Sections back;
-  const size_t so = back.add(b * tl * split.hq_local * d * eo);
-  const size_t sl = back.add(b * split.hq_local * tl * 4);
-  std::vector<std::byte> send2(back.bytes * p), recv2(back.bytes * p);
-  run.memory->hold(2 * send2.size());
+  const size_t so = back.add(dims.out_dtype, {b, tl, hq, d});
+  const size_t sl = back.add(DType::f32, {b, hq, tl});
+  DeviceBuffer send2 = dev.alloc(back.bytes * p), recv2 = dev.alloc(back.bytes * p);
   for (int i = 0; i < p; ++i) {
-    std::byte* c = send2.data() + i * back.bytes;
-    group_to_chunk(of, c + back.offset[so], group, i, tl);
-    rows_group_to_chunk(lf, reinterpret_cast<float*>(c + back.offset[sl]), group, i, tl);
+    dev.gather_tokens(kComputeStream, ov, back.view(send2, i, so), group.index(i));
+    dev.gather_tokens(kComputeStream, lv, back.view(send2, i, sl), group.index(i));
   }
-  run.waiting([&] { comm.alltoall(send2.data(), recv2.data(), back.bytes); });
+  exchange(dev, comm, send2, recv2, back);
   for (int j = 0; j < p; ++j) {
-    const std::byte* c = recv2.data() + j * back.bytes;
-    const int64_t h0 = j * split.hq_local;
-    copy_into(TensorView(const_cast<std::byte*>(c + back.offset[so]), dims.out_dtype, qc),
-              out.slice(2, h0, h0 + split.hq_local));
-    copy_into(TensorView(const_cast<std::byte*>(c + back.offset[sl]), DType::f32,
-                         {b, split.hq_local, tl}),
-              lse.slice(1, h0, h0 + split.hq_local));
+    const int64_t h0 = j * hq;
+    dev.copy(kComputeStream, back.view(recv2, j, so), out.slice(2, h0, h0 + hq));
+    dev.copy(kComputeStream, back.view(recv2, j, sl), lse.slice(1, h0, h0 + hq));
   }
 }
 
@@ -204,93 +192,89 @@ void ulysses_backward(Communicator& comm, Run& run, const Dims& dims, const Tens
                       const TensorView& dq, const TensorView& dk, const TensorView& dv,
                       const UlyssesBackwardInner& inner) {
   // q, out, dout, dq [B, Tl, Hq, D]; k, v, dk, dv [B, Tl, Hkv, D]; lse [B, Hq, Tl]
+  Device& dev = *run.dev;
   const int p = comm.size();
   const int64_t b = dims.batch, tl = dims.tokens, t = tl * p, d = dims.d;
   const HeadSplit split(dims, p);
   const int64_t hq = split.hq_local, hk = split.hkv_local;
-  const size_t es = dtype_size(dims.dtype), eo = dtype_size(dims.out_dtype);
+  const DType es = dims.dtype, eo = dims.out_dtype;
 
   // delta = rowsum(dO * O) is per (token, head): computed where the tokens are, sent instead of O.
-  Tensor delta(DType::f32, {b, dims.hq, tl});
-  run.memory->hold(delta.bytes());
-  run.busy([&] {
-    attention_backward_delta(out, dout, delta, run.kernel);
-    return KernelStats{};
-  });
+  DeviceBuffer delta = dev.alloc(size_t(b * dims.hq * tl) * 4);
+  const TensorView delta_v = delta.view(DType::f32, {b, dims.hq, tl});
+  dev.backward_delta(kComputeStream, out, dout, delta_v, run.kernel);
   const GroupTokens group = gather_tokens(comm, run, tokens, tl);
 
   Sections in;
-  const size_t sq = in.add(b * tl * hq * d * es), sk = in.add(b * tl * hk * d * es),
-               sv = in.add(b * tl * hk * d * es), sdo = in.add(b * tl * hq * d * eo),
-               sl = in.add(b * hq * tl * 4), sdl = in.add(b * hq * tl * 4);
-  std::vector<std::byte> send(in.bytes * p), recv(in.bytes * p);
-  run.memory->hold(2 * send.size());
-  const Shape qc{b, tl, hq, d}, kc{b, tl, hk, d}, rc{b, hq, tl};
+  const size_t sq = in.add(es, {b, tl, hq, d}), sk = in.add(es, {b, tl, hk, d}),
+               sv = in.add(es, {b, tl, hk, d}), sdo = in.add(eo, {b, tl, hq, d}),
+               sl = in.add(DType::f32, {b, hq, tl}), sdl = in.add(DType::f32, {b, hq, tl});
+  DeviceBuffer send = dev.alloc(in.bytes * p), recv = dev.alloc(in.bytes * p);
   for (int j = 0; j < p; ++j) {
-    std::byte* c = send.data() + j * in.bytes;
     const int64_t h0 = j * hq;
-    copy_into(q.slice(2, h0, h0 + hq), TensorView(c + in.offset[sq], dims.dtype, qc));
-    copy_kv_heads(k, split.kv_heads[j], TensorView(c + in.offset[sk], dims.dtype, kc));
-    copy_kv_heads(v, split.kv_heads[j], TensorView(c + in.offset[sv], dims.dtype, kc));
-    copy_into(dout.slice(2, h0, h0 + hq), TensorView(c + in.offset[sdo], dims.out_dtype, qc));
-    copy_into(lse.slice(1, h0, h0 + hq), TensorView(c + in.offset[sl], DType::f32, rc));
-    copy_into(delta.view().slice(1, h0, h0 + hq), TensorView(c + in.offset[sdl], DType::f32, rc));
+    dev.copy(kComputeStream, q.slice(2, h0, h0 + hq), in.view(send, j, sq));
+    copy_kv_heads(dev, k, split.kv_heads[j], in.view(send, j, sk));
+    copy_kv_heads(dev, v, split.kv_heads[j], in.view(send, j, sv));
+    dev.copy(kComputeStream, dout.slice(2, h0, h0 + hq), in.view(send, j, sdo));
+    dev.copy(kComputeStream, lse.slice(1, h0, h0 + hq), in.view(send, j, sl));
+    dev.copy(kComputeStream, delta_v.slice(1, h0, h0 + hq), in.view(send, j, sdl));
   }
-  run.waiting([&] { comm.alltoall(send.data(), recv.data(), in.bytes); });
-  Tensor qf(dims.dtype, {b, t, hq, d}), kf(dims.dtype, {b, t, hk, d}), vf(dims.dtype, {b, t, hk, d});
-  Tensor dof(dims.out_dtype, {b, t, hq, d}), lf(DType::f32, {b, hq, t}), df(DType::f32, {b, hq, t});
-  Tensor dqf(DType::f32, {b, t, hq, d}), dkf(DType::f32, {b, t, hk, d}), dvf(DType::f32, {b, t, hk, d});
-  run.memory->hold(qf.bytes() + kf.bytes() + vf.bytes() + dof.bytes() + lf.bytes() + df.bytes() +
-                   dqf.bytes() + dkf.bytes() + dvf.bytes());
+  exchange(dev, comm, send, recv, in);
+  // The whole group sequence for hq heads, in one buffer: q, k, v, dout, lse, delta, then the
+  // fp32 gradients dq, dk, dv (zeroed: the inner adds into them).
+  Sections whole;
+  const size_t fq = whole.add(es, {b, t, hq, d}), fk = whole.add(es, {b, t, hk, d}),
+               fv = whole.add(es, {b, t, hk, d}), fdo = whole.add(eo, {b, t, hq, d}),
+               fl = whole.add(DType::f32, {b, hq, t}), fdl = whole.add(DType::f32, {b, hq, t}),
+               fdq = whole.add(DType::f32, {b, t, hq, d}),
+               fdk = whole.add(DType::f32, {b, t, hk, d}),
+               fdv = whole.add(DType::f32, {b, t, hk, d});
+  DeviceBuffer full = dev.alloc(whole.bytes);
+  auto f = [&](size_t i) { return whole.view(full, 0, i); };
+  for (size_t i : {fdq, fdk, fdv}) dev.fill_zero(kComputeStream, f(i));
   for (int i = 0; i < p; ++i) {
-    const std::byte* c = recv.data() + i * in.bytes;
-    chunk_to_group(c + in.offset[sq], qf, group, i, tl);
-    chunk_to_group(c + in.offset[sk], kf, group, i, tl);
-    chunk_to_group(c + in.offset[sv], vf, group, i, tl);
-    chunk_to_group(c + in.offset[sdo], dof, group, i, tl);
-    rows_chunk_to_group(reinterpret_cast<const float*>(c + in.offset[sl]), lf, group, i, tl);
-    rows_chunk_to_group(reinterpret_cast<const float*>(c + in.offset[sdl]), df, group, i, tl);
+    const TensorView idx = group.index(i);
+    dev.scatter_tokens(kComputeStream, in.view(recv, i, sq), f(fq), idx);
+    dev.scatter_tokens(kComputeStream, in.view(recv, i, sk), f(fk), idx);
+    dev.scatter_tokens(kComputeStream, in.view(recv, i, sv), f(fv), idx);
+    dev.scatter_tokens(kComputeStream, in.view(recv, i, sdo), f(fdo), idx);
+    dev.scatter_tokens(kComputeStream, in.view(recv, i, sl), f(fl), idx);
+    dev.scatter_tokens(kComputeStream, in.view(recv, i, sdl), f(fdl), idx);
   }
-  run.memory->release(2 * send.size());
-  std::vector<std::byte>().swap(send);
-  std::vector<std::byte>().swap(recv);
-  inner(qf, kf, vf, group.tokens(), dof, lf, df, dqf, dkf, dvf);
+  send.reset();
+  recv.reset();
+  inner(f(fq), f(fk), f(fv), group.tokens(), f(fdo), f(fl), f(fdl), f(fdq), f(fdk), f(fdv));
 
   Sections back;
-  const size_t gq = back.add(b * tl * hq * d * 4), gk = back.add(b * tl * hk * d * 4),
-               gv = back.add(b * tl * hk * d * 4);
-  std::vector<std::byte> send2(back.bytes * p), recv2(back.bytes * p);
-  run.memory->hold(2 * send2.size());
+  const size_t gq = back.add(DType::f32, {b, tl, hq, d}), gk = back.add(DType::f32, {b, tl, hk, d}),
+               gv = back.add(DType::f32, {b, tl, hk, d});
+  DeviceBuffer send2 = dev.alloc(back.bytes * p), recv2 = dev.alloc(back.bytes * p);
   for (int i = 0; i < p; ++i) {
-    std::byte* c = send2.data() + i * back.bytes;
-    group_to_chunk(dqf, c + back.offset[gq], group, i, tl);
-    group_to_chunk(dkf, c + back.offset[gk], group, i, tl);
-    group_to_chunk(dvf, c + back.offset[gv], group, i, tl);
+    dev.gather_tokens(kComputeStream, f(fdq), back.view(send2, i, gq), group.index(i));
+    dev.gather_tokens(kComputeStream, f(fdk), back.view(send2, i, gk), group.index(i));
+    dev.gather_tokens(kComputeStream, f(fdv), back.view(send2, i, gv), group.index(i));
   }
-  run.waiting([&] { comm.alltoall(send2.data(), recv2.data(), back.bytes); });
+  exchange(dev, comm, send2, recv2, back);
   // Replicated KV heads get a dK/dV part from every rank that read them: summed in rank order,
   // in fp32, so the result is the same run after run.
-  Tensor dk32(DType::f32, {b, tl, dims.hkv, d}), dv32(DType::f32, {b, tl, dims.hkv, d});
-  run.memory->hold(dk32.bytes() + dv32.bytes());
+  const size_t kv32_bytes = size_t(b * tl * dims.hkv * d) * 4;
+  DeviceBuffer dkv32 = dev.alloc(2 * kv32_bytes);
+  const TensorView dk32 = dkv32.view(DType::f32, {b, tl, dims.hkv, d});
+  const TensorView dv32 = dkv32.view(DType::f32, {b, tl, dims.hkv, d}, kv32_bytes);
+  dev.fill_zero(kComputeStream, flat_f32(dkv32));
   for (int j = 0; j < p; ++j) {
-    const std::byte* c = recv2.data() + j * back.bytes;
     const int64_t h0 = j * hq;
     const std::vector<int64_t>& heads = split.kv_heads[j];
-    copy_into(TensorView(const_cast<std::byte*>(c + back.offset[gq]), DType::f32, qc),
-              dq.slice(2, h0, h0 + hq));
-    const float* pk = reinterpret_cast<const float*>(c + back.offset[gk]);
-    const float* pv = reinterpret_cast<const float*>(c + back.offset[gv]);
-    float* ak = dk32.ptr<float>();
-    float* av = dv32.ptr<float>();
-    for (int64_t row = 0; row < b * tl; ++row)
-      for (int64_t h = 0; h < hk; ++h)
-        for (int64_t x = 0; x < d; ++x) {
-          ak[(row * dims.hkv + heads[h]) * d + x] += pk[(row * hk + h) * d + x];
-          av[(row * dims.hkv + heads[h]) * d + x] += pv[(row * hk + h) * d + x];
-        }
+    dev.copy(kComputeStream, back.view(recv2, j, gq), dq.slice(2, h0, h0 + hq));
+    for (int64_t h = 0; h < hk; ++h) {
+      dev.add(kComputeStream, back.view(recv2, j, gk).slice(2, h, h + 1),
+              dk32.slice(2, heads[h], heads[h] + 1));
+      dev.add(kComputeStream, back.view(recv2, j, gv).slice(2, h, h + 1),
+              dv32.slice(2, heads[h], heads[h] + 1));
+    }
   }
-  copy_into(dk32, dk);
-  copy_into(dv32, dv);
+  dev.copy(kComputeStream, dk32, dk);
+  dev.copy(kComputeStream, dv32, dv);
 }
 
 namespace {
@@ -304,20 +288,16 @@ class UlyssesStrategy final : public Strategy {
     Dims dims;
     std::string e = check_forward(q, k, v, tokens, out, lse, options_.mask, dims);
     if (e.empty()) e = check_ulysses_heads(dims, comm_.size(), "ulysses");
-    CallScope call(comm_, stats_, options_, "ulysses forward", e, dims, {&comm_});
+    CallScope call(comm_, *device_, stats_, options_, "ulysses forward", e, dims, {&comm_});
     Run& run = call.run;
-    MemoryTracker& memory = call.memory;
+    Device& dev = *device_;
     ulysses_forward(comm_, run, dims, q, k, v, tokens, out, lse,
                     [&](const TensorView& qf, const TensorView& kf, const TensorView& vf,
                         const Tokens& tf, const TensorView& of, const TensorView& lf) {
-                      ForwardState state(qf.dim(0), qf.dim(1), qf.dim(2), qf.dim(3));
-                      memory.hold(state.bytes());
-                      run.busy([&] {
-                        KernelStats ks = attention_forward_block(qf, tf, kf, vf, tf, run.mask,
-                                                                 state, run.kernel);
-                        attention_forward_finalize(state, of, lf, run.kernel);
-                        return ks;
-                      });
+                      DeviceForwardState state(dev, qf.dim(0), qf.dim(1), qf.dim(2), qf.dim(3));
+                      dev.forward_block(kComputeStream, qf, tf, kf, vf, tf, run.mask, state.get(),
+                                        run.kernel);
+                      dev.forward_finalize(kComputeStream, state.get(), of, lf, run.kernel);
                     });
     call.finish();
   }
@@ -330,17 +310,15 @@ class UlyssesStrategy final : public Strategy {
     std::string e =
         check_backward(q, k, v, tokens, out, lse, dout, dq, dk, dv, options_.mask, dims);
     if (e.empty()) e = check_ulysses_heads(dims, comm_.size(), "ulysses");
-    CallScope call(comm_, stats_, options_, "ulysses backward", e, dims, {&comm_});
+    CallScope call(comm_, *device_, stats_, options_, "ulysses backward", e, dims, {&comm_});
     Run& run = call.run;
     ulysses_backward(
         comm_, run, dims, q, k, v, tokens, out, lse, dout, dq, dk, dv,
         [&](const TensorView& qf, const TensorView& kf, const TensorView& vf, const Tokens& tf,
             const TensorView& dof, const TensorView& lf, const TensorView& df,
             const TensorView& dqf, const TensorView& dkf, const TensorView& dvf) {
-          run.busy([&] {
-            return attention_backward_block(qf, tf, kf, vf, tf, run.mask, dof, lf, df, dqf, dkf,
-                                            dvf, run.kernel);
-          });
+          run.dev->backward_block(kComputeStream, qf, tf, kf, vf, tf, run.mask, dof, lf, df, dqf,
+                                  dkf, dvf, run.kernel);
         });
     call.finish();
   }

@@ -217,6 +217,7 @@ class FailingComm final : public Communicator {
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
   std::string transport() const override { return inner_.transport(); }
+  bool shares_send_buffers() const override { return inner_.shares_send_buffers(); }
   Request isend(Buffer&& buf, int peer, int tag) override {
     if (++sends_ == fail_at_) {
       if (drop_) return Request();

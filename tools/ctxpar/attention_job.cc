@@ -147,6 +147,7 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
   options.ulysses_degree = job.ulysses_degree;
   options.mask = job.mask;
   options.kernel.threads = job.threads;
+  options.device = job.device;
   std::unique_ptr<Strategy> strategy = Strategy::create(comm, options);
   const Tokens tokens{rd.positions, rd.documents};
 
@@ -361,22 +362,24 @@ void validate(const AttentionJob& job) {
       if (P % d == 0) divisors += (divisors.empty() ? "" : ", ") + std::to_string(d);
     CTXPAR_CHECK(u >= 1 && P % u == 0, "--ulysses-degree ", u, " does not divide --ranks ", P,
                  "; use one of ", divisors);
-    if (Hq % u != 0 || (Hkv % u != 0 && u % Hkv != 0)) {
-      // The largest Ulysses group that the heads allow, for the hint.
+    if (!ulysses_heads_rule(Hq, int(u)).empty()) {
+      // The library's rule, in flag names; the largest Ulysses group it allows, for the hint.
       int64_t best = 1;
       for (int64_t d = 1; d <= P; ++d)
-        if (P % d == 0 && Hq % d == 0 && (Hkv % d == 0 || d % Hkv == 0)) best = d;
+        if (P % d == 0 && ulysses_heads_rule(Hq, int(d)).empty()) best = d;
       throw Error(detail::concat(
-          strategy_name(job.strategy), " splits heads across ", u,
-          " ranks: needs --heads (", Hq, ") divisible by ", u, " and --kv-heads (", Hkv,
-          ") divisible by ", u, " or dividing it (KV heads are then replicated); use --heads ",
-          (Hq + u - 1) / u * u, ", or --strategy ring, or --strategy hybrid --ulysses-degree ",
-          best));
+          strategy_name(job.strategy), " splits heads across ", u, " ranks: needs --heads (", Hq,
+          ") divisible by ", u, " (--kv-heads that do not split are replicated); use --heads ",
+          (Hq + u - 1) / u * u,
+          ", or --strategy ring, or --strategy hybrid --ulysses-degree ", best));
     }
   }
 
   CTXPAR_CHECK(job.transport == "threads" || job.transport == "mpi",
                "--transport must be threads or mpi, got '", job.transport, "'");
+  CTXPAR_CHECK(job.device.kind == DeviceKind::cpu || job.transport == "threads",
+               "--device ", device_name(job.device.kind), " runs on the threads transport only "
+               "(its streams' worker threads use the communicator); use --device cpu under mpirun");
   if (job.transport == "mpi") {
     CTXPAR_CHECK(launched_by_mpi(), "--transport mpi needs the job started by mpirun, e.g. "
                  "mpirun -n ", P, " ctxpar attention ...; or use --transport threads");
@@ -552,6 +555,7 @@ nlohmann::json to_json(const AttentionJob& job, const AttentionResult& result) {
                             : (job.strategy == StrategyKind::ulysses ? job.ranks : 1);
   j["layout"] = layout_name(job.layout);
   j["transport"] = job.transport;
+  j["device"] = device_name(job.device.kind);
   j["threads"] = job.threads;
   j["backward"] = job.backward;
   j["seed"] = job.seed;

@@ -55,6 +55,7 @@ struct AttentionJob {
   int ulysses_degree = 0;
   LayoutKind layout = LayoutKind::contiguous;
   std::string transport = "threads";  // "threads" | "mpi"
+  DeviceOptions device;               // --device cpu | sim, --sim-seed
   int threads = 1;                    // OpenMP threads per rank
   bool backward = false;
   bool check = false;

@@ -260,6 +260,7 @@ int bench_cp(int argc, char** argv) {
       .add("ulysses-degree", "0", "hybrid only: ranks per Ulysses group (0: all)")
       .add("repeats", "1", "timed repetitions per run; figures are of the fastest")
       .add("seed", "0", "seed of the random inputs")
+      .add_device()
       .add("link-gbps", "0", "simulated link bandwidth in GB/s (0: none)")
       .add("link-latency-us", "0", "simulated link latency in microseconds")
       .flag("backward", "time the backward pass too")
@@ -293,6 +294,7 @@ int bench_cp(int argc, char** argv) {
   try {
     base.mask = parse_mask(opts.str("mask"));
     base.dtype = parse_dtype(opts.str("dtype"));
+    base.device = device_of(opts);
   } catch (const Error& e) {
     throw UsageError(e.what());
   }

@@ -42,6 +42,7 @@ Options attention_options() {
       .add("ulysses-degree", "0", "hybrid: ranks per Ulysses group u, must divide P (0 = P)")
       .add("layout", "contiguous",
            "how tokens map to ranks: contiguous | zigzag (T % 2P == 0) | striped")
+      .add_device()
       .add("transport", "auto", "threads | mpi (auto: mpi under mpirun, else threads)")
       .add("link-gbps", "0", "threads transport: simulated link bandwidth in GB/s (0 = none)")
       .add("link-latency-us", "0", "threads transport: simulated link latency in microseconds")
@@ -128,6 +129,7 @@ AttentionJob job_from(const Options& o) {
   job.strategy = parse_strategy(o.str("strategy"));
   job.ulysses_degree = o.i32("ulysses-degree", 0, kMaxProcesses);
   job.layout = parse_layout(o.str("layout"));
+  job.device = device_of(o);
   job.transport = o.str("transport");
   if (job.transport == "auto") job.transport = launched_by_mpi() ? "mpi" : "threads";
   job.ranks = job.transport == "threads" ? o.i32("ranks", 1, kMaxThreadsRanks, kThreadsRanksNote)

@@ -99,6 +99,7 @@ int cmd_train(int argc, char** argv) {
       .add("ulysses-degree", "0", "hybrid: ranks per Ulysses group (0 = all)")
       .add("layout", "zigzag", "token layout: contiguous | zigzag | striped")
       .add("threads", "1", "BLAS and kernel threads per rank")
+      .add_device()
       .add("transport", "auto", "auto | threads | mpi (auto: mpi when started by mpirun)")
       .add("layers", "2", "transformer blocks")
       .add("dim", "64", "model width")
@@ -135,6 +136,7 @@ int cmd_train(int argc, char** argv) {
   c.seed = static_cast<uint64_t>(o.i64("seed", 0, kMaxSeed));
   c.strategy = parse_strategy(o.str("strategy"));
   c.ulysses_degree = o.i32("ulysses-degree", 0, kMaxProcesses);
+  c.device = device_of(o);
   c.layout = parse_layout(o.str("layout"));
   c.threads = o.i32("threads", 1, kMaxThreads);
   c.model.layers = o.i32("layers", 1, 1 << 16);
@@ -161,6 +163,8 @@ int cmd_train(int argc, char** argv) {
   if (transport != "auto" && transport != "threads" && transport != "mpi")
     throw UsageError("--transport must be auto, threads or mpi, got '" + transport + "'");
   const bool use_mpi = transport == "mpi" || (transport == "auto" && launched_by_mpi());
+  if (use_mpi && c.device.kind != DeviceKind::cpu)
+    throw UsageError("--device sim runs on the threads transport only; use --device cpu under mpirun");
   int ranks = use_mpi ? mpi_world().size() : o.i32("ranks", 1, kMaxThreadsRanks, kThreadsRanksNote);
   if (ranks < 1) throw UsageError("--ranks must be >= 1");
   c.dp = o.i32("dp", 1, kMaxProcesses);

@@ -241,4 +241,11 @@ std::string Options::help() const {
   return out.str();
 }
 
+Options& Options::add_device() {
+  return add("device", "cpu",
+             "cpu | sim (an asynchronous device simulated on the host: streams on worker threads, "
+             "random delays, race checks; the same bits as cpu; threads transport only)")
+      .add("sim-seed", "1", "--device sim: seed of its random operation delays");
+}
+
 }  // namespace ctxpar::cli

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "ctxpar/device.h"
 #include "ctxpar/error.h"
 
 namespace ctxpar::cli {
@@ -52,6 +53,8 @@ class Options {
   // --name (boolean, off by default).
   Options& flag(const std::string& name, const std::string& help);
   Options& example(const std::string& line);
+  // --device cpu | sim and --sim-seed (attention, bench cp, train); read with device_of().
+  Options& add_device();
   // Returns false when --help was given (help already printed to stdout).
   bool parse(int argc, char** argv);
 
@@ -88,5 +91,18 @@ class Options {
   std::map<std::string, std::string> values_;
   std::vector<std::string> examples_;
 };
+
+// The device that --device / --sim-seed ask for (throws UsageError for an unknown one).
+// Inline: dev/ programs compile options.cc without linking the device layer.
+inline DeviceOptions device_of(const Options& o) {
+  DeviceOptions d;
+  try {
+    d.kind = parse_device(o.str("device"));
+  } catch (const Error& e) {
+    throw UsageError(e.what());
+  }
+  d.sim_seed = static_cast<uint64_t>(o.i64("sim-seed"));
+  return d;
+}
 
 }  // namespace ctxpar::cli

@@ -1,0 +1,217 @@
+// Devices: where a strategy's memory lives and its kernel operations and transfers run.
+// One interface, one file per device (src/device/cpu.cc, src/device/sim.cc; later cuda). A
+// strategy is written once against it: it allocates buffers, *enqueues* kernel operations
+// and transfers on streams, and says which stream waits for which (record / wait). See
+// docs/device.md (with a diagram).
+//
+//   cpu:  every operation runs inline on the calling thread; a transfer is posted when it is
+//         enqueued and a wait blocks the host until it is done (today's blocking behaviour).
+//   sim:  an asynchronous device simulated on the host, for CI: each stream is a FIFO queue run
+//         by its own worker thread, events are counters, every operation may be delayed by a
+//         seeded random amount, freed memory is filled with NaN, and an operation that uses a
+//         buffer another stream writes (or writes one it reads) with no wait in between is
+//         refused with an error naming both operations.
+//
+// Rules for the code that enqueues (every device relies on them):
+//   - An operation reads and writes its views when it runs, not when it is enqueued: keep
+//     what they point to alive and unchanged until it is done. Freeing a DeviceBuffer is
+//     stream-ordered (cudaFreeAsync): the memory goes back once every operation enqueued so
+//     far on any stream is done, so RAII is always safe for DeviceBuffers. Memory that is not
+//     a DeviceBuffer (the caller's tensors, Tokens spans) must outlive the call's
+//     synchronize().
+//   - A buffer written on one stream is read on another only after wait(reader, record(writer)).
+//   - A received buffer's address is known when recv() returns; its contents after a wait.
+//   - The host touches a communicator itself (a blocking collective) only right after
+//     synchronize(), so that no transfer of a stream uses it at the same time.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ctxpar/comm.h"
+#include "ctxpar/kernel.h"
+#include "ctxpar/tensor.h"
+
+namespace ctxpar {
+
+class Device;
+
+// A stream: operations enqueued on one stream run in order. Every device has these two.
+struct Stream {
+  int index = 0;
+  bool operator==(const Stream&) const = default;
+};
+inline constexpr Stream kComputeStream{0};
+inline constexpr Stream kCommStream{1};
+inline constexpr int kStreams = 2;
+const char* stream_name(Stream s);
+
+// A point in a stream's order: done when every operation enqueued on `stream` before
+// record() returned it is done.
+struct Event {
+  int stream = -1;    // -1: an event that is always done
+  uint64_t seq = 0;   // the stream's operation count at record()
+};
+
+// Device memory, freed (stream-ordered, see above) when the handle is destroyed or reset.
+// Host-addressable on cpu and sim, so TensorViews over it are ordinary views.
+class DeviceBuffer {
+ public:
+  struct Storage;  // the device's own record of the memory
+  DeviceBuffer() = default;
+  DeviceBuffer(Device* device, std::unique_ptr<Storage> storage);
+  DeviceBuffer(DeviceBuffer&&) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&&) noexcept;
+  ~DeviceBuffer();
+  void reset();
+  bool empty() const { return storage_ == nullptr; }
+  size_t size() const;
+  std::byte* data() const;
+  // A contiguous view of `shape` at byte `offset`.
+  TensorView view(DType dtype, const Shape& shape, size_t offset = 0) const;
+  Storage* storage() const { return storage_.get(); }
+
+ private:
+  Device* device_ = nullptr;
+  std::unique_ptr<Storage> storage_;
+};
+
+// The online-softmax state of one Q block, owned like a DeviceBuffer (released
+// stream-ordered).
+class DeviceForwardState {
+ public:
+  DeviceForwardState(Device& device, int64_t batch, int64_t tq, int64_t hq, int64_t d);
+  DeviceForwardState(DeviceForwardState&&) noexcept = default;
+  ~DeviceForwardState();
+  ForwardState& get() { return *state_; }
+
+ private:
+  Device* device_;
+  std::shared_ptr<ForwardState> state_;
+};
+
+// What a device has done since it was made: kernel work and host time blocked in waits.
+struct DeviceCounters {
+  double flops = 0;            // KernelStats::flops of the attention blocks run
+  double busy_seconds = 0;     // time inside kernel operations
+  double wait_seconds = 0;     // host time blocked waiting (cpu: for transfers; sim: in synchronize)
+};
+
+enum class DeviceKind { cpu, sim };
+const char* device_name(DeviceKind k);
+DeviceKind parse_device(const std::string& name);  // throws listing the valid names
+
+struct DeviceOptions {
+  DeviceKind kind = DeviceKind::cpu;
+  uint64_t sim_seed = 1;       // sim: seeds the random delay of every operation
+  int sim_max_delay_us = 200;  // sim: each operation waits 0..this many microseconds first
+};
+
+// The device of one rank (each rank has its own: a sim device has its own worker threads).
+std::unique_ptr<Device> make_device(const DeviceOptions& options, int rank);
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  virtual std::string name() const = 0;
+
+  // ---- memory -------------------------------------------------------------------------
+  // Uninitialised contents (NaN-filled on sim); zero it with fill_zero where needed.
+  virtual DeviceBuffer alloc(size_t bytes) = 0;
+  // A buffer holding a copy of host memory, made now (the host copy may go right after).
+  DeviceBuffer upload(const void* host, size_t bytes);
+  // Bytes of DeviceBuffers and forward states held now, and the most held since reset_peak().
+  size_t held_bytes() const { return held_; }
+  size_t peak_bytes() const { return peak_; }
+  void reset_peak() { peak_ = held_; }
+
+  // ---- order --------------------------------------------------------------------------
+  virtual Event record(Stream s) = 0;
+  virtual void wait(Stream s, const Event& e) = 0;  // later ops on s run after e is done
+  virtual void synchronize() = 0;  // the host waits for every stream; rethrows their errors
+
+  // ---- transfers (point-to-point messages of `comm`, enqueued like operations) ----------
+  // Sends `buffer` to `peer` once the earlier operations of `s` are done; `buffer` stays
+  // readable by the sender (keep the handle until its readers are done).
+  virtual void send(Stream s, Communicator& comm, DeviceBuffer& buffer, int peer, int tag) = 0;
+  // A buffer of `bytes` that the message from `peer` fills; read it after a wait on `s`.
+  virtual DeviceBuffer recv(Stream s, Communicator& comm, size_t bytes, int peer, int tag) = 0;
+  // Collectives of `comm` on `s` (see Communicator): buffers as raw views of bytes.
+  virtual void alltoall(Stream s, Communicator& comm, const DeviceBuffer& send,
+                        const DeviceBuffer& recv, size_t chunk_bytes) = 0;
+  virtual void barrier(Stream s, Communicator& comm) = 0;
+  // True when a sent buffer's memory itself goes to the receiver (threads transport on the
+  // cpu device): then the last holder may free it while an earlier holder still reads it.
+  virtual bool lends_sent_buffers(const Communicator& comm) const = 0;
+
+  // ---- kernel operations (see kernel.h for shapes) --------------------------------------
+  virtual void forward_block(Stream s, const TensorView& q, const Tokens& q_tokens,
+                             const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                             const Mask& mask, ForwardState& state,
+                             const KernelConfig& config) = 0;
+  virtual void forward_finalize(Stream s, ForwardState& state, const TensorView& out,
+                                const TensorView& lse, const KernelConfig& config) = 0;
+  virtual void backward_delta(Stream s, const TensorView& out, const TensorView& dout,
+                              const TensorView& delta, const KernelConfig& config) = 0;
+  virtual void backward_block(Stream s, const TensorView& q, const Tokens& q_tokens,
+                              const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                              const Mask& mask, const TensorView& dout, const TensorView& lse,
+                              const TensorView& delta, const TensorView& dq, const TensorView& dk,
+                              const TensorView& dv, const KernelConfig& config) = 0;
+  virtual void merge(Stream s, const TensorView& o_a, const TensorView& lse_a,
+                     const TensorView& o_b, const TensorView& lse_b) = 0;
+  // y += x, fp32, same shape, element by element in index order (bitwise stable).
+  virtual void add(Stream s, const TensorView& x, const TensorView& y) = 0;
+  // copy_into (any strides, fp32 <-> bf16).
+  virtual void copy(Stream s, const TensorView& src, const TensorView& dst) = 0;
+  virtual void fill_zero(Stream s, const TensorView& t) = 0;
+  // A travelling K/V block: [k | v | positions | documents] into `block` (KvPacking layout:
+  // k, v [B, T, H, D] in their dtype, then T int64 positions, then T int32 document ids when
+  // `documents`).
+  virtual void pack_kv(Stream s, const TensorView& k, const TensorView& v, const Tokens& tokens,
+                       bool documents, const TensorView& block_k, const TensorView& block_v,
+                       std::byte* block_tokens) = 0;
+  // Token permutations along the token axis (dim 1 of [B, T, H, D], dim 2 of [B, H, T]);
+  // `index` is an int64 view of src's token count:
+  //   scatter_tokens: dst[.., index[i], ..] = src[.., i, ..]
+  //   gather_tokens:  dst[.., i, ..] = src[.., index[i], ..]
+  virtual void scatter_tokens(Stream s, const TensorView& src, const TensorView& dst,
+                              const TensorView& index) = 0;
+  virtual void gather_tokens(Stream s, const TensorView& src, const TensorView& dst,
+                             const TensorView& index) = 0;
+
+  DeviceCounters counters() const { return counters_; }
+
+ protected:
+  friend class DeviceBuffer;
+  friend class DeviceForwardState;
+  // Called by ~DeviceBuffer / reset: the device frees the storage stream-ordered.
+  virtual void free(std::unique_ptr<DeviceBuffer::Storage> storage) = 0;
+  // Keeps host memory that queued operations use alive until they are done.
+  virtual void release_later(std::shared_ptr<void> owner) = 0;
+  void hold(size_t bytes) {
+    held_ += bytes;
+    if (held_ > peak_) peak_ = held_;
+  }
+  void unhold(size_t bytes) { held_ -= bytes < held_ ? bytes : held_; }
+  DeviceCounters counters_;
+
+ private:
+  size_t held_ = 0, peak_ = 0;
+};
+
+// The storage behind a DeviceBuffer. Devices may keep more in a subclass.
+struct DeviceBuffer::Storage {
+  virtual ~Storage() = default;
+  virtual std::byte* data() = 0;  // cpu: completes a pending receive first
+  size_t size = 0;
+};
+
+// Test-only debug hook: when set, the ring's rotation helper leaves out the compute stream's
+// wait for the received K/V block, so that tests can check that sim catches a missing wait.
+void set_ring_skip_wait_for_testing(bool skip);
+bool ring_skip_wait_for_testing();
+
+}  // namespace ctxpar

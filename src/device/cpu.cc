@@ -1,0 +1,209 @@
+// The cpu device: every operation runs inline on the calling thread, in the order it is
+// enqueued, so both streams are the host's own order. A transfer is posted when it is enqueued
+// and completed when something waits for it (an event of the comm stream, or the host reading
+// the received buffer): the host blocks there, as the strategies did before devices existed,
+// and a transfer posted before a compute overlaps it. Sends lend their memory to the transport
+// (the threads transport hands it to the receiver: no copy).
+#include <algorithm>
+#include <deque>
+
+#include "device/devices.h"
+
+namespace ctxpar::device {
+namespace {
+
+class CpuDevice;
+
+struct CpuStorage final : DeviceBuffer::Storage {
+  CpuDevice* device = nullptr;
+  Buffer buffer;            // owned memory (empty while a receive fills it, or once lent)
+  std::byte* ptr = nullptr;
+  Request transfer;         // a pending receive into this buffer, or the send it was lent to
+  bool receiving = false;
+  std::byte* data() override;
+};
+
+class CpuDevice final : public Device {
+ public:
+  std::string name() const override { return "cpu"; }
+
+  DeviceBuffer alloc(size_t bytes) override {
+    auto s = std::make_unique<CpuStorage>();
+    s->device = this;
+    s->size = bytes;
+    s->buffer = Buffer::uninitialized(bytes);
+    s->ptr = s->buffer.data();
+    return DeviceBuffer(this, std::move(s));
+  }
+
+  Event record(Stream s) override {
+    if (s == kCommStream) return Event{kCommStream.index, posted_};
+    return Event{};  // compute ran inline: already done
+  }
+  void wait(Stream, const Event& e) override {
+    if (e.stream != kCommStream.index) return;
+    while (!pending_.empty() && pending_.front().index < e.seq) {
+      Pending p = std::move(pending_.front());
+      pending_.pop_front();
+      if (p.storage) complete(p.storage);
+      if (p.copy.valid()) {
+        const double t0 = now_seconds();
+        p.copy.wait();
+        counters_.wait_seconds += now_seconds() - t0;
+      }
+    }
+  }
+  void synchronize() override { wait(kComputeStream, record(kCommStream)); }
+
+  void send(Stream, Communicator& comm, DeviceBuffer& buffer, int peer, int tag) override {
+    auto* s = static_cast<CpuStorage*>(buffer.storage());
+    s->data();  // a buffer still being received is complete before it is sent on
+    Buffer out;
+    if (!s->transfer.valid() && !s->buffer.empty()) {
+      out = std::move(s->buffer);  // lent: s->ptr stays valid while s->transfer holds it
+    } else {                        // already lent to an earlier send: send a copy
+      out = Buffer::uninitialized(s->size);
+      std::memcpy(out.data(), s->ptr, s->size);
+    }
+    Request r = comm.isend(std::move(out), peer, tag);
+    if (!s->transfer.valid()) {
+      s->transfer = std::move(r);
+      pending_.push_back({posted_++, s, Request()});
+    } else {
+      pending_.push_back({posted_++, nullptr, std::move(r)});
+    }
+  }
+
+  DeviceBuffer recv(Stream, Communicator& comm, size_t bytes, int peer, int tag) override {
+    auto s = std::make_unique<CpuStorage>();
+    s->device = this;
+    s->size = bytes;
+    s->transfer = comm.irecv(bytes, peer, tag);
+    s->receiving = true;
+    pending_.push_back({posted_++, s.get(), Request()});
+    return DeviceBuffer(this, std::move(s));
+  }
+
+  void alltoall(Stream, Communicator& comm, const DeviceBuffer& send, const DeviceBuffer& recv,
+                size_t chunk_bytes) override {
+    const double t0 = now_seconds();
+    comm.alltoall(send.data(), recv.data(), chunk_bytes);
+    counters_.wait_seconds += now_seconds() - t0;
+  }
+  void barrier(Stream, Communicator& comm) override {
+    const double t0 = now_seconds();
+    comm.barrier();
+    counters_.wait_seconds += now_seconds() - t0;
+  }
+  bool lends_sent_buffers(const Communicator& comm) const override {
+    return comm.shares_send_buffers();
+  }
+
+  void forward_block(Stream, const TensorView& q, const Tokens& qt, const TensorView& k,
+                     const TensorView& v, const Tokens& kt, const Mask& mask, ForwardState& state,
+                     const KernelConfig& config) override {
+    busy([&] { return attention_forward_block(q, qt, k, v, kt, mask, state, config); });
+  }
+  void forward_finalize(Stream, ForwardState& state, const TensorView& out, const TensorView& lse,
+                        const KernelConfig& config) override {
+    busy([&] {
+      attention_forward_finalize(state, out, lse, config);
+      return KernelStats{};
+    });
+  }
+  void backward_delta(Stream, const TensorView& out, const TensorView& dout,
+                      const TensorView& delta, const KernelConfig& config) override {
+    busy([&] {
+      attention_backward_delta(out, dout, delta, config);
+      return KernelStats{};
+    });
+  }
+  void backward_block(Stream, const TensorView& q, const Tokens& qt, const TensorView& k,
+                      const TensorView& v, const Tokens& kt, const Mask& mask,
+                      const TensorView& dout, const TensorView& lse, const TensorView& delta,
+                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                      const KernelConfig& config) override {
+    busy([&] {
+      return attention_backward_block(q, qt, k, v, kt, mask, dout, lse, delta, dq, dk, dv, config);
+    });
+  }
+  void merge(Stream, const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b,
+             const TensorView& lse_b) override {
+    busy([&] {
+      ctxpar::merge(o_a, lse_a, o_b, lse_b);
+      return KernelStats{};
+    });
+  }
+  void add(Stream, const TensorView& x, const TensorView& y) override { host_add(x, y); }
+  void copy(Stream, const TensorView& src, const TensorView& dst) override { copy_into(src, dst); }
+  void fill_zero(Stream, const TensorView& t) override { host_fill_zero(t); }
+  void pack_kv(Stream, const TensorView& k, const TensorView& v, const Tokens& tokens,
+               bool documents, const TensorView& bk, const TensorView& bv,
+               std::byte* bt) override {
+    host_pack_kv(k, v, tokens, documents, bk, bv, bt);
+  }
+  void scatter_tokens(Stream, const TensorView& src, const TensorView& dst,
+                      const TensorView& index) override {
+    host_scatter_tokens(src, dst, index);
+  }
+  void gather_tokens(Stream, const TensorView& src, const TensorView& dst,
+                     const TensorView& index) override {
+    host_gather_tokens(src, dst, index);
+  }
+
+  // Blocks until s's transfer is done; a receive's message becomes its memory.
+  void complete(CpuStorage* s) {
+    if (!s->transfer.valid()) return;
+    const double t0 = now_seconds();
+    if (s->receiving) {
+      s->buffer = s->transfer.take();
+      s->ptr = s->buffer.data();
+      s->receiving = false;
+    } else {
+      s->transfer.wait();  // a lent send: the request keeps the memory until s goes
+    }
+    counters_.wait_seconds += now_seconds() - t0;
+    if (s->receiving == false && s->buffer.data() == s->ptr) s->transfer = Request();
+  }
+
+ protected:
+  void free(std::unique_ptr<DeviceBuffer::Storage> storage) override {
+    auto* s = static_cast<CpuStorage*>(storage.get());
+    for (Pending& p : pending_)
+      if (p.storage == s) p.storage = nullptr;
+    try {
+      if (s->transfer.valid()) complete(s);
+    } catch (...) {
+      // Freed while unwinding from a failed call: that failure is the one reported.
+    }
+  }
+  void release_later(std::shared_ptr<void>) override {}  // nothing is queued: free now
+
+ private:
+  template <typename F>
+  void busy(F&& f) {
+    const double t0 = now_seconds();
+    KernelStats ks = f();
+    counters_.busy_seconds += now_seconds() - t0;
+    counters_.flops += ks.flops;
+  }
+
+  struct Pending {
+    uint64_t index;
+    CpuStorage* storage;  // null once its buffer is freed (completed then)
+    Request copy;         // the send of a copy (the buffer was lent already)
+  };
+  std::deque<Pending> pending_;
+  uint64_t posted_ = 0;
+};
+
+std::byte* CpuStorage::data() {
+  if (receiving) device->complete(this);
+  return ptr;
+}
+
+}  // namespace
+
+std::unique_ptr<Device> make_cpu() { return std::make_unique<CpuDevice>(); }
+
+}  // namespace ctxpar::device
