@@ -196,13 +196,20 @@ struct LocalOptions {
   SimulatedLink link;            // the threads transport's simulated link (0: none)
   double message_bytes = 1 << 20;  // size of the timed message (use one K/V block)
   double min_seconds = 0.2;      // each timing runs at least this long
+  // The ranks of an mpirun job (ranks must equal its size; every process calls measure_local):
+  // each process times its own rank's kernel, all at once, and the link is the transport's,
+  // timed as the ring uses it: every rank sends a block to the next at the same moment.
+  Communicator* comm = nullptr;
 };
 struct LocalMeasurement {
   double forward_flops = 0, backward_flops = 0;  // per rank, all ranks running, FLOP/s
   int cores = 1;                 // this machine's (for the record)
-  LinkSpec link;                 // the simulated link, its latency + the measured hand-over
-  double handover_seconds = 0;   // one message between two rank threads, link off
-  double block_message_seconds = 0;  // one block through the simulated link (0: no link)
+  LinkSpec link;                 // threads: the simulated link, its latency + the measured
+                                 // hand-over; MPI: the measured ring shift (below)
+  double handover_seconds = 0;   // one message between two rank threads, link off; MPI: one
+                                 // ring shift of 8 bytes
+  double block_message_seconds = 0;  // one block through the link (0: threads without a link)
+  std::string transport = "threads";  // what was measured: threads | mpi
   double mem_gb = 0;
 };
 LocalMeasurement measure_local(const LocalOptions& options);

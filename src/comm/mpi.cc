@@ -5,9 +5,11 @@
 // it. The collectives themselves are the shared ones over point-to-point
 // (point_to_point.cc): same algorithms, same summation order as the threads transport, so
 // both give bitwise identical answers. Waits poll MPI_Test against the communicator's
-// timeout. Errors: MPI_ERRORS_RETURN on every communicator, each code checked and turned
-// into ctxpar::Error; run_mpi turns any exception into a message and MPI_Abort, so no rank
-// waits forever for a dead one. See docs/comm.md.
+// timeout; meanwhile a progress thread (mpi_progress.cc, Note [MPI progress]) keeps pending
+// transfers moving while the rank computes, and every MPI call holds mpi_mutex(). Errors:
+// MPI_ERRORS_RETURN on every communicator, each code checked and turned into ctxpar::Error;
+// run_mpi turns any exception into a message and MPI_Abort, so no rank waits forever for a
+// dead one. See docs/comm.md.
 #include <mpi.h>
 
 #include <climits>
@@ -19,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/mpi_progress.h"
 #include "comm/point_to_point.h"
 
 namespace ctxpar {
@@ -28,6 +31,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 int world_rank_now() {
+  MpiLock lock(mpi_mutex());
   int initialized = 0, finalized = 0, r = -1;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
@@ -42,6 +46,7 @@ bool mpi_finalized() {
 }
 
 std::string mpi_error_string(int code) {
+  MpiLock lock(mpi_mutex());
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
   if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return detail::concat("MPI error ", code);
@@ -91,6 +96,7 @@ class Backoff {
 struct DetachedSend {
   MPI_Request request;
   Buffer buffer;
+  Pending pending;  // the progress thread keeps moving it
 };
 std::vector<DetachedSend>& detached_sends() {
   // Never destroyed: finalize_at_exit (an atexit handler) reads it after static destructors
@@ -99,6 +105,7 @@ std::vector<DetachedSend>& detached_sends() {
   return *list;
 }
 void reap_detached_sends() {
+  MpiLock lock(mpi_mutex());
   auto& list = detached_sends();
   for (size_t i = 0; i < list.size();) {
     int done = 0;
@@ -134,15 +141,21 @@ class MpiSendRequest final : public Request::Impl {
  public:
   MpiSendRequest(Buffer&& buf, Where at) : buf_(std::move(buf)), at_(at) {}
   ~MpiSendRequest() override {
-    if (!done_ && !mpi_finalized()) detached_sends().push_back({request_, std::move(buf_)});
+    if (!done_ && !mpi_finalized())
+      detached_sends().push_back({request_, std::move(buf_), std::move(pending_)});
   }
   MPI_Request* request() { return &request_; }
   const Buffer& buffer() const { return buf_; }
   bool test() override {
     if (done_) return true;
-    int flag = 0;
-    mpi_check(MPI_Test(&request_, &flag, MPI_STATUS_IGNORE), "MPI_Test (send)");
+    int flag = 0, rc = 0;
+    {
+      MpiLock lock(mpi_mutex());
+      rc = MPI_Test(&request_, &flag, MPI_STATUS_IGNORE);
+    }
+    mpi_check(rc, "MPI_Test (send)");
     done_ = flag != 0;
+    if (done_) pending_.done();
     return done_;
   }
   void wait() override {
@@ -154,6 +167,7 @@ class MpiSendRequest final : public Request::Impl {
   Where at_;
   MPI_Request request_ = MPI_REQUEST_NULL;
   bool done_ = false;
+  Pending pending_;
 };
 
 class MpiRecvRequest final : public Request::Impl {
@@ -164,6 +178,7 @@ class MpiRecvRequest final : public Request::Impl {
   ~MpiRecvRequest() override {
     if (done_ || request_ == MPI_REQUEST_NULL || mpi_finalized()) return;
     // Cancel, then wait: the cancel completes at once unless the message already matched.
+    MpiLock lock(mpi_mutex());
     MPI_Cancel(&request_);
     MPI_Wait(&request_, MPI_STATUS_IGNORE);
   }
@@ -173,7 +188,11 @@ class MpiRecvRequest final : public Request::Impl {
     if (done_) return true;
     int flag = 0;
     MPI_Status status;
-    const int rc = MPI_Test(&request_, &flag, &status);
+    int rc = 0;
+    {
+      MpiLock lock(mpi_mutex());
+      rc = MPI_Test(&request_, &flag, &status);
+    }
     if (rc != MPI_SUCCESS) {
       int cls = rc;
       MPI_Error_class(rc, &cls);
@@ -183,6 +202,7 @@ class MpiRecvRequest final : public Request::Impl {
       mpi_check(rc, "MPI_Test (recv)");
     }
     if (!flag) return false;
+    pending_.done();
     int got = 0;
     MPI_Get_count(&status, MPI_BYTE, &got);
     CTXPAR_CHECK(size_t(got) == buf_.size(), "rank ", at_.me, ": recv from rank ", at_.peer,
@@ -204,6 +224,7 @@ class MpiRecvRequest final : public Request::Impl {
   // a probe sees the first pending message of each source.)
   void check_same_collective() const {
     const int kind = (at_.tag >> 4) & 15;
+    MpiLock lock(mpi_mutex());
     for (int src = 0; src < static_cast<int>(world_ranks_->size()); ++src) {
       int flag = 0;
       MPI_Status status;
@@ -225,12 +246,14 @@ class MpiRecvRequest final : public Request::Impl {
   const std::vector<int>* world_ranks_;
   MPI_Request request_ = MPI_REQUEST_NULL;
   bool done_ = false;
+  Pending pending_;
 };
 
 class MpiCommunicator final : public PointToPointCommunicator {
  public:
   // Takes ownership of `user` (a communicator this transport created).
   explicit MpiCommunicator(MPI_Comm user) : user_(user) {
+    MpiLock lock(mpi_mutex());
     mpi_check(MPI_Comm_set_errhandler(user_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     mpi_check(MPI_Comm_dup(user_, &collective_), "MPI_Comm_dup");
     mpi_check(MPI_Comm_rank(user_, &rank_), "MPI_Comm_rank");
@@ -255,6 +278,7 @@ class MpiCommunicator final : public PointToPointCommunicator {
   }
   ~MpiCommunicator() override {
     if (mpi_finalized()) return;
+    MpiLock lock(mpi_mutex());
     MPI_Comm_free(&collective_);
     MPI_Comm_free(&user_);
   }
@@ -269,26 +293,36 @@ class MpiCommunicator final : public PointToPointCommunicator {
   int max_user_tag() const override { return tag_ub_; }
 
   Request post_send(Buffer&& buf, int peer, int tag, Channel ch) override {
+    progress_thread().start_once();
     reap_detached_sends();
     CTXPAR_CHECK(buf.size() <= size_t(INT_MAX), "isend: messages over ", INT_MAX,
                  " bytes are not supported on MPI, got ", buf.size());
     auto req = std::make_unique<MpiSendRequest>(std::move(buf), where(peer, tag, ch));
     const Buffer& b = req->buffer();
-    mpi_check(MPI_Isend(b.data(), static_cast<int>(b.size()), MPI_BYTE, peer, tag, comm(ch),
-                        req->request()),
-              "MPI_Isend");
+    int rc = 0;
+    {
+      MpiLock lock(mpi_mutex());
+      rc = MPI_Isend(b.data(), static_cast<int>(b.size()), MPI_BYTE, peer, tag, comm(ch),
+                     req->request());
+    }
+    mpi_check(rc, "MPI_Isend");
     return Request(std::move(req));
   }
 
   Request post_recv(size_t bytes, int peer, int tag, Channel ch) override {
+    progress_thread().start_once();
     CTXPAR_CHECK(bytes <= size_t(INT_MAX), "irecv: messages over ", INT_MAX,
                  " bytes are not supported on MPI, got ", bytes);
     auto req =
         std::make_unique<MpiRecvRequest>(bytes, where(peer, tag, ch), comm(ch), &world_ranks_);
     Buffer& b = req->buffer();
-    mpi_check(MPI_Irecv(b.data(), static_cast<int>(bytes), MPI_BYTE, peer, tag, comm(ch),
-                        req->request()),
-              "MPI_Irecv");
+    int rc = 0;
+    {
+      MpiLock lock(mpi_mutex());
+      rc = MPI_Irecv(b.data(), static_cast<int>(bytes), MPI_BYTE, peer, tag, comm(ch),
+                     req->request());
+    }
+    mpi_check(rc, "MPI_Irecv");
     return Request(std::move(req));
   }
 
@@ -296,7 +330,12 @@ class MpiCommunicator final : public PointToPointCommunicator {
                                            uint32_t) override {
     MPI_Comm sub = MPI_COMM_NULL;
     // MPI orders by key, then by parent rank: the same order as `members`.
-    mpi_check(MPI_Comm_split(user_, color, key, &sub), "MPI_Comm_split");
+    int rc = 0;
+    {
+      MpiLock lock(mpi_mutex());
+      rc = MPI_Comm_split(user_, color, key, &sub);
+    }
+    mpi_check(rc, "MPI_Comm_split");
     auto out = std::make_unique<MpiCommunicator>(sub);
     CTXPAR_ASSERT(out->size() == static_cast<int>(members.size()) &&
                   members[out->rank()] == rank_);
@@ -344,9 +383,10 @@ void init_mpi_with_watchdog() {
     std::_Exit(1);
   });
   int provided = 0;
-  // FUNNELED: only the thread that initialised MPI calls it (ranks' compute may use
-  // OpenMP threads, but communication stays on the main thread).
-  const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+  // MULTIPLE: the progress thread calls MPI too (one call at a time with the rank's, under
+  // mpi_mutex(); Note [MPI progress]). An MPI that gives less still works, without the
+  // thread.
+  const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
   {
     std::lock_guard lock(mu);
     done = true;
@@ -360,6 +400,7 @@ void init_mpi_with_watchdog() {
 
 void finalize_at_exit() {
   if (mpi_finalized()) return;
+  progress_thread().stop();  // nothing may be inside MPI when it ends
   // Sends nobody received: let MPI forget them; their buffers are deliberately leaked, as
   // MPI may still read them.
   reap_detached_sends();
@@ -385,6 +426,7 @@ Communicator& mpi_world() {
     init_mpi_with_watchdog();
     std::atexit(finalize_at_exit);
   }
+  MpiLock lock(mpi_mutex());  // a communicator of mpi_wrap may have started the progress thread
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   MPI_Comm dup = MPI_COMM_NULL;
   mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &dup), "MPI_Comm_dup");
@@ -401,6 +443,7 @@ std::unique_ptr<Communicator> mpi_wrap(const void* mpi_comm) {
                "mpi_wrap: MPI is not initialised (or already finalised); initialise it first "
                "(e.g. `from mpi4py import MPI`)");
   MPI_Comm dup = MPI_COMM_NULL;
+  MpiLock lock(mpi_mutex());
   mpi_check(MPI_Comm_dup(*static_cast<const MPI_Comm*>(mpi_comm), &dup), "MPI_Comm_dup");
   return std::make_unique<MpiCommunicator>(dup);
 }

@@ -1,10 +1,13 @@
 // The `local` hardware preset: this machine, measured on the spot. The kernel's throughput is
 // timed on one ring step's block pair by min(P, cores) threads at once (one per rank, as
-// `ctxpar attention` runs them, sharing the cores; beyond the cores the rate is scaled by cores/P), and the threads transport's simulated link is timed with a
-// real message. See docs/plan.md, "Checked against ourselves".
+// `ctxpar attention` runs them, sharing the cores; beyond the cores the rate is scaled by
+// cores/P), and the threads transport's simulated link is timed with a real message. Under
+// mpirun (LocalOptions::comm) each process times its own rank's kernel, all at once, and the
+// MPI link is timed as the ring uses it. See docs/plan.md, "Checked against ourselves".
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <numeric>
 #include <thread>
 
@@ -54,8 +57,9 @@ struct KernelRates {
   double forward = 0, backward = 0;
 };
 
-KernelRates rates_of_one_rank(const LocalOptions& o, int rank, int running,
-                              std::atomic<int>& ready) {
+// `start_together` returns when every timing rank is ready (threads or processes).
+KernelRates rates_of_one_rank(const LocalOptions& o, int rank,
+                              const std::function<void()>& start_together) {
   // Rank `rank`'s queries against its own block (the diagonal, with partially masked tiles)
   // and against its predecessor's (the ring's next step), as the layout and mask place them:
   // masked-tile skipping and partial tiles cost what they cost in the real ring. Large
@@ -76,8 +80,7 @@ KernelRates rates_of_one_rank(const LocalOptions& o, int rank, int running,
   const Mask mask = o.causal ? Mask::causal_mask() : Mask::none();
   KernelConfig one;
   one.threads = 1;
-  ready.fetch_add(1);
-  while (ready.load() < running) std::this_thread::yield();
+  start_together();
   KernelRates r;
   double flops = 0;
   auto both = [&](auto&& call) {
@@ -100,6 +103,54 @@ KernelRates rates_of_one_rank(const LocalOptions& o, int rank, int running,
   return r;
 }
 
+// Seconds for the ring's transfer pattern over `comm`: every rank sends `bytes` to the next
+// and receives from the previous at the same moment (so a shared medium, such as one
+// loopback, is shared as in the ring). Best of `repeats`, after `warmup` untimed shifts (the
+// first makes the connections); each shift counts as long as its slowest rank took.
+double ring_shift_seconds(Communicator& comm, size_t bytes, int warmup, int repeats) {
+  const int p = comm.size(), r = comm.rank();
+  double best = 1e30;
+  for (int i = 0; i < warmup + repeats; ++i) {
+    Buffer out(bytes);
+    comm.barrier();
+    const double t0 = now_seconds();
+    Request recv = comm.irecv(bytes, (r + p - 1) % p, i);
+    Request send = comm.isend(std::move(out), (r + 1) % p, i);
+    recv.take();
+    send.wait();
+    double mine = now_seconds() - t0;
+    std::vector<double> all(p);
+    comm.allgather(&mine, all.data(), sizeof(double));
+    if (i >= warmup) best = std::min(best, *std::max_element(all.begin(), all.end()));
+  }
+  return best;
+}
+
+// One rank per process: this process times its rank's kernel while the others time theirs,
+// then the link as the ring uses it: latency from an 8-byte shift, bandwidth from a block.
+void measure_over_comm(const LocalOptions& o, Communicator& comm, LocalMeasurement& m) {
+  CTXPAR_CHECK(comm.size() == o.ranks, "local hardware: mpirun started ", comm.size(),
+               " processes but the plan has ", o.ranks, " context-parallel ranks; use mpirun -n ",
+               o.ranks, " (or --cp ", comm.size(), ")");
+  const KernelRates mine = rates_of_one_rank(o, comm.rank(), [&] { comm.barrier(); });
+  double sums[2] = {mine.forward, mine.backward};
+  comm.allreduce(sums, 2);
+  m.forward_flops = sums[0] / o.ranks;
+  m.backward_flops = sums[1] / o.ranks;
+  m.transport = comm.transport();
+  if (o.ranks == 1) {  // nothing to send: no link, as for one thread
+    m.link.gbytes_per_second = 1e6;
+    return;
+  }
+  const size_t bytes = std::max<size_t>(8, static_cast<size_t>(o.message_bytes));
+  m.handover_seconds = ring_shift_seconds(comm, 8, 1, 7);
+  // A block over a slow link takes seconds: two, after the small shifts made the connections.
+  m.block_message_seconds = ring_shift_seconds(comm, bytes, 0, 2);
+  m.link.latency_us = m.handover_seconds * 1e6;
+  m.link.gbytes_per_second =
+      static_cast<double>(bytes) / std::max(m.block_message_seconds - m.handover_seconds, 1e-9) / 1e9;
+}
+
 }  // namespace
 
 LocalMeasurement measure_local(const LocalOptions& o) {
@@ -109,16 +160,24 @@ LocalMeasurement measure_local(const LocalOptions& o) {
   LocalMeasurement m;
   m.mem_gb = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE) / 1e9;
   m.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (o.comm) {
+    measure_over_comm(o, *o.comm, m);
+    return m;
+  }
   // More rank threads than cores only share the cores: P ranks on C < P cores each get C/P of
   // a core. Timing all P threads (P = 4096 once took minutes and gigabytes) measures the same
   // share, so C threads run, on ranks spread over the ring, and their rate is scaled by C/P.
   const int running = std::min(o.ranks, m.cores);
   std::vector<KernelRates> rates(running);
   std::atomic<int> ready{0};
+  auto start_together = [&] {
+    ready.fetch_add(1);
+    while (ready.load() < running) std::this_thread::yield();
+  };
   std::vector<std::thread> threads;
   for (int i = 0; i < running; ++i) {
     const int rank = static_cast<int>(int64_t{i} * o.ranks / running);
-    threads.emplace_back([&, i, rank] { rates[i] = rates_of_one_rank(o, rank, running, ready); });
+    threads.emplace_back([&, i, rank] { rates[i] = rates_of_one_rank(o, rank, start_together); });
   }
   for (auto& t : threads) t.join();
   const double share = static_cast<double>(running) / o.ranks;

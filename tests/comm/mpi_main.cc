@@ -1,6 +1,7 @@
 // The communicator checks on the MPI transport: run as `mpirun -n P test_comm_mpi` (see
 // CMakeLists.txt: P = 2 and 4). Every rank runs the same gtest cases on mpi_world(); rank 0
-// prints. `test_comm_mpi --abort-demo` instead shows run_mpi ending the whole job when one
+// prints. `--wrap-demo`: a program that owns MPI, finalising it itself (mpi_progress_cases.cc).
+// `test_comm_mpi --abort-demo` instead shows run_mpi ending the whole job when one
 // rank throws (the test passes when the message appears and the job ends in time).
 #include <gtest/gtest.h>
 
@@ -130,7 +131,12 @@ class FailurePrinter : public ::testing::EmptyTestEventListener {
 }  // namespace
 }  // namespace ctxpar
 
+namespace ctxpar::testing {
+int progress_wrap_demo();
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "--wrap-demo") return ctxpar::testing::progress_wrap_demo();
   if (argc > 1 && std::string(argv[1]) == "--abort-demo") {
     ctxpar::run_mpi([](ctxpar::Communicator& comm) {
       comm.set_timeout(std::chrono::seconds(100));  // MPI_Abort, not a timeout, must end it

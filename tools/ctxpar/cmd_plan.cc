@@ -69,7 +69,8 @@ ModelSpec model_from(const Options& o) {
 }
 
 // `local`: our kernel timed on one block pair of this plan's shape, our transport timed with
-// the simulated link of --link-gbps / --latency-us, the cores shared by the cp ranks.
+// the simulated link of --link-gbps / --latency-us, the cores shared by the cp ranks. Under
+// mpirun -n cp: each process times its rank, and the MPI link is measured.
 HardwareSpec hardware_from(const Options& o, const PlanInput& in) {
   HardwareSpec h;
   const std::string name = o.str("hardware");
@@ -88,6 +89,16 @@ HardwareSpec hardware_from(const Options& o, const PlanInput& in) {
     lo.ranks = in.cp;
     lo.layout = in.layout;
     lo.causal = in.causal;
+    if (launched_by_mpi()) {
+      if (o.given("link-gbps") || o.given("latency-us"))
+        throw UsageError("--link-gbps and --latency-us set the threads transport's simulated "
+                         "link; under mpirun --hardware local measures the MPI link instead");
+      lo.comm = &mpi_world();
+      if (lo.comm->size() != in.cp)
+        throw UsageError("--hardware local under mpirun measures one rank per process: mpirun "
+                         "started " + std::to_string(lo.comm->size()) + " processes but --cp is " +
+                         std::to_string(in.cp) + "; use mpirun -n " + std::to_string(in.cp));
+    }
     h = local_hardware(measure_local(lo), in.cp);
   } else if (o.given("hardware") || !o.given("flops")) {
     h = hardware_preset(name);
@@ -141,7 +152,8 @@ int cmd_plan(int argc, char** argv) {
       .add("mask", "causal", "causal | none")
       .add("dtype", "bf16", "bf16 | fp32 (weights, activations and transfers)")
       .flag("recompute", "full activation recomputation (keep only each layer's input)")
-      .add("hardware", "h100", "hardware preset: " + join(hardware_preset_names()))
+      .add("hardware", "h100", "hardware preset: " + join(hardware_preset_names()) +
+                                   " (local under mpirun -n cp: the MPI link is measured)")
       .add("flops", "", "peak dense TFLOP/s per device (overrides the preset)")
       .add("efficiency", "", "fraction of peak the kernels reach (presets: 1, as the Ring "
                              "Attention paper assumes)")
@@ -206,6 +218,7 @@ int cmd_plan(int argc, char** argv) {
   }
   in.hardware = hardware_from(o, in);
   const Plan plan = make_plan(in, o.on("compare"));
+  if (local && launched_by_mpi() && mpi_world().rank() != 0) return 0;  // rank 0 prints
   if (o.on("json")) {
     std::cout << plan_json(plan) << "\n";
   } else {

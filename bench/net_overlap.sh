@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Ring overlap over a real network (issue 15): MPI ranks talk TCP through the loopback of a
+# network namespace whose link is shaped with `tc tbf`, with the MPI progress thread off and
+# on. Prints, per run, the transfer time the shaped link implies and how much of it each rank
+# waited for (comm_wait_seconds); every figure is a ratio measured in the same run.
+#
+#   bench/net_overlap.sh [--ctxpar build/ctxpar] [--ranks "2 4"] [--rate-per-rank 50]
+#       [--seq-per-rank 4096] [--heads 8] [--progress "off thread"] [--out bench-net]
+#       [-- ctxpar args]
+#
+# Ranks share one loopback, so lo is shaped to P x rate-per-rank Mbit/s: each rank's ring
+# transfer then gets the share a link of rate-per-rank would give it. Sequence = seq-per-rank
+# x P, so every P computes and sends the same per step. Default problem: --heads 8 --kv-heads 1
+# --head-dim 64 --mask none (--heads sets the compute; the K/V block does not change) (forward; add `-- --backward` for both passes); extra arguments
+# after `--` are appended to `ctxpar attention`.
+#
+# Needs root (or CAP_NET_ADMIN), iproute2's `ip` and `tc`, and mpirun; without them it prints
+# "SKIP: <why>" and exits 77. The namespace (ctxpar-net-<pid>) is deleted on exit, and
+# namespaces left by a killed run are deleted by the next one. See docs/BENCHMARKS.md.
+set -euo pipefail
+
+CTXPAR=build/ctxpar
+RANKS="2 4"
+RATE=50          # Mbit/s per rank
+SEQ_PER_RANK=4096
+HEADS=8
+MODES="off thread"
+OUT=bench-net
+RUN_TIMEOUT=300  # seconds per mpirun
+EXTRA=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --ctxpar) CTXPAR=$2; shift 2 ;;
+    --ranks) RANKS=$2; shift 2 ;;
+    --rate-per-rank) RATE=$2; shift 2 ;;
+    --seq-per-rank) SEQ_PER_RANK=$2; shift 2 ;;
+    --heads) HEADS=$2; shift 2 ;;
+    --progress) MODES=$2; shift 2 ;;
+    --out) OUT=$2; shift 2 ;;
+    --run-timeout) RUN_TIMEOUT=$2; shift 2 ;;
+    --) shift; EXTRA=("$@"); break ;;
+    *) echo "net_overlap.sh: unknown option '$1' (see the header of $0 for the options)" >&2
+       exit 2 ;;
+  esac
+done
+
+[ -x "$CTXPAR" ] || { echo "net_overlap.sh: --ctxpar $CTXPAR is not an executable (build it: cmake --build build --target ctxpar_cli)" >&2; exit 2; }
+. "$(dirname "$0")/netns.sh"
+netns_create
+NETNS_TIMEOUT=$RUN_TIMEOUT
+mkdir -p "$OUT"
+for p in $RANKS; do
+  total=$((RATE * p))
+  netns_shape "$total"
+  for mode in $MODES; do
+    file="$OUT/p${p}_${mode}.json"
+    echo "P=$p progress=$mode, lo shaped to ${total} Mbit/s ($RATE per rank) -> $file" >&2
+    CTXPAR_MPI_PROGRESS="$mode" netns_mpirun "$p" \
+        "$CTXPAR" attention --seq $((SEQ_PER_RANK * p)) --heads "$HEADS" --kv-heads 1 --head-dim 64 \
+        --mask none --json "${EXTRA[@]}" > "$file"
+    echo "$total" > "$OUT/p${p}_${mode}.mbit"
+  done
+done
+
+# Transfer time: every rank's bytes cross the one shaped loopback, so a blocking exchange
+# exposes sum(bytes_sent) / rate per rank (for the ring: P-1 steps of one block at the
+# per-rank rate). exposed = (forward + backward seconds - the busiest rank's busy_seconds -
+# bookkeeping) / transfer: how much longer the job took than its busiest rank's compute, i.e.
+# the communication left on the critical path; bookkeeping = the least time any rank spent
+# neither in kernels nor waiting (packing blocks, finalising: ~20-50 ms here), which is not
+# communication. (A rank's own comm_wait is no such measure: it also
+# holds waiting for a slower neighbour to forward a block, when ranks share cores unevenly,
+# and the two directions of a shared link need not finish together.) Median and max of
+# comm_wait / transfer over ranks are printed too. compute_ratio = a step's transfer / the median rank's busy time per step
+# (below 1: the transfer can hide). step_over_transfer = (forward - one step's compute) /
+# (P - 1) / a step's transfer: every step after the first waits for its block, so when the
+# transfer is longer than the compute this is ~1 when the step is as fast as the link allows.
+/usr/bin/env python3 - "$OUT" $RANKS -- $MODES <<'PY'
+import json, os, statistics, sys
+out = sys.argv[1]
+sep = sys.argv.index("--")
+ranks, modes = sys.argv[2:sep], sys.argv[sep + 1:]
+summary = []
+for p in ranks:
+    for mode in modes:
+        base = os.path.join(out, f"p{p}_{mode}")
+        j = json.load(open(base + ".json"))
+        mbit = float(open(base + ".mbit").read())
+        P = int(p)
+        transfer = sum(r["bytes_sent"] for r in j["ranks"]) / (mbit * 1e6 / 8)
+        waits = [r["comm_wait_seconds"] for r in j["ranks"]]
+        busy = statistics.median(r["busy_seconds"] for r in j["ranks"])
+        steps = P  # ring: P blocks computed per pass
+        busiest = max(r["busy_seconds"] for r in j["ranks"])
+        elapsed = j["forward_seconds"] + j["backward_seconds"]
+        bookkeeping = min(r["wall_seconds"] - r["busy_seconds"] - r["comm_wait_seconds"]
+                          for r in j["ranks"])
+        row = {"ranks": P, "progress": mode, "link_mbit_per_rank": mbit / P,
+               "transfer_seconds": transfer, "compute_seconds_per_step": busy / steps,
+               "compute_ratio": transfer / (P - 1) / (busy / steps) if P > 1 else 0.0,
+               "forward_seconds": j["forward_seconds"], "backward_seconds": j["backward_seconds"],
+               "comm_wait_seconds": waits,
+               "exposed": max(0.0, elapsed - busiest - bookkeeping) / transfer,
+               "step_over_transfer": (j["forward_seconds"] - busy / steps) / (P - 1)
+                                     / (transfer / (P - 1)) if P > 1 else 0.0,
+               "exposed_median": statistics.median(waits) / transfer,
+               "exposed_max": max(waits) / transfer}
+        if j["backward"]:  # bytes and busy time mix both passes: these two are forward's
+            row["compute_ratio"] = row["step_over_transfer"] = None
+        summary.append(row)
+        f3 = lambda x: "n/a" if x is None else f"{x:.3f}"
+        print(f"P={P} progress={mode:6} transfer {transfer:.3f} s (x{f3(row['compute_ratio'])} of a "
+              f"step's compute)  forward {j['forward_seconds']:.3f} s  backward "
+              f"{j['backward_seconds']:.3f} s  exposed {row['exposed']:.3f} of the transfer "
+              f"(waits: median {row['exposed_median']:.3f}, max {row['exposed_max']:.3f}); step / "
+              f"transfer {f3(row['step_over_transfer'])}")
+json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
+PY
