@@ -192,6 +192,15 @@ TEST(CliAttentionFaults, ThreadsDefaultToOmpNumThreads) {
   CommandResult r = run_shell("env OMP_NUM_THREADS=many " + ctxpar_path() + " " + kSmall);
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("OMP_NUM_THREADS='many'"), std::string::npos) << r.err;
+  // bench kernel reads the same default (bench cp and train too: threads_option).
+  CommandResult k = run_shell("env OMP_NUM_THREADS=2 " + ctxpar_path() +
+                              " bench kernel --seq 64 --heads 1 --head-dim 16 --repeats 1 "
+                              "--no-backward --json");
+  ASSERT_EQ(k.exit_code, 0) << k.err;
+  EXPECT_EQ(parse_json(k)["threads"].get<int>(), 2);
+  CommandResult t = run_shell("env OMP_NUM_THREADS=0 " + ctxpar_path() + " train --seq 64 --steps 1");
+  EXPECT_EQ(t.exit_code, 2) << t.err;
+  EXPECT_NE(t.err.find("OMP_NUM_THREADS='0'"), std::string::npos) << t.err;
 }
 
 }  // namespace

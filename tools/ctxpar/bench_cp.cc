@@ -256,7 +256,7 @@ int bench_cp(int argc, char** argv) {
       .add("kv-heads", "0", "key/value heads (0: same as --heads)")
       .add("head-dim", "64", "head dimension D")
       .add("dtype", "fp32", "storage type: fp32 or bf16")
-      .add("threads", "1", "OpenMP threads per rank")
+      .add("threads", "1", "OpenMP threads per rank (not given: OMP_NUM_THREADS when set)")
       .add("ulysses-degree", "0", "hybrid only: ranks per Ulysses group (0: all)")
       .add("repeats", "1", "timed repetitions per run; figures are of the fastest")
       .add("seed", "0", "seed of the random inputs")
@@ -305,7 +305,7 @@ int bench_cp(int argc, char** argv) {
   base.heads = opts.i64("heads", 1, kMaxHeads);
   base.kv_heads = opts.i64("kv-heads", 0, kMaxHeads);
   base.head_dim = opts.i64("head-dim", 16, 256);
-  base.threads = opts.i32("threads", 1, kMaxThreads);
+  base.threads = threads_option(opts);
   base.repeats = opts.i32("repeats", 1, kMaxRepeats);
   base.seed = static_cast<uint64_t>(opts.i64("seed", 0, kMaxSeed));
   base.backward = opts.on("backward");

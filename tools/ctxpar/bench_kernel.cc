@@ -45,7 +45,7 @@ int bench_kernel(int argc, char** argv) {
       .add("head-dim", "128", "head dimension D, 16..256")
       .add("batch", "1", "batch size B")
       .add("dtype", "fp32", "storage type of q, k, v, o, do: fp32 | bf16")
-      .add("threads", "1", "OpenMP threads")
+      .add("threads", "1", "OpenMP threads (not given: OMP_NUM_THREADS when set)")
       .add("repeats", "3", "repetitions of every measurement (peak included); the best counts")
       .flag("no-backward", "skip the backward measurements")
       .flag("json", "print one JSON object instead of text");
@@ -54,7 +54,7 @@ int bench_kernel(int argc, char** argv) {
   const int64_t t = o.i64("seq", 1, kMaxTokens), hq = o.i64("heads", 1, kMaxHeads);
   const int64_t d = o.i64("head-dim", 16, 256), b = o.i64("batch", 1, kMaxBatch);
   const int64_t kv = o.i64("kv-heads", 0, kMaxHeads), hkv = kv > 0 ? kv : hq;
-  const int threads = o.i32("threads", 1, kMaxThreads);
+  const int threads = threads_option(o);
   const int repeats = o.i32("repeats", 1, kMaxRepeats);
   const DType dtype = parse_dtype(o.str("dtype"));
   CTXPAR_CHECK(t >= 1 && hq >= 1 && b >= 1 && threads >= 1, "bench kernel: --seq, --heads, --batch "

@@ -125,7 +125,7 @@ AttentionJob job_from(const Options& o) {
   job.mask = parse_mask(o.str("mask"));
   job.document_lengths = document_lengths(o.str("mask"));
   job.dtype = parse_dtype(o.str("dtype"));
-  job.threads = o.i32("threads", 1, kMaxThreads);
+  job.threads = threads_option(o);
   job.strategy = parse_strategy(o.str("strategy"));
   job.ulysses_degree = o.i32("ulysses-degree", 0, kMaxProcesses);
   job.layout = parse_layout(o.str("layout"));
@@ -270,18 +270,6 @@ void write_outputs(const Options& o, const OutFolder& folder, const AttentionRes
   folder.replace_with(files);
 }
 
-// --threads when not given: OMP_NUM_THREADS (its first number, as OpenMP reads "4,2"), else 1.
-int default_threads() {
-  const char* env = std::getenv("OMP_NUM_THREADS");
-  if (!env || !*env) return 1;
-  char* end = nullptr;
-  const long n = std::strtol(env, &end, 10);
-  if (end == env || (*end != '\0' && *end != ',') || n < 1 || n > 65536)
-    throw UsageError(std::string("OMP_NUM_THREADS='") + env +
-                     "' is not a thread count; unset it or give --threads N");
-  return static_cast<int>(n);
-}
-
 // Every option that changes the answer, or what the ranks send each other, for the ranks to
 // agree on under MPI (rank_agreement.h). --threads and --timeout are left out: they change
 // neither. Input files: path, header and a sample of the contents (file_fingerprint).
@@ -319,7 +307,6 @@ int cmd_attention(int argc, char** argv) {
   // where a rank that exits before MPI_Init would leave the others waiting in it.
   if (launched_by_mpi() && o.str("transport") != "threads") mpi_world();
   AttentionJob job = job_from(o);
-  if (!o.given("threads")) job.threads = default_threads();
   // (--transport mpi without mpirun is refused by validate, with how to start it.)
   const bool under_mpi = job.transport == "mpi" && launched_by_mpi();
   if (under_mpi) {

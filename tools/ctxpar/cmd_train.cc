@@ -98,7 +98,7 @@ int cmd_train(int argc, char** argv) {
       .add("strategy", "ring", "attention strategy: ring | allgather | ulysses | hybrid")
       .add("ulysses-degree", "0", "hybrid: ranks per Ulysses group (0 = all)")
       .add("layout", "zigzag", "token layout: contiguous | zigzag | striped")
-      .add("threads", "1", "BLAS and kernel threads per rank")
+      .add("threads", "1", "BLAS and kernel threads per rank (not given: OMP_NUM_THREADS when set)")
       .add_device()
       .add("transport", "auto", "auto | threads | mpi (auto: mpi when started by mpirun)")
       .add("layers", "2", "transformer blocks")
@@ -138,7 +138,7 @@ int cmd_train(int argc, char** argv) {
   c.ulysses_degree = o.i32("ulysses-degree", 0, kMaxProcesses);
   c.device = device_of(o);
   c.layout = parse_layout(o.str("layout"));
-  c.threads = o.i32("threads", 1, kMaxThreads);
+  c.threads = threads_option(o);
   c.model.layers = o.i32("layers", 1, 1 << 16);
   c.model.dim = o.i32("dim", 1, 1 << 20);
   c.model.heads = o.i32("heads", 1, kMaxHeads);

@@ -248,4 +248,16 @@ Options& Options::add_device() {
       .add("sim-seed", "1", "--device sim: seed of its random operation delays");
 }
 
+int threads_option(const Options& o) {
+  if (o.given("threads")) return o.i32("threads", 1, kMaxThreads);
+  const char* env = std::getenv("OMP_NUM_THREADS");
+  if (!env || !*env) return 1;
+  char* end = nullptr;
+  const long n = std::strtol(env, &end, 10);
+  if (end == env || (*end != '\0' && *end != ',') || n < 1 || n > kMaxThreads)
+    throw UsageError(std::string("OMP_NUM_THREADS='") + env + "' is not a thread count in [1, " +
+                     std::to_string(kMaxThreads) + "]; unset it or give --threads N");
+  return static_cast<int>(n);
+}
+
 }  // namespace ctxpar::cli

@@ -45,6 +45,12 @@ std::string number_text(double v);
 int64_t whole_number_in(const std::string& option, const std::string& text, int64_t lo,
                         int64_t hi, const std::string& note = "");
 
+class Options;
+// --threads: the option when given (1 .. kMaxThreads), else the first number of
+// OMP_NUM_THREADS when that is set (as OpenMP reads "4,2"), else 1. A bad OMP_NUM_THREADS is a
+// usage error naming it.
+int threads_option(const Options& o);
+
 class Options {
  public:
   Options(std::string command, std::string summary);
