@@ -2,7 +2,7 @@
 # Builds the libFuzzer target for the .npy reader (fuzz/npy_fuzz.cc) with clang, AddressSanitizer
 # and UndefinedBehaviorSanitizer, and runs it for a bounded time. The build is separate from the
 # CMake one (the project builds with GCC; libFuzzer needs clang), and compiles only what the
-# parser uses: src/io/npy.cc and src/core/*.cc.
+# parser uses: src/io/npy.cc, npy_write.cc (round trips) and src/core/*.cc.
 #
 #   scripts/fuzz.sh                       # build if stale, fuzz 25 s (what the test suite does)
 #   scripts/fuzz.sh --seconds 3600        # a longer run; see docs/cli-files.md
@@ -35,10 +35,10 @@ if [ -z "$cxx" ]; then
 fi
 mkdir -p "$build" "$build/corpus-npy"
 bin="$build/npy_fuzz"
-srcs=("$root/fuzz/npy_fuzz.cc" "$root/src/io/npy.cc" "$root"/src/core/*.cc)
+srcs=("$root/fuzz/npy_fuzz.cc" "$root/src/io/npy.cc" "$root/src/io/npy_write.cc" "$root"/src/core/*.cc)
 stale=0
 [ -x "$bin" ] || stale=1
-for f in "${srcs[@]}" "$root"/include/ctxpar/*.h "$0"; do
+for f in "${srcs[@]}" "$root"/include/ctxpar/*.h "$root"/src/io/*.h "$0"; do
   [ "$f" -nt "$bin" ] && stale=1
 done
 if [ $stale -eq 1 ]; then
@@ -47,7 +47,7 @@ if [ $stale -eq 1 ]; then
   # on any machine.
   "$cxx" -std=c++20 -O1 -g -fno-omit-frame-pointer \
     -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-    -I"$root/include" "${srcs[@]}" -o "$bin.tmp"
+    -I"$root/include" -I"$root/src" "${srcs[@]}" -o "$bin.tmp"
   mv "$bin.tmp" "$bin"
 fi
 [ $build_only -eq 1 ] && exit 0

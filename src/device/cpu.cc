@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <deque>
 
+#include <utility>
+
 #include "device/devices.h"
 
 namespace ctxpar::device {
@@ -182,10 +184,7 @@ class CpuDevice final : public Device {
  private:
   template <typename F>
   void busy(F&& f) {
-    const double t0 = now_seconds();
-    KernelStats ks = f();
-    counters_.busy_seconds += now_seconds() - t0;
-    counters_.flops += ks.flops;
+    count_busy(counters_, std::forward<F>(f));
   }
 
   struct Pending {

@@ -13,6 +13,16 @@ inline double now_seconds() {
       .count();
 }
 
+// Runs one kernel operation on the host (f returns its KernelStats) and adds its time and
+// FLOPs to `c`.
+template <typename F>
+void count_busy(DeviceCounters& c, F&& f) {
+  const double t0 = now_seconds();
+  const KernelStats ks = f();
+  c.busy_seconds += now_seconds() - t0;
+  c.flops += ks.flops;
+}
+
 std::unique_ptr<Device> make_cpu();
 std::unique_ptr<Device> make_sim(const DeviceOptions& options, int rank);
 

@@ -23,6 +23,8 @@
 #include <random>
 #include <thread>
 
+#include <utility>
+
 #include "device/devices.h"
 
 namespace ctxpar::device {
@@ -294,10 +296,7 @@ class SimDevice final : public Device {
 
   template <typename F>
   void busy(F&& f) {
-    const double t0 = now_seconds();
-    KernelStats ks = f();
-    counters_.busy_seconds += now_seconds() - t0;
-    counters_.flops += ks.flops;
+    count_busy(counters_, std::forward<F>(f));
   }
 
   // The allocation a view lies in (nullptr: memory the device does not own). Caller holds mu_.
