@@ -91,12 +91,8 @@ class AllGatherStrategy final : public Strategy {
     const KvPacking grad{dims.batch, dims.tokens, hg, dims.d, DType::f32, false};
     const size_t grad_bytes = 2 * grad.kv_bytes();
 
-    DeviceBuffer delta = dev.alloc(size_t(dims.batch * dims.hq * dims.tokens) * 4);
-    DeviceBuffer dq32 = dev.alloc(size_t(q.numel()) * 4);
-    const TensorView delta_v = delta.view(DType::f32, {dims.batch, dims.hq, dims.tokens});
-    const TensorView dq32_v = dq32.view(DType::f32, q.shape());
-    dev.fill_zero(kComputeStream, dq32_v);
-    dev.backward_delta(kComputeStream, out, dout, delta_v, run.kernel);
+    const BackwardRows rows(dev, dims, q, out, dout, run.kernel);
+    const TensorView &delta_v = rows.delta, &dq32_v = rows.dq32;
     std::vector<Reduce> reduces(groups);
     auto finish_reduce = [&](int64_t g) {
       Reduce& red = reduces[g];

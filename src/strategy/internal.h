@@ -122,6 +122,23 @@ class CallScope {
   Run run;
 };
 
+// What every backward starts from (ring and all-gather on their own rows): delta = rowsum(dO * O)
+// [B, Hq, T] and a zeroed fp32 dQ accumulator [B, T, Hq, D] (the caller's dq may be bf16),
+// enqueued on the compute stream.
+struct BackwardRows {
+  DeviceBuffer delta_buffer, dq32_buffer;
+  TensorView delta, dq32;
+  BackwardRows(Device& dev, const Dims& dims, const TensorView& q, const TensorView& out,
+               const TensorView& dout, const KernelConfig& kernel)
+      : delta_buffer(dev.alloc(size_t(dims.batch * dims.hq * dims.tokens) * 4)),
+        dq32_buffer(dev.alloc(size_t(q.numel()) * 4)),
+        delta(delta_buffer.view(DType::f32, {dims.batch, dims.hq, dims.tokens})),
+        dq32(dq32_buffer.view(DType::f32, q.shape())) {
+    dev.fill_zero(kComputeStream, dq32);
+    dev.backward_delta(kComputeStream, out, dout, delta, kernel);
+  }
+};
+
 // ---- the K/V block that travels -----------------------------------------------------------
 
 // [k | v | positions (int64) | documents (int32, only with a documents mask)], k and v

@@ -169,14 +169,10 @@ class RingStrategy final : public Strategy {
         check_backward(q, k, v, tokens, out, lse, dout, dq, dk, dv, options_.mask, dims);
     CallScope call(comm_, *device_, stats_, options_, "ring backward", e, dims, {&comm_});
     Device& dev = *device_;
-    DeviceBuffer delta = dev.alloc(size_t(dims.batch * dims.hq * dims.tokens) * 4);
-    DeviceBuffer dq32 = dev.alloc(size_t(q.numel()) * 4);
-    const TensorView delta_v = delta.view(DType::f32, {dims.batch, dims.hq, dims.tokens});
-    const TensorView dq32_v = dq32.view(DType::f32, q.shape());
-    dev.fill_zero(kComputeStream, dq32_v);
-    dev.backward_delta(kComputeStream, out, dout, delta_v, options_.kernel);
-    ring_backward(comm_, call.run, q, tokens, k, v, tokens, dout, lse, delta_v, dq32_v, dk, dv);
-    dev.copy(kComputeStream, dq32_v, dq);
+    const BackwardRows rows(dev, dims, q, out, dout, options_.kernel);
+    ring_backward(comm_, call.run, q, tokens, k, v, tokens, dout, lse, rows.delta, rows.dq32, dk,
+                  dv);
+    dev.copy(kComputeStream, rows.dq32, dq);
     call.finish();
   }
 };
