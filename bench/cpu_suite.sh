@@ -6,7 +6,7 @@
 # order of the runs (forward, then reversed) so that a slow drift of the machine falls on both
 # sides; the table gives the median and the spread over repetitions. Run it on a quiet machine:
 #
-#   bash bench/cpu_suite.sh --out bench-cpu-suite            # ~8 minutes on 2 cores, + torch install
+#   bash bench/cpu_suite.sh --out bench-cpu-suite            # ~5 minutes on 2 cores, + the torch install
 #   bash bench/cpu_suite.sh --quick --repeats 1 --out /tmp/q  # small shapes: proves it runs, no figures
 #
 # Options: --build DIR (default build), --out DIR (default bench-cpu-suite; must not hold a run),
@@ -101,22 +101,25 @@ else
 fi
 RUNS=(kernel_1t torch_1t kernel_2t torch_2t ring_p2_zigzag ring_p2_contiguous one_rank_2t)
 [ -e "$INFO/torch_skipped" ] && RUNS=(kernel_1t kernel_2t ring_p2_zigzag ring_p2_contiguous one_rank_2t)
-printf '{"repeats": %d, "inner": %d, "quick": %s, "torch_pin": "%s", "torch_python": "%s",
- "kernel_shape": {"seq": %d, "heads": %d, "head_dim": %d},
- "cp_shape": {"seq": %d, "heads": %d, "head_dim": %d}, "runs": ["%s"]}\n' \
-  "$REPEATS" "$INNER" "$([ "$QUICK" = 1 ] && echo true || echo false)" "$TORCH_PIN" "$TORCH_PY" \
-  "$KT" "$KH" "$KD" "$CT" "$CH" "$CD" "$(IFS=,; echo "${RUNS[*]}" | sed 's/,/", "/g')" \
-  > "$INFO/config.json"
+python3 - "$INFO/config.json" "$REPEATS" "$INNER" "$QUICK" "$TORCH_PIN" "$TORCH_PY" \
+  "$KT" "$KH" "$KD" "$CT" "$CH" "$CD" "${RUNS[@]}" <<'PY' || die "cannot write $INFO/config.json"
+import json, sys
+a = sys.argv[1:]
+shape = lambda t, h, d: dict(seq=int(t), heads=int(h), head_dim=int(d))
+json.dump(dict(repeats=int(a[1]), inner=int(a[2]), quick=a[3] == "1", torch_pin=a[4],
+               torch_python=a[5], kernel_shape=shape(*a[6:9]), cp_shape=shape(*a[9:12]),
+               runs=a[12:]), open(a[0], "w"), indent=1)
+PY
 
 export OMP_NUM_THREADS=1  # every command below sets its own thread count
-kernel() { "$CTXPAR" bench kernel --seq $KT --heads $KH --head-dim $KD --threads "$1" --repeats $INNER --json; }
+kernel() { "$CTXPAR" bench kernel --seq $KT --heads $KH --head-dim $KD --threads "$1" --repeats "$INNER" --json; }
 torch_sdpa() {
   OMP_NUM_THREADS=$1 MKL_NUM_THREADS=$1 "$TORCH_PY" "$ROOT/bench/torch_sdpa.py" --seq $KT \
-    --heads $KH --head-dim $KD --threads "$1" --repeats $INNER
+    --heads $KH --head-dim $KD --threads "$1" --repeats "$INNER"
 }
 attention() {
   "$CTXPAR" attention --seq $CT --heads $CH --head-dim $CD --mask causal --strategy ring \
-    --repeats $INNER --json "$@"
+    --repeats "$INNER" --json "$@"
 }
 run() {  # run NAME: one measurement, its JSON kept only if it succeeded
   case $1 in

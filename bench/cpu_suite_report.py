@@ -182,9 +182,13 @@ def main():
         met = ("yes" if f["median_meets_goal"] else "NO") if f["goal"] is not None else ""
         spread = f"{f['min']:.3f} - {f['max']:.3f}"
         print(f"{f['label']:<{w}}  {f['median']:7.3f}  {spread:>15}  {goal:>6}  {met}")
+    if m.get("torch_skipped"):
+        print(f"{'ctxpar / torch SDPA (8 rows)':<{w}}  {'n/a':>7}  {'(SKIPPED)':>15}  {'1.20':>6}")
     print(f"{'ctxpar / ggml CPU flash attention, forward, 2 threads':<{w}}  {'n/a':>7}  "
           f"{'(not run here)':>15}  {'1.50':>6}")
     print()
+    print("speed ratios are the other side's seconds / this side's: > 1 means ctxpar (the ring, "
+          "zigzag) is faster.")
     print("ggml's row is measured outside the project (llama.cpp); this suite does not build it.")
     if failed:
         print(f"FAILED runs (see {out_dir}/logs/): {', '.join(failed)}")
