@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Ring overlap over a real network (issue 15): MPI ranks talk TCP through the loopback of a
-# network namespace whose link is shaped with `tc tbf`, with the MPI progress thread off and
-# on. Prints, per run, the transfer time the shaped link implies and how much of it each rank
+# network namespace whose link is shaped with `tc tbf`, under each MPI progress mode asked for
+# (CTXPAR_MPI_PROGRESS: off, thread, tiles, both; docs/comm.md, "Progress"). Prints, per run, the transfer time the shaped link implies and how much of it each rank
 # waited for (comm_wait_seconds); every figure is a ratio measured in the same run.
 #
 #   bench/net_overlap.sh [--ctxpar build/ctxpar] [--ranks "2 4"] [--rate-per-rank 50]
 #       [--seq-per-rank 4096] [--heads 8] [--progress "off thread"] [--out bench-net]
 #       [-- ctxpar args]
 #
+# --progress: the modes to run, in order, each on the same shaped link ("off thread tiles"
+# compares the progress thread with the kernel's tile hook).
 # Ranks share one loopback, so lo is shaped to P x rate-per-rank Mbit/s: each rank's ring
 # transfer then gets the share a link of rate-per-rank would give it. Sequence = seq-per-rank
 # x P, so every P computes and sends the same per step. Default problem: --heads 8 --kv-heads 1
@@ -44,6 +46,13 @@ while [ $# -gt 0 ]; do
   esac
 done
 
+for mode in $MODES; do
+  case "$mode" in
+    off|thread|tiles|both) ;;
+    *) echo "net_overlap.sh: --progress: unknown mode '$mode'; use off, thread, tiles or both (CTXPAR_MPI_PROGRESS)" >&2
+       exit 2 ;;
+  esac
+done
 [ -x "$CTXPAR" ] || { echo "net_overlap.sh: --ctxpar $CTXPAR is not an executable (build it: cmake --build build --target ctxpar_cli)" >&2; exit 2; }
 . "$(dirname "$0")/netns.sh"
 netns_create

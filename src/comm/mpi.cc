@@ -293,7 +293,7 @@ class MpiCommunicator final : public PointToPointCommunicator {
   int max_user_tag() const override { return tag_ub_; }
 
   Request post_send(Buffer&& buf, int peer, int tag, Channel ch) override {
-    progress_thread().start_once();
+    mpi_progress().start_once();
     reap_detached_sends();
     CTXPAR_CHECK(buf.size() <= size_t(INT_MAX), "isend: messages over ", INT_MAX,
                  " bytes are not supported on MPI, got ", buf.size());
@@ -310,7 +310,7 @@ class MpiCommunicator final : public PointToPointCommunicator {
   }
 
   Request post_recv(size_t bytes, int peer, int tag, Channel ch) override {
-    progress_thread().start_once();
+    mpi_progress().start_once();
     CTXPAR_CHECK(bytes <= size_t(INT_MAX), "irecv: messages over ", INT_MAX,
                  " bytes are not supported on MPI, got ", bytes);
     auto req =
@@ -400,7 +400,7 @@ void init_mpi_with_watchdog() {
 
 void finalize_at_exit() {
   if (mpi_finalized()) return;
-  progress_thread().stop();  // nothing may be inside MPI when it ends
+  mpi_progress().stop();  // nothing may be inside MPI when it ends
   // Sends nobody received: let MPI forget them; their buffers are deliberately leaked, as
   // MPI may still read them.
   reap_detached_sends();

@@ -11,6 +11,7 @@
 #include "ctxpar/kernel.h"
 #include "ctxpar/mask.h"
 #include "ctxpar/tensor.h"
+#include "ctxpar/tile_progress.h"  // tile_progress(): called after each tile
 
 namespace ctxpar::kernel {
 

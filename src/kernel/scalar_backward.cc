@@ -65,6 +65,7 @@ KernelStats backward_scalar(const Problem& p, const TensorView& q, const Tokens&
                 }
               }
             }
+            tile_progress();  // the MPI transport's progress calls, if installed
           }
     }
   }

@@ -66,6 +66,7 @@ KernelStats forward_scalar(const Problem& p, const TensorView& q, const Tokens& 
           li = li * alpha + sum;
           mi = m_new;
         }
+        tile_progress();  // the MPI transport's progress calls, if installed (tile_progress.h)
       }
     }
   }

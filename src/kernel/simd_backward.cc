@@ -130,6 +130,7 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
             gemm_rows(kTile, dp, mrows, dst.data(), kTile, qs, dp, dk_tile.data(), dp, true);
             gemm_rows(mrows, dp, cols, dpm.data(), kTile, k_rows.data(), dp, dq_acc + off * dp, dp,
                       true);
+            tile_progress();  // the MPI transport's progress calls, if installed
           }
         if (!packed) continue;
         const float dk_mul = 1.0f / p.scale;

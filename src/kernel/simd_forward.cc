@@ -119,6 +119,7 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
         }
         gemm_rows(mrows, dp, cols, s.data(), kTile, vpack + pk * kTile * dp, dp,
                   acc.data(), dp, true);
+        tile_progress();  // the MPI transport's progress calls, if installed (tile_progress.h)
       }
       if (!touched) continue;
       for (int64_t r = 0; r < rows; ++r) {
