@@ -89,6 +89,7 @@ import json, os, statistics, sys
 out = sys.argv[1]
 sep = sys.argv.index("--")
 ranks, modes = sys.argv[2:sep], sys.argv[sep + 1:]
+f3 = lambda x: "n/a" if x is None else f"{x:.3f}"
 summary = []
 for p in ranks:
     for mode in modes:
@@ -96,32 +97,48 @@ for p in ranks:
         j = json.load(open(base + ".json"))
         mbit = float(open(base + ".mbit").read())
         P = int(p)
-        transfer = sum(r["bytes_sent"] for r in j["ranks"]) / (mbit * 1e6 / 8)
-        waits = [r["comm_wait_seconds"] for r in j["ranks"]]
-        busy = statistics.median(r["busy_seconds"] for r in j["ranks"])
-        steps = P  # ring: P blocks computed per pass
-        busiest = max(r["busy_seconds"] for r in j["ranks"])
+        rate = mbit * 1e6 / 8  # bytes/s through the one shaped loopback
+        R = j["ranks"]
+        # Forward bytes are the ring's P-1 K/V blocks a rank (fp32 here, no document ids);
+        # backward's are the rest (K/V again and the fp32 dK/dV accumulators).
+        tl = j["seq"] // P
+        kv_block = 2 * j["batch"] * tl * j["kv_heads"] * j["head_dim"] * (2 if j["dtype"] == "bf16" else 4) + 8 * tl
+        fwd_bytes = P * (P - 1) * kv_block
+        total_bytes = sum(r["bytes_sent"] for r in R)
+        transfer = total_bytes / rate
+        waits = [r["comm_wait_seconds"] for r in R]
+        busiest = max(r["busy_seconds"] for r in R)
         elapsed = j["forward_seconds"] + j["backward_seconds"]
-        bookkeeping = min(r["wall_seconds"] - r["busy_seconds"] - r["comm_wait_seconds"]
-                          for r in j["ranks"])
+        bookkeeping = min(r["wall_seconds"] - r["busy_seconds"] - r["comm_wait_seconds"] for r in R)
         row = {"ranks": P, "progress": mode, "link_mbit_per_rank": mbit / P,
-               "transfer_seconds": transfer, "compute_seconds_per_step": busy / steps,
-               "compute_ratio": transfer / (P - 1) / (busy / steps) if P > 1 else 0.0,
+               "transfer_seconds": transfer,
                "forward_seconds": j["forward_seconds"], "backward_seconds": j["backward_seconds"],
                "comm_wait_seconds": waits,
+               # the whole run: time beyond the busiest rank's compute and the bookkeeping
                "exposed": max(0.0, elapsed - busiest - bookkeeping) / transfer,
-               "step_over_transfer": (j["forward_seconds"] - busy / steps) / (P - 1)
-                                     / (transfer / (P - 1)) if P > 1 else 0.0,
                "exposed_median": statistics.median(waits) / transfer,
                "exposed_max": max(waits) / transfer}
-        if j["backward"]:  # bytes and busy time mix both passes: these two are forward's
-            row["compute_ratio"] = row["step_over_transfer"] = None
+        # Per pass (P > 1): a step's transfer / a step's compute (median rank), the pass's
+        # time beyond its busiest rank's compute / the pass's transfer (bookkeeping included:
+        # an upper bound), and (pass - one step's compute) / (P - 1) / a step's transfer.
+        passes = [("forward", fwd_bytes)] + ([("backward", total_bytes - fwd_bytes)] if j["backward"] else [])
+        for name, nbytes in passes:
+            busy = [r[name + "_busy_seconds"] for r in R]
+            step_c = statistics.median(busy) / P
+            t = nbytes / rate
+            ok = P > 1 and t > 0 and step_c > 0
+            row[name] = {
+                "transfer_seconds": t,
+                "compute_ratio": t / (P - 1) / step_c if ok else None,
+                "exposed": max(0.0, j[name + "_seconds"] - max(busy)) / t if ok else None,
+                "step_over_transfer": (j[name + "_seconds"] - step_c) / t if ok else None}
         summary.append(row)
-        f3 = lambda x: "n/a" if x is None else f"{x:.3f}"
-        print(f"P={P} progress={mode:6} transfer {transfer:.3f} s (x{f3(row['compute_ratio'])} of a "
-              f"step's compute)  forward {j['forward_seconds']:.3f} s  backward "
-              f"{j['backward_seconds']:.3f} s  exposed {row['exposed']:.3f} of the transfer "
-              f"(waits: median {row['exposed_median']:.3f}, max {row['exposed_max']:.3f}); step / "
-              f"transfer {f3(row['step_over_transfer'])}")
+        per_pass = "; ".join(
+            f"{n}: transfer x{f3(row[n]['compute_ratio'])} of a step's compute, exposed "
+            f"{f3(row[n]['exposed'])}, step / transfer {f3(row[n]['step_over_transfer'])}"
+            for n, _ in passes)
+        print(f"P={P} progress={mode:6} transfer {transfer:.3f} s  forward {j['forward_seconds']:.3f} s"
+              f"  backward {j['backward_seconds']:.3f} s  exposed {row['exposed']:.3f} of the transfer "
+              f"(waits: median {row['exposed_median']:.3f}, max {row['exposed_max']:.3f}) | {per_pass}")
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 PY
