@@ -97,14 +97,14 @@ TEST(Ulysses, HeadGroupsGiveTheUnpipelinedBits) {
         EXPECT_TRUE(same_bits(one.dv, piped.dv)) << where;
         for (int r = 0; r < c.p; ++r) {
           // Same bytes (Ulysses; hybrid's ring sends its token ids once per group, volume_test),
-          // and no more memory than one group's buffers over G = 1's (a third of it here).
+          // and no more memory than G = 1 (groups' buffers are 1/G; 45-80 % of it here).
           if (c.kind == StrategyKind::ulysses) {
             EXPECT_EQ(one.forward_stats[r].bytes_sent, piped.forward_stats[r].bytes_sent) << where;
             EXPECT_EQ(one.backward_stats[r].bytes_sent, piped.backward_stats[r].bytes_sent) << where;
           }
-          EXPECT_LE(piped.forward_stats[r].peak_bytes, one.forward_stats[r].peak_bytes * 4 / 3)
+          EXPECT_LE(piped.forward_stats[r].peak_bytes, one.forward_stats[r].peak_bytes)
               << where;
-          EXPECT_LE(piped.backward_stats[r].peak_bytes, one.backward_stats[r].peak_bytes * 4 / 3)
+          EXPECT_LE(piped.backward_stats[r].peak_bytes, one.backward_stats[r].peak_bytes)
               << where;
         }
       }
