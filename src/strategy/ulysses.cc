@@ -4,8 +4,9 @@
 //   rank r: [Tl tokens, all H heads] --all-to-all--> [all T tokens, H/P heads] --kernel-->
 //           [T, H/P] --all-to-all--> [Tl, H]
 //
-// Pipelined over up to 4 head groups (Groups below): group g+1's all-to-all in and group g-1's
-// all-to-all back travel while group g computes; same bytes, same bits as one group.
+// Pipelined over up to 4 head groups (Groups below; hybrid: 1 unless CTXPAR_ULYSSES_GROUPS
+// asks): group g+1's all-to-all in and group g-1's all-to-all back travel while group g
+// computes; same bytes, same bits as one group.
 //
 // The gathered sequence is put in global position order (positions are all-gathered first),
 // so the kernel's tiles see increasing positions whatever the layout and skip masked tiles.
@@ -155,16 +156,16 @@ constexpr int kTagBase = 1 << 19;
 int tag_in(int g) { return kTagBase + 2 * g; }
 int tag_back(int g) { return kTagBase + 2 * g + 1; }
 
-// CTXPAR_ULYSSES_GROUPS: the most groups (default kMaxGroups; 1 turns the pipeline off).
-int groups_limit() {
+// CTXPAR_ULYSSES_GROUPS: the most groups (1 turns the pipeline off), else the caller's.
+int groups_limit(int by_default) {
   const char* env = std::getenv("CTXPAR_ULYSSES_GROUPS");
-  if (!env || !*env) return kMaxGroups;
+  if (!env || !*env) return by_default;
   char* end = nullptr;
   const long n = std::strtol(env, &end, 10);
   CTXPAR_CHECK(*end == '\0' && n >= 1 && n <= kGroupsLimit,
                "CTXPAR_ULYSSES_GROUPS must be an integer in [1, ", kGroupsLimit,
                "] (the most head groups Ulysses pipelines its all-to-alls over; 1 = none), got '",
-               env, "'; unset it for the default ", kMaxGroups);
+               env, "'; unset it for the default (Ulysses ", kMaxGroups, ", hybrid 1)");
   return int(n);
 }
 
@@ -172,10 +173,11 @@ int groups_limit() {
 // KV heads per kernel call >= its threads: below that the fast kernel splits a head's key
 // tiles over threads (Note [Backward tasks]) and would sum dK/dV/dQ in another order than
 // the unpipelined call; with it, every group's results are the same bits as G = 1's.
-Groups choose_groups(const HeadSplit& split, int64_t batch, int threads, bool backward) {
+Groups choose_groups(const HeadSplit& split, int64_t batch, int threads, bool backward,
+                     int by_default) {
   const int64_t common = std::gcd(split.hq_local, split.hkv_local);
   Groups g;
-  for (int n = int(std::min<int64_t>(groups_limit(), common)); n > 1; --n)
+  for (int n = int(std::min<int64_t>(groups_limit(by_default), common)); n > 1; --n)
     if (common % n == 0 && (!backward || batch * split.hkv_local / n >= threads)) {
       g.count = n;
       break;
@@ -212,13 +214,13 @@ void arrive(Device& dev, const Exchange& x) { dev.wait(kComputeStream, x.done); 
 void ulysses_forward(Communicator& comm, Run& run, const Dims& dims, const TensorView& q,
                      const TensorView& k, const TensorView& v, const Tokens& tokens,
                      const TensorView& out, const TensorView& lse,
-                     const UlyssesForwardInner& inner) {
+                     const UlyssesForwardInner& inner, int groups_by_default) {
   // q, out [B, Tl, Hq, D]; k, v [B, Tl, Hkv, D]; lse [B, Hq, Tl]
   Device& dev = *run.dev;
   const int p = comm.size();
   const int64_t b = dims.batch, tl = dims.tokens, t = tl * p, d = dims.d;
   const HeadSplit split(dims, p);
-  const Groups groups = choose_groups(split, b, run.kernel.threads, false);
+  const Groups groups = choose_groups(split, b, run.kernel.threads, false, groups_by_default);
   const int64_t hq = split.hq_local, gq = groups.hq, gk = groups.hk;
   const GroupTokens group = gather_tokens(comm, run, tokens, tl);
 
@@ -283,13 +285,13 @@ void ulysses_backward(Communicator& comm, Run& run, const Dims& dims, const Tens
                       const TensorView& k, const TensorView& v, const Tokens& tokens,
                       const TensorView& out, const TensorView& lse, const TensorView& dout,
                       const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                      const UlyssesBackwardInner& inner) {
+                      const UlyssesBackwardInner& inner, int groups_by_default) {
   // q, out, dout, dq [B, Tl, Hq, D]; k, v, dk, dv [B, Tl, Hkv, D]; lse [B, Hq, Tl]
   Device& dev = *run.dev;
   const int p = comm.size();
   const int64_t b = dims.batch, tl = dims.tokens, t = tl * p, d = dims.d;
   const HeadSplit split(dims, p);
-  const Groups groups = choose_groups(split, b, run.kernel.threads, true);
+  const Groups groups = choose_groups(split, b, run.kernel.threads, true, groups_by_default);
   const int64_t hq = split.hq_local, gq = groups.hq, gk = groups.hk;
   const DType es = dims.dtype, eo = dims.out_dtype;
 
@@ -408,7 +410,8 @@ class UlyssesStrategy final : public Strategy {
                       dev.forward_block(kComputeStream, qf, tf, kf, vf, tf, run.mask, state.get(),
                                         run.kernel);
                       dev.forward_finalize(kComputeStream, state.get(), of, lf, run.kernel);
-                    });
+                    },
+                    kMaxGroups);
     call.finish();
   }
 
@@ -429,7 +432,8 @@ class UlyssesStrategy final : public Strategy {
             const TensorView& dqf, const TensorView& dkf, const TensorView& dvf) {
           run.dev->backward_block(kComputeStream, qf, tf, kf, vf, tf, run.mask, dof, lf, df, dqf,
                                   dkf, dvf, run.kernel);
-        });
+        },
+        kMaxGroups);
     call.finish();
   }
 };

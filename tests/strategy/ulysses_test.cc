@@ -52,7 +52,8 @@ struct GroupCase {
 };
 
 // Every case pipelines (G > 1) at least in one direction, except the last, which checks
-// that the one-replicated-KV-head case (hk = 1) stays whole.
+// that the one-replicated-KV-head case (hk = 1) stays whole. Hybrid with
+// CTXPAR_ULYSSES_GROUPS=4: the ring inside runs once per group.
 TEST(Ulysses, HeadGroupsGiveTheUnpipelinedBits) {
   const GroupCase cases[] = {
       {StrategyKind::ulysses, 2, 0, 8, 8, 48, 1, "MHA: hq 4, hk 4, G 4"},
@@ -86,7 +87,8 @@ TEST(Ulysses, HeadGroupsGiveTheUnpipelinedBits) {
           one = run_sharded(pr, c.p, LayoutKind::zigzag, opt);
         }
         {
-          ScopedEnv env("CTXPAR_ULYSSES_GROUPS", nullptr);
+          // Ulysses pipelines by default; hybrid when asked (its ring's token ids go G times).
+          ScopedEnv env("CTXPAR_ULYSSES_GROUPS", c.kind == StrategyKind::hybrid ? "4" : nullptr);
           piped = run_sharded(pr, c.p, LayoutKind::zigzag, opt);
         }
         const std::string where = std::string(c.what) + ", " + device_name(device) + ", " + mask;
@@ -96,7 +98,7 @@ TEST(Ulysses, HeadGroupsGiveTheUnpipelinedBits) {
         EXPECT_TRUE(same_bits(one.dk, piped.dk)) << where;
         EXPECT_TRUE(same_bits(one.dv, piped.dv)) << where;
         for (int r = 0; r < c.p; ++r) {
-          // Same bytes (Ulysses; hybrid's ring sends its token ids once per group, volume_test),
+          // Same bytes (Ulysses; hybrid's ring sends its token ids once per group),
           // and no more memory than G = 1 (groups' buffers are 1/G; 45-80 % of it here).
           if (c.kind == StrategyKind::ulysses) {
             EXPECT_EQ(one.forward_stats[r].bytes_sent, piped.forward_stats[r].bytes_sent) << where;

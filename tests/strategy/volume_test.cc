@@ -46,13 +46,6 @@ uint64_t ring_forward_bytes(const Problem& pr, int p, int64_t tokens, int64_t he
 uint64_t ring_backward_bytes(const Problem& pr, int p, int64_t tokens, int64_t heads) {
   return (p - 1) * (kv_block(pr, tokens, heads) + grad_block(pr, tokens, heads));
 }
-// Ulysses' head groups (docs/ulysses.md): the most, up to 4, that divide the hq query heads
-// and hk KV slots of a rank (the kernel runs one thread here).
-int64_t ulysses_groups(int64_t hq, int64_t hk) {
-  for (int64_t n = 4; n > 1; --n)
-    if (hq % n == 0 && hk % n == 0) return n;
-  return 1;
-}
 // Ulysses over n ranks: positions (+docs) all-gathered, then one all-to-all in and one back,
 // each sending n-1 of its n chunks. out / dout are fp32 in these tests.
 uint64_t ulysses_bytes(const Problem& pr, int n, int64_t tl, bool backward) {
@@ -85,15 +78,12 @@ uint64_t expected_bytes(const Case& c, bool backward) {
     }
     case StrategyKind::ulysses: return ulysses_bytes(pr, c.p, tl, backward);
     case StrategyKind::hybrid: {
-      // The ring runs once per Ulysses head group (on hk/G KV heads): the same K/V bytes,
-      // and the token ids G times.
       const int u = c.opt.ulysses_degree, rings = c.p / u;
       const int64_t hq = pr.hq / u, rep = pr.hq / pr.hkv;
       const int64_t hk = pr.hkv % u == 0 ? pr.hkv / u : rep % hq == 0 ? 1 : hq;
-      const int64_t g = ulysses_groups(hq, hk);
       return ulysses_bytes(pr, u, tl, backward) +
-             g * (backward ? ring_backward_bytes(pr, rings, u * tl, hk / g)
-                           : ring_forward_bytes(pr, rings, u * tl, hk / g));
+             (backward ? ring_backward_bytes(pr, rings, u * tl, hk)
+                       : ring_forward_bytes(pr, rings, u * tl, hk));
     }
   }
   return 0;
