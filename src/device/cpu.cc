@@ -186,11 +186,18 @@ class CpuDevice final : public Device {
  protected:
   void free(std::unique_ptr<DeviceBuffer::Storage> storage) override {
     auto* s = static_cast<CpuStorage*>(storage.get());
-    try {
-      for (Pending& p : pending_) {
-        if (p.storage == s) p.storage = nullptr;
-        if (p.into == s) finish(p);  // an all-to-all's chunk: lands before the memory goes
+    for (Pending& p : pending_) {
+      if (p.storage == s) p.storage = nullptr;
+      if (p.into != s) continue;
+      try {
+        finish(p);  // an all-to-all's chunk: lands before the memory goes
+      } catch (...) {
+        // As below; the chunk's place is gone either way, so nothing may write it later.
       }
+      p.into = nullptr;
+      p.request = Request();
+    }
+    try {
       if (s->transfer.valid()) complete(s);
     } catch (...) {
       // Freed while unwinding from a failed call: that failure is the one reported.

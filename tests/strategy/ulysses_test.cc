@@ -133,7 +133,8 @@ TEST(Ulysses, BadGroupsVariableIsAnErrorNamingIt) {
 // The cpu device's all-to-all is posted, not run: rank 0's call returns before rank 1 has
 // called its own (a blocking all-to-all would wait for rank 1, which waits 5 s for rank 0's
 // return first). Two all-to-alls of different sizes are pending at once, posted in opposite
-// orders by the two ranks: their tags keep them apart, and each lands in place.
+// orders by the two ranks: their tags keep them apart, and each lands in place. A third one's
+// receive buffer is freed before any wait.
 TEST(Ulysses, CpuAlltoallIsPostedAndPendingOnesKeepApart) {
   for (DeviceKind kind : {DeviceKind::cpu, DeviceKind::sim}) {
     std::atomic<bool> returned{false}, seen{true};
@@ -161,6 +162,10 @@ TEST(Ulysses, CpuAlltoallIsPostedAndPendingOnesKeepApart) {
         dev->alltoall(kCommStream, comm, a, ra, small, 10);
         dev->alltoall(kCommStream, comm, b, rb, big, 11);
         returned = true;
+      }
+      {  // A receive buffer freed before its wait: its chunks land first (or are dropped).
+        DeviceBuffer gone = dev->alloc(2 * small);
+        dev->alltoall(kCommStream, comm, a, gone, small, 12);
       }
       dev->wait(kComputeStream, dev->record(kCommStream));
       dev->synchronize();
