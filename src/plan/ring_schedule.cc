@@ -6,6 +6,7 @@
 
 #include "ctxpar/error.h"
 #include "ctxpar/plan.h"
+#include "ctxpar/strategy.h"
 
 namespace ctxpar {
 namespace {
@@ -232,6 +233,7 @@ RingSimulation simulate_ring(const RingProblem& pr) {
     // compute adds to it; after the compute (and once our previous accumulator has left) it
     // goes on to r+1. P-1 hops bring every accumulator home.
     std::vector<double> arrive_dkv(P, 0.0), dkv_done(P, 0.0), next_dkv(P);
+    const std::vector<int64_t> last_cuts = ring_last_hop_cuts(n);
     for (int s = 0; s < P; ++s) {
       pairs_of_step(s);
       std::fill(sent.begin(), sent.end(), Posted{0, 0});
@@ -246,17 +248,37 @@ RingSimulation simulate_ring(const RingProblem& pr) {
         st.compute = compute_seconds(r, 2.5, true);
         double end = t + st.compute;
         double waited = t - st.start;
-        if (s > 1 && !pr.accumulator_before_compute) {
-          waited += std::max(0.0, arrive_dkv[r] - end);
-          end = std::max(end, arrive_dkv[r]);
-        }
-        if (s > 0) {
-          const double after = std::max(end, dkv_done[r]);
-          waited += after - end;
-          end = after;
-          const Posted g = post(r, end, dkv_bytes);
-          dkv_done[r] = g.done;
-          next_dkv[(r + 1) % P] = g.arrive;
+        if (s > 0 && s == P - 1 && !pr.accumulator_before_compute) {
+          // The last step sends the accumulator home in pieces of key rows, each right after
+          // its compute (Note [Pipelined last hop] in src/strategy/ring.cc); the step's
+          // compute is spread over the pieces in proportion to their rows. Before the first
+          // piece is added to it, the accumulator must have arrived and our previous one left.
+          end = t;
+          for (size_t c = 0; c + 1 < last_cuts.size(); ++c) {
+            const double share = double(last_cuts[c + 1] - last_cuts[c]) / double(n);
+            end += st.compute * share;
+            if (c == 0 && s > 1) {
+              const double after = std::max({end, arrive_dkv[r], dkv_done[r]});
+              waited += after - end;
+              end = after;
+            }
+            const Posted g = post(r, end, dkv_bytes * share);
+            dkv_done[r] = g.done;
+            next_dkv[(r + 1) % P] = g.arrive;
+          }
+        } else {
+          if (s > 1 && !pr.accumulator_before_compute) {
+            waited += std::max(0.0, arrive_dkv[r] - end);
+            end = std::max(end, arrive_dkv[r]);
+          }
+          if (s > 0) {
+            const double after = std::max(end, dkv_done[r]);
+            waited += after - end;
+            end = after;
+            const Posted g = post(r, end, dkv_bytes);
+            dkv_done[r] = g.done;
+            next_dkv[(r + 1) % P] = g.arrive;
+          }
         }
         if (s + 1 < P) {
           const double after = std::max({end, sent[(r + P - 1) % P].arrive, sent[r].done});

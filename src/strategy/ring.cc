@@ -12,6 +12,8 @@
 // on after that rank's compute, so after P-1 hops it is back at rank j, which adds it to its
 // own contribution. Each rank computes its share into a local buffer first and adds it to the
 // travelling accumulator afterwards, so that accumulator transfers hide behind compute.
+#include <algorithm>
+
 #include "strategy/internal.h"
 
 namespace ctxpar::strategy {
@@ -55,6 +57,39 @@ class RingComm {
   Event arrived_;
 };
 
+
+// Note [Pipelined last hop]: after the last step every accumulator still has one hop to go
+// home, and no compute is left to hide it behind. Sent whole, that hop was fully exposed (1/3
+// of all the bytes a rank moves in forward + backward at P = 2, measured over a shaped TCP
+// link: docs/BENCHMARKS.md). So the last step computes its block in pieces of key rows and
+// sends each piece's finished accumulator as soon as it is done: the hop of piece c overlaps
+// the compute of pieces c+1, ...; only the last piece's hop (1/pieces of it) is exposed. The
+// backward kernel owns dK/dV rows per key tile (Note [Backward tasks]), so cutting at tile
+// multiples leaves dK/dV bitwise as in one call; dQ is accumulated piece by piece (a fixed
+// order: still deterministic, and the same on every transport and device).
+size_t piece_bytes(const KvPacking& grad, const std::vector<int64_t>& cuts, int c) {
+  return size_t(grad.batch * (cuts[c + 1] - cuts[c]) * grad.heads * grad.d) * 4;
+}
+
+Tokens token_rows(const Tokens& t, int64_t r0, int64_t r1) {
+  Tokens out;
+  out.positions = t.positions.subspan(size_t(r0), size_t(r1 - r0));
+  if (!t.documents.empty()) out.documents = t.documents.subspan(size_t(r0), size_t(r1 - r0));
+  return out;
+}
+
+// Sends rows [r0, r1) of the [dk | dv] accumulator `acc` to the next rank, packed into a new
+// [dk rows | dv rows] buffer (copied on the compute stream, after the compute that finished
+// them; the send follows on the comm stream).
+void send_piece(Device& dev, Communicator& comm, const KvPacking& grad, const DeviceBuffer& acc,
+                int64_t r0, int64_t r1, int tag) {
+  const KvPacking piece{grad.batch, r1 - r0, grad.heads, grad.d, DType::f32, false};
+  DeviceBuffer out = dev.alloc(2 * piece.kv_bytes());
+  dev.copy(kComputeStream, grad.k(acc).slice(1, r0, r1), piece.k(out));
+  dev.copy(kComputeStream, grad.v(acc).slice(1, r0, r1), piece.v(out));
+  dev.wait(kCommStream, dev.record(kComputeStream));
+  dev.send(kCommStream, comm, out, (comm.rank() + 1) % comm.size(), tag);
+}
 }  // namespace
 
 void ring_forward(Communicator& comm, Run& run, const TensorView& q, const Tokens& q_tokens,
@@ -102,6 +137,8 @@ void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Toke
   const KvPacking grad{k.dim(0), k.dim(1), k.dim(2), k.dim(3), DType::f32, false};
   const size_t grad_bytes = 2 * grad.kv_bytes();  // [dk | dv] fp32, no tokens
   RingComm kv_ring(dev, comm, pack.bytes(), 0), grad_ring(dev, comm, grad_bytes, kGradTag);
+  const std::vector<int64_t> cuts = ring_last_hop_cuts(k.dim(1));
+  const int pieces = int(cuts.size()) - 1;
 
   DeviceBuffer block;
   if (p > 1) block = pack.pack(dev, kComputeStream, k, v, kv_tokens);
@@ -110,10 +147,13 @@ void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Toke
   // step: P-1 hops bring it home, where it is added to `own`. From step 2 on, a step computes
   // into a local `part` while the accumulator is still in flight from the previous rank, and
   // adds `part` into it only after the compute: the accumulator's transfer hides behind the
-  // compute instead of being waited for before it (one more fp32 buffer per rank).
+  // compute instead of being waited for before it (one more fp32 buffer per rank). The last
+  // step sends it home in pieces of key rows (Note [Pipelined last hop]).
   DeviceBuffer own = dev.alloc(grad_bytes), acc, part;
+  std::vector<DeviceBuffer> home;  // the pieces of our own block's accumulator, coming home
   dev.fill_zero(kComputeStream, flat_f32(own));
   for (int s = 0; s < p; ++s) {
+    const bool last = p > 1 && s == p - 1;
     if (s + 1 < p) kv_ring.send_recv(block, s + 1);
     if (s == 1) {
       acc = dev.alloc(grad_bytes);
@@ -123,23 +163,38 @@ void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Toke
       dev.fill_zero(kComputeStream, flat_f32(part));
     }
     const DeviceBuffer& into = s == 0 ? own : s == 1 ? acc : part;
-    if (s == 0)
-      dev.backward_block(kComputeStream, q, q_tokens, k, v, kv_tokens, run.mask, dout, lse, delta,
-                         dq, grad.k(into), grad.v(into), run.kernel);
-    else
-      dev.backward_block(kComputeStream, q, q_tokens, pack.k(block), pack.v(block),
-                         pack.tokens_of(block), run.mask, dout, lse, delta, dq, grad.k(into),
-                         grad.v(into), run.kernel);
-    if (s > 1) {  // the accumulator left the previous rank after its compute on this block
-      acc = grad_ring.wait();
-      dev.add(kComputeStream, flat_f32(part), flat_f32(acc));
+    const TensorView kb = s == 0 ? k : pack.k(block);
+    const TensorView vb = s == 0 ? v : pack.v(block);
+    const Tokens tb = s == 0 ? kv_tokens : pack.tokens_of(block);
+    if (last) {  // receives first: the pieces may arrive while this step computes
+      dev.wait(kCommStream, dev.record(kComputeStream));
+      for (int c = 0; c < pieces; ++c)
+        home.push_back(dev.recv(kCommStream, comm, 2 * piece_bytes(grad, cuts, c),
+                                (comm.rank() + p - 1) % p, kGradTag + p + 1 + c));
     }
-    if (s > 0) grad_ring.send_recv(acc, s + 1);  // after the last step: our own, coming home
+    for (int c = 0; c < (last ? pieces : 1); ++c) {
+      const int64_t r0 = last ? cuts[c] : 0, r1 = last ? cuts[c + 1] : k.dim(1);
+      dev.backward_block(kComputeStream, q, q_tokens, kb.slice(1, r0, r1), vb.slice(1, r0, r1),
+                         token_rows(tb, r0, r1), run.mask, dout, lse, delta, dq,
+                         grad.k(into).slice(1, r0, r1), grad.v(into).slice(1, r0, r1),
+                         run.kernel);
+      if (s > 1) {  // the accumulator left the previous rank after its compute on this block
+        if (c == 0) acc = grad_ring.wait();
+        dev.add(kComputeStream, grad.k(part).slice(1, r0, r1), grad.k(acc).slice(1, r0, r1));
+        dev.add(kComputeStream, grad.v(part).slice(1, r0, r1), grad.v(acc).slice(1, r0, r1));
+      }
+      if (last) send_piece(dev, comm, grad, acc, r0, r1, kGradTag + p + 1 + c);
+    }
+    if (s > 0 && !last) grad_ring.send_recv(acc, s + 1);
     if (s + 1 < p) block = kv_ring.wait();
   }
   if (p > 1) {
-    DeviceBuffer home = grad_ring.wait();
-    dev.add(kComputeStream, flat_f32(home), flat_f32(own));
+    dev.wait(kComputeStream, dev.record(kCommStream));
+    for (int c = 0; c < pieces; ++c) {
+      const KvPacking piece{grad.batch, cuts[c + 1] - cuts[c], grad.heads, grad.d, DType::f32, false};
+      dev.add(kComputeStream, piece.k(home[c]), grad.k(own).slice(1, cuts[c], cuts[c + 1]));
+      dev.add(kComputeStream, piece.v(home[c]), grad.v(own).slice(1, cuts[c], cuts[c + 1]));
+    }
   }
   dev.copy(kComputeStream, grad.k(own), dk);
   dev.copy(kComputeStream, grad.v(own), dv);
@@ -184,3 +239,19 @@ std::unique_ptr<Strategy> make_ring(Communicator& comm, const StrategyOptions& o
 }
 
 }  // namespace ctxpar::strategy
+
+namespace ctxpar {
+
+std::vector<int64_t> ring_last_hop_cuts(int64_t key_rows) {
+  constexpr int64_t kPieceRows = 64;  // a multiple of the kernel's key tile
+  constexpr int64_t kMaxPieces = 8;
+  const int64_t tiles = (key_rows + kPieceRows - 1) / kPieceRows;
+  const int64_t pieces = std::max<int64_t>(1, std::min(kMaxPieces, tiles));
+  const int64_t per = (tiles + pieces - 1) / pieces * kPieceRows;
+  std::vector<int64_t> cuts{0};
+  while (cuts.back() < key_rows) cuts.push_back(std::min(key_rows, cuts.back() + per));
+  if (key_rows <= 0) cuts.push_back(0);
+  return cuts;
+}
+
+}  // namespace ctxpar

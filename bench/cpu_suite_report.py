@@ -1,0 +1,200 @@
+"""The table and summary.json of bench/cpu_suite.sh: every ratio of issue 14, taken per
+repetition from the JSON files of that repetition's runs (so both sides of a ratio ran minutes
+apart at most, in alternating order), then the median and the spread (min - max) over the
+repetitions. Standard library only; any python3 runs it.
+
+    python3 bench/cpu_suite_report.py OUT_DIR     # reads OUT_DIR/info/, OUT_DIR/raw/rep*/
+"""
+import json
+import os
+import statistics
+import sys
+
+
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_text(path, default="?"):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return default
+
+
+def lscpu_field(text, name):
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == name:
+            return value.strip()
+    return "?"
+
+
+def machine_and_build(info):
+    """meta: the configuration the suite wrote, the machine (lscpu), ctxpar's and torch's versions."""
+    meta = load(os.path.join(info, "config.json"))
+    lscpu = read_text(os.path.join(info, "lscpu.txt"))
+    flags = set(lscpu_field(lscpu, "Flags").split())
+    version = read_text(os.path.join(info, "ctxpar_version.txt"))
+    meta.update(
+        date=read_text(os.path.join(info, "date")),
+        cpu_model=lscpu_field(lscpu, "Model name"), cpus=lscpu_field(lscpu, "CPU(s)"),
+        cpu_flags=" ".join(f for f in ("avx512f", "avx2", "fma") if f in flags) or "none of avx512f avx2 fma",
+        loadavg_start=read_text(os.path.join(info, "loadavg_start")),
+        loadavg_end=read_text(os.path.join(info, "loadavg_end")),
+        git_commit=read_text(os.path.join(info, "git_commit")).replace("\n", " "),
+        ctxpar_version=version.splitlines()[0] if version else "?",
+        ctxpar_simd=next((l.split(":", 1)[1].split()[0] for l in version.splitlines()
+                          if l.startswith("chosen:")), "?"))
+    skipped = read_text(os.path.join(info, "torch_skipped"), None)
+    meta["torch_skipped"] = skipped
+    if skipped is None:
+        meta["torch"] = load(os.path.join(info, "torch.json"))
+        meta["torch_is_pinned_version"] = (
+            meta["torch"]["torch_version"].split("+")[0] == meta["torch_pin"])
+    return meta
+
+
+def repetitions(raw):
+    """[{run name: its JSON}] in repetition order; a run that failed has no file and is absent."""
+    reps = sorted((d for d in os.listdir(raw) if d.startswith("rep")), key=lambda d: int(d[3:]))
+    out = []
+    for d in reps:
+        runs = {}
+        for name in os.listdir(os.path.join(raw, d)):
+            if name.endswith(".json"):
+                try:
+                    runs[name[:-5]] = load(os.path.join(raw, d, name))
+                except ValueError:  # not JSON: counted as a failed run
+                    pass
+        out.append(runs)
+    return out
+
+
+def ratio_rows(meta):
+    """(key, label, goal or None, fn(runs) -> value) for every figure, in table order."""
+    rows = [
+        ("kernel_fwd_peak_1t", "ctxpar forward / one-thread FMA peak", 0.70,
+         lambda r: r["kernel_1t"]["fwd_peak_ratio"]),
+        ("kernel_bwd_peak_1t", "ctxpar backward / one-thread FMA peak", 0.60,
+         lambda r: r["kernel_1t"]["bwd_peak_ratio"]),
+        ("kernel_fwd_peak_2t", "ctxpar forward / two-thread FMA peak", None,
+         lambda r: r["kernel_2t"]["fwd_peak_ratio"]),
+        ("kernel_bwd_peak_2t", "ctxpar backward / two-thread FMA peak", None,
+         lambda r: r["kernel_2t"]["bwd_peak_ratio"]),
+    ]
+    if meta.get("torch_skipped") is None:
+        for n in (1, 2):
+            for mask, prefix in (("non-causal", ""), ("causal", "causal_")):
+                for pas, word in (("fwd", "forward"), ("bwd", "backward")):
+                    key = prefix + pas + "_seconds"
+                    rows.append((f"vs_torch_{prefix}{pas}_{n}t",
+                                 f"ctxpar / torch SDPA speed, {word}, {mask}, {n} thread{'s' * (n > 1)}",
+                                 1.2, lambda r, n=n, key=key:
+                                 r[f"torch_{n}t"][key] / r[f"kernel_{n}t"][key]))
+    rows += [
+        ("ring_p2_zigzag_vs_one_rank_2t", "ring P=2 zigzag causal / one rank with 2 threads (speed)",
+         0.95, lambda r: r["one_rank_2t"]["forward_seconds"] / r["ring_p2_zigzag"]["forward_seconds"]),
+        ("zigzag_vs_contiguous", "zigzag / contiguous, P=2 causal (speed)", 1.4,
+         lambda r: r["ring_p2_contiguous"]["forward_seconds"] / r["ring_p2_zigzag"]["forward_seconds"]),
+    ]
+    return rows
+
+
+def figures(meta, reps):
+    out = {}
+    for key, label, goal, fn in ratio_rows(meta):
+        values = []
+        for runs in reps:
+            try:
+                values.append(fn(runs))
+            except KeyError:  # a run of this repetition failed: its log says why
+                pass
+        fig = dict(label=label, goal=goal, values=values, repetitions=len(values))
+        if values:
+            fig.update(median=statistics.median(values), min=min(values), max=max(values))
+            if goal is not None:
+                fig["median_meets_goal"] = fig["median"] >= goal
+        out[key] = fig
+    return out
+
+
+def medians(reps, run, fields):
+    """Median over repetitions of the underlying absolute figures (context, not evidence)."""
+    out = {}
+    for f in fields:
+        vals = [r[run][f] for r in reps if run in r and f in r[run]]
+        if vals:
+            out[f] = statistics.median(vals)
+    return out
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit("usage: cpu_suite_report.py OUT_DIR")
+    out_dir = sys.argv[1]
+    meta = machine_and_build(os.path.join(out_dir, "info"))
+    reps = repetitions(os.path.join(out_dir, "raw"))
+    figs = figures(meta, reps)
+    kernel_fields = ["peak_gflops", "fwd_gflops", "bwd_gflops", "causal_fwd_gflops",
+                     "causal_bwd_gflops", "fwd_seconds", "bwd_seconds", "causal_fwd_seconds",
+                     "causal_bwd_seconds"]
+    absolute = {name: medians(reps, name, kernel_fields + ["forward_seconds"])
+                for name in ("kernel_1t", "kernel_2t", "torch_1t", "torch_2t", "ring_p2_zigzag",
+                             "ring_p2_contiguous", "one_rank_2t")}
+    failed = sorted({f"rep{i + 1}/{n}" for i, r in enumerate(reps) for n in meta["runs"]
+                     if n not in r and not (n.startswith("torch") and meta.get("torch_skipped"))})
+    summary = dict(meta=meta, figures=figs, medians_of_absolute_figures=absolute,
+                   failed_runs=failed)
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+
+    m = meta
+    print(f"ctxpar CPU suite (issue 14), {m['date']}, {len(reps)} alternating repetition(s)"
+          f"{', QUICK shapes: not the issue figures' if m['quick'] else ''}")
+    print(f"machine: {m['cpu_model']}; flags: {m['cpu_flags']}; {m['cpus']} CPU(s); "
+          f"load average at start {m['loadavg_start']}, at end {m.get('loadavg_end', '?')}")
+    print(f"ctxpar: {m['ctxpar_version']}, SIMD chosen: {m['ctxpar_simd']}, commit {m['git_commit']}")
+    if m.get("torch_skipped"):
+        print(f"torch: SKIPPED: {m['torch_skipped']}")
+    else:
+        t = m["torch"]
+        pin = "pinned" if m["torch_is_pinned_version"] else "NOT the pinned"
+        print(f"torch: {t['torch_version']} ({pin} {m['torch_pin']}), "
+              f"cpu capability {t['cpu_capability']}, python {t['python']}, {m['torch_python']}")
+        be = sorted({b for r in reps for k in ("torch_1t", "torch_2t") if k in r
+                     for b in r[k].get("backend", []) + r[k].get("causal_backend", [])})
+        print(f"torch kernels seen: {', '.join(be) or '?'}")
+    k, c = m["kernel_shape"], m["cp_shape"]
+    print(f"kernel rows: T={k['seq']} H={k['heads']} D={k['head_dim']} B=1 fp32 (ctxpar [B,T,H,D], "
+          f"torch [B,H,T,D]); ring rows: causal T={c['seq']} H={c['heads']} D={c['head_dim']}, "
+          f"forward wall; inner best of {m['inner']}")
+    print()
+    w = max(len(f["label"]) for f in figs.values())
+    print(f"{'figure':<{w}}  {'median':>7}  {'min - max':>15}  {'goal':>6}  met")
+    for f in figs.values():
+        goal = f"{f['goal']:.2f}" if f["goal"] is not None else ""
+        if not f["values"]:
+            print(f"{f['label']:<{w}}  {'n/a':>7}  {'(no run)':>15}  {goal:>6}")
+            continue
+        met = ("yes" if f["median_meets_goal"] else "NO") if f["goal"] is not None else ""
+        spread = f"{f['min']:.3f} - {f['max']:.3f}"
+        print(f"{f['label']:<{w}}  {f['median']:7.3f}  {spread:>15}  {goal:>6}  {met}")
+    if m.get("torch_skipped"):
+        print(f"{'ctxpar / torch SDPA (8 rows)':<{w}}  {'n/a':>7}  {'(SKIPPED)':>15}  {'1.20':>6}")
+    print(f"{'ctxpar / ggml CPU flash attention, forward, 2 threads':<{w}}  {'n/a':>7}  "
+          f"{'(not run here)':>15}  {'1.50':>6}")
+    print()
+    print("speed ratios are the other side's seconds / this side's: > 1 means ctxpar (the ring, "
+          "zigzag) is faster.")
+    print("ggml's row is measured outside the project (llama.cpp); this suite does not build it.")
+    if failed:
+        print(f"FAILED runs (see {out_dir}/logs/): {', '.join(failed)}")
+    print(f"JSON: {os.path.join(out_dir, 'summary.json')}; raw runs: {os.path.join(out_dir, 'raw')}/")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

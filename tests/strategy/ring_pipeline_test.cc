@@ -1,0 +1,170 @@
+// The ring backward's last hop home is pipelined (Note [Pipelined last hop] in
+// src/strategy/ring.cc): the last step computes its K/V block in pieces of key rows and sends
+// each piece's finished dK/dV accumulator before computing the next piece. Checked on the
+// order of the operations a rank enqueues (a recording device around the cpu device), which
+// does not depend on the machine's speed; the accuracy of multi-piece runs is checked against
+// the fp64 reference.
+#include <gtest/gtest.h>
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "ctxpar/comm.h"
+#include "ctxpar/device.h"
+#include "strategy/internal.h"
+#include "strategy/strategy_support.h"
+
+namespace ctxpar::testing {
+namespace {
+
+// Forwards every operation to a cpu device and logs the ones that show the schedule:
+// "bwd <key rows>" and "send <bytes> <tag>".
+class RecordingDevice final : public Device {
+ public:
+  explicit RecordingDevice(int rank) : inner_(make_device({}, rank)) {}
+  std::vector<std::string> log;
+
+  std::string name() const override { return "recording"; }
+  DeviceBuffer alloc(size_t bytes) override { return inner_->alloc(bytes); }
+  Event record(Stream s) override { return inner_->record(s); }
+  void wait(Stream s, const Event& e) override { inner_->wait(s, e); }
+  void synchronize() override { inner_->synchronize(); }
+  void send(Stream s, Communicator& comm, DeviceBuffer& buffer, int peer, int tag) override {
+    log.push_back("send " + std::to_string(buffer.size()) + " " + std::to_string(tag));
+    inner_->send(s, comm, buffer, peer, tag);
+  }
+  DeviceBuffer recv(Stream s, Communicator& comm, size_t bytes, int peer, int tag) override {
+    return inner_->recv(s, comm, bytes, peer, tag);
+  }
+  void alltoall(Stream s, Communicator& comm, const DeviceBuffer& send, const DeviceBuffer& recv,
+                size_t chunk_bytes) override {
+    inner_->alltoall(s, comm, send, recv, chunk_bytes);
+  }
+  void barrier(Stream s, Communicator& comm) override { inner_->barrier(s, comm); }
+  bool lends_sent_buffers(const Communicator& comm) const override {
+    return inner_->lends_sent_buffers(comm);
+  }
+  void forward_block(Stream s, const TensorView& q, const Tokens& qt, const TensorView& k,
+                     const TensorView& v, const Tokens& kt, const Mask& mask, ForwardState& state,
+                     const KernelConfig& config) override {
+    inner_->forward_block(s, q, qt, k, v, kt, mask, state, config);
+  }
+  void forward_finalize(Stream s, ForwardState& state, const TensorView& out,
+                        const TensorView& lse, const KernelConfig& config) override {
+    inner_->forward_finalize(s, state, out, lse, config);
+  }
+  void backward_delta(Stream s, const TensorView& out, const TensorView& dout,
+                      const TensorView& delta, const KernelConfig& config) override {
+    inner_->backward_delta(s, out, dout, delta, config);
+  }
+  void backward_block(Stream s, const TensorView& q, const Tokens& qt, const TensorView& k,
+                      const TensorView& v, const Tokens& kt, const Mask& mask,
+                      const TensorView& dout, const TensorView& lse, const TensorView& delta,
+                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                      const KernelConfig& config) override {
+    log.push_back("bwd " + std::to_string(k.dim(1)));
+    inner_->backward_block(s, q, qt, k, v, kt, mask, dout, lse, delta, dq, dk, dv, config);
+  }
+  void merge(Stream s, const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b,
+             const TensorView& lse_b) override {
+    inner_->merge(s, o_a, lse_a, o_b, lse_b);
+  }
+  void add(Stream s, const TensorView& x, const TensorView& y) override { inner_->add(s, x, y); }
+  void copy(Stream s, const TensorView& src, const TensorView& dst) override {
+    inner_->copy(s, src, dst);
+  }
+  void fill_zero(Stream s, const TensorView& t) override { inner_->fill_zero(s, t); }
+  void pack_kv(Stream s, const TensorView& k, const TensorView& v, const Tokens& tokens,
+               bool documents, const TensorView& bk, const TensorView& bv,
+               std::byte* bt) override {
+    inner_->pack_kv(s, k, v, tokens, documents, bk, bv, bt);
+  }
+  void scatter_tokens(Stream s, const TensorView& src, const TensorView& dst,
+                      const TensorView& index) override {
+    inner_->scatter_tokens(s, src, dst, index);
+  }
+  void gather_tokens(Stream s, const TensorView& src, const TensorView& dst,
+                     const TensorView& index) override {
+    inner_->gather_tokens(s, src, dst, index);
+  }
+
+ protected:
+  // Every buffer comes from the inner device and goes back to it; nothing is ever ours.
+  void free(std::unique_ptr<DeviceBuffer::Storage>) override { std::abort(); }
+  void release_later(std::shared_ptr<void>) override { std::abort(); }
+
+ private:
+  std::unique_ptr<Device> inner_;
+};
+
+std::string joined(const std::vector<std::string>& v) {
+  std::ostringstream o;
+  for (const std::string& s : v) o << "\n  " << s;
+  return o.str();
+}
+
+// P = 2, 200 key rows a rank (three 64-row tiles and 8 rows): step 0 computes the own block
+// whole; step 1, the last, computes 4 pieces (64, 64, 64, 8 rows), each sent home right after
+// its compute, before the next piece's compute. Batch 2 makes every piece a strided view.
+TEST(RingPipeline, LastHopGoesHomeInPiecesAsTheyAreComputed) {
+  const int64_t b = 2, tl = 200, h = 2, d = 16;
+  std::vector<std::vector<std::string>> logs(2);
+  run_threads(2, [&](Communicator& comm) {
+    RecordingDevice dev(comm.rank());
+    strategy::Run run{&dev, Mask{}, KernelConfig{}};
+    auto zeros = [](const Shape& s) { return Tensor(DType::f32, s); };  // zero-filled
+    Tensor q = zeros({b, tl, h, d}), k = zeros({b, tl, h, d}), v = zeros({b, tl, h, d});
+    Tensor dout = zeros({b, tl, h, d}), lse = zeros({b, h, tl}), delta = zeros({b, h, tl});
+    Tensor dq = zeros({b, tl, h, d}), dk = zeros({b, tl, h, d}), dv = zeros({b, tl, h, d});
+    std::vector<int64_t> pos(tl);
+    for (int64_t i = 0; i < tl; ++i) pos[i] = comm.rank() * tl + i;
+    const Tokens tokens{pos, {}};
+    strategy::ring_backward(comm, run, q, tokens, k, v, tokens, dout, lse, delta, dq, dk, dv);
+    dev.synchronize();
+    logs[comm.rank()] = dev.log;
+  });
+  const size_t kv_block = 2 * b * tl * h * d * 4 + tl * 8;
+  const int tag0 = 16384 + 2 + 1;  // kGradTag + P + 1: the first piece
+  std::vector<std::string> want = {"send " + std::to_string(kv_block) + " 1", "bwd 200"};
+  const int64_t rows[] = {64, 64, 64, 8};
+  for (int c = 0; c < 4; ++c) {
+    want.push_back("bwd " + std::to_string(rows[c]));
+    want.push_back("send " + std::to_string(2 * b * rows[c] * h * d * 4) + " " +
+                   std::to_string(tag0 + c));
+  }
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(logs[r], want) << "rank " << r << " enqueued:" << joined(logs[r])
+                             << "\nwanted:" << joined(want);
+}
+
+// Multi-piece runs (several 64-row pieces and a short one, batch 2, GQA, documents) against
+// the fp64 reference with the strategies' rule; P = 2 and 4, contiguous and zigzag.
+TEST(RingPipeline, MultiPieceBackwardMatchesReference) {
+  for (const char* mask : {"none", "causal+documents"}) {
+    Problem pr;
+    pr.batch = 2;
+    pr.tokens = 840;  // 420 key rows a rank at P = 2 (7 pieces), 210 at P = 4 (4 pieces)
+    pr.hq = 4;
+    pr.hkv = 2;
+    pr.mask = parse_mask(mask);
+    pr.build();
+    const References& refs = references_of(pr);
+    const Errors bound = bounds_of(refs);
+    StrategyOptions opt;
+    opt.kind = StrategyKind::ring;
+    opt.mask = pr.mask;
+    for (int p : {2, 4})
+      for (LayoutKind layout : {LayoutKind::contiguous, LayoutKind::zigzag}) {
+        const Errors e = errors_of(run_sharded(pr, p, layout, opt), refs);
+        const std::string where = std::string(mask) + " P=" + std::to_string(p) + " " +
+                                  layout_name(layout);
+        EXPECT_LE(e.dq, bound.dq) << where;
+        EXPECT_LE(e.dk, bound.dk) << where;
+        EXPECT_LE(e.dv, bound.dv) << where;
+      }
+  }
+}
+
+}  // namespace
+}  // namespace ctxpar::testing
