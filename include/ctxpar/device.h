@@ -4,8 +4,9 @@
 // and transfers on streams, and says which stream waits for which (record / wait). See
 // docs/device.md (with a diagram).
 //
-//   cpu:  every operation runs inline on the calling thread; a transfer is posted when it is
-//         enqueued and a wait blocks the host until it is done (today's blocking behaviour).
+//   cpu:  every operation runs inline on the calling thread; a transfer (send, recv, and the
+//         messages of an alltoall) is posted when it is enqueued and a wait blocks the host
+//         until it is done, so a transfer posted before a compute overlaps it.
 //   sim:  an asynchronous device simulated on the host, for CI: each stream is a FIFO queue run
 //         by its own worker thread, events are counters, every operation may be delayed by a
 //         seeded random amount, freed memory is filled with NaN, and an operation that uses a
@@ -138,9 +139,15 @@ class Device {
   virtual void send(Stream s, Communicator& comm, DeviceBuffer& buffer, int peer, int tag) = 0;
   // A buffer of `bytes` that the message from `peer` fills; read it after a wait on `s`.
   virtual DeviceBuffer recv(Stream s, Communicator& comm, size_t bytes, int peer, int tag) = 0;
-  // Collectives of `comm` on `s` (see Communicator): buffers as raw views of bytes.
+  // All-to-all of `comm` on `s`: send holds comm.size() chunks of `chunk_bytes`, chunk j for
+  // rank j; recv chunk i comes from rank i (raw bytes). Asynchronous like send / recv: the
+  // P-1 chunks go as point-to-point messages of `comm` with tag `tag` (counted as send and
+  // recv, same bytes as Communicator::alltoall), `send` may be reused once they are posted
+  // (after a wait on `s` to be portable), and recv's contents are there after a wait on `s`.
+  // Several may be pending at once, and other messages of `comm` too: each pending one needs
+  // its own tag, not used by any other message of `comm` meanwhile (Ulysses: 1<<19 + ...).
   virtual void alltoall(Stream s, Communicator& comm, const DeviceBuffer& send,
-                        const DeviceBuffer& recv, size_t chunk_bytes) = 0;
+                        const DeviceBuffer& recv, size_t chunk_bytes, int tag) = 0;
   virtual void barrier(Stream s, Communicator& comm) = 0;
   // True when a sent buffer's memory itself goes to the receiver (threads transport on the
   // cpu device): then the last holder may free it while an earlier holder still reads it.

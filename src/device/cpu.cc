@@ -3,8 +3,10 @@
 // and completed when something waits for it (an event of the comm stream, or the host reading
 // the received buffer): the host blocks there, as the strategies did before devices existed,
 // and a transfer posted before a compute overlaps it. Sends lend their memory to the transport
-// (the threads transport hands it to the receiver: no copy).
+// (the threads transport hands it to the receiver: no copy). An all-to-all is P-1 such sends
+// and receives (its chunks land in place at the wait), so it overlaps compute too.
 #include <algorithm>
+#include <cstring>
 #include <deque>
 
 #include <utility>
@@ -48,11 +50,7 @@ class CpuDevice final : public Device {
       Pending p = std::move(pending_.front());
       pending_.pop_front();
       if (p.storage) complete(p.storage);
-      if (p.copy.valid()) {
-        const double t0 = now_seconds();
-        p.copy.wait();
-        counters_.wait_seconds += now_seconds() - t0;
-      }
+      finish(p);
     }
   }
   void synchronize() override { wait(kComputeStream, record(kCommStream)); }
@@ -70,7 +68,7 @@ class CpuDevice final : public Device {
     Request r = comm.isend(std::move(out), peer, tag);
     if (!s->transfer.valid()) {
       s->transfer = std::move(r);
-      pending_.push_back({posted_++, s, Request()});
+      pending_.push_back({posted_++, s});
     } else {
       pending_.push_back({posted_++, nullptr, std::move(r)});
     }
@@ -82,15 +80,32 @@ class CpuDevice final : public Device {
     s->size = bytes;
     s->transfer = comm.irecv(bytes, peer, tag);
     s->receiving = true;
-    pending_.push_back({posted_++, s.get(), Request()});
+    pending_.push_back({posted_++, s.get()});
     return DeviceBuffer(this, std::move(s));
   }
 
+  // Posted, not run: a receive from every other rank into its chunk of `recv`, and a send of
+  // a copy of every other rank's chunk (so `send` is free at once); the own chunk is copied
+  // now. Shifted orders as Communicator::alltoall's, so that no rank is everyone's first.
   void alltoall(Stream, Communicator& comm, const DeviceBuffer& send, const DeviceBuffer& recv,
-                size_t chunk_bytes) override {
-    const double t0 = now_seconds();
-    comm.alltoall(send.data(), recv.data(), chunk_bytes);
-    counters_.wait_seconds += now_seconds() - t0;
+                size_t chunk_bytes, int tag) override {
+    const int p = comm.size(), r = comm.rank();
+    auto* into = static_cast<CpuStorage*>(recv.storage());
+    const std::byte* from = send.data();
+    std::byte* to = recv.data();
+    for (int k = 1; k < p && chunk_bytes; ++k) {
+      const int j = (r - k + p) % p;
+      pending_.push_back({posted_++, nullptr, comm.irecv(chunk_bytes, j, tag), into,
+                          size_t(j) * chunk_bytes});
+    }
+    for (int k = 1; k < p && chunk_bytes; ++k) {
+      const int j = (r + k) % p;
+      Buffer out = Buffer::uninitialized(chunk_bytes);
+      std::memcpy(out.data(), from + size_t(j) * chunk_bytes, chunk_bytes);
+      pending_.push_back({posted_++, nullptr, comm.isend(std::move(out), j, tag)});
+    }
+    if (chunk_bytes)
+      std::memcpy(to + size_t(r) * chunk_bytes, from + size_t(r) * chunk_bytes, chunk_bytes);
   }
   void barrier(Stream, Communicator& comm) override {
     const double t0 = now_seconds();
@@ -171,8 +186,17 @@ class CpuDevice final : public Device {
  protected:
   void free(std::unique_ptr<DeviceBuffer::Storage> storage) override {
     auto* s = static_cast<CpuStorage*>(storage.get());
-    for (Pending& p : pending_)
+    for (Pending& p : pending_) {
       if (p.storage == s) p.storage = nullptr;
+      if (p.into != s) continue;
+      try {
+        finish(p);  // an all-to-all's chunk: lands before the memory goes
+      } catch (...) {
+        // As below; the chunk's place is gone either way, so nothing may write it later.
+      }
+      p.into = nullptr;
+      p.request = Request();
+    }
     try {
       if (s->transfer.valid()) complete(s);
     } catch (...) {
@@ -189,9 +213,26 @@ class CpuDevice final : public Device {
 
   struct Pending {
     uint64_t index;
-    CpuStorage* storage;  // null once its buffer is freed (completed then)
-    Request copy;         // the send of a copy (the buffer was lent already)
+    CpuStorage* storage;        // null once its buffer is freed (completed then)
+    Request request = {};       // the send of a copy (the buffer was lent already), or an
+    CpuStorage* into = nullptr; // all-to-all's chunk, received into `into` at `offset`
+    size_t offset = 0;
   };
+
+  // Completes p's own request: waits for a send; copies a received chunk into place.
+  void finish(Pending& p) {
+    if (!p.request.valid()) return;
+    const double t0 = now_seconds();
+    if (p.into) {
+      Buffer b = p.request.take();
+      std::memcpy(p.into->ptr + p.offset, b.data(), b.size());
+      p.into = nullptr;
+    } else {
+      p.request.wait();
+      p.request = Request();
+    }
+    counters_.wait_seconds += now_seconds() - t0;
+  }
   std::deque<Pending> pending_;
   uint64_t posted_ = 0;
 };

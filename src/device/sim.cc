@@ -151,44 +151,33 @@ class SimDevice final : public Device {
   }
 
   void send(Stream s, Communicator& comm, DeviceBuffer& buffer, int peer, int tag) override {
-    std::byte* from = buffer.data();
-    const size_t bytes = buffer.size();
-    Communicator* c = &comm;
-    const Clock::duration timeout = comm.timeout();
-    enqueue_post(s, "send", {bytes_view(from, bytes)}, {}, [=] {
-      Buffer out = Buffer::uninitialized(bytes);  // a copy goes out: the wire, not a loan
-      std::memcpy(out.data(), from, bytes);
-      Inflight f;
-      f.request = c->isend(std::move(out), peer, tag);
-      f.what = detail::concat("send to rank ", peer, " (tag ", tag, ")");
-      f.deadline = Clock::now() + timeout;
-      return f;
-    });
+    post_send(s, "send", comm, buffer.data(), buffer.size(), peer, tag);
   }
 
   DeviceBuffer recv(Stream s, Communicator& comm, size_t bytes, int peer, int tag) override {
     DeviceBuffer b = alloc(bytes);
-    std::byte* into = b.data();
-    Communicator* c = &comm;
-    const Clock::duration timeout = comm.timeout();
-    enqueue_post(s, "recv", {}, {bytes_view(into, bytes)}, [=] {
-      Inflight f;
-      f.request = c->irecv(bytes, peer, tag);
-      f.into = into;
-      f.bytes = bytes;
-      f.what = detail::concat("receive from rank ", peer, " (tag ", tag, ")");
-      f.deadline = Clock::now() + timeout;
-      return f;
-    });
+    post_recv(s, "recv", comm, b.data(), bytes, peer, tag);
     return b;
   }
 
+  // As on cpu: P-1 posted receives and sends (each its own operation of the stream, so the
+  // stream's later work waits for all of them), and the own chunk copied in order.
   void alltoall(Stream s, Communicator& comm, const DeviceBuffer& send, const DeviceBuffer& recv,
-                size_t chunk) override {
+                size_t chunk, int tag) override {
+    const int p = comm.size(), r = comm.rank();
     std::byte *from = send.data(), *to = recv.data();
-    Communicator* c = &comm;
-    enqueue(s, "alltoall", {bytes_view(from, send.size())}, {bytes_view(to, recv.size())},
-            [=] { c->alltoall(from, to, chunk); });
+    for (int k = 1; k < p && chunk; ++k) {
+      const int j = (r - k + p) % p;
+      post_recv(s, "alltoall recv", comm, to + size_t(j) * chunk, chunk, j, tag);
+    }
+    for (int k = 1; k < p && chunk; ++k) {
+      const int j = (r + k) % p;
+      post_send(s, "alltoall send", comm, from + size_t(j) * chunk, chunk, j, tag);
+    }
+    from += size_t(r) * chunk;
+    to += size_t(r) * chunk;
+    enqueue(s, "alltoall own chunk", {bytes_view(from, chunk)}, {bytes_view(to, chunk)},
+            [=] { std::memcpy(to, from, chunk); });
   }
   void barrier(Stream s, Communicator& comm) override {
     Communicator* c = &comm;
@@ -289,6 +278,37 @@ class SimDevice final : public Device {
     uint64_t enqueued = 0, completed = 0;
     std::vector<uint64_t> clock = std::vector<uint64_t>(kStreams, 0);
   };
+
+  // A send of a copy of [from, from + bytes) (the wire, not a loan) when its turn comes.
+  void post_send(Stream s, const char* name, Communicator& comm, std::byte* from, size_t bytes,
+                 int peer, int tag) {
+    Communicator* c = &comm;
+    const Clock::duration timeout = comm.timeout();
+    enqueue_post(s, name, {bytes_view(from, bytes)}, {}, [=] {
+      Buffer out = Buffer::uninitialized(bytes);
+      std::memcpy(out.data(), from, bytes);
+      Inflight f;
+      f.request = c->isend(std::move(out), peer, tag);
+      f.what = detail::concat(name, " to rank ", peer, " (tag ", tag, ")");
+      f.deadline = Clock::now() + timeout;
+      return f;
+    });
+  }
+  // A receive into [into, into + bytes), copied there when the message is in.
+  void post_recv(Stream s, const char* name, Communicator& comm, std::byte* into, size_t bytes,
+                 int peer, int tag) {
+    Communicator* c = &comm;
+    const Clock::duration timeout = comm.timeout();
+    enqueue_post(s, name, {}, {bytes_view(into, bytes)}, [=] {
+      Inflight f;
+      f.request = c->irecv(bytes, peer, tag);
+      f.into = into;
+      f.bytes = bytes;
+      f.what = detail::concat(name, " from rank ", peer, " (tag ", tag, ")");
+      f.deadline = Clock::now() + timeout;
+      return f;
+    });
+  }
 
   static TensorView bytes_view(std::byte* p, size_t n) {
     return TensorView(p, DType::i32, {int64_t(n / 4 > 0 ? n / 4 : 1)});

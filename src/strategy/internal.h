@@ -183,6 +183,9 @@ void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Toke
 //   forward inner:  (q, k, v, tokens, out, lse) with q [B, T, Hq/P, D], k, v [B, T, Hkv', D],
 //                   out [B, T, Hq/P, D] (out's dtype), lse [B, Hq/P, T]
 //   backward inner: (q, k, v, tokens, dout, lse, delta, dq, dk, dv), dq/dk/dv fp32 zeroed.
+// The inner runs once per head group (docs/ulysses.md: the all-to-alls of the others travel
+// meanwhile), on that group's heads; `groups` is the most groups unless CTXPAR_ULYSSES_GROUPS
+// says otherwise (hybrid keeps 1: a ring inside would send its token ids once per group).
 using UlyssesForwardInner =
     std::function<void(const TensorView&, const TensorView&, const TensorView&, const Tokens&,
                        const TensorView&, const TensorView&)>;
@@ -193,12 +196,12 @@ using UlyssesBackwardInner = std::function<void(
 void ulysses_forward(Communicator& comm, Run& run, const Dims& dims, const TensorView& q,
                      const TensorView& k, const TensorView& v, const Tokens& tokens,
                      const TensorView& out, const TensorView& lse,
-                     const UlyssesForwardInner& inner);
+                     const UlyssesForwardInner& inner, int groups = 1);
 void ulysses_backward(Communicator& comm, Run& run, const Dims& dims, const TensorView& q,
                       const TensorView& k, const TensorView& v, const Tokens& tokens,
                       const TensorView& out, const TensorView& lse, const TensorView& dout,
                       const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                      const UlyssesBackwardInner& inner);
+                      const UlyssesBackwardInner& inner, int groups = 1);
 
 // ---- factories (one per file) -------------------------------------------------------------
 

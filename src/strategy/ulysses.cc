@@ -4,12 +4,17 @@
 //   rank r: [Tl tokens, all H heads] --all-to-all--> [all T tokens, H/P heads] --kernel-->
 //           [T, H/P] --all-to-all--> [Tl, H]
 //
+// Pipelined over up to 4 head groups (Groups below; hybrid: 1 unless CTXPAR_ULYSSES_GROUPS
+// asks): group g+1's all-to-all in and group g-1's all-to-all back travel while group g
+// computes; same bytes, same bits as one group.
+//
 // The gathered sequence is put in global position order (positions are all-gathered first),
 // so the kernel's tiles see increasing positions whatever the layout and skip masked tiles.
 // GQA: when Hkv % P != 0 each rank receives the KV heads its Hq/P query heads read (KV heads
 // replicated over ranks, see HeadSplit); in backward the replicas' dK/dV are summed in rank
 // order.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 
@@ -118,85 +123,176 @@ struct Sections {
   }
 };
 
-// The all-to-all of `sections`: send -> recv on the comm stream, after what the compute stream
-// wrote into `send`, before what it reads from `recv`.
-void exchange(Device& dev, Communicator& comm, const DeviceBuffer& send, const DeviceBuffer& recv,
-              const Sections& sections) {
-  dev.wait(kCommStream, dev.record(kComputeStream));
-  dev.alltoall(kCommStream, comm, send, recv, sections.bytes);
-  dev.wait(kComputeStream, dev.record(kCommStream));
+// Head groups (the pipeline, docs/ulysses.md): group g of a rank's hq query heads is
+// [g*hq/G, (g+1)*hq/G) and of its hk KV slots [g*hk/G, (g+1)*hk/G). G divides both, so a
+// group's query heads read only its own KV slots (split KV heads: query i reads slot
+// i/(hq/hk); one slot per query head: slot i) and each KV slot travels once, with its group.
+// One replicated KV head read by all hq (hk = 1) gives G = 1.
+struct Groups {
+  int count = 1;
+  int64_t hq = 0, hk = 0;  // per group
+  // The KV heads of chunk j's group g (a slice of HeadSplit::kv_heads[j]).
+  std::vector<int64_t> kv_heads(const HeadSplit& split, int j, int g) const {
+    const auto& all = split.kv_heads[j];
+    return {all.begin() + g * hk, all.begin() + (g + 1) * hk};
+  }
+};
+
+// Chunk j of group g: q of the query heads rank j takes, k and v of the KV slots they read.
+void pack_qkv(Device& dev, const HeadSplit& split, const Groups& groups, int j, int g,
+              const TensorView& q, const TensorView& k, const TensorView& v,
+              const TensorView& to_q, const TensorView& to_k, const TensorView& to_v) {
+  const int64_t h0 = j * split.hq_local + g * groups.hq;
+  dev.copy(kComputeStream, q.slice(2, h0, h0 + groups.hq), to_q);
+  copy_kv_heads(dev, k, groups.kv_heads(split, j, g), to_k);
+  copy_kv_heads(dev, v, groups.kv_heads(split, j, g), to_v);
 }
+
+constexpr int kMaxGroups = 4;
+constexpr int kGroupsLimit = 1024;
+// User tags of the all-to-alls (in: even, back: odd), one per group and direction: pending
+// ones never match each other, nor the ring's (step, 16384 + step) on hybrid's communicators.
+constexpr int kTagBase = 1 << 19;
+int tag_in(int g) { return kTagBase + 2 * g; }
+int tag_back(int g) { return kTagBase + 2 * g + 1; }
+
+// CTXPAR_ULYSSES_GROUPS: the most groups (1 turns the pipeline off), else the caller's.
+int groups_limit(int by_default) {
+  const char* env = std::getenv("CTXPAR_ULYSSES_GROUPS");
+  if (!env || !*env) return by_default;
+  char* end = nullptr;
+  const long n = std::strtol(env, &end, 10);
+  CTXPAR_CHECK(*end == '\0' && n >= 1 && n <= kGroupsLimit,
+               "CTXPAR_ULYSSES_GROUPS must be an integer in [1, ", kGroupsLimit,
+               "] (the most head groups Ulysses pipelines its all-to-alls over; 1 = none), got '",
+               env, "'; unset it for the default (Ulysses ", kMaxGroups, ", hybrid 1)");
+  return int(n);
+}
+
+// The most groups up to the limit that divide hq and hk. Backward also keeps batch * hk / G
+// KV heads per kernel call >= its threads: below that the fast kernel splits a head's key
+// tiles over threads (Note [Backward tasks]) and would sum dK/dV/dQ in another order than
+// the unpipelined call; with it, every group's results are the same bits as G = 1's.
+Groups choose_groups(const HeadSplit& split, int64_t batch, int threads, bool backward,
+                     int by_default) {
+  const int64_t common = std::gcd(split.hq_local, split.hkv_local);
+  Groups g;
+  for (int n = int(std::min<int64_t>(groups_limit(by_default), common)); n > 1; --n)
+    if (common % n == 0 && (!backward || batch * split.hkv_local / n >= threads)) {
+      g.count = n;
+      break;
+    }
+  g.hq = split.hq_local / g.count;
+  g.hk = split.hkv_local / g.count;
+  return g;
+}
+
+// One all-to-all on its way: its buffers and the comm stream's event right after it.
+struct Exchange {
+  DeviceBuffer send, recv;
+  Event done;
+};
+
+// Starts the all-to-all of `send` (written on the compute stream) on the comm stream; it
+// runs while the compute stream goes on. `arrive` makes the compute stream wait for it.
+Exchange start_exchange(Device& dev, Communicator& comm, DeviceBuffer send,
+                        const Sections& sections, int tag) {
+  Exchange x;
+  x.recv = dev.alloc(sections.bytes * comm.size());
+  dev.wait(kCommStream, dev.record(kComputeStream));
+  dev.alltoall(kCommStream, comm, send, x.recv, sections.bytes, tag);
+  x.done = dev.record(kCommStream);  // before anything later on the comm stream
+  x.send = std::move(send);
+  return x;
+}
+void arrive(Device& dev, const Exchange& x) { dev.wait(kComputeStream, x.done); }
 
 }  // namespace
 
+// The pipeline (both directions): the in-all-to-all of group g+1 is enqueued before group g
+// computes, and group g's back all-to-all runs while group g+1 computes.
 void ulysses_forward(Communicator& comm, Run& run, const Dims& dims, const TensorView& q,
                      const TensorView& k, const TensorView& v, const Tokens& tokens,
                      const TensorView& out, const TensorView& lse,
-                     const UlyssesForwardInner& inner) {
+                     const UlyssesForwardInner& inner, int groups_by_default) {
   // q, out [B, Tl, Hq, D]; k, v [B, Tl, Hkv, D]; lse [B, Hq, Tl]
   Device& dev = *run.dev;
   const int p = comm.size();
   const int64_t b = dims.batch, tl = dims.tokens, t = tl * p, d = dims.d;
   const HeadSplit split(dims, p);
-  const int64_t hq = split.hq_local, hk = split.hkv_local;
+  const Groups groups = choose_groups(split, b, run.kernel.threads, false, groups_by_default);
+  const int64_t hq = split.hq_local, gq = groups.hq, gk = groups.hk;
   const GroupTokens group = gather_tokens(comm, run, tokens, tl);
 
   Sections in;
-  const size_t sq = in.add(dims.dtype, {b, tl, hq, d}), sk = in.add(dims.dtype, {b, tl, hk, d}),
-               sv = in.add(dims.dtype, {b, tl, hk, d});
-  DeviceBuffer send = dev.alloc(in.bytes * p), recv = dev.alloc(in.bytes * p);
-  for (int j = 0; j < p; ++j) {
-    const int64_t h0 = j * hq;
-    dev.copy(kComputeStream, q.slice(2, h0, h0 + hq), in.view(send, j, sq));
-    copy_kv_heads(dev, k, split.kv_heads[j], in.view(send, j, sk));
-    copy_kv_heads(dev, v, split.kv_heads[j], in.view(send, j, sv));
-  }
-  exchange(dev, comm, send, recv, in);
-  DeviceBuffer qf = dev.alloc(size_t(b * t * hq * d) * dtype_size(dims.dtype));
-  DeviceBuffer kf = dev.alloc(size_t(b * t * hk * d) * dtype_size(dims.dtype));
-  DeviceBuffer vf = dev.alloc(size_t(b * t * hk * d) * dtype_size(dims.dtype));
-  DeviceBuffer of = dev.alloc(size_t(b * t * hq * d) * dtype_size(dims.out_dtype));
-  DeviceBuffer lf = dev.alloc(size_t(b * hq * t) * 4);
-  const TensorView qv = qf.view(dims.dtype, {b, t, hq, d});
-  const TensorView kv = kf.view(dims.dtype, {b, t, hk, d}), vv = vf.view(dims.dtype, {b, t, hk, d});
-  const TensorView ov = of.view(dims.out_dtype, {b, t, hq, d});
-  const TensorView lv = lf.view(DType::f32, {b, hq, t});
-  for (int i = 0; i < p; ++i) {
-    dev.scatter_tokens(kComputeStream, in.view(recv, i, sq), qv, group.index(i));
-    dev.scatter_tokens(kComputeStream, in.view(recv, i, sk), kv, group.index(i));
-    dev.scatter_tokens(kComputeStream, in.view(recv, i, sv), vv, group.index(i));
-  }
-  send.reset();  // the all-to-all buffers are done with (freed stream-ordered)
-  recv.reset();
-  inner(qv, kv, vv, group.tokens(), ov, lv);
-
+  const size_t sq = in.add(dims.dtype, {b, tl, gq, d}), sk = in.add(dims.dtype, {b, tl, gk, d}),
+               sv = in.add(dims.dtype, {b, tl, gk, d});
   Sections back;
-  const size_t so = back.add(dims.out_dtype, {b, tl, hq, d});
-  const size_t sl = back.add(DType::f32, {b, hq, tl});
-  DeviceBuffer send2 = dev.alloc(back.bytes * p), recv2 = dev.alloc(back.bytes * p);
-  for (int i = 0; i < p; ++i) {
-    dev.gather_tokens(kComputeStream, ov, back.view(send2, i, so), group.index(i));
-    dev.gather_tokens(kComputeStream, lv, back.view(send2, i, sl), group.index(i));
+  const size_t so = back.add(dims.out_dtype, {b, tl, gq, d});
+  const size_t sl = back.add(DType::f32, {b, gq, tl});
+  auto send_in = [&](int g) {
+    DeviceBuffer send = dev.alloc(in.bytes * p);
+    for (int j = 0; j < p; ++j)
+      pack_qkv(dev, split, groups, j, g, q, k, v, in.view(send, j, sq), in.view(send, j, sk),
+               in.view(send, j, sv));
+    return start_exchange(dev, comm, std::move(send), in, tag_in(g));
+  };
+  auto receive_back = [&](int g, Exchange x) {
+    arrive(dev, x);
+    for (int j = 0; j < p; ++j) {
+      const int64_t h0 = j * hq + g * gq;
+      dev.copy(kComputeStream, back.view(x.recv, j, so), out.slice(2, h0, h0 + gq));
+      dev.copy(kComputeStream, back.view(x.recv, j, sl), lse.slice(1, h0, h0 + gq));
+    }
+  };
+
+  Exchange incoming = send_in(0), returning;
+  for (int g = 0; g < groups.count; ++g) {
+    Exchange next;
+    if (g + 1 < groups.count) next = send_in(g + 1);
+    arrive(dev, incoming);
+    DeviceBuffer qf = dev.alloc(size_t(b * t * gq * d) * dtype_size(dims.dtype));
+    DeviceBuffer kf = dev.alloc(size_t(b * t * gk * d) * dtype_size(dims.dtype));
+    DeviceBuffer vf = dev.alloc(size_t(b * t * gk * d) * dtype_size(dims.dtype));
+    DeviceBuffer of = dev.alloc(size_t(b * t * gq * d) * dtype_size(dims.out_dtype));
+    DeviceBuffer lf = dev.alloc(size_t(b * gq * t) * 4);
+    const TensorView qv = qf.view(dims.dtype, {b, t, gq, d});
+    const TensorView kv = kf.view(dims.dtype, {b, t, gk, d}), vv = vf.view(dims.dtype, {b, t, gk, d});
+    const TensorView ov = of.view(dims.out_dtype, {b, t, gq, d});
+    const TensorView lv = lf.view(DType::f32, {b, gq, t});
+    for (int i = 0; i < p; ++i) {
+      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sq), qv, group.index(i));
+      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sk), kv, group.index(i));
+      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sv), vv, group.index(i));
+    }
+    incoming = Exchange();  // its buffers are done with (freed stream-ordered)
+    inner(qv, kv, vv, group.tokens(), ov, lv);
+
+    DeviceBuffer send = dev.alloc(back.bytes * p);
+    for (int i = 0; i < p; ++i) {
+      dev.gather_tokens(kComputeStream, ov, back.view(send, i, so), group.index(i));
+      dev.gather_tokens(kComputeStream, lv, back.view(send, i, sl), group.index(i));
+    }
+    Exchange sent = start_exchange(dev, comm, std::move(send), back, tag_back(g));
+    if (g > 0) receive_back(g - 1, std::move(returning));
+    returning = std::move(sent);
+    incoming = std::move(next);
   }
-  exchange(dev, comm, send2, recv2, back);
-  for (int j = 0; j < p; ++j) {
-    const int64_t h0 = j * hq;
-    dev.copy(kComputeStream, back.view(recv2, j, so), out.slice(2, h0, h0 + hq));
-    dev.copy(kComputeStream, back.view(recv2, j, sl), lse.slice(1, h0, h0 + hq));
-  }
+  receive_back(groups.count - 1, std::move(returning));
 }
 
 void ulysses_backward(Communicator& comm, Run& run, const Dims& dims, const TensorView& q,
                       const TensorView& k, const TensorView& v, const Tokens& tokens,
                       const TensorView& out, const TensorView& lse, const TensorView& dout,
                       const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                      const UlyssesBackwardInner& inner) {
+                      const UlyssesBackwardInner& inner, int groups_by_default) {
   // q, out, dout, dq [B, Tl, Hq, D]; k, v, dk, dv [B, Tl, Hkv, D]; lse [B, Hq, Tl]
   Device& dev = *run.dev;
   const int p = comm.size();
   const int64_t b = dims.batch, tl = dims.tokens, t = tl * p, d = dims.d;
   const HeadSplit split(dims, p);
-  const int64_t hq = split.hq_local, hk = split.hkv_local;
+  const Groups groups = choose_groups(split, b, run.kernel.threads, true, groups_by_default);
+  const int64_t hq = split.hq_local, gq = groups.hq, gk = groups.hk;
   const DType es = dims.dtype, eo = dims.out_dtype;
 
   // delta = rowsum(dO * O) is per (token, head): computed where the tokens are, sent instead of O.
@@ -206,71 +302,87 @@ void ulysses_backward(Communicator& comm, Run& run, const Dims& dims, const Tens
   const GroupTokens group = gather_tokens(comm, run, tokens, tl);
 
   Sections in;
-  const size_t sq = in.add(es, {b, tl, hq, d}), sk = in.add(es, {b, tl, hk, d}),
-               sv = in.add(es, {b, tl, hk, d}), sdo = in.add(eo, {b, tl, hq, d}),
-               sl = in.add(DType::f32, {b, hq, tl}), sdl = in.add(DType::f32, {b, hq, tl});
-  DeviceBuffer send = dev.alloc(in.bytes * p), recv = dev.alloc(in.bytes * p);
-  for (int j = 0; j < p; ++j) {
-    const int64_t h0 = j * hq;
-    dev.copy(kComputeStream, q.slice(2, h0, h0 + hq), in.view(send, j, sq));
-    copy_kv_heads(dev, k, split.kv_heads[j], in.view(send, j, sk));
-    copy_kv_heads(dev, v, split.kv_heads[j], in.view(send, j, sv));
-    dev.copy(kComputeStream, dout.slice(2, h0, h0 + hq), in.view(send, j, sdo));
-    dev.copy(kComputeStream, lse.slice(1, h0, h0 + hq), in.view(send, j, sl));
-    dev.copy(kComputeStream, delta_v.slice(1, h0, h0 + hq), in.view(send, j, sdl));
-  }
-  exchange(dev, comm, send, recv, in);
-  // The whole group sequence for hq heads, in one buffer: q, k, v, dout, lse, delta, then the
-  // fp32 gradients dq, dk, dv (zeroed: the inner adds into them).
+  const size_t sq = in.add(es, {b, tl, gq, d}), sk = in.add(es, {b, tl, gk, d}),
+               sv = in.add(es, {b, tl, gk, d}), sdo = in.add(eo, {b, tl, gq, d}),
+               sl = in.add(DType::f32, {b, gq, tl}), sdl = in.add(DType::f32, {b, gq, tl});
+  // The whole group sequence for one head group, in one buffer: q, k, v, dout, lse, delta,
+  // then the fp32 gradients dq, dk, dv (zeroed: the inner adds into them).
   Sections whole;
-  const size_t fq = whole.add(es, {b, t, hq, d}), fk = whole.add(es, {b, t, hk, d}),
-               fv = whole.add(es, {b, t, hk, d}), fdo = whole.add(eo, {b, t, hq, d}),
-               fl = whole.add(DType::f32, {b, hq, t}), fdl = whole.add(DType::f32, {b, hq, t}),
-               fdq = whole.add(DType::f32, {b, t, hq, d}),
-               fdk = whole.add(DType::f32, {b, t, hk, d}),
-               fdv = whole.add(DType::f32, {b, t, hk, d});
-  DeviceBuffer full = dev.alloc(whole.bytes);
-  auto f = [&](size_t i) { return whole.view(full, 0, i); };
-  for (size_t i : {fdq, fdk, fdv}) dev.fill_zero(kComputeStream, f(i));
-  for (int i = 0; i < p; ++i) {
-    const TensorView idx = group.index(i);
-    dev.scatter_tokens(kComputeStream, in.view(recv, i, sq), f(fq), idx);
-    dev.scatter_tokens(kComputeStream, in.view(recv, i, sk), f(fk), idx);
-    dev.scatter_tokens(kComputeStream, in.view(recv, i, sv), f(fv), idx);
-    dev.scatter_tokens(kComputeStream, in.view(recv, i, sdo), f(fdo), idx);
-    dev.scatter_tokens(kComputeStream, in.view(recv, i, sl), f(fl), idx);
-    dev.scatter_tokens(kComputeStream, in.view(recv, i, sdl), f(fdl), idx);
-  }
-  send.reset();
-  recv.reset();
-  inner(f(fq), f(fk), f(fv), group.tokens(), f(fdo), f(fl), f(fdl), f(fdq), f(fdk), f(fdv));
-
+  const size_t fq = whole.add(es, {b, t, gq, d}), fk = whole.add(es, {b, t, gk, d}),
+               fv = whole.add(es, {b, t, gk, d}), fdo = whole.add(eo, {b, t, gq, d}),
+               fl = whole.add(DType::f32, {b, gq, t}), fdl = whole.add(DType::f32, {b, gq, t}),
+               fdq = whole.add(DType::f32, {b, t, gq, d}),
+               fdk = whole.add(DType::f32, {b, t, gk, d}),
+               fdv = whole.add(DType::f32, {b, t, gk, d});
   Sections back;
-  const size_t gq = back.add(DType::f32, {b, tl, hq, d}), gk = back.add(DType::f32, {b, tl, hk, d}),
-               gv = back.add(DType::f32, {b, tl, hk, d});
-  DeviceBuffer send2 = dev.alloc(back.bytes * p), recv2 = dev.alloc(back.bytes * p);
-  for (int i = 0; i < p; ++i) {
-    dev.gather_tokens(kComputeStream, f(fdq), back.view(send2, i, gq), group.index(i));
-    dev.gather_tokens(kComputeStream, f(fdk), back.view(send2, i, gk), group.index(i));
-    dev.gather_tokens(kComputeStream, f(fdv), back.view(send2, i, gv), group.index(i));
+  const size_t gdq = back.add(DType::f32, {b, tl, gq, d}),
+               gdk = back.add(DType::f32, {b, tl, gk, d}),
+               gdv = back.add(DType::f32, {b, tl, gk, d});
+  auto send_in = [&](int g) {
+    DeviceBuffer send = dev.alloc(in.bytes * p);
+    for (int j = 0; j < p; ++j) {
+      const int64_t h0 = j * hq + g * gq;
+      pack_qkv(dev, split, groups, j, g, q, k, v, in.view(send, j, sq), in.view(send, j, sk),
+               in.view(send, j, sv));
+      dev.copy(kComputeStream, dout.slice(2, h0, h0 + gq), in.view(send, j, sdo));
+      dev.copy(kComputeStream, lse.slice(1, h0, h0 + gq), in.view(send, j, sl));
+      dev.copy(kComputeStream, delta_v.slice(1, h0, h0 + gq), in.view(send, j, sdl));
+    }
+    return start_exchange(dev, comm, std::move(send), in, tag_in(g));
+  };
+
+  // The groups' gradients come back while the next group computes; they are kept (one
+  // receive buffer of the whole, as before) and summed at the end in the unpipelined order.
+  std::vector<Exchange> returned(groups.count);
+  Exchange incoming = send_in(0);
+  for (int g = 0; g < groups.count; ++g) {
+    Exchange next;
+    if (g + 1 < groups.count) next = send_in(g + 1);
+    arrive(dev, incoming);
+    DeviceBuffer full = dev.alloc(whole.bytes);
+    auto f = [&](size_t i) { return whole.view(full, 0, i); };
+    for (size_t i : {fdq, fdk, fdv}) dev.fill_zero(kComputeStream, f(i));
+    for (int i = 0; i < p; ++i) {
+      const TensorView idx = group.index(i);
+      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sq), f(fq), idx);
+      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sk), f(fk), idx);
+      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sv), f(fv), idx);
+      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sdo), f(fdo), idx);
+      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sl), f(fl), idx);
+      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sdl), f(fdl), idx);
+    }
+    incoming = Exchange();
+    inner(f(fq), f(fk), f(fv), group.tokens(), f(fdo), f(fl), f(fdl), f(fdq), f(fdk), f(fdv));
+
+    DeviceBuffer send = dev.alloc(back.bytes * p);
+    for (int i = 0; i < p; ++i) {
+      dev.gather_tokens(kComputeStream, f(fdq), back.view(send, i, gdq), group.index(i));
+      dev.gather_tokens(kComputeStream, f(fdk), back.view(send, i, gdk), group.index(i));
+      dev.gather_tokens(kComputeStream, f(fdv), back.view(send, i, gdv), group.index(i));
+    }
+    returned[g] = start_exchange(dev, comm, std::move(send), back, tag_back(g));
+    returned[g].send.reset();
+    incoming = std::move(next);
   }
-  exchange(dev, comm, send2, recv2, back);
-  // Replicated KV heads get a dK/dV part from every rank that read them: summed in rank order,
-  // in fp32, so the result is the same run after run.
+  // Replicated KV heads get a dK/dV part from every rank that read them: summed in rank order
+  // (then slot order, as without groups), in fp32, so the result is the same run after run.
   const size_t kv32_bytes = size_t(b * tl * dims.hkv * d) * 4;
   DeviceBuffer dkv32 = dev.alloc(2 * kv32_bytes);
   const TensorView dk32 = dkv32.view(DType::f32, {b, tl, dims.hkv, d});
   const TensorView dv32 = dkv32.view(DType::f32, {b, tl, dims.hkv, d}, kv32_bytes);
   dev.fill_zero(kComputeStream, flat_f32(dkv32));
+  for (const Exchange& x : returned) arrive(dev, x);
   for (int j = 0; j < p; ++j) {
-    const int64_t h0 = j * hq;
     const std::vector<int64_t>& heads = split.kv_heads[j];
-    dev.copy(kComputeStream, back.view(recv2, j, gq), dq.slice(2, h0, h0 + hq));
-    for (int64_t h = 0; h < hk; ++h) {
-      dev.add(kComputeStream, back.view(recv2, j, gk).slice(2, h, h + 1),
-              dk32.slice(2, heads[h], heads[h] + 1));
-      dev.add(kComputeStream, back.view(recv2, j, gv).slice(2, h, h + 1),
-              dv32.slice(2, heads[h], heads[h] + 1));
+    for (int g = 0; g < groups.count; ++g) {
+      const int64_t h0 = j * hq + g * gq;
+      dev.copy(kComputeStream, back.view(returned[g].recv, j, gdq), dq.slice(2, h0, h0 + gq));
+    }
+    for (int64_t h = 0; h < split.hkv_local; ++h) {
+      const DeviceBuffer& from = returned[h / gk].recv;
+      const int64_t s = h % gk, kh = heads[h];
+      dev.add(kComputeStream, back.view(from, j, gdk).slice(2, s, s + 1), dk32.slice(2, kh, kh + 1));
+      dev.add(kComputeStream, back.view(from, j, gdv).slice(2, s, s + 1), dv32.slice(2, kh, kh + 1));
     }
   }
   dev.copy(kComputeStream, dk32, dk);
@@ -298,7 +410,8 @@ class UlyssesStrategy final : public Strategy {
                       dev.forward_block(kComputeStream, qf, tf, kf, vf, tf, run.mask, state.get(),
                                         run.kernel);
                       dev.forward_finalize(kComputeStream, state.get(), of, lf, run.kernel);
-                    });
+                    },
+                    kMaxGroups);
     call.finish();
   }
 
@@ -319,7 +432,8 @@ class UlyssesStrategy final : public Strategy {
             const TensorView& dqf, const TensorView& dkf, const TensorView& dvf) {
           run.dev->backward_block(kComputeStream, qf, tf, kf, vf, tf, run.mask, dof, lf, df, dqf,
                                   dkf, dvf, run.kernel);
-        });
+        },
+        kMaxGroups);
     call.finish();
   }
 };

@@ -38,8 +38,8 @@ class RecordingDevice final : public Device {
     return inner_->recv(s, comm, bytes, peer, tag);
   }
   void alltoall(Stream s, Communicator& comm, const DeviceBuffer& send, const DeviceBuffer& recv,
-                size_t chunk_bytes) override {
-    inner_->alltoall(s, comm, send, recv, chunk_bytes);
+                size_t chunk_bytes, int tag) override {
+    inner_->alltoall(s, comm, send, recv, chunk_bytes, tag);
   }
   void barrier(Stream s, Communicator& comm) override { inner_->barrier(s, comm); }
   bool lends_sent_buffers(const Communicator& comm) const override {
