@@ -3,6 +3,7 @@
 #include "ctxpar/strategy.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "kernel/finite.h"
@@ -166,14 +167,32 @@ std::string check_ulysses_heads(const Dims& dims, int ranks, const char* who) {
   return e.empty() ? e : detail::concat(who, ": ", e);
 }
 
+namespace {
+constexpr int kEnvSlot = 16;  // the signature slot of the environment below
+// CTXPAR_ULYSSES_GROUPS sets which messages Ulysses sends (not the answer): ranks that differ
+// would mismatch their messages, so it is part of the signature, as its string's FNV-1a hash
+// (0 when unset; read without parsing, so that no rank can throw before the agreement).
+int64_t environment_signature() {
+  const char* v = std::getenv("CTXPAR_ULYSSES_GROUPS");
+  if (!v) return 0;
+  uint64_t h = 1469598103934665603ull;
+  for (; *v; ++v) h = (h ^ uint8_t(*v)) * 1099511628211ull;
+  return int64_t(h >> 1) | 1;
+}
+}  // namespace
+
 std::vector<int64_t> signature_of(const Dims& dims, const StrategyOptions& options) {
   uint32_t scale_bits;
   std::memcpy(&scale_bits, &options.kernel.scale, 4);
-  return {static_cast<int64_t>(options.kind), options.ulysses_degree, options.head_groups,
-          options.mask.causal, options.mask.window_left, options.mask.window_right,
-          options.mask.documents, scale_bits, dims.batch, dims.tokens, dims.hq, dims.hkv, dims.d,
-          static_cast<int64_t>(dims.dtype), static_cast<int64_t>(dims.out_dtype),
-          static_cast<int64_t>(options.device.kind)};
+  std::vector<int64_t> s = {
+      static_cast<int64_t>(options.kind), options.ulysses_degree, options.head_groups,
+      options.mask.causal, options.mask.window_left, options.mask.window_right,
+      options.mask.documents, scale_bits, dims.batch, dims.tokens, dims.hq, dims.hkv, dims.d,
+      static_cast<int64_t>(dims.dtype), static_cast<int64_t>(dims.out_dtype),
+      static_cast<int64_t>(options.device.kind)};
+  s.push_back(environment_signature());
+  CTXPAR_ASSERT(s.size() == kEnvSlot + 1);
+  return s;
 }
 
 namespace {
@@ -220,6 +239,11 @@ void agree(Communicator& comm, const std::string& what, const std::string& local
   if (first >= 0)
     throw Error(detail::concat(what, ": invalid arguments on rank ", failed_ranks, " (of ",
                                comm.size(), "): ", all[first].message));
+  for (int r = 1; r < comm.size(); ++r)
+    if (all[r].signature[kEnvSlot] != all[0].signature[kEnvSlot])
+      throw Error(detail::concat(what, ": rank ", r, " runs with another CTXPAR_ULYSSES_GROUPS "
+                                 "than rank 0 (set or unset: it decides which messages Ulysses "
+                                 "sends); give every rank the same environment"));
   for (int r = 1; r < comm.size(); ++r)
     if (std::memcmp(all[r].signature, all[0].signature, sizeof(mine.signature)) != 0)
       throw Error(detail::concat(what, ": rank ", r, " was called with different shapes or options "
