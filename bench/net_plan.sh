@@ -63,17 +63,22 @@ first = lambda path: json.JSONDecoder().raw_decode(open(path).read().lstrip())[0
 summary = []
 for c in cases:
     p, h = c.split(":")
-    ratios = []
+    rows = {"forward": [], "forward + backward": []} if backward else {"forward": []}
     for plan_path in sorted(glob.glob(f"{out}/p{p}_h{h}_*.plan.json")):
         plan, run = first(plan_path), first(plan_path.replace(".plan.json", ".run.json"))
         ring = plan["ring_layer"]
-        pred = ring["seconds"] if backward else ring["forward_seconds"]
-        meas = run["forward_seconds"] + (run.get("backward_seconds", 0) if backward else 0)
-        ratios.append(pred / meas)
-        print(f"P={p} heads={h}: predicted {pred:.3f} s, measured {meas:.3f} s, ratio {pred / meas:.3f}")
-    med = statistics.median(ratios)
-    print(f"P={p} heads={h}: predicted / measured median {med:.3f} (min {min(ratios):.3f}, "
-          f"max {max(ratios):.3f}, {len(ratios)} runs) {'within' if abs(med - 1) <= 0.15 else 'OUTSIDE'} 15 %")
-    summary.append({"ranks": int(p), "heads": int(h), "ratios": ratios, "median": med})
+        pairs = {"forward": (ring["forward_seconds"], run["forward_seconds"])}
+        if backward:
+            pairs["forward + backward"] = (ring["seconds"], run["forward_seconds"] + run["backward_seconds"])
+        for what, (pred, meas) in pairs.items():
+            rows[what].append(pred / meas)
+            print(f"P={p} heads={h} {what}: predicted {pred:.3f} s, measured {meas:.3f} s, ratio {pred / meas:.3f}")
+    case = {"ranks": int(p), "heads": int(h)}
+    for what, ratios in rows.items():
+        med = statistics.median(ratios)
+        print(f"P={p} heads={h} {what}: predicted / measured median {med:.3f} (min {min(ratios):.3f}, "
+              f"max {max(ratios):.3f}, {len(ratios)} runs) {'within' if abs(med - 1) <= 0.15 else 'OUTSIDE'} 15 %")
+        case[what] = {"ratios": ratios, "median": med}
+    summary.append(case)
 json.dump({"backward": backward, "cases": summary}, open(os.path.join(out, "summary.json"), "w"), indent=1)
 PY

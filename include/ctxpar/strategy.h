@@ -56,7 +56,9 @@ std::string ulysses_heads_rule(int64_t hq, int ranks);
 std::string allgather_head_groups_rule(int64_t hkv, int head_groups);
 // The ring backward sends its last hop home in pieces of key rows (Note [Pipelined last hop]
 // in src/strategy/ring.cc): piece c is rows [cuts[c], cuts[c+1]) of `key_rows`, up to 8
-// pieces of whole 64-row kernel tiles (the last may be shorter). The planner models the same.
+// pieces of at least 512 rows, in whole 64-row kernel tiles (the last may be shorter). The
+// rule depends on the problem alone, so every transport computes the same pieces (the same
+// bits). The planner models the same.
 std::vector<int64_t> ring_last_hop_cuts(int64_t key_rows);
 
 class Strategy {

@@ -63,12 +63,12 @@ KernelRates rates_of_one_rank(const LocalOptions& o, int rank,
   // Rank `rank`'s queries against its own block (the diagonal, with partially masked tiles)
   // and against its predecessor's (the ring's next step), as the layout and mask place them:
   // masked-tile skipping and partial tiles cost what they cost in the real ring. Large
-  // problems are measured on a scaled-down sequence of 2048 tokens a rank and about 4 query
+  // problems are measured on a scaled-down sequence of 4096 tokens a rank and about 4 query
   // heads, but always whole query-head groups: the kernel reuses a K/V tile for every query
   // head of its group, so the group size sets its speed (a 9-on-1 problem measured as 4-on-1
   // was predicted 1.6x too slow over a shaped TCP link, on a loaded machine).
   const int P = o.ranks;
-  const int64_t n = std::min<int64_t>(o.block_tokens, 2048);
+  const int64_t n = std::min<int64_t>(o.block_tokens, 4096);
   const int64_t b = o.batch, d = o.head_dim;
   const int64_t group = std::max<int64_t>(1, o.heads / std::max<int64_t>(1, o.kv_heads));
   const int64_t hkv = std::clamp<int64_t>(4 / group, 1, std::max<int64_t>(1, o.kv_heads));

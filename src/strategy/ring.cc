@@ -66,7 +66,9 @@ class RingComm {
 // the compute of pieces c+1, ...; only the last piece's hop (1/pieces of it) is exposed. The
 // backward kernel owns dK/dV rows per key tile (Note [Backward tasks]), so cutting at tile
 // multiples leaves dK/dV bitwise as in one call; dQ is accumulated piece by piece (a fixed
-// order: still deterministic, and the same on every transport and device).
+// order: still deterministic, and the same on every transport and device: the pieces depend
+// on the problem alone). Pieces cost compute (each call packs the query rows again), hence
+// pieces of at least 512 rows.
 size_t piece_bytes(const KvPacking& grad, const std::vector<int64_t>& cuts, int c) {
   return size_t(grad.batch * (cuts[c + 1] - cuts[c]) * grad.heads * grad.d) * 4;
 }
@@ -245,8 +247,12 @@ namespace ctxpar {
 std::vector<int64_t> ring_last_hop_cuts(int64_t key_rows) {
   constexpr int64_t kPieceRows = 64;  // a multiple of the kernel's key tile
   constexpr int64_t kMaxPieces = 8;
+  // Each piece is one more kernel call, which packs the query rows again: 8 pieces of 512 rows
+  // made the backward ~4 % slower at P = 2 (threads transport, no link), so a piece has at
+  // least 512 rows; the exposed share of the hop is 1/pieces of it.
+  constexpr int64_t kMinPieceRows = 512;
   const int64_t tiles = (key_rows + kPieceRows - 1) / kPieceRows;
-  const int64_t pieces = std::max<int64_t>(1, std::min(kMaxPieces, tiles));
+  const int64_t pieces = std::max<int64_t>(1, std::min(kMaxPieces, key_rows / kMinPieceRows));
   const int64_t per = (tiles + pieces - 1) / pieces * kPieceRows;
   std::vector<int64_t> cuts{0};
   while (cuts.back() < key_rows) cuts.push_back(std::min(key_rows, cuts.back() + per));
