@@ -5,7 +5,7 @@
 # waited for (comm_wait_seconds); every figure is a ratio measured in the same run.
 #
 #   bench/net_overlap.sh [--ctxpar build/ctxpar] [--ranks "2 4"] [--rate-per-rank 50]
-#       [--seq-per-rank 4096] [--heads 8] [--progress "off thread"] [--out bench-net]
+#       [--seq-per-rank 4096] [--heads 8] [--progress "off thread tiles"] [--out bench-net]
 #       [-- ctxpar args]
 #
 # --progress: the modes to run, in order, each on the same shaped link ("off thread tiles"
@@ -26,7 +26,7 @@ RANKS="2 4"
 RATE=50          # Mbit/s per rank
 SEQ_PER_RANK=4096
 HEADS=8
-MODES="off thread"
+MODES="off thread tiles"
 OUT=bench-net
 RUN_TIMEOUT=300  # seconds per mpirun
 EXTRA=()

@@ -202,8 +202,8 @@ ForeignLauncher foreign_launcher();
 // every process of the job; if it has not returned after CTXPAR_MPI_INIT_TIMEOUT seconds
 // (default 120) — a process of the mpirun line exited or hangs without initialising MPI —
 // the process prints why and exits 1, which ends the job. Pending transfers move while the
-// rank computes: a progress thread drives MPI, or with CTXPAR_MPI_PROGRESS=tiles the CPU
-// kernel between tiles (docs/comm.md, "Progress"; =off turns both off). The communicator is
+// rank computes: the CPU kernel drives MPI between tiles (the default), or with
+// CTXPAR_MPI_PROGRESS=thread a progress thread (docs/comm.md, "Progress"; =off turns both off). The communicator is
 // still used by one thread.
 Communicator& mpi_world();
 // Wraps a communicator MPI was already initialised with (mpi4py's MPI.COMM_WORLD, ...):

@@ -5,8 +5,8 @@
 // it. The collectives themselves are the shared ones over point-to-point
 // (point_to_point.cc): same algorithms, same summation order as the threads transport, so
 // both give bitwise identical answers. Waits poll MPI_Test against the communicator's
-// timeout; meanwhile a progress thread (mpi_progress.cc, Note [MPI progress]) keeps pending
-// transfers moving while the rank computes, and every MPI call holds mpi_mutex(). Errors:
+// timeout; meanwhile the kernel's tile hook or a progress thread (mpi_progress.cc, Note [MPI
+// progress]) keeps pending transfers moving while the rank computes, and every MPI call holds mpi_mutex(). Errors:
 // MPI_ERRORS_RETURN on every communicator, each code checked and turned into ctxpar::Error;
 // run_mpi turns any exception into a message and MPI_Abort, so no rank waits forever for a
 // dead one. See docs/comm.md.

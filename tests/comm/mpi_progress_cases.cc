@@ -1,8 +1,8 @@
 // MPI progress (src/comm/mpi_progress.cc, Note [MPI progress]), under mpirun in
 // test_comm_mpi: a transfer must move while the ranks compute without calling MPI (sleeping:
 // the progress thread's case; running the CPU kernel: the thread's and the tile hook's), and
-// bad settings are errors naming the variable. CMakeLists.txt runs the binary in the default
-// mode (thread) and in CTXPAR_MPI_PROGRESS=tiles. The same overlap over a shaped TCP link, with
+// bad settings are errors naming the variable. CMakeLists.txt runs the binary with
+// CTXPAR_MPI_PROGRESS=thread and =tiles (the default). The same overlap over a shaped TCP link, with
 // timings, is the `net` test (tests/mpi/net_overlap_test.sh).
 #include <gtest/gtest.h>
 
@@ -135,8 +135,8 @@ std::string settings_error() {
 TEST(MpiProgress, SettingsComeFromTheEnvironment) {
   {
     ScopedEnv unset("CTXPAR_MPI_PROGRESS", "");  // as unset: the default
-    EXPECT_TRUE(comm_detail::progress_settings_from_env().thread);
-    EXPECT_FALSE(comm_detail::progress_settings_from_env().tiles);
+    EXPECT_FALSE(comm_detail::progress_settings_from_env().thread);
+    EXPECT_TRUE(comm_detail::progress_settings_from_env().tiles);
     EXPECT_EQ(comm_detail::progress_settings_from_env().interval, 100us);
   }
   for (auto [mode, thread, tiles] : {std::tuple{"thread", true, false}, {"tiles", false, true},
@@ -153,8 +153,8 @@ TEST(MpiProgress, SettingsComeFromTheEnvironment) {
     ScopedEnv bad("CTXPAR_MPI_PROGRESS", v);
     EXPECT_EQ(settings_error(),
               std::string("CTXPAR_MPI_PROGRESS must be 'thread' (a progress thread moves MPI "
-                          "transfers while the rank computes; the default), 'tiles' (the CPU "
-                          "kernel makes the progress calls between tiles), 'both' or 'off', got '") +
+                          "transfers while the rank computes), 'tiles' (the CPU kernel makes the "
+                          "progress calls between tiles; the default), 'both' or 'off', got '") +
                   v + "'");
   }
   for (const char* v : {"0", "abc", "10ms", "200000"}) {
