@@ -15,6 +15,10 @@ class Error : public std::runtime_error {
 
 [[noreturn]] void assert_fail(const char* expr, const char* file, int line, const std::string& msg);
 
+// A byte count for messages and reports, in binary units: "512 B", "1.5 MiB", "3.0 GiB"
+// (the one formatter of the library and the command).
+std::string bytes_text(double bytes);
+
 namespace detail {
 template <typename... Args>
 std::string concat(const Args&... args) {

@@ -25,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ctxpar/error.h"
+#include "ctxpar/hash.h"
 #include "ctxpar/npy.h"
 #include "model/training.h"
 
@@ -37,11 +38,8 @@ constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 const char* const kChecksumKey = "checksum";
 
 struct Fnv1a64 {
-  uint64_t h = 0xcbf29ce484222325ull;
-  void add(const void* data, size_t bytes) {
-    const uint8_t* p = static_cast<const uint8_t*>(data);
-    for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
-  }
+  uint64_t h = kFnv1a64Offset;
+  void add(const void* data, size_t bytes) { h = fnv1a64(data, bytes, h); }
   std::string text() const {
     char buf[32];
     std::snprintf(buf, sizeof buf, "fnv1a64:%016llx", (unsigned long long)h);

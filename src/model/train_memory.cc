@@ -25,15 +25,6 @@ double file_bytes(const std::string& path) {
              : 0.0;
 }
 
-std::string human(double bytes) {
-  const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  int u = 0;
-  while (bytes >= 1024 && u < 6) bytes /= 1024, ++u;
-  char buf[48];
-  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", bytes, units[u]);
-  return buf;
-}
-
 std::string params_text(double n) {
   char buf[48];
   std::snprintf(buf, sizeof buf, "%.3g", n);
@@ -88,14 +79,14 @@ void check_train_memory(const TrainConfig& config, int ranks_here, double availa
   if (available < 0) return;
   const TrainMemory need = estimate_train_memory(config);
   const double total = need.total() * ranks_here;
-  CTXPAR_CHECK(total <= available, "train: this run needs about ", human(total), " of memory (",
-               ranks_here, " rank(s) on this machine, ", human(need.total()), " each) and ",
-               human(available), " is available (MemAvailable). Per rank:\n  ",
-               human(need.state), " weights, gradients and Adam moments (",
+  CTXPAR_CHECK(total <= available, "train: this run needs about ", bytes_text(total), " of memory (",
+               ranks_here, " rank(s) on this machine, ", bytes_text(need.total()), " each) and ",
+               bytes_text(available), " is available (MemAvailable). Per rank:\n  ",
+               bytes_text(need.state), " weights, gradients and Adam moments (",
                params_text(need.params), " parameters: lower --layers, --dim, --hidden or "
-               "--heads)\n  ", human(need.activations), " activations (lower --seq or --batch, "
+               "--heads)\n  ", bytes_text(need.activations), " activations (lower --seq or --batch, "
                "or spread them over more ranks with --cp on more machines)\n  ",
-               human(need.data), " data (the batch, --data and --resume files, read whole)");
+               bytes_text(need.data), " data (the batch, --data and --resume files, read whole)");
 }
 
 }  // namespace ctxpar

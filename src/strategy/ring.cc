@@ -69,8 +69,9 @@ class RingComm {
 // order: still deterministic, and the same on every transport and device: the pieces depend
 // on the problem alone). Pieces cost compute (each call packs the query rows again), hence
 // pieces of at least 512 rows.
-size_t piece_bytes(const KvPacking& grad, const std::vector<int64_t>& cuts, int c) {
-  return size_t(grad.batch * (cuts[c + 1] - cuts[c]) * grad.heads * grad.d) * 4;
+// Rows [r0, r1) of the fp32 [dk | dv] accumulator `grad` as a message of their own.
+KvPacking rows_of(const KvPacking& grad, int64_t r0, int64_t r1) {
+  return {grad.batch, r1 - r0, grad.heads, grad.d, DType::f32, false};
 }
 
 Tokens token_rows(const Tokens& t, int64_t r0, int64_t r1) {
@@ -85,7 +86,7 @@ Tokens token_rows(const Tokens& t, int64_t r0, int64_t r1) {
 // them; the send follows on the comm stream).
 void send_piece(Device& dev, Communicator& comm, const KvPacking& grad, const DeviceBuffer& acc,
                 int64_t r0, int64_t r1, int tag) {
-  const KvPacking piece{grad.batch, r1 - r0, grad.heads, grad.d, DType::f32, false};
+  const KvPacking piece = rows_of(grad, r0, r1);
   DeviceBuffer out = dev.alloc(2 * piece.kv_bytes());
   dev.copy(kComputeStream, grad.k(acc).slice(1, r0, r1), piece.k(out));
   dev.copy(kComputeStream, grad.v(acc).slice(1, r0, r1), piece.v(out));
@@ -141,6 +142,7 @@ void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Toke
   RingComm kv_ring(dev, comm, pack.bytes(), 0), grad_ring(dev, comm, grad_bytes, kGradTag);
   const std::vector<int64_t> cuts = ring_last_hop_cuts(k.dim(1));
   const int pieces = int(cuts.size()) - 1;
+  auto piece_tag = [&](int c) { return kGradTag + p + 1 + c; };  // after the grad ring's tags
 
   DeviceBuffer block;
   if (p > 1) block = pack.pack(dev, kComputeStream, k, v, kv_tokens);
@@ -171,8 +173,8 @@ void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Toke
     if (last) {  // receives first: the pieces may arrive while this step computes
       dev.wait(kCommStream, dev.record(kComputeStream));
       for (int c = 0; c < pieces; ++c)
-        home.push_back(dev.recv(kCommStream, comm, 2 * piece_bytes(grad, cuts, c),
-                                (comm.rank() + p - 1) % p, kGradTag + p + 1 + c));
+        home.push_back(dev.recv(kCommStream, comm, 2 * rows_of(grad, cuts[c], cuts[c + 1]).kv_bytes(),
+                                (comm.rank() + p - 1) % p, piece_tag(c)));
     }
     for (int c = 0; c < (last ? pieces : 1); ++c) {
       const int64_t r0 = last ? cuts[c] : 0, r1 = last ? cuts[c + 1] : k.dim(1);
@@ -185,7 +187,7 @@ void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Toke
         dev.add(kComputeStream, grad.k(part).slice(1, r0, r1), grad.k(acc).slice(1, r0, r1));
         dev.add(kComputeStream, grad.v(part).slice(1, r0, r1), grad.v(acc).slice(1, r0, r1));
       }
-      if (last) send_piece(dev, comm, grad, acc, r0, r1, kGradTag + p + 1 + c);
+      if (last) send_piece(dev, comm, grad, acc, r0, r1, piece_tag(c));
     }
     if (s > 0 && !last) grad_ring.send_recv(acc, s + 1);
     if (s + 1 < p) block = kv_ring.wait();
@@ -193,7 +195,7 @@ void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Toke
   if (p > 1) {
     dev.wait(kComputeStream, dev.record(kCommStream));
     for (int c = 0; c < pieces; ++c) {
-      const KvPacking piece{grad.batch, cuts[c + 1] - cuts[c], grad.heads, grad.d, DType::f32, false};
+      const KvPacking piece = rows_of(grad, cuts[c], cuts[c + 1]);
       dev.add(kComputeStream, piece.k(home[c]), grad.k(own).slice(1, cuts[c], cuts[c + 1]));
       dev.add(kComputeStream, piece.v(home[c]), grad.v(own).slice(1, cuts[c], cuts[c + 1]));
     }

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "ctxpar/hash.h"
 #include "kernel/finite.h"
 #include "strategy/internal.h"
 
@@ -175,9 +176,7 @@ constexpr int kEnvSlot = 16;  // the signature slot of the environment below
 int64_t environment_signature() {
   const char* v = std::getenv("CTXPAR_ULYSSES_GROUPS");
   if (!v) return 0;
-  uint64_t h = 1469598103934665603ull;
-  for (; *v; ++v) h = (h ^ uint8_t(*v)) * 1099511628211ull;
-  return int64_t(h >> 1) | 1;
+  return int64_t(fnv1a64(v, std::strlen(v)) >> 1) | 1;
 }
 }  // namespace
 

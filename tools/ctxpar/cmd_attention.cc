@@ -13,6 +13,7 @@
 
 #include "attention_job.h"
 #include "commands.h"
+#include "ctxpar/error.h"
 #include "ctxpar/npy.h"
 #include "options.h"
 #include "out_folder.h"
@@ -181,15 +182,6 @@ AttentionJob job_from(const Options& o) {
   return job;
 }
 
-std::string bytes_str(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (b >= 1024 && u < 4) b /= 1024, ++u;
-  char s[32];
-  std::snprintf(s, sizeof s, u == 0 ? "%.0f %s" : "%.1f %s", b, units[u]);
-  return s;
-}
-
 std::string count_str(int64_t n) {  // 65536 -> 65,536
   std::string s = std::to_string(n), out;
   for (size_t i = 0; i < s.size(); ++i) {
@@ -219,16 +211,16 @@ void print_table(const AttentionJob& job, const AttentionResult& r) {
     const double mem = static_cast<double>(k.peak_bytes + k.shard_bytes);
     std::printf("%5d %10s %12.2f %9.3f %9.3f %11s %11s %12s\n", k.rank, count_str(k.tokens).c_str(),
                 k.attention_flops * 1e-9, k.busy_seconds, k.comm_wait_seconds,
-                bytes_str(static_cast<double>(k.bytes_sent)).c_str(),
-                bytes_str(static_cast<double>(k.bytes_received)).c_str(), bytes_str(mem).c_str());
+                bytes_text(static_cast<double>(k.bytes_sent)).c_str(),
+                bytes_text(static_cast<double>(k.bytes_received)).c_str(), bytes_text(mem).c_str());
     flops += k.attention_flops, max_flops = std::max(max_flops, k.attention_flops);
     busy += k.busy_seconds, wait += k.comm_wait_seconds;
     sent += static_cast<double>(k.bytes_sent), recv += static_cast<double>(k.bytes_received);
     peak = std::max(peak, mem);
   }
   std::printf("%5s %10s %12.2f %9.3f %9.3f %11s %11s %12s\n\n", "total", count_str(job.seq).c_str(),
-              flops * 1e-9, busy, wait, bytes_str(sent).c_str(), bytes_str(recv).c_str(),
-              ("max " + bytes_str(peak)).c_str());
+              flops * 1e-9, busy, wait, bytes_text(sent).c_str(), bytes_text(recv).c_str(),
+              ("max " + bytes_text(peak)).c_str());
   double fwd_flops = 0, bwd_flops = 0;
   for (const auto& k : r.ranks) fwd_flops += k.forward_flops, bwd_flops += k.backward_flops;
   std::printf("forward   %.3f s  (%.1f GFLOP/s)\n", r.forward_seconds,
@@ -241,8 +233,8 @@ void print_table(const AttentionJob& job, const AttentionResult& r) {
                 max_flops / (flops / r.ranks.size()));
   std::printf("memory: %s on the busiest rank; one rank alone would need %s "
               "(%s more with a materialised fp32 score matrix)\n",
-              bytes_str(peak).c_str(), bytes_str(r.single_rank_bytes).c_str(),
-              bytes_str(r.scores_bytes).c_str());
+              bytes_text(peak).c_str(), bytes_text(r.single_rank_bytes).c_str(),
+              bytes_text(r.scores_bytes).c_str());
   if (!r.checked) return;
   std::printf("check: %s  max |err| %.3g, tolerance %.3g  (", r.check_passed ? "PASSED" : "FAILED",
               r.max_abs_err, r.tolerance);

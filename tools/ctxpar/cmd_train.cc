@@ -15,6 +15,7 @@
 #include "attention_job.h"
 #include "commands.h"
 #include "ctxpar/comm.h"
+#include "ctxpar/error.h"
 #include "ctxpar/model.h"
 #include "options.h"
 #include "progress.h"
@@ -71,13 +72,6 @@ int ranks_on_this_machine(bool use_mpi, int ranks) {
   for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"})
     if (const char* v = std::getenv(var)) return std::max(1, std::atoi(v));
   return 1;
-}
-
-std::string human_bytes(double b) {
-  char buf[32];
-  if (b >= 1 << 30) std::snprintf(buf, sizeof buf, "%.2f GiB", b / double(1 << 30));
-  else std::snprintf(buf, sizeof buf, "%.1f MiB", b / double(1 << 20));
-  return buf;
 }
 
 }  // namespace
@@ -192,7 +186,7 @@ int cmd_train(int argc, char** argv) {
     if (tty) std::fputs("\r\033[K", stderr);
     std::printf("step %5lld  loss %.4f  acc %.3f  lr %.2e  |g| %.3f  %.0f tok/s  peak %s/rank\n",
                 (long long)r.step, r.loss, r.accuracy, r.lr, r.grad_norm, r.tokens_per_second,
-                human_bytes(double(r.peak_bytes_max)).c_str());
+                bytes_text(double(r.peak_bytes_max)).c_str());
     std::fflush(stdout);
     bar->set_done(r.step);
   };
@@ -226,7 +220,7 @@ int cmd_train(int argc, char** argv) {
                 "mean (after step 1), peak %s/rank\n",
                 last.loss, std::log(256.0), last.accuracy,
                 counted_steps ? sum_tps / double(counted_steps) : last.tokens_per_second,
-                human_bytes(double(last.peak_bytes_max)).c_str());
+                bytes_text(double(last.peak_bytes_max)).c_str());
   std::string png = o.str("plot");
   if (png.empty() && !c.log_path.empty()) {
     png = c.log_path;

@@ -8,6 +8,8 @@
 #include <fstream>
 #include <string>
 
+#include "ctxpar/error.h"
+
 namespace ctxpar::cli {
 namespace {
 
@@ -17,14 +19,6 @@ constexpr double kPerRankOverhead = 1 << 20;
 // Every strategy call agrees on its arguments by an allgather of a ~640-byte verdict per rank
 // (src/strategy/strategy.cc): on the threads transport all P ranks hold all P verdicts at once.
 constexpr double kVerdictBytes = 640;
-
-std::string gib(double bytes) {
-  char buf[48];
-  if (bytes >= double(1 << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / double(1 << 30));
-  else if (bytes >= double(1 << 20)) std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / double(1 << 20));
-  else std::snprintf(buf, sizeof buf, "%.0f bytes", bytes);
-  return buf;
-}
 
 // One rank's strategy buffers at their peak, from the hold() calls of src/strategy/*.cc:
 //   Q = B*Tl*Hq*D, KV = B*Tl*Hkv*D elements of this rank; L = B*Hq*Tl (lse, m, l, delta);
@@ -143,13 +137,13 @@ void check_memory(const AttentionJob& job) {
   if (m.total_bytes <= available) return;
   const bool from_env = std::getenv("CTXPAR_MEMORY_LIMIT_BYTES") != nullptr;
   std::string parts = detail::concat(m.ranks_here, " rank", m.ranks_here > 1 ? "s" : "",
-                                     " x (shards ", gib(m.shard_bytes), " + strategy buffers ",
-                                     gib(m.strategy_bytes), ")");
-  if (m.gather_bytes > 0) parts += "; --check/--out gather " + gib(m.gather_bytes);
-  if (m.check_bytes > 0) parts += "; --check reference " + gib(m.check_bytes);
+                                     " x (shards ", bytes_text(m.shard_bytes), " + strategy buffers ",
+                                     bytes_text(m.strategy_bytes), ")");
+  if (m.gather_bytes > 0) parts += "; --check/--out gather " + bytes_text(m.gather_bytes);
+  if (m.check_bytes > 0) parts += "; --check reference " + bytes_text(m.check_bytes);
   throw Error(detail::concat(
-      "this job needs about ", gib(m.total_bytes), " of memory (", parts, ") but ",
-      gib(available), " is available (",
+      "this job needs about ", bytes_text(m.total_bytes), " of memory (", parts, ") but ",
+      bytes_text(available), " is available (",
       from_env ? "CTXPAR_MEMORY_LIMIT_BYTES" : "MemAvailable in /proc/meminfo",
       "); lower --seq, --batch, --heads or --head-dim, use --dtype bf16, drop --check / --out, "
       "or run the ranks on several machines (mpirun)"));

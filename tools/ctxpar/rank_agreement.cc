@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "ctxpar/hash.h"
 #include "options.h"
 
 namespace ctxpar::cli {
@@ -43,9 +44,7 @@ std::string value_of(const Signature& s, const std::string& name) {
 }  // namespace
 
 std::string hash_hex(const void* data, size_t bytes) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  const auto* p = static_cast<const uint8_t*>(data);
-  for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+  const uint64_t h = fnv1a64(data, bytes);
   char s[17];
   std::snprintf(s, sizeof s, "%016llx", static_cast<unsigned long long>(h));
   return s;
