@@ -233,7 +233,7 @@ RingSimulation simulate_ring(const RingProblem& pr) {
     // compute adds to it; after the compute (and once our previous accumulator has left) it
     // goes on to r+1. P-1 hops bring every accumulator home.
     std::vector<double> arrive_dkv(P, 0.0), dkv_done(P, 0.0), next_dkv(P);
-    const std::vector<int64_t> last_cuts = ring_last_hop_cuts(n);
+    const std::vector<int64_t> last_cuts = ring_last_hop_cuts(n), whole = {0, n};
     for (int s = 0; s < P; ++s) {
       pairs_of_step(s);
       std::fill(sent.begin(), sent.end(), Posted{0, 0});
@@ -248,34 +248,24 @@ RingSimulation simulate_ring(const RingProblem& pr) {
         st.compute = compute_seconds(r, 2.5, true);
         double end = t + st.compute;
         double waited = t - st.start;
-        if (s > 0 && s == P - 1 && !pr.accumulator_before_compute) {
-          // The last step sends the accumulator home in pieces of key rows, each right after
-          // its compute (Note [Pipelined last hop] in src/strategy/ring.cc); the step's
-          // compute is spread over the pieces in proportion to their rows. Before the first
-          // piece is added to it, the accumulator must have arrived and our previous one left.
+        if (s > 0) {
+          // The accumulator goes on after the compute, once it has arrived (from step 2 on)
+          // and our previous one has left; the last step sends it home in pieces of key rows,
+          // each right after its share of the compute (Note [Pipelined last hop] in
+          // src/strategy/ring.cc; the step's compute spread over the pieces by rows).
+          const std::vector<int64_t>& cuts =
+              s == P - 1 && !pr.accumulator_before_compute ? last_cuts : whole;
           end = t;
-          for (size_t c = 0; c + 1 < last_cuts.size(); ++c) {
-            const double share = double(last_cuts[c + 1] - last_cuts[c]) / double(n);
+          for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+            const double share = double(cuts[c + 1] - cuts[c]) / double(n);
             end += st.compute * share;
-            if (c == 0 && s > 1) {
-              const double after = std::max({end, arrive_dkv[r], dkv_done[r]});
+            if (c == 0) {
+              const bool arrives = s > 1 && !pr.accumulator_before_compute;
+              const double after = std::max({end, arrives ? arrive_dkv[r] : end, dkv_done[r]});
               waited += after - end;
               end = after;
             }
             const Posted g = post(r, end, dkv_bytes * share);
-            dkv_done[r] = g.done;
-            next_dkv[(r + 1) % P] = g.arrive;
-          }
-        } else {
-          if (s > 1 && !pr.accumulator_before_compute) {
-            waited += std::max(0.0, arrive_dkv[r] - end);
-            end = std::max(end, arrive_dkv[r]);
-          }
-          if (s > 0) {
-            const double after = std::max(end, dkv_done[r]);
-            waited += after - end;
-            end = after;
-            const Posted g = post(r, end, dkv_bytes);
             dkv_done[r] = g.done;
             next_dkv[(r + 1) % P] = g.arrive;
           }
