@@ -6,6 +6,11 @@
 #include <hwy/highway.h>
 #include <hwy/targets.h>
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -96,6 +101,43 @@ bool use_scalar_path() {
   const Choice& c = choice();
   CTXPAR_CHECK(c.error.empty(), c.error);
   return c.scalar;
+}
+
+int64_t parse_kernel_l1d(const char* text) {
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(text, &end, 10);
+  CTXPAR_CHECK(errno == 0 && end != text && *end == '\0' && v >= 1024 && v <= (1LL << 30),
+               "CTXPAR_KERNEL_L1D=" + std::string(text) +
+                   ": expected the L1 data cache size in bytes, a whole number from 1024 to "
+                   "1073741824 (e.g. 32768), or unset it to use this CPU's");
+  return static_cast<int64_t>(v);
+}
+
+namespace {
+std::atomic<int64_t> l1d_for_test{0};
+}  // namespace
+
+void set_kernel_l1d_for_test(int64_t bytes) { l1d_for_test.store(bytes); }
+
+int64_t kernel_l1d_bytes() {
+  if (const int64_t forced = l1d_for_test.load(); forced > 0) return forced;
+  static const int64_t bytes = [] {
+    if (const char* e = env("CTXPAR_KERNEL_L1D")) return parse_kernel_l1d(e);
+    const long reported = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    return reported >= 1024 ? static_cast<int64_t>(reported) : int64_t{32768};
+  }();
+  return bytes;
+}
+
+int64_t kernel_k_panel(int64_t n, int64_t k) {
+  const int64_t budget = kernel_l1d_bytes() / 2, bytes = n * k * static_cast<int64_t>(sizeof(float));
+  if (bytes <= budget) return 0;
+  // The fewest equal panels that fit (a 128-row K^T tile in two of 64 rows, on 32 and 48 KiB
+  // L1s alike), rounded up to 16 rows, and never fewer than 16.
+  const int64_t panels = (bytes + budget - 1) / budget;
+  const int64_t rows = std::max<int64_t>(16, ((k + panels - 1) / panels + 15) / 16 * 16);
+  return rows >= k ? 0 : rows;
 }
 
 }  // namespace kernel

@@ -113,6 +113,20 @@ bool simd_fused_multiply_add();
 // The chosen target's vector exp2 (2^t, t <= 0) over n values, for its accuracy test.
 void exp2_neg_simd(const float* in, float* out, int64_t n);
 
+// The L1 data cache size the fast path sizes its K panels for (simd_tile.h, Note [K panels]):
+// CTXPAR_KERNEL_L1D (bytes) when set, else what the C library reports for this CPU, else
+// 32 KiB. Read once per process; a malformed CTXPAR_KERNEL_L1D throws ctxpar::Error naming it.
+// Only the speed depends on it, never a bit of the results.
+int64_t kernel_l1d_bytes();
+// CTXPAR_KERNEL_L1D's value checked: 1024 .. 2^30 bytes, else ctxpar::Error naming it.
+int64_t parse_kernel_l1d(const char* text);
+// Tests only: makes kernel_l1d_bytes() return `bytes` (> 0), or what it did before (0).
+void set_kernel_l1d_for_test(int64_t bytes);
+// Rows per K panel for a product whose B operand has n floats a row and k rows: B split into
+// the fewest equal panels (rounded up to 16 rows) that take at most half of that L1 each; 0
+// (one pass, no panels) when the whole B fits.
+int64_t kernel_k_panel(int64_t n, int64_t k);
+
 // The two implementations behind the public calls (see api.cc for the choice).
 KernelStats forward_scalar(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                            const TensorView& k, const TensorView& v, const Tokens& k_tokens,

@@ -42,11 +42,13 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
   const TileRanges qr = tile_ranges(q_tokens, p.tq, kTile, mask.documents);
   const TileRanges kr = tile_ranges(k_tokens, p.tk, kTile, mask.documents);
   const int64_t d = p.d, dp = round_up(d, lanes()), nkt = kr.count(), nqt = qr.count();
+  const int64_t ld = padded_ld(dp);  // row stride of the [rows][dp] tiles (Note [Padded rows])
   const int64_t heads = p.batch * p.hkv;
   const int64_t chunks = heads >= p.threads ? 1 : std::min(nkt, (p.threads + heads - 1) / heads);
   const int64_t tasks = heads * chunks;
-  const int64_t q_block = p.group * nqt * kTile * dp;  // one task's packed Q (or dO, or dQ)
+  const int64_t q_block = p.group * nqt * kTile * ld;  // one task's packed Q (or dO, or dQ)
   float* dq_partial = scratch(Scratch::dq_partial, tasks * q_block);
+  const int64_t k_panel = kernel_k_panel(kTile, d);  // S and dP stream K^T, V^T in L1 panels
   const DF df;
   const int64_t nl = lanes();
 
@@ -55,9 +57,9 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
     float* qpack = scratch(Scratch::q_pack, q_block);
     float* dopack = scratch(Scratch::do_pack, q_block);
     std::vector<float> lse_rows(p.group * nqt * kTile), dlt(p.group * nqt * kTile);
-    std::vector<float> kt_pack(d * kTile), k_rows(kTile * dp), vt_pack(d * kTile), row(d);
+    std::vector<float> kt_pack(d * kTile), k_rows(kTile * ld), vt_pack(d * kTile), row(d);
     std::vector<float> s(kTile * kTile), dpm(kTile * kTile), pt(kTile * kTile), dst(kTile * kTile);
-    std::vector<float> dk_tile(kTile * dp), dv_tile(kTile * dp);
+    std::vector<float> dk_tile(kTile * ld), dv_tile(kTile * ld);
     // A task's result does not depend on the thread that runs it (see the note), so dynamic
     // scheduling is safe for determinism.
 #pragma omp for schedule(dynamic, 1)
@@ -71,8 +73,8 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
         for (int64_t qi = 0; qi < nqt; ++qi) {
           const int64_t h = hk * p.group + g, i0 = qi * kTile;
           const int64_t rows = std::min(p.tq, i0 + kTile) - i0, off = (g * nqt + qi) * kTile;
-          pack_rows(q, b, h, i0, rows, d, dp, qpack + off * dp, p.scale);
-          pack_rows(dout, b, h, i0, rows, d, dp, dopack + off * dp);
+          pack_rows(q, b, h, i0, rows, d, ld, qpack + off * ld, p.scale);
+          pack_rows(dout, b, h, i0, rows, d, ld, dopack + off * ld);
           for (int64_t r = 0; r < kTile; ++r) {
             lse_rows[off + r] = r < rows ? lse.ptr<const float>()[lse.offset(b, h, i0 + r)] : kNegInf;
             dlt[off + r] = r < rows ? delta.ptr<const float>()[delta.offset(b, h, i0 + r)] : 0.0f;
@@ -92,15 +94,17 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
             if (!packed) {  // pack this key tile only when some query tile sees it
               pack_transposed(k, b, hk, j0, cols, d, kt_pack.data(), row.data());
               pack_transposed(v, b, hk, j0, cols, d, vt_pack.data(), row.data());
-              pack_rows(k, b, hk, j0, cols, d, dp, k_rows.data());
+              pack_rows(k, b, hk, j0, cols, d, ld, k_rows.data());
               packed = true;
             }
             const int64_t i0 = qi * kTile, rows = std::min(p.tq, i0 + kTile) - i0;
             const int64_t mrows = round_up(rows, 4), off = (g * nqt + qi) * kTile;
-            const float* qs = qpack + off * dp;
-            const float* dot = dopack + off * dp;
-            gemm_rows(mrows, kTile, d, qs, dp, kt_pack.data(), kTile, s.data(), kTile, false);
-            gemm_rows(mrows, kTile, d, dot, dp, vt_pack.data(), kTile, dpm.data(), kTile, false);
+            const float* qs = qpack + off * ld;
+            const float* dot = dopack + off * ld;
+            gemm_rows(mrows, kTile, d, qs, ld, kt_pack.data(), kTile, s.data(), kTile, false,
+                      k_panel);
+            gemm_rows(mrows, kTile, d, dot, ld, vt_pack.data(), kTile, dpm.data(), kTile, false,
+                      k_panel);
             if (kind == TileKind::partial || cols < kTile)
               mask_tile(s.data(), rows, cols, kind == TileKind::partial, mask, q_tokens, i0,
                         k_tokens, j0);
@@ -126,9 +130,9 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
             transpose_tile(s.data(), pt.data());
             transpose_tile(dpm.data(), dst.data());
             // dV += P^T dO; dK += (scale dS)^T Qs (times 1 / scale at the end); dQ += scale dS K.
-            gemm_rows(kTile, dp, mrows, pt.data(), kTile, dot, dp, dv_tile.data(), dp, true);
-            gemm_rows(kTile, dp, mrows, dst.data(), kTile, qs, dp, dk_tile.data(), dp, true);
-            gemm_rows(mrows, dp, cols, dpm.data(), kTile, k_rows.data(), dp, dq_acc + off * dp, dp,
+            gemm_rows(kTile, dp, mrows, pt.data(), kTile, dot, ld, dv_tile.data(), ld, true);
+            gemm_rows(kTile, dp, mrows, dst.data(), kTile, qs, ld, dk_tile.data(), ld, true);
+            gemm_rows(mrows, dp, cols, dpm.data(), kTile, k_rows.data(), ld, dq_acc + off * ld, ld,
                       true);
             tile_progress();  // the MPI transport's progress calls, if installed
           }
@@ -138,8 +142,8 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
           float* dkr = dk.ptr<float>() + dk.offset(b, j0 + j, hk);
           float* dvr = dv.ptr<float>() + dv.offset(b, j0 + j, hk);
           for (int64_t c = 0; c < d; ++c) {
-            dkr[c] += dk_mul * dk_tile[j * dp + c];
-            dvr[c] += dv_tile[j * dp + c];
+            dkr[c] += dk_mul * dk_tile[j * ld + c];
+            dvr[c] += dv_tile[j * ld + c];
           }
         }
       }
@@ -151,7 +155,7 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
       for (int64_t g = 0; g < p.group; ++g)
         for (int64_t i = 0; i < p.tq; ++i) {
           float* dqr = dq.ptr<float>() + dq.offset(b, i, hk * p.group + g);
-          const int64_t off = ((g * nqt) * kTile + i) * dp;
+          const int64_t off = ((g * nqt) * kTile + i) * ld;
           for (int64_t chunk = 0; chunk < chunks; ++chunk) {
             const float* part = dq_partial + (bh * chunks + chunk) * q_block + off;
             for (int64_t c = 0; c < d; ++c) dqr[c] += part[c];

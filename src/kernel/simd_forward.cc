@@ -33,9 +33,10 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
   const TileRanges qr = tile_ranges(q_tokens, p.tq, kTile, mask.documents);
   const TileRanges kr = tile_ranges(k_tokens, p.tk, kTile, mask.documents);
   const int64_t d = p.d, dp = round_up(d, lanes()), nkt = kr.count(), nqt = qr.count();
+  const int64_t ld = padded_ld(dp);  // row stride of V, Q and acc tiles (Note [Padded rows])
   // Packed K^T tiles [B, Hkv, nkt][D][64] and V tiles [B, Hkv, nkt][64][dp].
   float* kpack = scratch(Scratch::k_pack, p.batch * p.hkv * nkt * d * kTile);
-  float* vpack = scratch(Scratch::v_pack, p.batch * p.hkv * nkt * kTile * dp);
+  float* vpack = scratch(Scratch::v_pack, p.batch * p.hkv * nkt * kTile * ld);
   const int64_t pack_tasks = p.batch * p.hkv * nkt;
 #pragma omp parallel num_threads(p.threads)
   {
@@ -45,7 +46,7 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
       const int64_t kt = t % nkt, hk = (t / nkt) % p.hkv, b = t / (nkt * p.hkv);
       const int64_t cols = std::min(p.tk, (kt + 1) * kTile) - kt * kTile;
       pack_transposed(k, b, hk, kt * kTile, cols, d, kpack + t * d * kTile, row.data());
-      pack_rows(v, b, hk, kt * kTile, cols, d, dp, vpack + t * kTile * dp);
+      pack_rows(v, b, hk, kt * kTile, cols, d, ld, vpack + t * kTile * ld);
     }
   }
 
@@ -53,11 +54,12 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
   float* m_state = state.m().ptr<float>();
   float* l_state = state.l().ptr<float>();
   const int64_t tasks = p.batch * p.hq * nqt;
+  const int64_t k_panel = kernel_k_panel(kTile, d);  // S = Q K^T streams K^T in L1 panels
   const DF df;
   const int64_t nl = lanes();
 #pragma omp parallel num_threads(p.threads)
   {
-    std::vector<float> qt(kTile * dp), s(kTile * kTile), acc(kTile * dp), m(kTile);
+    std::vector<float> qt(kTile * ld), s(kTile * kTile), acc(kTile * ld), m(kTile);
     // Row sums kept as one vector per row (lanes summed once per task, not once per tile).
     std::vector<float> lv(kTile * nl);
     // Each task owns its rows of the state, so which thread runs it cannot change the result:
@@ -67,14 +69,14 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
       const int64_t qi = task % nqt, h = (task / nqt) % p.hq, b = task / (nqt * p.hq);
       const int64_t hk = h / p.group, i0 = qi * kTile;
       const int64_t rows = std::min(p.tq, i0 + kTile) - i0, mrows = round_up(rows, 4);
-      pack_rows(q, b, h, i0, rows, d, dp, qt.data(), p.scale);
+      pack_rows(q, b, h, i0, rows, d, ld, qt.data(), p.scale);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t stat = (b * p.hq + h) * p.tq + i0 + r;
         m[r] = m_state[stat];
         std::fill_n(lv.data() + r * nl, nl, 0.0f);
         lv[r * nl] = l_state[stat];
-        std::copy_n(acc_state + ((b * p.tq + i0 + r) * p.hq + h) * d, d, acc.data() + r * dp);
+        std::copy_n(acc_state + ((b * p.tq + i0 + r) * p.hq + h) * d, d, acc.data() + r * ld);
       }
       bool touched = false;
       for (int64_t kt = 0; kt < nkt; ++kt) {
@@ -83,8 +85,8 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
         touched = true;
         const int64_t j0 = kt * kTile, cols = std::min(p.tk, j0 + kTile) - j0;
         const int64_t pk = (b * p.hkv + hk) * nkt + kt;
-        gemm_rows(mrows, kTile, d, qt.data(), dp, kpack + pk * d * kTile, kTile, s.data(),
-                  kTile, false);
+        gemm_rows(mrows, kTile, d, qt.data(), ld, kpack + pk * d * kTile, kTile, s.data(),
+                  kTile, false, k_panel);
         if (kind == TileKind::partial || cols < kTile)
           mask_tile(s.data(), rows, cols, kind == TileKind::partial, mask, q_tokens, i0, k_tokens, j0);
         for (int64_t r = 0; r < mrows; ++r) {
@@ -105,7 +107,7 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
             const VF va = hn::Set(df, alpha);
             hn::StoreU(hn::Mul(va, hn::LoadU(df, lv.data() + r * nl)), df, lv.data() + r * nl);
             for (int64_t c = 0; c < dp; c += nl)
-              hn::StoreU(hn::Mul(va, hn::LoadU(df, acc.data() + r * dp + c)), df, acc.data() + r * dp + c);
+              hn::StoreU(hn::Mul(va, hn::LoadU(df, acc.data() + r * ld + c)), df, acc.data() + r * ld + c);
             m[r] = m_new;
           }
           const VF vm = hn::Set(df, m_new), vlog2e = hn::Set(df, kLog2e);
@@ -117,8 +119,8 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
           }
           hn::StoreU(hn::Add(vsum, hn::LoadU(df, lv.data() + r * nl)), df, lv.data() + r * nl);
         }
-        gemm_rows(mrows, dp, cols, s.data(), kTile, vpack + pk * kTile * dp, dp,
-                  acc.data(), dp, true);
+        gemm_rows(mrows, dp, cols, s.data(), kTile, vpack + pk * kTile * ld, ld,
+                  acc.data(), ld, true);
         tile_progress();  // the MPI transport's progress calls, if installed (tile_progress.h)
       }
       if (!touched) continue;
@@ -126,7 +128,7 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
         const int64_t stat = (b * p.hq + h) * p.tq + i0 + r;
         m_state[stat] = m[r];
         l_state[stat] = hn::GetLane(hn::SumOfLanes(df, hn::LoadU(df, lv.data() + r * nl)));
-        std::copy_n(acc.data() + r * dp, d, acc_state + ((b * p.tq + i0 + r) * p.hq + h) * d);
+        std::copy_n(acc.data() + r * ld, d, acc_state + ((b * p.tq + i0 + r) * p.hq + h) * d);
       }
     }
   }

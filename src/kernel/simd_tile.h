@@ -93,15 +93,51 @@ HWY_INLINE void micro(const float* HWY_RESTRICT a, int64_t lda, const float* HWY
     for (int j = 0; j < C; ++j) hn::StoreU(acc[r][j], d, c + r * ldc + j * n);
 }
 
+// R rows of C against all N columns: micro-kernels of kC vectors, then single vectors.
+template <int R, int kC>
+HWY_INLINE void row_block(int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                          int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  const int64_t nl = lanes();
+  int64_t j = 0;
+  for (; j + kC * nl <= n; j += kC * nl) micro<R, kC>(a, lda, b + j, ldb, k, c + j, ldc, accumulate);
+  for (; j < n; j += nl) micro<R, 1>(a, lda, b + j, ldb, k, c + j, ldc, accumulate);
+}
+
 // C[M x N] (+)= A[M x K] B[K x N]; M a multiple of 2, N a multiple of the lane count.
 // The shape is chosen per target (HWY_MAX_BYTES is the compiled target's vector size):
 // AVX-512 (32 registers): 6 rows x 4 vectors = 24 accumulators, 1 load of B per 6 FMAs.
 // AVX2 / SSE4 (16 registers): 6 rows x 2 vectors = 12 accumulators + 2 B vectors + 1 broadcast.
+//
+// Note [K panels]: with 0 < k_panel < K the product runs in panels of k_panel rows of B (and
+// columns of A), and within a panel row block by row block, each block against every column:
+// the B panel (k_panel x N floats) is what the micro-kernels stream again and again, so it is
+// sized to stay in L1 (kernel_k_panel) -- a whole 128 x 64 K^T tile is 32 KiB, all of a Zen 3
+// L1, and without panels about one load in six missed it there (cachegrind, Zen 3 geometry:
+// docs/kernel.md). The bits do not change: every element of C still gets its FMAs in the order
+// k = 0, 1, ..., K-1 from the same start, only with an exact fp32 store and reload of the
+// accumulator between panels.
 inline void gemm_rows(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-                      const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+                      const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate,
+                      int64_t k_panel = 0) {
   const int64_t nl = lanes();
   constexpr int kC = HWY_MAX_BYTES >= 64 ? 4 : 2;
   constexpr int kR = 6;
+  if (k_panel > 0 && k_panel < k) {
+    for (int64_t k0 = 0; k0 < k; k0 += k_panel) {
+      const int64_t kk = std::min(k_panel, k - k0);
+      const bool acc = accumulate || k0 > 0;
+      const float* ap = a + k0;
+      const float* bp = b + k0 * ldb;
+      int64_t r = 0;
+      for (; r + kR <= m; r += kR)
+        row_block<kR, kC>(n, kk, ap + r * lda, lda, bp, ldb, c + r * ldc, ldc, acc);
+      for (; r + 4 <= m; r += 4)
+        row_block<4, kC>(n, kk, ap + r * lda, lda, bp, ldb, c + r * ldc, ldc, acc);
+      for (; r < m; r += 2)
+        row_block<2, kC>(n, kk, ap + r * lda, lda, bp, ldb, c + r * ldc, ldc, acc);
+    }
+    return;
+  }
   int64_t j = 0;
   for (; j + kC * nl <= n; j += kC * nl) {
     int64_t r = 0;
@@ -121,8 +157,19 @@ inline void gemm_rows(int64_t m, int64_t n, int64_t k, const float* a, int64_t l
   }
 }
 
+// Note [Padded rows]: the row stride of the packed [rows][dp] buffers (Q, dO, V, K rows, the
+// output accumulators, dK / dV tiles). At D = 128 a row is 512 bytes, so consecutive rows map
+// to every 8th set of a 64-set L1, and the 64 rows of a tile's column block share 8 sets: a
+// micro-kernel streaming one column block of V (or dO, Q, K) while updating the same block of
+// its accumulator wanted ~20 lines in 8-way sets, and missed L1 on about one load in five under
+// Zen 3's geometry (cachegrind; docs/kernel.md). One extra cache line a row spreads the rows
+// over all sets. The padding is never read into a result: bits do not change.
+inline int64_t padded_ld(int64_t dp) {
+  return (dp * static_cast<int64_t>(sizeof(float))) % 256 == 0 ? dp + 16 : dp;
+}
+
 // Packs rows [j0, j0 + cols) of one (batch, head) of t [B, T, H, D] as a zero-padded tile:
-// transposed [D][kTile] (for A * B^T products) or row-major [kTile][dp].
+// transposed [D][kTile] (for A * B^T products) or row-major [kTile][ld] (ld >= d floats a row).
 inline void pack_transposed(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t cols,
                             int64_t d, float* out, float* row) {
   std::fill(out, out + d * kTile, 0.0f);
@@ -132,12 +179,12 @@ inline void pack_transposed(const TensorView& t, int64_t b, int64_t h, int64_t j
   }
 }
 inline void pack_rows(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t rows,
-                      int64_t d, int64_t dp, float* out, float mul = 1.0f) {
-  std::fill(out, out + kTile * dp, 0.0f);
+                      int64_t d, int64_t ld, float* out, float mul = 1.0f) {
+  std::fill(out, out + kTile * ld, 0.0f);
   for (int64_t j = 0; j < rows; ++j) {
-    load_row(t, t.offset(b, j0 + j, h), d, out + j * dp);
+    load_row(t, t.offset(b, j0 + j, h), d, out + j * ld);
     if (mul != 1.0f)
-      for (int64_t c = 0; c < d; ++c) out[j * dp + c] *= mul;
+      for (int64_t c = 0; c < d; ++c) out[j * ld + c] *= mul;
   }
 }
 
