@@ -169,7 +169,8 @@ inline int64_t padded_ld(int64_t dp) {
 }
 
 // Packs rows [j0, j0 + cols) of one (batch, head) of t [B, T, H, D] as a zero-padded tile:
-// transposed [D][kTile] (for A * B^T products) or row-major [kTile][ld] (ld >= d floats a row).
+// transposed [D][kTile] (for A * B^T products) or row-major [tile_rows][ld] (ld >= d floats a
+// row; tile_rows >= rows, kTile unless given).
 inline void pack_transposed(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t cols,
                             int64_t d, float* out, float* row) {
   std::fill(out, out + d * kTile, 0.0f);
@@ -179,8 +180,9 @@ inline void pack_transposed(const TensorView& t, int64_t b, int64_t h, int64_t j
   }
 }
 inline void pack_rows(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t rows,
-                      int64_t d, int64_t ld, float* out, float mul = 1.0f) {
-  std::fill(out, out + kTile * ld, 0.0f);
+                      int64_t d, int64_t ld, float* out, float mul = 1.0f,
+                      int64_t tile_rows = kTile) {
+  std::fill(out, out + tile_rows * ld, 0.0f);
   for (int64_t j = 0; j < rows; ++j) {
     load_row(t, t.offset(b, j0 + j, h), d, out + j * ld);
     if (mul != 1.0f)

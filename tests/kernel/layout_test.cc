@@ -1,0 +1,164 @@
+// The fast path's memory layout -- K panels sized to the L1 (simd_tile.h, Note [K panels]),
+// padded rows (Note [Padded rows]) and two query tiles a forward task (simd_forward.cc, Note
+// [Two query tiles a task]) -- changes where data sits and in what order the micro-kernels walk
+// it, never a bit of a result:
+//   - every output of forward and backward is bitwise the same whatever L1 size the kernel
+//     tiles for, from one pass (1 GiB) down to 16-row panels (4 KiB), for head dims whose rows
+//     are padded (64, 128, 256) or not (80), with GQA, a causal mask, ragged tiles and both
+//     storage types; each is also checked against the fp64 reference by the tolerance rule, so
+//     "equal" cannot mean "equally wrong";
+//   - a query row's outputs do not depend on which rows share its task: dropping the first
+//     query tile pairs every later tile with another neighbour, and the remaining rows keep
+//     their bits, under masks whose tiles are skipped, partial or full in every combination.
+// Runs for every SIMD target the ctest entries force (CTXPAR_SIMD).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+
+#include "kernel/problem.h"
+#include "kernel/kernel_support.h"
+
+namespace ctxpar {
+namespace {
+
+using test::Case;
+using test::Inputs;
+using test::Outputs;
+using test::run_fast;
+
+struct L1dOverride {
+  explicit L1dOverride(int64_t bytes) { kernel::set_kernel_l1d_for_test(bytes); }
+  ~L1dOverride() { kernel::set_kernel_l1d_for_test(0); }
+};
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.bytes() == b.bytes() && std::memcmp(a.data(), b.data(), a.bytes()) == 0;
+}
+
+TEST(Layout, PanelRowsFollowTheL1Size) {
+  {
+    L1dOverride l1(32768);  // Zen 3: a 128 x 64 K^T tile (32 KiB) in two 16 KiB panels
+    EXPECT_EQ(kernel::kernel_k_panel(64, 128), 64);
+    EXPECT_EQ(kernel::kernel_k_panel(64, 64), 0);  // 16 KiB fits half of 32 KiB: one pass
+    EXPECT_EQ(kernel::kernel_k_panel(64, 256), 64);
+  }
+  {
+    L1dOverride l1(49152);  // Sapphire Rapids: 24 KiB budget, still two even panels
+    EXPECT_EQ(kernel::kernel_k_panel(64, 128), 64);
+  }
+  {
+    L1dOverride l1(4096);  // the floor: 16 rows
+    EXPECT_EQ(kernel::kernel_k_panel(64, 128), 16);
+  }
+  {
+    L1dOverride l1(1 << 30);
+    EXPECT_EQ(kernel::kernel_k_panel(64, 256), 0);
+  }
+}
+
+TEST(Layout, MalformedL1SizeIsRefusedByName) {
+  EXPECT_EQ(kernel::parse_kernel_l1d("32768"), 32768);
+  for (const char* bad : {"", "abc", "32k", "512", "0", "-32768", "99999999999", "2147483648"}) {
+    try {
+      kernel::parse_kernel_l1d(bad);
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("CTXPAR_KERNEL_L1D="), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("1024"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(Layout, ResultsDoNotDependOnTheL1Size) {
+  if (kernel::use_scalar_path()) GTEST_SKIP() << "the scalar path has no panels";
+  for (int64_t d : {64, 80, 128, 256}) {
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      Case c;
+      c.tq = 150, c.tk = 200, c.hq = 4, c.hkv = 2, c.d = d, c.dtype = dtype;
+      c.mask = Mask::causal_mask(), c.q_offset = 50, c.seed = 7 + d;
+      const Inputs in = make_inputs(c);
+      Outputs base;
+      {
+        L1dOverride l1(1 << 30);  // one pass, as before panels existed
+        base = run_fast(in, c.mask, 2);
+      }
+      const std::string violations = rule_violations(base, references_of(in, c.mask, true), true);
+      EXPECT_EQ(violations, "") << c.name();
+      for (int64_t bytes : {4096, 32768, 49152}) {
+        L1dOverride l1(bytes);
+        const Outputs f = run_fast(in, c.mask, 2);
+        for (auto [x, y, what] : {std::tuple{&f.o, &base.o, "o"}, {&f.lse, &base.lse, "lse"},
+                                  {&f.dq, &base.dq, "dq"}, {&f.dk, &base.dk, "dk"},
+                                  {&f.dv, &base.dv, "dv"}})
+          EXPECT_TRUE(same_bits(*x, *y)) << what << ", L1 " << bytes << " bytes, " << c.name();
+      }
+    }
+  }
+}
+
+// Rows [from, T) of in's queries (and dout), with their positions and documents.
+Inputs drop_query_rows(const Inputs& in, int64_t from) {
+  Inputs out = in;
+  const int64_t b = in.q.dim(0), tq = in.q.dim(1), hq = in.q.dim(2), d = in.q.dim(3);
+  auto slice = [&](const Tensor& t) {
+    Tensor s(t.dtype(), {b, tq - from, hq, d});
+    const size_t row = static_cast<size_t>(hq * d) * dtype_size(t.dtype());
+    for (int64_t bi = 0; bi < b; ++bi)
+      std::memcpy(static_cast<std::byte*>(s.data()) + bi * (tq - from) * row,
+                  static_cast<const std::byte*>(t.data()) + (bi * tq + from) * row,
+                  (tq - from) * row);
+    return s;
+  };
+  out.q = slice(in.q), out.dout = slice(in.dout);
+  out.q_pos.erase(out.q_pos.begin(), out.q_pos.begin() + from);
+  if (!out.q_doc.empty()) out.q_doc.erase(out.q_doc.begin(), out.q_doc.begin() + from);
+  return out;
+}
+
+// Whether rows [from, T) of the full run's [B, T, ...] tensor (or [B, H, T] LSE) equal the
+// sliced run's rows bitwise.
+bool tail_rows_equal(const Tensor& full, const Tensor& part, int64_t from, bool lse) {
+  const int64_t b = full.dim(0), t = lse ? full.dim(2) : full.dim(1);
+  const int64_t outer = lse ? b * full.dim(1) : b;
+  const size_t row = lse ? sizeof(float) : full.bytes() / static_cast<size_t>(b * t);
+  for (int64_t o = 0; o < outer; ++o)
+    if (std::memcmp(static_cast<const std::byte*>(full.data()) + (o * t + from) * row,
+                    static_cast<const std::byte*>(part.data()) + o * (t - from) * row,
+                    (t - from) * row) != 0)
+      return false;
+  return true;
+}
+
+TEST(Layout, QueryRowsDoNotDependOnTheirTaskNeighbours) {
+  struct Named {
+    const char* name;
+    Mask mask;
+    int64_t q_offset, doc_len;
+  };
+  Mask window, documents = Mask::causal_mask();
+  window.window_left = 100, window.window_right = 0;
+  documents.documents = true;
+  const Named cases[] = {
+      {"none", Mask::none(), 0, 0},
+      {"causal", Mask::causal_mask(), 0, 0},
+      {"causal, queries after the keys", Mask::causal_mask(), 70, 0},
+      {"window 100 left", window, 0, 0},
+      {"causal documents of 90", documents, 0, 90},
+  };
+  for (const Named& n : cases) {
+    Case c;
+    c.tq = 330, c.tk = 300, c.hq = 2, c.hkv = 1, c.d = 64, c.mask = n.mask;
+    c.q_offset = n.q_offset, c.doc_len = n.doc_len, c.seed = 11;
+    const Inputs in = make_inputs(c);
+    const Outputs full = run_fast(in, c.mask, 1);
+    EXPECT_EQ(rule_violations(full, references_of(in, c.mask, true), true), "") << n.name;
+    const Outputs part = run_fast(drop_query_rows(in, 64), c.mask, 1);
+    EXPECT_TRUE(tail_rows_equal(full.o, part.o, 64, false)) << "o, " << n.name;
+    EXPECT_TRUE(tail_rows_equal(full.lse, part.lse, 64, true)) << "lse, " << n.name;
+    EXPECT_TRUE(tail_rows_equal(full.dq, part.dq, 64, false)) << "dq, " << n.name;
+  }
+}
+
+}  // namespace
+}  // namespace ctxpar
