@@ -57,9 +57,23 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
     float* qpack = scratch(Scratch::q_pack, q_block);
     float* dopack = scratch(Scratch::do_pack, q_block);
     std::vector<float> lse_rows(p.group * nqt * kTile), dlt(p.group * nqt * kTile);
-    std::vector<float> kt_pack(d * kTile), k_rows(kTile * ld), vt_pack(d * kTile), row(d);
+    // Note [Two key tiles a pass]: the task walks its key tiles two at a time, and each query
+    // tile's packed Q and dO rows serve both before the next query tile is read: half the
+    // passes over the group's Q and dO (2.3 MiB each at T = 4096, D = 128: L2 or beyond). Every
+    // element's additions keep their order (dK / dV per key tile over query tiles as before; a
+    // dQ row gets key tile c, then c + chunks, ...), so the bits are those of one tile a pass.
+    struct KeyTile {
+      std::vector<float> kt_pack, vt_pack, k_rows, dk, dv;
+      int64_t kt = 0, j0 = 0, cols = 0;
+      bool packed = false;
+    };
+    KeyTile keys[2];
+    for (KeyTile& t : keys) {
+      t.kt_pack.resize(d * kTile), t.vt_pack.resize(d * kTile), t.k_rows.resize(kTile * ld);
+      t.dk.resize(kTile * ld), t.dv.resize(kTile * ld);
+    }
+    std::vector<float> row(d);
     std::vector<float> s(kTile * kTile), dpm(kTile * kTile), pt(kTile * kTile), dst(kTile * kTile);
-    std::vector<float> dk_tile(kTile * ld), dv_tile(kTile * ld);
     // A task's result does not depend on the thread that runs it (see the note), so dynamic
     // scheduling is safe for determinism.
 #pragma omp for schedule(dynamic, 1)
@@ -82,68 +96,78 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
         }
       // Chunks take every chunks-th key tile: under a causal mask early key tiles see more
       // query tiles, so contiguous ranges would give the first chunk most of the work.
-      for (int64_t kt = chunk; kt < nkt; kt += chunks) {
-        const int64_t j0 = kt * kTile, cols = std::min(p.tk, j0 + kTile) - j0;
-        bool packed = false;
-        std::fill(dk_tile.begin(), dk_tile.end(), 0.0f);
-        std::fill(dv_tile.begin(), dv_tile.end(), 0.0f);
+      for (int64_t kt0 = chunk; kt0 < nkt; kt0 += 2 * chunks) {
+        const int64_t nkeys = kt0 + chunks < nkt ? 2 : 1;
+        for (int64_t u = 0; u < nkeys; ++u) {
+          KeyTile& t = keys[u];
+          t.kt = kt0 + u * chunks, t.j0 = t.kt * kTile, t.cols = std::min(p.tk, t.j0 + kTile) - t.j0;
+          t.packed = false;
+          std::fill(t.dk.begin(), t.dk.end(), 0.0f);
+          std::fill(t.dv.begin(), t.dv.end(), 0.0f);
+        }
         for (int64_t g = 0; g < p.group; ++g)
-          for (int64_t qi = 0; qi < nqt; ++qi) {
-            const TileKind kind = classify(mask, qr, qi, kr, kt);
-            if (kind == TileKind::skip) continue;
-            if (!packed) {  // pack this key tile only when some query tile sees it
-              pack_transposed(k, b, hk, j0, cols, d, kt_pack.data(), row.data());
-              pack_transposed(v, b, hk, j0, cols, d, vt_pack.data(), row.data());
-              pack_rows(k, b, hk, j0, cols, d, ld, k_rows.data());
-              packed = true;
-            }
-            const int64_t i0 = qi * kTile, rows = std::min(p.tq, i0 + kTile) - i0;
-            const int64_t mrows = round_up(rows, 4), off = (g * nqt + qi) * kTile;
-            const float* qs = qpack + off * ld;
-            const float* dot = dopack + off * ld;
-            gemm_rows(mrows, kTile, d, qs, ld, kt_pack.data(), kTile, s.data(), kTile, false,
-                      k_panel);
-            gemm_rows(mrows, kTile, d, dot, ld, vt_pack.data(), kTile, dpm.data(), kTile, false,
-                      k_panel);
-            if (kind == TileKind::partial || cols < kTile)
-              mask_tile(s.data(), rows, cols, kind == TileKind::partial, mask, q_tokens, i0,
-                        k_tokens, j0);
-            for (int64_t r = 0; r < kTile; ++r) {
-              float* sr = s.data() + r * kTile;
-              float* dr = dpm.data() + r * kTile;
-              if (r >= rows || lse_rows[off + r] == kNegInf) {  // padding or fully masked row
-                std::fill(sr, sr + kTile, 0.0f);
-                std::fill(dr, dr + kTile, 0.0f);
-                continue;
+          for (int64_t qi = 0; qi < nqt; ++qi)
+            for (int64_t u = 0; u < nkeys; ++u) {
+              KeyTile& t = keys[u];
+              const int64_t j0 = t.j0, cols = t.cols;
+              const TileKind kind = classify(mask, qr, qi, kr, t.kt);
+              if (kind == TileKind::skip) continue;
+              if (!t.packed) {  // pack this key tile only when some query tile sees it
+                pack_transposed(k, b, hk, j0, cols, d, t.kt_pack.data(), row.data());
+                pack_transposed(v, b, hk, j0, cols, d, t.vt_pack.data(), row.data());
+                pack_rows(k, b, hk, j0, cols, d, ld, t.k_rows.data());
+                t.packed = true;
               }
-              const VF vl = hn::Set(df, lse_rows[off + r]), vd = hn::Set(df, dlt[off + r]);
-              const VF vscale = hn::Set(df, p.scale), vlog2e = hn::Set(df, kLog2e);
-              for (int64_t c = 0; c < kTile; c += nl) {
-                // Note [P at most one]: the exponent is clamped at 0.
-                const VF t = hn::Min(hn::Sub(hn::LoadU(df, sr + c), vl), hn::Zero(df));
-                const VF pv = exp2_neg(df, hn::Mul(t, vlog2e));
-                const VF ds = hn::Mul(pv, hn::Sub(hn::LoadU(df, dr + c), vd));
-                hn::StoreU(pv, df, sr + c);                   // s <- P
-                hn::StoreU(hn::Mul(ds, vscale), df, dr + c);  // dpm <- scale * dS
+              const int64_t i0 = qi * kTile, rows = std::min(p.tq, i0 + kTile) - i0;
+              const int64_t mrows = round_up(rows, 4), off = (g * nqt + qi) * kTile;
+              const float* qs = qpack + off * ld;
+              const float* dot = dopack + off * ld;
+              gemm_rows(mrows, kTile, d, qs, ld, t.kt_pack.data(), kTile, s.data(), kTile, false,
+                        k_panel);
+              gemm_rows(mrows, kTile, d, dot, ld, t.vt_pack.data(), kTile, dpm.data(), kTile,
+                        false, k_panel);
+              if (kind == TileKind::partial || cols < kTile)
+                mask_tile(s.data(), rows, cols, kind == TileKind::partial, mask, q_tokens, i0,
+                          k_tokens, j0);
+              for (int64_t r = 0; r < kTile; ++r) {
+                float* sr = s.data() + r * kTile;
+                float* dr = dpm.data() + r * kTile;
+                if (r >= rows || lse_rows[off + r] == kNegInf) {  // padding or fully masked row
+                  std::fill(sr, sr + kTile, 0.0f);
+                  std::fill(dr, dr + kTile, 0.0f);
+                  continue;
+                }
+                const VF vl = hn::Set(df, lse_rows[off + r]), vd = hn::Set(df, dlt[off + r]);
+                const VF vscale = hn::Set(df, p.scale), vlog2e = hn::Set(df, kLog2e);
+                for (int64_t c = 0; c < kTile; c += nl) {
+                  // Note [P at most one]: the exponent is clamped at 0.
+                  const VF e = hn::Min(hn::Sub(hn::LoadU(df, sr + c), vl), hn::Zero(df));
+                  const VF pv = exp2_neg(df, hn::Mul(e, vlog2e));
+                  const VF ds = hn::Mul(pv, hn::Sub(hn::LoadU(df, dr + c), vd));
+                  hn::StoreU(pv, df, sr + c);                   // s <- P
+                  hn::StoreU(hn::Mul(ds, vscale), df, dr + c);  // dpm <- scale * dS
+                }
               }
+              transpose_tile(s.data(), pt.data());
+              transpose_tile(dpm.data(), dst.data());
+              // dV += P^T dO; dK += (scale dS)^T Qs (times 1 / scale at the end); dQ += scale dS K.
+              gemm_rows(kTile, dp, mrows, pt.data(), kTile, dot, ld, t.dv.data(), ld, true);
+              gemm_rows(kTile, dp, mrows, dst.data(), kTile, qs, ld, t.dk.data(), ld, true);
+              gemm_rows(mrows, dp, cols, dpm.data(), kTile, t.k_rows.data(), ld,
+                        dq_acc + off * ld, ld, true);
+              tile_progress();  // the MPI transport's progress calls, if installed
             }
-            transpose_tile(s.data(), pt.data());
-            transpose_tile(dpm.data(), dst.data());
-            // dV += P^T dO; dK += (scale dS)^T Qs (times 1 / scale at the end); dQ += scale dS K.
-            gemm_rows(kTile, dp, mrows, pt.data(), kTile, dot, ld, dv_tile.data(), ld, true);
-            gemm_rows(kTile, dp, mrows, dst.data(), kTile, qs, ld, dk_tile.data(), ld, true);
-            gemm_rows(mrows, dp, cols, dpm.data(), kTile, k_rows.data(), ld, dq_acc + off * ld, ld,
-                      true);
-            tile_progress();  // the MPI transport's progress calls, if installed
-          }
-        if (!packed) continue;
         const float dk_mul = 1.0f / p.scale;
-        for (int64_t j = 0; j < cols; ++j) {
-          float* dkr = dk.ptr<float>() + dk.offset(b, j0 + j, hk);
-          float* dvr = dv.ptr<float>() + dv.offset(b, j0 + j, hk);
-          for (int64_t c = 0; c < d; ++c) {
-            dkr[c] += dk_mul * dk_tile[j * ld + c];
-            dvr[c] += dv_tile[j * ld + c];
+        for (int64_t u = 0; u < nkeys; ++u) {
+          const KeyTile& t = keys[u];
+          if (!t.packed) continue;
+          for (int64_t j = 0; j < t.cols; ++j) {
+            float* dkr = dk.ptr<float>() + dk.offset(b, t.j0 + j, hk);
+            float* dvr = dv.ptr<float>() + dv.offset(b, t.j0 + j, hk);
+            for (int64_t c = 0; c < d; ++c) {
+              dkr[c] += dk_mul * t.dk[j * ld + c];
+              dvr[c] += t.dv[j * ld + c];
+            }
           }
         }
       }

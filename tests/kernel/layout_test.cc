@@ -9,7 +9,10 @@
 //     "equal" cannot mean "equally wrong";
 //   - a query row's outputs do not depend on which rows share its task: dropping the first
 //     query tile pairs every later tile with another neighbour, and the remaining rows keep
-//     their bits, under masks whose tiles are skipped, partial or full in every combination.
+//     their bits, under masks whose tiles are skipped, partial or full in every combination;
+//   - likewise a key row's dK / dV do not depend on which key tile shares its backward pass
+//     (simd_backward.cc, Note [Two key tiles a pass]): the backward of the keys without the
+//     first tile, given the same LSE and delta, reproduces the other rows bitwise.
 // Runs for every SIMD target the ctest entries force (CTXPAR_SIMD).
 #include <gtest/gtest.h>
 
@@ -157,6 +160,39 @@ TEST(Layout, QueryRowsDoNotDependOnTheirTaskNeighbours) {
     EXPECT_TRUE(tail_rows_equal(full.o, part.o, 64, false)) << "o, " << n.name;
     EXPECT_TRUE(tail_rows_equal(full.lse, part.lse, 64, true)) << "lse, " << n.name;
     EXPECT_TRUE(tail_rows_equal(full.dq, part.dq, 64, false)) << "dq, " << n.name;
+  }
+}
+
+TEST(Layout, KeyRowsDoNotDependOnTheirPassNeighbours) {
+  Mask documents = Mask::causal_mask();
+  documents.documents = true;
+  for (const Mask& mask : {Mask::none(), Mask::causal_mask(), documents}) {
+    for (int threads : {1, 2}) {  // one kv head: two threads deal the key tiles into 2 chunks
+      Case c;
+      c.tq = 300, c.tk = 330, c.hq = 2, c.hkv = 1, c.d = 64, c.mask = mask, c.doc_len = 90;
+      c.seed = 13;
+      const Inputs in = make_inputs(c);
+      const Outputs full = run_fast(in, c.mask, threads);
+      EXPECT_EQ(rule_violations(full, references_of(in, c.mask, true), true), "")
+          << c.mask.describe();
+      KernelConfig cfg;
+      cfg.threads = threads;
+      Tensor delta(DType::f32, {1, c.hq, c.tq});
+      attention_backward_delta(full.o, in.dout, delta, cfg);
+      const int64_t from = 64, tk = c.tk;
+      Tokens keys;
+      keys.positions = std::span<const int64_t>(in.k_pos).subspan(from);
+      if (!in.k_doc.empty()) keys.documents = std::span<const int32_t>(in.k_doc).subspan(from);
+      Tensor dq(DType::f32, {1, c.tq, c.hq, c.d}), dk(DType::f32, {1, tk - from, c.hkv, c.d}),
+          dv(DType::f32, {1, tk - from, c.hkv, c.d});
+      attention_backward_block(in.q, in.q_tokens(), in.k.view().slice(1, from, tk),
+                               in.v.view().slice(1, from, tk), keys, c.mask, in.dout, full.lse,
+                               delta, dq, dk, dv, cfg);
+      EXPECT_TRUE(tail_rows_equal(full.dk, dk, from, false))
+          << "dk, " << c.mask.describe() << ", threads " << threads;
+      EXPECT_TRUE(tail_rows_equal(full.dv, dv, from, false))
+          << "dv, " << c.mask.describe() << ", threads " << threads;
+    }
   }
 }
 
