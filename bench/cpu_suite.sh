@@ -13,12 +13,15 @@
 # --repeats N (alternating repetitions, default 5), --inner N (each run is the best of N, as
 # `bench kernel --repeats N`; default 1), --quick, --torch-python PY (an interpreter that already
 # has torch: no venv, no pip), --venv DIR (default .venv-torch), --torch-version V (default
-# 2.15.0), --no-torch. Exit: 0 all runs done, 1 a run failed (its log is in OUT/logs), 2 usage.
+# 2.15.0), --no-torch, --ggml BIN (also time ggml's CPU flash attention, forward, 1 and 2 threads,
+# K/V fp32 and fp16, with BIN built from bench/ggml_fa.cc against your own ggml checkout; see
+# that file -- this suite never fetches or builds ggml).
+# Exit: 0 all runs done, 1 a run failed (its log is in OUT/logs), 2 usage.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=$ROOT/build OUT=bench-cpu-suite REPEATS=5 INNER=1 QUICK=0 NO_TORCH=0
-TORCH_PY="" VENV=$ROOT/.venv-torch TORCH_PIN=2.15.0
+TORCH_PY="" VENV=$ROOT/.venv-torch TORCH_PIN=2.15.0 GGML_BIN=""
 
 usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 die() { echo "cpu_suite.sh: error: $*" >&2; exit 2; }
@@ -39,6 +42,7 @@ while [ $# -gt 0 ]; do
     --venv) need_value "$@"; VENV=$2; shift 2 ;;
     --torch-version) need_value "$@"; TORCH_PIN=$2; shift 2 ;;
     --no-torch) NO_TORCH=1; shift ;;
+    --ggml) need_value "$@"; GGML_BIN=$2; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
   esac
@@ -51,6 +55,11 @@ CTXPAR=$BUILD/ctxpar
 "$CTXPAR" --version > /dev/null 2>&1 || die "$CTXPAR --version failed: is the build complete?"
 command -v python3 > /dev/null || die "python3 not on PATH (the report and the torch venv need it)"
 [ -z "$TORCH_PY" ] || [ "$NO_TORCH" = 0 ] || die "--torch-python and --no-torch exclude each other"
+if [ -n "$GGML_BIN" ]; then
+  [ -x "$GGML_BIN" ] || die "--ggml $GGML_BIN is not an executable file (build it from bench/ggml_fa.cc: see its comment)"
+  "$GGML_BIN" --seq 64 --heads 1 --head-dim 64 --threads 1 > /dev/null 2>&1 ||
+    die "--ggml $GGML_BIN failed a 64-token trial run: is it bench/ggml_fa.cc built against ggml?"
+fi
 [ ! -e "$OUT/raw" ] || die "$OUT already holds a run ($OUT/raw); choose another --out or remove it"
 mkdir -p "$OUT/raw" "$OUT/logs" "$OUT/info" || die "cannot create $OUT"
 INFO=$OUT/info
@@ -101,14 +110,15 @@ else
 fi
 RUNS=(kernel_1t torch_1t kernel_2t torch_2t ring_p2_zigzag ring_p2_contiguous one_rank_2t)
 [ -e "$INFO/torch_skipped" ] && RUNS=(kernel_1t kernel_2t ring_p2_zigzag ring_p2_contiguous one_rank_2t)
+[ -n "$GGML_BIN" ] && RUNS+=(ggml_1t ggml_2t ggml_f16_2t)
 python3 - "$INFO/config.json" "$REPEATS" "$INNER" "$QUICK" "$TORCH_PIN" "$TORCH_PY" \
-  "$KT" "$KH" "$KD" "$CT" "$CH" "$CD" "${RUNS[@]}" <<'PY' || die "cannot write $INFO/config.json"
+  "$KT" "$KH" "$KD" "$CT" "$CH" "$CD" "$GGML_BIN" "${RUNS[@]}" <<'PY' || die "cannot write $INFO/config.json"
 import json, sys
 a = sys.argv[1:]
 shape = lambda t, h, d: dict(seq=int(t), heads=int(h), head_dim=int(d))
 json.dump(dict(repeats=int(a[1]), inner=int(a[2]), quick=a[3] == "1", torch_pin=a[4],
                torch_python=a[5], kernel_shape=shape(*a[6:9]), cp_shape=shape(*a[9:12]),
-               runs=a[12:]), open(a[0], "w"), indent=1)
+               ggml_binary=a[12] or None, runs=a[13:]), open(a[0], "w"), indent=1)
 PY
 
 export OMP_NUM_THREADS=1  # every command below sets its own thread count
@@ -116,6 +126,9 @@ kernel() { "$CTXPAR" bench kernel --seq $KT --heads $KH --head-dim $KD --threads
 torch_sdpa() {
   OMP_NUM_THREADS=$1 MKL_NUM_THREADS=$1 "$TORCH_PY" "$ROOT/bench/torch_sdpa.py" --seq $KT \
     --heads $KH --head-dim $KD --threads "$1" --repeats "$INNER"
+}
+ggml_fa() {  # ggml_fa THREADS KV: bench/ggml_fa.cc's binary, same kernel shape
+  OMP_NUM_THREADS=$1 "$GGML_BIN" --seq $KT --heads $KH --head-dim $KD --threads "$1" --kv "$2" --repeats "$INNER"
 }
 attention() {
   "$CTXPAR" attention --seq $CT --heads $CH --head-dim $CD --mask causal --strategy ring \
@@ -130,6 +143,9 @@ run() {  # run NAME: one measurement, its JSON kept only if it succeeded
     ring_p2_zigzag) attention --ranks 2 --threads 1 --layout zigzag ;;
     ring_p2_contiguous) attention --ranks 2 --threads 1 --layout contiguous ;;
     one_rank_2t) attention --ranks 1 --threads 2 ;;
+    ggml_1t) ggml_fa 1 f32 ;;
+    ggml_2t) ggml_fa 2 f32 ;;
+    ggml_f16_2t) ggml_fa 2 f16 ;;
   esac
 }
 

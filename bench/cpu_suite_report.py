@@ -94,6 +94,12 @@ def ratio_rows(meta):
                                  f"ctxpar / torch SDPA speed, {word}, {mask}, {n} thread{'s' * (n > 1)}",
                                  1.2, lambda r, n=n, key=key:
                                  r[f"torch_{n}t"][key] / r[f"kernel_{n}t"][key]))
+    if meta.get("ggml_binary"):
+        for run, n, kv, goal in (("ggml_1t", 1, "fp32", None), ("ggml_2t", 2, "fp32", 1.5),
+                                 ("ggml_f16_2t", 2, "fp16", None)):
+            rows.append((f"vs_{run}", f"ctxpar / ggml flash attention speed, forward, {n} "
+                         f"thread{'s' * (n > 1)}, ggml's K/V {kv}", goal,
+                         lambda r, run=run, n=n: r[run]["fwd_seconds"] / r[f"kernel_{n}t"]["fwd_seconds"]))
     rows += [
         ("ring_p2_zigzag_vs_one_rank_2t", "ring P=2 zigzag causal / one rank with 2 threads (speed)",
          0.95, lambda r: r["one_rank_2t"]["forward_seconds"] / r["ring_p2_zigzag"]["forward_seconds"]),
@@ -143,7 +149,7 @@ def main():
                      "causal_bwd_seconds"]
     absolute = {name: medians(reps, name, kernel_fields + ["forward_seconds"])
                 for name in ("kernel_1t", "kernel_2t", "torch_1t", "torch_2t", "ring_p2_zigzag",
-                             "ring_p2_contiguous", "one_rank_2t")}
+                             "ring_p2_contiguous", "one_rank_2t", "ggml_1t", "ggml_2t", "ggml_f16_2t")}
     failed = sorted({f"rep{i + 1}/{n}" for i, r in enumerate(reps) for n in meta["runs"]
                      if n not in r and not (n.startswith("torch") and meta.get("torch_skipped"))})
     summary = dict(meta=meta, figures=figs, medians_of_absolute_figures=absolute,
@@ -184,12 +190,20 @@ def main():
         print(f"{f['label']:<{w}}  {f['median']:7.3f}  {spread:>15}  {goal:>6}  {met}")
     if m.get("torch_skipped"):
         print(f"{'ctxpar / torch SDPA (8 rows)':<{w}}  {'n/a':>7}  {'(SKIPPED)':>15}  {'1.20':>6}")
-    print(f"{'ctxpar / ggml CPU flash attention, forward, 2 threads':<{w}}  {'n/a':>7}  "
-          f"{'(not run here)':>15}  {'1.50':>6}")
+    if not m.get("ggml_binary"):
+        print(f"{'ctxpar / ggml CPU flash attention, forward, 2 threads':<{w}}  {'n/a':>7}  "
+              f"{'(no --ggml)':>15}  {'1.50':>6}")
     print()
     print("speed ratios are the other side's seconds / this side's: > 1 means ctxpar (the ring, "
           "zigzag) is faster.")
-    print("ggml's row is measured outside the project (llama.cpp); this suite does not build it.")
+    if m.get("ggml_binary"):
+        g = next((r[k] for r in reps for k in ("ggml_1t", "ggml_2t") if k in r), {})
+        print(f"ggml: {g.get('ggml_version', '?')} (commit {g.get('ggml_commit', '?')}), binary "
+              f"{m['ggml_binary']} built from bench/ggml_fa.cc outside this suite; forward only, "
+              f"non-causal (ggml has no backward)")
+    else:
+        print("ggml's rows need --ggml BIN (bench/ggml_fa.cc built against your own ggml); "
+              "this suite never builds ggml.")
     if failed:
         print(f"FAILED runs (see {out_dir}/logs/): {', '.join(failed)}")
     print(f"JSON: {os.path.join(out_dir, 'summary.json')}; raw runs: {os.path.join(out_dir, 'raw')}/")

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# bench/cpu_suite.sh at --quick shapes, one repetition, no torch: every run it makes succeeds,
+# the report prints every ratio with a number, the ggml rows appear when --ggml names a binary
+# (here a stand-in that prints ggml_fa's JSON with a fixed time: this tests the suite's
+# plumbing, not ggml), and usage errors exit 2 naming the option.
+# Usage: cpu_suite_test.sh SOURCE_DIR BUILD_DIR
+set -uo pipefail
+SRC=$1 BUILD=$2
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+
+cat > "$TMP/fake_ggml" <<'FAKE'
+#!/usr/bin/env bash
+# Stands in for bench/ggml_fa.cc's binary: checks the arguments the suite passes, prints its JSON.
+[[ " $* " == *" --seq "* && " $* " == *" --threads "* ]] || { echo "bad arguments: $*" >&2; exit 2; }
+echo '{"impl": "ggml_flash_attn_ext", "ggml_version": "stand-in", "ggml_commit": "none", "fwd_seconds": 0.5, "fwd_gflops": 1.0}'
+FAKE
+chmod +x "$TMP/fake_ggml"
+
+bash "$SRC/bench/cpu_suite.sh" --build "$BUILD" --quick --repeats 1 --no-torch --ggml "$TMP/fake_ggml" \
+  --out "$TMP/q" > "$TMP/out.txt" 2> "$TMP/err.txt" || { cat "$TMP/out.txt" "$TMP/err.txt"; fail "the suite failed"; }
+cat "$TMP/out.txt"
+for row in "ctxpar forward / one-thread FMA peak" "ring P=2 zigzag causal / one rank with 2 threads" \
+           "zigzag / contiguous" "ggml flash attention speed, forward, 2 threads, ggml's K/V fp32"; do
+  line=$(grep -F "$row" "$TMP/out.txt") || fail "no row '$row'"
+  [[ $line =~ [0-9]+\.[0-9]{3} ]] || fail "row '$row' has no figure: $line"
+done
+grep -q "torch: SKIPPED: --no-torch given" "$TMP/out.txt" || fail "torch was not reported as skipped"
+python3 - "$TMP/q/summary.json" <<'PY' || fail "summary.json"
+import json, sys
+s = json.load(open(sys.argv[1]))
+assert s["failed_runs"] == [], s["failed_runs"]
+f = s["figures"]["vs_ggml_2t"]
+k = s["medians_of_absolute_figures"]["kernel_2t"]["fwd_seconds"]
+assert abs(f["median"] - 0.5 / k) < 1e-9 * f["median"], (f, k)  # the stand-in's 0.5 s / ctxpar's
+PY
+
+expect_usage() {  # expect_usage TEXT ARGS...: exit 2 and TEXT in the message
+  local text=$1; shift
+  bash "$SRC/bench/cpu_suite.sh" --build "$BUILD" "$@" > "$TMP/u.txt" 2>&1
+  local rc=$?
+  [ "$rc" = 2 ] || { cat "$TMP/u.txt"; fail "$* exited $rc, expected 2"; }
+  grep -qF -- "$text" "$TMP/u.txt" || { cat "$TMP/u.txt"; fail "$* did not say '$text'"; }
+}
+expect_usage "--ggml $TMP/none is not an executable file" --no-torch --ggml "$TMP/none" --out "$TMP/u1"
+printf '#!/bin/sh\nexit 1\n' > "$TMP/broken" && chmod +x "$TMP/broken"
+expect_usage "failed a 64-token trial run" --no-torch --ggml "$TMP/broken" --out "$TMP/u2"
+expect_usage "--repeats must be a whole number" --repeats 0
+echo "PASS"
