@@ -108,7 +108,8 @@ if [ "$QUICK" = 1 ]; then
 else
   KT=4096 KH=8 KD=128 CT=16384 CH=4 CD=128
 fi
-RUNS=(kernel_1t torch_1t kernel_2t torch_2t ring_p2_zigzag ring_p2_contiguous one_rank_2t)
+RUNS=(kernel_1t torch_1t kernel_2t torch_2t kernel_bf16_1t torch_bf16_1t kernel_bf16_2t torch_bf16_2t
+      ring_p2_zigzag ring_p2_contiguous one_rank_2t)
 [ -e "$INFO/torch_skipped" ] && RUNS=(kernel_1t kernel_2t ring_p2_zigzag ring_p2_contiguous one_rank_2t)
 [ -n "$GGML_BIN" ] && RUNS+=(ggml_1t ggml_2t ggml_f16_2t)
 python3 - "$INFO/config.json" "$REPEATS" "$INNER" "$QUICK" "$TORCH_PIN" "$TORCH_PY" \
@@ -122,10 +123,13 @@ json.dump(dict(repeats=int(a[1]), inner=int(a[2]), quick=a[3] == "1", torch_pin=
 PY
 
 export OMP_NUM_THREADS=1  # every command below sets its own thread count
-kernel() { "$CTXPAR" bench kernel --seq $KT --heads $KH --head-dim $KD --threads "$1" --repeats "$INNER" --json; }
-torch_sdpa() {
+kernel() {  # kernel THREADS [DTYPE]
+  "$CTXPAR" bench kernel --seq $KT --heads $KH --head-dim $KD --threads "$1" --dtype "${2:-fp32}" \
+    --repeats "$INNER" --json
+}
+torch_sdpa() {  # torch_sdpa THREADS [DTYPE]
   OMP_NUM_THREADS=$1 MKL_NUM_THREADS=$1 "$TORCH_PY" "$ROOT/bench/torch_sdpa.py" --seq $KT \
-    --heads $KH --head-dim $KD --threads "$1" --repeats "$INNER"
+    --heads $KH --head-dim $KD --threads "$1" --dtype "${2:-fp32}" --repeats "$INNER"
 }
 ggml_fa() {  # ggml_fa THREADS KV: bench/ggml_fa.cc's binary, same kernel shape
   OMP_NUM_THREADS=$1 "$GGML_BIN" --seq $KT --heads $KH --head-dim $KD --threads "$1" --kv "$2" --repeats "$INNER"
@@ -140,6 +144,10 @@ run() {  # run NAME: one measurement, its JSON kept only if it succeeded
     kernel_2t) kernel 2 ;;
     torch_1t) torch_sdpa 1 ;;
     torch_2t) torch_sdpa 2 ;;
+    kernel_bf16_1t) kernel 1 bf16 ;;
+    kernel_bf16_2t) kernel 2 bf16 ;;
+    torch_bf16_1t) torch_sdpa 1 bf16 ;;
+    torch_bf16_2t) torch_sdpa 2 bf16 ;;
     ring_p2_zigzag) attention --ranks 2 --threads 1 --layout zigzag ;;
     ring_p2_contiguous) attention --ranks 2 --threads 1 --layout contiguous ;;
     one_rank_2t) attention --ranks 1 --threads 2 ;;

@@ -86,14 +86,19 @@ def ratio_rows(meta):
          lambda r: r["kernel_2t"]["bwd_peak_ratio"]),
     ]
     if meta.get("torch_skipped") is None:
-        for n in (1, 2):
-            for mask, prefix in (("non-causal", ""), ("causal", "causal_")):
-                for pas, word in (("fwd", "forward"), ("bwd", "backward")):
-                    key = prefix + pas + "_seconds"
-                    rows.append((f"vs_torch_{prefix}{pas}_{n}t",
-                                 f"ctxpar / torch SDPA speed, {word}, {mask}, {n} thread{'s' * (n > 1)}",
-                                 1.2, lambda r, n=n, key=key:
-                                 r[f"torch_{n}t"][key] / r[f"kernel_{n}t"][key]))
+        # fp32 (the 1.2x goal), then bf16 storage on both sides (what a PyTorch trainer
+        # feeds: ctxpar widens to fp32 and computes in fp32, torch runs its own bf16 kernel; no
+        # goal). Run names: kernel_{n}t / torch_{n}t, kernel_bf16_{n}t / torch_bf16_{n}t.
+        for dtype, tag, label, goal in (("fp32", "", "", 1.2), ("bf16", "bf16_", "bf16: ", None)):
+            for n in (1, 2):
+                for mask, prefix in (("non-causal", ""), ("causal", "causal_")):
+                    for pas, word in (("fwd", "forward"), ("bwd", "backward")):
+                        key = prefix + pas + "_seconds"
+                        rows.append((f"vs_torch_{tag}{prefix}{pas}_{n}t",
+                                     f"{label}ctxpar / torch SDPA speed, {word}, {mask}, "
+                                     f"{n} thread{'s' * (n > 1)}", goal,
+                                     lambda r, n=n, key=key, tag=tag:
+                                     r[f"torch_{tag}{n}t"][key] / r[f"kernel_{tag}{n}t"][key]))
     if meta.get("ggml_binary"):
         for run, n, kv, goal in (("ggml_1t", 1, "fp32", None), ("ggml_2t", 2, "fp32", 1.5),
                                  ("ggml_f16_2t", 2, "fp16", None)):
@@ -148,7 +153,8 @@ def main():
                      "causal_bwd_gflops", "fwd_seconds", "bwd_seconds", "causal_fwd_seconds",
                      "causal_bwd_seconds"]
     absolute = {name: medians(reps, name, kernel_fields + ["forward_seconds"])
-                for name in ("kernel_1t", "kernel_2t", "torch_1t", "torch_2t", "ring_p2_zigzag",
+                for name in ("kernel_1t", "kernel_2t", "torch_1t", "torch_2t", "kernel_bf16_1t",
+                             "kernel_bf16_2t", "torch_bf16_1t", "torch_bf16_2t", "ring_p2_zigzag",
                              "ring_p2_contiguous", "one_rank_2t", "ggml_1t", "ggml_2t", "ggml_f16_2t")}
     failed = sorted({f"rep{i + 1}/{n}" for i, r in enumerate(reps) for n in meta["runs"]
                      if n not in r and not (n.startswith("torch") and meta.get("torch_skipped"))})
@@ -170,11 +176,13 @@ def main():
         pin = "pinned" if m["torch_is_pinned_version"] else "NOT the pinned"
         print(f"torch: {t['torch_version']} ({pin} {m['torch_pin']}), "
               f"cpu capability {t['cpu_capability']}, python {t['python']}, {m['torch_python']}")
-        be = sorted({b for r in reps for k in ("torch_1t", "torch_2t") if k in r
+        be = sorted({b for r in reps for k in ("torch_1t", "torch_2t", "torch_bf16_1t", "torch_bf16_2t")
+                     if k in r
                      for b in r[k].get("backend", []) + r[k].get("causal_backend", [])})
         print(f"torch kernels seen: {', '.join(be) or '?'}")
     k, c = m["kernel_shape"], m["cp_shape"]
-    print(f"kernel rows: T={k['seq']} H={k['heads']} D={k['head_dim']} B=1 fp32 (ctxpar [B,T,H,D], "
+    print(f"kernel rows: T={k['seq']} H={k['heads']} D={k['head_dim']} B=1, fp32 (and bf16 storage where "
+          f"the row says bf16) (ctxpar [B,T,H,D], "
           f"torch [B,H,T,D]); ring rows: causal T={c['seq']} H={c['heads']} D={c['head_dim']}, "
           f"forward wall; inner best of {m['inner']}")
     print()
@@ -189,7 +197,7 @@ def main():
         spread = f"{f['min']:.3f} - {f['max']:.3f}"
         print(f"{f['label']:<{w}}  {f['median']:7.3f}  {spread:>15}  {goal:>6}  {met}")
     if m.get("torch_skipped"):
-        print(f"{'ctxpar / torch SDPA (8 rows)':<{w}}  {'n/a':>7}  {'(SKIPPED)':>15}  {'1.20':>6}")
+        print(f"{'ctxpar / torch SDPA (16 rows, fp32 and bf16)':<{w}}  {'n/a':>7}  {'(SKIPPED)':>15}  {'1.20':>6}")
     if not m.get("ggml_binary"):
         print(f"{'ctxpar / ggml CPU flash attention, forward, 2 threads':<{w}}  {'n/a':>7}  "
               f"{'(no --ggml)':>15}  {'1.50':>6}")

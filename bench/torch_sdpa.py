@@ -1,6 +1,6 @@
 """PyTorch's CPU scaled dot-product attention timed the way `ctxpar bench kernel` times ctxpar's
-kernel: fp32, random normal q, k, v and a fixed dout, forward and backward, non-causal and
-causal, on a set number of threads. Prints one JSON object. bench/cpu_suite.sh runs it once per
+kernel: fp32 (or bf16 with --dtype bf16), random normal q, k, v and a fixed dout, forward and
+backward, non-causal and causal, on a set number of threads. Prints one JSON object. bench/cpu_suite.sh runs it once per
 repetition, alternating with ctxpar, and takes the ratios; run by hand:
 
     .venv-torch/bin/python bench/torch_sdpa.py --seq 4096 --heads 8 --head-dim 128 --threads 1
@@ -42,6 +42,8 @@ def parse_args(argv):
     p.add_argument("--masks", default="none,causal", help="comma list of none, causal")
     p.add_argument("--warmup-seq", type=int, default=1024,
                    help="tokens of the warm-up forward + backward (at most --seq)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="q, k, v, dout and the gradients in fp32 or bfloat16 (torch's own bf16 path)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--info", action="store_true",
                    help="print torch's version and CPU capability only, time nothing")
@@ -89,10 +91,12 @@ def main(argv=None):
     torch.set_num_threads(a.threads)
     gen = torch.Generator().manual_seed(a.seed)
 
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+
     def inputs(t):
         shape = (a.batch, a.heads, t, a.head_dim)
-        q, k, v = (torch.randn(shape, generator=gen).requires_grad_() for _ in range(3))
-        return q, k, v, torch.randn(shape, generator=gen)
+        q, k, v = (torch.randn(shape, generator=gen).to(dtype).requires_grad_() for _ in range(3))
+        return q, k, v, torch.randn(shape, generator=gen).to(dtype)
 
     def step(q, k, v, dout, causal):
         """(forward s, backward s) of one training step; only the two calls are timed."""
@@ -112,7 +116,7 @@ def main(argv=None):
     del warm
     q, k, v, dout = inputs(a.seq)
     result = dict(versions(torch), threads=torch.get_num_threads(), batch=a.batch, seq=a.seq,
-                  heads=a.heads, head_dim=a.head_dim, dtype="fp32", repeats=a.repeats,
+                  heads=a.heads, head_dim=a.head_dim, dtype=a.dtype, repeats=a.repeats,
                   layout="[B, H, T, D] contiguous", seed=a.seed, warmup_seq=min(a.warmup_seq, a.seq),
                   omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
     for m in a.masks:
