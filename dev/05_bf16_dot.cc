@@ -34,29 +34,17 @@ __attribute__((target("avx512f"))) inline float lanes_sum(__m512 v) {
   return s;
 }
 
-__attribute__((target("avx512f,avx512bf16"), noinline)) float dot_bf16(float seed, double* seconds) {
+// 24 chains of vdpbf16ps (kBf16) or of vfmadd231ps; returns a checksum, sets the seconds.
+template <bool kBf16>
+__attribute__((target("avx512f,avx512bf16,fma"), noinline)) float chains(float seed, double* seconds) {
   CTXPAR_LAB_CHAINS(CTXPAR_LAB_DECLARE)
   const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80);  // bf16 pairs (1, 1)
   const __m512bh y = (__m512bh)_mm512_set1_epi32(0x33d633d6);  // (1e-7, 1e-7)
-  const auto t0 = std::chrono::steady_clock::now();
-  for (long i = 0; i < kIterations; ++i) {
-#define CTXPAR_LAB_DP(v) v = _mm512_dpbf16_ps(v, x, y);
-    CTXPAR_LAB_CHAINS(CTXPAR_LAB_DP)
-    CTXPAR_LAB_CHAINS(CTXPAR_LAB_KEEP)
-  }
-  *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  __m512 sum = _mm512_setzero_ps();
-  CTXPAR_LAB_CHAINS(CTXPAR_LAB_SUM)
-  return lanes_sum(sum);
-}
-
-__attribute__((target("avx512f,fma"), noinline)) float fma_fp32(float seed, double* seconds) {
-  CTXPAR_LAB_CHAINS(CTXPAR_LAB_DECLARE)
   const __m512 m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
   const auto t0 = std::chrono::steady_clock::now();
   for (long i = 0; i < kIterations; ++i) {
-#define CTXPAR_LAB_FMA(v) v = _mm512_fmadd_ps(v, m, c);
-    CTXPAR_LAB_CHAINS(CTXPAR_LAB_FMA)
+#define CTXPAR_LAB_STEP(v) v = kBf16 ? _mm512_dpbf16_ps(v, x, y) : _mm512_fmadd_ps(v, m, c);
+    CTXPAR_LAB_CHAINS(CTXPAR_LAB_STEP)
     CTXPAR_LAB_CHAINS(CTXPAR_LAB_KEEP)
   }
   *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -76,8 +64,8 @@ int main() {
   double best_dp = 1e30, best_fma = 1e30, s = 0;
   float sink = 0;
   for (int rep = 0; rep < 3; ++rep) {  // alternating, best of 3
-    sink += dot_bf16(1.0f + rep, &s), best_dp = s < best_dp ? s : best_dp;
-    sink += fma_fp32(1.0f + rep, &s), best_fma = s < best_fma ? s : best_fma;
+    sink += chains<true>(1.0f + rep, &s), best_dp = s < best_dp ? s : best_dp;
+    sink += chains<false>(1.0f + rep, &s), best_fma = s < best_fma ? s : best_fma;
   }
   const double n = 24.0 * kIterations;
   const double dp = n * 64 / best_dp / 1e9, fma = n * 32 / best_fma / 1e9;
