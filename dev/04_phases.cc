@@ -42,32 +42,11 @@ using namespace ctxpar::kernel::HWY_NAMESPACE;
 using ctxpar::kernel::kernel_k_panel;
 using ctxpar::kernel::kNegInf;
 
-// One row block of the online softmax over a 64-key score tile, as simd_forward.cc does it.
+// The online softmax of `rows` rows, with the library's own row function (simd_tile.h).
 HWY_INLINE void softmax_rows(float* s, int64_t rows, float* m, float* lv, float* acc, int64_t ld,
                              int64_t dp) {
-  const DF df;
   const int64_t nl = lanes();
-  for (int64_t r = 0; r < rows; ++r) {
-    float* sr = s + r * kTile;
-    VF vmax = hn::LoadU(df, sr);
-    for (int64_t c = nl; c < kTile; c += nl) vmax = hn::Max(vmax, hn::LoadU(df, sr + c));
-    const float m_new = std::max(m[r], hn::GetLane(hn::MaxOfLanes(df, vmax)));
-    if (m_new > m[r]) {
-      const VF va = hn::Set(df, std::exp2((m[r] - m_new) * kLog2e));
-      hn::StoreU(hn::Mul(va, hn::LoadU(df, lv + r * nl)), df, lv + r * nl);
-      for (int64_t c = 0; c < dp; c += nl)
-        hn::StoreU(hn::Mul(va, hn::LoadU(df, acc + r * ld + c)), df, acc + r * ld + c);
-      m[r] = m_new;
-    }
-    const VF vm = hn::Set(df, m_new), vlog2e = hn::Set(df, kLog2e);
-    VF vsum = hn::Zero(df);
-    for (int64_t c = 0; c < kTile; c += nl) {
-      const VF e = exp2_neg(df, hn::Mul(hn::Sub(hn::LoadU(df, sr + c), vm), vlog2e));
-      vsum = hn::Add(vsum, e);
-      hn::StoreU(e, df, sr + c);
-    }
-    hn::StoreU(hn::Add(vsum, hn::LoadU(df, lv + r * nl)), df, lv + r * nl);
-  }
+  for (int64_t r = 0; r < rows; ++r) softmax_row(s + r * kTile, m[r], lv + r * nl, acc + r * ld, dp);
 }
 
 Phases Run(const float* q, const float* k, const float* v, int64_t t, int64_t d, int64_t qrows,

@@ -70,20 +70,23 @@ void write_npy(const std::string& path, const TensorView& t) {
   write_file_atomic(path, npy_bytes(t));
 }
 
-void write_npy(const std::string& path, std::span<const int64_t> values, const Shape& shape) {
+namespace {
+template <typename T>
+void write_ints(const std::string& path, std::span<const T> values, const Shape& shape, DType dtype) {
   Shape s = shape.empty() ? Shape{static_cast<int64_t>(values.size())} : shape;
-  TensorView v(const_cast<int64_t*>(values.data()), DType::i64, s);
+  TensorView v(const_cast<T*>(values.data()), dtype, s);
   CTXPAR_CHECK(v.numel() == static_cast<int64_t>(values.size()), "write_npy ", path, ": shape ",
                shape_str(s), " does not match ", values.size(), " values");
   write_npy(path, v);
 }
+}  // namespace
+
+void write_npy(const std::string& path, std::span<const int64_t> values, const Shape& shape) {
+  write_ints(path, values, shape, DType::i64);
+}
 
 void write_npy(const std::string& path, std::span<const int32_t> values, const Shape& shape) {
-  Shape s = shape.empty() ? Shape{static_cast<int64_t>(values.size())} : shape;
-  TensorView v(const_cast<int32_t*>(values.data()), DType::i32, s);
-  CTXPAR_CHECK(v.numel() == static_cast<int64_t>(values.size()), "write_npy ", path, ": shape ",
-               shape_str(s), " does not match ", values.size(), " values");
-  write_npy(path, v);
+  write_ints(path, values, shape, DType::i32);
 }
 
 void write_file_atomic(const std::string& path, std::span<const uint8_t> bytes) {

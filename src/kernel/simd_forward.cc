@@ -119,29 +119,7 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
             std::fill(sr, sr + kTile, 0.0f);
             continue;
           }
-          VF vmax = hn::LoadU(df, sr);
-          for (int64_t c = nl; c < kTile; c += nl) vmax = hn::Max(vmax, hn::LoadU(df, sr + c));
-          const float m_new = std::max(m[r], hn::GetLane(hn::MaxOfLanes(df, vmax)));
-          if (m_new == kNegInf) {  // nothing visible to this row yet: P = 0, state unchanged
-            std::fill(sr, sr + kTile, 0.0f);
-            continue;
-          }
-          if (m_new > m[r]) {  // the max grew: rescale (m = -inf gives alpha = 0, l = acc = 0)
-            const float alpha = std::exp2((m[r] - m_new) * kLog2e);
-            const VF va = hn::Set(df, alpha);
-            hn::StoreU(hn::Mul(va, hn::LoadU(df, lv.data() + r * nl)), df, lv.data() + r * nl);
-            for (int64_t c = 0; c < dp; c += nl)
-              hn::StoreU(hn::Mul(va, hn::LoadU(df, acc.data() + r * ld + c)), df, acc.data() + r * ld + c);
-            m[r] = m_new;
-          }
-          const VF vm = hn::Set(df, m_new), vlog2e = hn::Set(df, kLog2e);
-          VF vsum = hn::Zero(df);
-          for (int64_t c = 0; c < kTile; c += nl) {
-            const VF e = exp2_neg(df, hn::Mul(hn::Sub(hn::LoadU(df, sr + c), vm), vlog2e));
-            vsum = hn::Add(vsum, e);
-            hn::StoreU(e, df, sr + c);
-          }
-          hn::StoreU(hn::Add(vsum, hn::LoadU(df, lv.data() + r * nl)), df, lv.data() + r * nl);
+          softmax_row(sr, m[r], lv.data() + r * nl, acc.data() + r * ld, dp);
         }
         gemm_rows(mrows, dp, cols, s.data() + r0 * kTile, kTile, vpack + pk * kTile * ld, ld,
                   acc.data() + r0 * ld, ld, true);

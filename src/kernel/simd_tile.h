@@ -221,6 +221,38 @@ inline void mask_tile(float* s, int64_t rows, int64_t cols, bool partial, const 
   }
 }
 
+// One row of the forward's online softmax over a 64-key score tile (simd_forward.cc, Note
+// [Scores in natural units, exponents in base 2]): `sr` (kTile scores) becomes P; the row's
+// running max `m`, its lane-wise sums `lv` (one vector) and its accumulator `acc` (dp floats)
+// are rescaled when the max grows. A row that has seen nothing yet gets P = 0, state unchanged.
+HWY_INLINE void softmax_row(float* HWY_RESTRICT sr, float& m, float* HWY_RESTRICT lv,
+                            float* HWY_RESTRICT acc, int64_t dp) {
+  const DF df;
+  const int64_t nl = lanes();
+  VF vmax = hn::LoadU(df, sr);
+  for (int64_t c = nl; c < kTile; c += nl) vmax = hn::Max(vmax, hn::LoadU(df, sr + c));
+  const float m_new = std::max(m, hn::GetLane(hn::MaxOfLanes(df, vmax)));
+  if (m_new == kNegInf) {  // nothing visible to this row yet
+    std::fill(sr, sr + kTile, 0.0f);
+    return;
+  }
+  if (m_new > m) {  // the max grew: rescale (m = -inf gives alpha = 0, l = acc = 0)
+    const VF va = hn::Set(df, std::exp2((m - m_new) * kLog2e));
+    hn::StoreU(hn::Mul(va, hn::LoadU(df, lv)), df, lv);
+    for (int64_t c = 0; c < dp; c += nl)
+      hn::StoreU(hn::Mul(va, hn::LoadU(df, acc + c)), df, acc + c);
+    m = m_new;
+  }
+  const VF vm = hn::Set(df, m_new), vlog2e = hn::Set(df, kLog2e);
+  VF vsum = hn::Zero(df);
+  for (int64_t c = 0; c < kTile; c += nl) {
+    const VF e = exp2_neg(df, hn::Mul(hn::Sub(hn::LoadU(df, sr + c), vm), vlog2e));
+    vsum = hn::Add(vsum, e);
+    hn::StoreU(e, df, sr + c);
+  }
+  hn::StoreU(hn::Add(vsum, hn::LoadU(df, lv)), df, lv);
+}
+
 // Scratch memory that keeps its pages between kernel calls: a ring strategy calls the kernel
 // once per step with same-sized blocks, and fresh multi-megabyte buffers would cost a page
 // fault per 4 KiB every call. One set per thread (a rank of the threads transport is a thread;
