@@ -1,5 +1,7 @@
 #include "communicator.h"
 
+#include <algorithm>
+#include <chrono>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -110,6 +112,17 @@ void bind_communicator(nb::module_& m) {
       .def_prop_ro("rank", [](const PyCommunicator& c) { return c.get().rank(); })
       .def_prop_ro("size", [](const PyCommunicator& c) { return c.get().size(); })
       .def_prop_ro("transport", [](const PyCommunicator& c) { return c.get().transport(); })
+      // Seconds one wait may block; checked, and exposed as the property timeout_s, in Python
+      // (ctxpar/__init__.py).
+      .def("_timeout_s",
+           [](const PyCommunicator& c) {
+             return std::chrono::duration<double>(c.get().timeout()).count();
+           })
+      .def("_set_timeout_s",
+           [](const PyCommunicator& c, double seconds) {
+             c.get().set_timeout(std::chrono::milliseconds(
+                 std::max<int64_t>(1, static_cast<int64_t>(seconds * 1000))));
+           })
       .def("barrier",
            [](const PyCommunicator& c) {
              Communicator& comm = c.get();
@@ -134,6 +147,12 @@ void bind_communicator(nb::module_& m) {
           "Wraps an mpi4py communicator (e.g. MPI.COMM_WORLD); ctxpar talks on a duplicate.");
   m.def("_mpi_world", [] { return PyCommunicator(&mpi_world(), nullptr); });
   m.def("launched_by_mpi", &launched_by_mpi);
+  // MPI_Abort of the whole job (nothing without MPI initialised): the uncaught-exception hook
+  // of ctxpar/__init__.py, so that no rank waits its timeout for one that died.
+  m.def("_abort_mpi_job", [](int code) {
+    nb::gil_scoped_release release;
+    abort_mpi_job(code);
+  });
   m.def("run_threads", &run_threads_py, nb::arg("ranks"), nb::arg("fn"),
         nb::arg("timeout_s") = 120.0,
         "Runs fn(comm) on `ranks` threads of this process, one rank each, and returns when all "

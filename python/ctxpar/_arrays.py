@@ -123,9 +123,65 @@ def int_array(x, name, dtype):
         raise TypeError(f"{name}: expected a 1-D integer array (one entry per token), got "
                         f"{a.dtype} with shape {a.shape}")
     info = np.iinfo(dtype)
-    if a.size and (a.min() < info.min or a.max() > info.max):
-        raise ValueError(f"{name}: values must fit {np.dtype(dtype).name}")
-    return np.ascontiguousarray(a, dtype=dtype)
+    # Compared as Python ints: NumPy compares uint64 with a Python int through float64, where
+    # 2**63 - 1 rounds up to 2**63 and 2**63 itself would pass (and then wrap to -2**63).
+    if a.size:
+        lo, hi = int(a.min()), int(a.max())
+        if lo < info.min or hi > info.max:
+            bad, value = next((i, x) for i, x in enumerate(a.tolist())
+                              if not info.min <= x <= info.max)
+            raise ValueError(f"{name}: token {bad} has {value}, outside "
+                             f"{np.dtype(dtype).name}'s range [{info.min}, {info.max}]; "
+                             f"pass values that fit {np.dtype(dtype).name}")
+    a = np.ascontiguousarray(a, dtype=dtype)
+    if name == "positions" and a.size and int(a.min()) == info.min:
+        bad = int(np.flatnonzero(a == info.min)[0])
+        raise ValueError(f"positions: token {bad} has position {info.min} (INT64_MIN), which "
+                         "marks padding (such a token attends to nothing and is seen by none); "
+                         "use any other value")
+    return a
+
+
+def check_lse(lse):
+    """lse [B, H, T] float32 from a forward: finite, or -inf for a row that sees no key. NaN or
+    +inf would make every gradient of the row garbage, so the first one is named."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(lse, torch.Tensor):
+        bad = torch.isnan(lse) | torch.isposinf(lse)
+        if bool(bad.any()):
+            b, h, t = (int(i) for i in bad.nonzero()[0])
+            value = float(lse[b, h, t])
+        else:
+            return
+    else:
+        bad = np.isnan(lse) | np.isposinf(lse)
+        if not bad.any():
+            return
+        b, h, t = (int(i) for i in np.argwhere(bad)[0])
+        value = float(lse[b, h, t])
+    raise ValueError(f"lse: batch {b}, head {h}, token {t} holds {value}; lse must be finite "
+                     "(or -inf for a row that sees no key): pass the lse the forward returned")
+
+
+def check_writable_out(name, x):
+    """An output written in place must be writable and must not overlap itself (a stride-0
+    expanded view, or strides that revisit elements): every element gets its own memory."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        shape, strides = tuple(x.shape), tuple(x.stride())
+    else:
+        if not x.flags.writeable:
+            raise ValueError(f"{name}: the array is read-only")
+        shape, strides = x.shape, tuple(s // x.itemsize for s in x.strides)
+    dims = sorted((abs(st), n) for n, st in zip(shape, strides) if n > 1)
+    reach = 1  # elements spanned by the smaller-stride dims so far
+    for st, n in dims:
+        if st < reach:
+            raise ValueError(f"{name}: its elements overlap in memory (shape {tuple(shape)}, "
+                             f"strides {tuple(strides)} in elements; e.g. an expanded or "
+                             "broadcast view); pass a tensor with its own memory per element, "
+                             "such as torch.empty(shape) / np.empty(shape)")
+        reach = st * n
 
 
 def framework_or_none(x):

@@ -7,6 +7,7 @@ Works on NumPy arrays and torch tensors (torch: differentiable, shard is an inde
 """
 import numpy as np
 
+from . import _checks
 from . import _ctxpar
 from ._arrays import framework
 
@@ -15,14 +16,18 @@ LAYOUTS = ("contiguous", "zigzag", "striped")
 
 def positions(tokens, ranks, rank, layout="zigzag"):
     """Global positions (int64, increasing) of rank `rank`'s tokens out of `tokens`."""
-    return np.asarray(_ctxpar._layout_positions(layout, int(tokens), int(ranks), int(rank)),
-                      dtype=np.int64)
+    layout = _checks.choice("layout", layout, LAYOUTS)
+    tokens = _checks.whole("tokens", tokens, 1, _checks.MAX_TOKENS)
+    ranks = _checks.whole("ranks", ranks, 1, _checks.MAX_PROCESSES)
+    rank = _checks.whole("rank", rank, 0, ranks - 1)
+    return np.asarray(_ctxpar._layout_positions(layout, tokens, ranks, rank), dtype=np.int64)
 
 
 def _seq_dim(x, seq_dim, name):
-    if not -x.ndim <= seq_dim < x.ndim:
-        raise ValueError(f"seq_dim: {seq_dim} is out of range for {name} with {x.ndim} dimensions")
-    return seq_dim % x.ndim
+    if x.ndim == 0:
+        raise ValueError(f"{name}: a 0-D tensor has no sequence dimension")
+    return _checks.whole(f"seq_dim (of {name}, {x.ndim} dimensions)", seq_dim, -x.ndim,
+                         x.ndim - 1) % x.ndim
 
 
 def _take(x, index, dim):
@@ -86,6 +91,5 @@ def _rank_of(comm, rank, ranks):
         return comm.rank, comm.size
     if rank is None or ranks is None:
         raise ValueError("comm: pass a communicator, or rank= and ranks=")
-    if not 0 <= rank < ranks:
-        raise ValueError(f"rank: {rank} is out of range [0, {ranks})")
-    return rank, ranks
+    ranks = _checks.whole("ranks", ranks, 1, _checks.MAX_PROCESSES)
+    return _checks.whole("rank", rank, 0, ranks - 1), ranks

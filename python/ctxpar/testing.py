@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import _checks
 from . import _ctxpar
 from . import layout as _layout
 from ._arrays import framework
@@ -69,6 +70,7 @@ def check_shards(out_shards, q, k, v, layout=None, causal=False, convention="rin
                  *, qkv_format=None, mask=None, document_ids=None, scale=None, worst=5):
     """Unshards per-rank outputs and compares them with the fp64 reference; returns a
     ShardReport (falsy fields say what is wrong; str() prints the worst rows)."""
+    worst = _checks.whole("worst", worst, 0, 1 << 31)
     if convention not in CONVENTIONS:
         raise ValueError(f"convention: expected one of {sorted(CONVENTIONS)}, got {convention!r}")
     fmt, default_layout = CONVENTIONS[convention]

@@ -16,9 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from . import _ctxpar
+from . import _checks
 from . import layout as _layout
+from ._agreement import agree, digest
 from ._arrays import Tensors, check_attention_shapes
-from ._attention import job_args
+from ._attention import options
 
 
 class _CPAttention(torch.autograd.Function):
@@ -64,8 +66,15 @@ def cp_attention(q_local, k_local, v_local, comm, layout="zigzag", causal=False,
     if not isinstance(comm, _ctxpar.Communicator):
         raise TypeError(f"comm: expected a ctxpar.Communicator, got {type(comm).__name__}")
     mask = mask if mask is not None else ("causal" if causal else "none")
-    args = job_args(strategy, layout, mask, document_ids, positions, ulysses_degree,
-                    head_groups, threads, scale)
+    o = options(strategy, layout, mask, document_ids, positions, ulysses_degree, head_groups,
+                threads, scale)
+    # threads is left out, as the command leaves out --threads: it changes no answer.
+    agree(comm, "cp_attention", [
+        ("strategy", o["strategy"]), ("layout", o["layout"]), ("mask", o["mask"]),
+        ("scale", "None (1/sqrt(D))" if o["scale"] == 0.0 else repr(o["scale"])),
+        ("ulysses_degree", str(o["ulysses_degree"])), ("head_groups", str(o["head_groups"])),
+        ("positions", digest(o["positions"])), ("document_ids", digest(o["documents"]))])
+    args = _ctxpar._JobArgs(**o)
     half = [x.dtype == torch.float16 for x in (q_local, k_local, v_local)
             if isinstance(x, torch.Tensor)]
     if half and all(half):
@@ -130,34 +139,84 @@ def _exit_patch():
             _patch["original"] = _MISSING
 
 
+def _check_buffers(comm, buffers, dims, layout):
+    """Buffers are torch tensors whose seq dims hold one sequence length, which the layout can
+    cut into comm.size equal shards. Returns the dims made non-negative."""
+    if len(buffers) != len(dims):
+        raise ValueError(f"buffer_seq_dims: {len(dims)} entries for {len(buffers)} buffers")
+    for i, b in enumerate(buffers):
+        if not isinstance(b, torch.Tensor):
+            raise TypeError(f"buffers[{i}]: expected a torch tensor, got {type(b).__name__}")
+    dims = [_checks.whole(f"buffer_seq_dims[{i}]", d, -max(b.ndim, 1), max(b.ndim, 1) - 1)
+            % max(b.ndim, 1) for i, (b, d) in enumerate(zip(buffers, dims))]
+    if not buffers:
+        return dims
+    T = buffers[0].shape[dims[0]]
+    for i, (b, d) in enumerate(zip(buffers, dims)):
+        if b.shape[d] != T:
+            raise ValueError(
+                f"buffer_seq_dims[{i}]: buffers[{i}] has {b.shape[d]} tokens along dim {d} "
+                f"(shape {tuple(b.shape)}) but buffers[0] has {T} along dim {dims[0]} (shape "
+                f"{tuple(buffers[0].shape)}); every buffer's seq dim must hold the same sequence "
+                "(is the dim right?)")
+    P = comm.size
+    unit = 2 * P if layout == "zigzag" else P
+    if T % unit != 0:
+        raise ValueError(f"buffers: the sequence of {T} tokens (buffers[0] dim {dims[0]}) cannot be "
+                         f"cut into {P} equal shards by the {layout} layout (it needs T % {unit} "
+                         "== 0); pad the sequence")
+    return dims
+
+
 @contextlib.contextmanager
 def context_parallel(comm, buffers=(), buffer_seq_dims=(), no_restore_buffers=None,
                      layout="zigzag", strategy="ring", threads=1):
     """Shards `buffers` in place along `buffer_seq_dims` (this rank's tokens in `layout`
     order) and, inside the block, runs torch.nn.functional.scaled_dot_product_attention on
     ctxpar. On exit, even by an exception, the original SDPA comes back and every buffer not in
-    no_restore_buffers gets its full contents back. (torch 1.13 has no F.scaled_dot_product_
-    attention: inside the block it exists, and it is removed again on exit.)"""
-    buffers, dims = list(buffers), list(buffer_seq_dims)
-    if len(buffers) != len(dims):
-        raise ValueError(f"buffer_seq_dims: {len(dims)} entries for {len(buffers)} buffers")
-    for i, b in enumerate(buffers):
-        if not isinstance(b, torch.Tensor):
-            raise TypeError(f"buffers[{i}]: expected a torch tensor, got {type(b).__name__}")
+    no_restore_buffers gets its full contents back. A restored buffer's .grad comes back whole
+    too: the shard gradients of a backward inside the block are gathered from every rank
+    (collective) into the full shape and added to the gradient it held before the block (on an
+    exception the block's shard gradient is dropped). (torch 1.13 has no
+    F.scaled_dot_product_attention: inside the block it exists, and it is removed on exit.)"""
+    if not isinstance(comm, _ctxpar.Communicator):
+        raise TypeError(f"comm: expected a ctxpar.Communicator, got {type(comm).__name__}")
+    layout = _checks.choice("layout", layout, _checks.LAYOUTS)
+    strategy = _checks.choice("strategy", strategy, _checks.STRATEGIES)
+    threads = _checks.threads(threads)
+    buffers = list(buffers)
+    dims = _check_buffers(comm, buffers, list(buffer_seq_dims), layout)
     keep = {id(b) for b in (no_restore_buffers or ())}
     originals = [b.data for b in buffers]
     shards = [_layout.shard(b.data, comm, layout=layout, seq_dim=d) for b, d in zip(buffers, dims)]
+    # Gradients from before the block (full shape) wait here; the block's start at None.
+    grads_before = [b.grad if id(b) not in keep else None for b in buffers]
     if not hasattr(_blocks, "stack"):
         _blocks.stack = []
     _enter_patch()
     _blocks.stack.append((comm, layout, strategy, threads))
+    ok = False
     try:
-        for b, s in zip(buffers, shards):
+        for b, s, g in zip(buffers, shards, grads_before):
+            if g is not None:
+                b.grad = None
             b.data = s  # in place: the caller's tensor object now holds its shard
         yield
+        ok = True
     finally:
         _blocks.stack.pop()
         _exit_patch()
-        for b, full in zip(buffers, originals):
-            if id(b) not in keep:
-                b.data = full
+        block_grads = []
+        for b, full, before in zip(buffers, originals, grads_before):
+            if id(b) in keep:
+                block_grads.append(None)
+                continue
+            block_grads.append(b.grad)
+            b.grad = None
+            b.data = full
+            b.grad = before
+        # Every tensor is whole again before the (collective) gathers, which may raise.
+        for b, g, d, before in zip(buffers, block_grads, dims, grads_before):
+            if ok and g is not None:
+                whole = _layout.unshard(g, comm, layout=layout, seq_dim=d)
+                b.grad = whole if before is None else before + whole

@@ -58,7 +58,7 @@ def bad(**change):
     (dict(document_ids=np.zeros(5, np.int32)), ValueError, "document_ids: expected one entry"),
     (dict(positions=np.zeros(32, np.float32)), TypeError, "positions"),
     (dict(ranks=0), ValueError, "ranks"),
-    (dict(ranks=2000), ctxpar.Error, "ranks"),
+    (dict(ranks=2000), ValueError, "ranks: must be in [1, 1024]"),
     (dict(q=np.zeros((2, 32, 4, 8), np.float32), k=np.zeros((2, 32, 2, 8), np.float32),
           v=np.zeros((2, 32, 2, 8), np.float32)), ctxpar.Error, "head dim D must be in 16..256"),
 ])

@@ -1,0 +1,92 @@
+"""Every number and name of the Python API is checked here, before it reaches the extension:
+the same ranges as the command's options (docs/cli.md, "Number ranges"), and an error that
+names the argument, the value and what is accepted (never nanobind's "Invoked with types", a
+wrapped integer or a clamped number). See docs/python.md, "Argument checks"."""
+import math
+import numbers
+
+# The command's ranges (tools/ctxpar/options.h; include/ctxpar/comm.h kMaxThreadsRanks).
+MAX_THREADS = 1024            # threads: OpenMP threads per rank (--threads)
+MAX_THREADS_RANKS = 1024      # ranks as threads of this process (--ranks, threads transport)
+MAX_PROCESSES = 1 << 20       # ulysses_degree (--ulysses-degree)
+MAX_TOKENS = 1 << 40          # tokens (--seq)
+MAX_HEADS = 1 << 16           # head_groups (a count of kv heads, --heads' range)
+MIN_TIMEOUT, MAX_TIMEOUT = 1e-3, 1e6   # timeout_s, seconds (--timeout)
+THREADS_RANKS_NOTE = ("every rank is a thread of this process and the per-pair state grows as "
+                      "ranks^2; for more ranks run one process per rank under mpirun")
+
+STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
+LAYOUTS = ("contiguous", "zigzag", "striped")
+
+
+def whole(name, value, lo, hi, note=""):
+    """A whole number in [lo, hi] (bool refused: True is not a thread count)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) and \
+                math.isfinite(value) and float(value).is_integer():
+            value = int(value)
+        else:
+            raise TypeError(f"{name}: expected a whole number in [{lo}, {hi}], got {value!r} "
+                            f"({type(value).__name__})")
+    value = int(value)
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}: must be in [{lo}, {hi}]{' (' + note + ')' if note else ''}, "
+                         f"got {value}")
+    return value
+
+
+def real(name, value, lo, hi):
+    """A finite number in [lo, hi]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a number in [{lo:g}, {hi:g}], got {value!r} "
+                        f"({type(value).__name__})")
+    value = float(value)
+    if not (math.isfinite(value) and lo <= value <= hi):
+        raise ValueError(f"{name}: must be a finite number in [{lo:g}, {hi:g}], got {value!r}")
+    return value
+
+
+def choice(name, value, choices):
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected one of {', '.join(choices)} (a string), got {value!r}")
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def threads(value):
+    return whole("threads", value, 1, MAX_THREADS)
+
+
+def ranks(value):
+    return whole("ranks", value, 1, MAX_THREADS_RANKS, THREADS_RANKS_NOTE)
+
+
+def timeout_s(value):
+    return real("timeout_s", value, MIN_TIMEOUT, MAX_TIMEOUT)
+
+
+def scale(value):
+    """None (1/sqrt(D)) or a positive, finite float32. The library reads a scale of 0 as "not
+    given" (include/ctxpar/kernel.h) and refuses negative ones, so 0.0, or a number that rounds
+    to 0 or to infinity in float32, would silently become another scale."""
+    if value is None:
+        return 0.0  # the library's "1/sqrt(D)"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"scale: expected None (1/sqrt(D)) or a positive finite number, got "
+                        f"{value!r} ({type(value).__name__})")
+    import numpy as np
+    value = float(value)
+    with np.errstate(over="ignore", under="ignore"):
+        as32 = float(np.float32(value))
+    if not math.isfinite(value) or not math.isfinite(as32):
+        raise ValueError(f"scale: must be finite (and fit float32, scale <= 3.4e38), got "
+                         f"{value!r}")
+    if value < 0:
+        raise ValueError(f"scale: must be positive, got {value!r}")
+    if as32 == 0.0:
+        what = "0" if value == 0.0 else f"{value!r}, 0 in float32,"
+        raise ValueError(f"scale: {what} is not a usable softmax scale (every score would be "
+                         "0: uniform attention); pass scale=None for 1/sqrt(D), or a positive "
+                         "number")
+    return as32
