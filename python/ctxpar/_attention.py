@@ -49,8 +49,10 @@ def attention(q, k, v, *, ranks=1, strategy="ring", layout="zigzag", mask="none"
     mask: "none" | "causal" | ("window", L, R) | "causal+window:L,R" ...; document_ids (T ints)
     adds the documents rule (attention only inside a document); positions (T ints) replaces the
     global positions 0..T-1 the mask reads. Returns (out [B, T, Hq, D], lse [B, Hq, T] float32),
-    or out alone with return_lse=False. `out` may be given (written in place, returned as is).
-    """
+    or out alone with return_lse=False. `out` may be given (written in place, returned as is;
+    writable, no two elements sharing memory). scale: None (1/sqrt(D)) or a positive finite
+    number. Every number is range-checked as the command's options (docs/python.md, "Argument
+    checks")."""
     ranks = _checks.ranks(ranks)
     t = Tensors({"q": q, "k": k, "v": v})
     check_attention_shapes(t["q"], t["k"], t["v"])
@@ -76,7 +78,8 @@ def attention_backward(q, k, v, out, lse, dout, *, ranks=1, strategy="ring", lay
                        mask="none", document_ids=None, positions=None, ulysses_degree=0,
                        head_groups=0, threads=1, scale=None):
     """Gradients (dq, dk, dv) of attention, given the forward's out and lse and the output
-    gradient dout [B, T, Hq, D]. Same options as attention(); results in q's dtype."""
+    gradient dout [B, T, Hq, D]. Same options as attention(); results in q's dtype. lse must be
+    finite, or -inf for a row that sees no key (NaN / +inf is refused, naming the entry)."""
     ranks = _checks.ranks(ranks)
     t = Tensors({"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse}, rows=("lse",))
     check_attention_shapes(t["q"], t["k"], t["v"])
