@@ -251,8 +251,9 @@ TEST(MemoryLimits, AddressSpaceLimitRefusesAtOnceNamingIt) {
   EXPECT_LT(wall, 5.0);
 }
 
-// bench kernel allocated its tensors unchecked; now the same limit refuses it first.
-TEST(MemoryLimits, BenchKernelIsCheckedToo) {
+// bench kernel allocated its tensors unchecked; now the same limit refuses it first. bench cp
+// checks every run of its sweep (a skip naming the limit), and a bad override is exit 2 at once.
+TEST(MemoryLimits, BenchCommandsAreCheckedToo) {
   const test::CommandResult r = test::run_shell(
       "CTXPAR_MEMORY_LIMIT_BYTES=1e6 " + test::ctxpar_path() +
       " bench kernel --seq 4096 --heads 8 --head-dim 128 --repeats 1");
@@ -264,6 +265,18 @@ TEST(MemoryLimits, BenchKernelIsCheckedToo) {
   EXPECT_EQ(bad.exit_code, 2) << bad.err;
   EXPECT_NE(bad.err.find("CTXPAR_MEMORY_LIMIT_BYTES must be a positive number of bytes, got '-1'"),
             std::string::npos) << bad.err;
+  const std::string cp = test::ctxpar_path() + " bench cp --seq 4096 --ranks 2 --strategy ring "
+                         "--layout zigzag --dry-run --out " + test::temp_dir("bench_cp_memory");
+  const test::CommandResult skip = test::run_shell("CTXPAR_MEMORY_LIMIT_BYTES=1e3 " + cp);
+  EXPECT_EQ(skip.exit_code, 2) << skip.err;
+  EXPECT_NE(skip.err.find("skip T=4096 P=2 ring/zigzag: this job needs about"), std::string::npos)
+      << skip.err;
+  EXPECT_NE(skip.err.find("CTXPAR_MEMORY_LIMIT_BYTES leaves 1000 B"), std::string::npos) << skip.err;
+  const test::CommandResult bad_cp = test::run_shell("CTXPAR_MEMORY_LIMIT_BYTES=0 " + cp);
+  EXPECT_EQ(bad_cp.exit_code, 2) << bad_cp.err;
+  EXPECT_NE(bad_cp.err.find("CTXPAR_MEMORY_LIMIT_BYTES must be a positive number of bytes, got '0'"),
+            std::string::npos) << bad_cp.err;
+  EXPECT_EQ(bad_cp.err.find("skip"), std::string::npos) << "refused once, not per run: " << bad_cp.err;
 }
 
 // The per-rank estimate against what the run reports (`--json`: peak_bytes of the strategy's
