@@ -11,6 +11,7 @@
 
 #include "ctxpar/comm.h"
 #include "ctxpar/layout.h"
+#include "ctxpar/memory.h"
 #include "ctxpar/strategy.h"
 
 namespace ctxpar {
@@ -90,12 +91,10 @@ struct TrainMemory {
   double total() const { return state + activations + data; }
 };
 TrainMemory estimate_train_memory(const TrainConfig& config);
-// MemAvailable from /proc/meminfo in bytes; a negative figure where it cannot be read.
-double available_memory_bytes();
 // Throws ctxpar::Error when `ranks_here` ranks of this config (the ranks sharing this machine's
-// memory) need more than `available` bytes, with the figures and the options to lower.
-// available < 0: no check.
-void check_train_memory(const TrainConfig& config, int ranks_here, double available);
+// memory) need more than `limit` allows (memory_limit(), ctxpar/memory.h), with the figures,
+// the binding limit and the options to lower. An unknown limit: no check.
+void check_train_memory(const TrainConfig& config, int ranks_here, const MemoryLimit& limit);
 
 // OpenBLAS threads for the whole process (a global setting: call it before starting ranks).
 void set_blas_threads(int threads);

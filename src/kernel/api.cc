@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 #include "ctxpar/kernel.h"
 #include "kernel/problem.h"
@@ -61,15 +62,19 @@ void attention_forward_finalize(const ForwardState& state, const TensorView& out
     for (int64_t r = 0; r < b * t * h; ++r) {
       const int64_t hi = r % h, ti = (r / h) % t, bi = r / (h * t);
       const int64_t stat = (bi * h + hi) * t + ti;
-      const float li = l[stat];
+      const float li = l[stat], mi = m[stat];
       float& lse_out = lse.ptr<float>()[lse.offset(bi, hi, ti)];
-      if (!(li > 0)) {  // no visible key: O = 0, LSE = -inf
+      if (mi == kNegInf) {  // no visible key: O = 0, LSE = -inf
         std::fill(row.begin(), row.end(), 0.0f);
         lse_out = kNegInf;
       } else {
         const float inv = 1.0f / li;
         for (int64_t c = 0; c < d; ++c) row[c] = acc[r * d + c] * inv;
-        lse_out = m[stat] + std::log(li);
+        // A score beyond the fp32 range (max +inf) or a NaN in the sums: LSE = +inf says so
+        // (the strategies then fail naming the row); -inf would pass for a masked row.
+        lse_out = li > 0 && mi < std::numeric_limits<float>::infinity()
+                      ? mi + std::log(li)
+                      : std::numeric_limits<float>::infinity();
       }
       kernel::store_row(out, out.offset(bi, ti, hi), d, row.data());
     }

@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <string>
 
 #include "ctxpar/error.h"
@@ -63,25 +62,14 @@ TrainMemory estimate_train_memory(const TrainConfig& config) {
   return out;
 }
 
-double available_memory_bytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  double kib = 0;
-  std::string unit;
-  while (in >> key >> kib) {
-    std::getline(in, unit);
-    if (key == "MemAvailable:") return kib * 1024.0;
-  }
-  return -1.0;
-}
-
-void check_train_memory(const TrainConfig& config, int ranks_here, double available) {
-  if (available < 0) return;
+void check_train_memory(const TrainConfig& config, int ranks_here, const MemoryLimit& limit) {
+  if (!limit.known()) return;
   const TrainMemory need = estimate_train_memory(config);
   const double total = need.total() * ranks_here;
-  CTXPAR_CHECK(total <= available, "train: this run needs about ", bytes_text(total), " of memory (",
-               ranks_here, " rank(s) on this machine, ", bytes_text(need.total()), " each) and ",
-               bytes_text(available), " is available (MemAvailable). Per rank:\n  ",
+  CTXPAR_CHECK(total <= limit.bytes, "train: this run needs about ", bytes_text(total), " of memory (",
+               ranks_here, " rank(s) on this machine, ", bytes_text(need.total()), " each) but ",
+               limit.source_text(), " leaves ", bytes_text(limit.bytes), "; ", limit.raise_text(),
+               ", or lower the run. Per rank:\n  ",
                bytes_text(need.state), " weights, gradients and Adam moments (",
                params_text(need.params), " parameters: lower --layers, --dim, --hidden or "
                "--heads)\n  ", bytes_text(need.activations), " activations (lower --seq or --batch, "

@@ -72,6 +72,7 @@ class AllGatherStrategy final : public Strategy {
       gathered[g] = Gathered();
     }
     call.finish();
+    agree_outputs(comm_, "allgather forward", check_forward_outputs(out, lse, tokens));
   }
 
   void backward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -147,6 +148,7 @@ class AllGatherStrategy final : public Strategy {
     finish_reduce(groups - 1);
     dev.copy(kComputeStream, dq32_v, dq);
     call.finish();
+    agree_outputs(comm_, "allgather backward", check_backward_outputs(dq, dk, dv, tokens));
   }
 
  private:

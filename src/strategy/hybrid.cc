@@ -36,6 +36,7 @@ class HybridStrategy final : public Strategy {
                       ring_forward(*ring_, run, qf, tf, kf, vf, tf, of, lf);
                     });
     call.finish();
+    agree_outputs(comm_, "hybrid forward", check_forward_outputs(out, lse, tokens));
   }
 
   void backward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -57,6 +58,7 @@ class HybridStrategy final : public Strategy {
           ring_backward(*ring_, run, qf, tf, kf, vf, tf, dof, lf, df, dqf, dkf, dvf);
         });
     call.finish();
+    agree_outputs(comm_, "hybrid backward", check_backward_outputs(dq, dk, dv, tokens));
   }
 
  private:

@@ -46,6 +46,23 @@ void agree(Communicator& comm, const std::string& what, const std::string& local
            const std::vector<int64_t>& signature);
 std::vector<int64_t> signature_of(const Dims& dims, const StrategyOptions& options);
 
+// Non-finite results from finite inputs (scores or gradients beyond the fp32 range): checked
+// once the call's results are final, on each rank's own rows, in one pass. A row whose every
+// key is masked has LSE = -inf and O = 0: not an error; +inf or NaN LSE, or a NaN / Inf in
+// O, dQ, dK or dV, is. The first bad element (lowest batch, global position, head) is kept.
+struct BadOutput {
+  int64_t batch = -1, position = 0, head = 0;  // batch < 0: nothing bad
+  std::string message;                          // "lse = inf at token position 5, batch 0, ..."
+  void take(const BadOutput& other);            // keeps the first of the two
+};
+BadOutput check_forward_outputs(const TensorView& out, const TensorView& lse, const Tokens& tokens);
+BadOutput check_backward_outputs(const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                 const Tokens& tokens);
+// Shares every rank's BadOutput (one small allgather on `comm`, after the call's own
+// communication) and throws the same ctxpar::Error on every rank if any rank had one, naming
+// the first bad element of the group, so that no rank goes on to wait for one that gave up.
+void agree_outputs(Communicator& comm, const std::string& what, const BadOutput& mine);
+
 // ---- per-call bookkeeping -----------------------------------------------------------------
 
 inline double now_seconds() {

@@ -217,6 +217,7 @@ class RingStrategy final : public Strategy {
     CallScope call(comm_, *device_, stats_, options_, "ring forward", e, dims, {&comm_});
     ring_forward(comm_, call.run, q, tokens, k, v, tokens, out, lse);
     call.finish();
+    agree_outputs(comm_, "ring forward", check_forward_outputs(out, lse, tokens));
   }
 
   void backward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -233,6 +234,7 @@ class RingStrategy final : public Strategy {
                   dv);
     dev.copy(kComputeStream, rows.dq32, dq);
     call.finish();
+    agree_outputs(comm_, "ring backward", check_backward_outputs(dq, dk, dv, tokens));
   }
 };
 

@@ -3,8 +3,10 @@
 #include "ctxpar/strategy.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <tuple>
 
 #include "ctxpar/hash.h"
 #include "kernel/finite.h"
@@ -249,6 +251,90 @@ void agree(Communicator& comm, const std::string& what, const std::string& local
                                  "than rank 0 (every rank must pass the same): rank 0 has ",
                                  describe_signature(all[0].signature), "; rank ", r, " has ",
                                  describe_signature(all[r].signature)));
+}
+
+// ---- outputs: non-finite results from finite inputs ----------------------------------------
+
+namespace {
+
+// The first bad element of one output tensor [B, T, H, D] (out, dq, dk, dv) as a BadOutput.
+void first_bad_row(const char* name, const TensorView& t, const Tokens& tokens, BadOutput& bad) {
+  const kernel::NonFinite f = kernel::find_non_finite(t);
+  if (!f.found()) return;
+  bad.take({f.b, tokens.positions[f.t], f.h, detail::concat(
+      name, " = ", f.value, " at token position ", tokens.positions[f.t], ", batch ", f.b,
+      ", head ", f.h, ", dim ", f.d, " (local row ", f.t, ")")});
+}
+
+constexpr const char* kOverflowHint =
+    "the attention scores (q . k x scale) or the gradients go beyond the fp32 range (3.4e38) "
+    "although the inputs are finite; scale q, k (or dout) down, or lower the softmax scale";
+
+}  // namespace
+
+void BadOutput::take(const BadOutput& other) {
+  if (other.batch < 0) return;
+  if (batch < 0 || std::tie(other.batch, other.position, other.head) <
+                       std::tie(batch, position, head))
+    *this = other;
+}
+
+BadOutput check_forward_outputs(const TensorView& out, const TensorView& lse,
+                                const Tokens& tokens) {
+  BadOutput bad;
+  // LSE [B, Hq, Tl] fp32: -inf is a row whose every key is masked (its O is 0); +inf or NaN is
+  // an overflow.
+  const int64_t B = lse.dim(0), H = lse.dim(1), T = lse.dim(2);
+  const float* l = lse.ptr<const float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const float* row = l + lse.offset(b, h, 0);
+      bool any = false;
+      for (int64_t t = 0; t < T; ++t) any |= std::isnan(row[t * lse.stride(2)]) ||
+                                             row[t * lse.stride(2)] == INFINITY;
+      if (!any) continue;
+      for (int64_t t = 0; t < T; ++t) {
+        const float x = row[t * lse.stride(2)];
+        if (!std::isnan(x) && x != INFINITY) continue;
+        bad.take({b, tokens.positions[t], h, detail::concat(
+            "lse = ", x, " at token position ", tokens.positions[t], ", batch ", b, ", head ", h,
+            " (local row ", t, ")")});
+      }
+    }
+  first_bad_row("out", out, tokens, bad);
+  return bad;
+}
+
+BadOutput check_backward_outputs(const TensorView& dq, const TensorView& dk,
+                                 const TensorView& dv, const Tokens& tokens) {
+  BadOutput bad;
+  first_bad_row("dq", dq, tokens, bad);
+  first_bad_row("dk", dk, tokens, bad);
+  first_bad_row("dv", dv, tokens, bad);
+  return bad;
+}
+
+void agree_outputs(Communicator& comm, const std::string& what, const BadOutput& mine) {
+  struct Report {
+    int64_t batch, position, head;
+    char message[kMessageBytes];
+  };
+  Report r{};
+  r.batch = mine.batch, r.position = mine.position, r.head = mine.head;
+  std::strncpy(r.message, mine.message.c_str(), kMessageBytes - 1);
+  std::vector<Report> all(comm.size());
+  comm.allgather(&r, all.data(), sizeof(Report));
+  int rank = -1;  // the rank holding the first bad element: lowest batch, position, head
+  for (int p = 0; p < comm.size(); ++p) {
+    const Report& x = all[p];
+    if (x.batch < 0) continue;
+    if (rank < 0 || std::tie(x.batch, x.position, x.head) <
+                        std::tie(all[rank].batch, all[rank].position, all[rank].head))
+      rank = p;
+  }
+  if (rank < 0) return;
+  throw Error(detail::concat(what, ": non-finite output on rank ", rank, " (of ", comm.size(),
+                             "): ", all[rank].message, ": ", kOverflowHint));
 }
 
 CallRecord::CallRecord(StrategyStats& stats, Device& device, std::vector<Communicator*> comms)

@@ -413,6 +413,7 @@ class UlyssesStrategy final : public Strategy {
                     },
                     kMaxGroups);
     call.finish();
+    agree_outputs(comm_, "ulysses forward", check_forward_outputs(out, lse, tokens));
   }
 
   void backward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -435,6 +436,7 @@ class UlyssesStrategy final : public Strategy {
         },
         kMaxGroups);
     call.finish();
+    agree_outputs(comm_, "ulysses backward", check_backward_outputs(dq, dk, dv, tokens));
   }
 };
 

@@ -94,6 +94,33 @@ TEST_F(CliMpi, FailingRankExits1AndBadUsageExits2) {
   EXPECT_NE(r.err.find("--head-dim must be in [16, 256]"), std::string::npos) << r.err;
 }
 
+// Scores beyond fp32 from finite inputs (q . k = 1.6e41 at token 40, head 1): every rank
+// fails with the same verdict, naming the global token and head; exit 1, no hang.
+TEST_F(CliMpi, OverflowingScoresFailEveryRankNamingTokenAndHead) {
+  const std::string dir = temp_dir("mpi_overflow");
+  const int64_t T = 64, D = 16;
+  Tensor q(DType::f32, {1, T, 2, D}), k(DType::f32, {1, T, 1, D}), v(DType::f32, {1, T, 1, D});
+  fill_normal(q.view(), 1), fill_normal(k.view(), 2), fill_normal(v.view(), 3);
+  for (int64_t d = 0; d < D; ++d) {
+    q.ptr<float>()[q.view().offset(0, 40, 1, d)] = 1e20f;
+    k.ptr<float>()[k.view().offset(0, 3, 0, d)] = 1e20f;
+  }
+  write_npy(dir + "/q.npy", q.view()), write_npy(dir + "/k.npy", k.view());
+  write_npy(dir + "/v.npy", v.view());
+  for (const char* strategy : {"ring", "ulysses"}) {
+    const CommandResult r = run_shell(mpirun(
+        "-n 2 " + ctxpar("--q " + dir + "/q.npy --k " + dir + "/k.npy --v " + dir +
+                         "/v.npy --mask causal --strategy " + strategy)));
+    EXPECT_EQ(r.exit_code, 1) << strategy << ": " << r.err;
+    for (const char* rank : {"rank 0 failed: ", "rank 1 failed: "})
+      EXPECT_NE(r.err.find(std::string(rank) + strategy + " forward: non-finite output on rank "),
+                std::string::npos) << rank << r.err;
+    EXPECT_NE(r.err.find("lse = inf at token position 40, batch 0, head 1"), std::string::npos)
+        << r.err;
+  }
+  fs::remove_all(dir);
+}
+
 // A program on the mpirun line that exits without MPI_Init leaves the others in MPI_Init,
 // which OpenMPI does not bound: ctxpar's watchdog does (CTXPAR_MPI_INIT_TIMEOUT).
 TEST_F(CliMpi, ProgramThatNeverStartsMpiEndsTheJob) {

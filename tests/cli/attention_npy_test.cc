@@ -86,10 +86,12 @@ TEST(CliAttentionNpy, ShardedRunOfUserTensorsMatchesNumpy) {
   std::filesystem::remove_all(dir);
 }
 
-TEST(CliAttentionNpy, CheckMismatchExits1) {
-  // One query row near FLT_MAX: its fp32 scores overflow (inf - inf = NaN in the softmax)
-  // while the fp64 reference stays finite, so the check must say FAILED and the command exit 1
-  // (not 0, and not 2: the file itself is well formed).
+// One query row near FLT_MAX: its fp32 scores overflow (inf - inf = NaN in the softmax) while
+// every input is finite. Without --check the run said nothing and exited 0 (the row came out
+// as if masked, or its LSE inf and its output off by 4); with --check it said "check: FAILED".
+// Now the run itself fails, exit 1 (a run-time failure: the files are well formed; the scores
+// they give do not fit fp32), naming the global token and head, with or without --check.
+TEST(CliAttentionNpy, OverflowingScoresFailNamingTokenAndHead) {
   if (!std::filesystem::exists("/usr/bin/python3")) GTEST_SKIP() << "no /usr/bin/python3";
   const std::string dir = temp_dir("nan");
   CommandResult w = run_shell(
@@ -98,10 +100,15 @@ TEST(CliAttentionNpy, CheckMismatchExits1) {
       "for n in 'kv']; q = r.standard_normal((1, 32, 2, 16)).astype(np.float32); "
       "q[0, 5, 1, :] = 3e38; q[0, 5, 1, ::2] = -3e38; np.save('" + dir + "/q.npy', q)\"");
   if (w.exit_code != 0) GTEST_SKIP() << "numpy unavailable: " << w.err;
-  CommandResult r = run_ctxpar("attention --q " + dir + "/q.npy --k " + dir + "/k.npy --v " +
-                               dir + "/v.npy --ranks 2 --check");
-  EXPECT_EQ(r.exit_code, 1) << r.err << r.out;
-  EXPECT_NE(r.out.find("check: FAILED"), std::string::npos) << r.out;
+  for (const char* extra : {"", " --check", " --strategy ulysses --layout contiguous"}) {
+    CommandResult r = run_ctxpar("attention --q " + dir + "/q.npy --k " + dir + "/k.npy --v " +
+                                 dir + "/v.npy --ranks 2" + extra);
+    EXPECT_EQ(r.exit_code, 1) << extra << ": " << r.err << r.out;
+    EXPECT_NE(r.err.find("forward: non-finite output"), std::string::npos) << extra << ": " << r.err;
+    EXPECT_NE(r.err.find("at token position 5, batch 0, head 1"), std::string::npos)
+        << extra << ": " << r.err;
+    EXPECT_NE(r.err.find("beyond the fp32 range"), std::string::npos) << r.err;
+  }
   std::filesystem::remove_all(dir);
 }
 

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "kernel/kernel_support.h"
 
@@ -58,6 +59,31 @@ TEST(ExtremeLogits, HugeLogitsGivePAtMostOne) {
       const std::string err = check_case(logits(22360.0f, d, m), true);
       EXPECT_TRUE(err.empty()) << err;
     }
+}
+
+// A score beyond fp32 from finite inputs (q . k = 1.6e41 for query 5, key 2): the row came
+// out with LSE = -inf and O = 0, exactly as a row with no visible key; now its LSE is +inf (the
+// strategies fail on it, naming the row). A fully masked row (padding) keeps -inf and 0, and
+// the other rows are untouched.
+TEST(ExtremeLogits, ScoreBeyondFp32GivesPlusInfLseNotAMaskedRow) {
+  const int64_t t = 8, d = 16;
+  Tensor q(DType::f32, {1, t, 1, d}), k(DType::f32, {1, t, 1, d}), v(DType::f32, {1, t, 1, d});
+  fill_normal(q, 1), fill_normal(k, 2), fill_normal(v, 3);
+  for (int64_t i = 0; i < d; ++i) {
+    q.ptr<float>()[q.view().offset(0, 5, 0, i)] = 1e20f;
+    k.ptr<float>()[k.view().offset(0, 2, 0, i)] = 1e20f;
+  }
+  std::vector<int64_t> pos = {0, 1, 2, 3, 4, 5, 6, kPaddingPosition};
+  const Tokens tokens{pos, {}};
+  ForwardState state(1, t, 1, d);
+  Tensor out(DType::f32, {1, t, 1, d}), lse(DType::f32, {1, 1, t});
+  attention_forward_block(q, tokens, k, v, tokens, Mask::causal_mask(), state, {});
+  attention_forward_finalize(state, out, lse, {});
+  const float* l = lse.ptr<const float>();
+  EXPECT_EQ(l[5], std::numeric_limits<float>::infinity());
+  EXPECT_EQ(l[7], -std::numeric_limits<float>::infinity()) << "padding: no visible key";
+  for (int64_t i = 0; i < d; ++i) EXPECT_EQ(out.view().get(0, 7, 0, i), 0.0f);
+  for (int64_t r : {0, 1, 6}) EXPECT_TRUE(std::isfinite(l[r])) << r;
 }
 
 constexpr int64_t kMax = std::numeric_limits<int64_t>::max();

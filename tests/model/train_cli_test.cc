@@ -1,7 +1,9 @@
 // `ctxpar train` driven as a hostile user would: the built binary in a child process (its
 // arguments an argument vector, never a shell line, so the test itself cannot inject), its
-// working folder a fresh one, its address space capped at 8 GiB so that a run that grows
-// without bound fails here instead of waking the OOM killer, and killed after 60 s.
+// working folder a fresh one, its memory 2 GiB as the command sees it (CTXPAR_MEMORY_LIMIT_BYTES,
+// which sanitizer builds honour too) and, outside sanitizers, its address space capped at
+// 16 GiB so that a run that grows without bound fails here instead of waking the OOM killer;
+// killed after 60 s. One test lowers RLIMIT_AS (ulimit -v) itself, and skips under sanitizers.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -18,8 +20,10 @@
 #include <thread>
 #include <vector>
 
+#include "ctxpar/memory.h"
 #include "model/train_support.h"
 #include "model/training.h"
+#include "sanitizers.h"
 
 namespace ctxpar {
 namespace {
@@ -72,8 +76,17 @@ class TrainCli : public test::TempDirTest {
       const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       ::dup2(o, 1);
       ::dup2(e, 2);
-      const rlimit cap = {8ull << 30, 8ull << 30};
-      ::setrlimit(RLIMIT_AS, &cap);
+      if (address_space_ > 0) {  // the real limit alone
+        ::unsetenv(kMemoryLimitEnv);
+        const rlimit cap = {address_space_, address_space_};
+        ::setrlimit(RLIMIT_AS, &cap);
+      } else {
+        ::setenv(kMemoryLimitEnv, memory_override_.c_str(), 1);
+        if (!CTXPAR_UNDER_SANITIZER) {
+          const rlimit cap = {16ull << 30, 16ull << 30};
+          ::setrlimit(RLIMIT_AS, &cap);
+        }
+      }
       ::execv(argv[0], argv.data());
       _exit(127);
     }
@@ -98,6 +111,8 @@ class TrainCli : public test::TempDirTest {
   }
 
   std::chrono::steady_clock::time_point t0_;
+  rlim_t address_space_ = 0;  // > 0: RLIMIT_AS of the child instead of the override
+  std::string memory_override_ = "2147483648";  // CTXPAR_MEMORY_LIMIT_BYTES: 2 GiB
 };
 
 // The two payloads of the fault matrix: each once ran `touch PWNED` through the shell that
@@ -173,15 +188,43 @@ TEST_F(TrainCli, KillDuringCheckpointingLeavesAWholeCheckpoint) {
   EXPECT_EQ(lines_in(dir_ / "r.jsonl"), 2u) << "steps " << step + 1 << " and " << step + 2;
 }
 
-// Refused at once with the figure and what to lower; once allocated until the OOM killer
-// (here: until the 8 GiB cap).
+// Refused at once with the figure, the limit that binds and what to lower; once allocated
+// until the OOM killer. `ctxpar train` ignored CTXPAR_MEMORY_LIMIT_BYTES and read MemAvailable
+// only.
 TEST_F(TrainCli, ModelTooBigForThisMachineIsRefusedBeforeAllocating) {
   const Result r = train({"--layers", "60000", "--dim", "1024"});  // in range, not in memory
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("this run needs about"), std::string::npos) << r.err;
-  EXPECT_NE(r.err.find("is available (MemAvailable)"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("but CTXPAR_MEMORY_LIMIT_BYTES leaves 2.0 GiB; raise or unset "
+                       "CTXPAR_MEMORY_LIMIT_BYTES"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("lower --layers"), std::string::npos) << r.err;
   EXPECT_LT(r.seconds, 20.0) << "took " << r.seconds << " s: it allocated before refusing";
+  // A model that fits the machine but not the override is refused too.
+  const Result mid = train({"--layers", "8", "--dim", "1024", "--hidden", "8192"});  // 3.3 GB
+  EXPECT_EQ(mid.exit_code, 2) << mid.err;
+  EXPECT_NE(mid.err.find("CTXPAR_MEMORY_LIMIT_BYTES leaves"), std::string::npos) << mid.err;
+}
+
+// The real address-space limit (ulimit -v) counts, named as such: the run is refused before
+// allocating instead of failing with "out of memory" once it has filled what it may.
+TEST_F(TrainCli, AddressSpaceLimitIsNamedWhenItBinds) {
+  CTXPAR_SKIP_UNDER_SANITIZER();
+  address_space_ = 3ull << 30;
+  const Result r = train({"--layers", "8", "--dim", "1024", "--hidden", "8192"});  // 3.3 GB
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("but the address-space limit (ulimit -v) leaves"), std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("raise it (ulimit -v)"), std::string::npos) << r.err;
+  EXPECT_LT(r.seconds, 20.0);
+}
+
+// A bad override is a usage error naming the variable.
+TEST_F(TrainCli, BadMemoryOverrideIsRefusedNamingTheVariable) {
+  memory_override_ = "lots";
+  const Result r = train({});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("CTXPAR_MEMORY_LIMIT_BYTES must be a positive number of bytes, got 'lots'"),
+            std::string::npos) << r.err;
 }
 
 // /dev/zero never ends and a FIFO blocks: both refused before a byte is read.

@@ -61,19 +61,23 @@ TEST(TrainMemory, DataAndCheckpointFilesAreCounted) {
 TEST(TrainMemory, TooBigARunIsRefusedWithTheFigureAndWhatToLower) {
   TrainConfig c = test::small_train_config();
   const double gib = double(1ull << 30);
-  EXPECT_NO_THROW(check_train_memory(c, 4, 16 * gib));
-  EXPECT_NO_THROW(check_train_memory(c, 4, -1));  // unknown: no check
+  MemoryLimit limit;
+  limit.bytes = 16 * gib;
+  limit.source = MemorySource::meminfo;
+  EXPECT_NO_THROW(check_train_memory(c, 4, limit));
+  EXPECT_NO_THROW(check_train_memory(c, 4, MemoryLimit{}));  // unknown: no check
   c.model.layers = 100000;  // ~4e9 parameters: 16 bytes each, per rank
   try {
-    check_train_memory(c, 4, 16 * gib);
+    check_train_memory(c, 4, limit);
     FAIL() << "not refused";
   } catch (const Error& e) {
     const std::string m = e.what();
-    EXPECT_NE(m.find("and 16.0 GiB is available"), std::string::npos) << m;
+    EXPECT_NE(m.find("but the machine's available memory (MemAvailable in /proc/meminfo) leaves "
+                     "16.0 GiB; free memory on this machine"), std::string::npos) << m;
     EXPECT_NE(m.find("(4 rank(s) on this machine,"), std::string::npos) << m;
     EXPECT_NE(m.find("lower --layers"), std::string::npos) << m;
   }
-  EXPECT_GT(available_memory_bytes(), 0.0) << "MemAvailable not read from /proc/meminfo";
+  EXPECT_TRUE(memory_limit().known()) << "no memory limit read (not even /proc/meminfo)";
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "attention_job.h"
+#include "ctxpar/memory.h"
 #include "ctxpar/npy.h"
 #include "options.h"
 #include "progress.h"
@@ -313,6 +314,7 @@ int bench_cp(int argc, char** argv) {
   base.link.gbytes_per_second = opts.num_or_zero("link-gbps", kMinLinkGbps, kMaxLinkGbps);
   base.link.latency_us = opts.num("link-latency-us", 0, kMaxLinkLatencyUs);
   const int ulysses_degree = opts.i32("ulysses-degree", 0, kMaxThreadsRanks);
+  memory_limit();  // a bad CTXPAR_MEMORY_LIMIT_BYTES: exit 2 now, not a skip of every run
 
   // The plan: short sequences first, so an interrupted sweep has whole small sizes. At P = 1
   // every layout is the same run, so only the first layout listed runs there.

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ctxpar/kernel.h"
+#include "ctxpar/memory.h"
 #include "kernel/peak.h"
 #include "options.h"
 
@@ -60,6 +61,16 @@ int bench_kernel(int argc, char** argv) {
   CTXPAR_CHECK(t >= 1 && hq >= 1 && b >= 1 && threads >= 1, "bench kernel: --seq, --heads, --batch "
                "and --threads must be >= 1");
   const bool backward = !o.on("no-backward");
+  {
+    // Before allocating: q, k, v, dO, O in the dtype; lse, delta, the state's m and l in fp32;
+    // the fp32 accumulator, dQ, dK, dV.
+    const double B = double(b), T = double(t), D = double(d), es = double(dtype_size(dtype));
+    const double need = B * T * D * ((3.0 * hq + 2.0 * hkv) * es + (2.0 * hq + 2.0 * hkv) * 4) +
+                        4 * B * hq * T * 4;
+    const MemoryLimit limit = memory_limit();
+    CTXPAR_CHECK(!limit.known() || need <= limit.bytes, "bench kernel: this run ",
+                 limit.shortfall(need), ", or lower --seq, --heads, --head-dim or --batch");
+  }
 
   Tensor q(dtype, {b, t, hq, d}), k(dtype, {b, t, hkv, d}), v(dtype, {b, t, hkv, d});
   Tensor dout(dtype, {b, t, hq, d});

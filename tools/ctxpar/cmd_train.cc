@@ -170,7 +170,7 @@ int cmd_train(int argc, char** argv) {
   // One BLAS thread per rank unless told: ranks already fill the cores.
   set_blas_threads(c.threads);
   c.model.validate();
-  check_train_memory(c, ranks_on_this_machine(use_mpi, ranks), available_memory_bytes());
+  check_train_memory(c, ranks_on_this_machine(use_mpi, ranks), memory_limit());
 
   const bool quiet = o.on("quiet");
   const bool tty = isatty(fileno(stderr));

@@ -1,14 +1,11 @@
 #include "memory_estimate.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <fstream>
 #include <string>
 
 #include "ctxpar/error.h"
+#include "ctxpar/memory.h"
 
 namespace ctxpar::cli {
 namespace {
@@ -113,29 +110,11 @@ MemoryEstimate estimate_memory(const AttentionJob& job) {
   return m;
 }
 
-double available_memory_bytes() {
-  if (const char* env = std::getenv("CTXPAR_MEMORY_LIMIT_BYTES")) {
-    char* end = nullptr;
-    errno = 0;
-    const double v = std::strtod(env, &end);
-    CTXPAR_CHECK(*env != '\0' && *end == '\0' && errno != ERANGE && std::isfinite(v) && v > 0,
-                 "CTXPAR_MEMORY_LIMIT_BYTES must be a positive number of bytes, got '", env, "'");
-    return v;
-  }
-  std::ifstream in("/proc/meminfo");
-  std::string key, unit;
-  double kb = 0;
-  while (in >> key >> kb >> unit)
-    if (key == "MemAvailable:") return kb * 1024;
-  return 0;
-}
-
 void check_memory(const AttentionJob& job) {
-  const double available = available_memory_bytes();
-  if (available <= 0) return;
+  const MemoryLimit limit = memory_limit();
+  if (!limit.known()) return;
   const MemoryEstimate m = estimate_memory(job);
-  if (m.total_bytes <= available) return;
-  const bool from_env = std::getenv("CTXPAR_MEMORY_LIMIT_BYTES") != nullptr;
+  if (m.total_bytes <= limit.bytes) return;
   std::string parts = detail::concat(m.ranks_here, " rank", m.ranks_here > 1 ? "s" : "",
                                      " x (shards ", bytes_text(m.shard_bytes), " + strategy buffers ",
                                      bytes_text(m.strategy_bytes), ")");
@@ -143,9 +122,8 @@ void check_memory(const AttentionJob& job) {
   if (m.check_bytes > 0) parts += "; --check reference " + bytes_text(m.check_bytes);
   throw Error(detail::concat(
       "this job needs about ", bytes_text(m.total_bytes), " of memory (", parts, ") but ",
-      bytes_text(available), " is available (",
-      from_env ? "CTXPAR_MEMORY_LIMIT_BYTES" : "MemAvailable in /proc/meminfo",
-      "); lower --seq, --batch, --heads or --head-dim, use --dtype bf16, drop --check / --out, "
+      limit.source_text(), " leaves ", bytes_text(limit.bytes), "; ", limit.raise_text(),
+      ", or lower --seq, --batch, --heads or --head-dim, use --dtype bf16, drop --check / --out, "
       "or run the ranks on several machines (mpirun)"));
 }
 

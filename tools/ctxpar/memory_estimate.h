@@ -22,12 +22,8 @@ struct MemoryEstimate {
 // shard_bytes) and at most twice it; tests/cli_io/limits_test.cc checks both bounds.
 MemoryEstimate estimate_memory(const AttentionJob& job);
 
-// Bytes this process may use: CTXPAR_MEMORY_LIMIT_BYTES when set (tests, or a cap of your
-// own), else MemAvailable from /proc/meminfo; 0 when neither is known (no check).
-double available_memory_bytes();
-
-// Throws ctxpar::Error when the estimate exceeds the available memory, with both figures, the
-// parts of the estimate, and what to lower. Under MPI every rank checks the root's figure
+// Throws ctxpar::Error when the estimate exceeds memory_limit() (ctxpar/memory.h), with both
+// figures, the parts of the estimate, the binding limit and what to raise or lower. Under MPI every rank checks the root's figure
 // (the largest), so all ranks of one machine give the same verdict.
 void check_memory(const AttentionJob& job);
 
