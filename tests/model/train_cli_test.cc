@@ -74,6 +74,11 @@ class TrainCli : public test::TempDirTest {
       ::dup2(e, 2);
       const rlimit cap = {8ull << 30, 8ull << 30};
       ::setrlimit(RLIMIT_AS, &cap);
+      if (file_size_cap_ > 0) {  // a disk that fills up: writes past it fail with EFBIG
+        ::signal(SIGXFSZ, SIG_IGN);
+        const rlimit fsize = {file_size_cap_, file_size_cap_};
+        ::setrlimit(RLIMIT_FSIZE, &fsize);
+      }
       ::execv(argv[0], argv.data());
       _exit(127);
     }
@@ -98,6 +103,7 @@ class TrainCli : public test::TempDirTest {
   }
 
   std::chrono::steady_clock::time_point t0_;
+  rlim_t file_size_cap_ = 0;  // bytes any file of the run may hold (0: no cap)
 };
 
 // The two payloads of the fault matrix: each once ran `touch PWNED` through the shell that
@@ -136,6 +142,16 @@ TEST_F(TrainCli, DeviceAsLogIsRefusedBeforeTheRun) {
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("--log /dev/full exists and is not a regular file"), std::string::npos)
       << r.err;
+  EXPECT_EQ(r.err.find("matplotlib"), std::string::npos) << "it must not go on to plot: " << r.err;
+}
+
+// A disk that fills up during the run (every file capped at 1000 bytes, RLIMIT_FSIZE): the
+// run fails naming the log and the system error, not exit 0 behind a cut log.
+TEST_F(TrainCli, FullDiskDuringLogFailsNamingTheFile) {
+  file_size_cap_ = 1000;  // a log line is ~240 bytes: the fifth does not fit
+  const Result r = train({"--log", "r.jsonl", "--steps", "20"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--log r.jsonl failed: File too large"), std::string::npos) << r.err;
   EXPECT_EQ(r.err.find("matplotlib"), std::string::npos) << "it must not go on to plot: " << r.err;
 }
 
