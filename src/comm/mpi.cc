@@ -12,6 +12,8 @@
 // dead one. See docs/comm.md.
 #include <mpi.h>
 
+#include <cerrno>
+#include <cmath>
 #include <climits>
 #include <condition_variable>
 #include <mutex>
@@ -21,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/mpi_env.h"
 #include "comm/mpi_progress.h"
 #include "comm/point_to_point.h"
 
@@ -360,13 +363,27 @@ MpiCommunicator* g_world = nullptr;
 // MPMD line whose other program is not an MPI one, a crash before main) leaves it waiting
 // forever, and OpenMPI 4.1 has no setting that bounds that wait (pmix_base_exchange_timeout
 // does not; mpirun --timeout bounds the whole job). So MPI_Init runs under a watchdog.
-void init_mpi_with_watchdog() {
+double init_timeout_from_env() {
   double limit = 120;
   if (const char* env = std::getenv("CTXPAR_MPI_INIT_TIMEOUT")) {
+    // A bad value is refused (exit 2), not replaced by the default or waited on forever:
+    // "inf", 9e9 (beyond what a timed wait can hold), "abc", 0 or a negative number.
+    constexpr double kMaxInitTimeout = 7 * 24 * 3600;
     char* end = nullptr;
+    errno = 0;
     const double v = std::strtod(env, &end);
-    if (end != env && *end == '\0' && v > 0) limit = v;
+    CTXPAR_CHECK(*env != '\0' && end != env && *end == '\0' && errno != ERANGE &&
+                     std::isfinite(v) && v > 0 && v <= kMaxInitTimeout,
+                 "CTXPAR_MPI_INIT_TIMEOUT must be the seconds MPI_Init may wait for the other "
+                 "processes of the job, a number in (0, ", kMaxInitTimeout, "] (default 120), "
+                 "got '", env, "'");
+    limit = v;
   }
+  return limit;
+}
+
+void init_mpi_with_watchdog() {
+  const double limit = init_timeout_from_env();
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
@@ -463,6 +480,11 @@ void run_mpi(const std::function<void(Communicator&)>& fn) {
   std::fflush(stderr);
   abort_mpi_job(1);
   std::exit(1);
+}
+
+void check_mpi_environment() {
+  comm_detail::init_timeout_from_env();
+  comm_detail::progress_settings_from_env();
 }
 
 void abort_mpi_job(int code) {

@@ -227,4 +227,9 @@ std::unique_ptr<Strategy> make_allgather(Communicator& comm, const StrategyOptio
 std::unique_ptr<Strategy> make_ulysses(Communicator& comm, const StrategyOptions& options);
 std::unique_ptr<Strategy> make_hybrid(Communicator& comm, const StrategyOptions& options);
 
+// CTXPAR_ULYSSES_GROUPS (ulysses.cc): the most head groups Ulysses pipelines its all-to-alls
+// over, else `by_default`; a bad value throws ctxpar::Error naming the variable. The CLI calls
+// it before any rank starts, so a bad value is a usage error (exit 2), not a rank's failure.
+int groups_limit(int by_default);
+
 }  // namespace ctxpar::strategy

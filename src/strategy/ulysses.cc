@@ -156,6 +156,8 @@ constexpr int kTagBase = 1 << 19;
 int tag_in(int g) { return kTagBase + 2 * g; }
 int tag_back(int g) { return kTagBase + 2 * g + 1; }
 
+}  // namespace
+
 // CTXPAR_ULYSSES_GROUPS: the most groups (1 turns the pipeline off), else the caller's.
 int groups_limit(int by_default) {
   const char* env = std::getenv("CTXPAR_ULYSSES_GROUPS");
@@ -168,6 +170,8 @@ int groups_limit(int by_default) {
                env, "'; unset it for the default (Ulysses ", kMaxGroups, ", hybrid 1)");
   return int(n);
 }
+
+namespace {
 
 // The most groups up to the limit that divide hq and hk. Backward also keeps batch * hk / G
 // KV heads per kernel call >= its threads: below that the fast kernel splits a head's key
