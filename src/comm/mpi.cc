@@ -5,8 +5,9 @@
 // it. The collectives themselves are the shared ones over point-to-point
 // (point_to_point.cc): same algorithms, same summation order as the threads transport, so
 // both give bitwise identical answers. Waits poll MPI_Test against the communicator's
-// timeout; meanwhile the kernel's tile hook or a progress thread (mpi_progress.cc, Note [MPI
-// progress]) keeps pending transfers moving while the rank computes, and every MPI call holds mpi_mutex(). Errors:
+// timeout; meanwhile progress calls keep pending transfers moving while the rank computes,
+// made by the CPU kernel between its tiles (the default) or by a progress thread
+// (mpi_progress.cc, Note [MPI progress]), and every MPI call holds mpi_mutex(). Errors:
 // MPI_ERRORS_RETURN on every communicator, each code checked and turned into ctxpar::Error;
 // run_mpi turns any exception into a message and MPI_Abort, so no rank waits forever for a
 // dead one. See docs/comm.md.
@@ -99,7 +100,7 @@ class Backoff {
 struct DetachedSend {
   MPI_Request request;
   Buffer buffer;
-  Pending pending;  // the progress thread keeps moving it
+  Pending pending;  // pending: the progress calls (tile hook or thread) keep moving it
 };
 std::vector<DetachedSend>& detached_sends() {
   // Never destroyed: finalize_at_exit (an atexit handler) reads it after static destructors
@@ -400,9 +401,9 @@ void init_mpi_with_watchdog() {
     std::_Exit(1);
   });
   int provided = 0;
-  // MULTIPLE: the progress thread calls MPI too (one call at a time with the rank's, under
-  // mpi_mutex(); Note [MPI progress]). An MPI that gives less still works, without the
-  // thread.
+  // MULTIPLE: the progress calls come from other threads than the rank's (the kernel's
+  // threads between tiles, or the progress thread), one call at a time with the rank's, under
+  // mpi_mutex(); Note [MPI progress]. An MPI that gives less still works, with progress off.
   const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
   {
     std::lock_guard lock(mu);
@@ -443,7 +444,7 @@ Communicator& mpi_world() {
     init_mpi_with_watchdog();
     std::atexit(finalize_at_exit);
   }
-  MpiLock lock(mpi_mutex());  // a communicator of mpi_wrap may have started the progress thread
+  MpiLock lock(mpi_mutex());  // an mpi_wrap communicator may have started progress
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   MPI_Comm dup = MPI_COMM_NULL;
   mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &dup), "MPI_Comm_dup");

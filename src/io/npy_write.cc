@@ -1,6 +1,8 @@
 // .npy writer (format: see npy.cc) and the atomic file writes every output of ctxpar goes
-// through: a temporary beside the target (mkstemp, never through a planted link), fsync,
-// rename over the target, fsync of the folder: a crash leaves the old file or the new one.
+// through: a temporary beside the target (mkstemp, never through a planted link), fsync of
+// the file, rename over the target: a reader sees the old file or the whole new one, never a
+// part. The folder is not fsynced, so after a power loss the rename itself may be undone (the
+// old file back, the temporary left beside it).
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>

@@ -251,9 +251,9 @@ namespace ctxpar {
 std::vector<int64_t> ring_last_hop_cuts(int64_t key_rows) {
   constexpr int64_t kPieceRows = 64;  // a multiple of the kernel's key tile
   constexpr int64_t kMaxPieces = 8;
-  // Each piece is one more kernel call, which packs the query rows again: 8 pieces of 512 rows
-  // made the backward ~4 % slower at P = 2 (threads transport, no link), so a piece has at
-  // least 512 rows; the exposed share of the hop is 1/pieces of it.
+  // Each piece is one more kernel call, which packs the query rows again (what that costs the
+  // backward: docs/ring.md), so a piece has at least 512 rows; the exposed share of the hop is
+  // 1/pieces of it.
   constexpr int64_t kMinPieceRows = 512;
   const int64_t tiles = (key_rows + kPieceRows - 1) / kPieceRows;
   const int64_t pieces = std::max<int64_t>(1, std::min(kMaxPieces, key_rows / kMinPieceRows));
