@@ -328,5 +328,23 @@ TEST_F(TrainCli, DataThatIsNotARegularFileIsRefused) {
   }
 }
 
+// A 200 kB header of 100000 nested brackets was a SIGSEGV (exit 139): the stack overflowed
+// printing it in an error message. Now a usage error naming the file, the depth and the limit.
+TEST_F(TrainCli, DeeplyNestedCheckpointHeaderIsRefusedNotASignal) {
+  std::string text = "{\"x\":" + std::string(100000, '[') + std::string(100000, ']') + "}";
+  text.append((8 - text.size() % 8) % 8, ' ');
+  {
+    std::ofstream out(path("deep.safetensors"), std::ios::binary);
+    for (int i = 0; i < 8; ++i) out.put(char(uint64_t(text.size()) >> (8 * i)));
+    out << text;
+  }
+  const Result r = train({"--resume", "deep.safetensors"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("checkpoint deep.safetensors has a header nested 100001 levels deep, "
+                       "over the limit of 64"),
+            std::string::npos)
+      << r.err;
+}
+
 }  // namespace
 }  // namespace ctxpar
