@@ -175,7 +175,7 @@ struct RingProblem {
   std::vector<LinkSpec> links;             // size ranks (or 1: the same for all)
   std::vector<double> flops_per_second;    // size ranks (or 1)
   std::vector<double> backward_flops_per_second;  // empty: the same as forward
-  bool barrier_after_forward = false;      // threads transport, P > 2: ranks line up (plan.cc)
+  bool barrier_after_forward = false;      // threads transport, P > 2: ring.cc's barrier
   // ring.cc computes into a local partial and adds the travelling dK/dV accumulator after the
   // compute (false), which hides the accumulator's hop behind one step's compute; true models
   // waiting for the accumulator before the compute (ring.cc's order until 2026-11-30).

@@ -52,9 +52,7 @@ RingProblem ring_problem(const PlanInput& in, int ranks, int64_t heads, int64_t 
   p.links = ring_links(in, ranks, stride);
   p.flops_per_second = {in.hardware.effective_flops()};
   p.backward_flops_per_second = {in.hardware.effective_backward_flops()};
-  // Our threads transport: the ranks line up after the forward, as the backward call starts
-  // with an allgather (its argument agreement); modelled as a barrier at the forward's end
-  // (P > 2), where ring.cc had one until lent buffers became reference-counted (issue 21).
+  // Our threads transport: ring.cc's forward ends with a barrier when P > 2.
   p.barrier_after_forward = in.hardware.name == "local";
   return p;
 }
