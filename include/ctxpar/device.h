@@ -150,6 +150,9 @@ class Device {
   virtual void alltoall(Stream s, Communicator& comm, const DeviceBuffer& send,
                         const DeviceBuffer& recv, size_t chunk_bytes, int tag) = 0;
   virtual void barrier(Stream s, Communicator& comm) = 0;
+  // True when a sent buffer's memory itself goes to the receiver (threads transport on the
+  // cpu device): sender and receiver then share it (reference-counted, freed by the last).
+  virtual bool lends_sent_buffers(const Communicator& comm) const = 0;
 
   // ---- kernel operations (see kernel.h for shapes) --------------------------------------
   virtual void forward_block(Stream s, const TensorView& q, const Tokens& q_tokens,

@@ -117,6 +117,9 @@ class CpuDevice final : public Device {
     comm.barrier();
     counters_.wait_seconds += now_seconds() - t0;
   }
+  bool lends_sent_buffers(const Communicator& comm) const override {
+    return comm.shares_send_buffers();
+  }
 
   void forward_block(Stream, const TensorView& q, const Tokens& qt, const TensorView& k,
                      const TensorView& v, const Tokens& kt, const Mask& mask, ForwardState& state,

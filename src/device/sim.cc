@@ -183,6 +183,7 @@ class SimDevice final : public Device {
     Communicator* c = &comm;
     enqueue(s, "barrier", {}, {}, [=] { c->barrier(); });
   }
+  bool lends_sent_buffers(const Communicator&) const override { return false; }
 
   void forward_block(Stream s, const TensorView& q, const Tokens& qt, const TensorView& k,
                      const TensorView& v, const Tokens& kt, const Mask& mask, ForwardState& state,

@@ -122,9 +122,15 @@ void ring_forward(Communicator& comm, Run& run, const TensorView& q, const Token
     if (s + 1 < p) block = ring.wait();  // the block just computed on is freed stream-ordered
   }
   dev.forward_finalize(kComputeStream, state.get(), out, lse, run.kernel);
-  // A forwarded block's final owner may free it while a rank that forwarded it earlier still
-  // computes on it: when sends lend their memory (threads transport on cpu) the sender keeps a
-  // handle of its own, so the memory outlives every reader without a closing barrier.
+  // When sends lend their memory (threads transport on cpu), the memory of a forwarded block
+  // lives until its last holder lets go (reference-counted), so its final owner may return
+  // while a rank that forwarded it earlier still computes on it. The ranks still end the forward
+  // together there: a rank that failed mid-ring then fails every rank, naming it, and
+  // `plan --hardware local` models this barrier.
+  if (p > 2 && dev.lends_sent_buffers(comm)) {
+    dev.wait(kCommStream, dev.record(kComputeStream));
+    dev.barrier(kCommStream, comm);
+  }
 }
 
 void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Tokens& q_tokens,

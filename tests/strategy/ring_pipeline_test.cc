@@ -43,6 +43,9 @@ class RecordingDevice final : public Device {
     inner_->alltoall(s, comm, send, recv, chunk_bytes, tag);
   }
   void barrier(Stream s, Communicator& comm) override { inner_->barrier(s, comm); }
+  bool lends_sent_buffers(const Communicator& comm) const override {
+    return inner_->lends_sent_buffers(comm);
+  }
   void forward_block(Stream s, const TensorView& q, const Tokens& qt, const TensorView& k,
                      const TensorView& v, const Tokens& kt, const Mask& mask, ForwardState& state,
                      const KernelConfig& config) override {
