@@ -43,13 +43,14 @@ TEST(Mask, StrictGrammar) {
       {"window:1,1+window:2,2", "'window' is given twice"},
       {" causal", "unknown mask ' causal'"},
       {"documents: 512", "document length ' 512'"},
-      {"documents:+512", "document length '+512'"},
+      {"documents:+512", "document length ''"},  // '+' joins rules: "documents:" and "512"
       {"documents:0", "document length '0'"},
       {"documents:-5", "document length '-5'"},
       {"documents:9223372036854775808", "document length '9223372036854775808' is not a whole "
                                         "number in [1, 9223372036854775807]"},
       {"window: 5,0", "window bound ' 5'"},
-      {"window:+5,0", "window bound '+5'"},
+      {"window:+5,0", "window needs two bounds"},  // "window:" and "5,0"
+      {"window:5,0x", "window bound '0x'"},
       {"window:-2,0", "window bound '-2'"},
       {"window:5,99999999999999999999", "window bound '99999999999999999999'"},
       {"window:-,0", "window bound '-'"},

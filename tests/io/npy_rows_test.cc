@@ -104,7 +104,9 @@ TEST(NpyRows, AnEmptyResultReturnsAtOnce) {
     std::string header = dict;
     while ((10 + header.size() + 1) % 64 != 0) header += ' ';
     header += '\n';
-    std::string bytes = "\x93NUMPY\x01\x00";
+    std::string bytes = "\x93NUMPY";
+    bytes += '\x01';  // version 1.0
+    bytes += '\x00';
     bytes += char(header.size() & 0xff);
     bytes += char(header.size() >> 8);
     bytes += header;
