@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <functional>
 #include <numeric>
 #include <vector>
@@ -15,7 +14,6 @@
 
 #include "ctxpar/kernel.h"
 #include "kernel/peak.h"
-#include "memory_estimate.h"
 #include "options.h"
 
 namespace ctxpar::cli {
@@ -32,27 +30,6 @@ void time_once(Best& best, int threads, const std::function<void()>& run) {
   run();
   best.wall = std::min(best.wall, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   best.cpu = std::min(best.cpu, (kernel::process_cpu_seconds() - c0) / threads);
-}
-
-// Bytes the measurement holds (q, k, v, dout, out in `dtype`; dq, dk, dv, the forward state's
-// accumulator in fp32; lse, delta, m, l rows; positions), against available_memory_bytes():
-// an Error with both figures and what to lower, as `attention` does.
-void check_bench_kernel_memory(int64_t b, int64_t t, int64_t hq, int64_t hkv, int64_t d,
-                               DType dtype) {
-  const double q_elems = double(b) * double(t) * double(hq) * double(d);
-  const double kv_elems = double(b) * double(t) * double(hkv) * double(d);
-  const double rows = double(b) * double(hq) * double(t);
-  const double need = (3 * q_elems + 2 * kv_elems) * double(dtype_size(dtype)) +
-                      (2 * q_elems + 2 * kv_elems) * 4 + 4 * rows * 4 + double(t) * 8;
-  const double available = available_memory_bytes();
-  if (available <= 0 || need <= available) return;
-  throw Error(detail::concat(
-      "bench kernel needs about ", bytes_text(need), " of memory for --batch ", b, " --seq ", t,
-      " --heads ", hq, " --kv-heads ", hkv, " --head-dim ", d, " (", dtype_name(dtype), ") but ",
-      bytes_text(available), " is available (",
-      std::getenv("CTXPAR_MEMORY_LIMIT_BYTES") ? "CTXPAR_MEMORY_LIMIT_BYTES"
-                                               : "MemAvailable in /proc/meminfo",
-      "); lower --seq, --batch, --heads or --head-dim, or use --dtype bf16"));
 }
 
 }  // namespace
@@ -85,13 +62,12 @@ int bench_kernel(int argc, char** argv) {
                "and --threads must be >= 1");
   const bool backward = !o.on("no-backward");
   // Every option is checked before anything is allocated (--kv-heads 65536 was refused only
-  // by the kernel, after 12 s of filling 1 GiB), and the memory against what is available
-  // (in double: B*T*H*D of in-range options wrapped int64 to a 64-byte tensor).
+  // by the kernel, after 12 s of filling 1 GiB). A shape whose count overflows int64 is
+  // refused by Tensor itself (B*T*H*D = 2^64 of in-range options made a 64-byte tensor).
   if (hq % hkv != 0)
     throw UsageError(detail::concat("--heads ", hq, " must be a multiple of --kv-heads ", hkv,
                                     " (grouped-query attention); e.g. --kv-heads ",
                                     std::gcd(hq, hkv)));
-  check_bench_kernel_memory(b, t, hq, hkv, d, dtype);
 
   Tensor q(dtype, {b, t, hq, d}), k(dtype, {b, t, hkv, d}), v(dtype, {b, t, hkv, d});
   Tensor dout(dtype, {b, t, hq, d});
