@@ -96,27 +96,6 @@ InputFile input_file(const Options& o, const std::string& name) {
   return f;
 }
 
-// "documents:300,724" inside a '+'-joined mask -> the lengths.
-std::vector<int64_t> document_lengths(const std::string& mask) {
-  std::vector<int64_t> lengths;
-  size_t at = mask.find("documents:");
-  if (at == std::string::npos) return lengths;
-  std::string list = mask.substr(at + 10, mask.find('+', at) - (at + 10));
-  size_t start = 0;
-  while (start <= list.size()) {
-    size_t comma = list.find(',', start);
-    std::string item = list.substr(start, comma - start);
-    char* end = nullptr;
-    long long v = std::strtoll(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || v < 1)
-      throw UsageError("--mask documents: '" + item + "' is not a length >= 1 (documents:512,512)");
-    lengths.push_back(v);
-    if (comma == std::string::npos) break;
-    start = comma + 1;
-  }
-  return lengths;
-}
-
 AttentionJob job_from(const Options& o) {
   AttentionJob job;
   job.seq = o.i64("seq", 1, kMaxTokens);
@@ -125,7 +104,7 @@ AttentionJob job_from(const Options& o) {
   job.head_dim = o.i64("head-dim", 16, 256);
   job.batch = o.i64("batch", 1, kMaxBatch);
   job.mask = parse_mask(o.str("mask"));
-  job.document_lengths = document_lengths(o.str("mask"));
+  job.document_lengths = parse_document_lengths(o.str("mask"));
   job.dtype = parse_dtype(o.str("dtype"));
   job.threads = threads_option(o);
   job.strategy = parse_strategy(o.str("strategy"));
