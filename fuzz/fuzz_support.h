@@ -28,6 +28,9 @@ inline std::string as_file(const uint8_t* data, size_t size) {
 // An error message must say something, and name `must_name` (the file) when that is given.
 inline void check_message(const char* target, const std::string& msg,
                           const std::string& must_name = "") {
+  // CTXPAR_FUZZ_VERBOSE=1: print every refusal (to see why a seed stops where it does).
+  static const bool verbose = std::getenv("CTXPAR_FUZZ_VERBOSE") != nullptr;
+  if (verbose) std::fprintf(stderr, "%s: refused: %s\n", target, msg.c_str());
   if (msg.empty()) fail(target, "empty error message", "");
   if (!must_name.empty() && msg.find(must_name) == std::string::npos)
     fail(target, "error message does not name the file", msg);

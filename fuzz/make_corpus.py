@@ -7,6 +7,10 @@ target. Deterministic; run it again after changing it and commit the result:
 
 fuzz/corpus/npy/ (the .npy reader's seeds) predates this script and is left as it is; the
 npy_rows seeds are built from it.
+
+regression_* inputs go to fuzz/regressions/<target>/ instead: inputs that crashed a target
+(issue 21), which scripts/fuzzers.sh replays on every run. Apart from the corpus, so that the
+normal suite's io_fuzz_npy (scripts/fuzz.sh, fuzz/corpus/npy only) is not affected.
 """
 import json
 import pathlib
@@ -17,7 +21,7 @@ corpus = here / "corpus"
 
 
 def write(target, name, data):
-    d = corpus / target
+    d = (here / "regressions" if name.startswith("regression_") else corpus) / target
     d.mkdir(parents=True, exist_ok=True)
     (d / name).write_bytes(data if isinstance(data, bytes) else data.encode())
 
@@ -87,9 +91,24 @@ bad_headers = {
     "nested_metadata": hdr({"__metadata__": {"x": "1"}, "a": {"dtype": "U8", "shape": [3],
                             "data_offsets": [0, 3], "extra": [[[[[[[[{"k": [1]}]]]]]]]]}}),
 }
+# 8000 nested lists in an entry (16 KB): a recursive copy or dump of the header overflowed the
+# stack (issue 21).
+deep = "[" * 8000 + "]" * 8000
+bad_headers["regression_deep_nesting"] = hdr({"__metadata__": {"x": "1"}, "a": {
+    "dtype": "U8", "shape": [3], "data_offsets": [0, 3], "extra": 0}}).replace("0}}", deep + "}}")
 for name, text in bad_headers.items():
     write("safetensors", name + ".safetensors", safetensors([], checksum=False,
           header_override=text) + b"\x01\x02\x03")
+
+# ---- npy: regression seeds beside the NumPy files -------------------------------------------
+def npy(descr, shape, data=b""):
+    h = "{'descr': '%s', 'fortran_order': False, 'shape': %s, }" % (descr, shape)
+    h += " " * ((64 - (10 + len(h) + 1) % 64) % 64) + "\n"
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(h)) + h.encode() + data
+
+# A zero first, then dimensions whose product overflows int64 (Tensor::numel; issue 21).
+overflow = npy("<f4", "(0, 4294967296, 4294967296, 4294967296)")
+write("npy", "regression_numel_overflow.npy", overflow)
 
 # ---- npy_rows: [axis | 0x80 bf16] [n] n x uint16 LE rows, then a .npy file ---------------
 def rows_input(axis, rows, npy, bf16=False):
@@ -103,8 +122,11 @@ cases = [("f32_2x3.npy", 1, [0, 2]), ("f32_2x3.npy", 0, [1]), ("f32_2x3.npy", 1,
          ("f32_0x3.npy", 1, [0]), ("f32_0x3.npy", 0, []), ("f64_2.npy", 0, [1]),
          ("f32_v2.npy", 0, [0]), ("f32_v3.npy", 0, [0])]
 for i, (src, axis, rows) in enumerate(cases):
-    npy = (corpus / "npy" / src).read_bytes()
-    write("npy_rows", f"{i:02d}_{src[:-4]}_axis{axis}.bin", rows_input(axis, rows, npy, bf16=(i % 4 == 3)))
+    image = (corpus / "npy" / src).read_bytes()
+    write("npy_rows", f"{i:02d}_{src[:-4]}_axis{axis}.bin", rows_input(axis, rows, image, bf16=(i % 4 == 3)))
+write("npy_rows", "regression_numel_overflow.bin", rows_input(1, [0], overflow))
+write("npy_rows", "zero_columns.bin", rows_input(0, [0, 1], npy("<f4", "(2, 0, 3)")))
+write("npy_rows", "scalar.bin", rows_input(0, [0], npy("<f4", "()", struct.pack("<f", 1.5))))
 
 # ---- mask: the --mask text, then optionally "\n" and --seq --------------------------------
 masks = ["none", "causal", "window:128,0", "window:-1,-1", "causal+window:256,0",
@@ -112,10 +134,11 @@ masks = ["none", "causal", "window:128,0", "window:-1,-1", "causal+window:256,0"
          "documents\n64", "documents:1024+causal\n1024", "causal+window:0,0+documents:8,8\n16",
          "window:12", "window:a,b", "documents:0,4\n4", "documents:,\n4", "documents:3,4\n8",
          "causal++none", "", "Causal", "documents:99999999999999999999\n64",
-         # Lengths near 2^63: their sum overflows int64 (issue 21; expected to crash until fixed).
-         "documents:9223372036854775807,1\n1024"]
+         "window:99999999999999999999,0"]
 for i, m in enumerate(masks):
     write("mask", f"{i:02d}.txt", m)
+# Lengths near 2^63: their sum overflowed int64 in the job's validation (issue 21).
+write("mask", "regression_documents_sum_overflow.txt", "documents:9223372036854775807,1\n1024")
 
 # ---- options: the arguments after `ctxpar attention`, one a line ---------------------------
 argvs = [

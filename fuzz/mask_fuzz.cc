@@ -56,9 +56,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (int64_t l : lengths)
     if (l < 1) fuzz::fail("mask_fuzz", "a document length < 1 was accepted", text);
 
-  std::string a0 = "attention", a1 = "--mask", a3 = "--seq", a5 = "--ranks", a6 = "2";
-  std::vector<char*> argv = {a0.data(), a1.data(), text.data(), a3.data(), seq.data(),
-                             a5.data(), a6.data(), nullptr};
+  // The arguments after `ctxpar attention` (Options::parse takes no command name).
+  std::string a1 = "--mask", a3 = "--seq", a5 = "--ranks", a6 = "2";
+  std::vector<char*> argv = {a1.data(), text.data(), a3.data(), seq.data(), a5.data(), a6.data(),
+                             nullptr};
   try {
     Options o = attention_options();
     if (!o.parse(static_cast<int>(argv.size()) - 1, argv.data())) return 0;

@@ -21,16 +21,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace ctxpar::cli;
   const std::string input(reinterpret_cast<const char*>(data), size);
   if (input.find('\0') != std::string::npos) return 0;
-  std::vector<std::string> args = {"attention"};
+  std::vector<std::string> args;  // after `ctxpar attention` (Options::parse takes no command)
   size_t start = 0;
-  while (start <= input.size() && args.size() <= 32) {
+  while (start <= input.size() && args.size() < 32) {
     size_t nl = input.find('\n', start);
     std::string a = input.substr(start, nl == std::string::npos ? std::string::npos : nl - start);
-    if (a.find('/') == std::string::npos && a != "--help") args.push_back(a);
+    if (a.find('/') == std::string::npos && a != "--help" && a != "-h") args.push_back(a);
     if (nl == std::string::npos) break;
     start = nl + 1;
   }
-  for (size_t i = 1; i < args.size(); ++i) {
+  for (size_t i = 0; i < args.size(); ++i) {
     int64_t v = 0;
     const bool ok = parse_whole_number(args[i], v);
     bool in = false;

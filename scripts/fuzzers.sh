@@ -10,9 +10,10 @@
 #
 # Targets: npy (parse_npy, read_npy), npy_rows (read_npy_rows), safetensors (read_safetensors),
 # mask (--mask and documents:len,...), options (the command-line parser). Each reads
-# fuzz/corpus/<target>/ (committed, never written) and BUILD/corpus-<target>/ (new inputs).
+# fuzz/corpus/<target>/ (committed seeds, never written), fuzz/regressions/<target>/ (inputs
+# that crashed it once: replayed every run) and BUILD/corpus-<target>/ (new inputs).
 # A crash leaves BUILD/crash-<target>-<hash> and makes this script exit 1 after every target
-# ran. Reproduce one with: BUILD/<target>_fuzz BUILD/crash-<target>-<hash>
+# ran. Reproduce one with: BUILD/fuzz/<target>_fuzz BUILD/crash-<target>-<hash>
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="$root/build-fuzzers"
@@ -72,7 +73,9 @@ for t in "${targets[@]}"; do
     args+=(-max_total_time="$seconds")
   fi
   echo "fuzzers.sh: $t"
-  if ! "$build/${t}_fuzz" "${args[@]}" "${extra[@]}" "$build/corpus-$t" "$root/fuzz/corpus/$t" \
+  dirs=("$build/corpus-$t" "$root/fuzz/corpus/$t")
+  [ -d "$root/fuzz/regressions/$t" ] && dirs+=("$root/fuzz/regressions/$t")
+  if ! "$build/fuzz/${t}_fuzz" "${args[@]}" "${extra[@]}" "${dirs[@]}" \
        > "$build/$t.log" 2>&1; then
     echo "fuzzers.sh: $t FAILED; the report (from $build/$t.log):" >&2
     grep -E "ERROR|SUMMARY|runtime error|_fuzz: |Test unit written|deadly signal|uncaught" "$build/$t.log" | head -20 >&2
