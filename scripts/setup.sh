@@ -6,14 +6,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pkgs=(
-  build-essential cmake ninja-build pkg-config
+  build-essential cmake ninja-build pkg-config ccache
   libgtest-dev libgmock-dev
   libhwy-dev libopenblas-dev
   libopenmpi-dev openmpi-bin
   nlohmann-json3-dev
   python3-numpy python3-matplotlib python3-torch
   python3-dev python3-venv python3-mpi4py
-  clang libclang-rt-14-dev
+  clang libclang-rt-14-dev libomp-14-dev
 )
 missing=()
 for p in "${pkgs[@]}"; do

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The sanitizer stage of CI (.ci/run calls it after the normal suite; docs/sanitizers.md):
+#
+#   1. ASan + UBSan: GCC builds the library, the command and the tests into ./build-asan
+#      (-O1 -g -fsanitize=address,undefined, any UB or leak ends the test) and runs the
+#      strategy, comm, device, kernel (one SIMD target), io, cli and MPI CTest entries.
+#   2. The libFuzzer targets (scripts/fuzzers.sh: safetensors, mask, npy, npy_rows, options),
+#      each a bounded run over its committed corpus fuzz/corpus/<target>/.
+#
+#   scripts/sanitize.sh                 # both stages (what CI runs)
+#   scripts/sanitize.sh --only asan     # or --only fuzz
+#   scripts/sanitize.sh -- -R '^io$'    # ctest arguments after -- (replace the entry list)
+#
+# Exits non-zero when a test fails or a fuzz target crashes; both stages always run, so one
+# log shows every finding. ccache makes a second build cost seconds (CCACHE_* as in
+# scripts/build.sh).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+only=""
+ctest_args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --only) only="$2"; shift 2 ;;
+    --) shift; ctest_args=("$@"); break ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    *) echo "sanitize.sh: unknown argument '$1' (--only asan|fuzz, -- CTEST-ARGS)" >&2; exit 2 ;;
+  esac
+done
+case "$only" in ""|asan|fuzz) ;; *) echo "sanitize.sh: --only takes asan or fuzz, not '$only'" >&2; exit 2 ;; esac
+
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+rc=0
+
+asan_stage() {
+  local build="$root/build-asan" launcher=()
+  command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  local cxx; cxx="$(command -v g++-12 || command -v g++)"
+  # CMAKE_BUILD_TYPE=None: exactly these flags (no -O3, asserts on). HWY_COMPILE_ONLY_STATIC:
+  # the kernel is compiled for one SIMD target (the baseline's, SSE4 under x86-64-v2), not
+  # five: a third of the build time, and kernel_best then runs that target.
+  local flags="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined"
+  flags+=" -fno-sanitize-recover=undefined -DHWY_COMPILE_ONLY_STATIC=1"
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER="$cxx" "${launcher[@]}" \
+    -DCMAKE_BUILD_TYPE=None -DCMAKE_CXX_FLAGS="$flags" \
+    -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" \
+    -DCTXPAR_DEV=OFF -DCTXPAR_FUZZ=OFF >/dev/null
+  local targets=(ctxpar_cli test_strategy test_strategy_mpi test_comm test_comm_mpi test_device
+                 test_kernel test_io test_cli test_cli_io test_mpi)
+  cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
+
+  # Leaks: OpenMPI keeps its own allocations to exit (scripts/lsan.supp says which); its
+  # reports need full stacks to match, hence fast_unwind_on_malloc=0.
+  export ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:abort_on_error=0:fast_unwind_on_malloc=0:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1"
+  export LSAN_OPTIONS="suppressions=$root/scripts/lsan.supp:print_suppressions=0"
+  export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
+  # Not under ASan: tests that cap the address space (ulimit -v / RLIMIT_AS). ASan reserves
+  # terabytes of shadow memory, so any cap that binds an ordinary process kills its start.
+  # Issue 21: these become an env override (CTXPAR_MEMORY_LIMIT_BYTES); re-include them then
+  # by dropping their names here.
+  export GTEST_FILTER="-PlanLimits.LocalHardwareWithThousandsOfRanksAnswersInSeconds:ThreadLimits.RefusedThreadEndsTheCommandWithAnError:ThreadsLimits.RefusedThreadIsAnErrorAndStopsTheStartedRanks"
+  if [ ${#ctest_args[@]} -eq 0 ]; then
+    # kernel_best: the one SIMD target built. Not run: mpi_net_overlap and mpi_net_plan
+    # (overlap timings over a shaped link; ASan's 2-5x slowdown is what they would measure).
+    ctest_args=(-R '^(strategy|strategy_mpi_[0-9]+|comm|comm_mpi_.*|device|kernel_best|io|cli|cli_io|cli_mpi|mpi_(n|thread_n|fault_n|cli_n)[0-9]+|mpi_plan_local_cp_mismatch)$')
+  fi
+  (cd "$build" && ctest --output-on-failure --timeout 1200 "${ctest_args[@]}") || rc=1
+}
+
+fuzz_stage() {
+  bash "$root/scripts/fuzzers.sh" --runs || rc=1
+}
+
+[ "$only" != fuzz ] && asan_stage
+[ "$only" != asan ] && fuzz_stage
+exit $rc
