@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "ctxpar/comm.h"
+#include "sanitizers.h"
 
 namespace ctxpar {
 namespace {
@@ -306,6 +307,7 @@ long long vm_size_bytes() {
 // the limit and any abort stay there: exit 0 = the Error came with the expected message;
 // 3 = wrong message; 4 = no error at all; a signal = the abort this test guards against.
 TEST(ThreadsLimits, RefusedThreadIsAnErrorAndStopsTheStartedRanks) {
+  CTXPAR_SKIP_UNDER_SANITIZER();
   if (vm_size_bytes() <= 0) GTEST_SKIP() << "no /proc/self/status VmSize";
   const pid_t child = fork();
   ASSERT_GE(child, 0);
