@@ -99,8 +99,8 @@ double LinkSpec::seconds(double bytes) const {
 
 ModelSpec model_preset(const std::string& name) {
   auto it = models().find(name);
-  CTXPAR_CHECK(it != models().end(), "--model: unknown preset '", name,
-               "'; valid: ", names_of(models()), " (or give --layers --hidden --heads ...)");
+  CTXPAR_CHECK(it != models().end(), "model: unknown preset '", name, "'; valid: ",
+               names_of(models()));
   return it->second;
 }
 
@@ -112,9 +112,8 @@ std::vector<std::string> model_preset_names() {
 
 HardwareSpec hardware_preset(const std::string& name) {
   auto it = hardware().find(name);
-  CTXPAR_CHECK(it != hardware().end(), "--hardware: unknown preset '", name,
-               "'; valid: ", names_of(hardware(), "local"),
-               " (or give --flops --mem-gb --link-gbps --latency-us)");
+  CTXPAR_CHECK(it != hardware().end(), "hardware: unknown preset '", name,
+               "'; valid: ", names_of(hardware(), "local"));
   return it->second;
 }
 
@@ -126,9 +125,10 @@ std::vector<std::string> hardware_preset_names() {
 }
 
 int64_t video_tokens(double hours, double fps, int64_t tokens_per_frame) {
-  CTXPAR_CHECK(hours > 0, "--video-hours must be > 0, got ", hours);
-  CTXPAR_CHECK(fps > 0, "--fps must be > 0, got ", fps);
-  CTXPAR_CHECK(tokens_per_frame > 0, "--tokens-per-frame must be > 0, got ", tokens_per_frame);
+  CTXPAR_CHECK(hours > 0, "video_tokens: hours must be > 0, got ", hours);
+  CTXPAR_CHECK(fps > 0, "video_tokens: fps must be > 0, got ", fps);
+  CTXPAR_CHECK(tokens_per_frame > 0, "video_tokens: tokens_per_frame must be > 0, got ",
+               tokens_per_frame);
   double frames = hours * 3600.0 * fps;
   return static_cast<int64_t>(frames + 0.5) * tokens_per_frame;
 }

@@ -249,7 +249,7 @@ std::unique_ptr<Strategy> make_ring(Communicator& comm, const StrategyOptions& o
 namespace ctxpar {
 
 std::vector<int64_t> ring_last_hop_cuts(int64_t key_rows) {
-  constexpr int64_t kPieceRows = 64;  // a multiple of the kernel's key tile
+  constexpr int64_t kPieceRows = kKernelTile;  // whole kernel key tiles
   constexpr int64_t kMaxPieces = 8;
   // Each piece is one more kernel call, which packs the query rows again: 8 pieces of 512 rows
   // made the backward ~4 % slower at P = 2 (threads transport, no link), so a piece has at

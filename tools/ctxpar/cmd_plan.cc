@@ -46,7 +46,13 @@ std::pair<double, double> pair_of(const Options& o, const std::string& name, dou
 
 ModelSpec model_from(const Options& o) {
   ModelSpec m;
-  if (o.given("model") || !o.given("layers")) m = model_preset(o.str("model"));
+  if (o.given("model") || !o.given("layers")) {
+    try {
+      m = model_preset(o.str("model"));
+    } catch (const Error& e) {  // the library names no flag: say the command's
+      throw Error(std::string("--") + e.what() + " (or give --layers --hidden --heads ...)");
+    }
+  }
   auto set = [&](const char* name, int64_t& field) {
     if (o.given(name)) {
       field = o.i64(name, 1, kMaxModelSize);
@@ -101,7 +107,12 @@ HardwareSpec hardware_from(const Options& o, const PlanInput& in) {
     }
     h = local_hardware(measure_local(lo), in.cp);
   } else if (o.given("hardware") || !o.given("flops")) {
-    h = hardware_preset(name);
+    try {
+      h = hardware_preset(name);
+    } catch (const Error& e) {
+      throw Error(std::string("--") + e.what() +
+                  " (or give --flops --mem-gb --link-gbps --latency-us)");
+    }
   } else {
     h.name = "custom";
   }
@@ -200,7 +211,7 @@ int cmd_plan(int argc, char** argv) {
   in.tile = o.i32("tile", 0, 1 << 16);
   const bool auto_cp = o.str("cp") == "auto";
   in.cp = auto_cp ? 1 : o.i32("cp", 1, kMaxPlanCp, kPlanCpNote);
-  if (o.str("hardware") == "local" && !o.given("tile")) in.tile = 64;  // our kernel's tile
+  if (o.str("hardware") == "local" && !o.given("tile")) in.tile = static_cast<int>(kKernelTile);
   const bool local = o.str("hardware") == "local";
   if (auto_cp) {
     if (local) throw UsageError("--hardware local needs an explicit --cp (the ranks share this machine)");
@@ -208,7 +219,6 @@ int cmd_plan(int argc, char** argv) {
     Plan probe = make_plan(in, false);
     const int fit = in.recompute == Recompute::full ? probe.cp_to_fit_recompute : probe.cp_to_fit;
     in.cp = fit > 0 ? fit : 8;
-    while (in.layout == LayoutKind::zigzag && in.seq % (2 * in.cp) != 0 && in.cp > 1) in.cp /= 2;
     if (in.cp > kMaxPlanCp)
       throw Error(detail::concat(
           "--seq ", in.seq, " needs cp ", in.cp, " to fit in memory (with full recompute: ",
