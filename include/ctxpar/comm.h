@@ -19,7 +19,10 @@
 
 namespace ctxpar {
 
-// A movable, 64-byte-aligned byte buffer: the unit of point-to-point transfer.
+// A movable, 64-byte-aligned byte buffer: the unit of point-to-point transfer. Its memory is
+// reference-counted: share() makes a second handle to the same bytes, and the memory is freed
+// when the last handle goes (a sender that lends its buffer keeps one, so that a receiver
+// unwinding from a failure cannot free it while the sender still reads it).
 class Buffer {
  public:
   Buffer() = default;
@@ -39,12 +42,19 @@ class Buffer {
   template <typename T>
   T* as() const { return reinterpret_cast<T*>(data_.get()); }
   bool empty() const { return size_ == 0; }
+  // Another handle to the same memory (no copy); writes through one are seen through the other.
+  Buffer share() const {
+    Buffer b;
+    b.data_ = data_;
+    b.size_ = size_;
+    return b;
+  }
 
  private:
   struct Free {
     void operator()(std::byte* p) const;
   };
-  std::unique_ptr<std::byte, Free> data_;
+  std::shared_ptr<std::byte> data_;
   size_t size_ = 0;
 };
 
@@ -97,8 +107,8 @@ class Communicator {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual std::string transport() const = 0;  // "threads" | "mpi"
-  // True when isend hands the Buffer's memory itself to the receiver (threads transport): the
-  // sender may then read it only as long as the receiver keeps it.
+  // True when isend hands the Buffer's memory itself to the receiver (threads transport): a
+  // sender that goes on reading it must keep a handle of its own (Buffer::share()).
   virtual bool shares_send_buffers() const { return false; }
 
   // Non-blocking point-to-point. `tag` should identify the step so a timeout can name it.

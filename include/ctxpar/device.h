@@ -135,7 +135,8 @@ class Device {
 
   // ---- transfers (point-to-point messages of `comm`, enqueued like operations) ----------
   // Sends `buffer` to `peer` once the earlier operations of `s` are done; `buffer` stays
-  // readable by the sender (keep the handle until its readers are done).
+  // readable by the sender (keep the handle until its readers are done), whatever the
+  // receiver does with its copy meanwhile (frees it, or unwinds from a failed peer).
   virtual void send(Stream s, Communicator& comm, DeviceBuffer& buffer, int peer, int tag) = 0;
   // A buffer of `bytes` that the message from `peer` fills; read it after a wait on `s`.
   virtual DeviceBuffer recv(Stream s, Communicator& comm, size_t bytes, int peer, int tag) = 0;
@@ -150,7 +151,7 @@ class Device {
                         const DeviceBuffer& recv, size_t chunk_bytes, int tag) = 0;
   virtual void barrier(Stream s, Communicator& comm) = 0;
   // True when a sent buffer's memory itself goes to the receiver (threads transport on the
-  // cpu device): then the last holder may free it while an earlier holder still reads it.
+  // cpu device): sender and receiver then share it (reference-counted, freed by the last).
   virtual bool lends_sent_buffers(const Communicator& comm) const = 0;
 
   // ---- kernel operations (see kernel.h for shapes) --------------------------------------

@@ -9,6 +9,7 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace ctxpar {
 
@@ -74,8 +75,12 @@ struct Mask {
 };
 
 // Parses "none", "causal", "window:L,R", "causal+window:L,R", "documents",
-// "causal+documents" ... (rules joined by '+'). Throws ctxpar::Error naming the bad part.
+// "causal+documents:300,724" ... (rules joined by '+', each at most once; no spaces; numbers
+// whole and within int64). Throws ctxpar::Error naming the bad part and the grammar.
 Mask parse_mask(const std::string& text);
+// The lengths of the "documents:LEN,LEN,..." rule of `text` (empty when its documents rule has
+// none, or it has no documents rule); checked as parse_mask checks the whole text.
+std::vector<int64_t> parse_document_lengths(const std::string& text);
 
 // The global identity of a block's tokens: a position per token (int64) and, when documents are
 // used, a document id per token. Both have T entries (shared by every batch row). Positions

@@ -20,7 +20,7 @@ Buffer Buffer::uninitialized(size_t bytes) {
   const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
   void* p = std::aligned_alloc(kAlignment, rounded);
   CTXPAR_CHECK(p != nullptr, "Buffer: could not allocate ", bytes, " bytes");
-  b.data_.reset(static_cast<std::byte*>(p));
+  b.data_.reset(static_cast<std::byte*>(p), Free{});  // frees p itself if this throws
   b.size_ = bytes;
   return b;
 }

@@ -5,13 +5,16 @@
 // it. The collectives themselves are the shared ones over point-to-point
 // (point_to_point.cc): same algorithms, same summation order as the threads transport, so
 // both give bitwise identical answers. Waits poll MPI_Test against the communicator's
-// timeout; meanwhile the kernel's tile hook or a progress thread (mpi_progress.cc, Note [MPI
-// progress]) keeps pending transfers moving while the rank computes, and every MPI call holds mpi_mutex(). Errors:
+// timeout; meanwhile progress calls keep pending transfers moving while the rank computes,
+// made by the CPU kernel between its tiles (the default) or by a progress thread
+// (mpi_progress.cc, Note [MPI progress]), and every MPI call holds mpi_mutex(). Errors:
 // MPI_ERRORS_RETURN on every communicator, each code checked and turned into ctxpar::Error;
 // run_mpi turns any exception into a message and MPI_Abort, so no rank waits forever for a
 // dead one. See docs/comm.md.
 #include <mpi.h>
 
+#include <cerrno>
+#include <cmath>
 #include <climits>
 #include <condition_variable>
 #include <mutex>
@@ -21,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/mpi_env.h"
 #include "comm/mpi_progress.h"
 #include "comm/point_to_point.h"
 
@@ -96,7 +100,7 @@ class Backoff {
 struct DetachedSend {
   MPI_Request request;
   Buffer buffer;
-  Pending pending;  // the progress thread keeps moving it
+  Pending pending;  // pending: the progress calls (tile hook or thread) keep moving it
 };
 std::vector<DetachedSend>& detached_sends() {
   // Never destroyed: finalize_at_exit (an atexit handler) reads it after static destructors
@@ -360,13 +364,27 @@ MpiCommunicator* g_world = nullptr;
 // MPMD line whose other program is not an MPI one, a crash before main) leaves it waiting
 // forever, and OpenMPI 4.1 has no setting that bounds that wait (pmix_base_exchange_timeout
 // does not; mpirun --timeout bounds the whole job). So MPI_Init runs under a watchdog.
-void init_mpi_with_watchdog() {
+double init_timeout_from_env() {
   double limit = 120;
   if (const char* env = std::getenv("CTXPAR_MPI_INIT_TIMEOUT")) {
+    // A bad value is refused (exit 2), not replaced by the default or waited on forever:
+    // "inf", 9e9 (beyond what a timed wait can hold), "abc", 0 or a negative number.
+    constexpr double kMaxInitTimeout = 7 * 24 * 3600;
     char* end = nullptr;
+    errno = 0;
     const double v = std::strtod(env, &end);
-    if (end != env && *end == '\0' && v > 0) limit = v;
+    CTXPAR_CHECK(*env != '\0' && end != env && *end == '\0' && errno != ERANGE &&
+                     std::isfinite(v) && v > 0 && v <= kMaxInitTimeout,
+                 "CTXPAR_MPI_INIT_TIMEOUT must be the seconds MPI_Init may wait for the other "
+                 "processes of the job, a number in (0, ", kMaxInitTimeout, "] (default 120), "
+                 "got '", env, "'");
+    limit = v;
   }
+  return limit;
+}
+
+void init_mpi_with_watchdog() {
+  const double limit = init_timeout_from_env();
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
@@ -383,9 +401,9 @@ void init_mpi_with_watchdog() {
     std::_Exit(1);
   });
   int provided = 0;
-  // MULTIPLE: the progress thread calls MPI too (one call at a time with the rank's, under
-  // mpi_mutex(); Note [MPI progress]). An MPI that gives less still works, without the
-  // thread.
+  // MULTIPLE: the progress calls come from other threads than the rank's (the kernel's
+  // threads between tiles, or the progress thread), one call at a time with the rank's, under
+  // mpi_mutex(); Note [MPI progress]. An MPI that gives less still works, with progress off.
   const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
   {
     std::lock_guard lock(mu);
@@ -426,7 +444,7 @@ Communicator& mpi_world() {
     init_mpi_with_watchdog();
     std::atexit(finalize_at_exit);
   }
-  MpiLock lock(mpi_mutex());  // a communicator of mpi_wrap may have started the progress thread
+  MpiLock lock(mpi_mutex());  // an mpi_wrap communicator may have started progress
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   MPI_Comm dup = MPI_COMM_NULL;
   mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &dup), "MPI_Comm_dup");
@@ -463,6 +481,11 @@ void run_mpi(const std::function<void(Communicator&)>& fn) {
   std::fflush(stderr);
   abort_mpi_job(1);
   std::exit(1);
+}
+
+void check_mpi_environment() {
+  comm_detail::init_timeout_from_env();
+  comm_detail::progress_settings_from_env();
 }
 
 void abort_mpi_job(int code) {

@@ -6,7 +6,7 @@
 // few 128 KB fragments at a time, each next batch only when a progress call notices the last
 // one has left. Progress calls happen inside MPI_Test / MPI_Wait / MPI_Iprobe, which a rank
 // computing a block does not make, so without help the whole transfer waits for the wait
-// after the compute (issue 15: 1.3-1.6 s exposed of a 1.34 s transfer, over a 400 Mbit/s link).
+// after the compute (measured: docs/comm.md, "Progress").
 //
 // Two ways out, both built (CTXPAR_MPI_PROGRESS picks; docs/comm.md, "Progress"):
 //
@@ -27,10 +27,10 @@
 //   times (tens of us at D = 64..128) as well as the interval. Both ends of a transfer need
 //   progress calls (the receiver answers the rendezvous and drains the fragments): with tiles,
 //   a receiver that does not run the kernel moves the transfer only in its own tests and
-//   waits. `both` runs the two. Measured with the ranks' compute filling the cores (2 ranks
-//   on 2 cores), the thread's wake-ups cost 13-17 % of the forward's kernel time and 27-30 % of
-//   the backward's, the tile hook 1-3 %, and both hid a shaped TCP link's transfers equally:
-//   tiles is the default (docs/comm.md, "Progress").
+//   waits. `both` runs the two. Measured with the ranks' compute filling the cores, the
+//   thread's wake-ups cost the ranks' kernels many times what the tile hook costs, and both hid
+//   a shaped TCP link's transfers equally: tiles is the default (the figures: docs/comm.md,
+//   "Progress").
 // * Neither ever tests the rank's requests: completing one there would take the status the
 //   receive needs for its size check. They probe a private duplicate of MPI_COMM_SELF on
 //   which nothing is ever sent, so the probe never matches; its only effect is the progress

@@ -25,15 +25,15 @@
 namespace ctxpar::comm_detail {
 
 // Every MPI call of this transport holds this lock (recursive: an error path inside a locked
-// call asks MPI for the rank and the error text), so the progress thread and the rank's
-// thread never enter MPI together.
+// call asks MPI for the rank and the error text), so no two of the rank's thread, the kernel's
+// threads in the tile hook and the progress thread enter MPI together.
 std::recursive_mutex& mpi_mutex();
 using MpiLock = std::lock_guard<std::recursive_mutex>;
 
 struct ProgressSettings {
   // CTXPAR_MPI_PROGRESS: tiles (the default) | thread | both | off. Tiles by default: with
-  // every core computing, the thread's wake-ups every interval cost the ranks 13 % of their
-  // forward compute and 27 % of their backward, the tile hook 1-3 % (docs/comm.md).
+  // every core computing, the thread's wake-ups every interval preempt the ranks and cost them
+  // compute, the tile hook almost none (the figures: docs/comm.md, "Progress").
   bool thread = false;  // a progress thread pokes MPI every `interval`
   bool tiles = true;    // the CPU kernel pokes MPI between tiles, at most every `interval`
   std::chrono::microseconds interval{100};  // CTXPAR_MPI_PROGRESS_US (1 .. 100000)

@@ -1,6 +1,7 @@
 #include "ctxpar/tensor.h"
 
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 
 namespace ctxpar {
@@ -39,9 +40,30 @@ std::string shape_str(const Shape& s) {
   return out + "]";
 }
 
+namespace {
+// Refuses a shape whose element count or byte count does not fit in int64 (B*T*H*D = 2^64 made
+// numel() 0: a 64-byte tensor that fill_normal wrote T*H*D elements into). With a zero
+// dimension the count is 0, but the product of the other dimensions is still a stride (and a
+// byte offset), so it is bounded the same way: shape [0, 2^32, 2^32] is refused too.
+void check_shape_fits(DType dtype, const Shape& shape) {
+  int64_t n = 1;
+  bool fits = true;
+  for (int64_t s : shape) {
+    CTXPAR_CHECK(s >= 0, "negative dimension in shape ", shape_str(shape));
+    if (s != 0) fits = fits && !__builtin_mul_overflow(n, s, &n);
+  }
+  fits = fits && !__builtin_mul_overflow(n, int64_t(dtype_size(dtype)), &n);
+  CTXPAR_CHECK(fits, "tensor shape ", shape_str(shape), " (", dtype_name(dtype),
+               "): its element or byte count overflows int64 (the product of its non-zero "
+               "dimensions must be at most ", INT64_MAX / int64_t(dtype_size(dtype)),
+               " elements); use smaller dimensions");
+}
+}  // namespace
+
 TensorView::TensorView(void* data, DType dtype, const Shape& shape)
     : data_(data), dtype_(dtype), ndim_(static_cast<int>(shape.size())) {
   CTXPAR_CHECK(ndim_ <= kMaxDims, "tensor rank ", ndim_, " exceeds ", kMaxDims);
+  check_shape_fits(dtype, shape);
   int64_t stride = 1;
   for (int i = ndim_ - 1; i >= 0; --i) {
     shape_[i] = shape[i];
@@ -111,7 +133,7 @@ void Tensor::Free::operator()(std::byte* p) const { std::free(p); }
 
 Tensor::Tensor(DType dtype, const Shape& shape) : dtype_(dtype), shape_(shape) {
   CTXPAR_CHECK(shape.size() <= kMaxDims, "tensor rank ", shape.size(), " exceeds ", kMaxDims);
-  for (int64_t s : shape) CTXPAR_CHECK(s >= 0, "negative dimension in shape ", shape_str(shape));
+  check_shape_fits(dtype, shape);
   size_t n = bytes();
   size_t alloc = (n + 63) / 64 * 64;
   if (alloc == 0) alloc = 64;

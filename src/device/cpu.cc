@@ -3,7 +3,10 @@
 // and completed when something waits for it (an event of the comm stream, or the host reading
 // the received buffer): the host blocks there, as the strategies did before devices existed,
 // and a transfer posted before a compute overlaps it. Sends lend their memory to the transport
-// (the threads transport hands it to the receiver: no copy). An all-to-all is P-1 such sends
+// (the threads transport hands it to the receiver: no copy); the sender keeps a handle of its
+// own (Buffer::share), so the memory goes only when both the sender's DeviceBuffer and the
+// receiver's are gone, whichever order they go in (a receiver unwinding from a failed peer
+// freed it under a sender still computing on it: issue 21). An all-to-all is P-1 such sends
 // and receives (its chunks land in place at the wait), so it overlaps compute too.
 #include <algorithm>
 #include <cstring>
@@ -20,10 +23,11 @@ class CpuDevice;
 
 struct CpuStorage final : DeviceBuffer::Storage {
   CpuDevice* device = nullptr;
-  Buffer buffer;            // owned memory (empty while a receive fills it, or once lent)
+  Buffer buffer;            // its memory (empty while a receive fills it); shared once lent
   std::byte* ptr = nullptr;
   Request transfer;         // a pending receive into this buffer, or the send it was lent to
   bool receiving = false;
+  bool lent = false;        // lent to a send already: a later send sends a copy
   std::byte* data() override;
 };
 
@@ -59,9 +63,10 @@ class CpuDevice final : public Device {
     auto* s = static_cast<CpuStorage*>(buffer.storage());
     s->data();  // a buffer still being received is complete before it is sent on
     Buffer out;
-    if (!s->transfer.valid() && !s->buffer.empty()) {
-      out = std::move(s->buffer);  // lent: s->ptr stays valid while s->transfer holds it
-    } else {                        // already lent to an earlier send: send a copy
+    if (!s->lent && !s->buffer.empty()) {
+      out = s->buffer.share();  // lent: s->buffer keeps the memory alive for s->ptr
+      s->lent = true;
+    } else {                    // already lent to an earlier send: send a copy
       out = Buffer::uninitialized(s->size);
       std::memcpy(out.data(), s->ptr, s->size);
     }
@@ -177,10 +182,10 @@ class CpuDevice final : public Device {
       s->ptr = s->buffer.data();
       s->receiving = false;
     } else {
-      s->transfer.wait();  // a lent send: the request keeps the memory until s goes
+      s->transfer.wait();  // a lent send (s->buffer holds the memory either way)
     }
     counters_.wait_seconds += now_seconds() - t0;
-    if (s->receiving == false && s->buffer.data() == s->ptr) s->transfer = Request();
+    s->transfer = Request();
   }
 
  protected:

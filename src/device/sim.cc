@@ -73,7 +73,7 @@ struct Op {
 
 // Something freed or released on the host, let go once every stream passed `after`.
 struct Deferred {
-  uint64_t after[kStreams];
+  uint64_t after[kStreams] = {};  // set by defer(); zero, not indeterminate, when moved there
   std::byte* freed = nullptr;        // a buffer to fill with NaN and quarantine
   std::shared_ptr<void> keep_alive;  // or host memory queued operations use
 };

@@ -264,15 +264,25 @@ NpyHeader parse_npy_header(std::span<const uint8_t> head, uint64_t file_size,
   if (h.shape.size() > static_cast<size_t>(kMaxDims))
     fail(name, "shape " + shape_str(h.shape) + " has " + std::to_string(h.shape.size()) +
                    " dimensions; at most " + std::to_string(kMaxDims) + " are supported");
-  // numel * size, checked before each multiplication so it cannot overflow.
+  // numel * size, checked before each multiplication so it cannot overflow. A zero dimension
+  // makes it 0 but leaves the others as strides and loop counts: the product of the non-zero
+  // dimensions is bounded the same way ((0, 2^32, 2^32) overflowed later products; (2^40, 0)
+  // walked 2^40 empty rows).
   constexpr uint64_t kMaxBytes = uint64_t(1) << 62;
   uint64_t bytes = type_size(h.type);
+  bool zero = false;
   for (int64_t d : h.shape) {
     const auto ud = static_cast<uint64_t>(d);
-    if (ud > 0 && bytes > kMaxBytes / ud)
-      fail(name, "shape " + shape_str(h.shape) + " is absurd (more than 2^62 bytes)");
+    if (ud == 0) {
+      zero = true;
+      continue;
+    }
+    if (bytes > kMaxBytes / ud)
+      fail(name, "shape " + shape_str(h.shape) +
+                     " is absurd (more than 2^62 bytes, counting its non-zero dimensions)");
     bytes *= ud;
   }
+  if (zero) bytes = 0;
   h.data_offset = end;
   h.data_bytes = bytes;
   const uint64_t have = file_size - end;
@@ -470,6 +480,7 @@ Tensor read_npy_rows(const std::string& path, int token_dim, std::span<const int
   Shape out_shape = shape;
   out_shape[token_dim] = static_cast<int64_t>(tokens.size());
   Tensor t(tensor_dtype(f.header.type, float_dtype), out_shape);
+  if (t.numel() == 0) return t;  // nothing to read (a loop over `outer` empty rows otherwise)
   const uint64_t es = type_size(f.header.type);
   const auto n = static_cast<int64_t>(tokens.size());
   for (int64_t o = 0; o < outer; ++o)

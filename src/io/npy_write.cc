@@ -1,6 +1,8 @@
 // .npy writer (format: see npy.cc) and the atomic file writes every output of ctxpar goes
-// through: a temporary beside the target (mkstemp, never through a planted link), fsync,
-// rename over the target, fsync of the folder: a crash leaves the old file or the new one.
+// through: a temporary beside the target (mkstemp, never through a planted link), fsync of
+// the file, rename over the target: a reader sees the old file or the whole new one, never a
+// part. The folder is not fsynced, so after a power loss the rename itself may be undone (the
+// old file back, the temporary left beside it).
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -13,6 +15,7 @@
 
 #include "ctxpar/npy.h"
 #include "io/npy_format.h"
+#include "io/output_file.h"
 
 namespace ctxpar {
 
@@ -94,9 +97,8 @@ void write_file_atomic(const std::string& path, std::span<const uint8_t> bytes) 
 }
 
 void write_file_atomic(const std::string& path, std::span<const std::span<const uint8_t>> pieces) {
-  // The temporary lives in the same directory so that rename() is atomic (same filesystem).
-  std::string tmpl = path + ".tmp.XXXXXX";
-  int fd = mkstemp(tmpl.data());
+  std::string tmpl;
+  const int fd = open_temp_beside(path, &tmpl);
   if (fd < 0) fail(path, std::string("cannot create a temporary file beside it: ") + std::strerror(errno));
   auto give_up = [&](const char* what) {
     const int err = errno;
@@ -113,10 +115,7 @@ void write_file_atomic(const std::string& path, std::span<const std::span<const 
       off += static_cast<size_t>(n);
     }
   }
-  // mkstemp makes 0600; a result file should be as readable as any other the user creates.
-  const mode_t mask = umask(0);
-  umask(mask);
-  fchmod(fd, 0666 & ~mask);
+  match_umask(fd);  // a result file is as readable as any other the user creates
   if (fsync(fd) != 0) give_up("fsync failed");
   if (close(fd) != 0) {
     unlink(tmpl.c_str());

@@ -54,8 +54,8 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
   float* m_state = state.m().ptr<float>();
   float* l_state = state.l().ptr<float>();
   // Note [Two query tiles a task]: a task takes kSub = 2 consecutive 64-row query tiles, so
-  // every K / V tile it brings into L1 serves 128 query rows instead of 64 (measured: 3 to 6%
-  // more forward throughput on Sapphire Rapids; dev/04_phases.cc). Which (query tile, key tile)
+  // every K / V tile it brings into L1 serves 128 query rows instead of 64 (faster forward;
+  // the measurement: docs/kernel.md, "Forward tasks"). Which (query tile, key tile)
   // pairs are computed is exactly as with one tile a task: per key tile each query tile is
   // classified on its own, and the rows of a skipped one are left out of the products (with two
   // tiles the computed ones are always adjacent). A row's result never depends on its

@@ -34,11 +34,10 @@ struct Rng {  // splitmix64: small, portable, reproducible everywhere
   uint32_t below(uint32_t n) { return static_cast<uint32_t>(next() % n); }
 };
 
-// Reads a regular file whole, exactly the size it had when opened. Anything else is refused
-// before a byte is read: /dev/zero would grow without bound, a FIFO would block (hence
-// O_NONBLOCK on the open), a folder has no bytes. The file's size is in the memory estimate
-// (estimate_train_memory), so a file too large for this machine is refused there.
-void read_data_file(const std::string& path, std::vector<uint8_t>& bytes) {
+// Opens a regular file for reading its sequences as the steps need them. Anything else is
+// refused before a byte is read: /dev/zero would grow without bound, a FIFO would block (hence
+// O_NONBLOCK on the open), a folder has no bytes.
+int open_data_file(const std::string& path, int64_t* size) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   CTXPAR_CHECK(fd >= 0, "train: cannot open --data ", path, ": ", std::strerror(errno));
   struct stat st = {};
@@ -46,19 +45,8 @@ void read_data_file(const std::string& path, std::vector<uint8_t>& bytes) {
   if (!regular) ::close(fd);
   CTXPAR_CHECK(regular, "train: --data ", path, " is not a regular file (a device, FIFO or "
                "folder); --data reads a file's bytes, so save the stream to a file first");
-  bytes.resize(size_t(st.st_size));
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::read(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    const int err = errno;
-    if (n <= 0) ::close(fd);
-    CTXPAR_CHECK(n >= 0, "train: reading --data ", path, " failed: ", std::strerror(err));
-    CTXPAR_CHECK(n > 0, "train: --data ", path, " shrank while being read (", done, " of ",
-                 bytes.size(), " bytes); is another process writing it?");
-    done += size_t(n);
-  }
-  ::close(fd);
+  *size = int64_t(st.st_size);
+  return fd;
 }
 }  // namespace
 
@@ -67,9 +55,11 @@ DataSource::DataSource(const TrainConfig& config) : config_(config) {
   CTXPAR_CHECK(t >= 8, "train: --seq must be >= 8, got ", t);
   CTXPAR_CHECK(config.batch >= 1, "train: --batch must be >= 1, got ", config.batch);
   if (!config.data_path.empty()) {
-    read_data_file(config.data_path, bytes_);
-    CTXPAR_CHECK(int64_t(bytes_.size()) >= t + 1, "train: --data ", config.data_path, " has ",
-                 bytes_.size(), " bytes; one sequence of --seq ", t, " needs ", t + 1,
+    int64_t size = 0;
+    fd_ = open_data_file(config.data_path, &size);
+    file_bytes_ = size;
+    CTXPAR_CHECK(size >= t + 1, "train: --data ", config.data_path, " has ", size,
+                 " bytes; one sequence of --seq ", t, " needs ", t + 1,
                  " (use a shorter --seq or a larger file)");
     return;
   }
@@ -77,6 +67,26 @@ DataSource::DataSource(const TrainConfig& config) : config_(config) {
   CTXPAR_CHECK(copy_len_ >= 1 && copy_len_ <= 128 && copy_len_ <= t / 4,
                "train: --copy-len must be in [1, min(128, T/4)] so that the copy lies more "
                "than T/2 back, got ", copy_len_, " with T = ", t);
+}
+
+DataSource::~DataSource() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+// The bytes [start, start + n) of the file; a file that shrank since it was opened is named.
+void DataSource::read_sequence(uint64_t start, uint8_t* to, size_t n) const {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t got = ::pread(fd_, to + done, n - done, off_t(start + done));
+    if (got < 0 && errno == EINTR) continue;
+    CTXPAR_CHECK(got >= 0, "train: reading --data ", config_.data_path, " failed: ",
+                 std::strerror(errno));
+    CTXPAR_CHECK(got > 0, "train: --data ", config_.data_path, " shrank while training (had ",
+                 file_bytes_, " bytes, ends before byte ", start + done + 1, "); is another "
+                 "process writing it?");
+    done += size_t(got);
+  }
+  bytes_read_.fetch_add(n, std::memory_order_relaxed);
 }
 
 Batch DataSource::batch(int64_t step, int group) const {
@@ -91,10 +101,10 @@ Batch DataSource::batch(int64_t step, int group) const {
   for (int64_t b = 0; b < nb; ++b) {
     // Sequence number in the stream of all groups' sequences, step after step.
     const uint64_t index = (uint64_t(step - 1) * config_.dp + group) * nb + b;
-    if (!bytes_.empty()) {
-      const uint64_t count = (bytes_.size() - 1) / t;
+    if (fd_ >= 0) {
+      const uint64_t count = (uint64_t(file_bytes_) - 1) / t;
       const uint64_t start = (index % count) * t;
-      std::copy(bytes_.begin() + start, bytes_.begin() + start + t + 1, seq.begin());
+      read_sequence(start, seq.data(), size_t(t + 1));
       for (int64_t i = 0; i < t; ++i) out.weight[b * t + i] = 1;
     } else {
       Rng rng{config_.seed * 0x9e3779b97f4a7c15ull ^ (index + 1) * 0xd1b54a32d192ed03ull};

@@ -27,6 +27,7 @@
 #include "ctxpar/error.h"
 #include "ctxpar/hash.h"
 #include "ctxpar/npy.h"
+#include "io/untrusted_json.h"
 #include "model/training.h"
 
 namespace ctxpar::model {
@@ -34,7 +35,7 @@ namespace ctxpar::model {
 namespace {
 
 // The safetensors library refuses headers over 100 MB; so do we, before allocating one.
-constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+constexpr uint64_t kMaxHeaderBytes = io::kMaxJsonBytes;
 const char* const kChecksumKey = "checksum";
 
 struct Fnv1a64 {
@@ -193,12 +194,12 @@ SafetensorsFile read_safetensors(const std::string& path) {
   const size_t last = text.find_last_not_of(' ');
   CTXPAR_CHECK(last != std::string::npos && text[last] == '}', "checkpoint ", path,
                " has a malformed header: it must be a JSON object padded with spaces");
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(text.begin(), text.begin() + std::ptrdiff_t(last + 1));
-  } catch (const std::exception& e) {
-    throw Error("checkpoint " + path + " has a malformed header: " + e.what());
-  }
+  // Bounded in depth before it is parsed: copying it (the checksum) or printing a part of it
+  // (an error message) recurses once per level.
+  const nlohmann::json header = io::parse_untrusted_json(
+      std::string_view(text).substr(0, last + 1), "checkpoint " + path, "header",
+      "not a safetensors file, or a corrupt one (a checkpoint's header nests 3 levels); resume "
+      "from another checkpoint or start fresh");
   CTXPAR_CHECK(header.is_object(), "checkpoint ", path, ": the header must be a JSON object");
 
   SafetensorsFile out;

@@ -58,7 +58,9 @@ TrainMemory estimate_train_memory(const TrainConfig& config) {
                            config.strategy == StrategyKind::hybrid;
   const double strategy = heads_split ? 4.5 * qkv * 2 / std::max(2.0, cp) : 1.6 * qkv;
   out.activations = 4 * (double(m.layers) * per_block + once + strategy);
-  out.data = 3 * b * t + 3 * n + file_bytes(config.data_path) + file_bytes(config.resume_path);
+  // The --data file is not held (each step reads its sequences: data.cc); --resume is read
+  // whole while loading.
+  out.data = 3 * b * t + 3 * n + file_bytes(config.resume_path);
   return out;
 }
 

@@ -9,6 +9,7 @@
 // over the data groups. Every rank then applies the same AdamW update to identical gradients.
 #include <cblas.h>
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -20,6 +21,7 @@
 
 #include "ctxpar/error.h"
 #include "ctxpar/model.h"
+#include "io/output_file.h"
 #include "model/training.h"
 #include "model/transformer.h"
 
@@ -33,13 +35,46 @@ using Clock = std::chrono::steady_clock;
 
 // The --log file. Every write is checked (a full disk fails the run naming the file, instead
 // of an exit 0 behind an empty log); each line is flushed so a killed run keeps its log; close()
-// makes it durable.
+// makes it durable. It is made as every file ctxpar writes (io/output_file.h): a new file
+// created exclusively beside the path (on a resume holding the old log's lines first), renamed
+// over the path at once, then written line by line; never opened through a planted link.
 class LogFile {
  public:
   void open(const std::string& path, bool append) {
     path_ = path;
-    f_ = std::fopen(path.c_str(), append ? "a" : "w");
-    if (!f_) fail("opening");
+    const std::string problem = output_path_problem(path);
+    if (!problem.empty()) throw Error("train: --log " + path + " " + problem);
+    std::string temp;
+    const int fd = open_temp_beside(path, &temp);
+    if (fd < 0) fail("opening");
+    f_ = ::fdopen(fd, "w");
+    if (!f_) {
+      ::close(fd);
+      ::unlink(temp.c_str());
+      fail("opening");
+    }
+    match_umask(fd);
+    if (append) {
+      const int old = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+      struct stat st = {};
+      if (old >= 0 && ::fstat(old, &st) == 0 && S_ISREG(st.st_mode)) {
+        char buf[1 << 16];
+        ssize_t n;
+        while ((n = ::read(old, buf, sizeof buf)) > 0)
+          if (std::fwrite(buf, 1, size_t(n), f_) != size_t(n)) break;
+      }
+      if (old >= 0) ::close(old);
+      if (std::fflush(f_) != 0) {
+        ::unlink(temp.c_str());
+        fail("writing");
+      }
+    }
+    if (std::rename(temp.c_str(), path.c_str()) != 0) {
+      const int err = errno;
+      ::unlink(temp.c_str());
+      errno = err;
+      fail("opening");
+    }
   }
   bool is_open() const { return f_ != nullptr; }
   void write_line(const std::string& line) {

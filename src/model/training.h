@@ -1,6 +1,7 @@
 // The pieces of the training loop around the model: optimiser (adamw.cc), data (data.cc),
 // checkpoints (safetensors.cc, checkpoint.cc) and the memory estimate (train_memory.cc).
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -34,17 +35,28 @@ struct Batch {
   std::vector<uint8_t> inputs, labels, weight;
   int64_t counted = 0;  // number of weight-1 tokens in the batch
 };
+// With --data, the file is opened once and each batch reads only its own sequences (T + 1
+// bytes each, pread): a rank never holds the file, so the threads transport's ranks do not
+// each load it whole.
 class DataSource {
  public:
-  explicit DataSource(const TrainConfig& config);  // reads --data once; checks sizes
+  explicit DataSource(const TrainConfig& config);  // opens --data; checks sizes
+  ~DataSource();
+  DataSource(const DataSource&) = delete;
+  DataSource& operator=(const DataSource&) = delete;
   // Deterministic in (seed, step, group): a resumed run sees the same batches.
   Batch batch(int64_t step, int group) const;
   int64_t copy_len() const { return copy_len_; }
-  bool builtin() const { return bytes_.empty(); }
+  bool builtin() const { return fd_ < 0; }
+  // Bytes of --data read so far (by batch()).
+  uint64_t bytes_read() const { return bytes_read_.load(std::memory_order_relaxed); }
 
  private:
+  void read_sequence(uint64_t start, uint8_t* to, size_t n) const;
   TrainConfig config_;
-  std::vector<uint8_t> bytes_;
+  int fd_ = -1;
+  int64_t file_bytes_ = 0;
+  mutable std::atomic<uint64_t> bytes_read_{0};
   int64_t copy_len_ = 0;
 };
 

@@ -65,8 +65,8 @@ KernelRates rates_of_one_rank(const LocalOptions& o, int rank,
   // masked-tile skipping and partial tiles cost what they cost in the real ring. Large
   // problems are measured on a scaled-down sequence of 4096 tokens a rank and about 4 query
   // heads, but always whole query-head groups: the kernel reuses a K/V tile for every query
-  // head of its group, so the group size sets its speed (a 9-on-1 problem measured as 4-on-1
-  // was predicted 1.6x too slow over a shaped TCP link, on a loaded machine).
+  // head of its group, so the group size sets its speed (timing a 9-on-1 problem as 4-on-1
+  // mispredicted it: docs/benchmarks-history.md, "Plan: earlier runs").
   const int P = o.ranks;
   const int64_t n = std::min<int64_t>(o.block_tokens, 4096);
   const int64_t b = o.batch, d = o.head_dim;

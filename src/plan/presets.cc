@@ -1,4 +1,5 @@
 // Model and hardware presets, from published specifications (sources in docs/plan.md, "Presets").
+#include <cmath>
 #include <map>
 
 #include "ctxpar/error.h"
@@ -129,8 +130,16 @@ int64_t video_tokens(double hours, double fps, int64_t tokens_per_frame) {
   CTXPAR_CHECK(fps > 0, "video_tokens: fps must be > 0, got ", fps);
   CTXPAR_CHECK(tokens_per_frame > 0, "video_tokens: tokens_per_frame must be > 0, got ",
                tokens_per_frame);
-  double frames = hours * 3600.0 * fps;
-  return static_cast<int64_t>(frames + 0.5) * tokens_per_frame;
+  // Checked: frames x tokens per frame wrapped int64 before (hours 488671.83456713834, fps
+  // 1e4, 2^20 tokens per frame is (2^44 + 1) x 2^20 tokens and came out as 2^20).
+  const double frames = std::floor(hours * 3600.0 * fps + 0.5);  // as rounded before
+  int64_t tokens = 0;
+  if (!(frames < 0x1p62) ||
+      __builtin_mul_overflow(static_cast<int64_t>(frames), tokens_per_frame, &tokens))
+    throw Error(detail::concat(
+        "video_tokens: hours x 3600 x fps x tokens_per_frame is ",
+        frames * double(tokens_per_frame), " tokens, past int64; lower one of them"));
+  return tokens;
 }
 
 }  // namespace ctxpar

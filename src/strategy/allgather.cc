@@ -4,8 +4,9 @@
 //
 // The gather is posted as point-to-point messages (my chunk to every peer, every peer's chunk
 // from it), not as the blocking collective, so that group g+1's exchange is in flight while
-// group g computes (a device enqueues them; under MPI the transport's progress thread moves
-// them while the rank computes, docs/comm.md). Likewise the reduce-scatter of group g's dK/dV
+// group g computes (a device enqueues them; under MPI the transport's progress calls move
+// them while the rank computes: by default the CPU kernel makes them between tiles, or a
+// progress thread does; docs/comm.md, "Progress"). Likewise the reduce-scatter of group g's dK/dV
 // is posted right after its compute and summed, in rank order, one group later.
 #include "strategy/internal.h"
 

@@ -29,7 +29,9 @@ KvPacking packing_of(const TensorView& k, bool documents) {
 // send_recv() enqueues on the comm stream, after the compute stream's work so far (which may
 // have written the block), the send of `block` to rank r+1 and the receive of the next block
 // from rank r-1; wait() makes the compute stream wait for both and hands over the received
-// block. The sent block stays readable: the caller keeps it while it computes on it.
+// block. The sent block stays readable: the caller keeps it while it computes on it (a lent
+// block's memory lives until both the sender and the receiver let go of it, so a peer that
+// unwinds from a failure cannot free it under this rank's compute).
 class RingComm {
  public:
   RingComm(Device& dev, Communicator& comm, size_t bytes, int tag_base)
@@ -120,9 +122,11 @@ void ring_forward(Communicator& comm, Run& run, const TensorView& q, const Token
     if (s + 1 < p) block = ring.wait();  // the block just computed on is freed stream-ordered
   }
   dev.forward_finalize(kComputeStream, state.get(), out, lse, run.kernel);
-  // When sends lend their memory (threads transport on cpu), a forwarded block's final owner
-  // (the rank holding it at step P-1) must not free it while a rank that forwarded it earlier
-  // may still be computing on it. Nothing else orders those two ranks in forward: wait for all.
+  // When sends lend their memory (threads transport on cpu), the memory of a forwarded block
+  // lives until its last holder lets go (reference-counted), so its final owner may return
+  // while a rank that forwarded it earlier still computes on it. The ranks still end the forward
+  // together there: a rank that failed mid-ring then fails every rank, naming it, and
+  // `plan --hardware local` models this barrier.
   if (p > 2 && dev.lends_sent_buffers(comm)) {
     dev.wait(kCommStream, dev.record(kComputeStream));
     dev.barrier(kCommStream, comm);
@@ -251,9 +255,9 @@ namespace ctxpar {
 std::vector<int64_t> ring_last_hop_cuts(int64_t key_rows) {
   constexpr int64_t kPieceRows = kKernelTile;  // whole kernel key tiles
   constexpr int64_t kMaxPieces = 8;
-  // Each piece is one more kernel call, which packs the query rows again: 8 pieces of 512 rows
-  // made the backward ~4 % slower at P = 2 (threads transport, no link), so a piece has at
-  // least 512 rows; the exposed share of the hop is 1/pieces of it.
+  // Each piece is one more kernel call, which packs the query rows again (what that costs the
+  // backward: docs/ring.md), so a piece has at least 512 rows; the exposed share of the hop is
+  // 1/pieces of it.
   constexpr int64_t kMinPieceRows = 512;
   const int64_t tiles = (key_rows + kPieceRows - 1) / kPieceRows;
   const int64_t pieces = std::max<int64_t>(1, std::min(kMaxPieces, key_rows / kMinPieceRows));

@@ -155,7 +155,6 @@ constexpr int kTagBase = 1 << 19;
 int tag_in(int g) { return kTagBase + 2 * g; }
 int tag_back(int g) { return kTagBase + 2 * g + 1; }
 
-
 // The most groups up to the limit that divide hq and hk. Backward also keeps batch * hk / G
 // KV heads per kernel call >= its threads: below that the fast kernel splits a head's key
 // tiles over threads (Note [Backward tasks]) and would sum dK/dV/dQ in another order than

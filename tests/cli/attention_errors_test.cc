@@ -29,6 +29,17 @@ TEST(CliAttentionErrors, InvalidCombinationsExit2WithWhatWouldWork) {
       {"--seq 64 --mask documents:30,30", {"add up to 60", "--seq is 64"}},
       {"--seq 64 --mask documents", {"documents:512,512", "--documents"}},
       {"--seq 64 --mask causl", {"unknown mask 'causl'", "causal"}},
+      // Issue 21: two INT64_MAX lengths + 514 wrapped to 512 and passed --seq 512, then failed
+      // with vector::_M_fill_insert (exit 1); strtoll clamped out-of-range lengths silently;
+      // any rule starting with "documents" was taken, a second one ignored.
+      {"--seq 512 --mask documents:9223372036854775807,9223372036854775807,514",
+       {"the lengths add up to more than 9223372036854775807", "--seq is 512"}},
+      {"--seq 512 --mask documents:99999999999999999999",
+       {"document length '99999999999999999999' is not a whole number in [1, 9223372036854775807]",
+        "the grammar is"}},
+      {"--seq 64 --mask documentsXYZ", {"unknown mask 'documentsXYZ'", "documents:LEN,LEN,..."}},
+      {"--seq 64 --mask documents:32,32+documents:64", {"'documents' is given twice"}},
+      {"--seq 64 --mask ' causal'", {"unknown mask ' causal'", "no spaces"}},
       {"--seq 64 --strategy rings", {"rings"}},
       {"--seq 64 --layout zigzig", {"zigzig"}},
       {"--seq 64 --transport mpi", {"mpirun -n 1", "--transport threads"}},

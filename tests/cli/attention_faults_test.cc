@@ -95,12 +95,12 @@ TEST(CliAttentionFaults, OutKilledDuringTheWriteIsTheOldSetOrTheNew) {
   ASSERT_EQ(run_ctxpar(std::string(kSmall) + "--seed 5 --out " + fresh).exit_code, 0);
   const auto new_set = folder_files(fresh);
 
-  CommandResult r = run_shell("CTXPAR_OUT_FAULT=before-swap " + ctxpar_path() + " " + kSmall +
+  CommandResult r = run_shell("CTXPAR_OUT_FAULT=before-swap " + fault_ctxpar_path() + " " + kSmall +
                               "--seed 5 --out " + out);
   EXPECT_EQ(r.exit_code, 128 + 9) << r.err;  // killed
   EXPECT_EQ(folder_files(out), old_set);
 
-  r = run_shell("CTXPAR_OUT_FAULT=after-swap " + ctxpar_path() + " " + kSmall + "--seed 5 --out " +
+  r = run_shell("CTXPAR_OUT_FAULT=after-swap " + fault_ctxpar_path() + " " + kSmall + "--seed 5 --out " +
                 out);
   EXPECT_EQ(r.exit_code, 128 + 9) << r.err;
   EXPECT_EQ(folder_files(out), new_set);
@@ -113,7 +113,7 @@ TEST(CliAttentionFaults, OutKilledDuringTheWriteIsTheOldSetOrTheNew) {
 TEST(CliAttentionFaults, OutThatCannotBeWrittenFailsBeforeComputing) {
   // CTXPAR_FAULT_RANK=0 would fail the run itself (exit 1, "injected fault"): exit 2 naming
   // --out shows the folder was refused before any computing.
-  CommandResult r = run_shell("CTXPAR_FAULT_RANK=0 " + ctxpar_path() + " " + kSmall +
+  CommandResult r = run_shell("CTXPAR_FAULT_RANK=0 " + fault_ctxpar_path() + " " + kSmall +
                               "--out /proc/ctxpar_out");
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("--out /proc/ctxpar_out: cannot write in /proc"), std::string::npos) << r.err;
@@ -122,7 +122,7 @@ TEST(CliAttentionFaults, OutThatCannotBeWrittenFailsBeforeComputing) {
   // A folder of the user's own files is not replaced (that would delete them).
   const std::string dir = temp_dir("out_foreign");
   std::ofstream(dir + "/notes.txt") << "mine";
-  r = run_shell("CTXPAR_FAULT_RANK=0 " + ctxpar_path() + " " + kSmall + "--out " + dir);
+  r = run_shell("CTXPAR_FAULT_RANK=0 " + fault_ctxpar_path() + " " + kSmall + "--out " + dir);
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("holds files that ctxpar did not write"), std::string::npos) << r.err;
   EXPECT_EQ(file_bytes(dir + "/notes.txt"), "mine");
@@ -145,7 +145,7 @@ TEST(CliAttentionFaults, FifoAsInputIsRefusedAtOnce) {
 // Exit status: 2 for bad usage or input (before any computing), 1 for a failure at run time,
 // as under MPI (tests in attention_mpi_test.cc).
 TEST(CliAttentionFaults, FailingRankExits1AndBadUsageExits2) {
-  CommandResult r = run_shell("CTXPAR_FAULT_RANK=1 " + ctxpar_path() + " " + kSmall + "--ranks 2");
+  CommandResult r = run_shell("CTXPAR_FAULT_RANK=1 " + fault_ctxpar_path() + " " + kSmall + "--ranks 2");
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("rank 1 failed: injected fault"), std::string::npos) << r.err;
   r = run_ctxpar(std::string(kSmall) + "--head-dim 8");

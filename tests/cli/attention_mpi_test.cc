@@ -87,7 +87,8 @@ TEST_F(CliMpi, RanksWithDifferentOptionsAreRefusedNamingTheOption) {
 
 // Exit status as on the threads transport: 1 a rank failed at run time, 2 bad usage.
 TEST_F(CliMpi, FailingRankExits1AndBadUsageExits2) {
-  CommandResult r = run_shell(mpirun("-n 2 -x CTXPAR_FAULT_RANK=1 " + ctxpar(kSmall)));
+  CommandResult r = run_shell(mpirun("-n 2 -x CTXPAR_FAULT_RANK=1 " + fault_ctxpar_path() +
+                                     " attention " + kSmall));
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("rank 1 failed: injected fault"), std::string::npos) << r.err;
   r = run_shell(mpirun("-n 2 " + ctxpar(kSmall + " --head-dim 8")));

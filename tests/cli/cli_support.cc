@@ -19,6 +19,12 @@ std::string ctxpar_path() {
   return std::string(dir) + "/ctxpar";
 }
 
+std::string fault_ctxpar_path() {
+  const char* dir = std::getenv("CTXPAR_BUILD_DIR");
+  if (!dir) throw std::runtime_error("CTXPAR_BUILD_DIR is not set (run the test through ctest)");
+  return std::string(dir) + "/ctxpar-faults";
+}
+
 std::string temp_dir(const std::string& name) {
   fs::path p = fs::temp_directory_path() /
                ("ctxpar_cli_" + std::to_string(::getpid()) + "_" + name);

@@ -17,6 +17,9 @@ CommandResult run_ctxpar(const std::string& args);
 // Any shell command line (e.g. /usr/bin/python3 ...).
 CommandResult run_shell(const std::string& command);
 std::string ctxpar_path();
+// The test build of the command (tools/ctxpar/CMakeLists.txt): the same sources with the fault
+// hooks CTXPAR_FAULT_RANK and CTXPAR_OUT_FAULT compiled in; the release `ctxpar` has none.
+std::string fault_ctxpar_path();
 // A fresh empty folder under the test's temporary directory.
 std::string temp_dir(const std::string& name);
 // Parses stdout as the one JSON object of --json; fails the test (throws) if it is not.

@@ -220,6 +220,22 @@ TEST_F(BenchCp, OptionErrorsExit2WithAPointerToHelp) {
     EXPECT_NE(out_text_.find(opt), std::string::npos) << opt;
 }
 
+// The plot script runs isolated (python -I): a json.py on PYTHONPATH (or in the working
+// folder) is never imported in place of the standard module.
+TEST_F(BenchCp, PlotScriptRunsIsolated) {
+  const fs::path planted = dir_ / "planted";
+  fs::create_directories(planted);
+  std::ofstream(planted / "json.py") << "open(" << json((dir_ / "PWNED").string()).dump()
+                                     << ", 'w')\n";
+  ::setenv("PYTHONPATH", planted.c_str(), 1);
+  const int rc = run({"--seq", "64", "--ranks", "2", "--strategy", "ring", "--layout", "zigzag",
+                      "--heads", "2", "--head-dim", "16"});
+  ::unsetenv("PYTHONPATH");
+  EXPECT_EQ(rc, 0) << err_text_;
+  EXPECT_FALSE(fs::exists(dir_ / "PWNED")) << "the plot script imported a planted json.py";
+  EXPECT_TRUE(fs::exists(out() / "results.json"));
+}
+
 TEST_F(BenchCp, WithoutPythonTheResultsAreStillWritten) {
   ASSERT_EQ(run({"--seq", "64", "--ranks", "2", "--strategy", "ring", "--layout", "zigzag",
                  "--heads", "2", "--head-dim", "16", "--python", "/nonexistent/python3"}),
@@ -234,9 +250,11 @@ TEST_F(BenchCp, WithoutPythonTheResultsAreStillWritten) {
 TEST_F(BenchCp, WithoutMatplotlibTheResultsAreStillWritten) {
   if (std::system("/usr/bin/python3 -c 'import sys' >/dev/null 2>&1") != 0)
     GTEST_SKIP() << "/usr/bin/python3 is not installed";
-  // A Python on which `import matplotlib` fails, whatever is installed.
+  // A Python on which `import matplotlib` fails, whatever is installed (it takes -I, isolated
+  // mode, as ctxpar passes it).
   const fs::path fake = dir_ / "python-without-matplotlib";
-  std::ofstream(fake) << "#!/bin/sh\nexec /usr/bin/python3 -c \"import sys; sys.modules['matplotlib'] = "
+  std::ofstream(fake) << "#!/bin/sh\n[ \"$1\" = -I ] && shift\n"
+                         "exec /usr/bin/python3 -I -c \"import sys; sys.modules['matplotlib'] = "
                          "None; sys.argv = sys.argv[1:]; exec(open(sys.argv[0]).read())\" \"$@\"\n";
   fs::permissions(fake, fs::perms::owner_all);
   ASSERT_EQ(run({"--seq", "64", "--ranks", "2", "--strategy", "ring", "--layout", "zigzag",

@@ -139,7 +139,38 @@ TEST(NumberRanges, EverySubcommandChecksItsNumbers) {
       {"plan --link-gbps nan", "--link-gbps expects numbers in [0, 1e+06]"},
       {"plan --video-hours 1e6 --fps 1e4 --tokens-per-frame 1M",
        "more than the largest --seq"},
+      // Wrapped to 2^20 tokens and planned (exit 0) before: 2^44 frames x 2^20 = 2^64.
+      {"plan --video-hours 488671.83456713834 --fps 1e4 --tokens-per-frame 1M --model lwm-7b",
+       "--video-hours x 3600 x --fps x --tokens-per-frame is 1.8"},
   });
+}
+
+// Issue 21: in-range options whose B*T*H*D is 2^64 wrapped Tensor::numel() to 0, the tensors
+// got 64 bytes and fill_normal wrote past them (SIGSEGV); --kv-heads 65536 with --heads 1 was
+// refused only after 12.7 s of allocating and filling 1 GiB. Now every option is checked first,
+// and Tensor itself refuses a shape whose count overflows (below any memory check).
+TEST(BenchKernelLimits, OptionsAndMemoryAreCheckedBeforeAnyAllocation) {
+  expect_refused({
+      {"bench kernel --seq 128 --heads 1 --head-dim 16 --kv-heads 65536",
+       "--heads 1 must be a multiple of --kv-heads 65536"},
+  });
+  {
+    const test::CommandResult r = test::run_shell(
+        "timeout 60 " + test::ctxpar_path() +
+        " bench kernel --seq 1099511627776 --heads 65536 --head-dim 256 --repeats 1");
+    EXPECT_EQ(r.exit_code, 2) << r.err;  // a memory check, or the Tensor guard below it
+    EXPECT_TRUE(r.err.find("needs") != std::string::npos ||
+                r.err.find("overflows int64") != std::string::npos)
+        << r.err;
+  }
+  // Past any memory check (a limit above any estimate): the Tensor guard, naming the shape.
+  const test::CommandResult r = test::run_shell(
+      "CTXPAR_MEMORY_LIMIT_BYTES=1e30 timeout 60 " + test::ctxpar_path() +
+      " bench kernel --seq 1099511627776 --heads 65536 --head-dim 256 --repeats 1");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("tensor shape [1, 1099511627776, 65536, 256] (fp32)"), std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("overflows int64"), std::string::npos) << r.err;
 }
 
 TEST(NumberRanges, InRangeValuesStillRun) {

@@ -3,6 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "ctxpar/error.h"
 
@@ -21,6 +25,56 @@ TEST(Mask, Parse) {
   EXPECT_THROW(parse_mask("casual"), Error);
   EXPECT_THROW(parse_mask("window:12"), Error);
   EXPECT_THROW(parse_mask("window:a,b"), Error);
+}
+
+// The grammar is strict (issue 21): any rule starting with "documents" was taken
+// ("documentsXYZ"), a second documents rule was ignored, strtoll took leading spaces and '+'
+// and clamped out-of-range numbers to INT64_MAX without a word. Each is refused naming the
+// part and showing the grammar.
+TEST(Mask, StrictGrammar) {
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"documentsXYZ", "unknown mask 'documentsXYZ'"},
+      {"causal+documentsXYZ", "unknown mask 'documentsXYZ'"},
+      {"documents:", "document length ''"},
+      {"documents:512,,512", "document length ''"},
+      {"documents:4+documents:8", "'documents' is given twice"},
+      {"documents+documents:8", "'documents' is given twice"},
+      {"causal+causal", "'causal' is given twice"},
+      {"window:1,1+window:2,2", "'window' is given twice"},
+      {" causal", "unknown mask ' causal'"},
+      {"documents: 512", "document length ' 512'"},
+      {"documents:+512", "document length ''"},  // '+' joins rules: "documents:" and "512"
+      {"documents:0", "document length '0'"},
+      {"documents:-5", "document length '-5'"},
+      {"documents:9223372036854775808", "document length '9223372036854775808' is not a whole "
+                                        "number in [1, 9223372036854775807]"},
+      {"window: 5,0", "window bound ' 5'"},
+      {"window:+5,0", "window needs two bounds"},  // "window:" and "5,0"
+      {"window:5,0x", "window bound '0x'"},
+      {"window:-2,0", "window bound '-2'"},
+      {"window:5,99999999999999999999", "window bound '99999999999999999999'"},
+      {"window:-,0", "window bound '-'"},
+  };
+  for (const auto& [text, what] : bad) {
+    try {
+      parse_mask(text);
+      ADD_FAILURE() << "'" << text << "' was accepted";
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find(what), std::string::npos) << text << ": " << m;
+      EXPECT_NE(m.find("the grammar is RULE or RULE+RULE+..."), std::string::npos) << m;
+    }
+    EXPECT_THROW(parse_document_lengths(text), Error) << text;
+  }
+  // What was accepted stays accepted, with the same meaning.
+  EXPECT_EQ(parse_mask("none+causal+window:-1,0+documents:3,5").describe(),
+            "causal+window:-1,0+documents");
+  EXPECT_EQ(parse_document_lengths("causal+documents:3,5"), (std::vector<int64_t>{3, 5}));
+  EXPECT_EQ(parse_document_lengths("documents:9223372036854775807,1"),
+            (std::vector<int64_t>{INT64_MAX, 1}));
+  EXPECT_TRUE(parse_document_lengths("causal+documents").empty());
+  EXPECT_TRUE(parse_document_lengths("causal").empty());
+  EXPECT_EQ(parse_mask("window:9223372036854775807,-1").window_left, INT64_MAX);
 }
 
 TEST(Mask, VisibleRules) {

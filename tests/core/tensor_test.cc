@@ -4,6 +4,11 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ctxpar/error.h"
 
 namespace ctxpar {
 namespace {
@@ -34,6 +39,35 @@ TEST(Tensor, ZeroFilledAndShaped) {
   EXPECT_EQ(t.bytes(), 480u);
   for (int64_t i = 0; i < t.numel(); ++i) EXPECT_EQ(t.ptr<float>()[i], 0.0f);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data()) % 64, 0u);
+}
+
+// B*T*H*D = 2^40 * 2^16 * 2^8 = 2^64 wrapped numel() to 0: the tensor got 64 bytes and
+// fill_normal wrote T*H*D elements past them (`ctxpar bench kernel --seq 1099511627776
+// --heads 65536 --head-dim 256`: SIGSEGV). A shape whose element or byte count overflows int64
+// is refused naming it; with a zero dimension the others are still bounded (they are strides).
+TEST(Tensor, ShapeWhoseCountOverflowsIsRefused) {
+  const int64_t big = int64_t{1} << 32;
+  const std::vector<std::pair<DType, Shape>> bad = {
+      {DType::f32, {1, int64_t{1} << 40, 65536, 256}},       // 2^64 elements
+      {DType::f32, {int64_t{1} << 62}},                       // elements fit, bytes do not
+      {DType::bf16, {int64_t{1} << 62, 2}},                   // 2^63 elements
+      {DType::f32, {0, big, big}},                            // zero: the others still bounded
+      {DType::i64, {big, 0, big}},
+  };
+  for (const auto& [dtype, shape] : bad) {
+    try {
+      Tensor t(dtype, shape);
+      ADD_FAILURE() << shape_str(shape) << " was accepted, numel " << t.numel();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(shape_str(shape)), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("overflows int64"), std::string::npos) << e.what();
+    }
+    int64_t dummy = 0;
+    EXPECT_THROW(TensorView(&dummy, dtype, shape), Error) << shape_str(shape);
+  }
+  // Empty tensors whose other dimensions fit are fine.
+  EXPECT_EQ(Tensor(DType::f32, {0, int64_t{1} << 40}).numel(), 0);
+  EXPECT_EQ(Tensor(DType::f32, {int64_t{1} << 40, 0, 3}).bytes(), 0u);
 }
 
 TEST(Tensor, StridedSliceAndCopyConvert) {

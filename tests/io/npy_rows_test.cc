@@ -3,13 +3,16 @@
 // and files that are not regular files (a FIFO) refused at once instead of blocking.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <string>
 
+#include "ctxpar/error.h"
 #include "ctxpar/layout.h"
 #include "ctxpar/npy.h"
 
@@ -87,6 +90,53 @@ TEST(NpyRows, FifoIsRefusedAtOnceNamingTheFile) {
     }
     EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
   }
+  fs::remove_all(dir);
+}
+
+// Shape (2^40, 0), a 128-byte file: asking for the (no) rows of its empty axis walked 2^40
+// empty outer rows (hours). An empty result now returns at once. Run in a child process with
+// a 60 s alarm, so that the old behaviour fails the test instead of hanging it.
+TEST(NpyRows, AnEmptyResultReturnsAtOnce) {
+  const fs::path dir = fresh_dir("npy_rows_empty");
+  const std::string path = (dir / "e.npy").string();
+  {
+    const std::string dict = "{'descr': '<f4', 'fortran_order': False, 'shape': (1099511627776, 0), }";
+    std::string header = dict;
+    while ((10 + header.size() + 1) % 64 != 0) header += ' ';
+    header += '\n';
+    std::string bytes = "\x93NUMPY";
+    bytes += '\x01';  // version 1.0
+    bytes += '\x00';
+    bytes += char(header.size() & 0xff);
+    bytes += char(header.size() >> 8);
+    bytes += header;
+    FILE* f = std::fopen(path.c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    std::fwrite(bytes.data(), 1, bytes.size(), f);
+    std::fclose(f);
+  }
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::alarm(60);
+    int code = 0;
+    try {
+      const Tensor t = read_npy_rows(path, 1, {}, DType::f32);
+      if (t.shape() != Shape{int64_t{1} << 40, 0}) code = 3;
+      const std::vector<int64_t> rows = {0, 7, 8};  // the other axis: 3 rows of nothing
+      if (read_npy_rows(path, 0, rows, DType::f32).shape() != Shape{3, 0}) code = 4;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      code = 5;
+    }
+    std::fflush(stderr);
+    ::_exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_FALSE(WIFSIGNALED(status)) << "signal " << WTERMSIG(status)
+                                    << " (SIGALRM: still walking empty rows after 60 s)";
+  EXPECT_EQ(WEXITSTATUS(status), 0);
   fs::remove_all(dir);
 }
 

@@ -146,6 +146,23 @@ TEST(Npy, MalformedImagesGiveOneLineErrors) {
              "truncated data");
 }
 
+// A zero dimension made the byte count 0, and then the other dimensions were not bounded:
+// (0, 2^32, 2^32) was accepted (fuzz/npy_fuzz.cc crashed on it: fuzz/corpus/npy/
+// f32_0x2p32x2p32_regression.npy is this file), and the strides and products made from it
+// later overflowed. The non-zero dimensions are bounded as if the zero were not there.
+TEST(Npy, ZeroDimensionDoesNotUnboundTheOthers) {
+  for (const char* shape : {"(0, 4294967296, 4294967296)", "(4294967296, 0, 4294967296)",
+                            "(4294967296, 4294967296, 0)", "(1099511627776, 1099511627776, 0, 1)"})
+    expect_bad(image(std::string("{'descr': '<f4', 'fortran_order': False, 'shape': ") + shape +
+                         ", }",
+                     0),
+               "absurd");
+  // Empty arrays whose other dimensions fit are still read (as empty tensors).
+  EXPECT_EQ(parse_npy(image("{'descr': '<f4', 'fortran_order': False, 'shape': (0, 1099511627776), }", 0))
+                .shape(),
+            (Shape{0, int64_t{1} << 40}));
+}
+
 TEST(Npy, FilesAndAtomicWrites) {
   fs::path dir = fs::temp_directory_path() / ("ctxpar_npy_files_" + std::to_string(::getpid()));
   fs::create_directories(dir);

@@ -131,6 +131,24 @@ TEST(ExtremePositions, WholeInt64RangeWithWindows) {
   EXPECT_GT(rows_seen, 0) << "the cases must not all be fully masked";
 }
 
+// The spanning case's positions wrap around int64 on purpose. They were computed as
+// offset + stride * j in int64, whose overflow (2^57 x 64) is UB (UBSan: "signed integer
+// overflow" in kernel_support.cc); now in uint64 and read back, the same positions as
+// arithmetic modulo 2^64, written out here independently.
+TEST(ExtremePositions, SpanningPositionsWrapModulo2To64) {
+  const Inputs in = make_inputs(positions(kMin, 1LL << 57, kMin + 5, 1LL << 57, Mask::none()));
+  ASSERT_EQ(in.q_pos.size(), 70u);
+  ASSERT_EQ(in.k_pos.size(), 130u);
+  EXPECT_EQ(in.q_pos[0], kMin);
+  EXPECT_EQ(in.q_pos[63], kMin + 63 * (1LL << 57));     // = 2^63 - 2^57 + 1: no wrap yet
+  EXPECT_EQ(in.q_pos[64], 1);                          // kMin + 2^63
+  EXPECT_EQ(in.q_pos[69], 1 + 5 * (1LL << 57));
+  EXPECT_EQ(in.k_pos[64], 6);                          // kMin + 5 + 2^63
+  EXPECT_EQ(in.k_pos[127], 6 + 63 * (1LL << 57));
+  EXPECT_EQ(in.k_pos[128], kMin + 5);                  // kMin + 5 + 2^64
+  EXPECT_EQ(in.k_pos[129], kMin + 5 + (1LL << 57));
+}
+
 TEST(ExtremePositions, MaskRulesAgreeWithExactArithmetic) {
   const std::vector<int64_t> at = {kMin, kMin + 1, kMin + 2, -(1LL << 62), -1, 0, 1, 1LL << 62, kMax - 1, kMax};
   const std::vector<int64_t> bounds = {-1, 0, 1, 1LL << 62, kMax};

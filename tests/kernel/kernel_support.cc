@@ -51,8 +51,15 @@ Inputs make_inputs(const Case& c) {
   in.k = make(c.tk, c.hkv, c.seed * 4 + 1, c.qk_scale, c.qk_common);
   in.v = make(c.tk, c.hkv, c.seed * 4 + 2);
   in.dout = make(c.tq, c.hq, c.seed * 4 + 3);
-  for (int64_t i = 0; i < c.tq; ++i) in.q_pos.push_back(c.q_offset + c.q_stride * i);
-  for (int64_t j = 0; j < c.tk; ++j) in.k_pos.push_back(c.k_offset + c.k_stride * j);
+  // offset + stride * i wraps on purpose for the extreme cases (stride 2^57, i >= 64 walks the
+  // whole int64 range): computed in uint64 (defined wrap-around), then read back as int64 (two's
+  // complement, C++20), which gives the positions the signed expression meant without its UB.
+  auto wrapped = [](int64_t offset, int64_t stride, int64_t i) {
+    return static_cast<int64_t>(static_cast<uint64_t>(offset) +
+                                static_cast<uint64_t>(stride) * static_cast<uint64_t>(i));
+  };
+  for (int64_t i = 0; i < c.tq; ++i) in.q_pos.push_back(wrapped(c.q_offset, c.q_stride, i));
+  for (int64_t j = 0; j < c.tk; ++j) in.k_pos.push_back(wrapped(c.k_offset, c.k_stride, j));
   if (c.shuffle) {  // a fixed pseudo-random permutation (LCG-driven Fisher-Yates)
     uint64_t st = c.seed * 77 + 5;
     auto perm = [&st](std::vector<int64_t>& v) {

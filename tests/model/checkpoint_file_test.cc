@@ -10,6 +10,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "io/untrusted_json.h"
 #include "model/params.h"
 #include "model/train_support.h"
 #include "model/training.h"
@@ -75,6 +76,24 @@ class CheckpointFile : public test::TempDirTest {
     edit(h);
     const std::string p = path("edited.safetensors");
     write_raw(p, h, data_);
+    return p;
+  }
+  // The edited() checkpoint with the JSON string "DEEP" (placed by `edit`) replaced by arrays
+  // nested `depth` levels deep, written as text: nlohmann::json would recurse building it.
+  std::string deepened(const std::function<void(json&)>& edit, size_t depth) {
+    json h = header_;
+    h["__metadata__"].erase("checksum");
+    h["__metadata__"]["format"] = "ctxpar-train-1";
+    edit(h);
+    std::string text = h.dump();
+    const size_t at = text.find("\"DEEP\"");
+    EXPECT_NE(at, std::string::npos);
+    text.replace(at, 6, std::string(depth, '[') + std::string(depth, ']'));
+    text.append((8 - text.size() % 8) % 8, ' ');
+    const std::string p = path("deep.safetensors");
+    std::ofstream out(p, std::ios::binary);
+    for (int i = 0; i < 8; ++i) out.put(char(uint64_t(text.size()) >> (8 * i)));
+    out << text << data_;
     return p;
   }
   // The good checkpoint saved again with other values (a valid file, checksum and all).
@@ -156,6 +175,40 @@ TEST_F(CheckpointFile, WrongJsonTypesAreRefused) {
   const std::string p = path("array.safetensors");
   write_raw(p, json::array({1, 2}), "");
   expect_refused(p, "malformed header");
+}
+
+// 100000 nested brackets (a 200 kB header) overflowed the stack (SIGSEGV) in whatever first
+// copied or printed them: the error message for a bad __metadata__ entry or tensor shape, or,
+// under a key the loader never reads, the copy the checksum makes. Refused before parsing,
+// naming the file, the depth and the limit.
+TEST_F(CheckpointFile, DeeplyNestedHeaderIsRefusedNotACrash) {
+  const std::string words = "has a header nested 100002 levels deep, over the limit of 64";
+  expect_refused(deepened([](json& h) { h["__metadata__"]["note"] = "DEEP"; }, 100000), words);
+  expect_refused(deepened([](json& h) { h["final_norm"]["shape"] = "DEEP"; }, 100000), words);
+  expect_refused(deepened([](json& h) { h["final_norm"]["unread"] = "DEEP"; }, 100000), words);
+  expect_refused(deepened([](json& h) { h["final_norm"]["unread"] = "DEEP"; }, 100000),
+                 "resume from another checkpoint or start fresh");
+}
+
+// The limit is on the whole header: 64 levels load (a key the loader never reads, 2 levels
+// down, holding 62), 65 do not.
+TEST_F(CheckpointFile, HeaderNestedToTheLimitLoads) {
+  EXPECT_EQ(io::json_nesting_depth(header_.dump()), 3u);  // {tensor: {shape: [...]}}
+  EXPECT_EQ(load_error(deepened([](json& h) { h["final_norm"]["unread"] = "DEEP"; }, 62)), "");
+  expect_refused(deepened([](json& h) { h["final_norm"]["unread"] = "DEEP"; }, 63),
+                 "has a header nested 65 levels deep, over the limit of 64");
+}
+
+// The pre-scan counts brackets outside strings only, so a string full of brackets is not
+// "deep" and an escaped quote does not end a string early.
+TEST(UntrustedJson, DepthCountsBracketsOutsideStrings) {
+  EXPECT_EQ(io::json_nesting_depth(""), 0u);
+  EXPECT_EQ(io::json_nesting_depth("7"), 0u);
+  EXPECT_EQ(io::json_nesting_depth("{}"), 1u);
+  EXPECT_EQ(io::json_nesting_depth(R"({"a": [1, {"b": []}], "c": {}})"), 4u);
+  EXPECT_EQ(io::json_nesting_depth(R"({"a": "[[[[{{{{"})"), 1u);
+  EXPECT_EQ(io::json_nesting_depth(R"({"a\\": "[", "b\"[[": [[]]})"), 3u);
+  EXPECT_EQ(io::json_nesting_depth(R"({"a\\\"[[[": 1})"), 1u);
 }
 
 TEST_F(CheckpointFile, HeaderLengthPastTheFileIsRefused) {

@@ -87,6 +87,11 @@ class TrainCli : public test::TempDirTest {
           ::setrlimit(RLIMIT_AS, &cap);
         }
       }
+      if (file_size_cap_ > 0) {  // a disk that fills up: writes past it fail with EFBIG
+        ::signal(SIGXFSZ, SIG_IGN);
+        const rlimit fsize = {file_size_cap_, file_size_cap_};
+        ::setrlimit(RLIMIT_FSIZE, &fsize);
+      }
       ::execv(argv[0], argv.data());
       _exit(127);
     }
@@ -113,6 +118,7 @@ class TrainCli : public test::TempDirTest {
   std::chrono::steady_clock::time_point t0_;
   rlim_t address_space_ = 0;  // > 0: RLIMIT_AS of the child instead of the override
   std::string memory_override_ = "2147483648";  // CTXPAR_MEMORY_LIMIT_BYTES: 2 GiB
+  rlim_t file_size_cap_ = 0;  // bytes any file of the run may hold (0: no cap)
 };
 
 // The two payloads of the fault matrix: each once ran `touch PWNED` through the shell that
@@ -143,14 +149,96 @@ TEST_F(TrainCli, WeirdLegalFileNamesGetTheirLogAndPlot) {
   EXPECT_NE(r.out.find("loss curve: " + png), std::string::npos) << r.out;
 }
 
-// A full disk: the run fails naming the file and the system error, not exit 0 behind an
-// empty log.
-TEST_F(TrainCli, FullDiskDuringLogFailsNamingTheFile) {
+// A device as --log (/dev/full, /dev/null) is not a file ctxpar may replace: refused by name
+// before the run (it used to be written through; a full disk during a run still fails naming
+// the file, LogFile in src/model/trainer.cc).
+TEST_F(TrainCli, DeviceAsLogIsRefusedBeforeTheRun) {
   const Result r = train({"--log", "/dev/full"});
   EXPECT_EQ(r.exit_code, 2) << r.err;
-  EXPECT_NE(r.err.find("--log /dev/full failed: No space left on device"), std::string::npos)
+  EXPECT_NE(r.err.find("--log /dev/full exists and is not a regular file"), std::string::npos)
       << r.err;
   EXPECT_EQ(r.err.find("matplotlib"), std::string::npos) << "it must not go on to plot: " << r.err;
+}
+
+// A disk that fills up during the run (every file capped at 1000 bytes, RLIMIT_FSIZE): the
+// run fails naming the log and the system error, not exit 0 behind a cut log.
+TEST_F(TrainCli, FullDiskDuringLogFailsNamingTheFile) {
+  file_size_cap_ = 1000;  // a log line is ~240 bytes: the fifth does not fit
+  const Result r = train({"--log", "r.jsonl", "--steps", "20"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--log r.jsonl failed: File too large"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("matplotlib"), std::string::npos) << "it must not go on to plot: " << r.err;
+}
+
+// Issue 20: a link planted at the --log or --plot name made the run overwrite the link's
+// target. Refused by name before the run; the target keeps its bytes.
+TEST_F(TrainCli, LogAndPlotNeverWriteThroughALink) {
+  std::ofstream(dir_ / "victim") << "x\n";
+  fs::create_symlink("victim", dir_ / "run.jsonl");
+  fs::create_symlink("victim", dir_ / "p.png");
+  Result r = train({"--log", "run.jsonl", "--no-plot"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--log run.jsonl is a symbolic link"), std::string::npos) << r.err;
+  r = train({"--log", "r.jsonl", "--plot", "p.png"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--plot p.png is a symbolic link"), std::string::npos) << r.err;
+  r = train({"--save", "run.jsonl"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--save run.jsonl is a symbolic link"), std::string::npos) << r.err;
+  EXPECT_EQ(slurp(dir_ / "victim"), "x\n");
+  EXPECT_FALSE(fs::exists(dir_ / "r.jsonl")) << "refused after the run, not before";
+}
+
+// --plot /dev/null is refused by name (a device is not a file to replace); --no-plot is the
+// way to have no loss curve.
+TEST_F(TrainCli, PlotToADeviceIsRefusedNoPlotSkipsIt) {
+  Result r = train({"--log", "r.jsonl", "--plot", "/dev/null"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--plot /dev/null exists and is not a regular file"), std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("--no-plot"), std::string::npos) << r.err;
+  r = train({"--log", "r.jsonl", "--no-plot"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(lines_in(dir_ / "r.jsonl"), 2u);
+  EXPECT_FALSE(fs::exists(dir_ / "r.png"));
+}
+
+// Every output path is checked before the first step, exit 2 naming the option (a missing
+// folder for --save was found only when the checkpoint was written, after the whole run).
+TEST_F(TrainCli, OutputPathsAreCheckedBeforeTheFirstStep) {
+  fs::create_directories(dir_ / "folder");
+  const struct {
+    std::vector<std::string> args;
+    std::string message;
+  } cases[] = {
+      {{"--save", "missing/ck.safetensors"},
+       "--save missing/ck.safetensors cannot be written: its folder missing does not exist"},
+      {{"--save", "folder"}, "--save folder is a folder"},
+      {{"--dump-grads", "missing/g.safetensors"}, "--dump-grads missing/g.safetensors cannot"},
+      {{"--log", "missing/r.jsonl"}, "--log missing/r.jsonl cannot be written"},
+      {{"--plot", "missing/r.png"}, "--plot missing/r.png cannot be written"},
+      {{"--save", "/proc/ck.safetensors"}, "--save /proc/ck.safetensors cannot be written: no "
+                                           "file can be created in /proc"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.message);
+    std::vector<std::string> args = c.args;
+    for (const char* a : {"--steps", "60", "--log", "first.jsonl"})
+      if (c.args[0] != "--log") args.push_back(a);
+    if (c.args[0] == "--log") args.insert(args.end(), {"--steps", "60"});
+    const Result r = train(args);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find(c.message), std::string::npos) << r.err;
+    EXPECT_FALSE(fs::exists(dir_ / "first.jsonl")) << "a step ran before the refusal";
+  }
+}
+
+// The plotter runs isolated (python3 -I): a json.py in the working folder is not imported.
+TEST_F(TrainCli, PlotterIgnoresAJsonPyInTheWorkingFolder) {
+  std::ofstream(dir_ / "json.py") << "open('PWNED', 'w')\n";
+  const Result r = train({"--log", "r.jsonl"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_FALSE(fs::exists(dir_ / "PWNED")) << "the plotter imported ./json.py";
 }
 
 // Resuming a checkpoint already at --steps: said plainly, exit 0, no loss that was not
@@ -238,6 +326,24 @@ TEST_F(TrainCli, DataThatIsNotARegularFileIsRefused) {
         << r.err;
     EXPECT_LT(r.seconds, 20.0) << data << " took " << r.seconds << " s";
   }
+}
+
+// A 200 kB header of 100000 nested brackets was a SIGSEGV (exit 139): the stack overflowed
+// printing it in an error message. Now a usage error naming the file, the depth and the limit.
+TEST_F(TrainCli, DeeplyNestedCheckpointHeaderIsRefusedNotASignal) {
+  std::string text = "{\"x\":" + std::string(100000, '[') + std::string(100000, ']') + "}";
+  text.append((8 - text.size() % 8) % 8, ' ');
+  {
+    std::ofstream out(path("deep.safetensors"), std::ios::binary);
+    for (int i = 0; i < 8; ++i) out.put(char(uint64_t(text.size()) >> (8 * i)));
+    out << text;
+  }
+  const Result r = train({"--resume", "deep.safetensors"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("checkpoint deep.safetensors has a header nested 100001 levels deep, "
+                       "over the limit of 64"),
+            std::string::npos)
+      << r.err;
 }
 
 }  // namespace

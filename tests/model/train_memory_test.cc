@@ -46,15 +46,17 @@ TEST(TrainMemory, ActivationEstimateBoundsTheMeasuredPeak) {
   }
 }
 
-TEST(TrainMemory, DataAndCheckpointFilesAreCounted) {
+// The checkpoint is read whole while loading; the --data file is not held (each step reads
+// its own sequences), so it adds nothing.
+TEST(TrainMemory, CheckpointFileIsCountedDataFileIsNot) {
   TrainConfig c = test::small_train_config();
   const double without = estimate_train_memory(c).data;
   const std::string file = ::testing::TempDir() + "ctxpar_memory_data.bin";
   std::ofstream(file, std::ios::binary) << std::string(1 << 20, 'x');
   c.data_path = file;
-  EXPECT_EQ(estimate_train_memory(c).data, without + (1 << 20));
+  EXPECT_EQ(estimate_train_memory(c).data, without);
   c.resume_path = file;
-  EXPECT_EQ(estimate_train_memory(c).data, without + 2 * (1 << 20));
+  EXPECT_EQ(estimate_train_memory(c).data, without + (1 << 20));
   std::remove(file.c_str());
 }
 

@@ -7,8 +7,9 @@
 #   net_plan_test.sh CTXPAR NETNS_SH
 #
 # 10 Mbit/s per rank and a 1 MB K/V block (2048 tokens a rank, 1 head of 64, fp32): each hop
-# takes ~0.8 s against ~0.02 s of compute, so the machine's load hardly matters. Exit 77 (CTest
-# skip) where namespaces or tc are not allowed.
+# takes ~0.8 s against ~0.02 s of compute, so the machine's load hardly matters, nor its speed
+# (a faster CPU only makes the run more transfer-bound; no calibration is needed, unlike
+# net_overlap_test.sh). Exit 77 (CTest skip) only where namespaces or tc are not allowed.
 set -euo pipefail
 CTXPAR=$1
 . "$2"

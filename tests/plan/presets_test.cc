@@ -75,5 +75,22 @@ TEST(Presets, VideoTokens) {
   EXPECT_THROW(video_tokens(1, -1, 256), Error);
 }
 
+// frames x tokens per frame wrapped int64 (signed overflow): 488671.83456713834 h at 1e4 fps
+// is 2^44 + 1 frames, and (2^44 + 1) x 2^20 = 2^64 + 2^20 came out as 2^20 tokens. Now refused
+// naming the options; a product that fits is still exact.
+TEST(Presets, VideoTokensRefusesAProductPastInt64) {
+  try {
+    const int64_t t = video_tokens(488671.83456713834, 1e4, int64_t{1} << 20);
+    FAIL() << "no throw: " << t << " tokens";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    for (const char* name : {"--video-hours", "--fps", "--tokens-per-frame", "int64"})
+      EXPECT_NE(m.find(name), std::string::npos) << m;
+  }
+  EXPECT_THROW(video_tokens(1e300, 1, 1), Error);  // frames alone past int64
+  // 2^43 frames (2443359.1728356917 h at 1 fps) x 2^19 = 2^62: fits.
+  EXPECT_EQ(video_tokens(8796093022208.0 / 3600, 1, int64_t{1} << 19), int64_t{1} << 62);
+}
+
 }  // namespace
 }  // namespace ctxpar

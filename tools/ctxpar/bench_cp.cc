@@ -144,12 +144,15 @@ std::string find_plot_script(const std::string& given) {
   return "";
 }
 
-// Runs `python script results.json --out dir` with its output on our stderr; returns its exit
+// Runs `python -I script results.json --out dir` with its output on our stderr; returns its exit
 // status (127: python could not be started).
 int run_plot_script(const std::string& python, const std::string& script, const fs::path& dir) {
   std::string results = (dir / "results.json").string(), out = dir.string();
-  std::vector<char*> argv = {const_cast<char*>(python.c_str()), const_cast<char*>(script.c_str()),
-                             results.data(), const_cast<char*>("--out"), out.data(), nullptr};
+  // -I (isolated): neither the working folder, the script's folder, PYTHONPATH nor the user's
+  // site-packages is searched, so a json.py planted beside the results is never imported.
+  std::vector<char*> argv = {const_cast<char*>(python.c_str()), const_cast<char*>("-I"),
+                             const_cast<char*>(script.c_str()), results.data(),
+                             const_cast<char*>("--out"), out.data(), nullptr};
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, STDERR_FILENO, STDOUT_FILENO);  // keep stdout for the table

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <functional>
+#include <numeric>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -61,6 +62,13 @@ int bench_kernel(int argc, char** argv) {
   CTXPAR_CHECK(t >= 1 && hq >= 1 && b >= 1 && threads >= 1, "bench kernel: --seq, --heads, --batch "
                "and --threads must be >= 1");
   const bool backward = !o.on("no-backward");
+  // Every option is checked before anything is allocated (--kv-heads 65536 was refused only
+  // by the kernel, after 12 s of filling 1 GiB). A shape whose count overflows int64 is
+  // refused by Tensor itself (B*T*H*D = 2^64 of in-range options made a 64-byte tensor).
+  if (hq % hkv != 0)
+    throw UsageError(detail::concat("--heads ", hq, " must be a multiple of --kv-heads ", hkv,
+                                    " (grouped-query attention); e.g. --kv-heads ",
+                                    std::gcd(hq, hkv)));
   {
     // Before allocating: q, k, v, dO, O in the dtype; lse, delta, the state's m and l in fp32;
     // the fp32 accumulator, dQ, dK, dV.

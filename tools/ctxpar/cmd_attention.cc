@@ -49,6 +49,7 @@ Options attention_options() {
       .add("check-budget", "3e8",
            "--check: fp64 multiply-adds allowed (B*Hq*rows*T*D); above it, rows are sampled")
       .flag("json", "print one JSON object instead of the table")
+      .flag("progress", "progress lines on stderr even when it is not a terminal")
       .add("q", "", "queries .npy (float32/float16, [B, T, Hq, D]; see --layout-in)")
       .add("k", "", "keys .npy ([B, T, Hkv, D])")
       .add("v", "", "values .npy ([B, T, Hkv, D])")
@@ -89,33 +90,12 @@ InputFile input_file(const Options& o, const std::string& name) {
   return f;
 }
 
-// "documents:300,724" inside a '+'-joined mask -> the lengths.
-std::vector<int64_t> document_lengths(const std::string& mask) {
-  std::vector<int64_t> lengths;
-  size_t at = mask.find("documents:");
-  if (at == std::string::npos) return lengths;
-  std::string list = mask.substr(at + 10, mask.find('+', at) - (at + 10));
-  size_t start = 0;
-  while (start <= list.size()) {
-    size_t comma = list.find(',', start);
-    std::string item = list.substr(start, comma - start);
-    char* end = nullptr;
-    long long v = std::strtoll(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || v < 1)
-      throw UsageError("--mask documents: '" + item + "' is not a length >= 1 (documents:512,512)");
-    lengths.push_back(v);
-    if (comma == std::string::npos) break;
-    start = comma + 1;
-  }
-  return lengths;
-}
-
 AttentionJob job_from(const Options& o) {
   AttentionJob job;
   job.seq = o.i64("seq", 1, kMaxTokens);
   read_job_shape(o, job);
   job.mask = parse_mask(o.str("mask"));
-  job.document_lengths = document_lengths(o.str("mask"));
+  job.document_lengths = parse_document_lengths(o.str("mask"));
   job.dtype = parse_dtype(o.str("dtype"));
   job.strategy = parse_strategy(o.str("strategy"));
   job.ulysses_degree = o.i32("ulysses-degree", 0, kMaxProcesses);
@@ -298,12 +278,11 @@ int cmd_attention(int argc, char** argv) {
   std::unique_ptr<OutFolder> out_folder;
   const bool writes_out = o.given("out") && (!under_mpi || mpi_world().rank() == 0);
   if (writes_out) out_folder = std::make_unique<OutFolder>(o.str("out"));
-  // A bar (stderr) for runs long enough to wonder about: always on a terminal, in logs only
-  // for big problems (plain lines every few seconds).
-  const double work = static_cast<double>(job.batch) * job.heads * job.seq * job.seq *
-                      job.head_dim * job.repeats * (job.backward ? 3.5 : 1.0);
+  // A bar (stderr) on a terminal; elsewhere (a log, a pipe, `--json 2>&1`) nothing unless
+  // --progress asks for plain lines every few seconds.
   ProgressOptions po;
-  if (work < 2e10 && !isatty(fileno(stderr))) po.mode = ProgressOptions::Mode::quiet;
+  if (!isatty(fileno(stderr)))
+    po.mode = o.on("progress") ? ProgressOptions::Mode::plain : ProgressOptions::Mode::quiet;
   // Rough relative cost of each step, so the ETA follows the work: backward is 2.5 forwards,
   // drawing the inputs and the sampled check are a fraction of one.
   auto weight = [](const std::string& step) {

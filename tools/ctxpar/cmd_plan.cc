@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <iostream>
 
@@ -185,8 +186,17 @@ int cmd_plan(int argc, char** argv) {
   in.model = model_from(o);
   if (o.given("video-hours")) {
     if (o.given("seq")) throw UsageError("give --seq or --video-hours, not both");
-    in.seq = video_tokens(o.num("video-hours", 1e-6, 1e6), o.num("fps", 1e-6, 1e4),
-                          o.i64("tokens-per-frame", 1, 1 << 20));
+    const double hours = o.num("video-hours", 1e-6, 1e6), fps = o.num("fps", 1e-6, 1e4);
+    const int64_t per_frame = o.i64("tokens-per-frame", 1, 1 << 20);
+    try {
+      in.seq = video_tokens(hours, fps, per_frame);
+    } catch (const Error&) {  // past int64: the library names its arguments, say the flags
+      throw Error(detail::concat(
+          "--video-hours x 3600 x --fps x --tokens-per-frame is ",
+          std::floor(hours * 3600.0 * fps + 0.5) * double(per_frame),
+          " tokens, past int64 (more than the largest --seq); lower --video-hours, --fps or "
+          "--tokens-per-frame"));
+    }
     if (in.seq > kMaxTokens)
       throw UsageError("--video-hours x 3600 x --fps x --tokens-per-frame is " +
                        std::to_string(in.seq) + " tokens, more than the largest --seq (" +

@@ -5,7 +5,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cerrno>
+#include <cstring>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -17,8 +19,10 @@
 #include "ctxpar/comm.h"
 #include "ctxpar/error.h"
 #include "ctxpar/model.h"
+#include "io/output_file.h"
 #include "options.h"
 #include "progress.h"
+#include "rank_agreement.h"
 
 extern char** environ;
 
@@ -28,10 +32,13 @@ namespace {
 
 // Draws the loss and accuracy curves of a JSON-lines log with matplotlib. The paths reach
 // Python as argument strings (sys.argv), never through a shell: a file name may hold quotes,
-// $(...) or spaces and is still only a file name.
+// $(...) or spaces and is still only a file name. Python runs isolated (-I: neither the
+// working folder nor PYTHONPATH is searched, so a json.py planted there is not imported), and
+// writes the PNG into a file ctxpar created exclusively beside the target (its descriptor is
+// passed, not a path), which is then renamed over the target: never written through a link.
 void plot_loss(const std::string& log_path, const std::string& png_path) {
   const char* script =
-      "import json,sys,math\n"
+      "import json,sys,math,os\n"
       "import matplotlib; matplotlib.use('Agg')\n"
       "import matplotlib.pyplot as plt\n"
       "rs=[json.loads(l) for l in open(sys.argv[1]) if l.strip()]\n"
@@ -44,26 +51,63 @@ void plot_loss(const std::string& log_path, const std::string& png_path) {
       "ax[1].plot(s,[r['accuracy'] for r in rs],c='C1')\n"
       "ax[1].set_xlabel('step'); ax[1].set_ylabel('accuracy on counted tokens')\n"
       "t=rs[-1]; fig.suptitle('ctxpar train: T=%d, %d ranks'%(t.get('seq',0),t.get('ranks',1)))\n"
-      "fig.tight_layout(); fig.savefig(sys.argv[2],dpi=100,format='png')\n";
+      "fig.tight_layout()\n"
+      "with os.fdopen(int(sys.argv[2]),'wb') as f: fig.savefig(f,dpi=100,format='png')\n";
   const char* python = "/usr/bin/python3";
-  // python3 -c SCRIPT A B: sys.argv is ['-c', A, B]; nothing after -c SCRIPT is an option.
-  std::vector<char*> argv = {const_cast<char*>(python), const_cast<char*>("-c"),
-                             const_cast<char*>(script), const_cast<char*>(log_path.c_str()),
-                             const_cast<char*>(png_path.c_str()), nullptr};
+  std::string temp;
+  const int fd = open_temp_beside(png_path, &temp);
+  if (fd < 0) {
+    std::fprintf(stderr, "ctxpar train: cannot create the plot beside %s: %s\n",
+                 png_path.c_str(), std::strerror(errno));
+    return;
+  }
+  match_umask(fd);
+  const std::string fd_text = std::to_string(fd);
+  // python3 -I -c SCRIPT A B: sys.argv is ['-c', A, B]; nothing after -c SCRIPT is an option.
+  std::vector<char*> argv = {const_cast<char*>(python), const_cast<char*>("-I"),
+                             const_cast<char*>("-c"), const_cast<char*>(script),
+                             const_cast<char*>(log_path.c_str()),
+                             const_cast<char*>(fd_text.c_str()), nullptr};
   std::fflush(stdout);  // our lines before Python's, when stdout is a file
   pid_t pid = -1;
-  if (posix_spawn(&pid, python, nullptr, nullptr, argv.data(), environ) != 0) {
+  const int spawned = posix_spawn(&pid, python, nullptr, nullptr, argv.data(), environ);
+  ::close(fd);
+  if (spawned != 0) {
+    ::unlink(temp.c_str());
     std::fprintf(stderr, "ctxpar train: could not start %s for the plot\n", python);
     return;
   }
   int status = 0;
   while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    ::unlink(temp.c_str());
     std::fprintf(stderr, "ctxpar train: plotting failed (see above; needs matplotlib under "
                  "%s)\n", python);
-  else
-    std::printf("loss curve: %s\n", png_path.c_str());
+    return;
+  }
+  // Checked again: the target may have become a link or a device during the run.
+  const std::string problem = output_path_problem(png_path);
+  if (!problem.empty() || std::rename(temp.c_str(), png_path.c_str()) != 0) {
+    const std::string why = problem.empty() ? std::strerror(errno) : problem;
+    ::unlink(temp.c_str());
+    std::fprintf(stderr, "ctxpar train: --plot %s %s\n", png_path.c_str(), why.c_str());
+    return;
+  }
+  std::printf("loss curve: %s\n", png_path.c_str());
+}
+
+// Every file the run will write, checked before the first step (exit 2 naming the option),
+// instead of a missing folder found after the whole run.
+void check_output_paths(const std::vector<std::pair<const char*, std::string>>& outputs) {
+  for (const auto& [option, path] : outputs) {
+    if (path.empty()) continue;
+    const std::string problem = output_path_problem(path);
+    if (!problem.empty())
+      throw UsageError(detail::concat("--", option, " ", path, " ", problem,
+                                      std::string(option) == "plot" ? " (--no-plot: no loss curve)"
+                                                                    : ""));
+  }
 }
 
 // Ranks of this job on this machine: they share its memory. OpenMPI and MPICH say how many.
@@ -72,6 +116,32 @@ int ranks_on_this_machine(bool use_mpi, int ranks) {
   for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"})
     if (const char* v = std::getenv(var)) return std::max(1, std::atoi(v));
   return 1;
+}
+
+// Every option that changes the trained weights or the schedule of the ranks' messages, for
+// the ranks to agree on under mpirun (rank_agreement.h): numbers exactly, files by
+// path, size and a sample of their bytes. --threads too: the BLAS thread count may change a
+// sum's order, and the copies of the model must stay bitwise equal. Left out: what rank 0
+// alone writes (--log, --plot, --save, --dump-grads) and --quiet.
+Signature train_signature(const TrainConfig& c) {
+  auto num = [](auto v) { return std::to_string(v); };
+  auto real = [](double v) {  // shortest text that reads back as exactly v
+    char s[40];
+    return std::string(s, std::to_chars(s, s + sizeof s, v).ptr);
+  };
+  auto file = [](const std::string& p) { return p.empty() ? "" : p + ", " + file_fingerprint(p); };
+  return {{"data", file(c.data_path)}, {"resume", file(c.resume_path)},
+          {"seq", num(c.seq)}, {"steps", num(c.steps)}, {"batch", num(c.batch)},
+          {"seed", num(c.seed)}, {"dp", num(c.dp)}, {"cp", num(c.cp)},
+          {"strategy", strategy_name(c.strategy)}, {"ulysses-degree", num(c.ulysses_degree)},
+          {"layout", layout_name(c.layout)}, {"threads", num(c.threads)},
+          {"layers", num(c.model.layers)},
+          {"dim", num(c.model.dim)}, {"heads", num(c.model.heads)},
+          {"kv-heads", num(c.model.kv_heads)}, {"head-dim", num(c.model.head_dim)},
+          {"hidden", num(c.model.hidden)}, {"lr", real(c.lr)}, {"min-lr", real(c.min_lr)},
+          {"warmup", num(c.warmup)}, {"weight-decay", real(c.weight_decay)},
+          {"clip", real(c.clip)}, {"copy-len", num(c.copy_len)},
+          {"dump-grads", c.dump_path.empty() ? "" : "given"}};
 }
 
 }  // namespace
@@ -110,6 +180,7 @@ int cmd_train(int argc, char** argv) {
       .add("copy-len", "0", "built-in task: copied block length (0: min(128, T/4))")
       .add("log", "", "JSON-lines log, one record per step")
       .add("plot", "", "PNG loss curve (default: the --log path with .png)")
+      .flag("no-plot", "no loss curve beside the --log")
       .add("save", "", "checkpoint file (safetensors), written atomically")
       .add("save-every", "0", "checkpoint every N steps (0: only at the end)")
       .add("resume", "", "continue from this checkpoint")
@@ -121,6 +192,9 @@ int cmd_train(int argc, char** argv) {
       .example("ctxpar train --data book.txt --seq 2048 --save ck.safetensors --save-every 50");
   if (!o.parse(argc, argv)) return 0;
   refuse_foreign_launcher("train");
+  // Under mpirun, MPI first: from here on a rank's error ends every rank at once (main.cc),
+  // instead of leaving the others in MPI_Init.
+  if (launched_by_mpi() && o.str("transport") != "threads") mpi_world();
 
   TrainConfig c;
   constexpr int64_t kMaxSteps = int64_t{1} << 40;
@@ -171,7 +245,22 @@ int cmd_train(int argc, char** argv) {
   // One BLAS thread per rank unless told: ranks already fill the cores.
   set_blas_threads(c.threads);
   c.model.validate();
+  // Under mpirun every process parsed its own command line: refuse ranks that differ in an
+  // option that changes the result or the schedule, within seconds and naming it.
+  if (use_mpi) agree_across_ranks(mpi_world(), train_signature(c), "train");
   check_train_memory(c, ranks_on_this_machine(use_mpi, ranks), memory_limit());
+  std::string png = o.on("no-plot") ? "" : o.str("plot");
+  if (o.on("no-plot") && o.given("plot"))
+    throw UsageError("--plot and --no-plot contradict each other; give one");
+  if (png.empty() && !o.on("no-plot") && !c.log_path.empty()) {
+    png = c.log_path;
+    const size_t dot = png.rfind('.');
+    if (dot != std::string::npos && png.find('/', dot) == std::string::npos) png.resize(dot);
+    png += ".png";
+  }
+  if (!use_mpi || mpi_world().rank() == 0)  // rank 0 writes them
+    check_output_paths({{"save", c.save_path}, {"log", c.log_path},
+                        {"plot", c.log_path.empty() ? "" : png}, {"dump-grads", c.dump_path}});
 
   const bool quiet = o.on("quiet");
   const bool tty = isatty(fileno(stderr));
@@ -222,13 +311,6 @@ int cmd_train(int argc, char** argv) {
                 last.loss, std::log(256.0), last.accuracy,
                 counted_steps ? sum_tps / double(counted_steps) : last.tokens_per_second,
                 bytes_text(double(last.peak_bytes_max)).c_str());
-  std::string png = o.str("plot");
-  if (png.empty() && !c.log_path.empty()) {
-    png = c.log_path;
-    const size_t dot = png.rfind('.');
-    if (dot != std::string::npos && png.find('/', dot) == std::string::npos) png.resize(dot);
-    png += ".png";
-  }
   if (leader && !png.empty() && !c.log_path.empty()) plot_loss(c.log_path, png);
   return 0;
 }

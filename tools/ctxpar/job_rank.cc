@@ -64,9 +64,12 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
     if (r == 0 && job.on_step) job.on_step(name);
   };
   step("inputs");
-  // Test hook: CTXPAR_FAULT_RANK=r makes rank r fail here, as a rank failing at run time would.
+#ifdef CTXPAR_FAULT_HOOKS
+  // Test hook (the test build ctxpar-faults only): CTXPAR_FAULT_RANK=r makes rank r fail here,
+  // as a rank failing at run time would.
   if (const char* fault = std::getenv("CTXPAR_FAULT_RANK"); fault && std::atoi(fault) == r)
     throw Error(detail::concat("injected fault (CTXPAR_FAULT_RANK=", fault, ")"));
+#endif
   const Layout layout(job.layout, job.seq, job.ranks);
   const std::vector<int64_t> index = layout.positions(r);
   const int64_t B = job.batch, Tl = layout.local_tokens(), Hq = job.heads;

@@ -1,6 +1,7 @@
 // Validation of an attention job: the same verdict on every rank, and a message that names
 // what is wrong and what would work instead.
 #include <algorithm>
+#include <cstdint>
 #include <numeric>
 
 #include "job_internal.h"
@@ -89,7 +90,10 @@ void validate(const AttentionJob& job) {
       int64_t sum = 0;
       for (int64_t len : job.document_lengths) {
         CTXPAR_CHECK(len >= 1, "--mask documents: every length must be >= 1, got ", len);
-        sum += len;
+        // Checked: 2 x INT64_MAX + 514 wrapped to 512 and passed as --seq 512.
+        CTXPAR_CHECK(!__builtin_add_overflow(sum, len, &sum), "--mask documents: the lengths "
+                     "add up to more than ", INT64_MAX, " but --seq is ", T,
+                     "; they must cover the sequence exactly");
       }
       CTXPAR_CHECK(sum == T, "--mask documents: the lengths add up to ", sum,
                    " but --seq is ", T, "; they must cover the sequence exactly");

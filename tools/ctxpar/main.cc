@@ -6,7 +6,11 @@
 
 #include "commands.h"
 #include "ctxpar/comm.h"
+#include "ctxpar/error.h"
 #include "ctxpar/kernel.h"
+#ifdef CTXPAR_HAVE_MPI
+#include "comm/mpi_env.h"
+#endif
 #include "options.h"
 
 namespace {
@@ -68,6 +72,24 @@ int version() {
   return 0;
 }
 
+// The CTXPAR_* variables the run will read, checked before anything runs: a bad value is a
+// usage error (exit 2) named here, not a rank's failure (exit 1) in the middle of a run.
+// (CTXPAR_MEMORY_LIMIT_BYTES is checked by the memory estimate, also before the run.)
+void check_environment() {
+  const ctxpar::SimdTargets t = ctxpar::simd_targets();  // CTXPAR_SIMD
+  if (!t.error.empty()) throw ctxpar::Error(t.error);
+  ctxpar::cli::ulysses_groups_from_env();  // CTXPAR_ULYSSES_GROUPS (the library reads none)
+#ifdef CTXPAR_HAVE_MPI
+  ctxpar::check_mpi_environment();
+#endif
+}
+
+bool asks_for_help(int argc, char** argv) {
+  for (int i = 2; i < argc; ++i)
+    if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) return true;
+  return false;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -79,6 +101,7 @@ int main(int argc, char** argv) {
   for (const auto& c : kCommands) {
     if (std::strcmp(argv[1], c.name) != 0) continue;
     try {
+      if (!asks_for_help(argc, argv)) check_environment();
       return c.run(argc - 2, argv + 2);
     } catch (const ctxpar::cli::UsageError& e) {
       // `bench` has subcommands of its own: point at the one that was asked for.

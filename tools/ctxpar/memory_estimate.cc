@@ -17,7 +17,8 @@ constexpr double kPerRankOverhead = 1 << 20;
 // (src/strategy/strategy.cc): on the threads transport all P ranks hold all P verdicts at once.
 constexpr double kVerdictBytes = 640;
 
-// One rank's strategy buffers at their peak, from the hold() calls of src/strategy/*.cc:
+// One rank's strategy buffers at their peak, from the device buffers src/strategy/*.cc
+// allocates (DeviceBuffer, DeviceForwardState: what the device counts into peak_bytes()):
 //   Q = B*Tl*Hq*D, KV = B*Tl*Hkv*D elements of this rank; L = B*Hq*Tl (lse, m, l, delta);
 //   a K/V message `pack` = 2*KV*es + the tokens' positions (and document ids);
 //   forward state: fp32 accumulator + m, l = 4Q + 8L; backward base: fp32 dQ + delta = 4Q + 4L;

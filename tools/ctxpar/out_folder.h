@@ -20,7 +20,9 @@ class OutFolder {
   // Before any computing: DIR must be absent, an empty folder, or a previous ctxpar output
   // (it holds kOutMarker) — any other folder is refused, as replacing it would delete files
   // ctxpar did not write; and its parent (created if missing) must take a new folder.
-  // Throws UsageError naming the problem.
+  // DIR given as a symbolic link to a folder stands for that folder (the link stays); a link
+  // to nothing is refused. Removes the hidden folders that killed runs left beside DIR
+  // (of this host, this user, a dead pid). Throws UsageError naming the problem.
   explicit OutFolder(std::string dir);
 
   // Writes the files (name, tensor) and the marker into a new folder beside DIR, syncs them to

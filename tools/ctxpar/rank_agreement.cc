@@ -71,7 +71,7 @@ std::string file_fingerprint(const std::string& path) {
   return std::to_string(size) + " bytes, sample " + hash_hex(sample.data(), sample.size());
 }
 
-void agree_across_ranks(Communicator& comm, const Signature& mine) {
+void agree_across_ranks(Communicator& comm, const Signature& mine, const std::string& command) {
   const std::string text = serialize(mine);
   const int P = comm.size();
   uint64_t length = text.size();
@@ -97,7 +97,7 @@ void agree_across_ranks(Communicator& comm, const Signature& mine) {
       throw UsageError(detail::concat(
           "the ranks were started with different options: --", name, " is ", a, " on rank 0 but ",
           b, " on rank ", r, "; every rank must get the same options (on an MPMD line "
-          "'mpirun -n 1 ctxpar attention ... : -n 1 ctxpar attention ...', repeat them all)"));
+          "'mpirun -n 1 ctxpar ", command, " ... : -n 1 ctxpar ", command, " ...', repeat them all)"));
     }
 }
 

@@ -1,0 +1,151 @@
+// Issue 20, round two: what the command writes and where (help, --json with stderr merged,
+// the --out folder given as a link, its mode, hidden folders of killed runs, environment
+// variables, the fault hooks of the test build).
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "cli/cli_support.h"
+
+namespace ctxpar::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kSmall = "attention --seq 64 --heads 2 --head-dim 16 --mask causal ";
+
+// Every command's and subcommand's --help prints its help on stdout and exits 0.
+TEST(CliOutputs, EveryHelpExits0) {
+  for (const char* command : {"attention", "train", "plan", "bench", "bench kernel", "bench cp"}) {
+    SCOPED_TRACE(command);
+    const CommandResult r = run_ctxpar(std::string(command) + " --help");
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_NE(r.out.find("usage"), std::string::npos) << r.out;
+  }
+  const CommandResult r = run_ctxpar("bench --help");
+  EXPECT_NE(r.out.find("kernel"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("cp"), std::string::npos) << r.out;
+}
+
+// Progress is drawn only on a terminal (or with --progress): `--json 2>&1` is one JSON object,
+// also for a problem big enough that progress lines used to go to a log.
+TEST(CliOutputs, JsonWithStderrMergedIsJson) {
+  // 16384^2 x 16 x 5 repeats = 2.1e10: above the size that drew plain lines into logs.
+  const CommandResult r = run_shell(ctxpar_path() + " attention --seq 16384 --heads 1 "
+                                    "--head-dim 16 --mask causal --ranks 1 --repeats 5 --json 2>&1");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_TRUE(nlohmann::json::accept(r.out)) << r.out.substr(0, 300);
+  // --progress asks for the lines anyway (stderr).
+  const CommandResult p = run_ctxpar(kSmall + "--json --progress");
+  ASSERT_EQ(p.exit_code, 0) << p.err;
+  EXPECT_NE(p.err.find("attention: "), std::string::npos) << p.err;
+  EXPECT_TRUE(nlohmann::json::accept(p.out)) << p.out;
+}
+
+// --out given as a link to a folder: the results reach the link's target, the link stays.
+TEST(CliOutputs, OutThroughALinkReachesItsTarget) {
+  const std::string dir = temp_dir("out_link");
+  fs::create_directories(dir + "/target");
+  fs::create_directory_symlink("target", dir + "/link");
+  const CommandResult r = run_ctxpar(kSmall + "--out " + dir + "/link");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(fs::is_symlink(dir + "/link")) << "the link was replaced by a folder";
+  EXPECT_TRUE(fs::exists(dir + "/target/out.npy"));
+  // Again, into the previous output through the link.
+  ASSERT_EQ(run_ctxpar(kSmall + "--seed 4 --out " + dir + "/link").exit_code, 0);
+  EXPECT_TRUE(fs::is_symlink(dir + "/link"));
+  EXPECT_TRUE(fs::exists(dir + "/target/lse.npy"));
+  // A link to nothing is refused by name, before the run.
+  fs::create_directory_symlink("nowhere", dir + "/dangling");
+  const CommandResult d = run_ctxpar(kSmall + "--out " + dir + "/dangling");
+  EXPECT_EQ(d.exit_code, 2) << d.err;
+  EXPECT_NE(d.err.find("--out " + dir + "/dangling is a symbolic link to no folder"),
+            std::string::npos) << d.err;
+  fs::remove_all(dir);
+}
+
+// The results folder gets the mode the umask gives any new folder (it was 0700 always).
+TEST(CliOutputs, OutFolderHonoursTheUmask) {
+  const std::string dir = temp_dir("out_umask");
+  for (const auto& [mask, mode] : {std::pair{"022", 0755}, std::pair{"077", 0700}}) {
+    SCOPED_TRACE(mask);
+    const std::string out = dir + "/res" + mask;
+    ASSERT_EQ(run_shell(std::string("umask ") + mask + "; " + ctxpar_path() + " " + kSmall +
+                        "--out " + out).exit_code, 0);
+    struct stat st = {};
+    ASSERT_EQ(::stat(out.c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, mode);
+  }
+  fs::remove_all(dir);
+}
+
+// A run killed while writing leaves its hidden folder; the next run for the same --out
+// removes it (ours by name, its pid dead), and nothing else.
+TEST(CliOutputs, HiddenFoldersOfKilledRunsAreRemoved) {
+  const std::string dir = temp_dir("out_stale"), out = dir + "/res";
+  CommandResult r = run_shell("CTXPAR_OUT_FAULT=before-swap " + fault_ctxpar_path() + " " +
+                              kSmall + "--out " + out);
+  ASSERT_EQ(r.exit_code, 128 + 9) << r.err;
+  auto hidden = [&] {
+    int n = 0;
+    for (const auto& e : fs::directory_iterator(dir))
+      n += e.path().filename().string().rfind(".res.ctxpar-new.", 0) == 0;
+    return n;
+  };
+  ASSERT_EQ(hidden(), 1) << "the killed run left no hidden folder to clean";
+  // Not stale: a running process's (this test's own pid, this host).
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  const std::string live = dir + "/.res.ctxpar-new." + std::to_string(getpid()) + "-" + host +
+                           ".abcdef";
+  fs::create_directories(live);
+  fs::create_directories(dir + "/.other.ctxpar-new.1-" + host + ".abcdef");  // another --out's
+  r = run_ctxpar(kSmall + "--out " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(hidden(), 1) << "the killed run's folder is still there";
+  EXPECT_TRUE(fs::exists(live));
+  EXPECT_TRUE(fs::exists(dir + "/.other.ctxpar-new.1-" + host + ".abcdef"));
+  fs::remove_all(dir);
+}
+
+// The fault hooks are compiled into the test build (ctxpar-faults) only: the release binary
+// ignores them.
+TEST(CliOutputs, ReleaseBinaryHasNoFaultHooks) {
+  const std::string dir = temp_dir("no_hooks");
+  CommandResult r = run_shell("CTXPAR_FAULT_RANK=0 CTXPAR_OUT_FAULT=before-swap " +
+                              ctxpar_path() + " " + kSmall + "--ranks 2 --out " + dir + "/res");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(fs::exists(dir + "/res/out.npy"));
+  r = run_shell("CTXPAR_FAULT_RANK=0 " + fault_ctxpar_path() + " " + kSmall + "--ranks 2");
+  EXPECT_EQ(r.exit_code, 1) << r.err;  // the test build does fail on purpose
+  fs::remove_all(dir);
+}
+
+// A bad CTXPAR_* variable is a usage error: exit 2 naming it, before anything runs (not a
+// rank's failure, exit 1).
+TEST(CliOutputs, BadEnvironmentVariableExits2) {
+  const std::pair<const char*, const char*> bad[] = {
+      {"CTXPAR_SIMD=bogus", "CTXPAR_SIMD=bogus"},
+      {"CTXPAR_ULYSSES_GROUPS=0", "CTXPAR_ULYSSES_GROUPS must be an integer in [1, 1024]"},
+      {"CTXPAR_MEMORY_LIMIT_BYTES=abc", "CTXPAR_MEMORY_LIMIT_BYTES must be"},
+#ifdef CTXPAR_HAVE_MPI
+      {"CTXPAR_MPI_INIT_TIMEOUT=inf", "CTXPAR_MPI_INIT_TIMEOUT must be"},
+      {"CTXPAR_MPI_PROGRESS=bogus", "CTXPAR_MPI_PROGRESS must be"},
+      {"CTXPAR_MPI_PROGRESS_US=0", "CTXPAR_MPI_PROGRESS_US must be"},
+#endif
+  };
+  for (const auto& [env, message] : bad) {
+    SCOPED_TRACE(env);
+    const CommandResult r = run_shell(std::string(env) + " " + ctxpar_path() + " " + kSmall +
+                                      "--strategy ulysses --ranks 2");
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+  }
+}
+
+}  // namespace
+}  // namespace ctxpar::test
