@@ -20,6 +20,11 @@
 
 namespace ctxpar {
 
+// The kernel's query and key tile edge (scalar and SIMD paths alike): masked-tile skipping,
+// tile statistics and the ring's last-hop pieces (ring_last_hop_cuts) are whole tiles of it;
+// `ctxpar plan --hardware local` models the same tile.
+constexpr int64_t kKernelTile = 64;
+
 struct KernelConfig {
   int threads = 1;      // OpenMP threads inside this rank (over batch, head, query tile)
   float scale = 0.0f;   // softmax scale; 0 means 1/sqrt(D)

@@ -25,6 +25,13 @@ enum class LayoutKind { contiguous, zigzag, striped };
 const char* layout_name(LayoutKind k);
 LayoutKind parse_layout(const std::string& name);  // throws ctxpar::Error listing valid names
 
+// Tokens per unit the layout cuts the sequence into: P, or 2P for zigzag. T is padded up to a
+// multiple of it (Layout::padded_tokens()); the planner and the bindings use the same rule.
+int64_t layout_granule(LayoutKind kind, int ranks);
+// T rounded up to the granule: what Layout(kind, T, P).padded_tokens() holds. Throws
+// ctxpar::Error for T < 1, P < 1 or a T too large to round up.
+int64_t layout_padded_tokens(LayoutKind kind, int64_t tokens, int ranks);
+
 class Layout {
  public:
   // Throws ctxpar::Error for T < 1 or P < 1.

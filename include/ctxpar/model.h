@@ -40,6 +40,7 @@ struct TrainConfig {
   int dp = 1, cp = 1;       // dp * cp must equal the communicator's size
   StrategyKind strategy = StrategyKind::ring;
   int ulysses_degree = 0;
+  int ulysses_groups = 0;   // StrategyOptions::ulysses_groups (0: the strategy's default)
   DeviceOptions device;     // each rank's device for attention (cpu | sim)
   LayoutKind layout = LayoutKind::zigzag;
   int threads = 1;          // BLAS and kernel threads per rank

@@ -75,6 +75,13 @@ inline int64_t layers_per_stage(const PlanInput& in) {
   return (in.model.layers + in.pp - 1) / in.pp;
 }
 
+// The sequence length the plan models: seq padded to the layout's granule (P, or 2P for
+// zigzag), as the runtime pads it: layout_padded_tokens() (layout.h). Any seq >= 1 plans.
+int64_t plan_padded_seq(const PlanInput& in);
+// The all-gather head groups the plan models: the runtime's own rule,
+// allgather_head_groups() (strategy.h), on the KV heads one device holds after tp.
+int64_t plan_allgather_groups(const PlanInput& in);
+
 // ---- memory ----------------------------------------------------------------------------
 struct MemoryBreakdown {
   double weights = 0, gradients = 0, optimizer = 0;
@@ -235,7 +242,8 @@ struct Plan {
   FlopCount flops;
   std::vector<CommVolume> comm;           // ring, allgather, ulysses, hybrid
   MinBlock min_block;
-  int64_t block_tokens = 0;               // this plan's per-rank block (T / cp)
+  int64_t padded_seq = 0;                 // plan_padded_seq(input): the length the runtime cuts
+  int64_t block_tokens = 0;               // this plan's per-rank block (padded_seq / cp)
   RingSimulation ring;                    // one layer
   double ring_seconds_accumulator_before = 0;  // the same with accumulator_before_compute on
   std::vector<StrategyEstimate> compare;  // ranked, fastest first (valid ones)

@@ -27,10 +27,17 @@ enum class StrategyKind { ring, allgather, ulysses, hybrid };
 const char* strategy_name(StrategyKind k);
 StrategyKind parse_strategy(const std::string& name);  // throws listing the valid names
 
+constexpr int kMaxUlyssesGroups = 1024;  // StrategyOptions::ulysses_groups
+
 struct StrategyOptions {
   StrategyKind kind = StrategyKind::ring;
   int ulysses_degree = 0;  // hybrid: ranks per Ulysses group u (must divide P); 0 = P
   int head_groups = 0;     // allgather: K/V gathered in this many head groups; 0 = auto
+  // ulysses (and hybrid's Ulysses step): the most head groups its all-to-alls are pipelined
+  // over, 1..kMaxUlyssesGroups (1 = no pipeline); 0 = the default (ulysses 4, hybrid 1). It
+  // decides which messages are sent, not the answer (docs/ulysses.md). The ctxpar command
+  // fills it from CTXPAR_ULYSSES_GROUPS; the library reads no environment.
+  int ulysses_groups = 0;
   Mask mask;
   KernelConfig kernel;
   DeviceOptions device;    // each rank makes its own device of this kind (default: cpu)
@@ -54,6 +61,10 @@ struct StrategyStats {
 // (KV heads that do not split are replicated). All-gather's head groups must divide Hkv.
 std::string ulysses_heads_rule(int64_t hq, int ranks);
 std::string allgather_head_groups_rule(int64_t hkv, int head_groups);
+// The head groups all-gather runs in: head_groups when > 0, else the largest divisor of Hkv
+// that is <= 4 (the first group's gather is exposed, the rest overlap). The planner models
+// the same (src/plan/plan.cc, comm_volume.cc).
+int64_t allgather_head_groups(int64_t hkv, int head_groups = 0);
 // The ring backward sends its last hop home in pieces of key rows (Note [Pipelined last hop]
 // in src/strategy/ring.cc): piece c is rows [cuts[c], cuts[c+1]) of `key_rows`, up to 8
 // pieces of at least 512 rows, in whole 64-row kernel tiles (the last may be shorter). The

@@ -85,7 +85,8 @@ Layout shard_layout(LayoutKind kind, int64_t local_tokens, int ranks) {
     throw nb::value_error(detail::concat(
         "q: ", local_tokens, " tokens per rank x ", ranks, " ranks cannot be cut by the ",
         layout_name(kind), " layout (it needs T % ", kind == LayoutKind::zigzag ? "2P" : "P",
-        " == 0: an even number of tokens per rank); pad the sequence, or use ctxpar.attention "
+        " == 0, a multiple of ", layout_granule(kind, ranks),
+        ": an even number of tokens per rank); pad the sequence, or use ctxpar.attention "
         "on whole tensors, which pads internally").c_str());
   return layout;
 }
@@ -263,6 +264,19 @@ void bind_attention(nb::module_& m) {
   });
   m.def("_reference", &reference_forward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("args"), nb::arg("naive32") = false);
+  // The one home of the accuracy rule and of the layout's granule (ctxpar/reference.h,
+  // ctxpar/layout.h), for ctxpar.testing and ctxpar.torch.
+  m.def("_accuracy_tolerance",
+        [](double naive_error, double ref_max, double floor_rel) {
+          return reference::accuracy_tolerance(naive_error, ref_max, floor_rel);
+        },
+        nb::arg("naive_error"), nb::arg("ref_max"),
+        nb::arg("floor_rel") = reference::kAccuracyFloor);
+  m.def("_layout_granule",
+        [](const std::string& layout, int ranks) {
+          return layout_granule(parse_layout(layout), ranks);
+        },
+        nb::arg("layout"), nb::arg("ranks"));
   m.def("_layout_positions", &layout_positions, nb::arg("layout"), nb::arg("tokens"),
         nb::arg("ranks"), nb::arg("rank"));
 }

@@ -160,7 +160,7 @@ def _check_buffers(comm, buffers, dims, layout):
                 f"{tuple(buffers[0].shape)}); every buffer's seq dim must hold the same sequence "
                 "(is the dim right?)")
     P = comm.size
-    unit = 2 * P if layout == "zigzag" else P
+    unit = _ctxpar._layout_granule(layout, P)
     if T % unit != 0:
         raise ValueError(f"buffers: the sequence of {T} tokens (buffers[0] dim {dims[0]}) cannot be "
                          f"cut into {P} equal shards by the {layout} layout (it needs T % {unit} "

@@ -9,7 +9,7 @@
 namespace ctxpar::kernel {
 
 namespace {
-constexpr int64_t kTile = 64;
+constexpr int64_t kTile = kKernelTile;
 }
 
 KernelStats backward_scalar(const Problem& p, const TensorView& q, const Tokens& q_tokens,

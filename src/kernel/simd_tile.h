@@ -30,7 +30,7 @@ namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
 
-constexpr int64_t kTile = 64;  // query and key tile (same as the scalar path: same tile stats)
+constexpr int64_t kTile = kKernelTile;  // query and key tile (the scalar path's: same tile stats)
 constexpr float kLog2e = 1.4426950408889634f;
 
 inline int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }

@@ -25,12 +25,20 @@ LayoutKind parse_layout(const std::string& name) {
   throw Error("unknown layout '" + name + "': use contiguous, zigzag or striped");
 }
 
-namespace {
-
-// Tokens per "unit" the layout cuts the sequence into: T is padded up to a multiple of it.
-int64_t granule(LayoutKind kind, int ranks) {
+int64_t layout_granule(LayoutKind kind, int ranks) {
   return kind == LayoutKind::zigzag ? 2 * int64_t(ranks) : int64_t(ranks);
 }
+
+int64_t layout_padded_tokens(LayoutKind kind, int64_t tokens, int ranks) {
+  CTXPAR_CHECK(ranks >= 1, "layout: ranks must be >= 1, got ", ranks);
+  CTXPAR_CHECK(tokens >= 1, "layout: the sequence needs at least one token, got T = ", tokens);
+  const int64_t g = layout_granule(kind, ranks);
+  CTXPAR_CHECK(tokens <= std::numeric_limits<int64_t>::max() - g, "layout: T = ", tokens,
+               " is too large");
+  return (tokens + g - 1) / g * g;
+}
+
+namespace {
 
 // The runs [global_begin, global_end) that rank r holds, in increasing order. Every layout is
 // a few runs (contiguous 1, zigzag 2) or many runs of one token (striped).
@@ -67,12 +75,7 @@ void check_token_dim(const TensorView& t, int token_dim, int64_t expected, const
 
 Layout::Layout(LayoutKind kind, int64_t tokens, int ranks)
     : kind_(kind), tokens_(tokens), ranks_(ranks) {
-  CTXPAR_CHECK(ranks >= 1, "layout: ranks must be >= 1, got ", ranks);
-  CTXPAR_CHECK(tokens >= 1, "layout: the sequence needs at least one token, got T = ", tokens);
-  const int64_t g = granule(kind, ranks);
-  CTXPAR_CHECK(tokens <= std::numeric_limits<int64_t>::max() - g, "layout: T = ", tokens,
-               " is too large");
-  padded_ = (tokens + g - 1) / g * g;
+  padded_ = layout_padded_tokens(kind, tokens, ranks);
 }
 
 std::vector<int64_t> Layout::positions(int rank) const {

@@ -158,6 +158,7 @@ TrainResult train(Communicator& world, const TrainConfig& config,
   StrategyOptions so;
   so.kind = config.strategy;
   so.ulysses_degree = config.ulysses_degree;
+  so.ulysses_groups = config.ulysses_groups;
   so.mask = Mask::causal_mask();
   so.kernel.threads = config.threads;
   so.device = config.device;

@@ -85,10 +85,7 @@ CommVolume attention_comm_bytes(StrategyKind kind, int P, int ulysses_degree, in
     case StrategyKind::ring: return ring(P, z);
     case StrategyKind::allgather: {
       // As src/strategy/allgather.cc: the largest divisor of Hkv up to 4 unless given.
-      int g = head_groups;
-      if (g <= 0)
-        for (g = 4; g > 1 && kv_heads % g != 0; --g) {
-        }
+      const int g = static_cast<int>(allgather_head_groups(kv_heads, head_groups));
       CTXPAR_CHECK(kv_heads % g == 0, "allgather: head groups ", g, " must divide kv heads ",
                    kv_heads);
       return allgather(P, z, g);

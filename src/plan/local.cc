@@ -135,7 +135,7 @@ double ring_shift_seconds(Communicator& comm, size_t bytes, int warmup, int repe
 void measure_over_comm(const LocalOptions& o, Communicator& comm, LocalMeasurement& m) {
   CTXPAR_CHECK(comm.size() == o.ranks, "local hardware: mpirun started ", comm.size(),
                " processes but the plan has ", o.ranks, " context-parallel ranks; use mpirun -n ",
-               o.ranks, " (or --cp ", comm.size(), ")");
+               o.ranks, " (or plan for ", comm.size(), " context-parallel ranks)");
   const KernelRates mine = rates_of_one_rank(o, comm.rank(), [&] { comm.barrier(); });
   double sums[2] = {mine.forward, mine.backward};
   comm.allreduce(sums, 2);

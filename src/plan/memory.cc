@@ -11,29 +11,28 @@ void validate(const PlanInput& in) {
   const ModelSpec& m = in.model;
   CTXPAR_CHECK(m.layers > 0 && m.hidden > 0 && m.heads > 0 && m.kv_heads > 0 && m.head_dim > 0 &&
                    m.ffn > 0 && m.vocab > 0,
-               "model: --layers --hidden --heads --kv-heads --head-dim --ffn --vocab must all be "
-               "> 0 (or use --model)");
-  CTXPAR_CHECK(m.heads % m.kv_heads == 0, "model: --heads (", m.heads,
-               ") must be a multiple of --kv-heads (", m.kv_heads, ")");
-  CTXPAR_CHECK(in.seq > 0, "--seq must be > 0 (or give --video-hours)");
-  CTXPAR_CHECK(in.batch > 0, "--batch must be > 0");
+               "model: layers, hidden, heads, kv_heads, head_dim, ffn and vocab must all be > 0 "
+               "(or use a model preset)");
+  CTXPAR_CHECK(m.heads % m.kv_heads == 0, "model: heads (", m.heads,
+               ") must be a multiple of kv_heads (", m.kv_heads, ")");
+  CTXPAR_CHECK(in.seq > 0, "plan: seq must be > 0");
+  CTXPAR_CHECK(in.batch > 0, "plan: batch must be > 0");
   CTXPAR_CHECK(in.dp >= 1 && in.cp >= 1 && in.tp >= 1 && in.pp >= 1,
-               "--dp --cp --tp --pp must be >= 1");
-  CTXPAR_CHECK(m.heads % in.tp == 0, "--tp ", in.tp, " must divide the query heads (", m.heads, ")");
-  CTXPAR_CHECK(m.kv_heads % in.tp == 0 || in.tp % m.kv_heads == 0, "--tp ", in.tp,
+               "plan: dp, cp, tp and pp must be >= 1");
+  CTXPAR_CHECK(m.heads % in.tp == 0, "plan: tp = ", in.tp, " must divide the query heads (",
+               m.heads, ")");
+  CTXPAR_CHECK(m.kv_heads % in.tp == 0 || in.tp % m.kv_heads == 0, "plan: tp = ", in.tp,
                " must divide the KV heads (", m.kv_heads, ") or be a multiple of them");
-  CTXPAR_CHECK(in.pp <= m.layers, "--pp ", in.pp, " must not exceed --layers (", m.layers, ")");
-  CTXPAR_CHECK(in.zero >= 0 && in.zero <= 3, "--zero must be 0, 1, 2 or 3, got ", in.zero);
-  CTXPAR_CHECK(in.dtype == DType::bf16 || in.dtype == DType::f32, "--dtype must be bf16 or fp32");
-  const int64_t parts = in.layout == LayoutKind::zigzag ? 2 * int64_t{in.cp} : in.cp;
-  CTXPAR_CHECK(in.seq % parts == 0, layout_name(in.layout), " layout needs seq % ",
-               in.layout == LayoutKind::zigzag ? "2cp" : "cp", " == 0: seq = ", in.seq,
-               ", cp = ", in.cp);
+  CTXPAR_CHECK(in.pp <= m.layers, "plan: pp = ", in.pp, " must not exceed the model's layers (",
+               m.layers, ")");
+  CTXPAR_CHECK(in.zero >= 0 && in.zero <= 3, "plan: zero must be 0, 1, 2 or 3, got ", in.zero);
+  CTXPAR_CHECK(in.dtype == DType::bf16 || in.dtype == DType::f32, "plan: dtype must be bf16 or fp32");
+  // Any seq: the layout pads it to its granule, as the runtime does (plan_padded_seq).
   const HardwareSpec& h = in.hardware;
   CTXPAR_CHECK(h.flops > 0 && h.mem_gb > 0 && h.intra.gbytes_per_second > 0 &&
                    h.inter.gbytes_per_second > 0 && h.devices_per_node >= 1,
-               "hardware: --flops, --mem-gb and link bandwidths must be > 0 (or use --hardware)");
-  CTXPAR_CHECK(h.efficiency > 0 && h.efficiency <= 1, "--efficiency must be in (0, 1]");
+               "hardware: flops, mem_gb and link bandwidths must be > 0 (or use a hardware preset)");
+  CTXPAR_CHECK(h.efficiency > 0 && h.efficiency <= 1, "hardware: efficiency must be in (0, 1]");
 }
 
 namespace {
@@ -42,6 +41,10 @@ int64_t kv_heads_per_device(const PlanInput& in) {
   return std::max<int64_t>(1, in.model.kv_heads / in.tp);  // replicated when tp > kv heads
 }
 }  // namespace
+
+int64_t plan_padded_seq(const PlanInput& in) {
+  return layout_padded_tokens(in.layout, in.seq, in.cp);
+}
 
 MemoryBreakdown plan_memory(const PlanInput& in) {
   validate(in);
@@ -64,7 +67,7 @@ MemoryBreakdown plan_memory(const PlanInput& in) {
   // Saved activations per layer, per local token (sequence-parallel TP shards all of them):
   // norm-1 in and out, Q, K, V, attention out, norm-2 in and out, gate, up, gate*up, and the
   // fp32 LSE the flash-style backward needs. No score matrix is ever stored.
-  const double tokens = static_cast<double>(in.batch) * (in.seq / in.cp);
+  const double tokens = static_cast<double>(in.batch) * (plan_padded_seq(in) / in.cp);
   const double qd = static_cast<double>(m.heads) * m.head_dim;
   const double kvd = static_cast<double>(m.kv_heads) * m.head_dim;
   const double per_token = s * (4.0 * m.hidden + 2 * qd + 2 * kvd + 3.0 * m.ffn) + 4.0 * m.heads;

@@ -105,7 +105,7 @@ StrategyEstimate estimate(const PlanInput& in, StrategyKind kind, const RingSimu
     case StrategyKind::allgather: {
       // K, V of every rank gathered in g head groups: the first group's gather is exposed,
       // the rest hides behind the previous group's compute; dK, dV reduce-scatter at the end.
-      const int g = static_cast<int>(std::min<int64_t>(hkv, 4));
+      const int g = static_cast<int>(plan_allgather_groups(in));
       const double kv = in.batch * (T / P) * hkv * in.model.head_dim * static_cast<double>(s);
       const LinkSpec slow = slowest_link(in, P, 1);
       const double gather = P > 1 ? (P - 1) * slow.seconds(2 * kv) : 0;
@@ -159,10 +159,8 @@ StrategyEstimate estimate(const PlanInput& in, StrategyKind kind, const RingSimu
 }
 
 int smallest_cp_that_fits(PlanInput in) {
-  in.layout = LayoutKind::contiguous;  // memory does not depend on the layout
   for (int cp = 1; cp <= (1 << 16); cp *= 2) {
-    if (in.seq % cp != 0) return 0;
-    in.cp = cp;
+    in.cp = cp;  // seq padded to this cp's granule, as the runtime would (plan_padded_seq)
     if (plan_memory(in).fits) return cp;
   }
   return 0;
@@ -170,12 +168,21 @@ int smallest_cp_that_fits(PlanInput in) {
 
 }  // namespace
 
-Plan make_plan(const PlanInput& in, bool compare) {
-  validate(in);
+int64_t plan_allgather_groups(const PlanInput& in) {
+  return allgather_head_groups(kv_per_device(in));
+}
+
+Plan make_plan(const PlanInput& given, bool compare) {
+  validate(given);
   Plan p;
-  p.input = in;
-  p.memory = plan_memory(in);
-  p.flops = plan_flops(in);
+  p.input = given;
+  p.padded_seq = plan_padded_seq(given);
+  // The attention models run on the padded sequence the runtime cuts (padding tokens are
+  // modelled as real ones: at most granule - 1 of them).
+  PlanInput in = given;
+  in.seq = p.padded_seq;
+  p.memory = plan_memory(given);
+  p.flops = plan_flops(given);
   const int64_t hq = in.model.heads / in.tp, hkv = kv_per_device(in);
   const size_t s = dtype_size(in.dtype);
   const double layers = static_cast<double>(layers_per_stage(in));
@@ -213,12 +220,12 @@ Plan make_plan(const PlanInput& in, bool compare) {
   });
   for (const auto& e : p.compare)
     if (e.strategy == in.strategy) {
-      CTXPAR_CHECK(e.valid, "--strategy ", strategy_name(e.strategy), ": ", e.why_invalid,
-                   " (try --strategy ring, or --compare)");
+      CTXPAR_CHECK(e.valid, "plan: strategy ", strategy_name(e.strategy), ": ", e.why_invalid,
+                   " (try the ring strategy, or compare every strategy)");
       p.step_seconds = p.dense_seconds + e.attention_seconds;
     }
-  p.cp_to_fit = smallest_cp_that_fits(in);
-  PlanInput rc = in;
+  p.cp_to_fit = smallest_cp_that_fits(given);
+  PlanInput rc = given;
   rc.recompute = Recompute::full;
   p.cp_to_fit_recompute = smallest_cp_that_fits(rc);
   return p;

@@ -100,8 +100,8 @@ double LinkSpec::seconds(double bytes) const {
 
 ModelSpec model_preset(const std::string& name) {
   auto it = models().find(name);
-  CTXPAR_CHECK(it != models().end(), "--model: unknown preset '", name,
-               "'; valid: ", names_of(models()), " (or give --layers --hidden --heads ...)");
+  CTXPAR_CHECK(it != models().end(), "model: unknown preset '", name, "'; valid: ",
+               names_of(models()));
   return it->second;
 }
 
@@ -113,9 +113,8 @@ std::vector<std::string> model_preset_names() {
 
 HardwareSpec hardware_preset(const std::string& name) {
   auto it = hardware().find(name);
-  CTXPAR_CHECK(it != hardware().end(), "--hardware: unknown preset '", name,
-               "'; valid: ", names_of(hardware(), "local"),
-               " (or give --flops --mem-gb --link-gbps --latency-us)");
+  CTXPAR_CHECK(it != hardware().end(), "hardware: unknown preset '", name,
+               "'; valid: ", names_of(hardware(), "local"));
   return it->second;
 }
 
@@ -127,19 +126,19 @@ std::vector<std::string> hardware_preset_names() {
 }
 
 int64_t video_tokens(double hours, double fps, int64_t tokens_per_frame) {
-  CTXPAR_CHECK(hours > 0, "--video-hours must be > 0, got ", hours);
-  CTXPAR_CHECK(fps > 0, "--fps must be > 0, got ", fps);
-  CTXPAR_CHECK(tokens_per_frame > 0, "--tokens-per-frame must be > 0, got ", tokens_per_frame);
-  // Checked: frames x tokens per frame wrapped int64 before (--video-hours 488671.83456713834
-  // --fps 1e4 --tokens-per-frame 1M is (2^44 + 1) x 2^20 tokens and came out as 2^20).
+  CTXPAR_CHECK(hours > 0, "video_tokens: hours must be > 0, got ", hours);
+  CTXPAR_CHECK(fps > 0, "video_tokens: fps must be > 0, got ", fps);
+  CTXPAR_CHECK(tokens_per_frame > 0, "video_tokens: tokens_per_frame must be > 0, got ",
+               tokens_per_frame);
+  // Checked: frames x tokens per frame wrapped int64 before (hours 488671.83456713834, fps
+  // 1e4, 2^20 tokens per frame is (2^44 + 1) x 2^20 tokens and came out as 2^20).
   const double frames = std::floor(hours * 3600.0 * fps + 0.5);  // as rounded before
   int64_t tokens = 0;
   if (!(frames < 0x1p62) ||
       __builtin_mul_overflow(static_cast<int64_t>(frames), tokens_per_frame, &tokens))
     throw Error(detail::concat(
-        "--video-hours x 3600 x --fps x --tokens-per-frame is ", frames * double(tokens_per_frame),
-        " tokens, past int64 (more than the largest --seq); lower --video-hours, --fps or "
-        "--tokens-per-frame"));
+        "video_tokens: hours x 3600 x fps x tokens_per_frame is ",
+        frames * double(tokens_per_frame), " tokens, past int64; lower one of them"));
   return tokens;
 }
 

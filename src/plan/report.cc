@@ -153,7 +153,9 @@ std::string plan_table(const Plan& p) {
     << " x " << in.hardware.efficiency << ", " << fixed(in.hardware.mem_gb, 1) << " GB, links "
     << in.hardware.intra.gbytes_per_second << " / " << in.hardware.inter.gbytes_per_second
     << " GB/s)\n";
-  o << "sequence " << in.seq << " tokens x batch " << in.batch << ", mesh dp " << in.dp
+  o << "sequence " << in.seq << " tokens"
+    << (p.padded_seq > in.seq ? " (padded to " + std::to_string(p.padded_seq) + ")" : "")
+    << " x batch " << in.batch << ", mesh dp " << in.dp
     << " cp " << in.cp << " tp " << in.tp << " pp " << in.pp << " ("
     << int64_t{in.dp} * in.cp * in.tp * in.pp << " devices), " << strategy_name(in.strategy)
     << " / " << layout_name(in.layout) << (in.causal ? " causal" : " full") << ", "

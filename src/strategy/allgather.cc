@@ -15,13 +15,6 @@ namespace {
 
 constexpr int kReduceTag = 8192;  // reduce-scatter messages: kReduceTag + group; gather: group
 
-// Largest divisor of hkv that is <= 4: the first group's gather is exposed, the rest overlap.
-int64_t auto_groups(int64_t hkv) {
-  for (int64_t g = 4; g > 1; --g)
-    if (hkv % g == 0) return g;
-  return 1;
-}
-
 // One head group's gathered K/V: chunks[j] is rank j's (empty for this rank: read in place),
 // complete for the compute stream after `arrived`; `sent` are this rank's packed copies.
 struct Gathered {
@@ -154,7 +147,7 @@ class AllGatherStrategy final : public Strategy {
 
  private:
   int64_t groups_of(const Dims& dims) const {
-    return options_.head_groups > 0 ? options_.head_groups : auto_groups(dims.hkv);
+    return allgather_head_groups(dims.hkv, options_.head_groups);
   }
   std::string check_groups(const Dims& dims) const {
     const std::string e = allgather_head_groups_rule(dims.hkv, options_.head_groups);

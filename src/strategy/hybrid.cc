@@ -34,7 +34,8 @@ class HybridStrategy final : public Strategy {
                     [&](const TensorView& qf, const TensorView& kf, const TensorView& vf,
                         const Tokens& tf, const TensorView& of, const TensorView& lf) {
                       ring_forward(*ring_, run, qf, tf, kf, vf, tf, of, lf);
-                    });
+                    },
+                    groups_limit(options_, 1));
     call.finish();
     agree_outputs(comm_, "hybrid forward", check_forward_outputs(out, lse, tokens));
   }
@@ -56,7 +57,8 @@ class HybridStrategy final : public Strategy {
             const TensorView& dof, const TensorView& lf, const TensorView& df,
             const TensorView& dqf, const TensorView& dkf, const TensorView& dvf) {
           ring_backward(*ring_, run, qf, tf, kf, vf, tf, dof, lf, df, dqf, dkf, dvf);
-        });
+        },
+        groups_limit(options_, 1));
     call.finish();
     agree_outputs(comm_, "hybrid backward", check_backward_outputs(dq, dk, dv, tokens));
   }

@@ -201,8 +201,8 @@ void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Toke
 //                   out [B, T, Hq/P, D] (out's dtype), lse [B, Hq/P, T]
 //   backward inner: (q, k, v, tokens, dout, lse, delta, dq, dk, dv), dq/dk/dv fp32 zeroed.
 // The inner runs once per head group (docs/ulysses.md: the all-to-alls of the others travel
-// meanwhile), on that group's heads; `groups` is the most groups unless CTXPAR_ULYSSES_GROUPS
-// says otherwise (hybrid keeps 1: a ring inside would send its token ids once per group).
+// meanwhile), on that group's heads; `max_groups` is the most groups: groups_limit() below
+// (hybrid keeps 1 by default: a ring inside would send its token ids once per group).
 using UlyssesForwardInner =
     std::function<void(const TensorView&, const TensorView&, const TensorView&, const Tokens&,
                        const TensorView&, const TensorView&)>;
@@ -210,15 +210,19 @@ using UlyssesBackwardInner = std::function<void(
     const TensorView&, const TensorView&, const TensorView&, const Tokens&, const TensorView&,
     const TensorView&, const TensorView&, const TensorView&, const TensorView&, const TensorView&)>;
 
+// StrategyOptions::ulysses_groups when given (> 0), else the strategy's default.
+inline int groups_limit(const StrategyOptions& options, int by_default) {
+  return options.ulysses_groups > 0 ? options.ulysses_groups : by_default;
+}
 void ulysses_forward(Communicator& comm, Run& run, const Dims& dims, const TensorView& q,
                      const TensorView& k, const TensorView& v, const Tokens& tokens,
                      const TensorView& out, const TensorView& lse,
-                     const UlyssesForwardInner& inner, int groups = 1);
+                     const UlyssesForwardInner& inner, int max_groups = 1);
 void ulysses_backward(Communicator& comm, Run& run, const Dims& dims, const TensorView& q,
                       const TensorView& k, const TensorView& v, const Tokens& tokens,
                       const TensorView& out, const TensorView& lse, const TensorView& dout,
                       const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                      const UlyssesBackwardInner& inner, int groups = 1);
+                      const UlyssesBackwardInner& inner, int max_groups = 1);
 
 // ---- factories (one per file) -------------------------------------------------------------
 
@@ -226,10 +230,5 @@ std::unique_ptr<Strategy> make_ring(Communicator& comm, const StrategyOptions& o
 std::unique_ptr<Strategy> make_allgather(Communicator& comm, const StrategyOptions& options);
 std::unique_ptr<Strategy> make_ulysses(Communicator& comm, const StrategyOptions& options);
 std::unique_ptr<Strategy> make_hybrid(Communicator& comm, const StrategyOptions& options);
-
-// CTXPAR_ULYSSES_GROUPS (ulysses.cc): the most head groups Ulysses pipelines its all-to-alls
-// over, else `by_default`; a bad value throws ctxpar::Error naming the variable. The CLI calls
-// it before any rank starts, so a bad value is a usage error (exit 2), not a rank's failure.
-int groups_limit(int by_default);
 
 }  // namespace ctxpar::strategy

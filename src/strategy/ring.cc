@@ -253,7 +253,7 @@ std::unique_ptr<Strategy> make_ring(Communicator& comm, const StrategyOptions& o
 namespace ctxpar {
 
 std::vector<int64_t> ring_last_hop_cuts(int64_t key_rows) {
-  constexpr int64_t kPieceRows = 64;  // a multiple of the kernel's key tile
+  constexpr int64_t kPieceRows = kKernelTile;  // whole kernel key tiles
   constexpr int64_t kMaxPieces = 8;
   // Each piece is one more kernel call, which packs the query rows again (what that costs the
   // backward: docs/ring.md), so a piece has at least 512 rows; the exposed share of the hop is

@@ -45,6 +45,10 @@ std::unique_ptr<Strategy> Strategy::create(Communicator& comm, const StrategyOpt
                            " (ulysses groups of u ranks x ring over P/u groups)");
   else if (options.head_groups < 0)
     error = detail::concat("head_groups: expected >= 0 (0 = auto), got ", options.head_groups);
+  else if (options.ulysses_groups < 0 || options.ulysses_groups > kMaxUlyssesGroups)
+    error = detail::concat("ulysses_groups: expected 0 (the default) or 1..", kMaxUlyssesGroups,
+                           " (the most head groups Ulysses pipelines its all-to-alls over), got ",
+                           options.ulysses_groups);
   else if (options.kernel.threads < 1)
     error = detail::concat("kernel.threads: expected >= 1, got ", options.kernel.threads);
   strategy::agree(comm, std::string(strategy_name(options.kind)) + " create", error,
@@ -71,6 +75,13 @@ std::string allgather_head_groups_rule(int64_t hkv, int head_groups) {
   if (head_groups > 0 && hkv % head_groups != 0)
     return detail::concat("head_groups = ", head_groups, " must divide the kv heads Hkv = ", hkv);
   return "";
+}
+
+int64_t allgather_head_groups(int64_t hkv, int head_groups) {
+  if (head_groups > 0) return head_groups;
+  for (int64_t g = 4; g > 1; --g)
+    if (hkv % g == 0) return g;
+  return 1;
 }
 
 namespace strategy {
@@ -171,15 +182,9 @@ std::string check_ulysses_heads(const Dims& dims, int ranks, const char* who) {
 }
 
 namespace {
-constexpr int kEnvSlot = 16;  // the signature slot of the environment below
-// CTXPAR_ULYSSES_GROUPS sets which messages Ulysses sends (not the answer): ranks that differ
-// would mismatch their messages, so it is part of the signature, as its string's FNV-1a hash
-// (0 when unset; read without parsing, so that no rank can throw before the agreement).
-int64_t environment_signature() {
-  const char* v = std::getenv("CTXPAR_ULYSSES_GROUPS");
-  if (!v) return 0;
-  return int64_t(fnv1a64(v, std::strlen(v)) >> 1) | 1;
-}
+// ulysses_groups decides which messages Ulysses sends (not the answer): ranks that differ
+// would mismatch their messages, so it has a slot of its own and a message of its own.
+constexpr int kGroupsSlot = 16;
 }  // namespace
 
 std::vector<int64_t> signature_of(const Dims& dims, const StrategyOptions& options) {
@@ -191,8 +196,8 @@ std::vector<int64_t> signature_of(const Dims& dims, const StrategyOptions& optio
       options.mask.documents, scale_bits, dims.batch, dims.tokens, dims.hq, dims.hkv, dims.d,
       static_cast<int64_t>(dims.dtype), static_cast<int64_t>(dims.out_dtype),
       static_cast<int64_t>(options.device.kind)};
-  s.push_back(environment_signature());
-  CTXPAR_ASSERT(s.size() == kEnvSlot + 1);
+  s.push_back(options.ulysses_groups);
+  CTXPAR_ASSERT(s.size() == kGroupsSlot + 1);
   return s;
 }
 
@@ -241,10 +246,11 @@ void agree(Communicator& comm, const std::string& what, const std::string& local
     throw Error(detail::concat(what, ": invalid arguments on rank ", failed_ranks, " (of ",
                                comm.size(), "): ", all[first].message));
   for (int r = 1; r < comm.size(); ++r)
-    if (all[r].signature[kEnvSlot] != all[0].signature[kEnvSlot])
-      throw Error(detail::concat(what, ": rank ", r, " runs with another CTXPAR_ULYSSES_GROUPS "
-                                 "than rank 0 (set or unset: it decides which messages Ulysses "
-                                 "sends); give every rank the same environment"));
+    if (all[r].signature[kGroupsSlot] != all[0].signature[kGroupsSlot])
+      throw Error(detail::concat(what, ": rank ", r, " runs with another ulysses_groups (",
+                                 all[r].signature[kGroupsSlot], ") than rank 0 (",
+                                 all[0].signature[kGroupsSlot], "): it decides which messages "
+                                 "Ulysses sends; give every rank the same"));
   for (int r = 1; r < comm.size(); ++r)
     if (std::memcmp(all[r].signature, all[0].signature, sizeof(mine.signature)) != 0)
       throw Error(detail::concat(what, ": rank ", r, " was called with different shapes or options "

@@ -4,7 +4,7 @@
 //   rank r: [Tl tokens, all H heads] --all-to-all--> [all T tokens, H/P heads] --kernel-->
 //           [T, H/P] --all-to-all--> [Tl, H]
 //
-// Pipelined over up to 4 head groups (Groups below; hybrid: 1 unless CTXPAR_ULYSSES_GROUPS
+// Pipelined over up to 4 head groups (Groups below; hybrid: 1 unless options.ulysses_groups
 // asks): group g+1's all-to-all in and group g-1's all-to-all back travel while group g
 // computes; same bytes, same bits as one group.
 //
@@ -148,40 +148,22 @@ void pack_qkv(Device& dev, const HeadSplit& split, const Groups& groups, int j, 
   copy_kv_heads(dev, v, groups.kv_heads(split, j, g), to_v);
 }
 
-constexpr int kMaxGroups = 4;
-constexpr int kGroupsLimit = 1024;
+constexpr int kMaxGroups = 4;  // ulysses' default for StrategyOptions::ulysses_groups
 // User tags of the all-to-alls (in: even, back: odd), one per group and direction: pending
 // ones never match each other, nor the ring's (step, 16384 + step) on hybrid's communicators.
 constexpr int kTagBase = 1 << 19;
 int tag_in(int g) { return kTagBase + 2 * g; }
 int tag_back(int g) { return kTagBase + 2 * g + 1; }
 
-}  // namespace
-
-// CTXPAR_ULYSSES_GROUPS: the most groups (1 turns the pipeline off), else the caller's.
-int groups_limit(int by_default) {
-  const char* env = std::getenv("CTXPAR_ULYSSES_GROUPS");
-  if (!env || !*env) return by_default;
-  char* end = nullptr;
-  const long n = std::strtol(env, &end, 10);
-  CTXPAR_CHECK(*end == '\0' && n >= 1 && n <= kGroupsLimit,
-               "CTXPAR_ULYSSES_GROUPS must be an integer in [1, ", kGroupsLimit,
-               "] (the most head groups Ulysses pipelines its all-to-alls over; 1 = none), got '",
-               env, "'; unset it for the default (Ulysses ", kMaxGroups, ", hybrid 1)");
-  return int(n);
-}
-
-namespace {
-
 // The most groups up to the limit that divide hq and hk. Backward also keeps batch * hk / G
 // KV heads per kernel call >= its threads: below that the fast kernel splits a head's key
 // tiles over threads (Note [Backward tasks]) and would sum dK/dV/dQ in another order than
 // the unpipelined call; with it, every group's results are the same bits as G = 1's.
 Groups choose_groups(const HeadSplit& split, int64_t batch, int threads, bool backward,
-                     int by_default) {
+                     int limit) {
   const int64_t common = std::gcd(split.hq_local, split.hkv_local);
   Groups g;
-  for (int n = int(std::min<int64_t>(groups_limit(by_default), common)); n > 1; --n)
+  for (int n = int(std::min<int64_t>(limit, common)); n > 1; --n)
     if (common % n == 0 && (!backward || batch * split.hkv_local / n >= threads)) {
       g.count = n;
       break;
@@ -218,13 +200,13 @@ void arrive(Device& dev, const Exchange& x) { dev.wait(kComputeStream, x.done); 
 void ulysses_forward(Communicator& comm, Run& run, const Dims& dims, const TensorView& q,
                      const TensorView& k, const TensorView& v, const Tokens& tokens,
                      const TensorView& out, const TensorView& lse,
-                     const UlyssesForwardInner& inner, int groups_by_default) {
+                     const UlyssesForwardInner& inner, int max_groups) {
   // q, out [B, Tl, Hq, D]; k, v [B, Tl, Hkv, D]; lse [B, Hq, Tl]
   Device& dev = *run.dev;
   const int p = comm.size();
   const int64_t b = dims.batch, tl = dims.tokens, t = tl * p, d = dims.d;
   const HeadSplit split(dims, p);
-  const Groups groups = choose_groups(split, b, run.kernel.threads, false, groups_by_default);
+  const Groups groups = choose_groups(split, b, run.kernel.threads, false, max_groups);
   const int64_t hq = split.hq_local, gq = groups.hq, gk = groups.hk;
   const GroupTokens group = gather_tokens(comm, run, tokens, tl);
 
@@ -289,13 +271,13 @@ void ulysses_backward(Communicator& comm, Run& run, const Dims& dims, const Tens
                       const TensorView& k, const TensorView& v, const Tokens& tokens,
                       const TensorView& out, const TensorView& lse, const TensorView& dout,
                       const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                      const UlyssesBackwardInner& inner, int groups_by_default) {
+                      const UlyssesBackwardInner& inner, int max_groups) {
   // q, out, dout, dq [B, Tl, Hq, D]; k, v, dk, dv [B, Tl, Hkv, D]; lse [B, Hq, Tl]
   Device& dev = *run.dev;
   const int p = comm.size();
   const int64_t b = dims.batch, tl = dims.tokens, t = tl * p, d = dims.d;
   const HeadSplit split(dims, p);
-  const Groups groups = choose_groups(split, b, run.kernel.threads, true, groups_by_default);
+  const Groups groups = choose_groups(split, b, run.kernel.threads, true, max_groups);
   const int64_t hq = split.hq_local, gq = groups.hq, gk = groups.hk;
   const DType es = dims.dtype, eo = dims.out_dtype;
 
@@ -415,7 +397,7 @@ class UlyssesStrategy final : public Strategy {
                                         run.kernel);
                       dev.forward_finalize(kComputeStream, state.get(), of, lf, run.kernel);
                     },
-                    kMaxGroups);
+                    groups_limit(options_, kMaxGroups));
     call.finish();
     agree_outputs(comm_, "ulysses forward", check_forward_outputs(out, lse, tokens));
   }
@@ -438,7 +420,7 @@ class UlyssesStrategy final : public Strategy {
           run.dev->backward_block(kComputeStream, qf, tf, kf, vf, tf, run.mask, dof, lf, df, dqf,
                                   dkf, dvf, run.kernel);
         },
-        kMaxGroups);
+        groups_limit(options_, kMaxGroups));
     call.finish();
     agree_outputs(comm_, "ulysses backward", check_backward_outputs(dq, dk, dv, tokens));
   }

@@ -60,6 +60,30 @@ TEST(CliAttentionErrors, InvalidCombinationsExit2WithWhatWouldWork) {
   }
 }
 
+// The library reads no environment: the command reads CTXPAR_ULYSSES_GROUPS into
+// StrategyOptions::ulysses_groups, and a bad value is a usage error naming the variable,
+// before any rank starts (attention and bench cp alike).
+TEST(CliAttentionErrors, BadUlyssesGroupsVariableExitsTwo) {
+  for (const std::string bad : {"0", "x", "2x", "-1", "5000"}) {
+    for (const std::string& command :
+         {std::string("attention --seq 64 --heads 4 --ranks 2 --strategy ulysses"),
+          "bench cp --seq 64 --ranks 2 --strategy ulysses --dry-run --out " +
+              temp_dir("uly_env")}) {
+      CommandResult r = run_shell("CTXPAR_ULYSSES_GROUPS=" + bad + " " + ctxpar_path() + " " +
+                                  command);
+      EXPECT_EQ(r.exit_code, 2) << bad << ": " << command << "\n" << r.err << r.out;
+      EXPECT_NE(r.err.find("CTXPAR_ULYSSES_GROUPS must be an integer in [1, 1024]"),
+                std::string::npos)
+          << r.err;
+      EXPECT_NE(r.err.find("got '" + bad + "'"), std::string::npos) << r.err;
+    }
+  }
+  // A good value runs (and gives the default's answer: it changes only the messages).
+  CommandResult r = run_shell("CTXPAR_ULYSSES_GROUPS=2 " + ctxpar_path() +
+                              " attention --seq 64 --heads 4 --ranks 2 --strategy ulysses --check");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+}
+
 TEST(CliAttentionErrors, MalformedInputFileIsOneLineAndExit2) {
   const std::string dir = temp_dir("malformed");
   const std::string bad = dir + "/q.npy";

@@ -160,11 +160,11 @@ std::string rule_violations(const Outputs& fast, const References& refs, bool ba
   std::ostringstream fail;
   auto check = [&](const char* what, const Tensor& t, const std::vector<double>& n,
                    const std::vector<double>& r) {
-    const double floor = 1e-5 * std::max(1.0, max_abs(r));
     const double naive_err = max_err(n, r), fast_err = max_err(t, r);
-    if (!(fast_err <= 2 * naive_err + floor))
+    const double bound = reference::accuracy_tolerance(naive_err, max_abs(r));
+    if (!(fast_err <= bound))
       fail << what << ": max|fast-ref64| = " << fast_err << " > 2 * max|naive32-ref64| ("
-           << naive_err << ") + " << floor << "; ";
+           << naive_err << ") + floor = " << bound << "; ";
   };
   check("o", fast.o, refs.naive32.o, refs.ref64.o);
   check("lse", fast.lse, refs.naive32.lse, refs.ref64.lse);

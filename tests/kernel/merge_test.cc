@@ -9,11 +9,12 @@
 #include <limits>
 
 #include "ctxpar/kernel.h"
+#include "ctxpar/reference.h"
 
 namespace ctxpar {
 namespace {
 
-double floor_of(double ref) { return 1e-5 * std::max(1.0, std::fabs(ref)); }
+double floor_of(double ref) { return reference::accuracy_tolerance(0.0, std::fabs(ref)); }
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 

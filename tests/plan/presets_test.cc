@@ -77,14 +77,15 @@ TEST(Presets, VideoTokens) {
 
 // frames x tokens per frame wrapped int64 (signed overflow): 488671.83456713834 h at 1e4 fps
 // is 2^44 + 1 frames, and (2^44 + 1) x 2^20 = 2^64 + 2^20 came out as 2^20 tokens. Now refused
-// naming the options; a product that fits is still exact.
+// naming the arguments (the command names its flags: cli_io NumberRanges); a product that
+// fits is still exact.
 TEST(Presets, VideoTokensRefusesAProductPastInt64) {
   try {
     const int64_t t = video_tokens(488671.83456713834, 1e4, int64_t{1} << 20);
     FAIL() << "no throw: " << t << " tokens";
   } catch (const Error& e) {
     const std::string m = e.what();
-    for (const char* name : {"--video-hours", "--fps", "--tokens-per-frame", "int64"})
+    for (const char* name : {"hours", "fps", "tokens_per_frame", "int64"})
       EXPECT_NE(m.find(name), std::string::npos) << m;
   }
   EXPECT_THROW(video_tokens(1e300, 1, 1), Error);  // frames alone past int64

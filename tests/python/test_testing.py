@@ -55,3 +55,37 @@ def test_bad_arguments():
         check_shards([q], q, k, v, convention="megatron")
     with pytest.raises(ValueError, match=r"out_shards\[0\]: expected"):
         check_shards([q[:, :5], q[:, :5]], q, k, v)
+
+
+def test_bound_is_the_library_rule(monkeypatch):
+    """check_shards' bound is the library's accuracy_tolerance (ctxpar/reference.h), the same
+    numbers as the C++ tests and `ctxpar attention --check` use."""
+    from ctxpar import _ctxpar
+    inf = float("inf")
+    for naive, ref_max in [(1e-6, 3.0), (1e-6, 0.25), (0.0, 2.0), (inf, 2.0), (float("nan"), 2.0)]:
+        want = (2 * naive if np.isfinite(naive) else 0.0) + 1e-5 * max(1.0, ref_max)
+        assert _ctxpar._accuracy_tolerance(naive, ref_max) == want, (naive, ref_max)
+    q, k, v, _ = problem(T=T)
+    out, _ = ctxpar.attention(q, k, v, mask="causal")
+    shards = cl.shard_all(out, P, layout="zigzag", seq_dim=1)
+    report = check_shards(shards, q, k, v, causal=True)
+    from ctxpar._attention import job_args
+    ref, _ = _ctxpar._reference(q, k, v, job_args(mask="causal"))
+    assert report.bound == _ctxpar._accuracy_tolerance(report.naive32_error,
+                                                       float(np.abs(ref).max()))
+    # A naive fp32 that overflowed says nothing about fp32: the floor alone counts (it was an
+    # infinite bound, passing any finite output).
+    reference = _ctxpar._reference
+
+    def overflowed(q, k, v, args, naive32=False):
+        r, lse = reference(q, k, v, args, naive32=naive32)
+        if naive32:
+            r = np.array(r, copy=True)
+            r.flat[0] = np.inf
+        return r, lse
+
+    monkeypatch.setattr(_ctxpar, "_reference", overflowed)
+    shards[1][1, 5, 2] += 0.01
+    report = check_shards(shards, q, k, v, causal=True)
+    assert not report.ok, str(report)
+    assert report.bound < 1e-3

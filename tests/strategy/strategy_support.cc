@@ -129,7 +129,10 @@ double max_abs(const std::vector<double>& ref) {
   return m;
 }
 
-double floor_of(const std::vector<double>& ref) { return 1e-5 * std::max(1.0, max_abs(ref)); }
+// The rule's floor alone: accuracy_tolerance with no naive error.
+double floor_of(const std::vector<double>& ref) {
+  return reference::accuracy_tolerance(0.0, max_abs(ref));
+}
 
 namespace {
 double vec_err(const std::vector<double>& a, const std::vector<double>& ref) {
@@ -156,7 +159,7 @@ Errors errors_of(const RunResult& run, const References& refs, bool backward) {
 
 Errors bounds_of(const References& refs, bool backward) {
   auto bound = [](const std::vector<double>& n, const std::vector<double>& r) {
-    return 2 * vec_err(n, r) + floor_of(r);
+    return reference::accuracy_tolerance(vec_err(n, r), max_abs(r));
   };
   Errors b;
   b.o = bound(refs.naive32.o, refs.ref64.o);

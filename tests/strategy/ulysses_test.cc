@@ -1,5 +1,5 @@
 // Ulysses' pipeline over head groups (docs/ulysses.md): the same bits as one group (G = 1,
-// CTXPAR_ULYSSES_GROUPS=1) for Ulysses and hybrid, GQA and replicated KV heads, cpu and sim;
+// ulysses_groups = 1) for Ulysses and hybrid, GQA and replicated KV heads, cpu and sim;
 // the asynchronous all-to-all of the cpu device; and the overlap it buys, on the threads
 // transport's simulated link.
 #include <gtest/gtest.h>
@@ -53,7 +53,7 @@ struct GroupCase {
 
 // Every case pipelines (G > 1) at least in one direction, except the last, which checks
 // that the one-replicated-KV-head case (hk = 1) stays whole. Hybrid with
-// CTXPAR_ULYSSES_GROUPS=4: the ring inside runs once per group.
+// ulysses_groups = 4: the ring inside runs once per group.
 TEST(Ulysses, HeadGroupsGiveTheUnpipelinedBits) {
   const GroupCase cases[] = {
       {StrategyKind::ulysses, 2, 0, 8, 8, 48, 1, "MHA: hq 4, hk 4, G 4"},
@@ -82,15 +82,11 @@ TEST(Ulysses, HeadGroupsGiveTheUnpipelinedBits) {
         opt.device.kind = device;
         opt.device.sim_max_delay_us = 20;
         RunResult one, piped;
-        {
-          ScopedEnv env("CTXPAR_ULYSSES_GROUPS", "1");
-          one = run_sharded(pr, c.p, LayoutKind::zigzag, opt);
-        }
-        {
-          // Ulysses pipelines by default; hybrid when asked (its ring's token ids go G times).
-          ScopedEnv env("CTXPAR_ULYSSES_GROUPS", c.kind == StrategyKind::hybrid ? "4" : nullptr);
-          piped = run_sharded(pr, c.p, LayoutKind::zigzag, opt);
-        }
+        opt.ulysses_groups = 1;
+        one = run_sharded(pr, c.p, LayoutKind::zigzag, opt);
+        // Ulysses pipelines by default; hybrid when asked (its ring's token ids go G times).
+        opt.ulysses_groups = c.kind == StrategyKind::hybrid ? 4 : 0;
+        piped = run_sharded(pr, c.p, LayoutKind::zigzag, opt);
         const std::string where = std::string(c.what) + ", " + device_name(device) + ", " + mask;
         EXPECT_TRUE(same_bits(one.o, piped.o)) << where;
         EXPECT_TRUE(same_bits(one.lse, piped.lse)) << where;
@@ -112,22 +108,36 @@ TEST(Ulysses, HeadGroupsGiveTheUnpipelinedBits) {
       }
 }
 
-TEST(Ulysses, BadGroupsVariableIsAnErrorNamingIt) {
+TEST(Ulysses, BadGroupsOptionIsAnErrorNamingIt) {
   Problem pr;
   pr.build();
   StrategyOptions opt;
   opt.kind = StrategyKind::ulysses;
-  for (const char* bad : {"0", "x", "2x", "-1", "5000"}) {
-    ScopedEnv env("CTXPAR_ULYSSES_GROUPS", bad);
+  for (int bad : {-1, 1025, 5000}) {
+    opt.ulysses_groups = bad;
     try {
       run_sharded(pr, 2, LayoutKind::contiguous, opt, false);
-      ADD_FAILURE() << "CTXPAR_ULYSSES_GROUPS=" << bad << " was accepted";
+      ADD_FAILURE() << "ulysses_groups = " << bad << " was accepted";
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("CTXPAR_ULYSSES_GROUPS must be an integer in [1, 1024]"),
+      EXPECT_NE(std::string(e.what()).find("ulysses_groups: expected 0 (the default) or 1..1024"),
                 std::string::npos)
           << e.what();
     }
   }
+}
+
+// The library reads no environment: CTXPAR_ULYSSES_GROUPS is the ctxpar command's to read
+// (tools/ctxpar, ulysses_groups_from_env); a bad value reaches no library call.
+TEST(Ulysses, LibraryIgnoresTheGroupsVariable) {
+  Problem pr;
+  pr.build();
+  StrategyOptions opt;
+  opt.kind = StrategyKind::ulysses;
+  const RunResult plain = run_sharded(pr, 2, LayoutKind::zigzag, opt);
+  ScopedEnv env("CTXPAR_ULYSSES_GROUPS", "x");
+  const RunResult with_env = run_sharded(pr, 2, LayoutKind::zigzag, opt);
+  EXPECT_TRUE(same_bits(plain.o, with_env.o));
+  EXPECT_TRUE(same_bits(plain.dq, with_env.dq));
 }
 
 // The cpu device's all-to-all is posted, not run: rank 0's call returns before rank 1 has
@@ -190,8 +200,7 @@ TEST(Ulysses, CpuAlltoallIsPostedAndPendingOnesKeepApart) {
 // it is sent, whatever the machine's load) around a sleeping inner "kernel": the time rank's
 // device waited for transfers. One group waits for the whole transfer (a lower bound, by the
 // link model); four groups wait only for the first group in and the last group back.
-double ulysses_wait_seconds(const char* groups, double& link_seconds) {
-  ScopedEnv env("CTXPAR_ULYSSES_GROUPS", groups);
+double ulysses_wait_seconds(int groups, double& link_seconds) {
   constexpr int kRanks = 2;
   constexpr int64_t tl = 2048, hq = 8, hkv = 8, d = 64;
   constexpr double gbps = 0.02, compute_seconds = 0.8;  // the inner's sleep, all groups
@@ -220,7 +229,8 @@ double ulysses_wait_seconds(const char* groups, double& link_seconds) {
                 const TensorView&, const TensorView&) {
               std::this_thread::sleep_for(std::chrono::duration<double>(
                   compute_seconds * double(qf.dim(2)) / double(hq / kRanks)));
-            });
+            },
+            groups);
         dev->synchronize();
         wait[comm.rank()] = dev->counters().wait_seconds - w0;
       },
@@ -230,8 +240,8 @@ double ulysses_wait_seconds(const char* groups, double& link_seconds) {
 
 TEST(Ulysses, GroupsHideTheAllToAllsBehindCompute) {
   double link = 0;
-  const double one = ulysses_wait_seconds("1", link);
-  const double four = ulysses_wait_seconds("4", link);
+  const double one = ulysses_wait_seconds(1, link);
+  const double four = ulysses_wait_seconds(4, link);
   std::printf("link %.3f s; waited: G = 1 %.3f s, G = 4 %.3f s\n", link, one, four);
   // G = 1: the whole transfer is waited for (the link cannot deliver it sooner).
   EXPECT_GE(one, 0.9 * link) << "link " << link << " s";

@@ -71,8 +71,7 @@ QuantityCheck finish(const std::string& name, const ErrorAcc& e, double floor_re
   c.naive_err = e.naive;
   // A naive32 that overflowed (inf / NaN) says nothing about what fp32 can reach: then only
   // the floor counts, rather than an infinite tolerance that would pass anything.
-  c.tolerance = (std::isfinite(e.naive) ? 2.0 * e.naive : 0.0) +
-                floor_rel * std::max(1.0, e.ref_max);
+  c.tolerance = reference::accuracy_tolerance(e.naive, e.ref_max, floor_rel);
   c.passed = c.max_abs_err <= c.tolerance;
   return c;
 }
@@ -181,7 +180,7 @@ void check_against_reference(const CheckInputs& in, double budget, int threads,
   // Floors, relative to the largest reference value: fp32 storage leaves only the arithmetic
   // (covered by 2 x naive32); bf16 storage also rounds O to 8 bits of mantissa (2^-9 relative),
   // and the backward then reads that rounded O in delta = rowsum(dO * O).
-  const double f32_floor = 1e-5;
+  const double f32_floor = reference::kAccuracyFloor;
   const double out_floor = bf16 ? 0x1.0p-8 : f32_floor;
   const double grad_floor = bf16 ? 0x1.0p-7 : f32_floor;
 

@@ -55,6 +55,7 @@ struct AttentionJob {
   int ranks = 1;
   StrategyKind strategy = StrategyKind::ring;
   int ulysses_degree = 0;
+  int ulysses_groups = 0;  // StrategyOptions::ulysses_groups (CTXPAR_ULYSSES_GROUPS)
   LayoutKind layout = LayoutKind::contiguous;
   std::string transport = "threads";  // "threads" | "mpi"
   DeviceOptions device;               // --device cpu | sim, --sim-seed

@@ -255,15 +255,8 @@ int bench_cp(int argc, char** argv) {
       .add("layout", "contiguous,zigzag,striped", "layouts: contiguous, zigzag, striped")
       .add("mask", "causal", "mask: none, causal, window:L,R, causal+window:L,R")
       .add("out", "cp-sweep", "output directory (created if missing)")
-      .add("batch", "1", "batch size B")
-      .add("heads", "8", "query heads Hq")
-      .add("kv-heads", "0", "key/value heads (0: same as --heads)")
-      .add("head-dim", "64", "head dimension D")
-      .add("dtype", "fp32", "storage type: fp32 or bf16")
-      .add("threads", "1", "OpenMP threads per rank (not given: OMP_NUM_THREADS when set)")
+      .add_job_shape()
       .add("ulysses-degree", "0", "hybrid only: ranks per Ulysses group (0: all)")
-      .add("repeats", "1", "timed repetitions per run; figures are of the fastest")
-      .add("seed", "0", "seed of the random inputs")
       .add_device()
       .add("link-gbps", "0", "simulated link bandwidth in GB/s (0: none)")
       .add("link-latency-us", "0", "simulated link latency in microseconds")
@@ -305,13 +298,7 @@ int bench_cp(int argc, char** argv) {
   if (base.mask.documents)
     throw UsageError("--mask documents is not swept (lengths depend on --seq); use ctxpar "
                      "attention --mask documents:... for packed sequences");
-  base.batch = opts.i64("batch", 1, kMaxBatch);
-  base.heads = opts.i64("heads", 1, kMaxHeads);
-  base.kv_heads = opts.i64("kv-heads", 0, kMaxHeads);
-  base.head_dim = opts.i64("head-dim", 16, 256);
-  base.threads = threads_option(opts);
-  base.repeats = opts.i32("repeats", 1, kMaxRepeats);
-  base.seed = static_cast<uint64_t>(opts.i64("seed", 0, kMaxSeed));
+  read_job_shape(opts, base);
   base.backward = opts.on("backward");
   base.check = opts.on("check");
   base.link.gbytes_per_second = opts.num_or_zero("link-gbps", kMinLinkGbps, kMaxLinkGbps);

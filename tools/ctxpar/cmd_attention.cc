@@ -29,27 +29,21 @@ Options attention_options() {
             "hybrid), forward and backward, checked against an fp64 reference. Under\n"
             "`mpirun -n P` each process is one rank and rank 0 prints the result.");
   o.add("seq", "4096", "sequence length T (64K, 1M suffixes accepted)")
-      .add("heads", "8", "query heads Hq")
-      .add("kv-heads", "0", "key/value heads Hkv (GQA: Hq % Hkv == 0; 0 = same as --heads)")
-      .add("head-dim", "128", "head dimension D, 16..256")
-      .add("batch", "1", "batch size B")
+      .add_job_shape()
       .add("mask", "none",
            "none | causal | window:L,R | documents:len1,len2,... | rules joined by '+', "
            "e.g. causal+documents:300,724")
-      .add("dtype", "fp32", "storage type of q, k, v, o, do: fp32 | bf16")
-      .add("threads", "1", "OpenMP threads per rank (not given: OMP_NUM_THREADS when set)")
       .add("ranks", "1", "ranks P (under mpirun: the number of processes)")
       .add("strategy", "ring", "ring | allgather | ulysses | hybrid")
       .add("ulysses-degree", "0", "hybrid: ranks per Ulysses group u, must divide P (0 = P)")
-      .add("layout", "contiguous",
-           "how tokens map to ranks: contiguous | zigzag (T % 2P == 0) | striped")
+      .add("layout", "zigzag",
+           "how tokens map to ranks: zigzag (balanced under a causal mask) | contiguous | "
+           "striped; any T (padded to the layout's granule: P, or 2P for zigzag)")
       .add_device()
       .add("transport", "auto", "threads | mpi (auto: mpi under mpirun, else threads)")
       .add("link-gbps", "0", "threads transport: simulated link bandwidth in GB/s (0 = none)")
       .add("link-latency-us", "0", "threads transport: simulated link latency in microseconds")
       .add("timeout", "300", "seconds a rank waits for a message before the job fails")
-      .add("seed", "0", "seed of the random inputs")
-      .add("repeats", "1", "timed repetitions; times are of the fastest")
       .flag("backward", "also run the backward pass (dq, dk, dv)")
       .flag("check", "compare with the fp64 reference of the whole problem; exit 1 on mismatch")
       .add("check-budget", "3e8",
@@ -99,14 +93,10 @@ InputFile input_file(const Options& o, const std::string& name) {
 AttentionJob job_from(const Options& o) {
   AttentionJob job;
   job.seq = o.i64("seq", 1, kMaxTokens);
-  job.heads = o.i64("heads", 1, kMaxHeads);
-  job.kv_heads = o.i64("kv-heads", 0, kMaxHeads);
-  job.head_dim = o.i64("head-dim", 16, 256);
-  job.batch = o.i64("batch", 1, kMaxBatch);
+  read_job_shape(o, job);
   job.mask = parse_mask(o.str("mask"));
   job.document_lengths = parse_document_lengths(o.str("mask"));
   job.dtype = parse_dtype(o.str("dtype"));
-  job.threads = threads_option(o);
   job.strategy = parse_strategy(o.str("strategy"));
   job.ulysses_degree = o.i32("ulysses-degree", 0, kMaxProcesses);
   job.layout = parse_layout(o.str("layout"));
@@ -120,8 +110,6 @@ AttentionJob job_from(const Options& o) {
   job.link.gbytes_per_second = o.num_or_zero("link-gbps", kMinLinkGbps, kMaxLinkGbps);
   job.link.latency_us = o.num("link-latency-us", 0, kMaxLinkLatencyUs);
   job.timeout_seconds = o.num("timeout", kMinTimeout, kMaxTimeout);
-  job.seed = static_cast<uint64_t>(o.i64("seed", 0, kMaxSeed));
-  job.repeats = o.i32("repeats", 1, kMaxRepeats);
   job.backward = o.on("backward") || o.given("do");
   job.check = o.on("check");
   job.check_budget = o.num("check-budget", 0, 1e18);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <iostream>
 
@@ -46,7 +47,13 @@ std::pair<double, double> pair_of(const Options& o, const std::string& name, dou
 
 ModelSpec model_from(const Options& o) {
   ModelSpec m;
-  if (o.given("model") || !o.given("layers")) m = model_preset(o.str("model"));
+  if (o.given("model") || !o.given("layers")) {
+    try {
+      m = model_preset(o.str("model"));
+    } catch (const Error& e) {  // the library names no flag: say the command's
+      throw Error(std::string("--") + e.what() + " (or give --layers --hidden --heads ...)");
+    }
+  }
   auto set = [&](const char* name, int64_t& field) {
     if (o.given(name)) {
       field = o.i64(name, 1, kMaxModelSize);
@@ -101,7 +108,12 @@ HardwareSpec hardware_from(const Options& o, const PlanInput& in) {
     }
     h = local_hardware(measure_local(lo), in.cp);
   } else if (o.given("hardware") || !o.given("flops")) {
-    h = hardware_preset(name);
+    try {
+      h = hardware_preset(name);
+    } catch (const Error& e) {
+      throw Error(std::string("--") + e.what() +
+                  " (or give --flops --mem-gb --link-gbps --latency-us)");
+    }
   } else {
     h.name = "custom";
   }
@@ -174,8 +186,17 @@ int cmd_plan(int argc, char** argv) {
   in.model = model_from(o);
   if (o.given("video-hours")) {
     if (o.given("seq")) throw UsageError("give --seq or --video-hours, not both");
-    in.seq = video_tokens(o.num("video-hours", 1e-6, 1e6), o.num("fps", 1e-6, 1e4),
-                          o.i64("tokens-per-frame", 1, 1 << 20));
+    const double hours = o.num("video-hours", 1e-6, 1e6), fps = o.num("fps", 1e-6, 1e4);
+    const int64_t per_frame = o.i64("tokens-per-frame", 1, 1 << 20);
+    try {
+      in.seq = video_tokens(hours, fps, per_frame);
+    } catch (const Error&) {  // past int64: the library names its arguments, say the flags
+      throw Error(detail::concat(
+          "--video-hours x 3600 x --fps x --tokens-per-frame is ",
+          std::floor(hours * 3600.0 * fps + 0.5) * double(per_frame),
+          " tokens, past int64 (more than the largest --seq); lower --video-hours, --fps or "
+          "--tokens-per-frame"));
+    }
     if (in.seq > kMaxTokens)
       throw UsageError("--video-hours x 3600 x --fps x --tokens-per-frame is " +
                        std::to_string(in.seq) + " tokens, more than the largest --seq (" +
@@ -200,7 +221,7 @@ int cmd_plan(int argc, char** argv) {
   in.tile = o.i32("tile", 0, 1 << 16);
   const bool auto_cp = o.str("cp") == "auto";
   in.cp = auto_cp ? 1 : o.i32("cp", 1, kMaxPlanCp, kPlanCpNote);
-  if (o.str("hardware") == "local" && !o.given("tile")) in.tile = 64;  // our kernel's tile
+  if (o.str("hardware") == "local" && !o.given("tile")) in.tile = static_cast<int>(kKernelTile);
   const bool local = o.str("hardware") == "local";
   if (auto_cp) {
     if (local) throw UsageError("--hardware local needs an explicit --cp (the ranks share this machine)");
@@ -208,7 +229,6 @@ int cmd_plan(int argc, char** argv) {
     Plan probe = make_plan(in, false);
     const int fit = in.recompute == Recompute::full ? probe.cp_to_fit_recompute : probe.cp_to_fit;
     in.cp = fit > 0 ? fit : 8;
-    while (in.layout == LayoutKind::zigzag && in.seq % (2 * in.cp) != 0 && in.cp > 1) in.cp /= 2;
     if (in.cp > kMaxPlanCp)
       throw Error(detail::concat(
           "--seq ", in.seq, " needs cp ", in.cp, " to fit in memory (with full recompute: ",

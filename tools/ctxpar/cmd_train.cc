@@ -204,6 +204,7 @@ int cmd_train(int argc, char** argv) {
   c.seed = static_cast<uint64_t>(o.i64("seed", 0, kMaxSeed));
   c.strategy = parse_strategy(o.str("strategy"));
   c.ulysses_degree = o.i32("ulysses-degree", 0, kMaxProcesses);
+  c.ulysses_groups = ulysses_groups_from_env();
   c.device = device_of(o);
   c.layout = parse_layout(o.str("layout"));
   c.threads = threads_option(o);

@@ -118,6 +118,7 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
   StrategyOptions options;
   options.kind = job.strategy;
   options.ulysses_degree = job.ulysses_degree;
+  options.ulysses_groups = job.ulysses_groups;
   options.mask = job.mask;
   options.kernel.threads = job.threads;
   options.device = job.device;

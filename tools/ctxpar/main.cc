@@ -8,7 +8,6 @@
 #include "ctxpar/comm.h"
 #include "ctxpar/error.h"
 #include "ctxpar/kernel.h"
-#include "strategy/internal.h"
 #ifdef CTXPAR_HAVE_MPI
 #include "comm/mpi_env.h"
 #endif
@@ -79,7 +78,7 @@ int version() {
 void check_environment() {
   const ctxpar::SimdTargets t = ctxpar::simd_targets();  // CTXPAR_SIMD
   if (!t.error.empty()) throw ctxpar::Error(t.error);
-  ctxpar::strategy::groups_limit(1);  // CTXPAR_ULYSSES_GROUPS
+  ctxpar::cli::ulysses_groups_from_env();  // CTXPAR_ULYSSES_GROUPS (the library reads none)
 #ifdef CTXPAR_HAVE_MPI
   ctxpar::check_mpi_environment();
 #endif

@@ -1,5 +1,7 @@
 #include "options.h"
 
+#include "attention_job.h"
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -246,6 +248,42 @@ Options& Options::add_device() {
              "cpu | sim (an asynchronous device simulated on the host: streams on worker threads, "
              "random delays, race checks; the same bits as cpu; threads transport only)")
       .add("sim-seed", "1", "--device sim: seed of its random operation delays");
+}
+
+Options& Options::add_job_shape() {
+  return add("heads", "8", "query heads Hq")
+      .add("kv-heads", "0", "key/value heads Hkv (GQA: Hq % Hkv == 0; 0 = same as --heads)")
+      .add("head-dim", "128", "head dimension D, 16..256")
+      .add("batch", "1", "batch size B")
+      .add("dtype", "fp32", "storage type of q, k, v, o, do: fp32 | bf16")
+      .add("threads", "1", "OpenMP threads per rank (not given: OMP_NUM_THREADS when set)")
+      .add("seed", "0", "seed of the random inputs")
+      .add("repeats", "1", "timed repetitions; times are of the fastest");
+}
+
+void read_job_shape(const Options& o, AttentionJob& job) {
+  job.heads = o.i64("heads", 1, kMaxHeads);
+  job.kv_heads = o.i64("kv-heads", 0, kMaxHeads);
+  job.head_dim = o.i64("head-dim", 16, 256);
+  job.batch = o.i64("batch", 1, kMaxBatch);
+  job.threads = threads_option(o);
+  job.seed = static_cast<uint64_t>(o.i64("seed", 0, kMaxSeed));
+  job.repeats = o.i32("repeats", 1, kMaxRepeats);
+  job.ulysses_groups = ulysses_groups_from_env();
+}
+
+int ulysses_groups_from_env() {
+  const char* env = std::getenv("CTXPAR_ULYSSES_GROUPS");
+  if (!env || !*env) return 0;
+  char* end = nullptr;
+  errno = 0;
+  const long n = std::strtol(env, &end, 10);
+  if (*end != '\0' || errno != 0 || n < 1 || n > kMaxUlyssesGroups)
+    throw UsageError(detail::concat(
+        "CTXPAR_ULYSSES_GROUPS must be an integer in [1, ", kMaxUlyssesGroups,
+        "] (the most head groups Ulysses pipelines its all-to-alls over; 1 = none), got '", env,
+        "'; unset it for the default (Ulysses 4, hybrid 1)"));
+  return static_cast<int>(n);
 }
 
 int threads_option(const Options& o) {

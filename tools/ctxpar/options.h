@@ -46,6 +46,13 @@ int64_t whole_number_in(const std::string& option, const std::string& text, int6
                         int64_t hi, const std::string& note = "");
 
 class Options;
+struct AttentionJob;
+// add_job_shape()'s numbers into the job (--dtype is the command's to parse), and
+// CTXPAR_ULYSSES_GROUPS (ulysses_groups_from_env).
+void read_job_shape(const Options& o, AttentionJob& job);
+// CTXPAR_ULYSSES_GROUPS for StrategyOptions::ulysses_groups: 0 when unset or empty, else an
+// integer in [1, kMaxUlyssesGroups]; anything else is a UsageError naming the variable.
+int ulysses_groups_from_env();
 // --threads: the option when given (1 .. kMaxThreads), else the first number of
 // OMP_NUM_THREADS when that is set (as OpenMP reads "4,2"), else 1. A bad OMP_NUM_THREADS is a
 // usage error naming it.
@@ -61,6 +68,10 @@ class Options {
   Options& example(const std::string& line);
   // --device cpu | sim and --sim-seed (attention, bench cp, train); read with device_of().
   Options& add_device();
+  // The problem of one attention job, one declaration and one default each for `attention`
+  // and `bench cp`: --batch --heads --kv-heads --head-dim --dtype --threads --seed --repeats
+  // (read with read_job_shape(), attention_job.h).
+  Options& add_job_shape();
   // Returns false when --help was given (help already printed to stdout).
   bool parse(int argc, char** argv);
 
