@@ -1,7 +1,7 @@
-// libFuzzer target for the --mask parsers: ctxpar::parse_mask (src/core/mask.cc) and the
-// command's documents:len1,len2,... lengths (tools/ctxpar/cmd_attention.cc, compiled into this
-// target to reach its internal parsers), then the attention job's validation of them against
-// --seq. Built and run by scripts/fuzzers.sh.
+// libFuzzer target for the --mask parsers: ctxpar::parse_mask and parse_document_lengths
+// (src/core/mask.cc), then the attention job's validation of them against --seq
+// (tools/ctxpar/cmd_attention.cc, compiled into this target to reach its internal parsers).
+// Built and run by scripts/fuzzers.sh.
 //
 // Input: the mask text, then optionally '\n' and the --seq value.
 //
@@ -48,7 +48,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   std::vector<int64_t> lengths;
   try {
-    lengths = document_lengths(text);
+    lengths = parse_document_lengths(text);
   } catch (const Error& e) {
     fuzz::check_message("mask_fuzz", e.what());
     return 0;
