@@ -19,18 +19,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// mpirun with the flags the suite's MPI tests use (root, 2 cores), bounded by `timeout` so
-// that a hang, the bug these tests look for, fails the test instead of stalling the suite.
-std::string mpirun(const std::string& args, int seconds = 60) {
-  return "timeout " + std::to_string(seconds) + " " + std::getenv("CTXPAR_MPIEXEC") +
-         " --oversubscribe --mca btl_vader_single_copy_mechanism none " + args;
-}
-
-class CliMpi : public ::testing::Test {
+class CliMpi : public MpiCommandTest {
  protected:
-  void SetUp() override {
-    if (!std::getenv("CTXPAR_MPIEXEC")) GTEST_SKIP() << "CTXPAR_MPIEXEC not set (ctest -R cli_mpi)";
-  }
   std::string ctxpar(const std::string& args) { return ctxpar_path() + " attention " + args; }
 };
 

@@ -71,4 +71,9 @@ nlohmann::json parse_json(const CommandResult& r) {
   }
 }
 
+std::string mpirun(const std::string& args, int seconds) {
+  return "timeout " + std::to_string(seconds) + " " + std::getenv("CTXPAR_MPIEXEC") +
+         " --oversubscribe --mca btl_vader_single_copy_mechanism none " + args;
+}
+
 }  // namespace ctxpar::test

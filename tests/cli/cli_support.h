@@ -1,8 +1,10 @@
 // Runs the built `ctxpar` command (CTXPAR_BUILD_DIR/ctxpar, set by CTest) and captures its exit
 // code, stdout and stderr, so the CLI tests exercise exactly what a user runs.
 #pragma once
+#include <cstdlib>
 #include <string>
 
+#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 namespace ctxpar::test {
@@ -24,5 +26,18 @@ std::string fault_ctxpar_path();
 std::string temp_dir(const std::string& name);
 // Parses stdout as the one JSON object of --json; fails the test (throws) if it is not.
 nlohmann::json parse_json(const CommandResult& r);
+
+// mpirun with the flags the suite's MPI tests use (root, 2 cores), bounded by `timeout` so
+// that a hang, the bug these tests look for, fails the test instead of stalling the suite.
+std::string mpirun(const std::string& args, int seconds = 60);
+
+// A test that runs the command under mpirun: skipped outside the cli_mpi CTest entry, which
+// sets CTXPAR_MPIEXEC.
+class MpiCommandTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!std::getenv("CTXPAR_MPIEXEC")) GTEST_SKIP() << "CTXPAR_MPIEXEC not set (ctest -R cli_mpi)";
+  }
+};
 
 }  // namespace ctxpar::test

@@ -19,16 +19,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string mpirun(const std::string& args, int seconds = 60) {
-  return "timeout " + std::to_string(seconds) + " " + std::getenv("CTXPAR_MPIEXEC") +
-         " --oversubscribe --mca btl_vader_single_copy_mechanism none " + args;
-}
-
-class CliMpiTrain : public ::testing::Test {
+class CliMpiTrain : public MpiCommandTest {
  protected:
-  void SetUp() override {
-    if (!std::getenv("CTXPAR_MPIEXEC")) GTEST_SKIP() << "CTXPAR_MPIEXEC not set (ctest -R cli_mpi)";
-  }
   // One rank of a tiny training run with `extra` options.
   std::string rank(const std::string& extra) {
     return "-n 1 " + ctxpar_path() + " train --seq 64 --layers 1 --dim 32 --heads 2 "
