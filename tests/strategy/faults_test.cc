@@ -17,33 +17,6 @@ namespace {
 const StrategyKind kAll[] = {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses,
                              StrategyKind::hybrid};
 
-// Runs fn on P threads and returns each rank's error message ("" when it returned normally).
-// Ranks catch their own errors, so every rank's verdict is seen, not only the first.
-std::vector<std::string> errors_on_ranks(int p, const std::function<void(Communicator&)>& fn,
-                                         double* seconds = nullptr) {
-  std::vector<std::string> errors(p);
-  ThreadsOptions opt;
-  opt.timeout = std::chrono::seconds(5);
-  const auto t0 = std::chrono::steady_clock::now();
-  try {
-    run_threads(
-        p,
-        [&](Communicator& comm) {
-          try {
-            fn(comm);
-          } catch (const Error& e) {
-            errors[comm.rank()] = e.what();
-            throw;
-          }
-        },
-        opt);
-  } catch (const Error&) {
-  }
-  if (seconds)
-    *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return errors;
-}
-
 struct Shard {
   Tensor q, k, v, o, lse, dout, dq, dk, dv;
   std::vector<int64_t> positions;

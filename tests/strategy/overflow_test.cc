@@ -16,27 +16,6 @@ namespace {
 const StrategyKind kAll[] = {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses,
                              StrategyKind::hybrid};
 
-// Each rank's error message ("" when it returned normally); as in faults_test.cc.
-std::vector<std::string> errors_on_ranks(int p, const std::function<void(Communicator&)>& fn) {
-  std::vector<std::string> errors(p);
-  ThreadsOptions opt;
-  opt.timeout = std::chrono::seconds(5);
-  try {
-    run_threads(
-        p,
-        [&](Communicator& comm) {
-          try {
-            fn(comm);
-          } catch (const Error& e) {
-            errors[comm.rank()] = e.what();
-            throw;
-          }
-        },
-        opt);
-  } catch (const Error&) {
-  }
-  return errors;
-}
 
 constexpr int kRanks = 4;
 constexpr int64_t kT = 256, kHq = 4, kHkv = 2, kD = 16;

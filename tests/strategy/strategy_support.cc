@@ -1,5 +1,6 @@
 #include "strategy/strategy_support.h"
 
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -170,6 +171,31 @@ Errors bounds_of(const References& refs, bool backward) {
     b.dv = bound(refs.naive32.dv, refs.ref64.dv);
   }
   return b;
+}
+
+std::vector<std::string> errors_on_ranks(int p, const std::function<void(Communicator&)>& fn,
+                                         double* seconds) {
+  std::vector<std::string> errors(p);
+  ThreadsOptions opt;
+  opt.timeout = std::chrono::seconds(5);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    run_threads(
+        p,
+        [&](Communicator& comm) {
+          try {
+            fn(comm);
+          } catch (const Error& e) {
+            errors[comm.rank()] = e.what();
+            throw;
+          }
+        },
+        opt);
+  } catch (const Error&) {
+  }
+  if (seconds)
+    *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return errors;
 }
 
 }  // namespace ctxpar::testing

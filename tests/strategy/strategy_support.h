@@ -2,9 +2,11 @@
 // strategy and gathered back in global token order, and its fp64 / naive fp32 references.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "ctxpar/comm.h"
 #include "ctxpar/layout.h"
 #include "ctxpar/reference.h"
 #include "ctxpar/strategy.h"
@@ -54,5 +56,11 @@ struct Errors {
 Errors errors_of(const RunResult& run, const References& refs, bool backward = true);
 Errors bounds_of(const References& refs, bool backward = true);  // 2 * naive32 err + floor
 double floor_of(const std::vector<double>& ref);
+
+// Runs fn on P threads and returns each rank's error message ("" when it returned normally).
+// Ranks catch their own errors, so every rank's verdict is seen, not only the first. `seconds`,
+// when given, receives the wall time of the whole run.
+std::vector<std::string> errors_on_ranks(int p, const std::function<void(Communicator&)>& fn,
+                                         double* seconds = nullptr);
 
 }  // namespace ctxpar::testing
