@@ -16,6 +16,8 @@ namespace {
 // arithmetic: exact for any int64 positions, and independent of Mask::visible, whose
 // saturating form the kernel uses (a shared bug would otherwise pass its own test).
 bool visible_exact(const Mask& m, const Tokens& qt, int64_t i, const Tokens& kt, int64_t j) {
+  // Padding (mask.h): seen by nobody, sees nothing, whatever the rules.
+  if (qt.positions[i] == kPaddingPosition || kt.positions[j] == kPaddingPosition) return false;
   const __int128 diff = static_cast<__int128>(qt.positions[i]) - kt.positions[j];
   if (m.causal && diff < 0) return false;
   if (m.window_left >= 0 && diff > m.window_left) return false;

@@ -125,5 +125,29 @@ TEST(Padding, RealTokensExactPaddingInvisible) {
     }
 }
 
+// The fp64 reference itself follows mask.h's padding rule under every mask (it missed it under
+// a mask without rules: a padding key was visible, caught by tests/fused): on the real rows the
+// padded problem's reference is the real problem's, exactly (a padding key adds exp(-inf) = 0).
+TEST(Padding, ReferenceLeavesPaddingOut) {
+  for (const Mask& mask : {Mask::none(), Mask::causal_mask()}) {
+    Case c;
+    c.tq = 20, c.tk = 30, c.hq = 2, c.hkv = 2, c.d = 16, c.mask = mask;
+    const Inputs real = make_inputs(c);
+    const Padded p = pad(real, 4, 5, 3);
+    const auto ref = reference::attention_f64(real.q, real.q_tokens(), real.k, real.v,
+                                              real.k_tokens(), mask);
+    const auto padded = reference::attention_f64(p.in.q, p.in.q_tokens(), p.in.k, p.in.v,
+                                                 p.in.k_tokens(), mask);
+    const int64_t hd = c.hq * c.d;
+    for (size_t i = 0; i < p.q_keep.size(); ++i) {
+      const int64_t r = p.q_keep[i];
+      for (int64_t e = 0; e < hd; ++e) {
+        const double got = padded.o[i * hd + e];
+        ASSERT_EQ(got, r < 0 ? 0.0 : ref.o[r * hd + e]) << mask.describe() << " row " << i;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ctxpar::test
