@@ -50,15 +50,15 @@
 //     kernel.h's functions on the same data, or within the accuracy tests' rule against the
 //     fp64 reference for a device with other kernels.
 //   - Transfers: send, recv, alltoall, barrier as each one's comment says, through `comm`'s
-//     isend / irecv / barrier (so bytes are counted by the communicator), each failing once
-//     comm.timeout() passes with no progress, naming the peer and tag.
+//     isend / irecv / barrier (so bytes are counted by the communicator); one that is not done
+//     after comm.timeout() fails, naming the peer.
 //   - Counters (counters_, read after synchronize()): flops, the sum of KernelStats::flops of
 //     forward_block and backward_block; busy_seconds, the time of forward_block,
 //     forward_finalize, backward_delta and backward_block; wait_seconds, host time blocked
 //     waiting for the device or for transfers.
-//   - Errors: a failed operation or transfer throws ctxpar::Error naming the operation (and
-//     stream), from the call that enqueued it, from a later wait(), or at the latest from the
-//     next synchronize(). After an error a device may drop its queued work (sim does, and then
+//   - Errors: a failed operation or transfer throws ctxpar::Error, from the call that enqueued
+//     it, from a later wait(), or at the latest from the next synchronize() (an asynchronous
+//     device names the operation and stream in it). After an error a device may drop its queued work (sim does, and then
 //     throws again from every synchronize()); the caller only unwinds, so synchronize(),
 //     free() and the destructor must not hang on it, and free() and the destructor never throw.
 #pragma once
