@@ -12,6 +12,8 @@
 //         seeded random amount, freed memory is filled with NaN, and an operation that uses a
 //         buffer another stream writes (or writes one it reads) with no wait in between is
 //         refused with an error naming both operations.
+//   Both are HostDevices (src/device/host_device.h): the kernel operations are written once,
+//   over one virtual run() that cpu calls inline and sim queues.
 //
 // Rules for the code that enqueues (every device relies on them):
 //   - An operation reads and writes its views when it runs, not when it is enqueued: keep
@@ -24,6 +26,41 @@
 //   - A received buffer's address is known when recv() returns; its contents after a wait.
 //   - The host touches a communicator itself (a blocking collective) only right after
 //     synchronize(), so that no transfer of a stream uses it at the same time.
+//   - One host thread (its rank's) makes every call on a device.
+//
+// What a device provides (the contract a new one, e.g. cuda, is built against):
+//   - Memory. alloc(n) returns DeviceBuffer(this, storage) with storage->size == n (the base
+//     class counts held / peak bytes from it; a device does not count) and contents left
+//     uninitialised. Storage::data() is the address that views over the buffer carry.
+//     free(storage) is called when a DeviceBuffer goes; it releases the memory only once every
+//     operation enqueued so far, on every stream, is done; it never throws, and never hangs
+//     on a failed peer. upload() is optional (default: a host memcpy, for host memory).
+//   - Order. Operations of one stream (kernel operations, transfers, waits) run in the order
+//     enqueued; anything else may run asynchronously, at any time after its call returns.
+//     record(s) returns an Event done once everything enqueued on s before it is done
+//     (Event{} is always done, and so is every event once synchronize() returned).
+//     wait(s, e): the operations enqueued on s later start after e is done (it may block the
+//     host, as cpu's does, but need not). synchronize(): the host waits until every stream's
+//     work (transfers included) is done.
+//   - Kernel operations (the block below): arguments are taken by value at the call (views,
+//     Tokens spans, Mask, config: the caller may drop those objects at once, not the memory
+//     they point to). Views point into DeviceBuffers or the caller's memory; Tokens spans into
+//     the caller's host memory or into a DeviceBuffer (a travelling K/V block's positions); a
+//     device that cannot read one where it lies copies it itself. Results are bitwise those of
+//     kernel.h's functions on the same data, or within the accuracy tests' rule against the
+//     fp64 reference for a device with other kernels.
+//   - Transfers: send, recv, alltoall, barrier as each one's comment says, through `comm`'s
+//     isend / irecv / barrier (so bytes are counted by the communicator); one that is not done
+//     after comm.timeout() fails, naming the peer.
+//   - Counters (counters_, read after synchronize()): flops, the sum of KernelStats::flops of
+//     forward_block and backward_block; busy_seconds, the time of forward_block,
+//     forward_finalize, backward_delta and backward_block; wait_seconds, host time blocked
+//     waiting for the device or for transfers.
+//   - Errors: a failed operation or transfer throws ctxpar::Error, from the call that enqueued
+//     it, from a later wait(), or at the latest from the next synchronize() (an asynchronous
+//     device names the operation and stream in it). After an error a device may drop its queued work (sim does, and then
+//     throws again from every synchronize()); the caller only unwinds, so synchronize(),
+//     free() and the destructor must not hang on it, and free() and the destructor never throw.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -79,25 +116,26 @@ class DeviceBuffer {
   std::unique_ptr<Storage> storage_;
 };
 
-// The online-softmax state of one Q block, owned like a DeviceBuffer (released
-// stream-ordered).
+// The online-softmax state of one Q block [B, Tq, Hq, D] in device memory: one DeviceBuffer
+// holding acc [B, Tq, Hq, D], then m and l [B, Hq, Tq] (fp32, ForwardState's layout), reset
+// (m = -inf, l = 0, acc = 0) by a forward_reset enqueued on `s` at construction. get() is the
+// views that forward_block / forward_finalize take.
 class DeviceForwardState {
  public:
-  DeviceForwardState(Device& device, int64_t batch, int64_t tq, int64_t hq, int64_t d);
-  DeviceForwardState(DeviceForwardState&&) noexcept = default;
-  ~DeviceForwardState();
-  ForwardState& get() { return *state_; }
+  DeviceForwardState(Device& device, int64_t batch, int64_t tq, int64_t hq, int64_t d,
+                     Stream s = kComputeStream);
+  const ForwardStateView& get() const { return view_; }
 
  private:
-  Device* device_;
-  std::shared_ptr<ForwardState> state_;
+  DeviceBuffer memory_;
+  ForwardStateView view_;
 };
 
 // What a device has done since it was made: kernel work and host time blocked in waits.
 struct DeviceCounters {
-  double flops = 0;            // KernelStats::flops of the attention blocks run
-  double busy_seconds = 0;     // time inside kernel operations
-  double wait_seconds = 0;     // host time blocked waiting (cpu: for transfers; sim: in synchronize)
+  double flops = 0;         // KernelStats::flops of the attention blocks run
+  double busy_seconds = 0;  // time inside the attention operations (forward_*, backward_*)
+  double wait_seconds = 0;  // host time blocked waiting (cpu: transfers; sim: in synchronize)
 };
 
 enum class DeviceKind { cpu, sim };
@@ -122,8 +160,10 @@ class Device {
   // Uninitialised contents (NaN-filled on sim); zero it with fill_zero where needed.
   virtual DeviceBuffer alloc(size_t bytes) = 0;
   // A buffer holding a copy of host memory, made now (the host copy may go right after).
-  DeviceBuffer upload(const void* host, size_t bytes);
-  // Bytes of DeviceBuffers and forward states held now, and the most held since reset_peak().
+  // Optional: the default copies on the host (memory the host can address).
+  virtual DeviceBuffer upload(const void* host, size_t bytes);
+  // Bytes of DeviceBuffers (forward states included) held now, and the most held since
+  // reset_peak().
   size_t held_bytes() const { return held_; }
   size_t peak_bytes() const { return peak_; }
   void reset_peak() { peak_ = held_; }
@@ -155,11 +195,14 @@ class Device {
   virtual bool lends_sent_buffers(const Communicator& comm) const = 0;
 
   // ---- kernel operations (see kernel.h for shapes) --------------------------------------
+  // state: m = -inf, l = 0, acc = 0 (ForwardState::reset).
+  virtual void forward_reset(Stream s, const ForwardStateView& state) = 0;
+  // attention_forward_block / _finalize of kernel.h on a state in device memory.
   virtual void forward_block(Stream s, const TensorView& q, const Tokens& q_tokens,
                              const TensorView& k, const TensorView& v, const Tokens& k_tokens,
-                             const Mask& mask, ForwardState& state,
+                             const Mask& mask, const ForwardStateView& state,
                              const KernelConfig& config) = 0;
-  virtual void forward_finalize(Stream s, ForwardState& state, const TensorView& out,
+  virtual void forward_finalize(Stream s, const ForwardStateView& state, const TensorView& out,
                                 const TensorView& lse, const KernelConfig& config) = 0;
   virtual void backward_delta(Stream s, const TensorView& out, const TensorView& dout,
                               const TensorView& delta, const KernelConfig& config) = 0;
@@ -168,8 +211,6 @@ class Device {
                               const Mask& mask, const TensorView& dout, const TensorView& lse,
                               const TensorView& delta, const TensorView& dq, const TensorView& dk,
                               const TensorView& dv, const KernelConfig& config) = 0;
-  virtual void merge(Stream s, const TensorView& o_a, const TensorView& lse_a,
-                     const TensorView& o_b, const TensorView& lse_b) = 0;
   // y += x, fp32, same shape, element by element in index order (bitwise stable).
   virtual void add(Stream s, const TensorView& x, const TensorView& y) = 0;
   // copy_into (any strides, fp32 <-> bf16).
@@ -194,11 +235,8 @@ class Device {
 
  protected:
   friend class DeviceBuffer;
-  friend class DeviceForwardState;
   // Called by ~DeviceBuffer / reset: the device frees the storage stream-ordered.
   virtual void free(std::unique_ptr<DeviceBuffer::Storage> storage) = 0;
-  // Keeps host memory that queued operations use alive until they are done.
-  virtual void release_later(std::shared_ptr<void> owner) = 0;
   void hold(size_t bytes) {
     held_ += bytes;
     if (held_ > peak_) peak_ = held_;

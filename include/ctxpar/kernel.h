@@ -43,6 +43,22 @@ struct KernelStats {
   }
 };
 
+// The memory of a running online-softmax state, wherever it lives (a ForwardState's own
+// tensors, or device memory: DeviceForwardState): contiguous fp32 views acc [B, Tq, Hq, D],
+// m and l [B, Hq, Tq].
+class ForwardStateView {
+ public:
+  ForwardStateView() = default;
+  ForwardStateView(const TensorView& acc, const TensorView& m, const TensorView& l)
+      : acc_(acc), m_(m), l_(l) {}
+  const TensorView& acc() const { return acc_; }
+  const TensorView& m() const { return m_; }
+  const TensorView& l() const { return l_; }
+
+ private:
+  TensorView acc_, m_, l_;
+};
+
 // Running online-softmax state of one Q block [B, Tq, Hq, D]: fp32 running max m and sum l
 // ([B, Hq, Tq]) and unnormalised output acc ([B, Tq, Hq, D]). Absorbs K/V blocks in any
 // order; finalise() turns it into O and LSE.
@@ -62,6 +78,7 @@ class ForwardState {
   Tensor& m() { return m_; }
   Tensor& l() { return l_; }
   size_t bytes() const { return acc_.bytes() + m_.bytes() + l_.bytes(); }
+  ForwardStateView view() const { return {acc_, m_, l_}; }
 
  private:
   Tensor acc_, m_, l_;
@@ -73,10 +90,18 @@ KernelStats attention_forward_block(const TensorView& q, const Tokens& q_tokens,
                                     const TensorView& k, const TensorView& v,
                                     const Tokens& k_tokens, const Mask& mask,
                                     ForwardState& state, const KernelConfig& config = {});
+// The same on a state's memory given as views (what devices pass).
+KernelStats attention_forward_block(const TensorView& q, const Tokens& q_tokens,
+                                    const TensorView& k, const TensorView& v,
+                                    const Tokens& k_tokens, const Mask& mask,
+                                    const ForwardStateView& state,
+                                    const KernelConfig& config = {});
 
 // O = acc / l (fp32 -> out's dtype), LSE = m + log(l). Rows that saw no visible key:
 // O = 0, LSE = -inf.
 void attention_forward_finalize(const ForwardState& state, const TensorView& out,
+                                const TensorView& lse, const KernelConfig& config = {});
+void attention_forward_finalize(const ForwardStateView& state, const TensorView& out,
                                 const TensorView& lse, const KernelConfig& config = {});
 
 // delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d]  (fp32), the FA2 row term.

@@ -1,13 +1,14 @@
-// The cpu device: every operation runs inline on the calling thread, in the order it is
-// enqueued, so both streams are the host's own order. A transfer is posted when it is enqueued
-// and completed when something waits for it (an event of the comm stream, or the host reading
-// the received buffer): the host blocks there, as the strategies did before devices existed,
-// and a transfer posted before a compute overlaps it. Sends lend their memory to the transport
-// (the threads transport hands it to the receiver: no copy); the sender keeps a handle of its
-// own (Buffer::share), so the memory goes only when both the sender's DeviceBuffer and the
-// receiver's are gone, whichever order they go in (a receiver unwinding from a failed peer
-// freed it under a sender still computing on it: issue 21). An all-to-all is P-1 such sends
-// and receives (its chunks land in place at the wait), so it overlaps compute too.
+// The cpu device: every operation runs inline on the calling thread (HostDevice::run), in the
+// order it is enqueued, so both streams are the host's own order. A transfer is posted when it
+// is enqueued and completed when something waits for it (an event of the comm stream, or the
+// host reading the received buffer): the host blocks there, as the strategies did before
+// devices existed, and a transfer posted before a compute overlaps it. Sends lend their memory
+// to the transport (the threads transport hands it to the receiver: no copy); the sender keeps
+// a handle of its own (Buffer::share), so the memory goes only when both the sender's
+// DeviceBuffer and the receiver's are gone, whichever order they go in (a receiver unwinding
+// from a failed peer freed it under a sender still computing on it: issue 21). An all-to-all is
+// P-1 such sends and receives (its chunks land in place at the wait), so it overlaps compute
+// too.
 #include <algorithm>
 #include <cstring>
 #include <deque>
@@ -15,6 +16,7 @@
 #include <utility>
 
 #include "device/devices.h"
+#include "device/host_device.h"
 
 namespace ctxpar::device {
 namespace {
@@ -31,7 +33,7 @@ struct CpuStorage final : DeviceBuffer::Storage {
   std::byte* data() override;
 };
 
-class CpuDevice final : public Device {
+class CpuDevice final : public HostDevice {
  public:
   std::string name() const override { return "cpu"; }
 
@@ -121,58 +123,6 @@ class CpuDevice final : public Device {
     return comm.shares_send_buffers();
   }
 
-  void forward_block(Stream, const TensorView& q, const Tokens& qt, const TensorView& k,
-                     const TensorView& v, const Tokens& kt, const Mask& mask, ForwardState& state,
-                     const KernelConfig& config) override {
-    busy([&] { return attention_forward_block(q, qt, k, v, kt, mask, state, config); });
-  }
-  void forward_finalize(Stream, ForwardState& state, const TensorView& out, const TensorView& lse,
-                        const KernelConfig& config) override {
-    busy([&] {
-      attention_forward_finalize(state, out, lse, config);
-      return KernelStats{};
-    });
-  }
-  void backward_delta(Stream, const TensorView& out, const TensorView& dout,
-                      const TensorView& delta, const KernelConfig& config) override {
-    busy([&] {
-      attention_backward_delta(out, dout, delta, config);
-      return KernelStats{};
-    });
-  }
-  void backward_block(Stream, const TensorView& q, const Tokens& qt, const TensorView& k,
-                      const TensorView& v, const Tokens& kt, const Mask& mask,
-                      const TensorView& dout, const TensorView& lse, const TensorView& delta,
-                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                      const KernelConfig& config) override {
-    busy([&] {
-      return attention_backward_block(q, qt, k, v, kt, mask, dout, lse, delta, dq, dk, dv, config);
-    });
-  }
-  void merge(Stream, const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b,
-             const TensorView& lse_b) override {
-    busy([&] {
-      ctxpar::merge(o_a, lse_a, o_b, lse_b);
-      return KernelStats{};
-    });
-  }
-  void add(Stream, const TensorView& x, const TensorView& y) override { host_add(x, y); }
-  void copy(Stream, const TensorView& src, const TensorView& dst) override { copy_into(src, dst); }
-  void fill_zero(Stream, const TensorView& t) override { host_fill_zero(t); }
-  void pack_kv(Stream, const TensorView& k, const TensorView& v, const Tokens& tokens,
-               bool documents, const TensorView& bk, const TensorView& bv,
-               std::byte* bt) override {
-    host_pack_kv(k, v, tokens, documents, bk, bv, bt);
-  }
-  void scatter_tokens(Stream, const TensorView& src, const TensorView& dst,
-                      const TensorView& index) override {
-    host_scatter_tokens(src, dst, index);
-  }
-  void gather_tokens(Stream, const TensorView& src, const TensorView& dst,
-                     const TensorView& index) override {
-    host_gather_tokens(src, dst, index);
-  }
-
   // Blocks until s's transfer is done; a receive's message becomes its memory.
   void complete(CpuStorage* s) {
     if (!s->transfer.valid()) return;
@@ -208,13 +158,10 @@ class CpuDevice final : public Device {
       // Freed while unwinding from a failed call: that failure is the one reported.
     }
   }
-  void release_later(std::shared_ptr<void>) override {}  // nothing is queued: free now
+  // A kernel operation runs now, on the calling thread.
+  void run(Stream, const char*, Views, Views, const Work& work) override { work(); }
 
  private:
-  template <typename F>
-  void busy(F&& f) {
-    count_busy(counters_, std::forward<F>(f));
-  }
 
   struct Pending {
     uint64_t index;

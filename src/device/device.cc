@@ -74,15 +74,23 @@ DeviceBuffer Device::upload(const void* host, size_t bytes) {
 }
 
 DeviceForwardState::DeviceForwardState(Device& device, int64_t batch, int64_t tq, int64_t hq,
-                                       int64_t d)
-    : device_(&device), state_(std::make_shared<ForwardState>(batch, tq, hq, d)) {
-  device_->hold(state_->bytes());
-}
-
-DeviceForwardState::~DeviceForwardState() {
-  if (!state_) return;
-  device_->unhold(state_->bytes());
-  device_->release_later(std::move(state_));
+                                       int64_t d, Stream s) {
+  const Shape acc{batch, tq, hq, d}, rows{batch, hq, tq};
+  const size_t acc_bytes = size_t(batch * tq * hq * d) * 4, row_bytes = size_t(batch * hq * tq) * 4;
+  memory_ = device.alloc(acc_bytes + 2 * row_bytes);  // ForwardState::bytes()
+  if (memory_.data()) {
+    view_ = ForwardStateView(memory_.view(DType::f32, acc),
+                             memory_.view(DType::f32, rows, acc_bytes),
+                             memory_.view(DType::f32, rows, acc_bytes + row_bytes));
+  } else {
+    // No elements (and no memory on cpu): views of nothing at an address that is never read or
+    // written, as a ForwardState's empty tensors have one, so the kernel takes it as a state.
+    static float nothing;
+    view_ = ForwardStateView(TensorView(&nothing, DType::f32, acc),
+                             TensorView(&nothing, DType::f32, rows),
+                             TensorView(&nothing, DType::f32, rows));
+  }
+  device.forward_reset(s, view_);
 }
 
 namespace {

@@ -1,7 +1,8 @@
-// The kernel operations that are not attention kernels, on host memory (cpu and sim).
+// The host work of the kernel operations that are not attention kernels (HostDevice).
 #include <cstring>
+#include <limits>
 
-#include "device/devices.h"
+#include "device/host_device.h"
 
 namespace ctxpar::device {
 
@@ -33,6 +34,13 @@ void host_fill_zero(const TensorView& t) {
   }
   Tensor zeros(t.dtype(), t.shape());
   copy_into(zeros, t);
+}
+
+void host_forward_reset(const ForwardStateView& state) {
+  host_fill_zero(state.acc());
+  host_fill_zero(state.l());
+  float* m = state.m().ptr<float>();
+  for (int64_t i = 0; i < state.m().numel(); ++i) m[i] = -std::numeric_limits<float>::infinity();
 }
 
 void host_pack_kv(const TensorView& k, const TensorView& v, const Tokens& tokens, bool documents,

@@ -11,9 +11,10 @@
 //     someone else's data, and an operation enqueued on it is refused.
 //   - Races: every operation says which buffers it reads and writes; at enqueue time an
 //     operation that reads a buffer another stream writes, or writes one another stream uses,
-//     with no wait in between (vector clocks over record / wait), is refused with an Error
-//     naming both operations. The check follows the order the code states, not the timing of
-//     one run, so a missing wait is reported on every run, whatever the delays.
+//     with no wait in between (vector clocks over record / wait: race_checker.h), is refused
+//     with an Error naming both operations. The check follows the order the code states, not
+//     the timing of one run, so a missing wait is reported on every run, whatever the delays.
+//   - The kernel operations are HostDevice's (host_device.h); run() queues each one.
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -26,6 +27,8 @@
 #include <utility>
 
 #include "device/devices.h"
+#include "device/host_device.h"
+#include "device/race_checker.h"
 
 namespace ctxpar::device {
 namespace {
@@ -36,19 +39,6 @@ constexpr size_t kQuarantineBytes = size_t(256) << 20;
 struct SimStorage final : DeviceBuffer::Storage {
   std::byte* ptr = nullptr;
   std::byte* data() override { return ptr; }
-};
-
-struct Access {
-  int stream;
-  uint64_t seq;
-  bool write;
-  std::string op;
-};
-
-struct Allocation {
-  Buffer memory;
-  bool freed = false;
-  std::vector<Access> accesses;  // since the last synchronize()
 };
 
 // A posted transfer: done when its request is; a receive then copies into its buffer.
@@ -71,14 +61,13 @@ struct Op {
   Event wait_for;
 };
 
-// Something freed or released on the host, let go once every stream passed `after`.
+// A freed buffer, filled with NaN and quarantined once every stream passed `after`.
 struct Deferred {
   uint64_t after[kStreams] = {};  // set by defer(); zero, not indeterminate, when moved there
-  std::byte* freed = nullptr;        // a buffer to fill with NaN and quarantine
-  std::shared_ptr<void> keep_alive;  // or host memory queued operations use
+  std::byte* freed = nullptr;
 };
 
-class SimDevice final : public Device {
+class SimDevice final : public HostDevice {
  public:
   SimDevice(const DeviceOptions& options, int rank)
       : rng_(options.sim_seed * 0x9E3779B97F4A7C15ull + uint64_t(rank) + 1),
@@ -99,19 +88,19 @@ class SimDevice final : public Device {
   DeviceBuffer alloc(size_t bytes) override {
     auto s = std::make_unique<SimStorage>();
     s->size = bytes;
-    Allocation a;
-    a.memory = Buffer::uninitialized(bytes ? bytes : 1);
-    std::memset(a.memory.data(), 0xFF, a.memory.size());  // NaN: reads of unwritten memory show
-    s->ptr = a.memory.data();
+    Buffer memory = Buffer::uninitialized(bytes ? bytes : 1);
+    std::memset(memory.data(), 0xFF, memory.size());  // NaN: reads of unwritten memory show
+    s->ptr = memory.data();
     std::lock_guard lock(mu_);
-    allocations_.emplace(reinterpret_cast<uintptr_t>(s->ptr), std::move(a));
+    races_.add(s->ptr, memory.size());
+    allocations_.emplace(reinterpret_cast<uintptr_t>(s->ptr), std::move(memory));
     return DeviceBuffer(this, std::move(s));
   }
 
   Event record(Stream s) override {
     std::lock_guard lock(mu_);
     const Event e{s.index, streams_[s.index].enqueued};
-    event_clocks_[{e.stream, e.seq}] = streams_[s.index].clock;
+    races_.record(e.stream, e.seq);
     return e;
   }
 
@@ -122,11 +111,7 @@ class SimDevice final : public Device {
     op.name = "wait";
     op.wait_for = e;
     std::lock_guard lock(mu_);
-    StreamState& st = streams_[s.index];
-    auto ec = event_clocks_.find({e.stream, e.seq});
-    if (ec == event_clocks_.end()) return;  // recorded before the last synchronize(): done
-    for (int t = 0; t < kStreams; ++t) st.clock[t] = std::max(st.clock[t], ec->second[t]);
-    st.clock[e.stream] = std::max(st.clock[e.stream], e.seq);
+    if (!races_.wait(s.index, e)) return;  // recorded before the last synchronize(): done
     push(s, std::move(op));
   }
 
@@ -141,10 +126,9 @@ class SimDevice final : public Device {
     });
     if (!failed_) {
       release_deferred();
-      for (auto& [start, a] : allocations_) a.accesses.clear();
-      for (StreamState& st : streams_)
-        for (int t = 0; t < kStreams; ++t) st.clock[t] = streams_[t].enqueued;
-      event_clocks_.clear();
+      uint64_t enqueued[kStreams];
+      for (int t = 0; t < kStreams; ++t) enqueued[t] = streams_[t].enqueued;
+      races_.synchronized(enqueued);
     }
     counters_.wait_seconds += now_seconds() - t0;
     if (failed_) throw Error(error_);
@@ -185,98 +169,21 @@ class SimDevice final : public Device {
   }
   bool lends_sent_buffers(const Communicator&) const override { return false; }
 
-  void forward_block(Stream s, const TensorView& q, const Tokens& qt, const TensorView& k,
-                     const TensorView& v, const Tokens& kt, const Mask& mask, ForwardState& state,
-                     const KernelConfig& config) override {
-    ForwardState* st = &state;
-    enqueue(s, "forward_block", {q, k, v}, {}, [=, this] {
-      busy([&] { return attention_forward_block(q, qt, k, v, kt, mask, *st, config); });
-    });
-  }
-  void forward_finalize(Stream s, ForwardState& state, const TensorView& out, const TensorView& lse,
-                        const KernelConfig& config) override {
-    ForwardState* st = &state;
-    enqueue(s, "forward_finalize", {}, {out, lse}, [=, this] {
-      busy([&] {
-        attention_forward_finalize(*st, out, lse, config);
-        return KernelStats{};
-      });
-    });
-  }
-  void backward_delta(Stream s, const TensorView& out, const TensorView& dout,
-                      const TensorView& delta, const KernelConfig& config) override {
-    enqueue(s, "backward_delta", {out, dout}, {delta}, [=, this] {
-      busy([&] {
-        attention_backward_delta(out, dout, delta, config);
-        return KernelStats{};
-      });
-    });
-  }
-  void backward_block(Stream s, const TensorView& q, const Tokens& qt, const TensorView& k,
-                      const TensorView& v, const Tokens& kt, const Mask& mask,
-                      const TensorView& dout, const TensorView& lse, const TensorView& delta,
-                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                      const KernelConfig& config) override {
-    enqueue(s, "backward_block", {q, k, v, dout, lse, delta}, {dq, dk, dv}, [=, this] {
-      busy([&] {
-        return attention_backward_block(q, qt, k, v, kt, mask, dout, lse, delta, dq, dk, dv,
-                                        config);
-      });
-    });
-  }
-  void merge(Stream s, const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b,
-             const TensorView& lse_b) override {
-    enqueue(s, "merge", {o_b, lse_b}, {o_a, lse_a}, [=, this] {
-      busy([&] {
-        ctxpar::merge(o_a, lse_a, o_b, lse_b);
-        return KernelStats{};
-      });
-    });
-  }
-  void add(Stream s, const TensorView& x, const TensorView& y) override {
-    enqueue(s, "add", {x}, {y}, [=] { host_add(x, y); });
-  }
-  void copy(Stream s, const TensorView& src, const TensorView& dst) override {
-    enqueue(s, "copy", {src}, {dst}, [=] { copy_into(src, dst); });
-  }
-  void fill_zero(Stream s, const TensorView& t) override {
-    enqueue(s, "fill_zero", {}, {t}, [=] { host_fill_zero(t); });
-  }
-  void pack_kv(Stream s, const TensorView& k, const TensorView& v, const Tokens& tokens,
-               bool documents, const TensorView& bk, const TensorView& bv,
-               std::byte* bt) override {
-    const size_t tb = size_t(k.dim(1)) * (8 + (documents ? 4 : 0));
-    enqueue(s, "pack_kv", {k, v}, {bk, bv, bytes_view(bt, tb)},
-            [=] { host_pack_kv(k, v, tokens, documents, bk, bv, bt); });
-  }
-  void scatter_tokens(Stream s, const TensorView& src, const TensorView& dst,
-                      const TensorView& index) override {
-    enqueue(s, "scatter_tokens", {src, index}, {dst},
-            [=] { host_scatter_tokens(src, dst, index); });
-  }
-  void gather_tokens(Stream s, const TensorView& src, const TensorView& dst,
-                     const TensorView& index) override {
-    enqueue(s, "gather_tokens", {src, index}, {dst},
-            [=] { host_gather_tokens(src, dst, index); });
-  }
-
  protected:
   void free(std::unique_ptr<DeviceBuffer::Storage> storage) override {
     Deferred d;
     d.freed = static_cast<SimStorage*>(storage.get())->ptr;
     defer(std::move(d));
   }
-  void release_later(std::shared_ptr<void> owner) override {
-    Deferred d;
-    d.keep_alive = std::move(owner);
-    defer(std::move(d));
+  // A kernel operation: checked for races now, run by the stream's worker later.
+  void run(Stream s, const char* op, Views reads, Views writes, const Work& work) override {
+    enqueue(s, op, reads, writes, work.keep());
   }
 
  private:
   struct StreamState {
     std::deque<Op> queue;
     uint64_t enqueued = 0, completed = 0;
-    std::vector<uint64_t> clock = std::vector<uint64_t>(kStreams, 0);
   };
 
   // A send of a copy of [from, from + bytes) (the wire, not a loan) when its turn comes.
@@ -310,45 +217,12 @@ class SimDevice final : public Device {
     });
   }
 
-  static TensorView bytes_view(std::byte* p, size_t n) {
-    return TensorView(p, DType::i32, {int64_t(n / 4 > 0 ? n / 4 : 1)});
-  }
-
-  template <typename F>
-  void busy(F&& f) {
-    count_busy(counters_, std::forward<F>(f));
-  }
-
-  // The allocation a view lies in (nullptr: memory the device does not own). Caller holds mu_.
-  Allocation* allocation_of(const TensorView& t) {
-    if (t.empty() || allocations_.empty()) return nullptr;
-    const auto at = reinterpret_cast<uintptr_t>(t.data());
-    auto it = allocations_.upper_bound(at);
-    if (it == allocations_.begin()) return nullptr;
-    --it;
-    return at < it->first + it->second.memory.size() ? &it->second : nullptr;
-  }
-
-  // Refuses an access that races an earlier one of another stream; records it. Holds mu_.
-  // A refusal also fails the device (its queued work is dropped), so that the rank leaves the
-  // call at once and its peers fail with it instead of waiting for its messages.
+  // Refuses an access that races an earlier one of another stream (RaceChecker); records it.
+  // Holds mu_. A refusal also fails the device (its queued work is dropped), so that the rank
+  // leaves the call at once and its peers fail with it instead of waiting for its messages.
   void check(int s, uint64_t seq, const std::string& op, const TensorView& t, bool write) {
-    Allocation* a = allocation_of(t);
-    if (!a) return;
-    if (a->freed)
-      refuse(detail::concat("sim: '", op, "' on the ", stream_name(Stream{s}),
-                            " stream uses a buffer that was already freed (a view kept "
-                            "past its DeviceBuffer)"));
-    const std::vector<uint64_t>& clock = streams_[s].clock;
-    for (const Access& x : a->accesses)
-      if (x.stream != s && x.seq > clock[x.stream] && (write || x.write))
-        refuse(detail::concat(
-            "sim: '", op, "' on the ", stream_name(Stream{s}), " stream ",
-            write ? "writes" : "reads", " a buffer that '", x.op, "' on the ",
-            stream_name(Stream{x.stream}), " stream ", x.write ? "writes" : "reads",
-            ", with no wait in between (a missing Device::wait(", stream_name(Stream{s}),
-            ", record(", stream_name(Stream{x.stream}), ")))"));
-    a->accesses.push_back({s, seq, write, op});
+    const std::string refusal = races_.check(s, seq, op, t.data(), write);
+    if (!refusal.empty()) refuse(refusal);
   }
 
   [[noreturn]] void refuse(const std::string& what) {  // caller holds mu_
@@ -356,15 +230,12 @@ class SimDevice final : public Device {
     throw Error(what);
   }
 
-  void check_all(int s, uint64_t seq, const std::string& name,
-                 std::initializer_list<TensorView> reads,
-                 std::initializer_list<TensorView> writes) {
+  void check_all(int s, uint64_t seq, const std::string& name, Views reads, Views writes) {
     for (const TensorView& t : reads) check(s, seq, name, t, false);
     for (const TensorView& t : writes) check(s, seq, name, t, true);
   }
 
-  void enqueue(Stream s, const char* name, std::initializer_list<TensorView> reads,
-               std::initializer_list<TensorView> writes, std::function<void()> fn) {
+  void enqueue(Stream s, const char* name, Views reads, Views writes, std::function<void()> fn) {
     Op op;
     op.name = name;
     op.fn = std::move(fn);
@@ -372,8 +243,8 @@ class SimDevice final : public Device {
     check_all(s.index, streams_[s.index].enqueued + 1, name, reads, writes);
     push(s, std::move(op));
   }
-  void enqueue_post(Stream s, const char* name, std::initializer_list<TensorView> reads,
-                    std::initializer_list<TensorView> writes, std::function<Inflight()> fn) {
+  void enqueue_post(Stream s, const char* name, Views reads, Views writes,
+                    std::function<Inflight()> fn) {
     Op op;
     op.kind = Op::post;
     op.name = name;
@@ -414,19 +285,18 @@ class SimDevice final : public Device {
         ++it;
         continue;
       }
-      if (it->freed) {
-        auto a = allocations_.find(reinterpret_cast<uintptr_t>(it->freed));
-        if (a != allocations_.end()) {
-          std::memset(a->second.memory.data(), 0xFF, a->second.memory.size());
-          a->second.freed = true;
-          quarantine_.push_back(a->first);
-          quarantined_ += a->second.memory.size();
-          while (quarantined_ > kQuarantineBytes && quarantine_.size() > 1) {
-            auto old = allocations_.find(quarantine_.front());
-            quarantined_ -= old->second.memory.size();
-            allocations_.erase(old);
-            quarantine_.pop_front();
-          }
+      auto a = allocations_.find(reinterpret_cast<uintptr_t>(it->freed));
+      if (a != allocations_.end()) {
+        std::memset(a->second.data(), 0xFF, a->second.size());
+        races_.freed(a->second.data());
+        quarantine_.push_back(a->first);
+        quarantined_ += a->second.size();
+        while (quarantined_ > kQuarantineBytes && quarantine_.size() > 1) {
+          auto old = allocations_.find(quarantine_.front());
+          quarantined_ -= old->second.size();
+          races_.forget(old->second.data());
+          allocations_.erase(old);
+          quarantine_.pop_front();
         }
       }
       it = deferred_.erase(it);
@@ -531,10 +401,10 @@ class SimDevice final : public Device {
   std::condition_variable cv_;
   StreamState streams_[kStreams];
   std::thread workers_[kStreams];
-  std::map<uintptr_t, Allocation> allocations_;
+  std::map<uintptr_t, Buffer> allocations_;  // live and quarantined memory, by address
   std::deque<uintptr_t> quarantine_;
   size_t quarantined_ = 0;
-  std::map<std::pair<int, uint64_t>, std::vector<uint64_t>> event_clocks_;
+  RaceChecker races_;
   std::vector<Deferred> deferred_;
   std::mt19937_64 rng_;
   int max_delay_us_;

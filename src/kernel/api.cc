@@ -31,22 +31,52 @@ KernelStats attention_forward_block(const TensorView& q, const Tokens& q_tokens,
                                     const TensorView& k, const TensorView& v,
                                     const Tokens& k_tokens, const Mask& mask,
                                     ForwardState& state, const KernelConfig& config) {
+  return attention_forward_block(q, q_tokens, k, v, k_tokens, mask, state.view(), config);
+}
+
+void attention_forward_finalize(const ForwardState& state, const TensorView& out,
+                                const TensorView& lse, const KernelConfig& config) {
+  attention_forward_finalize(state.view(), out, lse, config);
+}
+
+namespace {
+// A state given as views must be laid out as a ForwardState's own tensors.
+void check_state_memory(const ForwardStateView& state) {
+  const int64_t b = state.acc().dim(0), t = state.acc().dim(1), h = state.acc().dim(2);
+  CTXPAR_CHECK(state.acc().dtype() == DType::f32 && state.acc().ndim() == 4 &&
+                   state.acc().contiguous(),
+               "state: acc must be a contiguous fp32 [B, Tq, Hq, D] view");
+  kernel::check_rows_f32("state.m", state.m(), b, h, t);
+  kernel::check_rows_f32("state.l", state.l(), b, h, t);
+  CTXPAR_CHECK(state.m().contiguous() && state.l().contiguous(),
+               "state: m and l must be contiguous");
+}
+}  // namespace
+
+KernelStats attention_forward_block(const TensorView& q, const Tokens& q_tokens,
+                                    const TensorView& k, const TensorView& v,
+                                    const Tokens& k_tokens, const Mask& mask,
+                                    const ForwardStateView& state, const KernelConfig& config) {
   const kernel::Problem p = kernel::check_forward_args(q, q_tokens, k, v, k_tokens, mask, config);
-  CTXPAR_CHECK(!state.acc().empty() && state.batch() == p.batch && state.tokens() == p.tq &&
-                   state.heads() == p.hq && state.head_dim() == p.d,
+  const TensorView& acc = state.acc();
+  CTXPAR_CHECK(!acc.empty() && acc.ndim() == 4 && acc.dim(0) == p.batch && acc.dim(1) == p.tq &&
+                   acc.dim(2) == p.hq && acc.dim(3) == p.d,
                "state: expected a ForwardState for q's [B, Tq, Hq, D] = ",
                shape_str({p.batch, p.tq, p.hq, p.d}), ", got ",
-               state.acc().empty() ? std::string("an empty state") : shape_str(state.acc().shape()));
+               acc.empty() ? std::string("an empty state") : shape_str(acc.shape()));
+  check_state_memory(state);
   if (p.tq == 0 || p.tk == 0 || p.batch == 0) return {};
   if (kernel::use_scalar_path())  // also applies CTXPAR_SIMD, or throws naming what is wrong
     return kernel::forward_scalar(p, q, q_tokens, k, v, k_tokens, mask, state);
   return kernel::forward_simd(p, q, q_tokens, k, v, k_tokens, mask, state);
 }
 
-void attention_forward_finalize(const ForwardState& state, const TensorView& out,
+void attention_forward_finalize(const ForwardStateView& state, const TensorView& out,
                                 const TensorView& lse, const KernelConfig& config) {
-  const int64_t b = state.batch(), t = state.tokens(), h = state.heads(), d = state.head_dim();
   CTXPAR_CHECK(!state.acc().empty(), "state: empty ForwardState (construct it with the q shape)");
+  check_state_memory(state);
+  const int64_t b = state.acc().dim(0), t = state.acc().dim(1), h = state.acc().dim(2),
+                d = state.acc().dim(3);
   kernel::check_activation("out", out, true);
   CTXPAR_CHECK(out.shape() == Shape({b, t, h, d}), "out: expected shape [B, Tq, Hq, D] = ",
                shape_str({b, t, h, d}), " (the state's), got ", shape_str(out.shape()));

@@ -1,6 +1,6 @@
 // merge(): combines two partial attention results over disjoint key sets. The strategies do not
-// need it (each absorbs every K/V block into one ForwardState); it is the devices' `merge`
-// operation, and its handling of -inf rows decides whether merged masked rows stay NaN-free.
+// need it (each absorbs every K/V block into one ForwardState), nor does any device operation;
+// its handling of -inf rows decides whether merged masked rows stay NaN-free.
 #include <cmath>
 
 #include "ctxpar/kernel.h"

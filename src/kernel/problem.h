@@ -130,7 +130,7 @@ int64_t kernel_k_panel(int64_t n, int64_t k);
 // The two implementations behind the public calls (see api.cc for the choice).
 KernelStats forward_scalar(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                            const TensorView& k, const TensorView& v, const Tokens& k_tokens,
-                           const Mask& mask, ForwardState& state);
+                           const Mask& mask, const ForwardStateView& state);
 KernelStats backward_scalar(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                             const TensorView& k, const TensorView& v, const Tokens& k_tokens,
                             const Mask& mask, const TensorView& dout, const TensorView& lse,
@@ -139,7 +139,7 @@ KernelStats backward_scalar(const Problem& p, const TensorView& q, const Tokens&
 
 KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                          const TensorView& k, const TensorView& v, const Tokens& k_tokens,
-                         const Mask& mask, ForwardState& state);
+                         const Mask& mask, const ForwardStateView& state);
 KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                           const TensorView& k, const TensorView& v, const Tokens& k_tokens,
                           const Mask& mask, const TensorView& dout, const TensorView& lse,

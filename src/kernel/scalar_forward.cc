@@ -14,7 +14,7 @@ constexpr int64_t kTile = kKernelTile;
 
 KernelStats forward_scalar(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                            const TensorView& k, const TensorView& v, const Tokens& k_tokens,
-                           const Mask& mask, ForwardState& state) {
+                           const Mask& mask, const ForwardStateView& state) {
   // q [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; state.acc [B, Tq, Hq, D], state.m/l [B, Hq, Tq].
   const TileRanges qr = tile_ranges(q_tokens, p.tq, kTile, mask.documents);
   const TileRanges kr = tile_ranges(k_tokens, p.tk, kTile, mask.documents);

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "ctxpar/device.h"
 
@@ -108,27 +109,59 @@ TEST(Sim, EventsOrderStreams) {
   EXPECT_EQ(reinterpret_cast<const float*>(b.data())[1000], 0.0f);
 }
 
-// The one operation no strategy uses today: both devices run kernel.h's merge, bit for bit.
-TEST(Device, MergeIsTheKernelsMerge) {
-  const Shape o{1, 8, 2, 16}, l{1, 2, 8};
-  Tensor oa(DType::f32, o), ob(DType::f32, o), la(DType::f32, l), lb(DType::f32, l);
-  fill_normal(oa, 1);
-  fill_normal(ob, 2);
-  fill_normal(la, 3);
-  fill_normal(lb, 4);
-  la.ptr<float>()[0] = lb.ptr<float>()[0] = -INFINITY;  // a fully masked row stays 0, -inf
-  Tensor want_o = Tensor::copy_of(oa), want_l = Tensor::copy_of(la);
-  merge(want_o, want_l, ob, lb);
+// A forward state in device memory: the device counts its bytes, and forward_block /
+// forward_finalize through it give kernel.h's bits on a host ForwardState.
+TEST(Device, ForwardStateInDeviceMemoryIsTheKernels) {
+  const int64_t b = 1, t = 80, h = 2, d = 16;
+  Tensor q(DType::f32, {b, t, h, d}), k(DType::f32, {b, t, h, d}), v(DType::f32, {b, t, h, d});
+  fill_normal(q, 1);
+  fill_normal(k, 2);
+  fill_normal(v, 3);
+  std::vector<int64_t> pos(t), pos2(t);
+  for (int64_t i = 0; i < t; ++i) pos[i] = t + i, pos2[i] = i;
+  const Tokens qt{pos, {}}, kt2{pos2, {}};
+  const Mask causal = Mask::causal_mask();
+  ForwardState host(b, t, h, d);
+  attention_forward_block(q, qt, k, v, kt2, causal, host);
+  attention_forward_block(q, qt, k, v, qt, causal, host);
+  Tensor want_o(DType::f32, {b, t, h, d}), want_l(DType::f32, {b, h, t});
+  attention_forward_finalize(host, want_o, want_l);
   for (DeviceKind kind : {DeviceKind::cpu, DeviceKind::sim}) {
     DeviceOptions opt;
     opt.kind = kind;
     auto dev = make_device(opt, 0);
-    Tensor got_o = Tensor::copy_of(oa), got_l = Tensor::copy_of(la);
-    dev->merge(kComputeStream, got_o, got_l, ob, lb);
+    Tensor got_o(DType::f32, {b, t, h, d}), got_l(DType::f32, {b, h, t});
+    {
+      DeviceForwardState state(*dev, b, t, h, d);
+      EXPECT_EQ(dev->held_bytes(), host.bytes()) << dev->name();
+      dev->forward_block(kComputeStream, q, qt, k, v, kt2, causal, state.get(), {});
+      dev->forward_block(kComputeStream, q, qt, k, v, qt, causal, state.get(), {});
+      dev->forward_finalize(kComputeStream, state.get(), got_o, got_l, {});
+    }
+    EXPECT_EQ(dev->held_bytes(), 0u) << dev->name();
+    EXPECT_EQ(dev->peak_bytes(), host.bytes()) << dev->name();
     dev->synchronize();
     EXPECT_EQ(std::memcmp(got_o.data(), want_o.data(), want_o.bytes()), 0) << dev->name();
     EXPECT_EQ(std::memcmp(got_l.data(), want_l.data(), want_l.bytes()), 0) << dev->name();
   }
+}
+
+// The state is device memory like any buffer: used on another stream with no wait, refused.
+TEST(Sim, ForwardStateIsCheckedForRaces) {
+  auto dev = sim();
+  Tensor q(DType::f32, {1, 8, 1, 16});
+  std::vector<int64_t> pos(8);
+  const Tokens tokens{pos, {}};
+  DeviceForwardState state(*dev, 1, 8, 1, 16);  // reset on the compute stream
+  std::string refusal = "(none)";
+  try {
+    dev->forward_block(kCommStream, q, tokens, q, q, tokens, Mask{}, state.get(), {});
+  } catch (const Error& e) {
+    refusal = e.what();
+  }
+  EXPECT_NE(refusal.find("'forward_block' on the comm stream writes a buffer that "
+                         "'forward_reset' on the compute stream writes"),
+            std::string::npos) << refusal;
 }
 
 TEST(Device, Names) {

@@ -46,12 +46,15 @@ class RecordingDevice final : public Device {
   bool lends_sent_buffers(const Communicator& comm) const override {
     return inner_->lends_sent_buffers(comm);
   }
+  void forward_reset(Stream s, const ForwardStateView& state) override {
+    inner_->forward_reset(s, state);
+  }
   void forward_block(Stream s, const TensorView& q, const Tokens& qt, const TensorView& k,
-                     const TensorView& v, const Tokens& kt, const Mask& mask, ForwardState& state,
-                     const KernelConfig& config) override {
+                     const TensorView& v, const Tokens& kt, const Mask& mask,
+                     const ForwardStateView& state, const KernelConfig& config) override {
     inner_->forward_block(s, q, qt, k, v, kt, mask, state, config);
   }
-  void forward_finalize(Stream s, ForwardState& state, const TensorView& out,
+  void forward_finalize(Stream s, const ForwardStateView& state, const TensorView& out,
                         const TensorView& lse, const KernelConfig& config) override {
     inner_->forward_finalize(s, state, out, lse, config);
   }
@@ -66,10 +69,6 @@ class RecordingDevice final : public Device {
                       const KernelConfig& config) override {
     log.push_back("bwd " + std::to_string(k.dim(1)));
     inner_->backward_block(s, q, qt, k, v, kt, mask, dout, lse, delta, dq, dk, dv, config);
-  }
-  void merge(Stream s, const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b,
-             const TensorView& lse_b) override {
-    inner_->merge(s, o_a, lse_a, o_b, lse_b);
   }
   void add(Stream s, const TensorView& x, const TensorView& y) override { inner_->add(s, x, y); }
   void copy(Stream s, const TensorView& src, const TensorView& dst) override {
@@ -93,7 +92,6 @@ class RecordingDevice final : public Device {
  protected:
   // Every buffer comes from the inner device and goes back to it; nothing is ever ours.
   void free(std::unique_ptr<DeviceBuffer::Storage>) override { std::abort(); }
-  void release_later(std::shared_ptr<void>) override { std::abort(); }
 
  private:
   std::unique_ptr<Device> inner_;
