@@ -81,6 +81,9 @@ int64_t plan_padded_seq(const PlanInput& in);
 // The all-gather head groups the plan models: the runtime's own rule,
 // allgather_head_groups() (strategy.h), on the KV heads one device holds after tp.
 int64_t plan_allgather_groups(const PlanInput& in);
+// The hybrid Ulysses degree the plan models: ulysses_degree when given, else the largest u
+// dividing cp and the query heads per device whose group stays inside one node.
+int plan_ulysses_degree(const PlanInput& in);
 
 // ---- memory ----------------------------------------------------------------------------
 struct MemoryBreakdown {
@@ -89,7 +92,7 @@ struct MemoryBreakdown {
   double activations_per_layer = 0;
   double activations = 0;          // all layers on this device (+ the layer being recomputed)
   double logits = 0;               // LM head output and its fp32 softmax for the loss
-  double attention_buffers = 0;    // the strategy's working set (ring: double-buffered K/V)
+  double attention_buffers = 0;    // the strategy's peak: attention_buffer_bytes (strategy_memory.h)
   double total = 0, capacity = 0;
   bool fits = false;
 };
