@@ -37,6 +37,14 @@ double attention_buffer_bytes(const StrategyOptions& options, const AttentionDim
 int64_t ulysses_kv_slots(int64_t heads, int64_t kv_heads, int ranks);
 int ulysses_pipeline_groups(int64_t heads, int64_t kv_heads, int ranks, int64_t batch,
                             int threads, AttentionPass pass, int limit);
+// Whether ring.cc's forward ends with a barrier of its ranks: when P > 2 and the device lends
+// sent buffers (Device::lends_sent_buffers: the threads transport on the cpu device), so that
+// a rank that failed mid-ring fails every rank. The planner models it from the capability of
+// the hardware it plans for (HardwareSpec::lends_sent_buffers), never from a transport name.
+inline bool ring_forward_ends_with_barrier(int ranks, bool lends_sent_buffers) {
+  return ranks > 2 && lends_sent_buffers;
+}
+
 // StrategyOptions::ulysses_groups = 0: the most groups ulysses pipelines over (hybrid: 1).
 constexpr int kUlyssesDefaultGroups = 4;
 

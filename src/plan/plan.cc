@@ -5,6 +5,7 @@
 
 #include "ctxpar/error.h"
 #include "ctxpar/plan.h"
+#include "ctxpar/strategy_memory.h"
 
 namespace ctxpar {
 namespace {
@@ -52,8 +53,7 @@ RingProblem ring_problem(const PlanInput& in, int ranks, int64_t heads, int64_t 
   p.links = ring_links(in, ranks, stride);
   p.flops_per_second = {in.hardware.effective_flops()};
   p.backward_flops_per_second = {in.hardware.effective_backward_flops()};
-  // Our threads transport: ring.cc's forward ends with a barrier when P > 2.
-  p.barrier_after_forward = in.hardware.name == "local";
+  p.barrier_after_forward = ring_forward_ends_with_barrier(ranks, in.hardware.lends_sent_buffers);
   return p;
 }
 
