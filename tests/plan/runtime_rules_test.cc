@@ -100,13 +100,9 @@ TEST(PlanMatchesRuntime, RingBarrierFollowsTheCapabilityNotTheName) {
   EXPECT_FALSE(ring_forward_ends_with_barrier(2, true));
   EXPECT_FALSE(ring_forward_ends_with_barrier(8, false));
   // What measure_local reports is the cpu device's answer on the threads transport.
-  LocalOptions o;
-  o.ranks = 2;
-  o.block_tokens = 64;
-  o.heads = o.kv_heads = 1;
-  o.head_dim = 16;
-  o.min_seconds = 0.001;
-  o.message_bytes = 64;
+  LocalOptions o;  // a quick measurement: its figures do not matter here
+  o.ranks = 2, o.block_tokens = 64, o.heads = o.kv_heads = 1, o.head_dim = 16;
+  o.min_seconds = 0.001, o.message_bytes = 64;
   bool device_lends = false;
   run_threads(1, [&](Communicator& comm) {
     device_lends = make_device(DeviceOptions{}, 0)->lends_sent_buffers(comm);
