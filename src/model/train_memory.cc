@@ -82,10 +82,12 @@ void check_train_memory(const TrainConfig& config, int ranks_here, const MemoryL
                limit.source_text(), " leaves ", bytes_text(limit.bytes), "; ", limit.raise_text(),
                ", or lower the run. Per rank:\n  ",
                bytes_text(need.state), " weights, gradients and Adam moments (",
-               params_text(need.params), " parameters: lower --layers, --dim, --hidden or "
-               "--heads)\n  ", bytes_text(need.activations), " activations (lower --seq or --batch, "
-               "or spread them over more ranks with --cp on more machines)\n  ",
-               bytes_text(need.data), " data (the batch, --data and --resume files, read whole)");
+               params_text(need.params), " parameters: lower ModelConfig::layers, "
+               "ModelConfig::dim, ModelConfig::hidden or ModelConfig::heads)\n  ",
+               bytes_text(need.activations), " activations (lower TrainConfig::seq or "
+               "TrainConfig::batch, or spread them over more ranks with TrainConfig::cp on more "
+               "machines)\n  ", bytes_text(need.data), " data (the batch, TrainConfig::data_path "
+               "and TrainConfig::resume_path files, read whole)");
 }
 
 }  // namespace ctxpar
