@@ -107,5 +107,27 @@ TEST(MemoryModel, IsTheOneThePlannerUses) {
   }
 }
 
+// The planner's all-gather head groups are the runtime's, seen running: at P = 2 each group's
+// gather is one send per rank, so a forward's sends count the groups the strategy ran.
+TEST(PlanMatchesRunningRuntime, AllGatherHeadGroups) {
+  for (int64_t hkv = 1; hkv <= 8; ++hkv) {
+    Problem pr;
+    pr.tokens = 32, pr.hq = 2 * hkv, pr.hkv = hkv;
+    pr.mask = Mask::causal_mask();
+    pr.build();
+    StrategyOptions opt;
+    opt.kind = StrategyKind::allgather;
+    opt.mask = pr.mask;
+    const RunResult res = run_sharded(pr, 2, LayoutKind::zigzag, opt, false);
+    const uint64_t groups = res.counters[0].calls_of(CommKind::send);
+    PlanInput in;
+    in.model = model_preset("llama3-8b");
+    in.model.heads = pr.hq, in.model.kv_heads = hkv;
+    in.hardware = hardware_preset("h100");
+    in.seq = 4096, in.cp = 2, in.strategy = StrategyKind::allgather;
+    EXPECT_EQ(uint64_t(plan_allgather_groups(in)), groups) << "Hkv = " << hkv;
+  }
+}
+
 }  // namespace
 }  // namespace ctxpar::testing
