@@ -95,7 +95,7 @@ struct MemoryBreakdown {
   double activations_per_layer = 0;
   double activations = 0;          // all layers on this device (+ the layer being recomputed)
   double logits = 0;               // LM head output and its fp32 softmax for the loss
-  double attention_buffers = 0;    // the strategy's peak: attention_buffer_bytes (strategy_memory.h)
+  double attention_buffers = 0;    // the strategy's peak: attention_buffer_bytes()
   double total = 0, capacity = 0;
   bool fits = false;
 };

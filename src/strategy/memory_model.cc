@@ -35,7 +35,9 @@ struct Sizes {
   double B, D, es, eo;
   bool documents;
   // A K/V block (KvPacking): k, v [B, t, hk, D] and the t tokens' positions (document ids).
-  double pack(double t, double hk) const { return 2 * B * t * hk * D * es + t * (8 + (documents ? 4 : 0)); }
+  double pack(double t, double hk) const {
+    return 2 * B * t * hk * D * es + t * (8 + (documents ? 4 : 0));
+  }
   // An fp32 [dK | dV] accumulator of t tokens.
   double grad(double t, double hk) const { return 8 * B * t * hk * D; }
   // DeviceForwardState: fp32 accumulator [B, t, hq, D], m and l [B, hq, t].
@@ -119,7 +121,8 @@ double ulysses(const StrategyOptions& o, const Sizes& z, const AttentionDims& d,
   }
   const double in = 2.0 * u * B * tld * (D * (gq * es + 2 * gk * es + gq * eo) + 8 * gq);
   const double back = u * B * tld * D * (4 * gq + 8 * gk);  // one side: the send goes at once
-  const double whole = B * td * (D * (gq * es + 2 * gk * es + gq * eo) + 8 * gq + D * (4 * gq + 8 * gk));
+  const double whole =
+      B * td * (D * (gq * es + 2 * gk * es + gq * eo) + 8 * gq + D * (4 * gq + 8 * gk));
   const double inner = ring ? ring_backward(z, int(R), t, gk) : 0;
   for (int g = 0; g < G; ++g) {
     const double next = g + 1 < G ? in : 0, returned = g * back;

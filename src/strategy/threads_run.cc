@@ -34,7 +34,8 @@ void run_whole_on_threads(int ranks, LayoutKind layout_kind, const StrategyOptio
       [&](Communicator& comm) {
         const int r = comm.rank();
         Rank& x = rk[r];
-        const std::vector<int64_t> pos = layout.token_positions(r, positions);  // padding: kPaddingPosition
+        // Padding tokens get kPaddingPosition.
+        const std::vector<int64_t> pos = layout.token_positions(r, positions);
         const std::vector<int32_t> docs =
             documents.empty() ? std::vector<int32_t>{} : layout.shard(documents, r);
         const Tokens tokens{pos, docs};
@@ -44,7 +45,10 @@ void run_whole_on_threads(int ranks, LayoutKind layout_kind, const StrategyOptio
           x.out = Tensor(dtype_of(w.out), local_shape(w.out, 1, tl));
           x.lse = Tensor(DType::f32, local_shape(w.lse, 2, tl));
           strategy->forward(q, k, v, tokens, x.out, x.lse);
-          if (stats) stats->forward[r] = strategy->last_stats(), stats->counters[r] = comm.counters();
+          if (stats) {
+            stats->forward[r] = strategy->last_stats();
+            stats->counters[r] = comm.counters();
+          }
         } else {
           x.out = Tensor::copy_of(layout.shard(w.out, r), dtype_of(w.out));
           x.lse = layout.shard(w.lse, r, 2);
