@@ -41,6 +41,9 @@ struct HardwareSpec {
   LinkSpec inter;                // between nodes (InfiniBand, DCN)
   int devices_per_node = 8;
   double backward_flops = 0;     // backward kernel FLOP/s when measured apart (0: = flops)
+  // Sends lend their memory to the receiver (Device::lends_sent_buffers; `local` on the
+  // threads transport): the ring's forward then ends with a barrier (strategy_memory.h).
+  bool lends_sent_buffers = false;
   double effective_flops() const { return flops * efficiency; }
   double effective_backward_flops() const {
     return (backward_flops > 0 ? backward_flops : flops) * efficiency;
@@ -81,6 +84,9 @@ int64_t plan_padded_seq(const PlanInput& in);
 // The all-gather head groups the plan models: the runtime's own rule,
 // allgather_head_groups() (strategy.h), on the KV heads one device holds after tp.
 int64_t plan_allgather_groups(const PlanInput& in);
+// The hybrid Ulysses degree the plan models: ulysses_degree when given, else the largest u
+// dividing cp and the query heads per device whose group stays inside one node.
+int plan_ulysses_degree(const PlanInput& in);
 
 // ---- memory ----------------------------------------------------------------------------
 struct MemoryBreakdown {
@@ -89,7 +95,7 @@ struct MemoryBreakdown {
   double activations_per_layer = 0;
   double activations = 0;          // all layers on this device (+ the layer being recomputed)
   double logits = 0;               // LM head output and its fp32 softmax for the loss
-  double attention_buffers = 0;    // the strategy's working set (ring: double-buffered K/V)
+  double attention_buffers = 0;    // the strategy's peak: attention_buffer_bytes()
   double total = 0, capacity = 0;
   bool fits = false;
 };
@@ -182,7 +188,7 @@ struct RingProblem {
   std::vector<LinkSpec> links;             // size ranks (or 1: the same for all)
   std::vector<double> flops_per_second;    // size ranks (or 1)
   std::vector<double> backward_flops_per_second;  // empty: the same as forward
-  bool barrier_after_forward = false;      // threads transport, P > 2: ring.cc's barrier
+  bool barrier_after_forward = false;      // ring_forward_ends_with_barrier(ranks, ...)
   // ring.cc computes into a local partial and adds the travelling dK/dV accumulator after the
   // compute (false), which hides the accumulator's hop behind one step's compute; true models
   // waiting for the accumulator before the compute (ring.cc's order until 2026-11-30).
@@ -217,6 +223,7 @@ struct LocalMeasurement {
                                  // ring shift of 8 bytes
   double block_message_seconds = 0;  // one block through the link (0: threads without a link)
   std::string transport = "threads";  // what was measured: threads | mpi
+  bool lends_sent_buffers = false;    // the cpu device's answer on that transport
   double mem_gb = 0;
 };
 LocalMeasurement measure_local(const LocalOptions& options);

@@ -15,6 +15,7 @@
 #include "ctxpar/layout.h"
 #include "ctxpar/reference.h"
 #include "ctxpar/strategy.h"
+#include "ctxpar/threads_run.h"
 
 namespace ctxpar::python {
 namespace {
@@ -91,14 +92,6 @@ Layout shard_layout(LayoutKind kind, int64_t local_tokens, int ranks) {
   return layout;
 }
 
-std::vector<TensorView> views(const std::vector<Tensor>& ts) {
-  return std::vector<TensorView>(ts.begin(), ts.end());
-}
-Shape local_shape(const TensorView& t, int token_dim, int64_t local) {
-  Shape s = t.shape();
-  s[token_dim] = local;
-  return s;
-}
 
 struct JobArgs {
   std::string strategy, layout, mask;
@@ -111,58 +104,33 @@ struct JobArgs {
   }
 };
 
+// Whole tensors on `ranks` thread ranks: the library's shard -> run -> unshard.
+void run_whole(int ranks, const JobArgs& args, WholeAttention whole, bool forward) {
+  if (ranks < 1) throw nb::value_error(detail::concat("ranks: must be >= 1, got ", ranks).c_str());
+  const Job job = args.make(whole.q.dim(1));
+  nb::gil_scoped_release release;
+  whole.tokens = Tokens{job.positions, job.documents};
+  run_whole_on_threads(ranks, job.layout, job.strategy, whole, forward, !forward);
+}
+
 void whole_forward(const ReadArray& q, const ReadArray& k, const ReadArray& v, const Array& out,
                    const Array& lse, int ranks, const JobArgs& args) {
-  const TensorView qv = view_of(q, "q", 4), kv = view_of(k, "k", 4), vv = view_of(v, "v", 4);
-  const TensorView ov = view_of(out, "out", 4), lv = view_of(lse, "lse", 3);
-  if (ranks < 1) throw nb::value_error(detail::concat("ranks: must be >= 1, got ", ranks).c_str());
-  const Job job = args.make(qv.dim(1));
-  nb::gil_scoped_release release;
-  const Layout layout(job.layout, qv.dim(1), ranks);
-  const int64_t tl = layout.local_tokens();
-  std::vector<Tensor> outs(ranks), lses(ranks);
-  run_threads(ranks, [&](Communicator& comm) {
-    const int r = comm.rank();
-    const RankTokens tokens = rank_tokens(job, layout, r);
-    const Tensor qs = layout.shard(qv, r), ks = layout.shard(kv, r), vs = layout.shard(vv, r);
-    outs[r] = Tensor(ov.dtype(), local_shape(ov, 1, tl));
-    lses[r] = Tensor(DType::f32, local_shape(lv, 2, tl));
-    auto strategy = Strategy::create(comm, job.strategy);
-    strategy->forward(qs, ks, vs, tokens.view(), outs[r], lses[r]);
-  });
-  layout.unshard(views(outs), ov, 1);
-  layout.unshard(views(lses), lv, 2);
+  WholeAttention w;
+  w.q = view_of(q, "q", 4), w.k = view_of(k, "k", 4), w.v = view_of(v, "v", 4);
+  w.out = view_of(out, "out", 4), w.lse = view_of(lse, "lse", 3);
+  run_whole(ranks, args, w, true);
 }
 
 void whole_backward(const ReadArray& q, const ReadArray& k, const ReadArray& v,
                     const ReadArray& out, const ReadArray& lse, const ReadArray& dout,
                     const Array& dq, const Array& dk, const Array& dv, int ranks,
                     const JobArgs& args) {
-  const TensorView qv = view_of(q, "q", 4), kv = view_of(k, "k", 4), vv = view_of(v, "v", 4);
-  const TensorView ov = view_of(out, "out", 4), lv = view_of(lse, "lse", 3),
-                   gv = view_of(dout, "dout", 4);
-  const TensorView dqv = view_of(dq, "dq", 4), dkv = view_of(dk, "dk", 4),
-                   dvv = view_of(dv, "dv", 4);
-  if (ranks < 1) throw nb::value_error(detail::concat("ranks: must be >= 1, got ", ranks).c_str());
-  const Job job = args.make(qv.dim(1));
-  nb::gil_scoped_release release;
-  const Layout layout(job.layout, qv.dim(1), ranks);
-  const int64_t tl = layout.local_tokens();
-  std::vector<Tensor> dqs(ranks), dks(ranks), dvs(ranks);
-  run_threads(ranks, [&](Communicator& comm) {
-    const int r = comm.rank();
-    const RankTokens tokens = rank_tokens(job, layout, r);
-    const Tensor qs = layout.shard(qv, r), ks = layout.shard(kv, r), vs = layout.shard(vv, r);
-    const Tensor os = layout.shard(ov, r), gs = layout.shard(gv, r), ls = layout.shard(lv, r, 2);
-    dqs[r] = Tensor(dqv.dtype(), local_shape(dqv, 1, tl));
-    dks[r] = Tensor(dkv.dtype(), local_shape(dkv, 1, tl));
-    dvs[r] = Tensor(dvv.dtype(), local_shape(dvv, 1, tl));
-    auto strategy = Strategy::create(comm, job.strategy);
-    strategy->backward(qs, ks, vs, tokens.view(), os, ls, gs, dqs[r], dks[r], dvs[r]);
-  });
-  layout.unshard(views(dqs), dqv, 1);
-  layout.unshard(views(dks), dkv, 1);
-  layout.unshard(views(dvs), dvv, 1);
+  WholeAttention w;
+  w.q = view_of(q, "q", 4), w.k = view_of(k, "k", 4), w.v = view_of(v, "v", 4);
+  w.out = view_of(out, "out", 4), w.lse = view_of(lse, "lse", 3);
+  w.dout = view_of(dout, "dout", 4);
+  w.dq = view_of(dq, "dq", 4), w.dk = view_of(dk, "dk", 4), w.dv = view_of(dv, "dv", 4);
+  run_whole(ranks, args, w, false);
 }
 
 // One rank's shard: T = Tl * comm.size(); positions / document_ids (if given) have T entries.

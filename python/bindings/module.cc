@@ -4,6 +4,8 @@
 #include <nanobind/nanobind.h>
 
 #include "communicator.h"
+#include "ctxpar/comm.h"
+#include "ctxpar/limits.h"
 
 namespace ctxpar::python {
 void bind_attention(nb::module_& m);
@@ -12,6 +14,17 @@ void bind_attention(nb::module_& m);
 NB_MODULE(_ctxpar, m) {
   namespace nb = nanobind;
   m.attr("__version__") = CTXPAR_VERSION;
+  // The library's ranges (ctxpar/limits.h, comm.h), which ctxpar._checks holds
+  // every argument to, as the command holds its options.
+  nb::dict limits;
+  limits["threads"] = ctxpar::kMaxThreads;
+  limits["threads_ranks"] = ctxpar::kMaxThreadsRanks;
+  limits["processes"] = ctxpar::kMaxProcesses;
+  limits["tokens"] = ctxpar::kMaxTokens;
+  limits["heads"] = ctxpar::kMaxHeads;
+  limits["min_timeout"] = ctxpar::kMinTimeout;
+  limits["max_timeout"] = ctxpar::kMaxTimeout;
+  m.attr("_limits") = limits;
   // torch's autograd graph keeps the communicator and options it saved (ctx) alive until
   // interpreter exit; nanobind would report them as leaks.
   nb::set_leak_warnings(false);

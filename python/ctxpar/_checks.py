@@ -5,13 +5,17 @@ wrapped integer or a clamped number). See docs/python.md, "Argument checks"."""
 import math
 import numbers
 
-# The command's ranges (tools/ctxpar/options.h; include/ctxpar/comm.h kMaxThreadsRanks).
-MAX_THREADS = 1024            # threads: OpenMP threads per rank (--threads)
-MAX_THREADS_RANKS = 1024      # ranks as threads of this process (--ranks, threads transport)
-MAX_PROCESSES = 1 << 20       # ulysses_degree (--ulysses-degree)
-MAX_TOKENS = 1 << 40          # tokens (--seq)
-MAX_HEADS = 1 << 16           # head_groups (a count of kv heads, --heads' range)
-MIN_TIMEOUT, MAX_TIMEOUT = 1e-3, 1e6   # timeout_s, seconds (--timeout)
+from . import _ctxpar
+
+# The library's ranges, which the command's options use too (include/ctxpar/limits.h, comm.h
+# kMaxThreadsRanks, strategy.h kMaxUlyssesGroups), read from the extension: one home.
+_LIMITS = _ctxpar._limits
+MAX_THREADS = _LIMITS["threads"]              # threads: OpenMP threads per rank (--threads)
+MAX_THREADS_RANKS = _LIMITS["threads_ranks"]  # ranks as threads of this process (--ranks)
+MAX_PROCESSES = _LIMITS["processes"]          # ulysses_degree (--ulysses-degree)
+MAX_TOKENS = _LIMITS["tokens"]                # tokens (--seq)
+MAX_HEADS = _LIMITS["heads"]                  # head_groups (a count of kv heads, --heads' range)
+MIN_TIMEOUT, MAX_TIMEOUT = _LIMITS["min_timeout"], _LIMITS["max_timeout"]  # timeout_s (--timeout)
 THREADS_RANKS_NOTE = ("every rank is a thread of this process and the per-pair state grows as "
                       "ranks^2; for more ranks run one process per rank under mpirun")
 

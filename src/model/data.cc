@@ -39,12 +39,14 @@ struct Rng {  // splitmix64: small, portable, reproducible everywhere
 // O_NONBLOCK on the open), a folder has no bytes.
 int open_data_file(const std::string& path, int64_t* size) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  CTXPAR_CHECK(fd >= 0, "train: cannot open --data ", path, ": ", std::strerror(errno));
+  CTXPAR_CHECK(fd >= 0, "train: cannot open TrainConfig::data_path ", path, ": ",
+               std::strerror(errno));
   struct stat st = {};
   const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
   if (!regular) ::close(fd);
-  CTXPAR_CHECK(regular, "train: --data ", path, " is not a regular file (a device, FIFO or "
-               "folder); --data reads a file's bytes, so save the stream to a file first");
+  CTXPAR_CHECK(regular, "train: TrainConfig::data_path ", path,
+               " is not a regular file (a device, FIFO or folder); TrainConfig::data_path reads "
+               "a file's bytes, so save the stream to a file first");
   *size = int64_t(st.st_size);
   return fd;
 }
@@ -52,21 +54,21 @@ int open_data_file(const std::string& path, int64_t* size) {
 
 DataSource::DataSource(const TrainConfig& config) : config_(config) {
   const int64_t t = config.seq;
-  CTXPAR_CHECK(t >= 8, "train: --seq must be >= 8, got ", t);
-  CTXPAR_CHECK(config.batch >= 1, "train: --batch must be >= 1, got ", config.batch);
+  CTXPAR_CHECK(t >= 8, "train: TrainConfig::seq must be >= 8, got ", t);
+  CTXPAR_CHECK(config.batch >= 1, "train: TrainConfig::batch must be >= 1, got ", config.batch);
   if (!config.data_path.empty()) {
     int64_t size = 0;
     fd_ = open_data_file(config.data_path, &size);
     file_bytes_ = size;
-    CTXPAR_CHECK(size >= t + 1, "train: --data ", config.data_path, " has ", size,
-                 " bytes; one sequence of --seq ", t, " needs ", t + 1,
-                 " (use a shorter --seq or a larger file)");
+    CTXPAR_CHECK(size >= t + 1, "train: TrainConfig::data_path ", config.data_path, " has ", size,
+                 " bytes; one sequence of TrainConfig::seq ", t, " needs ", t + 1,
+                 " (use a shorter TrainConfig::seq or a larger file)");
     return;
   }
   copy_len_ = config.copy_len > 0 ? config.copy_len : std::min<int64_t>(128, t / 4);
   CTXPAR_CHECK(copy_len_ >= 1 && copy_len_ <= 128 && copy_len_ <= t / 4,
-               "train: --copy-len must be in [1, min(128, T/4)] so that the copy lies more "
-               "than T/2 back, got ", copy_len_, " with T = ", t);
+               "train: TrainConfig::copy_len must be in [1, min(128, T/4)] so that the copy lies "
+               "more than T/2 back, got ", copy_len_, " with T = ", t);
 }
 
 DataSource::~DataSource() {
@@ -79,10 +81,11 @@ void DataSource::read_sequence(uint64_t start, uint8_t* to, size_t n) const {
   while (done < n) {
     const ssize_t got = ::pread(fd_, to + done, n - done, off_t(start + done));
     if (got < 0 && errno == EINTR) continue;
-    CTXPAR_CHECK(got >= 0, "train: reading --data ", config_.data_path, " failed: ",
+    CTXPAR_CHECK(got >= 0, "train: reading TrainConfig::data_path ", config_.data_path, " failed: ",
                  std::strerror(errno));
-    CTXPAR_CHECK(got > 0, "train: --data ", config_.data_path, " shrank while training (had ",
-                 file_bytes_, " bytes, ends before byte ", start + done + 1, "); is another "
+    CTXPAR_CHECK(got > 0, "train: TrainConfig::data_path ", config_.data_path,
+                 " shrank while training (had ", file_bytes_, " bytes, ends before byte ",
+                 start + done + 1, "); is another "
                  "process writing it?");
     done += size_t(got);
   }

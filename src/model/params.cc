@@ -9,13 +9,15 @@
 namespace ctxpar {
 
 void ModelConfig::validate() const {
-  CTXPAR_CHECK(layers >= 1, "model: --layers must be >= 1, got ", layers);
-  CTXPAR_CHECK(dim >= 1 && hidden >= 1, "model: --dim and --hidden must be >= 1");
+  CTXPAR_CHECK(layers >= 1, "model: ModelConfig::layers must be >= 1, got ", layers);
+  CTXPAR_CHECK(dim >= 1 && hidden >= 1,
+               "model: ModelConfig::dim and ModelConfig::hidden must be >= 1");
   CTXPAR_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0,
-               "model: --heads must be a multiple of --kv-heads (GQA), got heads=", heads,
+               "model: ModelConfig::heads must be a multiple of ModelConfig::kv_heads (GQA), got "
+               "heads=", heads,
                " kv_heads=", kv_heads);
   CTXPAR_CHECK(head_dim >= 16 && head_dim <= 256 && head_dim % 2 == 0,
-               "model: --head-dim must be even and in [16, 256] (kernel and RoPE), got ",
+               "model: ModelConfig::head_dim must be even and in [16, 256] (kernel and RoPE), got ",
                head_dim);
   CTXPAR_CHECK(vocab == 256, "model: vocab must be 256 (byte tokens), got ", vocab);
 }

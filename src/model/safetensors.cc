@@ -173,9 +173,11 @@ SafetensorsFile read_safetensors(const std::string& path) {
   CTXPAR_CHECK(::fstat(f.fd, &st) == 0, "checkpoint: cannot stat ", path, ": ",
                std::strerror(errno));
   CTXPAR_CHECK(!S_ISDIR(st.st_mode), "checkpoint ", path,
-               " is a folder; give the checkpoint file (the --save path), not its folder");
+               " is a folder; give the checkpoint file (the TrainConfig::save_path path), not its "
+               "folder");
   CTXPAR_CHECK(S_ISREG(st.st_mode), "checkpoint ", path,
-               " is not a regular file (a device or a FIFO?); give the --save file");
+               " is not a regular file (a device or a FIFO?); give the TrainConfig::save_path "
+               "file");
   const uint64_t size = uint64_t(st.st_size);
   CTXPAR_CHECK(size >= 8, "checkpoint ", path, " is truncated: ", size,
                " bytes, not even the 8-byte header length");

@@ -2,7 +2,7 @@
 // refused with the figure before anything is allocated rather than found by the OOM killer.
 //
 // The activation term mirrors the buffers Transformer allocates (transformer.cc), the strategy
-// term is fitted to the peaks the strategies report; the test
+// term is the strategies' own model (attention_buffer_bytes); the test
 // TrainMemory.ActivationEstimateBoundsTheMeasuredPeak holds both to what a step really holds.
 #include <sys/stat.h>
 
@@ -12,6 +12,7 @@
 
 #include "ctxpar/error.h"
 #include "ctxpar/model.h"
+#include "ctxpar/strategy_memory.h"
 
 namespace ctxpar {
 
@@ -48,16 +49,24 @@ TrainMemory estimate_train_memory(const TrainConfig& config) {
   // logits [N, V]; dg, dh1, dh3 [N, F]; datt, dq [N, qw]; dk, dv [N, kvw]; RoPE cos and sin.
   const double per_block = n * (4 * c + 2 + 2 * qw + 2 * kvw + h + 3 * f);
   const double once = n * (6 * c + 1 + v + 3 * f + 2 * qw + 2 * kvw) + tl * m.head_dim;
-  // Strategy buffers, in floats: a multiple of the whole sequence's q, k and v, the multiple
-  // fitted to the peaks the strategies report (StrategyStats::peak_bytes) at cp 2 and 4 with a
-  // margin: ring and allgather up to 1.53x, ulysses and hybrid up to 4.05x at cp 2, 2.02x at
-  // cp 4. Ring holds more than its own block on the threads transport (forwarded blocks are
-  // shared, kept by their final owner).
-  const double qkv = b * t * (qw + 2 * kvw);
-  const bool heads_split = config.strategy == StrategyKind::ulysses ||
-                           config.strategy == StrategyKind::hybrid;
-  const double strategy = heads_split ? 4.5 * qkv * 2 / std::max(2.0, cp) : 1.6 * qkv;
-  out.activations = 4 * (double(m.layers) * per_block + once + strategy);
+  // The strategy's buffers at their peak, the larger of forward and backward: the runtime's
+  // own model (ctxpar/strategy_memory.h) with the options the trainer gives the strategy
+  // (trainer.cc; fp32 under a causal mask).
+  StrategyOptions options;
+  options.kind = config.strategy;
+  options.ulysses_degree = config.ulysses_degree;
+  options.ulysses_groups = config.ulysses_groups;
+  options.mask.causal = true;
+  options.kernel.threads = config.threads;
+  AttentionDims dims;
+  dims.batch = config.batch;
+  dims.seq = layout_padded_tokens(config.layout, config.seq, int(cp));
+  dims.heads = m.heads, dims.kv_heads = m.kv_heads, dims.head_dim = m.head_dim;
+  const int ranks = int(cp);
+  const double strategy =
+      std::max(attention_buffer_bytes(options, dims, ranks, AttentionPass::forward),
+               attention_buffer_bytes(options, dims, ranks, AttentionPass::backward));
+  out.activations = 4 * (double(m.layers) * per_block + once) + strategy;
   // The --data file is not held (each step reads its sequences: data.cc); --resume is read
   // whole while loading.
   out.data = 3 * b * t + 3 * n + file_bytes(config.resume_path);
@@ -73,10 +82,12 @@ void check_train_memory(const TrainConfig& config, int ranks_here, const MemoryL
                limit.source_text(), " leaves ", bytes_text(limit.bytes), "; ", limit.raise_text(),
                ", or lower the run. Per rank:\n  ",
                bytes_text(need.state), " weights, gradients and Adam moments (",
-               params_text(need.params), " parameters: lower --layers, --dim, --hidden or "
-               "--heads)\n  ", bytes_text(need.activations), " activations (lower --seq or --batch, "
-               "or spread them over more ranks with --cp on more machines)\n  ",
-               bytes_text(need.data), " data (the batch, --data and --resume files, read whole)");
+               params_text(need.params), " parameters: lower ModelConfig::layers, "
+               "ModelConfig::dim, ModelConfig::hidden or ModelConfig::heads)\n  ",
+               bytes_text(need.activations), " activations (lower TrainConfig::seq or "
+               "TrainConfig::batch, or spread them over more ranks with TrainConfig::cp on more "
+               "machines)\n  ", bytes_text(need.data), " data (the batch, TrainConfig::data_path "
+               "and TrainConfig::resume_path files, read whole)");
 }
 
 }  // namespace ctxpar

@@ -43,7 +43,7 @@ class LogFile {
   void open(const std::string& path, bool append) {
     path_ = path;
     const std::string problem = output_path_problem(path);
-    if (!problem.empty()) throw Error("train: --log " + path + " " + problem);
+    if (!problem.empty()) throw Error("train: TrainConfig::log_path " + path + " " + problem);
     std::string temp;
     const int fd = open_temp_beside(path, &temp);
     if (fd < 0) fail("opening");
@@ -98,8 +98,9 @@ class LogFile {
  private:
   [[noreturn]] void fail(const char* what) {
     const int err = errno;
-    throw Error(detail::concat("train: ", what, " --log ", path_, " failed: ", std::strerror(err),
-                               " (errno ", err, "); free space there or give another --log path"));
+    throw Error(detail::concat("train: ", what, " TrainConfig::log_path ", path_, " failed: ",
+                               std::strerror(err), " (errno ", err, "); free space there or give "
+                               "another TrainConfig::log_path path"));
   }
   std::string path_;
   FILE* f_ = nullptr;
@@ -143,11 +144,11 @@ TrainResult train(Communicator& world, const TrainConfig& config,
   // Every check before the first collective, with the same verdict on every rank.
   config.model.validate();
   CTXPAR_CHECK(config.dp >= 1 && config.cp >= 1 && config.dp * config.cp == world.size(),
-               "train: --dp x --cp must equal the number of ranks: ", config.dp, " x ", config.cp,
-               " != ", world.size());
-  CTXPAR_CHECK(config.steps >= 1, "train: --steps must be >= 1, got ", config.steps);
+               "train: TrainConfig::dp x TrainConfig::cp must equal the number of ranks: ",
+               config.dp, " x ", config.cp, " != ", world.size());
+  CTXPAR_CHECK(config.steps >= 1, "train: TrainConfig::steps must be >= 1, got ", config.steps);
   CTXPAR_CHECK(config.dump_path.empty() || config.dp == 1,
-               "train: --dump-grads needs --dp 1 (the dump holds one batch)");
+               "train: TrainConfig::dump_path needs TrainConfig::dp 1 (the dump holds one batch)");
   const Layout layout(config.layout, config.seq, config.cp);
   model::DataSource data(config);
   const int group = world.rank() / config.cp, crank = world.rank() % config.cp;

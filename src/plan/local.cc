@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "ctxpar/comm.h"
+#include "ctxpar/device.h"
 #include "ctxpar/error.h"
 #include "ctxpar/kernel.h"
 #include "ctxpar/layout.h"
@@ -130,6 +131,11 @@ double ring_shift_seconds(Communicator& comm, size_t bytes, int warmup, int repe
   return best;
 }
 
+// What ring.cc asks before its forward's barrier, for the device the local plan models.
+bool cpu_lends_sent_buffers(const Communicator& comm) {
+  return make_device(DeviceOptions{}, comm.rank())->lends_sent_buffers(comm);
+}
+
 // One rank per process: this process times its rank's kernel while the others time theirs,
 // then the link as the ring uses it: latency from an 8-byte shift, bandwidth from a block.
 void measure_over_comm(const LocalOptions& o, Communicator& comm, LocalMeasurement& m) {
@@ -142,6 +148,7 @@ void measure_over_comm(const LocalOptions& o, Communicator& comm, LocalMeasureme
   m.forward_flops = sums[0] / o.ranks;
   m.backward_flops = sums[1] / o.ranks;
   m.transport = comm.transport();
+  m.lends_sent_buffers = cpu_lends_sent_buffers(comm);
   if (o.ranks == 1) {  // nothing to send: no link, as for one thread
     m.link.gbytes_per_second = 1e6;
     return;
@@ -214,6 +221,7 @@ LocalMeasurement measure_local(const LocalOptions& o) {
     }, to);
     return best;
   };
+  run_threads(1, [&](Communicator& comm) { m.lends_sent_buffers = cpu_lends_sent_buffers(comm); });
   // A ping-pong of two small messages: half of it is one hand-over.
   m.handover_seconds = time_messages(SimulatedLink{}, 8, 7) / 2;
   const size_t bytes = std::max<size_t>(8, static_cast<size_t>(o.message_bytes));
@@ -235,6 +243,7 @@ HardwareSpec local_hardware(const LocalMeasurement& m, int ranks) {
   h.intra = m.link;
   h.inter = m.link;
   h.devices_per_node = std::max(1, ranks);
+  h.lends_sent_buffers = m.lends_sent_buffers;
   return h;
 }
 

@@ -4,6 +4,7 @@
 
 #include "ctxpar/error.h"
 #include "ctxpar/plan.h"
+#include "ctxpar/strategy_memory.h"
 
 namespace ctxpar {
 
@@ -81,33 +82,22 @@ MemoryBreakdown plan_memory(const PlanInput& in) {
                        : in_flight * layers * full_layer;
   mb.logits = tokens * (static_cast<double>(m.vocab) / in.tp) * (s + 4.0);
 
-  // The strategy's working set for one layer (the larger of forward and backward).
-  const double n = tokens, hq = static_cast<double>(m.heads) / in.tp;
-  const double hkv = static_cast<double>(kv_heads_per_device(in)), D = m.head_dim;
-  const double kv = n * hkv * D * s, kv32 = n * hkv * D * 4, q32 = n * hq * D * 4;
-  const double rows32 = n * hq * 4;
-  const double P = in.cp;
-  switch (in.strategy) {
-    case StrategyKind::ring:
-      // K, V double-buffered; backward adds fp32 dK, dV four times over (the rank's own, the
-      // local partial, the travelling accumulator double-buffered), dq.
-      mb.attention_buffers = std::max(2 * 2 * kv + q32 + 2 * rows32,
-                                      2 * 2 * kv + 4 * 2 * kv32 + q32 + rows32);
-      break;
-    case StrategyKind::allgather:
-      mb.attention_buffers = std::max(2 * P * kv + q32 + 2 * rows32,
-                                      2 * P * kv + 2 * P * kv32 + q32 + rows32);
-      break;
-    case StrategyKind::ulysses:
-    case StrategyKind::hybrid: {
-      // [T/P, H] <-> [T, H/P] is the same size; q, k, v, o, dO gathered plus dq, dk, dv and
-      // the fp32 state, with send buffers alongside.
-      const double q = n * hq * D * s;
-      mb.attention_buffers = 2 * (3 * q + 2 * kv) + q32 + 2 * kv32 + 2 * rows32;
-      if (in.strategy == StrategyKind::hybrid) mb.attention_buffers += 2 * 2 * kv + 2 * 2 * kv32;
-      break;
-    }
-  }
+  // The strategy's buffers for one layer at their peak, the larger of forward and backward:
+  // the runtime's own model (ctxpar/strategy_memory.h), on the heads one device holds.
+  StrategyOptions options;
+  options.kind = in.strategy;
+  options.ulysses_degree = in.strategy == StrategyKind::hybrid ? plan_ulysses_degree(in) : 0;
+  options.mask.causal = in.causal;
+  AttentionDims dims;
+  dims.batch = in.batch;
+  dims.seq = plan_padded_seq(in);
+  dims.heads = m.heads / in.tp;
+  dims.kv_heads = kv_heads_per_device(in);
+  dims.head_dim = m.head_dim;
+  dims.dtype = dims.out_dtype = in.dtype;
+  mb.attention_buffers =
+      std::max(attention_buffer_bytes(options, dims, in.cp, AttentionPass::forward),
+               attention_buffer_bytes(options, dims, in.cp, AttentionPass::backward));
   mb.total = mb.weights + mb.gradients + mb.optimizer + mb.gathered_weights + mb.activations +
              mb.logits + mb.attention_buffers;
   mb.capacity = in.hardware.mem_gb * 1e9;

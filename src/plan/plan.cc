@@ -5,6 +5,7 @@
 
 #include "ctxpar/error.h"
 #include "ctxpar/plan.h"
+#include "ctxpar/strategy_memory.h"
 
 namespace ctxpar {
 namespace {
@@ -52,8 +53,7 @@ RingProblem ring_problem(const PlanInput& in, int ranks, int64_t heads, int64_t 
   p.links = ring_links(in, ranks, stride);
   p.flops_per_second = {in.hardware.effective_flops()};
   p.backward_flops_per_second = {in.hardware.effective_backward_flops()};
-  // Our threads transport: ring.cc's forward ends with a barrier when P > 2.
-  p.barrier_after_forward = in.hardware.name == "local";
+  p.barrier_after_forward = ring_forward_ends_with_barrier(ranks, in.hardware.lends_sent_buffers);
   return p;
 }
 
@@ -70,9 +70,12 @@ double alltoall_seconds(const PlanInput& in, int ranks, int stride, double bytes
   return t;
 }
 
+}  // namespace
+
 // Largest u dividing P with the per-device query heads divisible by u (KV heads replicated if
 // fewer), preferring groups that stay inside a node.
-int pick_ulysses_degree(const PlanInput& in) {
+int plan_ulysses_degree(const PlanInput& in) {
+  if (in.ulysses_degree > 0) return in.ulysses_degree;
   const int64_t hq = in.model.heads / in.tp;
   int best = 1;
   for (int u = 1; u <= in.cp; ++u)
@@ -80,6 +83,8 @@ int pick_ulysses_degree(const PlanInput& in) {
       best = u;
   return best;
 }
+
+namespace {
 
 StrategyEstimate estimate(const PlanInput& in, StrategyKind kind, const RingSimulation* ring) {
   StrategyEstimate e;
@@ -97,7 +102,7 @@ StrategyEstimate estimate(const PlanInput& in, StrategyKind kind, const RingSimu
   PlanInput sized = in;
   sized.strategy = kind;
   double seconds = 0;
-  int u = in.ulysses_degree > 0 ? in.ulysses_degree : pick_ulysses_degree(in);
+  int u = plan_ulysses_degree(in);
   switch (kind) {
     case StrategyKind::ring:
       seconds = ring->seconds;
@@ -188,9 +193,7 @@ Plan make_plan(const PlanInput& given, bool compare) {
   const double layers = static_cast<double>(layers_per_stage(in));
   for (StrategyKind k : {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses,
                          StrategyKind::hybrid}) {
-    const int u = k == StrategyKind::hybrid
-                      ? (in.ulysses_degree > 0 ? in.ulysses_degree : pick_ulysses_degree(in))
-                      : 0;
+    const int u = k == StrategyKind::hybrid ? plan_ulysses_degree(in) : 0;
     if (k == StrategyKind::ulysses && hq % in.cp != 0) continue;
     if (k == StrategyKind::hybrid && (in.cp % u != 0 || hq % u != 0)) continue;
     CommVolume c = attention_comm_bytes(k, in.cp, u, in.batch, in.seq, hq, hkv,

@@ -217,7 +217,7 @@ RingSimulation simulate_ring(const RingProblem& pr) {
   }
   double fwd_end = 0;
   for (int r = 0; r < P; ++r) fwd_end = std::max(fwd_end, now[r]);
-  if (pr.barrier_after_forward && P > 2) {
+  if (pr.barrier_after_forward) {
     for (int r = 0; r < P; ++r) {
       add_wait(sim.ranks[r].forward, sim.ranks[r], fwd_end - now[r]);
       now[r] = fwd_end;

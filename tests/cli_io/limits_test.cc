@@ -305,9 +305,9 @@ TEST(MemoryLimits, BenchCommandsAreCheckedToo) {
 }
 
 // The per-rank estimate against what the run reports (`--json`: peak_bytes of the strategy's
-// buffers + shard_bytes, the largest rank): the shards exactly, and the total within
-// measured <= estimate <= 2 x measured, for every strategy, forward and backward, fp32 and
-// bf16, GQA, document masks, P = 1, 2, 4, 8.
+// buffers + shard_bytes, the largest rank): the shards and the strategy's buffers exactly
+// (attention_buffer_bytes), and the total within measured <= estimate <= 2 x measured, for
+// every strategy, forward and backward, fp32 and bf16, GQA, document masks, P = 1, 2, 4, 8.
 TEST(MemoryLimits, EstimateBoundsTheMeasuredPeak) {
   struct Config {
     const char* strategy;
@@ -331,8 +331,9 @@ TEST(MemoryLimits, EstimateBoundsTheMeasuredPeak) {
       const test::CommandResult r = test::run_ctxpar(args);
       ASSERT_EQ(r.exit_code, 0) << args << "\n" << r.err;
       const auto j = test::parse_json(r);
-      double measured = 0, shard = 0;
+      double measured = 0, shard = 0, peak = 0;
       for (const auto& rank : j["ranks"]) {
+        peak = std::max(peak, rank["peak_bytes"].get<double>());
         measured = std::max(measured, rank["peak_bytes"].get<double>() +
                                           rank["shard_bytes"].get<double>());
         shard = std::max(shard, rank["shard_bytes"].get<double>());
@@ -348,6 +349,8 @@ TEST(MemoryLimits, EstimateBoundsTheMeasuredPeak) {
       const MemoryEstimate m = estimate_memory(job);
       const double estimate = m.shard_bytes + m.strategy_bytes;
       EXPECT_EQ(m.shard_bytes, shard) << args;
+      // The strategy's part is the library's model, which equals the measured peak.
+      EXPECT_EQ(m.strategy_bytes, peak) << args;
       EXPECT_GE(estimate, measured) << args;
       EXPECT_LE(estimate, 2 * measured) << args;
       std::printf("%-90s measured %9.0f estimate %9.0f ratio %.2f\n", args.c_str(), measured,

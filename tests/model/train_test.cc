@@ -15,6 +15,7 @@
 //  - activation memory per rank falls with P.
 #include <gtest/gtest.h>
 
+
 #include <unistd.h>
 
 #include <cmath>
@@ -26,6 +27,7 @@
 #include "ctxpar/model.h"
 #include "model/params.h"
 #include "model/transformer.h"
+#include "error_text.h"
 
 namespace ctxpar {
 namespace {
@@ -226,6 +228,27 @@ TEST(Train, BadMeshIsRefusedOnEveryRank) {
   c.dp = 3;
   c.cp = 1;
   EXPECT_THROW(run(c, 2), Error);
+}
+
+// The library names its fields, not the command's flags (`ctxpar train` translates them back:
+// train_cli_test.cc checks its users still read --dp, --layers, --log ...).
+TEST(Train, LibraryMessagesNameFieldsNotFlags) {
+  const auto message_of = test::error_text;
+  TrainConfig c = tiny_config();
+  c.dp = 3;
+  const std::string mesh = message_of([&] { run(c, 2); });
+  EXPECT_NE(mesh.find("TrainConfig::dp x TrainConfig::cp must equal the number of ranks"),
+            std::string::npos) << mesh;
+  c = tiny_config();
+  c.model.head_dim = 8;
+  const std::string model = message_of([&] { c.model.validate(); });
+  EXPECT_NE(model.find("ModelConfig::head_dim must be even"), std::string::npos) << model;
+  c = tiny_config();
+  c.seq = 4;
+  const std::string seq = message_of([&] { run(c, 1); });
+  EXPECT_NE(seq.find("TrainConfig::seq must be >= 8"), std::string::npos) << seq;
+  for (const std::string& m : {mesh, model, seq})
+    EXPECT_EQ(m.find("--"), std::string::npos) << "names a command flag: " << m;
 }
 
 // Bytes this process has read through read(2) / pread(2) so far (/proc/self/io rchar).

@@ -10,6 +10,7 @@
 #include "ctxpar/error.h"
 #include "ctxpar/kernel.h"
 #include "ctxpar/plan.h"
+#include "error_text.h"
 
 namespace ctxpar {
 namespace {
@@ -192,14 +193,7 @@ TEST(Plan, BadInputNamesTheArgument) {
 // The library names its fields, not the ctxpar command's flags (the command adds those where
 // it knows them, e.g. --model for an unknown preset: the plan_unknown_model CTest entry).
 TEST(Plan, LibraryMessagesNameNoCommandFlag) {
-  auto message = [](const std::function<void()>& f) {
-    try {
-      f();
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
+  const auto message = test::error_text;
   std::vector<PlanInput> bad(9, llama8b(8192, 8));
   bad[0].tp = 3;
   bad[1].seq = 0;

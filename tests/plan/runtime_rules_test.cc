@@ -1,11 +1,15 @@
-// The planner holds the runtime's rules, not copies of them: the all-gather head groups and
-// the layout's padded length (issue 22, "One home for every shared rule and model").
+// The planner holds the runtime's rules, not copies of them: the all-gather head groups, the
+// layout's padded length and the ring forward's barrier (issue 22, "One home for every shared
+// rule and model").
 #include <gtest/gtest.h>
 
+#include "ctxpar/comm.h"
+#include "ctxpar/device.h"
 #include "ctxpar/error.h"
 #include "ctxpar/layout.h"
 #include "ctxpar/plan.h"
 #include "ctxpar/strategy.h"
+#include "ctxpar/strategy_memory.h"
 
 namespace ctxpar {
 namespace {
@@ -73,6 +77,38 @@ TEST(PlanMatchesRuntime, DividedLengthIsUnchanged) {
   in.seq = 8200;
   EXPECT_NE(plan_table(make_plan(in)).find("sequence 8200 tokens (padded to 8208)"),
             std::string::npos);
+}
+
+// ring.cc ends its forward with a barrier when its device lends sent buffers (threads on the
+// cpu device). The planner modelled it for hardware named "local", so `plan --hardware local`
+// under mpirun (the MPI link, which lends nothing) modelled a barrier the run does not have.
+// Now it asks the capability the measurement reports.
+TEST(PlanMatchesRuntime, RingBarrierFollowsTheCapabilityNotTheName) {
+  PlanInput in = small(65536, 4, 32, 8);
+  in.layout = LayoutKind::contiguous;  // causal: the ranks end their forward far apart
+  auto forward_wait = [&](const std::string& name, bool lends) {
+    in.hardware.name = name;
+    in.hardware.lends_sent_buffers = lends;
+    double wait = 0;
+    for (const RingRankTrace& r : make_plan(in).ring.ranks)
+      for (const RingStepTrace& st : r.forward) wait += st.wait;
+    return wait;
+  };
+  EXPECT_EQ(forward_wait("local", false), forward_wait("h100", false));
+  EXPECT_GT(forward_wait("h100", true), forward_wait("local", false));
+  EXPECT_TRUE(ring_forward_ends_with_barrier(3, true));
+  EXPECT_FALSE(ring_forward_ends_with_barrier(2, true));
+  EXPECT_FALSE(ring_forward_ends_with_barrier(8, false));
+  // What measure_local reports is the cpu device's answer on the threads transport.
+  LocalOptions o;  // a quick measurement: its figures do not matter here
+  o.ranks = 2, o.block_tokens = 64, o.heads = o.kv_heads = 1, o.head_dim = 16;
+  o.min_seconds = 0.001, o.message_bytes = 64;
+  bool device_lends = false;
+  run_threads(1, [&](Communicator& comm) {
+    device_lends = make_device(DeviceOptions{}, 0)->lends_sent_buffers(comm);
+  });
+  EXPECT_TRUE(device_lends);
+  EXPECT_EQ(local_hardware(measure_local(o), 2).lends_sent_buffers, device_lends);
 }
 
 }  // namespace

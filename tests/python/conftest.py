@@ -1,6 +1,7 @@
 """Shared pieces of the Python tests: random problems, the fp64 PyTorch autograd reference
 (plain softmax attention, written here, independent of ctxpar) and the project's tolerance
-rule: max|ours - fp64| <= 2 * max|naive fp32 - fp64| + 1e-5 * max(1, max|fp64|)."""
+rule, from its one home (reference::accuracy_tolerance, through the extension):
+max|ours - fp64| <= 2 * max|naive fp32 - fp64| + 1e-5 * max(1, max|fp64|)."""
 import os
 import shutil
 import subprocess
@@ -9,6 +10,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+
+from ctxpar import _ctxpar
 
 MPIRUN = shutil.which("mpirun")
 
@@ -76,8 +79,9 @@ def check_close(name, ours, ref64, naive32, floor=0.0):
     ours, ref64, naive32 = as64(ours), as64(ref64), as64(naive32)
     err = (ours - ref64).abs().max().item()
     base = (naive32 - ref64).abs().max().item()
-    scale = max(1.0, ref64.abs().max().item())
-    bound = 2 * base + 1e-5 * scale + floor * scale
+    ref_max = ref64.abs().max().item()
+    # The rule from its one home (ctxpar/reference.h accuracy_tolerance), plus the rounding.
+    bound = _ctxpar._accuracy_tolerance(base, ref_max) + floor * max(1.0, ref_max)
     assert err <= bound, (f"{name}: max|ours - fp64| = {err:.3g} > bound {bound:.3g} "
                           f"(naive fp32 error {base:.3g})")
 

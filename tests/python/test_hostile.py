@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import ctxpar
 from ctxpar import layout as cl
-from ctxpar import _arrays
+from ctxpar import _arrays, _ctxpar
 from ctxpar.torch import context_parallel, cp_attention
 from conftest import check_close, problem, reference, visible
 
@@ -93,6 +93,22 @@ def test_numbers_and_names_are_range_checked_naming_the_argument(call, error, wo
     for w in words:
         assert w in str(info.value), str(info.value)
     assert "Invoked with" not in str(info.value)
+
+
+def test_argument_ranges_are_the_librarys():
+    """ctxpar._checks reads its ranges from the library (include/ctxpar/limits.h, comm.h), the
+    ones the command's options use: no copy of them to drift."""
+    from ctxpar import _checks
+    limits = _ctxpar._limits
+    assert (_checks.MAX_THREADS, _checks.MAX_THREADS_RANKS, _checks.MAX_PROCESSES,
+            _checks.MAX_TOKENS, _checks.MAX_HEADS, _checks.MIN_TIMEOUT, _checks.MAX_TIMEOUT) == \
+        (limits["threads"], limits["threads_ranks"], limits["processes"], limits["tokens"],
+         limits["heads"], limits["min_timeout"], limits["max_timeout"])
+    assert (limits["threads"], limits["threads_ranks"], limits["processes"], limits["tokens"],
+            limits["heads"], limits["min_timeout"], limits["max_timeout"]) == \
+        (1024, 1024, 1 << 20, 1 << 40, 1 << 16, 1e-3, 1e6)
+    with pytest.raises(ValueError, match=r"threads: must be in \[1, 1024\], got 1025"):
+        _checks.threads(1025)
 
 
 def test_the_communicator_timeout_is_settable_and_used():

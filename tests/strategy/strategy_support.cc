@@ -6,6 +6,8 @@
 #include <mutex>
 #include <tuple>
 
+#include "ctxpar/threads_run.h"
+
 namespace ctxpar::testing {
 
 void Problem::build() {
@@ -33,63 +35,29 @@ void Problem::build() {
 
 RunResult run_sharded(const Problem& pr, int ranks, LayoutKind layout_kind,
                       const StrategyOptions& options, bool backward) {
-  const Layout layout(layout_kind, pr.tokens, ranks);
-  const int64_t tl = layout.local_tokens();
-  struct Rank {
-    Tensor q, k, v, dout, o, lse, dq, dk, dv;
-    std::vector<int64_t> positions;
-    std::vector<int32_t> documents;
-  };
-  std::vector<Rank> rk(ranks);
-  for (int r = 0; r < ranks; ++r) {
-    Rank& x = rk[r];
-    x.q = layout.shard(pr.q, r);
-    x.k = layout.shard(pr.k, r);
-    x.v = layout.shard(pr.v, r);
-    x.dout = Tensor::copy_of(layout.shard(pr.dout, r), pr.out_dtype);
-    x.positions = layout.token_positions(r, pr.positions);  // padding: kPaddingPosition
-    if (options.mask.documents) x.documents = layout.shard(pr.documents, r);
-    x.o = Tensor(pr.out_dtype, {pr.batch, tl, pr.hq, pr.d});
-    x.lse = Tensor(DType::f32, {pr.batch, pr.hq, tl});
-    x.dq = Tensor(pr.out_dtype, {pr.batch, tl, pr.hq, pr.d});
-    x.dk = Tensor(pr.out_dtype, {pr.batch, tl, pr.hkv, pr.d});
-    x.dv = Tensor(pr.out_dtype, {pr.batch, tl, pr.hkv, pr.d});
-  }
   RunResult res;
-  res.forward_stats.resize(ranks);
-  res.backward_stats.resize(ranks);
-  res.counters.resize(ranks);
+  res.o = Tensor(DType::f32, {pr.batch, pr.tokens, pr.hq, pr.d});
+  res.lse = Tensor(DType::f32, {pr.batch, pr.hq, pr.tokens});
+  if (backward) {
+    res.dq = Tensor(DType::f32, {pr.batch, pr.tokens, pr.hq, pr.d});
+    res.dk = Tensor(DType::f32, {pr.batch, pr.tokens, pr.hkv, pr.d});
+    res.dv = Tensor(DType::f32, {pr.batch, pr.tokens, pr.hkv, pr.d});
+  }
+  WholeAttention whole;
+  whole.q = pr.q, whole.k = pr.k, whole.v = pr.v;
+  whole.tokens.positions = pr.positions;  // padding: kPaddingPosition
+  if (options.mask.documents) whole.tokens.documents = pr.documents;
+  whole.out = res.o, whole.lse = res.lse;
+  whole.dout = pr.dout;
+  if (backward) whole.dq = res.dq, whole.dk = res.dk, whole.dv = res.dv;
+  whole.shard_dtype = pr.out_dtype;  // the ranks hold out, dout and the gradients so
+  ThreadsRunStats stats;
   ThreadsOptions topt;
   topt.timeout = std::chrono::seconds(20);
-  run_threads(
-      ranks,
-      [&](Communicator& comm) {
-        Rank& x = rk[comm.rank()];
-        auto strategy = Strategy::create(comm, options);
-        Tokens tokens{x.positions, x.documents};
-        strategy->forward(x.q, x.k, x.v, tokens, x.o, x.lse);
-        res.forward_stats[comm.rank()] = strategy->last_stats();
-        res.counters[comm.rank()] = comm.counters();
-        if (backward) {
-          strategy->backward(x.q, x.k, x.v, tokens, x.o, x.lse, x.dout, x.dq, x.dk, x.dv);
-          res.backward_stats[comm.rank()] = strategy->last_stats();
-        }
-      },
-      topt);
-  auto gather = [&](auto member, const Shape& shape, int token_dim) {
-    Tensor full(DType::f32, shape);
-    std::vector<TensorView> parts;
-    for (Rank& x : rk) parts.push_back(x.*member);
-    layout.unshard(parts, full, token_dim);
-    return full;
-  };
-  res.o = gather(&Rank::o, {pr.batch, pr.tokens, pr.hq, pr.d}, 1);
-  res.lse = gather(&Rank::lse, {pr.batch, pr.hq, pr.tokens}, 2);
-  if (backward) {
-    res.dq = gather(&Rank::dq, {pr.batch, pr.tokens, pr.hq, pr.d}, 1);
-    res.dk = gather(&Rank::dk, {pr.batch, pr.tokens, pr.hkv, pr.d}, 1);
-    res.dv = gather(&Rank::dv, {pr.batch, pr.tokens, pr.hkv, pr.d}, 1);
-  }
+  run_whole_on_threads(ranks, layout_kind, options, whole, true, backward, &stats, topt);
+  res.forward_stats = std::move(stats.forward);
+  res.backward_stats = std::move(stats.backward);
+  res.counters = std::move(stats.counters);
   return res;
 }
 

@@ -136,6 +136,8 @@ std::vector<int32_t> dense_document_labels(const std::vector<int64_t>& ids);
 // Validates the job (same verdict on every rank), throws ctxpar::Error naming what is wrong
 // and what would work instead.
 void validate(const AttentionJob& job);
+// The options every rank's strategy is created with (and the memory estimate models).
+StrategyOptions strategy_options(const AttentionJob& job);
 int progress_steps(const AttentionJob& job);
 AttentionResult run_attention_job(const AttentionJob& job);
 nlohmann::json to_json(const AttentionJob& job, const AttentionResult& result);

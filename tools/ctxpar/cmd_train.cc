@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cerrno>
 #include <cstring>
@@ -12,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention_job.h"
@@ -146,7 +148,58 @@ Signature train_signature(const TrainConfig& c) {
 
 }  // namespace
 
+namespace {
+
+// The library's train messages name TrainConfig / ModelConfig fields; the command's user
+// knows them by their flags. One table, both directions' only home.
+constexpr std::pair<const char*, const char*> kTrainFlags[] = {
+    {"TrainConfig::log_path", "--log"},        {"TrainConfig::data_path", "--data"},
+    {"TrainConfig::save_path", "--save"},      {"TrainConfig::resume_path", "--resume"},
+    {"TrainConfig::dump_path", "--dump-grads"}, {"TrainConfig::copy_len", "--copy-len"},
+    {"TrainConfig::seq", "--seq"},             {"TrainConfig::batch", "--batch"},
+    {"TrainConfig::steps", "--steps"},         {"TrainConfig::dp", "--dp"},
+    {"TrainConfig::cp", "--cp"},               {"ModelConfig::layers", "--layers"},
+    {"ModelConfig::dim", "--dim"},             {"ModelConfig::hidden", "--hidden"},
+    {"ModelConfig::heads", "--heads"},         {"ModelConfig::kv_heads", "--kv-heads"},
+    {"ModelConfig::head_dim", "--head-dim"},
+};
+
+bool identifier_char(char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; }
+
+}  // namespace
+
+std::string with_train_flags(std::string message) {
+  for (const auto& [field, flag] : kTrainFlags) {
+    const std::string f = field;
+    for (size_t at = message.find(f); at != std::string::npos; at = message.find(f, at)) {
+      const size_t end = at + f.size();
+      if (end < message.size() && identifier_char(message[end])) {  // a longer field's name
+        at = end;
+        continue;
+      }
+      message.replace(at, f.size(), flag);
+      at += std::strlen(flag);
+    }
+  }
+  return message;
+}
+
+namespace {
+int train_command(int argc, char** argv);
+}  // namespace
+
 int cmd_train(int argc, char** argv) {
+  try {
+    return train_command(argc, argv);
+  } catch (const UsageError& e) {
+    throw UsageError(with_train_flags(e.what()));
+  } catch (const Error& e) {
+    throw Error(with_train_flags(e.what()));
+  }
+}
+
+namespace {
+int train_command(int argc, char** argv) {
   Options o("train",
             "Train a byte-level decoder-only transformer whose attention is split across ranks\n"
             "(context parallelism). Without --data it trains on a built-in long-range task: L\n"
@@ -314,5 +367,7 @@ int cmd_train(int argc, char** argv) {
   if (leader && !png.empty() && !c.log_path.empty()) plot_loss(c.log_path, png);
   return 0;
 }
+
+}  // namespace
 
 }  // namespace ctxpar::cli

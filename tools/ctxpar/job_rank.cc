@@ -9,7 +9,8 @@
 #include "ctxpar/npy.h"
 #include "job_internal.h"
 
-namespace ctxpar::cli::job {
+namespace ctxpar::cli {
+namespace job {
 namespace {
 
 double thread_cpu_seconds() {
@@ -115,14 +116,7 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
     rd.shard_bytes += t->empty() ? 0 : t->bytes();
 
   comm.set_timeout(std::chrono::milliseconds(static_cast<int64_t>(job.timeout_seconds * 1000)));
-  StrategyOptions options;
-  options.kind = job.strategy;
-  options.ulysses_degree = job.ulysses_degree;
-  options.ulysses_groups = job.ulysses_groups;
-  options.mask = job.mask;
-  options.kernel.threads = job.threads;
-  options.device = job.device;
-  std::unique_ptr<Strategy> strategy = Strategy::create(comm, options);
+  std::unique_ptr<Strategy> strategy = Strategy::create(comm, strategy_options(job));
   const Tokens tokens{rd.positions, rd.documents};
 
   auto nth = [&](const char* phase, int rep) {
@@ -152,4 +146,17 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
   }
 }
 
-}  // namespace ctxpar::cli::job
+}  // namespace job
+
+StrategyOptions strategy_options(const AttentionJob& job) {
+  StrategyOptions options;
+  options.kind = job.strategy;
+  options.ulysses_degree = job.ulysses_degree;
+  options.ulysses_groups = job.ulysses_groups;
+  options.mask = job.mask;
+  options.kernel.threads = job.threads;
+  options.device = job.device;
+  return options;
+}
+
+}  // namespace ctxpar::cli

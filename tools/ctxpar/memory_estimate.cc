@@ -6,6 +6,7 @@
 
 #include "ctxpar/error.h"
 #include "ctxpar/memory.h"
+#include "ctxpar/strategy_memory.h"
 
 namespace ctxpar::cli {
 namespace {
@@ -17,59 +18,22 @@ constexpr double kPerRankOverhead = 1 << 20;
 // (src/strategy/strategy.cc): on the threads transport all P ranks hold all P verdicts at once.
 constexpr double kVerdictBytes = 640;
 
-// One rank's strategy buffers at their peak, from the device buffers src/strategy/*.cc
-// allocates (DeviceBuffer, DeviceForwardState: what the device counts into peak_bytes()):
-//   Q = B*Tl*Hq*D, KV = B*Tl*Hkv*D elements of this rank; L = B*Hq*Tl (lse, m, l, delta);
-//   a K/V message `pack` = 2*KV*es + the tokens' positions (and document ids);
-//   forward state: fp32 accumulator + m, l = 4Q + 8L; backward base: fp32 dQ + delta = 4Q + 4L;
-//   a travelling fp32 dK/dV `grad` = 8*KV.
-// ring: 3 packs in flight (backward: + own, acc, part and up to two travelling grads);
-// allgather: every peer's pack, two head groups at once; ulysses: the full-sequence tensors of
-// its heads (KV heads replicated when u > Hkv) and, at their peak, the all-to-all send and
-// receive buffers (backward: the larger of the inputs' exchange in the dtype and the fp32
-// gradients' exchange with the fp32 dK, dV sums); hybrid: its Ulysses part plus a ring's.
+// One rank's strategy buffers at their peak: the library's model (ctxpar/strategy_memory.h)
+// with the options run_rank gives the strategy; a backward job runs a forward first, so the
+// larger of the two passes.
 double strategy_bytes(const AttentionJob& job) {
-  const double B = static_cast<double>(job.batch), P = job.ranks;
-  const double Tl = static_cast<double>(job.seq) / P, D = static_cast<double>(job.head_dim);
-  const double Hq = static_cast<double>(job.heads);
-  const double Hkv = static_cast<double>(job.kv_heads ? job.kv_heads : job.heads);
-  const double es = static_cast<double>(dtype_size(job.dtype));
-  const double Q = B * Tl * Hq * D, KV = B * Tl * Hkv * D, L = B * Hq * Tl;
-  const double pack = 2 * KV * es + Tl * (8 + (job.mask.documents ? 4 : 0));
-  const double grad = 8 * KV;
-  const double state = 4 * Q + 8 * L, bwd_base = 4 * Q + 4 * L;
-  const bool bwd = job.backward;
-
-  auto ring = [&](double fwd_extra, double bwd_extra) {
-    const double f = state + fwd_extra + (P > 1 ? 3 * pack : 0);
-    const double b = bwd_base + bwd_extra + (P > 1 ? 3 * pack + 5 * grad : grad);
-    return bwd ? std::max(f, b) : f;
-  };
-  auto ulysses = [&](double u) {
-    const double KVr = KV * std::max(1.0, u / Hkv);
-    const double f = 2 * (Q + 2 * KVr) * es + (2 * Q + 2 * KVr) * es + 4 * L + state;
-    const double full = (2 * Q + 2 * KVr) * es + 12 * L + (Q + 2 * KVr) * 4;
-    const double exchange = std::max(2 * ((2 * Q + 2 * KVr) * es + 8 * L),
-                                     2 * (Q + 2 * KVr) * 4 + 8 * KV);
-    const double b = full + exchange + bwd_base;
-    return bwd ? std::max(f, b) : f;
-  };
-  switch (job.strategy) {
-    case StrategyKind::ring:
-      return ring(0, 0);
-    case StrategyKind::allgather: {
-      const double f = state + 2 * (P - 1) * pack;
-      const double b = bwd_base + 2 * (P - 1) * (pack + grad) + grad;
-      return bwd ? std::max(f, b) : f;
-    }
-    case StrategyKind::ulysses:
-      return ulysses(P);
-    case StrategyKind::hybrid: {
-      const double u = job.ulysses_degree ? job.ulysses_degree : P;
-      return ulysses(u) + (P / u > 1 ? 3 * pack + (bwd ? 5 * grad : 0) : 0);
-    }
-  }
-  return 0;
+  const StrategyOptions options = strategy_options(job);
+  AttentionDims dims;
+  dims.batch = job.batch;
+  dims.seq = layout_padded_tokens(job.layout, job.seq, job.ranks);
+  dims.heads = job.heads;
+  dims.kv_heads = job.kv_heads ? job.kv_heads : job.heads;
+  dims.head_dim = job.head_dim;
+  dims.dtype = dims.out_dtype = job.dtype;
+  const double forward = attention_buffer_bytes(options, dims, job.ranks, AttentionPass::forward);
+  return job.backward
+             ? std::max(forward, attention_buffer_bytes(options, dims, job.ranks, AttentionPass::backward))
+             : forward;
 }
 
 }  // namespace

@@ -18,8 +18,9 @@ struct MemoryEstimate {
   double total_bytes = 0;     // the peak of this process: max of the three phases
 };
 
-// The estimate is meant to be at least the measured peak of the strategy (peak_bytes +
-// shard_bytes) and at most twice it; tests/cli_io/limits_test.cc checks both bounds.
+// strategy_bytes is the library's model (attention_buffer_bytes), equal to the measured
+// peak_bytes; with the shards the estimate is at least the measured peak_bytes + shard_bytes
+// and at most twice it; tests/cli_io/limits_test.cc checks all three.
 MemoryEstimate estimate_memory(const AttentionJob& job);
 
 // Throws ctxpar::Error when the estimate exceeds memory_limit() (ctxpar/memory.h), with both

@@ -9,6 +9,7 @@
 
 #include "ctxpar/device.h"
 #include "ctxpar/error.h"
+#include "ctxpar/limits.h"
 
 namespace ctxpar::cli {
 
@@ -20,15 +21,13 @@ class UsageError : public Error {
 
 // Ranges the commands share (docs/cli.md, "Number ranges"). A value outside its range is a
 // usage error naming the option and the range, never a wrapped or clamped number.
-constexpr int64_t kMaxTokens = int64_t{1} << 40;    // --seq: far past any machine's memory
-constexpr int64_t kMaxHeads = 1 << 16;              // --heads, --kv-heads
+// The ranges the Python package shares are the library's (ctxpar/limits.h): kMaxTokens
+// (--seq), kMaxHeads (--heads, --kv-heads), kMaxThreads (--threads), kMaxProcesses (MPI
+// ranks, plan parallel degrees), kMinTimeout / kMaxTimeout (--timeout).
 constexpr int64_t kMaxBatch = 1 << 20;              // --batch
-constexpr int kMaxThreads = 1024;                   // --threads (OpenMP threads per rank)
-constexpr int kMaxProcesses = 1 << 20;              // MPI ranks, plan parallel degrees
 constexpr int kMaxRepeats = 1000000;                // --repeats
 constexpr double kMinLinkGbps = 1e-6, kMaxLinkGbps = 1e6;  // --link-gbps: 1 kB/s .. 1 PB/s
 constexpr double kMaxLinkLatencyUs = 1e7;                  // --link-latency-us: 10 s
-constexpr double kMinTimeout = 1e-3, kMaxTimeout = 1e6;    // --timeout, seconds
 constexpr int64_t kMaxSeed = INT64_MAX;                    // --seed: [0, 2^63 - 1]
 // Why --ranks stops at kMaxThreadsRanks (ctxpar/comm.h) on the threads transport.
 inline constexpr const char* kThreadsRanksNote =
