@@ -255,9 +255,4 @@ struct DeviceBuffer::Storage {
   size_t size = 0;
 };
 
-// Test-only debug hook: when set, the ring's rotation helper leaves out the compute stream's
-// wait for the received K/V block, so that tests can check that sim catches a missing wait.
-void set_ring_skip_wait_for_testing(bool skip);
-bool ring_skip_wait_for_testing();
-
 }  // namespace ctxpar

@@ -11,6 +11,7 @@
 // checked before any communication, with the same verdict on every rank.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -72,35 +73,84 @@ int64_t allgather_head_groups(int64_t hkv, int head_groups = 0);
 // bits). The planner models the same.
 std::vector<int64_t> ring_last_hop_cuts(int64_t key_rows);
 
+// One call's arguments (shapes: the top of this file). Views and spans: the caller keeps the
+// memory alive until the call returns.
+struct ForwardArgs {
+  TensorView q, k, v;
+  Tokens tokens;
+  TensorView out, lse;
+};
+struct BackwardArgs {
+  TensorView q, k, v;
+  Tokens tokens;
+  TensorView out, lse;     // forward's global results
+  TensorView dout;
+  TensorView dq, dk, dv;   // overwritten (not accumulated)
+};
+
+namespace strategy {
+struct Call;  // one call's frame and this rank's problem (src/strategy/internal.h)
+struct Dims;
+}  // namespace strategy
+
+// Note [One call frame]: forward / backward are written once, here in the base class
+// (src/strategy/frame.cc): check this rank's arguments, agree on the verdict and on a signature
+// of shapes and options with every rank (agreement.h; one small all-gather, not counted in
+// last_stats()), reset the stats and the device's memory peak, run the algorithm
+// (run_forward / run_backward: one file per algorithm), wait for the device and record the
+// stats, then agree on a check of the outputs (non-finite results from finite inputs). An
+// algorithm only says what it adds: its extra argument rule and the communicators it counts.
 class Strategy {
  public:
   virtual ~Strategy() = default;
   // Builds the strategy for this communicator (hybrid splits it into sub-groups here, once).
   // Collective: every rank of comm calls it with the same options. Throws ctxpar::Error on
   // every rank for invalid options (e.g. ulysses_degree not dividing P) or options that differ
-  // between ranks. forward / backward are collective too; last_stats() excludes the small
-  // all-gather that shares the argument verdict before any other communication.
+  // between ranks, naming the option. forward / backward are collective too.
   static std::unique_ptr<Strategy> create(Communicator& comm, const StrategyOptions& options);
+  // The same on a device of the caller's (nullptr: make_device(options.device, comm.rank())).
+  static std::unique_ptr<Strategy> create(Communicator& comm, const StrategyOptions& options,
+                                          std::unique_ptr<Device> device);
 
-  virtual void forward(const TensorView& q, const TensorView& k, const TensorView& v,
-                       const Tokens& tokens, const TensorView& out, const TensorView& lse) = 0;
+  void forward(const ForwardArgs& args);
   // Uses the global out and lse of forward. dq, dk, dv are overwritten (not accumulated).
-  virtual void backward(const TensorView& q, const TensorView& k, const TensorView& v,
-                        const Tokens& tokens, const TensorView& out, const TensorView& lse,
-                        const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                        const TensorView& dv) = 0;
+  void backward(const BackwardArgs& args);
+  void forward(const TensorView& q, const TensorView& k, const TensorView& v,
+               const Tokens& tokens, const TensorView& out, const TensorView& lse) {
+    forward(ForwardArgs{q, k, v, tokens, out, lse});
+  }
+  void backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                const Tokens& tokens, const TensorView& out, const TensorView& lse,
+                const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                const TensorView& dv) {
+    backward(BackwardArgs{q, k, v, tokens, out, lse, dout, dq, dk, dv});
+  }
 
   const StrategyStats& last_stats() const { return stats_; }
   const StrategyOptions& options() const { return options_; }
   Device& device() { return *device_; }
 
  protected:
-  Strategy(Communicator& comm, const StrategyOptions& options)
-      : comm_(comm), options_(options), device_(make_device(options.device, comm.rank())) {}
+  Strategy(Communicator& comm, const StrategyOptions& options, std::unique_ptr<Device> device);
+  // The algorithm, on arguments every rank has agreed on; enqueues its work with call.run.
+  virtual void run_forward(const ForwardArgs& args, strategy::Call& call) = 0;
+  virtual void run_backward(const BackwardArgs& args, strategy::Call& call) = 0;
+  // The algorithm's own argument rule ("" when fine), checked after the common ones.
+  virtual std::string check_heads(int64_t hq, int64_t hkv) const { return ""; }
+  // The communicators whose bytes the stats count (hybrid: its two sub-groups).
+  virtual std::vector<Communicator*> counted() { return {&comm_}; }
+
   Communicator& comm_;
   StrategyOptions options_;
   StrategyStats stats_;
   std::unique_ptr<Device> device_;
+
+ private:
+  // The frame: this rank's verdict `error` ("" when fine) is completed by check_heads, agreed
+  // on, then `run` runs recorded and `check_outputs(what)` agrees on the outputs.
+  void in_frame(const char* call, const strategy::Dims& dims, std::string error,
+                const std::function<void(strategy::Call&)>& run,
+                const std::function<void(const std::string&)>& check_outputs);
 };
 
 }  // namespace ctxpar

@@ -9,6 +9,7 @@
 
 namespace ctxpar::python {
 void bind_attention(nb::module_& m);
+void bind_agreement(nb::module_& m);
 }
 
 NB_MODULE(_ctxpar, m) {
@@ -33,4 +34,5 @@ NB_MODULE(_ctxpar, m) {
   nb::exception<ctxpar::Error>(m, "Error", PyExc_ValueError);
   ctxpar::python::bind_communicator(m);
   ctxpar::python::bind_attention(m);
+  ctxpar::python::bind_agreement(m);
 }

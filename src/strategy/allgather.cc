@@ -32,14 +32,20 @@ struct Reduce {
 
 class AllGatherStrategy final : public Strategy {
  public:
-  AllGatherStrategy(Communicator& comm, const StrategyOptions& options) : Strategy(comm, options) {}
+  AllGatherStrategy(Communicator& comm, const StrategyOptions& options,
+                    std::unique_ptr<Device> device)
+      : Strategy(comm, options, std::move(device)) {}
 
-  void forward(const TensorView& q, const TensorView& k, const TensorView& v,
-               const Tokens& tokens, const TensorView& out, const TensorView& lse) override {
-    Dims dims;
-    std::string e = check_forward(q, k, v, tokens, out, lse, options_.mask, dims);
-    if (e.empty()) e = check_groups(dims);
-    CallScope call(comm_, *device_, stats_, options_, "allgather forward", e, dims, {&comm_});
+ protected:
+  std::string check_heads(int64_t hq, int64_t hkv) const override {
+    const std::string e = allgather_head_groups_rule(hkv, options_.head_groups);
+    return e.empty() ? e : "allgather: " + e;
+  }
+
+  void run_forward(const ForwardArgs& a, Call& call) override {
+    const TensorView &q = a.q, &k = a.k, &v = a.v, &out = a.out, &lse = a.lse;
+    const Tokens& tokens = a.tokens;
+    const Dims& dims = call.dims;
     Run& run = call.run;
     Device& dev = *device_;
     const int64_t groups = groups_of(dims), hg = dims.hkv / groups, qg = hg * (dims.hq / dims.hkv);
@@ -52,32 +58,21 @@ class AllGatherStrategy final : public Strategy {
       const TensorView qv = q.slice(2, g * qg, (g + 1) * qg);
       DeviceForwardState state(dev, dims.batch, dims.tokens, qg, dims.d);
       for (int j = 0; j < comm_.size(); ++j) {
-        const DeviceBuffer& c = gathered[g].chunks[j];
-        if (j == comm_.rank())
-          dev.forward_block(kComputeStream, qv, tokens, k.slice(2, g * hg, (g + 1) * hg),
-                            v.slice(2, g * hg, (g + 1) * hg), tokens, run.mask, state.get(),
-                            run.kernel);
-        else
-          dev.forward_block(kComputeStream, qv, tokens, pack.k(c), pack.v(c), pack.tokens_of(c),
-                            run.mask, state.get(), run.kernel);
+        const KvBlock kv = chunk(pack, k, v, tokens, g, gathered[g], j);
+        dev.forward_block(kComputeStream, qv, tokens, kv.k, kv.v, kv.tokens, run.mask,
+                          state.get(), run.kernel);
       }
       dev.forward_finalize(kComputeStream, state.get(), out.slice(2, g * qg, (g + 1) * qg),
                            lse.slice(1, g * qg, (g + 1) * qg), run.kernel);
       gathered[g] = Gathered();
     }
-    call.finish();
-    agree_outputs(comm_, "allgather forward", check_forward_outputs(out, lse, tokens));
   }
 
-  void backward(const TensorView& q, const TensorView& k, const TensorView& v,
-                const Tokens& tokens, const TensorView& out, const TensorView& lse,
-                const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                const TensorView& dv) override {
-    Dims dims;
-    std::string e =
-        check_backward(q, k, v, tokens, out, lse, dout, dq, dk, dv, options_.mask, dims);
-    if (e.empty()) e = check_groups(dims);
-    CallScope call(comm_, *device_, stats_, options_, "allgather backward", e, dims, {&comm_});
+  void run_backward(const BackwardArgs& a, Call& call) override {
+    const TensorView &q = a.q, &k = a.k, &v = a.v, &dout = a.dout, &lse = a.lse;
+    const TensorView &dq = a.dq, &dk = a.dk, &dv = a.dv;
+    const Tokens& tokens = a.tokens;
+    const Dims& dims = call.dims;
     Run& run = call.run;
     Device& dev = *device_;
     const int p = comm_.size(), r = comm_.rank();
@@ -86,7 +81,7 @@ class AllGatherStrategy final : public Strategy {
     const KvPacking grad{dims.batch, dims.tokens, hg, dims.d, DType::f32, false};
     const size_t grad_bytes = 2 * grad.kv_bytes();
 
-    const BackwardRows rows(dev, dims, q, out, dout, run.kernel);
+    const BackwardRows rows(call, a);
     const TensorView &delta_v = rows.delta, &dq32_v = rows.dq32;
     std::vector<Reduce> reduces(groups);
     auto finish_reduce = [&](int64_t g) {
@@ -117,16 +112,11 @@ class AllGatherStrategy final : public Strategy {
         if (j != r) red.parts[j] = dev.recv(kCommStream, comm_, grad_bytes, j, kReduceTag + int(g));
       for (int j = 0; j < p; ++j) {
         const bool own = j == r;
-        const DeviceBuffer& c = gathered[g].chunks[j];
+        const KvBlock kv = chunk(pack, k, v, tokens, g, gathered[g], j);
         DeviceBuffer part = dev.alloc(grad_bytes);  // this rank's share of rank j's dK/dV
         dev.fill_zero(kComputeStream, flat_f32(part));
-        if (own)
-          dev.backward_block(kComputeStream, qv, tokens, k.slice(2, g * hg, (g + 1) * hg),
-                             v.slice(2, g * hg, (g + 1) * hg), tokens, run.mask, dov, lv, dlv,
-                             dqv, grad.k(part), grad.v(part), run.kernel);
-        else
-          dev.backward_block(kComputeStream, qv, tokens, pack.k(c), pack.v(c), pack.tokens_of(c),
-                             run.mask, dov, lv, dlv, dqv, grad.k(part), grad.v(part), run.kernel);
+        dev.backward_block(kComputeStream, qv, tokens, kv.k, kv.v, kv.tokens, run.mask, dov, lv,
+                           dlv, dqv, grad.k(part), grad.v(part), run.kernel);
         if (own) {
           red.parts[r] = std::move(part);
         } else {
@@ -141,17 +131,18 @@ class AllGatherStrategy final : public Strategy {
     }
     finish_reduce(groups - 1);
     dev.copy(kComputeStream, dq32_v, dq);
-    call.finish();
-    agree_outputs(comm_, "allgather backward", check_backward_outputs(dq, dk, dv, tokens));
   }
 
  private:
   int64_t groups_of(const Dims& dims) const {
     return allgather_head_groups(dims.hkv, options_.head_groups);
   }
-  std::string check_groups(const Dims& dims) const {
-    const std::string e = allgather_head_groups_rule(dims.hkv, options_.head_groups);
-    return e.empty() ? e : "allgather: " + e;
+  // Head group g of rank j's K/V block: this rank's own read in place, the others' gathered.
+  KvBlock chunk(const KvPacking& pack, const TensorView& k, const TensorView& v,
+                const Tokens& tokens, int64_t g, const Gathered& gathered, int j) const {
+    if (j != comm_.rank()) return pack.block(gathered.chunks[j]);
+    const int64_t h0 = g * pack.heads, h1 = h0 + pack.heads;
+    return {k.slice(2, h0, h1), v.slice(2, h0, h1), tokens};
   }
 
   // Posts head group g's exchange: every peer's chunk from it, and a packed copy of mine to
@@ -163,8 +154,8 @@ class AllGatherStrategy final : public Strategy {
     out.chunks.resize(p);
     const int64_t h0 = g * pack.heads, h1 = h0 + pack.heads;
     for (int i = 1; i < p; ++i)
-      out.sent.push_back(pack.pack(dev, kComputeStream, k.slice(2, h0, h1), v.slice(2, h0, h1),
-                                   tokens));
+      out.sent.push_back(pack.pack(dev, kComputeStream, {k.slice(2, h0, h1), v.slice(2, h0, h1),
+                                                         tokens}));
     dev.wait(kCommStream, dev.record(kComputeStream));
     for (int j = 0; j < p; ++j)
       if (j != r) out.chunks[j] = dev.recv(kCommStream, comm_, pack.bytes(), j, int(g));
@@ -176,8 +167,9 @@ class AllGatherStrategy final : public Strategy {
 
 }  // namespace
 
-std::unique_ptr<Strategy> make_allgather(Communicator& comm, const StrategyOptions& options) {
-  return std::make_unique<AllGatherStrategy>(comm, options);
+std::unique_ptr<Strategy> make_allgather(Communicator& comm, const StrategyOptions& options,
+                                         std::unique_ptr<Device> device) {
+  return std::make_unique<AllGatherStrategy>(comm, options, std::move(device));
 }
 
 }  // namespace ctxpar::strategy

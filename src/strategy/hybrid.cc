@@ -14,7 +14,9 @@ namespace {
 
 class HybridStrategy final : public Strategy {
  public:
-  HybridStrategy(Communicator& comm, const StrategyOptions& options) : Strategy(comm, options) {
+  HybridStrategy(Communicator& comm, const StrategyOptions& options,
+                 std::unique_ptr<Device> device)
+      : Strategy(comm, options, std::move(device)) {
     const int p = comm.size(), r = comm.rank();
     u_ = options.ulysses_degree > 0 ? options.ulysses_degree : p;
     CTXPAR_ASSERT(p % u_ == 0, "create() checks that u divides P");
@@ -22,45 +24,23 @@ class HybridStrategy final : public Strategy {
     ring_ = comm.split(r % u_, r / u_);
   }
 
-  void forward(const TensorView& q, const TensorView& k, const TensorView& v,
-               const Tokens& tokens, const TensorView& out, const TensorView& lse) override {
-    Dims dims;
-    std::string e = check_forward(q, k, v, tokens, out, lse, options_.mask, dims);
-    if (e.empty()) e = check_ulysses_heads(dims, u_, "hybrid (ulysses_degree u)");
-    CallScope call(comm_, *device_, stats_, options_, "hybrid forward", e, dims,
-                   {ulysses_.get(), ring_.get()});
-    Run& run = call.run;
-    ulysses_forward(*ulysses_, run, dims, q, k, v, tokens, out, lse,
-                    [&](const TensorView& qf, const TensorView& kf, const TensorView& vf,
-                        const Tokens& tf, const TensorView& of, const TensorView& lf) {
-                      ring_forward(*ring_, run, qf, tf, kf, vf, tf, of, lf);
-                    },
+ protected:
+  std::string check_heads(int64_t hq, int64_t hkv) const override {
+    const std::string e = ulysses_heads_rule(hq, u_);
+    return e.empty() ? e : "hybrid (ulysses_degree u): " + e;
+  }
+  std::vector<Communicator*> counted() override { return {ulysses_.get(), ring_.get()}; }
+
+  void run_forward(const ForwardArgs& a, Call& call) override {
+    ulysses_forward(*ulysses_, call, a,
+                    [&](const ForwardArgs& f) { ring_forward(*ring_, call.run, f); },
                     groups_limit(options_, 1));
-    call.finish();
-    agree_outputs(comm_, "hybrid forward", check_forward_outputs(out, lse, tokens));
   }
 
-  void backward(const TensorView& q, const TensorView& k, const TensorView& v,
-                const Tokens& tokens, const TensorView& out, const TensorView& lse,
-                const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                const TensorView& dv) override {
-    Dims dims;
-    std::string e =
-        check_backward(q, k, v, tokens, out, lse, dout, dq, dk, dv, options_.mask, dims);
-    if (e.empty()) e = check_ulysses_heads(dims, u_, "hybrid (ulysses_degree u)");
-    CallScope call(comm_, *device_, stats_, options_, "hybrid backward", e, dims,
-                   {ulysses_.get(), ring_.get()});
-    Run& run = call.run;
-    ulysses_backward(
-        *ulysses_, run, dims, q, k, v, tokens, out, lse, dout, dq, dk, dv,
-        [&](const TensorView& qf, const TensorView& kf, const TensorView& vf, const Tokens& tf,
-            const TensorView& dof, const TensorView& lf, const TensorView& df,
-            const TensorView& dqf, const TensorView& dkf, const TensorView& dvf) {
-          ring_backward(*ring_, run, qf, tf, kf, vf, tf, dof, lf, df, dqf, dkf, dvf);
-        },
-        groups_limit(options_, 1));
-    call.finish();
-    agree_outputs(comm_, "hybrid backward", check_backward_outputs(dq, dk, dv, tokens));
+  void run_backward(const BackwardArgs& a, Call& call) override {
+    ulysses_backward(*ulysses_, call, a,
+                     [&](const GradArgs& g) { ring_backward(*ring_, call.run, g); },
+                     groups_limit(options_, 1));
   }
 
  private:
@@ -70,8 +50,9 @@ class HybridStrategy final : public Strategy {
 
 }  // namespace
 
-std::unique_ptr<Strategy> make_hybrid(Communicator& comm, const StrategyOptions& options) {
-  return std::make_unique<HybridStrategy>(comm, options);
+std::unique_ptr<Strategy> make_hybrid(Communicator& comm, const StrategyOptions& options,
+                                      std::unique_ptr<Device> device) {
+  return std::make_unique<HybridStrategy>(comm, options, std::move(device));
 }
 
 }  // namespace ctxpar::strategy

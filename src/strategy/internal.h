@@ -1,6 +1,7 @@
-// Private pieces shared by the strategies: the argument verdict, per-call statistics, the K/V
-// block that travels, and the two cores that hybrid composes (ring over a communicator, and
-// Ulysses' head <-> sequence all-to-all around an inner computation).
+// Private pieces shared by the strategies: the argument checks and signature the call frame
+// agrees on (src/strategy/frame.cc), what a call hands its algorithm, the K/V block that
+// travels, and the two cores that hybrid composes (ring over a communicator, and Ulysses'
+// head <-> sequence all-to-all around an inner computation).
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -9,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "ctxpar/agreement.h"
 #include "ctxpar/comm.h"
 #include "ctxpar/device.h"
 #include "ctxpar/kernel.h"
@@ -28,23 +30,13 @@ struct Dims {
 
 // Local checks of one rank's forward / backward arguments. Returns "" when fine, else the
 // message (never throws, so that the verdict can be shared before anyone gives up).
-std::string check_forward(const TensorView& q, const TensorView& k, const TensorView& v,
-                          const Tokens& tokens, const TensorView& out, const TensorView& lse,
-                          const Mask& mask, Dims& dims);
-std::string check_backward(const TensorView& q, const TensorView& k, const TensorView& v,
-                           const Tokens& tokens, const TensorView& out, const TensorView& lse,
-                           const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                           const TensorView& dv, const Mask& mask, Dims& dims);
-// Ulysses' head split over `ranks`: "" when Hq % P == 0 (KV heads split when Hkv % P == 0,
-// else are replicated to the ranks whose query heads read them).
-std::string check_ulysses_heads(const Dims& dims, int ranks, const char* who);
+std::string check_forward(const ForwardArgs& a, const Mask& mask, Dims& dims);
+std::string check_backward(const BackwardArgs& a, const Mask& mask, Dims& dims);
 
-// Every rank contributes its local error ("" if none) and a signature of its shapes and
-// options; all ranks then throw the same ctxpar::Error if any rank failed or if signatures
-// differ. One small allgather on `comm`, done before any other communication of the call.
-void agree(Communicator& comm, const std::string& what, const std::string& local_error,
-           const std::vector<int64_t>& signature);
-std::vector<int64_t> signature_of(const Dims& dims, const StrategyOptions& options);
+// The fields every rank of a call must agree on (require_agreement, ctxpar/agreement.h): the
+// options and this rank's shapes, named ("mask", "kv heads Hkv", ...), so that a difference is
+// named in the error. ulysses_groups is one of them: it decides which messages Ulysses sends.
+Signature signature_of(const Dims& dims, const StrategyOptions& options);
 
 // Non-finite results from finite inputs (scores or gradients beyond the fp32 range): checked
 // once the call's results are final, on each rank's own rows, in one pass. A row whose every
@@ -88,54 +80,10 @@ struct Run {
   }
 };
 
-// Resets stats and snapshots the device's counters and the byte counters of `comms` at start;
-// finish() synchronises the device and writes deltas, wall time and the memory peak.
-class CallRecord {
- public:
-  CallRecord(StrategyStats& stats, Device& device, std::vector<Communicator*> comms);
-  void finish(const Run& run);
-
- private:
-  StrategyStats& stats_;
-  Device& device_;
-  std::vector<Communicator*> comms_;
-  uint64_t sent0_ = 0, received0_ = 0;
-  DeviceCounters device0_;
-  size_t held0_ = 0;
-  double t0_ = 0;
-};
-
-// One strategy call's frame: every rank agrees on the argument checks first (before any other
-// communication, and before the byte counters are read, so the check's small all-gather is not
-// counted in the call's stats); then the call enqueues its work with `run`, and finish()
-// waits for the device and records time, bytes and peak memory. A call that throws still
-// waits for its queued work before its buffers and the caller's tensors go.
-class CallScope {
- public:
-  CallScope(Communicator& comm, Device& device, StrategyStats& stats,
-            const StrategyOptions& options, const std::string& what, const std::string& error,
-            const Dims& dims, std::vector<Communicator*> counted)
-      : agreed_((agree(comm, what, error, signature_of(dims, options)), true)),
-        record_(stats, device, std::move(counted)),
-        run{&device, options.mask, options.kernel} {}
-  ~CallScope() {
-    if (finished_) return;
-    try {
-      run.dev->synchronize();
-    } catch (...) {  // the exception in flight says what went wrong first
-    }
-  }
-  void finish() {
-    finished_ = true;
-    record_.finish(run);
-  }
-
- private:
-  bool agreed_;  // first member: the agreement happens before the record starts counting
-  CallRecord record_;
-  bool finished_ = false;
-
- public:
+// One call as the algorithm sees it (Note [One call frame] in ctxpar/strategy.h): this rank's
+// problem, agreed on by every rank, and where to enqueue its work.
+struct Call {
+  Dims dims;
   Run run;
 };
 
@@ -145,19 +93,26 @@ class CallScope {
 struct BackwardRows {
   DeviceBuffer delta_buffer, dq32_buffer;
   TensorView delta, dq32;
-  BackwardRows(Device& dev, const Dims& dims, const TensorView& q, const TensorView& out,
-               const TensorView& dout, const KernelConfig& kernel)
-      : delta_buffer(dev.alloc(size_t(dims.batch * dims.hq * dims.tokens) * 4)),
-        dq32_buffer(dev.alloc(size_t(q.numel()) * 4)),
-        delta(delta_buffer.view(DType::f32, {dims.batch, dims.hq, dims.tokens})),
-        dq32(dq32_buffer.view(DType::f32, q.shape())) {
-    dev.fill_zero(kComputeStream, dq32);
-    dev.backward_delta(kComputeStream, out, dout, delta, kernel);
+  BackwardRows(Call& call, const BackwardArgs& a)
+      : delta_buffer(call.run.dev->alloc(size_t(a.lse.numel()) * 4)),  // lse's [B, Hq, Tl]
+        dq32_buffer(call.run.dev->alloc(size_t(a.q.numel()) * 4)),
+        delta(delta_buffer.view(DType::f32, a.lse.shape())),
+        dq32(dq32_buffer.view(DType::f32, a.q.shape())) {
+    call.run.dev->fill_zero(kComputeStream, dq32);
+    call.run.dev->backward_delta(kComputeStream, a.out, a.dout, delta, call.run.kernel);
   }
 };
 
 // ---- the K/V block that travels -----------------------------------------------------------
 
+// A K/V block: what rotates in the ring (and what all-gather gathers): the keys and values
+// [B, T, Hkv, D] of T tokens, with those tokens' positions (and document ids).
+struct KvBlock {
+  TensorView k, v;
+  Tokens tokens;
+};
+
+// Packed into one buffer to travel:
 // [k | v | positions (int64) | documents (int32, only with a documents mask)], k and v
 // [B, T, Hkv, D] in their storage dtype. No padding: every section is a multiple of 8 bytes
 // because D >= 16.
@@ -168,11 +123,11 @@ struct KvPacking {
   size_t kv_bytes() const { return size_t(batch * tokens * heads * d) * dtype_size(dtype); }
   size_t bytes() const { return 2 * kv_bytes() + size_t(tokens) * (8 + (documents ? 4 : 0)); }
   // A new block holding k, v and tokens, packed on `s`.
-  DeviceBuffer pack(Device& dev, Stream s, const TensorView& k, const TensorView& v,
-                    const Tokens& tokens) const;
+  DeviceBuffer pack(Device& dev, Stream s, const KvBlock& block) const;
   TensorView k(const DeviceBuffer& b) const;
   TensorView v(const DeviceBuffer& b) const;
   Tokens tokens_of(const DeviceBuffer& b) const;
+  KvBlock block(const DeviceBuffer& b) const { return {k(b), v(b), tokens_of(b)}; }
 };
 
 // A whole buffer as one flat fp32 tensor (for add / fill_zero).
@@ -182,53 +137,52 @@ inline TensorView flat_f32(const DeviceBuffer& b) {
 
 // ---- cores --------------------------------------------------------------------------------
 
-// Ring forward on `comm`: q [B, Tq, Hq, D] stays; k, v [B, Tk, Hkv, D] (with kv_tokens) rotate
-// P-1 times; out [B, Tq, Hq, D], lse [B, Hq, Tq].
-void ring_forward(Communicator& comm, Run& run, const TensorView& q, const Tokens& q_tokens,
-                  const TensorView& k, const TensorView& v, const Tokens& kv_tokens,
-                  const TensorView& out, const TensorView& lse);
-// Ring backward on `comm` with the global lse and delta [B, Hq, Tq] of q's rows: dq is an fp32
-// accumulator [B, Tq, Hq, D] (added to); dk, dv fp32 [B, Tk, Hkv, D] are overwritten with the
-// gradient of this rank's K/V, summed over every rank's queries.
-void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Tokens& q_tokens,
-                   const TensorView& k, const TensorView& v, const Tokens& kv_tokens,
-                   const TensorView& dout, const TensorView& lse, const TensorView& delta,
-                   const TensorView& dq, const TensorView& dk, const TensorView& dv);
+// What a backward core computes on: q's rows (tokens) with the global lse and delta
+// [B, Hq, Tq] = rowsum(dO * O), dq an fp32 accumulator [B, Tq, Hq, D] (added to); the K/V
+// block k, v [B, Tk, Hkv, D] (the same tokens) with dk, dv fp32, overwritten.
+struct GradArgs {
+  TensorView q, k, v;
+  Tokens tokens;
+  TensorView dout, lse, delta;
+  TensorView dq, dk, dv;
+};
+
+// Ring forward on `comm`: q [B, Tq, Hq, D] stays; k, v [B, Tk, Hkv, D] (with the tokens)
+// rotate P-1 times; out [B, Tq, Hq, D], lse [B, Hq, Tq].
+void ring_forward(Communicator& comm, Run& run, const ForwardArgs& a);
+// Ring backward on `comm`: dk, dv get the gradient of this rank's K/V, summed over every
+// rank's queries.
+void ring_backward(Communicator& comm, Run& run, const GradArgs& a);
 
 // Ulysses around an inner computation on the whole (group) sequence for Hq/P heads. The inner
 // receives the sequence of all ranks of `comm`, sorted by global position.
-//   forward inner:  (q, k, v, tokens, out, lse) with q [B, T, Hq/P, D], k, v [B, T, Hkv', D],
+//   forward inner:  ForwardArgs with q [B, T, Hq/P, D], k, v [B, T, Hkv', D],
 //                   out [B, T, Hq/P, D] (out's dtype), lse [B, Hq/P, T]
-//   backward inner: (q, k, v, tokens, dout, lse, delta, dq, dk, dv), dq/dk/dv fp32 zeroed.
+//   backward inner: GradArgs, dq/dk/dv fp32 zeroed.
 // The inner runs once per head group (docs/ulysses.md: the all-to-alls of the others travel
 // meanwhile), on that group's heads; `max_groups` is the most groups: groups_limit() below
 // (hybrid keeps 1 by default: a ring inside would send its token ids once per group).
-using UlyssesForwardInner =
-    std::function<void(const TensorView&, const TensorView&, const TensorView&, const Tokens&,
-                       const TensorView&, const TensorView&)>;
-using UlyssesBackwardInner = std::function<void(
-    const TensorView&, const TensorView&, const TensorView&, const Tokens&, const TensorView&,
-    const TensorView&, const TensorView&, const TensorView&, const TensorView&, const TensorView&)>;
+using UlyssesForwardInner = std::function<void(const ForwardArgs&)>;
+using UlyssesBackwardInner = std::function<void(const GradArgs&)>;
 
 // StrategyOptions::ulysses_groups when given (> 0), else the strategy's default.
 inline int groups_limit(const StrategyOptions& options, int by_default) {
   return options.ulysses_groups > 0 ? options.ulysses_groups : by_default;
 }
-void ulysses_forward(Communicator& comm, Run& run, const Dims& dims, const TensorView& q,
-                     const TensorView& k, const TensorView& v, const Tokens& tokens,
-                     const TensorView& out, const TensorView& lse,
+void ulysses_forward(Communicator& comm, Call& call, const ForwardArgs& a,
                      const UlyssesForwardInner& inner, int max_groups = 1);
-void ulysses_backward(Communicator& comm, Run& run, const Dims& dims, const TensorView& q,
-                      const TensorView& k, const TensorView& v, const Tokens& tokens,
-                      const TensorView& out, const TensorView& lse, const TensorView& dout,
-                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
+void ulysses_backward(Communicator& comm, Call& call, const BackwardArgs& a,
                       const UlyssesBackwardInner& inner, int max_groups = 1);
 
 // ---- factories (one per file) -------------------------------------------------------------
 
-std::unique_ptr<Strategy> make_ring(Communicator& comm, const StrategyOptions& options);
-std::unique_ptr<Strategy> make_allgather(Communicator& comm, const StrategyOptions& options);
-std::unique_ptr<Strategy> make_ulysses(Communicator& comm, const StrategyOptions& options);
-std::unique_ptr<Strategy> make_hybrid(Communicator& comm, const StrategyOptions& options);
+std::unique_ptr<Strategy> make_ring(Communicator& comm, const StrategyOptions& options,
+                                    std::unique_ptr<Device> device);
+std::unique_ptr<Strategy> make_allgather(Communicator& comm, const StrategyOptions& options,
+                                         std::unique_ptr<Device> device);
+std::unique_ptr<Strategy> make_ulysses(Communicator& comm, const StrategyOptions& options,
+                                       std::unique_ptr<Device> device);
+std::unique_ptr<Strategy> make_hybrid(Communicator& comm, const StrategyOptions& options,
+                                      std::unique_ptr<Device> device);
 
 }  // namespace ctxpar::strategy

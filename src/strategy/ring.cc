@@ -13,8 +13,10 @@
 // own contribution. Each rank computes its share into a local buffer first and adds it to the
 // travelling accumulator afterwards, so that accumulator transfers hide behind compute.
 #include <algorithm>
+#include <atomic>
 
 #include "strategy/internal.h"
+#include "strategy/testing.h"
 
 namespace ctxpar::strategy {
 namespace {
@@ -46,7 +48,7 @@ class RingComm {
     arrived_ = dev_.record(kCommStream);
   }
   DeviceBuffer wait() {
-    if (!ring_skip_wait_for_testing()) dev_.wait(kComputeStream, arrived_);
+    if (!testing::ring_skips_wait()) dev_.wait(kComputeStream, arrived_);
     return std::move(incoming_);
   }
 
@@ -97,31 +99,31 @@ void send_piece(Device& dev, Communicator& comm, const KvPacking& grad, const De
 }
 }  // namespace
 
-void ring_forward(Communicator& comm, Run& run, const TensorView& q, const Tokens& q_tokens,
-                  const TensorView& k, const TensorView& v, const Tokens& kv_tokens,
-                  const TensorView& out, const TensorView& lse) {
+void ring_forward(Communicator& comm, Run& run, const ForwardArgs& a) {
   // q, out [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; lse [B, Hq, Tq]
   Device& dev = *run.dev;
   const int p = comm.size();
-  const KvPacking pack = packing_of(k, run.mask.documents);
-  DeviceForwardState state(dev, q.dim(0), q.dim(1), q.dim(2), q.dim(3));
+  const KvPacking pack = packing_of(a.k, run.mask.documents);
+  DeviceForwardState state(dev, a.q.dim(0), a.q.dim(1), a.q.dim(2), a.q.dim(3));
   RingComm ring(dev, comm, pack.bytes(), 0);
+  auto compute = [&](const KvBlock& kv) {
+    dev.forward_block(kComputeStream, a.q, a.tokens, kv.k, kv.v, kv.tokens, run.mask, state.get(),
+                      run.kernel);
+  };
 
   // Step 0 computes on the caller's k, v directly; step s on `block`, the block of rank r-s,
   // which is also the one in flight to the next rank (sent before the compute: it overlaps).
+  // Steps 0..P-2 compute and rotate; the last step only computes.
+  const KvBlock own{a.k, a.v, a.tokens};
   DeviceBuffer block;
-  if (p > 1) block = pack.pack(dev, kComputeStream, k, v, kv_tokens);
-  for (int s = 0; s < p; ++s) {
-    if (s + 1 < p) ring.send_recv(block, s + 1);
-    if (s == 0)
-      dev.forward_block(kComputeStream, q, q_tokens, k, v, kv_tokens, run.mask, state.get(),
-                        run.kernel);
-    else
-      dev.forward_block(kComputeStream, q, q_tokens, pack.k(block), pack.v(block),
-                        pack.tokens_of(block), run.mask, state.get(), run.kernel);
-    if (s + 1 < p) block = ring.wait();  // the block just computed on is freed stream-ordered
+  if (p > 1) block = pack.pack(dev, kComputeStream, own);
+  for (int s = 0; s + 1 < p; ++s) {
+    ring.send_recv(block, s + 1);
+    compute(s == 0 ? own : pack.block(block));
+    block = ring.wait();  // the block just computed on is freed stream-ordered
   }
-  dev.forward_finalize(kComputeStream, state.get(), out, lse, run.kernel);
+  compute(p == 1 ? own : pack.block(block));
+  dev.forward_finalize(kComputeStream, state.get(), a.out, a.lse, run.kernel);
   // When sends lend their memory (threads transport on cpu), the memory of a forwarded block
   // lives until its last holder lets go (reference-counted), so its final owner may return
   // while a rank that forwarded it earlier still computes on it. The ranks still end the forward
@@ -133,23 +135,19 @@ void ring_forward(Communicator& comm, Run& run, const TensorView& q, const Token
   }
 }
 
-void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Tokens& q_tokens,
-                   const TensorView& k, const TensorView& v, const Tokens& kv_tokens,
-                   const TensorView& dout, const TensorView& lse, const TensorView& delta,
-                   const TensorView& dq, const TensorView& dk, const TensorView& dv) {
+void ring_backward(Communicator& comm, Run& run, const GradArgs& a) {
   // q, dout, dq [B, Tq, Hq, D]; k, v, dk, dv [B, Tk, Hkv, D]; lse, delta [B, Hq, Tq]
   Device& dev = *run.dev;
   const int p = comm.size();
-  const KvPacking pack = packing_of(k, run.mask.documents);
-  const KvPacking grad{k.dim(0), k.dim(1), k.dim(2), k.dim(3), DType::f32, false};
+  const int64_t rows = a.k.dim(1);
+  const KvPacking pack = packing_of(a.k, run.mask.documents);
+  const KvPacking grad{a.k.dim(0), rows, a.k.dim(2), a.k.dim(3), DType::f32, false};
   const size_t grad_bytes = 2 * grad.kv_bytes();  // [dk | dv] fp32, no tokens
   RingComm kv_ring(dev, comm, pack.bytes(), 0), grad_ring(dev, comm, grad_bytes, kGradTag);
-  const std::vector<int64_t> cuts = ring_last_hop_cuts(k.dim(1));
+  const std::vector<int64_t> cuts = ring_last_hop_cuts(rows);
   const int pieces = int(cuts.size()) - 1;
   auto piece_tag = [&](int c) { return kGradTag + p + 1 + c; };  // after the grad ring's tags
 
-  DeviceBuffer block;
-  if (p > 1) block = pack.pack(dev, kComputeStream, k, v, kv_tokens);
   // Step 0 (this rank's own block) adds into `own`, which never travels. The accumulator of
   // block r-s starts on its first visitor after the owner (step 1) and moves on after every
   // step: P-1 hops bring it home, where it is added to `own`. From step 2 on, a step computes
@@ -157,12 +155,13 @@ void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Toke
   // adds `part` into it only after the compute: the accumulator's transfer hides behind the
   // compute instead of being waited for before it (one more fp32 buffer per rank). The last
   // step sends it home in pieces of key rows (Note [Pipelined last hop]).
+  const KvBlock mine{a.k, a.v, a.tokens};
+  DeviceBuffer block;
+  if (p > 1) block = pack.pack(dev, kComputeStream, mine);
   DeviceBuffer own = dev.alloc(grad_bytes), acc, part;
-  std::vector<DeviceBuffer> home;  // the pieces of our own block's accumulator, coming home
   dev.fill_zero(kComputeStream, flat_f32(own));
-  for (int s = 0; s < p; ++s) {
-    const bool last = p > 1 && s == p - 1;
-    if (s + 1 < p) kv_ring.send_recv(block, s + 1);
+  // Step s's gradient buffer: `own`, a new zeroed accumulator (step 1) or the zeroed `part`.
+  auto into_of = [&](int s) -> const DeviceBuffer& {
     if (s == 1) {
       acc = dev.alloc(grad_bytes);
       dev.fill_zero(kComputeStream, flat_f32(acc));
@@ -170,33 +169,43 @@ void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Toke
       if (part.empty()) part = dev.alloc(grad_bytes);
       dev.fill_zero(kComputeStream, flat_f32(part));
     }
-    const DeviceBuffer& into = s == 0 ? own : s == 1 ? acc : part;
-    const TensorView kb = s == 0 ? k : pack.k(block);
-    const TensorView vb = s == 0 ? v : pack.v(block);
-    const Tokens tb = s == 0 ? kv_tokens : pack.tokens_of(block);
-    if (last) {  // receives first: the pieces may arrive while this step computes
-      dev.wait(kCommStream, dev.record(kComputeStream));
-      for (int c = 0; c < pieces; ++c)
-        home.push_back(dev.recv(kCommStream, comm, 2 * rows_of(grad, cuts[c], cuts[c + 1]).kv_bytes(),
-                                (comm.rank() + p - 1) % p, piece_tag(c)));
-    }
-    for (int c = 0; c < (last ? pieces : 1); ++c) {
-      const int64_t r0 = last ? cuts[c] : 0, r1 = last ? cuts[c + 1] : k.dim(1);
-      dev.backward_block(kComputeStream, q, q_tokens, kb.slice(1, r0, r1), vb.slice(1, r0, r1),
-                         token_rows(tb, r0, r1), run.mask, dout, lse, delta, dq,
-                         grad.k(into).slice(1, r0, r1), grad.v(into).slice(1, r0, r1),
-                         run.kernel);
-      if (s > 1) {  // the accumulator left the previous rank after its compute on this block
-        if (c == 0) acc = grad_ring.wait();
-        dev.add(kComputeStream, grad.k(part).slice(1, r0, r1), grad.k(acc).slice(1, r0, r1));
-        dev.add(kComputeStream, grad.v(part).slice(1, r0, r1), grad.v(acc).slice(1, r0, r1));
-      }
-      if (last) send_piece(dev, comm, grad, acc, r0, r1, piece_tag(c));
-    }
-    if (s > 0 && !last) grad_ring.send_recv(acc, s + 1);
-    if (s + 1 < p) block = kv_ring.wait();
+    return s == 0 ? own : s == 1 ? acc : part;
+  };
+  // Key rows [r0, r1) of step s's block into `into`; from step 2 on, added into the accumulator
+  // (which left the previous rank after its compute on this block: waited for at row 0).
+  auto compute = [&](int s, const KvBlock& kv, const DeviceBuffer& into, int64_t r0,
+                     int64_t r1) {
+    dev.backward_block(kComputeStream, a.q, a.tokens, kv.k.slice(1, r0, r1),
+                       kv.v.slice(1, r0, r1), token_rows(kv.tokens, r0, r1), run.mask, a.dout,
+                       a.lse, a.delta, a.dq, grad.k(into).slice(1, r0, r1),
+                       grad.v(into).slice(1, r0, r1), run.kernel);
+    if (s < 2) return;
+    if (r0 == 0) acc = grad_ring.wait();
+    dev.add(kComputeStream, grad.k(part).slice(1, r0, r1), grad.k(acc).slice(1, r0, r1));
+    dev.add(kComputeStream, grad.v(part).slice(1, r0, r1), grad.v(acc).slice(1, r0, r1));
+  };
+
+  for (int s = 0; s + 1 < p; ++s) {  // compute, and rotate both rings
+    kv_ring.send_recv(block, s + 1);
+    compute(s, s == 0 ? mine : pack.block(block), into_of(s), 0, rows);
+    if (s > 0) grad_ring.send_recv(acc, s + 1);
+    block = kv_ring.wait();
   }
-  if (p > 1) {
+  if (p == 1) {
+    compute(0, mine, own, 0, rows);
+  } else {  // the last step: computes only, and sends the accumulator home piece by piece
+    const int s = p - 1;
+    const DeviceBuffer& into = into_of(s);
+    std::vector<DeviceBuffer> home;  // the pieces of our own block's accumulator
+    dev.wait(kCommStream, dev.record(kComputeStream));  // receives first: they may arrive
+    for (int c = 0; c < pieces; ++c)                     // while this step computes
+      home.push_back(dev.recv(kCommStream, comm, 2 * rows_of(grad, cuts[c], cuts[c + 1]).kv_bytes(),
+                              (comm.rank() + p - 1) % p, piece_tag(c)));
+    const KvBlock kv = pack.block(block);
+    for (int c = 0; c < pieces; ++c) {
+      compute(s, kv, into, cuts[c], cuts[c + 1]);
+      send_piece(dev, comm, grad, acc, cuts[c], cuts[c + 1], piece_tag(c));
+    }
     dev.wait(kComputeStream, dev.record(kCommStream));
     for (int c = 0; c < pieces; ++c) {
       const KvPacking piece = rows_of(grad, cuts[c], cuts[c + 1]);
@@ -204,49 +213,42 @@ void ring_backward(Communicator& comm, Run& run, const TensorView& q, const Toke
       dev.add(kComputeStream, piece.v(home[c]), grad.v(own).slice(1, cuts[c], cuts[c + 1]));
     }
   }
-  dev.copy(kComputeStream, grad.k(own), dk);
-  dev.copy(kComputeStream, grad.v(own), dv);
+  dev.copy(kComputeStream, grad.k(own), a.dk);
+  dev.copy(kComputeStream, grad.v(own), a.dv);
 }
 
 namespace {
 
 class RingStrategy final : public Strategy {
  public:
-  RingStrategy(Communicator& comm, const StrategyOptions& options) : Strategy(comm, options) {}
+  RingStrategy(Communicator& comm, const StrategyOptions& options, std::unique_ptr<Device> device)
+      : Strategy(comm, options, std::move(device)) {}
 
-  void forward(const TensorView& q, const TensorView& k, const TensorView& v,
-               const Tokens& tokens, const TensorView& out, const TensorView& lse) override {
-    Dims dims;
-    std::string e = check_forward(q, k, v, tokens, out, lse, options_.mask, dims);
-    CallScope call(comm_, *device_, stats_, options_, "ring forward", e, dims, {&comm_});
-    ring_forward(comm_, call.run, q, tokens, k, v, tokens, out, lse);
-    call.finish();
-    agree_outputs(comm_, "ring forward", check_forward_outputs(out, lse, tokens));
-  }
+ protected:
+  void run_forward(const ForwardArgs& a, Call& call) override { ring_forward(comm_, call.run, a); }
 
-  void backward(const TensorView& q, const TensorView& k, const TensorView& v,
-                const Tokens& tokens, const TensorView& out, const TensorView& lse,
-                const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                const TensorView& dv) override {
-    Dims dims;
-    std::string e =
-        check_backward(q, k, v, tokens, out, lse, dout, dq, dk, dv, options_.mask, dims);
-    CallScope call(comm_, *device_, stats_, options_, "ring backward", e, dims, {&comm_});
-    Device& dev = *device_;
-    const BackwardRows rows(dev, dims, q, out, dout, options_.kernel);
-    ring_backward(comm_, call.run, q, tokens, k, v, tokens, dout, lse, rows.delta, rows.dq32, dk,
-                  dv);
-    dev.copy(kComputeStream, rows.dq32, dq);
-    call.finish();
-    agree_outputs(comm_, "ring backward", check_backward_outputs(dq, dk, dv, tokens));
+  void run_backward(const BackwardArgs& a, Call& call) override {
+    const BackwardRows rows(call, a);
+    ring_backward(comm_, call.run,
+                  {a.q, a.k, a.v, a.tokens, a.dout, a.lse, rows.delta, rows.dq32, a.dk, a.dv});
+    call.run.dev->copy(kComputeStream, rows.dq32, a.dq);
   }
 };
 
 }  // namespace
 
-std::unique_ptr<Strategy> make_ring(Communicator& comm, const StrategyOptions& options) {
-  return std::make_unique<RingStrategy>(comm, options);
+std::unique_ptr<Strategy> make_ring(Communicator& comm, const StrategyOptions& options,
+                                    std::unique_ptr<Device> device) {
+  return std::make_unique<RingStrategy>(comm, options, std::move(device));
 }
+
+namespace testing {
+namespace {
+std::atomic<bool> skip_wait{false};
+}
+void set_ring_skip_wait(bool skip) { skip_wait = skip; }
+bool ring_skips_wait() { return skip_wait; }
+}  // namespace testing
 
 }  // namespace ctxpar::strategy
 

@@ -32,36 +32,6 @@ StrategyKind parse_strategy(const std::string& name) {
   throw Error("unknown strategy '" + name + "': use ring, allgather, ulysses or hybrid");
 }
 
-std::unique_ptr<Strategy> Strategy::create(Communicator& comm, const StrategyOptions& options) {
-  // Options are checked here and agreed on by every rank before hybrid's split (a collective).
-  std::string error;
-  const int p = comm.size();
-  if (options.ulysses_degree < 0)
-    error = detail::concat("ulysses_degree: expected >= 0 (0 = P), got ", options.ulysses_degree);
-  else if (options.kind == StrategyKind::hybrid && options.ulysses_degree > 0 &&
-           p % options.ulysses_degree != 0)
-    error = detail::concat("hybrid: ulysses_degree u = ", options.ulysses_degree,
-                           " must divide the number of ranks P = ", p,
-                           " (ulysses groups of u ranks x ring over P/u groups)");
-  else if (options.head_groups < 0)
-    error = detail::concat("head_groups: expected >= 0 (0 = auto), got ", options.head_groups);
-  else if (options.ulysses_groups < 0 || options.ulysses_groups > kMaxUlyssesGroups)
-    error = detail::concat("ulysses_groups: expected 0 (the default) or 1..", kMaxUlyssesGroups,
-                           " (the most head groups Ulysses pipelines its all-to-alls over), got ",
-                           options.ulysses_groups);
-  else if (options.kernel.threads < 1)
-    error = detail::concat("kernel.threads: expected >= 1, got ", options.kernel.threads);
-  strategy::agree(comm, std::string(strategy_name(options.kind)) + " create", error,
-                  strategy::signature_of(strategy::Dims{}, options));
-  switch (options.kind) {
-    case StrategyKind::ring: return strategy::make_ring(comm, options);
-    case StrategyKind::allgather: return strategy::make_allgather(comm, options);
-    case StrategyKind::ulysses: return strategy::make_ulysses(comm, options);
-    case StrategyKind::hybrid: return strategy::make_hybrid(comm, options);
-  }
-  throw Error("unknown strategy kind");
-}
-
 std::string ulysses_heads_rule(int64_t hq, int ranks) {
   // KV heads that do not split over the ranks are replicated (see ulysses.cc, HeadSplit), so
   // only the query heads must divide.
@@ -114,9 +84,9 @@ std::string check_finite(const char* name, const TensorView& t, const Tokens& to
 
 }  // namespace
 
-std::string check_forward(const TensorView& q, const TensorView& k, const TensorView& v,
-                          const Tokens& tokens, const TensorView& out, const TensorView& lse,
-                          const Mask& mask, Dims& dims) {
+std::string check_forward(const ForwardArgs& a, const Mask& mask, Dims& dims) {
+  const TensorView &q = a.q, &k = a.k, &v = a.v, &out = a.out, &lse = a.lse;
+  const Tokens& tokens = a.tokens;
   if (q.empty() || q.ndim() != 4)
     return detail::concat("q: expected a [B, Tl, Hq, D] tensor, got shape ", shape_str(q.shape()));
   if (k.empty() || k.ndim() != 4)
@@ -159,12 +129,10 @@ std::string check_forward(const TensorView& q, const TensorView& k, const Tensor
   return check_finite("v", v, tokens);
 }
 
-std::string check_backward(const TensorView& q, const TensorView& k, const TensorView& v,
-                           const Tokens& tokens, const TensorView& out, const TensorView& lse,
-                           const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                           const TensorView& dv, const Mask& mask, Dims& dims) {
-  std::string e = check_forward(q, k, v, tokens, out, lse, mask, dims);
+std::string check_backward(const BackwardArgs& a, const Mask& mask, Dims& dims) {
+  std::string e = check_forward({a.q, a.k, a.v, a.tokens, a.out, a.lse}, mask, dims);
   if (!e.empty()) return e;
+  const TensorView &q = a.q, &out = a.out, &dout = a.dout, &dq = a.dq, &dk = a.dk, &dv = a.dv;
   const Shape kv{dims.batch, dims.tokens, dims.hkv, dims.d};
   if (!(e = check_activation("dout", dout, q.shape(), true, "q's [B, Tl, Hq, D]")).empty()) return e;
   if (dout.dtype() != out.dtype())
@@ -173,90 +141,24 @@ std::string check_backward(const TensorView& q, const TensorView& k, const Tenso
   if (!(e = check_activation("dq", dq, q.shape(), true, "q's [B, Tl, Hq, D]")).empty()) return e;
   if (!(e = check_activation("dk", dk, kv, true, "k's [B, Tl, Hkv, D]")).empty()) return e;
   if (!(e = check_activation("dv", dv, kv, true, "k's [B, Tl, Hkv, D]")).empty()) return e;
-  return check_finite("dout", dout, tokens);
+  return check_finite("dout", dout, a.tokens);
 }
 
-std::string check_ulysses_heads(const Dims& dims, int ranks, const char* who) {
-  const std::string e = ulysses_heads_rule(dims.hq, ranks);
-  return e.empty() ? e : detail::concat(who, ": ", e);
-}
-
-namespace {
-// ulysses_groups decides which messages Ulysses sends (not the answer): ranks that differ
-// would mismatch their messages, so it has a slot of its own and a message of its own.
-constexpr int kGroupsSlot = 16;
-}  // namespace
-
-std::vector<int64_t> signature_of(const Dims& dims, const StrategyOptions& options) {
-  uint32_t scale_bits;
-  std::memcpy(&scale_bits, &options.kernel.scale, 4);
-  std::vector<int64_t> s = {
-      static_cast<int64_t>(options.kind), options.ulysses_degree, options.head_groups,
-      options.mask.causal, options.mask.window_left, options.mask.window_right,
-      options.mask.documents, scale_bits, dims.batch, dims.tokens, dims.hq, dims.hkv, dims.d,
-      static_cast<int64_t>(dims.dtype), static_cast<int64_t>(dims.out_dtype),
-      static_cast<int64_t>(options.device.kind)};
-  s.push_back(options.ulysses_groups);
-  CTXPAR_ASSERT(s.size() == kGroupsSlot + 1);
-  return s;
-}
-
-namespace {
-
-constexpr int kSignatureSlots = 24;
-constexpr int kMessageBytes = 440;
-
-struct Verdict {
-  int64_t signature[kSignatureSlots];
-  int64_t failed;
-  char message[kMessageBytes];
-};
-
-std::string describe_signature(const int64_t* s) {
-  Mask m;
-  m.causal = s[3];
-  m.window_left = s[4];
-  m.window_right = s[5];
-  m.documents = s[6];
-  return detail::concat(strategy_name(static_cast<StrategyKind>(s[0])), " u=", s[1],
-                        " head_groups=", s[2], " mask=", m.describe(), " q=",
-                        shape_str({s[8], s[9], s[10], s[12]}), " Hkv=", s[11], " dtype=",
-                        dtype_name(static_cast<DType>(s[13])));
-}
-
-}  // namespace
-
-void agree(Communicator& comm, const std::string& what, const std::string& local_error,
-           const std::vector<int64_t>& signature) {
-  CTXPAR_ASSERT(signature.size() <= kSignatureSlots);
-  Verdict mine{};
-  std::copy(signature.begin(), signature.end(), mine.signature);
-  mine.failed = local_error.empty() ? 0 : 1;
-  std::strncpy(mine.message, local_error.c_str(), kMessageBytes - 1);
-  std::vector<Verdict> all(comm.size());
-  comm.allgather(&mine, all.data(), sizeof(Verdict));
-  std::string failed_ranks;
-  int first = -1;
-  for (int r = 0; r < comm.size(); ++r)
-    if (all[r].failed) {
-      failed_ranks += (failed_ranks.empty() ? "" : ", ") + std::to_string(r);
-      if (first < 0) first = r;
-    }
-  if (first >= 0)
-    throw Error(detail::concat(what, ": invalid arguments on rank ", failed_ranks, " (of ",
-                               comm.size(), "): ", all[first].message));
-  for (int r = 1; r < comm.size(); ++r)
-    if (all[r].signature[kGroupsSlot] != all[0].signature[kGroupsSlot])
-      throw Error(detail::concat(what, ": rank ", r, " runs with another ulysses_groups (",
-                                 all[r].signature[kGroupsSlot], ") than rank 0 (",
-                                 all[0].signature[kGroupsSlot], "): it decides which messages "
-                                 "Ulysses sends; give every rank the same"));
-  for (int r = 1; r < comm.size(); ++r)
-    if (std::memcmp(all[r].signature, all[0].signature, sizeof(mine.signature)) != 0)
-      throw Error(detail::concat(what, ": rank ", r, " was called with different shapes or options "
-                                 "than rank 0 (every rank must pass the same): rank 0 has ",
-                                 describe_signature(all[0].signature), "; rank ", r, " has ",
-                                 describe_signature(all[r].signature)));
+Signature signature_of(const Dims& dims, const StrategyOptions& options) {
+  auto num = [](auto v) { return std::to_string(v); };
+  char scale[32];  // 9 significant digits: two different floats never print the same
+  std::snprintf(scale, sizeof scale, "%.9g", double(options.kernel.scale));
+  return {{"strategy", strategy_name(options.kind)},
+          {"ulysses_degree", num(options.ulysses_degree)},
+          {"head_groups", num(options.head_groups)},
+          {"ulysses_groups", num(options.ulysses_groups)},
+          {"mask", options.mask.describe()},
+          {"kernel scale", scale},
+          {"batch B", num(dims.batch)}, {"local tokens Tl", num(dims.tokens)},
+          {"query heads Hq", num(dims.hq)}, {"kv heads Hkv", num(dims.hkv)},
+          {"head dim D", num(dims.d)},
+          {"dtype", dtype_name(dims.dtype)}, {"out dtype", dtype_name(dims.out_dtype)},
+          {"device", device_name(options.device.kind)}};
 }
 
 // ---- outputs: non-finite results from finite inputs ----------------------------------------
@@ -271,6 +173,8 @@ void first_bad_row(const char* name, const TensorView& t, const Tokens& tokens, 
       name, " = ", f.value, " at token position ", tokens.positions[f.t], ", batch ", f.b,
       ", head ", f.h, ", dim ", f.d, " (local row ", f.t, ")")});
 }
+
+constexpr int kMessageBytes = 440;  // a rank's report of its first bad element, cut to this
 
 constexpr const char* kOverflowHint =
     "the attention scores (q . k x scale) or the gradients go beyond the fp32 range (3.4e38) "
@@ -343,40 +247,10 @@ void agree_outputs(Communicator& comm, const std::string& what, const BadOutput&
                              "): ", all[rank].message, ": ", kOverflowHint));
 }
 
-CallRecord::CallRecord(StrategyStats& stats, Device& device, std::vector<Communicator*> comms)
-    : stats_(stats), device_(device), comms_(std::move(comms)) {
-  stats_ = StrategyStats{};
-  for (Communicator* c : comms_) {
-    sent0_ += c->counters().bytes_sent;
-    received0_ += c->counters().bytes_received;
-  }
-  device0_ = device_.counters();
-  held0_ = device_.held_bytes();
-  device_.reset_peak();
-  t0_ = now_seconds();
-}
-
-void CallRecord::finish(const Run& run) {
-  device_.synchronize();
-  uint64_t sent = 0, received = 0;
-  for (Communicator* c : comms_) {
-    sent += c->counters().bytes_sent;
-    received += c->counters().bytes_received;
-  }
-  const DeviceCounters d = device_.counters();
-  stats_.bytes_sent = sent - sent0_;
-  stats_.bytes_received = received - received0_;
-  stats_.attention_flops = d.flops - device0_.flops;
-  stats_.busy_seconds = d.busy_seconds - device0_.busy_seconds;
-  stats_.comm_wait_seconds = d.wait_seconds - device0_.wait_seconds + run.host_wait_seconds;
-  stats_.peak_bytes = device_.peak_bytes() - held0_;
-  stats_.wall_seconds = now_seconds() - t0_;
-}
-
-DeviceBuffer KvPacking::pack(Device& dev, Stream s, const TensorView& k, const TensorView& v,
-                             const Tokens& t) const {
+DeviceBuffer KvPacking::pack(Device& dev, Stream s, const KvBlock& block) const {
   DeviceBuffer b = dev.alloc(bytes());
-  dev.pack_kv(s, k, v, t, documents, this->k(b), this->v(b), b.data() + 2 * kv_bytes());
+  dev.pack_kv(s, block.k, block.v, block.tokens, documents, k(b), v(b),
+              b.data() + 2 * kv_bytes());
   return b;
 }
 

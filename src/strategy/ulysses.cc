@@ -197,18 +197,19 @@ void arrive(Device& dev, const Exchange& x) { dev.wait(kComputeStream, x.done); 
 
 // The pipeline (both directions): the in-all-to-all of group g+1 is enqueued before group g
 // computes, and group g's back all-to-all runs while group g+1 computes.
-void ulysses_forward(Communicator& comm, Run& run, const Dims& dims, const TensorView& q,
-                     const TensorView& k, const TensorView& v, const Tokens& tokens,
-                     const TensorView& out, const TensorView& lse,
+void ulysses_forward(Communicator& comm, Call& call, const ForwardArgs& a,
                      const UlyssesForwardInner& inner, int max_groups) {
   // q, out [B, Tl, Hq, D]; k, v [B, Tl, Hkv, D]; lse [B, Hq, Tl]
+  const TensorView &q = a.q, &k = a.k, &v = a.v, &out = a.out, &lse = a.lse;
+  const Dims& dims = call.dims;
+  Run& run = call.run;
   Device& dev = *run.dev;
   const int p = comm.size();
   const int64_t b = dims.batch, tl = dims.tokens, t = tl * p, d = dims.d;
   const HeadSplit split(dims, p);
   const Groups groups = choose_groups(split, b, run.kernel.threads, false, max_groups);
   const int64_t hq = split.hq_local, gq = groups.hq, gk = groups.hk;
-  const GroupTokens group = gather_tokens(comm, run, tokens, tl);
+  const GroupTokens group = gather_tokens(comm, run, a.tokens, tl);
 
   Sections in;
   const size_t sq = in.add(dims.dtype, {b, tl, gq, d}), sk = in.add(dims.dtype, {b, tl, gk, d}),
@@ -252,7 +253,7 @@ void ulysses_forward(Communicator& comm, Run& run, const Dims& dims, const Tenso
       dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sv), vv, group.index(i));
     }
     incoming = Exchange();  // its buffers are done with (freed stream-ordered)
-    inner(qv, kv, vv, group.tokens(), ov, lv);
+    inner({qv, kv, vv, group.tokens(), ov, lv});
 
     DeviceBuffer send = dev.alloc(back.bytes * p);
     for (int i = 0; i < p; ++i) {
@@ -267,12 +268,13 @@ void ulysses_forward(Communicator& comm, Run& run, const Dims& dims, const Tenso
   receive_back(groups.count - 1, std::move(returning));
 }
 
-void ulysses_backward(Communicator& comm, Run& run, const Dims& dims, const TensorView& q,
-                      const TensorView& k, const TensorView& v, const Tokens& tokens,
-                      const TensorView& out, const TensorView& lse, const TensorView& dout,
-                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
+void ulysses_backward(Communicator& comm, Call& call, const BackwardArgs& a,
                       const UlyssesBackwardInner& inner, int max_groups) {
   // q, out, dout, dq [B, Tl, Hq, D]; k, v, dk, dv [B, Tl, Hkv, D]; lse [B, Hq, Tl]
+  const TensorView &q = a.q, &k = a.k, &v = a.v, &out = a.out, &lse = a.lse, &dout = a.dout;
+  const TensorView &dq = a.dq, &dk = a.dk, &dv = a.dv;
+  const Dims& dims = call.dims;
+  Run& run = call.run;
   Device& dev = *run.dev;
   const int p = comm.size();
   const int64_t b = dims.batch, tl = dims.tokens, t = tl * p, d = dims.d;
@@ -285,7 +287,7 @@ void ulysses_backward(Communicator& comm, Run& run, const Dims& dims, const Tens
   DeviceBuffer delta = dev.alloc(size_t(b * dims.hq * tl) * 4);
   const TensorView delta_v = delta.view(DType::f32, {b, dims.hq, tl});
   dev.backward_delta(kComputeStream, out, dout, delta_v, run.kernel);
-  const GroupTokens group = gather_tokens(comm, run, tokens, tl);
+  const GroupTokens group = gather_tokens(comm, run, a.tokens, tl);
 
   Sections in;
   const size_t sq = in.add(es, {b, tl, gq, d}), sk = in.add(es, {b, tl, gk, d}),
@@ -338,7 +340,7 @@ void ulysses_backward(Communicator& comm, Run& run, const Dims& dims, const Tens
       dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sdl), f(fdl), idx);
     }
     incoming = Exchange();
-    inner(f(fq), f(fk), f(fv), group.tokens(), f(fdo), f(fl), f(fdl), f(fdq), f(fdk), f(fdv));
+    inner({f(fq), f(fk), f(fv), group.tokens(), f(fdo), f(fl), f(fdl), f(fdq), f(fdk), f(fdv)});
 
     DeviceBuffer send = dev.alloc(back.bytes * p);
     for (int i = 0; i < p; ++i) {
@@ -379,57 +381,40 @@ namespace {
 
 class UlyssesStrategy final : public Strategy {
  public:
-  UlyssesStrategy(Communicator& comm, const StrategyOptions& options) : Strategy(comm, options) {}
+  UlyssesStrategy(Communicator& comm, const StrategyOptions& options,
+                  std::unique_ptr<Device> device)
+      : Strategy(comm, options, std::move(device)) {}
 
-  void forward(const TensorView& q, const TensorView& k, const TensorView& v,
-               const Tokens& tokens, const TensorView& out, const TensorView& lse) override {
-    Dims dims;
-    std::string e = check_forward(q, k, v, tokens, out, lse, options_.mask, dims);
-    if (e.empty()) e = check_ulysses_heads(dims, comm_.size(), "ulysses");
-    CallScope call(comm_, *device_, stats_, options_, "ulysses forward", e, dims, {&comm_});
-    Run& run = call.run;
-    Device& dev = *device_;
-    ulysses_forward(comm_, run, dims, q, k, v, tokens, out, lse,
-                    [&](const TensorView& qf, const TensorView& kf, const TensorView& vf,
-                        const Tokens& tf, const TensorView& of, const TensorView& lf) {
-                      DeviceForwardState state(dev, qf.dim(0), qf.dim(1), qf.dim(2), qf.dim(3));
-                      dev.forward_block(kComputeStream, qf, tf, kf, vf, tf, run.mask, state.get(),
-                                        run.kernel);
-                      dev.forward_finalize(kComputeStream, state.get(), of, lf, run.kernel);
-                    },
-                    groups_limit(options_, kMaxGroups));
-    call.finish();
-    agree_outputs(comm_, "ulysses forward", check_forward_outputs(out, lse, tokens));
+ protected:
+  std::string check_heads(int64_t hq, int64_t hkv) const override {
+    const std::string e = ulysses_heads_rule(hq, comm_.size());
+    return e.empty() ? e : "ulysses: " + e;
   }
 
-  void backward(const TensorView& q, const TensorView& k, const TensorView& v,
-                const Tokens& tokens, const TensorView& out, const TensorView& lse,
-                const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                const TensorView& dv) override {
-    Dims dims;
-    std::string e =
-        check_backward(q, k, v, tokens, out, lse, dout, dq, dk, dv, options_.mask, dims);
-    if (e.empty()) e = check_ulysses_heads(dims, comm_.size(), "ulysses");
-    CallScope call(comm_, *device_, stats_, options_, "ulysses backward", e, dims, {&comm_});
+  void run_forward(const ForwardArgs& a, Call& call) override {
     Run& run = call.run;
-    ulysses_backward(
-        comm_, run, dims, q, k, v, tokens, out, lse, dout, dq, dk, dv,
-        [&](const TensorView& qf, const TensorView& kf, const TensorView& vf, const Tokens& tf,
-            const TensorView& dof, const TensorView& lf, const TensorView& df,
-            const TensorView& dqf, const TensorView& dkf, const TensorView& dvf) {
-          run.dev->backward_block(kComputeStream, qf, tf, kf, vf, tf, run.mask, dof, lf, df, dqf,
-                                  dkf, dvf, run.kernel);
-        },
-        groups_limit(options_, kMaxGroups));
-    call.finish();
-    agree_outputs(comm_, "ulysses backward", check_backward_outputs(dq, dk, dv, tokens));
+    ulysses_forward(comm_, call, a, [&](const ForwardArgs& f) {
+      DeviceForwardState state(*run.dev, f.q.dim(0), f.q.dim(1), f.q.dim(2), f.q.dim(3));
+      run.dev->forward_block(kComputeStream, f.q, f.tokens, f.k, f.v, f.tokens, run.mask,
+                             state.get(), run.kernel);
+      run.dev->forward_finalize(kComputeStream, state.get(), f.out, f.lse, run.kernel);
+    }, groups_limit(options_, kMaxGroups));
+  }
+
+  void run_backward(const BackwardArgs& a, Call& call) override {
+    Run& run = call.run;
+    ulysses_backward(comm_, call, a, [&](const GradArgs& g) {
+      run.dev->backward_block(kComputeStream, g.q, g.tokens, g.k, g.v, g.tokens, run.mask, g.dout,
+                              g.lse, g.delta, g.dq, g.dk, g.dv, run.kernel);
+    }, groups_limit(options_, kMaxGroups));
   }
 };
 
 }  // namespace
 
-std::unique_ptr<Strategy> make_ulysses(Communicator& comm, const StrategyOptions& options) {
-  return std::make_unique<UlyssesStrategy>(comm, options);
+std::unique_ptr<Strategy> make_ulysses(Communicator& comm, const StrategyOptions& options,
+                                       std::unique_ptr<Device> device) {
+  return std::make_unique<UlyssesStrategy>(comm, options, std::move(device));
 }
 
 }  // namespace ctxpar::strategy

@@ -7,6 +7,7 @@
 
 #include "ctxpar/device.h"
 #include "strategy/strategy_support.h"
+#include "strategy/testing.h"
 
 namespace ctxpar::testing {
 namespace {
@@ -61,8 +62,8 @@ TEST(Device, SimBitwiseEqualsCpuEveryStrategyLayoutMaskP) {
 // received buffer is complete once the host reads it) still gives the right bits.
 TEST(Device, RemovedWaitFailsSimNotCpu) {
   struct Hook {
-    Hook() { set_ring_skip_wait_for_testing(true); }
-    ~Hook() { set_ring_skip_wait_for_testing(false); }
+    Hook() { strategy::testing::set_ring_skip_wait(true); }
+    ~Hook() { strategy::testing::set_ring_skip_wait(false); }
   };
   Problem pr;
   pr.mask = parse_mask("causal");

@@ -120,7 +120,7 @@ TEST(RingPipeline, LastHopGoesHomeInPiecesAsTheyAreComputed) {
     std::vector<int64_t> pos(tl);
     for (int64_t i = 0; i < tl; ++i) pos[i] = comm.rank() * tl + i;
     const Tokens tokens{pos, {}};
-    strategy::ring_backward(comm, run, q, tokens, k, v, tokens, dout, lse, delta, dq, dk, dv);
+    strategy::ring_backward(comm, run, {q, k, v, tokens, dout, lse, delta, dq, dk, dv});
     dev.synchronize();
     logs[comm.rank()] = dev.log;
   });

@@ -214,8 +214,8 @@ double ulysses_wait_seconds(int groups, double& link_seconds) {
       kRanks,
       [&](Communicator& comm) {
         auto dev = make_device(DeviceOptions{}, comm.rank());
-        strategy::Run run{dev.get(), Mask{}, KernelConfig{}};
-        strategy::Dims dims;
+        strategy::Call call{{}, strategy::Run{dev.get(), Mask{}, KernelConfig{}}};
+        strategy::Dims& dims = call.dims;
         dims.batch = 1, dims.tokens = tl, dims.hq = hq, dims.hkv = hkv, dims.d = d;
         Tensor q(DType::f32, {1, tl, hq, d}), k(DType::f32, {1, tl, hkv, d}),
             v(DType::f32, {1, tl, hkv, d}), out(DType::f32, {1, tl, hq, d}),
@@ -224,11 +224,10 @@ double ulysses_wait_seconds(int groups, double& link_seconds) {
         for (int64_t i = 0; i < tl; ++i) positions[i] = comm.rank() * tl + i;
         const double w0 = dev->counters().wait_seconds;
         strategy::ulysses_forward(
-            comm, run, dims, q, k, v, Tokens{positions, {}}, out, lse,
-            [&](const TensorView& qf, const TensorView&, const TensorView&, const Tokens&,
-                const TensorView&, const TensorView&) {
+            comm, call, {q, k, v, Tokens{positions, {}}, out, lse},
+            [&](const ForwardArgs& f) {
               std::this_thread::sleep_for(std::chrono::duration<double>(
-                  compute_seconds * double(qf.dim(2)) / double(hq / kRanks)));
+                  compute_seconds * double(f.q.dim(2)) / double(hq / kRanks)));
             },
             groups);
         dev->synchronize();

@@ -272,7 +272,7 @@ int cmd_attention(int argc, char** argv) {
   if (under_mpi) {
     mpi_world().set_timeout(
         std::chrono::milliseconds(static_cast<int64_t>(std::max(1.0, job.timeout_seconds) * 1000)));
-    agree_across_ranks(mpi_world(), signature_of(o, job));
+    agree_on_options(mpi_world(), signature_of(o, job));
   }
   // Before computing: an --out that cannot be written fails now, not after the run.
   std::unique_ptr<OutFolder> out_folder;

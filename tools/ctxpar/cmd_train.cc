@@ -300,7 +300,7 @@ int train_command(int argc, char** argv) {
   c.model.validate();
   // Under mpirun every process parsed its own command line: refuse ranks that differ in an
   // option that changes the result or the schedule, within seconds and naming it.
-  if (use_mpi) agree_across_ranks(mpi_world(), train_signature(c), "train");
+  if (use_mpi) agree_on_options(mpi_world(), train_signature(c), "train");
   check_train_memory(c, ranks_on_this_machine(use_mpi, ranks), memory_limit());
   std::string png = o.on("no-plot") ? "" : o.str("plot");
   if (o.on("no-plot") && o.given("plot"))
