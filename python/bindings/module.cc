@@ -7,6 +7,7 @@
 
 namespace ctxpar::python {
 void bind_attention(nb::module_& m);
+void bind_gloo(nb::module_& m);  // gloo.cc, where the library has its gloo transport
 }
 
 NB_MODULE(_ctxpar, m) {
@@ -20,4 +21,7 @@ NB_MODULE(_ctxpar, m) {
   nb::exception<ctxpar::Error>(m, "Error", PyExc_ValueError);
   ctxpar::python::bind_communicator(m);
   ctxpar::python::bind_attention(m);
+#ifdef CTXPAR_PYTHON_GLOO
+  ctxpar::python::bind_gloo(m);
+#endif
 }
