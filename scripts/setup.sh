@@ -13,6 +13,7 @@ pkgs=(
   libgtest-dev libgmock-dev
   libhwy-dev libopenblas-dev
   libopenmpi-dev openmpi-bin
+  libgloo-dev
   nlohmann-json3-dev
   python3-numpy python3-matplotlib python3-torch
   python3-dev python3-venv python3-mpi4py
