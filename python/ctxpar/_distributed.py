@@ -44,13 +44,21 @@ def _torch_distributed_initialized():
     return dist is not None and dist.is_available() and dist.is_initialized()
 
 
+_world = []  # ctxpar.init()'s communicator under torchrun, once made
+
+
 def init_from_launcher(timeout):
     """ctxpar.init()'s communicator under torchrun / srun, or None where MPI (or no launcher)
     gives the world. Raises RuntimeError naming the launcher where no transport can join it."""
     kind, seen = launcher()
     if kind == "torchrun":
+        if _world:  # the job's communicator is made once, as MPI's world
+            if timeout is not None:
+                _world[0].timeout_s = timeout
+            return _world[0]
         if _torch_distributed_initialized():
-            return from_torch(None, timeout)
+            _world.append(from_torch(None, timeout))
+            return _world[0]
         missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
         if missing:
             raise RuntimeError(f"ctxpar.init: started by {seen}, but {', '.join(missing)} "
@@ -63,6 +71,7 @@ def init_from_launcher(timeout):
                    "rebuild ctxpar with gloo, or run the job under mpirun")
         comm = _ctxpar._gloo_from_torchrun_env(_timeout_ms(timeout))
         exit_on_uncaught_exception(comm.rank, "torchrun")
+        _world.append(comm)
         return comm
     if kind == "srun":
         raise RuntimeError(f"ctxpar.init: started by {seen} without an MPI plugin: every task "

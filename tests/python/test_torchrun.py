@@ -26,8 +26,9 @@ needs_gloo = pytest.mark.skipif(not ctxpar._distributed.gloo_available(),
 
 
 @needs_torchrun
-def test_init_under_torchrun_joins_the_job_or_refuses_naming_it():
-    run = torchrun(2, CASE, "init", timeout=240)
+@pytest.mark.parametrize("mode", ["init", "init_after_torch"])
+def test_init_under_torchrun_joins_the_job_or_refuses_naming_it(mode):
+    run = torchrun(2, CASE, mode, timeout=240)
     if ctxpar._distributed.gloo_available():
         assert run.returncode == 0, run.stdout + run.stderr
         for r in range(2):

@@ -1,6 +1,7 @@
 """One worker of a torchrun job (run by test_torchrun.py). argv[1]:
   init      ctxpar.init() joins the job (or refuses it, naming torchrun); prints
-            "rank R of P: <transport>"
+            "rank R of P: <transport>"; a second init() returns the same communicator
+  init_after_torch  the same after init_process_group("gloo") (from_torch on its group)
   torch     init_process_group("gloo"); Communicator.from_torch(): cp_attention forward and
             backward on this rank's zigzag shard, saved to argv[2]/rank{R}.pt for a bitwise
             comparison with the same call on run_threads; split into pairs and a 2-rank
@@ -37,12 +38,16 @@ def attention_on(comm):
     return [out.detach(), qs.grad, ks.grad, vs.grad]
 
 
-if mode == "init":
+if mode in ("init", "init_after_torch"):
+    if mode == "init_after_torch":
+        dist.init_process_group("gloo")
     try:
         comm = ctxpar.init(timeout_s=30)
     except RuntimeError as e:
         print(f"refused: {e}", flush=True)
         sys.exit(3)
+    again = ctxpar.init(timeout_s=40)  # the same communicator, its timeout set anew
+    assert again is comm and comm.timeout_s == 40, (again, comm.timeout_s)
     comm.barrier()
     print(f"rank {comm.rank} of {comm.size}: {comm.transport}", flush=True)
 elif mode == "torch":
