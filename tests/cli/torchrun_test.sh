@@ -7,6 +7,10 @@
 # Fails (never skips) when torchrun is missing: CI's scripts/setup.sh provides it.
 set -uo pipefail
 torchrun=$1 ctxpar=$2 n=$3 work=$4
+root=$(cd "$(dirname "$0")/../.." && pwd)
+for c in "$root/.venv-torch/bin/torchrun" "$root/.venv/bin/torchrun"; do
+  [ -n "$torchrun" ] || { [ -x "$c" ] && torchrun=$c; }
+done
 if [ -z "$torchrun" ] || [ ! -x "$torchrun" ]; then
   echo "FAIL: torchrun not found ('$torchrun'): run scripts/setup.sh (it makes .venv-torch), or" \
        "configure with -DCTXPAR_TORCHRUN=/path/to/torchrun, or set CTXPAR_TORCHRUN" >&2
