@@ -123,7 +123,7 @@ class GlooRequest final : public Request::Impl {
   GlooRequest(std::shared_ptr<GlooWorld> w, Where at, uint64_t slot, bool recv, Buffer&& buf,
               size_t bytes)
       : world_(std::move(w)), at_(at), recv_(recv), expected_(bytes),
-        deadline_(Clock::now() + at.timeout), t_(std::make_shared<Transfer>()) {
+        t_(std::make_shared<Transfer>()) {
     Transfer& t = *t_;
     t.payload = recv ? Buffer::uninitialized(bytes) : std::move(buf);
     t.header[0] = recv ? 0 : t.payload.size();
@@ -189,15 +189,17 @@ class GlooRequest final : public Request::Impl {
   Buffer take() override { return std::move(t_->payload); }
 
  private:
-  // Blocks until the transfer is complete (sets done_), or throws. A receive reads the
-  // header first: a payload of another size is reported, and its data slot never matched.
+  // Blocks until the transfer is complete (sets done_), or throws; the timeout counts from
+  // here, as on the other transports. A receive reads the header first: a payload of another
+  // size is reported, and its data slot never matched.
   void complete() {
-    if (!wait_buffer(*world_, t_->header_buffer.get(), recv_, at_, deadline_)) return;
+    const Clock::time_point deadline = Clock::now() + at_.timeout;
+    if (!wait_buffer(*world_, t_->header_buffer.get(), recv_, at_, deadline)) return;
     if (recv_)
       CTXPAR_CHECK(t_->header[0] == expected_, "rank ", at_.me, ": recv from rank ", at_.peer,
                    " (", describe_tag(at_.ch, at_.tag), ") expected ", expected_,
                    " bytes, but the message has ", t_->header[0], " bytes");
-    if (t_->data_buffer && !wait_buffer(*world_, t_->data_buffer.get(), recv_, at_, deadline_))
+    if (t_->data_buffer && !wait_buffer(*world_, t_->data_buffer.get(), recv_, at_, deadline))
       return;
     done_ = true;
   }
@@ -214,7 +216,6 @@ class GlooRequest final : public Request::Impl {
   Where at_;
   bool recv_;
   size_t expected_;
-  Clock::time_point deadline_;
   std::shared_ptr<Transfer> t_;
   std::atomic<bool> done_{false};
   std::mutex m_;

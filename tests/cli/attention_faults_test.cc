@@ -172,9 +172,15 @@ TEST(CliAttentionFaults, LauncherWithoutMpiIsRefusedWithHowToLaunch) {
   CommandResult b = run_shell("env WORLD_SIZE=2 RANK=0 " + ctxpar_path() + " bench cp --seq 64 --dry-run");
   EXPECT_EQ(b.exit_code, 2) << b.err;
   EXPECT_NE(b.err.find("run it once, without a launcher"), std::string::npos) << b.err;
-  // train: the same refusal (each copy would train alone), before any work.
+  // train: the same (it runs over gloo under torchrun, given torchrun's whole environment),
+  // and under srun the refusal, before any work.
   CommandResult t = run_shell("env WORLD_SIZE=4 RANK=0 LOCAL_RANK=0 " + ctxpar_path() +
                               " train --seq 64 --steps 1");
+  EXPECT_EQ(t.exit_code, 2) << t.err;
+  EXPECT_NE(t.err.find("MASTER_ADDR is not set"), std::string::npos) << t.err;
+  EXPECT_TRUE(t.out.empty()) << t.out;
+  t = run_shell("env SLURM_PROCID=0 SLURM_STEP_NUM_TASKS=4 " + ctxpar_path() +
+                " train --seq 64 --steps 1");
   EXPECT_EQ(t.exit_code, 2) << t.err;
   EXPECT_NE(t.err.find("mpirun -n 4 ctxpar train"), std::string::npos) << t.err;
   EXPECT_TRUE(t.out.empty()) << t.out;

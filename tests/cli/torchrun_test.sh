@@ -2,11 +2,15 @@
 # `ctxpar attention` under a real torchrun (gloo transport, one rank per process; the addresses
 # go through the TCPStore that torchrun's agent hosts): the run must pick gloo by itself, pass
 # --check, and write outputs bitwise equal to the threads transport's. Then an inconsistent
-# launcher environment must be refused naming the variable.
+# launcher environment must be refused naming the variable. Then `ctxpar train` the same way.
 #   torchrun_test.sh <torchrun> <ctxpar> <nproc> <work folder>
 # Fails (never skips) when torchrun is missing: CI's scripts/setup.sh provides it.
 set -uo pipefail
 torchrun=$1 ctxpar=$2 n=$3 work=$4
+root=$(cd "$(dirname "$0")/../.." && pwd)
+for c in "$root/.venv-torch/bin/torchrun" "$root/.venv/bin/torchrun"; do
+  [ -n "$torchrun" ] || { [ -x "$c" ] && torchrun=$c; }
+done
 if [ -z "$torchrun" ] || [ ! -x "$torchrun" ]; then
   echo "FAIL: torchrun not found ('$torchrun'): run scripts/setup.sh (it makes .venv-torch), or" \
        "configure with -DCTXPAR_TORCHRUN=/path/to/torchrun, or set CTXPAR_TORCHRUN" >&2
@@ -34,6 +38,17 @@ for f in "$work"/threads/*.npy; do
 done
 [ "$count" -ge 5 ] || fail "expected out, lse, dq, dk, dv; found $count files"
 echo "PASS: torchrun --nproc-per-node $n: gloo, --check passed, $count outputs bitwise equal to threads"
+
+# ctxpar train under torchrun: the same weights as the threads transport, bit for bit.
+targs=(train --seq $((32 * n)) --steps 2 --quiet --no-plot)
+timeout 240 "$torchrun" --no-python --standalone --nproc-per-node "$n" \
+  "$ctxpar" "${targs[@]}" --save "$work/gloo.safetensors" > /dev/null 2> "$work/train.err" ||
+  { cat "$work/train.err" >&2; fail "torchrun --nproc-per-node $n ctxpar train exited $?"; }
+"$ctxpar" "${targs[@]}" --ranks "$n" --transport threads --save "$work/threads.safetensors" ||
+  fail "ctxpar train --transport threads failed"
+cmp -s "$work/gloo.safetensors" "$work/threads.safetensors" ||
+  fail "train: the weights differ between gloo and threads"
+echo "PASS: ctxpar train under torchrun: weights bitwise equal to threads"
 
 # An environment torchrun would never make: refused (exit 2) naming the variable.
 err=$(env RANK=2 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 "$ctxpar" "${args[@]}" 2>&1)

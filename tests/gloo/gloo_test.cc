@@ -81,6 +81,22 @@ TEST(Gloo, WaitTimesOutNamingRankPeerAndTag) {
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
 }
 
+// The timeout bounds one wait, not the time since the post (a rank may post, compute for
+// longer than the timeout, then wait), as on the threads and MPI transports.
+TEST(Gloo, TimeoutCountsFromTheWaitNotThePost) {
+  expect_no_errors(testing::run_gloo_threads(2, [](Communicator& comm) {
+    comm.set_timeout(std::chrono::seconds(2));
+    if (comm.rank() == 1) {
+      Request r = comm.irecv(4, 0, 8);
+      std::this_thread::sleep_for(std::chrono::seconds(3));  // "computes" past the timeout
+      r.wait();                                              // the message comes at ~3.5 s
+    } else {
+      std::this_thread::sleep_for(milliseconds(3500));
+      comm.isend(Buffer(4), 1, 8).wait();
+    }
+  }));
+}
+
 // Rank 1 throws inside run_gloo's place (here: tells the others, as run_gloo does, by closing);
 // ranks 0 and 2 wait for it and must stop within seconds, naming rank 1.
 TEST(Gloo, APeerThatGoesAwayStopsTheOthersNamingIt) {

@@ -3,7 +3,12 @@
 # (--standalone: a free port for the agent's store). CTXPAR_TORCHRUN overrides <torchrun>.
 # torchrun.sh <torchrun> --python <script> [args]: the python beside that torchrun (its venv).
 # Fails, saying how to get it, when torchrun is missing (CI must not skip these tests).
+root=$(cd "$(dirname "$0")/../.." && pwd)
 t=${CTXPAR_TORCHRUN:-$1}
+# Configured before scripts/setup.sh made the venv: look where it puts torchrun.
+for c in "$root/.venv-torch/bin/torchrun" "$root/.venv/bin/torchrun"; do
+  [ -n "$t" ] || { [ -x "$c" ] && t=$c; }
+done
 shift
 if [ -z "$t" ] || [ ! -x "$t" ]; then
   echo "FAIL: torchrun not found ('$t'): run scripts/setup.sh (it makes .venv-torch), or" \

@@ -32,6 +32,10 @@ class RankFailure : public std::runtime_error {
 // each copy would run the whole job alone (a UsageError saying how to launch it).
 void refuse_foreign_launcher(const char* command);
 
+// Started by torchrun: its four variables, or the two that foreign_launcher() reads (then
+// gloo_from_torchrun_env names the one missing).
+bool torchrun_job();
+
 // This torchrun job's gloo communicator (gloo_from_torchrun_env), made on first use with the
 // given timeout; kept until the process exits.
 Communicator& gloo_world(double timeout_seconds);

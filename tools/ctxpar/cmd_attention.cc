@@ -24,12 +24,6 @@
 namespace ctxpar::cli {
 namespace {
 
-// Started by torchrun: its four variables, or the two that foreign_launcher() reads (then
-// gloo_from_torchrun_env names the one missing).
-bool torchrun_job() {
-  return launched_by_torchrun() || foreign_launcher().name.rfind("torchrun", 0) == 0;
-}
-
 Options attention_options() {
   Options o("attention",
             "Exact attention over a sequence split across P ranks (ring, all-gather, Ulysses or\n"
