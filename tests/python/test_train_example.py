@@ -26,10 +26,11 @@ def losses_of(run, path, steps):
     return result
 
 
-def assert_same_losses(one, many, label):
+def assert_same_losses(one, many, label, learns_by):
     for step, (a, b) in enumerate(zip(one, many)):
         assert abs(b - a) <= 1e-5 * abs(a), f"step {step}: {b} ({label}) vs {a} (one process)"
-    assert one[-1] < one[0] - 0.3  # and it learns
+    assert one[-1] < one[0] - learns_by  # and it learns (observed over 20 steps: train_cp
+    # 3.81 -> 3.48, train_mesh's 4 sequences 3.92 -> 2.88)
 
 
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (apt install openmpi-bin)")
@@ -41,7 +42,7 @@ def test_four_processes_train_like_one(tmp_path):
         result = losses_of(run, path, 30)
         assert result["ranks"] == ranks
         losses[ranks] = result["losses"]
-    assert_same_losses(losses[1], losses[4], "4 ranks")
+    assert_same_losses(losses[1], losses[4], "4 ranks", learns_by=0.3)
 
 
 @needs_gloo_torchrun
@@ -53,8 +54,8 @@ def test_torchrun_workers_train_like_one(tmp_path):
         result = losses_of(run, path, 20)
         assert result["ranks"] == ranks
         losses[ranks] = result["losses"]
-    assert_same_losses(losses[1], losses[2], "torchrun, 2 workers")
-    assert_same_losses(losses[1], losses[4], "torchrun, 4 workers")
+    assert_same_losses(losses[1], losses[2], "torchrun, 2 workers", learns_by=0.2)
+    assert_same_losses(losses[1], losses[4], "torchrun, 4 workers", learns_by=0.2)
 
 
 @needs_gloo_torchrun
@@ -64,4 +65,4 @@ def test_a_2x2_mesh_trains_like_one_process(tmp_path):
     expected = losses_of(run, one, 20)["losses"]
     run = torchrun(4, TRAIN_MESH, "--dp", "2", "--cp", "2", "--batch", "2", "--losses",
                    str(mesh), timeout=400)
-    assert_same_losses(expected, losses_of(run, mesh, 20)["losses"], "2 x 2 mesh")
+    assert_same_losses(expected, losses_of(run, mesh, 20)["losses"], "2 x 2 mesh", learns_by=0.5)
