@@ -18,7 +18,7 @@ for i in $(seq "$runs"); do
   # torchrun does not bind: each rank pins itself to the core of its LOCAL_RANK.
   g=$("$torchrun" --no-python --standalone --nproc-per-node 2 \
         sh -c 'exec taskset -c "$LOCAL_RANK" "$0" "$@"' "$ctxpar" "${args[@]}" 2>/dev/null | seconds)
-  echo "run $i: mpi $m s, gloo $g s"
+  echo "run $i: mpi $m s, gloo $g s (load $(cut -d' ' -f1 /proc/loadavg))"
   mpi+=("$m") gloo+=("$g")
 done
 python3 - "${mpi[*]}" "${gloo[*]}" <<'PY'
