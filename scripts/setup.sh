@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Installs every dependency of ctxpar from Debian's packages, and .venv: a virtual environment
-# of Debian's python3 that sees Debian's torch, numpy and mpi4py (--system-site-packages), with
-# the Python package's build tools from PyPI (docs/python.md says why). Idempotent: what is
-# already installed is skipped, so a second run costs a few seconds.
+# Installs every dependency of ctxpar from Debian's packages, and .venv: the Python package's
+# environment, a virtual environment of the `python3` on PATH (pyenv's 3.11) with what users run
+# from PyPI: torch 2.15.0 (its wheel pulls ~5 GB of nvidia packages: ~1.5 min to download, then
+# pip's cache), numpy, pytest, mpi4py built from source against Debian's OpenMPI, and the
+# extension's build tools (pip install --no-build-isolation .). Debian's torch 1.13 stays
+# (python3-torch) as a second, older torch for a smoke subset (scripts/test.sh). docs/python.md
+# says why. Idempotent: what is already installed is skipped, so a second run costs seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pkgs=(
@@ -10,6 +13,7 @@ pkgs=(
   libgtest-dev libgmock-dev
   libhwy-dev libopenblas-dev
   libopenmpi-dev openmpi-bin
+  libgloo-dev
   nlohmann-json3-dev
   python3-numpy python3-matplotlib python3-torch
   python3-dev python3-venv python3-mpi4py
@@ -26,6 +30,26 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-[ -x .venv/bin/python ] || /usr/bin/python3 -m venv --system-site-packages .venv
-.venv/bin/python -c "import scikit_build_core, nanobind, pytest" 2>/dev/null ||
-  .venv/bin/pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" pytest
+# The package's environment. CTXPAR_PYTHON picks another interpreter for a new .venv.
+TORCH_PIN=2.15.0
+py=${CTXPAR_PYTHON:-python3}
+if [ -x .venv/bin/python ] && ! .venv/bin/python -c "import torch, sys
+sys.exit(torch.__version__.split('+')[0] != '$TORCH_PIN')" 2>/dev/null; then
+  # An older .venv (Debian's python3 + torch 1.13) is replaced, not patched.
+  .venv/bin/python -c "import torch" 2>/dev/null && { echo "setup: replacing .venv (torch" \
+    "$(.venv/bin/python -c 'import torch; print(torch.__version__)') -> $TORCH_PIN)"; rm -rf .venv; }
+fi
+[ -x .venv/bin/python ] || "$py" -m venv .venv
+.venv/bin/python -c "import torch, numpy, pytest, mpi4py, scikit_build_core, nanobind, sys
+sys.exit(torch.__version__.split('+')[0] != '$TORCH_PIN')" 2>/dev/null || {
+  echo "setup: installing torch==$TORCH_PIN, numpy, pytest, mpi4py and the build tools into .venv"
+  .venv/bin/pip install -q "torch==$TORCH_PIN" numpy pytest "scikit-build-core>=0.10" \
+    "nanobind>=2.0"
+  # From source, so that it runs on Debian's OpenMPI (the library's MPI), not a bundled one.
+  .venv/bin/pip install -q --no-binary mpi4py mpi4py
+}
+
+# .venv-torch113: Debian's python3 with Debian's torch 1.13 and NumPy 1.24 (and pytest), for
+# scripts/test.sh's smoke subset on an older torch; it imports the package built into .venv.
+[ -x .venv-torch113/bin/python ] || /usr/bin/python3 -m venv --system-site-packages .venv-torch113
+.venv-torch113/bin/python -c "import pytest" 2>/dev/null || .venv-torch113/bin/pip install -q pytest

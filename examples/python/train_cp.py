@@ -1,6 +1,7 @@
 """Trains a small PyTorch decoder whose attention runs across ranks with ctxpar.
 
     mpirun -n 4 python examples/python/train_cp.py      # 4 processes, one rank each
+    torchrun --nproc-per-node 4 examples/python/train_cp.py    # the same over gloo
     mpirun -n 1 python examples/python/train_cp.py      # the same losses, step by step
     python examples/python/train_cp.py --threads 4      # 4 ranks as threads of one process
 
@@ -73,6 +74,16 @@ class Decoder(torch.nn.Module):
         return rms_norm(x, self.norm) @ self.embed.t()
 
 
+def sum_gradients(params, comm):
+    """Every parameter's gradient summed over the ranks of comm, in one allreduce."""
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    comm.allreduce(flat.numpy())  # in place, zero-copy: flat's memory
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
 def batch(step, batch_size, seq, vocab, seed):
     """[B, T + 1] tokens: x_t = (a + b t) mod V with random a, b per row; the next token
     follows from earlier ones (b), so the loss falls only through attention."""
@@ -99,12 +110,7 @@ def train(comm, args):
                                reduction="sum") / (args.batch * args.seq)
         opt.zero_grad(set_to_none=False)
         loss.backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        comm.allreduce(flat.numpy())  # in place, zero-copy: flat's memory
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))
-            offset += p.numel()
+        sum_gradients(params, comm)
         total = torch.tensor([loss.item()], dtype=torch.float64)
         comm.allreduce(total.numpy())
         opt.step()
@@ -114,19 +120,24 @@ def train(comm, args):
     return losses
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=30)
+def add_training_options(p, steps, batch_help):
+    """The options train_cp.py and train_mesh.py share."""
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence (divisible by 2P)")
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--batch", type=int, default=2, help=batch_help)
     p.add_argument("--vocab", type=int, default=32)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_training_options(p, steps=30, batch_help="sequences per step")
     p.add_argument("--threads", type=int, default=1,
-                   help="ranks as threads of this process (without mpirun)")
+                   help="ranks as threads of this process (without a launcher)")
     p.add_argument("--losses", help="write the per-step losses to this JSON file (rank 0)")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -139,7 +150,7 @@ def main():
             results["losses"] = losses
             results["ranks"] = comm.size
 
-    if ctxpar.launched_by_mpi():
+    if ctxpar.launched_by() is not None:  # mpirun, torchrun: one rank per process
         run(ctxpar.init())
     else:
         ctxpar.run_threads(args.threads, run)

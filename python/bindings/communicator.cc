@@ -7,6 +7,7 @@
 #include <string>
 
 #include <nanobind/stl/function.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 
 namespace ctxpar::python {
@@ -129,6 +130,25 @@ void bind_communicator(nb::module_& m) {
              nb::gil_scoped_release release;
              comm.barrier();
            })
+      .def(
+          "split",
+          [](const PyCommunicator& c, int color, int key) {
+            Communicator& comm = c.get();
+            if (color < 0)
+              throw nb::value_error(
+                  detail::concat("color: must be >= 0 (ranks of one color form a group), got ",
+                                 color)
+                      .c_str());
+            std::unique_ptr<Communicator> part;
+            {
+              nb::gil_scoped_release release;
+              part = comm.split(color, key);
+            }
+            return PyCommunicator(std::shared_ptr<Communicator>(std::move(part)), c.alive());
+          },
+          nb::arg("color"), nb::arg("key") = 0,
+          "Collective: the ranks of one color (>= 0) form a new communicator, ordered by key "
+          "(ties: this rank order). It inherits timeout_s.")
       .def("allreduce", &allreduce, nb::arg("array"),
            "Sums a contiguous float32/float64 array over the ranks, in place (rank order, "
            "deterministic).")
@@ -147,6 +167,12 @@ void bind_communicator(nb::module_& m) {
           "Wraps an mpi4py communicator (e.g. MPI.COMM_WORLD); ctxpar talks on a duplicate.");
   m.def("_mpi_world", [] { return PyCommunicator(&mpi_world(), nullptr); });
   m.def("launched_by_mpi", &launched_by_mpi);
+  // (name, ranks) of a launcher that started several copies without MPI (torchrun, srun);
+  // ("", 0) when there is none or MPI started us.
+  m.def("_foreign_launcher", [] {
+    ForeignLauncher f = foreign_launcher();
+    return std::make_pair(f.name, f.ranks);
+  });
   // MPI_Abort of the whole job (nothing without MPI initialised): the uncaught-exception hook
   // of ctxpar/__init__.py, so that no rank waits its timeout for one that died.
   m.def("_abort_mpi_job", [](int code) {

@@ -1,6 +1,8 @@
-// ctxpar.Communicator: a Python handle on a ctxpar::Communicator. Three ways to get one:
-// ctxpar.init() (MPI_COMM_WORLD under mpirun), Communicator.from_mpi4py(comm), and
-// ctxpar.run_threads(P, fn) (P ranks as threads of this process; fn(comm) runs on each).
+// ctxpar.Communicator: a Python handle on a ctxpar::Communicator. Ways to get one:
+// ctxpar.init() (MPI_COMM_WORLD under mpirun, gloo under torchrun), Communicator.from_mpi4py,
+// Communicator.from_torch / from_mesh (gloo over a torch ProcessGroup, python/bindings/gloo.cc),
+// ctxpar.run_threads(P, fn) (P ranks as threads of this process; fn(comm) runs on each), and
+// comm.split(color, key).
 #pragma once
 #include <atomic>
 #include <memory>
@@ -16,8 +18,12 @@ class PyCommunicator {
   // run_threads rank, which ends with its block).
   PyCommunicator(Communicator* comm, std::shared_ptr<std::atomic<bool>> alive)
       : comm_(comm), alive_(std::move(alive)) {}
-  explicit PyCommunicator(std::shared_ptr<Communicator> owned)
-      : comm_(owned.get()), owned_(std::move(owned)) {}
+  // Owned (mpi4py's duplicate, a gloo communicator, a split); a split of a run_threads rank
+  // shares its parent's `alive`.
+  explicit PyCommunicator(std::shared_ptr<Communicator> owned,
+                          std::shared_ptr<std::atomic<bool>> alive = nullptr)
+      : comm_(owned.get()), owned_(std::move(owned)), alive_(std::move(alive)) {}
+  const std::shared_ptr<std::atomic<bool>>& alive() const { return alive_; }
   // Raises ValueError when used after its run_threads block ended.
   Communicator& get() const;
 

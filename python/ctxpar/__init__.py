@@ -5,13 +5,13 @@ PyTorch. Tensors cross into C++ through DLPack without copies. See docs/python.m
                                 mask="causal")
     dq, dk, dv = ctxpar.attention_backward(q, k, v, out, lse, dout, ranks=4, ...)
 """
-import sys
-
 from . import _checks
 from . import _ctxpar
+from . import _distributed
 from ._ctxpar import Communicator, Error, __version__, launched_by_mpi
 from ._attention import attention, attention_backward
 from . import layout
+from . import testing
 
 
 def _get_timeout_s(self):
@@ -29,37 +29,27 @@ Communicator.timeout_s = property(_get_timeout_s, _set_timeout_s,
                                       f"{_checks.MAX_TIMEOUT:g}]).")
 
 
-def _abort_job_on_uncaught_exception(rank):
-    """Under mpirun, a Python exception that ends this rank ends the whole job (MPI_Abort)
-    after the traceback is printed, naming the rank: otherwise the interpreter's exit would
-    wait in MPI_Finalize while its peers wait for its messages until their timeout."""
-    previous = sys.excepthook
-    if getattr(previous, "_ctxpar_rank", None) is not None:
-        return
-
-    def hook(kind, value, traceback):
-        previous(kind, value, traceback)
-        sys.stderr.write(f"ctxpar: rank {rank} failed: {kind.__name__}: {value}; ending every "
-                         "rank of the mpirun job (MPI_Abort)\n")
-        sys.stderr.flush()
-        _ctxpar._abort_mpi_job(1)
-
-    hook._ctxpar_rank = rank
-    sys.excepthook = hook
-
-
 def init(timeout_s=None):
-    """The world communicator of an `mpirun` job (initialises MPI once; MPI_Finalize at exit).
+    """The world communicator of the launcher's job, joined the launcher's way:
+    under mpirun MPI_COMM_WORLD (MPI initialised once, finalised at exit); under torchrun
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) every worker of the job over ctxpar's gloo
+    transport (or, once torch.distributed is initialised, its default group); without a
+    launcher a world of one rank. Where it cannot join the job it saw (srun without an MPI
+    plugin, a torchrun job without its variables) it raises RuntimeError naming the launcher
+    and what to do: it never returns a world of one inside a job of several.
 
     timeout_s: seconds one wait may block before the rank fails (default 120; also
     comm.timeout_s). An uncaught Python exception on a rank then ends the whole job at once,
-    naming the rank (MPI_Abort). Without mpirun this is a world of one rank."""
+    naming the rank (mpirun: MPI_Abort; torchrun: the process exits, torchrun stops the rest)."""
     timeout = None if timeout_s is None else _checks.timeout_s(timeout_s)
+    comm = _distributed.init_from_launcher(timeout)
+    if comm is not None:
+        return comm
     comm = _ctxpar._mpi_world()
     if timeout is not None:
         comm.timeout_s = timeout
     if comm.transport == "mpi":
-        _abort_job_on_uncaught_exception(comm.rank)
+        _distributed.exit_on_uncaught_exception(comm.rank, "mpirun")
     return comm
 
 
@@ -71,12 +61,20 @@ def _from_mpi4py(comm, timeout_s=None):
     if timeout is not None:
         c.timeout_s = timeout
     from mpi4py import MPI
-    _abort_job_on_uncaught_exception(MPI.COMM_WORLD.Get_rank())
+    _distributed.exit_on_uncaught_exception(MPI.COMM_WORLD.Get_rank(), "mpirun")
     return c
 
 
 _from_mpi4py_binding = Communicator.from_mpi4py
 Communicator.from_mpi4py = staticmethod(_from_mpi4py)
+Communicator.from_torch = staticmethod(_distributed.from_torch)
+Communicator.from_mesh = staticmethod(_distributed.from_mesh)
+
+
+def launched_by():
+    """The launcher that started this process: "mpirun", "torchrun", "srun" (several tasks,
+    no MPI plugin) or None. ctxpar.init() joins the first two' jobs and refuses the third."""
+    return _distributed.launcher()[0]
 
 
 def run_threads(ranks, fn, timeout_s=120.0):
@@ -90,4 +88,4 @@ def run_threads(ranks, fn, timeout_s=120.0):
 
 
 __all__ = ["Communicator", "Error", "__version__", "attention", "attention_backward", "init",
-           "launched_by_mpi", "layout", "run_threads"]
+           "launched_by", "launched_by_mpi", "layout", "run_threads", "testing"]

@@ -1,5 +1,6 @@
 """PyTorch on one rank's shard: a differentiable cp_attention and the context_parallel block of
-torch.distributed.tensor.experimental (the seeds' API), both on a ctxpar.Communicator.
+torch.distributed.tensor.experimental (the seeds' API), on a ctxpar.Communicator or (the
+block) a torch DeviceMesh.
 
     out_local = cp_attention(q_local, k_local, v_local, comm=comm, layout="zigzag", causal=True)
 
@@ -10,7 +11,6 @@ Local tensors are [B, Tl, H, D] (cp_attention) and hold this rank's tokens in la
 (ctxpar.layout.shard). See docs/python.md.
 """
 import contextlib
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -85,28 +85,31 @@ def cp_attention(q_local, k_local, v_local, comm, layout="zigzag", causal=False,
     return (out, lse) if return_lse else out
 
 
-_MISSING = object()
-# The SDPA patch is process-wide, but blocks may be active on several threads at once (ranks
-# run as threads): the first block in saves and installs the router, the last one out puts the
-# original back, and each thread routes through its own innermost block.
-_patch_lock = threading.Lock()
-_patch = {"depth": 0, "original": _MISSING}
-_blocks = threading.local()
+class _RouteAttention(torch.overrides.TorchFunctionMode):
+    """Inside a context_parallel block, torch's scaled_dot_product_attention runs on ctxpar,
+    however the caller reached it (F.scaled_dot_product_attention, a name bound by
+    `from torch.nn.functional import scaled_dot_product_attention` before the block, or
+    torch._C._nn's): a TorchFunctionMode sees the call itself, not the name. Modes are per
+    thread, so ranks that run as threads are each routed through their own block."""
+
+    def __init__(self, comm, layout, strategy, threads):
+        super().__init__()
+        self.route = (comm, layout, strategy, threads)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            return _scaled_dot_product_attention(self.route, *args, **kwargs)
+        return func(*args, **kwargs)
 
 
-def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+_SDPA = getattr(F, "scaled_dot_product_attention", None)  # None before torch 2.0
+
+
+def _scaled_dot_product_attention(route, query, key, value, attn_mask=None, dropout_p=0.0,
                                   is_causal=False, scale=None, enable_gqa=False):
     """F.scaled_dot_product_attention's signature ([B, H, Tl, D]) on cp_attention."""
-    stack = getattr(_blocks, "stack", None)
-    if not stack:  # another thread's block is active, not this thread's
-        original = _patch["original"]
-        if original is _MISSING:
-            raise RuntimeError("scaled_dot_product_attention: this torch has none (torch < 2.0) "
-                               "outside ctxpar's context_parallel block")
-        extra = {} if scale is None else {"scale": scale}
-        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                        is_causal=is_causal, **extra)
-    comm, layout, strategy, threads = stack[-1]
+    comm, layout, strategy, threads = route
     if attn_mask is not None:
         raise ValueError("attn_mask: not supported inside ctxpar's context_parallel (masks come "
                          "from global positions); use is_causal=True, or "
@@ -118,25 +121,6 @@ def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0
                        layout=layout, causal=is_causal, strategy=strategy, threads=threads,
                        scale=scale)
     return out.transpose(1, 2)
-
-
-def _enter_patch():
-    with _patch_lock:
-        if _patch["depth"] == 0:
-            _patch["original"] = getattr(F, "scaled_dot_product_attention", _MISSING)
-            F.scaled_dot_product_attention = _scaled_dot_product_attention
-        _patch["depth"] += 1
-
-
-def _exit_patch():
-    with _patch_lock:
-        _patch["depth"] -= 1
-        if _patch["depth"] == 0:
-            if _patch["original"] is _MISSING:
-                del F.scaled_dot_product_attention
-            else:
-                F.scaled_dot_product_attention = _patch["original"]
-            _patch["original"] = _MISSING
 
 
 def _check_buffers(comm, buffers, dims, layout):
@@ -169,18 +153,22 @@ def _check_buffers(comm, buffers, dims, layout):
 
 
 @contextlib.contextmanager
-def context_parallel(comm, buffers=(), buffer_seq_dims=(), no_restore_buffers=None,
+def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=None,
                      layout="zigzag", strategy="ring", threads=1):
     """Shards `buffers` in place along `buffer_seq_dims` (this rank's tokens in `layout`
-    order) and, inside the block, runs torch.nn.functional.scaled_dot_product_attention on
-    ctxpar. On exit, even by an exception, the original SDPA comes back and every buffer not in
-    no_restore_buffers gets its full contents back. A restored buffer's .grad comes back whole
-    too: the shard gradients of a backward inside the block are gathered from every rank
-    (collective) into the full shape and added to the gradient it held before the block (on an
-    exception the block's shard gradient is dropped). (torch 1.13 has no
-    F.scaled_dot_product_attention: inside the block it exists, and it is removed on exit.)"""
-    if not isinstance(comm, _ctxpar.Communicator):
-        raise TypeError(f"comm: expected a ctxpar.Communicator, got {type(comm).__name__}")
+    order) and, inside the block, runs torch's scaled_dot_product_attention on ctxpar (by a
+    TorchFunctionMode: names bound before the block are routed too). `mesh` is a 1-D torch
+    DeviceMesh (e.g. mesh["cp"], torch's own signature) or a ctxpar.Communicator. On exit,
+    even by an exception, every buffer not in no_restore_buffers gets its full contents back.
+    A restored buffer's .grad comes back whole too: the shard gradients of a backward inside
+    the block are gathered from every rank (collective) into the full shape and added to the
+    gradient it held before the block (on an exception the block's shard gradient is dropped).
+    Needs torch >= 2.0 (scaled_dot_product_attention)."""
+    comm = _communicator(mesh)
+    if _SDPA is None:
+        raise RuntimeError(f"context_parallel: torch {torch.__version__} has no "
+                           "scaled_dot_product_attention to route (torch >= 2.0 has); call "
+                           "ctxpar.torch.cp_attention on the shards instead")
     layout = _checks.choice("layout", layout, _checks.LAYOUTS)
     strategy = _checks.choice("strategy", strategy, _checks.STRATEGIES)
     threads = _checks.threads(threads)
@@ -191,21 +179,16 @@ def context_parallel(comm, buffers=(), buffer_seq_dims=(), no_restore_buffers=No
     shards = [_layout.shard(b.data, comm, layout=layout, seq_dim=d) for b, d in zip(buffers, dims)]
     # Gradients from before the block (full shape) wait here; the block's start at None.
     grads_before = [b.grad if id(b) not in keep else None for b in buffers]
-    if not hasattr(_blocks, "stack"):
-        _blocks.stack = []
-    _enter_patch()
-    _blocks.stack.append((comm, layout, strategy, threads))
     ok = False
     try:
         for b, s, g in zip(buffers, shards, grads_before):
             if g is not None:
                 b.grad = None
             b.data = s  # in place: the caller's tensor object now holds its shard
-        yield
+        with _RouteAttention(comm, layout, strategy, threads):
+            yield
         ok = True
     finally:
-        _blocks.stack.pop()
-        _exit_patch()
         block_grads = []
         for b, full, before in zip(buffers, originals, grads_before):
             if id(b) in keep:
@@ -220,3 +203,18 @@ def context_parallel(comm, buffers=(), buffer_seq_dims=(), no_restore_buffers=No
             if ok and g is not None:
                 whole = _layout.unshard(g, comm, layout=layout, seq_dim=d)
                 b.grad = whole if before is None else before + whole
+
+
+def _communicator(mesh):
+    """context_parallel's first argument as a ctxpar.Communicator."""
+    if isinstance(mesh, _ctxpar.Communicator):
+        return mesh
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # torch < 2.2, or built without distributed
+        DeviceMesh = ()
+    if isinstance(mesh, DeviceMesh):
+        from ._distributed import from_mesh
+        return from_mesh(mesh)
+    raise TypeError(f"mesh: expected a torch DeviceMesh (1-D, e.g. mesh['cp']) or a "
+                    f"ctxpar.Communicator, got {type(mesh).__name__}")

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "ctxpar/comm.h"
+#include "ctxpar/gloo.h"
 
 namespace ctxpar {
 
@@ -11,6 +12,12 @@ bool launched_by_mpi() {
   for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"})
     if (std::getenv(name) != nullptr) return true;
   return false;
+}
+
+bool launched_by_torchrun() {
+  for (const char* name : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
+    if (std::getenv(name) == nullptr) return false;
+  return true;
 }
 
 namespace {
@@ -59,6 +66,24 @@ std::unique_ptr<Communicator> mpi_wrap(const void*) {
 void run_mpi(const std::function<void(Communicator&)>& fn) { fn(mpi_world()); }
 
 void abort_mpi_job(int) {}
+#endif
+
+#ifndef CTXPAR_HAVE_GLOO
+namespace {
+[[noreturn]] void no_gloo() {
+  throw Error(
+      "gloo: ctxpar was built without the gloo transport; reconfigure with -DCTXPAR_GLOO=ON "
+      "(needs Debian's libgloo-dev)");
+}
+}  // namespace
+bool gloo_available() { return false; }
+struct GlooBootstrap::State {};
+GlooBootstrap::GlooBootstrap(int, int, const GlooOptions&) { no_gloo(); }
+GlooBootstrap::~GlooBootstrap() = default;
+std::string GlooBootstrap::address() const { no_gloo(); }
+std::unique_ptr<Communicator> GlooBootstrap::connect(const std::vector<std::string>&) { no_gloo(); }
+std::unique_ptr<Communicator> gloo_from_torchrun_env(const GlooOptions&) { no_gloo(); }
+void run_gloo(Communicator& comm, const std::function<void(Communicator&)>& fn) { fn(comm); }
 #endif
 
 }  // namespace ctxpar

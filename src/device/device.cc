@@ -93,10 +93,4 @@ DeviceForwardState::DeviceForwardState(Device& device, int64_t batch, int64_t tq
   device.forward_reset(s, view_);
 }
 
-namespace {
-std::atomic<bool> ring_skip_wait{false};
-}
-void set_ring_skip_wait_for_testing(bool skip) { ring_skip_wait = skip; }
-bool ring_skip_wait_for_testing() { return ring_skip_wait; }
-
 }  // namespace ctxpar

@@ -152,9 +152,15 @@ TEST(CliAttentionFaults, FailingRankExits1AndBadUsageExits2) {
   EXPECT_EQ(r.exit_code, 2) << r.err;
 }
 
-// torchrun / srun without MPI start P copies, each of which would run the whole job alone.
+// srun without MPI starts P copies, each of which would run the whole job alone; torchrun's
+// copies run over gloo, but only with its whole environment (tests/cli/torchrun_test.sh).
 TEST(CliAttentionFaults, LauncherWithoutMpiIsRefusedWithHowToLaunch) {
-  for (const char* env : {"WORLD_SIZE=2 RANK=1 LOCAL_RANK=1", "SLURM_PROCID=1 SLURM_STEP_NUM_TASKS=2",
+  CommandResult tr = run_shell(std::string("env WORLD_SIZE=2 RANK=1 LOCAL_RANK=1 ") +
+                               ctxpar_path() + " " + kSmall);
+  EXPECT_EQ(tr.exit_code, 2) << tr.err;
+  EXPECT_NE(tr.err.find("MASTER_ADDR is not set"), std::string::npos) << tr.err;
+  EXPECT_NE(tr.err.find("torchrun --nproc-per-node N"), std::string::npos) << tr.err;
+  for (const char* env : {"SLURM_PROCID=1 SLURM_STEP_NUM_TASKS=2",
                           "SLURM_PROCID=0 SLURM_NTASKS=2 SLURM_STEP_ID=0"}) {
     CommandResult r = run_shell(std::string("env ") + env + " " + ctxpar_path() + " " + kSmall);
     EXPECT_EQ(r.exit_code, 2) << env << ": " << r.err;
@@ -166,9 +172,15 @@ TEST(CliAttentionFaults, LauncherWithoutMpiIsRefusedWithHowToLaunch) {
   CommandResult b = run_shell("env WORLD_SIZE=2 RANK=0 " + ctxpar_path() + " bench cp --seq 64 --dry-run");
   EXPECT_EQ(b.exit_code, 2) << b.err;
   EXPECT_NE(b.err.find("run it once, without a launcher"), std::string::npos) << b.err;
-  // train: the same refusal (each copy would train alone), before any work.
+  // train: the same (it runs over gloo under torchrun, given torchrun's whole environment),
+  // and under srun the refusal, before any work.
   CommandResult t = run_shell("env WORLD_SIZE=4 RANK=0 LOCAL_RANK=0 " + ctxpar_path() +
                               " train --seq 64 --steps 1");
+  EXPECT_EQ(t.exit_code, 2) << t.err;
+  EXPECT_NE(t.err.find("MASTER_ADDR is not set"), std::string::npos) << t.err;
+  EXPECT_TRUE(t.out.empty()) << t.out;
+  t = run_shell("env SLURM_PROCID=0 SLURM_STEP_NUM_TASKS=4 " + ctxpar_path() +
+                " train --seq 64 --steps 1");
   EXPECT_EQ(t.exit_code, 2) << t.err;
   EXPECT_NE(t.err.find("mpirun -n 4 ctxpar train"), std::string::npos) << t.err;
   EXPECT_TRUE(t.out.empty()) << t.out;

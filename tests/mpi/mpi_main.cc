@@ -1,9 +1,11 @@
-// Run under `mpirun -n P`. Every strategy, forward and backward, over the MPI transport gives
-// bitwise the same outputs as the threads transport with the same P and options: rank 0
-// computes the threads result inside this same program and compares every byte.
+// Run under `mpirun -n P` (the MPI transport) or `torchrun --no-python --nproc-per-node P`
+// (the gloo transport). Every strategy, forward and backward, gives bitwise the same outputs
+// as the threads transport with the same P and options: rank 0 computes the threads result
+// inside this same program and compares every byte.
 //
 //   mpirun -n 4 test_mpi           # prints one line per case; exit 1 on any difference
 //   mpirun -n 2 test_mpi --fault   # rank 1 throws mid-ring: the job must end, naming rank 1
+//   torchrun --no-python --nproc-per-node 4 test_mpi [--fault]   # the same over gloo
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -13,6 +15,7 @@
 
 #include "attention_job.h"
 #include "ctxpar/comm.h"
+#include "ctxpar/gloo.h"
 #include "ctxpar/strategy.h"
 
 namespace {
@@ -78,12 +81,18 @@ std::vector<Case> cases(int P) {
   return out;
 }
 
+// The transport this program was launched for: "mpi" (mpirun) or "gloo" (torchrun).
+std::string transport() { return ctxpar::launched_by_mpi() ? "mpi" : "gloo"; }
+
+ctxpar::Communicator& world() {
+  return transport() == "mpi" ? ctxpar::mpi_world() : ctxpar::cli::gloo_world(60);
+}
+
 int compare_with_threads() {
-  ctxpar::Communicator& world = ctxpar::mpi_world();
-  const int P = world.size();
+  const int P = world().size();
   int failures = 0;
   for (Case& c : cases(P)) {
-    c.job.transport = "mpi";
+    c.job.transport = transport();
     const auto t0 = std::chrono::steady_clock::now();
     ctxpar::cli::AttentionResult mpi = ctxpar::cli::run_attention_job(c.job);
     if (!mpi.is_root) continue;  // rank 0 compares while the others go on to the next case
@@ -112,7 +121,7 @@ int compare_with_threads() {
 // Rank 1 throws between two ring forwards while rank 0 waits inside the second one for
 // rank 1's K/V block: run_mpi must end the whole job with a message naming rank 1.
 int fault() {
-  ctxpar::run_mpi([](ctxpar::Communicator& comm) {
+  auto body = [](ctxpar::Communicator& comm) {
     comm.set_timeout(std::chrono::seconds(100));  // longer than ctest's limit: abort, not timeout
     ctxpar::StrategyOptions options;
     options.mask = ctxpar::Mask::causal_mask();
@@ -127,23 +136,26 @@ int fault() {
     if (comm.rank() == 1) throw ctxpar::Error("injected fault after the first forward");
     ring->forward(q, k, v, ctxpar::Tokens{pos, {}}, out, lse);
     std::this_thread::sleep_for(std::chrono::seconds(200));  // never reached on a correct abort
-  });
-  std::printf("rank %d: fault run returned; the job was not ended\n", ctxpar::mpi_world().rank());
+  };
+  if (transport() == "mpi") ctxpar::run_mpi(body);
+  else ctxpar::run_gloo(world(), body);
+  std::printf("rank %d: fault run returned; the job was not ended\n", world().rank());
   return 1;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (!ctxpar::launched_by_mpi()) {
-    std::fprintf(stderr, "test_mpi: run me under mpirun -n 2 (or 4)\n");
+  if (!ctxpar::launched_by_mpi() && !ctxpar::launched_by_torchrun()) {
+    std::fprintf(stderr, "test_mpi: run me under mpirun -n 2 (or 4), or torchrun --no-python "
+                 "--nproc-per-node 2 (or 4)\n");
     return 2;
   }
   try {
     if (argc > 1 && !std::strcmp(argv[1], "--fault")) return fault();
     return compare_with_threads();
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "test_mpi: rank %d: %s\n", ctxpar::mpi_world().rank(), e.what());
+    std::fprintf(stderr, "test_mpi: rank %d: %s\n", world().rank(), e.what());
     return 1;
   }
 }

@@ -14,6 +14,9 @@ import torch
 from ctxpar import _ctxpar
 
 MPIRUN = shutil.which("mpirun")
+# The torchrun of this interpreter's environment (the venv's), not another one on PATH.
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+TORCHRUN = TORCHRUN if os.access(TORCHRUN, os.X_OK) else None
 
 
 def mpirun(ranks, script, *args, timeout=180):
@@ -21,6 +24,14 @@ def mpirun(ranks, script, *args, timeout=180):
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMP_NUM_THREADS="1")
     cmd = [MPIRUN, "-n", str(ranks), "--oversubscribe", sys.executable, script, *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(ranks, script, *args, timeout=240):
+    """`torchrun --standalone --nproc-per-node ranks script args` (gloo, a free port), one
+    OpenMP thread per worker."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(ranks), script, *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -19,4 +19,6 @@ def test_bench_prints_json_with_both_sides():
         assert result[side]["fwd_s"] > 0 and result[side]["fwd_bwd_s"] > 0
         # fp32 rounding is ~1e-6 here; a wrong mask or a dropped rank is O(1).
         assert result[side]["err_out"] < 1e-3 and result[side]["err_dq"] < 1e-3
-    assert "context_parallel" in result["torch_context_parallel"]
+    # torch < 2.5 has no context_parallel; a later one has it but needs a process group: either
+    # way the JSON says why it did not run.
+    assert result["torch_context_parallel"].startswith(("not run: torch", "available but not run"))

@@ -92,6 +92,10 @@ def test_cp_attention_bad_arguments():
     q, k, v, _ = (torch.from_numpy(x) for x in problem(T=T))
     with pytest.raises(TypeError, match="comm: expected a ctxpar.Communicator"):
         cp_attention(q, k, v, comm=None)
+    with pytest.raises(TypeError, match=r"mesh: expected a torch DeviceMesh \(1-D, e.g. "
+                                        r"mesh\['cp'\]\) or a ctxpar.Communicator, got str"):
+        with context_parallel("cp", buffers=[q], buffer_seq_dims=[1]):
+            pass
 
     def rank(comm):
         with pytest.raises(ValueError, match="k: shape"):
@@ -140,6 +144,27 @@ def test_context_parallel_shards_routes_sdpa_and_restores():
     check_close("out", out, ref[0], naive[0])
 
 
+@pytest.mark.skipif(not hasattr(F, "scaled_dot_product_attention"),
+                    reason="torch < 2.0 has no scaled_dot_product_attention to bind")
+def test_context_parallel_routes_sdpa_bound_to_another_name_before_the_block():
+    # `from torch.nn.functional import scaled_dot_product_attention` at a model's import: the
+    # block must route that name too, or each rank silently attends to its own tokens only.
+    from torch.nn.functional import scaled_dot_product_attention as bound
+    q, k, v, _ = problem(T=T)
+    full = [torch.from_numpy(x).transpose(1, 2).contiguous() for x in (q, k, v)]
+
+    def rank(comm):
+        bufs = [x.clone() for x in full]
+        with context_parallel(comm, buffers=bufs, buffer_seq_dims=[2, 2, 2]):
+            out = bound(*bufs, is_causal=True)
+        return out.transpose(1, 2)
+
+    out = cl.unshard_all(run_ranks(2, rank), layout="zigzag")
+    ok = visible(T, "causal")
+    ref, naive = reference(q, k, v, q, ok), reference(q, k, v, q, ok, dtype=torch.float32)
+    check_close("out", out, ref[0], naive[0])
+
+
 def test_context_parallel_restores_on_exceptions():
     x = torch.arange(2 * 8, dtype=torch.float32).reshape(1, 2, 8, 1).repeat(1, 1, 1, 16)
     sdpa_before = getattr(F, "scaled_dot_product_attention", None)
@@ -148,7 +173,6 @@ def test_context_parallel_restores_on_exceptions():
         buf = x.clone()
         with pytest.raises(RuntimeError, match="inside the block"):
             with context_parallel(comm, buffers=[buf], buffer_seq_dims=[2]):
-                assert F.scaled_dot_product_attention is not sdpa_before
                 raise RuntimeError("inside the block")
         assert torch.equal(buf, x)
         with pytest.raises(ValueError, match="attn_mask"):
@@ -189,13 +213,24 @@ def test_layout_shard_and_unshard_round_trip():
         assert np.array_equal(full.numpy(), x)
 
 
-def test_blocks_on_threads_that_overlap_restore_sdpa_once_the_last_one_ends():
-    # Rank 0 enters, rank 1 enters, rank 0 leaves, rank 1 leaves: the original SDPA must come
-    # back after the last exit, and rank 1 must still be routed after rank 0 has left.
+@pytest.mark.skipif(not hasattr(F, "scaled_dot_product_attention"), reason="torch < 2.0")
+def test_blocks_on_threads_that_overlap_route_each_thread_through_its_own_block():
+    # Rank 0 enters, rank 1 enters, rank 0 leaves, rank 1 leaves: rank 1 must still be routed
+    # after rank 0 has left (a routed SDPA refuses attn_mask; torch's own takes it), a thread
+    # without a block is not routed, and torch's function is never replaced.
     import threading
-    sdpa_before = getattr(F, "scaled_dot_product_attention", None)
+    sdpa_before = F.scaled_dot_product_attention
     step = [threading.Event() for _ in range(3)]
     x = torch.zeros(1, 2, 8, 16)
+
+    def routed(buf):
+        try:
+            T = buf.shape[2]
+            F.scaled_dot_product_attention(buf, buf, buf,
+                                           attn_mask=torch.ones(T, T, dtype=torch.bool))
+        except ValueError as e:
+            return "attn_mask" in str(e)
+        return False
 
     def rank(comm):
         buf = x.clone()
@@ -204,13 +239,12 @@ def test_blocks_on_threads_that_overlap_restore_sdpa_once_the_last_one_ends():
                 step[0].set()
                 step[1].wait(30)
             step[2].set()
-            return None
+            return routed(buf)
         step[0].wait(30)
         with context_parallel(comm, buffers=[buf], buffer_seq_dims=[2]):
             step[1].set()
             step[2].wait(30)
-            routed = F.scaled_dot_product_attention.__module__ == "ctxpar.torch"
-        return routed
+            return routed(buf)
 
-    assert run_ranks(2, rank)[1]
-    assert getattr(F, "scaled_dot_product_attention", None) is sdpa_before
+    assert run_ranks(2, rank) == [False, True]
+    assert F.scaled_dot_product_attention is sdpa_before

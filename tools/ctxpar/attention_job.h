@@ -32,6 +32,14 @@ class RankFailure : public std::runtime_error {
 // each copy would run the whole job alone (a UsageError saying how to launch it).
 void refuse_foreign_launcher(const char* command);
 
+// Started by torchrun: its four variables, or the two that foreign_launcher() reads (then
+// gloo_from_torchrun_env names the one missing).
+bool torchrun_job();
+
+// This torchrun job's gloo communicator (gloo_from_torchrun_env), made on first use with the
+// given timeout; kept until the process exits.
+Communicator& gloo_world(double timeout_seconds);
+
 // run_threads for a command: a rank that fails once the ranks run becomes a RankFailure (exit
 // 1, as under MPI), while run_threads refusing its arguments before any rank starts stays a
 // ctxpar::Error (exit 2).
@@ -57,7 +65,7 @@ struct AttentionJob {
   int ulysses_degree = 0;
   int ulysses_groups = 0;  // StrategyOptions::ulysses_groups (CTXPAR_ULYSSES_GROUPS)
   LayoutKind layout = LayoutKind::contiguous;
-  std::string transport = "threads";  // "threads" | "mpi"
+  std::string transport = "threads";  // "threads" | "mpi" | "gloo"
   DeviceOptions device;               // --device cpu | sim, --sim-seed
   int threads = 1;                    // OpenMP threads per rank
   bool backward = false;

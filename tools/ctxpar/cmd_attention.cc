@@ -14,6 +14,7 @@
 #include "attention_job.h"
 #include "commands.h"
 #include "ctxpar/error.h"
+#include "ctxpar/gloo.h"
 #include "ctxpar/npy.h"
 #include "options.h"
 #include "out_folder.h"
@@ -40,7 +41,8 @@ Options attention_options() {
            "how tokens map to ranks: zigzag (balanced under a causal mask) | contiguous | "
            "striped; any T (padded to the layout's granule: P, or 2P for zigzag)")
       .add_device()
-      .add("transport", "auto", "threads | mpi (auto: mpi under mpirun, else threads)")
+      .add("transport", "auto",
+           "threads | mpi | gloo (auto: mpi under mpirun, gloo under torchrun, else threads)")
       .add("link-gbps", "0", "threads transport: simulated link bandwidth in GB/s (0 = none)")
       .add("link-latency-us", "0", "threads transport: simulated link latency in microseconds")
       .add("timeout", "300", "seconds a rank waits for a message before the job fails")
@@ -102,14 +104,17 @@ AttentionJob job_from(const Options& o) {
   job.layout = parse_layout(o.str("layout"));
   job.device = device_of(o);
   job.transport = o.str("transport");
-  if (job.transport == "auto") job.transport = launched_by_mpi() ? "mpi" : "threads";
+  if (job.transport == "auto")
+    job.transport = launched_by_mpi() ? "mpi" : torchrun_job() ? "gloo" : "threads";
   job.ranks = job.transport == "threads" ? o.i32("ranks", 1, kMaxThreadsRanks, kThreadsRanksNote)
                                          : o.i32("ranks", 1, kMaxProcesses);
   if (job.transport == "mpi" && !o.given("ranks") && launched_by_mpi())
     job.ranks = mpi_world().size();
+  job.timeout_seconds = o.num("timeout", kMinTimeout, kMaxTimeout);
+  if (job.transport == "gloo" && !o.given("ranks") && torchrun_job())
+    job.ranks = gloo_world(job.timeout_seconds).size();
   job.link.gbytes_per_second = o.num_or_zero("link-gbps", kMinLinkGbps, kMaxLinkGbps);
   job.link.latency_us = o.num("link-latency-us", 0, kMaxLinkLatencyUs);
-  job.timeout_seconds = o.num("timeout", kMinTimeout, kMaxTimeout);
   job.backward = o.on("backward") || o.given("do");
   job.check = o.on("check");
   job.check_budget = o.num("check-budget", 0, 1e18);
@@ -262,21 +267,28 @@ Signature signature_of(const Options& o, const AttentionJob& job) {
 int cmd_attention(int argc, char** argv) {
   Options o = attention_options();
   if (!o.parse(argc, argv)) return 0;
-  refuse_foreign_launcher("attention");
+  // torchrun: one rank per process over gloo (an incomplete environment is refused by
+  // gloo_from_torchrun_env, naming the variable); other launchers without MPI are refused.
+  if (!torchrun_job()) refuse_foreign_launcher("attention");
   // Under mpirun, MPI first: from here on a rank's error ends every rank at once (main.cc),
   // where a rank that exits before MPI_Init would leave the others waiting in it.
   if (launched_by_mpi() && o.str("transport") != "threads") mpi_world();
   AttentionJob job = job_from(o);
   // (--transport mpi without mpirun is refused by validate, with how to start it.)
   const bool under_mpi = job.transport == "mpi" && launched_by_mpi();
-  if (under_mpi) {
-    mpi_world().set_timeout(
+  const bool under_torchrun = job.transport == "gloo" && launched_by_torchrun();
+  if (under_mpi || under_torchrun) {
+    Communicator& world = under_mpi ? mpi_world() : gloo_world(job.timeout_seconds);
+    world.set_timeout(
         std::chrono::milliseconds(static_cast<int64_t>(std::max(1.0, job.timeout_seconds) * 1000)));
-    agree_on_options(mpi_world(), signature_of(o, job));
+    agree_on_options(world, signature_of(o, job));
   }
   // Before computing: an --out that cannot be written fails now, not after the run.
   std::unique_ptr<OutFolder> out_folder;
-  const bool writes_out = o.given("out") && (!under_mpi || mpi_world().rank() == 0);
+  const bool writes_out =
+      o.given("out") && (under_mpi   ? mpi_world().rank() == 0
+                         : under_torchrun ? gloo_world(job.timeout_seconds).rank() == 0
+                                          : true);
   if (writes_out) out_folder = std::make_unique<OutFolder>(o.str("out"));
   // A bar (stderr) on a terminal; elsewhere (a log, a pipe, `--json 2>&1`) nothing unless
   // --progress asks for plain lines every few seconds.

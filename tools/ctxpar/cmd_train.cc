@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "attention_job.h"
+#include "ctxpar/gloo.h"
 #include "commands.h"
 #include "ctxpar/comm.h"
 #include "ctxpar/error.h"
@@ -112,10 +113,11 @@ void check_output_paths(const std::vector<std::pair<const char*, std::string>>& 
   }
 }
 
-// Ranks of this job on this machine: they share its memory. OpenMPI and MPICH say how many.
-int ranks_on_this_machine(bool use_mpi, int ranks) {
-  if (!use_mpi) return ranks;
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"})
+// Ranks of this job on this machine: they share its memory. OpenMPI, MPICH and torchrun say
+// how many.
+int ranks_on_this_machine(bool one_per_process, int ranks) {
+  if (!one_per_process) return ranks;
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE"})
     if (const char* v = std::getenv(var)) return std::max(1, std::atoi(v));
   return 1;
 }
@@ -209,7 +211,7 @@ int train_command(int argc, char** argv) {
       .add("steps", "300", "optimizer steps")
       .add("batch", "1", "sequences per data group per step")
       .add("seed", "1", "seed for weights and the built-in task")
-      .add("ranks", "4", "ranks on the threads transport (ignored under mpirun)")
+      .add("ranks", "4", "ranks on the threads transport (ignored under mpirun and torchrun)")
       .add("dp", "1", "data-parallel groups")
       .add("cp", "0", "ranks per context group (0: ranks / dp)")
       .add("strategy", "ring", "attention strategy: ring | allgather | ulysses | hybrid")
@@ -217,7 +219,8 @@ int train_command(int argc, char** argv) {
       .add("layout", "zigzag", "token layout: contiguous | zigzag | striped")
       .add("threads", "1", "BLAS and kernel threads per rank (not given: OMP_NUM_THREADS when set)")
       .add_device()
-      .add("transport", "auto", "auto | threads | mpi (auto: mpi when started by mpirun)")
+      .add("transport", "auto",
+           "auto | threads | mpi | gloo (auto: mpi under mpirun, gloo under torchrun)")
       .add("layers", "2", "transformer blocks")
       .add("dim", "64", "model width")
       .add("heads", "4", "query heads")
@@ -244,7 +247,7 @@ int train_command(int argc, char** argv) {
       .example("mpirun -n 4 ctxpar train --seq 8192 --dp 2 --cp 2")
       .example("ctxpar train --data book.txt --seq 2048 --save ck.safetensors --save-every 50");
   if (!o.parse(argc, argv)) return 0;
-  refuse_foreign_launcher("train");
+  if (!torchrun_job()) refuse_foreign_launcher("train");
   // Under mpirun, MPI first: from here on a rank's error ends every rank at once (main.cc),
   // instead of leaving the others in MPI_Init.
   if (launched_by_mpi() && o.str("transport") != "threads") mpi_world();
@@ -282,12 +285,22 @@ int train_command(int argc, char** argv) {
   if (c.threads < 1) throw UsageError("--threads must be >= 1");
 
   const std::string transport = o.str("transport");
-  if (transport != "auto" && transport != "threads" && transport != "mpi")
-    throw UsageError("--transport must be auto, threads or mpi, got '" + transport + "'");
+  if (transport != "auto" && transport != "threads" && transport != "mpi" && transport != "gloo")
+    throw UsageError("--transport must be auto, threads, mpi or gloo, got '" + transport + "'");
   const bool use_mpi = transport == "mpi" || (transport == "auto" && launched_by_mpi());
-  if (use_mpi && c.device.kind != DeviceKind::cpu)
-    throw UsageError("--device sim runs on the threads transport only; use --device cpu under mpirun");
-  int ranks = use_mpi ? mpi_world().size() : o.i32("ranks", 1, kMaxThreadsRanks, kThreadsRanksNote);
+  const bool use_gloo =
+      transport == "gloo" || (transport == "auto" && !launched_by_mpi() && torchrun_job());
+  if (use_gloo && !torchrun_job())
+    throw UsageError("--transport gloo needs the job started by torchrun, e.g. torchrun "
+                     "--nproc-per-node 4 --no-python ctxpar train ...; or use --transport threads");
+  // One rank per process (mpirun's or torchrun's): the world communicator.
+  const bool one_per_process = use_mpi || use_gloo;
+  auto world = [&]() -> Communicator& { return use_mpi ? mpi_world() : gloo_world(120); };
+  if (one_per_process && c.device.kind != DeviceKind::cpu)
+    throw UsageError("--device sim runs on the threads transport only; use --device cpu under "
+                     "mpirun or torchrun");
+  int ranks = one_per_process ? world().size()
+                              : o.i32("ranks", 1, kMaxThreadsRanks, kThreadsRanksNote);
   if (ranks < 1) throw UsageError("--ranks must be >= 1");
   c.dp = o.i32("dp", 1, kMaxProcesses);
   const int cp = o.i32("cp", 0, kMaxProcesses);
@@ -300,8 +313,8 @@ int train_command(int argc, char** argv) {
   c.model.validate();
   // Under mpirun every process parsed its own command line: refuse ranks that differ in an
   // option that changes the result or the schedule, within seconds and naming it.
-  if (use_mpi) agree_on_options(mpi_world(), train_signature(c), "train");
-  check_train_memory(c, ranks_on_this_machine(use_mpi, ranks), memory_limit());
+  if (one_per_process) agree_on_options(world(), train_signature(c), "train");
+  check_train_memory(c, ranks_on_this_machine(one_per_process, ranks), memory_limit());
   std::string png = o.on("no-plot") ? "" : o.str("plot");
   if (o.on("no-plot") && o.given("plot"))
     throw UsageError("--plot and --no-plot contradict each other; give one");
@@ -311,7 +324,7 @@ int train_command(int argc, char** argv) {
     if (dot != std::string::npos && png.find('/', dot) == std::string::npos) png.resize(dot);
     png += ".png";
   }
-  if (!use_mpi || mpi_world().rank() == 0)  // rank 0 writes them
+  if (!one_per_process || world().rank() == 0)  // rank 0 writes them
     check_output_paths({{"save", c.save_path}, {"log", c.log_path},
                         {"plot", c.log_path.empty() ? "" : png}, {"dump-grads", c.dump_path}});
 
@@ -344,11 +357,13 @@ int train_command(int argc, char** argv) {
   if (!quiet)
     std::printf("ctxpar train: T=%lld, %d ranks (dp %d x cp %d, %s, %s, %s), model %s, %s\n",
                 (long long)c.seq, ranks, c.dp, c.cp, strategy_name(c.strategy),
-                layout_name(c.layout), use_mpi ? "mpi" : "threads", c.model.describe().c_str(),
+                layout_name(c.layout), use_mpi ? "mpi" : use_gloo ? "gloo" : "threads",
+                c.model.describe().c_str(),
                 c.data_path.empty() ? "built-in copy task" : c.data_path.c_str());
   if (use_mpi) run_mpi(body);
+  else if (use_gloo) run_gloo(world(), body);
   else run_threads(ranks, body);
-  const bool leader = !use_mpi || mpi_world().rank() == 0;
+  const bool leader = !one_per_process || world().rank() == 0;
   if (bar) bar->finish();
   if (first_step > c.steps) {
     // Nothing was trained, so there is no loss to report and nothing new to save or plot.

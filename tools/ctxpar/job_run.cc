@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "attention_check.h"
+#include "ctxpar/gloo.h"
 #include "job_internal.h"
 #include "options.h"
 
@@ -19,7 +20,25 @@ void refuse_foreign_launcher(const char* command) {
   throw UsageError(detail::concat(
       "started by ", l.name, " as ", l.ranks, " separate processes without MPI: each would run "
       "the whole job alone. Launch it with mpirun -n ", l.ranks, " ctxpar ", command,
-      " ... (or srun --mpi=pmix with an MPI build), or as one process with --ranks ", l.ranks));
+      " ... (or srun --mpi=pmix with an MPI build), or as one process with --ranks ", l.ranks,
+      l.name.rfind("torchrun", 0) == 0 ? " (ctxpar attention and train run under torchrun, on "
+                                         "the gloo transport)" : ""));
+}
+
+bool torchrun_job() {
+  return launched_by_torchrun() || foreign_launcher().name.rfind("torchrun", 0) == 0;
+}
+
+Communicator& gloo_world(double timeout_seconds) {
+  // Never destroyed: the sockets close when the process exits.
+  static Communicator* world = nullptr;
+  if (!world) {
+    GlooOptions options;
+    options.timeout =
+        std::chrono::milliseconds(static_cast<int64_t>(std::max(1.0, timeout_seconds) * 1000));
+    world = gloo_from_torchrun_env(options).release();
+  }
+  return *world;
 }
 
 void run_rank_threads(int ranks, const std::function<void(Communicator&)>& fn,
@@ -44,15 +63,20 @@ AttentionResult run_attention_job(const AttentionJob& job) {
   std::vector<RankData> all;
   AttentionResult result;
 
-  if (job.transport == "mpi") {
-    Communicator& world = mpi_world();
-    CTXPAR_CHECK(world.size() == P, "mpirun started ", world.size(), " processes but --ranks is ",
-                 P, "; drop --ranks or use mpirun -n ", P);
-    run_mpi([&](Communicator& comm) {
+  if (job.transport == "mpi" || job.transport == "gloo") {
+    // One rank per process: mpirun's, or torchrun's over gloo.
+    const bool mpi = job.transport == "mpi";
+    Communicator& world = mpi ? mpi_world() : gloo_world(job.timeout_seconds);
+    const char* launcher = mpi ? "mpirun -n " : "torchrun --nproc-per-node ";
+    CTXPAR_CHECK(world.size() == P, mpi ? "mpirun" : "torchrun", " started ", world.size(),
+                 " processes but --ranks is ", P, "; drop --ranks or use ", launcher, P);
+    auto body = [&](Communicator& comm) {
       RankData mine;
       run_rank(comm, job, seq, mine);
       gather_to_root(comm, job, mine, all, need_tensors);
-    });
+    };
+    if (mpi) run_mpi(body);
+    else run_gloo(world, body);
     result.is_root = world.rank() == 0;
     if (!result.is_root) return result;
   } else {

@@ -1,5 +1,6 @@
 // Validation of an attention job: the same verdict on every rank, and a message that names
 // what is wrong and what would work instead.
+#include "ctxpar/gloo.h"
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
@@ -68,11 +69,21 @@ void validate(const AttentionJob& job) {
     }
   }
 
-  CTXPAR_CHECK(job.transport == "threads" || job.transport == "mpi",
-               "--transport must be threads or mpi, got '", job.transport, "'");
+  CTXPAR_CHECK(job.transport == "threads" || job.transport == "mpi" || job.transport == "gloo",
+               "--transport must be threads, mpi or gloo, got '", job.transport, "'");
   CTXPAR_CHECK(job.device.kind == DeviceKind::cpu || job.transport == "threads",
                "--device ", device_name(job.device.kind), " runs on the threads transport only "
-               "(its streams' worker threads use the communicator); use --device cpu under mpirun");
+               "(its streams' worker threads use the communicator); use --device cpu under mpirun "
+               "or torchrun");
+  if (job.transport == "gloo") {
+    CTXPAR_CHECK(gloo_available(), "--transport gloo: this ctxpar was built without the gloo "
+                 "transport (reconfigure with -DCTXPAR_GLOO=ON; needs libgloo-dev)");
+    CTXPAR_CHECK(launched_by_torchrun(), "--transport gloo needs the job started by torchrun "
+                 "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), e.g. torchrun --nproc-per-node ",
+                 P, " --no-python ctxpar attention ...; or use --transport threads");
+    CTXPAR_CHECK(job.link.gbytes_per_second == 0 && job.link.latency_us == 0,
+                 "--link-gbps / --link-latency-us simulate a link on the threads transport only");
+  }
   if (job.transport == "mpi") {
     CTXPAR_CHECK(launched_by_mpi(), "--transport mpi needs the job started by mpirun, e.g. "
                  "mpirun -n ", P, " ctxpar attention ...; or use --transport threads");

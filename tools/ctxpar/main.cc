@@ -10,6 +10,7 @@
 #include "ctxpar/kernel.h"
 #ifdef CTXPAR_HAVE_MPI
 #include "comm/mpi_env.h"
+#include "ctxpar/gloo.h"
 #endif
 #include "options.h"
 
@@ -62,6 +63,12 @@ int version() {
   const ctxpar::SimdTargets t = ctxpar::simd_targets();
   std::printf("ctxpar %s\nSIMD targets compiled in: %s\nthis CPU can run: %s\n", CTXPAR_VERSION,
               joined(t.compiled).c_str(), joined(t.runnable).c_str());
+  std::vector<std::string> transports{"threads"};
+#ifdef CTXPAR_HAVE_MPI
+  transports.push_back("mpi (mpirun)");
+#endif
+  if (ctxpar::gloo_available()) transports.push_back("gloo (torchrun)");
+  std::printf("transports: %s\n", joined(transports).c_str());
   if (!t.error.empty()) {
     std::fprintf(stderr, "ctxpar: error: %s\n", t.error.c_str());
     return 2;
