@@ -1,0 +1,94 @@
+// Decode: Tn new tokens of each of B sequences against the spread KV cache. See
+// docs/inference.md, "Decode".
+//
+//   every rank                      (q, k_new, v_new replicated)
+//     append k_new, v_new rows the placement rule gives this rank
+//     (O_r, LSE_r) = attention(q, this rank's shard)          [B, Tn, Hq, D], [B, Hq, Tn]
+//   all-gather (O_r, LSE_r), r = 0..P-1
+//   O, LSE = merge(...merge(merge(O_0, O_1), O_2)..., O_{P-1})  rank order, on every rank
+//
+// The merge order is fixed (not "whoever arrives first"), so out is bitwise the same on every
+// rank and run; each shard's tokens depend only on their indices, so out does not depend on how
+// the earlier tokens were cut into prefill and decode calls either.
+#include <cstring>
+
+#include "ctxpar/error.h"
+#include "inference/internal.h"
+
+namespace ctxpar {
+
+void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const TensorView& v_new,
+            const TensorView& out, const TensorView& lse, std::span<const int32_t> documents) {
+  // q, out [B, Tn, Hq, D]; k_new, v_new [B, Tn, Hkv, D]; lse [B, Hq, Tn]
+  const KvCacheOptions& o = cache.options();
+  const int64_t b = o.sequences, d = o.head_dim;
+  CTXPAR_CHECK(q.ndim() == 4, "q: expected [B, Tn, Hq, D], got ", shape_str(q.shape()));
+  const int64_t tn = q.dim(1), hq = q.dim(2);
+  CTXPAR_CHECK(tn >= 1, "q: decode needs at least one new token per sequence (Tn >= 1)");
+  check_rows("q", q, b, tn, hq, d);
+  CTXPAR_CHECK(hq % o.kv_heads == 0, "q: query heads (", hq, ") must be a multiple of the ",
+               "cache's KV heads (KvCacheOptions::kv_heads = ", o.kv_heads, ")");
+  check_rows("k_new", k_new, b, tn, o.kv_heads, d);
+  check_rows("v_new", v_new, b, tn, o.kv_heads, d);
+  check_rows("out", out, b, tn, hq, d);
+  check_lse("lse", lse, b, hq, tn);
+  CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == b * tn, "documents: the mask ",
+               "uses documents: give B * Tn = ", b * tn, " ids (row-major), got ",
+               documents.size());
+
+  CallStats call(cache);
+  Device& dev = cache.device();
+  Communicator& comm = cache.comm();
+  std::vector<int64_t> lengths(static_cast<size_t>(b)), positions(static_cast<size_t>(b * tn));
+  for (int64_t s = 0; s < b; ++s) {
+    lengths[s] = cache.tokens(s) + tn;
+    for (int64_t i = 0; i < tn; ++i) positions[s * tn + i] = cache.tokens(s) + i;
+  }
+  InferenceAccess::reserve(cache, lengths);
+  for (int64_t s = 0; s < b; ++s) {
+    std::span<const int32_t> docs;
+    if (o.mask.documents) docs = documents.subspan(size_t(s * tn), size_t(tn));
+    InferenceAccess::append_rows(cache, s, k_new.slice(0, s, s + 1), v_new.slice(0, s, s + 1),
+                                 docs);
+  }
+
+  // This rank's partial result: [O fp32 [B, Tn, Hq, D] | LSE [B, Hq, Tn]], one message.
+  const size_t o_bytes = size_t(b * tn * hq * d) * 4, part_bytes = o_bytes + size_t(b * hq * tn) * 4;
+  const int p = comm.size();
+  DeviceBuffer parts = dev.alloc(part_bytes * size_t(p));
+  auto part_o = [&](int r) { return parts.view(DType::f32, {b, tn, hq, d}, r * part_bytes); };
+  auto part_lse = [&](int r) {
+    return parts.view(DType::f32, {b, hq, tn}, r * part_bytes + o_bytes);
+  };
+  const int me = comm.rank();
+  std::vector<DeviceForwardState> states;
+  states.reserve(size_t(b));
+  for (int64_t s = 0; s < b; ++s) {
+    states.emplace_back(dev, 1, tn, hq, d);
+    Tokens qt;
+    qt.positions = std::span<const int64_t>(positions).subspan(size_t(s * tn), size_t(tn));
+    if (o.mask.documents) qt.documents = documents.subspan(size_t(s * tn), size_t(tn));
+    if (cache.local_tokens(s) > 0)
+      dev.forward_block(kComputeStream, q.slice(0, s, s + 1), qt, cache.k(s), cache.v(s),
+                        cache.local_token_ids(s), o.mask, states.back().get(), o.kernel);
+    dev.forward_finalize(kComputeStream, states.back().get(), part_o(me).slice(0, s, s + 1),
+                         part_lse(me).slice(0, s, s + 1), o.kernel);
+  }
+  dev.synchronize();
+  const auto t_merge = std::chrono::steady_clock::now();
+  if (p > 1) {
+    // The host touches the communicator right after synchronize (device.h's rule). The
+    // all-gather's receive buffer holds this rank's own part at its place already.
+    Buffer mine(part_bytes);
+    std::memcpy(mine.data(), parts.data() + me * part_bytes, part_bytes);
+    comm.allgather(mine.data(), parts.data(), part_bytes);
+    for (int r = 1; r < p; ++r)  // rank order: the same bits on every rank
+      dev.merge(kComputeStream, part_o(0), part_lse(0), part_o(r), part_lse(r));
+  }
+  dev.copy(kComputeStream, part_o(0), out);
+  dev.copy(kComputeStream, part_lse(0), lse);
+  call.finish();
+  call.stats().merge_seconds = CallStats::seconds_since(t_merge);
+}
+
+}  // namespace ctxpar
