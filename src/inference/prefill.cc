@@ -207,22 +207,25 @@ void pass_q(KvCache& cache, int64_t seq, const PrefillShape& sh, const TensorVie
 }
 
 // Every rank's verdict on its arguments and the mode, shared before any other communication,
-// so that all ranks throw together instead of some waiting in the ring for one that gave up.
+// so that all ranks throw together (with the refusing rank's own message) instead of some
+// waiting in the ring for one that gave up.
 void agree(Communicator& comm, const std::string& error, const std::vector<int64_t>& signature) {
+  constexpr size_t kMessage = 256;  // bytes of a refusal message that travel
   const int p = comm.size();
-  std::vector<int64_t> mine = signature;
-  mine.insert(mine.begin(), error.empty() ? 0 : 1);
-  std::vector<int64_t> all(mine.size() * size_t(p));
-  if (p > 1) comm.allgather(mine.data(), all.data(), mine.size() * 8);
+  const size_t bytes = kMessage + signature.size() * 8;
+  std::vector<std::byte> mine(bytes), all(bytes * size_t(p));
+  std::memcpy(mine.data(), error.data(), std::min(error.size(), kMessage - 1));
+  std::memcpy(mine.data() + kMessage, signature.data(), signature.size() * 8);
+  if (p > 1) comm.allgather(mine.data(), all.data(), bytes);
   else all = mine;
-  if (!error.empty()) throw Error(error);
   for (int r = 0; r < p; ++r) {
-    const auto* theirs = all.data() + size_t(r) * mine.size();
-    CTXPAR_CHECK(theirs[0] == 0, "prefill: rank ", r, " refused its arguments (its message says ",
-                 "why); every rank stops");
-    CTXPAR_CHECK(std::equal(mine.begin(), mine.end(), theirs), "prefill: rank ", r,
-                 " called with a different sequence, token count, heads, dtype or mode than rank ",
-                 comm.rank(), "; every rank must make the same call");
+    const std::byte* theirs = all.data() + size_t(r) * bytes;
+    const std::string message(reinterpret_cast<const char*>(theirs),
+                              strnlen(reinterpret_cast<const char*>(theirs), kMessage));
+    CTXPAR_CHECK(message.empty(), "prefill: rank ", r, " refused its arguments: ", message);
+    CTXPAR_CHECK(std::memcmp(theirs + kMessage, mine.data() + kMessage, bytes - kMessage) == 0,
+                 "prefill: rank ", r, " called with a different sequence, token count, heads, "
+                 "dtype or mode than rank ", comm.rank(), "; every rank must make the same call");
   }
 }
 
