@@ -40,6 +40,7 @@ struct KvCacheOptions {
   DeviceOptions device;         // each rank makes its own device of this kind
   // Limits per rank; a call that would pass one is refused before anything changes, with an
   // Error naming the field (every rank computes every rank's share, so all refuse together).
+  // Bytes count whole blocks of tokens (kv_cache_bytes), not the spare room of growth.
   int64_t max_tokens_per_rank = 0;  // tokens of all sequences on one rank; 0: no limit
   double max_bytes_per_rank = 0;    // bytes of the shards on one rank; 0: no limit
   // Also refuse growth beyond ctxpar::memory_limit() (memory.h) of this process.
@@ -86,10 +87,14 @@ class KvCache {
   TensorView k(int64_t seq) const;
   TensorView v(int64_t seq) const;
   Tokens local_token_ids(int64_t seq) const;
-  // Bytes of this rank's shards now (capacity included), and what rank r would hold with
-  // `lengths` tokens per sequence (the limits' arithmetic, for the planner and the CLI).
+  // Bytes of this rank's shards now (capacity included: a shard grows in whole blocks, at most
+  // 25% ahead of its tokens, unless reserved), and what rank r needs for `lengths` tokens per
+  // sequence in whole blocks (the arithmetic the limits use, the same on every rank).
   size_t bytes() const;
   size_t bytes_for(const std::vector<int64_t>& lengths, int rank) const;
+  // Sizes every shard for `lengths` tokens per sequence at once (whole blocks, no spare), so
+  // that appending up to them neither copies nor takes more memory. Checked like an append.
+  void reserve(const std::vector<int64_t>& lengths);
   size_t token_bytes() const;  // one token's k + v + position (+ document id)
 
   // Appends the K/V of `count` new tokens to sequence seq: k, v [1, count, Hkv, D] hold every
@@ -97,6 +102,12 @@ class KvCache {
   // has `count` ids when the mask uses documents. No communication.
   void append(int64_t seq, const TensorView& k, const TensorView& v,
               std::span<const int32_t> documents = {});
+
+  // The same for a rank that has only its own rows: k, v [1, m, Hkv, D] are the rows
+  // placement(tokens(seq), count, rank()) of the `count` new tokens. Every rank must call it
+  // with the same count (no communication checks that).
+  void append_local(int64_t seq, int64_t count, const TensorView& k, const TensorView& v,
+                    std::span<const int32_t> documents = {});
 
   const InferenceStats& last_stats() const { return stats_; }
 
@@ -109,6 +120,11 @@ class KvCache {
   std::vector<std::unique_ptr<Shard>> shards_;  // one per sequence
   InferenceStats stats_;
 };
+
+// Bytes rank `rank` (of `ranks`) needs when the sequences have `lengths` tokens, in whole
+// blocks: KvCache::bytes_for without a communicator (the CLI's check before it starts).
+size_t kv_cache_bytes(const KvCacheOptions& options, const std::vector<int64_t>& lengths,
+                      int ranks, int rank);
 
 // Decode: Tn new tokens (usually 1) of every sequence at once, sequences of any lengths.
 // Appends their K/V (each on the rank the rule names), then every rank attends q over its

@@ -21,12 +21,11 @@ struct KvCache::Shard {
 };
 
 struct InferenceAccess {
-  // Token slots a shard of n tokens takes: whole blocks, doubling (0 for n = 0).
-  static int64_t capacity_for(const KvCache& c, int64_t n);
   // Makes room for the sequences to reach `lengths` (one per sequence): checks every rank's
   // share against the limits first (the same verdict on every rank, before anything changes),
   // then this rank's memory_limit(), then grows this rank's buffers (stream-ordered copies).
-  static void reserve(KvCache& c, const std::vector<int64_t>& lengths);
+  // `exact`: to the whole blocks needed (KvCache::reserve); else by the growth rule.
+  static void reserve(KvCache& c, const std::vector<int64_t>& lengths, bool exact = false);
   // Stores rows of sequence seq: `indices` (increasing, all this rank's, following the ones it
   // holds) with k, v [1, m, Hkv, D] and m document ids (documents mask). Enqueued copies.
   static void store(KvCache& c, int64_t seq, std::span<const int64_t> indices,
@@ -41,6 +40,9 @@ struct InferenceAccess {
 
 // Tokens among the first n of a sequence that `rank` of `ranks` holds (block round-robin).
 int64_t placement_held_by(int64_t n, int rank, int ranks, int64_t block);
+
+// Token slots a shard of n tokens takes: whole blocks, doubling (0 for n = 0).
+int64_t capacity_for(int64_t n, int64_t block);
 
 // Fills the cache's InferenceStats for one call: bytes counted by the communicator, wall time
 // and the device's busy time between construction and finish() (which synchronises first).

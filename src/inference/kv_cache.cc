@@ -138,10 +138,14 @@ Tokens KvCache::local_token_ids(int64_t seq) const {
   return t;
 }
 
-size_t KvCache::token_bytes() const {
-  return 2 * size_t(options_.kv_heads * options_.head_dim) * dtype_size(options_.dtype) + 8 +
-         (options_.mask.documents ? 4 : 0);
+namespace {
+size_t bytes_per_token(const KvCacheOptions& o) {
+  return 2 * size_t(o.kv_heads * o.head_dim) * dtype_size(o.dtype) + 8 + (o.mask.documents ? 4 : 0);
 }
+int64_t whole_blocks(int64_t n, int64_t block) { return (n + block - 1) / block * block; }
+}  // namespace
+
+size_t KvCache::token_bytes() const { return bytes_per_token(options_); }
 
 size_t KvCache::bytes() const {
   size_t total = 0;
@@ -150,10 +154,15 @@ size_t KvCache::bytes() const {
 }
 
 size_t KvCache::bytes_for(const std::vector<int64_t>& lengths, int rank) const {
+  return kv_cache_bytes(options_, lengths, comm_.size(), rank);
+}
+
+size_t kv_cache_bytes(const KvCacheOptions& o, const std::vector<int64_t>& lengths, int ranks,
+                      int rank) {
   size_t total = 0;
   for (int64_t n : lengths)
-    total += size_t(InferenceAccess::capacity_for(*this, held_by(n, rank))) * token_bytes();
-  return total;
+    total += size_t(whole_blocks(placement_held_by(n, rank, ranks, o.block), o.block));
+  return total * bytes_per_token(o);
 }
 
 void KvCache::append(int64_t seq, const TensorView& k, const TensorView& v,
@@ -170,6 +179,25 @@ void KvCache::append(int64_t seq, const TensorView& k, const TensorView& v,
   lengths[seq] += count;
   InferenceAccess::reserve(*this, lengths);
   InferenceAccess::append_rows(*this, seq, k, v, documents);
+  device_->synchronize();
+}
+
+void KvCache::append_local(int64_t seq, int64_t count, const TensorView& k, const TensorView& v,
+                           std::span<const int32_t> documents) {
+  const KvCacheOptions& o = options_;
+  CTXPAR_CHECK(count >= 0, "append_local: count must be >= 0, got ", count);
+  const std::vector<int64_t> mine = placement(tokens(seq), count, comm_.rank());
+  const int64_t m = int64_t(mine.size());
+  check_rows("k", k, 1, m, o.kv_heads, o.head_dim);
+  check_rows("v", v, 1, m, o.kv_heads, o.head_dim);
+  CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == m, "documents: the mask uses ",
+               "documents: give one id per row of this rank (", m, "), got ", documents.size());
+  std::vector<int64_t> lengths;
+  for (const auto& s : shards_) lengths.push_back(s->length);
+  lengths[seq] += count;
+  InferenceAccess::reserve(*this, lengths);
+  if (m > 0) InferenceAccess::store(*this, seq, mine, k, v, documents);
+  InferenceAccess::set_length(*this, seq, lengths[seq]);
   device_->synchronize();
 }
 
@@ -192,15 +220,27 @@ void InferenceAccess::append_rows(KvCache& c, int64_t seq, const TensorView& k,
 
 // ---- growth within the limits -----------------------------------------------------------
 
-int64_t InferenceAccess::capacity_for(const KvCache& c, int64_t n) {
-  if (n <= 0) return 0;
-  const int64_t block = c.options_.block;
-  int64_t blocks = 1;
-  while (blocks * block < n) blocks *= 2;
-  return blocks * block;
+int64_t capacity_for(int64_t n, int64_t block) {
+  // Whole blocks, in steps of a quarter of the largest power of two below: at most 25% unused
+  // (a million-token shard doubled would leave up to half of it empty), and a shard that grows
+  // token by token is copied O(log n) times.
+  const int64_t blocks = (n + block - 1) / block;
+  if (blocks <= 4) return blocks * block;
+  int64_t pow2 = 1;
+  while (pow2 * 2 <= blocks) pow2 *= 2;
+  const int64_t step = pow2 / 4;
+  return (blocks + step - 1) / step * step * block;
 }
 
-void InferenceAccess::reserve(KvCache& c, const std::vector<int64_t>& lengths) {
+void KvCache::reserve(const std::vector<int64_t>& lengths) {
+  CTXPAR_CHECK(int64_t(lengths.size()) == options_.sequences, "reserve: give one length per ",
+               "sequence (", options_.sequences, "), got ", lengths.size());
+  std::vector<int64_t> at_least = lengths;
+  for (size_t s = 0; s < lengths.size(); ++s) at_least[s] = std::max(lengths[s], tokens(int64_t(s)));
+  InferenceAccess::reserve(*this, at_least, true);
+}
+
+void InferenceAccess::reserve(KvCache& c, const std::vector<int64_t>& lengths, bool exact) {
   const KvCacheOptions& o = c.options_;
   // Every rank's share, so that every rank refuses together, before any change.
   for (int r = 0; r < c.comm_.size(); ++r) {
@@ -217,7 +257,16 @@ void InferenceAccess::reserve(KvCache& c, const std::vector<int64_t>& lengths) {
                  "spread the cache over more ranks");
   }
   const int me = c.comm_.rank();
-  const size_t now = c.bytes(), want = c.bytes_for(lengths, me);
+  std::vector<int64_t> caps;
+  size_t want = 0;
+  for (size_t seq = 0; seq < lengths.size(); ++seq) {
+    const int64_t n = c.held_by(lengths[seq], me);
+    caps.push_back(std::max(c.shards_[seq]->capacity,
+                            exact ? whole_blocks(n, o.block) : capacity_for(n, o.block)));
+    if (n <= c.shards_[seq]->capacity) caps.back() = c.shards_[seq]->capacity;
+    want += size_t(caps.back()) * c.token_bytes();
+  }
+  const size_t now = c.bytes();
   if (want > now && o.check_memory_limit) {
     const MemoryLimit limit = memory_limit();
     CTXPAR_CHECK(!limit.known() || double(want - now) <= limit.bytes, "KV cache: rank ", me,
@@ -227,7 +276,7 @@ void InferenceAccess::reserve(KvCache& c, const std::vector<int64_t>& lengths) {
   Device& dev = *c.device_;
   for (size_t seq = 0; seq < lengths.size(); ++seq) {
     KvCache::Shard& s = *c.shards_[seq];
-    const int64_t cap = capacity_for(c, c.held_by(lengths[seq], me));
+    const int64_t cap = caps[seq];
     if (cap <= s.capacity) continue;
     const Shape shape{1, cap, o.kv_heads, o.head_dim};
     DeviceBuffer kv = dev.alloc(2 * size_t(cap * o.kv_heads * o.head_dim) * dtype_size(o.dtype));

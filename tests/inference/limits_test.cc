@@ -3,10 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <cstring>
 
 #include "ctxpar/error.h"
 #include "ctxpar/memory.h"
 #include "inference/inference_support.h"
+#include "inference/internal.h"
 
 using namespace ctxpar;
 using namespace ctxpar::testing;
@@ -145,5 +147,34 @@ TEST(Decode, BadArgumentsNameTheArgument) {
     Tensor q3(DType::f32, {2, 1, 3, 16});
     EXPECT_THROW(decode(cache, q3, k, k, out, lse), Error);  // 3 heads over 2 KV heads
     EXPECT_EQ(cache.tokens(0), 0);
+  });
+}
+
+TEST(KvCacheGrowth, WholeBlocksAtMostAQuarterAhead) {
+  for (int64_t block : {1, 16, 64})
+    for (int64_t n = 1; n < 20000; n += 1 + n / 50) {
+      const int64_t cap = capacity_for(n, block), need = (n + block - 1) / block * block;
+      EXPECT_GE(cap, need);
+      EXPECT_EQ(cap % block, 0);
+      EXPECT_LE(cap - need, need / 4) << "n=" << n << " block=" << block;
+    }
+}
+
+TEST(KvCacheGrowth, ReservedAndAppendedLocallyEqualsAppendedWhole) {
+  run_threads(2, [](Communicator& comm) {
+    KvCacheOptions o = small_options();
+    KvCache whole(comm, o), local(comm, o);
+    const Tensor k = kv_rows(70, 1), v = kv_rows(70, 2);
+    whole.append(0, k, v);
+    local.reserve({100});
+    EXPECT_EQ(local.bytes(), local.bytes_for({100}, comm.rank()));
+    const std::vector<int64_t> mine = local.placement(0, 70, comm.rank());
+    local.append_local(0, 70, rows_of(k, mine), rows_of(v, mine));
+    EXPECT_EQ(local.bytes(), local.bytes_for({100}, comm.rank()));  // no growth
+    ASSERT_EQ(local.local_tokens(0), whole.local_tokens(0));
+    const Tensor a = Tensor::copy_of(whole.k(0)), b = Tensor::copy_of(local.k(0));
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.bytes()), 0);
+    const Tokens ta = whole.local_token_ids(0), tb = local.local_token_ids(0);
+    EXPECT_TRUE(std::equal(ta.positions.begin(), ta.positions.end(), tb.positions.begin()));
   });
 }
