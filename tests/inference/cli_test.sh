@@ -29,6 +29,18 @@ expect 2 '--mask none lets a token see later ones' -- "$ctxpar" decode --mask no
 expect 2 '--prefill-mode: unknown prefill mode .pass-x.' -- "$ctxpar" decode --prefill-mode pass-x
 expect 2 '--kv-heads 3 must divide --heads 8' -- "$ctxpar" decode --kv-heads 3
 expect 2 '--context must be in \[1, ' -- "$ctxpar" decode --context 0
+# The context from .npy files: [C, Hkv, D] float32 (C = 300, Hkv = 1, D = 16), written here.
+npy=$(mktemp -d)
+trap 'rm -rf "$npy"' EXIT
+header="{'descr': '<f4', 'fortran_order': False, 'shape': (300, 1, 16), }"
+while (( (10 + ${#header} + 1) % 64 )); do header+=" "; done
+{ printf '\x93NUMPY\x01\x00'; printf "\\x$(printf %02x $(( (${#header} + 1) % 256 )))\\x$(printf %02x $(( (${#header} + 1) / 256 )))";
+  printf '%s\n' "$header"; head -c $((300 * 16 * 4)) /dev/zero | tr '\000' '\074'; } > "$npy/k.npy"
+cp "$npy/k.npy" "$npy/v.npy"
+expect 0 '"context_tokens": 300' -- "$ctxpar" decode --context 300 --heads 2 --kv-heads 1 \
+  --head-dim 16 --ranks 3 --tokens 2 --k-npy "$npy/k.npy" --v-npy "$npy/v.npy" --json
+expect 2 '--k-npy .*expected shape \[C, 1, 16\] .* with C >= 400' -- "$ctxpar" decode --context 400 \
+  --heads 2 --kv-heads 1 --head-dim 16 --k-npy "$npy/k.npy" --v-npy "$npy/v.npy"
 if [[ -n $mpiexec ]]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
   expect 0 '"transport": "mpi", "ranks": 2' -- "$mpiexec" -n 2 --oversubscribe \

@@ -17,6 +17,7 @@
 #include "ctxpar/memory.h"
 #include "ctxpar/npy.h"
 #include "options.h"
+#include "rank_agreement.h"
 
 namespace ctxpar::cli {
 namespace {
@@ -59,8 +60,9 @@ Tensor context_rows(const DecodeConfig& c, const std::string& npy, const std::ve
                        o.dtype);
   const NpyHeader h = read_npy_header(npy);
   const int token_dim = h.shape.size() == 4 ? 1 : 0;
-  Tensor t = read_npy_rows(npy, token_dim, rows, o.dtype);
-  return Tensor::copy_of(t.view(), o.dtype);
+  const Tensor t = read_npy_rows(npy, token_dim, rows, o.dtype);  // contiguous
+  return Tensor::copy_of(TensorView(t.data(), t.dtype(),
+                                    {1, int64_t(rows.size()), o.kv_heads, o.head_dim}));
 }
 
 struct Report {
@@ -323,6 +325,16 @@ int cmd_decode(int argc, char** argv) {
                      limit.shortfall(here) + "; use a shorter --context, fewer --kv-heads or " +
                      "--dtype bf16");
 
+  if (use_mpi) {  // every process parsed its own command line: refuse ranks that differ
+    Signature sig;
+    for (const char* name : {"context", "lengths", "batch", "tokens", "heads", "kv-heads",
+                             "head-dim", "dtype", "mask", "block", "prefill", "prefill-mode",
+                             "chunk", "max-cache-bytes", "threads", "seed"})
+      sig.push_back({name, o.str(name)});
+    for (const std::string& path : {c.k_npy, c.v_npy})
+      sig.push_back({"npy", path.empty() ? "" : path + ", " + file_fingerprint(path)});
+    agree_across_ranks(mpi_world(), sig, "decode");
+  }
   Report report;
   const std::string used = use_mpi ? "mpi" : "threads";
   try {
