@@ -52,24 +52,51 @@ void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const 
                                  docs);
   }
 
-  // This rank's partial result: [O fp32 [B, Tn, Hq, D] | LSE [B, Hq, Tn]], one message.
-  const size_t o_bytes = size_t(b * tn * hq * d) * 4, part_bytes = o_bytes + size_t(b * hq * tn) * 4;
+  // Note [Decode packs a KV head's query heads as rows]: one new token has Hq query rows
+  // against the whole shard, and g = Hq / Hkv of them read the same KV head. Passed as they
+  // are, the kernel would stream the shard's K/V once per query head, and decode is bound by
+  // that stream. Packed as q_g [1, Tn * g, Hkv, D] (row t * g + j = query head h * g + j of
+  // token t, for KV head h; each row has its token's position), each KV head is read once for
+  // its g heads. The partials stay in this layout; the merged result is unpacked into out, lse.
+  const int64_t hkv = o.kv_heads, g = hq / hkv, rows = tn * g;
+  DeviceBuffer q_buffer = dev.alloc(size_t(b * rows * hkv * d) * dtype_size(q.dtype()));
+  const TensorView q_g = q_buffer.view(q.dtype(), {b, rows, hkv, d});
+  std::vector<int64_t> row_positions;
+  std::vector<int32_t> row_documents;
+  // q's (or out's) g heads of KV head h of token t of sequence s, as [1, g, Hkv, D].
+  auto heads_of = [&](const TensorView& t4, int64_t s, int64_t t) {
+    return TensorView(static_cast<std::byte*>(t4.data()) +
+                          t4.offset(s, t) * int64_t(dtype_size(t4.dtype())),
+                      t4.dtype(), {1, g, hkv, d}, {0, t4.stride(2), g * t4.stride(2), 1});
+  };
+  for (int64_t s = 0; s < b; ++s)
+    for (int64_t t = 0; t < tn; ++t) {
+      dev.copy(kComputeStream, heads_of(q, s, t), q_g.slice(0, s, s + 1).slice(1, t * g, t * g + g));
+      for (int64_t j = 0; j < g; ++j) {
+        row_positions.push_back(positions[s * tn + t]);
+        if (o.mask.documents) row_documents.push_back(documents[s * tn + t]);
+      }
+    }
+
+  // This rank's partial result: [O fp32 [B, Tn g, Hkv, D] | LSE [B, Hkv, Tn g]], one message.
+  const size_t o_bytes = size_t(b * rows * hkv * d) * 4, part_bytes = o_bytes + size_t(b * hkv * rows) * 4;
   const int p = comm.size();
   DeviceBuffer parts = dev.alloc(part_bytes * size_t(p));
-  auto part_o = [&](int r) { return parts.view(DType::f32, {b, tn, hq, d}, r * part_bytes); };
+  auto part_o = [&](int r) { return parts.view(DType::f32, {b, rows, hkv, d}, r * part_bytes); };
   auto part_lse = [&](int r) {
-    return parts.view(DType::f32, {b, hq, tn}, r * part_bytes + o_bytes);
+    return parts.view(DType::f32, {b, hkv, rows}, r * part_bytes + o_bytes);
   };
   const int me = comm.rank();
   std::vector<DeviceForwardState> states;
   states.reserve(size_t(b));
   for (int64_t s = 0; s < b; ++s) {
-    states.emplace_back(dev, 1, tn, hq, d);
+    states.emplace_back(dev, 1, rows, hkv, d);
     Tokens qt;
-    qt.positions = std::span<const int64_t>(positions).subspan(size_t(s * tn), size_t(tn));
-    if (o.mask.documents) qt.documents = documents.subspan(size_t(s * tn), size_t(tn));
+    qt.positions = std::span<const int64_t>(row_positions).subspan(size_t(s * rows), size_t(rows));
+    if (o.mask.documents)
+      qt.documents = std::span<const int32_t>(row_documents).subspan(size_t(s * rows), size_t(rows));
     if (cache.local_tokens(s) > 0)
-      dev.forward_block(kComputeStream, q.slice(0, s, s + 1), qt, cache.k(s), cache.v(s),
+      dev.forward_block(kComputeStream, q_g.slice(0, s, s + 1), qt, cache.k(s), cache.v(s),
                         cache.local_token_ids(s), o.mask, states.back().get(), o.kernel);
     dev.forward_finalize(kComputeStream, states.back().get(), part_o(me).slice(0, s, s + 1),
                          part_lse(me).slice(0, s, s + 1), o.kernel);
@@ -85,8 +112,18 @@ void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const 
     for (int r = 1; r < p; ++r)  // rank order: the same bits on every rank
       dev.merge(kComputeStream, part_o(0), part_lse(0), part_o(r), part_lse(r));
   }
-  dev.copy(kComputeStream, part_o(0), out);
-  dev.copy(kComputeStream, part_lse(0), lse);
+  for (int64_t s = 0; s < b; ++s)
+    for (int64_t t = 0; t < tn; ++t) {  // unpack (the Note above)
+      dev.copy(kComputeStream, part_o(0).slice(0, s, s + 1).slice(1, t * g, t * g + g),
+               heads_of(out, s, t));
+      // lse_g[s, h, t g + j] -> lse[s, h g + j, t]
+      const TensorView from = part_lse(0);
+      dev.copy(kComputeStream,
+               TensorView(from.ptr<float>() + from.offset(s, 0, t * g), DType::f32, {1, hkv, g},
+                          {0, from.stride(1), 1}),
+               TensorView(lse.ptr<float>() + lse.offset(s, 0, t), DType::f32, {1, hkv, g},
+                          {0, g * lse.stride(1), lse.stride(1)}));
+    }
   call.finish();
   call.stats().merge_seconds = CallStats::seconds_since(t_merge);
 }

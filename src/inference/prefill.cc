@@ -218,11 +218,13 @@ void agree(Communicator& comm, const std::string& error, const std::vector<int64
   std::memcpy(mine.data() + kMessage, signature.data(), signature.size() * 8);
   if (p > 1) comm.allgather(mine.data(), all.data(), bytes);
   else all = mine;
+  for (int r = 0; r < p; ++r) {  // refusals first: a refusing rank's signature says little
+    const char* theirs = reinterpret_cast<const char*>(all.data() + size_t(r) * bytes);
+    const std::string message(theirs, strnlen(theirs, kMessage));
+    CTXPAR_CHECK(message.empty(), "prefill: rank ", r, " refused its arguments: ", message);
+  }
   for (int r = 0; r < p; ++r) {
     const std::byte* theirs = all.data() + size_t(r) * bytes;
-    const std::string message(reinterpret_cast<const char*>(theirs),
-                              strnlen(reinterpret_cast<const char*>(theirs), kMessage));
-    CTXPAR_CHECK(message.empty(), "prefill: rank ", r, " refused its arguments: ", message);
     CTXPAR_CHECK(std::memcmp(theirs + kMessage, mine.data() + kMessage, bytes - kMessage) == 0,
                  "prefill: rank ", r, " called with a different sequence, token count, heads, "
                  "dtype or mode than rank ", comm.rank(), "; every rank must make the same call");

@@ -178,3 +178,18 @@ TEST(KvCacheGrowth, ReservedAndAppendedLocallyEqualsAppendedWhole) {
     EXPECT_TRUE(std::equal(ta.positions.begin(), ta.positions.end(), tb.positions.begin()));
   });
 }
+
+TEST(Prefill, RanksThatDisagreeOnTheModeAreRefused) {
+  const auto errors = errors_of(2, [](Communicator& comm) {
+    KvCache cache(comm, small_options());
+    const int64_t tl = int64_t(cache.placement(0, 50, comm.rank()).size());
+    Tensor q(DType::f32, {1, tl, 4, 16}), k(DType::f32, {1, tl, 2, 16}),
+        v(DType::f32, {1, tl, 2, 16}), out(DType::f32, {1, tl, 4, 16}),
+        lse(DType::f32, {1, 4, tl});
+    prefill(cache, 0, 50, q, k, v, out, lse,
+            comm.rank() == 1 ? PrefillMode::pass_q : PrefillMode::pass_kv);
+  });
+  for (const std::string& e : errors)
+    EXPECT_NE(e.find("called with a different sequence, token count, heads, dtype or mode"),
+              std::string::npos) << e;
+}
