@@ -78,8 +78,11 @@ void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const 
       }
     }
 
-  // This rank's partial result: [O fp32 [B, Tn g, Hkv, D] | LSE [B, Hkv, Tn g]], one message.
-  const size_t o_bytes = size_t(b * rows * hkv * d) * 4, part_bytes = o_bytes + size_t(b * hkv * rows) * 4;
+  // This rank's partial result, one message: [O fp32 [B, Tn g, Hkv, D] | LSE [B, Hkv, Tn g] |
+  // signature]; the signature (of Tn, Hq and the sequences' lengths) finds ranks whose calls or
+  // caches differ, which would otherwise merge into a wrong answer without a word.
+  const size_t o_bytes = size_t(b * rows * hkv * d) * 4,
+               lse_bytes = size_t(b * hkv * rows) * 4, part_bytes = o_bytes + lse_bytes + 8;
   const int p = comm.size();
   DeviceBuffer parts = dev.alloc(part_bytes * size_t(p));
   auto part_o = [&](int r) { return parts.view(DType::f32, {b, rows, hkv, d}, r * part_bytes); };
@@ -107,8 +110,18 @@ void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const 
     // The host touches the communicator right after synchronize (device.h's rule). The
     // all-gather's receive buffer holds this rank's own part at its place already.
     Buffer mine(part_bytes);
-    std::memcpy(mine.data(), parts.data() + me * part_bytes, part_bytes);
+    std::memcpy(mine.data(), parts.data() + me * part_bytes, part_bytes - 8);
+    uint64_t signature = 1469598103934665603ull;  // FNV-1a over the call's shape
+    auto mix = [&](int64_t x) { signature = (signature ^ uint64_t(x)) * 1099511628211ull; };
+    mix(tn), mix(hq);
+    for (int64_t n : lengths) mix(n);
+    std::memcpy(mine.data() + part_bytes - 8, &signature, 8);
     comm.allgather(mine.data(), parts.data(), part_bytes);
+    for (int r = 0; r < p; ++r)
+      CTXPAR_CHECK(std::memcmp(parts.data() + r * part_bytes + part_bytes - 8, &signature, 8) == 0,
+                   "decode: rank ", r, " called with other shapes (Tn, Hq) or holds other "
+                   "sequence lengths than rank ", me, "; every rank must make the same calls on "
+                   "the same cache");
     for (int r = 1; r < p; ++r)  // rank order: the same bits on every rank
       dev.merge(kComputeStream, part_o(0), part_lse(0), part_o(r), part_lse(r));
   }

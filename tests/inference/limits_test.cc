@@ -193,3 +193,18 @@ TEST(Prefill, RanksThatDisagreeOnTheModeAreRefused) {
     EXPECT_NE(e.find("called with a different sequence, token count, heads, dtype or mode"),
               std::string::npos) << e;
 }
+
+TEST(Decode, RanksWhoseCachesDifferAreRefused) {
+  const auto errors = errors_of(2, [](Communicator& comm) {
+    KvCache cache(comm, small_options());
+    // A misuse: append_local with a different count on each rank (nothing checks it there).
+    const int64_t count = comm.rank() == 0 ? 40 : 41;
+    const std::vector<int64_t> mine = cache.placement(0, count, comm.rank());
+    cache.append_local(0, count, rows_of(kv_rows(count, 1), mine), rows_of(kv_rows(count, 2), mine));
+    Tensor q(DType::f32, {1, 1, 4, 16}), k(DType::f32, {1, 1, 2, 16}), out(DType::f32, {1, 1, 4, 16}),
+        lse(DType::f32, {1, 4, 1});
+    decode(cache, q, k, k, out, lse);
+  });
+  for (const std::string& e : errors)
+    EXPECT_NE(e.find("holds other sequence lengths"), std::string::npos) << e;
+}
