@@ -7,4 +7,5 @@ int cmd_attention(int argc, char** argv);
 int cmd_bench(int argc, char** argv);
 int cmd_train(int argc, char** argv);
 int cmd_plan(int argc, char** argv);
+int cmd_decode(int argc, char** argv);
 }  // namespace ctxpar::cli

@@ -28,6 +28,7 @@ const Command kCommands[] = {
     {"bench", ctxpar::cli::cmd_bench, "benchmarks: the kernel against the FMA peak; CP sweeps"},
     {"train", ctxpar::cli::cmd_train, "train a transformer with context parallelism"},
     {"plan", ctxpar::cli::cmd_plan, "memory / communication / overlap model for real clusters"},
+    {"decode", ctxpar::cli::cmd_decode, "long-context inference: spread KV cache, prefill, decode"},
 };
 
 void usage(FILE* out) {

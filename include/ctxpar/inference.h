@@ -1,0 +1,168 @@
+// Long-context inference with the KV cache spread over the ranks of a communicator: prefill
+// (pass-KV or pass-Q) and decode (each rank attends over its shard; the partial (O, LSE) pairs
+// merge exactly, in rank order). After Yang et al. 2024, "Context Parallelism for Scalable
+// Million-Token Inference". See docs/inference.md (with diagrams).
+//
+// Shapes (per call, row-major as in kernel.h):
+//   cache shard of sequence b   k, v [1, n_r, Hkv, D]   fp32 or bf16 (KvCacheOptions::dtype)
+//   decode                      q, out [B, Tn, Hq, D]; k_new, v_new [B, Tn, Hkv, D];
+//                               lse [B, Hq, Tn] fp32 — the same on every rank
+//   prefill (one sequence)      q, out [1, Tl, Hq, D]; k, v [1, Tl, Hkv, D]; lse [1, Hq, Tl]:
+//                               this rank's Tl rows of the T new tokens (KvCache::placement)
+// Token t of a sequence (0-based) has global position t and lives on rank (t / block) mod P
+// ("block round-robin"): every rank's share stays within one block of the others', new tokens
+// never move old ones, and where a token lives depends on t alone (not on how the sequence
+// was cut into prefill and decode calls), so decode results are bitwise the same whatever
+// was prefilled before.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ctxpar/comm.h"
+#include "ctxpar/device.h"
+#include "ctxpar/kernel.h"
+#include "ctxpar/mask.h"
+#include "ctxpar/tensor.h"
+
+namespace ctxpar {
+
+struct KvCacheOptions {
+  int64_t sequences = 1;        // B: sequences held (each has its own length)
+  int64_t kv_heads = 1;         // Hkv
+  int64_t head_dim = 64;        // D (16..256)
+  DType dtype = DType::f32;     // k, v storage: fp32 or bf16
+  int64_t block = kKernelTile;  // placement block (tokens); a kernel tile by default
+  Mask mask;                    // the attention's mask (documents: a document id per token)
+  KernelConfig kernel;
+  DeviceOptions device;         // each rank makes its own device of this kind
+  // Limits per rank; a call that would pass one is refused before anything changes, with an
+  // Error naming the field (every rank computes every rank's share, so all refuse together).
+  // Bytes count whole blocks of tokens (kv_cache_bytes), not the spare room of growth.
+  int64_t max_tokens_per_rank = 0;  // tokens of all sequences on one rank; 0: no limit
+  double max_bytes_per_rank = 0;    // bytes of the shards on one rank; 0: no limit
+  // Also refuse growth beyond ctxpar::memory_limit() (memory.h) of this process.
+  bool check_memory_limit = true;
+};
+
+enum class PrefillMode { automatic, pass_kv, pass_q };
+const char* prefill_mode_name(PrefillMode m);
+PrefillMode parse_prefill_mode(const std::string& name);  // "auto" | "pass-kv" | "pass-q"
+
+// What one rank did in the last decode / prefill call.
+struct InferenceStats {
+  uint64_t bytes_sent = 0, bytes_received = 0;  // this rank, counted by the communicator
+  double wall_seconds = 0;
+  double attention_seconds = 0;  // inside kernel operations (the device's busy time)
+  double merge_seconds = 0;      // decode: all-gather of the partials and their merge
+  PrefillMode mode = PrefillMode::automatic;  // prefill: the mode that ran
+};
+
+class KvCache {
+ public:
+  // Checks the options (Error naming the field). Not collective: no communication.
+  KvCache(Communicator& comm, const KvCacheOptions& options);
+  ~KvCache();
+  KvCache(const KvCache&) = delete;
+  KvCache& operator=(const KvCache&) = delete;
+
+  const KvCacheOptions& options() const { return options_; }
+  Communicator& comm() { return comm_; }
+  Device& device() { return *device_; }
+  int ranks() const { return comm_.size(); }
+
+  // The placement rule (pure functions of the token index; any rank may ask about any rank).
+  int rank_of(int64_t index) const;
+  // Tokens among the first n of a sequence that rank r holds.
+  int64_t held_by(int64_t n, int rank) const;
+  // Indices in [first, first + count) that rank r holds, increasing.
+  std::vector<int64_t> placement(int64_t first, int64_t count, int rank) const;
+
+  int64_t tokens(int64_t seq) const;        // global length of sequence seq
+  int64_t local_tokens(int64_t seq) const;  // held by this rank
+  // This rank's shard of sequence seq: k, v [1, n_r, Hkv, D] and their tokens (valid until the
+  // next call that appends).
+  TensorView k(int64_t seq) const;
+  TensorView v(int64_t seq) const;
+  Tokens local_token_ids(int64_t seq) const;
+  // Bytes of this rank's shards now (capacity included: a shard grows in whole blocks, at most
+  // 25% ahead of its tokens, unless reserved), and what rank r needs for `lengths` tokens per
+  // sequence in whole blocks (the arithmetic the limits use, the same on every rank).
+  size_t bytes() const;
+  size_t bytes_for(const std::vector<int64_t>& lengths, int rank) const;
+  // Sizes every shard for `lengths` tokens per sequence at once (whole blocks, no spare), so
+  // that appending up to them neither copies nor takes more memory. Checked like an append.
+  void reserve(const std::vector<int64_t>& lengths);
+  size_t token_bytes() const;  // one token's k + v + position (+ document id)
+
+  // Appends the K/V of `count` new tokens to sequence seq: k, v [1, count, Hkv, D] hold every
+  // new token (the same on every rank); each rank keeps the ones the rule gives it. documents
+  // has `count` ids when the mask uses documents. No communication.
+  void append(int64_t seq, const TensorView& k, const TensorView& v,
+              std::span<const int32_t> documents = {});
+
+  // The same for a rank that has only its own rows: k, v [1, m, Hkv, D] are the rows
+  // placement(tokens(seq), count, rank()) of the `count` new tokens. Every rank must call it
+  // with the same count (no communication checks that).
+  void append_local(int64_t seq, int64_t count, const TensorView& k, const TensorView& v,
+                    std::span<const int32_t> documents = {});
+
+  const InferenceStats& last_stats() const { return stats_; }
+
+ private:
+  friend struct InferenceAccess;
+  struct Shard;
+  Communicator& comm_;
+  KvCacheOptions options_;
+  std::unique_ptr<Device> device_;
+  std::vector<std::unique_ptr<Shard>> shards_;  // one per sequence
+  InferenceStats stats_;
+};
+
+// Bytes rank `rank` (of `ranks`) needs when the sequences have `lengths` tokens, in whole
+// blocks: KvCache::bytes_for without a communicator (the CLI's check before it starts).
+size_t kv_cache_bytes(const KvCacheOptions& options, const std::vector<int64_t>& lengths,
+                      int ranks, int rank);
+
+// Decode: Tn new tokens (usually 1) of every sequence at once, sequences of any lengths.
+// Appends their K/V (each on the rank the rule names), then every rank attends q over its
+// shards, and the P partial (O, LSE) pairs are all-gathered and merged in rank order 0..P-1
+// (merge(), kernel.h): out and lse are bitwise the same on every rank, and for given inputs
+// do not depend on how earlier tokens were prefilled or decoded. documents: B * Tn ids
+// (row-major) when the mask uses documents. Collective.
+void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const TensorView& v_new,
+            const TensorView& out, const TensorView& lse,
+            std::span<const int32_t> documents = {});
+
+// Bytes that prefilling `new_tokens` after `cached` tokens of one sequence moves, all ranks
+// together, in each mode (exactly what the communicators count):
+//   pass-KV: every shard (cache + new rows) travels P-1 hops: (P-1) * sum_r kv_bytes(n_r)
+//   pass-Q:  every rank's query rows travel P-1 hops, and P-1 partial (O, LSE) of each go home:
+//            (P-1) * sum_r Tl_r * (Hq * D * q_bytes + 8 [+4] + Hq * (D + 1) * 4)
+// pass-Q moves fewer when the cache is much longer than the new tokens (C >> T).
+struct PrefillBytes {
+  uint64_t pass_kv = 0, pass_q = 0;
+};
+struct PrefillShape {
+  int64_t cached = 0, new_tokens = 0;
+  int ranks = 1;
+  int64_t hq = 1, hkv = 1, head_dim = 64, block = kKernelTile;
+  DType kv_dtype = DType::f32, q_dtype = DType::f32;
+  bool documents = false;
+};
+PrefillBytes predict_prefill_bytes(const PrefillShape& shape);
+// The mode with fewer bytes (pass-KV on a tie); `forced` other than automatic wins.
+PrefillMode choose_prefill(const PrefillShape& shape, PrefillMode forced = PrefillMode::automatic);
+
+// Prefill of `new_tokens` tokens of sequence seq after its cached ones: q, k, v hold this
+// rank's rows of them (cache.placement(tokens(seq), new_tokens, rank)); out, lse receive the
+// attention of those rows over the whole sequence (cache and new tokens, under the mask).
+// Appends the new K/V to this rank's shard. Returns the mode that ran. Collective.
+PrefillMode prefill(KvCache& cache, int64_t seq, int64_t new_tokens, const TensorView& q,
+                    const TensorView& k, const TensorView& v, const TensorView& out,
+                    const TensorView& lse, PrefillMode mode = PrefillMode::automatic,
+                    std::span<const int32_t> documents = {});
+
+}  // namespace ctxpar

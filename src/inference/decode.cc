@@ -1,0 +1,144 @@
+// Decode: Tn new tokens of each of B sequences against the spread KV cache. See
+// docs/inference.md, "Decode".
+//
+//   every rank                      (q, k_new, v_new replicated)
+//     append k_new, v_new rows the placement rule gives this rank
+//     (O_r, LSE_r) = attention(q, this rank's shard)          [B, Tn, Hq, D], [B, Hq, Tn]
+//   all-gather (O_r, LSE_r), r = 0..P-1
+//   O, LSE = merge(...merge(merge(O_0, O_1), O_2)..., O_{P-1})  rank order, on every rank
+//
+// The merge order is fixed (not "whoever arrives first"), so out is bitwise the same on every
+// rank and run; each shard's tokens depend only on their indices, so out does not depend on how
+// the earlier tokens were cut into prefill and decode calls either.
+#include <cstring>
+
+#include "ctxpar/error.h"
+#include "inference/internal.h"
+
+namespace ctxpar {
+
+void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const TensorView& v_new,
+            const TensorView& out, const TensorView& lse, std::span<const int32_t> documents) {
+  // q, out [B, Tn, Hq, D]; k_new, v_new [B, Tn, Hkv, D]; lse [B, Hq, Tn]
+  const KvCacheOptions& o = cache.options();
+  const int64_t b = o.sequences, d = o.head_dim;
+  CTXPAR_CHECK(q.ndim() == 4, "q: expected [B, Tn, Hq, D], got ", shape_str(q.shape()));
+  const int64_t tn = q.dim(1), hq = q.dim(2);
+  CTXPAR_CHECK(tn >= 1, "q: decode needs at least one new token per sequence (Tn >= 1)");
+  check_rows("q", q, b, tn, hq, d);
+  CTXPAR_CHECK(hq % o.kv_heads == 0, "q: query heads (", hq, ") must be a multiple of the ",
+               "cache's KV heads (KvCacheOptions::kv_heads = ", o.kv_heads, ")");
+  check_rows("k_new", k_new, b, tn, o.kv_heads, d);
+  check_rows("v_new", v_new, b, tn, o.kv_heads, d);
+  check_rows("out", out, b, tn, hq, d);
+  check_lse("lse", lse, b, hq, tn);
+  CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == b * tn, "documents: the mask ",
+               "uses documents: give B * Tn = ", b * tn, " ids (row-major), got ",
+               documents.size());
+
+  CallStats call(cache);
+  Device& dev = cache.device();
+  Communicator& comm = cache.comm();
+  std::vector<int64_t> lengths(static_cast<size_t>(b)), positions(static_cast<size_t>(b * tn));
+  for (int64_t s = 0; s < b; ++s) {
+    lengths[s] = cache.tokens(s) + tn;
+    for (int64_t i = 0; i < tn; ++i) positions[s * tn + i] = cache.tokens(s) + i;
+  }
+  InferenceAccess::reserve(cache, lengths);
+  for (int64_t s = 0; s < b; ++s) {
+    std::span<const int32_t> docs;
+    if (o.mask.documents) docs = documents.subspan(size_t(s * tn), size_t(tn));
+    InferenceAccess::append_rows(cache, s, k_new.slice(0, s, s + 1), v_new.slice(0, s, s + 1),
+                                 docs);
+  }
+
+  // Note [Decode packs a KV head's query heads as rows]: one new token has Hq query rows
+  // against the whole shard, and g = Hq / Hkv of them read the same KV head. Passed as they
+  // are, the kernel would stream the shard's K/V once per query head, and decode is bound by
+  // that stream. Packed as q_g [1, Tn * g, Hkv, D] (row t * g + j = query head h * g + j of
+  // token t, for KV head h; each row has its token's position), each KV head is read once for
+  // its g heads. The partials stay in this layout; the merged result is unpacked into out, lse.
+  const int64_t hkv = o.kv_heads, g = hq / hkv, rows = tn * g;
+  DeviceBuffer q_buffer = dev.alloc(size_t(b * rows * hkv * d) * dtype_size(q.dtype()));
+  const TensorView q_g = q_buffer.view(q.dtype(), {b, rows, hkv, d});
+  std::vector<int64_t> row_positions;
+  std::vector<int32_t> row_documents;
+  // q's (or out's) g heads of KV head h of token t of sequence s, as [1, g, Hkv, D].
+  auto heads_of = [&](const TensorView& t4, int64_t s, int64_t t) {
+    return TensorView(static_cast<std::byte*>(t4.data()) +
+                          t4.offset(s, t) * int64_t(dtype_size(t4.dtype())),
+                      t4.dtype(), {1, g, hkv, d}, {0, t4.stride(2), g * t4.stride(2), 1});
+  };
+  for (int64_t s = 0; s < b; ++s)
+    for (int64_t t = 0; t < tn; ++t) {
+      dev.copy(kComputeStream, heads_of(q, s, t), q_g.slice(0, s, s + 1).slice(1, t * g, t * g + g));
+      for (int64_t j = 0; j < g; ++j) {
+        row_positions.push_back(positions[s * tn + t]);
+        if (o.mask.documents) row_documents.push_back(documents[s * tn + t]);
+      }
+    }
+
+  // This rank's partial result, one message: [O fp32 [B, Tn g, Hkv, D] | LSE [B, Hkv, Tn g] |
+  // signature]; the signature (of Tn, Hq and the sequences' lengths) finds ranks whose calls or
+  // caches differ, which would otherwise merge into a wrong answer without a word.
+  const size_t o_bytes = size_t(b * rows * hkv * d) * 4,
+               lse_bytes = size_t(b * hkv * rows) * 4, part_bytes = o_bytes + lse_bytes + 8;
+  const int p = comm.size();
+  DeviceBuffer parts = dev.alloc(part_bytes * size_t(p));
+  auto part_o = [&](int r) { return parts.view(DType::f32, {b, rows, hkv, d}, r * part_bytes); };
+  auto part_lse = [&](int r) {
+    return parts.view(DType::f32, {b, hkv, rows}, r * part_bytes + o_bytes);
+  };
+  const int me = comm.rank();
+  std::vector<DeviceForwardState> states;
+  states.reserve(size_t(b));
+  for (int64_t s = 0; s < b; ++s) {
+    states.emplace_back(dev, 1, rows, hkv, d);
+    Tokens qt;
+    qt.positions = std::span<const int64_t>(row_positions).subspan(size_t(s * rows), size_t(rows));
+    if (o.mask.documents)
+      qt.documents = std::span<const int32_t>(row_documents).subspan(size_t(s * rows), size_t(rows));
+    if (cache.local_tokens(s) > 0)
+      dev.forward_block(kComputeStream, q_g.slice(0, s, s + 1), qt, cache.k(s), cache.v(s),
+                        cache.local_token_ids(s), o.mask, states.back().get(), o.kernel);
+    dev.forward_finalize(kComputeStream, states.back().get(), part_o(me).slice(0, s, s + 1),
+                         part_lse(me).slice(0, s, s + 1), o.kernel);
+  }
+  dev.synchronize();
+  const auto t_merge = std::chrono::steady_clock::now();
+  if (p > 1) {
+    // The host touches the communicator right after synchronize (device.h's rule). The
+    // all-gather's receive buffer holds this rank's own part at its place already.
+    Buffer mine(part_bytes);
+    std::memcpy(mine.data(), parts.data() + me * part_bytes, part_bytes - 8);
+    uint64_t signature = 1469598103934665603ull;  // FNV-1a over the call's shape
+    auto mix = [&](int64_t x) { signature = (signature ^ uint64_t(x)) * 1099511628211ull; };
+    mix(tn), mix(hq);
+    for (int64_t n : lengths) mix(n);
+    std::memcpy(mine.data() + part_bytes - 8, &signature, 8);
+    comm.allgather(mine.data(), parts.data(), part_bytes);
+    for (int r = 0; r < p; ++r)
+      CTXPAR_CHECK(std::memcmp(parts.data() + r * part_bytes + part_bytes - 8, &signature, 8) == 0,
+                   "decode: rank ", r, " called with other shapes (Tn, Hq) or holds other "
+                   "sequence lengths than rank ", me, "; every rank must make the same calls on "
+                   "the same cache");
+    for (int r = 1; r < p; ++r)  // rank order: the same bits on every rank
+      dev.merge(kComputeStream, part_o(0), part_lse(0), part_o(r), part_lse(r));
+  }
+  for (int64_t s = 0; s < b; ++s)
+    for (int64_t t = 0; t < tn; ++t) {  // unpack (the Note above)
+      dev.copy(kComputeStream, part_o(0).slice(0, s, s + 1).slice(1, t * g, t * g + g),
+               heads_of(out, s, t));
+      // lse_g[s, h, t g + j] -> lse[s, h g + j, t]
+      const TensorView from = part_lse(0);
+      dev.copy(kComputeStream,
+               TensorView(from.ptr<float>() + from.offset(s, 0, t * g), DType::f32, {1, hkv, g},
+                          {0, from.stride(1), 1}),
+               TensorView(lse.ptr<float>() + lse.offset(s, 0, t), DType::f32, {1, hkv, g},
+                          {0, g * lse.stride(1), lse.stride(1)}));
+    }
+  call.finish();
+  call.stats().merge_seconds = CallStats::seconds_since(t_merge);
+}
+
+}  // namespace ctxpar

@@ -1,0 +1,84 @@
+// Private pieces shared by the inference files: the cache's per-sequence shard, and what
+// decode and prefill do to a cache (grow it within its limits, store rows, keep stats).
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "ctxpar/inference.h"
+
+namespace ctxpar {
+
+// One sequence's share on this rank: k [1, capacity, Hkv, D] then v in `kv`; the first
+// `local` slots hold tokens, in increasing position (the placement rule keeps them so).
+struct KvCache::Shard {
+  int64_t length = 0;    // tokens of the whole sequence, all ranks
+  int64_t capacity = 0;  // token slots in kv
+  DeviceBuffer kv;
+  std::vector<int64_t> positions;  // reserved to capacity: never moves while ops are queued
+  std::vector<int32_t> documents;  // only with a documents mask
+};
+
+struct InferenceAccess {
+  // Makes room for the sequences to reach `lengths` (one per sequence): checks every rank's
+  // share against the limits first (the same verdict on every rank, before anything changes),
+  // then this rank's memory_limit(), then grows this rank's buffers (stream-ordered copies).
+  // `exact`: to the whole blocks needed (KvCache::reserve); else by the growth rule.
+  static void reserve(KvCache& c, const std::vector<int64_t>& lengths, bool exact = false);
+  // Stores rows of sequence seq: `indices` (increasing, all this rank's, following the ones it
+  // holds) with k, v [1, m, Hkv, D] and m document ids (documents mask). Enqueued copies.
+  static void store(KvCache& c, int64_t seq, std::span<const int64_t> indices,
+                    const TensorView& k, const TensorView& v, std::span<const int32_t> documents);
+  // Stores the rows of the `count` = k.dim(1) new tokens of sequence seq (k, v [1, count, Hkv,
+  // D], the same on every rank) that this rank holds, and counts them in the length.
+  static void append_rows(KvCache& c, int64_t seq, const TensorView& k, const TensorView& v,
+                          std::span<const int32_t> documents);
+  static void set_length(KvCache& c, int64_t seq, int64_t n) { c.shards_[seq]->length = n; }
+  static InferenceStats& stats(KvCache& c) { return c.stats_; }
+};
+
+// Tokens among the first n of a sequence that `rank` of `ranks` holds (block round-robin).
+int64_t placement_held_by(int64_t n, int rank, int ranks, int64_t block);
+
+// Token slots a shard of n tokens takes: whole blocks, doubling (0 for n = 0).
+int64_t capacity_for(int64_t n, int64_t block);
+
+// Fills the cache's InferenceStats for one call: bytes counted by the communicator, wall time
+// and the device's busy time between construction and finish() (which synchronises first).
+class CallStats {
+ public:
+  explicit CallStats(KvCache& cache)
+      : cache_(cache), stats_(InferenceAccess::stats(cache)),
+        counters_(cache.comm().counters()), device_(cache.device().counters()),
+        t0_(std::chrono::steady_clock::now()) {
+    stats_ = InferenceStats{};
+  }
+  InferenceStats& stats() { return stats_; }
+  void finish() {
+    cache_.device().synchronize();
+    const CommCounters now = cache_.comm().counters();
+    stats_.bytes_sent = now.bytes_sent - counters_.bytes_sent;
+    stats_.bytes_received = now.bytes_received - counters_.bytes_received;
+    stats_.attention_seconds = cache_.device().counters().busy_seconds - device_.busy_seconds;
+    stats_.wall_seconds = seconds_since(t0_);
+  }
+  static double seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+ private:
+  KvCache& cache_;
+  InferenceStats& stats_;
+  CommCounters counters_;
+  DeviceCounters device_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+// The checks every call shares: a [B, T, H, D] activation of the cache's head dim and of fp32
+// or bf16 (fp32 only when !bf16), with `what` naming the argument. Throws ctxpar::Error.
+void check_rows(const char* what, const TensorView& t, int64_t b, int64_t tokens, int64_t heads,
+                int64_t d, bool bf16 = true);
+void check_lse(const char* what, const TensorView& t, int64_t b, int64_t heads, int64_t tokens);
+
+}  // namespace ctxpar

@@ -1,0 +1,312 @@
+// KvCache: the K/V of B sequences spread over the ranks of a communicator, block round-robin.
+// See docs/inference.md, "Placement".
+//
+//   token t of a sequence lives on rank (t / block) mod P, at local slot held_by(t, rank):
+//
+//     t:     0 .. 63 | 64 .. 127 | 128 .. 191 | 192 .. 255 | 256 .. 319 | ...   (block 64, P = 2)
+//     rank:      0   |     1     |      0     |      1     |      0     | ...
+//
+// A shard's buffer grows by doubling (whole blocks), never moving a token to another rank.
+#include <algorithm>
+#include <cstring>
+
+#include "ctxpar/error.h"
+#include "ctxpar/memory.h"
+#include "inference/internal.h"
+
+namespace ctxpar {
+
+const char* prefill_mode_name(PrefillMode m) {
+  switch (m) {
+    case PrefillMode::automatic: return "auto";
+    case PrefillMode::pass_kv: return "pass-kv";
+    case PrefillMode::pass_q: return "pass-q";
+  }
+  return "?";
+}
+
+PrefillMode parse_prefill_mode(const std::string& name) {
+  if (name == "auto") return PrefillMode::automatic;
+  if (name == "pass-kv") return PrefillMode::pass_kv;
+  if (name == "pass-q") return PrefillMode::pass_q;
+  throw Error("unknown prefill mode '" + name + "'; valid: auto, pass-kv, pass-q");
+}
+
+void check_rows(const char* what, const TensorView& t, int64_t b, int64_t tokens, int64_t heads,
+                int64_t d, bool bf16) {
+  CTXPAR_CHECK(!t.empty() || b * tokens == 0, what, ": tensor is empty, expected ",
+               shape_str({b, tokens, heads, d}));
+  CTXPAR_CHECK(t.ndim() == 4 && t.shape() == Shape({b, tokens, heads, d}), what,
+               ": expected shape [B, T, H, D] = ", shape_str({b, tokens, heads, d}), ", got ",
+               shape_str(t.shape()));
+  CTXPAR_CHECK(t.dtype() == DType::f32 || (bf16 && t.dtype() == DType::bf16), what,
+               ": expected dtype ", bf16 ? "fp32 or bf16" : "fp32", ", got ",
+               dtype_name(t.dtype()));
+  CTXPAR_CHECK(d <= 1 || t.stride(3) == 1, what, ": the head dimension must be contiguous");
+}
+
+void check_lse(const char* what, const TensorView& t, int64_t b, int64_t heads, int64_t tokens) {
+  CTXPAR_CHECK(t.ndim() == 3 && t.shape() == Shape({b, heads, tokens}) &&
+                   t.dtype() == DType::f32,
+               what, ": expected fp32 [B, H, T] = ", shape_str({b, heads, tokens}), ", got ",
+               dtype_name(t.dtype()), " ", shape_str(t.shape()));
+}
+
+KvCache::KvCache(Communicator& comm, const KvCacheOptions& options)
+    : comm_(comm), options_(options) {
+  const KvCacheOptions& o = options;
+  CTXPAR_CHECK(o.sequences >= 1, "KvCacheOptions::sequences must be >= 1, got ", o.sequences);
+  CTXPAR_CHECK(o.kv_heads >= 1, "KvCacheOptions::kv_heads must be >= 1, got ", o.kv_heads);
+  CTXPAR_CHECK(o.head_dim >= 16 && o.head_dim <= 256,
+               "KvCacheOptions::head_dim must be in 16..256 (the kernel's range), got ",
+               o.head_dim);
+  CTXPAR_CHECK(o.dtype == DType::f32 || o.dtype == DType::bf16,
+               "KvCacheOptions::dtype must be fp32 or bf16, got ", dtype_name(o.dtype));
+  CTXPAR_CHECK(o.block >= 1 && o.block <= (int64_t{1} << 30),
+               "KvCacheOptions::block must be in 1..2^30 tokens, got ", o.block);
+  CTXPAR_CHECK(o.max_tokens_per_rank >= 0,
+               "KvCacheOptions::max_tokens_per_rank must be >= 0 (0: no limit), got ",
+               o.max_tokens_per_rank);
+  CTXPAR_CHECK(o.max_bytes_per_rank >= 0,
+               "KvCacheOptions::max_bytes_per_rank must be >= 0 (0: no limit), got ",
+               o.max_bytes_per_rank);
+  device_ = make_device(o.device, comm.rank());
+  for (int64_t b = 0; b < o.sequences; ++b) shards_.push_back(std::make_unique<Shard>());
+}
+
+KvCache::~KvCache() {
+  try {
+    device_->synchronize();
+  } catch (...) {  // an error in flight already says what went wrong
+  }
+  shards_.clear();
+}
+
+int KvCache::rank_of(int64_t index) const {
+  return int((index / options_.block) % comm_.size());
+}
+
+int64_t KvCache::held_by(int64_t n, int rank) const {
+  return placement_held_by(n, rank, comm_.size(), options_.block);
+}
+
+std::vector<int64_t> KvCache::placement(int64_t first, int64_t count, int rank) const {
+  std::vector<int64_t> out;
+  const int64_t block = options_.block, end = first + count;
+  for (int64_t t = first; t < end;) {
+    const int64_t block_end = std::min(end, (t / block + 1) * block);
+    if (rank_of(t) == rank)
+      for (int64_t i = t; i < block_end; ++i) out.push_back(i);
+    t = block_end;
+  }
+  return out;
+}
+
+int64_t KvCache::tokens(int64_t seq) const {
+  CTXPAR_CHECK(seq >= 0 && seq < options_.sequences, "sequence ", seq, " out of range: the cache ",
+               "holds ", options_.sequences, " (KvCacheOptions::sequences)");
+  return shards_[seq]->length;
+}
+
+int64_t KvCache::local_tokens(int64_t seq) const {
+  tokens(seq);  // checks seq
+  return int64_t(shards_[seq]->positions.size());
+}
+
+TensorView KvCache::k(int64_t seq) const {
+  const Shard& s = *shards_[seq];
+  const int64_t n = local_tokens(seq);
+  if (s.kv.empty()) return TensorView();
+  return s.kv.view(options_.dtype, {1, s.capacity, options_.kv_heads, options_.head_dim})
+      .slice(1, 0, n);
+}
+
+TensorView KvCache::v(int64_t seq) const {
+  const Shard& s = *shards_[seq];
+  const int64_t n = local_tokens(seq);
+  if (s.kv.empty()) return TensorView();
+  const Shape shape{1, s.capacity, options_.kv_heads, options_.head_dim};
+  return s.kv.view(options_.dtype, shape, s.kv.size() / 2).slice(1, 0, n);
+}
+
+Tokens KvCache::local_token_ids(int64_t seq) const {
+  const Shard& s = *shards_[seq];
+  const size_t n = size_t(local_tokens(seq));
+  Tokens t;
+  t.positions = std::span<const int64_t>(s.positions.data(), n);
+  if (options_.mask.documents) t.documents = std::span<const int32_t>(s.documents.data(), n);
+  return t;
+}
+
+namespace {
+size_t bytes_per_token(const KvCacheOptions& o) {
+  return 2 * size_t(o.kv_heads * o.head_dim) * dtype_size(o.dtype) + 8 + (o.mask.documents ? 4 : 0);
+}
+int64_t whole_blocks(int64_t n, int64_t block) { return (n + block - 1) / block * block; }
+}  // namespace
+
+size_t KvCache::token_bytes() const { return bytes_per_token(options_); }
+
+size_t KvCache::bytes() const {
+  size_t total = 0;
+  for (const auto& s : shards_) total += size_t(s->capacity) * token_bytes();
+  return total;
+}
+
+size_t KvCache::bytes_for(const std::vector<int64_t>& lengths, int rank) const {
+  return kv_cache_bytes(options_, lengths, comm_.size(), rank);
+}
+
+size_t kv_cache_bytes(const KvCacheOptions& o, const std::vector<int64_t>& lengths, int ranks,
+                      int rank) {
+  size_t total = 0;
+  for (int64_t n : lengths)
+    total += size_t(whole_blocks(placement_held_by(n, rank, ranks, o.block), o.block));
+  return total * bytes_per_token(o);
+}
+
+void KvCache::append(int64_t seq, const TensorView& k, const TensorView& v,
+                     std::span<const int32_t> documents) {
+  const KvCacheOptions& o = options_;
+  const int64_t count = k.ndim() == 4 ? k.dim(1) : 0;
+  check_rows("k", k, 1, count, o.kv_heads, o.head_dim);
+  check_rows("v", v, 1, count, o.kv_heads, o.head_dim);
+  CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == count, "documents: the mask ",
+               "uses documents, so give one id per new token (", count, "), got ",
+               documents.size());
+  std::vector<int64_t> lengths;
+  for (const auto& s : shards_) lengths.push_back(s->length);
+  lengths[seq] += count;
+  InferenceAccess::reserve(*this, lengths);
+  InferenceAccess::append_rows(*this, seq, k, v, documents);
+  device_->synchronize();
+}
+
+void KvCache::append_local(int64_t seq, int64_t count, const TensorView& k, const TensorView& v,
+                           std::span<const int32_t> documents) {
+  const KvCacheOptions& o = options_;
+  CTXPAR_CHECK(count >= 0, "append_local: count must be >= 0, got ", count);
+  const std::vector<int64_t> mine = placement(tokens(seq), count, comm_.rank());
+  const int64_t m = int64_t(mine.size());
+  check_rows("k", k, 1, m, o.kv_heads, o.head_dim);
+  check_rows("v", v, 1, m, o.kv_heads, o.head_dim);
+  CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == m, "documents: the mask uses ",
+               "documents: give one id per row of this rank (", m, "), got ", documents.size());
+  std::vector<int64_t> lengths;
+  for (const auto& s : shards_) lengths.push_back(s->length);
+  lengths[seq] += count;
+  InferenceAccess::reserve(*this, lengths);
+  if (m > 0) InferenceAccess::store(*this, seq, mine, k, v, documents);
+  InferenceAccess::set_length(*this, seq, lengths[seq]);
+  device_->synchronize();
+}
+
+void InferenceAccess::append_rows(KvCache& c, int64_t seq, const TensorView& k,
+                                  const TensorView& v, std::span<const int32_t> documents) {
+  const int64_t n = c.tokens(seq), count = k.dim(1);
+  const std::vector<int64_t> mine = c.placement(n, count, c.comm_.rank());
+  // Mine are runs of whole blocks; store each run from its rows of k, v.
+  for (size_t i = 0; i < mine.size();) {
+    size_t j = i + 1;
+    while (j < mine.size() && mine[j] == mine[j - 1] + 1) ++j;
+    const int64_t r0 = mine[i] - n, r1 = mine[j - 1] + 1 - n;
+    std::span<const int32_t> docs;
+    if (c.options_.mask.documents) docs = documents.subspan(size_t(r0), size_t(r1 - r0));
+    store(c, seq, std::span(mine).subspan(i, j - i), k.slice(1, r0, r1), v.slice(1, r0, r1), docs);
+    i = j;
+  }
+  set_length(c, seq, n + count);
+}
+
+// ---- growth within the limits -----------------------------------------------------------
+
+int64_t capacity_for(int64_t n, int64_t block) {
+  // Whole blocks, in steps of a quarter of the largest power of two below: at most 25% unused
+  // (a million-token shard doubled would leave up to half of it empty), and a shard that grows
+  // token by token is copied O(log n) times.
+  const int64_t blocks = (n + block - 1) / block;
+  if (blocks <= 4) return blocks * block;
+  int64_t pow2 = 1;
+  while (pow2 * 2 <= blocks) pow2 *= 2;
+  const int64_t step = pow2 / 4;
+  return (blocks + step - 1) / step * step * block;
+}
+
+void KvCache::reserve(const std::vector<int64_t>& lengths) {
+  CTXPAR_CHECK(int64_t(lengths.size()) == options_.sequences, "reserve: give one length per ",
+               "sequence (", options_.sequences, "), got ", lengths.size());
+  std::vector<int64_t> at_least = lengths;
+  for (size_t s = 0; s < lengths.size(); ++s) at_least[s] = std::max(lengths[s], tokens(int64_t(s)));
+  InferenceAccess::reserve(*this, at_least, true);
+}
+
+void InferenceAccess::reserve(KvCache& c, const std::vector<int64_t>& lengths, bool exact) {
+  const KvCacheOptions& o = c.options_;
+  // Every rank's share, so that every rank refuses together, before any change.
+  for (int r = 0; r < c.comm_.size(); ++r) {
+    int64_t held = 0;
+    for (int64_t n : lengths) held += c.held_by(n, r);
+    CTXPAR_CHECK(o.max_tokens_per_rank == 0 || held <= o.max_tokens_per_rank, "KV cache: rank ",
+                 r, " would hold ", held, " tokens, over KvCacheOptions::max_tokens_per_rank = ",
+                 o.max_tokens_per_rank, "; raise it, or spread the cache over more ranks (each "
+                 "holds about 1/P of the tokens)");
+    const size_t bytes = c.bytes_for(lengths, r);
+    CTXPAR_CHECK(o.max_bytes_per_rank == 0 || double(bytes) <= o.max_bytes_per_rank,
+                 "KV cache: rank ", r, " would hold ", bytes, " bytes (", held, " tokens), over ",
+                 "KvCacheOptions::max_bytes_per_rank = ", o.max_bytes_per_rank, "; raise it, or "
+                 "spread the cache over more ranks");
+  }
+  const int me = c.comm_.rank();
+  std::vector<int64_t> caps;
+  size_t want = 0;
+  for (size_t seq = 0; seq < lengths.size(); ++seq) {
+    const int64_t n = c.held_by(lengths[seq], me);
+    caps.push_back(std::max(c.shards_[seq]->capacity,
+                            exact ? whole_blocks(n, o.block) : capacity_for(n, o.block)));
+    if (n <= c.shards_[seq]->capacity) caps.back() = c.shards_[seq]->capacity;
+    want += size_t(caps.back()) * c.token_bytes();
+  }
+  const size_t now = c.bytes();
+  if (want > now && o.check_memory_limit) {
+    const MemoryLimit limit = memory_limit();
+    CTXPAR_CHECK(!limit.known() || double(want - now) <= limit.bytes, "KV cache: rank ", me,
+                 " cannot grow its shard to ", want, " bytes: ", limit.shortfall(double(want - now)),
+                 " (or turn KvCacheOptions::check_memory_limit off at your own risk)");
+  }
+  Device& dev = *c.device_;
+  for (size_t seq = 0; seq < lengths.size(); ++seq) {
+    KvCache::Shard& s = *c.shards_[seq];
+    const int64_t cap = caps[seq];
+    if (cap <= s.capacity) continue;
+    const Shape shape{1, cap, o.kv_heads, o.head_dim};
+    DeviceBuffer kv = dev.alloc(2 * size_t(cap * o.kv_heads * o.head_dim) * dtype_size(o.dtype));
+    const int64_t held = c.local_tokens(int64_t(seq));
+    if (held > 0) {
+      dev.copy(kComputeStream, c.k(seq), kv.view(o.dtype, shape).slice(1, 0, held));
+      dev.copy(kComputeStream, c.v(seq), kv.view(o.dtype, shape, kv.size() / 2).slice(1, 0, held));
+    }
+    // Earlier operations may read the old positions: the vectors move only after they ran.
+    dev.synchronize();
+    s.kv = std::move(kv);
+    s.capacity = cap;
+    s.positions.reserve(size_t(cap));
+    if (o.mask.documents) s.documents.reserve(size_t(cap));
+  }
+}
+
+void InferenceAccess::store(KvCache& c, int64_t seq, std::span<const int64_t> indices,
+                            const TensorView& k, const TensorView& v,
+                            std::span<const int32_t> documents) {
+  KvCache::Shard& s = *c.shards_[seq];
+  const int64_t at = int64_t(s.positions.size()), m = int64_t(indices.size());
+  CTXPAR_CHECK(at + m <= s.capacity, "KV cache: store past the reserved capacity (internal)");
+  const KvCacheOptions& o = c.options_;
+  const Shape shape{1, s.capacity, o.kv_heads, o.head_dim};
+  Device& dev = *c.device_;
+  dev.copy(kComputeStream, k, s.kv.view(o.dtype, shape).slice(1, at, at + m));
+  dev.copy(kComputeStream, v, s.kv.view(o.dtype, shape, s.kv.size() / 2).slice(1, at, at + m));
+  s.positions.insert(s.positions.end(), indices.begin(), indices.end());
+  if (o.mask.documents) s.documents.insert(s.documents.end(), documents.begin(), documents.end());
+}
+
+}  // namespace ctxpar

@@ -1,0 +1,316 @@
+// Prefill: T new tokens of one sequence against its C cached ones, the queries and the new K/V
+// split over the ranks by the cache's placement rule. Two ways (docs/inference.md, "Prefill"):
+//
+//   pass-KV: queries stay; every rank's shard (cache + its new rows) travels around the ring,
+//            P-1 hops, as the ring strategy moves K/V (src/strategy/ring.cc). Moves the whole
+//            cache: (P-1) (C + T) (2 Hkv D elements + position) bytes, all ranks together.
+//   pass-Q:  shards stay; every rank's query rows travel around the ring, each rank attends
+//            them over its shard, and sends the partial (O, LSE) home, where the P partials
+//            merge in rank order. Moves (P-1) T (Hq D elements + position + Hq (D + 1) fp32)
+//            bytes: fewer when C >> T (the paper's persistent-KV prefill).
+//
+// Both first append this rank's new K/V rows to its shard (no communication: the rows it is
+// given are the ones the rule gives it), so that the new tokens see each other.
+#include <algorithm>
+#include <cstring>
+#include <optional>
+
+#include "ctxpar/error.h"
+#include "inference/internal.h"
+
+namespace ctxpar {
+namespace {
+
+constexpr int kRingTag = 1 << 20;            // + step: the travelling shard or query block
+constexpr int kPartialTag = (1 << 20) + 8192;  // + producing rank: a partial (O, LSE) going home
+
+int64_t held(const PrefillShape& s, int64_t n, int rank) {
+  return placement_held_by(n, rank, s.ranks, s.block);
+}
+size_t kv_block_bytes(const PrefillShape& s, int64_t n) {
+  return size_t(n) * (2 * size_t(s.hkv * s.head_dim) * dtype_size(s.kv_dtype) + 8 +
+                      (s.documents ? 4 : 0));
+}
+size_t q_block_bytes(const PrefillShape& s, int64_t n) {
+  return size_t(n) * (size_t(s.hq * s.head_dim) * dtype_size(s.q_dtype) + 8 + (s.documents ? 4 : 0));
+}
+size_t partial_bytes(const PrefillShape& s, int64_t n) {
+  return size_t(n * s.hq) * size_t(s.head_dim + 1) * 4;
+}
+
+// One hop of a ring whose blocks differ in size (the ranks' shares differ by up to a block):
+// after the compute enqueued so far, posts the receive of the block the previous rank holds
+// (`in_bytes`; nothing when 0) and the send of `block` to the next rank (when `send`). Posted
+// before the step's compute, so the transfer overlaps it; wait() makes the compute stream wait
+// for both and hands over the received block.
+class Hop {
+ public:
+  Hop(Device& dev, Communicator& comm, DeviceBuffer& block, size_t in_bytes, bool send, int tag)
+      : dev_(dev) {
+    const int p = comm.size(), me = comm.rank();
+    dev.wait(kCommStream, dev.record(kComputeStream));
+    if (in_bytes > 0) incoming_ = dev.recv(kCommStream, comm, in_bytes, (me + p - 1) % p, tag);
+    if (send) dev.send(kCommStream, comm, block, (me + 1) % p, tag);
+    arrived_ = dev.record(kCommStream);
+  }
+  DeviceBuffer wait() {
+    dev_.wait(kComputeStream, arrived_);
+    return std::move(incoming_);
+  }
+
+ private:
+  Device& dev_;
+  DeviceBuffer incoming_;
+  Event arrived_;
+};
+
+// The P steps of a ring: at step s this rank holds the block of rank (r - s) mod P (its own,
+// `block`, at s = 0) and compute(s, owner, block) is enqueued while the next hop travels.
+// bytes(owner) is the size of owner's block (0: it has none, and nothing moves for it).
+template <typename Bytes, typename Compute>
+void ring_steps(Device& dev, Communicator& comm, DeviceBuffer block, Bytes bytes, Compute compute) {
+  const int p = comm.size(), me = comm.rank();
+  for (int s = 0; s < p; ++s) {
+    const int holding = (me - s + p) % p, next_owner = (me - s - 1 + 2 * p) % p;
+    std::optional<Hop> hop;
+    if (s + 1 < p)
+      hop.emplace(dev, comm, block, bytes(next_owner), bytes(holding) > 0, kRingTag + s + 1);
+    compute(s, holding, block);
+    if (hop) block = hop->wait();  // the block just used is freed stream-ordered
+  }
+}
+
+// ---- pass-KV ------------------------------------------------------------------------------
+
+void pass_kv(KvCache& cache, int64_t seq, const PrefillShape& sh, const TensorView& q,
+             const Tokens& q_tokens, const TensorView& out, const TensorView& lse) {
+  Device& dev = cache.device();
+  Communicator& comm = cache.comm();
+  const KvCacheOptions& o = cache.options();
+  const int p = comm.size(), me = comm.rank();
+  const int64_t n_total = sh.cached + sh.new_tokens, tl = q.dim(1);
+  auto tokens_of = [&](int owner) { return held(sh, n_total, owner); };
+  // A shard as it travels: [k | v | positions | documents] (Device::pack_kv's layout).
+  auto k_view = [&](const DeviceBuffer& b, int64_t n) {
+    return b.view(o.dtype, {1, n, o.kv_heads, o.head_dim});
+  };
+  auto kv_bytes = [&](int64_t n) { return size_t(n * o.kv_heads * o.head_dim) * dtype_size(o.dtype); };
+  auto tokens_in = [&](const DeviceBuffer& b, int64_t n) {
+    Tokens t;
+    t.positions = {reinterpret_cast<const int64_t*>(b.data() + 2 * kv_bytes(n)), size_t(n)};
+    if (o.mask.documents)
+      t.documents = {reinterpret_cast<const int32_t*>(b.data() + 2 * kv_bytes(n) + n * 8), size_t(n)};
+    return t;
+  };
+  std::optional<DeviceForwardState> state;
+  if (tl > 0) state.emplace(dev, 1, tl, q.dim(2), q.dim(3));
+  DeviceBuffer block;
+  const int64_t mine = tokens_of(me);
+  if (p > 1 && mine > 0) {
+    block = dev.alloc(kv_block_bytes(sh, mine));
+    dev.pack_kv(kComputeStream, cache.k(seq), cache.v(seq), cache.local_token_ids(seq),
+                o.mask.documents, k_view(block, mine),
+                block.view(o.dtype, {1, mine, o.kv_heads, o.head_dim}, kv_bytes(mine)),
+                block.data() + 2 * kv_bytes(mine));
+  }
+  auto bytes = [&](int owner) { return kv_block_bytes(sh, tokens_of(owner)); };
+  ring_steps(dev, comm, std::move(block), bytes, [&](int s, int holding, const DeviceBuffer& b) {
+    const int64_t n = tokens_of(holding);
+    if (tl == 0 || n == 0) return;
+    if (s == 0)
+      dev.forward_block(kComputeStream, q, q_tokens, cache.k(seq), cache.v(seq),
+                        cache.local_token_ids(seq), o.mask, state->get(), o.kernel);
+    else
+      dev.forward_block(kComputeStream, q, q_tokens, k_view(b, n),
+                        b.view(o.dtype, {1, n, o.kv_heads, o.head_dim}, kv_bytes(n)),
+                        tokens_in(b, n), o.mask, state->get(), o.kernel);
+  });
+  if (tl > 0) dev.forward_finalize(kComputeStream, state->get(), out, lse, o.kernel);
+}
+
+// ---- pass-Q -------------------------------------------------------------------------------
+
+void pass_q(KvCache& cache, int64_t seq, const PrefillShape& sh, const TensorView& q,
+            const Tokens& q_tokens, const TensorView& out, const TensorView& lse) {
+  Device& dev = cache.device();
+  Communicator& comm = cache.comm();
+  const KvCacheOptions& o = cache.options();
+  const int p = comm.size(), me = comm.rank();
+  const int64_t hq = q.dim(2), d = q.dim(3), tl = q.dim(1);
+  auto rows_of = [&](int owner) {
+    return held(sh, sh.cached + sh.new_tokens, owner) - held(sh, sh.cached, owner);
+  };
+  const size_t q_bytes_per_row = size_t(hq * d) * dtype_size(sh.q_dtype);
+  // A query block: [q [1, n, Hq, D] | positions | documents].
+  auto q_view = [&](const DeviceBuffer& b, int64_t n) { return b.view(sh.q_dtype, {1, n, hq, d}); };
+  auto tokens_in = [&](const DeviceBuffer& b, int64_t n) {
+    Tokens t;
+    const std::byte* at = b.data() + size_t(n) * q_bytes_per_row;
+    t.positions = {reinterpret_cast<const int64_t*>(at), size_t(n)};
+    if (o.mask.documents) t.documents = {reinterpret_cast<const int32_t*>(at + n * 8), size_t(n)};
+    return t;
+  };
+  // A partial result: [O fp32 [1, n, Hq, D] | LSE [1, Hq, n]].
+  auto part_o = [&](const DeviceBuffer& b, int64_t n) { return b.view(DType::f32, {1, n, hq, d}); };
+  auto part_lse = [&](const DeviceBuffer& b, int64_t n) {
+    return b.view(DType::f32, {1, hq, n}, size_t(n * hq * d) * 4);
+  };
+
+  std::vector<DeviceBuffer> partials(static_cast<size_t>(p));
+  DeviceBuffer block;
+  if (tl > 0) {  // packed on the host and uploaded (the caller's q may be strided)
+    std::vector<std::byte> host(q_block_bytes(sh, tl));
+    const Tensor qc = Tensor::copy_of(q);
+    std::memcpy(host.data(), qc.data(), qc.bytes());
+    std::memcpy(host.data() + qc.bytes(), q_tokens.positions.data(), size_t(tl) * 8);
+    if (o.mask.documents)
+      std::memcpy(host.data() + qc.bytes() + tl * 8, q_tokens.documents.data(), size_t(tl) * 4);
+    block = dev.upload(host.data(), host.size());
+  }
+  std::vector<DeviceBuffer> outgoing(static_cast<size_t>(p));  // partials for other ranks
+  std::vector<DeviceForwardState> states;
+  states.reserve(size_t(p));
+  auto bytes = [&](int owner) { return q_block_bytes(sh, rows_of(owner)); };
+  ring_steps(dev, comm, std::move(block), bytes, [&](int, int holding, const DeviceBuffer& b) {
+    const int64_t n = rows_of(holding);
+    if (n == 0) return;
+    states.emplace_back(dev, 1, n, hq, d);
+    DeviceBuffer part = dev.alloc(partial_bytes(sh, n));
+    if (cache.local_tokens(seq) > 0)
+      dev.forward_block(kComputeStream, q_view(b, n), tokens_in(b, n), cache.k(seq), cache.v(seq),
+                        cache.local_token_ids(seq), o.mask, states.back().get(), o.kernel);
+    dev.forward_finalize(kComputeStream, states.back().get(), part_o(part, n), part_lse(part, n),
+                         o.kernel);
+    (holding == me ? partials[me] : outgoing[holding]) = std::move(part);
+  });
+  // The partials go home once the ring is done. Posted earlier, they would sit in the queue of
+  // transfers ahead of the ring's next hop, and the cpu device completes its transfers in
+  // order: a home rank's receive, waiting for a rank that waits for the ring, would block the
+  // ring. Receives first, then sends, on every rank: nothing waits for a receive not posted.
+  dev.wait(kCommStream, dev.record(kComputeStream));
+  for (int r = 0; r < p; ++r)
+    if (r != me && tl > 0)
+      partials[r] = dev.recv(kCommStream, comm, partial_bytes(sh, tl), r, kPartialTag + r);
+  for (int r = 0; r < p; ++r)
+    if (!outgoing[r].empty()) dev.send(kCommStream, comm, outgoing[r], r, kPartialTag + me);
+  if (tl == 0) {
+    dev.synchronize();  // the sends read `outgoing` until done
+    return;
+  }
+  dev.wait(kComputeStream, dev.record(kCommStream));
+  for (int r = 1; r < p; ++r)  // producer rank order: the same bits whatever arrives first
+    dev.merge(kComputeStream, part_o(partials[0], tl), part_lse(partials[0], tl),
+              part_o(partials[r], tl), part_lse(partials[r], tl));
+  dev.copy(kComputeStream, part_o(partials[0], tl), out);
+  dev.copy(kComputeStream, part_lse(partials[0], tl), lse);
+  dev.synchronize();  // the sends read `outgoing` until done
+}
+
+// Every rank's verdict on its arguments and the mode, shared before any other communication,
+// so that all ranks throw together (with the refusing rank's own message) instead of some
+// waiting in the ring for one that gave up.
+void agree(Communicator& comm, const std::string& error, const std::vector<int64_t>& signature) {
+  constexpr size_t kMessage = 256;  // bytes of a refusal message that travel
+  const int p = comm.size();
+  const size_t bytes = kMessage + signature.size() * 8;
+  std::vector<std::byte> mine(bytes), all(bytes * size_t(p));
+  std::memcpy(mine.data(), error.data(), std::min(error.size(), kMessage - 1));
+  std::memcpy(mine.data() + kMessage, signature.data(), signature.size() * 8);
+  if (p > 1) comm.allgather(mine.data(), all.data(), bytes);
+  else all = mine;
+  for (int r = 0; r < p; ++r) {  // refusals first: a refusing rank's signature says little
+    const char* theirs = reinterpret_cast<const char*>(all.data() + size_t(r) * bytes);
+    const std::string message(theirs, strnlen(theirs, kMessage));
+    CTXPAR_CHECK(message.empty(), "prefill: rank ", r, " refused its arguments: ", message);
+  }
+  for (int r = 0; r < p; ++r) {
+    const std::byte* theirs = all.data() + size_t(r) * bytes;
+    CTXPAR_CHECK(std::memcmp(theirs + kMessage, mine.data() + kMessage, bytes - kMessage) == 0,
+                 "prefill: rank ", r, " called with a different sequence, token count, heads, "
+                 "dtype or mode than rank ", comm.rank(), "; every rank must make the same call");
+  }
+}
+
+}  // namespace
+
+int64_t placement_held_by(int64_t n, int rank, int ranks, int64_t block) {
+  const int64_t cycle = block * ranks, rest = n % cycle - rank * block;
+  return n / cycle * block + std::clamp<int64_t>(rest, 0, block);
+}
+
+PrefillBytes predict_prefill_bytes(const PrefillShape& s) {
+  CTXPAR_CHECK(s.ranks >= 1 && s.block >= 1 && s.cached >= 0 && s.new_tokens >= 0,
+               "predict_prefill_bytes: ranks and block must be >= 1, token counts >= 0");
+  PrefillBytes b;
+  if (s.ranks == 1) return b;
+  const uint64_t hops = uint64_t(s.ranks - 1);
+  for (int r = 0; r < s.ranks; ++r) {
+    const int64_t n = held(s, s.cached + s.new_tokens, r), rows = n - held(s, s.cached, r);
+    b.pass_kv += hops * kv_block_bytes(s, n);
+    b.pass_q += hops * (q_block_bytes(s, rows) + (rows > 0 ? partial_bytes(s, rows) : 0));
+  }
+  return b;
+}
+
+PrefillMode choose_prefill(const PrefillShape& shape, PrefillMode forced) {
+  if (forced != PrefillMode::automatic) return forced;
+  const PrefillBytes b = predict_prefill_bytes(shape);
+  return b.pass_q < b.pass_kv ? PrefillMode::pass_q : PrefillMode::pass_kv;
+}
+
+PrefillMode prefill(KvCache& cache, int64_t seq, int64_t new_tokens, const TensorView& q,
+                    const TensorView& k, const TensorView& v, const TensorView& out,
+                    const TensorView& lse, PrefillMode mode, std::span<const int32_t> documents) {
+  // q, out [1, Tl, Hq, D]; k, v [1, Tl, Hkv, D]; lse [1, Hq, Tl]: this rank's Tl new rows
+  const KvCacheOptions& o = cache.options();
+  Communicator& comm = cache.comm();
+  std::string error;
+  std::vector<int64_t> indices;
+  PrefillShape sh;
+  try {
+    CTXPAR_CHECK(new_tokens >= 1, "prefill: new_tokens must be >= 1, got ", new_tokens);
+    sh.cached = cache.tokens(seq);
+    indices = cache.placement(sh.cached, new_tokens, comm.rank());
+    const int64_t tl = int64_t(indices.size());
+    CTXPAR_CHECK(q.ndim() == 4, "q: expected [1, Tl, Hq, D], got ", shape_str(q.shape()));
+    check_rows("q", q, 1, tl, q.dim(2), o.head_dim);
+    CTXPAR_CHECK(q.dim(2) % o.kv_heads == 0, "q: query heads (", q.dim(2), ") must be a ",
+                 "multiple of KvCacheOptions::kv_heads = ", o.kv_heads);
+    check_rows("k", k, 1, tl, o.kv_heads, o.head_dim);
+    check_rows("v", v, 1, tl, o.kv_heads, o.head_dim);
+    check_rows("out", out, 1, tl, q.dim(2), o.head_dim);
+    check_lse("lse", lse, 1, q.dim(2), tl);
+    CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == tl, "documents: the mask ",
+                 "uses documents: give one id per row of this rank (", tl, "), got ",
+                 documents.size());
+    sh.hq = q.dim(2);
+    sh.q_dtype = q.dtype();
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  sh.new_tokens = new_tokens;
+  sh.ranks = comm.size();
+  sh.hkv = o.kv_heads;
+  sh.head_dim = o.head_dim;
+  sh.block = o.block;
+  sh.kv_dtype = o.dtype;
+  sh.documents = o.mask.documents;
+  agree(comm, error, {seq, new_tokens, sh.cached, sh.hq, int64_t(sh.q_dtype), int64_t(mode)});
+
+  CallStats call(cache);
+  const PrefillMode ran = choose_prefill(sh, mode);
+  call.stats().mode = ran;
+  std::vector<int64_t> lengths;
+  for (int64_t s = 0; s < o.sequences; ++s) lengths.push_back(cache.tokens(s));
+  lengths[seq] += new_tokens;
+  InferenceAccess::reserve(cache, lengths);
+  if (!indices.empty()) InferenceAccess::store(cache, seq, indices, k, v, documents);
+  InferenceAccess::set_length(cache, seq, sh.cached + new_tokens);
+  Tokens q_tokens{indices, o.mask.documents ? documents : std::span<const int32_t>{}};
+  if (ran == PrefillMode::pass_q) pass_q(cache, seq, sh, q, q_tokens, out, lse);
+  else pass_kv(cache, seq, sh, q, q_tokens, out, lse);
+  call.finish();
+  return ran;
+}
+
+}  // namespace ctxpar

@@ -1,0 +1,49 @@
+#!/bin/bash
+# ctxpar decode end to end: sizes parse (1M), runs report JSON in both prefill modes, usage
+# errors exit 2 naming the option, and under mpirun one rank per process.
+# usage: cli_test.sh CTXPAR [MPIEXEC]
+set -u
+ctxpar=$1 mpiexec=${2:-}
+fails=0
+# expect CODE REGEX -- ARGS...: the exit status is CODE and the output matches REGEX.
+expect() {
+  local code=$1 regex=$2
+  shift 3
+  local out rc
+  out=$(timeout 120 "$@" 2>&1); rc=$?
+  if [[ $rc -ne $code ]] || ! grep -Eq -- "$regex" <<<"$out"; then
+    echo "FAIL: $* -> exit $rc (want $code), output:"; echo "$out"; echo "(wanted /$regex/)"
+    fails=$((fails + 1))
+  fi
+}
+# 1M tokens parse; (2^20 + 1) / 8 ranks = 131073 tokens on rank 0 = 2049 blocks of 64 x 520 B.
+expect 2 'needs 65.0 MiB on a rank, over --max-cache-bytes' -- \
+  "$ctxpar" decode --context 1M --ranks 8 --tokens 1 --max-cache-bytes 1000
+# 600 tokens against no cache (pass-KV moves fewer bytes), then 100 against 600 (pass-Q).
+expect 0 '"decoded_tokens": 3.*"prefill": "pass-kv\+pass-q"' -- \
+  "$ctxpar" decode --context 700 --ranks 3 --tokens 3 --chunk 600 --heads 4 --kv-heads 2 --json
+expect 0 '"prefill": "pass-kv"' -- \
+  "$ctxpar" decode --lengths 300,170 --ranks 2 --tokens 2 --prefill-mode pass-kv --json
+expect 0 '"prefill": "fill"' -- "$ctxpar" decode --context 2K --ranks 4 --tokens 2 --prefill fill --json
+expect 2 '--mask none lets a token see later ones' -- "$ctxpar" decode --mask none
+expect 2 '--prefill-mode: unknown prefill mode .pass-x.' -- "$ctxpar" decode --prefill-mode pass-x
+expect 2 '--kv-heads 3 must divide --heads 8' -- "$ctxpar" decode --kv-heads 3
+expect 2 '--context must be in \[1, ' -- "$ctxpar" decode --context 0
+# The context from .npy files: [C, Hkv, D] float32 (C = 300, Hkv = 1, D = 16), written here.
+npy=$(mktemp -d)
+trap 'rm -rf "$npy"' EXIT
+header="{'descr': '<f4', 'fortran_order': False, 'shape': (300, 1, 16), }"
+while (( (10 + ${#header} + 1) % 64 )); do header+=" "; done
+{ printf '\x93NUMPY\x01\x00'; printf "\\x$(printf %02x $(( (${#header} + 1) % 256 )))\\x$(printf %02x $(( (${#header} + 1) / 256 )))";
+  printf '%s\n' "$header"; head -c $((300 * 16 * 4)) /dev/zero | tr '\000' '\074'; } > "$npy/k.npy"
+cp "$npy/k.npy" "$npy/v.npy"
+expect 0 '"context_tokens": 300' -- "$ctxpar" decode --context 300 --heads 2 --kv-heads 1 \
+  --head-dim 16 --ranks 3 --tokens 2 --k-npy "$npy/k.npy" --v-npy "$npy/v.npy" --json
+expect 2 '--k-npy .*expected shape \[C, 1, 16\] .* with C >= 400' -- "$ctxpar" decode --context 400 \
+  --heads 2 --kv-heads 1 --head-dim 16 --k-npy "$npy/k.npy" --v-npy "$npy/v.npy"
+if [[ -n $mpiexec ]]; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+  expect 0 '"transport": "mpi", "ranks": 2' -- "$mpiexec" -n 2 --oversubscribe \
+    --mca btl_vader_single_copy_mechanism none "$ctxpar" decode --context 500 --tokens 2 --json
+fi
+exit $((fails > 0))

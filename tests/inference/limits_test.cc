@@ -1,0 +1,210 @@
+// The cache's limits (refused before anything changes, naming the field, on every rank), its
+// memory report, and argument errors that every rank sees together.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "ctxpar/error.h"
+#include "ctxpar/memory.h"
+#include "inference/inference_support.h"
+#include "inference/internal.h"
+
+using namespace ctxpar;
+using namespace ctxpar::testing;
+
+namespace {
+
+KvCacheOptions small_options() {
+  KvCacheOptions o;
+  o.head_dim = 16;
+  o.kv_heads = 2;
+  o.block = 16;
+  o.mask = Mask::causal_mask();
+  return o;
+}
+
+// Runs fn on P threads; each rank's error message ("" when it returned normally).
+std::vector<std::string> errors_of(int p, const std::function<void(Communicator&)>& fn) {
+  std::vector<std::string> errors(static_cast<size_t>(p));
+  ThreadsOptions opt;
+  opt.timeout = std::chrono::seconds(20);
+  try {
+    run_threads(p, [&](Communicator& comm) {
+      try {
+        fn(comm);
+      } catch (const Error& e) {
+        errors[comm.rank()] = e.what();
+        throw;
+      }
+    }, opt);
+  } catch (const Error&) {
+  }
+  return errors;
+}
+
+Tensor kv_rows(int64_t n, uint64_t seed) {
+  Tensor t(DType::f32, {1, n, 2, 16});
+  fill_normal(t, seed);
+  return t;
+}
+
+}  // namespace
+
+TEST(KvCacheLimits, TokensPerRankRefusedOnEveryRankBeforeAnyChange) {
+  const auto errors = errors_of(2, [](Communicator& comm) {
+    KvCacheOptions o = small_options();
+    o.max_tokens_per_rank = 40;
+    KvCache cache(comm, o);
+    cache.append(0, kv_rows(64, 1), kv_rows(64, 2));  // 32 tokens each
+    try {
+      cache.append(0, kv_rows(20, 3), kv_rows(20, 4));  // rank 0 would hold 48
+    } catch (const Error&) {
+      EXPECT_EQ(cache.tokens(0), 64);
+      EXPECT_EQ(cache.local_tokens(0), 32);
+      throw;
+    }
+  });
+  for (const std::string& e : errors) {
+    EXPECT_NE(e.find("KvCacheOptions::max_tokens_per_rank = 40"), std::string::npos) << e;
+    EXPECT_NE(e.find("rank 0 would hold 48 tokens"), std::string::npos) << e;
+  }
+}
+
+TEST(KvCacheLimits, BytesPerRankRefusedNamingTheField) {
+  const auto errors = errors_of(3, [](Communicator& comm) {
+    KvCacheOptions o = small_options();
+    // One token: k + v (2 x 2 x 16 fp32) + its position = 264 bytes; a shard grows in doubling
+    // whole blocks (16, 32, 64 ... tokens).
+    ASSERT_EQ(KvCache(comm, o).token_bytes(), 264u);
+    o.max_bytes_per_rank = 32 * 264;
+    KvCache cache(comm, o);
+    cache.append(0, kv_rows(96, 1), kv_rows(96, 2));  // 32 tokens each: 32 slots
+    EXPECT_EQ(cache.bytes(), 32u * 264);
+    EXPECT_EQ(cache.bytes_for({96}, comm.rank()), 32u * 264);
+    cache.append(0, kv_rows(1, 3), kv_rows(1, 4));  // rank 0 would need 64 slots
+  });
+  for (const std::string& e : errors)
+    EXPECT_NE(e.find("over KvCacheOptions::max_bytes_per_rank"), std::string::npos) << e;
+}
+
+TEST(KvCacheLimits, MemoryLimitOfTheProcessIsHonoured) {
+  setenv(kMemoryLimitEnv, "100000", 1);
+  const auto errors = errors_of(1, [](Communicator& comm) {
+    KvCache cache(comm, small_options());
+    cache.append(0, kv_rows(512, 1), kv_rows(512, 2));  // 512 * 264 bytes > 100000
+  });
+  unsetenv(kMemoryLimitEnv);
+  EXPECT_NE(errors[0].find("KV cache: rank 0 cannot grow its shard"), std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[0].find(kMemoryLimitEnv), std::string::npos) << errors[0];
+}
+
+TEST(KvCacheLimits, BadOptionsNameTheField) {
+  run_threads(1, [](Communicator& comm) {
+    KvCacheOptions o = small_options();
+    o.head_dim = 8;
+    try {
+      KvCache cache(comm, o);
+      ADD_FAILURE() << "head_dim 8 accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("KvCacheOptions::head_dim"), std::string::npos);
+    }
+    o = small_options();
+    o.block = 0;
+    EXPECT_THROW(KvCache(comm, o), Error);
+  });
+}
+
+TEST(Prefill, ARanksBadArgumentsStopEveryRank) {
+  const auto errors = errors_of(3, [](Communicator& comm) {
+    KvCache cache(comm, small_options());
+    const int64_t tl = int64_t(cache.placement(0, 100, comm.rank()).size()) +
+                       (comm.rank() == 1 ? 1 : 0);  // rank 1 gives one row too many
+    Tensor q(DType::f32, {1, tl, 4, 16}), k(DType::f32, {1, tl, 2, 16}),
+        v(DType::f32, {1, tl, 2, 16}), out(DType::f32, {1, tl, 4, 16}),
+        lse(DType::f32, {1, 4, tl});
+    prefill(cache, 0, 100, q, k, v, out, lse);
+  });
+  for (int r : {0, 1, 2})
+    EXPECT_NE(errors[r].find("rank 1 refused its arguments: q: expected shape"), std::string::npos)
+        << errors[r];
+}
+
+TEST(Decode, BadArgumentsNameTheArgument) {
+  run_threads(2, [](Communicator& comm) {
+    KvCacheOptions o = small_options();
+    o.sequences = 2;
+    KvCache cache(comm, o);
+    Tensor q(DType::f32, {2, 1, 4, 16}), k(DType::f32, {2, 1, 2, 16}), out(DType::f32, {2, 1, 4, 16}),
+        lse(DType::f32, {2, 4, 1}), bad(DType::f32, {1, 1, 2, 16});
+    try {
+      decode(cache, q, bad, k, out, lse);
+      ADD_FAILURE() << "k_new of one sequence accepted for two";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("k_new: expected shape"), std::string::npos) << e.what();
+    }
+    Tensor q3(DType::f32, {2, 1, 3, 16});
+    EXPECT_THROW(decode(cache, q3, k, k, out, lse), Error);  // 3 heads over 2 KV heads
+    EXPECT_EQ(cache.tokens(0), 0);
+  });
+}
+
+TEST(KvCacheGrowth, WholeBlocksAtMostAQuarterAhead) {
+  for (int64_t block : {1, 16, 64})
+    for (int64_t n = 1; n < 20000; n += 1 + n / 50) {
+      const int64_t cap = capacity_for(n, block), need = (n + block - 1) / block * block;
+      EXPECT_GE(cap, need);
+      EXPECT_EQ(cap % block, 0);
+      EXPECT_LE(cap - need, need / 4) << "n=" << n << " block=" << block;
+    }
+}
+
+TEST(KvCacheGrowth, ReservedAndAppendedLocallyEqualsAppendedWhole) {
+  run_threads(2, [](Communicator& comm) {
+    KvCacheOptions o = small_options();
+    KvCache whole(comm, o), local(comm, o);
+    const Tensor k = kv_rows(70, 1), v = kv_rows(70, 2);
+    whole.append(0, k, v);
+    local.reserve({100});
+    EXPECT_EQ(local.bytes(), local.bytes_for({100}, comm.rank()));
+    const std::vector<int64_t> mine = local.placement(0, 70, comm.rank());
+    local.append_local(0, 70, rows_of(k, mine), rows_of(v, mine));
+    EXPECT_EQ(local.bytes(), local.bytes_for({100}, comm.rank()));  // no growth
+    ASSERT_EQ(local.local_tokens(0), whole.local_tokens(0));
+    const Tensor a = Tensor::copy_of(whole.k(0)), b = Tensor::copy_of(local.k(0));
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.bytes()), 0);
+    const Tokens ta = whole.local_token_ids(0), tb = local.local_token_ids(0);
+    EXPECT_TRUE(std::equal(ta.positions.begin(), ta.positions.end(), tb.positions.begin()));
+  });
+}
+
+TEST(Prefill, RanksThatDisagreeOnTheModeAreRefused) {
+  const auto errors = errors_of(2, [](Communicator& comm) {
+    KvCache cache(comm, small_options());
+    const int64_t tl = int64_t(cache.placement(0, 50, comm.rank()).size());
+    Tensor q(DType::f32, {1, tl, 4, 16}), k(DType::f32, {1, tl, 2, 16}),
+        v(DType::f32, {1, tl, 2, 16}), out(DType::f32, {1, tl, 4, 16}),
+        lse(DType::f32, {1, 4, tl});
+    prefill(cache, 0, 50, q, k, v, out, lse,
+            comm.rank() == 1 ? PrefillMode::pass_q : PrefillMode::pass_kv);
+  });
+  for (const std::string& e : errors)
+    EXPECT_NE(e.find("called with a different sequence, token count, heads, dtype or mode"),
+              std::string::npos) << e;
+}
+
+TEST(Decode, RanksWhoseCachesDifferAreRefused) {
+  const auto errors = errors_of(2, [](Communicator& comm) {
+    KvCache cache(comm, small_options());
+    // A misuse: append_local with a different count on each rank (nothing checks it there).
+    const int64_t count = comm.rank() == 0 ? 40 : 41;
+    const std::vector<int64_t> mine = cache.placement(0, count, comm.rank());
+    cache.append_local(0, count, rows_of(kv_rows(count, 1), mine), rows_of(kv_rows(count, 2), mine));
+    Tensor q(DType::f32, {1, 1, 4, 16}), k(DType::f32, {1, 1, 2, 16}), out(DType::f32, {1, 1, 4, 16}),
+        lse(DType::f32, {1, 4, 1});
+    decode(cache, q, k, k, out, lse);
+  });
+  for (const std::string& e : errors)
+    EXPECT_NE(e.find("holds other sequence lengths"), std::string::npos) << e;
+}

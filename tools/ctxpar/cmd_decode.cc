@@ -1,0 +1,350 @@
+// ctxpar decode: long-context inference with the KV cache spread over the ranks. Fills each
+// sequence's cache with a context (random, or the keys / values of .npy files), by prefill
+// attention (pass-KV or pass-Q) or by storing the K/V alone, then decodes tokens one per step
+// and reports the per-token latency, the bytes moved and the cache's memory per rank.
+// See docs/inference.md.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "ctxpar/comm.h"
+#include "ctxpar/error.h"
+#include "ctxpar/inference.h"
+#include "ctxpar/memory.h"
+#include "ctxpar/npy.h"
+#include "options.h"
+#include "rank_agreement.h"
+
+namespace ctxpar::cli {
+namespace {
+
+struct DecodeConfig {
+  std::vector<int64_t> context;  // per sequence
+  int64_t tokens = 16, hq = 8, chunk = 0;
+  KvCacheOptions cache;
+  bool attend = true;
+  PrefillMode mode = PrefillMode::automatic;
+  uint64_t seed = 1;
+  std::string k_npy, v_npy;
+  bool json = false;
+};
+
+// Rows of a random tensor [1, n, H, D] at `indices`, each block of the placement seeded on its
+// own (seed, stream, block index): the values do not depend on P or on who draws them.
+Tensor random_rows(const std::vector<int64_t>& indices, int64_t heads, int64_t d, int64_t block,
+                   uint64_t seed, DType dtype) {
+  Tensor out(DType::f32, {1, int64_t(indices.size()), heads, d});
+  for (size_t i = 0; i < indices.size();) {
+    const int64_t b = indices[i] / block;
+    size_t j = i;
+    while (j < indices.size() && indices[j] / block == b) ++j;
+    Tensor whole(DType::f32, {1, block, heads, d});
+    fill_normal(whole, seed * 1000003 + uint64_t(b));
+    copy_into(whole.view().slice(1, indices[i] - b * block, indices[j - 1] + 1 - b * block),
+              out.view().slice(1, int64_t(i), int64_t(j)));
+    i = j;
+  }
+  return Tensor::copy_of(out, dtype);
+}
+
+// This rank's rows of the context's keys or values, from the .npy file or drawn at random.
+Tensor context_rows(const DecodeConfig& c, const std::string& npy, const std::vector<int64_t>& rows,
+                    int64_t seq, uint64_t stream) {
+  const KvCacheOptions& o = c.cache;
+  if (npy.empty())
+    return random_rows(rows, o.kv_heads, o.head_dim, o.block, c.seed * 131 + seq * 7 + stream,
+                       o.dtype);
+  const NpyHeader h = read_npy_header(npy);
+  const int token_dim = h.shape.size() == 4 ? 1 : 0;
+  const Tensor t = read_npy_rows(npy, token_dim, rows, o.dtype);  // contiguous
+  return Tensor::copy_of(TensorView(t.data(), t.dtype(),
+                                    {1, int64_t(rows.size()), o.kv_heads, o.head_dim}));
+}
+
+struct Report {
+  std::vector<double> step_seconds;     // rank 0's decode() wall time per step
+  double prefill_seconds = 0, merge_seconds = 0;
+  uint64_t prefill_bytes = 0, decode_bytes = 0;  // all ranks together
+  std::vector<uint64_t> cache_bytes;    // per rank, at the end
+  std::string prefill_mode;  // the modes the prefill calls ran ("pass-kv+pass-q"), or "fill"
+};
+
+void run_rank(Communicator& comm, const DecodeConfig& c, Report& report) {
+  KvCache cache(comm, c.cache);
+  const KvCacheOptions& o = c.cache;
+  const int me = comm.rank();
+  const int64_t nseq = o.sequences, d = o.head_dim;
+  std::vector<int64_t> lengths;
+  for (int64_t n : c.context) lengths.push_back(n + c.tokens);
+  cache.reserve(lengths);  // no growth (copies, spare room) while it prefills and decodes
+  uint64_t sent0 = comm.counters().bytes_sent;
+  auto t0 = std::chrono::steady_clock::now();
+  std::string mode = c.attend ? "" : "fill";
+  for (int64_t s = 0; s < nseq; ++s) {
+    const int64_t chunk = c.chunk > 0 ? c.chunk : std::max<int64_t>(1, c.context[s]);
+    for (int64_t at = 0; at < c.context[s]; at += chunk) {
+      const int64_t t = std::min(chunk, c.context[s] - at);
+      const std::vector<int64_t> rows = cache.placement(at, t, me);
+      const Tensor k = context_rows(c, c.k_npy, rows, s, 1), v = context_rows(c, c.v_npy, rows, s, 2);
+      if (!c.attend) {
+        cache.append_local(s, t, k, v);
+        continue;
+      }
+      const Tensor q = random_rows(rows, c.hq, d, o.block, c.seed * 131 + s * 7 + 3, o.dtype);
+      const int64_t tl = int64_t(rows.size());
+      Tensor out(DType::f32, {1, tl, c.hq, d}), lse(DType::f32, {1, c.hq, tl});
+      const std::string ran = prefill_mode_name(prefill(cache, s, t, q, k, v, out, lse, c.mode));
+      if (mode.find(ran) == std::string::npos) mode += (mode.empty() ? "" : "+") + ran;
+    }
+  }
+  comm.barrier();
+  const double prefill_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const uint64_t prefill_sent = comm.counters().bytes_sent - sent0;
+  sent0 = comm.counters().bytes_sent;
+  std::vector<double> steps;
+  double merge = 0;
+  std::vector<int64_t> one(static_cast<size_t>(nseq));
+  for (int64_t step = 0; step < c.tokens; ++step) {
+    Tensor q(DType::f32, {nseq, 1, c.hq, d}), k(DType::f32, {nseq, 1, o.kv_heads, d}),
+        v(DType::f32, {nseq, 1, o.kv_heads, d});
+    fill_normal(q, c.seed * 7919 + uint64_t(step) * 3 + 1);
+    fill_normal(k, c.seed * 7919 + uint64_t(step) * 3 + 2);
+    fill_normal(v, c.seed * 7919 + uint64_t(step) * 3 + 3);
+    Tensor out(DType::f32, {nseq, 1, c.hq, d}), lse(DType::f32, {nseq, c.hq, 1});
+    const Tensor qs = Tensor::copy_of(q, o.dtype), ks = Tensor::copy_of(k, o.dtype),
+                 vs = Tensor::copy_of(v, o.dtype);
+    const auto s0 = std::chrono::steady_clock::now();
+    decode(cache, qs, ks, vs, out, lse);
+    steps.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count());
+    merge += cache.last_stats().merge_seconds;
+  }
+  const uint64_t decode_sent = comm.counters().bytes_sent - sent0;
+  // Every rank's figures to rank 0 (one small all-gather: [prefill bytes, decode bytes, cache]).
+  const uint64_t mine[3] = {prefill_sent, decode_sent, uint64_t(cache.bytes())};
+  std::vector<uint64_t> all(3 * size_t(comm.size()));
+  comm.allgather(mine, all.data(), sizeof mine);
+  if (me != 0) return;
+  report.step_seconds = steps;
+  report.prefill_seconds = prefill_seconds;
+  report.merge_seconds = merge;
+  report.prefill_mode = mode;
+  for (int r = 0; r < comm.size(); ++r) {
+    report.prefill_bytes += all[3 * r];
+    report.decode_bytes += all[3 * r + 1];
+    report.cache_bytes.push_back(all[3 * r + 2]);
+  }
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+void print(const DecodeConfig& c, int ranks, const std::string& transport, const Report& r) {
+  double sum = 0;
+  for (double s : r.step_seconds) sum += s;
+  const double mean = r.step_seconds.empty() ? 0 : sum / double(r.step_seconds.size());
+  const uint64_t cmax = *std::max_element(r.cache_bytes.begin(), r.cache_bytes.end());
+  const uint64_t cmin = *std::min_element(r.cache_bytes.begin(), r.cache_bytes.end());
+  int64_t total = 0;
+  for (int64_t n : c.context) total += n;
+  if (c.json) {
+    std::printf("{\"command\": \"decode\", \"transport\": \"%s\", \"ranks\": %d, \"sequences\": %lld, "
+                "\"context_tokens\": %lld, \"decoded_tokens\": %lld, \"heads\": %lld, "
+                "\"kv_heads\": %lld, \"head_dim\": %lld, \"dtype\": \"%s\", \"block\": %lld, "
+                "\"prefill\": \"%s\", \"prefill_seconds\": %.6g, \"prefill_bytes\": %llu, "
+                "\"token_seconds_mean\": %.6g, \"token_seconds_median\": %.6g, "
+                "\"merge_seconds_mean\": %.6g, \"decode_bytes_per_token\": %.6g, "
+                "\"cache_bytes_per_rank_max\": %llu, \"cache_bytes_per_rank_min\": %llu}\n",
+                transport.c_str(), ranks, (long long)c.cache.sequences, (long long)total,
+                (long long)c.tokens, (long long)c.hq, (long long)c.cache.kv_heads,
+                (long long)c.cache.head_dim, dtype_name(c.cache.dtype), (long long)c.cache.block,
+                r.prefill_mode.c_str(), r.prefill_seconds, (unsigned long long)r.prefill_bytes,
+                mean, median(r.step_seconds),
+                r.step_seconds.empty() ? 0 : r.merge_seconds / double(r.step_seconds.size()),
+                c.tokens ? double(r.decode_bytes) / double(c.tokens) : 0.0,
+                (unsigned long long)cmax, (unsigned long long)cmin);
+    return;
+  }
+  std::printf("ctxpar decode: %lld sequence(s), context %lld tokens, %d ranks (%s), Hq %lld, "
+              "Hkv %lld, D %lld, %s, block %lld\n",
+              (long long)c.cache.sequences, (long long)total, ranks, transport.c_str(),
+              (long long)c.hq, (long long)c.cache.kv_heads, (long long)c.cache.head_dim,
+              dtype_name(c.cache.dtype), (long long)c.cache.block);
+  std::printf("prefill (%s): %.3f s, %s moved\n", r.prefill_mode.c_str(), r.prefill_seconds,
+              bytes_text(double(r.prefill_bytes)).c_str());
+  std::printf("decode: %lld tokens, %.3f ms per token (median %.3f ms; merge %.3f ms), %s moved "
+              "per token\n",
+              (long long)c.tokens, mean * 1e3, median(r.step_seconds) * 1e3,
+              r.step_seconds.empty() ? 0 : r.merge_seconds / double(r.step_seconds.size()) * 1e3,
+              bytes_text(c.tokens ? double(r.decode_bytes) / double(c.tokens) : 0).c_str());
+  std::printf("KV cache per rank: %s (max) .. %s (min)\n", bytes_text(double(cmax)).c_str(),
+              bytes_text(double(cmin)).c_str());
+}
+
+}  // namespace
+
+int cmd_decode(int argc, char** argv) {
+  Options o("decode",
+            "Long-context inference with the KV cache spread over the ranks (block round-robin):\n"
+            "fill each sequence's cache with a context, by prefill attention (pass-KV or pass-Q)\n"
+            "or by storing its K/V alone, then decode tokens one per step; report the per-token\n"
+            "latency, the bytes moved and the cache's memory per rank.");
+  o.add("context", "4096", "context tokens per sequence before decoding (64K / 1M suffixes)")
+      .add("lengths", "", "context tokens of each sequence, comma-separated (instead of --context)")
+      .add("batch", "1", "sequences decoded together (each --context tokens long)")
+      .add("tokens", "16", "tokens to decode per sequence, one per step")
+      .add("ranks", "2", "ranks on the threads transport (ignored under mpirun)")
+      .add("transport", "auto", "auto | threads | mpi (auto: mpi when started by mpirun)")
+      .add("heads", "8", "query heads Hq")
+      .add("kv-heads", "1", "key/value heads Hkv (divides Hq; GQA)")
+      .add("head-dim", "64", "head dimension D (16..256)")
+      .add("dtype", "fp32", "q, k, v and cache storage: fp32 | bf16")
+      .add("mask", "causal", "causal | causal+window:L,0 (keys at or before the query)")
+      .add("block", "64", "placement block: tokens each rank takes in turn")
+      .add("prefill", "auto", "attend (prefill attention) | fill (store the K/V only) | auto "
+                              "(attend up to 32K tokens per sequence)")
+      .add("prefill-mode", "auto", "attend: auto | pass-kv | pass-q (auto: fewer bytes)")
+      .add("chunk", "0", "attend: prefill in chunks of this many tokens (0: all at once)")
+      .add("k-npy", "", "keys of the context, .npy [C, Hkv, D] or [1, C, Hkv, D] (with --v-npy)")
+      .add("v-npy", "", "values of the context, the same shape as --k-npy")
+      .add("max-cache-bytes", "0", "refuse a rank's cache beyond this many bytes (0: no limit)")
+      .add("threads", "1", "kernel threads per rank (not given: OMP_NUM_THREADS when set)")
+      .add_device()
+      .add("seed", "1", "seed of the random context, queries and decoded tokens")
+      .flag("json", "one JSON object on stdout")
+      .example("ctxpar decode --context 1M --ranks 8 --tokens 64 --prefill fill")
+      .example("ctxpar decode --context 8192 --ranks 2 --tokens 16 --prefill-mode pass-q --chunk 1024")
+      .example("mpirun -n 4 ctxpar decode --context 256K --tokens 32 --prefill fill");
+  if (!o.parse(argc, argv)) return 0;
+  const std::string transport = o.str("transport");
+  if (transport != "auto" && transport != "threads" && transport != "mpi")
+    throw UsageError("--transport must be auto, threads or mpi, got '" + transport + "'");
+  const bool use_mpi = transport == "mpi" || (transport == "auto" && launched_by_mpi());
+  if (use_mpi) mpi_world();  // from here on a rank's error ends every rank at once
+
+  DecodeConfig c;
+  KvCacheOptions& k = c.cache;
+  const int64_t batch = o.i64("batch", 1, kMaxBatch);
+  if (o.given("lengths")) {
+    c.context = o.list_i64("lengths");
+    for (int64_t n : c.context)
+      if (n < 1 || n > kMaxTokens)
+        throw UsageError("--lengths: each length must be in [1, " + std::to_string(kMaxTokens) +
+                         "], got " + std::to_string(n));
+    if (o.given("batch") && int64_t(c.context.size()) != batch)
+      throw UsageError("--lengths gives " + std::to_string(c.context.size()) +
+                       " sequences but --batch is " + std::to_string(batch) + "; give one");
+  } else {
+    c.context.assign(size_t(batch), o.i64("context", 1, kMaxTokens));
+  }
+  k.sequences = int64_t(c.context.size());
+  c.tokens = o.i64("tokens", 0, kMaxTokens);
+  c.hq = o.i64("heads", 1, kMaxHeads);
+  k.kv_heads = o.i64("kv-heads", 1, kMaxHeads);
+  if (c.hq % k.kv_heads != 0)
+    throw UsageError("--kv-heads " + std::to_string(k.kv_heads) + " must divide --heads " +
+                     std::to_string(c.hq) + " (GQA: each KV head serves Hq / Hkv query heads)");
+  k.head_dim = o.i64("head-dim", 16, 256);
+  k.dtype = parse_dtype(o.str("dtype"));
+  if (k.dtype != DType::f32 && k.dtype != DType::bf16)
+    throw UsageError("--dtype must be fp32 or bf16, got '" + o.str("dtype") + "'");
+  k.mask = parse_mask(o.str("mask"));
+  if (!k.mask.causal && k.mask.window_right != 0)
+    throw UsageError("--mask " + o.str("mask") + " lets a token see later ones, which a cache "
+                     "cannot give; use causal or causal+window:L,0");
+  if (k.mask.documents)
+    throw UsageError("--mask with documents is not offered by the command (the library takes "
+                     "document ids: ctxpar/inference.h)");
+  k.block = o.i64("block", 1, int64_t{1} << 30);
+  k.max_bytes_per_rank = o.num("max-cache-bytes", 0, 1e18);
+  k.kernel.threads = threads_option(o);
+  k.device = device_of(o);
+  c.seed = uint64_t(o.i64("seed", 0, kMaxSeed));
+  c.chunk = o.i64("chunk", 0, kMaxTokens);
+  c.json = o.on("json");
+  try {
+    c.mode = parse_prefill_mode(o.str("prefill-mode"));
+  } catch (const Error& e) {
+    throw UsageError(std::string("--prefill-mode: ") + e.what());
+  }
+  const std::string how = o.str("prefill");
+  if (how != "auto" && how != "attend" && how != "fill")
+    throw UsageError("--prefill must be auto, attend or fill, got '" + how + "'");
+  int64_t longest = 0;
+  for (int64_t n : c.context) longest = std::max(longest, n);
+  c.attend = how == "attend" || (how == "auto" && longest <= 32768);
+  c.k_npy = o.str("k-npy"), c.v_npy = o.str("v-npy");
+  if (c.k_npy.empty() != c.v_npy.empty())
+    throw UsageError("--k-npy and --v-npy go together: give both or neither");
+  for (const auto& [option, path] : {std::pair{"k-npy", c.k_npy}, std::pair{"v-npy", c.v_npy}}) {
+    if (path.empty()) continue;
+    NpyHeader h;
+    try {
+      h = read_npy_header(path);
+    } catch (const Error& e) {
+      throw UsageError(std::string("--") + option + ": " + e.what());
+    }
+    const bool rank3 = h.shape.size() == 3, rank4 = h.shape.size() == 4 && h.shape[0] == 1;
+    const int64_t tokens = rank3 ? h.shape[0] : rank4 ? h.shape[1] : 0;
+    const Shape tail = rank3 ? Shape{h.shape[1], h.shape[2]}
+                             : rank4 ? Shape{h.shape[2], h.shape[3]} : Shape{};
+    if (!(rank3 || rank4) || tail != Shape({k.kv_heads, k.head_dim}) || tokens < longest)
+      throw UsageError(std::string("--") + option + " " + path + ": expected shape [C, " +
+                       std::to_string(k.kv_heads) + ", " + std::to_string(k.head_dim) +
+                       "] (or [1, C, ...]) with C >= " + std::to_string(longest) +
+                       " (--kv-heads, --head-dim, --context), got " + shape_str(h.shape));
+  }
+  const int ranks = use_mpi ? mpi_world().size()
+                            : o.i32("ranks", 1, kMaxThreadsRanks, kThreadsRanksNote);
+  if (use_mpi && k.device.kind != DeviceKind::cpu)
+    throw UsageError("--device sim runs on the threads transport only; use --device cpu under mpirun");
+
+  // The cache's memory, checked before anything runs (exit 2 naming the options).
+  std::vector<int64_t> final_lengths;
+  for (int64_t n : c.context) final_lengths.push_back(n + c.tokens);
+  double here = 0, most = 0;
+  for (int r = 0; r < ranks; ++r) {
+    const double b = double(kv_cache_bytes(k, final_lengths, ranks, r));
+    most = std::max(most, b);
+    if (!use_mpi) here += b;  // threads: every rank is in this process
+  }
+  if (use_mpi) here = most;
+  if (k.max_bytes_per_rank > 0 && most > k.max_bytes_per_rank)
+    throw UsageError("the KV cache needs " + bytes_text(most) + " on a rank, over " +
+                     "--max-cache-bytes " + bytes_text(k.max_bytes_per_rank) +
+                     "; raise it, use more --ranks or a shorter --context");
+  const MemoryLimit limit = memory_limit();
+  if (limit.known() && here > limit.bytes)
+    throw UsageError("the KV cache of --context " + std::to_string(longest) + " (+ --tokens) " +
+                     limit.shortfall(here) + "; use a shorter --context, fewer --kv-heads or " +
+                     "--dtype bf16");
+
+  if (use_mpi) {  // every process parsed its own command line: refuse ranks that differ
+    Signature sig;
+    for (const char* name : {"context", "lengths", "batch", "tokens", "heads", "kv-heads",
+                             "head-dim", "dtype", "mask", "block", "prefill", "prefill-mode",
+                             "chunk", "max-cache-bytes", "threads", "seed"})
+      sig.push_back({name, o.str(name)});
+    for (const std::string& path : {c.k_npy, c.v_npy})
+      sig.push_back({"npy", path.empty() ? "" : path + ", " + file_fingerprint(path)});
+    agree_across_ranks(mpi_world(), sig, "decode");
+  }
+  Report report;
+  const std::string used = use_mpi ? "mpi" : "threads";
+  try {
+    if (use_mpi) run_mpi([&](Communicator& comm) { run_rank(comm, c, report); });
+    else run_threads(ranks, [&](Communicator& comm) { run_rank(comm, c, report); });
+  } catch (const Error& e) {
+    throw std::runtime_error(e.what());  // a run-time failure: exit 1
+  }
+  if (!use_mpi || mpi_world().rank() == 0) print(c, ranks, used, report);
+  return 0;
+}
+
+}  // namespace ctxpar::cli
