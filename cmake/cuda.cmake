@@ -9,9 +9,11 @@ endif()
 set(CTXPAR_HAVE_CUDA OFF)
 if(NOT CTXPAR_CUDA STREQUAL "OFF")
   if(NOT CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX})
+    set(CTXPAR_CUDA_SEARCH /usr/local/cuda/bin CACHE STRING
+      "Where else to look for nvcc, after PATH, $CUDA_HOME/bin and $CUDA_PATH/bin")
     find_program(CTXPAR_NVCC nvcc HINTS ENV CUDA_HOME ENV CUDA_PATH PATH_SUFFIXES bin
-      PATHS /usr/local/cuda/bin)
-    if(CTXPAR_NVCC)
+      PATHS ${CTXPAR_CUDA_SEARCH})
+    if(CTXPAR_NVCC AND EXISTS ${CTXPAR_NVCC})
       set(CMAKE_CUDA_COMPILER ${CTXPAR_NVCC})
     endif()
   endif()
@@ -21,8 +23,8 @@ if(NOT CTXPAR_CUDA STREQUAL "OFF")
     set(CTXPAR_HAVE_CUDA ON)
   elseif(CTXPAR_CUDA STREQUAL "ON")
     message(FATAL_ERROR "CTXPAR_CUDA=ON but no nvcc was found (PATH, $CUDA_HOME/bin, "
-      "/usr/local/cuda/bin): install the CUDA toolkit, set CMAKE_CUDA_COMPILER, or configure "
-      "with -DCTXPAR_CUDA=OFF")
+      "$CUDA_PATH/bin, ${CTXPAR_CUDA_SEARCH}): install the CUDA toolkit, set "
+      "CMAKE_CUDA_COMPILER, or configure with -DCTXPAR_CUDA=OFF")
   endif()
 endif()
 if(CTXPAR_HAVE_CUDA)

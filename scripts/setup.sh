@@ -29,3 +29,9 @@ fi
 [ -x .venv/bin/python ] || /usr/bin/python3 -m venv --system-site-packages .venv
 .venv/bin/python -c "import scikit_build_core, nanobind, pytest" 2>/dev/null ||
   .venv/bin/pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" pytest
+
+# The CUDA device's cuDNN graph check (ctest -L cuda) needs cudnn-frontend's headers, from PyPI
+# into third_party/ (not committed). Where the download fails, that check fails saying so.
+if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
+  scripts/cudnn_frontend.sh || echo "setup.sh: cudnn-frontend not fetched; ctest -L cuda will fail until it is" >&2
+fi
