@@ -110,6 +110,9 @@ template <class... Params, class... Args>
 void launch_tiles(void (*kernel)(Params...), const char* name, int64_t tiles, int64_t heads,
                   cudaStream_t stream, Args... args) {
   if (tiles == 0 || heads == 0) return;
+  // gridDim.y is at most 65535: B * heads beyond it would need a loop over the batch (TODO
+  // in docs/cuda.md); refuse it by name rather than launch a wrong grid.
+  if (heads > 65535) throw_cuda_error(cudaErrorInvalidConfiguration, name, __FILE__, __LINE__);
   kernel<<<dim3(tiles, heads), kThreads, 0, stream>>>(args...);
   check_launch(name);
 }
