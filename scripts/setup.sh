@@ -53,3 +53,9 @@ sys.exit(torch.__version__.split('+')[0] != '$TORCH_PIN')" 2>/dev/null || {
 # scripts/test.sh's smoke subset on an older torch; it imports the package built into .venv.
 [ -x .venv-torch113/bin/python ] || /usr/bin/python3 -m venv --system-site-packages .venv-torch113
 .venv-torch113/bin/python -c "import pytest" 2>/dev/null || .venv-torch113/bin/pip install -q pytest
+
+# The CUDA device's cuDNN graph check (ctest -L cuda) needs cudnn-frontend's headers, from PyPI
+# into third_party/ (not committed). Where the download fails, that check fails saying so.
+if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
+  scripts/cudnn_frontend.sh || echo "setup.sh: cudnn-frontend not fetched; ctest -L cuda will fail until it is" >&2
+fi

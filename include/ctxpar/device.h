@@ -138,7 +138,8 @@ struct DeviceCounters {
   double wait_seconds = 0;  // host time blocked waiting (cpu: transfers; sim: in synchronize)
 };
 
-enum class DeviceKind { cpu, sim };
+// cuda: parsed so that the command can say why it cannot run (docs/cuda.md); no Device yet.
+enum class DeviceKind { cpu, sim, cuda };
 const char* device_name(DeviceKind k);
 DeviceKind parse_device(const std::string& name);  // throws listing the valid names
 

@@ -17,6 +17,7 @@ const char* device_name(DeviceKind k) {
   switch (k) {
     case DeviceKind::cpu: return "cpu";
     case DeviceKind::sim: return "sim";
+    case DeviceKind::cuda: return "cuda";
   }
   return "?";
 }
@@ -24,13 +25,16 @@ const char* device_name(DeviceKind k) {
 DeviceKind parse_device(const std::string& name) {
   if (name == "cpu") return DeviceKind::cpu;
   if (name == "sim") return DeviceKind::sim;
-  throw Error("unknown device '" + name + "': use cpu or sim");
+  if (name == "cuda") return DeviceKind::cuda;
+  throw Error("unknown device '" + name + "': use cpu, sim or cuda");
 }
 
 std::unique_ptr<Device> make_device(const DeviceOptions& options, int rank) {
   switch (options.kind) {
     case DeviceKind::cpu: return device::make_cpu();
     case DeviceKind::sim: return device::make_sim(options, rank);
+    case DeviceKind::cuda:
+      throw Error("device 'cuda': the CUDA device is not written yet (docs/cuda.md); use cpu or sim");
   }
   throw Error("unknown device kind");
 }

@@ -50,7 +50,7 @@ TEST(CliDevice, JsonSaysTheDevice) {
 TEST(CliDevice, UnknownDeviceIsAUsageError) {
   const CommandResult r = run_ctxpar("attention --seq 256 --heads 2 --head-dim 16 --device gpu");
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_NE(r.err.find("unknown device 'gpu': use cpu or sim"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("unknown device 'gpu': use cpu, sim or cuda"), std::string::npos) << r.err;
 }
 
 // The library's Ulysses rule (Hq % P == 0; KV heads replicated when they do not split) is the

@@ -79,6 +79,19 @@ Inputs make_inputs(const Case& c) {
   return in;
 }
 
+TensorView kv_block(const TensorView& t, int j, int blocks) {
+  const int64_t tk = t.dim(1);
+  return t.slice(1, tk * j / blocks, tk * (j + 1) / blocks);
+}
+
+Tokens kv_tokens(const Inputs& in, int j, int blocks) {
+  const int64_t tk = in.k.dim(1), a = tk * j / blocks, e = tk * (j + 1) / blocks;
+  Tokens t;
+  t.positions = std::span<const int64_t>(in.k_pos).subspan(a, e - a);
+  if (!in.k_doc.empty()) t.documents = std::span<const int32_t>(in.k_doc).subspan(a, e - a);
+  return t;
+}
+
 Outputs run_fast(const Inputs& in, const Mask& mask, int threads, bool backward, int kv_blocks,
                  std::vector<int> order) {
   const int64_t b = in.q.dim(0), tq = in.q.dim(1), hq = in.q.dim(2), d = in.q.dim(3);
@@ -89,17 +102,8 @@ Outputs run_fast(const Inputs& in, const Mask& mask, int threads, bool backward,
     order.resize(kv_blocks);
     std::iota(order.begin(), order.end(), 0);
   }
-  // Block j covers keys [tk * j / n, tk * (j + 1) / n).
-  auto block = [&](int j, const TensorView& t) {
-    return t.slice(1, tk * j / kv_blocks, tk * (j + 1) / kv_blocks);
-  };
-  auto tokens = [&](int j) {
-    const int64_t a = tk * j / kv_blocks, e = tk * (j + 1) / kv_blocks;
-    Tokens t;
-    t.positions = std::span<const int64_t>(in.k_pos).subspan(a, e - a);
-    if (!in.k_doc.empty()) t.documents = std::span<const int32_t>(in.k_doc).subspan(a, e - a);
-    return t;
-  };
+  auto block = [&](int j, const TensorView& t) { return kv_block(t, j, kv_blocks); };
+  auto tokens = [&](int j) { return kv_tokens(in, j, kv_blocks); };
   Outputs out;
   ForwardState state(b, tq, hq, d);
   for (int j : order)

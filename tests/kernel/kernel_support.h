@@ -40,6 +40,11 @@ struct Outputs {
   Tensor o, lse, dq, dk, dv;  // o fp32 (finalised from the fp32 state), grads fp32
   KernelStats fwd, bwd;
 };
+// K/V block j of `blocks` (keys [Tk * j / blocks, Tk * (j + 1) / blocks)): a [B, Tk, H, D]
+// tensor's slice, and the block's tokens.
+TensorView kv_block(const TensorView& t, int j, int blocks);
+Tokens kv_tokens(const Inputs& in, int j, int blocks);
+
 // Forward over the K/V split into `kv_blocks` blocks absorbed in `order` (empty: 0, 1, ...),
 // then finalize, delta from the fp32 O, and backward block by block in the same order.
 Outputs run_fast(const Inputs& in, const Mask& mask, int threads, bool backward = true,

@@ -34,7 +34,7 @@ const Command kCommands[] = {
 void usage(FILE* out) {
   std::fprintf(out,
                "usage: ctxpar <command> [options]   (ctxpar <command> --help for its options)\n"
-               "       ctxpar --version              (version and SIMD targets)\n\n"
+               "       ctxpar --version              (version, SIMD targets, CUDA build)\n\n"
                "commands:\n");
   for (const auto& c : kCommands) std::fprintf(out, "  %-10s %s\n", c.name, c.summary);
   std::fprintf(out,
@@ -59,7 +59,8 @@ std::string joined(const std::vector<std::string>& names) {
   return s;
 }
 
-// The version and the kernel's SIMD targets: compiled in, runnable here, chosen (docs/kernel.md).
+// The version, the kernel's SIMD targets (compiled in, runnable here, chosen: docs/kernel.md)
+// and the CUDA build (docs/cuda.md).
 int version() {
   const ctxpar::SimdTargets t = ctxpar::simd_targets();
   std::printf("ctxpar %s\nSIMD targets compiled in: %s\nthis CPU can run: %s\n", CTXPAR_VERSION,
@@ -77,6 +78,7 @@ int version() {
   std::printf("chosen: %s%s\n", t.chosen.c_str(),
               std::getenv("CTXPAR_SIMD") ? " (CTXPAR_SIMD)"
                                          : " (the best; CTXPAR_SIMD=<name> forces a lower one)");
+  std::printf("%s", ctxpar::cli::cuda_version_lines().c_str());
   return 0;
 }
 

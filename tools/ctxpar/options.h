@@ -65,7 +65,7 @@ class Options {
   // --name (boolean, off by default).
   Options& flag(const std::string& name, const std::string& help);
   Options& example(const std::string& line);
-  // --device cpu | sim and --sim-seed (attention, bench cp, train); read with device_of().
+  // --device cpu | sim | cuda and --sim-seed (attention, bench cp, train); read with device_of().
   Options& add_device();
   // The problem of one attention job, one declaration and one default each for `attention`
   // and `bench cp`: --batch --heads --kv-heads --head-dim --dtype --threads --seed --repeats
@@ -108,6 +108,13 @@ class Options {
   std::vector<std::string> examples_;
 };
 
+// --device cuda: there is no CUDA device class yet (docs/cuda.md), so this always throws
+// ctxpar::Error (exit 2): no GPU found (cudaGetDeviceCount's error and what was looked for),
+// a GPU found but the device not written, or a build without CUDA. cuda_device.cc.
+[[noreturn]] void refuse_cuda_device();
+// `ctxpar --version`'s lines on the CUDA build (cuda_device.cc).
+std::string cuda_version_lines();
+
 // The device that --device / --sim-seed ask for (throws UsageError for an unknown one).
 // Inline: dev/ programs compile options.cc without linking the device layer.
 inline DeviceOptions device_of(const Options& o) {
@@ -117,6 +124,7 @@ inline DeviceOptions device_of(const Options& o) {
   } catch (const Error& e) {
     throw UsageError(e.what());
   }
+  if (d.kind == DeviceKind::cuda) refuse_cuda_device();
   d.sim_seed = static_cast<uint64_t>(o.i64("sim-seed"));
   return d;
 }

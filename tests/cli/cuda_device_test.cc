@@ -1,0 +1,54 @@
+// --device cuda and --version's CUDA lines (docs/cuda.md). There is no CUDA device class yet:
+// on a machine without a GPU the command exits 2 at once with one line naming
+// cudaGetDeviceCount's error and what it looked for; on a GPU it says the device is not written.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+
+#include "cli/cli_support.h"
+
+namespace ctxpar::test {
+namespace {
+
+TEST(CliCuda, DeviceCudaIsRefusedInOneLineWithTheReason) {
+  const auto start = std::chrono::steady_clock::now();
+  const CommandResult r =
+      run_ctxpar("attention --seq 256 --heads 2 --head-dim 16 --ranks 2 --device cuda");
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_LT(seconds, 5.0);
+  EXPECT_EQ(r.out, "");
+  ASSERT_FALSE(r.err.empty());
+  EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << "one line: " << r.err;
+  EXPECT_EQ(r.err.rfind("ctxpar attention: error: --device cuda: ", 0), 0u) << r.err;
+#ifdef CTXPAR_HAVE_CUDA
+  if (r.err.find("no CUDA device found") != std::string::npos) {
+    EXPECT_NE(r.err.find("cudaGetDeviceCount returned "), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("looked for NVIDIA GPUs through the driver library libcuda.so.1"),
+              std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("use --device cpu"), std::string::npos) << r.err;
+  } else {  // a machine with a GPU
+    EXPECT_NE(r.err.find("cuda device is not written yet"), std::string::npos) << r.err;
+  }
+#else
+  EXPECT_NE(r.err.find("built without CUDA"), std::string::npos) << r.err;
+#endif
+}
+
+TEST(CliCuda, VersionDescribesTheCudaBuild) {
+  const CommandResult r = run_ctxpar("--version");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+#ifdef CTXPAR_HAVE_CUDA
+  EXPECT_NE(r.out.find("CUDA: built with nvcc "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" for 90a-real, 90-virtual"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("CUDA: cuDNN headers "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("CUDA: NCCL headers "), std::string::npos) << r.out;
+#else
+  EXPECT_NE(r.out.find("CUDA: not built"), std::string::npos) << r.out;
+#endif
+}
+
+}  // namespace
+}  // namespace ctxpar::test
