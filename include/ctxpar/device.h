@@ -212,6 +212,11 @@ class Device {
                               const Mask& mask, const TensorView& dout, const TensorView& lse,
                               const TensorView& delta, const TensorView& dq, const TensorView& dk,
                               const TensorView& dv, const KernelConfig& config) = 0;
+  // (o_a, lse_a) <- the log-sum-exp merge of two partial results of the same queries over
+  // disjoint key sets, in place, bitwise kernel.h's merge(): inference's pass-Q prefill merges
+  // the partials that come home in rank order (src/inference/prefill.cc).
+  virtual void merge(Stream s, const TensorView& o_a, const TensorView& lse_a,
+                     const TensorView& o_b, const TensorView& lse_b) = 0;
   // y += x, fp32, same shape, element by element in index order (bitwise stable).
   virtual void add(Stream s, const TensorView& x, const TensorView& y) = 0;
   // copy_into (any strides, fp32 <-> bf16).

@@ -66,6 +66,12 @@ void HostDevice::backward_block(Stream s, const TensorView& q, const Tokens& qt,
   });
 }
 
+void HostDevice::merge(Stream s, const TensorView& o_a, const TensorView& lse_a,
+                       const TensorView& o_b, const TensorView& lse_b) {
+  submit(s, "merge", {o_a, lse_a, o_b, lse_b}, {o_a, lse_a},
+         [=] { ctxpar::merge(o_a, lse_a, o_b, lse_b); });
+}
+
 void HostDevice::add(Stream s, const TensorView& x, const TensorView& y) {
   submit(s, "add", {x}, {y}, [=] { host_add(x, y); });
 }

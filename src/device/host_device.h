@@ -26,6 +26,8 @@ class HostDevice : public Device {
                       const TensorView& dout, const TensorView& lse, const TensorView& delta,
                       const TensorView& dq, const TensorView& dk, const TensorView& dv,
                       const KernelConfig& config) final;
+  void merge(Stream s, const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b,
+             const TensorView& lse_b) final;
   void add(Stream s, const TensorView& x, const TensorView& y) final;
   void copy(Stream s, const TensorView& src, const TensorView& dst) final;
   void fill_zero(Stream s, const TensorView& t) final;

@@ -123,7 +123,7 @@ void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const 
                    "sequence lengths than rank ", me, "; every rank must make the same calls on "
                    "the same cache");
     for (int r = 1; r < p; ++r)  // rank order: the same bits on every rank
-      dev.merge(kComputeStream, part_o(0), part_lse(0), part_o(r), part_lse(r));
+      merge(part_o(0), part_lse(0), part_o(r), part_lse(r));  // host memory, after synchronize
   }
   for (int64_t s = 0; s < b; ++s)
     for (int64_t t = 0; t < tn; ++t) {  // unpack (the Note above)

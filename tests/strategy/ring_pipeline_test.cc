@@ -70,6 +70,10 @@ class RecordingDevice final : public Device {
     log.push_back("bwd " + std::to_string(k.dim(1)));
     inner_->backward_block(s, q, qt, k, v, kt, mask, dout, lse, delta, dq, dk, dv, config);
   }
+  void merge(Stream s, const TensorView& oa, const TensorView& la, const TensorView& ob,
+             const TensorView& lb) override {
+    inner_->merge(s, oa, la, ob, lb);
+  }
   void add(Stream s, const TensorView& x, const TensorView& y) override { inner_->add(s, x, y); }
   void copy(Stream s, const TensorView& src, const TensorView& dst) override {
     inner_->copy(s, src, dst);
