@@ -135,6 +135,7 @@ struct SimdTargets {
   std::vector<std::string> runnable;  // of those, the ones this CPU can run
   std::string chosen;  // what kernel calls run: the best runnable, or CTXPAR_SIMD's choice
   std::string error;   // why CTXPAR_SIMD cannot be honoured ("" if fine); kernel calls throw it
+  std::string products;  // fp32 or bf16 products for bf16 inputs, and why (measured or forced)
 };
 SimdTargets simd_targets();
 

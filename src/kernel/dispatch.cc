@@ -152,6 +152,11 @@ SimdTargets simd_targets() {
   }
   if (c.scalar) t.chosen = "scalar";
   t.error = c.error;
+  const kernel::Bf16Choice& bf16 = kernel::bf16_products();  // CTXPAR_BF16_PRODUCTS
+  t.products = bf16.reason;
+  if (bf16.use)  // issue 26's bf16-product path is not written yet: the decision is reported only
+    t.products += "; not applied yet: the kernel has no bf16-product path, products stay fp32";
+  if (t.error.empty()) t.error = bf16.error;
   return t;
 }
 

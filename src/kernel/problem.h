@@ -108,6 +108,20 @@ inline void store_row(const TensorView& t, int64_t off, int64_t n, const float* 
 // CTXPAR_SIMD=scalar or CTXPAR_KERNEL=scalar.
 void select_simd_target();
 bool use_scalar_path();
+
+// Whether bf16 inputs take bf16 x bf16 -> fp32 products (bf16_probe.cc): decided once by a
+// short probe of vdpbf16ps against fp32 FMAs, or by CTXPAR_BF16_PRODUCTS=on|off|auto.
+// decide_bf16_products is the rule on given measurements (tested on both outcomes).
+constexpr double kBf16Pays = 1.25;  // bf16 dot FLOP/s over fp32 FMA FLOP/s it takes
+struct Bf16Choice {
+  bool use = false;
+  std::string reason;  // what was chosen and why, for `ctxpar --version`
+  std::string error;   // a bad CTXPAR_BF16_PRODUCTS ("" if fine)
+  double fma_gflops = 0, dot_gflops = 0;  // the probe's figures (0: not measured)
+};
+Bf16Choice decide_bf16_products(const char* env_value, bool cpu_has, double fma_gflops,
+                                double dot_gflops);
+const Bf16Choice& bf16_products();
 // Whether the chosen target's multiply-add is fused (AVX2, AVX-512: yes; SSE4, SSSE3: no).
 bool simd_fused_multiply_add();
 // The chosen target's vector exp2 (2^t, t <= 0) over n values, for its accuracy test.

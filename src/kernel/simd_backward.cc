@@ -2,8 +2,8 @@
 //
 // Note [Backward tasks]: a task is (batch, kv head, chunk of key tiles; chunk c of n takes key
 // tiles c, c + n, c + 2n, ..., which balances causal masks). It owns the dK / dV
-// rows of its key tiles (accumulated in a 64-row tile, added to the caller's dk / dv once) and
-// writes the dQ of its query-head group into its own partial buffer; partials are summed in a
+// rows of its key tiles (accumulated in a 64-row tile by a compensated sum over query tiles,
+// Note [Compensated dK / dV] in simd_tile.h, added to the caller's dk / dv once) and writes the dQ of its query-head group into its own partial buffer; partials are summed in a
 // fixed chunk order at the end. There is one chunk per (batch, kv head) unless there are fewer
 // of those than threads, so the result is bitwise the same for a given thread count and no two
 // threads ever write the same element.
@@ -63,7 +63,7 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
     // element's additions keep their order (dK / dV per key tile over query tiles as before; a
     // dQ row gets key tile c, then c + chunks, ...), so the bits are those of one tile a pass.
     struct KeyTile {
-      std::vector<float> kt_pack, vt_pack, k_rows, dk, dv;
+      std::vector<float> kt_pack, vt_pack, k_rows, dk, dv, dk_comp, dv_comp;
       int64_t kt = 0, j0 = 0, cols = 0;
       bool packed = false;
     };
@@ -71,6 +71,7 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
     for (KeyTile& t : keys) {
       t.kt_pack.resize(d * kTile), t.vt_pack.resize(d * kTile), t.k_rows.resize(kTile * ld);
       t.dk.resize(kTile * ld), t.dv.resize(kTile * ld);
+      t.dk_comp.resize(kTile * ld), t.dv_comp.resize(kTile * ld);
     }
     std::vector<float> row(d);
     std::vector<float> s(kTile * kTile), dpm(kTile * kTile), pt(kTile * kTile), dst(kTile * kTile);
@@ -104,6 +105,8 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
           t.packed = false;
           std::fill(t.dk.begin(), t.dk.end(), 0.0f);
           std::fill(t.dv.begin(), t.dv.end(), 0.0f);
+          std::fill(t.dk_comp.begin(), t.dk_comp.end(), 0.0f);
+          std::fill(t.dv_comp.begin(), t.dv_comp.end(), 0.0f);
         }
         for (int64_t g = 0; g < p.group; ++g)
           for (int64_t qi = 0; qi < nqt; ++qi)
@@ -150,9 +153,12 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
               }
               transpose_tile(s.data(), pt.data());
               transpose_tile(dpm.data(), dst.data());
-              // dV += P^T dO; dK += (scale dS)^T Qs (times 1 / scale at the end); dQ += scale dS K.
-              gemm_rows(kTile, dp, mrows, pt.data(), kTile, dot, ld, t.dv.data(), ld, true);
-              gemm_rows(kTile, dp, mrows, dst.data(), kTile, qs, ld, t.dk.data(), ld, true);
+              // dV += P^T dO; dK += (scale dS)^T Qs (times 1 / scale at the end), each through
+              // a fresh product and a compensated sum (Note [Compensated dK / dV]); dQ += scale dS K.
+              gemm_rows_compensated(kTile, dp, mrows, pt.data(), kTile, dot, ld, t.dv.data(),
+                                    t.dv_comp.data(), ld);
+              gemm_rows_compensated(kTile, dp, mrows, dst.data(), kTile, qs, ld, t.dk.data(),
+                                    t.dk_comp.data(), ld);
               gemm_rows(mrows, dp, cols, dpm.data(), kTile, t.k_rows.data(), ld,
                         dq_acc + off * ld, ld, true);
               tile_progress();  // the MPI transport's progress calls, if installed
@@ -164,9 +170,9 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
           for (int64_t j = 0; j < t.cols; ++j) {
             float* dkr = dk.ptr<float>() + dk.offset(b, t.j0 + j, hk);
             float* dvr = dv.ptr<float>() + dv.offset(b, t.j0 + j, hk);
-            for (int64_t c = 0; c < d; ++c) {
-              dkr[c] += dk_mul * t.dk[j * ld + c];
-              dvr[c] += t.dv[j * ld + c];
+            for (int64_t c = 0; c < d; ++c) {  // sum - comp: the running sum's lost part back
+              dkr[c] += dk_mul * (t.dk[j * ld + c] - t.dk_comp[j * ld + c]);
+              dvr[c] += t.dv[j * ld + c] - t.dv_comp[j * ld + c];
             }
           }
         }

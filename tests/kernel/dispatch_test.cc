@@ -9,6 +9,7 @@
 
 #include "ctxpar/kernel.h"
 #include "kernel/peak.h"
+#include "kernel/problem.h"
 
 namespace ctxpar {
 namespace {
@@ -37,6 +38,42 @@ TEST(Dispatch, ChosenTargetIsTheRequestedOrTheBest) {
                                                                         : 4;  // sse4, ssse3
   EXPECT_EQ(lanes, want_lanes) << t.chosen;
   EXPECT_EQ(std::string(kernel::simd_target_name()), t.chosen);
+}
+
+// Issue 26: bf16 products only where the probe measured them faster (or CTXPAR_BF16_PRODUCTS
+// forces them); the rule on both outcomes of the measurement, and the overrides.
+TEST(Bf16Products, RuleOnBothOutcomesAndOverrides) {
+  using kernel::decide_bf16_products;
+  const kernel::Bf16Choice slow = decide_bf16_products(nullptr, true, 100, 48);  // this guest
+  EXPECT_FALSE(slow.use);
+  EXPECT_NE(slow.reason.find("0.48x the fp32 FMA"), std::string::npos) << slow.reason;
+  EXPECT_TRUE(decide_bf16_products(nullptr, true, 100, 200).use);  // a full-rate bf16 core
+  EXPECT_TRUE(decide_bf16_products("auto", true, 100, 125).use);
+  EXPECT_FALSE(decide_bf16_products("auto", true, 100, 124).use);
+  EXPECT_FALSE(decide_bf16_products("off", true, 100, 200).use);
+  EXPECT_TRUE(decide_bf16_products("on", true, 100, 48).use);
+  const kernel::Bf16Choice none = decide_bf16_products(nullptr, false, 0, 0);
+  EXPECT_FALSE(none.use);
+  EXPECT_EQ(none.error, "");
+  EXPECT_NE(none.reason.find("no AVX512_BF16"), std::string::npos) << none.reason;
+  EXPECT_NE(decide_bf16_products("on", false, 0, 0).error.find("lacks AVX512_BF16"),
+            std::string::npos);
+  EXPECT_NE(decide_bf16_products("yes", true, 0, 0).error.find("CTXPAR_BF16_PRODUCTS=yes"),
+            std::string::npos);
+}
+
+// What this process chose is what `ctxpar --version` reports; unforced on a bf16 CPU it was
+// measured.
+TEST(Bf16Products, ThisCpusChoiceIsReported) {
+  const kernel::Bf16Choice& c = kernel::bf16_products();
+  EXPECT_EQ(simd_targets().products, c.reason);
+  EXPECT_FALSE(c.reason.empty());
+  const char* e = std::getenv("CTXPAR_BF16_PRODUCTS");
+  if ((e == nullptr || *e == '\0') && c.reason.find("measured") != std::string::npos) {
+    EXPECT_GT(c.fma_gflops, 0);
+    EXPECT_GT(c.dot_gflops, 0);
+    EXPECT_EQ(c.use, c.dot_gflops >= kernel::kBf16Pays * c.fma_gflops);
+  }
 }
 
 TEST(Dispatch, PortableBuildHasEveryX86Target) {

@@ -78,6 +78,7 @@ int version() {
   std::printf("chosen: %s%s\n", t.chosen.c_str(),
               std::getenv("CTXPAR_SIMD") ? " (CTXPAR_SIMD)"
                                          : " (the best; CTXPAR_SIMD=<name> forces a lower one)");
+  std::printf("products: %s\n", t.products.c_str());
   std::printf("%s", ctxpar::cli::cuda_version_lines().c_str());
   return 0;
 }

@@ -1,0 +1,136 @@
+// Whether bf16 products pay on this CPU, by measurement (issue 26). With bf16 inputs, Q K^T
+// and dO V^T are exact as bf16 x bf16 -> fp32 products (vdpbf16ps, AVX512_BF16), which do
+// twice the multiply-adds of an fp32 FMA per instruction -- but at what rate depends on the
+// core: on the Sapphire Rapids guest here vdpbf16ps gave 0.48x the fp32 FMA FLOP/s (dev lab 05),
+// on Zen 5 it is documented to run at full rate. So a short probe (a few milliseconds) times
+// both on register-only chains, alternating, best of three, the first time it is asked, and
+// bf16 products are used where they give at least kBf16Pays times the fp32 FLOP/s (the margin
+// pays for packing the tiles as bf16 pairs). CTXPAR_BF16_PRODUCTS=on|off|auto overrides it
+// (read here, beside CTXPAR_SIMD, in the dispatch layer; for tests and comparisons).
+#include <immintrin.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "kernel/problem.h"
+
+namespace ctxpar::kernel {
+
+namespace {
+
+#if defined(__x86_64__)
+#define CTXPAR_PROBE_CHAINS(OP) \
+  OP(a0) OP(a1) OP(a2) OP(a3) OP(a4) OP(a5) OP(a6) OP(a7) OP(a8) OP(a9) OP(a10) OP(a11)
+#define CTXPAR_PROBE_DECLARE(v) __m512 v = _mm512_set1_ps(seed);
+#define CTXPAR_PROBE_KEEP(v) __asm__ volatile("" : "+v"(v));
+#define CTXPAR_PROBE_SUM(v) sum = _mm512_add_ps(sum, v);
+
+// 12 chains of vdpbf16ps (kBf16) or of vfmadd231ps, `iterations` steps; the seconds they took.
+template <bool kBf16>
+__attribute__((target("avx512f,avx512bf16,fma"), noinline)) double chains(long iterations,
+                                                                          float seed) {
+  CTXPAR_PROBE_CHAINS(CTXPAR_PROBE_DECLARE)
+  const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80);  // bf16 pairs (1, 1)
+  const __m512bh y = (__m512bh)_mm512_set1_epi32(0x33d633d6);  // (1e-7, 1e-7)
+  const __m512 m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long i = 0; i < iterations; ++i) {
+#define CTXPAR_PROBE_STEP(v) v = kBf16 ? _mm512_dpbf16_ps(v, x, y) : _mm512_fmadd_ps(v, m, c);
+    CTXPAR_PROBE_CHAINS(CTXPAR_PROBE_STEP)
+    CTXPAR_PROBE_CHAINS(CTXPAR_PROBE_KEEP)
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  __m512 sum = _mm512_setzero_ps();
+  CTXPAR_PROBE_CHAINS(CTXPAR_PROBE_SUM)
+  volatile float sink = _mm512_cvtss_f32(sum);
+  (void)sink;
+  return s;
+}
+#endif
+
+bool cpu_has_bf16_dot() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// GFLOP/s of fp32 FMAs and of bf16 dot products, one thread.
+void probe(double& fma_gflops, double& dot_gflops) {
+#if defined(__x86_64__)
+  constexpr long kIterations = 200'000;  // x 12 instructions: ~1 ms a run at 3 GHz
+  double fma = 1e30, dot = 1e30;
+  for (int rep = 0; rep < 3; ++rep) {  // alternating, best of 3
+    dot = std::min(dot, chains<true>(kIterations, 1.0f + rep));
+    fma = std::min(fma, chains<false>(kIterations, 1.0f + rep));
+  }
+  const double n = 12.0 * kIterations;
+  fma_gflops = n * 32 / fma / 1e9, dot_gflops = n * 64 / dot / 1e9;
+#else
+  fma_gflops = dot_gflops = 0;
+#endif
+}
+
+std::string fixed2(double x) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.2f", x);
+  return b;
+}
+
+}  // namespace
+
+Bf16Choice decide_bf16_products(const char* env_value, bool cpu_has, double fma_gflops,
+                                double dot_gflops) {
+  Bf16Choice c;
+  const std::string want = env_value != nullptr ? env_value : "";
+  if (!want.empty() && want != "auto" && want != "on" && want != "off") {
+    c.error = "CTXPAR_BF16_PRODUCTS=" + want +
+              ": expected on, off or auto (or unset it: auto, decided by measurement)";
+    return c;
+  }
+  if (want == "off") {
+    c.reason = "fp32 products (CTXPAR_BF16_PRODUCTS=off)";
+    return c;
+  }
+  if (!cpu_has) {
+    if (want == "on")
+      c.error = "CTXPAR_BF16_PRODUCTS=on: this CPU lacks AVX512_BF16 (vdpbf16ps); use off or "
+                "auto, or unset it";
+    else
+      c.reason = "fp32 products (this CPU has no AVX512_BF16 bf16 dot product)";
+    return c;
+  }
+  if (want == "on") {
+    c.use = true;
+    c.reason = "bf16 products for bf16 inputs (CTXPAR_BF16_PRODUCTS=on)";
+    return c;
+  }
+  const double ratio = fma_gflops > 0 ? dot_gflops / fma_gflops : 0;
+  c.use = ratio >= kBf16Pays;
+  c.reason = std::string(c.use ? "bf16 products for bf16 inputs" : "fp32 products") +
+             " (measured: vdpbf16ps " + fixed2(ratio) + "x the fp32 FMA FLOP/s; bf16 needs " +
+             fixed2(kBf16Pays) + "x; CTXPAR_BF16_PRODUCTS=on|off overrides)";
+  return c;
+}
+
+const Bf16Choice& bf16_products() {
+  static const Bf16Choice c = [] {
+    const char* e = std::getenv("CTXPAR_BF16_PRODUCTS");
+    if (e != nullptr && *e == '\0') e = nullptr;
+    const bool has = cpu_has_bf16_dot();
+    double fma = 0, dot = 0;
+    const bool measure = has && (e == nullptr || std::strcmp(e, "auto") == 0);
+    if (measure) probe(fma, dot);
+    Bf16Choice d = decide_bf16_products(e, has, fma, dot);
+    d.fma_gflops = fma, d.dot_gflops = dot;
+    return d;
+  }();
+  return c;
+}
+
+}  // namespace ctxpar::kernel
