@@ -1,0 +1,77 @@
+// cuDNN's fused attention (SDPA) for the fused calls of one (query block, K/V block) pair
+// (src/device/fused_calls.h, masks as src/cuda/sdpa_mask.h), bf16 storage. Implemented in
+// cudnn_attention.cc, the one translation unit that includes cudnn-frontend (its headers cost a
+// minute of compile time each), with libcudnn loaded at run time so that one binary starts on
+// machines without it. The cuda device (cuda_device.cc) sends each block pair it can express
+// here (supports()), one call at a time, and everything else to the fallback kernel.
+//
+// Partial results are never merged in bf16: forward() writes the call's O and LSE as fp32 (when
+// cuDNN gives bf16 O only, the fp32 copy of the bf16 O; docs/cuda.md says which tier that is),
+// and the device merges them into the block's ForwardState in fp32. backward() writes the
+// call's dQ, dK, dV as fp32 (same rule), which the device adds into its fp32 accumulators.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "ctxpar/tensor.h"
+#include "device/fused_calls.h"
+
+namespace ctxpar::cuda {
+
+// [B, T, H, D] in device memory: element strides of b, t, h (d is contiguous).
+struct SdpaTensor {
+  void* data = nullptr;
+  int64_t b_stride = 0, t_stride = 0, h_stride = 0;
+};
+// [B, H, T] fp32 in device memory (LSE, cuDNN's stats): element strides of b, h, t.
+struct SdpaRows {
+  float* data = nullptr;
+  int64_t b_stride = 0, h_stride = 0, t_stride = 0;
+};
+
+// The shape of a block pair; the calls cut rows [q_begin, q_end) and keys [k_begin, k_end)
+// out of q (and dout, out) and k, v.
+struct SdpaShape {
+  DType dtype = DType::bf16;  // storage of q, k, v, out, dout
+  int64_t batch = 0, hq = 0, hkv = 0, d = 0;  // query head h reads kv head h / (hq / hkv)
+  float scale = 0;
+};
+
+struct SdpaForward {
+  SdpaTensor q, k, v;       // whole blocks, in shape.dtype
+  SdpaTensor o;             // out: [B, call rows, Hq, D] fp32, rows from 0 (call-local)
+  SdpaRows lse;             // out: [B, Hq, call rows] fp32, natural log, rows from 0
+};
+
+struct SdpaBackward {
+  SdpaTensor q, k, v, out, dout;  // whole blocks, in shape.dtype; out = the final O of the rows
+  SdpaRows lse;                   // the rows' final LSE (all K/V blocks), [B, Hq, Tq]
+  SdpaTensor dq;                  // out: [B, call rows, Hq, D] fp32, call-local rows
+  SdpaTensor dk, dv;              // out: [B, call keys, Hkv, D] fp32, call-local keys
+};
+
+class CudnnAttention {
+ public:
+  // nullptr, with `why` saying what was missing (libcudnn.so.9 not loadable, version older than
+  // the one built against), when cuDNN cannot be used on this machine.
+  static std::unique_ptr<CudnnAttention> create(std::string* why);
+  virtual ~CudnnAttention() = default;
+  // Whether block pairs of this shape go to cuDNN (bf16 storage, d a multiple of 8 and
+  // <= 256, hq a multiple of hkv); the device runs every other shape on the fallback kernel.
+  virtual bool supports(const SdpaShape& shape) const = 0;
+  // Scratch bytes forward() / backward() need for one call (the device allocates them).
+  virtual size_t workspace_bytes(const SdpaShape& shape, const fused::Call& call,
+                                 bool backward) = 0;
+  // Enqueue one call on `stream`. Graphs are built once per (shape, call rows, keys, mask form)
+  // and cached; a cuDNN error throws ctxpar::Error naming the call (fused::Call::describe()).
+  virtual void forward(const SdpaShape& shape, const fused::Call& call, const SdpaForward& t,
+                       void* workspace, cudaStream_t stream) = 0;
+  virtual void backward(const SdpaShape& shape, const fused::Call& call, const SdpaBackward& t,
+                        void* workspace, cudaStream_t stream) = 0;
+};
+
+}  // namespace ctxpar::cuda
