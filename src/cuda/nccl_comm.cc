@@ -81,7 +81,11 @@ NcclCommunicator::~NcclCommunicator() {
     for (void* m : p.marks) api_->mark_free(m);
   if (!comm_ || aborted_) return;
   // Finalize flushes what is left; a peer that never finishes would hold it: abort instead.
-  bool clean = pending_.empty() && api_->comm_finalize(comm_) != ncclSystemError;
+  bool clean = pending_.empty();
+  if (clean) {
+    const ncclResult_t r = api_->comm_finalize(comm_);
+    clean = r == ncclSuccess || r == ncclInProgress;
+  }
   const Clock::time_point deadline = Clock::now() + timeout();
   ncclResult_t state = ncclInProgress;
   while (clean) {
@@ -177,7 +181,15 @@ void NcclCommunicator::enqueue(const Op& op, cudaStream_t stream,
                                const std::function<ncclResult_t()>& call) {
   const bool alone = group_depth_ == 0;  // a group of one
   if (alone) group_start();
-  nccl_check(call(), op.is_send ? "ncclSend" : "ncclRecv", {op});
+  try {
+    nccl_check(locked(call), op.is_send ? "ncclSend" : "ncclRecv", {op});
+  } catch (const Error&) {
+    if (alone) {  // close the group: NCCL's group state is per thread, other communicators share it
+      group_depth_ = 0;
+      api_->group_end();
+    }
+    throw;
+  }
   group_ops_.push_back(op);
   if (std::find(group_streams_.begin(), group_streams_.end(), stream) == group_streams_.end())
     group_streams_.push_back(stream);
@@ -189,7 +201,7 @@ void NcclCommunicator::group_start() {
   if (group_depth_++ == 0) {
     group_ops_.clear();
     group_streams_.clear();
-    nccl_check(api_->group_start(), "ncclGroupStart", {});
+    nccl_check(locked(api_->group_start), "ncclGroupStart", {});
   }
 }
 
@@ -204,7 +216,7 @@ void NcclCommunicator::flush_group() {
   std::vector<cudaStream_t> streams = std::move(group_streams_);
   group_ops_.clear();
   group_streams_.clear();
-  nccl_check(api_->group_end(), "ncclGroupEnd", ops);
+  nccl_check(locked(api_->group_end), "ncclGroupEnd", ops);
   if (ops.empty()) return;
   Pending p;
   p.ops = std::move(ops);
@@ -220,6 +232,14 @@ void NcclCommunicator::flush_group() {
     pending_.push_back(std::move(p));
   }
   cv_.notify_all();
+}
+
+// NCCL calls of the calling thread hold mutex_, so that the watchdog's ncclCommAbort never
+// runs in the middle of one, and no call reaches an aborted communicator.
+ncclResult_t NcclCommunicator::locked(const std::function<ncclResult_t()>& call) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  throw_if_failed_locked();
+  return call();
 }
 
 void NcclCommunicator::nccl_check(ncclResult_t r, const char* call, const std::vector<Op>& ops) {

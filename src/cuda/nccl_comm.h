@@ -144,6 +144,7 @@ class NcclCommunicator final : public Communicator, public DeviceTransport {
   void flush_group();  // ncclGroupEnd, then the mark on the group's stream
   // Waits (in the calling thread) for the NCCL communicator to leave ncclInProgress.
   void settle(const std::vector<Op>& ops, const char* during);
+  ncclResult_t locked(const std::function<ncclResult_t()>& call);
   void nccl_check(ncclResult_t r, const char* call, const std::vector<Op>& ops);
   // Aborts the NCCL communicator and records the error (under mutex_).
   void fail_locked(const std::string& why, const std::vector<Op>& ops);

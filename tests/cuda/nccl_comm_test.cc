@@ -36,6 +36,7 @@ struct FakeNccl {
   std::atomic<int> async{ncclSuccess};
   std::atomic<int> group_end_result{ncclSuccess};
   std::atomic<int> unique_id_result{ncclSuccess};
+  std::atomic<int> send_result{ncclSuccess};
   std::atomic<int> aborts{0}, destroys{0}, finalizes{0}, marks_live{0};
   static thread_local std::vector<std::string> log;
 
@@ -71,10 +72,11 @@ struct FakeNccl {
       delete reinterpret_cast<int*>(c);
       return ncclSuccess;
     };
-    a->send = [](const void*, size_t n, ncclDataType_t t, int peer, ncclComm_t, cudaStream_t s) {
+    a->send = [this](const void*, size_t n, ncclDataType_t t, int peer, ncclComm_t,
+                     cudaStream_t s) {
       log.push_back("send " + std::to_string(n) + " type " + std::to_string(t) + " to " +
                     std::to_string(peer) + " on " + std::to_string(uintptr_t(s)));
-      return ncclSuccess;
+      return ncclResult_t(send_result.load());
     };
     a->recv = [](void*, size_t n, ncclDataType_t t, int peer, ncclComm_t, cudaStream_t s) {
       log.push_back("recv " + std::to_string(n) + " type " + std::to_string(t) + " from " +
@@ -263,6 +265,26 @@ TEST(CudaNccl, AGroupEndThatNeverSettlesFailsWithinTheTimeout) {
               "rank 0: nccl transport: timed out after 0.2 s in ncclGroupEnd (--timeout): "
               "send to rank 0 (tag 12, 8 B); the NCCL communicator was aborted "
               "(ncclCommAbort)");
+  });
+  fake.expect_ended(1, 0);
+}
+
+TEST(CudaNccl, AFailingLoneSendClosesItsGroupAndAborts) {
+  FakeNccl fake;
+  fake.send_result = ncclInternalError;
+  run_threads(1, [&](Communicator& host) {
+    NcclCommunicator comm(host, fake.api());
+    std::vector<char> buf(8);
+    FakeNccl::log.clear();
+    EXPECT_EQ(error_of([&] { comm.send(buf.data(), 8, 0, 2, stream_token(4)); }),
+              "rank 0: nccl transport: ncclSend failed: fake NCCL error: send to rank 0 (tag 2, "
+              "8 B); the NCCL communicator was aborted (ncclCommAbort)");
+    // NCCL's group state is the thread's: the group opened for the lone send is closed.
+    EXPECT_EQ(FakeNccl::log, (std::vector<std::string>{"group start", "send 8 type 1 to 0 on 4",
+                                                       "group end"}));
+    FakeNccl::log.clear();
+    EXPECT_NE(error_of([&] { comm.group_start(); }), "");
+    EXPECT_TRUE(FakeNccl::log.empty()) << "no NCCL call after the abort";
   });
   fake.expect_ended(1, 0);
 }
