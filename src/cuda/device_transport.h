@@ -34,6 +34,10 @@ class DeviceTransport {
   virtual void recv(void* data, size_t bytes, int peer, int tag, cudaStream_t stream) = 0;
   virtual void group_start() = 0;
   virtual void group_end() = 0;
+  // Throws the error of a transfer that failed or did not complete in time (a watchdog's), if
+  // any: the device calls it after synchronizing its streams, so that a failure the streams
+  // drained past is not lost. The default has nothing to report.
+  virtual void check() {}
 };
 
 // The communicator's device transport, or nullptr when it moves host memory only

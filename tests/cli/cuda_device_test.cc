@@ -37,6 +37,56 @@ TEST(CliCuda, DeviceCudaIsRefusedInOneLineWithTheReason) {
 #endif
 }
 
+// --transport nccl / loopback move GPU memory: without --device cuda, and on a machine without a
+// GPU, they are refused at once in one line that names the transport and the fix.
+CommandResult run_gpu_transport(const std::string& transport, const std::string& device,
+                                double* seconds) {
+  const auto start = std::chrono::steady_clock::now();
+  const CommandResult r = run_ctxpar("attention --seq 256 --heads 2 --head-dim 16 --ranks 2 "
+                                     "--transport " + transport + " --device " + device);
+  *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(r.out, "");
+  EXPECT_FALSE(r.err.empty());
+  EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << "one line: " << r.err;
+  EXPECT_EQ(r.err.rfind("ctxpar attention: error: --transport " + transport, 0), 0u) << r.err;
+  return r;
+}
+
+TEST(CliCuda, GpuTransportsNeedDeviceCuda) {
+  double s = 0;
+  CommandResult r = run_gpu_transport("nccl", "cpu", &s);
+  EXPECT_NE(r.err.find("--transport nccl moves GPU memory between processes and needs --device "
+                       "cuda (got --device cpu); add --device cuda, or use --transport threads, "
+                       "mpi or gloo with --device cpu"),
+            std::string::npos) << r.err;
+  r = run_gpu_transport("loopback", "sim", &s);
+  EXPECT_NE(r.err.find("--transport loopback runs P ranks on one GPU and needs --device cuda "
+                       "(got --device sim); add --device cuda, or use --transport threads with "
+                       "--device cpu"),
+            std::string::npos) << r.err;
+}
+
+TEST(CliCuda, GpuTransportsWithoutAGpuAreRefusedAtOnce) {
+  for (const std::string transport : {"nccl", "loopback"}) {
+    double seconds = 0;
+    const CommandResult r = run_gpu_transport(transport, "cuda", &seconds);
+    EXPECT_LT(seconds, 5.0);
+#ifdef CTXPAR_HAVE_CUDA
+    if (r.err.find("no CUDA device found") != std::string::npos) {
+      EXPECT_EQ(r.err.rfind("ctxpar attention: error: --transport " + transport +
+                            " --device cuda: no CUDA device found: cudaGetDeviceCount returned ", 0),
+                0u) << r.err;
+      EXPECT_NE(r.err.find("use --device cpu"), std::string::npos) << r.err;
+    } else if (transport == "nccl") {  // a machine with a GPU, no launcher
+      EXPECT_NE(r.err.find("start it with mpirun -n P or torchrun"), std::string::npos) << r.err;
+    }
+#else
+    EXPECT_NE(r.err.find("built without CUDA"), std::string::npos) << r.err;
+#endif
+  }
+}
+
 TEST(CliCuda, VersionDescribesTheCudaBuild) {
   const CommandResult r = run_ctxpar("--version");
   ASSERT_EQ(r.exit_code, 0) << r.err;

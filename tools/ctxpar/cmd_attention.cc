@@ -42,7 +42,9 @@ Options attention_options() {
            "striped; any T (padded to the layout's granule: P, or 2P for zigzag)")
       .add_device()
       .add("transport", "auto",
-           "threads | mpi | gloo (auto: mpi under mpirun, gloo under torchrun, else threads)")
+           "threads | mpi | gloo | nccl | loopback (auto: mpi under mpirun, gloo under "
+           "torchrun, else threads; nccl: one GPU per process under mpirun or torchrun, "
+           "loopback: P ranks on one GPU; both need --device cuda, docs/cuda.md)")
       .add("link-gbps", "0", "threads transport: simulated link bandwidth in GB/s (0 = none)")
       .add("link-latency-us", "0", "threads transport: simulated link latency in microseconds")
       .add("timeout", "300", "seconds a rank waits for a message before the job fails")
@@ -102,6 +104,7 @@ AttentionJob job_from(const Options& o) {
   job.strategy = parse_strategy(o.str("strategy"));
   job.ulysses_degree = o.i32("ulysses-degree", 0, kMaxProcesses);
   job.layout = parse_layout(o.str("layout"));
+  check_gpu_transport(o.str("transport"), o.str("device"));
   job.device = device_of(o);
   job.transport = o.str("transport");
   if (job.transport == "auto")
@@ -113,6 +116,8 @@ AttentionJob job_from(const Options& o) {
   job.timeout_seconds = o.num("timeout", kMinTimeout, kMaxTimeout);
   if (job.transport == "gloo" && !o.given("ranks") && torchrun_job())
     job.ranks = gloo_world(job.timeout_seconds).size();
+  if (job.transport == "nccl" && !o.given("ranks"))  // (a launcher: check_gpu_transport)
+    job.ranks = launched_by_mpi() ? mpi_world().size() : gloo_world(job.timeout_seconds).size();
   job.link.gbytes_per_second = o.num_or_zero("link-gbps", kMinLinkGbps, kMaxLinkGbps);
   job.link.latency_us = o.num("link-latency-us", 0, kMaxLinkLatencyUs);
   job.backward = o.on("backward") || o.given("do");
@@ -275,8 +280,10 @@ int cmd_attention(int argc, char** argv) {
   if (launched_by_mpi() && o.str("transport") != "threads") mpi_world();
   AttentionJob job = job_from(o);
   // (--transport mpi without mpirun is refused by validate, with how to start it.)
-  const bool under_mpi = job.transport == "mpi" && launched_by_mpi();
-  const bool under_torchrun = job.transport == "gloo" && launched_by_torchrun();
+  const bool nccl = job.transport == "nccl";  // over mpirun's ranks, else torchrun's
+  const bool under_mpi = (job.transport == "mpi" || nccl) && launched_by_mpi();
+  const bool under_torchrun =
+      (job.transport == "gloo" || nccl) && !under_mpi && launched_by_torchrun();
   if (under_mpi || under_torchrun) {
     Communicator& world = under_mpi ? mpi_world() : gloo_world(job.timeout_seconds);
     world.set_timeout(

@@ -3,10 +3,15 @@
 // GPU it cannot use yet, or a build without CUDA -- and exits 2 before anything runs.
 #include <string>
 
+#include "ctxpar/comm.h"
 #include "ctxpar/error.h"
+#include "ctxpar/gloo.h"
 #include "options.h"
 #ifdef CTXPAR_HAVE_CUDA
 #include "cuda/runtime.h"
+#endif
+#ifdef CTXPAR_HAVE_NCCL
+#include "cuda/nccl_comm.h"
 #endif
 
 namespace ctxpar::cli {
@@ -22,6 +27,39 @@ void refuse_cuda_device() {
   throw Error("--device cuda: this ctxpar was built without CUDA (CTXPAR_CUDA=OFF, or no nvcc "
               "at configure time); rebuild with -DCTXPAR_CUDA=ON where the CUDA toolkit is "
               "installed, or use --device cpu");
+#endif
+}
+
+void check_gpu_transport(const std::string& transport, const std::string& device) {
+  if (transport != "nccl" && transport != "loopback") return;
+  const bool nccl = transport == "nccl";
+  const std::string opt = "--transport " + transport;
+  if (device != "cuda")
+    throw Error(opt + (nccl ? " moves GPU memory between processes" : " runs P ranks on one GPU") +
+                " and needs --device cuda (got --device " + device + "); add --device cuda, or "
+                "use " + (nccl ? "--transport threads, mpi or gloo" : "--transport threads") +
+                " with --device cpu");
+#ifdef CTXPAR_HAVE_CUDA
+  const cuda::DeviceProbe p = cuda::probe_devices();
+  if (p.count == 0)
+    throw Error(opt + " --device cuda: " + cuda::no_device_message(p) +
+                " (with --device cpu: --transport threads" + (nccl ? ", mpi or gloo)" : ")"));
+  if (!nccl) return;
+  if (!launched_by_mpi() && !launched_by_torchrun())
+    throw Error(opt + " runs one rank per GPU, one process each: start it with mpirun -n P or "
+                "torchrun --nproc-per-node P --no-python ctxpar ...; for P ranks on one GPU use "
+                "--transport loopback");
+#ifdef CTXPAR_HAVE_NCCL
+  cuda::load_nccl();  // throws, saying what it looked for, where NCCL is missing
+#else
+  throw Error(opt + ": this ctxpar was built without NCCL's headers (nccl.h not found at "
+              "configure time); install NCCL's development files and reconfigure, or use "
+              "--transport mpi or gloo");
+#endif
+#else
+  throw Error(opt + ": this ctxpar was built without CUDA (CTXPAR_CUDA=OFF, or no nvcc at "
+              "configure time); rebuild with -DCTXPAR_CUDA=ON where the CUDA toolkit is "
+              "installed, or use --device cpu with --transport threads");
 #endif
 }
 

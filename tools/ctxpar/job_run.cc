@@ -3,12 +3,17 @@
 // gathers to rank 0; then the per-rank reports, and the check against the fp64 reference.
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <functional>
 #include <thread>
 
 #include "attention_check.h"
 #include "ctxpar/gloo.h"
 #include "job_internal.h"
 #include "options.h"
+#ifdef CTXPAR_HAVE_NCCL
+#include "cuda/nccl_comm.h"
+#endif
 
 namespace ctxpar::cli {
 
@@ -55,6 +60,33 @@ void run_rank_threads(int ranks, const std::function<void(Communicator&)>& fn,
   }
 }
 
+namespace {
+
+// --transport nccl: each process's GPU is its rank's number among this machine's ranks
+// (mpirun's and torchrun's local rank); device memory moves by NCCL, the rest over `host`.
+void run_over_nccl(Communicator& host, const AttentionJob& job,
+                   const std::function<void(Communicator&)>& body) {
+#ifdef CTXPAR_HAVE_NCCL
+  cuda::NcclOptions options;
+  options.cuda_device = 0;
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "LOCAL_RANK"})
+    if (const char* v = std::getenv(var)) {
+      options.cuda_device = std::max(0, std::atoi(v));
+      break;
+    }
+  options.timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(std::max(1.0, job.timeout_seconds) * 1000));
+  std::unique_ptr<cuda::NcclCommunicator> comm = cuda::nccl_over(host, options);
+  body(*comm);
+#else
+  (void)host, (void)body;
+  throw Error(detail::concat("--transport ", job.transport, ": this ctxpar was built without "
+                             "NCCL (docs/cuda.md)"));
+#endif
+}
+
+}  // namespace
+
 AttentionResult run_attention_job(const AttentionJob& job) {
   validate(job);
   const SequenceTokens seq = sequence_tokens(job);
@@ -63,18 +95,20 @@ AttentionResult run_attention_job(const AttentionJob& job) {
   std::vector<RankData> all;
   AttentionResult result;
 
-  if (job.transport == "mpi" || job.transport == "gloo") {
-    // One rank per process: mpirun's, or torchrun's over gloo.
-    const bool mpi = job.transport == "mpi";
+  if (job.transport == "mpi" || job.transport == "gloo" || job.transport == "nccl") {
+    // One rank per process: mpirun's, or torchrun's over gloo (nccl: bootstrapped over either).
+    const bool mpi = job.transport == "mpi" || (job.transport == "nccl" && launched_by_mpi());
     Communicator& world = mpi ? mpi_world() : gloo_world(job.timeout_seconds);
     const char* launcher = mpi ? "mpirun -n " : "torchrun --nproc-per-node ";
     CTXPAR_CHECK(world.size() == P, mpi ? "mpirun" : "torchrun", " started ", world.size(),
                  " processes but --ranks is ", P, "; drop --ranks or use ", launcher, P);
-    auto body = [&](Communicator& comm) {
+    std::function<void(Communicator&)> body = [&](Communicator& comm) {
       RankData mine;
       run_rank(comm, job, seq, mine);
       gather_to_root(comm, job, mine, all, need_tensors);
     };
+    if (job.transport == "nccl")
+      body = [&job, rank_body = body](Communicator& host) { run_over_nccl(host, job, rank_body); };
     if (mpi) run_mpi(body);
     else run_gloo(world, body);
     result.is_root = world.rank() == 0;

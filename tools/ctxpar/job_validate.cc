@@ -69,9 +69,13 @@ void validate(const AttentionJob& job) {
     }
   }
 
-  CTXPAR_CHECK(job.transport == "threads" || job.transport == "mpi" || job.transport == "gloo",
-               "--transport must be threads, mpi or gloo, got '", job.transport, "'");
-  CTXPAR_CHECK(job.device.kind == DeviceKind::cpu || job.transport == "threads",
+  const bool gpu_transport = job.transport == "nccl" || job.transport == "loopback";
+  CTXPAR_CHECK(job.transport == "threads" || job.transport == "mpi" || job.transport == "gloo" ||
+                   gpu_transport,
+               "--transport must be threads, mpi, gloo, nccl or loopback, got '", job.transport,
+               "'");
+  // (nccl and loopback need --device cuda and a GPU: check_gpu_transport, cuda_device.cc.)
+  CTXPAR_CHECK(gpu_transport || job.device.kind == DeviceKind::cpu || job.transport == "threads",
                "--device ", device_name(job.device.kind), " runs on the threads transport only "
                "(its streams' worker threads use the communicator); use --device cpu under mpirun "
                "or torchrun");

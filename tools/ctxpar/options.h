@@ -112,6 +112,11 @@ class Options {
 // ctxpar::Error (exit 2): no GPU found (cudaGetDeviceCount's error and what was looked for),
 // a GPU found but the device not written, or a build without CUDA. cuda_device.cc.
 [[noreturn]] void refuse_cuda_device();
+// --transport nccl | loopback (docs/cuda.md, "Transports"), checked before --device so that a
+// refusal names the transport: either needs --device cuda and a GPU (the no-GPU line of
+// --device cuda); nccl also mpirun or torchrun and a loadable NCCL. Throws ctxpar::Error
+// (exit 2, one line); returns for every other transport. cuda_device.cc.
+void check_gpu_transport(const std::string& transport, const std::string& device);
 // `ctxpar --version`'s lines on the CUDA build (cuda_device.cc).
 std::string cuda_version_lines();
 
