@@ -229,11 +229,31 @@ struct Entry {
   size_t cudnn_workspace = 0;  // the bf16 tier's scratch starts at align_up(cudnn_workspace)
 };
 
-// The bf16 tier's scratch: one dense [B, t, H, D] bf16 tensor per output, after the workspace.
+// Scratch after cuDNN's workspace, per uid: the bf16 tier's dense [B, t, H, D] bf16 outputs,
+// and the backward's packed [B, Hq, rows] copy of the rows' LSE (cuDNN < 9.26 takes only a
+// packed Stats input in sdpa_backward; ours is the whole block's [B, Hq, Tq]).
 struct Scratch {
   size_t offset;
   int64_t t, h;
 };
+std::map<int64_t, Scratch> scratch_of(const SdpaShape& s, const fused::Call& c, bool backward,
+                                      bool bf16_outputs, size_t cudnn_workspace, size_t* end) {
+  std::map<int64_t, Scratch> out;
+  size_t at = align_up(cudnn_workspace);
+  auto add = [&](int64_t uid, int64_t t, int64_t h, size_t elem) {
+    out[uid] = {at, t, h};
+    at += align_up(size_t(s.batch * t * h) * elem);
+  };
+  if (backward) add(kStats, c.rows(), s.hq, sizeof(float));
+  if (bf16_outputs && !backward) add(kO, c.rows(), s.hq, s.d * sizeof(uint16_t));
+  if (bf16_outputs && backward) {
+    add(kDQ, c.rows(), s.hq, s.d * sizeof(uint16_t));
+    add(kDK, c.keys(), s.hkv, s.d * sizeof(uint16_t));
+    add(kDV, c.keys(), s.hkv, s.d * sizeof(uint16_t));
+  }
+  *end = out.empty() ? cudnn_workspace : at;
+  return out;
+}
 
 class Cudnn final : public CudnnAttention {
  public:
@@ -285,7 +305,7 @@ class Cudnn final : public CudnnAttention {
         {kO, t.o.data},
         {kStats, t.lse.data}};
     const std::pair<int64_t, SdpaTensor> outputs[] = {{kO, t.o}};
-    execute(e, s, c, false, pack, outputs, workspace, stream);
+    execute(e, s, c, false, pack, outputs, nullptr, workspace, stream);
   }
 
   void backward(const SdpaShape& s, const fused::Call& c, const SdpaBackward& t, void* workspace,
@@ -301,10 +321,9 @@ class Cudnn final : public CudnnAttention {
     std::unordered_map<int64_t, void*> pack = {
         {kQ, rows(t.q)},   {kK, keys(t.k)},   {kV, keys(t.v)},
         {kO, rows(t.out)}, {kDO, rows(t.dout)},
-        {kStats, t.lse.data + c.q_begin * t.lse.t_stride},
         {kDQ, t.dq.data},  {kDK, t.dk.data},  {kDV, t.dv.data}};
     const std::pair<int64_t, SdpaTensor> outputs[] = {{kDQ, t.dq}, {kDK, t.dk}, {kDV, t.dv}};
-    execute(e, s, c, true, pack, outputs, workspace, stream);
+    execute(e, s, c, true, pack, outputs, &t.lse, workspace, stream);
   }
 
  private:
@@ -314,23 +333,6 @@ class Cudnn final : public CudnnAttention {
                 c.describe() + " (rows [" + std::to_string(c.q_begin) + ", " +
                 std::to_string(c.q_end) + "), keys [" + std::to_string(c.k_begin) + ", " +
                 std::to_string(c.k_end) + ")): " + what + "; graph: " + key);
-  }
-
-  // The bf16 tier's scratch of each output (uid -> place), after cuDNN's workspace.
-  static std::map<int64_t, Scratch> scratch_of(const SdpaShape& s, const fused::Call& c,
-                                               bool backward, size_t cudnn_workspace) {
-    std::map<int64_t, Scratch> out;
-    size_t at = align_up(cudnn_workspace);
-    auto add = [&](int64_t uid, int64_t t, int64_t h) {
-      out[uid] = {at, t, h};
-      at += align_up(size_t(s.batch * t * h * s.d) * sizeof(uint16_t));
-    };
-    if (!backward) {
-      add(kO, c.rows(), s.hq);
-    } else {
-      add(kDQ, c.rows(), s.hq), add(kDK, c.keys(), s.hkv), add(kDV, c.keys(), s.hkv);
-    }
-    return out;
   }
 
   template <class Tensors>
@@ -358,14 +360,8 @@ class Cudnn final : public CudnnAttention {
       e->info.graph_id = cache_.size();
       e->info.key = key;
       e->info.fp32_outputs = variant.fp32;
-      if (e->info.executable && !variant.fp32)
-        e->info.workspace_bytes = align_up(e->cudnn_workspace) +
-                                  [&] {
-                                    size_t n = 0;
-                                    for (auto& [uid, p] : scratch_of(s, c, backward, 0))
-                                      n += align_up(size_t(s.batch * p.t * p.h * s.d) * 2);
-                                    return n;
-                                  }();
+      if (e->info.executable)
+        scratch_of(s, c, backward, !variant.fp32, e->cudnn_workspace, &e->info.workspace_bytes);
       return *cache_.emplace(key, std::move(e)).first->second;
     }
     fail(c, backward, key, "cuDNN refused every form of the graph: " + refusals);
@@ -452,7 +448,7 @@ class Cudnn final : public CudnnAttention {
     auto v = bhtd(g, "V", kV, b, s.hkv, keys, s.d, t.v);
     auto o = bhtd(g, "O", kO, b, s.hq, rows, s.d, t.out);
     auto dout = bhtd(g, "dO", kDO, b, s.hq, rows, s.d, t.dout);
-    auto stats = g.tensor(stats_attributes(b, s.hq, rows, t.lse));
+    auto stats = g.tensor(stats_attributes(b, s.hq, rows, dense_rows(rows, s.hq)));  // packed
     auto a = fe::graph::SDPA_backward_attributes().set_name("sdpa_backward").set_attn_scale(s.scale);
     apply_mask(a, sdpa_mask_of(c));
     auto [dq, dk, dv] = g.sdpa_backward(q, k, v, o, dout, stats, a);
@@ -471,8 +467,8 @@ class Cudnn final : public CudnnAttention {
   template <size_t N>
   void execute(const Entry& e, const SdpaShape& s, const fused::Call& c, bool backward,
                std::unordered_map<int64_t, void*>& pack,
-               const std::pair<int64_t, SdpaTensor> (&outputs)[N], void* workspace,
-               cudaStream_t stream) {
+               const std::pair<int64_t, SdpaTensor> (&outputs)[N], const SdpaRows* lse,
+               void* workspace, cudaStream_t stream) {
     if (!handle_)
       fail(c, backward, e.info.key,
            "this instance is device-less (create_deviceless): its graphs are built, never run");
@@ -484,7 +480,19 @@ class Cudnn final : public CudnnAttention {
                " B of workspace, more than workspace_bytes() said (" +
                (w == workspace_.end() ? std::string("not asked") : std::to_string(w->second)) +
                ")");
-    const auto scratch = scratch_of(s, c, backward, e.cudnn_workspace);
+    size_t end = 0;
+    const auto scratch =
+        scratch_of(s, c, backward, !e.info.fp32_outputs, e.cudnn_workspace, &end);
+    if (lse) {  // the rows' LSE, packed into scratch
+      if (lse->t_stride != 1)
+        fail(c, backward, e.info.key, "the LSE rows must be contiguous (t stride 1)");
+      float* packed = reinterpret_cast<float*>(static_cast<char*>(workspace) +
+                                               scratch.at(kStats).offset);
+      launch_copy<float, float>(
+          View4<const float>{lse->data + c.q_begin, lse->b_stride, lse->h_stride, 0}, packed,
+          s.batch, s.hq, 1, c.rows(), stream);
+      pack[kStats] = packed;
+    }
     if (!e.info.fp32_outputs)  // the bf16 tier: cuDNN writes into scratch
       for (const auto& [uid, out] : outputs) {
         const Scratch& p = scratch.at(uid);
