@@ -91,20 +91,19 @@ struct Case {
 TEST(CudnnAttention, DecompositionCallsBuildUpToTheModuleLoad) {
   const auto instance = deviceless();
   CudnnAttention& a = *instance;
-  const int64_t t = 128;
+  // Small blocks (T = 64 over two ranks): each distinct graph costs seconds of NVRTC.
+  const int64_t t = 64;
   const int p = 2;
-  Mask window;  // a sliding window, causal: a band
-  window.causal = true, window.window_left = 24;
+  Mask window;  // a sliding window, causal: bands
+  window.causal = true, window.window_left = 12;
   Mask documents = Mask::causal_mask();
   documents.documents = true;
   std::vector<int32_t> docs(t);
-  for (int64_t i = 0; i < t; ++i) docs[i] = i < 40 ? 0 : i < 100 ? 1 : 2;
+  for (int64_t i = 0; i < t; ++i) docs[i] = i < 20 ? 0 : i < 50 ? 1 : 2;
   const Case cases[] = {
       {"zigzag causal", LayoutKind::zigzag, Mask::causal_mask(), 64},
       {"contiguous window", LayoutKind::contiguous, window, 64},
-      {"contiguous documents", LayoutKind::contiguous, documents, 64},
       {"striped causal", LayoutKind::striped, Mask::causal_mask(), 128},
-      {"zigzag causal", LayoutKind::zigzag, Mask::causal_mask(), 128},
       {"contiguous documents", LayoutKind::contiguous, documents, 128},
   };
   std::set<std::string> keys;
