@@ -54,16 +54,34 @@ struct SdpaBackward {
   SdpaTensor dk, dv;              // out: [B, call keys, Hkv, D] fp32, call-local keys
 };
 
+// What prepare() built (tests/cuda/cudnn_attention_test.cc drives it device-less).
+struct SdpaPrepared {
+  size_t graph_id = 0;        // the cache entry: the same for the same key
+  std::string key;            // the cache key, readable (the graph's shape in error messages)
+  bool executable = false;    // plans built and loaded (never device-less)
+  bool fp32_outputs = false;  // O / dQ / dK / dV requested as fp32 (else bf16)
+  size_t workspace_bytes = 0;                // when executable
+  size_t plans_stopped_at_module_load = 0;   // device-less: plans compiled, then no GPU to load
+  std::string plan_build;                    // device-less: the plan build's message
+};
+
 class CudnnAttention {
  public:
   // nullptr, with `why` saying what was missing (libcudnn.so.9 not loadable, version older than
   // the one built against), when cuDNN cannot be used on this machine.
   static std::unique_ptr<CudnnAttention> create(std::string* why);
+  // Device-less (tests): graphs for the device a cuDNN device-properties JSON describes (sm_90,
+  // 132 SMs), built through the plan build's NVRTC compile, which ends at the module load
+  // without a GPU; prepare() only (forward / backward / workspace_bytes throw).
+  static std::unique_ptr<CudnnAttention> create_deviceless(const std::string& properties_json,
+                                                           std::string* why);
   virtual ~CudnnAttention() = default;
   // Whether block pairs of this shape go to cuDNN (bf16 storage, d a multiple of 8 and
   // <= 256, hq a multiple of hkv); the device runs every other shape on the fallback kernel.
   virtual bool supports(const SdpaShape& shape) const = 0;
-  // Scratch bytes forward() / backward() need for one call (the device allocates them).
+  // Scratch bytes forward() / backward() need for one call (the device allocates them): the
+  // workspace of the call's graph with dense call-local strides (cuDNN sizes the SDPA
+  // workspace by shape); forward() / backward() refuse a graph that needs more.
   virtual size_t workspace_bytes(const SdpaShape& shape, const fused::Call& call,
                                  bool backward) = 0;
   // Enqueue one call on `stream`. Graphs are built once per (shape, call rows, keys, mask form)
@@ -72,6 +90,14 @@ class CudnnAttention {
                        void* workspace, cudaStream_t stream) = 0;
   virtual void backward(const SdpaShape& shape, const fused::Call& call, const SdpaBackward& t,
                         void* workspace, cudaStream_t stream) = 0;
+  // Builds (or finds in the cache) the graph forward() / backward() would run for these
+  // tensors (their strides; data pointers unused), without executing it. Throws as they do.
+  virtual SdpaPrepared prepare(const SdpaShape& shape, const fused::Call& call,
+                               const SdpaForward& t) = 0;
+  virtual SdpaPrepared prepare(const SdpaShape& shape, const fused::Call& call,
+                               const SdpaBackward& t) = 0;
+  // Graphs in the cache (each built once).
+  virtual size_t graphs_built() const = 0;
 };
 
 }  // namespace ctxpar::cuda
