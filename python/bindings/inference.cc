@@ -196,6 +196,7 @@ nb::dict stats_of(const InferenceStats& s) {
   d["wall_seconds"] = s.wall_seconds;
   d["attention_seconds"] = s.attention_seconds;
   d["merge_seconds"] = s.merge_seconds;
+  d["cpu_seconds"] = s.cpu_seconds;
   d["mode"] = std::string(prefill_mode_name(s.mode));
   return d;
 }
