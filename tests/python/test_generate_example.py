@@ -43,3 +43,22 @@ def test_generate_on_three_threads(dtype):
     run = subprocess.run([sys.executable, GENERATE, *SMALL, "--threads", "3", "--dtype", dtype],
                          env=env, capture_output=True, text=True, timeout=300)
     assert_same_tokens(run, 3, "threads")
+
+
+def test_generate_exits_1_and_says_so_when_the_tokens_differ(monkeypatch, capsys):
+    sys.path.insert(0, os.path.dirname(GENERATE))
+    import generate as g
+    real = g.generate
+
+    def perturbed(comm, args, prompts):  # the spread run's last token changed
+        out, memory = real(comm, args, prompts)
+        if comm.size > 1:
+            out[0][-1] = (out[0][-1] + 1) % args.vocab
+        return out, memory
+
+    monkeypatch.setattr(g, "generate", perturbed)
+    monkeypatch.setattr(sys, "argv", ["generate.py", *SMALL, "--threads", "2"])
+    with pytest.raises(SystemExit) as e:
+        g.main()
+    assert e.value.code == 1
+    assert "DIFFERENT tokens from one rank with the whole cache" in capsys.readouterr().out
