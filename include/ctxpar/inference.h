@@ -57,6 +57,7 @@ struct InferenceStats {
   double wall_seconds = 0;
   double attention_seconds = 0;  // inside kernel operations (the device's busy time)
   double merge_seconds = 0;      // decode: all-gather of the partials and their merge
+  double cpu_seconds = 0;        // CPU time of the calling thread (the cpu device runs inline)
   PrefillMode mode = PrefillMode::automatic;  // prefill: the mode that ran
 };
 
@@ -155,6 +156,45 @@ struct PrefillShape {
 PrefillBytes predict_prefill_bytes(const PrefillShape& shape);
 // The mode with fewer bytes (pass-KV on a tie); `forced` other than automatic wins.
 PrefillMode choose_prefill(const PrefillShape& shape, PrefillMode forced = PrefillMode::automatic);
+
+// ---- planning (src/inference/plan.cc; `ctxpar decode --plan`) -------------------------------
+// What the planner needs of a machine: measured by measure_inference_rates() or given.
+struct InferenceRates {
+  double decode_seconds_per_token_head = 0;  // decode kernel: per cached token and KV head
+                                             // (its g query rows), one rank
+  double attention_flops = 0;     // prefill kernel FLOP/s per rank (4 D FLOPs per pair and head)
+  double link_bytes_per_second = 0;  // one message between two ranks, one direction
+  double message_seconds = 0;     // fixed cost per message (latency, and decode's merge per rank)
+};
+// Measures the rates on this machine with the threads transport and `options`' device and
+// kernel (about a second): a one-rank decode and prefill, and a two-rank exchange.
+InferenceRates measure_inference_rates(const KvCacheOptions& options, int64_t hq);
+
+// Decode of Tn tokens of every sequence (lengths: the sequences' lengths before the call).
+struct DecodePlan {
+  std::vector<int64_t> tokens_per_rank;  // cached tokens after the call, all sequences
+  std::vector<uint64_t> cache_bytes;     // kv_cache_bytes per rank (whole blocks)
+  uint64_t bytes_per_call = 0;           // sent, all ranks together (what the counters count)
+  double kernel_seconds = 0;             // the fullest rank's attention
+  double merge_seconds = 0;              // all-gather and merge of the P partials
+  double seconds = 0;                    // kernel + merge
+};
+DecodePlan plan_decode(const KvCacheOptions& options, int64_t hq, int64_t tn,
+                       const std::vector<int64_t>& lengths, int ranks,
+                       const InferenceRates& rates);
+
+// Prefill of shape.new_tokens after shape.cached tokens in each mode: bytes (exact, as
+// predict_prefill_bytes), seconds (the slowest rank's compute plus the transfers it cannot
+// hide: the ring's hops beyond its steps' compute; pass-Q's partials going home after the
+// ring), and the crossovers for this T: the least cached length from which pass-Q moves fewer
+// bytes (resp. takes less time) than pass-KV; -1 when it never does within 2^40 tokens.
+struct PrefillPlan {
+  PrefillBytes bytes;
+  double pass_kv_seconds = 0, pass_q_seconds = 0;
+  PrefillMode chosen = PrefillMode::pass_kv;  // choose_prefill's (by bytes)
+  int64_t crossover_bytes = -1, crossover_seconds = -1;
+};
+PrefillPlan plan_prefill(const PrefillShape& shape, bool causal, const InferenceRates& rates);
 
 // Prefill of `new_tokens` tokens of sequence seq after its cached ones: q, k, v hold this
 // rank's rows of them (cache.placement(tokens(seq), new_tokens, rank)); out, lse receive the

@@ -10,6 +10,7 @@ from . import _ctxpar
 from . import _distributed
 from ._ctxpar import Communicator, Error, __version__, launched_by_mpi
 from ._attention import attention, attention_backward
+from .inference import KVCache
 from . import layout
 from . import testing
 
@@ -87,5 +88,5 @@ def run_threads(ranks, fn, timeout_s=120.0):
     return _ctxpar.run_threads(_checks.ranks(ranks), fn, _checks.timeout_s(timeout_s))
 
 
-__all__ = ["Communicator", "Error", "__version__", "attention", "attention_backward", "init",
+__all__ = ["Communicator", "Error", "KVCache", "__version__", "attention", "attention_backward", "init",
            "launched_by", "launched_by_mpi", "layout", "run_threads", "testing"]

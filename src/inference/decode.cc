@@ -10,12 +10,16 @@
 // The merge order is fixed (not "whoever arrives first"), so out is bitwise the same on every
 // rank and run; each shard's tokens depend only on their indices, so out does not depend on how
 // the earlier tokens were cut into prefill and decode calls either.
+#include <algorithm>
 #include <cstring>
 
 #include "ctxpar/error.h"
 #include "inference/internal.h"
 
 namespace ctxpar {
+namespace {
+constexpr int64_t kDecodeChunk = 1024;  // Note [Decode streams the shard in chunks]
+}  // namespace
 
 void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const TensorView& v_new,
             const TensorView& out, const TensorView& lse, std::span<const int32_t> documents) {
@@ -98,9 +102,21 @@ void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const 
     qt.positions = std::span<const int64_t>(row_positions).subspan(size_t(s * rows), size_t(rows));
     if (o.mask.documents)
       qt.documents = std::span<const int32_t>(row_documents).subspan(size_t(s * rows), size_t(rows));
-    if (cache.local_tokens(s) > 0)
-      dev.forward_block(kComputeStream, q_g.slice(0, s, s + 1), qt, cache.k(s), cache.v(s),
-                        cache.local_token_ids(s), o.mask, states.back().get(), o.kernel);
+    // Note [Decode streams the shard in chunks]: the kernel packs the K/V it is given (K^T
+    // and V tiles) before computing, which for a whole shard writes a copy of it and reads it
+    // back from memory. Given kDecodeChunk tokens at a time, the packed chunk stays in the
+    // cache. The chunks' bounds depend on local indices only, so the bits still depend on the
+    // tokens alone (not on how they were prefilled).
+    const int64_t n = cache.local_tokens(s);
+    const Tokens kt = cache.local_token_ids(s);
+    for (int64_t a = 0; a < n; a += kDecodeChunk) {
+      const int64_t e = std::min(n, a + kDecodeChunk);
+      Tokens ct;
+      ct.positions = kt.positions.subspan(size_t(a), size_t(e - a));
+      if (o.mask.documents) ct.documents = kt.documents.subspan(size_t(a), size_t(e - a));
+      dev.forward_block(kComputeStream, q_g.slice(0, s, s + 1), qt, cache.k(s).slice(1, a, e),
+                        cache.v(s).slice(1, a, e), ct, o.mask, states.back().get(), o.kernel);
+    }
     dev.forward_finalize(kComputeStream, states.back().get(), part_o(me).slice(0, s, s + 1),
                          part_lse(me).slice(0, s, s + 1), o.kernel);
   }

@@ -2,6 +2,7 @@
 // decode and prefill do to a cache (grow it within its limits, store rows, keep stats).
 #pragma once
 #include <chrono>
+#include <ctime>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -51,7 +52,7 @@ class CallStats {
   explicit CallStats(KvCache& cache)
       : cache_(cache), stats_(InferenceAccess::stats(cache)),
         counters_(cache.comm().counters()), device_(cache.device().counters()),
-        t0_(std::chrono::steady_clock::now()) {
+        t0_(std::chrono::steady_clock::now()), cpu0_(thread_cpu_seconds()) {
     stats_ = InferenceStats{};
   }
   InferenceStats& stats() { return stats_; }
@@ -62,6 +63,12 @@ class CallStats {
     stats_.bytes_received = now.bytes_received - counters_.bytes_received;
     stats_.attention_seconds = cache_.device().counters().busy_seconds - device_.busy_seconds;
     stats_.wall_seconds = seconds_since(t0_);
+    stats_.cpu_seconds = thread_cpu_seconds() - cpu0_;
+  }
+  static double thread_cpu_seconds() {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
   }
   static double seconds_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -73,6 +80,7 @@ class CallStats {
   CommCounters counters_;
   DeviceCounters device_;
   std::chrono::steady_clock::time_point t0_;
+  double cpu0_;
 };
 
 // The checks every call shares: a [B, T, H, D] activation of the cache's head dim and of fp32

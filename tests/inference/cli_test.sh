@@ -29,6 +29,12 @@ expect 2 '--mask none lets a token see later ones' -- "$ctxpar" decode --mask no
 expect 2 '--prefill-mode: unknown prefill mode .pass-x.' -- "$ctxpar" decode --prefill-mode pass-x
 expect 2 '--kv-heads 3 must divide --heads 8' -- "$ctxpar" decode --kv-heads 3
 expect 2 '--context must be in \[1, ' -- "$ctxpar" decode --context 0
+# --plan runs nothing and predicts (the 8 KiB per token and the exact prefill bytes are the
+# planner's arithmetic, which tests/inference/plan_test.cc checks against the counters).
+expect 0 '"decode_bytes_per_token": 8272, .*"pass_kv_bytes": 135266304, "pass_q_bytes": 33718272, "pass_kv_seconds": [0-9.e+-]*, "pass_q_seconds": [0-9.e+-]*, "auto": "pass-q", "crossover_bytes": 28577' -- \
+  "$ctxpar" decode --plan --context 128K --chunk 4096 --ranks 2 --heads 8 --kv-heads 1 --head-dim 128 --json
+expect 0 'crossover for 4096 new tokens: pass-q moves fewer bytes from 28577 cached tokens' -- \
+  "$ctxpar" decode --plan --context 1M --chunk 4096 --ranks 2 --heads 8 --kv-heads 1 --head-dim 128
 # The context from .npy files: [C, Hkv, D] float32 (C = 300, Hkv = 1, D = 16), written here.
 npy=$(mktemp -d)
 trap 'rm -rf "$npy"' EXIT

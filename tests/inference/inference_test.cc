@@ -121,6 +121,30 @@ TEST(Inference, DefaultBlockAndLongerContext) {
   for (int p : {2, 3}) expect_accurate(s, p, "block 64");
 }
 
+TEST(Inference, DecodeOverShardsOfSeveralChunksIsAccurateAndCutIndependent) {
+  // Shards longer than decode's chunk (Note [Decode streams the shard in chunks], 1024
+  // tokens): 2600 tokens are 3 chunks on one rank, 2 on each of two.
+  Scenario a;
+  a.block = 64;
+  a.prefill = {2600};
+  a.decode_steps = 3;
+  a.build();
+  Scenario b = a;
+  b.prefill = {2602};
+  b.decode_steps = 1;
+  b.mode = PrefillMode::pass_q;
+  b.build();
+  for (int p : {1, 2}) {
+    const auto ra = run_on_threads(a, p), rb = run_on_threads(b, p);
+    const Combined c = combine(ra, a, 0);
+    EXPECT_EQ(check_accuracy(a, 0, c, 2600), "") << "P=" << p;
+    const int64_t n = a.length(0), hd = a.hq * a.d;
+    EXPECT_EQ(std::memcmp(ra[0].out[0].ptr<float>() + (n - 1) * hd,
+                          rb[0].out[0].ptr<float>() + (n - 1) * hd, size_t(hd) * 4), 0)
+        << "P=" << p;
+  }
+}
+
 TEST(Inference, DecodeDoesNotDependOnHowMuchWasPrefilled) {
   // prefill 100 then decode 5 == prefill 103 then decode 2, for the two last decoded rows.
   for (int p : {1, 2, 3, 4})

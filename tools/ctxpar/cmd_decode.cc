@@ -70,6 +70,7 @@ struct Report {
   double prefill_seconds = 0, merge_seconds = 0;
   uint64_t prefill_bytes = 0, decode_bytes = 0;  // all ranks together
   std::vector<uint64_t> cache_bytes;    // per rank, at the end
+  std::vector<double> cpu_seconds;      // per rank: decode's CPU time (its thread), all steps
   std::string prefill_mode;  // the modes the prefill calls ran ("pass-kv+pass-q"), or "fill"
 };
 
@@ -107,7 +108,7 @@ void run_rank(Communicator& comm, const DecodeConfig& c, Report& report) {
   const uint64_t prefill_sent = comm.counters().bytes_sent - sent0;
   sent0 = comm.counters().bytes_sent;
   std::vector<double> steps;
-  double merge = 0;
+  double merge = 0, cpu = 0;
   std::vector<int64_t> one(static_cast<size_t>(nseq));
   for (int64_t step = 0; step < c.tokens; ++step) {
     Tensor q(DType::f32, {nseq, 1, c.hq, d}), k(DType::f32, {nseq, 1, o.kv_heads, d}),
@@ -122,11 +123,14 @@ void run_rank(Communicator& comm, const DecodeConfig& c, Report& report) {
     decode(cache, qs, ks, vs, out, lse);
     steps.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count());
     merge += cache.last_stats().merge_seconds;
+    cpu += cache.last_stats().cpu_seconds;
   }
   const uint64_t decode_sent = comm.counters().bytes_sent - sent0;
-  // Every rank's figures to rank 0 (one small all-gather: [prefill bytes, decode bytes, cache]).
-  const uint64_t mine[3] = {prefill_sent, decode_sent, uint64_t(cache.bytes())};
-  std::vector<uint64_t> all(3 * size_t(comm.size()));
+  // Every rank's figures to rank 0 (one small all-gather: [prefill bytes, decode bytes, cache,
+  // decode CPU nanoseconds]).
+  const uint64_t mine[4] = {prefill_sent, decode_sent, uint64_t(cache.bytes()),
+                            uint64_t(cpu * 1e9)};
+  std::vector<uint64_t> all(4 * size_t(comm.size()));
   comm.allgather(mine, all.data(), sizeof mine);
   if (me != 0) return;
   report.step_seconds = steps;
@@ -134,9 +138,10 @@ void run_rank(Communicator& comm, const DecodeConfig& c, Report& report) {
   report.merge_seconds = merge;
   report.prefill_mode = mode;
   for (int r = 0; r < comm.size(); ++r) {
-    report.prefill_bytes += all[3 * r];
-    report.decode_bytes += all[3 * r + 1];
-    report.cache_bytes.push_back(all[3 * r + 2]);
+    report.prefill_bytes += all[4 * r];
+    report.decode_bytes += all[4 * r + 1];
+    report.cache_bytes.push_back(all[4 * r + 2]);
+    report.cpu_seconds.push_back(double(all[4 * r + 3]) * 1e-9);
   }
 }
 
@@ -153,6 +158,13 @@ void print(const DecodeConfig& c, int ranks, const std::string& transport, const
   const uint64_t cmin = *std::min_element(r.cache_bytes.begin(), r.cache_bytes.end());
   int64_t total = 0;
   for (int64_t n : c.context) total += n;
+  std::string cpu;  // per rank, mean per decoded token
+  for (double s : r.cpu_seconds) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%s%.6g", cpu.empty() ? "" : ", ",
+                  c.tokens ? s / double(c.tokens) : 0.0);
+    cpu += buf;
+  }
   if (c.json) {
     std::printf("{\"command\": \"decode\", \"transport\": \"%s\", \"ranks\": %d, \"sequences\": %lld, "
                 "\"context_tokens\": %lld, \"decoded_tokens\": %lld, \"heads\": %lld, "
@@ -160,7 +172,8 @@ void print(const DecodeConfig& c, int ranks, const std::string& transport, const
                 "\"prefill\": \"%s\", \"prefill_seconds\": %.6g, \"prefill_bytes\": %llu, "
                 "\"token_seconds_mean\": %.6g, \"token_seconds_median\": %.6g, "
                 "\"merge_seconds_mean\": %.6g, \"decode_bytes_per_token\": %.6g, "
-                "\"cache_bytes_per_rank_max\": %llu, \"cache_bytes_per_rank_min\": %llu}\n",
+                "\"cache_bytes_per_rank_max\": %llu, \"cache_bytes_per_rank_min\": %llu, "
+                "\"cpu_seconds_per_token\": [%s]}\n",
                 transport.c_str(), ranks, (long long)c.cache.sequences, (long long)total,
                 (long long)c.tokens, (long long)c.hq, (long long)c.cache.kv_heads,
                 (long long)c.cache.head_dim, dtype_name(c.cache.dtype), (long long)c.cache.block,
@@ -168,7 +181,7 @@ void print(const DecodeConfig& c, int ranks, const std::string& transport, const
                 mean, median(r.step_seconds),
                 r.step_seconds.empty() ? 0 : r.merge_seconds / double(r.step_seconds.size()),
                 c.tokens ? double(r.decode_bytes) / double(c.tokens) : 0.0,
-                (unsigned long long)cmax, (unsigned long long)cmin);
+                (unsigned long long)cmax, (unsigned long long)cmin, cpu.c_str());
     return;
   }
   std::printf("ctxpar decode: %lld sequence(s), context %lld tokens, %d ranks (%s), Hq %lld, "
@@ -185,6 +198,64 @@ void print(const DecodeConfig& c, int ranks, const std::string& transport, const
               bytes_text(c.tokens ? double(r.decode_bytes) / double(c.tokens) : 0).c_str());
   std::printf("KV cache per rank: %s (max) .. %s (min)\n", bytes_text(double(cmax)).c_str(),
               bytes_text(double(cmin)).c_str());
+  std::printf("decode CPU time per token, per rank (s): %s\n", cpu.c_str());
+}
+
+// --plan: the planner's predictions for this configuration, from rates measured here.
+void print_plan(const DecodeConfig& c, int ranks) {
+  const KvCacheOptions& o = c.cache;
+  const InferenceRates rates = measure_inference_rates(o, c.hq);
+  const DecodePlan d = plan_decode(o, c.hq, 1, c.context, ranks, rates);
+  const int64_t longest = *std::max_element(c.context.begin(), c.context.end());
+  PrefillShape sh;
+  sh.new_tokens = c.chunk > 0 ? std::min(c.chunk, longest) : longest;
+  sh.cached = longest - sh.new_tokens;
+  sh.ranks = ranks, sh.hq = c.hq, sh.hkv = o.kv_heads, sh.head_dim = o.head_dim;
+  sh.block = o.block, sh.kv_dtype = o.dtype, sh.q_dtype = o.dtype;
+  const PrefillPlan p = plan_prefill(sh, o.mask.causal, rates);
+  const auto [tmin, tmax] = std::minmax_element(d.tokens_per_rank.begin(), d.tokens_per_rank.end());
+  const auto [bmin, bmax] = std::minmax_element(d.cache_bytes.begin(), d.cache_bytes.end());
+  if (c.json) {
+    std::printf("{\"command\": \"decode --plan\", \"ranks\": %d, \"rates\": {"
+                "\"decode_seconds_per_token_head\": %.6g, \"attention_flops\": %.6g, "
+                "\"link_bytes_per_second\": %.6g, \"message_seconds\": %.6g}, "
+                "\"decode_seconds_per_token\": %.6g, \"decode_kernel_seconds\": %.6g, "
+                "\"decode_merge_seconds\": %.6g, \"decode_bytes_per_token\": %llu, "
+                "\"cache_bytes_per_rank_max\": %llu, \"cache_bytes_per_rank_min\": %llu, "
+                "\"prefill_new_tokens\": %lld, \"prefill_cached\": %lld, "
+                "\"pass_kv_bytes\": %llu, \"pass_q_bytes\": %llu, \"pass_kv_seconds\": %.6g, "
+                "\"pass_q_seconds\": %.6g, \"auto\": \"%s\", \"crossover_bytes\": %lld, "
+                "\"crossover_seconds\": %lld}\n",
+                ranks, rates.decode_seconds_per_token_head, rates.attention_flops,
+                rates.link_bytes_per_second, rates.message_seconds, d.seconds, d.kernel_seconds,
+                d.merge_seconds, (unsigned long long)d.bytes_per_call,
+                (unsigned long long)*bmax, (unsigned long long)*bmin,
+                (long long)sh.new_tokens, (long long)sh.cached,
+                (unsigned long long)p.bytes.pass_kv, (unsigned long long)p.bytes.pass_q,
+                p.pass_kv_seconds, p.pass_q_seconds, prefill_mode_name(p.chosen),
+                (long long)p.crossover_bytes, (long long)p.crossover_seconds);
+    return;
+  }
+  std::printf("ctxpar decode --plan: %d ranks; rates measured here: decode %.3g ns per cached "
+              "token and KV head, attention %.3g GFLOP/s, link %.3g GB/s, %.3g us per message\n",
+              ranks, rates.decode_seconds_per_token_head * 1e9, rates.attention_flops * 1e-9,
+              rates.link_bytes_per_second * 1e-9, rates.message_seconds * 1e6);
+  std::printf("decode: %.3f ms per token (attention %.3f ms on the fullest rank + merge %.3f "
+              "ms), %s moved per token (all ranks); cache per rank %s .. %s (%lld .. %lld "
+              "tokens)\n",
+              d.seconds * 1e3, d.kernel_seconds * 1e3, d.merge_seconds * 1e3,
+              bytes_text(double(d.bytes_per_call)).c_str(), bytes_text(double(*bmax)).c_str(),
+              bytes_text(double(*bmin)).c_str(), (long long)*tmax, (long long)*tmin);
+  std::printf("prefill of %lld tokens onto %lld cached: pass-kv %s, %.3f s; pass-q %s, %.3f s; "
+              "auto picks %s\n",
+              (long long)sh.new_tokens, (long long)sh.cached,
+              bytes_text(double(p.bytes.pass_kv)).c_str(), p.pass_kv_seconds,
+              bytes_text(double(p.bytes.pass_q)).c_str(), p.pass_q_seconds,
+              prefill_mode_name(p.chosen));
+  std::printf("crossover for %lld new tokens: pass-q moves fewer bytes from %lld cached tokens "
+              "on, takes less time from %lld on (-1: never)\n",
+              (long long)sh.new_tokens, (long long)p.crossover_bytes,
+              (long long)p.crossover_seconds);
 }
 
 }  // namespace
@@ -218,9 +289,13 @@ int cmd_decode(int argc, char** argv) {
       .add_device()
       .add("seed", "1", "seed of the random context, queries and decoded tokens")
       .flag("json", "one JSON object on stdout")
+      .flag("plan", "run nothing: predict decode's per-token time, bytes and memory per rank "
+                    "and prefill's (--chunk tokens onto the rest) in both modes with the "
+                    "crossover, from rates measured here (about a second)")
       .example("ctxpar decode --context 1M --ranks 8 --tokens 64 --prefill fill")
       .example("ctxpar decode --context 8192 --ranks 2 --tokens 16 --prefill-mode pass-q --chunk 1024")
-      .example("mpirun -n 4 ctxpar decode --context 256K --tokens 32 --prefill fill");
+      .example("mpirun -n 4 ctxpar decode --context 256K --tokens 32 --prefill fill")
+      .example("ctxpar decode --plan --context 131072 --chunk 4096 --ranks 2");
   if (!o.parse(argc, argv)) return 0;
   const std::string transport = o.str("transport");
   if (transport != "auto" && transport != "threads" && transport != "mpi")
@@ -305,6 +380,10 @@ int cmd_decode(int argc, char** argv) {
   if (use_mpi && k.device.kind != DeviceKind::cpu)
     throw UsageError("--device sim runs on the threads transport only; use --device cpu under mpirun");
 
+  if (o.on("plan")) {
+    if (!use_mpi || mpi_world().rank() == 0) print_plan(c, ranks);
+    return 0;
+  }
   // The cache's memory, checked before anything runs (exit 2 naming the options).
   std::vector<int64_t> final_lengths;
   for (int64_t n : c.context) final_lengths.push_back(n + c.tokens);
