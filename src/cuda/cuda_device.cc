@@ -13,7 +13,7 @@ namespace ctxpar::cuda {
 
 std::byte* CudaDevice::Storage::data() { return ptr; }
 
-CudaDevice::CudaDevice(std::unique_ptr<CudaApi> api, int rank,
+CudaDevice::CudaDevice(std::shared_ptr<CudaApi> api, int rank,
                        std::unique_ptr<CudnnAttention> cudnn)
     : api_(std::move(api)), rank_(rank), cudnn_(std::move(cudnn)) {
   for (auto& s : streams_) s = api_->stream_create();
@@ -26,7 +26,14 @@ CudaDevice::~CudaDevice() {
   } catch (...) {
     // Unwinding from a failure reported already; the memory goes with the streams below.
   }
-  for (auto& q : receives_) q.clear();
+  for (auto& q : receives_) {
+    for (PendingReceive& r : q)
+      if (r.complete) try {
+          r.complete(false);
+        } catch (...) {
+        }
+    q.clear();
+  }
   for (auto& m : events_)
     for (auto& [seq, e] : m) api_->event_destroy(e);
   for (auto& [a, b] : timings_) api_->event_destroy(a), api_->event_destroy(b);

@@ -60,7 +60,8 @@ namespace ctxpar::cuda {
 class CudaDevice final : public Device {
  public:
   // `cudnn` may be null: every block then runs on the fallback kernel.
-  CudaDevice(std::unique_ptr<CudaApi> api, int rank, std::unique_ptr<CudnnAttention> cudnn = {});
+  // `api` may be shared: the loopback transport's ranks share one GPU's (loopback.h).
+  CudaDevice(std::shared_ptr<CudaApi> api, int rank, std::unique_ptr<CudnnAttention> cudnn = {});
   ~CudaDevice() override;
   std::string name() const override { return "cuda"; }
   CudaApi& api() { return *api_; }
@@ -204,9 +205,10 @@ class CudaDevice final : public Device {
     Request request;
     Storage* into = nullptr;  // null once the buffer was freed
     size_t offset = 0;
+    std::function<void(bool)> complete;  // an ApiTransport's receive (then no request)
   };
 
-  std::unique_ptr<CudaApi> api_;
+  std::shared_ptr<CudaApi> api_;
   int rank_ = 0;
   std::unique_ptr<CudnnAttention> cudnn_;
   StreamHandle streams_[kStreams + 1] = {};  // compute, comm, free

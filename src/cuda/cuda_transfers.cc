@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "ctxpar/error.h"
+#include "cuda/api_transport.h"
 #include "cuda/cuda_device_impl.h"
 #if __has_include(<cuda_runtime_api.h>)
 #include "cuda/device_transport.h"
@@ -45,13 +46,17 @@ void CudaDevice::flush_receives_front(Stream s) {
   {
     PendingReceive r = std::move(q.front());
     q.pop_front();
-    Buffer b;
-    host_wait([&] { b = r.request.take(); });
-    if (!r.into) return;  // freed meanwhile: the message is dropped
-    if (!r.into->ordered[s.index]) {
+    if (r.into && !r.into->ordered[s.index]) {  // the copy in comes after the allocation
       api_->stream_wait_event(stream(s), r.into->alloc_event);
       r.into->ordered[s.index] = true;
     }
+    if (r.complete) {  // an ApiTransport's: it enqueues its own copy on s
+      host_wait([&] { r.complete(r.into != nullptr); });
+      return;
+    }
+    Buffer b;
+    host_wait([&] { b = r.request.take(); });
+    if (!r.into) return;  // freed meanwhile: the message is dropped
     if (b.size())
       api_->memcpy_async(r.into->ptr + r.offset, b.data(), b.size(), CopyKind::host_to_device,
                          stream(s));
@@ -71,6 +76,10 @@ void CudaDevice::order_transfer(Stream s, Storage* st) {
 void CudaDevice::send(Stream s, Communicator& comm, DeviceBuffer& buffer, int peer, int tag) {
   auto* st = static_cast<Storage*>(buffer.storage());
   order_transfer(s, st);
+  if (ApiTransport* t = api_transport(comm)) {
+    t->send(*api_, stream(s), st->ptr, st->size, peer, tag);
+    return;
+  }
 #ifdef CTXPAR_CUDA_DEVICE_TRANSPORT
   if (DeviceTransport* t = transport_of(comm, *api_, stream(s))) {
     t->send(st->ptr, st->size, peer, tag, native(*api_, stream(s)));
@@ -87,6 +96,13 @@ void CudaDevice::send(Stream s, Communicator& comm, DeviceBuffer& buffer, int pe
 DeviceBuffer CudaDevice::recv(Stream s, Communicator& comm, size_t bytes, int peer, int tag) {
   DeviceBuffer b = alloc(bytes);
   auto* st = static_cast<Storage*>(b.storage());
+  if (ApiTransport* t = api_transport(comm)) {
+    PendingReceive r;
+    r.into = st;
+    r.complete = t->recv(*api_, stream(s), st->ptr, bytes, peer, tag);
+    receives_[s.index].push_back(std::move(r));
+    return b;
+  }
 #ifdef CTXPAR_CUDA_DEVICE_TRANSPORT
   if (DeviceTransport* t = transport_of(comm, *api_, stream(s))) {
     order_transfer(s, st);
@@ -111,6 +127,23 @@ void CudaDevice::alltoall(Stream s, Communicator& comm, const DeviceBuffer& send
   order_transfer(s, from);
   order_transfer(s, into);
   if (chunk_bytes == 0) return;
+  if (ApiTransport* t = api_transport(comm)) {
+    for (int k = 1; k < p; ++k) {
+      const int j = (r + k) % p;
+      t->send(*api_, stream(s), from->ptr + size_t(j) * chunk_bytes, chunk_bytes, j, tag);
+    }
+    for (int k = 1; k < p; ++k) {
+      const int j = (r - k + p) % p;
+      PendingReceive pr;
+      pr.into = into;
+      pr.complete = t->recv(*api_, stream(s), into->ptr + size_t(j) * chunk_bytes, chunk_bytes,
+                            j, tag);
+      receives_[s.index].push_back(std::move(pr));
+    }
+    api_->memcpy_async(into->ptr + size_t(r) * chunk_bytes, from->ptr + size_t(r) * chunk_bytes,
+                       chunk_bytes, CopyKind::device_to_device, stream(s));
+    return;
+  }
 #ifdef CTXPAR_CUDA_DEVICE_TRANSPORT
   if (DeviceTransport* t = transport_of(comm, *api_, stream(s))) {
     t->group_start();

@@ -205,3 +205,25 @@ TEST(CudaDeviceOps, CudnnDispatchMeetsTheAccuracyRule) {
 
 }  // namespace
 }  // namespace ctxpar::testing
+
+namespace ctxpar::testing {
+namespace {
+
+// make_device(cuda) where there is no GPU: the command's refusal, naming why.
+TEST(CudaDeviceOps, MakeDeviceWithoutAGpuRefusesNamingWhy) {
+  DeviceOptions o;
+  o.kind = DeviceKind::cuda;
+  try {
+    auto dev = make_device(o, 0);
+    GTEST_SKIP() << "this machine has a GPU: " << dev->name();
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.rfind("device 'cuda': ", 0), 0u) << m;
+    EXPECT_TRUE(m.find("no CUDA device found: cudaGetDeviceCount returned") != std::string::npos ||
+                m.find("built without CUDA") != std::string::npos)
+        << m;
+  }
+}
+
+}  // namespace
+}  // namespace ctxpar::testing

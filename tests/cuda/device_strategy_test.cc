@@ -28,17 +28,6 @@ std::vector<Case> cases_for(int p) {
   return cases;
 }
 
-std::string bits_differ(const RunResult& a, const RunResult& b) {
-  const char* names[] = {"o", "lse", "dq", "dk", "dv"};
-  const Tensor* x[] = {&a.o, &a.lse, &a.dq, &a.dk, &a.dv};
-  const Tensor* y[] = {&b.o, &b.lse, &b.dq, &b.dk, &b.dv};
-  for (int i = 0; i < 5; ++i)
-    if (x[i]->bytes() != y[i]->bytes() ||
-        std::memcmp(x[i]->data(), y[i]->data(), x[i]->bytes()) != 0)
-      return names[i];
-  return "";
-}
-
 // fp32 and bf16 storage (out, dout and the gradients as the inputs: bf16 ranks hold them so).
 void every_strategy(DType dtype) {
   Problem pr;

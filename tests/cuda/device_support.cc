@@ -1,5 +1,7 @@
 #include "cuda/device_support.h"
 
+#include <cstring>
+
 #include "cuda/api_recording.h"
 #include "cuda/cuda_device.h"
 #include "device/devices.h"
@@ -46,6 +48,17 @@ std::string RecordingCudaDevices::problems() const {
     if (r.host_live) out += std::to_string(r.host_live) + " pinned host allocations never freed\n";
   }
   return out;
+}
+
+std::string bits_differ(const RunResult& a, const RunResult& b) {
+  const char* names[] = {"o", "lse", "dq", "dk", "dv"};
+  const Tensor* x[] = {&a.o, &a.lse, &a.dq, &a.dk, &a.dv};
+  const Tensor* y[] = {&b.o, &b.lse, &b.dq, &b.dk, &b.dv};
+  for (int i = 0; i < 5; ++i)
+    if (x[i]->bytes() != y[i]->bytes() ||
+        std::memcmp(x[i]->data(), y[i]->data(), x[i]->bytes()) != 0)
+      return names[i];
+  return "";
 }
 
 std::string beyond(const Errors& e, const Errors& bound) {

@@ -36,6 +36,9 @@ class RecordingCudaDevices {
   std::atomic<int64_t> cudnn_calls_{0};
 };
 
+// "" when two runs' five outputs are bitwise equal, else the first that is not.
+std::string bits_differ(const RunResult& a, const RunResult& b);
+
 // "" when every error is within its bound, else the outputs that are not, with both values.
 std::string beyond(const Errors& e, const Errors& bound);
 
