@@ -3,6 +3,7 @@
 #include "cuda/api_recording.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -14,6 +15,7 @@ struct StreamTag {
 };
 struct EventTag {
   int id = 0;
+  std::chrono::steady_clock::time_point at;  // host time of the last record (work ran by then)
   bool recorded = false;
   int stream = -1;
   uint64_t seq = 0;
@@ -151,6 +153,7 @@ void RecordingCudaApi::event_record(EventHandle e, StreamHandle s) {
   std::lock_guard<std::mutex> l(impl_->mu);
   merge_clock(impl_->clocks[size_t(s->id)], impl_->host);
   e->recorded = true;
+  e->at = std::chrono::steady_clock::now();
   e->stream = s->id;
   e->seq = impl_->seqs[size_t(s->id)];
   e->clock = impl_->clocks[size_t(s->id)];
@@ -169,7 +172,10 @@ void RecordingCudaApi::event_synchronize(EventHandle e) {
   if (e->recorded) merge_clock(impl_->host, e->clock);
   impl_->log.push_back(Entry{"event_synchronize", -1, 0, e->id, e->stream, e->seq});
 }
-float RecordingCudaApi::event_elapsed_ms(EventHandle, EventHandle) { return 0; }
+// Work runs at once, so the host time between two records is the time of what ran between.
+float RecordingCudaApi::event_elapsed_ms(EventHandle a, EventHandle b) {
+  return std::chrono::duration<float, std::milli>(b->at - a->at).count();
+}
 
 void* RecordingCudaApi::malloc_async(size_t bytes, StreamHandle s) {
   std::lock_guard<std::mutex> l(impl_->mu);

@@ -61,10 +61,12 @@ RunResult run_loopback(const Problem& pr, int ranks, LayoutKind kind, const Stra
 }
 
 TEST(CudaLoopback, BitwiseTheCpuDeviceEveryStrategyLayoutMask) {
+  for (DType dtype : {DType::f32, DType::bf16}) {
   Problem pr;
   pr.hq = 8;
   pr.hkv = 4;
   pr.tokens = 48;
+  pr.dtype = dtype;
   pr.build();
   for (const char* mask : {"none", "causal", "window:7,3", "causal+documents"})
     for (int p : {2, 4})
@@ -79,13 +81,14 @@ TEST(CudaLoopback, BitwiseTheCpuDeviceEveryStrategyLayoutMask) {
           const RunResult cpu = run_sharded(pr, p, layout, opt);
           auto api = std::make_shared<cuda::RecordingCudaApi>();
           const RunResult loop = run_loopback(pr, p, layout, opt, api);
-          const std::string where = std::string(strategy_name(kind)) + " P=" +
+          const std::string where = std::string(dtype_name(dtype)) + " " + strategy_name(kind) + " P=" +
                                     std::to_string(p) + " " + layout_name(layout) + " " + mask;
           EXPECT_EQ(bits_differ(cpu, loop), "") << where;
           const auto v = api->violations();
           EXPECT_TRUE(v.empty()) << where << ": " << v[0];
           EXPECT_EQ(api->live_allocations(), 0u) << where;
         }
+  }
 }
 
 TEST(CudaLoopback, MissingMessageTimesOutNamingThePeer) {

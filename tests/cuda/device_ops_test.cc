@@ -129,6 +129,24 @@ TEST(CudaDeviceOps, FreeWaitsForEveryStream) {
   EXPECT_EQ(frees, 2);
 }
 
+// Counters: the attention operations' time comes from event pairs read at synchronize (the
+// recording API's events carry the host time of their record).
+TEST(CudaDeviceOps, BusyTimeFromEventPairs) {
+  cuda::CudaDevice dev(std::make_unique<cuda::RecordingCudaApi>(), 0);
+  Tensor q(DType::f32, {1, 256, 2, 64}), out(DType::f32, {1, 256, 2, 64});
+  Tensor lse(DType::f32, {1, 2, 256});
+  for (int64_t i = 0; i < q.numel(); ++i) q.ptr<float>()[i] = float(i % 7) * 0.1f;
+  std::vector<int64_t> pos(256);
+  std::iota(pos.begin(), pos.end(), 0);
+  DeviceForwardState st(dev, 1, 256, 2, 64);
+  dev.forward_block(kComputeStream, q, Tokens{pos, {}}, q, q, Tokens{pos, {}}, Mask{}, st.get(), {});
+  dev.forward_finalize(kComputeStream, st.get(), out, lse, {});
+  EXPECT_EQ(dev.counters().busy_seconds, 0.0);  // not read before synchronize
+  dev.synchronize();
+  EXPECT_GT(dev.counters().busy_seconds, 0.0);
+  EXPECT_EQ(dev.counters().flops, 4.0 * 64 * 256 * 256 * 2);
+}
+
 // Leaving the lazy wait out is seen: a comm-stream write of memory allocated on the compute
 // stream with no ordering (written directly against the API, as a broken device would).
 TEST(CudaDeviceOps, TheCheckerSeesAnUnorderedUse) {
