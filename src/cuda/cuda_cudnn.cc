@@ -8,7 +8,7 @@
 
 #include "ctxpar/error.h"
 #include "cuda/cuda_device_impl.h"
-#if __has_include(<cuda_runtime_api.h>)
+#ifdef CTXPAR_CUDA_HEADERS
 #include "cuda/cudnn_attention.h"
 #define CTXPAR_CUDA_CUDNN_PATH 1
 #endif

@@ -33,14 +33,7 @@
 #include "ctxpar/device.h"
 #include "cuda/api.h"
 
-namespace ctxpar::cuda {
-
-// A CudaDevice over a RecordingCudaApi (host memory, the fallback kernel's tile math, a log):
-// for tests only, never a user-visible device name (device::testing::set_cuda_factory).
-std::unique_ptr<Device> make_recording_cuda_device(int rank);
-
-}  // namespace ctxpar::cuda
-#if __has_include(<cuda_runtime_api.h>)
+#ifdef CTXPAR_CUDA_HEADERS
 #include "cuda/cudnn_attention.h"
 #else
 namespace ctxpar::cuda {
@@ -49,10 +42,6 @@ class CudnnAttention {
  public:
   virtual ~CudnnAttention() = default;
 };
-// A CudaDevice over a RecordingCudaApi (host memory, the fallback kernel's tile math, a log):
-// for tests only, never a user-visible device name (device::testing::set_cuda_factory).
-std::unique_ptr<Device> make_recording_cuda_device(int rank);
-
 }  // namespace ctxpar::cuda
 #endif
 namespace ctxpar::cuda {

@@ -7,7 +7,7 @@
 #include "ctxpar/error.h"
 #include "cuda/api_transport.h"
 #include "cuda/cuda_device_impl.h"
-#if __has_include(<cuda_runtime_api.h>)
+#ifdef CTXPAR_CUDA_HEADERS
 #include "cuda/device_transport.h"
 #define CTXPAR_CUDA_DEVICE_TRANSPORT 1
 #endif

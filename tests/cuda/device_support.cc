@@ -5,7 +5,7 @@
 #include "cuda/api_recording.h"
 #include "cuda/cuda_device.h"
 #include "device/devices.h"
-#if __has_include(<cuda_runtime_api.h>)
+#ifdef CTXPAR_CUDA_HEADERS
 #include "cuda/fake_cudnn.h"
 #endif
 
@@ -24,7 +24,7 @@ RecordingCudaDevices::RecordingCudaDevices(bool fake_cudnn) {
       reports_.push_back(std::move(r));
     };
     std::unique_ptr<cuda::CudnnAttention> cudnn;
-#if __has_include(<cuda_runtime_api.h>)
+#ifdef CTXPAR_CUDA_HEADERS
     if (fake_cudnn) cudnn = std::make_unique<FakeCudnn>(&cudnn_calls_);
 #else
     (void)fake_cudnn;
