@@ -16,12 +16,7 @@ namespace ctxpar::cuda {
 void launch_tile_ranges(const int64_t* positions, const int32_t* documents, int64_t n,
                         bool documents_used, TileRange* out, cudaStream_t stream);
 
-// A ForwardState on the device, contiguous: acc [B, Tq, Hq, D], m and l [B, Hq, Tq].
-struct DeviceState {
-  float* acc = nullptr;
-  float* m = nullptr;
-  float* l = nullptr;
-};
+// DeviceState (a ForwardState on the device) is tile_math.cuh's.
 
 // Absorbs p's K/V block into the state (p's tile pointers must hold launch_tile_ranges'
 // output). One thread per query row, one block per 64-row query tile and (batch, head).
@@ -52,5 +47,19 @@ void launch_copy(const View4<const S>& src, D* dst, int64_t batch, int64_t t, in
 // blocks of `tokens` rows of `row` bytes; index [tokens] int64 on the device.
 void launch_permute(const std::byte* src, std::byte* dst, int64_t outer, int64_t tokens,
                     int64_t row, const int64_t* index, bool scatter, cudaStream_t stream);
+
+// The cuda device's small kernels (kernels_device.cu; math in tile_math.cuh): a strided
+// copy / cast, y += x, zero fill (b is a for zero), over every element of a; fill with a
+// value; a fused call's fp32 partial absorbed into a state; token permutations between
+// different token counts.
+enum StridedOp : int { kStridedCopy = 0, kStridedAdd = 1, kStridedZero = 2 };
+void launch_strided(StridedOp op, const Strided4& a, const Strided4& b, cudaStream_t stream);
+void launch_fill_f32(float* p, int64_t n, float value, cudaStream_t stream);
+void launch_absorb_partial(const DeviceState& st, int64_t batch, int64_t tq, int64_t hq,
+                           int64_t d, int64_t row0, int64_t rows, const float* o,
+                           const float* lse, cudaStream_t stream);
+void launch_permute_rows(const std::byte* src, std::byte* dst, int64_t outer,
+                         int64_t src_tokens, int64_t dst_tokens, int64_t row,
+                         const int64_t* index, bool scatter, cudaStream_t stream);
 
 }  // namespace ctxpar::cuda

@@ -380,4 +380,92 @@ CTXPAR_HD BytePair permute_byte(int64_t n, int64_t tokens, int64_t row, const in
   return scatter ? BytePair{n, moved} : BytePair{moved, n};
 }
 
+
+// ---- the cuda device's small kernels: state, strided element-wise ops, partial merges --------
+// A ForwardState on the device, contiguous: acc [B, Tq, Hq, D], m and l [B, Hq, Tq].
+struct DeviceState {
+  float* acc = nullptr;
+  float* m = nullptr;
+  float* l = nullptr;
+};
+
+// A view of up to 4 dims as plain data: shape right-aligned to 4 (leading 1s), element
+// strides, element bytes and kind (kF32 / kBf16 convert on copy; kRaw copies es bytes).
+enum ElementKind : int { kRaw = 0, kF32 = 1, kBf16 = 2 };
+struct Strided4 {
+  unsigned char* ptr = nullptr;
+  int64_t n[4] = {1, 1, 1, 1};
+  int64_t s[4] = {0, 0, 0, 0};
+  int64_t es = 4;
+  int kind = kF32;
+  CTXPAR_HD int64_t count() const { return n[0] * n[1] * n[2] * n[3]; }
+  // Byte offset of element e (row-major over n).
+  CTXPAR_HD int64_t byte_of(int64_t e) const {
+    const int64_t i3 = e % n[3], i2 = (e / n[3]) % n[2], i1 = (e / (n[3] * n[2])) % n[1],
+                  i0 = e / (n[3] * n[2] * n[1]);
+    return (i0 * s[0] + i1 * s[1] + i2 * s[2] + i3 * s[3]) * es;
+  }
+  CTXPAR_HD float load(int64_t e) const {
+    const unsigned char* p = ptr + byte_of(e);
+    if (kind == kBf16) {
+      Bf16 b;
+      b.bits = uint16_t(p[0] | (uint16_t(p[1]) << 8));
+      return to_f32(b);
+    }
+    uint32_t u = uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
+    return f32_of_bits(u);
+  }
+  CTXPAR_HD void store(int64_t e, float f) const {
+    unsigned char* p = ptr + byte_of(e);
+    if (kind == kBf16) {
+      const uint16_t b = bf16_bits_of(f);
+      p[0] = uint8_t(b), p[1] = uint8_t(b >> 8);
+      return;
+    }
+    const uint32_t u = f32_bits(f);
+    p[0] = uint8_t(u), p[1] = uint8_t(u >> 8), p[2] = uint8_t(u >> 16), p[3] = uint8_t(u >> 24);
+  }
+};
+// copy_into's element e: the same bytes where the kinds agree, else through fp32 (bf16 rounds
+// to nearest even, as f32_to_bf16).
+CTXPAR_HD void copy_strided_element(const Strided4& src, const Strided4& dst, int64_t e) {
+  if (src.kind == dst.kind) {
+    const unsigned char* a = src.ptr + src.byte_of(e);
+    unsigned char* b = dst.ptr + dst.byte_of(e);
+    for (int64_t c = 0; c < src.es; ++c) b[c] = a[c];
+    return;
+  }
+  dst.store(e, src.load(e));
+}
+// device.h's add: y[e] += x[e] (fp32), one owner per element.
+CTXPAR_HD void add_strided_element(const Strided4& x, const Strided4& y, int64_t e) {
+  y.store(e, y.load(e) + x.load(e));
+}
+CTXPAR_HD void zero_strided_element(const Strided4& t, int64_t e) {
+  unsigned char* p = t.ptr + t.byte_of(e);
+  for (int64_t c = 0; c < t.es; ++c) p[c] = 0;
+}
+// A normalised partial (o, lse) of one query row over keys the state has not seen, absorbed
+// into the state's (acc, m, l): the partial is the state (acc = o, m = lse, l = 1), merged by
+// the online-softmax rescale. lse = -inf (no key seen) leaves the state as it is.
+CTXPAR_HD void absorb_partial_row(StateRow st, const float* o, float lse, int64_t d) {
+  if (lse == neg_inf()) return;
+  const float m_new = max_f(*st.m, lse);
+  const float alpha = expf(*st.m - m_new), beta = expf(lse - m_new);
+  for (int64_t c = 0; c < d; ++c) st.acc[c] = st.acc[c] * alpha + o[c] * beta;
+  *st.l = *st.l * alpha + beta;
+  *st.m = m_new;
+}
+
+// Token permutation between contiguous rows of different token counts (device.h's
+// scatter_tokens / gather_tokens: `outer` blocks of src_tokens / dst_tokens rows of `row`
+// bytes). n runs over src's bytes (scatter) or dst's (gather).
+CTXPAR_HD BytePair permute_rows_byte(int64_t n, int64_t src_tokens, int64_t dst_tokens,
+                                     int64_t row, const int64_t* index, bool scatter) {
+  const int64_t tokens = scatter ? src_tokens : dst_tokens;
+  const int64_t byte = n % row, token = (n / row) % tokens, outer = n / (row * tokens);
+  const int64_t moved = (outer * (scatter ? dst_tokens : src_tokens) + index[token]) * row + byte;
+  return scatter ? BytePair{n, moved} : BytePair{moved, n};
+}
+
 }  // namespace ctxpar::cuda

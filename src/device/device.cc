@@ -33,8 +33,7 @@ std::unique_ptr<Device> make_device(const DeviceOptions& options, int rank) {
   switch (options.kind) {
     case DeviceKind::cpu: return device::make_cpu();
     case DeviceKind::sim: return device::make_sim(options, rank);
-    case DeviceKind::cuda:
-      throw Error("device 'cuda': the CUDA device is not written yet (docs/cuda.md); use cpu or sim");
+    case DeviceKind::cuda: return device::make_cuda(options, rank);
   }
   throw Error("unknown device kind");
 }

@@ -1,6 +1,6 @@
-// --device cuda and the CUDA lines of --version (docs/cuda.md). The CUDA device class is not
-// written yet: the command says what it finds -- no GPU (with cudaGetDeviceCount's error), a
-// GPU it cannot use yet, or a build without CUDA -- and exits 2 before anything runs.
+// --device cuda and the CUDA lines of --version (docs/cuda.md). Where there is no GPU (with
+// cudaGetDeviceCount's error) or the build has no CUDA, the command says so and exits 2 before
+// anything runs; on a GPU it goes on, and make_device builds the cuda device (src/cuda).
 #include <string>
 
 #include "ctxpar/comm.h"
@@ -16,13 +16,10 @@
 
 namespace ctxpar::cli {
 
-void refuse_cuda_device() {
+void check_cuda_device() {
 #ifdef CTXPAR_HAVE_CUDA
   const cuda::DeviceProbe p = cuda::probe_devices();
   if (p.count == 0) throw Error("--device cuda: " + cuda::no_device_message(p));
-  throw Error("--device cuda: found " + std::to_string(p.count) + " CUDA device(s) (first: " +
-              p.first_name + ", sm_" + std::to_string(p.first_sm) +
-              "), but ctxpar's cuda device is not written yet (docs/cuda.md); use --device cpu");
 #else
   throw Error("--device cuda: this ctxpar was built without CUDA (CTXPAR_CUDA=OFF, or no nvcc "
               "at configure time); rebuild with -DCTXPAR_CUDA=ON where the CUDA toolkit is "

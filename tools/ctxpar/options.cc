@@ -247,7 +247,7 @@ Options& Options::add_device() {
   return add("device", "cpu",
              "cpu | sim (an asynchronous device simulated on the host: streams on worker threads, "
              "random delays, race checks; the same bits as cpu; threads transport only) | cuda "
-             "(not written yet: says what it finds, docs/cuda.md)")
+             "(an NVIDIA GPU; refused in one line where none is found; docs/cuda.md)")
       .add("sim-seed", "1", "--device sim: seed of its random operation delays");
 }
 

@@ -108,10 +108,9 @@ class Options {
   std::vector<std::string> examples_;
 };
 
-// --device cuda: there is no CUDA device class yet (docs/cuda.md), so this always throws
-// ctxpar::Error (exit 2): no GPU found (cudaGetDeviceCount's error and what was looked for),
-// a GPU found but the device not written, or a build without CUDA. cuda_device.cc.
-[[noreturn]] void refuse_cuda_device();
+// --device cuda: throws ctxpar::Error (exit 2) where no GPU is found (cudaGetDeviceCount's
+// error and what was looked for) or the build has no CUDA; returns on a GPU. cuda_device.cc.
+void check_cuda_device();
 // --transport nccl | loopback (docs/cuda.md, "Transports"), checked before --device so that a
 // refusal names the transport: either needs --device cuda and a GPU (the no-GPU line of
 // --device cuda); nccl also mpirun or torchrun and a loadable NCCL. Throws ctxpar::Error
@@ -129,7 +128,7 @@ inline DeviceOptions device_of(const Options& o) {
   } catch (const Error& e) {
     throw UsageError(e.what());
   }
-  if (d.kind == DeviceKind::cuda) refuse_cuda_device();
+  if (d.kind == DeviceKind::cuda) check_cuda_device();
   d.sim_seed = static_cast<uint64_t>(o.i64("sim-seed"));
   return d;
 }

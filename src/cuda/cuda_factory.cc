@@ -1,0 +1,58 @@
+// make_device's cuda branch (device.cc): a CudaDevice over the CUDA runtime on device
+// LOCAL_RANK (when set) or rank % count; where there is no GPU (or no CUDA in this build), the
+// refusal the command gives (tools/ctxpar/cuda_device.cc). Tests swap the factory for one that
+// makes CudaDevices over RecordingCudaApi (device::testing::set_cuda_factory).
+#include <cstdlib>
+#include <string>
+
+#include "ctxpar/error.h"
+#include "cuda/api.h"
+#include "cuda/api_recording.h"
+#include "cuda/cuda_device.h"
+#include "device/devices.h"
+
+namespace ctxpar {
+namespace device {
+namespace {
+std::function<std::unique_ptr<Device>(int)>& factory() {
+  static std::function<std::unique_ptr<Device>(int)> f;
+  return f;
+}
+}  // namespace
+
+namespace testing {
+void set_cuda_factory(std::function<std::unique_ptr<Device>(int rank)> f) {
+  factory() = std::move(f);
+}
+}  // namespace testing
+
+std::unique_ptr<Device> make_cuda(const DeviceOptions&, int rank) {
+  if (factory()) return factory()(rank);
+  std::string why;
+  const int count = cuda::device_count(&why);
+  if (count <= 0) throw Error("device 'cuda': " + why);
+  int index = rank % count;
+  if (const char* local = std::getenv("LOCAL_RANK")) {
+    char* end = nullptr;
+    const long v = std::strtol(local, &end, 10);
+    if (!*local || *end || v < 0 || v >= count)
+      throw Error("LOCAL_RANK='" + std::string(local) + "': not a CUDA device index 0.." +
+                  std::to_string(count - 1) + " on this machine; unset it or fix it");
+    index = int(v);
+  }
+  std::unique_ptr<cuda::CudaApi> api = cuda::make_real_api(index, &why);
+  if (!api) throw Error("device 'cuda': " + why);
+  // cuDNN (cudnn_attention.cc, its own work item) joins here once written; until then every
+  // block runs on the fallback kernel.
+  return std::make_unique<cuda::CudaDevice>(std::move(api), rank);
+}
+
+}  // namespace device
+
+namespace cuda {
+std::unique_ptr<Device> make_recording_cuda_device(int rank) {
+  return std::make_unique<CudaDevice>(std::make_unique<RecordingCudaApi>(), rank);
+}
+}  // namespace cuda
+
+}  // namespace ctxpar

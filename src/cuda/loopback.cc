@@ -1,0 +1,153 @@
+// The loopback transport (loopback.h).
+#include "cuda/loopback.h"
+
+#include <string>
+
+#include "ctxpar/error.h"
+
+namespace ctxpar::cuda {
+
+LoopbackWorld::LoopbackWorld(std::shared_ptr<CudaApi> api) : api_(std::move(api)) {}
+
+LoopbackWorld::~LoopbackWorld() {
+  StreamHandle s = nullptr;
+  for (auto& [key, q] : box_)
+    for (Message& m : q) {
+      if (!s) s = api_->stream_create();
+      api_->stream_wait_event(s, m.ready);
+      api_->free_async(m.staging, s);
+      api_->event_destroy(m.ready);
+    }
+  if (s) {
+    api_->stream_synchronize(s);
+    api_->stream_destroy(s);
+  }
+}
+
+void LoopbackWorld::post(const Key& key, const Message& m) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    box_[key].push_back(m);
+  }
+  cv_.notify_all();
+}
+
+LoopbackWorld::Message LoopbackWorld::take(const Key& key, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> l(mu_);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    auto it = box_.find(key);
+    if (it != box_.end() && !it->second.empty()) {
+      Message m = it->second.front();
+      it->second.pop_front();
+      return m;
+    }
+    if (cv_.wait_until(l, deadline) == std::cv_status::timeout &&
+        std::chrono::steady_clock::now() >= deadline) {
+      auto again = box_.find(key);
+      if (again != box_.end() && !again->second.empty()) continue;
+      throw Error("rank " + std::to_string(std::get<2>(key)) + ": timed out after " +
+                  std::to_string(timeout.count() / 1000.0) +
+                  " s waiting for a loopback message from rank " +
+                  std::to_string(std::get<1>(key)) + " (tag " + std::to_string(std::get<3>(key)) +
+                  ")");
+    }
+  }
+}
+
+LoopbackComm::LoopbackComm(Communicator& host, std::shared_ptr<LoopbackWorld> world,
+                           uint64_t context)
+    : host_(&host), world_(std::move(world)), context_(context) {
+  timeout_ = host.timeout();
+}
+
+LoopbackComm::LoopbackComm(std::unique_ptr<Communicator> host,
+                           std::shared_ptr<LoopbackWorld> world, uint64_t context)
+    : owned_(std::move(host)), host_(owned_.get()), world_(std::move(world)), context_(context) {
+  timeout_ = host_->timeout();
+}
+
+template <class F>
+auto LoopbackComm::delegate(F&& f) {
+  host_->set_timeout(timeout_);
+  const CommCounters before = host_->counters();
+  struct Count {
+    LoopbackComm* self;
+    const CommCounters& before;
+    ~Count() {
+      const CommCounters& after = self->host_->counters();
+      for (int k = 0; k < int(CommKind::count_); ++k) {
+        self->counters_.calls[k] += after.calls[k] - before.calls[k];
+        self->counters_.bytes_sent_by[k] += after.bytes_sent_by[k] - before.bytes_sent_by[k];
+      }
+      self->counters_.bytes_sent += after.bytes_sent - before.bytes_sent;
+      self->counters_.bytes_received += after.bytes_received - before.bytes_received;
+    }
+  } count{this, before};
+  return f(*host_);
+}
+
+Request LoopbackComm::isend(Buffer&& buf, int peer, int tag) {
+  return delegate([&](Communicator& c) { return c.isend(std::move(buf), peer, tag); });
+}
+Request LoopbackComm::irecv(size_t bytes, int peer, int tag) {
+  return delegate([&](Communicator& c) { return c.irecv(bytes, peer, tag); });
+}
+void LoopbackComm::allgather(const void* send, void* recv, size_t bytes) {
+  delegate([&](Communicator& c) { c.allgather(send, recv, bytes); });
+}
+void LoopbackComm::reduce_scatter(const float* send, float* recv, size_t count) {
+  delegate([&](Communicator& c) { c.reduce_scatter(send, recv, count); });
+}
+void LoopbackComm::alltoall(const void* send, void* recv, size_t bytes) {
+  delegate([&](Communicator& c) { c.alltoall(send, recv, bytes); });
+}
+void LoopbackComm::allreduce(float* buf, size_t count) {
+  delegate([&](Communicator& c) { c.allreduce(buf, count); });
+}
+void LoopbackComm::allreduce(double* buf, size_t count) {
+  delegate([&](Communicator& c) { c.allreduce(buf, count); });
+}
+void LoopbackComm::barrier() {
+  delegate([&](Communicator& c) { c.barrier(); });
+}
+
+std::unique_ptr<Communicator> LoopbackComm::split(int color, int key) {
+  host_->set_timeout(timeout_);
+  std::unique_ptr<Communicator> sub = host_->split(color, key);
+  // The same number on every member of the sub-group (same parent, same color).
+  const uint64_t context = context_ * 1000003u + uint64_t(color) + 1;
+  return std::make_unique<LoopbackComm>(std::move(sub), world_, context);
+}
+
+void LoopbackComm::send(CudaApi& api, StreamHandle s, const void* data, size_t bytes, int peer,
+                        int tag) {
+  LoopbackWorld::Message m;
+  m.bytes = bytes;
+  m.staging = api.malloc_async(bytes, s);
+  api.memcpy_async(m.staging, data, bytes, CopyKind::device_to_device, s);
+  m.ready = api.event_create(false);
+  api.event_record(m.ready, s);
+  world_->post({context_, rank(), peer, tag}, m);
+  count(CommKind::send, bytes, 0);
+}
+
+std::function<void(bool)> LoopbackComm::recv(CudaApi& api, StreamHandle s, void* data,
+                                             size_t bytes, int peer, int tag) {
+  count(CommKind::recv, 0, bytes);
+  const LoopbackWorld::Key key{context_, peer, rank(), tag};
+  return [this, &api, s, data, bytes, key](bool deliver) {
+    const LoopbackWorld::Message m = world_->take(key, timeout_);
+    api.stream_wait_event(s, m.ready);
+    if (deliver) {
+      CTXPAR_CHECK(m.bytes == bytes, "rank ", std::get<2>(key), ": a loopback message of ",
+                   m.bytes, " bytes from rank ", std::get<1>(key), " (tag ", std::get<3>(key),
+                   ") where ", bytes, " were expected");
+      api.memcpy_async(data, m.staging, bytes, CopyKind::device_to_device, s);
+    }
+    api.free_async(m.staging, s);
+    api.event_destroy(m.ready);
+  };
+}
+
+}  // namespace ctxpar::cuda

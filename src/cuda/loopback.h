@@ -1,0 +1,83 @@
+// The loopback transport: P ranks of one process on one GPU (threads, one per rank, as the
+// threads transport), exchanging device memory by device-to-device copies ordered by events,
+// all through one CudaApi (so RecordingCudaApi runs it on the CPU). Host collectives and host
+// point-to-point messages go to the in-process threads world it wraps (`host`), counted here.
+//
+//   send: the sender copies the bytes into a staging allocation on its stream, records an event
+//     and posts {staging, event} to the world's mailbox for (context, sender, receiver, tag).
+//   recv's completion: waits for that post (the communicator's timeout, naming rank, peer and
+//     tag), makes the receiver's stream wait for the event, copies staging -> destination and
+//     frees the staging there (stream-ordered).
+// A sub-communicator (split) keeps the world and takes a context number of its own, the same
+// on every member, so its messages never meet its parent's.
+#pragma once
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+
+#include "ctxpar/comm.h"
+#include "cuda/api_transport.h"
+
+namespace ctxpar::cuda {
+
+class LoopbackWorld {
+ public:
+  explicit LoopbackWorld(std::shared_ptr<CudaApi> api);
+  ~LoopbackWorld();  // frees staging no receiver took
+  const std::shared_ptr<CudaApi>& api() const { return api_; }
+
+  struct Message {
+    void* staging = nullptr;
+    size_t bytes = 0;
+    EventHandle ready = nullptr;
+  };
+  using Key = std::tuple<uint64_t, int, int, int>;  // context, sender, receiver, tag
+  void post(const Key& key, const Message& m);
+  // Blocks until a message for key is posted; throws naming rank, peer and tag after `timeout`.
+  Message take(const Key& key, std::chrono::milliseconds timeout);
+
+ private:
+  std::shared_ptr<CudaApi> api_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<Key, std::deque<Message>> box_;
+};
+
+class LoopbackComm final : public Communicator, public ApiTransport {
+ public:
+  LoopbackComm(Communicator& host, std::shared_ptr<LoopbackWorld> world, uint64_t context = 1);
+  LoopbackComm(std::unique_ptr<Communicator> host, std::shared_ptr<LoopbackWorld> world,
+                uint64_t context);
+
+  int rank() const override { return host_->rank(); }
+  int size() const override { return host_->size(); }
+  std::string transport() const override { return "loopback"; }
+  Request isend(Buffer&& buf, int peer, int tag) override;
+  Request irecv(size_t bytes, int peer, int tag) override;
+  void allgather(const void* send, void* recv, size_t bytes) override;
+  void reduce_scatter(const float* send, float* recv, size_t count) override;
+  void alltoall(const void* send, void* recv, size_t bytes) override;
+  void allreduce(float* buf, size_t count) override;
+  void allreduce(double* buf, size_t count) override;
+  void barrier() override;
+  std::unique_ptr<Communicator> split(int color, int key) override;
+
+  void send(CudaApi& api, StreamHandle s, const void* data, size_t bytes, int peer,
+            int tag) override;
+  std::function<void(bool)> recv(CudaApi& api, StreamHandle s, void* data, size_t bytes,
+                                 int peer, int tag) override;
+
+ private:
+  template <class F>
+  auto delegate(F&& f);  // runs f on host_, adding what it counted to this one's counters
+  std::unique_ptr<Communicator> owned_;
+  Communicator* host_;
+  std::shared_ptr<LoopbackWorld> world_;
+  uint64_t context_;
+};
+
+}  // namespace ctxpar::cuda

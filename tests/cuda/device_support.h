@@ -1,0 +1,45 @@
+// The cuda device's tests: make_device(cuda) swapped for CudaDevices over RecordingCudaApi
+// (optionally with the fake cuDNN), and what their logs said when each device went.
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "ctxpar/device.h"
+#include "strategy/strategy_support.h"
+
+namespace ctxpar::testing {
+
+struct DeviceReport {
+  std::vector<std::string> violations;  // ordering rules broken (RecordingCudaApi)
+  size_t live = 0;                      // allocations never freed
+  size_t host_live = 0;
+  size_t ops = 0;                       // log entries
+};
+
+// While alive, make_device(cuda) makes recording CudaDevices; reports() has one entry per
+// device destroyed since.
+class RecordingCudaDevices {
+ public:
+  explicit RecordingCudaDevices(bool fake_cudnn = false);
+  ~RecordingCudaDevices();
+  std::vector<DeviceReport> reports() const;
+  int64_t cudnn_calls() const { return cudnn_calls_; }
+  // "" when every device kept the rules and freed everything, else what went wrong.
+  std::string problems() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<DeviceReport> reports_;
+  std::atomic<int64_t> cudnn_calls_{0};
+};
+
+// "" when two runs' five outputs are bitwise equal, else the first that is not.
+std::string bits_differ(const RunResult& a, const RunResult& b);
+
+// "" when every error is within its bound, else the outputs that are not, with both values.
+std::string beyond(const Errors& e, const Errors& bound);
+
+}  // namespace ctxpar::testing
