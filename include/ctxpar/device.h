@@ -147,6 +147,7 @@ struct DeviceOptions {
   DeviceKind kind = DeviceKind::cpu;
   uint64_t sim_seed = 1;       // sim: seeds the random delay of every operation
   int sim_max_delay_us = 200;  // sim: each operation waits 0..this many microseconds first
+  int cuda_index = -1;         // cuda: the GPU; -1: LOCAL_RANK when set, else rank % GPUs
 };
 
 // The device of one rank (each rank has its own: a sim device has its own worker threads).

@@ -100,5 +100,15 @@ std::unique_ptr<CudaApi> make_real_api(int index, std::string* why);
 // cudaGetDeviceCount's error, the driver library, CUDA_VISIBLE_DEVICES), or that the build has
 // no CUDA.
 int device_count(std::string* why);
+// One RealCudaApi per GPU and process, shared by the devices made on it (the loopback
+// transport's ranks and their devices must share one GPU's); nullptr with `why` as above.
+// cuda_factory.cc.
+std::shared_ptr<CudaApi> shared_real_api(int index, std::string* why);
+
+class CudnnAttention;
+// cuDNN's fused attention for the devices over make_real_api (CudnnAttention::create, in
+// cudnn_attention.cc), or nullptr with `why` (no libcudnn here, no CUDA in this build): the
+// device then runs every block on the fallback kernel. api_real.cc / api_none.cc.
+std::unique_ptr<CudnnAttention> make_cudnn(std::string* why);
 
 }  // namespace ctxpar::cuda

@@ -4,6 +4,7 @@
 
 #include "cuda/api.h"
 #include "cuda/cuda_check.h"
+#include "cuda/cudnn_attention.h"
 #include "cuda/kernels.h"
 #include "cuda/runtime.h"
 
@@ -159,6 +160,10 @@ std::unique_ptr<CudaApi> make_real_api(int index, std::string* why) {
   cudaGetDeviceProperties(&prop, index);
   return std::make_unique<RealCudaApi>(index, "cuda:" + std::to_string(index) + " (" +
                                                   prop.name + ")");
+}
+
+std::unique_ptr<CudnnAttention> make_cudnn(std::string* why) {
+  return CudnnAttention::create(why);
 }
 
 }  // namespace ctxpar::cuda

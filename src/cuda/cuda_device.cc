@@ -74,6 +74,7 @@ void CudaDevice::free(std::unique_ptr<DeviceBuffer::Storage> storage) {
     for (PendingReceive& r : q)
       if (r.into == st) r.into = nullptr;
   try {
+    flush_all_device_sends();  // a held send of this memory is enqueued before its free
     for (int i = 0; i < kStreams; ++i) {
       api_->event_record(free_events_[i], streams_[i]);
       api_->stream_wait_event(streams_[kStreams], free_events_[i]);
@@ -94,6 +95,7 @@ CudaDevice::Storage* CudaDevice::storage_of(const void* p) const {
 }
 
 void CudaDevice::before(Stream s, std::initializer_list<const void*> memory) {
+  flush_device_sends(s);
   flush_receives(s);
   for (const void* p : memory) {
     Storage* st = p ? storage_of(p) : nullptr;
@@ -106,6 +108,7 @@ void CudaDevice::before(Stream s, std::initializer_list<const void*> memory) {
 // ---- order --------------------------------------------------------------------------------
 
 Event CudaDevice::record(Stream s) {
+  flush_device_sends(s);
   flush_receives(s);
   EventHandle e = api_->event_create(false);
   api_->event_record(e, stream(s));
@@ -118,6 +121,7 @@ void CudaDevice::wait(Stream s, const Event& e) {
   if (e.stream < 0 || e.stream >= kStreams) return;
   auto it = events_[e.stream].find(e.seq);
   if (it == events_[e.stream].end()) return;  // synchronized since: done
+  flush_device_sends(s);  // a send enqueued before this wait does not wait for e
   api_->stream_wait_event(stream(s), it->second);
 }
 
@@ -133,6 +137,7 @@ void CudaDevice::host_wait(const std::function<void()>& f) {
 }
 
 void CudaDevice::synchronize() {
+  flush_all_device_sends();
   for (int i = 0; i < kStreams; ++i) flush_receives(Stream{i});
   host_wait([&] {
     for (auto& s : streams_) api_->stream_synchronize(s);
@@ -140,6 +145,11 @@ void CudaDevice::synchronize() {
     sends_.clear();
     for (Request& r : sends) r.wait();
   });
+  // A device transport that aborted (nccl's watchdog) while the streams ran past its transfers
+  // says so now, not at its next call.
+  std::vector<std::pair<const void*, std::function<void()>>> checks = std::move(transport_checks_);
+  transport_checks_.clear();
+  for (auto& c : checks) c.second();
   keep_.clear();
   delta_out_.clear();
   for (auto& [a, b] : timings_) {

@@ -190,6 +190,19 @@ class CudaDevice final : public Device {
   void permute(Stream s, const TensorView& src, const TensorView& dst, const TensorView& index,
                bool scatter);
 
+  // Sends and receives through a DeviceTransport (nccl) are held until the next other
+  // operation on their stream (or a free, or synchronize), which first posts them all as one
+  // group (DeviceTransport::group_start / end), as NCCL needs: a ring step's receive and send
+  // then progress together. Posted one by one, each rank's first transfer would wait for a
+  // peer whose matching transfer is queued behind its own first one, and a ring deadlocks.
+  std::vector<std::function<void()>> device_sends_[kStreams];
+  void flush_device_sends(Stream s);
+  void flush_all_device_sends() {
+    for (int i = 0; i < kStreams; ++i) flush_device_sends(Stream{i});
+  }
+  // DeviceTransport::check() of each transport used since the last synchronize().
+  std::vector<std::pair<const void*, std::function<void()>>> transport_checks_;
+
   struct PendingReceive {
     Request request;
     Storage* into = nullptr;  // null once the buffer was freed

@@ -3,6 +3,8 @@
 // refusal the command gives (tools/ctxpar/cuda_device.cc). Tests swap the factory for one that
 // makes CudaDevices over RecordingCudaApi (device::testing::set_cuda_factory).
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "ctxpar/error.h"
@@ -26,13 +28,18 @@ void set_cuda_factory(std::function<std::unique_ptr<Device>(int rank)> f) {
 }
 }  // namespace testing
 
-std::unique_ptr<Device> make_cuda(const DeviceOptions&, int rank) {
+std::unique_ptr<Device> make_cuda(const DeviceOptions& options, int rank) {
   if (factory()) return factory()(rank);
   std::string why;
   const int count = cuda::device_count(&why);
   if (count <= 0) throw Error("device 'cuda': " + why);
   int index = rank % count;
-  if (const char* local = std::getenv("LOCAL_RANK")) {
+  if (options.cuda_index >= 0) {
+    if (options.cuda_index >= count)
+      throw Error("device 'cuda': GPU " + std::to_string(options.cuda_index) +
+                  " asked for, but this machine has " + std::to_string(count));
+    index = options.cuda_index;
+  } else if (const char* local = std::getenv("LOCAL_RANK")) {
     char* end = nullptr;
     const long v = std::strtol(local, &end, 10);
     if (!*local || *end || v < 0 || v >= count)
@@ -40,16 +47,27 @@ std::unique_ptr<Device> make_cuda(const DeviceOptions&, int rank) {
                   std::to_string(count - 1) + " on this machine; unset it or fix it");
     index = int(v);
   }
-  std::unique_ptr<cuda::CudaApi> api = cuda::make_real_api(index, &why);
+  std::shared_ptr<cuda::CudaApi> api = cuda::shared_real_api(index, &why);
   if (!api) throw Error("device 'cuda': " + why);
-  // cuDNN (cudnn_attention.cc, its own work item) joins here once written; until then every
-  // block runs on the fallback kernel.
-  return std::make_unique<cuda::CudaDevice>(std::move(api), rank);
+  // cuDNN takes the bf16 blocks it supports; without it (no libcudnn.so.9 here) every block
+  // runs on the fallback kernel, which is exact, only slower.
+  std::string no_cudnn;
+  return std::make_unique<cuda::CudaDevice>(std::move(api), rank, cuda::make_cudnn(&no_cudnn));
 }
 
 }  // namespace device
 
 namespace cuda {
+std::shared_ptr<CudaApi> shared_real_api(int index, std::string* why) {
+  static std::mutex mu;
+  static std::map<int, std::weak_ptr<CudaApi>> apis;
+  std::lock_guard<std::mutex> lock(mu);
+  if (std::shared_ptr<CudaApi> api = apis[index].lock()) return api;
+  std::shared_ptr<CudaApi> api = make_real_api(index, why);
+  if (api) apis[index] = api;
+  return api;
+}
+
 std::unique_ptr<Device> make_recording_cuda_device(int rank) {
   return std::make_unique<CudaDevice>(std::make_unique<RecordingCudaApi>(), rank);
 }

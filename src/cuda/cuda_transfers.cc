@@ -16,8 +16,15 @@ namespace ctxpar::cuda {
 namespace {
 
 #ifdef CTXPAR_CUDA_DEVICE_TRANSPORT
-DeviceTransport* transport_of(Communicator& comm, CudaApi& api, StreamHandle s) {
-  return api.native_stream(s) ? device_transport(comm) : nullptr;
+DeviceTransport* transport_of(Communicator& comm, CudaApi& api, StreamHandle s,
+                              std::vector<std::pair<const void*, std::function<void()>>>& checks) {
+  DeviceTransport* t = api.native_stream(s) ? device_transport(comm) : nullptr;
+  if (t) {
+    bool known = false;
+    for (auto& c : checks) known = known || c.first == t;
+    if (!known) checks.emplace_back(t, [t] { t->check(); });
+  }
+  return t;
 }
 cudaStream_t native(CudaApi& api, StreamHandle s) {
   return static_cast<cudaStream_t>(api.native_stream(s));
@@ -64,6 +71,23 @@ void CudaDevice::flush_receives_front(Stream s) {
   }
 }
 
+void CudaDevice::flush_device_sends(Stream s) {
+  std::vector<std::function<void()>>& q = device_sends_[s.index];
+  if (q.empty()) return;
+  std::vector<std::function<void()>> sends = std::move(q);
+  q.clear();
+#ifdef CTXPAR_CUDA_DEVICE_TRANSPORT
+  // Every held send went through a DeviceTransport; one group for all of them.
+  DeviceTransport* t = nullptr;
+  for (auto& c : transport_checks_) t = t ? t : static_cast<DeviceTransport*>(const_cast<void*>(c.first));
+  if (t) t->group_start();
+  for (auto& post : sends) post();
+  if (t) t->group_end();
+#else
+  for (auto& post : sends) post();
+#endif
+}
+
 void CudaDevice::order_transfer(Stream s, Storage* st) {
   flush_receives(s, st);
   if (st->ordered[s.index]) return;
@@ -81,11 +105,15 @@ void CudaDevice::send(Stream s, Communicator& comm, DeviceBuffer& buffer, int pe
     return;
   }
 #ifdef CTXPAR_CUDA_DEVICE_TRANSPORT
-  if (DeviceTransport* t = transport_of(comm, *api_, stream(s))) {
-    t->send(st->ptr, st->size, peer, tag, native(*api_, stream(s)));
+  if (DeviceTransport* t = transport_of(comm, *api_, stream(s), transport_checks_)) {
+    device_sends_[s.index].push_back(
+        [t, ptr = st->ptr, n = st->size, peer, tag, cs = native(*api_, stream(s))] {
+          t->send(ptr, n, peer, tag, cs);
+        });
     return;
   }
 #endif
+  flush_device_sends(s);
   Buffer out = Buffer::uninitialized(st->size);
   if (st->size)
     api_->memcpy_async(out.data(), st->ptr, st->size, CopyKind::device_to_host, stream(s));
@@ -104,9 +132,12 @@ DeviceBuffer CudaDevice::recv(Stream s, Communicator& comm, size_t bytes, int pe
     return b;
   }
 #ifdef CTXPAR_CUDA_DEVICE_TRANSPORT
-  if (DeviceTransport* t = transport_of(comm, *api_, stream(s))) {
+  if (DeviceTransport* t = transport_of(comm, *api_, stream(s), transport_checks_)) {
     order_transfer(s, st);
-    t->recv(st->ptr, bytes, peer, tag, native(*api_, stream(s)));
+    device_sends_[s.index].push_back(
+        [t, ptr = st->ptr, bytes, peer, tag, cs = native(*api_, stream(s))] {
+          t->recv(ptr, bytes, peer, tag, cs);
+        });
     return b;
   }
 #endif
@@ -145,8 +176,11 @@ void CudaDevice::alltoall(Stream s, Communicator& comm, const DeviceBuffer& send
     return;
   }
 #ifdef CTXPAR_CUDA_DEVICE_TRANSPORT
-  if (DeviceTransport* t = transport_of(comm, *api_, stream(s))) {
+  if (DeviceTransport* t = transport_of(comm, *api_, stream(s), transport_checks_)) {
+    std::vector<std::function<void()>> sends = std::move(device_sends_[s.index]);
+    device_sends_[s.index].clear();
     t->group_start();
+    for (auto& post : sends) post();
     for (int k = 1; k < p; ++k) {
       const int j = (r - k + p) % p;
       t->recv(into->ptr + size_t(j) * chunk_bytes, chunk_bytes, j, tag, native(*api_, stream(s)));
@@ -166,6 +200,7 @@ void CudaDevice::alltoall(Stream s, Communicator& comm, const DeviceBuffer& send
     receives_[s.index].push_back(
         PendingReceive{comm.irecv(chunk_bytes, j, tag), into, size_t(j) * chunk_bytes});
   }
+  flush_device_sends(s);
   Buffer all = Buffer::uninitialized(size_t(p) * chunk_bytes);
   api_->memcpy_async(all.data(), from->ptr, size_t(p) * chunk_bytes, CopyKind::device_to_host,
                      stream(s));
@@ -181,6 +216,7 @@ void CudaDevice::alltoall(Stream s, Communicator& comm, const DeviceBuffer& send
 }
 
 void CudaDevice::barrier(Stream s, Communicator& comm) {
+  flush_device_sends(s);
   flush_receives(s);
   host_wait([&] {
     api_->stream_synchronize(stream(s));

@@ -105,3 +105,35 @@ TEST(CliCuda, VersionDescribesTheCudaBuild) {
 
 }  // namespace
 }  // namespace ctxpar::test
+
+namespace ctxpar::test {
+namespace {
+
+// The command's whole `--device cuda --transport loopback` path (job_run.cc's run_loopback: P
+// threads, each rank's cuda device and the loopback world on one CudaApi) on the CPU:
+// ctxpar-faults with CTXPAR_FAULT_CUDA_RECORDING puts RecordingCudaApi under it, so the
+// fallback kernel's tile math runs on the host, and --check compares with the fp64 reference.
+// Every strategy, forward and backward, bf16 too: what scripts/gpu_check.sh's grid runs on a GPU.
+TEST(CliCuda, LoopbackOverTheRecordingApiMeetsTheReference) {
+  for (const std::string strategy : {"ring", "allgather", "ulysses", "hybrid"}) {
+    for (const std::string dtype : {"fp32", "bf16"}) {
+      const std::string args = "attention --seq 200 --heads 4 --kv-heads 2 --head-dim 24 "
+                               "--ranks 4 --layout zigzag --mask causal --backward --check "
+                               "--device cuda --transport loopback --strategy " + strategy +
+                               (strategy == "hybrid" ? " --ulysses-degree 2" : "") +
+                               " --dtype " + dtype;
+      const CommandResult r =
+          run_shell("CTXPAR_FAULT_CUDA_RECORDING=1 " + fault_ctxpar_path() + " " + args);
+      EXPECT_EQ(r.exit_code, 0) << args << "\n" << r.err;
+      EXPECT_NE(r.out.find("check: PASSED"), std::string::npos) << args << "\n" << r.out;
+    }
+  }
+  // The release binary has no such hook: there the same command needs a GPU.
+  const CommandResult r = run_shell("CTXPAR_FAULT_CUDA_RECORDING=1 " + ctxpar_path() +
+                                    " attention --seq 64 --ranks 2 --device cuda "
+                                    "--transport loopback");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+}
+
+}  // namespace
+}  // namespace ctxpar::test

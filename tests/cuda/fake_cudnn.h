@@ -20,6 +20,17 @@ class FakeCudnn final : public cuda::CudnnAttention {
     return s.dtype == DType::bf16 && s.d % 8 == 0 && s.d <= 256 && s.hkv > 0 && s.hq % s.hkv == 0;
   }
   size_t workspace_bytes(const cuda::SdpaShape&, const fused::Call&, bool) override { return 64; }
+  // No graphs here: each call runs directly (prepare() is the device-less test's, not the
+  // device's).
+  cuda::SdpaPrepared prepare(const cuda::SdpaShape&, const fused::Call&,
+                             const cuda::SdpaForward&) override {
+    return {};
+  }
+  cuda::SdpaPrepared prepare(const cuda::SdpaShape&, const fused::Call&,
+                             const cuda::SdpaBackward&) override {
+    return {};
+  }
+  size_t graphs_built() const override { return 0; }
 
   void forward(const cuda::SdpaShape& s, const fused::Call& c, const cuda::SdpaForward& t,
                void*, cudaStream_t) override {

@@ -1,6 +1,7 @@
 // --device cuda and the CUDA lines of --version (docs/cuda.md). Where there is no GPU (with
 // cudaGetDeviceCount's error) or the build has no CUDA, the command says so and exits 2 before
 // anything runs; on a GPU it goes on, and make_device builds the cuda device (src/cuda).
+#include <cstdlib>
 #include <string>
 
 #include "ctxpar/comm.h"
@@ -16,7 +17,18 @@
 
 namespace ctxpar::cli {
 
+// ctxpar-faults only: CTXPAR_FAULT_CUDA_RECORDING runs --device cuda --transport loopback over
+// the recording CUDA API on the CPU (job_run.cc), so the checks below let it through.
+static bool recording_cuda() {
+#ifdef CTXPAR_FAULT_HOOKS
+  return std::getenv("CTXPAR_FAULT_CUDA_RECORDING") != nullptr;
+#else
+  return false;
+#endif
+}
+
 void check_cuda_device() {
+  if (recording_cuda()) return;
 #ifdef CTXPAR_HAVE_CUDA
   const cuda::DeviceProbe p = cuda::probe_devices();
   if (p.count == 0) throw Error("--device cuda: " + cuda::no_device_message(p));
@@ -36,6 +48,7 @@ void check_gpu_transport(const std::string& transport, const std::string& device
                 " and needs --device cuda (got --device " + device + "); add --device cuda, or "
                 "use " + (nccl ? "--transport threads, mpi or gloo" : "--transport threads") +
                 " with --device cpu");
+  if (!nccl && recording_cuda()) return;
 #ifdef CTXPAR_HAVE_CUDA
   const cuda::DeviceProbe p = cuda::probe_devices();
   if (p.count == 0)

@@ -9,6 +9,13 @@
 
 #include "attention_check.h"
 #include "ctxpar/gloo.h"
+#include "cuda/api.h"
+#include "cuda/loopback.h"
+#ifdef CTXPAR_FAULT_HOOKS
+#include "cuda/api_recording.h"
+#include "cuda/cuda_device.h"
+#include "device/devices.h"
+#endif
 #include "job_internal.h"
 #include "options.h"
 #ifdef CTXPAR_HAVE_NCCL
@@ -85,6 +92,42 @@ void run_over_nccl(Communicator& host, const AttentionJob& job,
 #endif
 }
 
+// --transport loopback: P ranks as threads of this process on one GPU (LOCAL_RANK's, else the
+// first), their device memory exchanged by device-to-device copies (src/cuda/loopback.h); the
+// ranks' cuda devices share that GPU's CudaApi with the loopback world.
+void run_loopback(int P, const AttentionJob& job, const SequenceTokens& seq,
+                  std::vector<RankData>& all, const ThreadsOptions& options) {
+  int index = 0;
+  if (const char* local = std::getenv("LOCAL_RANK")) index = std::max(0, std::atoi(local));
+  std::string why;
+  std::shared_ptr<cuda::CudaApi> api;
+#ifdef CTXPAR_FAULT_HOOKS
+  // ctxpar-faults only: the whole path on the CPU, every rank's cuda device and the loopback
+  // world over one RecordingCudaApi (the fallback kernel's tile math on the host), so the CLI
+  // tests run `--device cuda --transport loopback --check` without a GPU (CliCuda.*).
+  const bool recording = std::getenv("CTXPAR_FAULT_CUDA_RECORDING") != nullptr;
+  if (recording) {
+    api = std::make_shared<cuda::RecordingCudaApi>();
+    device::testing::set_cuda_factory([api](int rank) -> std::unique_ptr<Device> {
+      return std::make_unique<cuda::CudaDevice>(api, rank);
+    });
+  }
+  struct Restore {
+    bool on;
+    ~Restore() { if (on) device::testing::set_cuda_factory({}); }
+  } restore{recording};
+#endif
+  if (!api) api = cuda::shared_real_api(index, &why);
+  if (!api) throw Error("--transport loopback --device cuda: " + why);
+  auto world = std::make_shared<cuda::LoopbackWorld>(api);
+  AttentionJob on_one_gpu = job;
+  on_one_gpu.device.cuda_index = index;
+  run_rank_threads(P, [&](Communicator& host) {
+    cuda::LoopbackComm comm(host, world);
+    run_rank(comm, on_one_gpu, seq, all[comm.rank()]);
+  }, options);
+}
+
 }  // namespace
 
 AttentionResult run_attention_job(const AttentionJob& job) {
@@ -118,8 +161,12 @@ AttentionResult run_attention_job(const AttentionJob& job) {
     ThreadsOptions options;
     options.link = job.link;
     options.timeout = std::chrono::milliseconds(static_cast<int64_t>(job.timeout_seconds * 1000));
-    run_rank_threads(P, [&](Communicator& comm) { run_rank(comm, job, seq, all[comm.rank()]); },
-                     options);
+    if (job.transport == "loopback") {
+      run_loopback(P, job, seq, all, options);
+    } else {
+      run_rank_threads(P, [&](Communicator& comm) { run_rank(comm, job, seq, all[comm.rank()]); },
+                       options);
+    }
   }
 
   const int fwd = fastest_repeat(all, false);
