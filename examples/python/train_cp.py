@@ -75,13 +75,16 @@ class Decoder(torch.nn.Module):
 
 
 def sum_gradients(params, comm):
-    """Every parameter's gradient summed over the ranks of comm, in one allreduce."""
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    """Every parameter's gradient summed over the ranks of comm, in one allreduce. A sharded
+    parameter (FSDP2's DTensor, train_mesh.py --fsdp) sums its local shard: the ranks of comm
+    hold the same shard."""
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
     comm.allreduce(flat.numpy())  # in place, zero-copy: flat's memory
     offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))
-        offset += p.numel()
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def batch(step, batch_size, seq, vocab, seed):

@@ -1,7 +1,8 @@
 """Trains train_cp.py's decoder on a 2-D torch DeviceMesh: data parallel over "dp" (DDP on
-torch's gloo group), context parallel over "cp" (ctxpar, its own gloo transport).
+torch's gloo group, or FSDP2 with --fsdp), context parallel over "cp" (ctxpar, its own gloo
+transport).
 
-    torchrun --nproc-per-node 4 examples/python/train_mesh.py --dp 2 --cp 2
+    torchrun --nproc-per-node 4 examples/python/train_mesh.py --dp 2 --cp 2 [--fsdp]
     python examples/python/train_mesh.py --batch 4   # one process, the same 4 sequences:
                                                      # the same losses, step by step
 
@@ -49,9 +50,12 @@ def train(mesh, args):
     torch.manual_seed(args.seed)
     decoder = Decoder(args.vocab, args.dim, args.heads, args.layers, args.seed)
     model = Model(decoder, comm)
-    if dp_size > 1:
+    if args.fsdp:  # FSDP2: parameters sharded over "dp" (DTensors), gathered for each pass
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model, mesh=dp)
+    elif dp_size > 1:
         model = DistributedDataParallel(model, process_group=dp.get_group())
-    params = list(decoder.parameters())
+    params = list(decoder.parameters())  # after fully_shard: the sharded ones
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     positions = torch.from_numpy(cl.positions(args.seq, comm.size, comm.rank, LAYOUT))
     rows = slice(dp_rank * args.batch, (dp_rank + 1) * args.batch)
@@ -64,7 +68,7 @@ def train(mesh, args):
         loss = F.cross_entropy(logits.reshape(-1, args.vocab), labels.reshape(-1),
                                reduction="sum") / (args.batch * args.seq)
         opt.zero_grad(set_to_none=False)
-        loss.backward()  # DDP: the mean over "dp"
+        loss.backward()  # DDP / FSDP2: the mean over "dp"
         sum_gradients(params, comm)  # the sum over "cp"
         total = torch.tensor([loss.item()], dtype=torch.float64)
         comm.allreduce(total.numpy())
@@ -83,6 +87,8 @@ def main():
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree (mesh dim 'dp')")
     p.add_argument("--cp", type=int, default=1, help="context-parallel degree (mesh dim 'cp')")
     add_training_options(p, steps=20, batch_help="sequences per dp rank")
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP2 (torch.distributed.fsdp.fully_shard) over 'dp' instead of DDP")
     p.add_argument("--losses", help="write the per-step losses to this JSON file (rank 0)")
     args = p.parse_args()
     torch.set_num_threads(1)

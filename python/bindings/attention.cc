@@ -12,6 +12,7 @@
 #include <string>
 
 #include "communicator.h"
+#include "ctxpar/device.h"
 #include "ctxpar/layout.h"
 #include "ctxpar/reference.h"
 #include "ctxpar/strategy.h"
@@ -207,9 +208,29 @@ std::vector<int64_t> layout_positions(const std::string& layout, int64_t tokens,
   return l.positions(rank);
 }
 
+// Why the cuda device cannot take this process's CUDA tensors ("" when it can): ctxpar.attention
+// routes tensors whose DLPack device is kDLCUDA there (python/ctxpar/_arrays.py).
+std::string cuda_unavailable() {
+#ifdef CTXPAR_PYTHON_CUDA
+  try {
+    DeviceOptions options;
+    options.kind = DeviceKind::cuda;
+    make_device(options, 0);
+    return {};
+  } catch (const Error& e) {
+    return e.what();  // e.g. "no CUDA device found: ..." (src/cuda/runtime.h)
+  }
+#else
+  return "this ctxpar was built without CUDA: the Python package is built with CTXPAR_CUDA=OFF "
+         "(pyproject.toml; docs/cuda.md); move the tensors to the CPU with .cpu(), or run on the "
+         "GPU with the ctxpar command built with CUDA (--device cuda)";
+#endif
+}
+
 }  // namespace
 
 void bind_attention(nb::module_& m) {
+  m.def("_cuda_unavailable", &cuda_unavailable);
   // Keyword arguments shared by every entry point (the Python layer passes all of them).
   auto job_args = [](const std::string& strategy, const std::string& layout,
                      const std::string& mask, std::optional<ReadArray> positions,

@@ -160,24 +160,16 @@ void bind_communicator(nb::module_& m) {
             // mpi4py hands out the address of its MPI_Comm handle; mpi_wrap duplicates it.
             nb::object mpi = nb::module_::import_("mpi4py.MPI");
             const auto address = nb::cast<uintptr_t>(mpi.attr("_addressof")(comm));
-            std::shared_ptr<Communicator> c = mpi_wrap(reinterpret_cast<const void*>(address));
-            return PyCommunicator(std::move(c));
+            return nb::module_::import_("ctxpar._ctxpar").attr("_mpi_wrap")(address);
           },
           nb::arg("comm"),
           "Wraps an mpi4py communicator (e.g. MPI.COMM_WORLD); ctxpar talks on a duplicate.");
-  m.def("_mpi_world", [] { return PyCommunicator(&mpi_world(), nullptr); });
   m.def("launched_by_mpi", &launched_by_mpi);
   // (name, ranks) of a launcher that started several copies without MPI (torchrun, srun);
   // ("", 0) when there is none or MPI started us.
   m.def("_foreign_launcher", [] {
     ForeignLauncher f = foreign_launcher();
     return std::make_pair(f.name, f.ranks);
-  });
-  // MPI_Abort of the whole job (nothing without MPI initialised): the uncaught-exception hook
-  // of ctxpar/__init__.py, so that no rank waits its timeout for one that died.
-  m.def("_abort_mpi_job", [](int code) {
-    nb::gil_scoped_release release;
-    abort_mpi_job(code);
   });
   m.def("run_threads", &run_threads_py, nb::arg("ranks"), nb::arg("fn"),
         nb::arg("timeout_s") = 120.0,

@@ -12,6 +12,7 @@ void bind_attention(nb::module_& m);
 void bind_agreement(nb::module_& m);
 void bind_inference(nb::module_& m);  // inference.cc: ctxpar.KVCache
 void bind_gloo(nb::module_& m);  // gloo.cc, where the library has its gloo transport
+void bind_mpi(nb::module_& m);   // mpi_loader.cc: the MPI transport, loaded when asked for
 }
 
 NB_MODULE(_ctxpar, m) {
@@ -38,6 +39,7 @@ NB_MODULE(_ctxpar, m) {
   ctxpar::python::bind_attention(m);
   ctxpar::python::bind_agreement(m);
   ctxpar::python::bind_inference(m);
+  ctxpar::python::bind_mpi(m);
 #ifdef CTXPAR_PYTHON_GLOO
   ctxpar::python::bind_gloo(m);
 #endif

@@ -35,9 +35,11 @@ def init(timeout_s=None):
     under mpirun MPI_COMM_WORLD (MPI initialised once, finalised at exit); under torchrun
     (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) every worker of the job over ctxpar's gloo
     transport (or, once torch.distributed is initialised, its default group); without a
-    launcher a world of one rank. Where it cannot join the job it saw (srun without an MPI
+    launcher a world of one rank (over MPI where it loads, else over gloo). Where it cannot join the job it saw (srun without an MPI
     plugin, a torchrun job without its variables) it raises RuntimeError naming the launcher
-    and what to do: it never returns a world of one inside a job of several.
+    and what to do: it never returns a world of one inside a job of several. MPI is loaded only
+    here (under mpirun, or without a launcher) and in Communicator.from_mpi4py; where OpenMPI's
+    libmpi.so.40 is absent under mpirun it raises RuntimeError naming it and the ways on.
 
     timeout_s: seconds one wait may block before the rank fails (default 120; also
     comm.timeout_s). An uncaught Python exception on a rank then ends the whole job at once,
@@ -46,7 +48,10 @@ def init(timeout_s=None):
     comm = _distributed.init_from_launcher(timeout)
     if comm is not None:
         return comm
-    comm = _ctxpar._mpi_world()
+    if not _ctxpar.launched_by_mpi() and _ctxpar._mpi_unavailable():
+        # No launcher and no MPI: a world of one without it.
+        return _distributed.world_of_one(timeout)
+    comm = _ctxpar._mpi_world()  # RuntimeError naming libmpi.so.40 where MPI cannot load
     if timeout is not None:
         comm.timeout_s = timeout
     if comm.transport == "mpi":

@@ -27,6 +27,55 @@ def device_of(x):
 
 _SUPPORTED = ("float32", "bfloat16", "float16")
 
+# DLPack's device types (dlpack.h, DLDeviceType) by number.
+_KDL_CPU, _KDL_CUDA = 1, 2
+_DLPACK_DEVICES = {1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal",
+                   10: "rocm", 13: "cuda_managed"}
+
+
+def dlpack_device(x):
+    """(device type, device id) from x.__dlpack_device__(), or None where x has none."""
+    f = getattr(x, "__dlpack_device__", None)
+    if f is None:
+        return None
+    try:
+        kind, index = f()
+        return int(kind), int(index)
+    except Exception:  # e.g. a meta tensor: it has no DLPack device
+        return None
+
+
+def _where(dev, x):
+    if dev is None:
+        return device_of(x)
+    name = _DLPACK_DEVICES.get(dev[0], f"DLPack device type {dev[0]}")
+    return f"{name}:{dev[1]}" if dev[0] == _KDL_CUDA else name
+
+
+def route_cuda(named):
+    """CUDA tensors (DLPack device kDLCUDA = 2) go to ctxpar's cuda device, all or none: a mix
+    of CUDA and other tensors is a TypeError naming each one's device. Where the cuda device
+    cannot take them (a ctxpar built without CUDA, no CUDA device found), RuntimeError names
+    the first CUDA argument and the reason. Returns True when the tensors are on CUDA."""
+    devices = {n: dlpack_device(x) for n, x in named.items()}
+    cuda = [n for n, d in devices.items() if d is not None and d[0] == _KDL_CUDA]
+    if not cuda:
+        return False
+    gpus = {devices[n][1] for n in cuda}
+    if len(cuda) < len(named) or len(gpus) > 1:
+        raise TypeError("tensors on different devices: " +
+                        ", ".join(f"{n} on {_where(devices[n], x)}" for n, x in named.items()) +
+                        "; put them all on one device (.cpu(), or .to(q.device))")
+    from . import _ctxpar
+    reason = _ctxpar._cuda_unavailable()
+    if reason:
+        raise RuntimeError(f"{cuda[0]} is a CUDA tensor; {reason}")
+    # The cuda device exists: the whole-tensor and per-rank entry points do not hand it device
+    # memory yet (docs/python.md, "CUDA tensors").
+    raise NotImplementedError(f"{cuda[0]} is a CUDA tensor: ctxpar's cuda device is present, but "
+                              "the Python entry points do not run on it yet; move the tensors to "
+                              "the CPU with .cpu(), or use the ctxpar command's --device cuda")
+
 
 class Tensors:
     """Checked attention operands, ready to cross into C++.
@@ -37,6 +86,7 @@ class Tensors:
 
     def __init__(self, named, rows=()):
         names = list(named)
+        route_cuda(named)
         kinds = {n: framework(x, n) for n, x in named.items()}
         if len(set(kinds.values())) > 1:
             raise TypeError("tensors: mix of NumPy arrays and torch tensors (" +

@@ -80,6 +80,15 @@ def init_from_launcher(timeout):
     return None
 
 
+def world_of_one(timeout):
+    """ctxpar.init()'s world of one rank where MPI cannot be loaded (no launcher): a gloo
+    communicator of one rank, or the MPI error where the extension has no gloo either."""
+    if not gloo_available():
+        return _ctxpar._mpi_world()  # raises, naming libmpi.so.40 and the ways on
+    bootstrap = _ctxpar._GlooBootstrap(0, 1, _timeout_ms(timeout))
+    return bootstrap.connect([bootstrap.address()], _timeout_ms(timeout))
+
+
 def _timeout_ms(timeout):
     return int(round(1000 * (120.0 if timeout is None else timeout)))
 

@@ -1,4 +1,5 @@
-// Launcher detection (always built) and the MPI entry points of a build without MPI.
+// Launcher detection (always built) and the gloo entry points of a build without gloo (the MPI
+// ones of a build without MPI are in mpi_none.cc).
 #include <cstdlib>
 #include <string>
 
@@ -50,23 +51,6 @@ ForeignLauncher foreign_launcher() {
   }
   return {};
 }
-
-#ifndef CTXPAR_HAVE_MPI
-Communicator& mpi_world() {
-  throw Error(
-      "mpi_world: ctxpar was built without MPI; reconfigure with -DCTXPAR_MPI=ON "
-      "(needs Debian's libopenmpi-dev)");
-}
-
-std::unique_ptr<Communicator> mpi_wrap(const void*) {
-  mpi_world();  // throws: built without MPI
-  return nullptr;
-}
-
-void run_mpi(const std::function<void(Communicator&)>& fn) { fn(mpi_world()); }
-
-void abort_mpi_job(int) {}
-#endif
 
 #ifndef CTXPAR_HAVE_GLOO
 namespace {

@@ -59,10 +59,12 @@ def test_torchrun_workers_train_like_one(tmp_path):
 
 
 @needs_gloo_torchrun
-def test_a_2x2_mesh_trains_like_one_process(tmp_path):
+@pytest.mark.parametrize("data_parallel", [[], ["--fsdp"]], ids=["ddp", "fsdp2"])
+def test_a_2x2_mesh_trains_like_one_process(tmp_path, data_parallel):
     one, mesh = tmp_path / "one.json", tmp_path / "mesh.json"
     run = torchrun(1, TRAIN_MESH, "--batch", "4", "--losses", str(one), timeout=300)
     expected = losses_of(run, one, 20)["losses"]
-    run = torchrun(4, TRAIN_MESH, "--dp", "2", "--cp", "2", "--batch", "2", "--losses",
-                   str(mesh), timeout=400)
-    assert_same_losses(expected, losses_of(run, mesh, 20)["losses"], "2 x 2 mesh", learns_by=0.5)
+    run = torchrun(4, TRAIN_MESH, "--dp", "2", "--cp", "2", "--batch", "2", *data_parallel,
+                   "--losses", str(mesh), timeout=400)
+    assert_same_losses(expected, losses_of(run, mesh, 20)["losses"],
+                       "2 x 2 mesh " + (" ".join(data_parallel) or "DDP"), learns_by=0.5)

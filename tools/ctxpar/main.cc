@@ -8,9 +8,9 @@
 #include "ctxpar/comm.h"
 #include "ctxpar/error.h"
 #include "ctxpar/kernel.h"
+#include "ctxpar/gloo.h"  // gloo_available(), with or without MPI
 #ifdef CTXPAR_HAVE_MPI
 #include "comm/mpi_env.h"
-#include "ctxpar/gloo.h"
 #endif
 #include "options.h"
 
