@@ -3,6 +3,13 @@ repetition from the JSON files of that repetition's runs (so both sides of a rat
 apart at most, in alternating order), then the median and the spread (min - max) over the
 repetitions. Standard library only; any python3 runs it.
 
+The ring rows also get a ratio by per-rank CPU time (`ranks[].forward_cpu_seconds` of the
+attention JSON: each rank's own thread, CLOCK_THREAD_CPUTIME_ID; the slowest rank's figure, as
+the wall time is the slowest rank's): on a shared machine another process's time stretches the
+wall clock of one side and not the other, and the zigzag / contiguous wall ratio read 0.99 while
+CPU time read 1.40-1.44 (issue 26). A run whose ranks have OpenMP workers (--threads > 1) has
+no CPU figure: a rank's thread time does not count its workers.
+
     python3 bench/cpu_suite_report.py OUT_DIR     # reads OUT_DIR/info/, OUT_DIR/raw/rep*/
 """
 import json
@@ -73,6 +80,18 @@ def repetitions(raw):
     return out
 
 
+def rank_cpu_seconds(run):
+    """The slowest rank's forward CPU seconds of an attention run whose ranks are one thread each."""
+    if run.get("threads") != 1:
+        raise KeyError("threads")  # no per-rank CPU figure (see the module's doc)
+    return max(r["forward_cpu_seconds"] for r in run["ranks"])
+
+
+def cpu_ratio(slow, fast):
+    """fn(runs): the slowest rank's CPU seconds of run `slow` over those of run `fast`."""
+    return lambda r: rank_cpu_seconds(r[slow]) / rank_cpu_seconds(r[fast])
+
+
 def ratio_rows(meta):
     """(key, label, goal or None, fn(runs) -> value) for every figure, in table order."""
     rows = [
@@ -114,20 +133,36 @@ def ratio_rows(meta):
     return rows
 
 
+# Figures that also have a ratio by per-rank CPU time: key -> fn(runs).
+CPU_RATIOS = {
+    "ring_p2_zigzag_vs_one_rank_2t": cpu_ratio("one_rank_2t", "ring_p2_zigzag"),
+    "zigzag_vs_contiguous": cpu_ratio("ring_p2_contiguous", "ring_p2_zigzag"),
+}
+
+
+def spread(fn, reps):
+    """fn over the repetitions (a failed run, or a missing figure, skips that one): values,
+    repetitions, and median / min / max where there is a value."""
+    values = []
+    for runs in reps:
+        try:
+            values.append(fn(runs))
+        except KeyError:  # a run of this repetition failed: its log says why
+            pass
+    out = dict(values=values, repetitions=len(values))
+    if values:
+        out.update(median=statistics.median(values), min=min(values), max=max(values))
+    return out
+
+
 def figures(meta, reps):
     out = {}
     for key, label, goal, fn in ratio_rows(meta):
-        values = []
-        for runs in reps:
-            try:
-                values.append(fn(runs))
-            except KeyError:  # a run of this repetition failed: its log says why
-                pass
-        fig = dict(label=label, goal=goal, values=values, repetitions=len(values))
-        if values:
-            fig.update(median=statistics.median(values), min=min(values), max=max(values))
-            if goal is not None:
-                fig["median_meets_goal"] = fig["median"] >= goal
+        fig = dict(label=label, goal=goal, **spread(fn, reps))
+        if fig["values"] and goal is not None:
+            fig["median_meets_goal"] = fig["median"] >= goal
+        if key in CPU_RATIOS:
+            fig["cpu"] = spread(CPU_RATIOS[key], reps)
         out[key] = fig
     return out
 
@@ -187,15 +222,22 @@ def main():
           f"forward wall; inner best of {m['inner']}")
     print()
     w = max(len(f["label"]) for f in figs.values())
-    print(f"{'figure':<{w}}  {'median':>7}  {'min - max':>15}  {'goal':>6}  met")
+    print(f"{'figure':<{w}}  {'median':>7}  {'min - max':>15}  {'goal':>6}  met  "
+          f"{'by CPU':>7}  {'min - max':>15}")
     for f in figs.values():
         goal = f"{f['goal']:.2f}" if f["goal"] is not None else ""
         if not f["values"]:
             print(f"{f['label']:<{w}}  {'n/a':>7}  {'(no run)':>15}  {goal:>6}")
             continue
         met = ("yes" if f["median_meets_goal"] else "NO") if f["goal"] is not None else ""
-        spread = f"{f['min']:.3f} - {f['max']:.3f}"
-        print(f"{f['label']:<{w}}  {f['median']:7.3f}  {spread:>15}  {goal:>6}  {met}")
+        line = (f"{f['label']:<{w}}  {f['median']:7.3f}  {f['min']:7.3f} - {f['max']:5.3f}"
+                f"  {goal:>6}  {met:<3}")
+        cpu = f.get("cpu")
+        if cpu and cpu["values"]:
+            line += f"  {cpu['median']:7.3f}  {cpu['min']:7.3f} - {cpu['max']:5.3f}"
+        elif cpu is not None:
+            line += f"  {'n/a':>7}  {'(rank threads)':>15}"
+        print(line.rstrip())
     if m.get("torch_skipped"):
         print(f"{'ctxpar / torch SDPA (16 rows, fp32 and bf16)':<{w}}  {'n/a':>7}  {'(SKIPPED)':>15}  {'1.20':>6}")
     if not m.get("ggml_binary"):
@@ -204,6 +246,8 @@ def main():
     print()
     print("speed ratios are the other side's seconds / this side's: > 1 means ctxpar (the ring, "
           "zigzag) is faster.")
+    print("by CPU: the same ratio of the slowest rank's CPU seconds (the ring rows; every rank one "
+          "thread); where it and the wall ratio differ, other processes took wall time: trust CPU.")
     if m.get("ggml_binary"):
         g = next((r[k] for r in reps for k in ("ggml_1t", "ggml_2t") if k in r), {})
         print(f"ggml: {g.get('ggml_version', '?')} (commit {g.get('ggml_commit', '?')}), binary "

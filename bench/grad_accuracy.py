@@ -9,7 +9,8 @@ and NumPy:
 
 Inputs: normal q, k, v, dout in fp32, [B=1, T, H, D], causal by default. The reference runs
 in blocks of query rows (scores of one block in fp64 at a time: memory ~ 40 * rows * T bytes).
-Reported per output and side: the largest absolute error, and it over the largest |reference|.
+Reported per output and side: the largest absolute error, it over the largest |reference|, and
+the root-mean-square error.
 Prints one JSON object; exit 1 if any error is over 5 % of the largest |reference|."""
 import argparse
 import json
@@ -84,7 +85,8 @@ def main():
         for n, r in ref.items():
             g = np.asarray(got[n], dtype=np.float64).reshape(r.shape)
             err, top = float(np.abs(g - r).max()), float(np.abs(r).max())
-            out[n] = dict(max_abs=err, max_abs_over_max_ref=err / top)
+            rms = float(np.sqrt(np.mean((g - r) ** 2)))
+            out[n] = dict(max_abs=err, max_abs_over_max_ref=err / top, rms=rms)
         return out
 
     result = dict(seq=a.seq, heads=a.heads, head_dim=a.head_dim, mask=a.mask,

@@ -2,8 +2,9 @@
 //
 // Note [Backward tasks]: a task is (batch, kv head, chunk of key tiles; chunk c of n takes key
 // tiles c, c + n, c + 2n, ..., which balances causal masks). It owns the dK / dV
-// rows of its key tiles (accumulated in a 64-row tile by a compensated sum over query tiles,
-// Note [Compensated dK / dV] in simd_tile.h, added to the caller's dk / dv once) and writes the dQ of its query-head group into its own partial buffer; partials are summed in a
+// rows of its key tiles (accumulated in a 64-row tile by a two-level sum over query tiles,
+// Note [Blocked dK / dV] in simd_tile.h, added to the caller's dk / dv once) and writes the dQ
+// of its query-head group into its own partial buffer; partials are summed in a
 // fixed chunk order at the end. There is one chunk per (batch, kv head) unless there are fewer
 // of those than threads, so the result is bitwise the same for a given thread count and no two
 // threads ever write the same element.
@@ -63,15 +64,24 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
     // element's additions keep their order (dK / dV per key tile over query tiles as before; a
     // dQ row gets key tile c, then c + chunks, ...), so the bits are those of one tile a pass.
     struct KeyTile {
-      std::vector<float> kt_pack, vt_pack, k_rows, dk, dv, dk_comp, dv_comp;
-      int64_t kt = 0, j0 = 0, cols = 0;
+      // dk / dv: the block partials (Note [Blocked dK / dV]); *_sum, *_comp: the compensated
+      // sum of the blocks; in_block: query tiles in the current block.
+      std::vector<float> kt_pack, vt_pack, k_rows, dk, dv, dk_sum, dv_sum, dk_comp, dv_comp;
+      int64_t kt = 0, j0 = 0, cols = 0, in_block = 0;
       bool packed = false;
+      void flush() {  // the block partial into the compensated sum
+        if (in_block == 0) return;
+        add_compensated(static_cast<int64_t>(dk.size()), dk.data(), dk_sum.data(), dk_comp.data());
+        add_compensated(static_cast<int64_t>(dv.size()), dv.data(), dv_sum.data(), dv_comp.data());
+        in_block = 0;
+      }
     };
     KeyTile keys[2];
     for (KeyTile& t : keys) {
       t.kt_pack.resize(d * kTile), t.vt_pack.resize(d * kTile), t.k_rows.resize(kTile * ld);
       t.dk.resize(kTile * ld), t.dv.resize(kTile * ld);
-      t.dk_comp.resize(kTile * ld), t.dv_comp.resize(kTile * ld);
+      for (std::vector<float>* x : {&t.dk_sum, &t.dv_sum, &t.dk_comp, &t.dv_comp})
+        x->resize(kTile * ld);
     }
     std::vector<float> row(d);
     std::vector<float> s(kTile * kTile), dpm(kTile * kTile), pt(kTile * kTile), dst(kTile * kTile);
@@ -102,9 +112,9 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
         for (int64_t u = 0; u < nkeys; ++u) {
           KeyTile& t = keys[u];
           t.kt = kt0 + u * chunks, t.j0 = t.kt * kTile, t.cols = std::min(p.tk, t.j0 + kTile) - t.j0;
-          t.packed = false;
-          std::fill(t.dk.begin(), t.dk.end(), 0.0f);
-          std::fill(t.dv.begin(), t.dv.end(), 0.0f);
+          t.packed = false, t.in_block = 0;
+          std::fill(t.dk_sum.begin(), t.dk_sum.end(), 0.0f);
+          std::fill(t.dv_sum.begin(), t.dv_sum.end(), 0.0f);
           std::fill(t.dk_comp.begin(), t.dk_comp.end(), 0.0f);
           std::fill(t.dv_comp.begin(), t.dv_comp.end(), 0.0f);
         }
@@ -153,26 +163,28 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
               }
               transpose_tile(s.data(), pt.data());
               transpose_tile(dpm.data(), dst.data());
-              // dV += P^T dO; dK += (scale dS)^T Qs (times 1 / scale at the end), each through
-              // a fresh product and a compensated sum (Note [Compensated dK / dV]); dQ += scale dS K.
-              gemm_rows_compensated(kTile, dp, mrows, pt.data(), kTile, dot, ld, t.dv.data(),
-                                    t.dv_comp.data(), ld);
-              gemm_rows_compensated(kTile, dp, mrows, dst.data(), kTile, qs, ld, t.dk.data(),
-                                    t.dk_comp.data(), ld);
+              // dV += P^T dO; dK += (scale dS)^T Qs (times 1 / scale at the end), into the
+              // block partials, a block's first tile overwriting (Note [Blocked dK / dV]);
+              // dQ += scale dS K.
+              const bool fresh = t.in_block == 0;
+              gemm_rows(kTile, dp, mrows, pt.data(), kTile, dot, ld, t.dv.data(), ld, !fresh);
+              gemm_rows(kTile, dp, mrows, dst.data(), kTile, qs, ld, t.dk.data(), ld, !fresh);
+              if (++t.in_block == kDkvBlock) t.flush();
               gemm_rows(mrows, dp, cols, dpm.data(), kTile, t.k_rows.data(), ld,
                         dq_acc + off * ld, ld, true);
               tile_progress();  // the MPI transport's progress calls, if installed
             }
         const float dk_mul = 1.0f / p.scale;
         for (int64_t u = 0; u < nkeys; ++u) {
-          const KeyTile& t = keys[u];
+          KeyTile& t = keys[u];
           if (!t.packed) continue;
+          t.flush();
           for (int64_t j = 0; j < t.cols; ++j) {
             float* dkr = dk.ptr<float>() + dk.offset(b, t.j0 + j, hk);
             float* dvr = dv.ptr<float>() + dv.offset(b, t.j0 + j, hk);
             for (int64_t c = 0; c < d; ++c) {  // sum - comp: the running sum's lost part back
-              dkr[c] += dk_mul * (t.dk[j * ld + c] - t.dk_comp[j * ld + c]);
-              dvr[c] += t.dv[j * ld + c] - t.dv_comp[j * ld + c];
+              dkr[c] += dk_mul * (t.dk_sum[j * ld + c] - t.dk_comp[j * ld + c]);
+              dvr[c] += t.dv_sum[j * ld + c] - t.dv_comp[j * ld + c];
             }
           }
         }

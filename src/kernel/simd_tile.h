@@ -72,18 +72,15 @@ HWY_INLINE VF exp2_neg(DF d, VF t) {
 
 // R rows x C vectors of C: acc over k of A[r][k] * B[k][c]. A row stride lda, B row stride ldb
 // (floats, B rows 64-byte friendly), C row stride ldc. accumulate = false overwrites C.
-// kCompensated: the product starts from 0 and is added to C by a compensated sum whose
-// compensation terms are `comp` (same layout as C; Note [Compensated dK / dV]).
-template <int R, int C, bool kCompensated = false>
+template <int R, int C>
 HWY_INLINE void micro(const float* HWY_RESTRICT a, int64_t lda, const float* HWY_RESTRICT b,
-                      int64_t ldb, int64_t k, float* HWY_RESTRICT c, int64_t ldc, bool accumulate,
-                      float* HWY_RESTRICT comp = nullptr) {
+                      int64_t ldb, int64_t k, float* HWY_RESTRICT c, int64_t ldc, bool accumulate) {
   const DF d;
   const int64_t n = lanes();
   VF acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < C; ++j)
-      acc[r][j] = accumulate && !kCompensated ? hn::LoadU(d, c + r * ldc + j * n) : hn::Zero(d);
+      acc[r][j] = accumulate ? hn::LoadU(d, c + r * ldc + j * n) : hn::Zero(d);
   for (int64_t x = 0; x < k; ++x) {
     VF bv[C];
     for (int j = 0; j < C; ++j) bv[j] = hn::LoadU(d, b + x * ldb + j * n);
@@ -92,21 +89,8 @@ HWY_INLINE void micro(const float* HWY_RESTRICT a, int64_t lda, const float* HWY
       for (int j = 0; j < C; ++j) acc[r][j] = hn::MulAdd(av, bv[j], acc[r][j]);
     }
   }
-  if constexpr (kCompensated) {
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < C; ++j) {
-        float* sp = c + r * ldc + j * n;
-        float* cp = comp + r * ldc + j * n;
-        const VF s = hn::LoadU(d, sp);
-        const VF y = hn::Sub(acc[r][j], hn::LoadU(d, cp));
-        const VF t = hn::Add(s, y);
-        hn::StoreU(hn::Sub(hn::Sub(t, s), y), d, cp);
-        hn::StoreU(t, d, sp);
-      }
-  } else {
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < C; ++j) hn::StoreU(acc[r][j], d, c + r * ldc + j * n);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) hn::StoreU(acc[r][j], d, c + r * ldc + j * n);
 }
 
 // R rows of C against all N columns: micro-kernels of kC vectors, then single vectors.
@@ -117,39 +101,6 @@ HWY_INLINE void row_block(int64_t n, int64_t k, const float* a, int64_t lda, con
   int64_t j = 0;
   for (; j + kC * nl <= n; j += kC * nl) micro<R, kC>(a, lda, b + j, ldb, k, c + j, ldc, accumulate);
   for (; j < n; j += nl) micro<R, 1>(a, lda, b + j, ldb, k, c + j, ldc, accumulate);
-}
-
-// C[M x N] (+)= A[M x K] B[K x N] column block by column block (every row of C against one
-// block of B before the next); kCompensated: C += by a compensated sum with terms `comp`.
-template <bool kCompensated>
-inline void gemm_blocks(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-                        const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate,
-                        float* comp) {
-  const int64_t nl = lanes();
-  constexpr int kC = HWY_MAX_BYTES >= 64 ? 4 : 2;
-  auto at = [&](int64_t r, int64_t j) { return kCompensated ? comp + r * ldc + j : nullptr; };
-  int64_t j = 0;
-  for (; j + kC * nl <= n; j += kC * nl) {
-    int64_t r = 0;
-    for (; r + 6 <= m; r += 6)
-      micro<6, kC, kCompensated>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc,
-                                 accumulate, at(r, j));
-    for (; r + 4 <= m; r += 4)
-      micro<4, kC, kCompensated>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc,
-                                 accumulate, at(r, j));
-    for (; r < m; r += 2)
-      micro<2, kC, kCompensated>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc,
-                                 accumulate, at(r, j));
-  }
-  for (; j < n; j += nl) {
-    int64_t r = 0;
-    for (; r + 4 <= m; r += 4)
-      micro<4, 1, kCompensated>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc,
-                                accumulate, at(r, j));
-    for (; r < m; r += 2)
-      micro<2, 1, kCompensated>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc,
-                                accumulate, at(r, j));
-  }
 }
 
 // C[M x N] (+)= A[M x K] B[K x N]; M a multiple of 2, N a multiple of the lane count.
@@ -168,6 +119,7 @@ inline void gemm_blocks(int64_t m, int64_t n, int64_t k, const float* a, int64_t
 inline void gemm_rows(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                       const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate,
                       int64_t k_panel = 0) {
+  const int64_t nl = lanes();
   constexpr int kC = HWY_MAX_BYTES >= 64 ? 4 : 2;
   constexpr int kR = 6;
   if (k_panel > 0 && k_panel < k) {
@@ -186,7 +138,23 @@ inline void gemm_rows(int64_t m, int64_t n, int64_t k, const float* a, int64_t l
     }
     return;
   }
-  gemm_blocks<false>(m, n, k, a, lda, b, ldb, c, ldc, accumulate, nullptr);
+  int64_t j = 0;
+  for (; j + kC * nl <= n; j += kC * nl) {
+    int64_t r = 0;
+    for (; r + kR <= m; r += kR)
+      micro<kR, kC>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+    for (; r + 4 <= m; r += 4)
+      micro<4, kC>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+    for (; r < m; r += 2)
+      micro<2, kC>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+  }
+  for (; j < n; j += nl) {
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4)
+      micro<4, 1>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+    for (; r < m; r += 2)
+      micro<2, 1>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+  }
 }
 
 // Note [Padded rows]: the row stride of the packed [rows][dp] buffers (Q, dO, V, K rows, the
@@ -297,21 +265,32 @@ inline float* scratch(Scratch slot, size_t n) {
   return b.data();
 }
 
-// Note [Compensated dK / dV]: a key row's dK and dV sum the contributions of every query row
-// that sees it -- T of them under no mask. Summed in one running fp32 sum, the rounding error
-// grew with T (T = 16384: 5-6x torch's error against fp64). Each query tile's contribution is
-// now a fresh product over its 64 rows (in registers, micro<..., true>), added to the running
-// sum by Kahan's compensated sum as the micro-kernel stores it:
-// `comp` holds what the running sum lost (with its sign flipped), so the result's error is
-// that of one 64-row product plus a few ulps, whatever the number of query tiles. The order of
-// the additions is the order of the query tiles, as before: no thread count changes a bit.
+// Note [Blocked dK / dV]: a key row's dK and dV sum the contributions of every query row that
+// sees it -- T of them under no mask. Summed in one running fp32 sum, the rounding error grew
+// with T (T = 16384: 5-6x torch's error against fp64). The sum is now two-level: the products
+// of kDkvBlock consecutive query tiles (of those that see the key tile) accumulate in a plain
+// fp32 block partial, exactly as the one running sum did (the same micro-kernel, no extra work
+// a tile), and each block partial is added to the running sum by Kahan's compensated sum:
 //   y = part - comp;  t = sum + y;  comp = (t - sum) - y;  sum = t
+// `comp` holds what the running sum lost (with its sign flipped). The error is that of one
+// block's running sum (kDkvBlock x 64 rows) plus a few ulps, whatever the number of blocks;
+// the compensated addition costs one pass over the tile per block, not per query tile (an
+// earlier form compensated every query tile's product and cost 4 % of the backward). Block
+// boundaries count the query tiles a key tile sees, in the task's fixed order, so the order of
+// every addition is the same for any thread count (threads = MPI = sim, bit for bit).
 // (-ffp-contract=off and no -ffast-math: the compiler may not fold comp to 0.)
-// C[M x N] += A[M x K] B[K x N] by a compensated sum (comp: C's terms, same layout).
-inline void gemm_rows_compensated(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-                                  const float* b, int64_t ldb, float* c, float* comp,
-                                  int64_t ldc) {
-  gemm_blocks<true>(m, n, k, a, lda, b, ldb, c, ldc, true, comp);
+constexpr int64_t kDkvBlock = 4;
+inline void add_compensated(int64_t n, const float* HWY_RESTRICT part, float* HWY_RESTRICT sum,
+                            float* HWY_RESTRICT comp) {
+  const DF d;
+  const int64_t nl = lanes();
+  for (int64_t x = 0; x < n; x += nl) {
+    const VF s = hn::LoadU(d, sum + x);
+    const VF y = hn::Sub(hn::LoadU(d, part + x), hn::LoadU(d, comp + x));
+    const VF t = hn::Add(s, y);
+    hn::StoreU(hn::Sub(hn::Sub(t, s), y), d, comp + x);
+    hn::StoreU(t, d, sum + x);
+  }
 }
 
 // 64 x 64 transpose (for P^T and dS^T in the backward).

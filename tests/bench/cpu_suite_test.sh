@@ -26,11 +26,17 @@ for row in "ctxpar forward / one-thread FMA peak" "ring P=2 zigzag causal / one 
   line=$(grep -F "$row" "$TMP/out.txt") || fail "no row '$row'"
   [[ $line =~ [0-9]+\.[0-9]{3} ]] || fail "row '$row' has no figure: $line"
 done
+# Issue 26: the zigzag / contiguous row has its ratio by per-rank CPU time too (wall, CPU).
+line=$(grep -F "zigzag / contiguous" "$TMP/out.txt")
+[[ $line =~ [0-9]+\.[0-9]{3}.*[0-9]+\.[0-9]{3}.*[0-9]+\.[0-9]{3}.*[0-9]+\.[0-9]{3}.*[0-9]+\.[0-9]{3} ]] ||
+  fail "row 'zigzag / contiguous' has no CPU ratio beside the wall one: $line"
 grep -q "torch: SKIPPED: --no-torch given" "$TMP/out.txt" || fail "torch was not reported as skipped"
 python3 - "$TMP/q/summary.json" <<'PY' || fail "summary.json"
 import json, sys
 s = json.load(open(sys.argv[1]))
 assert s["failed_runs"] == [], s["failed_runs"]
+c = s["figures"]["zigzag_vs_contiguous"]["cpu"]
+assert c["repetitions"] == 1 and c["median"] > 0, c
 f = s["figures"]["vs_ggml_2t"]
 k = s["medians_of_absolute_figures"]["kernel_2t"]["fwd_seconds"]
 assert abs(f["median"] - 0.5 / k) < 1e-9 * f["median"], (f, k)  # the stand-in's 0.5 s / ctxpar's

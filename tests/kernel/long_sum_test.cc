@@ -1,7 +1,7 @@
 // dK / dV at long T (issue 26): the first key tile under a causal mask is seen by every query
 // row, so its gradient sums T of them. Its error against fp64 must not grow with T: the rule
 // is a fixed number of fp32 ulps of the largest |reference|, which one running fp32 sum over
-// the T rows exceeded (docs/kernel.md "Note [Compensated dK / dV]").
+// the T rows exceeded (docs/kernel.md "Note [Blocked dK / dV]").
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -80,8 +80,9 @@ TEST(LongSum, FirstKeyTileGradientsWithinFixedUlps) {
   const Outputs fast = run_fast(in, c.mask, 1);
   constexpr int64_t kKeys = 64;
   const FirstKeys ref = reference_first_keys(in, kKeys);
-  // 16 ulps (2^-20) of the largest |reference|: a 64-row fp32 product and a compensated sum
-  // stay within it at any T; one running sum over the 8192 rows did not.
+  // 16 ulps (2^-20) of the largest |reference|: a block partial's running sum over
+  // kDkvBlock x 64 = 256 rows and a compensated sum of the blocks stay within it at any T (the
+  // bound depends on the block, not on T); one running sum over the 8192 rows did not.
   const double dk_err = max_err_rows(fast.dk, ref.dk), dv_err = max_err_rows(fast.dv, ref.dv);
   const double dk_rule = 0x1.0p-20 * max_abs(ref.dk), dv_rule = 0x1.0p-20 * max_abs(ref.dv);
   std::printf("T=%lld dk: err %.3g rule %.3g (max|ref| %.3g); dv: err %.3g rule %.3g (max|ref| %.3g)\n",

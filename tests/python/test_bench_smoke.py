@@ -22,3 +22,55 @@ def test_bench_prints_json_with_both_sides():
     # torch < 2.5 has no context_parallel; a later one has it but needs a process group: either
     # way the JSON says why it did not run.
     assert result["torch_context_parallel"].startswith(("not run: torch", "available but not run"))
+
+
+REPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
+                      "cpu_suite_report.py")
+
+
+def _attention_json(threads, walls, cpus):
+    """An attention --json run of len(walls) ranks: forward wall = the slowest rank's."""
+    return {"threads": threads, "forward_seconds": max(walls),
+            "ranks": [{"rank": i, "wall_seconds": w, "forward_cpu_seconds": c}
+                      for i, (w, c) in enumerate(zip(walls, cpus))]}
+
+
+def test_cpu_suite_report_prints_cpu_ratios_beside_wall(tmp_path):
+    """Issue 26: on a shared machine the zigzag / contiguous wall ratio read 0.99 while CPU time
+    read 1.40-1.44. The report gives the ring rows both: the slowest rank's wall and CPU seconds,
+    per repetition, median over them; a rank with OpenMP workers has no CPU figure."""
+    info, raw = tmp_path / "info", tmp_path / "raw"
+    info.mkdir()
+    runs = ["kernel_1t", "kernel_2t", "ring_p2_zigzag", "ring_p2_contiguous", "one_rank_2t"]
+    shape = {"seq": 64, "heads": 1, "head_dim": 16}
+    (info / "config.json").write_text(json.dumps(dict(
+        repeats=2, inner=1, quick=True, torch_pin="2.15.0", torch_python="none",
+        kernel_shape=shape, cp_shape=shape, ggml_binary=None, runs=runs)))
+    (info / "lscpu.txt").write_text("Model name: Test CPU\nCPU(s): 2\nFlags: fma avx2\n")
+    (info / "torch_skipped").write_text("--no-torch given")
+    kernel = {"fwd_peak_ratio": 0.8, "bwd_peak_ratio": 0.7}
+    # Per repetition: contiguous wall 1.0 (the machine was shared), CPU 1.5 / 2.8 on its
+    # busiest rank; zigzag wall 1.0 / 1.01, CPU 1.0 / 2.0.
+    reps = [((1.0, 0.6), (0.5, 1.5), (1.0, 0.9), (1.0, 1.0)),
+            ((1.0, 1.0), (1.2, 2.8), (1.01, 1.0), (2.0, 1.9))]
+    for i, (cw, cc, zw, zc) in enumerate(reps):
+        d = raw / f"rep{i + 1}"
+        d.mkdir(parents=True)
+        for name, body in (("kernel_1t", kernel), ("kernel_2t", kernel),
+                           ("ring_p2_contiguous", _attention_json(1, cw, cc)),
+                           ("ring_p2_zigzag", _attention_json(1, zw, zc)),
+                           ("one_rank_2t", _attention_json(2, (1.5,), (0.8,)))):
+            (d / f"{name}.json").write_text(json.dumps(body))
+    run = subprocess.run([sys.executable, REPORT, str(tmp_path)], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    fig = json.loads((tmp_path / "summary.json").read_text())["figures"]
+    zc = fig["zigzag_vs_contiguous"]
+    assert zc["values"] == [1.0, 1.0 / 1.01]
+    assert zc["cpu"]["values"] == [1.5 / 1.0, 2.8 / 2.0]
+    assert abs(zc["cpu"]["median"] - (1.5 + 1.4) / 2) < 1e-12
+    assert fig["ring_p2_zigzag_vs_one_rank_2t"]["cpu"]["values"] == []  # 2-thread rank: none
+    row = next(l for l in run.stdout.splitlines() if l.startswith("zigzag / contiguous"))
+    assert "0.995" in row and "1.450" in row and "1.400 - 1.500" in row, row
+    row = next(l for l in run.stdout.splitlines() if l.startswith("ring P=2 zigzag"))
+    assert "n/a" in row and "(rank threads)" in row, row
