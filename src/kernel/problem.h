@@ -23,6 +23,9 @@ struct Problem {
   int64_t group = 1;  // hq / hkv: query heads per kv head
   float scale = 0;    // softmax scale actually used
   int threads = 1;
+  // Exact bf16 products (simd_bf16.h; api.cc sets them): S = Q K^T when q and k are bf16,
+  // dP = dO V^T when dout and v are bf16, and bf16 products are chosen (bf16_products_on()).
+  bool bf16_scores = false, bf16_dp = false;
 };
 
 // Checks q [B, Tq, Hq, D], k, v [B, Tk, Hkv, D], the tokens and the mask's needs; throws
@@ -122,6 +125,9 @@ struct Bf16Choice {
 Bf16Choice decide_bf16_products(const char* env_value, bool cpu_has, double fma_gflops,
                                 double dot_gflops);
 const Bf16Choice& bf16_products();
+// Whether kernel calls take bf16 products for bf16 inputs: bf16_products() chose them and the
+// SIMD target in use is an avx512 one (CTXPAR_SIMD=avx2 or scalar keeps fp32 products).
+bool bf16_products_on();
 // Whether the chosen target's multiply-add is fused (AVX2, AVX-512: yes; SSE4, SSSE3: no).
 bool simd_fused_multiply_add();
 // The chosen target's vector exp2 (2^t, t <= 0) over n values, for its accuracy test.

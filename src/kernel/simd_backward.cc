@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "kernel/problem.h"
+#include "kernel/simd_bf16.h"
 #include "kernel/simd_tile.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -56,6 +57,10 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
   {
     float* qpack = scratch(Scratch::q_pack, q_block);
     float* dopack = scratch(Scratch::do_pack, q_block);
+    // Exact bf16 products (simd_bf16.h): Q (unscaled) and dO also as bf16 pairs.
+    const int64_t np = bf16::pairs(d), ldw = bf16::row_words(d), w_block = p.group * nqt * kTile * ldw;
+    uint32_t* qpairs = p.bf16_scores ? bf16::buffer(bf16::Buffer::q_rows, w_block) : nullptr;
+    uint32_t* dopairs = p.bf16_dp ? bf16::buffer(bf16::Buffer::do_rows, w_block) : nullptr;
     std::vector<float> lse_rows(p.group * nqt * kTile), dlt(p.group * nqt * kTile);
     // Note [Two key tiles a pass]: the task walks its key tiles two at a time, and each query
     // tile's packed Q and dO rows serve both before the next query tile is read: half the
@@ -64,6 +69,7 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
     // dQ row gets key tile c, then c + chunks, ...), so the bits are those of one tile a pass.
     struct KeyTile {
       std::vector<float> kt_pack, vt_pack, k_rows, dk, dv, dk_comp, dv_comp;
+      std::vector<uint32_t> kt_pairs, vt_pairs;  // bf16 products' key tiles
       int64_t kt = 0, j0 = 0, cols = 0;
       bool packed = false;
     };
@@ -72,6 +78,7 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
       t.kt_pack.resize(d * kTile), t.vt_pack.resize(d * kTile), t.k_rows.resize(kTile * ld);
       t.dk.resize(kTile * ld), t.dv.resize(kTile * ld);
       t.dk_comp.resize(kTile * ld), t.dv_comp.resize(kTile * ld);
+      t.kt_pairs.resize(p.bf16_scores ? np * kTile : 0), t.vt_pairs.resize(p.bf16_dp ? np * kTile : 0);
     }
     std::vector<float> row(d);
     std::vector<float> s(kTile * kTile), dpm(kTile * kTile), pt(kTile * kTile), dst(kTile * kTile);
@@ -90,6 +97,8 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
           const int64_t rows = std::min(p.tq, i0 + kTile) - i0, off = (g * nqt + qi) * kTile;
           pack_rows(q, b, h, i0, rows, d, ld, qpack + off * ld, p.scale);
           pack_rows(dout, b, h, i0, rows, d, ld, dopack + off * ld);
+          if (p.bf16_scores) bf16::pack_rows(q, b, h, i0, rows, d, ldw, qpairs + off * ldw, kTile);
+          if (p.bf16_dp) bf16::pack_rows(dout, b, h, i0, rows, d, ldw, dopairs + off * ldw, kTile);
           for (int64_t r = 0; r < kTile; ++r) {
             lse_rows[off + r] = r < rows ? lse.ptr<const float>()[lse.offset(b, h, i0 + r)] : kNegInf;
             dlt[off + r] = r < rows ? delta.ptr<const float>()[delta.offset(b, h, i0 + r)] : 0.0f;
@@ -116,8 +125,14 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
               const TileKind kind = classify(mask, qr, qi, kr, t.kt);
               if (kind == TileKind::skip) continue;
               if (!t.packed) {  // pack this key tile only when some query tile sees it
-                pack_transposed(k, b, hk, j0, cols, d, t.kt_pack.data(), row.data());
-                pack_transposed(v, b, hk, j0, cols, d, t.vt_pack.data(), row.data());
+                if (p.bf16_scores)
+                  bf16::pack_tile(k, b, hk, j0, cols, d, t.kt_pairs.data());
+                else
+                  pack_transposed(k, b, hk, j0, cols, d, t.kt_pack.data(), row.data());
+                if (p.bf16_dp)
+                  bf16::pack_tile(v, b, hk, j0, cols, d, t.vt_pairs.data());
+                else
+                  pack_transposed(v, b, hk, j0, cols, d, t.vt_pack.data(), row.data());
                 pack_rows(k, b, hk, j0, cols, d, ld, t.k_rows.data());
                 t.packed = true;
               }
@@ -125,10 +140,16 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
               const int64_t mrows = round_up(rows, 4), off = (g * nqt + qi) * kTile;
               const float* qs = qpack + off * ld;
               const float* dot = dopack + off * ld;
-              gemm_rows(mrows, kTile, d, qs, ld, t.kt_pack.data(), kTile, s.data(), kTile, false,
-                        k_panel);
-              gemm_rows(mrows, kTile, d, dot, ld, t.vt_pack.data(), kTile, dpm.data(), kTile,
-                        false, k_panel);
+              if (p.bf16_scores)  // S = scale (Q K^T) as the forward's bf16 products
+                bf16::scores(mrows, np, qpairs + off * ldw, ldw, t.kt_pairs.data(), s.data(), p.scale);
+              else
+                gemm_rows(mrows, kTile, d, qs, ld, t.kt_pack.data(), kTile, s.data(), kTile,
+                          false, k_panel);
+              if (p.bf16_dp)
+                bf16::scores(mrows, np, dopairs + off * ldw, ldw, t.vt_pairs.data(), dpm.data(), 1.0f);
+              else
+                gemm_rows(mrows, kTile, d, dot, ld, t.vt_pack.data(), kTile, dpm.data(), kTile,
+                          false, k_panel);
               if (kind == TileKind::partial || cols < kTile)
                 mask_tile(s.data(), rows, cols, kind == TileKind::partial, mask, q_tokens, i0,
                           k_tokens, j0);
