@@ -67,6 +67,7 @@ KernelStats attention_forward_block(const TensorView& q, const Tokens& q_tokens,
                                     const ForwardStateView& state, const KernelConfig& config) {
   kernel::Problem p = kernel::check_forward_args(q, q_tokens, k, v, k_tokens, mask, config);
   p.bf16_scores = both_bf16(q, k);
+  p.round_p = config.bf16_tier == Bf16Tier::fast && q.dtype() == DType::bf16;
   const TensorView& acc = state.acc();
   CTXPAR_CHECK(!acc.empty() && acc.ndim() == 4 && acc.dim(0) == p.batch && acc.dim(1) == p.tq &&
                    acc.dim(2) == p.hq && acc.dim(3) == p.d,
@@ -169,6 +170,7 @@ KernelStats attention_backward_block(const TensorView& q, const Tokens& q_tokens
   kernel::Problem p = kernel::check_backward_args(q, q_tokens, k, v, k_tokens, mask, dout, lse,
                                                   delta, dq, dk, dv, config);
   p.bf16_scores = both_bf16(q, k), p.bf16_dp = both_bf16(dout, v);
+  p.round_p = config.bf16_tier == Bf16Tier::fast && q.dtype() == DType::bf16;
   if (p.tq == 0 || p.tk == 0 || p.batch == 0) return {};
   if (kernel::use_scalar_path())
     return kernel::backward_scalar(p, q, q_tokens, k, v, k_tokens, mask, dout, lse, delta, dq,

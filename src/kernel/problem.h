@@ -26,6 +26,9 @@ struct Problem {
   // Exact bf16 products (simd_bf16.h; api.cc sets them): S = Q K^T when q and k are bf16,
   // dP = dO V^T when dout and v are bf16, and bf16 products are chosen (bf16_products_on()).
   bool bf16_scores = false, bf16_dp = false;
+  // KernelConfig::bf16_tier fast with bf16 q (api.cc): P and dS rounded to bf16 before the
+  // P V, dV, dQ and dK products (the SIMD path; the scalar path ignores it).
+  bool round_p = false;
 };
 
 // Checks q [B, Tq, Hq, D], k, v [B, Tk, Hkv, D], the tokens and the mask's needs; throws
@@ -95,6 +98,10 @@ inline void load_row(const TensorView& t, int64_t off, int64_t n, float* out) {
     const uint16_t* src = t.ptr<const uint16_t>() + off;
     for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(src[i]);
   }
+}
+// Rounds n fp32 values to bf16 values (nearest even), in place: the fast bf16 tier's P and dS.
+inline void round_bf16(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = round_to_bf16(x[i]);
 }
 // Writes n fp32 values into t (fp32 or bf16, rounding to nearest even).
 inline void store_row(const TensorView& t, int64_t off, int64_t n, const float* in) {

@@ -172,6 +172,10 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
                   hn::StoreU(hn::Mul(ds, vscale), df, dr + c);  // dpm <- scale * dS
                 }
               }
+              if (p.round_p) {  // the fast bf16 tier: P for dV, scale dS for dQ and dK
+                round_bf16(s.data(), kTile * kTile);
+                round_bf16(dpm.data(), kTile * kTile);
+              }
               transpose_tile(s.data(), pt.data());
               transpose_tile(dpm.data(), dst.data());
               // dV += P^T dO; dK += (scale dS)^T Qs (times 1 / scale at the end), each through

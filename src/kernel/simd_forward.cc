@@ -139,6 +139,8 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
           }
           softmax_row(sr, m[r], lv.data() + r * nl, acc.data() + r * ld, dp);
         }
+        // The fast bf16 tier: P rounded for O += P V only (l summed the fp32 P above).
+        if (p.round_p) round_bf16(s.data() + r0 * kTile, mrows * kTile);
         gemm_rows(mrows, dp, cols, s.data() + r0 * kTile, kTile, vpack + pk * kTile * ld, ld,
                   acc.data() + r0 * ld, ld, true);
         // The MPI transport's progress calls, if installed (tile_progress.h): one a tile.

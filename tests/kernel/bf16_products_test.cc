@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ctxpar/kernel.h"
+#include "kernel/amx_probe.h"
 #include "kernel/problem.h"
 #include "kernel/simd_bf16.h"
 
@@ -98,6 +99,21 @@ TEST(Bf16Products, DeltaAddsAsTheBackwardsDp) {
       EXPECT_EQ(kernel::bf16::delta_dot(o.data(), gr.data(), d), dp[j]) << d << " " << j;
     }
   }
+}
+
+// The AMX-BF16 probe says usable with a measured rate, or why not (cpuid, or Linux refusing
+// the tile state, as a guest may); `ctxpar --version`'s products line carries it when measured.
+TEST(Bf16Products, AmxProbeMeasuresOrSaysWhyNot) {
+  const kernel::AmxProbe amx = kernel::probe_amx();
+  if (amx.usable) {
+    EXPECT_GT(amx.gflops, 0);
+    EXPECT_EQ(amx.why, "");
+  } else {
+    EXPECT_NE(amx.why, "");
+  }
+  const kernel::Bf16Choice& c = kernel::bf16_products();
+  if (c.reason.find("measured") != std::string::npos)
+    EXPECT_NE(c.reason.find("AMX-BF16"), std::string::npos) << c.reason;
 }
 
 }  // namespace
