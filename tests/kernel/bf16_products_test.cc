@@ -13,6 +13,7 @@
 
 #include "ctxpar/kernel.h"
 #include "kernel/amx_probe.h"
+#include "kernel/kernel_support.h"
 #include "kernel/problem.h"
 #include "kernel/simd_bf16.h"
 
@@ -99,6 +100,21 @@ TEST(Bf16Products, DeltaAddsAsTheBackwardsDp) {
       EXPECT_EQ(kernel::bf16::delta_dot(o.data(), gr.data(), d), dp[j]) << d << " " << j;
     }
   }
+}
+
+// bf16 inputs with one-hot softmax rows (|s| ~ 1e6 .. 5e8): the truth is dq = dk = 0, so any
+// rounding difference between delta and the bf16 dP (times |K| ~ 1e3) breaks the rule. On both
+// outcomes of the choice (the ctest entries kernel_bf16_on / _off).
+TEST(Bf16Products, OneHotRowsWithinTheRule) {
+  for (const float qk : {1000.0f, 22360.0f})
+    for (const int64_t d : {16, 37, 80})
+      for (const Mask m : {Mask::none(), Mask::causal_mask()}) {
+        test::Case c;
+        c.tq = 70, c.tk = 130, c.hq = 2, c.hkv = 1, c.d = d, c.mask = m, c.dtype = DType::bf16;
+        c.q_offset = 60, c.qk_scale = qk;
+        const std::string err = test::check_case(c, true);
+        EXPECT_TRUE(err.empty()) << err;
+      }
 }
 
 // The AMX-BF16 probe says usable with a measured rate, or why not (cpuid, or Linux refusing
