@@ -112,6 +112,9 @@ RUNS=(kernel_1t torch_1t kernel_2t torch_2t kernel_bf16_1t torch_bf16_1t kernel_
       ring_p2_zigzag ring_p2_contiguous one_rank_2t)
 [ -e "$INFO/torch_skipped" ] && RUNS=(kernel_1t kernel_2t ring_p2_zigzag ring_p2_contiguous one_rank_2t)
 [ -n "$GGML_BIN" ] && RUNS+=(ggml_1t ggml_2t ggml_f16_2t)
+# Issue 26: bf16 inputs with the exact bf16 products forced on (CTXPAR_BF16_PRODUCTS=on), beside
+# kernel_bf16_1t (what the probe chose: fp32 products on a CPU where vdpbf16ps is slower).
+grep -qw avx512_bf16 /proc/cpuinfo && RUNS+=(kernel_bf16dot_1t)
 python3 - "$INFO/config.json" "$REPEATS" "$INNER" "$QUICK" "$TORCH_PIN" "$TORCH_PY" \
   "$KT" "$KH" "$KD" "$CT" "$CH" "$CD" "$GGML_BIN" "${RUNS[@]}" <<'PY' || die "cannot write $INFO/config.json"
 import json, sys
@@ -146,6 +149,7 @@ run() {  # run NAME: one measurement, its JSON kept only if it succeeded
     torch_2t) torch_sdpa 2 ;;
     kernel_bf16_1t) kernel 1 bf16 ;;
     kernel_bf16_2t) kernel 2 bf16 ;;
+    kernel_bf16dot_1t) CTXPAR_BF16_PRODUCTS=on kernel 1 bf16 ;;
     torch_bf16_1t) torch_sdpa 1 bf16 ;;
     torch_bf16_2t) torch_sdpa 2 bf16 ;;
     ring_p2_zigzag) attention --ranks 2 --threads 1 --layout zigzag ;;

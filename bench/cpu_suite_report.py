@@ -118,6 +118,17 @@ def ratio_rows(meta):
                                      f"{n} thread{'s' * (n > 1)}", goal,
                                      lambda r, n=n, key=key, tag=tag:
                                      r[f"torch_{tag}{n}t"][key] / r[f"kernel_{tag}{n}t"][key]))
+    # Issue 26: exact bf16 products forced on against the default bf16 run (same bf16 inputs;
+    # the probe's choice) and against torch's bf16 SDPA; the run exists on AVX512_BF16 CPUs.
+    if "kernel_bf16dot_1t" in meta.get("runs", []):
+        for pas, word in (("fwd", "forward"), ("bwd", "backward")):
+            for other, what in (("kernel_bf16_1t", "ctxpar bf16 default"), ("torch_bf16_1t", "torch SDPA bf16")):
+                if other.startswith("torch") and meta.get("torch_skipped") is not None:
+                    continue
+                rows.append((f"bf16dot_vs_{other}_{pas}", f"bf16 products forced on / {what} speed, "
+                             f"{word}, non-causal, 1 thread", None,
+                             lambda r, pas=pas, other=other:
+                             r[other][pas + "_seconds"] / r["kernel_bf16dot_1t"][pas + "_seconds"]))
     if meta.get("ggml_binary"):
         for run, n, kv, goal in (("ggml_1t", 1, "fp32", None), ("ggml_2t", 2, "fp32", 1.5),
                                  ("ggml_f16_2t", 2, "fp16", None)):
@@ -189,7 +200,7 @@ def main():
                      "causal_bwd_seconds"]
     absolute = {name: medians(reps, name, kernel_fields + ["forward_seconds"])
                 for name in ("kernel_1t", "kernel_2t", "torch_1t", "torch_2t", "kernel_bf16_1t",
-                             "kernel_bf16_2t", "torch_bf16_1t", "torch_bf16_2t", "ring_p2_zigzag",
+                             "kernel_bf16_2t", "kernel_bf16dot_1t", "torch_bf16_1t", "torch_bf16_2t", "ring_p2_zigzag",
                              "ring_p2_contiguous", "one_rank_2t", "ggml_1t", "ggml_2t", "ggml_f16_2t")}
     failed = sorted({f"rep{i + 1}/{n}" for i, r in enumerate(reps) for n in meta["runs"]
                      if n not in r and not (n.startswith("torch") and meta.get("torch_skipped"))})

@@ -25,9 +25,17 @@ namespace ctxpar {
 // `ctxpar plan --hardware local` models the same tile.
 constexpr int64_t kKernelTile = 64;
 
+// How bf16 inputs are multiplied (docs/kernel.md, "bf16 tiers"). exact: every product is of
+// the stored bf16 values (exact in fp32), P and dS stay fp32 -- the fp32 accuracy rule.
+// fast (opt-in, as GPU flash attention): P rounded to bf16 for O += P V and dV += P^T dO, dS
+// rounded to bf16 for dQ and dK, on the SIMD path; its own, looser accuracy rule. fp32 inputs
+// and the scalar path ignore it.
+enum class Bf16Tier : uint8_t { exact, fast };
+
 struct KernelConfig {
   int threads = 1;      // OpenMP threads inside this rank (over batch, head, query tile)
   float scale = 0.0f;   // softmax scale; 0 means 1/sqrt(D)
+  Bf16Tier bf16_tier = Bf16Tier::exact;
 };
 
 // What a call actually computed, for load-balance and throughput figures.

@@ -9,6 +9,7 @@
 
 #include "ctxpar/kernel.h"
 #include "kernel/problem.h"
+#include "kernel/simd_bf16.h"
 
 namespace ctxpar {
 
@@ -40,6 +41,13 @@ void attention_forward_finalize(const ForwardState& state, const TensorView& out
 }
 
 namespace {
+// Whether a product of a and b takes exact bf16 products (kernel/simd_bf16.h): both bf16, and
+// bf16 products chosen for this CPU and SIMD target (the probe is run only for bf16 inputs).
+bool both_bf16(const TensorView& a, const TensorView& b) {
+  return a.dtype() == DType::bf16 && b.dtype() == DType::bf16 && !kernel::use_scalar_path() &&
+         kernel::bf16_products_on();
+}
+
 // A state given as views must be laid out as a ForwardState's own tensors.
 void check_state_memory(const ForwardStateView& state) {
   const int64_t b = state.acc().dim(0), t = state.acc().dim(1), h = state.acc().dim(2);
@@ -57,7 +65,9 @@ KernelStats attention_forward_block(const TensorView& q, const Tokens& q_tokens,
                                     const TensorView& k, const TensorView& v,
                                     const Tokens& k_tokens, const Mask& mask,
                                     const ForwardStateView& state, const KernelConfig& config) {
-  const kernel::Problem p = kernel::check_forward_args(q, q_tokens, k, v, k_tokens, mask, config);
+  kernel::Problem p = kernel::check_forward_args(q, q_tokens, k, v, k_tokens, mask, config);
+  p.bf16_scores = both_bf16(q, k);
+  p.round_p = config.bf16_tier == Bf16Tier::fast && q.dtype() == DType::bf16;
   const TensorView& acc = state.acc();
   CTXPAR_CHECK(!acc.empty() && acc.ndim() == 4 && acc.dim(0) == p.batch && acc.dim(1) == p.tq &&
                    acc.dim(2) == p.hq && acc.dim(3) == p.d,
@@ -121,6 +131,10 @@ void attention_backward_delta(const TensorView& out, const TensorView& dout,
   kernel::check_rows_f32("delta", delta, b, h, t);
   CTXPAR_CHECK(config.threads >= 1, "config.threads: expected >= 1, got ", config.threads);
   const bool fused = kernel::use_scalar_path() || kernel::simd_fused_multiply_add();
+  // A bf16 dout meets bf16 V in the backward's dP products: add in their order (when V is fp32
+  // too, dP takes fp32 products and a one-hot row's dS is not promised to be exactly 0).
+  const bool pairs = dout.dtype() == DType::bf16 && !kernel::use_scalar_path() &&
+                     kernel::bf16_products_on();
 #pragma omp parallel num_threads(config.threads)
   {
     std::vector<float> o(d), g(d);
@@ -135,7 +149,9 @@ void attention_backward_delta(const TensorView& out, const TensorView& dout,
       // O is that key's V, and dS = P (dP - delta) must come out exactly 0 (the truth): any
       // rounding difference here would be amplified by |K| into dQ.
       float sum = 0;
-      if (fused)
+      if (pairs)  // the order of the backward's bf16 dP (kernel/simd_bf16.h)
+        sum = kernel::bf16::delta_dot(o.data(), g.data(), d);
+      else if (fused)
         for (int64_t c = 0; c < d; ++c) sum = std::fma(o[c], g[c], sum);
       else
         for (int64_t c = 0; c < d; ++c) sum = sum + o[c] * g[c];  // -ffp-contract=off: not fused
@@ -151,8 +167,10 @@ KernelStats attention_backward_block(const TensorView& q, const Tokens& q_tokens
                                      const TensorView& delta, const TensorView& dq,
                                      const TensorView& dk, const TensorView& dv,
                                      const KernelConfig& config) {
-  const kernel::Problem p = kernel::check_backward_args(q, q_tokens, k, v, k_tokens, mask, dout,
-                                                        lse, delta, dq, dk, dv, config);
+  kernel::Problem p = kernel::check_backward_args(q, q_tokens, k, v, k_tokens, mask, dout, lse,
+                                                  delta, dq, dk, dv, config);
+  p.bf16_scores = both_bf16(q, k), p.bf16_dp = both_bf16(dout, v);
+  p.round_p = config.bf16_tier == Bf16Tier::fast && q.dtype() == DType::bf16;
   if (p.tq == 0 || p.tk == 0 || p.batch == 0) return {};
   if (kernel::use_scalar_path())
     return kernel::backward_scalar(p, q, q_tokens, k, v, k_tokens, mask, dout, lse, delta, dq,

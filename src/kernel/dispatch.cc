@@ -103,6 +103,18 @@ bool use_scalar_path() {
   return c.scalar;
 }
 
+namespace {
+bool avx512_target(const Choice& c) {
+  return c.error.empty() && !c.scalar && (c.chosen & (HWY_AVX3 | HWY_AVX3_DL)) != 0;
+}
+}  // namespace
+
+bool bf16_products_on() {
+  const Bf16Choice& b = bf16_products();
+  CTXPAR_CHECK(b.error.empty(), b.error);  // e.g. CTXPAR_BF16_PRODUCTS=on on a CPU without it
+  return b.use && avx512_target(choice());
+}
+
 int64_t parse_kernel_l1d(const char* text) {
   char* end = nullptr;
   errno = 0;
@@ -154,8 +166,9 @@ SimdTargets simd_targets() {
   t.error = c.error;
   const kernel::Bf16Choice& bf16 = kernel::bf16_products();  // CTXPAR_BF16_PRODUCTS
   t.products = bf16.reason;
-  if (bf16.use)  // issue 26's bf16-product path is not written yet: the decision is reported only
-    t.products += "; not applied yet: the kernel has no bf16-product path, products stay fp32";
+  if (bf16.use && !kernel::avx512_target(c))
+    t.products += "; not applied: the SIMD target in use (" + t.chosen +
+                  ") is not an avx512 one, products stay fp32";
   if (t.error.empty()) t.error = bf16.error;
   return t;
 }

@@ -23,6 +23,12 @@ struct Problem {
   int64_t group = 1;  // hq / hkv: query heads per kv head
   float scale = 0;    // softmax scale actually used
   int threads = 1;
+  // Exact bf16 products (simd_bf16.h; api.cc sets them): S = Q K^T when q and k are bf16,
+  // dP = dO V^T when dout and v are bf16, and bf16 products are chosen (bf16_products_on()).
+  bool bf16_scores = false, bf16_dp = false;
+  // KernelConfig::bf16_tier fast with bf16 q (api.cc): P and dS rounded to bf16 before the
+  // P V, dV, dQ and dK products (the SIMD path; the scalar path ignores it).
+  bool round_p = false;
 };
 
 // Checks q [B, Tq, Hq, D], k, v [B, Tk, Hkv, D], the tokens and the mask's needs; throws
@@ -93,6 +99,10 @@ inline void load_row(const TensorView& t, int64_t off, int64_t n, float* out) {
     for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(src[i]);
   }
 }
+// Rounds n fp32 values to bf16 values (nearest even), in place: the fast bf16 tier's P and dS.
+inline void round_bf16(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = round_to_bf16(x[i]);
+}
 // Writes n fp32 values into t (fp32 or bf16, rounding to nearest even).
 inline void store_row(const TensorView& t, int64_t off, int64_t n, const float* in) {
   if (t.dtype() == DType::f32) {
@@ -122,6 +132,9 @@ struct Bf16Choice {
 Bf16Choice decide_bf16_products(const char* env_value, bool cpu_has, double fma_gflops,
                                 double dot_gflops);
 const Bf16Choice& bf16_products();
+// Whether kernel calls take bf16 products for bf16 inputs: bf16_products() chose them and the
+// SIMD target in use is an avx512 one (CTXPAR_SIMD=avx2 or scalar keeps fp32 products).
+bool bf16_products_on();
 // Whether the chosen target's multiply-add is fused (AVX2, AVX-512: yes; SSE4, SSSE3: no).
 bool simd_fused_multiply_add();
 // The chosen target's vector exp2 (2^t, t <= 0) over n values, for its accuracy test.

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "kernel/problem.h"
+#include "kernel/simd_bf16.h"
 #include "kernel/simd_tile.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -57,6 +58,10 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
   {
     float* qpack = scratch(Scratch::q_pack, q_block);
     float* dopack = scratch(Scratch::do_pack, q_block);
+    // Exact bf16 products (simd_bf16.h): Q (unscaled) and dO also as bf16 pairs.
+    const int64_t np = bf16::pairs(d), ldw = bf16::row_words(d), w_block = p.group * nqt * kTile * ldw;
+    uint32_t* qpairs = p.bf16_scores ? bf16::buffer(bf16::Buffer::q_rows, w_block) : nullptr;
+    uint32_t* dopairs = p.bf16_dp ? bf16::buffer(bf16::Buffer::do_rows, w_block) : nullptr;
     std::vector<float> lse_rows(p.group * nqt * kTile), dlt(p.group * nqt * kTile);
     // Note [Two key tiles a pass]: the task walks its key tiles two at a time, and each query
     // tile's packed Q and dO rows serve both before the next query tile is read: half the
@@ -67,6 +72,7 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
       // dk / dv: the block partials (Note [Blocked dK / dV]); *_sum, *_comp: the compensated
       // sum of the blocks; in_block: query tiles in the current block.
       std::vector<float> kt_pack, vt_pack, k_rows, dk, dv, dk_sum, dv_sum, dk_comp, dv_comp;
+      std::vector<uint32_t> kt_pairs, vt_pairs;  // bf16 products' key tiles
       int64_t kt = 0, j0 = 0, cols = 0, in_block = 0;
       bool packed = false;
       void flush() {  // the block partial into the compensated sum
@@ -82,6 +88,7 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
       t.dk.resize(kTile * ld), t.dv.resize(kTile * ld);
       for (std::vector<float>* x : {&t.dk_sum, &t.dv_sum, &t.dk_comp, &t.dv_comp})
         x->resize(kTile * ld);
+      t.kt_pairs.resize(p.bf16_scores ? np * kTile : 0), t.vt_pairs.resize(p.bf16_dp ? np * kTile : 0);
     }
     std::vector<float> row(d);
     std::vector<float> s(kTile * kTile), dpm(kTile * kTile), pt(kTile * kTile), dst(kTile * kTile);
@@ -100,6 +107,8 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
           const int64_t rows = std::min(p.tq, i0 + kTile) - i0, off = (g * nqt + qi) * kTile;
           pack_rows(q, b, h, i0, rows, d, ld, qpack + off * ld, p.scale);
           pack_rows(dout, b, h, i0, rows, d, ld, dopack + off * ld);
+          if (p.bf16_scores) bf16::pack_rows(q, b, h, i0, rows, d, ldw, qpairs + off * ldw, kTile);
+          if (p.bf16_dp) bf16::pack_rows(dout, b, h, i0, rows, d, ldw, dopairs + off * ldw, kTile);
           for (int64_t r = 0; r < kTile; ++r) {
             lse_rows[off + r] = r < rows ? lse.ptr<const float>()[lse.offset(b, h, i0 + r)] : kNegInf;
             dlt[off + r] = r < rows ? delta.ptr<const float>()[delta.offset(b, h, i0 + r)] : 0.0f;
@@ -126,8 +135,14 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
               const TileKind kind = classify(mask, qr, qi, kr, t.kt);
               if (kind == TileKind::skip) continue;
               if (!t.packed) {  // pack this key tile only when some query tile sees it
-                pack_transposed(k, b, hk, j0, cols, d, t.kt_pack.data(), row.data());
-                pack_transposed(v, b, hk, j0, cols, d, t.vt_pack.data(), row.data());
+                if (p.bf16_scores)
+                  bf16::pack_tile(k, b, hk, j0, cols, d, t.kt_pairs.data());
+                else
+                  pack_transposed(k, b, hk, j0, cols, d, t.kt_pack.data(), row.data());
+                if (p.bf16_dp)
+                  bf16::pack_tile(v, b, hk, j0, cols, d, t.vt_pairs.data());
+                else
+                  pack_transposed(v, b, hk, j0, cols, d, t.vt_pack.data(), row.data());
                 pack_rows(k, b, hk, j0, cols, d, ld, t.k_rows.data());
                 t.packed = true;
               }
@@ -135,10 +150,16 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
               const int64_t mrows = round_up(rows, 4), off = (g * nqt + qi) * kTile;
               const float* qs = qpack + off * ld;
               const float* dot = dopack + off * ld;
-              gemm_rows(mrows, kTile, d, qs, ld, t.kt_pack.data(), kTile, s.data(), kTile, false,
-                        k_panel);
-              gemm_rows(mrows, kTile, d, dot, ld, t.vt_pack.data(), kTile, dpm.data(), kTile,
-                        false, k_panel);
+              if (p.bf16_scores)  // S = scale (Q K^T) as the forward's bf16 products
+                bf16::scores(mrows, np, qpairs + off * ldw, ldw, t.kt_pairs.data(), s.data(), p.scale);
+              else
+                gemm_rows(mrows, kTile, d, qs, ld, t.kt_pack.data(), kTile, s.data(), kTile,
+                          false, k_panel);
+              if (p.bf16_dp)
+                bf16::scores(mrows, np, dopairs + off * ldw, ldw, t.vt_pairs.data(), dpm.data(), 1.0f);
+              else
+                gemm_rows(mrows, kTile, d, dot, ld, t.vt_pack.data(), kTile, dpm.data(), kTile,
+                          false, k_panel);
               if (kind == TileKind::partial || cols < kTile)
                 mask_tile(s.data(), rows, cols, kind == TileKind::partial, mask, q_tokens, i0,
                           k_tokens, j0);
@@ -160,6 +181,10 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
                   hn::StoreU(pv, df, sr + c);                   // s <- P
                   hn::StoreU(hn::Mul(ds, vscale), df, dr + c);  // dpm <- scale * dS
                 }
+              }
+              if (p.round_p) {  // the fast bf16 tier: P for dV, scale dS for dQ and dK
+                round_bf16(s.data(), kTile * kTile);
+                round_bf16(dpm.data(), kTile * kTile);
               }
               transpose_tile(s.data(), pt.data());
               transpose_tile(dpm.data(), dst.data());

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kernel/problem.h"
+#include "kernel/simd_bf16.h"
 #include "kernel/simd_tile.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -35,8 +36,14 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
   const int64_t d = p.d, dp = round_up(d, lanes()), nkt = kr.count(), nqt = qr.count();
   const int64_t ld = padded_ld(dp);  // row stride of V, Q and acc tiles (Note [Padded rows])
   // Packed K^T tiles [B, Hkv, nkt][D][64] and V tiles [B, Hkv, nkt][64][dp].
-  float* kpack = scratch(Scratch::k_pack, p.batch * p.hkv * nkt * d * kTile);
+  float* kpack =
+      p.bf16_scores ? nullptr : scratch(Scratch::k_pack, p.batch * p.hkv * nkt * d * kTile);
   float* vpack = scratch(Scratch::v_pack, p.batch * p.hkv * nkt * kTile * ld);
+  // With exact bf16 products (simd_bf16.h) K is packed as tiles of bf16 pairs instead.
+  const int64_t np = bf16::pairs(d), ldw = bf16::row_words(d);
+  uint32_t* kpairs =
+      p.bf16_scores ? bf16::buffer(bf16::Buffer::k_tiles, p.batch * p.hkv * nkt * np * kTile)
+                    : nullptr;
   const int64_t pack_tasks = p.batch * p.hkv * nkt;
 #pragma omp parallel num_threads(p.threads)
   {
@@ -45,7 +52,10 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
     for (int64_t t = 0; t < pack_tasks; ++t) {
       const int64_t kt = t % nkt, hk = (t / nkt) % p.hkv, b = t / (nkt * p.hkv);
       const int64_t cols = std::min(p.tk, (kt + 1) * kTile) - kt * kTile;
-      pack_transposed(k, b, hk, kt * kTile, cols, d, kpack + t * d * kTile, row.data());
+      if (p.bf16_scores)
+        bf16::pack_tile(k, b, hk, kt * kTile, cols, d, kpairs + t * np * kTile);
+      else
+        pack_transposed(k, b, hk, kt * kTile, cols, d, kpack + t * d * kTile, row.data());
       pack_rows(v, b, hk, kt * kTile, cols, d, ld, vpack + t * kTile * ld);
     }
   }
@@ -72,6 +82,7 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
     std::vector<float> qt(kRows * ld), s(kRows * kTile), acc(kRows * ld), m(kRows);
     // Row sums kept as one vector per row (lanes summed once per task, not once per tile).
     std::vector<float> lv(kRows * nl);
+    std::vector<uint32_t> qpairs(p.bf16_scores ? kRows * ldw : 0);  // Q as bf16 pairs, unscaled
     // Each task owns its rows of the state, so which thread runs it cannot change the result:
     // dynamic scheduling balances causal masks (late query tiles see more keys) for free.
 #pragma omp for schedule(dynamic, 1)
@@ -79,7 +90,10 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
       const int64_t qp = task % npairs, h = (task / npairs) % p.hq, b = task / (npairs * p.hq);
       const int64_t hk = h / p.group, q0 = qp * kSub, nsub = std::min(kSub, nqt - q0);
       const int64_t i0 = q0 * kTile, rows = std::min(p.tq, i0 + nsub * kTile) - i0;
-      pack_rows(q, b, h, i0, rows, d, ld, qt.data(), p.scale, kRows);
+      if (p.bf16_scores)
+        bf16::pack_rows(q, b, h, i0, rows, d, ldw, qpairs.data(), kRows);
+      else
+        pack_rows(q, b, h, i0, rows, d, ld, qt.data(), p.scale, kRows);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t stat = (b * p.hq + h) * p.tq + i0 + r;
@@ -105,8 +119,12 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
         // Rows [r0, r0 + mrows): the computed tiles' rows; any beyond `rows` are zero padding.
         const int64_t r0 = first * kTile, r1 = std::min(rows, (last + 1) * kTile);
         const int64_t mrows = round_up(r1 - r0, 4);
-        gemm_rows(mrows, kTile, d, qt.data() + r0 * ld, ld, kpack + pk * d * kTile, kTile,
-                  s.data() + r0 * kTile, kTile, false, k_panel);
+        if (p.bf16_scores)  // S = scale (Q K^T), the products exact (simd_bf16.h)
+          bf16::scores(mrows, np, qpairs.data() + r0 * ldw, ldw, kpairs + pk * np * kTile,
+                       s.data() + r0 * kTile, p.scale);
+        else
+          gemm_rows(mrows, kTile, d, qt.data() + r0 * ld, ld, kpack + pk * d * kTile, kTile,
+                    s.data() + r0 * kTile, kTile, false, k_panel);
         for (int64_t u = first; u <= last; ++u) {
           const int64_t u0 = u * kTile, urows = std::min(rows, u0 + kTile) - u0;
           if (kinds[u] == TileKind::partial || cols < kTile)
@@ -121,6 +139,8 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
           }
           softmax_row(sr, m[r], lv.data() + r * nl, acc.data() + r * ld, dp);
         }
+        // The fast bf16 tier: P rounded for O += P V only (l summed the fp32 P above).
+        if (p.round_p) round_bf16(s.data() + r0 * kTile, mrows * kTile);
         gemm_rows(mrows, dp, cols, s.data() + r0 * kTile, kTile, vpack + pk * kTile * ld, ld,
                   acc.data() + r0 * ld, ld, true);
         // The MPI transport's progress calls, if installed (tile_progress.h): one a tile.

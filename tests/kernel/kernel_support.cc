@@ -93,11 +93,12 @@ Tokens kv_tokens(const Inputs& in, int j, int blocks) {
 }
 
 Outputs run_fast(const Inputs& in, const Mask& mask, int threads, bool backward, int kv_blocks,
-                 std::vector<int> order) {
+                 std::vector<int> order, Bf16Tier tier) {
   const int64_t b = in.q.dim(0), tq = in.q.dim(1), hq = in.q.dim(2), d = in.q.dim(3);
   const int64_t tk = in.k.dim(1), hkv = in.k.dim(2);
   KernelConfig cfg;
   cfg.threads = threads;
+  cfg.bf16_tier = tier;
   if (order.empty()) {
     order.resize(kv_blocks);
     std::iota(order.begin(), order.end(), 0);

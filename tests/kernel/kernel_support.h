@@ -47,8 +47,10 @@ Tokens kv_tokens(const Inputs& in, int j, int blocks);
 
 // Forward over the K/V split into `kv_blocks` blocks absorbed in `order` (empty: 0, 1, ...),
 // then finalize, delta from the fp32 O, and backward block by block in the same order.
+// `tier`: KernelConfig::bf16_tier (bf16_tier_test.cc).
 Outputs run_fast(const Inputs& in, const Mask& mask, int threads, bool backward = true,
-                 int kv_blocks = 1, std::vector<int> order = {});
+                 int kv_blocks = 1, std::vector<int> order = {},
+                 Bf16Tier tier = Bf16Tier::exact);
 
 double max_abs(const std::vector<double>& ref);
 // max |t - ref| over finite entries; an entry where exactly one side is -inf counts as infinite.

@@ -1,0 +1,117 @@
+// The exact bf16 products (simd_bf16.h): packing bf16 rows and key tiles as pairs, and the
+// vdpbf16ps micro-kernel. Compiled for AVX512_BF16 through target attributes only, so the rest
+// of the build keeps its baseline and an AVX2-only CPU never reaches these (the dispatch in
+// dispatch.cc turns bf16 products on only where the CPU has AVX512_BF16).
+#include "kernel/simd_bf16.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "ctxpar/kernel.h"
+
+namespace ctxpar::kernel::bf16 {
+
+namespace {
+constexpr int64_t kCols = kKernelTile;  // 64 columns: 4 vectors of 16 fp32 lanes
+}  // namespace
+
+uint32_t* buffer(Buffer slot, size_t words) {
+  thread_local std::vector<uint32_t> buffers[static_cast<int>(Buffer::count)];
+  std::vector<uint32_t>& b = buffers[static_cast<int>(slot)];
+  if (b.size() < words) b.resize(words);
+  return b.data();
+}
+
+void pack_rows(const TensorView& t, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t d,
+               int64_t ld, uint32_t* out, int64_t tile_rows) {
+  std::fill(out, out + tile_rows * ld, 0u);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(out + r * ld, t.ptr<const uint16_t>() + t.offset(b, i0 + r, h),
+                static_cast<size_t>(d) * sizeof(uint16_t));  // little-endian: pair = (even, odd)
+}
+
+void pack_tile(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t cols, int64_t d,
+               uint32_t* out) {
+  const int64_t np = pairs(d);
+  std::fill(out, out + np * kCols, 0u);
+  for (int64_t c = 0; c < cols; ++c) {
+    const uint16_t* src = t.ptr<const uint16_t>() + t.offset(b, j0 + c, h);
+    for (int64_t p = 0; p < d / 2; ++p)
+      out[p * kCols + c] = static_cast<uint32_t>(src[2 * p]) |
+                           static_cast<uint32_t>(src[2 * p + 1]) << 16;
+    if (d % 2 != 0) out[(np - 1) * kCols + c] = src[d - 1];
+  }
+}
+
+#if defined(__x86_64__)
+namespace {
+
+// R rows x 64 columns: R x 4 fp32 accumulators (24 of 32 registers at R = 6), one broadcast
+// pair of A and four vectors of B per step.
+template <int R>
+__attribute__((target("avx512f,avx512bf16"), always_inline)) inline void micro(
+    int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b, float* c, float mul) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < npairs; ++p) {
+    __m512bh bv[4];
+    for (int j = 0; j < 4; ++j)
+      bv[j] = (__m512bh)_mm512_loadu_si512(static_cast<const void*>(b + p * kCols + j * 16));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * lda + p]));
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], av, bv[j]);
+    }
+  }
+  const __m512 vm = _mm512_set1_ps(mul);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(c + r * kCols + j * 16, _mm512_mul_ps(acc[r][j], vm));
+}
+
+}  // namespace
+
+__attribute__((target("avx512f,avx512bf16"))) void scores(int64_t m, int64_t npairs,
+                                                         const uint32_t* a, int64_t lda,
+                                                         const uint32_t* b, float* c, float mul) {
+  int64_t r = 0;
+  for (; r + 6 <= m; r += 6) micro<6>(npairs, a + r * lda, lda, b, c + r * kCols, mul);
+  for (; r + 4 <= m; r += 4) micro<4>(npairs, a + r * lda, lda, b, c + r * kCols, mul);
+  for (; r < m; r += 2) micro<2>(npairs, a + r * lda, lda, b, c + r * kCols, mul);
+}
+
+namespace {
+uint16_t bits16(float x, bool& exact) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  exact = exact && (u & 0xffffu) == 0;
+  return static_cast<uint16_t>(u >> 16);
+}
+}  // namespace
+
+__attribute__((target("avx512f,avx512bf16"))) float delta_dot(const float* o, const float* g,
+                                                             int64_t d) {
+  bool exact = true;
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d && exact; c += 2) {
+    const uint32_t x = bits16(o[c], exact) | (c + 1 < d ? uint32_t{bits16(o[c + 1], exact)} << 16 : 0u);
+    const uint32_t y = bits16(g[c], exact) | (c + 1 < d ? uint32_t{bits16(g[c + 1], exact)} << 16 : 0u);
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(x)),
+                           (__m512bh)_mm512_set1_epi32(static_cast<int>(y)));
+  }
+  if (exact) return _mm512_cvtss_f32(acc);
+  float sum = 0;
+  for (int64_t c = 0; c < d; c += 2) {
+    if (c + 1 < d) sum = sum + o[c + 1] * g[c + 1];  // -ffp-contract=off: rounded, then added
+    sum = sum + o[c] * g[c];
+  }
+  return sum;
+}
+#else
+void scores(int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*, float*, float) {}
+float delta_dot(const float*, const float*, int64_t) { return 0; }
+#endif
+
+}  // namespace ctxpar::kernel::bf16

@@ -1,0 +1,54 @@
+// Private to the kernel layer: the exact bf16 products of issue 26 (docs/kernel.md, "bf16
+// products"). With bf16 inputs the scores S = Q K^T and dP = dO V^T are products of bf16
+// values, exact in fp32 (8-bit x 8-bit significands), so AVX512_BF16's vdpbf16ps (bf16 pairs
+// multiplied and added into fp32 lanes) computes them with fp32 accumulation -- only the order
+// of the fp32 additions differs from the fp32 path (pairs along D). P, dS and every
+// accumulator stay fp32. Used where the probe measured vdpbf16ps faster than fp32 FMAs, or
+// where CTXPAR_BF16_PRODUCTS=on forces it (bf16_probe.cc), on the avx512 SIMD targets only.
+// The functions are compiled for AVX512_BF16 by target attributes (simd_bf16.cc): the build
+// needs no flag and runs on AVX2-only CPUs, where they are never called.
+#pragma once
+#include <cstdint>
+
+#include "ctxpar/tensor.h"
+
+namespace ctxpar::kernel::bf16 {
+
+// bf16 pairs (uint32 words) a packed row of D values holds: ceil(D / 2), the odd tail zero.
+inline int64_t pairs(int64_t d) { return (d + 1) / 2; }
+// Row stride (words) of packed Q / dO rows (one extra cache line where a row is a multiple of
+// 256 bytes, as Note [Padded rows] in simd_tile.h).
+inline int64_t row_words(int64_t d) {
+  const int64_t w = pairs(d);
+  return (w * 4) % 256 == 0 ? w + 16 : w;
+}
+
+// Rows [i0, i0 + rows) of one (batch, head) of a bf16 t [B, T, H, D] as bf16 pairs, `ld`
+// words a row, rows beyond `rows` (up to tile_rows) and the odd tail zero. The values are
+// copied, never rounded: they already are bf16.
+void pack_rows(const TensorView& t, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t d,
+               int64_t ld, uint32_t* out, int64_t tile_rows);
+// Keys [j0, j0 + cols) of one (batch, head) of a bf16 t as a key tile of pairs: word
+// [p][c] = (t[j0 + c][2p], t[j0 + c][2p + 1]), 64 columns (kKernelTile), zero-padded.
+void pack_tile(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t cols, int64_t d,
+               uint32_t* out);
+
+// C[m][64] = mul * (A B): A m rows of pairs (stride lda words), B a packed key tile of
+// `npairs` pairs; m a multiple of 2. Each C element sums its pairs in the order p = 0, 1, ...
+// in fp32 (vdpbf16ps: DAZ / FTZ, round to nearest), then is multiplied by `mul` once.
+void scores(int64_t m, int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b,
+            float* c, float mul);
+
+// Per-thread buffers of packed pairs that keep their pages between calls (as scratch() in
+// simd_tile.h); contents undefined.
+enum class Buffer { k_tiles, q_rows, do_rows, count };
+uint32_t* buffer(Buffer slot, size_t words);
+
+// sum_c o[c] g[c] over d values added exactly as scores() adds a dP = dO . V (for the
+// backward's delta, api.cc): where a row's softmax is one-hot, O is that key's V and
+// dS = P (dP - delta) must come out exactly 0. Where every o and g is a bf16 value the sum runs
+// through vdpbf16ps itself (whatever order the CPU adds a pair in); otherwise in fp32 as Intel
+// documents it (per pair the odd element's product, then the even one's, each add rounded).
+float delta_dot(const float* o, const float* g, int64_t d);
+
+}  // namespace ctxpar::kernel::bf16
