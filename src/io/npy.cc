@@ -268,8 +268,12 @@ NpyHeader parse_npy_header(std::span<const uint8_t> head, uint64_t file_size,
   // makes it 0 but leaves the others as strides and loop counts: the product of the non-zero
   // dimensions is bounded the same way ((0, 2^32, 2^32) overflowed later products; (2^40, 0)
   // walked 2^40 empty rows).
+  // The bound counts at least 4 bytes an element, the fp32 the data is read into: what is
+  // accepted here is accepted again when written back as fp32 (an fp16 (0, 42949, 7296, 2^32)
+  // passed and its fp32 rewrite did not; fuzz corpus npy/zero_dim_fp16_rewrite).
   constexpr uint64_t kMaxBytes = uint64_t(1) << 62;
   uint64_t bytes = type_size(h.type);
+  uint64_t bound = std::max<uint64_t>(bytes, 4);
   bool zero = false;
   for (int64_t d : h.shape) {
     const auto ud = static_cast<uint64_t>(d);
@@ -277,10 +281,11 @@ NpyHeader parse_npy_header(std::span<const uint8_t> head, uint64_t file_size,
       zero = true;
       continue;
     }
-    if (bytes > kMaxBytes / ud)
+    if (bound > kMaxBytes / ud)
       fail(name, "shape " + shape_str(h.shape) +
                      " is absurd (more than 2^62 bytes, counting its non-zero dimensions)");
     bytes *= ud;
+    bound *= ud;
   }
   if (zero) bytes = 0;
   h.data_offset = end;
