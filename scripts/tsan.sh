@@ -24,7 +24,7 @@ command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 flags="-O1 -g -fno-omit-frame-pointer -fsanitize=thread -DHWY_COMPILE_ONLY_STATIC=1"
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER="$cxx" "${launcher[@]}" \
   -DCMAKE_BUILD_TYPE=None -DCMAKE_CXX_FLAGS="$flags" -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=thread" \
-  -DCTXPAR_MPI=OFF -DCTXPAR_DEV=OFF -DCTXPAR_FUZZ=OFF >/dev/null
+  -DCTXPAR_MPI=OFF -DCTXPAR_CUDA=OFF -DCTXPAR_DEV=OFF -DCTXPAR_FUZZ=OFF >/dev/null
 cmake --build "$build" -j "$(nproc)" --target test_comm test_device test_strategy
 
 export OMP_NUM_THREADS=1
