@@ -57,64 +57,19 @@ LoopbackWorld::Message LoopbackWorld::take(const Key& key, std::chrono::millisec
 
 LoopbackComm::LoopbackComm(Communicator& host, std::shared_ptr<LoopbackWorld> world,
                            uint64_t context)
-    : host_(&host), world_(std::move(world)), context_(context) {
-  timeout_ = host.timeout();
+    : HostDelegatingComm(host), world_(std::move(world)), context_(context) {
+  set_timeout(host.timeout());
 }
 
 LoopbackComm::LoopbackComm(std::unique_ptr<Communicator> host,
                            std::shared_ptr<LoopbackWorld> world, uint64_t context)
-    : owned_(std::move(host)), host_(owned_.get()), world_(std::move(world)), context_(context) {
-  timeout_ = host_->timeout();
-}
-
-template <class F>
-auto LoopbackComm::delegate(F&& f) {
-  host_->set_timeout(timeout_);
-  const CommCounters before = host_->counters();
-  struct Count {
-    LoopbackComm* self;
-    const CommCounters& before;
-    ~Count() {
-      const CommCounters& after = self->host_->counters();
-      for (int k = 0; k < int(CommKind::count_); ++k) {
-        self->counters_.calls[k] += after.calls[k] - before.calls[k];
-        self->counters_.bytes_sent_by[k] += after.bytes_sent_by[k] - before.bytes_sent_by[k];
-      }
-      self->counters_.bytes_sent += after.bytes_sent - before.bytes_sent;
-      self->counters_.bytes_received += after.bytes_received - before.bytes_received;
-    }
-  } count{this, before};
-  return f(*host_);
-}
-
-Request LoopbackComm::isend(Buffer&& buf, int peer, int tag) {
-  return delegate([&](Communicator& c) { return c.isend(std::move(buf), peer, tag); });
-}
-Request LoopbackComm::irecv(size_t bytes, int peer, int tag) {
-  return delegate([&](Communicator& c) { return c.irecv(bytes, peer, tag); });
-}
-void LoopbackComm::allgather(const void* send, void* recv, size_t bytes) {
-  delegate([&](Communicator& c) { c.allgather(send, recv, bytes); });
-}
-void LoopbackComm::reduce_scatter(const float* send, float* recv, size_t count) {
-  delegate([&](Communicator& c) { c.reduce_scatter(send, recv, count); });
-}
-void LoopbackComm::alltoall(const void* send, void* recv, size_t bytes) {
-  delegate([&](Communicator& c) { c.alltoall(send, recv, bytes); });
-}
-void LoopbackComm::allreduce(float* buf, size_t count) {
-  delegate([&](Communicator& c) { c.allreduce(buf, count); });
-}
-void LoopbackComm::allreduce(double* buf, size_t count) {
-  delegate([&](Communicator& c) { c.allreduce(buf, count); });
-}
-void LoopbackComm::barrier() {
-  delegate([&](Communicator& c) { c.barrier(); });
+    : HostDelegatingComm(std::move(host)), world_(std::move(world)), context_(context) {
+  set_timeout(host_comm().timeout());
 }
 
 std::unique_ptr<Communicator> LoopbackComm::split(int color, int key) {
-  host_->set_timeout(timeout_);
-  std::unique_ptr<Communicator> sub = host_->split(color, key);
+  host_comm().set_timeout(timeout());
+  std::unique_ptr<Communicator> sub = host_comm().split(color, key);
   // The same number on every member of the sub-group (same parent, same color).
   const uint64_t context = context_ * 1000003u + uint64_t(color) + 1;
   return std::make_unique<LoopbackComm>(std::move(sub), world_, context);

@@ -19,6 +19,7 @@
 #include <mutex>
 #include <tuple>
 
+#include "comm/host_delegating.h"
 #include "ctxpar/comm.h"
 #include "cuda/api_transport.h"
 
@@ -47,23 +48,14 @@ class LoopbackWorld {
   std::map<Key, std::deque<Message>> box_;
 };
 
-class LoopbackComm final : public Communicator, public ApiTransport {
+class LoopbackComm final : public HostDelegatingComm, public ApiTransport {
  public:
   LoopbackComm(Communicator& host, std::shared_ptr<LoopbackWorld> world, uint64_t context = 1);
   LoopbackComm(std::unique_ptr<Communicator> host, std::shared_ptr<LoopbackWorld> world,
                 uint64_t context);
 
-  int rank() const override { return host_->rank(); }
-  int size() const override { return host_->size(); }
   std::string transport() const override { return "loopback"; }
-  Request isend(Buffer&& buf, int peer, int tag) override;
-  Request irecv(size_t bytes, int peer, int tag) override;
-  void allgather(const void* send, void* recv, size_t bytes) override;
-  void reduce_scatter(const float* send, float* recv, size_t count) override;
-  void alltoall(const void* send, void* recv, size_t bytes) override;
-  void allreduce(float* buf, size_t count) override;
-  void allreduce(double* buf, size_t count) override;
-  void barrier() override;
+  // Host memory and collectives: the wrapped threads world's (HostDelegatingComm).
   std::unique_ptr<Communicator> split(int color, int key) override;
 
   void send(CudaApi& api, StreamHandle s, const void* data, size_t bytes, int peer,
@@ -72,10 +64,6 @@ class LoopbackComm final : public Communicator, public ApiTransport {
                                  int peer, int tag) override;
 
  private:
-  template <class F>
-  auto delegate(F&& f);  // runs f on host_, adding what it counted to this one's counters
-  std::unique_ptr<Communicator> owned_;
-  Communicator* host_;
   std::shared_ptr<LoopbackWorld> world_;
   uint64_t context_;
 };

@@ -24,7 +24,7 @@ double seconds(std::chrono::milliseconds t) { return t.count() / 1000.0; }
 
 NcclCommunicator::NcclCommunicator(Communicator& host, std::shared_ptr<const NcclApi> api,
                                    const NcclOptions& options)
-    : host_(&host), api_(std::move(api)), options_(options) {
+    : HostDelegatingComm(host), api_(std::move(api)), options_(options) {
   CTXPAR_CHECK(api_ != nullptr, "nccl transport: no NCCL functions (load_nccl())");
   set_timeout(resolved_timeout(options_, host));
   init();
@@ -32,10 +32,9 @@ NcclCommunicator::NcclCommunicator(Communicator& host, std::shared_ptr<const Ncc
 
 NcclCommunicator::NcclCommunicator(std::unique_ptr<Communicator> host,
                                    std::shared_ptr<const NcclApi> api, const NcclOptions& options)
-    : owned_host_(std::move(host)), host_(owned_host_.get()), api_(std::move(api)),
-      options_(options) {
+    : HostDelegatingComm(std::move(host)), api_(std::move(api)), options_(options) {
   CTXPAR_CHECK(api_ != nullptr, "nccl transport: no NCCL functions (load_nccl())");
-  set_timeout(resolved_timeout(options_, *host_));
+  set_timeout(resolved_timeout(options_, host_comm()));
   init();
 }
 
@@ -57,8 +56,8 @@ void NcclCommunicator::init() {
                     api_->get_error_string(r));
   }
   std::vector<Offer> all(size());
-  host_->set_timeout(timeout());
-  host_->allgather(&mine, all.data(), sizeof(Offer));
+  host_comm().set_timeout(timeout());
+  host_comm().allgather(&mine, all.data(), sizeof(Offer));
   CTXPAR_CHECK(all[0].ok, "rank ", rank(), ": nccl transport: rank 0 could not make the NCCL "
                "unique id (", std::string(all[0].text), "); check NCCL_DEBUG=INFO on rank 0");
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -98,49 +97,6 @@ NcclCommunicator::~NcclCommunicator() {
 }
 
 // ---- host memory: the host communicator's -------------------------------------------------
-
-template <typename F>
-void NcclCommunicator::delegate(F&& f) {
-  host_->set_timeout(timeout());
-  const CommCounters before = host_->counters();
-  f(*host_);
-  const CommCounters& after = host_->counters();
-  for (int k = 0; k < static_cast<int>(CommKind::count_); ++k) {
-    counters_.calls[k] += after.calls[k] - before.calls[k];
-    counters_.bytes_sent_by[k] += after.bytes_sent_by[k] - before.bytes_sent_by[k];
-  }
-  counters_.bytes_sent += after.bytes_sent - before.bytes_sent;
-  counters_.bytes_received += after.bytes_received - before.bytes_received;
-}
-
-Request NcclCommunicator::isend(Buffer&& buf, int peer, int tag) {
-  Request r;
-  delegate([&](Communicator& h) { r = h.isend(std::move(buf), peer, tag); });
-  return r;
-}
-Request NcclCommunicator::irecv(size_t bytes, int peer, int tag) {
-  Request r;
-  delegate([&](Communicator& h) { r = h.irecv(bytes, peer, tag); });
-  return r;
-}
-void NcclCommunicator::allgather(const void* send, void* recv, size_t bytes) {
-  delegate([&](Communicator& h) { h.allgather(send, recv, bytes); });
-}
-void NcclCommunicator::reduce_scatter(const float* send, float* recv, size_t count) {
-  delegate([&](Communicator& h) { h.reduce_scatter(send, recv, count); });
-}
-void NcclCommunicator::alltoall(const void* send, void* recv, size_t bytes) {
-  delegate([&](Communicator& h) { h.alltoall(send, recv, bytes); });
-}
-void NcclCommunicator::allreduce(float* buf, size_t count) {
-  delegate([&](Communicator& h) { h.allreduce(buf, count); });
-}
-void NcclCommunicator::allreduce(double* buf, size_t count) {
-  delegate([&](Communicator& h) { h.allreduce(buf, count); });
-}
-void NcclCommunicator::barrier() {
-  delegate([&](Communicator& h) { h.barrier(); });
-}
 
 std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
   std::unique_ptr<Communicator> sub;

@@ -32,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/host_delegating.h"
 #include "ctxpar/comm.h"
 #include "cuda/device_transport.h"
 
@@ -78,7 +79,7 @@ struct NcclOptions {
   std::chrono::milliseconds poll{1};
 };
 
-class NcclCommunicator final : public Communicator, public DeviceTransport {
+class NcclCommunicator final : public HostDelegatingComm, public DeviceTransport {
  public:
   // Collective over `host`'s ranks (every rank constructs one, in the same order relative to
   // its other collectives on `host`). `host` must outlive this communicator.
@@ -91,19 +92,9 @@ class NcclCommunicator final : public Communicator, public DeviceTransport {
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
 
-  int rank() const override { return host_->rank(); }
-  int size() const override { return host_->size(); }
   std::string transport() const override { return "nccl"; }
 
-  // Host memory: the host communicator's.
-  Request isend(Buffer&& buf, int peer, int tag) override;
-  Request irecv(size_t bytes, int peer, int tag) override;
-  void allgather(const void* send, void* recv, size_t bytes) override;
-  void reduce_scatter(const float* send, float* recv, size_t count) override;
-  void alltoall(const void* send, void* recv, size_t bytes) override;
-  void allreduce(float* buf, size_t count) override;
-  void allreduce(double* buf, size_t count) override;
-  void barrier() override;
+  // Host memory and collectives: the host communicator's (HostDelegatingComm).
   // A NcclCommunicator over the host communicator's split (a new NCCL communicator, its id
   // broadcast through the split); nullptr where the host's split gives none.
   std::unique_ptr<Communicator> split(int color, int key) override;
@@ -120,7 +111,6 @@ class NcclCommunicator final : public Communicator, public DeviceTransport {
   void wait_all();
   // Groups enqueued and not yet seen done.
   size_t pending() const;
-  const Communicator& host() const { return *host_; }
 
  private:
   struct Op {
@@ -137,8 +127,6 @@ class NcclCommunicator final : public Communicator, public DeviceTransport {
   };
 
   void init();
-  template <typename F>
-  void delegate(F&& f);
   void check_peer(int peer, int tag, const char* what) const;
   void enqueue(const Op& op, cudaStream_t stream, const std::function<ncclResult_t()>& call);
   void flush_group();  // ncclGroupEnd, then the mark on the group's stream
@@ -152,8 +140,6 @@ class NcclCommunicator final : public Communicator, public DeviceTransport {
   void throw_if_failed_locked() const;
   void watchdog();
 
-  std::unique_ptr<Communicator> owned_host_;
-  Communicator* host_;
   std::shared_ptr<const NcclApi> api_;
   NcclOptions options_;
   ncclComm_t comm_ = nullptr;
