@@ -120,6 +120,7 @@ class KvCache {
   std::unique_ptr<Device> device_;
   std::vector<std::unique_ptr<Shard>> shards_;  // one per sequence
   InferenceStats stats_;
+  bool kernels_agreed_ = false;  // the first prefill / decode agreed the kernel choices
 };
 
 // Bytes rank `rank` (of `ranks`) needs when the sequences have `lengths` tokens, in whole

@@ -141,7 +141,7 @@ DeviceBuffer CudaDevice::recv(Stream s, Communicator& comm, size_t bytes, int pe
     return b;
   }
 #endif
-  receives_[s.index].push_back(PendingReceive{comm.irecv(bytes, peer, tag), st, 0});
+  receives_[s.index].push_back(PendingReceive{comm.irecv(bytes, peer, tag), st, 0, {}});
   return b;
 }
 
@@ -198,7 +198,7 @@ void CudaDevice::alltoall(Stream s, Communicator& comm, const DeviceBuffer& send
   for (int k = 1; k < p; ++k) {
     const int j = (r - k + p) % p;
     receives_[s.index].push_back(
-        PendingReceive{comm.irecv(chunk_bytes, j, tag), into, size_t(j) * chunk_bytes});
+        PendingReceive{comm.irecv(chunk_bytes, j, tag), into, size_t(j) * chunk_bytes, {}});
   }
   flush_device_sends(s);
   Buffer all = Buffer::uninitialized(size_t(p) * chunk_bytes);

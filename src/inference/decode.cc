@@ -40,6 +40,7 @@ void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const 
                "uses documents: give B * Tn = ", b * tn, " ids (row-major), got ",
                documents.size());
 
+  InferenceAccess::agree_kernels(cache);
   CallStats call(cache);
   Device& dev = cache.device();
   Communicator& comm = cache.comm();

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "ctxpar/inference.h"
+#include "device/kernel_agreement.h"
 
 namespace ctxpar {
 
@@ -37,6 +38,13 @@ struct InferenceAccess {
                           std::span<const int32_t> documents);
   static void set_length(KvCache& c, int64_t seq, int64_t n) { c.shards_[seq]->length = n; }
   static InferenceStats& stats(KvCache& c) { return c.stats_; }
+  // The first prefill or decode of a cache: the ranks agree on the kernel choices that change
+  // bits (device/kernel_agreement.h), collectively, before their first exchange.
+  static void agree_kernels(KvCache& c) {
+    if (c.kernels_agreed_) return;
+    device::agree_kernel_choices(c.comm_);
+    c.kernels_agreed_ = true;
+  }
 };
 
 // Tokens among the first n of a sequence that `rank` of `ranks` holds (block round-robin).

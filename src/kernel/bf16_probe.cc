@@ -3,13 +3,16 @@
 // twice the multiply-adds of an fp32 FMA per instruction -- but at what rate depends on the
 // core: on the Sapphire Rapids guest here vdpbf16ps gave 0.48x the fp32 FMA FLOP/s (dev lab 05),
 // on Zen 5 it is documented to run at full rate. So a short probe (a few milliseconds) times
-// both on register-only chains, alternating, best of three, the first time it is asked, and
+// both on register-only chains (in thread CPU time), alternating, best of three, the first
+// time it is asked, and
 // bf16 products are used where they give at least kBf16Pays times the fp32 FLOP/s (the margin
 // pays for packing the tiles as bf16 pairs). CTXPAR_BF16_PRODUCTS=on|off|auto overrides it
-// (read here, beside CTXPAR_SIMD, in the dispatch layer; for tests and comparisons).
+// (read here, beside CTXPAR_SIMD, in the dispatch layer; for tests and comparisons). The ranks
+// of a job then agree on it (Note [The ranks agree on bf16 products], problem.h).
 #include <immintrin.h>
 
-#include <chrono>
+#include <atomic>
+#include <ctime>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -29,6 +32,14 @@ namespace {
 #define CTXPAR_PROBE_KEEP(v) __asm__ volatile("" : "+v"(v));
 #define CTXPAR_PROBE_SUM(v) sum = _mm512_add_ps(sum, v);
 
+// This thread's CPU time: a probe preempted by another process (four ranks on two cores) is
+// not charged for the time it waited, as a wall clock would charge it.
+double thread_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+}
+
 // 12 chains of vdpbf16ps (kBf16) or of vfmadd231ps, `iterations` steps; the seconds they took.
 template <bool kBf16>
 __attribute__((target("avx512f,avx512bf16,fma"), noinline)) double chains(long iterations,
@@ -37,13 +48,13 @@ __attribute__((target("avx512f,avx512bf16,fma"), noinline)) double chains(long i
   const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80);  // bf16 pairs (1, 1)
   const __m512bh y = (__m512bh)_mm512_set1_epi32(0x33d633d6);  // (1e-7, 1e-7)
   const __m512 m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
-  const auto t0 = std::chrono::steady_clock::now();
+  const double t0 = thread_seconds();
   for (long i = 0; i < iterations; ++i) {
 #define CTXPAR_PROBE_STEP(v) v = kBf16 ? _mm512_dpbf16_ps(v, x, y) : _mm512_fmadd_ps(v, m, c);
     CTXPAR_PROBE_CHAINS(CTXPAR_PROBE_STEP)
     CTXPAR_PROBE_CHAINS(CTXPAR_PROBE_KEEP)
   }
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double s = thread_seconds() - t0;
   __m512 sum = _mm512_setzero_ps();
   CTXPAR_PROBE_CHAINS(CTXPAR_PROBE_SUM)
   volatile float sink = _mm512_cvtss_f32(sum);
@@ -51,6 +62,8 @@ __attribute__((target("avx512f,avx512bf16,fma"), noinline)) double chains(long i
   return s;
 }
 #endif
+
+}  // namespace
 
 bool cpu_has_bf16_dot() {
 #if defined(__x86_64__)
@@ -60,6 +73,8 @@ bool cpu_has_bf16_dot() {
   return false;
 #endif
 }
+
+namespace {
 
 // GFLOP/s of fp32 FMAs and of bf16 dot products, one thread.
 void probe(double& fma_gflops, double& dot_gflops) {
@@ -117,6 +132,24 @@ Bf16Choice decide_bf16_products(const char* env_value, bool cpu_has, double fma_
              " (measured: vdpbf16ps " + fixed2(ratio) + "x the fp32 FMA FLOP/s; bf16 needs " +
              fixed2(kBf16Pays) + "x; CTXPAR_BF16_PRODUCTS=on|off overrides)";
   return c;
+}
+
+namespace {
+std::atomic<int> for_test{-1};      // set_bf16_products_for_test: -1 = the probe's choice
+std::atomic<bool> agreed_off{false};  // Note [The ranks agree on bf16 products]
+}  // namespace
+
+bool bf16_products_wanted() {
+  if (agreed_off.load()) return false;
+  const int t = for_test.load();
+  return t >= 0 ? t == 1 : bf16_products().use;
+}
+
+void bf16_products_agreed_off() { agreed_off.store(true); }
+
+void set_bf16_products_for_test(int use) {
+  for_test.store(use < 0 ? -1 : use ? 1 : 0);
+  agreed_off.store(false);
 }
 
 const Bf16Choice& bf16_products() {

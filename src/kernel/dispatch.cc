@@ -112,7 +112,7 @@ bool avx512_target(const Choice& c) {
 bool bf16_products_on() {
   const Bf16Choice& b = bf16_products();
   CTXPAR_CHECK(b.error.empty(), b.error);  // e.g. CTXPAR_BF16_PRODUCTS=on on a CPU without it
-  return b.use && avx512_target(choice());
+  return bf16_products_wanted() && avx512_target(choice());
 }
 
 int64_t parse_kernel_l1d(const char* text) {
@@ -166,7 +166,9 @@ SimdTargets simd_targets() {
   t.error = c.error;
   const kernel::Bf16Choice& bf16 = kernel::bf16_products();  // CTXPAR_BF16_PRODUCTS
   t.products = bf16.reason;
-  if (bf16.use && !kernel::avx512_target(c))
+  if (bf16.use && !kernel::bf16_products_wanted())
+    t.products += "; turned off: the ranks of this job did not all choose them";
+  else if (bf16.use && !kernel::avx512_target(c))
     t.products += "; not applied: the SIMD target in use (" + t.chosen +
                   ") is not an avx512 one, products stay fp32";
   if (t.error.empty()) t.error = bf16.error;

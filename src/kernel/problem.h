@@ -132,7 +132,20 @@ struct Bf16Choice {
 Bf16Choice decide_bf16_products(const char* env_value, bool cpu_has, double fma_gflops,
                                 double dot_gflops);
 const Bf16Choice& bf16_products();
-// Whether kernel calls take bf16 products for bf16 inputs: bf16_products() chose them and the
+bool cpu_has_bf16_dot();  // AVX-512F and AVX512_BF16 (vdpbf16ps), by CPUID
+// Note [The ranks agree on bf16 products]: the choice changes the bits (vdpbf16ps adds a pair
+// of products before rounding, the fp32 path one product at a time), and a timed probe can
+// choose differently on two ranks of one job (four ranks on two cores: CI saw MPI != threads).
+// So before ranks compute together they agree (agree_kernel_choices, device layer): bf16
+// products only if every rank wants them. bf16_products_wanted() is this process's choice as
+// the agreements left it; bf16_products_agreed_off() turns it off for good in this process (an
+// agreement only ever turns it off, so a later agreement on a sub-communicator cannot turn
+// on what the whole job agreed off). Tests: set_bf16_products_for_test(1 | 0) replaces the
+// probe's choice and clears the agreements, -1 restores both.
+bool bf16_products_wanted();
+void bf16_products_agreed_off();
+void set_bf16_products_for_test(int use);
+// Whether kernel calls take bf16 products for bf16 inputs: bf16_products_wanted() and the
 // SIMD target in use is an avx512 one (CTXPAR_SIMD=avx2 or scalar keeps fp32 products).
 bool bf16_products_on();
 // Whether the chosen target's multiply-add is fused (AVX2, AVX-512: yes; SSE4, SSSE3: no).

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "ctxpar/agreement.h"
+#include "device/kernel_agreement.h"
 #include "strategy/internal.h"
 
 namespace ctxpar {
@@ -118,6 +119,7 @@ std::unique_ptr<Strategy> Strategy::create(Communicator& comm, const StrategyOpt
     error = detail::concat("kernel.threads: expected >= 1, got ", options.kernel.threads);
   require_agreement(comm, std::string(strategy_name(options.kind)) + " create",
                     strategy::signature_of(strategy::Dims{}, options), error);
+  device::agree_kernel_choices(comm);  // before hybrid splits: the whole job agrees first
   switch (options.kind) {
     case StrategyKind::ring: return strategy::make_ring(comm, options, std::move(device));
     case StrategyKind::allgather:
