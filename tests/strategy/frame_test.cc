@@ -74,6 +74,14 @@ TEST(Frame, ADisagreeingFieldIsNamedForEveryStrategy) {
     });
     for (const std::string& e : groups_errors)
       expect_ends_with(e, differs(k, "create", "ulysses_groups is 2 on rank 0 but 0 on rank 1"));
+    auto tier_errors = errors_on_ranks(2, [&](Communicator& comm) {
+      StrategyOptions o = options_of(k);  // one rank on the fast bf16 tier: refused, not mixed
+      o.kernel.bf16_tier = comm.rank() == 1 ? Bf16Tier::fast : Bf16Tier::exact;
+      Strategy::create(comm, o);
+    });
+    for (const std::string& e : tier_errors)
+      expect_ends_with(e, differs(k, "create", "kernel bf16 tier is exact on rank 0 but fast on "
+                                               "rank 1"));
 
     for (bool backward : {false, true}) {
       auto errors = errors_on_ranks(4, [&](Communicator& comm) {
