@@ -31,7 +31,8 @@ def main():
         for mode in ("pass-kv", "pass-q"):
             cache = ctxpar.KVCache(comm, kv_heads=a.kv_heads, head_dim=D)
             cache.reserve([C + T])
-            cache.append(kc, vc)
+            if C > 0:
+                cache.append(kc, vc)
             comm.barrier()
             cache.prefill(q, k, v, mode=mode, return_lse=False)
             st = cache.last_stats

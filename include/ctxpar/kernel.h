@@ -36,6 +36,11 @@ struct KernelConfig {
   int threads = 1;      // OpenMP threads inside this rank (over batch, head, query tile)
   float scale = 0.0f;   // softmax scale; 0 means 1/sqrt(D)
   Bf16Tier bf16_tier = Bf16Tier::exact;
+  // k and v were checked finite by the caller, so the kernel does not scan them again: a KV
+  // cache checks each key and value once, when it is stored (docs/inference.md, "Checked at
+  // the door"), and decode would otherwise rescan the whole shard for every new token. q (and
+  // dout) are always checked.
+  bool kv_checked = false;
 };
 
 // What a call actually computed, for load-balance and throughput figures.

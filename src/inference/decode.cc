@@ -40,6 +40,13 @@ void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const 
                "uses documents: give B * Tn = ", b * tn, " ids (row-major), got ",
                documents.size());
 
+  {
+    auto where = [&](int64_t s, int64_t t) {
+      return std::pair<int64_t, int64_t>{s, cache.tokens(s) + t};
+    };
+    check_kv_finite("k_new", k_new, cache.device(), where);  // the same rows on every rank
+    check_kv_finite("v_new", v_new, cache.device(), where);
+  }
   InferenceAccess::agree_kernels(cache);
   CallStats call(cache);
   Device& dev = cache.device();
@@ -110,13 +117,15 @@ void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const 
     // tokens alone (not on how they were prefilled).
     const int64_t n = cache.local_tokens(s);
     const Tokens kt = cache.local_token_ids(s);
+    KernelConfig checked = o.kernel;  // Note [The cache checks K/V at the door]
+    checked.kv_checked = true;
     for (int64_t a = 0; a < n; a += kDecodeChunk) {
       const int64_t e = std::min(n, a + kDecodeChunk);
       Tokens ct;
       ct.positions = kt.positions.subspan(size_t(a), size_t(e - a));
       if (o.mask.documents) ct.documents = kt.documents.subspan(size_t(a), size_t(e - a));
       dev.forward_block(kComputeStream, q_g.slice(0, s, s + 1), qt, cache.k(s).slice(1, a, e),
-                        cache.v(s).slice(1, a, e), ct, o.mask, states.back().get(), o.kernel);
+                        cache.v(s).slice(1, a, e), ct, o.mask, states.back().get(), checked);
     }
     dev.forward_finalize(kComputeStream, states.back().get(), part_o(me).slice(0, s, s + 1),
                          part_lse(me).slice(0, s, s + 1), o.kernel);

@@ -4,6 +4,8 @@
 #include <chrono>
 #include <ctime>
 #include <cstdint>
+#include <functional>
+#include <utility>
 #include <span>
 #include <vector>
 
@@ -96,5 +98,14 @@ class CallStats {
 void check_rows(const char* what, const TensorView& t, int64_t b, int64_t tokens, int64_t heads,
                 int64_t d, bool bf16 = true);
 void check_lse(const char* what, const TensorView& t, int64_t b, int64_t heads, int64_t tokens);
+// Note [The cache checks K/V at the door]: every key and value is checked finite once, before
+// it is stored (append, append_local, decode's new tokens: on every rank alike where every rank
+// has the same rows, so all refuse together), and decode's kernel calls then skip the scan of
+// the shard (KernelConfig::kv_checked) -- which for one new token cost as much as the attention.
+// t [B, n, Hkv, D] in host memory: ctxpar::Error naming the first NaN / Inf by the sequence and
+// token index where(b, t) gives. On the cuda device nothing is scanned (it reads no data on the
+// host; docs/cuda.md).
+void check_kv_finite(const char* what, const TensorView& t, const Device& dev,
+                     const std::function<std::pair<int64_t, int64_t>(int64_t, int64_t)>& where);
 
 }  // namespace ctxpar

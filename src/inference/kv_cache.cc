@@ -12,6 +12,7 @@
 
 #include "ctxpar/error.h"
 #include "ctxpar/memory.h"
+#include "kernel/finite.h"
 #include "inference/internal.h"
 
 namespace ctxpar {
@@ -43,6 +44,18 @@ void check_rows(const char* what, const TensorView& t, int64_t b, int64_t tokens
                ": expected dtype ", bf16 ? "fp32 or bf16" : "fp32", ", got ",
                dtype_name(t.dtype()));
   CTXPAR_CHECK(d <= 1 || t.stride(3) == 1, what, ": the head dimension must be contiguous");
+}
+
+void check_kv_finite(const char* what, const TensorView& t, const Device& dev,
+                     const std::function<std::pair<int64_t, int64_t>(int64_t, int64_t)>& where) {
+  if (t.empty() || dev.name() == "cuda") return;
+  const kernel::NonFinite f = kernel::find_non_finite(t);
+  if (!f.found()) return;
+  const auto [seq, index] = where(f.b, f.t);
+  throw Error(detail::concat(what, ": non-finite value (", f.value, ") in sequence ", seq,
+                             ", token ", index, ", kv head ", f.h, ", dim ", f.d,
+                             "; the KV cache stores no NaN / Inf (", kernel::kNonFiniteHint,
+                             ")"));
 }
 
 void check_lse(const char* what, const TensorView& t, int64_t b, int64_t heads, int64_t tokens) {
@@ -174,6 +187,10 @@ void KvCache::append(int64_t seq, const TensorView& k, const TensorView& v,
   CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == count, "documents: the mask ",
                "uses documents, so give one id per new token (", count, "), got ",
                documents.size());
+  const int64_t first = tokens(seq);
+  auto where = [&](int64_t, int64_t t) { return std::pair<int64_t, int64_t>{seq, first + t}; };
+  check_kv_finite("k", k, *device_, where);
+  check_kv_finite("v", v, *device_, where);
   std::vector<int64_t> lengths;
   for (const auto& s : shards_) lengths.push_back(s->length);
   lengths[seq] += count;
@@ -192,6 +209,9 @@ void KvCache::append_local(int64_t seq, int64_t count, const TensorView& k, cons
   check_rows("v", v, 1, m, o.kv_heads, o.head_dim);
   CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == m, "documents: the mask uses ",
                "documents: give one id per row of this rank (", m, "), got ", documents.size());
+  auto where = [&](int64_t, int64_t t) { return std::pair<int64_t, int64_t>{seq, mine[t]}; };
+  check_kv_finite("k", k, *device_, where);
+  check_kv_finite("v", v, *device_, where);
   std::vector<int64_t> lengths;
   for (const auto& s : shards_) lengths.push_back(s->length);
   lengths[seq] += count;

@@ -2,7 +2,9 @@
 // memory report, and argument errors that every rank sees together.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <cstring>
 
 #include "ctxpar/error.h"
@@ -207,4 +209,48 @@ TEST(Decode, RanksWhoseCachesDifferAreRefused) {
   });
   for (const std::string& e : errors)
     EXPECT_NE(e.find("holds other sequence lengths"), std::string::npos) << e;
+}
+
+// Note [The cache checks K/V at the door]: a NaN / Inf key or value is refused when it would be
+// stored -- append, append_local, decode's new token -- naming the sequence and the token, on
+// every rank together, and nothing changes; decode then skips rescanning the shard.
+TEST(KvCacheFinite, NonFiniteKeysAndValuesAreRefusedWhereTheyEnter) {
+  const auto errors = errors_of(2, [](Communicator& comm) {
+    KvCacheOptions o = small_options();
+    o.sequences = 2;
+    KvCache cache(comm, o);
+    const Tensor k = kv_rows(40, 1), v = kv_rows(40, 2);
+    cache.append(1, k, v);
+    Tensor bad = Tensor::copy_of(v);
+    bad.ptr<float>()[(33 * 2 + 1) * 16 + 5] = std::numeric_limits<float>::infinity();
+    try {
+      cache.append(1, k, bad);
+      ADD_FAILURE() << "an Inf value was stored";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("v: non-finite value (inf) in sequence 1, token 73, "
+                                           "kv head 1, dim 5"),
+                std::string::npos) << e.what();
+    }
+    EXPECT_EQ(cache.tokens(1), 40);
+    // append_local names the token's index in the sequence, not the row of this rank.
+    const std::vector<int64_t> mine = cache.placement(40, 40, comm.rank());
+    Tensor local = rows_of(k, mine);
+    local.ptr<float>()[3 * 2 * 16] = std::nanf("");
+    try {
+      cache.append_local(1, 40, local, rows_of(v, mine));
+      ADD_FAILURE() << "a NaN key was stored";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("k: non-finite value (nan) in sequence 1, token " +
+                                           std::to_string(mine[3]) + ", kv head 0"),
+                std::string::npos) << e.what();
+    }
+    // decode: the new token's key, the same on every rank: every rank refuses.
+    Tensor q(DType::f32, {2, 1, 4, 16}), kn(DType::f32, {2, 1, 2, 16}),
+        out(DType::f32, {2, 1, 4, 16}), lse(DType::f32, {2, 4, 1});
+    kn.ptr<float>()[2 * 16 + 7] = std::nanf("");  // sequence 1, head 0, dim 7
+    decode(cache, q, kn, kn, out, lse);
+  });
+  for (const std::string& e : errors)
+    EXPECT_NE(e.find("k_new: non-finite value (nan) in sequence 1, token 40, kv head 0, dim 7"),
+              std::string::npos) << e;
 }
