@@ -13,6 +13,6 @@ for cached in 0 4096 16384 65536 126976; do
   uptime
   "$build/ctxpar" decode --plan --context $((cached + 4096)) --chunk 4096 --ranks 2 --heads 2 \
     --kv-heads 1 --head-dim 64 --json
-  mpirun -n 2 --oversubscribe "$py" bench/inference_prefill.py --cached "$cached" --new 4096
+  mpirun -n 2 --oversubscribe "$py" bench/inference_prefill.py --cached "$cached" --new 4096 --rounds "${ROUNDS:-2}"
 done
 uptime

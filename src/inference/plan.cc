@@ -145,12 +145,18 @@ InferenceRates measure_inference_rates(const KvCacheOptions& options, int64_t hq
     fill_normal(k, 1), fill_normal(v, 2);
     Tensor q(o.dtype, {1, t, hq, d}), out(DType::f32, {1, t, hq, d}), lse(DType::f32, {1, hq, t});
     fill_normal(q, 3);
-    const TensorView head_k = k.view().slice(1, 0, t), head_v = v.view().slice(1, 0, t);
-    prefill(cache, 0, t, q, head_k, head_v, out, lse, PrefillMode::pass_kv);
+    // The rate of a prefill onto a cache (t new rows against context - t cached keys and
+    // themselves), the shape it predicts: a prefill onto an empty cache (t x t, causal) ran at
+    // half that rate here -- its diagonal tiles and short rows -- and the predictions were 1.9x
+    // the measured times at 4K new tokens onto 124K (docs/BENCHMARKS.md, "Inference").
+    const int64_t cached = context - t;
+    cache.append(0, k.view().slice(1, 0, cached), v.view().slice(1, 0, cached));
+    prefill(cache, 0, t, q, k.view().slice(1, cached, context), v.view().slice(1, cached, context),
+            out, lse, PrefillMode::pass_kv);
     const InferenceStats& st = cache.last_stats();
-    const double flops = 4.0 * double(hq * d) * double(t) * double(t + 1) / 2;
+    const double flops =
+        4.0 * double(hq * d) * (double(t) * double(cached) + double(t) * double(t + 1) / 2);
     rates.attention_flops = flops / std::max(st.attention_seconds, 1e-9);
-    cache.append(0, k.view().slice(1, t, context), v.view().slice(1, t, context));
     Tensor q1(o.dtype, {1, 1, hq, d}), k1(o.dtype, {1, 1, hkv, d}), o1(DType::f32, {1, 1, hq, d}),
         l1(DType::f32, {1, hq, 1});
     fill_normal(q1, 4), fill_normal(k1, 5);
