@@ -93,6 +93,37 @@ def whole(strategy, layout, mask, dtype, ranks):
     check_reports(what, 2 * ranks)
 
 
+def in_context_parallel(P=2):
+    """torch's scaled_dot_product_attention inside context_parallel: the buffers' gradients
+    (gathered whole at the block's end) have the CPU device's bits."""
+    from ctxpar.torch import context_parallel
+    import torch.nn.functional as F
+    q, k, v, dout = (torch.from_numpy(x).transpose(1, 2).contiguous()
+                     for x in problem(T=32, Hq=2, Hkv=2, D=16, seed=5))
+
+    def run():
+        grads = [None] * P
+
+        def rank(comm):
+            qs, ks, vs = (x.clone().requires_grad_(True) for x in (q, k, v))
+            with context_parallel(comm, buffers=[qs, ks, vs], buffer_seq_dims=[2, 2, 2]):
+                out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+                out.backward(ctxpar.layout.shard(dout, comm, seq_dim=2))
+            grads[comm.rank] = (qs.grad, ks.grad, vs.grad)
+
+        ctxpar.run_threads(P, rank)
+        return grads
+
+    cpu = run()
+    _ctxpar._testing_cuda_reports()
+    with on_fake_gpu():
+        cuda = run()
+    for r in range(P):
+        for name, g, w in zip(("dq", "dk", "dv"), cuda[r], cpu[r]):
+            same_bits(f"context_parallel rank {r} {name}", g, w)
+    check_reports("context_parallel", 2 * P)
+
+
 _ctxpar._testing_cuda_recording(True)
 try:
     assert _ctxpar._cuda_unavailable() == ""
@@ -102,6 +133,7 @@ try:
     whole("ring", "zigzag", "causal", torch.float32, 1)
     whole("ring", "zigzag", "causal", torch.float32, 2)
     whole("hybrid", "striped", "none", torch.bfloat16, 4)
+    in_context_parallel()
 finally:
     _ctxpar._testing_cuda_recording(False)
 print("OK")
