@@ -117,9 +117,21 @@ def test_fake_cuda_tensors_meet_the_refusals_on_the_recording_device():
                                                  r"layout .*pad the sequence to 16 tokens"):
                 ctxpar.attention(qt[:, :15], kt[:, :15], vt[:, :15], ranks=2)
             out, lse = ctxpar.attention(qt, kt, vt, ranks=2, mask="causal")
+            # The strategies' checks read the device's memory through a copy the device makes:
+            # a NaN is named as on the CPU.
+            bad = qt.clone()
+            bad[1, 9, 2, 3] = float("nan")
+            with pytest.raises(ctxpar.Error) as on_gpu:
+                ctxpar.attention(bad, kt, vt, ranks=2)
         # Same inputs, the fallback kernel's tile math against this process's CPU kernel
         # (bitwise only against the scalar one: the test above): the accuracy rule's scale.
         assert np.abs(out.numpy() - ref).max() < 1e-5 and np.abs(lse.numpy() - ref_lse).max() < 1e-5
+        with pytest.raises(ctxpar.Error) as on_cpu:
+            ctxpar.attention(bad, kt, vt, ranks=2)
+        # (the CPU's whole-tensor runner adds "rank 1 failed: "; run_threads re-raises as is)
+        assert "on rank 1 (of 2): q: non-finite value (nan) at token position 9, batch 1, " \
+            "head 2, dim 3" in str(on_gpu.value)
+        assert str(on_cpu.value).endswith(str(on_gpu.value))
     finally:
         _ctxpar._testing_cuda_recording(False)
         _ctxpar._testing_cuda_reports()
