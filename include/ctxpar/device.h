@@ -195,6 +195,10 @@ class Device {
   // True when a sent buffer's memory itself goes to the receiver (threads transport on the
   // cpu device): sender and receiver then share it (reference-counted, freed by the last).
   virtual bool lends_sent_buffers(const Communicator& comm) const = 0;
+  // Whether the host may read the caller's memory at p directly (the strategies' checks of
+  // arguments and results do); false for device memory the device was handed in place (the
+  // cuda device's adopted CUDA tensors): the checks then read a copy the device makes.
+  virtual bool host_readable(const void* p) const { return true; }
 
   // ---- kernel operations (see kernel.h for shapes) --------------------------------------
   // state: m = -inf, l = 0, acc = 0 (ForwardState::reset).

@@ -31,11 +31,18 @@ std::string dtype_str(nb::dlpack::dtype t) {
 }
 
 template <typename A>
-TensorView view_impl(const A& a, const char* name, int ndim) {
-  if (a.device_type() != nb::device::cpu::value)
+TensorView view_impl(const A& a, const char* name, int ndim, int cuda_index) {
+  if (cuda_index >= 0) {
+    if (a.device_type() != nb::device::cuda::value || a.device_id() != cuda_index)
+      throw nb::type_error(detail::concat(name, ": the array is on ",
+                                          device_name(a.device_type()), ":", a.device_id(),
+                                          ", the others on cuda:", cuda_index,
+                                          "; put them all on one device").c_str());
+  } else if (a.device_type() != nb::device::cpu::value) {
     throw nb::type_error(detail::concat(name, ": the array is on ", device_name(a.device_type()),
                                         "; ctxpar runs on the CPU here: move it with .cpu()")
                              .c_str());
+  }
   const nb::dlpack::dtype t = a.dtype();
   DType dt;
   if (t == nb::dtype<float>()) dt = DType::f32;
@@ -67,10 +74,12 @@ TensorView view_impl(const A& a, const char* name, int ndim) {
 
 }  // namespace
 
-TensorView view_of(const ReadArray& a, const char* name, int ndim) {
-  return view_impl(a, name, ndim);
+TensorView view_of(const ReadArray& a, const char* name, int ndim, int cuda_index) {
+  return view_impl(a, name, ndim, cuda_index);
 }
-TensorView view_of(const Array& a, const char* name, int ndim) { return view_impl(a, name, ndim); }
+TensorView view_of(const Array& a, const char* name, int ndim, int cuda_index) {
+  return view_impl(a, name, ndim, cuda_index);
+}
 
 template <typename T>
 std::vector<T> int_vector(const std::optional<ReadArray>& a, const char* name, int64_t tokens) {

@@ -21,9 +21,11 @@ using Array = nb::ndarray<>;
 using ReadArray = nb::ndarray<nb::ro>;
 
 // A view of `a` named `name` in errors. Raises TypeError (not on the CPU, unsupported dtype)
-// or ValueError (wrong ndim, last dimension not contiguous) naming the argument.
-TensorView view_of(const ReadArray& a, const char* name, int ndim);
-TensorView view_of(const Array& a, const char* name, int ndim);
+// or ValueError (wrong ndim, last dimension not contiguous) naming the argument. With
+// `cuda_index` >= 0 the array must be on that CUDA device instead (DLPack kDLCUDA): the view
+// then holds a device address, for the cuda device only (docs/python.md, "CUDA tensors").
+TensorView view_of(const ReadArray& a, const char* name, int ndim, int cuda_index = -1);
+TensorView view_of(const Array& a, const char* name, int ndim, int cuda_index = -1);
 
 // A one-dimensional integer array (int32 or int64, any stride) copied into a vector: per-token
 // positions and document ids are small (T entries).

@@ -13,6 +13,7 @@
 
 #include "communicator.h"
 #include "ctxpar/device.h"
+#include "cuda/external.h"
 #include "ctxpar/layout.h"
 #include "ctxpar/reference.h"
 #include "ctxpar/strategy.h"
@@ -134,35 +135,63 @@ void whole_backward(const ReadArray& q, const ReadArray& k, const ReadArray& v,
   run_whole(ranks, args, w, false);
 }
 
+// This rank's strategy: on the CPU device, or (cuda_index >= 0: every tensor is on that CUDA
+// device) on a cuda device that uses the tensors' memory in place (cuda::adopt; no staging,
+// never freed by it). Order with the caller's stream: the Python side synchronizes torch's
+// current stream before the call, and every forward / backward ends with the device's
+// synchronize, so the results are complete when this returns.
+std::unique_ptr<Strategy> rank_strategy(Communicator& comm, StrategyOptions options,
+                                        int cuda_index,
+                                        std::initializer_list<TensorView> tensors) {
+  if (cuda_index < 0) return Strategy::create(comm, options);
+  options.device.kind = DeviceKind::cuda;
+  options.device.cuda_index = cuda_index;
+  std::unique_ptr<Device> device = make_device(options.device, comm.rank());
+  for (const TensorView& t : tensors) {
+    if (t.empty()) continue;
+    int64_t last = 0;
+    for (int i = 0; i < t.ndim(); ++i) last += (t.dim(i) - 1) * t.stride(i);
+    const bool adopted = cuda::adopt(*device, t.data(), size_t(last + 1) * dtype_size(t.dtype()));
+    CTXPAR_CHECK(adopted, "cuda_index ", cuda_index, ": make_device(cuda) made a ",
+                 device->name(), " device");
+  }
+  return Strategy::create(comm, options, std::move(device));
+}
+
 // One rank's shard: T = Tl * comm.size(); positions / document_ids (if given) have T entries.
 void local_forward(const PyCommunicator& c, const ReadArray& q, const ReadArray& k,
-                   const ReadArray& v, const Array& out, const Array& lse, const JobArgs& args) {
+                   const ReadArray& v, const Array& out, const Array& lse, const JobArgs& args,
+                   int cuda_index) {
   Communicator& comm = c.get();
-  const TensorView qv = view_of(q, "q", 4), kv = view_of(k, "k", 4), vv = view_of(v, "v", 4);
-  const TensorView ov = view_of(out, "out", 4), lv = view_of(lse, "lse", 3);
+  const TensorView qv = view_of(q, "q", 4, cuda_index), kv = view_of(k, "k", 4, cuda_index),
+                   vv = view_of(v, "v", 4, cuda_index);
+  const TensorView ov = view_of(out, "out", 4, cuda_index),
+                   lv = view_of(lse, "lse", 3, cuda_index);
   const Job job = args.make(qv.dim(1) * comm.size());
   nb::gil_scoped_release release;
   const Layout layout = shard_layout(job.layout, qv.dim(1), comm.size());
   const RankTokens tokens = rank_tokens(job, layout, comm.rank());
-  auto strategy = Strategy::create(comm, job.strategy);
+  auto strategy = rank_strategy(comm, job.strategy, cuda_index, {qv, kv, vv, ov, lv});
   strategy->forward(qv, kv, vv, tokens.view(), ov, lv);
 }
 
 void local_backward(const PyCommunicator& c, const ReadArray& q, const ReadArray& k,
                     const ReadArray& v, const ReadArray& out, const ReadArray& lse,
                     const ReadArray& dout, const Array& dq, const Array& dk, const Array& dv,
-                    const JobArgs& args) {
+                    const JobArgs& args, int cuda_index) {
   Communicator& comm = c.get();
-  const TensorView qv = view_of(q, "q", 4), kv = view_of(k, "k", 4), vv = view_of(v, "v", 4);
-  const TensorView ov = view_of(out, "out", 4), lv = view_of(lse, "lse", 3),
-                   gv = view_of(dout, "dout", 4);
-  const TensorView dqv = view_of(dq, "dq", 4), dkv = view_of(dk, "dk", 4),
-                   dvv = view_of(dv, "dv", 4);
+  const int ci = cuda_index;
+  const TensorView qv = view_of(q, "q", 4, ci), kv = view_of(k, "k", 4, ci),
+                   vv = view_of(v, "v", 4, ci);
+  const TensorView ov = view_of(out, "out", 4, ci), lv = view_of(lse, "lse", 3, ci),
+                   gv = view_of(dout, "dout", 4, ci);
+  const TensorView dqv = view_of(dq, "dq", 4, ci), dkv = view_of(dk, "dk", 4, ci),
+                   dvv = view_of(dv, "dv", 4, ci);
   const Job job = args.make(qv.dim(1) * comm.size());
   nb::gil_scoped_release release;
   const Layout layout = shard_layout(job.layout, qv.dim(1), comm.size());
   const RankTokens tokens = rank_tokens(job, layout, comm.rank());
-  auto strategy = Strategy::create(comm, job.strategy);
+  auto strategy = rank_strategy(comm, job.strategy, ci, {qv, kv, vv, ov, lv, gv, dqv, dkv, dvv});
   strategy->backward(qv, kv, vv, tokens.view(), ov, lv, gv, dqv, dkv, dvv);
 }
 
@@ -210,8 +239,16 @@ std::vector<int64_t> layout_positions(const std::string& layout, int64_t tokens,
 
 // Why the cuda device cannot take this process's CUDA tensors ("" when it can): ctxpar.attention
 // routes tensors whose DLPack device is kDLCUDA there (python/ctxpar/_arrays.py).
+bool recording_cuda = false;  // _testing_cuda_recording(True): the cuda device is a test's
+
 std::string cuda_unavailable() {
-#ifdef CTXPAR_PYTHON_CUDA
+#ifndef CTXPAR_PYTHON_CUDA
+  if (!recording_cuda)
+    return "this ctxpar was built without CUDA: nvcc was not found when the package was built "
+           "(pyproject.toml's CTXPAR_CUDA=AUTO), or it was built with CTXPAR_CUDA=OFF "
+           "(docs/cuda.md); move the tensors to the CPU with .cpu(), or rebuild it where nvcc "
+           "is found (pip install . with the CUDA toolkit on PATH or CUDA_HOME set)";
+#endif
   try {
     DeviceOptions options;
     options.kind = DeviceKind::cuda;
@@ -220,17 +257,36 @@ std::string cuda_unavailable() {
   } catch (const Error& e) {
     return e.what();  // e.g. "no CUDA device found: ..." (src/cuda/runtime.h)
   }
-#else
-  return "this ctxpar was built without CUDA: the Python package is built with CTXPAR_CUDA=OFF "
-         "(pyproject.toml; docs/cuda.md); move the tensors to the CPU with .cpu(), or run on the "
-         "GPU with the ctxpar command built with CUDA (--device cuda)";
-#endif
+}
+
+// Tests only: the cuda device over RecordingCudaApi (host memory labelled as device memory),
+// and what each such device's log showed when it ended.
+void testing_cuda_recording(bool on) {
+  cuda::testing::use_recording_devices(on);
+  recording_cuda = on;
+}
+
+nb::list testing_cuda_reports() {
+  nb::list out;
+  for (const auto& r : cuda::testing::take_recording_reports()) {
+    nb::dict d;
+    d["violations"] = r.violations;
+    d["live"] = r.live, d["host_live"] = r.host_live;
+    d["adopts"] = r.adopts, d["releases"] = r.releases, d["ops"] = r.ops;
+    out.append(d);
+  }
+  return out;
 }
 
 }  // namespace
 
 void bind_attention(nb::module_& m) {
   m.def("_cuda_unavailable", &cuda_unavailable);
+  m.def("_testing_cuda_recording", &testing_cuda_recording, nb::arg("on"),
+        "Test-only: make_device(cuda) makes cuda devices over the recording CUDA API (host "
+        "memory), on or off.");
+  m.def("_testing_cuda_reports", &testing_cuda_reports,
+        "Test-only: the logs' verdicts of the recording cuda devices ended since the last call.");
   // Keyword arguments shared by every entry point (the Python layer passes all of them).
   auto job_args = [](const std::string& strategy, const std::string& layout,
                      const std::string& mask, std::optional<ReadArray> positions,
@@ -245,8 +301,12 @@ void bind_attention(nb::module_& m) {
            nb::arg("head_groups"), nb::arg("threads"), nb::arg("scale"));
   m.def("_forward", &whole_forward);
   m.def("_backward", &whole_backward);
-  m.def("_local_forward", &local_forward);
-  m.def("_local_backward", &local_backward);
+  m.def("_local_forward", &local_forward, nb::arg("comm"), nb::arg("q"), nb::arg("k"),
+        nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("args"),
+        nb::arg("cuda_index") = -1);
+  m.def("_local_backward", &local_backward, nb::arg("comm"), nb::arg("q"), nb::arg("k"),
+        nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"),
+        nb::arg("dk"), nb::arg("dv"), nb::arg("args"), nb::arg("cuda_index") = -1);
   // The address DLPack handed over: tests compare it with the caller's pointer (zero-copy).
   m.def("_data_pointer", [](const ReadArray& a) {
     return reinterpret_cast<uintptr_t>(a.data());

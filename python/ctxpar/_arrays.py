@@ -56,11 +56,12 @@ def route_cuda(named):
     """CUDA tensors (DLPack device kDLCUDA = 2) go to ctxpar's cuda device, all or none: a mix
     of CUDA and other tensors is a TypeError naming each one's device. Where the cuda device
     cannot take them (a ctxpar built without CUDA, no CUDA device found), RuntimeError names
-    the first CUDA argument and the reason. Returns True when the tensors are on CUDA."""
+    the first CUDA argument and the reason. Returns the CUDA device index of the tensors, or -1
+    when they are not on CUDA."""
     devices = {n: dlpack_device(x) for n, x in named.items()}
     cuda = [n for n, d in devices.items() if d is not None and d[0] == _KDL_CUDA]
     if not cuda:
-        return False
+        return -1
     gpus = {devices[n][1] for n in cuda}
     if len(cuda) < len(named) or len(gpus) > 1:
         raise TypeError("tensors on different devices: " +
@@ -70,11 +71,16 @@ def route_cuda(named):
     reason = _ctxpar._cuda_unavailable()
     if reason:
         raise RuntimeError(f"{cuda[0]} is a CUDA tensor; {reason}")
-    # The cuda device exists: the whole-tensor and per-rank entry points do not hand it device
-    # memory yet (docs/python.md, "CUDA tensors").
-    raise NotImplementedError(f"{cuda[0]} is a CUDA tensor: ctxpar's cuda device is present, but "
-                              "the Python entry points do not run on it yet; move the tensors to "
-                              "the CPU with .cpu(), or use the ctxpar command's --device cuda")
+    return gpus.pop()
+
+
+def sync_cuda(x):
+    """Waits for the work torch has queued on x's device (its current stream): the cuda device
+    orders its own streams only, so the caller's writes must be done before it reads
+    (docs/python.md, "CUDA tensors")."""
+    if getattr(x, "is_cuda", False):
+        import torch
+        torch.cuda.current_stream(x.device).synchronize()
 
 
 class Tensors:
@@ -86,7 +92,10 @@ class Tensors:
 
     def __init__(self, named, rows=()):
         names = list(named)
-        route_cuda(named)
+        # CUDA tensors (DLPack kDLCUDA): torch tensors on one GPU, run by the cuda device on
+        # their memory in place; outputs are allocated on the same device (new_empty).
+        self.cuda_index = route_cuda(named)
+        self.like = named[names[0]]
         kinds = {n: framework(x, n) for n, x in named.items()}
         if len(set(kinds.values())) > 1:
             raise TypeError("tensors: mix of NumPy arrays and torch tensors (" +
@@ -95,7 +104,7 @@ class Tensors:
         self.kind = kinds[names[0]]
         devices = {n: device_of(x) for n, x in named.items()}
         for n, dev in devices.items():
-            if dev != "cpu":
+            if dev != "cpu" and self.cuda_index < 0:
                 raise TypeError(f"{n}: on device {dev}; ctxpar runs on the CPU here "
                                 "(move it with .cpu())")
         for n, x in named.items():
@@ -135,8 +144,17 @@ class Tensors:
         if self.kind == "torch":
             import torch
             dt = torch.bfloat16 if like_dtype and self.dtype == "bfloat16" else torch.float32
+            if self.cuda_index >= 0:  # on the inputs' GPU
+                return self.like.detach().new_empty(tuple(shape), dtype=dt)
             return torch.empty(tuple(shape), dtype=dt)
         return np.empty(tuple(shape), dtype=np.float32)
+
+    def launch(self):
+        """The cuda_index argument of the extension (-1: the CPU device), once torch's queued
+        work on the tensors is done (sync_cuda). Call it after allocating the outputs."""
+        if self.cuda_index >= 0:
+            sync_cuda(self.like)
+        return self.cuda_index
 
     def restore(self, x):
         """An activation result in the caller's dtype (fp16 inputs get fp16 results)."""

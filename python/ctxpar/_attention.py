@@ -39,13 +39,55 @@ def job_args(*args, **kwargs):
     return _ctxpar._JobArgs(**options(*args, **kwargs))
 
 
+def _cuda_shards(t, ranks, layout):
+    """Whole CUDA tensors: each rank's token indices by the layout (an index tensor on the
+    tensors' device). The CPU path pads T to the layout's granule; on CUDA T must be a multiple
+    of it."""
+    T = t["q"].shape[1]
+    granule = _ctxpar._layout_granule(layout, ranks)
+    if T % granule:
+        rule = "2P" if layout == "zigzag" else "P"
+        raise ValueError(f"q: T = {T} tokens of CUDA tensors cannot be cut into ranks={ranks} "
+                         f"equal shards by the {layout} layout (it needs T % {rule} == 0, a "
+                         f"multiple of {granule}); ctxpar.attention pads CPU tensors only: pad "
+                         f"the sequence to {-(-T // granule) * granule} tokens, or change ranks")
+    import torch
+    return [torch.as_tensor(_ctxpar._layout_positions(layout, T, ranks, r),
+                            device=t["q"].device) for r in range(ranks)]
+
+
+def _on_cuda_ranks(t, ranks, layout, args, inputs, outputs):
+    """Whole CUDA tensors on `ranks` ranks (threads of this process, each with a cuda device on
+    the tensors' GPU; transfers between them staged through host memory): inputs are gathered
+    into each rank's shard on the GPU, the strategy runs on the shards in place, and the
+    results are scattered into `outputs`. inputs / outputs: lists of (tensor, token dim)."""
+    forward = len(outputs) == 2
+    shards = []
+    for index in _cuda_shards(t, ranks, layout):
+        ins = [x.index_select(dim, index) for x, dim in inputs]
+        outs = [x.new_empty(tuple(x.shape[:dim]) + (len(index),) + tuple(x.shape[dim + 1:]))
+                for x, dim in outputs]
+        shards.append((index, ins, outs))
+    cuda_index = t.launch()
+
+    def rank(comm):
+        _, ins, outs = shards[comm.rank]
+        run = _ctxpar._local_forward if forward else _ctxpar._local_backward
+        run(comm, *ins, *outs, args, cuda_index)
+
+    _ctxpar.run_threads(ranks, rank, _checks.timeout_s(120.0))
+    for index, _, outs in shards:
+        for (x, dim), o in zip(outputs, outs):
+            x.index_copy_(dim, index, o)
+
+
 def attention(q, k, v, *, ranks=1, strategy="ring", layout="zigzag", mask="none",
               document_ids=None, positions=None, return_lse=True, out=None, ulysses_degree=0,
               head_groups=0, threads=1, scale=None):
     """Exact attention of whole tensors, computed by `ranks` ranks (threads) with `strategy`.
 
-    q [B, T, Hq, D]; k, v [B, T, Hkv, D] (Hq % Hkv == 0): NumPy arrays or CPU torch tensors,
-    float32 / bfloat16 / float16 (float16 is widened to float32 and the result narrowed back).
+    q [B, T, Hq, D]; k, v [B, T, Hkv, D] (Hq % Hkv == 0): NumPy arrays or torch tensors (CPU, or
+    all on one GPU: docs/python.md, "CUDA tensors"), float32 / bfloat16 / float16 (float16 is widened to float32 and the result narrowed back).
     mask: "none" | "causal" | ("window", L, R) | "causal+window:L,R" ...; document_ids (T ints)
     adds the documents rule (attention only inside a document); positions (T ints) replaces the
     global positions 0..T-1 the mask reads. Returns (out [B, T, Hq, D], lse [B, Hq, T] float32),
@@ -69,7 +111,11 @@ def attention(q, k, v, *, ranks=1, strategy="ring", layout="zigzag", mask="none"
     lse = t.empty((B, Hq, T), like_dtype=False)
     args = job_args(strategy, layout, mask, document_ids, positions, ulysses_degree, head_groups,
                     threads, scale)
-    _ctxpar._forward(t["q"], t["k"], t["v"], result, lse, ranks, args)
+    if t.cuda_index >= 0:
+        _on_cuda_ranks(t, ranks, layout, args, [(t[n], 1) for n in ("q", "k", "v")],
+                       [(result, 1), (lse, 2)])
+    else:
+        _ctxpar._forward(t["q"], t["k"], t["v"], result, lse, ranks, args)
     result = out if out is not None else t.restore(result)
     return (result, lse) if return_lse else result
 
@@ -91,6 +137,12 @@ def attention_backward(q, k, v, out, lse, dout, *, ranks=1, strategy="ring", lay
     dq, dk, dv = t.empty(t["q"].shape), t.empty(t["k"].shape), t.empty(t["v"].shape)
     args = job_args(strategy, layout, mask, document_ids, positions, ulysses_degree, head_groups,
                     threads, scale)
-    _ctxpar._backward(t["q"], t["k"], t["v"], t["out"], t["lse"], t["dout"], dq, dk, dv,
-                      ranks, args)
+    if t.cuda_index >= 0:
+        _on_cuda_ranks(t, ranks, layout, args,
+                       [(t[n], 2 if n == "lse" else 1)
+                        for n in ("q", "k", "v", "out", "lse", "dout")],
+                       [(dq, 1), (dk, 1), (dv, 1)])
+    else:
+        _ctxpar._backward(t["q"], t["k"], t["v"], t["out"], t["lse"], t["dout"], dq, dk, dv,
+                          ranks, args)
     return t.restore(dq), t.restore(dk), t.restore(dv)

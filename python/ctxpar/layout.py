@@ -82,7 +82,8 @@ def unshard(x_local, comm, layout="zigzag", seq_dim=1):
     full = np.ascontiguousarray(unshard_all(list(gathered), layout=layout, seq_dim=d))
     if is_torch:
         out = torch.from_numpy(full)
-        return out.view(torch.bfloat16) if x_local.dtype == torch.bfloat16 else out
+        out = out.view(torch.bfloat16) if x_local.dtype == torch.bfloat16 else out
+        return out.to(x_local.device)  # a CUDA shard's whole comes back on its GPU
     return full
 
 

@@ -19,7 +19,7 @@ from . import _ctxpar
 from . import _checks
 from . import layout as _layout
 from ._agreement import agree, digest
-from ._arrays import Tensors, check_attention_shapes
+from ._arrays import Tensors, check_attention_shapes, sync_cuda
 from ._attention import options
 
 
@@ -34,9 +34,9 @@ class _CPAttention(torch.autograd.Function):
         B, Tl, Hq, _ = q.shape
         out = t.empty(q.shape)
         lse = t.empty((B, Hq, Tl), like_dtype=False)
-        _ctxpar._local_forward(comm, t["q"], t["k"], t["v"], out, lse, args)
+        _ctxpar._local_forward(comm, t["q"], t["k"], t["v"], out, lse, args, t.launch())
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.args = comm, args
+        ctx.comm, ctx.args, ctx.cuda_index = comm, args, t.cuda_index
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -48,8 +48,10 @@ class _CPAttention(torch.autograd.Function):
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if ctx.cuda_index >= 0:  # dq, dk, dv on q's GPU; dout's device is checked in C++
+            sync_cuda(dq)
         _ctxpar._local_backward(ctx.comm, q.detach(), k.detach(), v.detach(), out, lse,
-                                dout.detach(), dq, dk, dv, ctx.args)
+                                dout.detach(), dq, dk, dv, ctx.args, ctx.cuda_index)
         return dq, dk, dv, None, None
 
 

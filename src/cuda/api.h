@@ -61,6 +61,12 @@ class CudaApi {
   virtual void memcpy_async(void* dst, const void* src, size_t bytes, CopyKind kind,
                             StreamHandle s) = 0;
   virtual void memset_async(void* p, int value, size_t bytes, StreamHandle s) = 0;
+  // The caller's device memory (CudaDevice::adopt: a CUDA tensor handed in through DLPack),
+  // used in place between adopt() and release(). No runtime call (RealCudaApi does nothing);
+  // RecordingCudaApi tracks it as memory ordered before every stream, never freed, not a leak,
+  // and checks at release() that the host has synchronised with every use of it.
+  virtual void adopt(void* p, size_t bytes) {}
+  virtual void release(void* p) {}
 
   // ---- the fallback kernel (kernels.h) ------------------------------------------------------
   virtual void tile_ranges(const int64_t* positions, const int32_t* documents, int64_t n,

@@ -32,6 +32,7 @@ struct Use {
 struct Alloc {
   size_t bytes = 0;
   bool alive = true;
+  bool external = false;                  // adopted: the caller's memory
   int stream = 0;
   uint64_t seq = 0;                       // the malloc's point on `stream`
   std::vector<uint64_t> last_read, last_write;  // per stream, 0 = never
@@ -197,9 +198,49 @@ void RecordingCudaApi::free_async(void* p, StreamHandle s) {
     impl_->violations.push_back("free of memory that is not a live allocation");
     return;
   }
+  if (a->external) {
+    impl_->violations.push_back("free of the caller's memory (adopted, never the device's)");
+    return;
+  }
   impl_->op("free", s, {{p, true}}, p, a->bytes);  // a free is the last write
   a->alive = false;
   std::memset(p, 0xff, a->bytes);
+}
+void RecordingCudaApi::adopt(void* p, size_t bytes) {
+  std::lock_guard<std::mutex> l(impl_->mu);
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  auto next = impl_->allocs.lower_bound(a);
+  if (impl_->find(p) || (next != impl_->allocs.end() && next->first < a + bytes)) {
+    impl_->violations.push_back("adopt of memory that overlaps an allocation or adopted range");
+    return;
+  }
+  Alloc al;  // stream 0, point 0: ordered before every stream's first operation
+  al.bytes = bytes;
+  al.external = true;
+  impl_->allocs[a] = al;
+  impl_->log.push_back(Entry{"adopt", -1, 0, -1, -1, 0, p, bytes});
+}
+void RecordingCudaApi::release(void* p) {
+  std::lock_guard<std::mutex> l(impl_->mu);
+  auto it = impl_->allocs.find(reinterpret_cast<uintptr_t>(p));
+  if (it == impl_->allocs.end() || !it->second.external) {
+    impl_->violations.push_back("release of memory that was not adopted");
+    return;
+  }
+  const Alloc& a = it->second;
+  const auto& h = impl_->host;
+  for (size_t t = 0; t < impl_->seqs.size(); ++t) {
+    const uint64_t seen = t < h.size() ? h[t] : 0;
+    const uint64_t w = t < a.last_write.size() ? a.last_write[t] : 0;
+    const uint64_t r = t < a.last_read.size() ? a.last_read[t] : 0;
+    if (std::max(w, r) > seen)
+      impl_->violations.push_back("the caller's memory is handed back while stream " +
+                                  std::to_string(t) + " still uses it (op " +
+                                  std::to_string(std::max(w, r)) +
+                                  ") with no synchronisation in between");
+  }
+  impl_->log.push_back(Entry{"release", -1, 0, -1, -1, 0, p, a.bytes});
+  impl_->allocs.erase(it);
 }
 void* RecordingCudaApi::host_alloc(size_t bytes) {
   std::lock_guard<std::mutex> l(impl_->mu);
@@ -219,6 +260,15 @@ void RecordingCudaApi::memcpy_async(void* dst, const void* src, size_t bytes, Co
                      : kind == CopyKind::device_to_host ? "memcpy d2h"
                                                         : "memcpy d2d";
   impl_->op(name, s, {{src, false}, {dst, true}}, dst, bytes);
+  // The caller's device memory taken for host memory (staged instead of used in place): on a
+  // GPU the runtime would refuse the copy, or the host would read a device address.
+  const Alloc* from = impl_->find(src);
+  const Alloc* to = impl_->find(dst);
+  if ((kind == CopyKind::host_to_device && from && from->external) ||
+      (kind == CopyKind::device_to_host && to && to->external))
+    impl_->violations.push_back(std::string("'") + name + "' on stream " +
+                                std::to_string(s->id) +
+                                " treats the caller's device memory (adopted) as host memory");
   if (bytes) std::memmove(dst, src, bytes);
 }
 void RecordingCudaApi::memset_async(void* p, int value, size_t bytes, StreamHandle s) {
@@ -385,7 +435,13 @@ std::vector<std::string> RecordingCudaApi::violations() const {
 size_t RecordingCudaApi::live_allocations() const {
   std::lock_guard<std::mutex> l(impl_->mu);
   size_t n = 0;
-  for (const auto& [p, a] : impl_->allocs) n += a.alive;
+  for (const auto& [p, a] : impl_->allocs) n += a.alive && !a.external;
+  return n;
+}
+size_t RecordingCudaApi::adopted() const {
+  std::lock_guard<std::mutex> l(impl_->mu);
+  size_t n = 0;
+  for (const auto& [p, a] : impl_->allocs) n += a.external;
   return n;
 }
 size_t RecordingCudaApi::live_host_allocations() const {

@@ -11,6 +11,9 @@
 //     write, read) at a point s's clock does not cover is a violation, as is any use of an
 //     allocation not yet ordered after its cudaMallocAsync, and a cudaFreeAsync whose stream
 //     does not cover every use (the memory could be reused under a running kernel);
+//   - adopted memory (the caller's, api.h's adopt / release) is ordered before every stream;
+//     freeing it is a violation, and so is its release while a stream's use of it is not yet
+//     synchronised with the host (the caller would read or reuse it under running work);
 //   - freed memory is quarantined (kept, filled with 0xff: NaN in fp32 and bf16) and any later
 //     use is a violation; live() lists what was never freed.
 // Violations are collected (violations()), not thrown, so that a test sees all of them.
@@ -62,6 +65,8 @@ class RecordingCudaApi final : public CudaApi {
   void memcpy_async(void* dst, const void* src, size_t bytes, CopyKind kind,
                     StreamHandle s) override;
   void memset_async(void* p, int value, size_t bytes, StreamHandle s) override;
+  void adopt(void* p, size_t bytes) override;
+  void release(void* p) override;
 
   void tile_ranges(const int64_t* positions, const int32_t* documents, int64_t n,
                    bool documents_used, TileRange* out, StreamHandle s) override;
@@ -89,7 +94,8 @@ class RecordingCudaApi final : public CudaApi {
   // What the log shows (thread-safe copies).
   std::vector<Entry> log() const;
   std::vector<std::string> violations() const;
-  size_t live_allocations() const;  // device allocations not freed
+  size_t live_allocations() const;  // device allocations not freed (adopted memory is not one)
+  size_t adopted() const;           // adopted ranges not released
   size_t live_host_allocations() const;
   // Called by the destructor (tests: read the log of a device's API when the device goes).
   std::function<void(const RecordingCudaApi&)> on_destroy;

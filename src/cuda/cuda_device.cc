@@ -42,7 +42,42 @@ CudaDevice::~CudaDevice() {
     for (auto& s : streams_) api_->stream_synchronize(s);
   } catch (...) {
   }
+  release_adopted();
   for (auto& s : streams_) api_->stream_destroy(s);
+}
+
+void CudaDevice::adopt(void* p, size_t bytes) {
+  if (!p || !bytes) return;
+  uintptr_t lo = reinterpret_cast<uintptr_t>(p), hi = lo + bytes;
+  for (auto it = adopted_.begin(); it != adopted_.end();) {  // merge what it touches
+    const uintptr_t a = reinterpret_cast<uintptr_t>((*it)->ptr), b = a + (*it)->size;
+    if (a > hi || lo > b) {
+      ++it;
+      continue;
+    }
+    lo = std::min(lo, a), hi = std::max(hi, b);
+    live_.erase(a);
+    api_->release((*it)->ptr);
+    it = adopted_.erase(it);
+  }
+  auto st = std::make_unique<Storage>();
+  st->ptr = reinterpret_cast<std::byte*>(lo);
+  st->size = hi - lo;
+  for (bool& o : st->ordered) o = true;  // the caller's work on it is done (see the header)
+  live_[lo] = st.get();
+  api_->adopt(st->ptr, st->size);
+  adopted_.push_back(std::move(st));
+}
+
+void CudaDevice::release_adopted() {
+  for (auto& st : adopted_) {
+    live_.erase(reinterpret_cast<uintptr_t>(st->ptr));
+    try {
+      api_->release(st->ptr);
+    } catch (...) {
+    }
+  }
+  adopted_.clear();
 }
 
 // ---- memory -------------------------------------------------------------------------------

@@ -58,6 +58,14 @@ class CudaDevice final : public Device {
   int64_t cudnn_calls() const { return cudnn_calls_; }
   int64_t fallback_blocks() const { return fallback_blocks_; }
 
+  // The caller's device memory [p, p + bytes) (a CUDA tensor handed in through DLPack), used
+  // in place until the device ends: views inside it are neither staged nor ever freed by the
+  // device. Ranges that overlap or touch are merged. Order with the caller's own work is the
+  // caller's: finish it before the first operation (the Python package synchronizes torch's
+  // current stream), and read the results after synchronize() (which every Strategy forward
+  // and backward ends with). docs/python.md, "CUDA tensors".
+  void adopt(void* p, size_t bytes);
+
   DeviceBuffer alloc(size_t bytes) override;
   DeviceBuffer upload(const void* host, size_t bytes) override;
   Event record(Stream s) override;
@@ -70,6 +78,7 @@ class CudaDevice final : public Device {
                 size_t chunk_bytes, int tag) override;
   void barrier(Stream s, Communicator& comm) override;
   bool lends_sent_buffers(const Communicator&) const override { return false; }
+  bool host_readable(const void* p) const override { return !on_device(p); }
 
   void forward_reset(Stream s, const ForwardStateView& state) override;
   void forward_block(Stream s, const TensorView& q, const Tokens& q_tokens, const TensorView& k,
@@ -215,7 +224,9 @@ class CudaDevice final : public Device {
   std::unique_ptr<CudnnAttention> cudnn_;
   StreamHandle streams_[kStreams + 1] = {};  // compute, comm, free
   EventHandle free_events_[kStreams] = {};
-  std::map<uintptr_t, Storage*> live_;       // by start address
+  std::map<uintptr_t, Storage*> live_;       // by start address (adopted ranges too)
+  std::vector<std::unique_ptr<Storage>> adopted_;
+  void release_adopted();
   std::deque<PendingReceive> receives_[kStreams];
   std::vector<Request> sends_;               // staged sends, completed at synchronize()
   std::vector<Buffer> keep_;                 // host copies a copy may still read

@@ -6,11 +6,13 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "ctxpar/error.h"
 #include "cuda/api.h"
 #include "cuda/api_recording.h"
 #include "cuda/cuda_device.h"
+#include "cuda/external.h"
 #include "device/devices.h"
 
 namespace ctxpar {
@@ -71,6 +73,43 @@ std::shared_ptr<CudaApi> shared_real_api(int index, std::string* why) {
 std::unique_ptr<Device> make_recording_cuda_device(int rank) {
   return std::make_unique<CudaDevice>(std::make_unique<RecordingCudaApi>(), rank);
 }
+
+bool adopt(Device& device, void* p, size_t bytes) {
+  auto* cuda = dynamic_cast<CudaDevice*>(&device);
+  if (cuda) cuda->adopt(p, bytes);
+  return cuda != nullptr;
+}
+
+namespace testing {
+namespace {
+std::mutex reports_mu;
+std::vector<RecordingReport> reports;
+}  // namespace
+
+void use_recording_devices(bool on) {
+  if (!on) return device::testing::set_cuda_factory({});
+  device::testing::set_cuda_factory([](int rank) -> std::unique_ptr<Device> {
+    auto api = std::make_unique<RecordingCudaApi>();
+    api->on_destroy = [](const RecordingCudaApi& a) {
+      RecordingReport r;
+      r.violations = a.violations();
+      r.live = a.live_allocations();
+      r.host_live = a.live_host_allocations();
+      const auto log = a.log();
+      r.ops = log.size();
+      for (const auto& e : log) r.adopts += e.op == "adopt", r.releases += e.op == "release";
+      std::lock_guard<std::mutex> l(reports_mu);
+      reports.push_back(std::move(r));
+    };
+    return std::make_unique<CudaDevice>(std::move(api), rank);
+  });
+}
+
+std::vector<RecordingReport> take_recording_reports() {
+  std::lock_guard<std::mutex> l(reports_mu);
+  return std::exchange(reports, {});
+}
+}  // namespace testing
 }  // namespace cuda
 
 }  // namespace ctxpar

@@ -1,5 +1,6 @@
 // Note [One call frame] (ctxpar/strategy.h): create(), and forward / backward written once for
 // every algorithm -- check, agree, record, run, check the outputs.
+#include <deque>
 #include <functional>
 #include <vector>
 
@@ -86,6 +87,31 @@ class CallScope {
 };
 
 }  // namespace
+
+// The checks read arguments and results on the host; those a device holds in place in memory
+// the host cannot read (Device::host_readable: the cuda device's adopted CUDA tensors) are
+// checked in a host copy the device makes (views whose last dim is not contiguous are left
+// as they are: their check fails on the stride before it reads anything).
+class HostViews {
+ public:
+  explicit HostViews(Device& device) : device_(device) {}
+  TensorView operator()(const TensorView& v) {
+    if (v.empty() || device_.host_readable(v.data())) return v;
+    if (v.ndim() == 4 && v.dim(3) > 1 && v.stride(3) != 1) return v;
+    copies_.emplace_back(v.dtype(), v.shape());
+    device_.copy(kComputeStream, v, copies_.back().view());
+    return copies_.back().view();
+  }
+  // Waits for the copies (none: nothing to wait for).
+  void ready() {
+    if (!copies_.empty()) device_.synchronize();
+  }
+
+ private:
+  Device& device_;
+  std::deque<Tensor> copies_;
+};
+
 }  // namespace strategy
 
 Strategy::Strategy(Communicator& comm, const StrategyOptions& options,
@@ -144,23 +170,44 @@ void Strategy::in_frame(const char* call, const strategy::Dims& dims, std::strin
 
 void Strategy::forward(const ForwardArgs& args) {
   strategy::Dims dims;
-  std::string error = strategy::check_forward(args, options_.mask, dims);
+  std::string error;
+  {
+    strategy::HostViews host(*device_);
+    ForwardArgs checked = args;
+    checked.q = host(args.q), checked.k = host(args.k), checked.v = host(args.v);
+    host.ready();
+    error = strategy::check_forward(checked, options_.mask, dims);
+  }
   in_frame("forward", dims, std::move(error),
            [&](strategy::Call& call) { run_forward(args, call); },
            [&](const std::string& what) {
-             strategy::agree_outputs(comm_, what, strategy::check_forward_outputs(
-                                                      args.out, args.lse, args.tokens));
+             strategy::HostViews host(*device_);
+             const TensorView out = host(args.out), lse = host(args.lse);
+             host.ready();
+             strategy::agree_outputs(comm_, what,
+                                     strategy::check_forward_outputs(out, lse, args.tokens));
            });
 }
 
 void Strategy::backward(const BackwardArgs& args) {
   strategy::Dims dims;
-  std::string error = strategy::check_backward(args, options_.mask, dims);
+  std::string error;
+  {
+    strategy::HostViews host(*device_);
+    BackwardArgs checked = args;
+    checked.q = host(args.q), checked.k = host(args.k), checked.v = host(args.v);
+    checked.dout = host(args.dout);
+    host.ready();
+    error = strategy::check_backward(checked, options_.mask, dims);
+  }
   in_frame("backward", dims, std::move(error),
            [&](strategy::Call& call) { run_backward(args, call); },
            [&](const std::string& what) {
-             strategy::agree_outputs(comm_, what, strategy::check_backward_outputs(
-                                                      args.dq, args.dk, args.dv, args.tokens));
+             strategy::HostViews host(*device_);
+             const TensorView dq = host(args.dq), dk = host(args.dk), dv = host(args.dv);
+             host.ready();
+             strategy::agree_outputs(comm_, what,
+                                     strategy::check_backward_outputs(dq, dk, dv, args.tokens));
            });
 }
 

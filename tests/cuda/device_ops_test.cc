@@ -181,6 +181,61 @@ TEST(CudaDeviceOps, StridedHostViewsAreStaged) {
   EXPECT_EQ(devices.problems(), "");
 }
 
+// The caller's device memory (a CUDA tensor through DLPack): adopted views are used in place,
+// with no staging copy, and are neither freed nor counted as a leak.
+TEST(CudaDeviceOps, AdoptedMemoryIsUsedInPlace) {
+  RecordingCudaDevices devices;
+  auto dev = cuda_device(0);
+  auto& cuda_dev = dynamic_cast<cuda::CudaDevice&>(*dev);
+  auto& api = dynamic_cast<cuda::RecordingCudaApi&>(cuda_dev.api());
+  Tensor src(DType::f32, {2, 3, 4, 5}), dst(DType::bf16, {2, 3, 4, 5});
+  for (int64_t i = 0; i < src.numel(); ++i) src.ptr<float>()[i] = float(i) * 0.37f;
+  cuda_dev.adopt(src.data(), src.bytes());
+  cuda_dev.adopt(dst.data(), dst.bytes() / 2);  // two touching halves: merged into one range
+  cuda_dev.adopt(static_cast<std::byte*>(dst.data()) + dst.bytes() / 2, dst.bytes() / 2);
+  EXPECT_EQ(api.adopted(), 2u);
+  const TensorView s = src.view().slice(2, 1, 3), d = dst.view().slice(2, 0, 2);
+  Tensor want(DType::bf16, {2, 3, 4, 5});
+  copy_into(s, want.view().slice(2, 0, 2));
+  dev->copy(kComputeStream, s, d);
+  dev->fill_zero(kCommStream, src.view().slice(3, 0, 1));  // another stream, no wait: below
+  dev->synchronize();
+  EXPECT_EQ(std::memcmp(dst.data(), want.data(), want.bytes()), 0);
+  for (const auto& e : api.log())
+    EXPECT_EQ(e.op.rfind("memcpy", 0), std::string::npos) << "staged: " << e.op;
+  // The comm stream's zero fill wrote what the compute stream's copy read, with no wait: the
+  // checker sees it in the caller's memory as in the device's own.
+  ASSERT_EQ(api.violations().size(), 1u);
+  EXPECT_NE(api.violations()[0].find("still reads"), std::string::npos) << api.violations()[0];
+  dev.reset();
+  const auto reports = devices.reports();
+  ASSERT_EQ(reports.size(), 1u);
+  EXPECT_EQ(reports[0].live, 0u);
+}
+
+// The recording API refuses to free the caller's memory, and a hand-back (release) before the
+// host synchronised with the streams that use it.
+TEST(CudaDeviceOps, AdoptedMemoryChecks) {
+  cuda::RecordingCudaApi api;
+  auto s0 = api.stream_create();
+  std::vector<float> mine(16);
+  api.adopt(mine.data(), 64);
+  api.memset_async(mine.data(), 0, 64, s0);
+  api.free_async(mine.data(), s0);
+  api.release(mine.data());
+  EXPECT_EQ(api.live_allocations(), 0u);
+  EXPECT_EQ(api.adopted(), 0u);
+  const auto v = api.violations();
+  ASSERT_EQ(v.size(), 2u);
+  EXPECT_NE(v[0].find("free of the caller's memory"), std::string::npos) << v[0];
+  EXPECT_NE(v[1].find("handed back while stream 0 still uses it"), std::string::npos) << v[1];
+  api.adopt(mine.data(), 64);
+  api.memset_async(mine.data(), 0, 64, s0);
+  api.stream_synchronize(s0);
+  api.release(mine.data());
+  EXPECT_EQ(api.violations().size(), 2u);
+}
+
 // The strategies on the cuda device against the fp64 reference under the accuracy rule, for
 // every layout and mask: fp32 (the fallback kernel) and bf16 with the fake cuDNN, where blocks
 // go to fused calls one at a time and their fp32 partials are merged into the state / added
