@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <ctime>
+
+#include "kernel/simd_bf16.h"
 
 #if defined(__x86_64__) && defined(__linux__)
 #include <cpuid.h>
@@ -21,12 +23,11 @@ namespace ctxpar::kernel {
 #if defined(__x86_64__) && defined(__linux__)
 namespace {
 
-struct __attribute__((packed)) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+double thread_seconds() {  // as bf16_probe.cc: a preempted probe is not charged for waiting
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+}
 
 // 4 independent 16 x 16 fp32 accumulators, each += A (16 x 32 bf16) B (32 x 16 bf16 pairs)
 // per step: 4 * 16 * 16 * 32 multiply-adds. Returns the seconds `steps` took.
@@ -45,16 +46,17 @@ __attribute__((target("amx-tile,amx-bf16"), noinline)) double tile_chains(long s
   _tile_loadd(5, b, 64);
   _tile_loadd(6, a, 64);
   _tile_loadd(7, b, 64);
-  const auto t0 = std::chrono::steady_clock::now();
+  const double t0 = thread_seconds();
   for (long i = 0; i < steps; ++i) {
     _tile_dpbf16ps(0, 4, 5);
     _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(2, 6, 5);
     _tile_dpbf16ps(3, 6, 7);
   }
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double s = thread_seconds() - t0;
   _tile_stored(0, c, 64);
   _tile_release();
+  bf16::tiles_released();  // this thread's kernel configuration is gone too
   volatile float sink = c[0];
   (void)sink;
   return s;
@@ -62,20 +64,25 @@ __attribute__((target("amx-tile,amx-bf16"), noinline)) double tile_chains(long s
 
 }  // namespace
 
+const std::string& amx_unusable_why() {
+  static const std::string why = []() -> std::string {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 22)) ||
+        !(edx & (1u << 24)))
+      return "this CPU has no AMX-BF16";
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0)
+      return std::string("Linux refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM: ") +
+             std::strerror(errno) + ")";
+    return "";
+  }();
+  return why;
+}
+
 AmxProbe probe_amx() {
   AmxProbe r;
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 22)) ||
-      !(edx & (1u << 24))) {
-    r.why = "this CPU has no AMX-BF16";
-    return r;
-  }
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
-    r.why = std::string("Linux refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM: ") +
-            std::strerror(errno) + ")";
-    return r;
-  }
+  r.why = amx_unusable_why();
+  if (!r.why.empty()) return r;
   constexpr long kSteps = 50'000;
   double best = 1e30;
   for (int rep = 0; rep < 3; ++rep) best = std::min(best, tile_chains(kSteps));
@@ -84,9 +91,14 @@ AmxProbe probe_amx() {
   return r;
 }
 #else
+const std::string& amx_unusable_why() {
+  static const std::string why = "no AMX outside x86-64 Linux";
+  return why;
+}
+
 AmxProbe probe_amx() {
   AmxProbe r;
-  r.why = "no AMX outside x86-64 Linux";
+  r.why = amx_unusable_why();
   return r;
 }
 #endif

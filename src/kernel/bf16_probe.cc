@@ -6,11 +6,14 @@
 // both on register-only chains (in thread CPU time), alternating, best of three, the first
 // time it is asked, and
 // bf16 products are used where they give at least kBf16Pays times the fp32 FLOP/s (the margin
-// pays for packing the tiles as bf16 pairs). CTXPAR_BF16_PRODUCTS=on|off|auto overrides it
+// pays for packing the tiles as bf16 pairs). AMX-BF16 tile products (amx_bf16.cc), where Linux
+// grants the tile state, are timed beside them and taken where they give at least kAmxPays
+// times the fp32 FLOP/s and beat vdpbf16ps. CTXPAR_BF16_PRODUCTS=on|dot|amx|off|auto overrides it
 // (read here, beside CTXPAR_SIMD, in the dispatch layer; for tests and comparisons). The ranks
 // of a job then agree on it (Note [The ranks agree on bf16 products], problem.h).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <ctime>
 #include <cstdio>
@@ -101,55 +104,79 @@ std::string fixed2(double x) {
 }  // namespace
 
 Bf16Choice decide_bf16_products(const char* env_value, bool cpu_has, double fma_gflops,
-                                double dot_gflops) {
+                                double dot_gflops, const std::string& amx_why,
+                                double amx_gflops) {
   Bf16Choice c;
   const std::string want = env_value != nullptr ? env_value : "";
-  if (!want.empty() && want != "auto" && want != "on" && want != "off") {
+  if (!want.empty() && want != "auto" && want != "on" && want != "off" && want != "dot" &&
+      want != "amx") {
     c.error = "CTXPAR_BF16_PRODUCTS=" + want +
-              ": expected on, off or auto (or unset it: auto, decided by measurement)";
+              ": expected on (= dot), dot, amx, off or auto (or unset it: auto, decided by "
+              "measurement)";
     return c;
   }
   if (want == "off") {
     c.reason = "fp32 products (CTXPAR_BF16_PRODUCTS=off)";
     return c;
   }
+  if (want == "amx") {
+    if (!amx_why.empty())
+      c.error = "CTXPAR_BF16_PRODUCTS=amx: AMX-BF16 is not usable here (" + amx_why +
+                "); use dot, on, off or auto, or unset it";
+    c.level = c.error.empty() ? kBf16Amx : kBf16Fp32;
+    c.reason = "AMX-BF16 tile products for bf16 inputs (CTXPAR_BF16_PRODUCTS=amx)";
+    return c;
+  }
   if (!cpu_has) {
-    if (want == "on")
-      c.error = "CTXPAR_BF16_PRODUCTS=on: this CPU lacks AVX512_BF16 (vdpbf16ps); use off or "
-                "auto, or unset it";
+    if (want == "on" || want == "dot")
+      c.error = "CTXPAR_BF16_PRODUCTS=" + want +
+                ": this CPU lacks AVX512_BF16 (vdpbf16ps); use off or auto, or unset it";
     else
       c.reason = "fp32 products (this CPU has no AVX512_BF16 bf16 dot product)";
     return c;
   }
-  if (want == "on") {
-    c.use = true;
-    c.reason = "bf16 products for bf16 inputs (CTXPAR_BF16_PRODUCTS=on)";
+  if (want == "on" || want == "dot") {
+    c.level = kBf16Dot;
+    c.reason = "bf16 products for bf16 inputs (vdpbf16ps; CTXPAR_BF16_PRODUCTS=" + want + ")";
     return c;
   }
   const double ratio = fma_gflops > 0 ? dot_gflops / fma_gflops : 0;
-  c.use = ratio >= kBf16Pays;
-  c.reason = std::string(c.use ? "bf16 products for bf16 inputs" : "fp32 products") +
-             " (measured: vdpbf16ps " + fixed2(ratio) + "x the fp32 FMA FLOP/s; bf16 needs " +
-             fixed2(kBf16Pays) + "x; CTXPAR_BF16_PRODUCTS=on|off overrides)";
+  const double amx = amx_why.empty() && fma_gflops > 0 ? amx_gflops / fma_gflops : 0;
+  c.level = amx >= kAmxPays && amx >= ratio ? kBf16Amx : ratio >= kBf16Pays ? kBf16Dot : kBf16Fp32;
+  const char* what[] = {"fp32 products", "bf16 products for bf16 inputs (vdpbf16ps)",
+                        "AMX-BF16 tile products for bf16 inputs"};
+  c.reason = std::string(what[c.level]) + " (measured: vdpbf16ps " + fixed2(ratio) +
+             "x the fp32 FMA FLOP/s; bf16 needs " + fixed2(kBf16Pays) + "x; " +
+             (amx_why.empty() ? "AMX-BF16 tile products " + fixed2(amx) + "x, AMX needs " +
+                                    fixed2(kAmxPays) + "x"
+                              : "AMX-BF16 not usable: " + amx_why) +
+             "; CTXPAR_BF16_PRODUCTS=on|off|dot|amx overrides)";
   return c;
 }
 
 namespace {
-std::atomic<int> for_test{-1};      // set_bf16_products_for_test: -1 = the probe's choice
-std::atomic<bool> agreed_off{false};  // Note [The ranks agree on bf16 products]
+std::atomic<int> for_test{-1};  // set_bf16_products_for_test: -1 = the probe's choice
+std::atomic<int> agreed{kBf16Amx};  // Note [The ranks agree on bf16 products]: at most this
 }  // namespace
 
-bool bf16_products_wanted() {
-  if (agreed_off.load()) return false;
+int bf16_products_wanted() {
   const int t = for_test.load();
-  return t >= 0 ? t == 1 : bf16_products().use;
+  return std::min(agreed.load(), t >= 0 ? t : bf16_products().level);
 }
 
-void bf16_products_agreed_off() { agreed_off.store(true); }
+void bf16_products_agreed_at_most(int level) {
+  int now = agreed.load();
+  while (level < now && !agreed.compare_exchange_weak(now, level)) {
+  }
+}
 
-void set_bf16_products_for_test(int use) {
-  for_test.store(use < 0 ? -1 : use ? 1 : 0);
-  agreed_off.store(false);
+void set_bf16_products_for_test(int level) {
+  for_test.store(level < 0 ? -1 : std::min<int>(level, kBf16Amx));
+  agreed.store(kBf16Amx);
+}
+
+int bf16_top_level() {
+  return amx_unusable_why().empty() ? kBf16Amx : cpu_has_bf16_dot() ? kBf16Dot : kBf16Fp32;
 }
 
 const Bf16Choice& bf16_products() {
@@ -160,14 +187,15 @@ const Bf16Choice& bf16_products() {
     double fma = 0, dot = 0;
     const bool measure = has && (e == nullptr || std::strcmp(e, "auto") == 0);
     if (measure) probe(fma, dot);
-    Bf16Choice d = decide_bf16_products(e, has, fma, dot);
-    d.fma_gflops = fma, d.dot_gflops = dot;
-    if (measure) {  // AMX-BF16 beside it (issue 26): measured and reported, not used yet
-      const AmxProbe amx = probe_amx();
-      d.reason += amx.usable ? "; AMX-BF16 tile products " + fixed2(amx.gflops / fma) +
-                                   "x the fp32 FMA FLOP/s (probe only: no AMX kernel path yet)"
-                             : "; AMX-BF16 not usable: " + amx.why;
-    }
+    // AMX-BF16 beside it: checked where asked for or measuring, timed where measuring.
+    const bool ask_amx = measure || (e != nullptr && std::strcmp(e, "amx") == 0);
+    AmxProbe amx;
+    if (measure)
+      amx = probe_amx();
+    else
+      amx.why = ask_amx ? amx_unusable_why() : "not measured";
+    Bf16Choice d = decide_bf16_products(e, has, fma, dot, amx.why, amx.gflops);
+    d.fma_gflops = fma, d.dot_gflops = dot, d.amx_gflops = amx.gflops;
     return d;
   }();
   return c;

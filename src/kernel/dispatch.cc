@@ -109,10 +109,10 @@ bool avx512_target(const Choice& c) {
 }
 }  // namespace
 
-bool bf16_products_on() {
+int bf16_products_on() {
   const Bf16Choice& b = bf16_products();
   CTXPAR_CHECK(b.error.empty(), b.error);  // e.g. CTXPAR_BF16_PRODUCTS=on on a CPU without it
-  return bf16_products_wanted() && avx512_target(choice());
+  return avx512_target(choice()) ? bf16_products_wanted() : kBf16Fp32;
 }
 
 int64_t parse_kernel_l1d(const char* text) {
@@ -166,9 +166,12 @@ SimdTargets simd_targets() {
   t.error = c.error;
   const kernel::Bf16Choice& bf16 = kernel::bf16_products();  // CTXPAR_BF16_PRODUCTS
   t.products = bf16.reason;
-  if (bf16.use && !kernel::bf16_products_wanted())
-    t.products += "; turned off: the ranks of this job did not all choose them";
-  else if (bf16.use && !kernel::avx512_target(c))
+  const int agreed = kernel::bf16_products_wanted();
+  if (agreed < bf16.level)
+    t.products += agreed == kernel::kBf16Fp32
+                      ? "; turned off: the ranks of this job did not all choose them"
+                      : "; lowered to vdpbf16ps: the ranks of this job did not all choose AMX";
+  else if (bf16.level > 0 && !kernel::avx512_target(c))
     t.products += "; not applied: the SIMD target in use (" + t.chosen +
                   ") is not an avx512 one, products stay fp32";
   if (t.error.empty()) t.error = bf16.error;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "ctxpar/kernel.h"
@@ -26,6 +27,7 @@ struct Problem {
   // Exact bf16 products (simd_bf16.h; api.cc sets them): S = Q K^T when q and k are bf16,
   // dP = dO V^T when dout and v are bf16, and bf16 products are chosen (bf16_products_on()).
   bool bf16_scores = false, bf16_dp = false;
+  bool amx = false;  // those products through AMX-BF16 tiles (amx_bf16.cc), else vdpbf16ps
   // KernelConfig::bf16_tier fast with bf16 q (api.cc): P and dS rounded to bf16 before the
   // P V, dV, dQ and dK products (the SIMD path; the scalar path ignores it).
   bool round_p = false;
@@ -119,35 +121,44 @@ inline void store_row(const TensorView& t, int64_t off, int64_t n, const float* 
 void select_simd_target();
 bool use_scalar_path();
 
-// Whether bf16 inputs take bf16 x bf16 -> fp32 products (bf16_probe.cc): decided once by a
-// short probe of vdpbf16ps against fp32 FMAs, or by CTXPAR_BF16_PRODUCTS=on|off|auto.
-// decide_bf16_products is the rule on given measurements (tested on both outcomes).
+// Whether bf16 inputs take bf16 x bf16 -> fp32 products (bf16_probe.cc), and which: a level,
+// 0 fp32 products, 1 vdpbf16ps (AVX512_BF16), 2 AMX-BF16 tiles. Decided once by a short probe
+// of vdpbf16ps and AMX tile products against fp32 FMAs, or by
+// CTXPAR_BF16_PRODUCTS=on|dot|amx|off|auto. decide_bf16_products is the rule on given
+// measurements (tested on every outcome).
 constexpr double kBf16Pays = 1.25;  // bf16 dot FLOP/s over fp32 FMA FLOP/s it takes
+constexpr double kAmxPays = 2.0;    // AMX tile FLOP/s over fp32 FMA FLOP/s it takes
+enum Bf16Level : int { kBf16Fp32 = 0, kBf16Dot = 1, kBf16Amx = 2 };
 struct Bf16Choice {
-  bool use = false;
+  int level = kBf16Fp32;
   std::string reason;  // what was chosen and why, for `ctxpar --version`
   std::string error;   // a bad CTXPAR_BF16_PRODUCTS ("" if fine)
-  double fma_gflops = 0, dot_gflops = 0;  // the probe's figures (0: not measured)
+  double fma_gflops = 0, dot_gflops = 0, amx_gflops = 0;  // the probe's figures (0: not measured)
 };
+// amx_why: "" where AMX-BF16 is usable (amx_unusable_why()), amx_gflops its measured rate.
 Bf16Choice decide_bf16_products(const char* env_value, bool cpu_has, double fma_gflops,
-                                double dot_gflops);
+                                double dot_gflops, const std::string& amx_why = "no AMX",
+                                double amx_gflops = 0);
 const Bf16Choice& bf16_products();
 bool cpu_has_bf16_dot();  // AVX-512F and AVX512_BF16 (vdpbf16ps), by CPUID
+// The highest level this CPU can take (AMX usable: 2; AVX512_BF16: 1; else 0), for tests.
+int bf16_top_level();
 // Note [The ranks agree on bf16 products]: the choice changes the bits (vdpbf16ps adds a pair
-// of products before rounding, the fp32 path one product at a time), and a timed probe can
-// choose differently on two ranks of one job (four ranks on two cores: CI saw MPI != threads).
-// So before ranks compute together they agree (agree_kernel_choices, device layer): bf16
-// products only if every rank wants them. bf16_products_wanted() is this process's choice as
-// the agreements left it; bf16_products_agreed_off() turns it off for good in this process (an
-// agreement only ever turns it off, so a later agreement on a sub-communicator cannot turn
-// on what the whole job agreed off). Tests: set_bf16_products_for_test(1 | 0) replaces the
-// probe's choice and clears the agreements, -1 restores both.
-bool bf16_products_wanted();
-void bf16_products_agreed_off();
-void set_bf16_products_for_test(int use);
-// Whether kernel calls take bf16 products for bf16 inputs: bf16_products_wanted() and the
-// SIMD target in use is an avx512 one (CTXPAR_SIMD=avx2 or scalar keeps fp32 products).
-bool bf16_products_on();
+// of products before rounding, the fp32 path one product at a time, AMX tiles in yet another
+// order), and a timed probe can choose differently on two ranks of one job (four ranks on two
+// cores: CI saw MPI != threads). So before ranks compute together they agree
+// (agree_kernel_choices, device layer): the lowest level any rank wants. bf16_products_wanted()
+// is this process's level as the agreements left it; bf16_products_agreed_at_most(level)
+// lowers it for good in this process (an agreement only ever lowers it, so a later agreement
+// on a sub-communicator cannot raise what the whole job agreed). Tests:
+// set_bf16_products_for_test(level) replaces the probe's choice and clears the agreements, -1
+// restores both.
+int bf16_products_wanted();
+void bf16_products_agreed_at_most(int level);
+void set_bf16_products_for_test(int level);
+// The level kernel calls take for bf16 inputs: bf16_products_wanted() where the SIMD target in
+// use is an avx512 one, else 0 (CTXPAR_SIMD=avx2 or scalar keeps fp32 products).
+int bf16_products_on();
 // Whether the chosen target's multiply-add is fused (AVX2, AVX-512: yes; SSE4, SSSE3: no).
 bool simd_fused_multiply_add();
 // The chosen target's vector exp2 (2^t, t <= 0) over n values, for its accuracy test.

@@ -59,7 +59,8 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
     float* qpack = scratch(Scratch::q_pack, q_block);
     float* dopack = scratch(Scratch::do_pack, q_block);
     // Exact bf16 products (simd_bf16.h): Q (unscaled) and dO also as bf16 pairs.
-    const int64_t np = bf16::pairs(d), ldw = bf16::row_words(d), w_block = p.group * nqt * kTile * ldw;
+    const int64_t np = bf16::stored_pairs(d, p.amx), ldw = bf16::row_words(d, p.amx);
+    const int64_t w_block = p.group * nqt * kTile * ldw;
     uint32_t* qpairs = p.bf16_scores ? bf16::buffer(bf16::Buffer::q_rows, w_block) : nullptr;
     uint32_t* dopairs = p.bf16_dp ? bf16::buffer(bf16::Buffer::do_rows, w_block) : nullptr;
     std::vector<float> lse_rows(p.group * nqt * kTile), dlt(p.group * nqt * kTile);
@@ -136,11 +137,11 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
               if (kind == TileKind::skip) continue;
               if (!t.packed) {  // pack this key tile only when some query tile sees it
                 if (p.bf16_scores)
-                  bf16::pack_tile(k, b, hk, j0, cols, d, t.kt_pairs.data());
+                  bf16::pack_tile(k, b, hk, j0, cols, d, t.kt_pairs.data(), p.amx);
                 else
                   pack_transposed(k, b, hk, j0, cols, d, t.kt_pack.data(), row.data());
                 if (p.bf16_dp)
-                  bf16::pack_tile(v, b, hk, j0, cols, d, t.vt_pairs.data());
+                  bf16::pack_tile(v, b, hk, j0, cols, d, t.vt_pairs.data(), p.amx);
                 else
                   pack_transposed(v, b, hk, j0, cols, d, t.vt_pack.data(), row.data());
                 pack_rows(k, b, hk, j0, cols, d, ld, t.k_rows.data());
@@ -151,12 +152,12 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
               const float* qs = qpack + off * ld;
               const float* dot = dopack + off * ld;
               if (p.bf16_scores)  // S = scale (Q K^T) as the forward's bf16 products
-                bf16::scores(mrows, np, qpairs + off * ldw, ldw, t.kt_pairs.data(), s.data(), p.scale);
+                bf16::scores(mrows, np, qpairs + off * ldw, ldw, t.kt_pairs.data(), s.data(), p.scale, p.amx);
               else
                 gemm_rows(mrows, kTile, d, qs, ld, t.kt_pack.data(), kTile, s.data(), kTile,
                           false, k_panel);
               if (p.bf16_dp)
-                bf16::scores(mrows, np, dopairs + off * ldw, ldw, t.vt_pairs.data(), dpm.data(), 1.0f);
+                bf16::scores(mrows, np, dopairs + off * ldw, ldw, t.vt_pairs.data(), dpm.data(), 1.0f, p.amx);
               else
                 gemm_rows(mrows, kTile, d, dot, ld, t.vt_pack.data(), kTile, dpm.data(), kTile,
                           false, k_panel);

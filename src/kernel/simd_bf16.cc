@@ -34,9 +34,9 @@ void pack_rows(const TensorView& t, int64_t b, int64_t h, int64_t i0, int64_t ro
 }
 
 void pack_tile(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t cols, int64_t d,
-               uint32_t* out) {
+               uint32_t* out, bool amx) {
   const int64_t np = pairs(d);
-  std::fill(out, out + np * kCols, 0u);
+  std::fill(out, out + stored_pairs(d, amx) * kCols, 0u);
   for (int64_t c = 0; c < cols; ++c) {
     const uint16_t* src = t.ptr<const uint16_t>() + t.offset(b, j0 + c, h);
     for (int64_t p = 0; p < d / 2; ++p)
@@ -75,7 +75,9 @@ __attribute__((target("avx512f,avx512bf16"), always_inline)) inline void micro(
 
 __attribute__((target("avx512f,avx512bf16"))) void scores(int64_t m, int64_t npairs,
                                                          const uint32_t* a, int64_t lda,
-                                                         const uint32_t* b, float* c, float mul) {
+                                                         const uint32_t* b, float* c, float mul,
+                                                         bool amx) {
+  if (amx) return scores_amx(m, npairs, a, lda, b, c, mul);
   int64_t r = 0;
   for (; r + 6 <= m; r += 6) micro<6>(npairs, a + r * lda, lda, b, c + r * kCols, mul);
   for (; r + 4 <= m; r += 4) micro<4>(npairs, a + r * lda, lda, b, c + r * kCols, mul);
@@ -89,19 +91,28 @@ uint16_t bits16(float x, bool& exact) {
   exact = exact && (u & 0xffffu) == 0;
   return static_cast<uint16_t>(u >> 16);
 }
+
+__attribute__((target("avx512f,avx512bf16"))) float dot_pairs(const uint32_t* x,
+                                                             const uint32_t* y, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t p = 0; p < n; ++p)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(x[p])),
+                           (__m512bh)_mm512_set1_epi32(static_cast<int>(y[p])));
+  return _mm512_cvtss_f32(acc);
+}
 }  // namespace
 
-__attribute__((target("avx512f,avx512bf16"))) float delta_dot(const float* o, const float* g,
-                                                             int64_t d) {
+float delta_dot(const float* o, const float* g, int64_t d, bool amx) {
   bool exact = true;
-  __m512 acc = _mm512_setzero_ps();
+  const int64_t n = stored_pairs(d, amx);
+  thread_local std::vector<uint32_t> x, y;  // O and dO as pairs, zero-padded
+  x.assign(n, 0u), y.assign(n, 0u);
   for (int64_t c = 0; c < d && exact; c += 2) {
-    const uint32_t x = bits16(o[c], exact) | (c + 1 < d ? uint32_t{bits16(o[c + 1], exact)} << 16 : 0u);
-    const uint32_t y = bits16(g[c], exact) | (c + 1 < d ? uint32_t{bits16(g[c + 1], exact)} << 16 : 0u);
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(x)),
-                           (__m512bh)_mm512_set1_epi32(static_cast<int>(y)));
+    x[c / 2] = bits16(o[c], exact) | (c + 1 < d ? uint32_t{bits16(o[c + 1], exact)} << 16 : 0u);
+    y[c / 2] = bits16(g[c], exact) | (c + 1 < d ? uint32_t{bits16(g[c + 1], exact)} << 16 : 0u);
   }
-  if (exact) return _mm512_cvtss_f32(acc);
+  // dP = dO . V: dO the A row, V the key column.
+  if (exact) return amx ? dot_pairs_amx(y.data(), x.data(), n) : dot_pairs(x.data(), y.data(), n);
   float sum = 0;
   for (int64_t c = 0; c < d; c += 2) {
     if (c + 1 < d) sum = sum + o[c + 1] * g[c + 1];  // -ffp-contract=off: rounded, then added
@@ -110,8 +121,8 @@ __attribute__((target("avx512f,avx512bf16"))) float delta_dot(const float* o, co
   return sum;
 }
 #else
-void scores(int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*, float*, float) {}
-float delta_dot(const float*, const float*, int64_t) { return 0; }
+void scores(int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*, float*, float, bool) {}
+float delta_dot(const float*, const float*, int64_t, bool) { return 0; }
 #endif
 
 }  // namespace ctxpar::kernel::bf16

@@ -16,10 +16,16 @@ namespace ctxpar::kernel::bf16 {
 
 // bf16 pairs (uint32 words) a packed row of D values holds: ceil(D / 2), the odd tail zero.
 inline int64_t pairs(int64_t d) { return (d + 1) / 2; }
+// Pairs a packed row / key tile stores: pairs(d), or for AMX tiles (16 pairs deep) rounded up
+// to 16 with zero pairs (each adds an exact +0 to the fp32 sums, so no bit of a nonzero score
+// changes).
+inline int64_t stored_pairs(int64_t d, bool amx) {
+  return amx ? (pairs(d) + 15) / 16 * 16 : pairs(d);
+}
 // Row stride (words) of packed Q / dO rows (one extra cache line where a row is a multiple of
 // 256 bytes, as Note [Padded rows] in simd_tile.h).
-inline int64_t row_words(int64_t d) {
-  const int64_t w = pairs(d);
+inline int64_t row_words(int64_t d, bool amx = false) {
+  const int64_t w = stored_pairs(d, amx);
   return (w * 4) % 256 == 0 ? w + 16 : w;
 }
 
@@ -29,15 +35,24 @@ inline int64_t row_words(int64_t d) {
 void pack_rows(const TensorView& t, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t d,
                int64_t ld, uint32_t* out, int64_t tile_rows);
 // Keys [j0, j0 + cols) of one (batch, head) of a bf16 t as a key tile of pairs: word
-// [p][c] = (t[j0 + c][2p], t[j0 + c][2p + 1]), 64 columns (kKernelTile), zero-padded.
+// [p][c] = (t[j0 + c][2p], t[j0 + c][2p + 1]), 64 columns (kKernelTile), zero-padded to
+// stored_pairs(d, amx) pairs.
 void pack_tile(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t cols, int64_t d,
-               uint32_t* out);
+               uint32_t* out, bool amx = false);
 
 // C[m][64] = mul * (A B): A m rows of pairs (stride lda words), B a packed key tile of
 // `npairs` pairs; m a multiple of 2. Each C element sums its pairs in the order p = 0, 1, ...
 // in fp32 (vdpbf16ps: DAZ / FTZ, round to nearest), then is multiplied by `mul` once.
+// amx: through AMX-BF16 tiles instead (amx_bf16.cc; npairs = stored_pairs(d, true), lda a
+// multiple of 16 as row_words(d, true) is; any m): the same exact products summed in fp32 by
+// tdpbf16ps, 16 pairs a step, in its own order (so the bits differ from vdpbf16ps's).
 void scores(int64_t m, int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b,
-            float* c, float mul);
+            float* c, float mul, bool amx = false);
+void scores_amx(int64_t m, int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b,
+                float* c, float mul);
+// The tile configuration this thread's AMX code loads once (amx_bf16.cc); tiles_released()
+// says a _tile_release() (the probe's) dropped it, so the next use loads it again.
+void tiles_released();
 
 // Per-thread buffers of packed pairs that keep their pages between calls (as scratch() in
 // simd_tile.h); contents undefined.
@@ -49,6 +64,10 @@ uint32_t* buffer(Buffer slot, size_t words);
 // dS = P (dP - delta) must come out exactly 0. Where every o and g is a bf16 value the sum runs
 // through vdpbf16ps itself (whatever order the CPU adds a pair in); otherwise in fp32 as Intel
 // documents it (per pair the odd element's product, then the even one's, each add rounded).
-float delta_dot(const float* o, const float* g, int64_t d);
+// amx: the exact case runs through one AMX tile product chain as scores(..., amx) adds a dP.
+float delta_dot(const float* o, const float* g, int64_t d, bool amx = false);
+// sum over p < npairs (a multiple of 16) of the pair products of x[p] and y[p], added exactly
+// as scores_amx adds one score whose A row is x and whose key column is y (amx_bf16.cc).
+float dot_pairs_amx(const uint32_t* x, const uint32_t* y, int64_t npairs);
 
 }  // namespace ctxpar::kernel::bf16

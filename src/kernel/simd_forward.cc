@@ -40,7 +40,7 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
       p.bf16_scores ? nullptr : scratch(Scratch::k_pack, p.batch * p.hkv * nkt * d * kTile);
   float* vpack = scratch(Scratch::v_pack, p.batch * p.hkv * nkt * kTile * ld);
   // With exact bf16 products (simd_bf16.h) K is packed as tiles of bf16 pairs instead.
-  const int64_t np = bf16::pairs(d), ldw = bf16::row_words(d);
+  const int64_t np = bf16::stored_pairs(d, p.amx), ldw = bf16::row_words(d, p.amx);
   uint32_t* kpairs =
       p.bf16_scores ? bf16::buffer(bf16::Buffer::k_tiles, p.batch * p.hkv * nkt * np * kTile)
                     : nullptr;
@@ -53,7 +53,7 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
       const int64_t kt = t % nkt, hk = (t / nkt) % p.hkv, b = t / (nkt * p.hkv);
       const int64_t cols = std::min(p.tk, (kt + 1) * kTile) - kt * kTile;
       if (p.bf16_scores)
-        bf16::pack_tile(k, b, hk, kt * kTile, cols, d, kpairs + t * np * kTile);
+        bf16::pack_tile(k, b, hk, kt * kTile, cols, d, kpairs + t * np * kTile, p.amx);
       else
         pack_transposed(k, b, hk, kt * kTile, cols, d, kpack + t * d * kTile, row.data());
       pack_rows(v, b, hk, kt * kTile, cols, d, ld, vpack + t * kTile * ld);
@@ -121,7 +121,7 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
         const int64_t mrows = round_up(r1 - r0, 4);
         if (p.bf16_scores)  // S = scale (Q K^T), the products exact (simd_bf16.h)
           bf16::scores(mrows, np, qpairs.data() + r0 * ldw, ldw, kpairs + pk * np * kTile,
-                       s.data() + r0 * kTile, p.scale);
+                       s.data() + r0 * kTile, p.scale, p.amx);
         else
           gemm_rows(mrows, kTile, d, qt.data() + r0 * ld, ld, kpack + pk * d * kTile, kTile,
                     s.data() + r0 * kTile, kTile, false, k_panel);

@@ -1,5 +1,7 @@
-// Issue 26: the exact bf16 products (kernel/simd_bf16.h). The fp64 reference tests of this
-// binary run on both outcomes (ctest entries kernel_bf16_on / kernel_bf16_off force them); these
+// Issue 26: the exact bf16 products (kernel/simd_bf16.h; AMX tiles: kernel/amx_bf16.cc). The
+// fp64 reference tests of this binary run on every outcome (ctest entries kernel_bf16_on /
+// kernel_bf16_off / kernel_bf16_amx force them; AmxProducts.* skip, saying why, where AMX-BF16
+// is not usable); these
 // check the pieces: the forced choice is the one kernel calls take, the products are exact
 // and summed in fp32, and the backward's delta adds exactly as its bf16 dP does.
 #include <gtest/gtest.h>
@@ -25,6 +27,10 @@ bool cpu_has_bf16() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
 }
 
+#define CTXPAR_SKIP_WITHOUT_AMX()                                                        \
+  if (!kernel::amx_unusable_why().empty())                                              \
+    GTEST_SKIP() << "AMX-BF16 not usable here: " << kernel::amx_unusable_why();
+
 float widen(uint16_t h) {
   const uint32_t u = uint32_t{h} << 16;
   float f;
@@ -39,30 +45,37 @@ TEST(Bf16Products, ForcedChoiceIsWhatKernelCallsTake) {
   const std::string want = e != nullptr ? e : "";
   const SimdTargets t = simd_targets();
   const bool avx512 = t.chosen == "avx512" || t.chosen == "avx512_dl";
-  if (want == "off") EXPECT_FALSE(kernel::bf16_products_on());
+  if (want == "off") {
+    EXPECT_EQ(kernel::bf16_products_on(), kernel::kBf16Fp32);
+  }
   if (want == "on" && cpu_has_bf16()) {
-    EXPECT_EQ(kernel::bf16_products_on(), avx512) << t.chosen;
+    EXPECT_EQ(kernel::bf16_products_on(), avx512 ? kernel::kBf16Dot : kernel::kBf16Fp32) << t.chosen;
     if (!avx512) EXPECT_NE(t.products.find("not applied"), std::string::npos) << t.products;
   }
-  if (!cpu_has_bf16()) EXPECT_FALSE(kernel::bf16_products().use);
+  if (want == "amx" && kernel::amx_unusable_why().empty()) {
+    EXPECT_EQ(kernel::bf16_products_on(), avx512 ? kernel::kBf16Amx : kernel::kBf16Fp32) << t.chosen;
+  }
+  if (!cpu_has_bf16() && want != "amx") {
+    EXPECT_EQ(kernel::bf16_products().level, kernel::kBf16Fp32);
+  }
 }
 
-// C = mul * (A B) over bf16 pairs: every product exact, the sums fp32 (error within the
-// fp32 bound n u sum |a b| of a sequential sum), D odd (a zero half pair).
-TEST(Bf16Products, ScoresAreExactProductsSummedInFp32) {
-  if (!cpu_has_bf16()) GTEST_SKIP() << "this CPU has no AVX512_BF16";
-  const int64_t d = 101, m = 10, np = kernel::bf16::pairs(d), ld = kernel::bf16::row_words(d);
-  std::mt19937 gen(7);
+// C = mul * (A B) over bf16 pairs (vdpbf16ps, or AMX tiles with `amx`), m rows: every
+// product exact, the sums fp32 (error within the fp32 bound n u sum |a b| of a sequential sum),
+// 50 keys of 64 (zero columns). Returns "" or the first element out of the bound.
+std::string check_scores(bool amx, int64_t d, int64_t m) {
+  const int64_t np = kernel::bf16::stored_pairs(d, amx), ld = kernel::bf16::row_words(d, amx);
+  std::mt19937 gen(static_cast<uint32_t>(d * 1000 + m));
   std::normal_distribution<float> dist(0, 1);
   Tensor q(DType::bf16, {1, m, 1, d}), k(DType::bf16, {1, 64, 1, d});
   for (Tensor* t : {&q, &k})
     for (int64_t i = 0; i < t->numel(); ++i) t->ptr<uint16_t>()[i] = f32_to_bf16(dist(gen));
   std::vector<uint32_t> a(m * ld), b(np * kKernelTile);
   kernel::bf16::pack_rows(q, 0, 0, 0, m, d, ld, a.data(), m);
-  kernel::bf16::pack_tile(k, 0, 0, 0, 50, d, b.data());  // 50 keys, 14 zero columns
-  std::vector<float> c(m * kKernelTile);
+  kernel::bf16::pack_tile(k, 0, 0, 0, 50, d, b.data(), amx);  // 50 keys, 14 zero columns
+  std::vector<float> c(m * kKernelTile, -1.0f);
   const float mul = 0.125f;
-  kernel::bf16::scores(m, np, a.data(), ld, b.data(), c.data(), mul);
+  kernel::bf16::scores(m, np, a.data(), ld, b.data(), c.data(), mul, amx);
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < kKernelTile; ++j) {
       double exact = 0, bound = 0;
@@ -71,35 +84,57 @@ TEST(Bf16Products, ScoresAreExactProductsSummedInFp32) {
                          widen(k.ptr<uint16_t>()[j * d + x]);
         exact += p, bound += std::fabs(p);
       }
-      EXPECT_LE(std::fabs(c[i * kKernelTile + j] - mul * exact),
-                mul * (d * 0x1.0p-24 * bound) + 1e-30)
-          << i << " " << j;
+      if (!(std::fabs(c[i * kKernelTile + j] - mul * exact) <= mul * (d * 0x1.0p-24 * bound) + 1e-30))
+        return "D " + std::to_string(d) + " m " + std::to_string(m) + ": row " +
+               std::to_string(i) + " col " + std::to_string(j) + " = " +
+               std::to_string(c[i * kKernelTile + j]) + ", exact " + std::to_string(mul * exact);
     }
+  return "";
+}
+
+TEST(Bf16Products, ScoresAreExactProductsSummedInFp32) {
+  if (!cpu_has_bf16()) GTEST_SKIP() << "this CPU has no AVX512_BF16";
+  EXPECT_EQ(check_scores(false, 101, 10), "");  // D odd: a zero half pair
+}
+
+// Through AMX tiles: row counts below, between and above the 16-row tiles, D odd and not a
+// multiple of 32 (zero pairs pad the tiles to 16 pairs deep).
+TEST(AmxProducts, ScoresAreExactProductsSummedInFp32) {
+  CTXPAR_SKIP_WITHOUT_AMX();
+  for (const int64_t d : {37, 80, 128})
+    for (const int64_t m : {2, 10, 33, 64, 100}) EXPECT_EQ(check_scores(true, d, m), "");
 }
 
 // A one-hot softmax row has O = V_j, and dS = P (dP - delta) is exactly 0 only if delta adds
-// O . dO exactly as the bf16 dP = dO . V_j does.
+// O . dO exactly as the bf16 dP = dO . V_j does (vdpbf16ps, or AMX tiles with `amx`).
+void check_delta(bool amx, int64_t d) {
+  const int64_t np = kernel::bf16::stored_pairs(d, amx), ld = kernel::bf16::row_words(d, amx);
+  std::mt19937 gen(static_cast<uint32_t>(d));
+  std::normal_distribution<float> dist(0, 1);
+  Tensor g(DType::bf16, {1, 2, 1, d}), v(DType::bf16, {1, 64, 1, d});
+  for (Tensor* t : {&g, &v})
+    for (int64_t i = 0; i < t->numel(); ++i)
+      t->ptr<uint16_t>()[i] = f32_to_bf16(dist(gen) * float(1 << (i % 9)));
+  std::vector<uint32_t> a(2 * ld), b(np * kKernelTile);
+  kernel::bf16::pack_rows(g, 0, 0, 0, 2, d, ld, a.data(), 2);
+  kernel::bf16::pack_tile(v, 0, 0, 0, 64, d, b.data(), amx);
+  std::vector<float> dp(2 * kKernelTile), o(d), gr(d);
+  kernel::bf16::scores(2, np, a.data(), ld, b.data(), dp.data(), 1.0f, amx);
+  for (int64_t x = 0; x < d; ++x) gr[x] = widen(g.ptr<uint16_t>()[x]);
+  for (int64_t j = 0; j < 64; ++j) {
+    for (int64_t x = 0; x < d; ++x) o[x] = widen(v.ptr<uint16_t>()[j * d + x]);
+    EXPECT_EQ(kernel::bf16::delta_dot(o.data(), gr.data(), d, amx), dp[j]) << d << " " << j;
+  }
+}
+
 TEST(Bf16Products, DeltaAddsAsTheBackwardsDp) {
   if (!cpu_has_bf16()) GTEST_SKIP() << "this CPU has no AVX512_BF16";
-  for (const int64_t d : {16, 37, 128}) {
-    const int64_t np = kernel::bf16::pairs(d), ld = kernel::bf16::row_words(d);
-    std::mt19937 gen(static_cast<uint32_t>(d));
-    std::normal_distribution<float> dist(0, 1);
-    Tensor g(DType::bf16, {1, 2, 1, d}), v(DType::bf16, {1, 64, 1, d});
-    for (Tensor* t : {&g, &v})
-      for (int64_t i = 0; i < t->numel(); ++i)
-        t->ptr<uint16_t>()[i] = f32_to_bf16(dist(gen) * float(1 << (i % 9)));
-    std::vector<uint32_t> a(2 * ld), b(np * kKernelTile);
-    kernel::bf16::pack_rows(g, 0, 0, 0, 2, d, ld, a.data(), 2);
-    kernel::bf16::pack_tile(v, 0, 0, 0, 64, d, b.data());
-    std::vector<float> dp(2 * kKernelTile), o(d), gr(d);
-    kernel::bf16::scores(2, np, a.data(), ld, b.data(), dp.data(), 1.0f);
-    for (int64_t x = 0; x < d; ++x) gr[x] = widen(g.ptr<uint16_t>()[x]);
-    for (int64_t j = 0; j < 64; ++j) {
-      for (int64_t x = 0; x < d; ++x) o[x] = widen(v.ptr<uint16_t>()[j * d + x]);
-      EXPECT_EQ(kernel::bf16::delta_dot(o.data(), gr.data(), d), dp[j]) << d << " " << j;
-    }
-  }
+  for (const int64_t d : {16, 37, 128}) check_delta(false, d);
+}
+
+TEST(AmxProducts, DeltaAddsAsTheBackwardsDp) {
+  CTXPAR_SKIP_WITHOUT_AMX();
+  for (const int64_t d : {16, 37, 80, 128}) check_delta(true, d);
 }
 
 // bf16 inputs with one-hot softmax rows (|s| ~ 1e6 .. 5e8): the truth is dq = dk = 0, so any
@@ -130,6 +165,52 @@ TEST(Bf16Products, AmxProbeMeasuresOrSaysWhyNot) {
   const kernel::Bf16Choice& c = kernel::bf16_products();
   if (c.reason.find("measured") != std::string::npos)
     EXPECT_NE(c.reason.find("AMX-BF16"), std::string::npos) << c.reason;
+}
+
+// The level forced to AMX for the test's body (and put back after).
+class AmxForced : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    CTXPAR_SKIP_WITHOUT_AMX();
+    kernel::set_bf16_products_for_test(kernel::kBf16Amx);
+    if (kernel::bf16_products_on() != kernel::kBf16Amx)
+      GTEST_SKIP() << "the SIMD target in use (" << simd_targets().chosen
+                   << ") is not an avx512 one: products stay fp32";
+  }
+  void TearDown() override { kernel::set_bf16_products_for_test(-1); }
+};
+
+// Forward and backward against the fp64 reference by the fp32 rule (bf16 inputs): causal,
+// window and document masks, D = 64, 80, 96, 128, lengths not multiples of 16, GQA, 2 threads
+// (every OpenMP thread loads its tile configuration).
+TEST_F(AmxForced, ForwardBackwardWithinTheRule) {
+  using test::Case;
+  Mask window, docs;
+  window.window_left = 40, window.window_right = 7;
+  docs.causal = docs.documents = true;
+  const Mask masks[] = {Mask::causal_mask(), window, docs};
+  int n = 0;
+  for (const int64_t d : {64, 80, 96, 128})
+    for (const Mask& m : masks) {
+      Case c;
+      c.tq = 150 - 7 * n % 3, c.tk = 150, c.hq = 2, c.hkv = 1, c.d = d, c.mask = m;
+      c.dtype = DType::bf16, c.doc_len = 45, c.threads = 1 + n % 2, c.seed = 11 + n++;
+      const std::string err = test::check_case(c, true);
+      EXPECT_TRUE(err.empty()) << err;
+    }
+}
+
+// One-hot softmax rows (|s| ~ 1e6 .. 5e8): dq = dk = 0 is the truth, so delta must add as the
+// AMX dP does (else |K| ~ 1e3 amplifies the difference past the rule).
+TEST_F(AmxForced, OneHotRowsWithinTheRule) {
+  for (const float qk : {1000.0f, 22360.0f})
+    for (const int64_t d : {16, 37, 80}) {
+      test::Case c;
+      c.tq = 70, c.tk = 130, c.hq = 2, c.hkv = 1, c.d = d, c.mask = Mask::causal_mask();
+      c.dtype = DType::bf16, c.q_offset = 60, c.qk_scale = qk;
+      const std::string err = test::check_case(c, true);
+      EXPECT_TRUE(err.empty()) << err;
+    }
 }
 
 }  // namespace

@@ -41,25 +41,68 @@ TEST(Dispatch, ChosenTargetIsTheRequestedOrTheBest) {
 }
 
 // Issue 26: bf16 products only where the probe measured them faster (or CTXPAR_BF16_PRODUCTS
-// forces them); the rule on both outcomes of the measurement, and the overrides.
-TEST(Bf16Products, RuleOnBothOutcomesAndOverrides) {
+// forces them); the rule on every outcome of the measurement (fp32, vdpbf16ps, AMX), and the
+// overrides.
+TEST(Bf16Products, RuleOnEveryOutcomeAndOverrides) {
   using kernel::decide_bf16_products;
-  const kernel::Bf16Choice slow = decide_bf16_products(nullptr, true, 100, 48);  // this guest
-  EXPECT_FALSE(slow.use);
+  constexpr int fp32 = kernel::kBf16Fp32, dot = kernel::kBf16Dot, amx = kernel::kBf16Amx;
+  const kernel::Bf16Choice slow = decide_bf16_products(nullptr, true, 100, 48);  // no AMX
+  EXPECT_EQ(slow.level, fp32);
   EXPECT_NE(slow.reason.find("0.48x the fp32 FMA"), std::string::npos) << slow.reason;
-  EXPECT_TRUE(decide_bf16_products(nullptr, true, 100, 200).use);  // a full-rate bf16 core
-  EXPECT_TRUE(decide_bf16_products("auto", true, 100, 125).use);
-  EXPECT_FALSE(decide_bf16_products("auto", true, 100, 124).use);
-  EXPECT_FALSE(decide_bf16_products("off", true, 100, 200).use);
-  EXPECT_TRUE(decide_bf16_products("on", true, 100, 48).use);
+  EXPECT_NE(slow.reason.find("AMX-BF16 not usable: no AMX"), std::string::npos) << slow.reason;
+  EXPECT_EQ(decide_bf16_products(nullptr, true, 100, 200).level, dot);  // a full-rate bf16 core
+  EXPECT_EQ(decide_bf16_products("auto", true, 100, 125).level, dot);
+  EXPECT_EQ(decide_bf16_products("auto", true, 100, 124).level, fp32);
+  EXPECT_EQ(decide_bf16_products("off", true, 100, 200).level, fp32);
+  EXPECT_EQ(decide_bf16_products("on", true, 100, 48).level, dot);
+  EXPECT_EQ(decide_bf16_products("dot", true, 100, 48).level, dot);
+  // AMX usable ("" why): this guest (vdpbf16ps 0.48x, tiles 14x) takes AMX; tiles below
+  // kAmxPays, or slower than a full-rate vdpbf16ps, do not.
+  const kernel::Bf16Choice guest = decide_bf16_products(nullptr, true, 100, 48, "", 1400);
+  EXPECT_EQ(guest.level, amx);
+  EXPECT_NE(guest.reason.find("AMX-BF16 tile products for bf16 inputs (measured: vdpbf16ps "
+                              "0.48x the fp32 FMA FLOP/s; bf16 needs 1.25x; AMX-BF16 tile "
+                              "products 14.00x, AMX needs 2.00x"),
+            std::string::npos)
+      << guest.reason;
+  EXPECT_EQ(decide_bf16_products("auto", true, 100, 48, "", 200).level, amx);
+  EXPECT_EQ(decide_bf16_products("auto", true, 100, 48, "", 199).level, fp32);
+  EXPECT_EQ(decide_bf16_products("auto", true, 100, 130, "", 199).level, dot);
+  EXPECT_EQ(decide_bf16_products("auto", true, 100, 300, "", 250).level, dot);
+  EXPECT_EQ(decide_bf16_products("off", true, 100, 48, "", 1400).level, fp32);
+  EXPECT_EQ(decide_bf16_products("on", true, 100, 48, "", 1400).level, dot);
+  EXPECT_EQ(decide_bf16_products("amx", true, 100, 300, "", 0).level, amx);
+  const kernel::Bf16Choice refused = decide_bf16_products("amx", true, 0, 0, "this CPU has no AMX-BF16");
+  EXPECT_EQ(refused.level, fp32);
+  EXPECT_NE(refused.error.find("CTXPAR_BF16_PRODUCTS=amx: AMX-BF16 is not usable here (this CPU "
+                               "has no AMX-BF16)"),
+            std::string::npos)
+      << refused.error;
   const kernel::Bf16Choice none = decide_bf16_products(nullptr, false, 0, 0);
-  EXPECT_FALSE(none.use);
+  EXPECT_EQ(none.level, fp32);
   EXPECT_EQ(none.error, "");
   EXPECT_NE(none.reason.find("no AVX512_BF16"), std::string::npos) << none.reason;
   EXPECT_NE(decide_bf16_products("on", false, 0, 0).error.find("lacks AVX512_BF16"),
             std::string::npos);
+  EXPECT_NE(decide_bf16_products("dot", false, 0, 0).error.find("CTXPAR_BF16_PRODUCTS=dot"),
+            std::string::npos);
   EXPECT_NE(decide_bf16_products("yes", true, 0, 0).error.find("CTXPAR_BF16_PRODUCTS=yes"),
             std::string::npos);
+}
+
+// The agreement of the ranks (Note [The ranks agree on bf16 products]) only ever lowers the
+// level: AMX on one rank and vdpbf16ps on another must not mix (they round differently).
+TEST(Bf16Products, AgreementOnlyLowersTheLevel) {
+  kernel::set_bf16_products_for_test(kernel::kBf16Amx);
+  EXPECT_EQ(kernel::bf16_products_wanted(), kernel::kBf16Amx);
+  kernel::bf16_products_agreed_at_most(kernel::kBf16Dot);
+  EXPECT_EQ(kernel::bf16_products_wanted(), kernel::kBf16Dot);
+  kernel::bf16_products_agreed_at_most(kernel::kBf16Amx);  // a sub-communicator cannot raise it
+  EXPECT_EQ(kernel::bf16_products_wanted(), kernel::kBf16Dot);
+  kernel::bf16_products_agreed_at_most(kernel::kBf16Fp32);
+  EXPECT_EQ(kernel::bf16_products_wanted(), kernel::kBf16Fp32);
+  kernel::set_bf16_products_for_test(-1);
+  EXPECT_EQ(kernel::bf16_products_wanted(), kernel::bf16_products().level);
 }
 
 // What this process chose is what `ctxpar --version` reports; unforced on a bf16 CPU it was
@@ -72,7 +115,10 @@ TEST(Bf16Products, ThisCpusChoiceIsReported) {
   if ((e == nullptr || *e == '\0') && c.reason.find("measured") != std::string::npos) {
     EXPECT_GT(c.fma_gflops, 0);
     EXPECT_GT(c.dot_gflops, 0);
-    EXPECT_EQ(c.use, c.dot_gflops >= kernel::kBf16Pays * c.fma_gflops);
+    const bool amx = c.amx_gflops >= kernel::kAmxPays * c.fma_gflops && c.amx_gflops >= c.dot_gflops;
+    EXPECT_EQ(c.level, amx                                                ? kernel::kBf16Amx
+                       : c.dot_gflops >= kernel::kBf16Pays * c.fma_gflops ? kernel::kBf16Dot
+                                                                          : kernel::kBf16Fp32);
   }
 }
 

@@ -72,10 +72,11 @@ int main() {
   int status = 0;
   run_mpi([&](Communicator& world) {
     double failures = 0, runs = 0;
-    const bool can_split = world.size() > 1 && kernel::bf16_products().error.empty() &&
-                           kernel::cpu_has_bf16_dot();
+    // The split: odd ranks at this CPU's top level (AMX where usable), even ones one below.
+    const int top = kernel::bf16_top_level();
+    const bool can_split = world.size() > 1 && kernel::bf16_products().error.empty() && top > 0;
     for (int split = 0; split <= (can_split ? 1 : 0); ++split) {
-      if (split) kernel::set_bf16_products_for_test(world.rank() % 2);
+      if (split) kernel::set_bf16_products_for_test(world.rank() % 2 ? top : top - 1);
       for (StrategyKind kind : {StrategyKind::ring, StrategyKind::allgather,
                                 StrategyKind::ulysses, StrategyKind::hybrid})
         for (LayoutKind lk : {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped}) {
@@ -88,8 +89,9 @@ int main() {
         }
       if (split && world.rank() == 0)
         std::printf("strategy mpi: bf16 runs with ranks that disagreed on bf16 products: %s\n",
-                    kernel::bf16_products_wanted() ? "still on (wrong)" : "agreed off");
-      if (split) failures += kernel::bf16_products_wanted() ? 1 : 0;
+                    kernel::bf16_products_wanted() != top - 1 ? "not the lowest (wrong)"
+                                                              : "agreed on the lowest");
+      if (split) failures += kernel::bf16_products_wanted() != top - 1 ? 1 : 0;
     }
     world.allreduce(&failures, 1);
     if (world.rank() == 0)
