@@ -115,6 +115,8 @@ RUNS=(kernel_1t torch_1t kernel_2t torch_2t kernel_bf16_1t torch_bf16_1t kernel_
 # Issue 26: bf16 inputs with the exact bf16 products forced on (CTXPAR_BF16_PRODUCTS=on), beside
 # kernel_bf16_1t (what the probe chose: fp32 products on a CPU where vdpbf16ps is slower).
 grep -qw avx512_bf16 /proc/cpuinfo && RUNS+=(kernel_bf16dot_1t)
+# ... and through AMX-BF16 tiles (CTXPAR_BF16_PRODUCTS=amx) beside fp32 products forced (off).
+grep -qw amx_bf16 /proc/cpuinfo && RUNS+=(kernel_bf16amx_1t kernel_bf16fp32_1t)
 python3 - "$INFO/config.json" "$REPEATS" "$INNER" "$QUICK" "$TORCH_PIN" "$TORCH_PY" \
   "$KT" "$KH" "$KD" "$CT" "$CH" "$CD" "$GGML_BIN" "${RUNS[@]}" <<'PY' || die "cannot write $INFO/config.json"
 import json, sys
@@ -150,6 +152,8 @@ run() {  # run NAME: one measurement, its JSON kept only if it succeeded
     kernel_bf16_1t) kernel 1 bf16 ;;
     kernel_bf16_2t) kernel 2 bf16 ;;
     kernel_bf16dot_1t) CTXPAR_BF16_PRODUCTS=on kernel 1 bf16 ;;
+    kernel_bf16amx_1t) CTXPAR_BF16_PRODUCTS=amx kernel 1 bf16 ;;
+    kernel_bf16fp32_1t) CTXPAR_BF16_PRODUCTS=off kernel 1 bf16 ;;
     torch_bf16_1t) torch_sdpa 1 bf16 ;;
     torch_bf16_2t) torch_sdpa 2 bf16 ;;
     ring_p2_zigzag) attention --ranks 2 --threads 1 --layout zigzag ;;

@@ -129,6 +129,15 @@ def ratio_rows(meta):
                              f"{word}, non-causal, 1 thread", None,
                              lambda r, pas=pas, other=other:
                              r[other][pas + "_seconds"] / r["kernel_bf16dot_1t"][pas + "_seconds"]))
+    # ... and through AMX-BF16 tiles against fp32 products forced (the run exists on AMX CPUs).
+    if "kernel_bf16amx_1t" in meta.get("runs", []):
+        for pas, word in (("fwd", "forward"), ("bwd", "backward"), ("causal_fwd", "forward"),
+                          ("causal_bwd", "backward")):
+            mask = "causal" if pas.startswith("causal") else "non-causal"
+            rows.append((f"bf16amx_vs_fp32_products_{pas}", f"AMX bf16 products / fp32 products "
+                         f"speed, bf16 inputs, {word}, {mask}, 1 thread", 1.3,
+                         lambda r, pas=pas:
+                         r["kernel_bf16fp32_1t"][pas + "_seconds"] / r["kernel_bf16amx_1t"][pas + "_seconds"]))
     if meta.get("ggml_binary"):
         for run, n, kv, goal in (("ggml_1t", 1, "fp32", None), ("ggml_2t", 2, "fp32", 1.5),
                                  ("ggml_f16_2t", 2, "fp16", None)):
@@ -200,7 +209,8 @@ def main():
                      "causal_bwd_seconds"]
     absolute = {name: medians(reps, name, kernel_fields + ["forward_seconds"])
                 for name in ("kernel_1t", "kernel_2t", "torch_1t", "torch_2t", "kernel_bf16_1t",
-                             "kernel_bf16_2t", "kernel_bf16dot_1t", "torch_bf16_1t", "torch_bf16_2t", "ring_p2_zigzag",
+                             "kernel_bf16_2t", "kernel_bf16dot_1t", "kernel_bf16amx_1t",
+                             "kernel_bf16fp32_1t", "torch_bf16_1t", "torch_bf16_2t", "ring_p2_zigzag",
                              "ring_p2_contiguous", "one_rank_2t", "ggml_1t", "ggml_2t", "ggml_f16_2t")}
     failed = sorted({f"rep{i + 1}/{n}" for i, r in enumerate(reps) for n in meta["runs"]
                      if n not in r and not (n.startswith("torch") and meta.get("torch_skipped"))})

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue 26: bf16 inputs with fp32 products against the exact bf16 products through AMX-BF16
+# tiles (and vdpbf16ps where AVX512_BF16, and torch's bf16 SDPA where a python with torch is
+# given), one thread, T=4096, H=8, D=128, causal and non-causal, forward and backward.
+# Alternating runs (ABC, CBA, ...), medians over REPEATS processes of `bench kernel --repeats 1`;
+# wall and CPU-time GFLOP/s both (on a shared machine the CPU-time ratio is the steadier one).
+#   bench/bf16_products.sh [CTXPAR_BINARY] [REPEATS] [TORCH_PYTHON]
+# e.g. bench/bf16_products.sh build/ctxpar 5 .venv/bin/python
+set -euo pipefail
+CTXPAR=${1:-build/ctxpar}
+REPEATS=${2:-5}
+TORCH_PY=${3:-}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=$(mktemp -d)
+trap 'rm -rf "$OUT"' EXIT
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+RUNS=(off)
+grep -qw avx512_bf16 /proc/cpuinfo && RUNS+=(dot)
+grep -qw amx_bf16 /proc/cpuinfo && RUNS+=(amx)
+[ -n "$TORCH_PY" ] && RUNS+=(torch)
+SHAPE=(--seq 4096 --heads 8 --head-dim 128 --threads 1)
+for ((rep = 1; rep <= REPEATS; rep++)); do
+  order=("${RUNS[@]}")
+  if ((rep % 2 == 0)); then
+    for ((i = 0; i < ${#RUNS[@]}; i++)); do order[i]=${RUNS[${#RUNS[@]} - 1 - i]}; done
+  fi
+  for r in "${order[@]}"; do
+    if [ "$r" = torch ]; then
+      "$TORCH_PY" "$ROOT/bench/torch_sdpa.py" "${SHAPE[@]}" --dtype bf16 --repeats 1 > "$OUT/$r.$rep.json"
+    else
+      CTXPAR_BF16_PRODUCTS=$r "$CTXPAR" bench kernel "${SHAPE[@]}" --dtype bf16 --repeats 1 --json \
+        > "$OUT/$r.$rep.json"
+    fi
+  done
+done
+python3 - "$OUT" "$REPEATS" "${RUNS[@]}" <<'PY'
+import json, statistics, sys
+out, reps, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+data = {r: [json.load(open(f"{out}/{r}.{i}.json")) for i in range(1, reps + 1)] for r in runs}
+def med(r, key):
+    vals = [d[key] for d in data[r] if key in d]
+    return statistics.median(vals) if vals else None
+print(f"medians of {reps} alternating runs; GFLOP/s (wall / CPU time); ratios against off")
+for key in ("fwd", "bwd", "causal_fwd", "causal_bwd"):
+    line = [f"{key:11s}"]
+    for r in runs:
+        w, c = med(r, key + "_gflops"), med(r, key + "_gflops_cpu")
+        ratio = f" x{w / med('off', key + '_gflops'):.2f}" if w and r != "off" else ""
+        cratio = (f" cpu x{c / med('off', key + '_gflops_cpu'):.2f}"
+                  if c and r != "off" and med("off", key + "_gflops_cpu") else "")
+        line.append(f"{r}: {w:.1f}" + (f" / {c:.1f}" if c else "") + ratio + cratio
+                    if w else f"{r}: -")
+    print("  ".join(line))
+PY
