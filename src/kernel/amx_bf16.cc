@@ -4,9 +4,11 @@
 // CPUs without AMX, where these are never called (the choice requires probe_amx's check, which
 // also asked Linux for the tile state: arch_prctl(ARCH_REQ_XCOMP_PERM) is per process).
 //
-// The tile configuration is per thread: every thread (OpenMP's included) loads it before its
-// first tile instruction (ready_tiles), once; the probe's _tile_release() drops it, and says so
-// (tiles_released). One configuration serves everything: 8 tiles of 16 rows x 64 bytes.
+// The tile configuration is per thread, and other code on the same thread (the probe, or
+// oneDNN's AMX kernels under torch in the same Python process) may load its own or release
+// the tiles: so every call here loads ours before its first tile instruction and releases the
+// tiles after its last (a few dozen cycles against the thousands of a call's tile products).
+// One configuration serves everything: 8 tiles of 16 rows x 64 bytes.
 // Tiles 0-3 are C (16 x 16 fp32), 4-5 A (16 rows x 16 pairs of Q or dO), 6-7 B (16 pair-rows x
 // 16 key columns: a 16-column slice of the packed [pairs][64] key tile, rows 256 bytes apart).
 #include <immintrin.h>
@@ -23,20 +25,15 @@ namespace ctxpar::kernel::bf16 {
 
 namespace {
 constexpr int64_t kCols = kKernelTile;  // 64 key columns a packed tile
-thread_local bool tiles_ready = false;
 }  // namespace
-
-void tiles_released() { tiles_ready = false; }
 
 #if defined(__x86_64__) && defined(__linux__)
 namespace {
 
-__attribute__((target("amx-tile,amx-bf16"))) void ready_tiles() {
-  if (tiles_ready) return;
+__attribute__((target("amx-tile,amx-bf16"))) void load_tiles() {
   TileConfig cfg;
   for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
   _tile_loadconfig(&cfg);
-  tiles_ready = true;
 }
 
 // C rows [0, 32) x columns [0, 32) (c0: rows 0-15, c1: rows 16-31, ldc floats a row) = A (a0:
@@ -70,7 +67,7 @@ __attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void block(
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void scores_amx(
     int64_t m, int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b, float* c,
     float mul) {
-  ready_tiles();
+  load_tiles();
   // A remainder of fewer than 32 rows is copied into zeroed rows, its C written here first.
   thread_local std::vector<uint32_t> a_tail;
   thread_local std::vector<float> c_tail;
@@ -87,9 +84,11 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void scores_amx(
     }
     for (int64_t n = 0; n < kCols; n += 32)
       block(npairs, ap, ap + 16 * lda, lda, b + n, cp + n, cp + 16 * kCols + n, kCols);
-    for (int64_t i = 0; i < rows * kCols; i += 16)  // S = mul * (Q K^T), as the vdpbf16ps path
-      _mm512_storeu_ps(c + r * kCols + i, _mm512_mul_ps(_mm512_loadu_ps(cp + i), vm));
+    if (mul != 1.0f || cp != c + r * kCols)  // S = mul * (Q K^T), as the vdpbf16ps path
+      for (int64_t i = 0; i < rows * kCols; i += 16)
+        _mm512_storeu_ps(c + r * kCols + i, _mm512_mul_ps(_mm512_loadu_ps(cp + i), vm));
   }
+  _tile_release();
 }
 
 // One C element of a tile product (A row 0 = x, B column 0 = y; the rest zero), accumulated
@@ -97,7 +96,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void scores_amx(
 __attribute__((target("amx-tile,amx-bf16"))) float dot_pairs_amx(const uint32_t* x,
                                                                 const uint32_t* y,
                                                                 int64_t npairs) {
-  ready_tiles();
+  load_tiles();
   alignas(64) uint32_t at[16 * 16] = {}, bt[16 * 16] = {};
   alignas(64) float ct[16 * 16];
   _tile_zero(0);
@@ -108,6 +107,7 @@ __attribute__((target("amx-tile,amx-bf16"))) float dot_pairs_amx(const uint32_t*
     _tile_dpbf16ps(0, 4, 6);
   }
   _tile_stored(0, ct, 64);
+  _tile_release();
   return ct[0];
 }
 #else

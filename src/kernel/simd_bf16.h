@@ -50,9 +50,6 @@ void scores(int64_t m, int64_t npairs, const uint32_t* a, int64_t lda, const uin
             float* c, float mul, bool amx = false);
 void scores_amx(int64_t m, int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b,
                 float* c, float mul);
-// The tile configuration this thread's AMX code loads once (amx_bf16.cc); tiles_released()
-// says a _tile_release() (the probe's) dropped it, so the next use loads it again.
-void tiles_released();
 
 // Per-thread buffers of packed pairs that keep their pages between calls (as scratch() in
 // simd_tile.h); contents undefined.
