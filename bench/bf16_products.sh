@@ -6,6 +6,9 @@
 # wall and CPU-time GFLOP/s both (on a shared machine the CPU-time ratio is the steadier one).
 #   bench/bf16_products.sh [CTXPAR_BINARY] [REPEATS] [TORCH_PYTHON]
 # e.g. bench/bf16_products.sh build/ctxpar 5 .venv/bin/python
+# PRODUCTS="off amx" (say) restricts the kernel runs (default: off, then dot and amx where the
+# CPU has them). Ratios are against off: the ratio of the medians, and [the median of the
+# per-repetition ratios, whose runs are adjacent in time].
 set -euo pipefail
 CTXPAR=${1:-build/ctxpar}
 REPEATS=${2:-5}
@@ -17,6 +20,7 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 RUNS=(off)
 grep -qw avx512_bf16 /proc/cpuinfo && RUNS+=(dot)
 grep -qw amx_bf16 /proc/cpuinfo && RUNS+=(amx)
+[ -n "${PRODUCTS:-}" ] && read -r -a RUNS <<< "$PRODUCTS"
 [ -n "$TORCH_PY" ] && RUNS+=(torch)
 SHAPE=(--seq 4096 --heads 8 --head-dim 128 --threads 1)
 for ((rep = 1; rep <= REPEATS; rep++)); do
@@ -40,15 +44,21 @@ data = {r: [json.load(open(f"{out}/{r}.{i}.json")) for i in range(1, reps + 1)] 
 def med(r, key):
     vals = [d[key] for d in data[r] if key in d]
     return statistics.median(vals) if vals else None
-print(f"medians of {reps} alternating runs; GFLOP/s (wall / CPU time); ratios against off")
+print(f"medians of {reps} alternating runs; GFLOP/s (wall / CPU time); ratios against off: "
+      "of the medians [median of the per-repetition ratios]")
+def rep_ratio(r, key):
+    vals = [a[key] / b[key] for a, b in zip(data[r], data["off"]) if key in a and key in b]
+    return statistics.median(vals) if vals else None
 for key in ("fwd", "bwd", "causal_fwd", "causal_bwd"):
     line = [f"{key:11s}"]
     for r in runs:
         w, c = med(r, key + "_gflops"), med(r, key + "_gflops_cpu")
-        ratio = f" x{w / med('off', key + '_gflops'):.2f}" if w and r != "off" else ""
-        cratio = (f" cpu x{c / med('off', key + '_gflops_cpu'):.2f}"
-                  if c and r != "off" and med("off", key + "_gflops_cpu") else "")
-        line.append(f"{r}: {w:.1f}" + (f" / {c:.1f}" if c else "") + ratio + cratio
-                    if w else f"{r}: -")
+        text = f"{r}: {w:.1f}" + (f" / {c:.1f}" if c else "")
+        if r != "off":
+            text += f" x{w / med('off', key + '_gflops'):.2f} [{rep_ratio(r, key + '_gflops'):.2f}]"
+            if c:
+                text += (f" cpu x{c / med('off', key + '_gflops_cpu'):.2f}"
+                         f" [{rep_ratio(r, key + '_gflops_cpu'):.2f}]")
+        line.append(text)
     print("  ".join(line))
 PY

@@ -111,8 +111,8 @@ Bf16Choice decide_bf16_products(const char* env_value, bool cpu_has, double fma_
   if (!want.empty() && want != "auto" && want != "on" && want != "off" && want != "dot" &&
       want != "amx") {
     c.error = "CTXPAR_BF16_PRODUCTS=" + want +
-              ": expected on (= dot), dot, amx, off or auto (or unset it: auto, decided by "
-              "measurement)";
+              ": expected on, off or auto (or dot: vdpbf16ps, as on; amx: AMX-BF16 tiles; or "
+              "unset it: auto, decided by measurement)";
     return c;
   }
   if (want == "off") {
