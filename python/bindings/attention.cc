@@ -249,14 +249,21 @@ std::string cuda_unavailable() {
            "(docs/cuda.md); move the tensors to the CPU with .cpu(), or rebuild it where nvcc "
            "is found (pip install . with the CUDA toolkit on PATH or CUDA_HOME set)";
 #endif
-  try {
-    DeviceOptions options;
-    options.kind = DeviceKind::cuda;
-    make_device(options, 0);
-    return {};
-  } catch (const Error& e) {
-    return e.what();  // e.g. "no CUDA device found: ..." (src/cuda/runtime.h)
-  }
+  auto probe = [] {
+    try {
+      DeviceOptions options;
+      options.kind = DeviceKind::cuda;
+      make_device(options, 0);
+      return std::string();
+    } catch (const Error& e) {
+      return std::string(e.what());  // e.g. "no CUDA device found: ..." (src/cuda/runtime.h)
+    }
+  };
+  if (recording_cuda) return probe();
+  // The GPU's answer does not change within a process: asked once, not by a throwaway device
+  // on every call with CUDA tensors (the GIL serialises the first call).
+  static const std::string gpu = probe();
+  return gpu;
 }
 
 // Tests only: the cuda device over RecordingCudaApi (host memory labelled as device memory),
