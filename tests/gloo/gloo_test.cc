@@ -5,6 +5,7 @@
 // stops every other rank within seconds, naming it.
 #include <gtest/gtest.h>
 
+#include <csignal>
 #include <cstring>
 #include <mutex>
 #include <thread>
@@ -74,7 +75,7 @@ TEST(Gloo, WaitTimesOutNamingRankPeerAndTag) {
   auto errors = testing::run_gloo_threads(2, [](Communicator& comm) {
     comm.set_timeout(milliseconds(300));
     if (comm.rank() == 1) comm.irecv(4, 0, 77).wait();  // rank 0 never sends
-    else std::this_thread::sleep_for(milliseconds(600));
+    else std::this_thread::sleep_for(milliseconds(2000));  // stalls of ~1 s happen under load
   });
   EXPECT_NE(errors[1].find("rank 1: timed out after 0.3 s waiting for recv from rank 0 (tag 77)"),
             std::string::npos) << errors[1];
@@ -112,6 +113,21 @@ TEST(Gloo, APeerThatGoesAwayStopsTheOthersNamingIt) {
       << errors[0];
   EXPECT_NE(errors[2].find("rank 2: stopped because rank 1 failed"), std::string::npos)
       << errors[2];
+}
+
+// Rank 1 goes away; rank 0 keeps writing to it. Gloo writes with writev(), so without
+// Note [A closed peer is an error, not SIGPIPE] (src/comm/gloo_bootstrap.cc) the process dies
+// of SIGPIPE (exit 141, the whole test binary with it) instead of rank 0 failing by name.
+TEST(Gloo, WritingToAClosedPeerIsAnErrorNotSigpipe) {
+  auto errors = testing::run_gloo_threads(2, [](Communicator& comm) {
+    if (comm.rank() == 1) throw Error("rank 1 gives up");
+    for (int i = 0; i < 64; ++i) comm.isend(Buffer(size_t{1} << 22), 1, 100 + i).wait();
+  });
+  struct sigaction now = {};
+  ASSERT_EQ(sigaction(SIGPIPE, nullptr, &now), 0);
+  EXPECT_EQ(now.sa_handler, SIG_IGN) << "a gloo communicator leaves SIGPIPE ignored";
+  EXPECT_NE(errors[0].find("rank 1"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("rank 1 gives up"), std::string::npos) << errors[1];
 }
 
 TEST(Gloo, SplitGroupsKeepTheContract) {

@@ -187,8 +187,11 @@ TEST(Faults, BadOptionsAndHeadCountsAreClearErrors) {
 class FailingComm final : public Communicator {
  public:
   // drop = true: the n-th send silently never happens (a lost message) instead of throwing.
-  FailingComm(Communicator& inner, int fail_at, bool drop = false)
-      : inner_(inner), fail_at_(fail_at), drop_(drop) {}
+  // recv_timeout > 0: point-to-point receives (the ring's steps, posted after every collective
+  // that agrees on the call) wait that long; collectives keep the inner timeout.
+  FailingComm(Communicator& inner, int fail_at, bool drop = false,
+              std::chrono::milliseconds recv_timeout = std::chrono::milliseconds(0))
+      : inner_(inner), fail_at_(fail_at), drop_(drop), recv_timeout_(recv_timeout) {}
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
   std::string transport() const override { return inner_.transport(); }
@@ -200,7 +203,10 @@ class FailingComm final : public Communicator {
     }
     return inner_.isend(std::move(buf), peer, tag);
   }
-  Request irecv(size_t bytes, int peer, int tag) override { return inner_.irecv(bytes, peer, tag); }
+  Request irecv(size_t bytes, int peer, int tag) override {
+    if (recv_timeout_.count() > 0) inner_.set_timeout(recv_timeout_);  // a request keeps it
+    return inner_.irecv(bytes, peer, tag);
+  }
   void allgather(const void* s, void* r, size_t b) override { inner_.allgather(s, r, b); }
   void reduce_scatter(const float* s, float* r, size_t c) override { inner_.reduce_scatter(s, r, c); }
   void alltoall(const void* s, void* r, size_t b) override { inner_.alltoall(s, r, b); }
@@ -215,6 +221,7 @@ class FailingComm final : public Communicator {
   Communicator& inner_;
   int fail_at_;
   bool drop_;
+  std::chrono::milliseconds recv_timeout_;
   int sends_ = 0;
 };
 
@@ -246,20 +253,24 @@ TEST(Faults, RankFailingMidRingFailsTheGroupPromptly) {
 
 // A lost message mid-ring: the rank waiting for it times out (after the communicator's
 // timeout, here 1 s) with a message naming itself, the peer and the step (the tag). P = 2 so
-// that exactly one rank waits; with more ranks whichever wait expires first is reported.
+// that exactly one rank waits. Only rank 0's ring receives get the short timeout: the
+// agreements before them keep the default, so a thread stalled for a second on a loaded
+// machine (CI: ASan, four MPI ranks beside, two cores) cannot make another wait expire first.
+// Rank 1, the hung peer, keeps the default throughout and learns of rank 0's failure.
 TEST(Faults, LostMessageMidRingTimesOutNamingRankPeerAndStep) {
   double seconds = 0;
   auto errors = errors_on_ranks(
       2,
       [&](Communicator& comm) {
-        comm.set_timeout(std::chrono::milliseconds(1000));
-        FailingComm lossy(comm, comm.rank() == 1 ? 1 : 1 << 30, /*drop=*/true);
+        const bool waiter = comm.rank() == 0;
+        FailingComm lossy(comm, waiter ? 1 << 30 : 1, /*drop=*/true,
+                          std::chrono::milliseconds(waiter ? 1000 : 0));
         StrategyOptions opt;
         auto s = Strategy::create(lossy, opt);
         Shard x = make_shard(2, comm.rank());
         s->forward(x.q, x.k, x.v, Tokens{x.positions, {}}, x.o, x.lse);
         // Rank 1 stays alive (a hung peer), so rank 0's wait can only end by its timeout.
-        if (comm.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+        if (!waiter) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
       },
       &seconds);
   // Rank 1's first send is step 1's block to rank 0 (tag 1).
