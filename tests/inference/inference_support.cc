@@ -44,6 +44,9 @@ Tensor rows_of(const Tensor& full, const std::vector<int64_t>& indices) {
   const int64_t h = full.dim(2), d = full.dim(3);
   Tensor out(full.dtype(), {1, int64_t(indices.size()), h, d});
   const size_t row = size_t(h * d) * dtype_size(full.dtype());
+  for (int64_t i : indices)  // a placement's indices are the sequence's: past `full` is a test bug
+    CTXPAR_CHECK(i >= 0 && i < full.dim(1), "rows_of: row ", i, " outside the ", full.dim(1),
+                 " rows given");
   for (size_t i = 0; i < indices.size(); ++i)
     std::memcpy(static_cast<std::byte*>(out.data()) + i * row,
                 static_cast<const std::byte*>(full.data()) + size_t(indices[i]) * row, row);

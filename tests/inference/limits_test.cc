@@ -233,11 +233,14 @@ TEST(KvCacheFinite, NonFiniteKeysAndValuesAreRefusedWhereTheyEnter) {
     }
     EXPECT_EQ(cache.tokens(1), 40);
     // append_local names the token's index in the sequence, not the row of this rank.
+    // mine holds sequence indices in [40, 80): rows of an 80-token K/V (reading them from the
+    // 40-row k read past its end, and the garbage sometimes held a NaN of its own first).
     const std::vector<int64_t> mine = cache.placement(40, 40, comm.rank());
-    Tensor local = rows_of(k, mine);
+    const Tensor k80 = kv_rows(80, 3), v80 = kv_rows(80, 4);
+    Tensor local = rows_of(k80, mine);
     local.ptr<float>()[3 * 2 * 16] = std::nanf("");
     try {
-      cache.append_local(1, 40, local, rows_of(v, mine));
+      cache.append_local(1, 40, local, rows_of(v80, mine));
       ADD_FAILURE() << "a NaN key was stored";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("k: non-finite value (nan) in sequence 1, token " +
