@@ -117,3 +117,19 @@ def test_bad_tier_is_refused_naming_bf16_tier(call):
     ctxpar.run_threads(1, rank)
     with pytest.raises(TypeError, match="bf16_tier: expected one of exact, fast"):
         ctxpar.attention(q, k, v, bf16_tier=True)
+
+
+def test_cp_attention_ranks_with_different_tiers_are_refused_naming_it():
+    q, k, v, _ = (torch.from_numpy(x).bfloat16() for x in problem(T=32))
+    said = [None, None]
+
+    def rank(comm):
+        local = [cl.shard(x, comm, seq_dim=1) for x in (q, k, v)]
+        with pytest.raises(ValueError) as info:
+            cp_attention(*local, comm, bf16_tier="fast" if comm.rank == 0 else "exact")
+        said[comm.rank] = str(info.value)
+
+    ctxpar.run_threads(2, rank, timeout_s=60)
+    assert said == ["cp_attention: the ranks were called with different arguments: bf16_tier is "
+                    "fast on rank 0 but exact on rank 1; every rank of the communicator must "
+                    "pass the same"] * 2
