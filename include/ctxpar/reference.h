@@ -37,6 +37,9 @@ Result attention_naive_f32(const TensorView& q, const Tokens& q_tokens, const Te
 // finite |ref64|. floor_rel: kAccuracyFloor for fp32 storage; callers with bf16 storage pass
 // a larger one (its rounding of O, attention_check.cc).
 constexpr double kAccuracyFloor = 1e-5;
+// The floor of the fast bf16 tier (KernelConfig::bf16_tier = fast: P and dS rounded to bf16):
+// twice bf16's unit roundoff 2^-8 (docs/kernel.md, "bf16 tiers").
+constexpr double kFastBf16TierFloor = 0x1.0p-7;
 inline double accuracy_tolerance(double naive_error, double ref_max,
                                  double floor_rel = kAccuracyFloor) {
   return (std::isfinite(naive_error) ? 2.0 * naive_error : 0.0) +

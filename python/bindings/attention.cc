@@ -43,7 +43,7 @@ auto parse_named(const char* arg, const std::string& text, Parse&& parse) {
 Job make_job(int64_t tokens, const std::string& strategy, const std::string& layout,
              const std::string& mask, const std::optional<ReadArray>& positions,
              const std::optional<ReadArray>& documents, int ulysses_degree, int head_groups,
-             int threads, float scale) {
+             int threads, float scale, const std::string& bf16_tier) {
   Job job;
   job.layout = parse_named("layout", layout, parse_layout);
   job.strategy.kind = parse_named("strategy", strategy, parse_strategy);
@@ -53,6 +53,10 @@ Job make_job(int64_t tokens, const std::string& strategy, const std::string& lay
   if (threads < 1) throw nb::value_error(detail::concat("threads: must be >= 1, got ", threads).c_str());
   job.strategy.kernel.threads = threads;
   job.strategy.kernel.scale = scale;
+  if (bf16_tier != "exact" && bf16_tier != "fast")
+    throw nb::value_error(
+        detail::concat("bf16_tier: expected exact or fast, got '", bf16_tier, "'").c_str());
+  job.strategy.kernel.bf16_tier = bf16_tier == "fast" ? Bf16Tier::fast : Bf16Tier::exact;
   job.positions = int_vector<int64_t>(positions, "positions", tokens);
   if (job.positions.empty()) {
     job.positions.resize(tokens);
@@ -100,9 +104,10 @@ struct JobArgs {
   std::optional<ReadArray> positions, documents;
   int ulysses_degree, head_groups, threads;
   float scale;
+  std::string bf16_tier;  // "exact" | "fast": KernelConfig::bf16_tier
   Job make(int64_t tokens) const {
     return make_job(tokens, strategy, layout, mask, positions, documents, ulysses_degree,
-                    head_groups, threads, scale);
+                    head_groups, threads, scale, bf16_tier);
   }
 };
 
@@ -298,14 +303,15 @@ void bind_attention(nb::module_& m) {
   auto job_args = [](const std::string& strategy, const std::string& layout,
                      const std::string& mask, std::optional<ReadArray> positions,
                      std::optional<ReadArray> documents, int ulysses_degree, int head_groups,
-                     int threads, float scale) {
+                     int threads, float scale, const std::string& bf16_tier) {
     return JobArgs{strategy, layout, mask, std::move(positions), std::move(documents),
-                   ulysses_degree, head_groups, threads, scale};
+                   ulysses_degree, head_groups, threads, scale, bf16_tier};
   };
   nb::class_<JobArgs>(m, "_JobArgs")
       .def(nb::new_(job_args), nb::arg("strategy"), nb::arg("layout"), nb::arg("mask"),
            nb::arg("positions").none(), nb::arg("documents").none(), nb::arg("ulysses_degree"),
-           nb::arg("head_groups"), nb::arg("threads"), nb::arg("scale"));
+           nb::arg("head_groups"), nb::arg("threads"), nb::arg("scale"),
+           nb::arg("bf16_tier") = "exact");
   m.def("_forward", &whole_forward);
   m.def("_backward", &whole_backward);
   m.def("_local_forward", &local_forward, nb::arg("comm"), nb::arg("q"), nb::arg("k"),

@@ -21,7 +21,7 @@ def mask_text(mask):
 
 
 def options(strategy="ring", layout="zigzag", mask="none", document_ids=None, positions=None,
-            ulysses_degree=0, head_groups=0, threads=1, scale=None):
+            ulysses_degree=0, head_groups=0, threads=1, scale=None, bf16_tier="exact"):
     """The options every entry point shares, checked (ctxpar._checks), by the names of
     _ctxpar._JobArgs."""
     return dict(strategy=_checks.choice("strategy", strategy, _checks.STRATEGIES),
@@ -31,7 +31,8 @@ def options(strategy="ring", layout="zigzag", mask="none", document_ids=None, po
                 ulysses_degree=_checks.whole("ulysses_degree", ulysses_degree, 0,
                                              _checks.MAX_PROCESSES),
                 head_groups=_checks.whole("head_groups", head_groups, 0, _checks.MAX_HEADS),
-                threads=_checks.threads(threads), scale=_checks.scale(scale))
+                threads=_checks.threads(threads), scale=_checks.scale(scale),
+                bf16_tier=_checks.bf16_tier(bf16_tier))
 
 
 def job_args(*args, **kwargs):
@@ -83,7 +84,7 @@ def _on_cuda_ranks(t, ranks, layout, args, inputs, outputs):
 
 def attention(q, k, v, *, ranks=1, strategy="ring", layout="zigzag", mask="none",
               document_ids=None, positions=None, return_lse=True, out=None, ulysses_degree=0,
-              head_groups=0, threads=1, scale=None):
+              head_groups=0, threads=1, scale=None, bf16_tier="exact"):
     """Exact attention of whole tensors, computed by `ranks` ranks (threads) with `strategy`.
 
     q [B, T, Hq, D]; k, v [B, T, Hkv, D] (Hq % Hkv == 0): NumPy arrays or torch tensors (CPU, or
@@ -93,7 +94,9 @@ def attention(q, k, v, *, ranks=1, strategy="ring", layout="zigzag", mask="none"
     global positions 0..T-1 the mask reads. Returns (out [B, T, Hq, D], lse [B, Hq, T] float32),
     or out alone with return_lse=False. `out` may be given (written in place, returned as is;
     writable, no two elements sharing memory). scale: None (1/sqrt(D)) or a positive finite
-    number. Every number is range-checked as the command's options (docs/python.md, "Argument
+    number. bf16_tier: "exact" (every product of the stored bfloat16 values) or "fast" (P and dS
+    rounded to bfloat16, as GPU flash attention; docs/kernel.md, "bf16 tiers"); float32 and
+    float16 inputs ignore it. Every number is range-checked as the command's options (docs/python.md, "Argument
     checks")."""
     ranks = _checks.ranks(ranks)
     t = Tensors({"q": q, "k": k, "v": v})
@@ -110,7 +113,7 @@ def attention(q, k, v, *, ranks=1, strategy="ring", layout="zigzag", mask="none"
         result = t.empty((B, T, Hq, D))
     lse = t.empty((B, Hq, T), like_dtype=False)
     args = job_args(strategy, layout, mask, document_ids, positions, ulysses_degree, head_groups,
-                    threads, scale)
+                    threads, scale, bf16_tier)
     if t.cuda_index >= 0:
         _on_cuda_ranks(t, ranks, layout, args, [(t[n], 1) for n in ("q", "k", "v")],
                        [(result, 1), (lse, 2)])
@@ -122,7 +125,7 @@ def attention(q, k, v, *, ranks=1, strategy="ring", layout="zigzag", mask="none"
 
 def attention_backward(q, k, v, out, lse, dout, *, ranks=1, strategy="ring", layout="zigzag",
                        mask="none", document_ids=None, positions=None, ulysses_degree=0,
-                       head_groups=0, threads=1, scale=None):
+                       head_groups=0, threads=1, scale=None, bf16_tier="exact"):
     """Gradients (dq, dk, dv) of attention, given the forward's out and lse and the output
     gradient dout [B, T, Hq, D]. Same options as attention(); results in q's dtype. lse must be
     finite, or -inf for a row that sees no key (NaN / +inf is refused, naming the entry)."""
@@ -136,7 +139,7 @@ def attention_backward(q, k, v, out, lse, dout, *, ranks=1, strategy="ring", lay
     check_lse(t["lse"])
     dq, dk, dv = t.empty(t["q"].shape), t.empty(t["k"].shape), t.empty(t["v"].shape)
     args = job_args(strategy, layout, mask, document_ids, positions, ulysses_degree, head_groups,
-                    threads, scale)
+                    threads, scale, bf16_tier)
     if t.cuda_index >= 0:
         _on_cuda_ranks(t, ranks, layout, args,
                        [(t[n], 2 if n == "lse" else 1)

@@ -21,6 +21,9 @@ THREADS_RANKS_NOTE = ("every rank is a thread of this process and the per-pair s
 
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 LAYOUTS = ("contiguous", "zigzag", "striped")
+# KernelConfig::bf16_tier (docs/kernel.md, "bf16 tiers"): exact (the default) or fast (P and dS
+# rounded to bf16, as GPU flash attention); float32 inputs ignore it.
+BF16_TIERS = ("exact", "fast")
 
 
 def whole(name, value, lo, hi, note=""):
@@ -60,6 +63,10 @@ def choice(name, value, choices):
 
 def threads(value):
     return whole("threads", value, 1, MAX_THREADS)
+
+
+def bf16_tier(value):
+    return choice("bf16_tier", value, BF16_TIERS)
 
 
 def ranks(value):

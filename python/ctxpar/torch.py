@@ -57,23 +57,25 @@ class _CPAttention(torch.autograd.Function):
 
 def cp_attention(q_local, k_local, v_local, comm, layout="zigzag", causal=False, *, mask=None,
                  strategy="ring", document_ids=None, positions=None, return_lse=False,
-                 ulysses_degree=0, head_groups=0, threads=1, scale=None):
+                 ulysses_degree=0, head_groups=0, threads=1, scale=None, bf16_tier="exact"):
     """Exact attention of this rank's queries over the whole distributed sequence.
 
     q_local [B, Tl, Hq, D], k_local / v_local [B, Tl, Hkv, D]: this rank's tokens in `layout`
     order; every rank of `comm` calls it (and later backward) with the same options.
     mask overrides causal ("none" | "causal" | ("window", L, R) | mask text); document_ids and
     positions describe the whole sequence (T = Tl * comm.size entries). float16 is computed in
-    float32 (differentiable casts). Returns out_local [B, Tl, Hq, D] (and lse [B, Hq, Tl])."""
+    float32 (differentiable casts). bf16_tier: "exact" or "fast" (bfloat16 inputs: P and dS
+    rounded to bfloat16, as GPU flash attention; docs/kernel.md, "bf16 tiers"). Returns out_local [B, Tl, Hq, D] (and lse [B, Hq, Tl])."""
     if not isinstance(comm, _ctxpar.Communicator):
         raise TypeError(f"comm: expected a ctxpar.Communicator, got {type(comm).__name__}")
     mask = mask if mask is not None else ("causal" if causal else "none")
     o = options(strategy, layout, mask, document_ids, positions, ulysses_degree, head_groups,
-                threads, scale)
+                threads, scale, bf16_tier)
     # threads is left out, as the command leaves out --threads: it changes no answer.
     agree(comm, "cp_attention", [
         ("strategy", o["strategy"]), ("layout", o["layout"]), ("mask", o["mask"]),
         ("scale", "None (1/sqrt(D))" if o["scale"] == 0.0 else repr(o["scale"])),
+        ("bf16_tier", o["bf16_tier"]),
         ("ulysses_degree", str(o["ulysses_degree"])), ("head_groups", str(o["head_groups"])),
         ("positions", digest(o["positions"])), ("document_ids", digest(o["documents"]))])
     args = _ctxpar._JobArgs(**o)
@@ -94,9 +96,9 @@ class _RouteAttention(torch.overrides.TorchFunctionMode):
     torch._C._nn's): a TorchFunctionMode sees the call itself, not the name. Modes are per
     thread, so ranks that run as threads are each routed through their own block."""
 
-    def __init__(self, comm, layout, strategy, threads):
+    def __init__(self, comm, layout, strategy, threads, bf16_tier):
         super().__init__()
-        self.route = (comm, layout, strategy, threads)
+        self.route = (comm, layout, strategy, threads, bf16_tier)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -111,7 +113,7 @@ _SDPA = getattr(F, "scaled_dot_product_attention", None)  # None before torch 2.
 def _scaled_dot_product_attention(route, query, key, value, attn_mask=None, dropout_p=0.0,
                                   is_causal=False, scale=None, enable_gqa=False):
     """F.scaled_dot_product_attention's signature ([B, H, Tl, D]) on cp_attention."""
-    comm, layout, strategy, threads = route
+    comm, layout, strategy, threads, bf16_tier = route
     if attn_mask is not None:
         raise ValueError("attn_mask: not supported inside ctxpar's context_parallel (masks come "
                          "from global positions); use is_causal=True, or "
@@ -121,7 +123,7 @@ def _scaled_dot_product_attention(route, query, key, value, attn_mask=None, drop
     # [B, H, Tl, D] -> [B, Tl, H, D]: a strided view, no copy (last dim stays contiguous).
     out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), comm,
                        layout=layout, causal=is_causal, strategy=strategy, threads=threads,
-                       scale=scale)
+                       scale=scale, bf16_tier=bf16_tier)
     return out.transpose(1, 2)
 
 
@@ -156,7 +158,7 @@ def _check_buffers(comm, buffers, dims, layout):
 
 @contextlib.contextmanager
 def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=None,
-                     layout="zigzag", strategy="ring", threads=1):
+                     layout="zigzag", strategy="ring", threads=1, bf16_tier="exact"):
     """Shards `buffers` in place along `buffer_seq_dims` (this rank's tokens in `layout`
     order) and, inside the block, runs torch's scaled_dot_product_attention on ctxpar (by a
     TorchFunctionMode: names bound before the block are routed too). `mesh` is a 1-D torch
@@ -165,7 +167,8 @@ def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=No
     A restored buffer's .grad comes back whole too: the shard gradients of a backward inside
     the block are gathered from every rank (collective) into the full shape and added to the
     gradient it held before the block (on an exception the block's shard gradient is dropped).
-    Needs torch >= 2.0 (scaled_dot_product_attention)."""
+    bf16_tier: cp_attention's ("exact" or "fast"). Needs torch >= 2.0
+    (scaled_dot_product_attention)."""
     comm = _communicator(mesh)
     if _SDPA is None:
         raise RuntimeError(f"context_parallel: torch {torch.__version__} has no "
@@ -174,6 +177,7 @@ def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=No
     layout = _checks.choice("layout", layout, _checks.LAYOUTS)
     strategy = _checks.choice("strategy", strategy, _checks.STRATEGIES)
     threads = _checks.threads(threads)
+    bf16_tier = _checks.bf16_tier(bf16_tier)
     buffers = list(buffers)
     dims = _check_buffers(comm, buffers, list(buffer_seq_dims), layout)
     keep = {id(b) for b in (no_restore_buffers or ())}
@@ -187,7 +191,7 @@ def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=No
             if g is not None:
                 b.grad = None
             b.data = s  # in place: the caller's tensor object now holds its shard
-        with _RouteAttention(comm, layout, strategy, threads):
+        with _RouteAttention(comm, layout, strategy, threads, bf16_tier):
             yield
         ok = True
     finally:

@@ -47,6 +47,8 @@ TEST_F(CliMpi, RanksWithDifferentOptionsAreRefusedNamingTheOption) {
       {"", "--backward", "--backward is off on rank 0 but on on rank 1"},
       {files, "", "--q is "},
       {"--seed 1", "--seed 2", "--seed is 1 on rank 0 but 2 on rank 1"},
+      {"--dtype bf16 --bf16-tier fast", "--dtype bf16",
+       "--bf16-tier is fast on rank 0 but exact on rank 1"},
   };
   for (const Case& c : cases) {
     const auto t0 = std::chrono::steady_clock::now();

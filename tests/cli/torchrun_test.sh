@@ -21,23 +21,37 @@ args=(attention --seq $((64 * n)) --heads 4 --kv-heads 2 --head-dim 32 --mask ca
       --layout zigzag --strategy ring --backward --timeout 60)
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
-timeout 240 "$torchrun" --no-python --nproc-per-node "$n" --standalone \
-  "$ctxpar" "${args[@]}" --check --json --out "$work/gloo" > "$work/gloo.json" 2> "$work/gloo.err" ||
-  { cat "$work/gloo.err" >&2; fail "torchrun --nproc-per-node $n ctxpar attention exited $?"; }
-grep -q '"transport": "gloo"' "$work/gloo.json" || fail "the run did not pick gloo: $(head -c 400 "$work/gloo.json")"
-grep -q '"check_passed": true' "$work/gloo.json" || fail "--check did not pass"
-grep -q "\"ranks\": $n" "$work/gloo.json" || grep -q "\"rank\": $((n - 1))" "$work/gloo.json" ||
-  fail "the JSON does not report $n ranks"
-
-"$ctxpar" "${args[@]}" --ranks "$n" --transport threads --out "$work/threads" > /dev/null ||
-  fail "the threads run failed"
-count=0
-for f in "$work"/threads/*.npy; do
-  cmp -s "$f" "$work/gloo/$(basename "$f")" || fail "$(basename "$f") differs between gloo and threads"
-  count=$((count + 1))
-done
-[ "$count" -ge 5 ] || fail "expected out, lse, dq, dk, dv; found $count files"
+# torchrun (gloo) with args + "$@" into $work/$name-gloo, then the threads transport into
+# $work/$name-threads: gloo picked by itself, --check passed, every output bitwise equal.
+gloo_vs_threads() {
+  local name=$1
+  shift
+  timeout 240 "$torchrun" --no-python --nproc-per-node "$n" --standalone \
+    "$ctxpar" "${args[@]}" "$@" --check --json --out "$work/$name-gloo" > "$work/$name.json" \
+    2> "$work/$name.err" ||
+    { cat "$work/$name.err" >&2; fail "torchrun --nproc-per-node $n ctxpar attention $* exited $?"; }
+  grep -q '"transport": "gloo"' "$work/$name.json" || fail "the run did not pick gloo: $(head -c 400 "$work/$name.json")"
+  grep -q '"check_passed": true' "$work/$name.json" || fail "$name: --check did not pass"
+  grep -q "\"ranks\": $n" "$work/$name.json" || grep -q "\"rank\": $((n - 1))" "$work/$name.json" ||
+    fail "the JSON does not report $n ranks"
+  "$ctxpar" "${args[@]}" "$@" --ranks "$n" --transport threads --out "$work/$name-threads" > /dev/null ||
+    fail "the threads run failed"
+  count=0
+  for f in "$work/$name-threads"/*.npy; do
+    cmp -s "$f" "$work/$name-gloo/$(basename "$f")" || fail "$name: $(basename "$f") differs between gloo and threads"
+    count=$((count + 1))
+  done
+  [ "$count" -ge 5 ] || fail "expected out, lse, dq, dk, dv; found $count files"
+}
+gloo_vs_threads fp32
 echo "PASS: torchrun --nproc-per-node $n: gloo, --check passed, $count outputs bitwise equal to threads"
+# The fast bf16 tier travels to every gloo process: the threads transport's answer, bitwise,
+# and not the exact tier's (its gradients differ).
+gloo_vs_threads fast --dtype bf16 --bf16-tier fast
+"$ctxpar" "${args[@]}" --dtype bf16 --ranks "$n" --transport threads --out "$work/exact" > /dev/null ||
+  fail "the exact-tier threads run failed"
+cmp -s "$work/exact/dv.npy" "$work/fast-gloo/dv.npy" && fail "--bf16-tier fast: dv equals the exact tier's"
+echo "PASS: torchrun --nproc-per-node $n: --bf16-tier fast over gloo, $count outputs bitwise equal to threads"
 
 # ctxpar train under torchrun: the same weights as the threads transport, bit for bit.
 targs=(train --seq $((32 * n)) --steps 2 --quiet --no-plot)

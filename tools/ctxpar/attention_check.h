@@ -26,6 +26,7 @@ struct CheckInputs {
   std::span<const int64_t> document_ids;
   Mask mask;
   DType dtype = DType::f32;  // storage type of q, k, v, out, dout
+  Bf16Tier bf16_tier = Bf16Tier::exact;  // fast (bf16 only): the fast tier's floor, 2^-7
 };
 
 // Fills result.checked, check_passed, checks, max_abs_err, tolerance, check_sampled,

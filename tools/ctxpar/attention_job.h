@@ -58,6 +58,7 @@ struct InputFile {
 struct AttentionJob {
   int64_t batch = 1, seq = 4096, heads = 8, kv_heads = 0 /* 0 = heads */, head_dim = 128;
   DType dtype = DType::f32;
+  Bf16Tier bf16_tier = Bf16Tier::exact;  // --bf16-tier (bf16 inputs only): KernelConfig's
   Mask mask;
   std::vector<int64_t> document_lengths;  // --mask documents:len1,len2,... (sum = seq)
   int ranks = 1;

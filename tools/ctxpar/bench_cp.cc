@@ -357,6 +357,7 @@ int bench_cp(int argc, char** argv) {
   json sweep = {{"seq", seqs}, {"ranks", ranks}, {"mask", opts.str("mask")},
                 {"batch", base.batch}, {"heads", base.heads}, {"kv_heads", base.kv_heads},
                 {"head_dim", base.head_dim}, {"dtype", opts.str("dtype")},
+                {"bf16_tier", bf16_tier_name(base.bf16_tier)},
                 {"threads", base.threads}, {"backward", base.backward}, {"check", base.check},
                 {"repeats", base.repeats}, {"transport", "threads"}};
   std::vector<std::string> names;

@@ -47,8 +47,7 @@ int bench_kernel(int argc, char** argv) {
       .add("head-dim", "128", "head dimension D, 16..256")
       .add("batch", "1", "batch size B")
       .add("dtype", "fp32", "storage type of q, k, v, o, do: fp32 | bf16")
-      .add("bf16-tier", "exact", "bf16 inputs: exact (every product of stored bf16 values) | "
-           "fast (P and dS rounded to bf16, as GPU flash attention; docs/kernel.md)")
+      .add("bf16-tier", "exact", kBf16TierHelp)
       .add("threads", "1", "OpenMP threads (not given: OMP_NUM_THREADS when set)")
       .add("repeats", "3", "repetitions of every measurement (peak included); the best counts")
       .flag("no-backward", "skip the backward measurements")
@@ -61,10 +60,7 @@ int bench_kernel(int argc, char** argv) {
   const int threads = threads_option(o);
   const int repeats = o.i32("repeats", 1, kMaxRepeats);
   const DType dtype = parse_dtype(o.str("dtype"));
-  const std::string tier = o.str("bf16-tier");
-  if (tier != "exact" && tier != "fast")
-    throw UsageError("--bf16-tier " + tier + ": expected exact or fast (fast rounds P and dS to "
-                     "bf16; it applies to --dtype bf16 only)");
+  const Bf16Tier tier = bf16_tier_option(o);
   CTXPAR_CHECK(t >= 1 && hq >= 1 && b >= 1 && threads >= 1, "bench kernel: --seq, --heads, --batch "
                "and --threads must be >= 1");
   const bool backward = !o.on("no-backward");
@@ -94,7 +90,7 @@ int bench_kernel(int argc, char** argv) {
   const Tokens tokens{pos, {}};
   KernelConfig cfg;
   cfg.threads = threads;
-  cfg.bf16_tier = tier == "fast" ? Bf16Tier::fast : Bf16Tier::exact;
+  cfg.bf16_tier = tier;
   ForwardState state(b, t, hq, d);
   Tensor out(dtype, {b, t, hq, d}), lse(DType::f32, {b, hq, t}), delta(DType::f32, {b, hq, t});
   Tensor dq(DType::f32, {b, t, hq, d}), dk(DType::f32, {b, t, hkv, d}), dv(DType::f32, {b, t, hkv, d});
@@ -125,7 +121,7 @@ int bench_kernel(int argc, char** argv) {
 
   nlohmann::json j;
   j["seq"] = t, j["heads"] = hq, j["kv_heads"] = hkv, j["head_dim"] = d, j["batch"] = b;
-  j["dtype"] = dtype_name(dtype), j["bf16_tier"] = tier;
+  j["dtype"] = dtype_name(dtype), j["bf16_tier"] = bf16_tier_name(tier);
   j["threads"] = threads, j["repeats"] = repeats;
   j["simd_target"] = kernel::simd_target_name(), j["simd_lanes"] = kernel::simd_lanes();
   auto put = [&](const char* name, double flops, const Best& s) {

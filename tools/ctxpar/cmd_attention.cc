@@ -175,7 +175,10 @@ void print_table(const AttentionJob& job, const AttentionResult& r) {
               job.mask.describe().c_str(), count_str(job.seq).c_str(),
               static_cast<long long>(job.batch), static_cast<long long>(job.heads),
               static_cast<long long>(hkv), static_cast<long long>(job.head_dim),
-              job.dtype == DType::bf16 ? "bf16" : "fp32", job.backward ? ", forward + backward" : "");
+              job.dtype != DType::bf16            ? "fp32"
+              : job.bf16_tier == Bf16Tier::fast ? "bf16 (fast tier)"
+                                                : "bf16",
+              job.backward ? ", forward + backward" : "");
   std::string how = strategy_name(job.strategy);
   if (job.strategy == StrategyKind::hybrid)
     how += " (ulysses groups of " + std::to_string(job.ulysses_degree ? job.ulysses_degree : job.ranks) + ")";
@@ -258,6 +261,7 @@ Signature signature_of(const Options& o, const AttentionJob& job) {
           {"kv-heads", num(job.kv_heads ? job.kv_heads : job.heads)},
           {"head-dim", num(job.head_dim)},
           {"mask", job.mask.describe() + " " + lengths}, {"dtype", dtype_name(job.dtype)},
+          {"bf16-tier", bf16_tier_name(job.bf16_tier)},
           {"ranks", num(job.ranks)}, {"strategy", strategy_name(job.strategy)},
           {"ulysses-degree", num(job.ulysses_degree)}, {"layout", layout_name(job.layout)},
           {"transport", job.transport}, {"seed", num(job.seed)}, {"repeats", num(job.repeats)},

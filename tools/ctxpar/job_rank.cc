@@ -155,6 +155,7 @@ StrategyOptions strategy_options(const AttentionJob& job) {
   options.ulysses_groups = job.ulysses_groups;
   options.mask = job.mask;
   options.kernel.threads = job.threads;
+  options.kernel.bf16_tier = job.bf16_tier;
   options.device = job.device;
   return options;
 }

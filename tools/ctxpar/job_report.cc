@@ -2,6 +2,7 @@
 #include <algorithm>
 
 #include "job_internal.h"
+#include "options.h"
 
 namespace ctxpar::cli {
 
@@ -13,6 +14,7 @@ nlohmann::json to_json(const AttentionJob& job, const AttentionResult& result) {
   j["batch"] = job.batch, j["seq"] = job.seq, j["heads"] = job.heads;
   j["kv_heads"] = kv_heads_of(job), j["head_dim"] = job.head_dim;
   j["dtype"] = job.dtype == DType::bf16 ? "bf16" : "fp32";
+  j["bf16_tier"] = bf16_tier_name(job.bf16_tier);
   j["mask"] = job.mask.describe();
   j["num_ranks"] = job.ranks;
   j["strategy"] = strategy_name(job.strategy);

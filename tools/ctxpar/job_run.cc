@@ -235,6 +235,7 @@ AttentionResult run_attention_job(const AttentionJob& job) {
     if (!seq.documents.empty()) in.document_ids = job.document_ids;
     in.mask = job.mask;
     in.dtype = job.dtype;
+    in.bf16_tier = job.bf16_tier;
     if (job.on_step) job.on_step("check");
     const int threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
     const auto t0 = Clock::now();

@@ -257,6 +257,7 @@ Options& Options::add_job_shape() {
       .add("head-dim", "128", "head dimension D, 16..256")
       .add("batch", "1", "batch size B")
       .add("dtype", "fp32", "storage type of q, k, v, o, do: fp32 | bf16")
+      .add("bf16-tier", "exact", kBf16TierHelp)
       .add("threads", "1", "OpenMP threads per rank (not given: OMP_NUM_THREADS when set)")
       .add("seed", "0", "seed of the random inputs")
       .add("repeats", "1", "timed repetitions; times are of the fastest");
@@ -268,6 +269,7 @@ void read_job_shape(const Options& o, AttentionJob& job) {
   job.head_dim = o.i64("head-dim", 16, 256);
   job.batch = o.i64("batch", 1, kMaxBatch);
   job.threads = threads_option(o);
+  job.bf16_tier = bf16_tier_option(o);
   job.seed = static_cast<uint64_t>(o.i64("seed", 0, kMaxSeed));
   job.repeats = o.i32("repeats", 1, kMaxRepeats);
   job.ulysses_groups = ulysses_groups_from_env();
@@ -298,5 +300,20 @@ int threads_option(const Options& o) {
                      std::to_string(kMaxThreads) + "]; unset it or give --threads N");
   return static_cast<int>(n);
 }
+
+const char* const kBf16TierHelp =
+    "--dtype bf16: exact (every product of the stored bf16 values, P and dS fp32) | fast (P and "
+    "dS rounded to bf16 before P V, dV, dK and dQ, as GPU flash attention; its own accuracy "
+    "rule, docs/kernel.md \"bf16 tiers\"); with fp32 inputs the tier changes nothing";
+
+Bf16Tier bf16_tier_option(const Options& o) {
+  const std::string tier = o.str("bf16-tier");
+  if (tier == "exact") return Bf16Tier::exact;
+  if (tier == "fast") return Bf16Tier::fast;
+  throw UsageError("--bf16-tier " + tier + ": expected exact or fast (fast rounds P and dS to "
+                   "bf16 as GPU flash attention does; it applies to --dtype bf16 only)");
+}
+
+const char* bf16_tier_name(Bf16Tier tier) { return tier == Bf16Tier::fast ? "fast" : "exact"; }
 
 }  // namespace ctxpar::cli

@@ -9,6 +9,7 @@
 
 #include "ctxpar/device.h"
 #include "ctxpar/error.h"
+#include "ctxpar/kernel.h"
 #include "ctxpar/limits.h"
 
 namespace ctxpar::cli {
@@ -56,6 +57,12 @@ int ulysses_groups_from_env();
 // OMP_NUM_THREADS when that is set (as OpenMP reads "4,2"), else 1. A bad OMP_NUM_THREADS is a
 // usage error naming it.
 int threads_option(const Options& o);
+// --bf16-tier exact | fast (attention, bench cp, bench kernel): KernelConfig::bf16_tier, one
+// help text and one refusal for every command that takes it. Another value is a UsageError
+// naming the option, the value and both choices.
+extern const char* const kBf16TierHelp;
+Bf16Tier bf16_tier_option(const Options& o);
+const char* bf16_tier_name(Bf16Tier tier);  // "exact" | "fast"
 
 class Options {
  public:
