@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
@@ -75,7 +76,25 @@ class Communicator;
 // A pending send or receive. wait() blocks until done (or the communicator's timeout passes:
 // then it throws ctxpar::Error naming rank, peer and tag). A receive's buffer is taken with
 // take() after wait().
+//
+// Note [A failed request fails at once after]: once test(), wait() or take() has thrown
+// (timeout, group failure, wrong size), every later call rethrows that error at once. A call
+// that throws still waits for its queued transfers as it unwinds (the devices' synchronize),
+// and that wait met the same lost message again: a lost message took twice the timeout to
+// report (2 s for 1 s; 240 s for the default 120 s). A timeout is final, on every transport.
 class Request {
+  // Defined before its uses: a deduced return type must be seen first.
+  template <typename F>
+  auto remembering_failure(F&& f) {
+    if (failed_) std::rethrow_exception(failed_);
+    try {
+      return f();
+    } catch (...) {
+      failed_ = std::current_exception();
+      throw;
+    }
+  }
+
  public:
   struct Impl {
     virtual ~Impl() = default;
@@ -86,19 +105,24 @@ class Request {
   Request() = default;
   explicit Request(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
   bool valid() const { return impl_ != nullptr; }
-  bool test() { return !impl_ || impl_->test(); }
-  void wait() { if (impl_) impl_->wait(); }
+  bool test() {
+    return !impl_ || remembering_failure([&] { return impl_->test(); });
+  }
+  void wait() {
+    if (impl_) remembering_failure([&] { impl_->wait(); });
+  }
   // An empty Buffer for an empty Request (or one already taken).
   Buffer take() {
     if (!impl_) return {};
     wait();
-    Buffer b = impl_->take();
+    Buffer b = remembering_failure([&] { return impl_->take(); });
     impl_.reset();
     return b;
   }
 
  private:
   std::unique_ptr<Impl> impl_;
+  std::exception_ptr failed_;
 };
 
 class Communicator {

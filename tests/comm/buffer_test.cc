@@ -48,6 +48,42 @@ TEST(Request, EmptyRequestIsCompleteAndTakesNothing) {
   EXPECT_TRUE(r.take().empty());
 }
 
+// Note [A failed request fails at once after]: a wait that threw (here: a timeout) is not
+// waited again; test, wait and take rethrow the first error. The old Request called the
+// transport's wait again, which waited out the whole timeout a second time.
+TEST(Request, AFailedRequestFailsAtOnceAfterWithTheSameError) {
+  struct TimingOut final : Request::Impl {
+    int* waits;
+    explicit TimingOut(int* w) : waits(w) {}
+    bool test() override { return false; }
+    void wait() override {
+      ++*waits;
+      throw Error("rank 0: timed out after 1 s waiting for recv from rank 1 (tag 1)");
+    }
+  };
+  int waits = 0;
+  Request r(std::make_unique<TimingOut>(&waits));
+  std::string first;
+  try {
+    r.wait();
+  } catch (const Error& e) {
+    first = e.what();
+  }
+  EXPECT_EQ(first, "rank 0: timed out after 1 s waiting for recv from rank 1 (tag 1)");
+  for (int i = 0; i < 3; ++i) {
+    try {
+      if (i == 0) r.wait();
+      else if (i == 1) r.take();
+      else r.test();
+      ADD_FAILURE() << "call " << i << " after the failure did not throw";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()), first) << "call " << i;
+    }
+  }
+  EXPECT_EQ(waits, 1) << "the transport's wait ran again after it had failed";
+  EXPECT_TRUE(r.valid());
+}
+
 TEST(CommKind, HasNames) {
   EXPECT_STREQ(comm_kind_name(CommKind::reduce_scatter), "reduce_scatter");
   EXPECT_STREQ(comm_kind_name(CommKind::send), "send");
