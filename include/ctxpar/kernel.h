@@ -31,6 +31,8 @@ constexpr int64_t kKernelTile = 64;
 // rounded to bf16 for dQ and dK, on the SIMD path; its own, looser accuracy rule. fp32 inputs
 // and the scalar path ignore it.
 enum class Bf16Tier : uint8_t { exact, fast };
+// "exact" | "fast": the names the command, the Python package and the ranks' agreement use.
+inline const char* bf16_tier_name(Bf16Tier tier) { return tier == Bf16Tier::fast ? "fast" : "exact"; }
 
 struct KernelConfig {
   int threads = 1;      // OpenMP threads inside this rank (over batch, head, query tile)

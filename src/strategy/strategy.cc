@@ -154,7 +154,7 @@ Signature signature_of(const Dims& dims, const StrategyOptions& options) {
           {"ulysses_groups", num(options.ulysses_groups)},
           {"mask", options.mask.describe()},
           {"kernel scale", scale},
-          {"kernel bf16 tier", options.kernel.bf16_tier == Bf16Tier::fast ? "fast" : "exact"},
+          {"kernel bf16 tier", bf16_tier_name(options.kernel.bf16_tier)},
           {"batch B", num(dims.batch)}, {"local tokens Tl", num(dims.tokens)},
           {"query heads Hq", num(dims.hq)}, {"kv heads Hkv", num(dims.hkv)},
           {"head dim D", num(dims.d)},

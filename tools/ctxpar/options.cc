@@ -314,6 +314,4 @@ Bf16Tier bf16_tier_option(const Options& o) {
                    "bf16 as GPU flash attention does; it applies to --dtype bf16 only)");
 }
 
-const char* bf16_tier_name(Bf16Tier tier) { return tier == Bf16Tier::fast ? "fast" : "exact"; }
-
 }  // namespace ctxpar::cli

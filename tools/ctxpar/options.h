@@ -61,8 +61,7 @@ int threads_option(const Options& o);
 // help text and one refusal for every command that takes it. Another value is a UsageError
 // naming the option, the value and both choices.
 extern const char* const kBf16TierHelp;
-Bf16Tier bf16_tier_option(const Options& o);
-const char* bf16_tier_name(Bf16Tier tier);  // "exact" | "fast"
+Bf16Tier bf16_tier_option(const Options& o);  // names: ctxpar::bf16_tier_name (kernel.h)
 
 class Options {
  public:
