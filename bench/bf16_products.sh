@@ -7,8 +7,10 @@
 #   bench/bf16_products.sh [CTXPAR_BINARY] [REPEATS] [TORCH_PYTHON]
 # e.g. bench/bf16_products.sh build/ctxpar 5 .venv/bin/python
 # PRODUCTS="off amx" (say) restricts the kernel runs (default: off, then dot and amx where the
-# CPU has them). Ratios are against off: the ratio of the medians, and [the median of the
-# per-repetition ratios, whose runs are adjacent in time].
+# CPU has them); a run named products/fast (e.g. amx/fast) takes the fast bf16 tier
+# (--bf16-tier fast), FAST=1 adds one for each non-off run. Ratios are against off (the exact
+# tier with fp32 products): the ratio of the medians, and [the median of the per-repetition
+# ratios, whose runs are adjacent in time].
 set -euo pipefail
 CTXPAR=${1:-build/ctxpar}
 REPEATS=${2:-5}
@@ -21,6 +23,9 @@ RUNS=(off)
 grep -qw avx512_bf16 /proc/cpuinfo && RUNS+=(dot)
 grep -qw amx_bf16 /proc/cpuinfo && RUNS+=(amx)
 [ -n "${PRODUCTS:-}" ] && read -r -a RUNS <<< "$PRODUCTS"
+if [ "${FAST:-0}" = 1 ]; then
+  for r in "${RUNS[@]}"; do [ "$r" != off ] && [ "${r#*/}" = "$r" ] && RUNS+=("$r/fast"); done
+fi
 [ -n "$TORCH_PY" ] && RUNS+=(torch)
 SHAPE=(--seq 4096 --heads 8 --head-dim 128 --threads 1)
 for ((rep = 1; rep <= REPEATS; rep++)); do
@@ -32,15 +37,18 @@ for ((rep = 1; rep <= REPEATS; rep++)); do
     if [ "$r" = torch ]; then
       "$TORCH_PY" "$ROOT/bench/torch_sdpa.py" "${SHAPE[@]}" --dtype bf16 --repeats 1 > "$OUT/$r.$rep.json"
     else
-      CTXPAR_BF16_PRODUCTS=$r "$CTXPAR" bench kernel "${SHAPE[@]}" --dtype bf16 --repeats 1 --json \
-        > "$OUT/$r.$rep.json"
+      tier=exact
+      [ "${r#*/}" != "$r" ] && tier=${r#*/}
+      CTXPAR_BF16_PRODUCTS=${r%%/*} "$CTXPAR" bench kernel "${SHAPE[@]}" --dtype bf16 --repeats 1 \
+        --bf16-tier "$tier" --json > "$OUT/${r//\//_}.$rep.json"
     fi
   done
 done
 python3 - "$OUT" "$REPEATS" "${RUNS[@]}" <<'PY'
 import json, statistics, sys
 out, reps, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-data = {r: [json.load(open(f"{out}/{r}.{i}.json")) for i in range(1, reps + 1)] for r in runs}
+data = {r: [json.load(open(f"{out}/{r.replace('/', '_')}.{i}.json")) for i in range(1, reps + 1)]
+        for r in runs}
 def med(r, key):
     vals = [d[key] for d in data[r] if key in d]
     return statistics.median(vals) if vals else None

@@ -91,6 +91,129 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void scores_amx(
   _tile_release();
 }
 
+// Note [P V, dV, dK, dQ through AMX]: with bf16 inputs, V, dO, Q and K are bf16 values, so
+// the products with P and dS are products of bf16 values wherever P and dS are written as bf16
+// values: forward O += P V; backward dV += P^T dO, dK += (scale dS)^T Q, dQ += (scale dS) K.
+// Where the exact products run through AMX (p.amx), these run through tiles too:
+//   - the fast tier rounds P and dS to one bf16 each (its documented rule, docs/kernel.md);
+//   - the exact tier splits each fp32 value into 3 bf16 parts whose sum is the value exactly
+//     (round_to_pairs), and the tiles add the three parts' exact products into the same fp32
+//     accumulators: P and dS stay fp32 in effect, only the order of the fp32 additions
+//     changes (as it does between vdpbf16ps and tdpbf16ps for S). Three tile products cost
+//     less than one fp32 FMA product where tiles run well over 3x the FMA rate (the probe
+//     measured 8x on the Sapphire Rapids guest; docs/BENCHMARKS.md has the end-to-end gain).
+// V, dO, Q and K are packed as VNNI pair-rows (pack_vnni); the fp32 accumulators (the
+// forward's O rows, the backward's dV / dK block partials and dQ rows) are loaded into the C
+// tiles and stored back. dK sums (scale dS)^T Q with the unscaled bf16 Q, so it needs no
+// 1 / scale at the end. Rows and columns the tiles cover beyond the data are zero pairs in A
+// or B: they add exact zeros to rows of the task's own tiles (padding rows and columns). One
+// code path serves every transport, so threads, MPI and the simulator still get the same bits.
+
+// C rows [0, 16 R) x columns [0, 16 N) (+)= A B, R, N in {1, 2}: A rows lda words apart, B
+// pair-rows ldb words apart, C rows ldc floats apart.
+template <int R, int N>
+__attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void gemm_block(
+    int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, float* c,
+    int64_t ldc, bool accumulate, int nsplit, int64_t split_words) {
+  if (accumulate) {
+    _tile_loadd(0, c, ldc * 4);
+    if constexpr (N == 2) _tile_loadd(1, c + 16, ldc * 4);
+    if constexpr (R == 2) _tile_loadd(2, c + 16 * ldc, ldc * 4);
+    if constexpr (R == 2 && N == 2) _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+  } else {
+    _tile_zero(0);
+    if constexpr (N == 2) _tile_zero(1);
+    if constexpr (R == 2) _tile_zero(2);
+    if constexpr (R == 2 && N == 2) _tile_zero(3);
+  }
+  for (int64_t p = 0; p < npairs; p += 16) {
+    _tile_loadd(6, b + p * ldb, ldb * 4);
+    if constexpr (N == 2) _tile_loadd(7, b + p * ldb + 16, ldb * 4);
+    for (int sp = 0; sp < nsplit; ++sp) {  // each part of A against the same B tiles
+      const uint32_t* as = a + sp * split_words + p;
+      _tile_loadd(4, as, lda * 4);
+      if constexpr (R == 2) _tile_loadd(5, as + 16 * lda, lda * 4);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (N == 2) _tile_dpbf16ps(1, 4, 7);
+      if constexpr (R == 2) _tile_dpbf16ps(2, 5, 6);
+      if constexpr (R == 2 && N == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, ldc * 4);
+  if constexpr (N == 2) _tile_stored(1, c + 16, ldc * 4);
+  if constexpr (R == 2) _tile_stored(2, c + 16 * ldc, ldc * 4);
+  if constexpr (R == 2 && N == 2) _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) void gemm_amx(int64_t m, int64_t n, int64_t npairs,
+                                                           const uint32_t* a, int64_t lda,
+                                                           const uint32_t* b, int64_t ldb, float* c,
+                                                           int64_t ldc, bool accumulate, int nsplit,
+                                                           int64_t split_words) {
+  load_tiles();
+  for (int64_t r = 0; r < m; r += 32) {
+    const bool r2 = m - r >= 32;
+    for (int64_t col = 0; col < n; col += 32) {
+      const bool n2 = n - col >= 32;
+      const uint32_t* ap = a + r * lda;
+      const uint32_t* bp = b + col;
+      float* cp = c + r * ldc + col;
+      if (r2 && n2)
+        gemm_block<2, 2>(npairs, ap, lda, bp, ldb, cp, ldc, accumulate, nsplit, split_words);
+      else if (r2)
+        gemm_block<2, 1>(npairs, ap, lda, bp, ldb, cp, ldc, accumulate, nsplit, split_words);
+      else if (n2)
+        gemm_block<1, 2>(npairs, ap, lda, bp, ldb, cp, ldc, accumulate, nsplit, split_words);
+      else
+        gemm_block<1, 1>(npairs, ap, lda, bp, ldb, cp, ldc, accumulate, nsplit, split_words);
+    }
+  }
+  _tile_release();
+}
+
+__attribute__((target("avx512f,avx512vl,avx512bw,avx512bf16"))) void round_to_pairs(
+    const float* x, int64_t ldx, int64_t rows, int64_t npairs, uint32_t* out, int64_t ldw,
+    int nsplit, int64_t split_words) {
+  alignas(64) uint16_t idx_lo[32], idx_hi[32];
+  for (int i = 0; i < 32; ++i)
+    idx_lo[i] = static_cast<uint16_t>(i / 2), idx_hi[i] = static_cast<uint16_t>(16 + i / 2);
+  const __m512i to_high_lo = _mm512_load_si512(idx_lo), to_high_hi = _mm512_load_si512(idx_hi);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * ldx;
+    uint32_t* o = out + r * ldw;
+    int64_t p = 0;
+    for (; p + 16 <= npairs; p += 16) {  // 32 values: the first 16 the low halves' order
+      __m512 lo = _mm512_loadu_ps(xr + 2 * p), hi = _mm512_loadu_ps(xr + 2 * p + 16);
+      for (int sp = 0; sp < nsplit; ++sp) {
+        const __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
+        _mm512_storeu_si512(static_cast<void*>(o + sp * split_words + p), (__m512i)v);
+        if (sp + 1 == nsplit) break;
+        // What this part left, exact in fp32: x minus its nearest bf16 value (the result's low 256
+        // bits are lo's 16 values, the high 256 hi's).
+        // bf16 value i into the high half of 32-bit lane i, the low half zero: its fp32 value.
+        const __m512i w = (__m512i)v;
+        const __m512i wl = _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, to_high_lo, w);
+        const __m512i wh = _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, to_high_hi, w);
+        lo = _mm512_sub_ps(lo, _mm512_castsi512_ps(wl));
+        hi = _mm512_sub_ps(hi, _mm512_castsi512_ps(wh));
+      }
+    }
+    for (; p < npairs; ++p) {
+      float lo = xr[2 * p], hi = xr[2 * p + 1];
+      for (int sp = 0; sp < nsplit; ++sp) {
+        const __m128bh v = _mm_cvtneps_pbh(_mm_set_ps(0, 0, hi, lo));
+        uint32_t w;
+        std::memcpy(&w, &v, sizeof w);
+        o[sp * split_words + p] = w;
+        const uint32_t wl = w << 16, wh = w & 0xffff0000u;
+        float fl, fh;
+        std::memcpy(&fl, &wl, sizeof fl), std::memcpy(&fh, &wh, sizeof fh);
+        lo -= fl, hi -= fh;
+      }
+    }
+  }
+}
+
 // One C element of a tile product (A row 0 = x, B column 0 = y; the rest zero), accumulated
 // over npairs / 16 steps from a zeroed tile exactly as block() accumulates every element.
 __attribute__((target("amx-tile,amx-bf16"))) float dot_pairs_amx(const uint32_t* x,
@@ -112,6 +235,9 @@ __attribute__((target("amx-tile,amx-bf16"))) float dot_pairs_amx(const uint32_t*
 }
 #else
 void scores_amx(int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*, float*, float) {}
+void gemm_amx(int64_t, int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*, int64_t,
+              float*, int64_t, bool, int, int64_t) {}
+void round_to_pairs(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t, int, int64_t) {}
 float dot_pairs_amx(const uint32_t*, const uint32_t*, int64_t) { return 0; }
 #endif
 

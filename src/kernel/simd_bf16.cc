@@ -46,6 +46,17 @@ void pack_tile(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t co
   }
 }
 
+void pack_vnni(const TensorView& t, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t d,
+               int64_t ldb, uint32_t* out, int64_t tile_rows) {
+  std::fill(out, out + tile_rows / 2 * ldb, 0u);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* src = t.ptr<const uint16_t>() + t.offset(b, i0 + r, h);
+    uint32_t* dst = out + r / 2 * ldb;
+    const int shift = r % 2 == 0 ? 0 : 16;  // even row: the low half of the word
+    for (int64_t c = 0; c < d; ++c) dst[c] |= static_cast<uint32_t>(src[c]) << shift;
+  }
+}
+
 #if defined(__x86_64__)
 namespace {
 

@@ -51,9 +51,40 @@ void scores(int64_t m, int64_t npairs, const uint32_t* a, int64_t lda, const uin
 void scores_amx(int64_t m, int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b,
                 float* c, float mul);
 
+// P V, dV, dK and dQ through AMX tiles (Note [P V, dV, dK, dQ through AMX] in amx_bf16.cc): the
+// exact tier (P and dS split in 3 bf16 parts) and the fast tier (rounded). Their B operands are
+// bf16 values paired along the summed (token) index, "VNNI" rows: word [p][c] = (x[2p][c], x[2p +
+// 1][c]). Words a pair-row stores: d rounded up to 16 (one tile's columns), one cache line more
+// where that is a multiple of 256 bytes (Note [Padded rows] in simd_tile.h).
+inline int64_t vnni_words(int64_t d) {
+  const int64_t w = (d + 15) / 16 * 16;
+  return (w * 4) % 256 == 0 ? w + 16 : w;
+}
+// Rows [i0, i0 + rows) of one (batch, head) of a bf16 t [B, T, H, D] as tile_rows / 2 pair-rows of
+// `ldb` words (tile_rows even, >= rows): rows past `rows` and columns past d zero. The values are
+// copied, never rounded.
+void pack_vnni(const TensorView& t, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t d,
+               int64_t ldb, uint32_t* out, int64_t tile_rows);
+// rows rows of 2 npairs fp32 values (ldx floats a row) as bf16 pairs rounded to nearest even
+// (vcvtne2ps2bf16: a subnormal comes out 0), ldw words a row. nsplit > 1: also what each part left,
+// rounded the same way, as part 2, 3, ... (split_words apart): x = part 1 + part 2 + part 3 exactly
+// for 3 parts (8 + 8 + 8 significand bits cover fp32's 24, the signs of the remainders free),
+// unless a part falls below bf16's normal range (below 2^-126: flushed).
+void round_to_pairs(const float* x, int64_t ldx, int64_t rows, int64_t npairs, uint32_t* out,
+                    int64_t ldw, int nsplit = 1, int64_t split_words = 0);
+// C[m][n] (+)= A B through AMX tiles: A m rows of npairs pairs (lda words a row), B npairs
+// pair-rows of n columns (ldb words a pair-row); m, n and npairs multiples of 16. accumulate: C's
+// values are the tiles' starting sums, else zero. Each C element adds 16 pairs a step in fp32
+// (round to nearest even) in tdpbf16ps's order. nsplit > 1: A is the sum of nsplit parts
+// (round_to_pairs' split, split_words apart), each part's 16 pairs added in turn against the same B
+// tiles.
+void gemm_amx(int64_t m, int64_t n, int64_t npairs, const uint32_t* a, int64_t lda,
+              const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate,
+              int nsplit = 1, int64_t split_words = 0);
+
 // Per-thread buffers of packed pairs that keep their pages between calls (as scratch() in
 // simd_tile.h); contents undefined.
-enum class Buffer { k_tiles, q_rows, do_rows, count };
+enum class Buffer { k_tiles, q_rows, do_rows, v_vnni, q_vnni, do_vnni, count };
 uint32_t* buffer(Buffer slot, size_t words);
 
 // sum_c o[c] g[c] over d values added exactly as scores() adds a dP = dO . V (for the

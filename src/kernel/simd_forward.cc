@@ -38,7 +38,17 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
   // Packed K^T tiles [B, Hkv, nkt][D][64] and V tiles [B, Hkv, nkt][64][dp].
   float* kpack =
       p.bf16_scores ? nullptr : scratch(Scratch::k_pack, p.batch * p.hkv * nkt * d * kTile);
-  float* vpack = scratch(Scratch::v_pack, p.batch * p.hkv * nkt * kTile * ld);
+  // With AMX, O += P V in tiles too (Note [P V, dV, dK, dQ through AMX] in amx_bf16.cc): P split
+  // into 3 bf16 parts (the exact tier) or rounded to one (the fast tier), V packed as VNNI
+  // pair-rows instead. The tiles write columns up to d rounded to 16, which the acc rows must hold
+  // (they do on the avx512 targets, the only ones with p.amx).
+  const int64_t n16 = round_up(d, 16), ldv = bf16::vnni_words(d);
+  const bool amx_pv = p.amx && v.dtype() == DType::bf16 && n16 <= ld;
+  const int nsplit = p.round_p ? 1 : 3;
+  uint32_t* vvnni =
+      amx_pv ? bf16::buffer(bf16::Buffer::v_vnni, p.batch * p.hkv * nkt * (kTile / 2) * ldv)
+             : nullptr;
+  float* vpack = amx_pv ? nullptr : scratch(Scratch::v_pack, p.batch * p.hkv * nkt * kTile * ld);
   // With exact bf16 products (simd_bf16.h) K is packed as tiles of bf16 pairs instead.
   const int64_t np = bf16::stored_pairs(d, p.amx), ldw = bf16::row_words(d, p.amx);
   uint32_t* kpairs =
@@ -56,7 +66,10 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
         bf16::pack_tile(k, b, hk, kt * kTile, cols, d, kpairs + t * np * kTile, p.amx);
       else
         pack_transposed(k, b, hk, kt * kTile, cols, d, kpack + t * d * kTile, row.data());
-      pack_rows(v, b, hk, kt * kTile, cols, d, ld, vpack + t * kTile * ld);
+      if (amx_pv)
+        bf16::pack_vnni(v, b, hk, kt * kTile, cols, d, ldv, vvnni + t * (kTile / 2) * ldv, kTile);
+      else
+        pack_rows(v, b, hk, kt * kTile, cols, d, ld, vpack + t * kTile * ld);
     }
   }
 
@@ -83,6 +96,8 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
     // Row sums kept as one vector per row (lanes summed once per task, not once per tile).
     std::vector<float> lv(kRows * nl);
     std::vector<uint32_t> qpairs(p.bf16_scores ? kRows * ldw : 0);  // Q as bf16 pairs, unscaled
+    const int64_t split_words = kRows * (kTile / 2);
+    std::vector<uint32_t> ppairs(amx_pv ? nsplit * split_words : 0);  // P's parts as pairs
     // Each task owns its rows of the state, so which thread runs it cannot change the result:
     // dynamic scheduling balances causal masks (late query tiles see more keys) for free.
 #pragma omp for schedule(dynamic, 1)
@@ -140,9 +155,22 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
           softmax_row(sr, m[r], lv.data() + r * nl, acc.data() + r * ld, dp);
         }
         // The fast bf16 tier: P rounded for O += P V only (l summed the fp32 P above).
-        if (p.round_p) round_bf16(s.data() + r0 * kTile, mrows * kTile);
-        gemm_rows(mrows, dp, cols, s.data() + r0 * kTile, kTile, vpack + pk * kTile * ld, ld,
-                  acc.data() + r0 * ld, ld, true);
+        if (amx_pv) {  // P's parts, or P rounded (the fast tier), times V in tiles
+          // 16-row tiles: rows past mrows are padding rows (r >= rows), their P pairs zero.
+          const int64_t m16 = round_up(mrows, 16);
+          bf16::round_to_pairs(s.data() + r0 * kTile, kTile, mrows, kTile / 2, ppairs.data(),
+                               kTile / 2, nsplit, split_words);
+          for (int sp = 0; sp < nsplit; ++sp)
+            std::fill(ppairs.data() + sp * split_words + mrows * (kTile / 2),
+                      ppairs.data() + sp * split_words + m16 * (kTile / 2), 0u);
+          bf16::gemm_amx(m16, n16, kTile / 2, ppairs.data(), kTile / 2,
+                         vvnni + pk * (kTile / 2) * ldv, ldv, acc.data() + r0 * ld, ld, true,
+                         nsplit, split_words);
+        } else {
+          if (p.round_p) round_bf16(s.data() + r0 * kTile, mrows * kTile);
+          gemm_rows(mrows, dp, cols, s.data() + r0 * kTile, kTile, vpack + pk * kTile * ld, ld,
+                    acc.data() + r0 * ld, ld, true);
+        }
         // The MPI transport's progress calls, if installed (tile_progress.h): one a tile.
         for (int64_t u = first; u <= last; ++u) tile_progress();
       }

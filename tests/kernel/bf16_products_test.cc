@@ -167,6 +167,35 @@ TEST(Bf16Products, AmxProbeMeasuresOrSaysWhyNot) {
     EXPECT_NE(c.reason.find("AMX-BF16"), std::string::npos) << c.reason;
 }
 
+// round_to_pairs (Note [P V, dV, dK, dQ through AMX] in amx_bf16.cc): one part is each value
+// rounded to nearest even, as round_to_bf16; three parts add up to the fp32 value exactly
+// (every significand bit kept), over values from 2^-100 to 2^100 of both signs, in row order,
+// with a row tail past the 16-pair vectors.
+TEST(AmxProducts, ThreeBf16PartsAddUpToTheFp32ValueExactly) {
+  CTXPAR_SKIP_WITHOUT_AMX();
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> mant(1.0f, 2.0f);
+  std::uniform_int_distribution<int> expo(-100, 100);
+  const int64_t rows = 3, npairs = 19, ldx = 2 * npairs + 2, ldw = npairs + 1;
+  const int64_t split = rows * ldw;
+  std::vector<float> x(rows * ldx);
+  for (float& v : x) v = std::ldexp(mant(rng), expo(rng)) * (rng() % 2 ? 1.0f : -1.0f);
+  x[5] = 1.0f + 0x1.0p-23f, x[6] = -(1.0f + 0x1.ffp-9f);  // the lowest bit; a tie region
+  std::vector<uint32_t> one(split, 0u), three(3 * split, 0u);
+  kernel::bf16::round_to_pairs(x.data(), ldx, rows, npairs, one.data(), ldw);
+  kernel::bf16::round_to_pairs(x.data(), ldx, rows, npairs, three.data(), ldw, 3, split);
+  auto half = [](uint32_t w, int64_t i) { return widen(static_cast<uint16_t>(w >> (16 * i))); };
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < 2 * npairs; ++c) {
+      const float v = x[r * ldx + c];
+      const int64_t w = r * ldw + c / 2;
+      EXPECT_EQ(half(one[w], c % 2), round_to_bf16(v)) << r << " " << c;
+      const double sum = static_cast<double>(half(three[w], c % 2)) +
+                         half(three[split + w], c % 2) + half(three[2 * split + w], c % 2);
+      EXPECT_EQ(sum, static_cast<double>(v)) << r << " " << c << " " << v;
+    }
+}
+
 // The level forced to AMX for the test's body (and put back after).
 class AmxForced : public ::testing::Test {
  protected:

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "ctxpar/kernel.h"
+#include "kernel/amx_probe.h"
 #include "kernel/kernel_support.h"
 #include "kernel/problem.h"
 
@@ -26,24 +28,14 @@ struct Named {
   const std::vector<double>& ref;
 };
 
-TEST(Bf16Tier, FastTierWithinItsRuleAndExactTierMoreAccurate) {
-  if (kernel::use_scalar_path()) GTEST_SKIP() << "the scalar path has one tier (exact)";
-  std::vector<Case> cases;
-  Case c;
-  c.dtype = DType::bf16, c.tq = c.tk = 200, c.hq = 4, c.hkv = 2, c.d = 80;
-  c.mask = Mask::causal_mask();
-  cases.push_back(c);
-  c.tq = 67, c.tk = 130, c.hq = c.hkv = 1, c.d = 37, c.mask = Mask{}, c.seed = 3;  // odd D, ragged
-  cases.push_back(c);
-  c.tq = c.tk = 256, c.hq = 8, c.hkv = 2, c.d = 128, c.mask = Mask::causal_mask(), c.seed = 5;
-  c.qk_scale = 2;  // sharper softmax rows
-  cases.push_back(c);
+// Each case's fast and exact tiers against fp64 by the rules above, `threads` OpenMP threads.
+void check_tiers(const std::vector<Case>& cases, int threads) {
   for (const Case& k : cases) {
     SCOPED_TRACE(k.name());
     const Inputs in = make_inputs(k);
     const References refs = references_of(in, k.mask, true);
-    const Outputs exact = run_fast(in, k.mask, 1, true, 1, {}, Bf16Tier::exact);
-    const Outputs fast = run_fast(in, k.mask, 1, true, 1, {}, Bf16Tier::fast);
+    const Outputs exact = run_fast(in, k.mask, threads, true, 1, {}, Bf16Tier::exact);
+    const Outputs fast = run_fast(in, k.mask, threads, true, 1, {}, Bf16Tier::fast);
     const Named outs[] = {{"o", exact.o, fast.o, refs.naive32.o, refs.ref64.o},
                           {"dq", exact.dq, fast.dq, refs.naive32.dq, refs.ref64.dq},
                           {"dk", exact.dk, fast.dk, refs.naive32.dk, refs.ref64.dk},
@@ -64,6 +56,52 @@ TEST(Bf16Tier, FastTierWithinItsRuleAndExactTierMoreAccurate) {
               max_err(fast.lse, std::vector<double>(exact.lse.ptr<float>(),
                                                      exact.lse.ptr<float>() + exact.lse.numel())));
   }
+}
+
+TEST(Bf16Tier, FastTierWithinItsRuleAndExactTierMoreAccurate) {
+  if (kernel::use_scalar_path()) GTEST_SKIP() << "the scalar path has one tier (exact)";
+  std::vector<Case> cases;
+  Case c;
+  c.dtype = DType::bf16, c.tq = c.tk = 200, c.hq = 4, c.hkv = 2, c.d = 80;
+  c.mask = Mask::causal_mask();
+  cases.push_back(c);
+  c.tq = 67, c.tk = 130, c.hq = c.hkv = 1, c.d = 37, c.mask = Mask{}, c.seed = 3;  // odd D, ragged
+  cases.push_back(c);
+  c.tq = c.tk = 256, c.hq = 8, c.hkv = 2, c.d = 128, c.mask = Mask::causal_mask(), c.seed = 5;
+  c.qk_scale = 2;  // sharper softmax rows
+  cases.push_back(c);
+  check_tiers(cases, 1);
+}
+
+// Both tiers' P V, dV, dK and dQ through AMX tiles (Note [P V, dV, dK, dQ through AMX] in
+// amx_bf16.cc: P and dS split in 3 bf16 parts for the exact tier, rounded for the fast one),
+// forced: D not a multiple of 16 or 32 (the tiles' padding columns), ragged lengths (padding
+// rows and key columns), window and document masks, GQA, 2 threads. Skips, saying why, where
+// AMX-BF16 is not usable (the ctest entry kernel_bf16_amx says the same).
+TEST(Bf16Tier, BothTiersThroughAmxWithinTheirRules) {
+  if (kernel::use_scalar_path()) GTEST_SKIP() << "the scalar path has one tier (exact)";
+  if (!kernel::amx_unusable_why().empty())
+    GTEST_SKIP() << "AMX-BF16 not usable here: " << kernel::amx_unusable_why();
+  kernel::set_bf16_products_for_test(kernel::kBf16Amx);
+  if (kernel::bf16_products_on() != kernel::kBf16Amx) {
+    kernel::set_bf16_products_for_test(-1);
+    GTEST_SKIP() << "the SIMD target in use (" << simd_targets().chosen
+                 << ") is not an avx512 one: products stay fp32";
+  }
+  Mask window, docs;
+  window.window_left = 40, window.window_right = 7;
+  docs.causal = docs.documents = true;
+  std::vector<Case> cases;
+  int n = 0;
+  for (const int64_t d : {37, 80, 96, 128})
+    for (const Mask& m : {Mask::causal_mask(), window, docs}) {
+      Case c;
+      c.dtype = DType::bf16, c.tq = 150 - 7 * (n % 3), c.tk = 150, c.hq = 4, c.hkv = 2, c.d = d;
+      c.mask = m, c.doc_len = 45, c.seed = 21 + n++;
+      cases.push_back(c);
+    }
+  check_tiers(cases, 2);
+  kernel::set_bf16_products_for_test(-1);
 }
 
 }  // namespace
