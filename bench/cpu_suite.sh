@@ -115,8 +115,9 @@ RUNS=(kernel_1t torch_1t kernel_2t torch_2t kernel_bf16_1t torch_bf16_1t kernel_
 # Issue 26: bf16 inputs with the exact bf16 products forced on (CTXPAR_BF16_PRODUCTS=on), beside
 # kernel_bf16_1t (what the probe chose: fp32 products on a CPU where vdpbf16ps is slower).
 grep -qw avx512_bf16 /proc/cpuinfo && RUNS+=(kernel_bf16dot_1t)
-# ... and through AMX-BF16 tiles (CTXPAR_BF16_PRODUCTS=amx) beside fp32 products forced (off).
-grep -qw amx_bf16 /proc/cpuinfo && RUNS+=(kernel_bf16amx_1t kernel_bf16fp32_1t)
+# ... and through AMX-BF16 tiles (CTXPAR_BF16_PRODUCTS=amx) beside fp32 products forced (off),
+# in the exact tier (the default) and the opt-in fast one (--bf16-tier fast).
+grep -qw amx_bf16 /proc/cpuinfo && RUNS+=(kernel_bf16amx_1t kernel_bf16amxfast_1t kernel_bf16fp32_1t)
 python3 - "$INFO/config.json" "$REPEATS" "$INNER" "$QUICK" "$TORCH_PIN" "$TORCH_PY" \
   "$KT" "$KH" "$KD" "$CT" "$CH" "$CD" "$GGML_BIN" "${RUNS[@]}" <<'PY' || die "cannot write $INFO/config.json"
 import json, sys
@@ -128,9 +129,9 @@ json.dump(dict(repeats=int(a[1]), inner=int(a[2]), quick=a[3] == "1", torch_pin=
 PY
 
 export OMP_NUM_THREADS=1  # every command below sets its own thread count
-kernel() {  # kernel THREADS [DTYPE]
+kernel() {  # kernel THREADS [DTYPE [BF16_TIER]]
   "$CTXPAR" bench kernel --seq $KT --heads $KH --head-dim $KD --threads "$1" --dtype "${2:-fp32}" \
-    --repeats "$INNER" --json
+    --bf16-tier "${3:-exact}" --repeats "$INNER" --json
 }
 torch_sdpa() {  # torch_sdpa THREADS [DTYPE]
   OMP_NUM_THREADS=$1 MKL_NUM_THREADS=$1 "$TORCH_PY" "$ROOT/bench/torch_sdpa.py" --seq $KT \
@@ -153,6 +154,7 @@ run() {  # run NAME: one measurement, its JSON kept only if it succeeded
     kernel_bf16_2t) kernel 2 bf16 ;;
     kernel_bf16dot_1t) CTXPAR_BF16_PRODUCTS=on kernel 1 bf16 ;;
     kernel_bf16amx_1t) CTXPAR_BF16_PRODUCTS=amx kernel 1 bf16 ;;
+    kernel_bf16amxfast_1t) CTXPAR_BF16_PRODUCTS=amx kernel 1 bf16 fast ;;
     kernel_bf16fp32_1t) CTXPAR_BF16_PRODUCTS=off kernel 1 bf16 ;;
     torch_bf16_1t) torch_sdpa 1 bf16 ;;
     torch_bf16_2t) torch_sdpa 2 bf16 ;;

@@ -138,6 +138,20 @@ def ratio_rows(meta):
                          f"speed, bf16 inputs, {word}, {mask}, 1 thread", 1.3,
                          lambda r, pas=pas:
                          r["kernel_bf16fp32_1t"][pas + "_seconds"] / r["kernel_bf16amx_1t"][pas + "_seconds"]))
+            if "kernel_bf16amxfast_1t" in meta.get("runs", []):  # the opt-in fast tier
+                rows.append((f"bf16amxfast_vs_fp32_products_{pas}", f"AMX, fast bf16 tier / fp32 "
+                             f"products speed, bf16 inputs, {word}, {mask}, 1 thread", None,
+                             lambda r, pas=pas: r["kernel_bf16fp32_1t"][pas + "_seconds"]
+                             / r["kernel_bf16amxfast_1t"][pas + "_seconds"]))
+        if meta.get("torch_skipped") is None:
+            for run, tier in (("kernel_bf16amx_1t", "exact"), ("kernel_bf16amxfast_1t", "fast")):
+                if run not in meta.get("runs", []):
+                    continue
+                for pas, word in (("fwd", "forward"), ("bwd", "backward")):
+                    rows.append((f"{run[7:-3]}_vs_torch_bf16_{pas}", f"AMX, {tier} bf16 tier / "
+                                 f"torch SDPA bf16 speed, {word}, non-causal, 1 thread", 1.5,
+                                 lambda r, pas=pas, run=run:
+                                 r["torch_bf16_1t"][pas + "_seconds"] / r[run][pas + "_seconds"]))
     if meta.get("ggml_binary"):
         for run, n, kv, goal in (("ggml_1t", 1, "fp32", None), ("ggml_2t", 2, "fp32", 1.5),
                                  ("ggml_f16_2t", 2, "fp16", None)):
@@ -210,7 +224,7 @@ def main():
     absolute = {name: medians(reps, name, kernel_fields + ["forward_seconds"])
                 for name in ("kernel_1t", "kernel_2t", "torch_1t", "torch_2t", "kernel_bf16_1t",
                              "kernel_bf16_2t", "kernel_bf16dot_1t", "kernel_bf16amx_1t",
-                             "kernel_bf16fp32_1t", "torch_bf16_1t", "torch_bf16_2t", "ring_p2_zigzag",
+                             "kernel_bf16amxfast_1t", "kernel_bf16fp32_1t", "torch_bf16_1t", "torch_bf16_2t", "ring_p2_zigzag",
                              "ring_p2_contiguous", "one_rank_2t", "ggml_1t", "ggml_2t", "ggml_f16_2t")}
     failed = sorted({f"rep{i + 1}/{n}" for i, r in enumerate(reps) for n in meta["runs"]
                      if n not in r and not (n.startswith("torch") and meta.get("torch_skipped"))})
