@@ -191,14 +191,17 @@ double seconds_of(const std::function<void()>& f) {
 TEST(PlanLimits, LocalHardwareWithThousandsOfRanksAnswersInSeconds) {
   test::CommandResult r;
   const std::string cap = CTXPAR_UNDER_SANITIZER ? "" : "ulimit -v 8000000; ";
+  // ASan runs this command 11-15x slower (docs/sanitizers.md): its bounds scale with it (the
+  // old behaviour took minutes in a release build, so it still fails).
+  const int k = CTXPAR_UNDER_SANITIZER ? 5 : 1;
   const double wall = seconds_of([&] {
-    r = test::run_shell(cap + "timeout 120 " + test::ctxpar_path() +
+    r = test::run_shell(cap + "timeout " + std::to_string(120 * k) + " " + test::ctxpar_path() +
                         " plan --seq 4M --cp 4096 --hardware local --json");
   });
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const auto j = test::parse_json(r);
   EXPECT_EQ(j["ring_layer"]["ranks"].size(), 4096u);
-  EXPECT_LT(wall, 60.0);  // ~4 s on 2 busy cores
+  EXPECT_LT(wall, 60.0 * k);  // ~4 s on 2 busy cores
 }
 
 TEST(PlanLimits, AutoCpBeyondTheSimulatedRingIsRefusedAtOnce) {
@@ -246,7 +249,7 @@ TEST(MemoryLimits, JobAboveTheLimitIsRefusedAtOnce) {
                            "but CTXPAR_MEMORY_LIMIT_BYTES leaves 47.7 MiB; raise or unset "
                            "CTXPAR_MEMORY_LIMIT_BYTES, or lower --seq"})
     EXPECT_NE(r.err.find(part), std::string::npos) << part << "\n" << r.err;
-  EXPECT_LT(wall, 1.0);
+  EXPECT_LT(wall, CTXPAR_UNDER_SANITIZER ? 8.0 : 1.0);  // a process start (ASan's is slow)
   // The same job under a limit it fits in runs (a normal job passes).
   const test::CommandResult ok = test::run_shell(
       "CTXPAR_MEMORY_LIMIT_BYTES=1e9 " + test::ctxpar_path() +

@@ -15,7 +15,10 @@
 #    run and for each pass. The goal on a quiet machine is 10 %; 25 % leaves room for a loaded
 #    2-core machine (4 ranks oversubscribe it) without letting a blocking exchange (~100 %,
 #    step 1) pass, nor a backward whose dK/dV accumulators go home in one piece after the
-#    last compute (at P = 2 that hop is half of the backward's bytes: ~50 %).
+#    last compute (at P = 2 that hop is half of the backward's bytes: ~50 %). Where a figure
+#    comes out over 0.25 the checked runs are made once more and each figure is the lower of
+#    the two: a stalled rank on a loaded machine only adds to the exposed time, so a blocking
+#    exchange or a one-piece dK/dV hop fails both tries (0.28 was seen once in CI).
 #    The thread is not checked at P = 4: four ranks and four progress threads on two cores
 #    measure the scheduler (one CI run in five exposed 0.37 of the backward's transfer there,
 #    0.05 in the next three); its P = 4 figures are in docs/BENCHMARKS.md, from runs by hand.
@@ -53,41 +56,75 @@ common=(--ctxpar "$CTXPAR" --rate-per-rank "$rate" --seq-per-rank 4096 --heads "
 rc=0
 bash "$BENCH" "${common[@]}" --ranks 2 --progress off --out "$OUT/off" -- --backward || rc=$?
 [ $rc -eq 0 ] || exit $rc   # 77: skipped, said why
-bash "$BENCH" "${common[@]}" --ranks "2 4" --progress tiles --out "$OUT/tiles" -- --backward || rc=$?
-[ $rc -eq 0 ] || exit $rc
-bash "$BENCH" "${common[@]}" --ranks 2 --progress thread --out "$OUT/thread" -- --backward || rc=$?
-[ $rc -eq 0 ] || exit $rc
+# The checked runs: tiles at P = 2 and 4, the thread at P = 2, each bench call into its own
+# folder (run P MODE DIR).
+run() {
+  local rc=0
+  bash "$BENCH" "${common[@]}" --ranks "$1" --progress "$2" --out "$3/$2_p$1" -- --backward || rc=$?
+  [ $rc -eq 0 ] || exit $rc   # 77: skipped, said why
+}
+CHECKED=("2 tiles" "4 tiles" "2 thread")
 
-python3 - "$OUT" <<'PY'
+# check TRY_DIR...: exit 0 (every figure within its limit), 1 (failed), 3 (an exposed figure
+# over 0.25: its run is worth one more try; the runs to redo are written to $OUT/redo). Each
+# figure is the lowest over the tries that have its run: noise (a stalled rank on a loaded
+# machine) only adds to the exposed time, so the lower of two still catches a blocking
+# exchange (~1.0) or dK / dV accumulators sent home in one piece (~0.5).
+check() {
+python3 - "$OUT" "$@" <<'PY'
 import json, os, sys
-out = sys.argv[1]
+out, tries = sys.argv[1], sys.argv[2:]
 off = json.load(open(os.path.join(out, "off", "summary.json")))
-on = [row for mode in ("tiles", "thread")
-      for row in json.load(open(os.path.join(out, mode, "summary.json")))]
-assert [(r["ranks"], r["progress"]) for r in on] == [(2, "tiles"), (4, "tiles"), (2, "thread")], on
-ok = True
-for row in on:
-    ratio = row["forward"]["compute_ratio"]
-    if ratio is None or ratio > 0.8:
-        print(f"FAIL: P={row['ranks']} progress {row['progress']}: a step's transfer came to "
-              f"{ratio} of its compute, calibrated for 0.35 (net_calibrate.py): the runs "
-              "computed much faster than the calibration run")
-        sys.exit(1)
+checked = [(2, "tiles"), (4, "tiles"), (2, "thread")]
+rows = {key: [] for key in checked}  # (ranks, progress) -> its rows over the tries
+for t in tries:
+    for p, mode in checked:
+        f = os.path.join(t, f"{mode}_p{p}", "summary.json")
+        if not os.path.exists(f):
+            continue
+        [row] = json.load(open(f))
+        assert (row["ranks"], row["progress"]) == (p, mode), row
+        ratio = row["forward"]["compute_ratio"]
+        if ratio is None or ratio > 0.8:
+            print(f"FAIL: P={p} progress {mode}: a step's transfer came to "
+                  f"{ratio} of its compute, calibrated for 0.35 (net_calibrate.py): the runs "
+                  "computed much faster than the calibration run")
+            sys.exit(1)
+        rows[(p, mode)].append(row)
 base = off[0]
 print(f"baseline P=2 progress off: exposed {base['exposed']:.3f} of {base['transfer_seconds']:.3f} s")
 if base["exposed"] < 0.5:
     print("FAIL: without progress calls the shaped link should expose at least half the "
           "transfer; it exposed less, so the link is not shaped as asked (tc tbf) and overlap "
           "cannot be seen")
-    ok = False
-for row in on:
-    for what, part in (("forward + backward", row), ("forward", row["forward"]),
-                       ("backward", row["backward"])):
+    sys.exit(1)
+redo = []
+for (p, mode), runs in rows.items():
+    for what in ("forward + backward", "forward", "backward"):
+        parts = [r if what == "forward + backward" else r[what] for r in runs]
+        part = min(parts, key=lambda x: x["exposed"])
         verdict = "ok" if part["exposed"] <= 0.25 else "FAIL"
-        print(f"{verdict}: P={row['ranks']} progress {row['progress']}, {what}: exposed {part['exposed']:.3f} "
+        seen = " / ".join(f"{x['exposed']:.3f}" for x in parts)
+        print(f"{verdict}: P={p} progress {mode}, {what}: exposed {part['exposed']:.3f} "
               f"of the {part['transfer_seconds']:.3f} s transfer on the critical path (limit 0.25; "
-              f"compute ratio {row['forward']['compute_ratio']:.2f} forward, "
-              f"{row['backward']['compute_ratio']:.2f} backward)")
-        ok = ok and verdict == "ok"
-sys.exit(0 if ok else 1)
+              f"tries: {seen}; compute ratio {runs[0]['forward']['compute_ratio']:.2f} forward, "
+              f"{runs[0]['backward']['compute_ratio']:.2f} backward)")
+        if verdict != "ok" and f"{p} {mode}" not in redo:
+            redo.append(f"{p} {mode}")
+with open(os.path.join(out, "redo"), "w") as f:
+    f.write("\n".join(redo) + ("\n" if redo else ""))
+sys.exit(3 if redo else 0)
 PY
+}
+
+for c in "${CHECKED[@]}"; do run $c "$OUT/try1"; done
+rc=0
+check "$OUT/try1" || rc=$?
+if [ $rc -eq 3 ]; then
+  echo "an exposed figure was over 0.25: its run once more, each figure the lower of two"
+  mapfile -t redo < "$OUT/redo"  # (not a while-read loop: mpirun would read its stdin)
+  for c in "${redo[@]}"; do run $c "$OUT/try2"; done
+  rc=0
+  check "$OUT/try1" "$OUT/try2" || rc=$?
+fi
+[ $rc -eq 0 ] || exit 1

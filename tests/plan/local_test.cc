@@ -95,7 +95,14 @@ TEST(Local, PredictsTheTransferDominatedRing) {
     pr.backward_flops_per_second = {h.backward_flops};
     pr.barrier_after_forward = ring_forward_ends_with_barrier(P, h.lends_sent_buffers);
     const RingSimulation sim = simulate_ring(pr);
-    const auto [fwd, bwd] = run_ring(P, n * P, D, link);
+    // The fastest of 3 runs: the simulated link makes the measured time a floor that noise only
+    // adds to (one stall of ~21 ms on a loaded machine was enough to miss 15 % at P = 2), and
+    // the prediction's own figures are best-of measurements too.
+    double fwd = 1e30, bwd = 1e30;
+    for (int run = 0; run < 3; ++run) {
+      const auto [f, b] = run_ring(P, n * P, D, link);
+      fwd = std::min(fwd, f), bwd = std::min(bwd, b);
+    }
     EXPECT_NEAR(sim.forward_seconds / fwd, 1.0, 0.15) << "P=" << P << " measured " << fwd;
     EXPECT_NEAR(sim.backward_seconds / bwd, 1.0, 0.15) << "P=" << P << " measured " << bwd;
     EXPECT_GT(sim.exposed_comm / sim.seconds, 0.5);  // transfer-dominated indeed

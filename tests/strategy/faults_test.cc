@@ -269,7 +269,10 @@ TEST(Faults, LostMessageMidRingTimesOutNamingRankPeerAndStep) {
         auto s = Strategy::create(lossy, opt);
         Shard x = make_shard(2, comm.rank());
         s->forward(x.q, x.k, x.v, Tokens{x.positions, {}}, x.o, x.lse);
-        // Rank 1 stays alive (a hung peer), so rank 0's wait can only end by its timeout.
+        // Rank 1 stays alive (a hung peer): it blocks in the forward's output agreement, whose
+        // allgather waits for rank 0 (default 5 s timeout), so rank 0's 1 s wait can only end by
+        // its timeout and is the first to expire. (Were its forward to return, this sleep would
+        // keep it alive past rank 0's timeout.)
         if (!waiter) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
       },
       &seconds);
