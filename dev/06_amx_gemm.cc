@@ -1,5 +1,5 @@
 // Lab 06: how fast do the kernel's AMX tile products run in the shapes the kernel calls them
-// with (Note [P V, dV, dK, dQ through AMX] in src/kernel/amx_bf16.cc)? GFLOP/s by thread CPU
+// with (Note [P V, dV, dK, dQ through AMX] in src/kernel/amx_bf16.cc)? GFLOP/s by CPU
 // time, one thread, each call shape repeated on data in L1/L2:
 //   - scores_amx(128 rows, 64 pairs): the forward's S = Q K^T for two query tiles;
 //   - gemm_amx(64 x 128, 32 pairs), 1 and 3 parts: the backward's dV / dK / dQ per tile pair;
@@ -9,22 +9,17 @@
 // against the peak of the probe (4 independent tdpbf16ps chains, no loads).
 //   ./build/dev/lab_06_amx_gemm [repeats]
 // Exits 0 with a note where AMX-BF16 is not usable.
-#include <time.h>
-
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
 
 #include "kernel/amx_probe.h"
 #include "kernel/simd_bf16.h"
+#include "lab_common.h"
 
 namespace {
 
-double cpu_seconds() {
-  timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
-}
+using lab::cpu_seconds;  // one thread: process CPU time is the thread's
 
 template <class F>
 double gflops(double flops_per_call, long calls, F&& f) {

@@ -174,10 +174,16 @@ __attribute__((target("amx-tile,amx-bf16"))) void gemm_amx(int64_t m, int64_t n,
 __attribute__((target("avx512f,avx512vl,avx512bw,avx512bf16"))) void round_to_pairs(
     const float* x, int64_t ldx, int64_t rows, int64_t npairs, uint32_t* out, int64_t ldw,
     int nsplit, int64_t split_words) {
-  alignas(64) uint16_t idx_lo[32], idx_hi[32];
-  for (int i = 0; i < 32; ++i)
-    idx_lo[i] = static_cast<uint16_t>(i / 2), idx_hi[i] = static_cast<uint16_t>(16 + i / 2);
-  const __m512i to_high_lo = _mm512_load_si512(idx_lo), to_high_hi = _mm512_load_si512(idx_hi);
+  // Word indices that move bf16 value i (of the low or high 16) into the high half of 32-bit
+  // lane i; the masked permute below zeroes the low halves, leaving the value's fp32 bits.
+  alignas(64) static constexpr uint16_t kToHighLo[32] = {
+      0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13,
+      14, 14, 15, 15};
+  alignas(64) static constexpr uint16_t kToHighHi[32] = {
+      16, 16, 17, 17, 18, 18, 19, 19, 20, 20, 21, 21, 22, 22, 23, 23, 24, 24, 25, 25, 26, 26, 27,
+      27, 28, 28, 29, 29, 30, 30, 31, 31};
+  const __m512i to_high_lo = _mm512_load_si512(kToHighLo);
+  const __m512i to_high_hi = _mm512_load_si512(kToHighHi);
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * ldx;
     uint32_t* o = out + r * ldw;
@@ -188,9 +194,8 @@ __attribute__((target("avx512f,avx512vl,avx512bw,avx512bf16"))) void round_to_pa
         const __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
         _mm512_storeu_si512(static_cast<void*>(o + sp * split_words + p), (__m512i)v);
         if (sp + 1 == nsplit) break;
-        // What this part left, exact in fp32: x minus its nearest bf16 value (the result's low 256
-        // bits are lo's 16 values, the high 256 hi's).
-        // bf16 value i into the high half of 32-bit lane i, the low half zero: its fp32 value.
+        // What this part left, exact in fp32: x minus its nearest bf16 value (the result's low
+        // 256 bits are lo's 16 values, the high 256 hi's).
         const __m512i w = (__m512i)v;
         const __m512i wl = _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, to_high_lo, w);
         const __m512i wh = _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, to_high_hi, w);

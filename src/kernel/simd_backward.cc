@@ -59,7 +59,7 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
   // rounded to 16, which the accumulators' rows hold.
   const int64_t n16 = round_up(d, 16), ldv = bf16::vnni_words(d), hp = kTile / 2;
   const bool amx = p.amx && p.bf16_scores && p.bf16_dp && n16 <= ld;
-  const int nsplit = p.round_p ? 1 : 3;
+  const int nsplit = bf16::amx_parts(p.round_p);
   const int64_t split_words = kTile * hp;            // one part of a 64 x 64 P or dS tile, as pairs
   const int64_t v_block = p.group * nqt * hp * ldv;  // one task's Q (or dO) pair-rows
 
@@ -98,7 +98,8 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
     };
     KeyTile keys[2];
     for (KeyTile& t : keys) {
-      t.kt_pack.resize(d * kTile), t.vt_pack.resize(d * kTile), t.k_rows.resize(kTile * ld);
+      t.kt_pack.resize(d * kTile), t.vt_pack.resize(d * kTile);
+      t.k_rows.resize(amx ? 0 : kTile * ld);  // with AMX, dQ reads k_vnni
       t.dk.resize(kTile * ld), t.dv.resize(kTile * ld);
       for (std::vector<float>* x : {&t.dk_sum, &t.dv_sum, &t.dk_comp, &t.dv_comp})
         x->resize(kTile * ld);

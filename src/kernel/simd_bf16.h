@@ -72,6 +72,9 @@ void pack_vnni(const TensorView& t, int64_t b, int64_t h, int64_t i0, int64_t ro
 // unless a part falls below bf16's normal range (below 2^-126: flushed).
 void round_to_pairs(const float* x, int64_t ldx, int64_t rows, int64_t npairs, uint32_t* out,
                     int64_t ldw, int nsplit = 1, int64_t split_words = 0);
+// The bf16 parts P and dS take through the tiles: 1 in the fast tier (rounded), 3 in the exact
+// one (their sum is the fp32 value).
+inline int amx_parts(bool round_p) { return round_p ? 1 : 3; }
 // C[m][n] (+)= A B through AMX tiles: A m rows of npairs pairs (lda words a row), B npairs
 // pair-rows of n columns (ldb words a pair-row); m, n and npairs multiples of 16. accumulate: C's
 // values are the tiles' starting sums, else zero. Each C element adds 16 pairs a step in fp32

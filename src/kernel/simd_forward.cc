@@ -44,7 +44,7 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
   // (they do on the avx512 targets, the only ones with p.amx).
   const int64_t n16 = round_up(d, 16), ldv = bf16::vnni_words(d);
   const bool amx_pv = p.amx && v.dtype() == DType::bf16 && n16 <= ld;
-  const int nsplit = p.round_p ? 1 : 3;
+  const int nsplit = bf16::amx_parts(p.round_p);
   uint32_t* vvnni =
       amx_pv ? bf16::buffer(bf16::Buffer::v_vnni, p.batch * p.hkv * nkt * (kTile / 2) * ldv)
              : nullptr;

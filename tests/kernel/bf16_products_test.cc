@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "ctxpar/kernel.h"
+#include "kernel/amx_forced.h"
 #include "kernel/amx_probe.h"
 #include "kernel/kernel_support.h"
 #include "kernel/problem.h"
@@ -26,10 +27,6 @@ bool cpu_has_bf16() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
 }
-
-#define CTXPAR_SKIP_WITHOUT_AMX()                                                        \
-  if (!kernel::amx_unusable_why().empty())                                              \
-    GTEST_SKIP() << "AMX-BF16 not usable here: " << kernel::amx_unusable_why();
 
 float widen(uint16_t h) {
   const uint32_t u = uint32_t{h} << 16;
@@ -196,18 +193,7 @@ TEST(AmxProducts, ThreeBf16PartsAddUpToTheFp32ValueExactly) {
     }
 }
 
-// The level forced to AMX for the test's body (and put back after).
-class AmxForced : public ::testing::Test {
- protected:
-  void SetUp() override {
-    CTXPAR_SKIP_WITHOUT_AMX();
-    kernel::set_bf16_products_for_test(kernel::kBf16Amx);
-    if (kernel::bf16_products_on() != kernel::kBf16Amx)
-      GTEST_SKIP() << "the SIMD target in use (" << simd_targets().chosen
-                   << ") is not an avx512 one: products stay fp32";
-  }
-  void TearDown() override { kernel::set_bf16_products_for_test(-1); }
-};
+using test::AmxForced;  // the AMX products forced for the test's body (amx_forced.h)
 
 // Forward and backward against the fp64 reference by the fp32 rule (bf16 inputs): causal,
 // window and document masks, D = 64, 80, 96, 128, lengths not multiples of 16, GQA, 2 threads

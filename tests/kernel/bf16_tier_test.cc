@@ -10,8 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "ctxpar/kernel.h"
-#include "kernel/amx_probe.h"
+#include "kernel/amx_forced.h"
 #include "kernel/kernel_support.h"
 #include "kernel/problem.h"
 
@@ -78,16 +77,8 @@ TEST(Bf16Tier, FastTierWithinItsRuleAndExactTierMoreAccurate) {
 // forced: D not a multiple of 16 or 32 (the tiles' padding columns), ragged lengths (padding
 // rows and key columns), window and document masks, GQA, 2 threads. Skips, saying why, where
 // AMX-BF16 is not usable (the ctest entry kernel_bf16_amx says the same).
-TEST(Bf16Tier, BothTiersThroughAmxWithinTheirRules) {
+TEST_F(AmxForced, BothTiersThroughAmxWithinTheirRules) {
   if (kernel::use_scalar_path()) GTEST_SKIP() << "the scalar path has one tier (exact)";
-  if (!kernel::amx_unusable_why().empty())
-    GTEST_SKIP() << "AMX-BF16 not usable here: " << kernel::amx_unusable_why();
-  kernel::set_bf16_products_for_test(kernel::kBf16Amx);
-  if (kernel::bf16_products_on() != kernel::kBf16Amx) {
-    kernel::set_bf16_products_for_test(-1);
-    GTEST_SKIP() << "the SIMD target in use (" << simd_targets().chosen
-                 << ") is not an avx512 one: products stay fp32";
-  }
   Mask window, docs;
   window.window_left = 40, window.window_right = 7;
   docs.causal = docs.documents = true;
@@ -101,7 +92,6 @@ TEST(Bf16Tier, BothTiersThroughAmxWithinTheirRules) {
       cases.push_back(c);
     }
   check_tiers(cases, 2);
-  kernel::set_bf16_products_for_test(-1);
 }
 
 }  // namespace
