@@ -114,10 +114,10 @@ RUNS=(kernel_1t torch_1t kernel_2t torch_2t kernel_bf16_1t torch_bf16_1t kernel_
 [ -n "$GGML_BIN" ] && RUNS+=(ggml_1t ggml_2t ggml_f16_2t)
 # Issue 26: bf16 inputs with the exact bf16 products forced on (CTXPAR_BF16_PRODUCTS=on), beside
 # kernel_bf16_1t (what the probe chose: fp32 products on a CPU where vdpbf16ps is slower).
-grep -qw avx512_bf16 /proc/cpuinfo && RUNS+=(kernel_bf16dot_1t)
-# ... and through AMX-BF16 tiles (CTXPAR_BF16_PRODUCTS=amx) beside fp32 products forced (off),
-# in the exact tier (the default) and the opt-in fast one (--bf16-tier fast).
-grep -qw amx_bf16 /proc/cpuinfo && RUNS+=(kernel_bf16amx_1t kernel_bf16amxfast_1t kernel_bf16fp32_1t)
+# Both tiers (the default exact one, the opt-in --bf16-tier fast), beside fp32 products forced
+# (off); and through AMX-BF16 tiles (CTXPAR_BF16_PRODUCTS=amx) where the CPU has them.
+grep -qw avx512_bf16 /proc/cpuinfo && RUNS+=(kernel_bf16dot_1t kernel_bf16dotfast_1t kernel_bf16fp32_1t)
+grep -qw amx_bf16 /proc/cpuinfo && RUNS+=(kernel_bf16amx_1t kernel_bf16amxfast_1t)
 python3 - "$INFO/config.json" "$REPEATS" "$INNER" "$QUICK" "$TORCH_PIN" "$TORCH_PY" \
   "$KT" "$KH" "$KD" "$CT" "$CH" "$CD" "$GGML_BIN" "${RUNS[@]}" <<'PY' || die "cannot write $INFO/config.json"
 import json, sys
@@ -153,6 +153,7 @@ run() {  # run NAME: one measurement, its JSON kept only if it succeeded
     kernel_bf16_1t) kernel 1 bf16 ;;
     kernel_bf16_2t) kernel 2 bf16 ;;
     kernel_bf16dot_1t) CTXPAR_BF16_PRODUCTS=on kernel 1 bf16 ;;
+    kernel_bf16dotfast_1t) CTXPAR_BF16_PRODUCTS=on kernel 1 bf16 fast ;;
     kernel_bf16amx_1t) CTXPAR_BF16_PRODUCTS=amx kernel 1 bf16 ;;
     kernel_bf16amxfast_1t) CTXPAR_BF16_PRODUCTS=amx kernel 1 bf16 fast ;;
     kernel_bf16fp32_1t) CTXPAR_BF16_PRODUCTS=off kernel 1 bf16 ;;

@@ -129,26 +129,30 @@ def ratio_rows(meta):
                              f"{word}, non-causal, 1 thread", None,
                              lambda r, pas=pas, other=other:
                              r[other][pas + "_seconds"] / r["kernel_bf16dot_1t"][pas + "_seconds"]))
-    # ... and through AMX-BF16 tiles against fp32 products forced (the run exists on AMX CPUs).
-    if "kernel_bf16amx_1t" in meta.get("runs", []):
+    # ... and through vdpbf16ps (the run exists on AVX512_BF16 CPUs) or AMX-BF16 tiles (on AMX
+    # CPUs) against fp32 products forced, in the exact tier and the opt-in fast one.
+    for products, name in (("dot", "vdpbf16ps"), ("amx", "AMX")):
+        run_exact, run_fast = f"kernel_bf16{products}_1t", f"kernel_bf16{products}fast_1t"
+        if run_exact not in meta.get("runs", []) or "kernel_bf16fp32_1t" not in meta.get("runs", []):
+            continue
         for pas, word in (("fwd", "forward"), ("bwd", "backward"), ("causal_fwd", "forward"),
                           ("causal_bwd", "backward")):
             mask = "causal" if pas.startswith("causal") else "non-causal"
-            rows.append((f"bf16amx_vs_fp32_products_{pas}", f"AMX bf16 products / fp32 products "
-                         f"speed, bf16 inputs, {word}, {mask}, 1 thread", 1.3,
-                         lambda r, pas=pas:
-                         r["kernel_bf16fp32_1t"][pas + "_seconds"] / r["kernel_bf16amx_1t"][pas + "_seconds"]))
-            if "kernel_bf16amxfast_1t" in meta.get("runs", []):  # the opt-in fast tier
-                rows.append((f"bf16amxfast_vs_fp32_products_{pas}", f"AMX, fast bf16 tier / fp32 "
-                             f"products speed, bf16 inputs, {word}, {mask}, 1 thread", None,
-                             lambda r, pas=pas: r["kernel_bf16fp32_1t"][pas + "_seconds"]
-                             / r["kernel_bf16amxfast_1t"][pas + "_seconds"]))
+            rows.append((f"bf16{products}_vs_fp32_products_{pas}", f"{name} bf16 products / fp32 "
+                         f"products speed, bf16 inputs, {word}, {mask}, 1 thread", 1.3,
+                         lambda r, pas=pas, run=run_exact:
+                         r["kernel_bf16fp32_1t"][pas + "_seconds"] / r[run][pas + "_seconds"]))
+            if run_fast in meta.get("runs", []):  # the opt-in fast tier
+                rows.append((f"bf16{products}fast_vs_fp32_products_{pas}", f"{name}, fast bf16 "
+                             f"tier / fp32 products speed, bf16 inputs, {word}, {mask}, 1 thread",
+                             None, lambda r, pas=pas, run=run_fast:
+                             r["kernel_bf16fp32_1t"][pas + "_seconds"] / r[run][pas + "_seconds"]))
         if meta.get("torch_skipped") is None:
-            for run, tier in (("kernel_bf16amx_1t", "exact"), ("kernel_bf16amxfast_1t", "fast")):
+            for run, tier in ((run_exact, "exact"), (run_fast, "fast")):
                 if run not in meta.get("runs", []):
                     continue
                 for pas, word in (("fwd", "forward"), ("bwd", "backward")):
-                    rows.append((f"{run[7:-3]}_vs_torch_bf16_{pas}", f"AMX, {tier} bf16 tier / "
+                    rows.append((f"{run[7:-3]}_vs_torch_bf16_{pas}", f"{name}, {tier} bf16 tier / "
                                  f"torch SDPA bf16 speed, {word}, non-causal, 1 thread", 1.5,
                                  lambda r, pas=pas, run=run:
                                  r["torch_bf16_1t"][pas + "_seconds"] / r[run][pas + "_seconds"]))
@@ -223,7 +227,7 @@ def main():
                      "causal_bwd_seconds"]
     absolute = {name: medians(reps, name, kernel_fields + ["forward_seconds"])
                 for name in ("kernel_1t", "kernel_2t", "torch_1t", "torch_2t", "kernel_bf16_1t",
-                             "kernel_bf16_2t", "kernel_bf16dot_1t", "kernel_bf16amx_1t",
+                             "kernel_bf16_2t", "kernel_bf16dot_1t", "kernel_bf16dotfast_1t", "kernel_bf16amx_1t",
                              "kernel_bf16amxfast_1t", "kernel_bf16fp32_1t", "torch_bf16_1t", "torch_bf16_2t", "ring_p2_zigzag",
                              "ring_p2_contiguous", "one_rank_2t", "ggml_1t", "ggml_2t", "ggml_f16_2t")}
     failed = sorted({f"rep{i + 1}/{n}" for i, r in enumerate(reps) for n in meta["runs"]

@@ -5,7 +5,8 @@
 //   - gemm_amx(64 x 128, 32 pairs), 1 and 3 parts: the backward's dV / dK / dQ per tile pair;
 //   - gemm_amx(128 x 128, 32 pairs), 1 and 3 parts: the forward's O += P V;
 //   - gemm_amx(64 x 128, 128 pairs): the same product with 4x the depth (what a deeper
-//     accumulation would reach: the C tiles loaded and stored once per 4x the work);
+//     accumulation would reach: the C tiles loaded and stored once per 4x the work), and 32 /
+//     64 / 128 pairs with 1 and 3 parts from A rows 128 pairs apart;
 // against the peak of the probe (4 independent tdpbf16ps chains, no loads).
 //   ./build/dev/lab_06_amx_gemm [repeats]
 // Exits 0 with a note where AMX-BF16 is not usable.
@@ -64,6 +65,15 @@ int main(int argc, char** argv) {
                 bf16::gemm_amx(64, 128, 32, a.data(), 32, b.data(), 144,
                                cs.data() + (k++ % 8) * 64 * 144, 144, true);
               }));
+  // Deeper per C load, 1 and 3 parts: A rows 128 pairs apart (3 parts: 96 KiB, past L1, as
+  // several query tiles' P^T parts would be).
+  for (const int np : {32, 64, 128})
+    for (const int nsplit : {1, 3})
+      std::printf("gemm_amx 64 x 128, %d pairs, %d part(s), A 128 pairs a row: %.0f GFLOP/s\n",
+                  np, nsplit, gflops(2.0 * 64 * 128 * 2 * np * nsplit, repeats * 32 / np, [&] {
+                    bf16::gemm_amx(64, 128, np, a.data(), 128, b.data(), 144, c.data(), 144, true,
+                                   nsplit, 64 * 128);
+                  }));
   std::printf("gemm_amx 64 x 128, 128 pairs: %.0f GFLOP/s\n",
               gflops(2.0 * 64 * 128 * 256, repeats / 4, [&] {
                 bf16::gemm_amx(64, 128, 128, a.data(), 128, b.data(), 144, c.data(), 144, true);

@@ -55,21 +55,23 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
   const int64_t nl = lanes();
   // With AMX, dV, dK and dQ in tiles too (Note [P V, dV, dK, dQ through AMX] in amx_bf16.cc): P and
   // dS split into 3 bf16 parts (the exact tier) or rounded to one (the fast tier), Q, dO and K as
-  // VNNI pair-rows (the fp32 Qs and dO packs are then not needed). The tiles write columns up to d
-  // rounded to 16, which the accumulators' rows hold.
+  // VNNI pair-rows (the fp32 Qs and dO packs are then not needed); with vdpbf16ps, the fast tier's
+  // the same way (Note [The fast tier through vdpbf16ps] in simd_bf16.cc). Both write columns up
+  // to d rounded to 16, which the accumulators' rows hold. `pairs_pv`: these pair products.
   const int64_t n16 = round_up(d, 16), ldv = bf16::vnni_words(d), hp = kTile / 2;
-  const bool amx = p.amx && p.bf16_scores && p.bf16_dp && n16 <= ld;
+  const bool pairs_pv =
+      bf16::pair_products(p.bf16_scores && p.bf16_dp, p.amx, p.round_p) && n16 <= ld;
   const int nsplit = bf16::amx_parts(p.round_p);
   const int64_t split_words = kTile * hp;            // one part of a 64 x 64 P or dS tile, as pairs
   const int64_t v_block = p.group * nqt * hp * ldv;  // one task's Q (or dO) pair-rows
 
 #pragma omp parallel num_threads(p.threads)
   {
-    float* qpack = amx ? nullptr : scratch(Scratch::q_pack, q_block);
-    float* dopack = amx ? nullptr : scratch(Scratch::do_pack, q_block);
-    uint32_t* qvnni = amx ? bf16::buffer(bf16::Buffer::q_vnni, v_block) : nullptr;
-    uint32_t* dovnni = amx ? bf16::buffer(bf16::Buffer::do_vnni, v_block) : nullptr;
-    std::vector<uint32_t> ptp(amx ? nsplit * split_words : 0), dstp(ptp.size()), dsp(ptp.size());
+    float* qpack = pairs_pv ? nullptr : scratch(Scratch::q_pack, q_block);
+    float* dopack = pairs_pv ? nullptr : scratch(Scratch::do_pack, q_block);
+    uint32_t* qvnni = pairs_pv ? bf16::buffer(bf16::Buffer::q_vnni, v_block) : nullptr;
+    uint32_t* dovnni = pairs_pv ? bf16::buffer(bf16::Buffer::do_vnni, v_block) : nullptr;
+    std::vector<uint32_t> ptp(pairs_pv ? nsplit * split_words : 0), dstp(ptp.size()), dsp(ptp.size());
     // Exact bf16 products (simd_bf16.h): Q (unscaled) and dO also as bf16 pairs.
     const int64_t np = bf16::stored_pairs(d, p.amx), ldw = bf16::row_words(d, p.amx);
     const int64_t w_block = p.group * nqt * kTile * ldw;
@@ -99,13 +101,13 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
     KeyTile keys[2];
     for (KeyTile& t : keys) {
       t.kt_pack.resize(d * kTile), t.vt_pack.resize(d * kTile);
-      t.k_rows.resize(amx ? 0 : kTile * ld);  // with AMX, dQ reads k_vnni
+      t.k_rows.resize(pairs_pv ? 0 : kTile * ld);  // with pair products, dQ reads k_vnni
       t.dk.resize(kTile * ld), t.dv.resize(kTile * ld);
       for (std::vector<float>* x : {&t.dk_sum, &t.dv_sum, &t.dk_comp, &t.dv_comp})
         x->resize(kTile * ld);
       t.kt_pairs.resize(p.bf16_scores ? np * kTile : 0),
           t.vt_pairs.resize(p.bf16_dp ? np * kTile : 0);
-      t.k_vnni.resize(amx ? hp * ldv : 0);
+      t.k_vnni.resize(pairs_pv ? hp * ldv : 0);
     }
     std::vector<float> row(d);
     std::vector<float> s(kTile * kTile), dpm(kTile * kTile), pt(kTile * kTile), dst(kTile * kTile);
@@ -122,7 +124,7 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
         for (int64_t qi = 0; qi < nqt; ++qi) {
           const int64_t h = hk * p.group + g, i0 = qi * kTile;
           const int64_t rows = std::min(p.tq, i0 + kTile) - i0, off = (g * nqt + qi) * kTile;
-          if (amx) {
+          if (pairs_pv) {
             bf16::pack_vnni(q, b, h, i0, rows, d, ldv, qvnni + off / 2 * ldv, kTile);
             bf16::pack_vnni(dout, b, h, i0, rows, d, ldv, dovnni + off / 2 * ldv, kTile);
           } else {
@@ -165,7 +167,7 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
                   bf16::pack_tile(v, b, hk, j0, cols, d, t.vt_pairs.data(), p.amx);
                 else
                   pack_transposed(v, b, hk, j0, cols, d, t.vt_pack.data(), row.data());
-                if (amx)
+                if (pairs_pv)
                   bf16::pack_vnni(k, b, hk, j0, cols, d, ldv, t.k_vnni.data(), kTile);
                 else
                   pack_rows(k, b, hk, j0, cols, d, ld, t.k_rows.data());
@@ -173,8 +175,8 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
               }
               const int64_t i0 = qi * kTile, rows = std::min(p.tq, i0 + kTile) - i0;
               const int64_t mrows = round_up(rows, 4), off = (g * nqt + qi) * kTile;
-              const float* qs = amx ? nullptr : qpack + off * ld;
-              const float* dot = amx ? nullptr : dopack + off * ld;
+              const float* qs = pairs_pv ? nullptr : qpack + off * ld;
+              const float* dot = pairs_pv ? nullptr : dopack + off * ld;
               if (p.bf16_scores)  // S = scale (Q K^T) as the forward's bf16 products
                 bf16::scores(mrows, np, qpairs + off * ldw, ldw, t.kt_pairs.data(), s.data(),
                              p.scale, p.amx);
@@ -208,7 +210,7 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
                   hn::StoreU(hn::Mul(ds, vscale), df, dr + c);  // dpm <- scale * dS
                 }
               }
-              if (p.round_p && !amx) {  // the fast bf16 tier: P for dV, scale dS for dQ and dK
+              if (p.round_p && !pairs_pv) {  // the fast bf16 tier: P for dV, scale dS for dQ and dK
                 round_bf16(s.data(), kTile * kTile);
                 round_bf16(dpm.data(), kTile * kTile);
               }
@@ -218,7 +220,7 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
               // block partials, a block's first tile overwriting (Note [Blocked dK / dV]);
               // dQ += scale dS K.
               const bool fresh = t.in_block == 0;
-              if (amx) {  // all 64 rows: those past `rows` are zero in P and dS
+              if (pairs_pv) {  // all 64 rows: those past `rows` are zero in P and dS
                 bf16::round_to_pairs(pt.data(), kTile, kTile, hp, ptp.data(), hp, nsplit,
                                      split_words);
                 bf16::round_to_pairs(dst.data(), kTile, kTile, hp, dstp.data(), hp, nsplit,
@@ -226,13 +228,13 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
                 bf16::round_to_pairs(dpm.data(), kTile, kTile, hp, dsp.data(), hp, nsplit,
                                      split_words);
                 const int64_t voff = off / 2 * ldv;
-                bf16::gemm_amx(kTile, n16, hp, ptp.data(), hp, dovnni + voff, ldv, t.dv.data(), ld,
-                               !fresh, nsplit, split_words);
-                bf16::gemm_amx(kTile, n16, hp, dstp.data(), hp, qvnni + voff, ldv, t.dk.data(), ld,
-                               !fresh, nsplit, split_words);
+                bf16::gemm_pairs(kTile, n16, hp, ptp.data(), hp, dovnni + voff, ldv, t.dv.data(),
+                                 ld, !fresh, p.amx, nsplit, split_words);
+                bf16::gemm_pairs(kTile, n16, hp, dstp.data(), hp, qvnni + voff, ldv, t.dk.data(),
+                                 ld, !fresh, p.amx, nsplit, split_words);
                 if (++t.in_block == kDkvBlock) t.flush();
-                bf16::gemm_amx(kTile, n16, hp, dsp.data(), hp, t.k_vnni.data(), ldv,
-                               dq_acc + off * ld, ld, true, nsplit, split_words);
+                bf16::gemm_pairs(kTile, n16, hp, dsp.data(), hp, t.k_vnni.data(), ldv,
+                                 dq_acc + off * ld, ld, true, p.amx, nsplit, split_words);
               } else {
                 gemm_rows(kTile, dp, mrows, pt.data(), kTile, dot, ld, t.dv.data(), ld, !fresh);
                 gemm_rows(kTile, dp, mrows, dst.data(), kTile, qs, ld, t.dk.data(), ld, !fresh);
@@ -242,7 +244,7 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
               }
               tile_progress();  // the MPI transport's progress calls, if installed
             }
-        const float dk_mul = amx ? 1.0f : 1.0f / p.scale;  // the AMX dK used the unscaled Q
+        const float dk_mul = pairs_pv ? 1.0f : 1.0f / p.scale;  // the pairs' dK used the unscaled Q
         for (int64_t u = 0; u < nkeys; ++u) {
           KeyTile& t = keys[u];
           if (!t.packed) continue;

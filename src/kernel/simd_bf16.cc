@@ -95,6 +95,66 @@ __attribute__((target("avx512f,avx512bf16"))) void scores(int64_t m, int64_t npa
   for (; r < m; r += 2) micro<2>(npairs, a + r * lda, lda, b, c + r * kCols, mul);
 }
 
+// Note [The fast tier through vdpbf16ps]: where the probe chose vdpbf16ps for the exact
+// products (a CPU whose bf16 dot products beat its fp32 FMAs, e.g. AVX512_BF16 at 2 x the FMA
+// FLOP/s), the fast tier's rounded P and dS are bf16 values too, so P V, dV, dK and dQ become
+// products of bf16 pairs as well: A (P, P^T, dS, dS^T rounded, round_to_pairs) one pair
+// broadcast, B (V, dO, Q, K) as the VNNI pair-rows the AMX path packs (pack_vnni), and R x NV
+// fp32 accumulators (R rows, NV vectors of 16 columns) loaded from C and stored back. The exact
+// tier keeps fp32 P V there: its P as 3 bf16 parts would cost 3 / 2 of an fp32 product.
+namespace {
+
+template <int R, int NV>
+__attribute__((target("avx512f,avx512bf16"), always_inline)) inline void gemm_micro(
+    int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, float* c,
+    int64_t ldc, bool accumulate) {
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j)
+      acc[r][j] = accumulate ? _mm512_loadu_ps(c + r * ldc + j * 16) : _mm512_setzero_ps();
+  for (int64_t p = 0; p < npairs; ++p) {
+    __m512bh bv[NV];
+    for (int j = 0; j < NV; ++j)
+      bv[j] = (__m512bh)_mm512_loadu_si512(static_cast<const void*>(b + p * ldb + j * 16));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * lda + p]));
+      for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], av, bv[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(c + r * ldc + j * 16, acc[r][j]);
+}
+
+template <int R>
+__attribute__((target("avx512f,avx512bf16"), always_inline)) inline void gemm_rows_dot(
+    int64_t n, int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
+    float* c, int64_t ldc, bool accumulate) {
+  for (int64_t col = 0; col < n; col += 64) {
+    switch (std::min<int64_t>(4, (n - col) / 16)) {
+      case 4: gemm_micro<R, 4>(npairs, a, lda, b + col, ldb, c + col, ldc, accumulate); break;
+      case 3: gemm_micro<R, 3>(npairs, a, lda, b + col, ldb, c + col, ldc, accumulate); break;
+      case 2: gemm_micro<R, 2>(npairs, a, lda, b + col, ldb, c + col, ldc, accumulate); break;
+      default: gemm_micro<R, 1>(npairs, a, lda, b + col, ldb, c + col, ldc, accumulate);
+    }
+  }
+}
+
+}  // namespace
+
+__attribute__((target("avx512f,avx512bf16"))) void gemm_dot(int64_t m, int64_t n,
+                                                           int64_t npairs, const uint32_t* a,
+                                                           int64_t lda, const uint32_t* b,
+                                                           int64_t ldb, float* c, int64_t ldc,
+                                                           bool accumulate) {
+  int64_t r = 0;
+  for (; r + 6 <= m; r += 6)
+    gemm_rows_dot<6>(n, npairs, a + r * lda, lda, b, ldb, c + r * ldc, ldc, accumulate);
+  for (; r + 4 <= m; r += 4)
+    gemm_rows_dot<4>(n, npairs, a + r * lda, lda, b, ldb, c + r * ldc, ldc, accumulate);
+  for (; r < m; r += 2)
+    gemm_rows_dot<2>(n, npairs, a + r * lda, lda, b, ldb, c + r * ldc, ldc, accumulate);
+}
+
 namespace {
 uint16_t bits16(float x, bool& exact) {
   uint32_t u;
@@ -133,6 +193,8 @@ float delta_dot(const float* o, const float* g, int64_t d, bool amx) {
 }
 #else
 void scores(int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*, float*, float, bool) {}
+void gemm_dot(int64_t, int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*, int64_t, float*,
+              int64_t, bool) {}
 float delta_dot(const float*, const float*, int64_t, bool) { return 0; }
 #endif
 

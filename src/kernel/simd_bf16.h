@@ -85,6 +85,30 @@ void gemm_amx(int64_t m, int64_t n, int64_t npairs, const uint32_t* a, int64_t l
               const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate,
               int nsplit = 1, int64_t split_words = 0);
 
+// The same C[m][n] (+)= A B (nsplit 1) through vdpbf16ps (simd_bf16.cc): A's pair broadcast
+// against 16-column vectors of B's pair-rows, each C element adding its pairs in the order
+// p = 0, 1, ... in fp32 (round to nearest even, DAZ / FTZ); m even, n a multiple of 16. The fast
+// tier's P V, dV, dK and dQ where the products take vdpbf16ps (Note [The fast tier through
+// vdpbf16ps] in simd_bf16.cc).
+void gemm_dot(int64_t m, int64_t n, int64_t npairs, const uint32_t* a, int64_t lda,
+              const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate);
+// gemm_amx where amx, else gemm_dot (nsplit 1 only).
+inline void gemm_pairs(int64_t m, int64_t n, int64_t npairs, const uint32_t* a, int64_t lda,
+                       const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate,
+                       bool amx, int nsplit = 1, int64_t split_words = 0) {
+  if (amx)
+    gemm_amx(m, n, npairs, a, lda, b, ldb, c, ldc, accumulate, nsplit, split_words);
+  else
+    gemm_dot(m, n, npairs, a, lda, b, ldb, c, ldc, accumulate);
+}
+// Whether P V, dV, dK and dQ take bf16 pairs (gemm_pairs) for the given products and tier: always
+// through AMX tiles (3 parts make the exact tier's fp32 P and dS; tiles run well over 3 x the FMA
+// rate where the probe chose them), through vdpbf16ps only for the fast tier (3 parts at about
+// 2 x the FMA rate would be slower than fp32 products).
+inline bool pair_products(bool bf16_products, bool amx, bool round_p) {
+  return bf16_products && (amx || round_p);
+}
+
 // Per-thread buffers of packed pairs that keep their pages between calls (as scratch() in
 // simd_tile.h); contents undefined.
 enum class Buffer { k_tiles, q_rows, do_rows, v_vnni, q_vnni, do_vnni, count };

@@ -40,15 +40,17 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
       p.bf16_scores ? nullptr : scratch(Scratch::k_pack, p.batch * p.hkv * nkt * d * kTile);
   // With AMX, O += P V in tiles too (Note [P V, dV, dK, dQ through AMX] in amx_bf16.cc): P split
   // into 3 bf16 parts (the exact tier) or rounded to one (the fast tier), V packed as VNNI
-  // pair-rows instead. The tiles write columns up to d rounded to 16, which the acc rows must hold
-  // (they do on the avx512 targets, the only ones with p.amx).
+  // pair-rows instead; with vdpbf16ps, the fast tier's the same way (Note [The fast tier through
+  // vdpbf16ps] in simd_bf16.cc). Both write columns up to d rounded to 16, which the acc rows
+  // must hold (they do on the avx512 targets, the only ones with bf16 products).
   const int64_t n16 = round_up(d, 16), ldv = bf16::vnni_words(d);
-  const bool amx_pv = p.amx && v.dtype() == DType::bf16 && n16 <= ld;
+  const bool pairs_pv = bf16::pair_products(p.bf16_scores, p.amx, p.round_p) &&
+                      v.dtype() == DType::bf16 && n16 <= ld;
   const int nsplit = bf16::amx_parts(p.round_p);
   uint32_t* vvnni =
-      amx_pv ? bf16::buffer(bf16::Buffer::v_vnni, p.batch * p.hkv * nkt * (kTile / 2) * ldv)
+      pairs_pv ? bf16::buffer(bf16::Buffer::v_vnni, p.batch * p.hkv * nkt * (kTile / 2) * ldv)
              : nullptr;
-  float* vpack = amx_pv ? nullptr : scratch(Scratch::v_pack, p.batch * p.hkv * nkt * kTile * ld);
+  float* vpack = pairs_pv ? nullptr : scratch(Scratch::v_pack, p.batch * p.hkv * nkt * kTile * ld);
   // With exact bf16 products (simd_bf16.h) K is packed as tiles of bf16 pairs instead.
   const int64_t np = bf16::stored_pairs(d, p.amx), ldw = bf16::row_words(d, p.amx);
   uint32_t* kpairs =
@@ -66,7 +68,7 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
         bf16::pack_tile(k, b, hk, kt * kTile, cols, d, kpairs + t * np * kTile, p.amx);
       else
         pack_transposed(k, b, hk, kt * kTile, cols, d, kpack + t * d * kTile, row.data());
-      if (amx_pv)
+      if (pairs_pv)
         bf16::pack_vnni(v, b, hk, kt * kTile, cols, d, ldv, vvnni + t * (kTile / 2) * ldv, kTile);
       else
         pack_rows(v, b, hk, kt * kTile, cols, d, ld, vpack + t * kTile * ld);
@@ -97,7 +99,7 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
     std::vector<float> lv(kRows * nl);
     std::vector<uint32_t> qpairs(p.bf16_scores ? kRows * ldw : 0);  // Q as bf16 pairs, unscaled
     const int64_t split_words = kRows * (kTile / 2);
-    std::vector<uint32_t> ppairs(amx_pv ? nsplit * split_words : 0);  // P's parts as pairs
+    std::vector<uint32_t> ppairs(pairs_pv ? nsplit * split_words : 0);  // P's parts as pairs
     // Each task owns its rows of the state, so which thread runs it cannot change the result:
     // dynamic scheduling balances causal masks (late query tiles see more keys) for free.
 #pragma omp for schedule(dynamic, 1)
@@ -155,7 +157,7 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
           softmax_row(sr, m[r], lv.data() + r * nl, acc.data() + r * ld, dp);
         }
         // The fast bf16 tier: P rounded for O += P V only (l summed the fp32 P above).
-        if (amx_pv) {  // P's parts, or P rounded (the fast tier), times V in tiles
+        if (pairs_pv) {  // P's parts, or P rounded (the fast tier), times V as pairs
           // 16-row tiles: rows past mrows are padding rows (r >= rows), their P pairs zero.
           const int64_t m16 = round_up(mrows, 16);
           bf16::round_to_pairs(s.data() + r0 * kTile, kTile, mrows, kTile / 2, ppairs.data(),
@@ -163,9 +165,9 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
           for (int sp = 0; sp < nsplit; ++sp)
             std::fill(ppairs.data() + sp * split_words + mrows * (kTile / 2),
                       ppairs.data() + sp * split_words + m16 * (kTile / 2), 0u);
-          bf16::gemm_amx(m16, n16, kTile / 2, ppairs.data(), kTile / 2,
-                         vvnni + pk * (kTile / 2) * ldv, ldv, acc.data() + r0 * ld, ld, true,
-                         nsplit, split_words);
+          bf16::gemm_pairs(m16, n16, kTile / 2, ppairs.data(), kTile / 2,
+                           vvnni + pk * (kTile / 2) * ldv, ldv, acc.data() + r0 * ld, ld, true,
+                           p.amx, nsplit, split_words);
         } else {
           if (p.round_p) round_bf16(s.data() + r0 * kTile, mrows * kTile);
           gemm_rows(mrows, dp, cols, s.data() + r0 * kTile, kTile, vpack + pk * kTile * ld, ld,

@@ -47,7 +47,9 @@ TEST(Bf16Products, ForcedChoiceIsWhatKernelCallsTake) {
   }
   if (want == "on" && cpu_has_bf16()) {
     EXPECT_EQ(kernel::bf16_products_on(), avx512 ? kernel::kBf16Dot : kernel::kBf16Fp32) << t.chosen;
-    if (!avx512) EXPECT_NE(t.products.find("not applied"), std::string::npos) << t.products;
+    if (!avx512) {
+      EXPECT_NE(t.products.find("not applied"), std::string::npos) << t.products;
+    }
   }
   if (want == "amx" && kernel::amx_unusable_why().empty()) {
     EXPECT_EQ(kernel::bf16_products_on(), avx512 ? kernel::kBf16Amx : kernel::kBf16Fp32) << t.chosen;
@@ -160,8 +162,9 @@ TEST(Bf16Products, AmxProbeMeasuresOrSaysWhyNot) {
     EXPECT_NE(amx.why, "");
   }
   const kernel::Bf16Choice& c = kernel::bf16_products();
-  if (c.reason.find("measured") != std::string::npos)
+  if (c.reason.find("measured") != std::string::npos) {
     EXPECT_NE(c.reason.find("AMX-BF16"), std::string::npos) << c.reason;
+  }
 }
 
 // round_to_pairs (Note [P V, dV, dK, dQ through AMX] in amx_bf16.cc): one part is each value
@@ -191,6 +194,54 @@ TEST(AmxProducts, ThreeBf16PartsAddUpToTheFp32ValueExactly) {
                          half(three[split + w], c % 2) + half(three[2 * split + w], c % 2);
       EXPECT_EQ(sum, static_cast<double>(v)) << r << " " << c << " " << v;
     }
+}
+
+// gemm_dot (the fast tier's P V, dV, dK, dQ through vdpbf16ps; gemm_pairs without amx) against
+// an fp64 sum: small integers (bf16 values, every partial sum exact in fp32), so C must come out
+// equal; rows in 6 / 4 / 2 blocks, 16 to 80 columns (1 to 4 vectors, a second 64-column pass),
+// strides past the data, C zeroed or accumulated.
+TEST(Bf16Products, GemmDotIsTheExactPairProducts) {
+  if (!cpu_has_bf16()) GTEST_SKIP() << "this CPU has no AVX512_BF16";
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> small(-8, 8);
+  auto bf = [](int v) {  // |v| <= 8: a bf16 value, its fp32 bits' high half
+    const float f = static_cast<float>(v);
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return u >> 16;
+  };
+  for (const int64_t m : {2, 4, 6, 10, 16})
+    for (const int64_t n : {16, 48, 64, 80})
+      for (const bool accumulate : {false, true}) {
+        const int64_t npairs = 7, lda = npairs + 3, ldb = n + 16, ldc = n + 5;
+        std::vector<int> av(m * 2 * npairs), bv(2 * npairs * n);
+        for (int& v : av) v = small(rng);
+        for (int& v : bv) v = small(rng);
+        std::vector<uint32_t> a(m * lda, 0u), b(npairs * ldb, 0u);
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t p = 0; p < npairs; ++p)
+            a[r * lda + p] =
+                bf(av[r * 2 * npairs + 2 * p]) | bf(av[r * 2 * npairs + 2 * p + 1]) << 16;
+        for (int64_t p = 0; p < npairs; ++p)
+          for (int64_t c = 0; c < n; ++c)
+            b[p * ldb + c] = bf(bv[2 * p * n + c]) | bf(bv[(2 * p + 1) * n + c]) << 16;
+        std::vector<float> c(m * ldc);
+        for (int64_t i = 0; i < m * ldc; ++i) c[i] = static_cast<float>(i % 13) - 6;
+        const std::vector<float> before = c;
+        kernel::bf16::gemm_pairs(m, n, npairs, a.data(), lda, b.data(), ldb, c.data(), ldc,
+                                 accumulate, false);
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t col = 0; col < ldc; ++col) {
+            if (col >= n) {  // columns past n untouched
+              EXPECT_EQ(c[r * ldc + col], before[r * ldc + col]);
+              continue;
+            }
+            double want = accumulate ? before[r * ldc + col] : 0.0;
+            for (int64_t k = 0; k < 2 * npairs; ++k)
+              want += static_cast<double>(av[r * 2 * npairs + k]) * bv[k * n + col];
+            EXPECT_EQ(c[r * ldc + col], want) << m << "x" << n << " " << r << "," << col;
+          }
+      }
 }
 
 using test::AmxForced;  // the AMX products forced for the test's body (amx_forced.h)

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "kernel/amx_forced.h"
+#include "kernel/amx_forced.h"  // AmxForced, DotForced
 #include "kernel/kernel_support.h"
 #include "kernel/problem.h"
 
@@ -72,13 +72,9 @@ TEST(Bf16Tier, FastTierWithinItsRuleAndExactTierMoreAccurate) {
   check_tiers(cases, 1);
 }
 
-// Both tiers' P V, dV, dK and dQ through AMX tiles (Note [P V, dV, dK, dQ through AMX] in
-// amx_bf16.cc: P and dS split in 3 bf16 parts for the exact tier, rounded for the fast one),
-// forced: D not a multiple of 16 or 32 (the tiles' padding columns), ragged lengths (padding
-// rows and key columns), window and document masks, GQA, 2 threads. Skips, saying why, where
-// AMX-BF16 is not usable (the ctest entry kernel_bf16_amx says the same).
-TEST_F(AmxForced, BothTiersThroughAmxWithinTheirRules) {
-  if (kernel::use_scalar_path()) GTEST_SKIP() << "the scalar path has one tier (exact)";
+// Cases for the pair products of P V, dV, dK and dQ: D not a multiple of 16 or 32 (padding
+// columns), ragged lengths (padding rows and key columns), window and document masks, GQA.
+std::vector<Case> pair_product_cases() {
   Mask window, docs;
   window.window_left = 40, window.window_right = 7;
   docs.causal = docs.documents = true;
@@ -91,7 +87,24 @@ TEST_F(AmxForced, BothTiersThroughAmxWithinTheirRules) {
       c.mask = m, c.doc_len = 45, c.seed = 21 + n++;
       cases.push_back(c);
     }
-  check_tiers(cases, 2);
+  return cases;
+}
+
+// Both tiers' P V, dV, dK and dQ through AMX tiles (Note [P V, dV, dK, dQ through AMX] in
+// amx_bf16.cc: P and dS split in 3 bf16 parts for the exact tier, rounded for the fast one),
+// forced, 2 threads. Skips, saying why, where AMX-BF16 is not usable (the ctest entry
+// kernel_bf16_amx says the same).
+TEST_F(AmxForced, BothTiersThroughAmxWithinTheirRules) {
+  if (kernel::use_scalar_path()) GTEST_SKIP() << "the scalar path has one tier (exact)";
+  check_tiers(pair_product_cases(), 2);
+}
+
+// The fast tier's P V, dV, dK and dQ through vdpbf16ps (Note [The fast tier through vdpbf16ps]
+// in simd_bf16.cc), the exact tier's fp32 ones beside it, vdpbf16ps forced, 2 threads. Skips,
+// saying why, on a CPU without AVX512_BF16.
+TEST_F(DotForced, FastTierThroughVdpbf16psWithinItsRule) {
+  if (kernel::use_scalar_path()) GTEST_SKIP() << "the scalar path has one tier (exact)";
+  check_tiers(pair_product_cases(), 2);
 }
 
 }  // namespace

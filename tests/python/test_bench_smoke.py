@@ -74,3 +74,43 @@ def test_cpu_suite_report_prints_cpu_ratios_beside_wall(tmp_path):
     assert "0.995" in row and "1.450" in row and "1.400 - 1.500" in row, row
     row = next(l for l in run.stdout.splitlines() if l.startswith("ring P=2 zigzag"))
     assert "n/a" in row and "(rank threads)" in row, row
+
+
+def test_cpu_suite_report_has_both_bf16_product_kinds_and_tiers(tmp_path):
+    """Issue 26: on an AVX512_BF16 CPU (Zen 5's rows are the goal) the suite runs vdpbf16ps in
+    both tiers beside fp32 products forced, and on an AMX CPU the tiles too; the report's ratios
+    are fp32-products seconds over each run's, and torch's bf16 seconds over each run's (goal
+    1.5), per repetition."""
+    info, raw = tmp_path / "info", tmp_path / "raw"
+    info.mkdir()
+    runs = ["kernel_1t", "kernel_bf16dot_1t", "kernel_bf16dotfast_1t", "kernel_bf16fp32_1t",
+            "kernel_bf16amx_1t", "kernel_bf16amxfast_1t", "torch_bf16_1t"]
+    shape = {"seq": 64, "heads": 1, "head_dim": 16}
+    (info / "config.json").write_text(json.dumps(dict(
+        repeats=1, inner=1, quick=True, torch_pin="2.15.0", torch_python="x",
+        kernel_shape=shape, cp_shape=shape, ggml_binary=None, runs=runs)))
+    (info / "lscpu.txt").write_text("Model name: Test CPU\nCPU(s): 2\nFlags: avx512f avx512_bf16\n")
+    (info / "torch.json").write_text(json.dumps(
+        {"torch_version": "2.15.0", "cpu_capability": "AVX512", "python": "3.11"}))
+    seconds = {"kernel_bf16fp32_1t": 6.0, "kernel_bf16dot_1t": 4.0, "kernel_bf16dotfast_1t": 3.0,
+               "kernel_bf16amx_1t": 5.0, "kernel_bf16amxfast_1t": 2.0, "torch_bf16_1t": 4.5,
+               "kernel_1t": 6.0}
+    d = raw / "rep1"
+    d.mkdir(parents=True)
+    for name, s in seconds.items():
+        body = {k + "_seconds": s for k in ("fwd", "bwd", "causal_fwd", "causal_bwd")}
+        body.update(fwd_peak_ratio=0.8, bwd_peak_ratio=0.7)
+        (d / f"{name}.json").write_text(json.dumps(body))
+    run = subprocess.run([sys.executable, REPORT, str(tmp_path)], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    fig = json.loads((tmp_path / "summary.json").read_text())["figures"]
+    for products, exact, fast in (("dot", 4.0, 3.0), ("amx", 5.0, 2.0)):
+        for pas in ("fwd", "bwd", "causal_fwd", "causal_bwd"):
+            assert fig[f"bf16{products}_vs_fp32_products_{pas}"]["values"] == [6.0 / exact]
+            assert fig[f"bf16{products}_vs_fp32_products_{pas}"]["goal"] == 1.3
+            assert fig[f"bf16{products}fast_vs_fp32_products_{pas}"]["values"] == [6.0 / fast]
+        for pas in ("fwd", "bwd"):
+            assert fig[f"bf16{products}_vs_torch_bf16_{pas}"]["values"] == [4.5 / exact]
+            assert fig[f"bf16{products}fast_vs_torch_bf16_{pas}"]["values"] == [4.5 / fast]
+            assert fig[f"bf16{products}fast_vs_torch_bf16_{pas}"]["goal"] == 1.5
