@@ -36,7 +36,7 @@ struct KvCacheOptions {
   DType dtype = DType::f32;     // k, v storage: fp32 or bf16
   int64_t block = kKernelTile;  // placement block (tokens); a kernel tile by default
   Mask mask;                    // the attention's mask (documents: a document id per token)
-  KernelConfig kernel;
+  KernelConfig kernel;          // prefill and decode; bf16_tier the same on every rank
   DeviceOptions device;         // each rank makes its own device of this kind
   // Limits per rank; a call that would pass one is refused before anything changes, with an
   // Error naming the field (every rank computes every rank's share, so all refuse together).

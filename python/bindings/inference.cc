@@ -40,7 +40,7 @@ std::unique_ptr<PyKvCache> make_cache(const PyCommunicator& comm, int64_t sequen
                                       const std::string& mask, int threads,
                                       std::optional<float> scale, const std::string& device,
                                       int64_t max_tokens_per_rank, double max_bytes_per_rank,
-                                      bool check_memory_limit) {
+                                      bool check_memory_limit, const std::string& bf16_tier) {
   KvCacheOptions o;
   o.sequences = sequences;
   o.kv_heads = kv_heads;
@@ -59,6 +59,10 @@ std::unique_ptr<PyKvCache> make_cache(const PyCommunicator& comm, int64_t sequen
   }
   o.kernel.threads = threads;
   if (scale) o.kernel.scale = *scale;
+  if (bf16_tier != "exact" && bf16_tier != "fast")  // ctxpar.KVCache checked it (_checks.py)
+    throw nb::value_error(
+        detail::concat("bf16_tier: expected exact or fast, got '", bf16_tier, "'").c_str());
+  o.kernel.bf16_tier = bf16_tier == "fast" ? Bf16Tier::fast : Bf16Tier::exact;
   o.max_tokens_per_rank = max_tokens_per_rank;
   o.max_bytes_per_rank = max_bytes_per_rank;
   o.check_memory_limit = check_memory_limit;
@@ -220,7 +224,7 @@ void bind_inference(nb::module_& m) {
            nb::arg("head_dim"), nb::arg("dtype"), nb::arg("block"), nb::arg("mask"),
            nb::arg("threads"), nb::arg("scale").none(), nb::arg("device"),
            nb::arg("max_tokens_per_rank"), nb::arg("max_bytes_per_rank"),
-           nb::arg("check_memory_limit"))
+           nb::arg("check_memory_limit"), nb::arg("bf16_tier") = "exact")
       .def("tokens", [](PyKvCache& c, int64_t s) { return c.get().tokens(s); })
       .def("local_tokens", [](PyKvCache& c, int64_t s) { return c.get().local_tokens(s); })
       .def("bytes", [](PyKvCache& c) { return c.get().bytes(); })

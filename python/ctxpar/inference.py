@@ -35,12 +35,16 @@ class KVCache:
     every call takes document_ids, one per new token). block: the placement block (tokens).
     max_tokens_per_rank / max_bytes_per_rank: limits per rank (0: none), checked for every
     rank before a call changes anything (ValueError naming the field); check_memory_limit:
-    also refuse growth past this process's memory limit. device: "cpu" or "sim"."""
+    also refuse growth past this process's memory limit. device: "cpu" or "sim". bf16_tier:
+    "exact" (default) or "fast" (bfloat16 caches: P rounded to bfloat16 before P V in prefill
+    and decode, as GPU flash attention; its own accuracy rule, docs/kernel.md "bf16 tiers");
+    float32 caches ignore it; every rank must pass the same (else the first prefill / decode
+    raises ValueError naming it)."""
 
     def __init__(self, comm=None, *, kv_heads, head_dim, sequences=1, dtype="float32",
                  mask="causal", documents=False, block=64, threads=1, scale=None,
                  device="cpu", max_tokens_per_rank=0, max_bytes_per_rank=0,
-                 check_memory_limit=True):
+                 check_memory_limit=True, bf16_tier="exact"):
         if comm is None:
             from . import init
             comm = init()
@@ -60,9 +64,9 @@ class KVCache:
             _whole("head_dim", head_dim, 1, 1 << 16), dtype, _whole("block", block, 1),
             text, _checks.threads(threads), _checks.scale(scale), str(device),
             _whole("max_tokens_per_rank", max_tokens_per_rank),
-            float(max_bytes_per_rank), bool(check_memory_limit))
+            float(max_bytes_per_rank), bool(check_memory_limit), _checks.bf16_tier(bf16_tier))
         self.sequences, self.kv_heads, self.head_dim = sequences, kv_heads, head_dim
-        self.dtype, self.block = dtype, block
+        self.dtype, self.block, self.bf16_tier = dtype, block, bf16_tier
 
     # ---- sizes, placement, memory ----------------------------------------------------------
     @property

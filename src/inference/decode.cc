@@ -47,7 +47,7 @@ void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const 
     check_kv_finite("k_new", k_new, cache.device(), where);  // the same rows on every rank
     check_kv_finite("v_new", v_new, cache.device(), where);
   }
-  InferenceAccess::agree_kernels(cache);
+  InferenceAccess::agree_kernels(cache, "decode");
   CallStats call(cache);
   Device& dev = cache.device();
   Communicator& comm = cache.comm();

@@ -9,6 +9,7 @@
 #include <span>
 #include <vector>
 
+#include "ctxpar/agreement.h"
 #include "ctxpar/inference.h"
 #include "device/kernel_agreement.h"
 
@@ -41,9 +42,13 @@ struct InferenceAccess {
   static void set_length(KvCache& c, int64_t seq, int64_t n) { c.shards_[seq]->length = n; }
   static InferenceStats& stats(KvCache& c) { return c.stats_; }
   // The first prefill or decode of a cache: the ranks agree on the kernel choices that change
-  // bits (device/kernel_agreement.h), collectively, before their first exchange.
-  static void agree_kernels(KvCache& c) {
+  // bits, collectively, before their first exchange: the cache's bf16 tier (refused, naming it,
+  // where ranks differ: their rows would mix two roundings without a word) and the machine's
+  // bf16 products (device/kernel_agreement.h). `what` names the call in the error.
+  static void agree_kernels(KvCache& c, const char* what) {
     if (c.kernels_agreed_) return;
+    require_agreement(c.comm_, what, {{"bf16 tier (KvCacheOptions::kernel.bf16_tier)",
+                                       bf16_tier_name(c.options_.kernel.bf16_tier)}});
     device::agree_kernel_choices(c.comm_);
     c.kernels_agreed_ = true;
   }

@@ -296,7 +296,7 @@ PrefillMode prefill(KvCache& cache, int64_t seq, int64_t new_tokens, const Tenso
   sh.kv_dtype = o.dtype;
   sh.documents = o.mask.documents;
   agree(comm, error, {seq, new_tokens, sh.cached, sh.hq, int64_t(sh.q_dtype), int64_t(mode)});
-  InferenceAccess::agree_kernels(cache);
+  InferenceAccess::agree_kernels(cache, "prefill");
 
   CallStats call(cache);
   const PrefillMode ran = choose_prefill(sh, mode);

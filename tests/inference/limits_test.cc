@@ -196,6 +196,36 @@ TEST(Prefill, RanksThatDisagreeOnTheModeAreRefused) {
               std::string::npos) << e;
 }
 
+// Round five: the bf16 tier (KvCacheOptions::kernel.bf16_tier) is agreed by the first prefill or
+// decode, with the machine's bf16 products: ranks whose caches differ in it are refused on every
+// rank, naming it, instead of mixing two roundings into one answer.
+TEST(KvCacheAgreement, RanksWithDifferentBf16TiersAreRefusedNamingIt) {
+  for (const bool prefill_first : {true, false}) {
+    SCOPED_TRACE(prefill_first ? "prefill" : "decode");
+    const auto errors = errors_of(2, [&](Communicator& comm) {
+      KvCacheOptions o = small_options();
+      o.dtype = DType::bf16;
+      o.kernel.bf16_tier = comm.rank() == 1 ? Bf16Tier::fast : Bf16Tier::exact;
+      KvCache cache(comm, o);
+      const int64_t tl = int64_t(cache.placement(0, 50, comm.rank()).size());
+      Tensor q(DType::bf16, {1, tl, 4, 16}), k(DType::bf16, {1, tl, 2, 16}),
+          out(DType::f32, {1, tl, 4, 16}), lse(DType::f32, {1, 4, tl});
+      if (prefill_first) {
+        prefill(cache, 0, 50, q, k, k, out, lse);
+        return;
+      }
+      Tensor qd(DType::bf16, {1, 1, 4, 16}), kd(DType::bf16, {1, 1, 2, 16}),
+          od(DType::f32, {1, 1, 4, 16}), ld(DType::f32, {1, 4, 1});
+      decode(cache, qd, kd, kd, od, ld);
+    });
+    const std::string want = std::string(prefill_first ? "prefill" : "decode") +
+                             ": the ranks were called with different arguments: bf16 tier "
+                             "(KvCacheOptions::kernel.bf16_tier) is exact on rank 0 but fast on "
+                             "rank 1";
+    for (const std::string& e : errors) EXPECT_NE(e.find(want), std::string::npos) << e;
+  }
+}
+
 TEST(Decode, RanksWhoseCachesDifferAreRefused) {
   const auto errors = errors_of(2, [](Communicator& comm) {
     KvCache cache(comm, small_options());

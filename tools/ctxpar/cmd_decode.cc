@@ -168,15 +168,17 @@ void print(const DecodeConfig& c, int ranks, const std::string& transport, const
   if (c.json) {
     std::printf("{\"command\": \"decode\", \"transport\": \"%s\", \"ranks\": %d, \"sequences\": %lld, "
                 "\"context_tokens\": %lld, \"decoded_tokens\": %lld, \"heads\": %lld, "
-                "\"kv_heads\": %lld, \"head_dim\": %lld, \"dtype\": \"%s\", \"block\": %lld, "
-                "\"prefill\": \"%s\", \"prefill_seconds\": %.6g, \"prefill_bytes\": %llu, "
+                "\"kv_heads\": %lld, \"head_dim\": %lld, \"dtype\": \"%s\", "
+                "\"bf16_tier\": \"%s\", \"block\": %lld, \"prefill\": \"%s\", "
+                "\"prefill_seconds\": %.6g, \"prefill_bytes\": %llu, "
                 "\"token_seconds_mean\": %.6g, \"token_seconds_median\": %.6g, "
                 "\"merge_seconds_mean\": %.6g, \"decode_bytes_per_token\": %.6g, "
                 "\"cache_bytes_per_rank_max\": %llu, \"cache_bytes_per_rank_min\": %llu, "
                 "\"cpu_seconds_per_token\": [%s]}\n",
                 transport.c_str(), ranks, (long long)c.cache.sequences, (long long)total,
                 (long long)c.tokens, (long long)c.hq, (long long)c.cache.kv_heads,
-                (long long)c.cache.head_dim, dtype_name(c.cache.dtype), (long long)c.cache.block,
+                (long long)c.cache.head_dim, dtype_name(c.cache.dtype),
+                bf16_tier_name(c.cache.kernel.bf16_tier), (long long)c.cache.block,
                 r.prefill_mode.c_str(), r.prefill_seconds, (unsigned long long)r.prefill_bytes,
                 mean, median(r.step_seconds),
                 r.step_seconds.empty() ? 0 : r.merge_seconds / double(r.step_seconds.size()),
@@ -188,7 +190,9 @@ void print(const DecodeConfig& c, int ranks, const std::string& transport, const
               "Hkv %lld, D %lld, %s, block %lld\n",
               (long long)c.cache.sequences, (long long)total, ranks, transport.c_str(),
               (long long)c.hq, (long long)c.cache.kv_heads, (long long)c.cache.head_dim,
-              dtype_name(c.cache.dtype), (long long)c.cache.block);
+              c.cache.dtype == DType::bf16 && c.cache.kernel.bf16_tier == Bf16Tier::fast
+                  ? "bf16 (fast tier)" : dtype_name(c.cache.dtype),
+              (long long)c.cache.block);
   std::printf("prefill (%s): %.3f s, %s moved\n", r.prefill_mode.c_str(), r.prefill_seconds,
               bytes_text(double(r.prefill_bytes)).c_str());
   std::printf("decode: %lld tokens, %.3f ms per token (median %.3f ms; merge %.3f ms), %s moved "
@@ -276,6 +280,7 @@ int cmd_decode(int argc, char** argv) {
       .add("kv-heads", "1", "key/value heads Hkv (divides Hq; GQA)")
       .add("head-dim", "64", "head dimension D (16..256)")
       .add("dtype", "fp32", "q, k, v and cache storage: fp32 | bf16")
+      .add("bf16-tier", "exact", kBf16TierHelp)
       .add("mask", "causal", "causal | causal+window:L,0 (keys at or before the query)")
       .add("block", "64", "placement block: tokens each rank takes in turn")
       .add("prefill", "auto", "attend (prefill attention) | fill (store the K/V only) | auto "
@@ -329,6 +334,7 @@ int cmd_decode(int argc, char** argv) {
   k.dtype = parse_dtype(o.str("dtype"));
   if (k.dtype != DType::f32 && k.dtype != DType::bf16)
     throw UsageError("--dtype must be fp32 or bf16, got '" + o.str("dtype") + "'");
+  k.kernel.bf16_tier = bf16_tier_option(o);  // prefill's and decode's kernel calls
   k.mask = parse_mask(o.str("mask"));
   if (!k.mask.causal && k.mask.window_right != 0)
     throw UsageError("--mask " + o.str("mask") + " lets a token see later ones, which a cache "
@@ -407,12 +413,12 @@ int cmd_decode(int argc, char** argv) {
   if (use_mpi) {  // every process parsed its own command line: refuse ranks that differ
     Signature sig;
     for (const char* name : {"context", "lengths", "batch", "tokens", "heads", "kv-heads",
-                             "head-dim", "dtype", "mask", "block", "prefill", "prefill-mode",
-                             "chunk", "max-cache-bytes", "threads", "seed"})
+                             "head-dim", "dtype", "bf16-tier", "mask", "block", "prefill",
+                             "prefill-mode", "chunk", "max-cache-bytes", "threads", "seed"})
       sig.push_back({name, o.str(name)});
     for (const std::string& path : {c.k_npy, c.v_npy})
       sig.push_back({"npy", path.empty() ? "" : path + ", " + file_fingerprint(path)});
-    agree_across_ranks(mpi_world(), sig, "decode");
+    agree_on_options(mpi_world(), sig, "decode");
   }
   Report report;
   const std::string used = use_mpi ? "mpi" : "threads";
