@@ -2,11 +2,13 @@
 // decode and prefill do to a cache (grow it within its limits, store rows, keep stats).
 #pragma once
 #include <chrono>
+#include <cstdio>
 #include <ctime>
 #include <cstdint>
 #include <functional>
 #include <utility>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "ctxpar/agreement.h"
@@ -41,14 +43,30 @@ struct InferenceAccess {
                           std::span<const int32_t> documents);
   static void set_length(KvCache& c, int64_t seq, int64_t n) { c.shards_[seq]->length = n; }
   static InferenceStats& stats(KvCache& c) { return c.stats_; }
-  // The first prefill or decode of a cache: the ranks agree on the kernel choices that change
-  // bits, collectively, before their first exchange: the cache's bf16 tier (refused, naming it,
-  // where ranks differ: their rows would mix two roundings without a word) and the machine's
-  // bf16 products (device/kernel_agreement.h). `what` names the call in the error.
+  // The first prefill or decode of a cache: the ranks agree, collectively, before their first
+  // exchange, on the cache's options (refused, naming the field, where ranks differ: a block or
+  // a mask of its own would place or mask rows differently, a scale or bf16 tier of its own mix
+  // two results, a limit of its own refuse on one rank only -- each without a word) and on the
+  // machine's bf16 products (device/kernel_agreement.h). `what` names the call in the error.
   static void agree_kernels(KvCache& c, const char* what) {
     if (c.kernels_agreed_) return;
-    require_agreement(c.comm_, what, {{"bf16 tier (KvCacheOptions::kernel.bf16_tier)",
-                                       bf16_tier_name(c.options_.kernel.bf16_tier)}});
+    const KvCacheOptions& o = c.options_;
+    char scale[32];
+    std::snprintf(scale, sizeof scale, "%.9g", static_cast<double>(o.kernel.scale));
+    require_agreement(
+        c.comm_, what,
+        {{"sequences (KvCacheOptions::sequences)", std::to_string(o.sequences)},
+         {"kv_heads (KvCacheOptions::kv_heads)", std::to_string(o.kv_heads)},
+         {"head_dim (KvCacheOptions::head_dim)", std::to_string(o.head_dim)},
+         {"dtype (KvCacheOptions::dtype)", dtype_name(o.dtype)},
+         {"block (KvCacheOptions::block)", std::to_string(o.block)},
+         {"mask (KvCacheOptions::mask)", o.mask.describe()},
+         {"scale (KvCacheOptions::kernel.scale)", scale},
+         {"bf16 tier (KvCacheOptions::kernel.bf16_tier)", bf16_tier_name(o.kernel.bf16_tier)},
+         {"max_tokens_per_rank (KvCacheOptions::max_tokens_per_rank)",
+          std::to_string(o.max_tokens_per_rank)},
+         {"max_bytes_per_rank (KvCacheOptions::max_bytes_per_rank)",
+          std::to_string(o.max_bytes_per_rank)}});
     device::agree_kernel_choices(c.comm_);
     c.kernels_agreed_ = true;
   }

@@ -226,6 +226,41 @@ TEST(KvCacheAgreement, RanksWithDifferentBf16TiersAreRefusedNamingIt) {
   }
 }
 
+// Every option that places, masks, scales or limits rows is agreed at the first call: a rank
+// with its own block, mask, scale or limit is refused naming the field (before: block, mask and
+// scale ran on, each rank placing or computing its own way).
+TEST(KvCacheAgreement, RanksWithDifferentCacheOptionsAreRefusedNamingTheField) {
+  using Edit = std::function<void(KvCacheOptions&)>;
+  const std::pair<const char*, Edit> cases[] = {
+      {"block (KvCacheOptions::block) is 16 on rank 0 but 32 on rank 1",
+       [](KvCacheOptions& o) { o.block = 32; }},
+      {"mask (KvCacheOptions::mask) is causal on rank 0 but causal+window:8,0 on rank 1",
+       [](KvCacheOptions& o) { o.mask.window_left = 8, o.mask.window_right = 0; }},
+      {"scale (KvCacheOptions::kernel.scale) is 0 on rank 0 but 0.5 on rank 1",
+       [](KvCacheOptions& o) { o.kernel.scale = 0.5f; }},
+      {"max_tokens_per_rank (KvCacheOptions::max_tokens_per_rank) is 0 on rank 0 but 1000 on "
+       "rank 1",
+       [](KvCacheOptions& o) { o.max_tokens_per_rank = 1000; }}};
+  for (const auto& [want, edit] : cases) {
+    SCOPED_TRACE(want);
+    const auto errors = errors_of(2, [&](Communicator& comm) {
+      KvCacheOptions o = small_options();
+      o.block = 16, o.mask = Mask::causal_mask();
+      if (comm.rank() == 1) edit(o);
+      KvCache cache(comm, o);
+      const int64_t tl = int64_t(cache.placement(0, 50, comm.rank()).size());
+      Tensor q(DType::f32, {1, tl, 4, 16}), k(DType::f32, {1, tl, 2, 16}),
+          out(DType::f32, {1, tl, 4, 16}), lse(DType::f32, {1, 4, tl});
+      prefill(cache, 0, 50, q, k, k, out, lse);
+    });
+    for (const std::string& e : errors)
+      EXPECT_NE(e.find(std::string("prefill: the ranks were called with different arguments: ") +
+                       want),
+                std::string::npos)
+          << e;
+  }
+}
+
 TEST(Decode, RanksWhoseCachesDifferAreRefused) {
   const auto errors = errors_of(2, [](Communicator& comm) {
     KvCache cache(comm, small_options());
