@@ -30,6 +30,13 @@ done
 line=$(grep -F "zigzag / contiguous" "$TMP/out.txt")
 [[ $line =~ [0-9]+\.[0-9]{3}.*[0-9]+\.[0-9]{3}.*[0-9]+\.[0-9]{3}.*[0-9]+\.[0-9]{3}.*[0-9]+\.[0-9]{3} ]] ||
   fail "row 'zigzag / contiguous' has no CPU ratio beside the wall one: $line"
+# Issue 26: on an AVX512_BF16 CPU both tiers through vdpbf16ps beside fp32 products forced.
+if grep -qw avx512_bf16 /proc/cpuinfo; then
+  for row in "vdpbf16ps bf16 products / fp32 products speed" "vdpbf16ps, fast bf16 tier / fp32 products speed"; do
+    line=$(grep -F "$row" "$TMP/out.txt" | head -n1) || fail "no row '$row'"
+    [[ $line =~ [0-9]+\.[0-9]{3} ]] || fail "row '$row' has no figure: $line"
+  done
+fi
 grep -q "torch: SKIPPED: --no-torch given" "$TMP/out.txt" || fail "torch was not reported as skipped"
 python3 - "$TMP/q/summary.json" <<'PY' || fail "summary.json"
 import json, sys
