@@ -122,9 +122,7 @@ def ratio_rows(meta):
     # the probe's choice) and against torch's bf16 SDPA; the run exists on AVX512_BF16 CPUs.
     if "kernel_bf16dot_1t" in meta.get("runs", []):
         for pas, word in (("fwd", "forward"), ("bwd", "backward")):
-            for other, what in (("kernel_bf16_1t", "ctxpar bf16 default"), ("torch_bf16_1t", "torch SDPA bf16")):
-                if other.startswith("torch") and meta.get("torch_skipped") is not None:
-                    continue
+            for other, what in (("kernel_bf16_1t", "ctxpar bf16 default"),):  # torch: below
                 rows.append((f"bf16dot_vs_{other}_{pas}", f"bf16 products forced on / {what} speed, "
                              f"{word}, non-causal, 1 thread", None,
                              lambda r, pas=pas, other=other:

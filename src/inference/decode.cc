@@ -24,6 +24,9 @@ constexpr int64_t kDecodeChunk = 1024;  // Note [Decode streams the shard in chu
 void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const TensorView& v_new,
             const TensorView& out, const TensorView& lse, std::span<const int32_t> documents) {
   // q, out [B, Tn, Hq, D]; k_new, v_new [B, Tn, Hkv, D]; lse [B, Hq, Tn]
+  // First, before any check that reads the options: a rank whose options differ would fail
+  // those alone and leave the others waiting in the agreement.
+  InferenceAccess::agree_kernels(cache, "decode");
   const KvCacheOptions& o = cache.options();
   const int64_t b = o.sequences, d = o.head_dim;
   CTXPAR_CHECK(q.ndim() == 4, "q: expected [B, Tn, Hq, D], got ", shape_str(q.shape()));
@@ -47,7 +50,6 @@ void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const 
     check_kv_finite("k_new", k_new, cache.device(), where);  // the same rows on every rank
     check_kv_finite("v_new", v_new, cache.device(), where);
   }
-  InferenceAccess::agree_kernels(cache, "decode");
   CallStats call(cache);
   Device& dev = cache.device();
   Communicator& comm = cache.comm();

@@ -262,6 +262,9 @@ PrefillMode prefill(KvCache& cache, int64_t seq, int64_t new_tokens, const Tenso
                     const TensorView& k, const TensorView& v, const TensorView& out,
                     const TensorView& lse, PrefillMode mode, std::span<const int32_t> documents) {
   // q, out [1, Tl, Hq, D]; k, v [1, Tl, Hkv, D]; lse [1, Hq, Tl]: this rank's Tl new rows
+  // The options first: the checks below read them, so a rank whose options differ would be
+  // refused for its tensors' shapes instead of the option that differs.
+  InferenceAccess::agree_kernels(cache, "prefill");
   const KvCacheOptions& o = cache.options();
   Communicator& comm = cache.comm();
   std::string error;
@@ -296,7 +299,6 @@ PrefillMode prefill(KvCache& cache, int64_t seq, int64_t new_tokens, const Tenso
   sh.kv_dtype = o.dtype;
   sh.documents = o.mask.documents;
   agree(comm, error, {seq, new_tokens, sh.cached, sh.hq, int64_t(sh.q_dtype), int64_t(mode)});
-  InferenceAccess::agree_kernels(cache, "prefill");
 
   CallStats call(cache);
   const PrefillMode ran = choose_prefill(sh, mode);

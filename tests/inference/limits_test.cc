@@ -226,9 +226,11 @@ TEST(KvCacheAgreement, RanksWithDifferentBf16TiersAreRefusedNamingIt) {
   }
 }
 
-// Every option that places, masks, scales or limits rows is agreed at the first call: a rank
-// with its own block, mask, scale or limit is refused naming the field (before: block, mask and
-// scale ran on, each rank placing or computing its own way).
+// Every option that places, masks, scales, shapes or limits rows is agreed at the first call,
+// prefill or decode, before any check that reads the options: a rank with its own block, mask,
+// scale, limit, KV heads or head dim is refused naming the field (before: block, mask and
+// scale ran on, each rank placing or computing its own way; a decode with its own kv_heads
+// failed its shape check alone and left the other rank waiting).
 TEST(KvCacheAgreement, RanksWithDifferentCacheOptionsAreRefusedNamingTheField) {
   using Edit = std::function<void(KvCacheOptions&)>;
   const std::pair<const char*, Edit> cases[] = {
@@ -240,25 +242,36 @@ TEST(KvCacheAgreement, RanksWithDifferentCacheOptionsAreRefusedNamingTheField) {
        [](KvCacheOptions& o) { o.kernel.scale = 0.5f; }},
       {"max_tokens_per_rank (KvCacheOptions::max_tokens_per_rank) is 0 on rank 0 but 1000 on "
        "rank 1",
-       [](KvCacheOptions& o) { o.max_tokens_per_rank = 1000; }}};
-  for (const auto& [want, edit] : cases) {
-    SCOPED_TRACE(want);
-    const auto errors = errors_of(2, [&](Communicator& comm) {
-      KvCacheOptions o = small_options();
-      o.block = 16, o.mask = Mask::causal_mask();
-      if (comm.rank() == 1) edit(o);
-      KvCache cache(comm, o);
-      const int64_t tl = int64_t(cache.placement(0, 50, comm.rank()).size());
-      Tensor q(DType::f32, {1, tl, 4, 16}), k(DType::f32, {1, tl, 2, 16}),
-          out(DType::f32, {1, tl, 4, 16}), lse(DType::f32, {1, 4, tl});
-      prefill(cache, 0, 50, q, k, k, out, lse);
-    });
-    for (const std::string& e : errors)
-      EXPECT_NE(e.find(std::string("prefill: the ranks were called with different arguments: ") +
-                       want),
-                std::string::npos)
-          << e;
-  }
+       [](KvCacheOptions& o) { o.max_tokens_per_rank = 1000; }},
+      {"kv_heads (KvCacheOptions::kv_heads) is 2 on rank 0 but 1 on rank 1",
+       [](KvCacheOptions& o) { o.kv_heads = 1; }},
+      {"head_dim (KvCacheOptions::head_dim) is 16 on rank 0 but 32 on rank 1",
+       [](KvCacheOptions& o) { o.head_dim = 32; }}};
+  for (const bool prefill_first : {true, false})
+    for (const auto& [want, edit] : cases) {
+      const std::string call = prefill_first ? "prefill" : "decode";
+      SCOPED_TRACE(call + ": " + want);
+      const auto errors = errors_of(2, [&](Communicator& comm) {
+        KvCacheOptions o = small_options();
+        o.block = 16, o.mask = Mask::causal_mask();
+        if (comm.rank() == 1) edit(o);
+        KvCache cache(comm, o);
+        // The same shapes on every rank (rank 0's options), as a caller passes the same rows:
+        // a check that read the options before the agreement would fail on rank 1 alone.
+        const int64_t hkv = 2, d = 16;
+        const int64_t tl = prefill_first ? int64_t(cache.placement(0, 50, comm.rank()).size()) : 1;
+        Tensor q(DType::f32, {1, tl, 4, d}), k(DType::f32, {1, tl, hkv, d}),
+            out(DType::f32, {1, tl, 4, d}), lse(DType::f32, {1, 4, tl});
+        if (prefill_first)
+          prefill(cache, 0, 50, q, k, k, out, lse);
+        else
+          decode(cache, q, k, k, out, lse);
+      });
+      for (const std::string& e : errors)
+        EXPECT_NE(e.find(call + ": the ranks were called with different arguments: " + want),
+                  std::string::npos)
+            << e;
+    }
 }
 
 TEST(Decode, RanksWhoseCachesDifferAreRefused) {

@@ -198,7 +198,7 @@ TEST(AmxProducts, ThreeBf16PartsAddUpToTheFp32ValueExactly) {
 
 // gemm_dot (the fast tier's P V, dV, dK, dQ through vdpbf16ps; gemm_pairs without amx) against
 // an fp64 sum: small integers (bf16 values, every partial sum exact in fp32), so C must come out
-// equal; rows in 6 / 4 / 2 blocks, 16 to 80 columns (1 to 4 vectors, a second 64-column pass),
+// equal; rows in 6 / 4 / 2 blocks, 16 to 96 columns (1 to 4 vectors, a second 64-column pass),
 // strides past the data, C zeroed or accumulated.
 TEST(Bf16Products, GemmDotIsTheExactPairProducts) {
   if (!cpu_has_bf16()) GTEST_SKIP() << "this CPU has no AVX512_BF16";
@@ -211,7 +211,7 @@ TEST(Bf16Products, GemmDotIsTheExactPairProducts) {
     return u >> 16;
   };
   for (const int64_t m : {2, 4, 6, 10, 16})
-    for (const int64_t n : {16, 48, 64, 80})
+    for (const int64_t n : {16, 32, 48, 64, 80, 96})
       for (const bool accumulate : {false, true}) {
         const int64_t npairs = 7, lda = npairs + 3, ldb = n + 16, ldc = n + 5;
         std::vector<int> av(m * 2 * npairs), bv(2 * npairs * n);

@@ -57,8 +57,9 @@ def reference(q, k, v, ok, dtype):
 def run(comm, mask="causal", dtype=torch.float32, modes=("pass-kv", "pass-q"),
         cuts=((40, 17), (23,)), decode_steps=6, block=8, **options):
     """Prefills sequence s in the pieces cuts[s] (mode cycling through `modes`), then decodes
-    both sequences together decode_steps times. Returns (rows, modes_ran): rows[s] [1, N, Hq, D]
-    of every output row, in order. options: more KVCache keywords (bf16_tier=...)."""
+    both sequences together decode_steps times. Returns (rows, modes_ran, seqs, cache): rows[s]
+    [1, N, Hq, D] of every output row, in order; seqs the whole problem (whole_problem); the
+    cache after the run. options: more KVCache keywords (bf16_tier=...)."""
     lengths = [sum(c) + decode_steps for c in cuts]
     seqs = whole_problem(lengths, dtype=dtype)
     cache = ctxpar.KVCache(comm, kv_heads=2, head_dim=16, sequences=len(cuts),
