@@ -12,7 +12,9 @@
 // 16 <= D <= 256. Arithmetic and accumulation are fp32 whatever the storage type.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ctxpar/mask.h"
@@ -33,6 +35,13 @@ constexpr int64_t kKernelTile = 64;
 enum class Bf16Tier : uint8_t { exact, fast };
 // "exact" | "fast": the names the command, the Python package and the ranks' agreement use.
 inline const char* bf16_tier_name(Bf16Tier tier) { return tier == Bf16Tier::fast ? "fast" : "exact"; }
+// The tier a name gives, or nullopt for any other text (each caller says so in its own terms:
+// the command's --bf16-tier, the Python package's bf16_tier).
+inline std::optional<Bf16Tier> parse_bf16_tier(std::string_view name) {
+  if (name == "exact") return Bf16Tier::exact;
+  if (name == "fast") return Bf16Tier::fast;
+  return std::nullopt;
+}
 
 struct KernelConfig {
   int threads = 1;      // OpenMP threads inside this rank (over batch, head, query tile)

@@ -6,8 +6,11 @@
 #include <nanobind/ndarray.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
+#include "ctxpar/error.h"
+#include "ctxpar/kernel.h"
 #include "ctxpar/tensor.h"
 
 namespace ctxpar::python {
@@ -31,5 +34,13 @@ TensorView view_of(const Array& a, const char* name, int ndim, int cuda_index = 
 // positions and document ids are small (T entries).
 template <typename T>
 std::vector<T> int_vector(const std::optional<ReadArray>& a, const char* name, int64_t tokens);
+
+// The bf16_tier argument ("exact" | "fast"); ValueError naming it otherwise (the Python side,
+// _checks.bf16_tier, refuses first: this guards a direct call of the extension).
+inline Bf16Tier bf16_tier_arg(const std::string& name) {
+  if (const std::optional<Bf16Tier> t = parse_bf16_tier(name)) return *t;
+  throw nb::value_error(
+      detail::concat("bf16_tier: expected exact or fast, got '", name, "'").c_str());
+}
 
 }  // namespace ctxpar::python

@@ -53,10 +53,7 @@ Job make_job(int64_t tokens, const std::string& strategy, const std::string& lay
   if (threads < 1) throw nb::value_error(detail::concat("threads: must be >= 1, got ", threads).c_str());
   job.strategy.kernel.threads = threads;
   job.strategy.kernel.scale = scale;
-  if (bf16_tier != "exact" && bf16_tier != "fast")
-    throw nb::value_error(
-        detail::concat("bf16_tier: expected exact or fast, got '", bf16_tier, "'").c_str());
-  job.strategy.kernel.bf16_tier = bf16_tier == "fast" ? Bf16Tier::fast : Bf16Tier::exact;
+  job.strategy.kernel.bf16_tier = bf16_tier_arg(bf16_tier);
   job.positions = int_vector<int64_t>(positions, "positions", tokens);
   if (job.positions.empty()) {
     job.positions.resize(tokens);

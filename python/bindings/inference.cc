@@ -59,10 +59,7 @@ std::unique_ptr<PyKvCache> make_cache(const PyCommunicator& comm, int64_t sequen
   }
   o.kernel.threads = threads;
   if (scale) o.kernel.scale = *scale;
-  if (bf16_tier != "exact" && bf16_tier != "fast")  // ctxpar.KVCache checked it (_checks.py)
-    throw nb::value_error(
-        detail::concat("bf16_tier: expected exact or fast, got '", bf16_tier, "'").c_str());
-  o.kernel.bf16_tier = bf16_tier == "fast" ? Bf16Tier::fast : Bf16Tier::exact;
+  o.kernel.bf16_tier = bf16_tier_arg(bf16_tier);  // ctxpar.KVCache checked it (_checks.py)
   o.max_tokens_per_rank = max_tokens_per_rank;
   o.max_bytes_per_rank = max_bytes_per_rank;
   o.check_memory_limit = check_memory_limit;

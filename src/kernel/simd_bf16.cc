@@ -58,56 +58,23 @@ void pack_vnni(const TensorView& t, int64_t b, int64_t h, int64_t i0, int64_t ro
 }
 
 #if defined(__x86_64__)
-namespace {
-
-// R rows x 64 columns: R x 4 fp32 accumulators (24 of 32 registers at R = 6), one broadcast
-// pair of A and four vectors of B per step.
-template <int R>
-__attribute__((target("avx512f,avx512bf16"), always_inline)) inline void micro(
-    int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b, float* c, float mul) {
-  __m512 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < npairs; ++p) {
-    __m512bh bv[4];
-    for (int j = 0; j < 4; ++j)
-      bv[j] = (__m512bh)_mm512_loadu_si512(static_cast<const void*>(b + p * kCols + j * 16));
-    for (int r = 0; r < R; ++r) {
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * lda + p]));
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], av, bv[j]);
-    }
-  }
-  const __m512 vm = _mm512_set1_ps(mul);
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(c + r * kCols + j * 16, _mm512_mul_ps(acc[r][j], vm));
-}
-
-}  // namespace
-
-__attribute__((target("avx512f,avx512bf16"))) void scores(int64_t m, int64_t npairs,
-                                                         const uint32_t* a, int64_t lda,
-                                                         const uint32_t* b, float* c, float mul,
-                                                         bool amx) {
-  if (amx) return scores_amx(m, npairs, a, lda, b, c, mul);
-  int64_t r = 0;
-  for (; r + 6 <= m; r += 6) micro<6>(npairs, a + r * lda, lda, b, c + r * kCols, mul);
-  for (; r + 4 <= m; r += 4) micro<4>(npairs, a + r * lda, lda, b, c + r * kCols, mul);
-  for (; r < m; r += 2) micro<2>(npairs, a + r * lda, lda, b, c + r * kCols, mul);
-}
-
 // Note [The fast tier through vdpbf16ps]: where the probe chose vdpbf16ps for the exact
 // products (a CPU whose bf16 dot products beat its fp32 FMAs, e.g. AVX512_BF16 at 2 x the FMA
 // FLOP/s), the fast tier's rounded P and dS are bf16 values too, so P V, dV, dK and dQ become
 // products of bf16 pairs as well: A (P, P^T, dS, dS^T rounded, round_to_pairs) one pair
 // broadcast, B (V, dO, Q, K) as the VNNI pair-rows the AMX path packs (pack_vnni), and R x NV
-// fp32 accumulators (R rows, NV vectors of 16 columns) loaded from C and stored back. The exact
-// tier keeps fp32 P V there: its P as 3 bf16 parts would cost 3 / 2 of an fp32 product.
+// fp32 accumulators (R rows, NV vectors of 16 columns) loaded from C and stored back: the same
+// micro-kernel as the scores', whose B is a key tile (64 columns) and whose C starts at zero.
+// The exact tier keeps fp32 P V there: its P as 3 bf16 parts would cost 3 / 2 of an fp32
+// product.
 namespace {
 
+// R rows x NV vectors of 16 columns: R x NV fp32 accumulators (24 of 32 registers at 6 x 4),
+// one broadcast pair of A and NV vectors of B per step; C = mul * (C or 0 + A B).
 template <int R, int NV>
-__attribute__((target("avx512f,avx512bf16"), always_inline)) inline void gemm_micro(
+__attribute__((target("avx512f,avx512bf16"), always_inline)) inline void micro(
     int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, float* c,
-    int64_t ldc, bool accumulate) {
+    int64_t ldc, bool accumulate, float mul) {
   __m512 acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NV; ++j)
@@ -121,38 +88,53 @@ __attribute__((target("avx512f,avx512bf16"), always_inline)) inline void gemm_mi
       for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], av, bv[j]);
     }
   }
+  const __m512 vm = _mm512_set1_ps(mul);
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(c + r * ldc + j * 16, acc[r][j]);
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(c + r * ldc + j * 16, _mm512_mul_ps(acc[r][j], vm));
 }
 
 template <int R>
-__attribute__((target("avx512f,avx512bf16"), always_inline)) inline void gemm_rows_dot(
+__attribute__((target("avx512f,avx512bf16"), always_inline)) inline void micro_row(
     int64_t n, int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
-    float* c, int64_t ldc, bool accumulate) {
+    float* c, int64_t ldc, bool accumulate, float mul) {
   for (int64_t col = 0; col < n; col += 64) {
+    const uint32_t* bc = b + col;
+    float* cc = c + col;
     switch (std::min<int64_t>(4, (n - col) / 16)) {
-      case 4: gemm_micro<R, 4>(npairs, a, lda, b + col, ldb, c + col, ldc, accumulate); break;
-      case 3: gemm_micro<R, 3>(npairs, a, lda, b + col, ldb, c + col, ldc, accumulate); break;
-      case 2: gemm_micro<R, 2>(npairs, a, lda, b + col, ldb, c + col, ldc, accumulate); break;
-      default: gemm_micro<R, 1>(npairs, a, lda, b + col, ldb, c + col, ldc, accumulate);
+      case 4: micro<R, 4>(npairs, a, lda, bc, ldb, cc, ldc, accumulate, mul); break;
+      case 3: micro<R, 3>(npairs, a, lda, bc, ldb, cc, ldc, accumulate, mul); break;
+      case 2: micro<R, 2>(npairs, a, lda, bc, ldb, cc, ldc, accumulate, mul); break;
+      default: micro<R, 1>(npairs, a, lda, bc, ldb, cc, ldc, accumulate, mul);
     }
   }
 }
 
-}  // namespace
-
-__attribute__((target("avx512f,avx512bf16"))) void gemm_dot(int64_t m, int64_t n,
-                                                           int64_t npairs, const uint32_t* a,
-                                                           int64_t lda, const uint32_t* b,
-                                                           int64_t ldb, float* c, int64_t ldc,
-                                                           bool accumulate) {
+// C[m][n] = mul * (C or 0 + A B) over bf16 pairs: rows in blocks of 6, then 4, then 2 (m even).
+__attribute__((target("avx512f,avx512bf16"))) void dot_gemm(int64_t m, int64_t n, int64_t npairs,
+                                                           const uint32_t* a, int64_t lda,
+                                                           const uint32_t* b, int64_t ldb,
+                                                           float* c, int64_t ldc,
+                                                           bool accumulate, float mul) {
   int64_t r = 0;
   for (; r + 6 <= m; r += 6)
-    gemm_rows_dot<6>(n, npairs, a + r * lda, lda, b, ldb, c + r * ldc, ldc, accumulate);
+    micro_row<6>(n, npairs, a + r * lda, lda, b, ldb, c + r * ldc, ldc, accumulate, mul);
   for (; r + 4 <= m; r += 4)
-    gemm_rows_dot<4>(n, npairs, a + r * lda, lda, b, ldb, c + r * ldc, ldc, accumulate);
+    micro_row<4>(n, npairs, a + r * lda, lda, b, ldb, c + r * ldc, ldc, accumulate, mul);
   for (; r < m; r += 2)
-    gemm_rows_dot<2>(n, npairs, a + r * lda, lda, b, ldb, c + r * ldc, ldc, accumulate);
+    micro_row<2>(n, npairs, a + r * lda, lda, b, ldb, c + r * ldc, ldc, accumulate, mul);
+}
+
+}  // namespace
+
+void scores(int64_t m, int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b,
+            float* c, float mul, bool amx) {
+  if (amx) return scores_amx(m, npairs, a, lda, b, c, mul);
+  dot_gemm(m, kCols, npairs, a, lda, b, kCols, c, kCols, false, mul);
+}
+
+void gemm_dot(int64_t m, int64_t n, int64_t npairs, const uint32_t* a, int64_t lda,
+              const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  dot_gemm(m, n, npairs, a, lda, b, ldb, c, ldc, accumulate, 1.0f);  // x 1: the same bits
 }
 
 namespace {

@@ -175,9 +175,7 @@ void print_table(const AttentionJob& job, const AttentionResult& r) {
               job.mask.describe().c_str(), count_str(job.seq).c_str(),
               static_cast<long long>(job.batch), static_cast<long long>(job.heads),
               static_cast<long long>(hkv), static_cast<long long>(job.head_dim),
-              job.dtype != DType::bf16            ? "fp32"
-              : job.bf16_tier == Bf16Tier::fast ? "bf16 (fast tier)"
-                                                : "bf16",
+              dtype_label(job.dtype, job.bf16_tier),
               job.backward ? ", forward + backward" : "");
   std::string how = strategy_name(job.strategy);
   if (job.strategy == StrategyKind::hybrid)

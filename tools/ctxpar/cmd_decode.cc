@@ -190,8 +190,7 @@ void print(const DecodeConfig& c, int ranks, const std::string& transport, const
               "Hkv %lld, D %lld, %s, block %lld\n",
               (long long)c.cache.sequences, (long long)total, ranks, transport.c_str(),
               (long long)c.hq, (long long)c.cache.kv_heads, (long long)c.cache.head_dim,
-              c.cache.dtype == DType::bf16 && c.cache.kernel.bf16_tier == Bf16Tier::fast
-                  ? "bf16 (fast tier)" : dtype_name(c.cache.dtype),
+              dtype_label(c.cache.dtype, c.cache.kernel.bf16_tier),
               (long long)c.cache.block);
   std::printf("prefill (%s): %.3f s, %s moved\n", r.prefill_mode.c_str(), r.prefill_seconds,
               bytes_text(double(r.prefill_bytes)).c_str());

@@ -308,10 +308,13 @@ const char* const kBf16TierHelp =
 
 Bf16Tier bf16_tier_option(const Options& o) {
   const std::string tier = o.str("bf16-tier");
-  if (tier == "exact") return Bf16Tier::exact;
-  if (tier == "fast") return Bf16Tier::fast;
+  if (const std::optional<Bf16Tier> t = parse_bf16_tier(tier)) return *t;
   throw UsageError("--bf16-tier " + tier + ": expected exact or fast (fast rounds P and dS to "
                    "bf16 as GPU flash attention does; it applies to --dtype bf16 only)");
+}
+
+const char* dtype_label(DType dtype, Bf16Tier tier) {
+  return dtype == DType::bf16 && tier == Bf16Tier::fast ? "bf16 (fast tier)" : dtype_name(dtype);
 }
 
 }  // namespace ctxpar::cli

@@ -57,11 +57,13 @@ int ulysses_groups_from_env();
 // OMP_NUM_THREADS when that is set (as OpenMP reads "4,2"), else 1. A bad OMP_NUM_THREADS is a
 // usage error naming it.
 int threads_option(const Options& o);
-// --bf16-tier exact | fast (attention, bench cp, bench kernel): KernelConfig::bf16_tier, one
+// --bf16-tier exact | fast (attention, bench cp, bench kernel, decode): KernelConfig::bf16_tier, one
 // help text and one refusal for every command that takes it. Another value is a UsageError
 // naming the option, the value and both choices.
 extern const char* const kBf16TierHelp;
 Bf16Tier bf16_tier_option(const Options& o);  // names: ctxpar::bf16_tier_name (kernel.h)
+// The element type as the tables print it: "fp32", "bf16", or "bf16 (fast tier)".
+const char* dtype_label(DType dtype, Bf16Tier tier);
 
 class Options {
  public:
