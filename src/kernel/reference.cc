@@ -47,6 +47,25 @@ Result attention(const TensorView& q, const Tokens& q_tokens, const TensorView& 
   auto qi = [&](int64_t b, int64_t i, int64_t h) { return ((b * Tq + i) * Hq + h) * D; };
   auto kj = [&](int64_t b, int64_t j, int64_t h) { return ((b * Tk + j) * p.hkv + h) * D; };
 
+  // The operands as contiguous T arrays, each element read once (TensorView::get is a call per
+  // element, which made the loops below several times slower): the values, and so every result
+  // bit, are those of reading them in place.
+  auto load = [](const TensorView& t) {
+    std::vector<T> out(static_cast<size_t>(t.numel()));
+    size_t n = 0;
+    for (int64_t b = 0; b < t.dim(0); ++b)
+      for (int64_t i = 0; i < t.dim(1); ++i)
+        for (int64_t h = 0; h < t.dim(2); ++h)
+          for (int64_t c = 0; c < t.dim(3); ++c) out[n++] = static_cast<T>(t.get(b, i, h, c));
+    return out;
+  };
+  const std::vector<T> qv = load(q), kv = load(k), vv = load(v);
+  const std::vector<T> dov = backward ? load(dout) : std::vector<T>();
+  // Which keys each query sees: the same for every batch and head.
+  std::vector<char> seen(static_cast<size_t>(Tq * Tk));
+  for (int64_t i = 0; i < Tq; ++i)
+    for (int64_t j = 0; j < Tk; ++j) seen[i * Tk + j] = visible_exact(mask, q_tokens, i, k_tokens, j);
+
   Result r;
   std::vector<T> o(B * Tq * Hq * D, 0), lse(B * Hq * Tq, neg_inf);
   std::vector<T> dq, dk, dv;
@@ -57,13 +76,14 @@ Result attention(const TensorView& q, const Tokens& q_tokens, const TensorView& 
       const int64_t hk = h / p.group;
       // S = scale * Q K^T with masked entries at -inf; P = softmax(S) per row.
       for (int64_t i = 0; i < Tq; ++i) {
+        const T* qr = &qv[qi(b, i, h)];
         T mx = neg_inf;
         for (int64_t j = 0; j < Tk; ++j) {
           T s = neg_inf;
-          if (visible_exact(mask, q_tokens, i, k_tokens, j)) {
+          if (seen[i * Tk + j]) {
+            const T* kr = &kv[kj(b, j, hk)];
             s = 0;
-            for (int64_t c = 0; c < D; ++c)
-              s += static_cast<T>(q.get(b, i, h, c)) * static_cast<T>(k.get(b, j, hk, c));
+            for (int64_t c = 0; c < D; ++c) s += qr[c] * kr[c];
             s *= scale;
           }
           P[i * Tk + j] = s;
@@ -77,31 +97,39 @@ Result attention(const TensorView& q, const Tokens& q_tokens, const TensorView& 
         for (int64_t j = 0; j < Tk; ++j) sum += (P[i * Tk + j] = std::exp(P[i * Tk + j] - mx));
         for (int64_t j = 0; j < Tk; ++j) P[i * Tk + j] /= sum;
         lse[(b * Hq + h) * Tq + i] = mx + std::log(sum);
+        T* orow = &o[qi(b, i, h)];
         for (int64_t j = 0; j < Tk; ++j) {
           const T pij = P[i * Tk + j];
-          for (int64_t c = 0; c < D; ++c) o[qi(b, i, h) + c] += pij * static_cast<T>(v.get(b, j, hk, c));
+          const T* vr = &vv[kj(b, j, hk)];
+          for (int64_t c = 0; c < D; ++c) orow[c] += pij * vr[c];
         }
       }
       if (!backward) continue;
       // dP = dO V^T; dS = P * (dP - rowsum(P * dP)); dQ = scale dS K; dK = scale dS^T Q;
       // dV = P^T dO.
       for (int64_t i = 0; i < Tq; ++i) {
+        const T* qr = &qv[qi(b, i, h)];
+        const T* dor = &dov[qi(b, i, h)];
         T row = 0;
         for (int64_t j = 0; j < Tk; ++j) {
+          const T* vr = &vv[kj(b, j, hk)];
           T s = 0;
-          for (int64_t c = 0; c < D; ++c)
-            s += static_cast<T>(dout.get(b, i, h, c)) * static_cast<T>(v.get(b, j, hk, c));
+          for (int64_t c = 0; c < D; ++c) s += dor[c] * vr[c];
           dP[i * Tk + j] = s;
           row += P[i * Tk + j] * s;
         }
+        T* dqr = &dq[qi(b, i, h)];
         for (int64_t j = 0; j < Tk; ++j) {
           const T pij = P[i * Tk + j];
           if (pij == 0) continue;
           const T ds = pij * (dP[i * Tk + j] - row) * scale;
+          const T* kr = &kv[kj(b, j, hk)];
+          T* dkr = &dk[kj(b, j, hk)];
+          T* dvr = &dv[kj(b, j, hk)];
           for (int64_t c = 0; c < D; ++c) {
-            dq[qi(b, i, h) + c] += ds * static_cast<T>(k.get(b, j, hk, c));
-            dk[kj(b, j, hk) + c] += ds * static_cast<T>(q.get(b, i, h, c));
-            dv[kj(b, j, hk) + c] += pij * static_cast<T>(dout.get(b, i, h, c));
+            dqr[c] += ds * kr[c];
+            dkr[c] += ds * qr[c];
+            dvr[c] += pij * dor[c];
           }
         }
       }
