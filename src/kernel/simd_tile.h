@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernel/asan_regions.h"
 #include "kernel/problem.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -73,7 +74,7 @@ HWY_INLINE VF exp2_neg(DF d, VF t) {
 // R rows x C vectors of C: acc over k of A[r][k] * B[k][c]. A row stride lda, B row stride ldb
 // (floats, B rows 64-byte friendly), C row stride ldc. accumulate = false overwrites C.
 template <int R, int C>
-HWY_INLINE void micro(const float* HWY_RESTRICT a, int64_t lda, const float* HWY_RESTRICT b,
+CTXPAR_REGION_CHECKED HWY_INLINE void micro(const float* HWY_RESTRICT a, int64_t lda, const float* HWY_RESTRICT b,
                       int64_t ldb, int64_t k, float* HWY_RESTRICT c, int64_t ldc, bool accumulate) {
   const DF d;
   const int64_t n = lanes();
@@ -95,7 +96,7 @@ HWY_INLINE void micro(const float* HWY_RESTRICT a, int64_t lda, const float* HWY
 
 // R rows of C against all N columns: micro-kernels of kC vectors, then single vectors.
 template <int R, int kC>
-HWY_INLINE void row_block(int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+CTXPAR_REGION_CHECKED HWY_INLINE void row_block(int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
                           int64_t ldb, float* c, int64_t ldc, bool accumulate) {
   const int64_t nl = lanes();
   int64_t j = 0;
@@ -116,10 +117,16 @@ HWY_INLINE void row_block(int64_t n, int64_t k, const float* a, int64_t lda, con
 // docs/kernel.md). The bits do not change: every element of C still gets its FMAs in the order
 // k = 0, 1, ..., K-1 from the same start, only with an exact fp32 store and reload of the
 // accumulator between panels.
-inline void gemm_rows(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-                      const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate,
-                      int64_t k_panel = 0) {
+// Under a sanitizer build the regions are checked once per call (Note [Hot loops under
+// AddressSanitizer]): rows of A and C rounded up to 2, columns of B and C to the lane count.
+CTXPAR_REGION_CHECKED inline void gemm_rows(int64_t m, int64_t n, int64_t k, const float* a,
+                                            int64_t lda, const float* b, int64_t ldb, float* c,
+                                            int64_t ldc, bool accumulate, int64_t k_panel = 0) {
   const int64_t nl = lanes();
+  const int64_t mr = round_up(m, 2), nr = round_up(n, nl);
+  check_rows(a, mr, k * 4, lda * 4, false);
+  check_rows(b, k, nr * 4, ldb * 4, false);
+  check_rows(c, mr, nr * 4, ldc * 4, true);
   constexpr int kC = HWY_MAX_BYTES >= 64 ? 4 : 2;
   constexpr int kR = 6;
   if (k_panel > 0 && k_panel < k) {
