@@ -40,8 +40,6 @@ done
 cxx="$(command -v clang++-14 || command -v clang++ || true)"
 [ -n "$cxx" ] || { echo "fuzzers.sh: clang++ not found; install clang and libclang-rt-14-dev (scripts/setup.sh)" >&2; exit 2; }
 
-launcher=()
-command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 # The library with fuzzer-no-link (coverage for libFuzzer, no main); only the targets link
 # libFuzzer. -O1 -g: reports with line numbers. No -march=native, and one SIMD target
 # (HWY_COMPILE_ONLY_STATIC: no parser touches the kernel), so a crash file replays anywhere.
@@ -49,11 +47,11 @@ command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 # cuDNN frontend's translation unit would cost minutes under clang.
 flags="-O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer-no-link,address,undefined"
 flags+=" -fno-sanitize-recover=undefined -DHWY_COMPILE_ONLY_STATIC=1"
-cmake -S "$root" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER="$cxx" "${launcher[@]}" \
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER="$cxx" \
   -DCMAKE_BUILD_TYPE=None -DCMAKE_CXX_FLAGS="$flags" \
   -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" \
   -DCTXPAR_FUZZERS=ON -DCTXPAR_TESTS=OFF -DCTXPAR_DEV=OFF -DCTXPAR_MPI=OFF -DCTXPAR_CUDA=OFF >/dev/null
-cmake --build "$build" -j "$(nproc)" --target "${targets[@]/%/_fuzz}"
+cmake --build "$build" -j "$(getconf _NPROCESSORS_ONLN)" --target "${targets[@]/%/_fuzz}"
 [ "$mode" = build ] && exit 0
 
 export ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:abort_on_error=0"

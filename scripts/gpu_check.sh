@@ -72,7 +72,7 @@ if [ ! -f "$build/build.ninja" ]; then
   step configure 90 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCTXPAR_CUDA=ON
 fi
 [ -f third_party/cudnn_frontend/include/cudnn_frontend.h ] || say "cudnn-frontend headers missing (scripts/cudnn_frontend.sh needs PyPI): cuda_cudnn_graphs will fail"
-step build 200 cmake --build "$build" -j "$(nproc)" --target ctxpar_cli ctxpar_cuda_check \
+step build 200 cmake --build "$build" -j "$(getconf _NPROCESSORS_ONLN)" --target ctxpar_cli ctxpar_cuda_check \
   test_cuda_nccl cuda_cudnn_graphs
 step version 20 "$build/ctxpar" --version
 step save-properties 30 "$build/tests/cuda/cuda_cudnn_graphs" --save-properties "$data/device_properties.json"

@@ -12,8 +12,8 @@
 #   scripts/sanitize.sh -- -R '^io$'    # ctest arguments after -- (replace the entry list)
 #
 # Exits non-zero when a test fails or a fuzz target crashes; both stages always run, so one
-# log shows every finding. ccache makes a second build cost seconds (CCACHE_* as in
-# scripts/build.sh).
+# log shows every finding. ccache makes a second build cost seconds (set up by
+# CMakeLists.txt).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -29,14 +29,12 @@ while [ $# -gt 0 ]; do
 done
 case "$only" in ""|asan|fuzz) ;; *) echo "sanitize.sh: --only takes asan or fuzz, not '$only'" >&2; exit 2 ;; esac
 
-# ccache keys on paths relative to the clone, so a fresh clone elsewhere reuses the cache.
-export CCACHE_BASEDIR="$root" CCACHE_NOHASHDIR=1
+source "$root/scripts/stages.sh"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 rc=0
 
 asan_stage() {
-  local build="$root/build-asan" launcher=()
-  command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  local build="$root/build-asan"
   local cxx; cxx="$(command -v g++-12 || command -v g++)"
   # CMAKE_BUILD_TYPE=None: exactly these flags (asserts on). -march=native with
   # HWY_COMPILE_ONLY_STATIC: the kernel is compiled once, for the best SIMD target of the machine
@@ -48,13 +46,13 @@ asan_stage() {
   # CTXPAR_CUDA=OFF: the CUDA parts cannot run here, and the cuDNN frontend's one translation
   # unit costs minutes to compile a second time; the normal suite builds and tests them
   # (ctest -L cuda, CliCuda.* with and without CUDA: tests/cli/cuda_device_test.cc).
-  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER="$cxx" "${launcher[@]}" \
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER="$cxx" \
     -DCMAKE_BUILD_TYPE=None -DCMAKE_CXX_FLAGS="$flags" \
     -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" \
     -DCTXPAR_ARCH=native -DCTXPAR_CUDA=OFF -DCTXPAR_DEV=OFF -DCTXPAR_FUZZERS=OFF -DCTXPAR_TEST_TIMEOUT_SCALE=4 >/dev/null
   local targets=(ctxpar_cli test_strategy test_strategy_mpi test_comm test_comm_mpi test_device
                  test_kernel test_io test_cli test_cli_io test_mpi test_inference test_inference_mpi)
-  cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
+  stage asan-build cmake --build "$build" -j "$(getconf _NPROCESSORS_ONLN)" --target "${targets[@]}" || { rc=1; return; }
 
   # Leaks: OpenMPI keeps its own allocations to exit (scripts/lsan.supp says which); its
   # reports need full stacks to match, hence fast_unwind_on_malloc=0.
@@ -70,13 +68,20 @@ asan_stage() {
     # inference: a test of it read past a tensor for a round unseen (docs/sanitizers.md).
     ctest_args=(-R '^(strategy|strategy_mpi_[0-9]+|comm|comm_mpi_.*|device|kernel_best|io|cli|cli_io|cli_mpi|inference|inference_mpi_2|mpi_(n|thread_n|fault_n|cli_n)[0-9]+|mpi_plan_local_cp_mismatch)$')
   fi
-  (cd "$build" && ctest --output-on-failure --timeout 1200 "${ctest_args[@]}") || rc=1
+  stage asan-ctest run_asan_ctest "$build" || rc=1
+}
+
+# Two entries at a time, as the Release suite (tests/CMakeLists.txt says which run alone).
+run_asan_ctest() {
+  (cd "$1" && ctest --output-on-failure --timeout 1200 -j "${CTXPAR_TEST_JOBS:-2}" "${ctest_args[@]}") 2>&1 |
+    tee "$(stage_log ctest-asan)"
 }
 
 fuzz_stage() {
-  bash "$root/scripts/fuzzers.sh" --runs || rc=1
+  stage fuzz bash "$root/scripts/fuzzers.sh" --runs || rc=1
 }
 
 [ "$only" != fuzz ] && asan_stage
 [ "$only" != asan ] && fuzz_stage
+stage_report
 exit $rc

@@ -2,12 +2,24 @@
 # Installs every dependency of ctxpar from Debian's packages, and .venv: the Python package's
 # environment, a virtual environment of the `python3` on PATH (pyenv's 3.11) with what users run
 # from PyPI: torch 2.15.0 (its wheel pulls ~5 GB of nvidia packages: ~1.5 min to download, then
-# pip's cache), numpy, pytest, mpi4py built from source against Debian's OpenMPI, and the
-# extension's build tools (pip install --no-build-isolation .). Debian's torch 1.13 stays
-# (python3-torch) as a second, older torch for a smoke subset (scripts/test.sh). docs/python.md
-# says why. Idempotent: what is already installed is skipped, so a second run costs seconds.
+# pip's cache), numpy, pytest (+ pytest-xdist: the suite runs two workers), mpi4py built from
+# source against Debian's OpenMPI, and the extension's build tools (pip install
+# --no-build-isolation .). Debian's torch 1.13 stays (python3-torch) as a second, older torch for
+# a smoke subset (scripts/test.sh). docs/python.md says why. Idempotent: what is already installed
+# is skipped, so a second run costs seconds.
+#
+#   scripts/setup.sh          # everything (the test suite's needs)
+#   scripts/setup.sh --cxx    # only what building the `ctxpar` command needs (scripts/demo.sh):
+#                             # compilers, CMake, Highway, OpenBLAS, OpenMPI, Gloo, GTest; no
+#                             # Python environment, no torch, no clang
 set -euo pipefail
 cd "$(dirname "$0")/.."
+cxx_only=0
+case "${1:-}" in
+  "") ;;
+  --cxx) cxx_only=1 ;;
+  *) echo "setup.sh: unknown argument '$1' (--cxx, or nothing)" >&2; exit 2 ;;
+esac
 pkgs=(
   build-essential cmake ninja-build pkg-config ccache
   libgtest-dev libgmock-dev
@@ -15,6 +27,9 @@ pkgs=(
   libopenmpi-dev openmpi-bin
   libgloo-dev
   nlohmann-json3-dev
+)
+# Beyond the command: the Python package's and the suite's needs, the sanitizer and fuzz builds.
+[ $cxx_only -eq 1 ] || pkgs+=(
   python3-numpy python3-matplotlib python3-torch
   python3-dev python3-venv python3-mpi4py
   clang libclang-rt-14-dev libomp-14-dev
@@ -30,6 +45,14 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
+# The CUDA device's cuDNN path needs cudnn-frontend's headers, from PyPI into third_party/ (not
+# committed). Where the download fails, the cuDNN parts build without it and ctest -L cuda fails
+# saying so.
+if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
+  scripts/cudnn_frontend.sh || echo "setup.sh: cudnn-frontend not fetched; ctest -L cuda will fail until it is" >&2
+fi
+[ $cxx_only -eq 1 ] && exit 0
+
 # The package's environment. CTXPAR_PYTHON picks another interpreter for a new .venv.
 TORCH_PIN=2.15.0
 py=${CTXPAR_PYTHON:-python3}
@@ -40,10 +63,10 @@ sys.exit(torch.__version__.split('+')[0] != '$TORCH_PIN')" 2>/dev/null; then
     "$(.venv/bin/python -c 'import torch; print(torch.__version__)') -> $TORCH_PIN)"; rm -rf .venv; }
 fi
 [ -x .venv/bin/python ] || "$py" -m venv .venv
-.venv/bin/python -c "import torch, numpy, pytest, mpi4py, scikit_build_core, nanobind, sys
+.venv/bin/python -c "import torch, numpy, pytest, xdist, mpi4py, scikit_build_core, nanobind, sys
 sys.exit(torch.__version__.split('+')[0] != '$TORCH_PIN')" 2>/dev/null || {
-  echo "setup: installing torch==$TORCH_PIN, numpy, pytest, mpi4py and the build tools into .venv"
-  .venv/bin/pip install -q "torch==$TORCH_PIN" numpy pytest "scikit-build-core>=0.10" \
+  echo "setup: installing torch==$TORCH_PIN, numpy, pytest, pytest-xdist, mpi4py and the build tools into .venv"
+  .venv/bin/pip install -q "torch==$TORCH_PIN" numpy pytest pytest-xdist "scikit-build-core>=0.10" \
     "nanobind>=2.0"
   # From source, so that it runs on Debian's OpenMPI (the library's MPI), not a bundled one.
   .venv/bin/pip install -q --no-binary mpi4py mpi4py
@@ -53,9 +76,3 @@ sys.exit(torch.__version__.split('+')[0] != '$TORCH_PIN')" 2>/dev/null || {
 # scripts/test.sh's smoke subset on an older torch; it imports the package built into .venv.
 [ -x .venv-torch113/bin/python ] || /usr/bin/python3 -m venv --system-site-packages .venv-torch113
 .venv-torch113/bin/python -c "import pytest" 2>/dev/null || .venv-torch113/bin/pip install -q pytest
-
-# The CUDA device's cuDNN graph check (ctest -L cuda) needs cudnn-frontend's headers, from PyPI
-# into third_party/ (not committed). Where the download fails, that check fails saying so.
-if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
-  scripts/cudnn_frontend.sh || echo "setup.sh: cudnn-frontend not fetched; ctest -L cuda will fail until it is" >&2
-fi

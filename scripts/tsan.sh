@@ -19,13 +19,11 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 build="$root/build-tsan"
 cxx="$(command -v clang++-14 || command -v clang++ || true)"
 [ -n "$cxx" ] || { echo "tsan.sh: clang++ not found; install clang (scripts/setup.sh)" >&2; exit 2; }
-launcher=()
-command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 flags="-O1 -g -fno-omit-frame-pointer -fsanitize=thread -DHWY_COMPILE_ONLY_STATIC=1"
-cmake -S "$root" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER="$cxx" "${launcher[@]}" \
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER="$cxx" \
   -DCMAKE_BUILD_TYPE=None -DCMAKE_CXX_FLAGS="$flags" -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=thread" \
   -DCTXPAR_MPI=OFF -DCTXPAR_CUDA=OFF -DCTXPAR_DEV=OFF -DCTXPAR_FUZZ=OFF >/dev/null
-cmake --build "$build" -j "$(nproc)" --target test_comm test_device test_strategy
+cmake --build "$build" -j "$(getconf _NPROCESSORS_ONLN)" --target test_comm test_device test_strategy
 
 export OMP_NUM_THREADS=1
 archer="$(dirname "$(readlink -f "$cxx")")/../lib/libarcher.so"

@@ -23,8 +23,9 @@ from ctxpar import layout as cl  # noqa: E402
 from ctxpar.torch import context_parallel, cp_attention  # noqa: E402
 from conftest import problem  # noqa: E402
 
-mode = sys.argv[1]
-out_dir = sys.argv[2] if len(sys.argv) > 2 else None
+# Imported by the tests for attention_on (pytest-xdist's workers have no argv[1]): no mode.
+mode = sys.argv[1] if __name__ == "__main__" else None
+out_dir = sys.argv[2] if __name__ == "__main__" and len(sys.argv) > 2 else None
 T = 32
 
 
