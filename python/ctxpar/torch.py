@@ -11,9 +11,13 @@ Local tensors are [B, Tl, H, D] (cp_attention) and hold this rank's tokens in la
 (ctxpar.layout.shard). See docs/python.md.
 """
 import contextlib
+import inspect
+import sys
+import threading
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from . import _ctxpar
 from . import _checks
@@ -89,38 +93,240 @@ def cp_attention(q_local, k_local, v_local, comm, layout="zigzag", causal=False,
     return (out, lse) if return_lse else out
 
 
+# Note [Every attention of a block]
+# A TorchFunctionMode's handler runs with the mode popped off the stack, so what the handler
+# calls is not seen again: the SDPA inside F.multi_head_attention_forward (nn.MultiheadAttention,
+# nn.TransformerEncoderLayer / DecoderLayer) ran torch's kernel on the shard. The handler
+# therefore runs torch's Python functions with the mode back on the stack
+# (torch.overrides.redispatch_function skips the one dispatch that brought the call here); C
+# ops, and Tensor's Python methods (they call their C namesake: re-entering would loop), run as
+# they are. With a mode on the stack has_torch_function is true, so the modules' fast paths
+# (torch._native_multi_head_attention, torch._transformer_encoder_layer_fwd) are not taken;
+# those ops, and SDPA's backend kernels, called directly are refused: they see one shard.
+#
+# torch.utils.checkpoint recomputes its function in backward, where no mode is active (autograd
+# does not carry the mode stack into backward). A checkpoint begun inside the block has its
+# frame on the stack when its SDPA is routed: its recompute function (CheckpointFunction's
+# ctx.run_function with use_reentrant=True, the _CheckpointFrame's recompute_fn with
+# use_reentrant=False) is wrapped to run under the same route. Checkpoints already running when
+# the block began are not the block's (their recompute re-enters the block itself). A torch whose
+# checkpoint keeps that function elsewhere gets a refusal, never an SDPA on the shard.
+#
+# torch.compile: the routed SDPA is torch.compiler.disable'd, so Dynamo breaks the graph there and
+# runs it eagerly through the route; the rest of a compiled function stays compiled.
+
+
 class _RouteAttention(torch.overrides.TorchFunctionMode):
     """Inside a context_parallel block, torch's scaled_dot_product_attention runs on ctxpar,
     however the caller reached it (F.scaled_dot_product_attention, a name bound by
-    `from torch.nn.functional import scaled_dot_product_attention` before the block, or
-    torch._C._nn's): a TorchFunctionMode sees the call itself, not the name. Modes are per
-    thread, so ranks that run as threads are each routed through their own block."""
+    `from torch.nn.functional import scaled_dot_product_attention` before the block, torch._C._nn's,
+    torch.ops.aten's, or torch's own Python functions such as nn.MultiheadAttention's): a
+    TorchFunctionMode sees the call itself, not the name (Note [Every attention of a block]).
+    Modes are per thread, so ranks that run as threads are each routed through their own block.
 
-    def __init__(self, comm, layout, strategy, threads, bf16_tier):
+    route: (comm, layout, strategy, threads, bf16_tier); buffers: the block's
+    (index, buffer, seq dim, shape before the block), whose dims the routed SDPA checks."""
+
+    def __init__(self, route, buffers=()):
         super().__init__()
-        self.route = (comm, layout, strategy, threads, bf16_tier)
+        self.route, self.buffers = route, buffers
+        self.outer = _checkpoint_frames()  # checkpoints running before the block began
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _SDPA:
-            return _scaled_dot_product_attention(self.route, *args, **kwargs)
+        name = _op_name(func)
+        if func is _SDPA or name == "aten::scaled_dot_product_attention":
+            return _routed_sdpa(self, *args, **kwargs)
+        if name.split("::")[-1].startswith(_LOCAL_ATTENTION):
+            raise RuntimeError(
+                f"{name}: inside ctxpar's context_parallel this op would attend to this rank's "
+                "shard only; call torch.nn.functional.scaled_dot_product_attention (routed to "
+                "ctxpar) or ctxpar.torch.cp_attention")
+        if func is _MHA:
+            _check_multi_head_attention(args, kwargs)
+        if inspect.isfunction(func) and func.__module__ != "torch._tensor":
+            if _REDISPATCH is None:
+                if func is _MHA:
+                    raise RuntimeError(
+                        f"nn.MultiheadAttention inside ctxpar's context_parallel: torch "
+                        f"{torch.__version__} cannot route the attention inside it (no "
+                        "torch.overrides.redispatch_function); call ctxpar.torch.cp_attention "
+                        "on the projected q, k, v instead")
+                return func(*args, **kwargs)
+            with self:
+                return _REDISPATCH(func, types, args, kwargs)
         return func(*args, **kwargs)
+
+    def check_seq_dims(self, named):
+        """A block buffer that reaches SDPA (itself or a view of it) must have been cut along
+        the dim SDPA reads as the sequence, T of [B, H, T, D]."""
+        for name, x in named:
+            ptr = x.untyped_storage().data_ptr()
+            for i, b, d, shape in self.buffers:
+                if ptr == 0 or ptr != b.untyped_storage().data_ptr():
+                    continue
+                if x.shape[2] == b.shape[d] and (b.shape[d] == 1 or x.stride(2) == b.stride(d)):
+                    continue
+                held = [k for k in range(4)
+                        if x.shape[k] == b.shape[d] and x.stride(k) == b.stride(d)]
+                what = f"as its {_BHTD[held[0]]}" if held else "merged into other dims"
+                tokens = [j for j in range(b.ndim)
+                          if b.shape[j] == x.shape[2] and x.stride(2) == b.stride(j)]
+                hint = (f"pass buffer_seq_dims[{i}] = {tokens[0]}, the dim of its tokens"
+                        if tokens else "pass the dim of its tokens")
+                raise ValueError(
+                    f"buffer_seq_dims[{i}] = {d}: buffers[{i}] (shape {shape} before the block) "
+                    f"was cut along dim {d}, which scaled_dot_product_attention's {name} holds "
+                    f"{what} ([B, H, T, D]); attention's sequence is T; {hint}")
+
+    def route_recomputes(self):
+        """Checkpoints begun inside the block recompute under this route in backward (Note
+        [Every attention of a block])."""
+        fresh = [f for f in _checkpoint_frames() if not any(f is o for o in self.outer)]
+        owners = [o for o in map(_recompute_owner, fresh) if o is not None]
+        # One frame of torch.utils.checkpoint.checkpoint per call (a recompute's own frames, such
+        # as use_reentrant=False's recompute_fn, are none) and one owner each.
+        if len(owners) < sum(f.f_code.co_name == "checkpoint" for f in fresh):
+            raise RuntimeError(
+                "torch.utils.checkpoint inside ctxpar's context_parallel: this torch "
+                f"({torch.__version__}) keeps the function it recomputes in backward where ctxpar "
+                "cannot find it, and the recompute would attend to this rank's shard only; "
+                "call ctxpar.torch.cp_attention inside the checkpointed function instead")
+        for owner, attr in owners:
+            fn = getattr(owner, attr)
+            if not getattr(fn, "_ctxpar_routed", False):
+                setattr(owner, attr, _routed_recompute(fn, self.route))
 
 
 _SDPA = getattr(F, "scaled_dot_product_attention", None)  # None before torch 2.0
+_MHA = getattr(F, "multi_head_attention_forward", None)
+_MHA_SIGNATURE = inspect.signature(_MHA) if _MHA is not None else None
+_REDISPATCH = getattr(torch.overrides, "redispatch_function", None)
+_CHECKPOINT_FILE = torch.utils.checkpoint.__file__
+# Name prefixes of the fused attention ops, which would take the shard for the sequence: the
+# modules' fast paths and SDPA's backends (torch.X and torch.ops.aten.X alike).
+_LOCAL_ATTENTION = ("_scaled_dot_product", "_native_multi_head_attention",
+                    "_transformer_encoder_layer_fwd", "_triton_multi_head_attention",
+                    "_triton_scaled_dot_attention", "_flash_attention_forward",
+                    "_efficient_attention_forward", "_cudnn_attention_forward")
+_BHTD = ("batch B (dim 0)", "heads H (dim 1)", "sequence T (dim 2)", "head dim D (dim 3)")
 
 
-def _scaled_dot_product_attention(route, query, key, value, attn_mask=None, dropout_p=0.0,
-                                  is_causal=False, scale=None, enable_gqa=False):
+def _no_compile(fn):
+    """fn run eagerly by torch.compile: Dynamo breaks the graph at it, with a reason that names
+    the block (fullgraph=True stops there)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    if disable is None:  # torch < 2.1: nothing compiles
+        return fn
+    reason = ("ctxpar's context_parallel runs scaled_dot_product_attention eagerly (its "
+              "communication is not traceable): the compiled function breaks its graph there; "
+              "with fullgraph=True compile the parts around the attention instead")
+    try:
+        return disable(fn, reason=reason)
+    except TypeError:  # a torch.compiler.disable without reason=
+        return disable(fn)
+
+
+def _op_name(func):
+    """'aten::x' for torch.ops.aten.x (packet or overload), else the function's __name__."""
+    schema = getattr(func, "_schema", None)
+    if schema is not None:
+        return schema.name
+    qualified = getattr(func, "_qualified_op_name", None)
+    return qualified if isinstance(qualified, str) else str(getattr(func, "__name__", ""))
+
+
+def _checkpoint_frames():
+    """The frames of torch.utils.checkpoint on this thread's stack."""
+    frames, f = [], sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_filename == _CHECKPOINT_FILE:
+            frames.append(f)
+        f = f.f_back
+    return frames
+
+
+def _recompute_owner(frame):
+    """(object, attribute) holding the function that the checkpoint running in `frame` calls
+    again in backward, or None where this frame holds none."""
+    local = frame.f_locals
+    ctx = local.get("ctx")
+    if frame.f_code.co_name == "forward" and callable(getattr(ctx, "run_function", None)):
+        return ctx, "run_function"  # use_reentrant=True: CheckpointFunction.forward
+    gen = local.get("gen")  # use_reentrant=False: the generator that made the _CheckpointFrame
+    if inspect.isgenerator(gen) and gen.gi_frame is not None:
+        local = gen.gi_frame.f_locals
+    owner = local.get("new_frame")
+    if callable(getattr(owner, "recompute_fn", None)):
+        return owner, "recompute_fn"
+    return None
+
+
+def _routed_recompute(fn, route):
+    """fn under `route`: a checkpoint's recompute in backward, outside any block."""
+    def recompute(*args, **kwargs):
+        with _RouteAttention(route):
+            return fn(*args, **kwargs)
+    recompute._ctxpar_routed = True
+    return recompute
+
+
+def _check_multi_head_attention(args, kwargs):
+    """F.multi_head_attention_forward's options that context parallelism cannot compute."""
+    a = _MHA_SIGNATURE.bind(*args, **kwargs)
+    a.apply_defaults()
+    a = a.arguments
+    where = "nn.MultiheadAttention inside ctxpar's context_parallel"
+    if a["need_weights"]:
+        raise ValueError(f"need_weights=True: {where} cannot return the attention weights (no "
+                         "rank holds a query's scores over the whole sequence, and torch "
+                         "computes them without scaled_dot_product_attention, on the shard); "
+                         "pass need_weights=False (nn.MultiheadAttention's default is True)")
+    if a["key_padding_mask"] is not None:
+        raise ValueError(f"key_padding_mask: not supported by {where} (masks come from global "
+                         "positions); drop the padding, or call ctxpar.torch.cp_attention with "
+                         "mask= / document_ids=")
+    if a["attn_mask"] is not None and not a["is_causal"]:
+        raise ValueError(f"attn_mask: not supported by {where} (masks come from global "
+                         "positions); for causal attention pass is_causal=True (with attn_mask "
+                         "the causal mask, as torch asks), or call ctxpar.torch.cp_attention "
+                         "with mask=")
+    # Each adds keys outside the sequence's positions, or replaces the keys of the shard.
+    for option, fix in (("bias_k", "build the module with add_bias_kv=False"),
+                        ("static_k", "pass static_k=None"), ("static_v", "pass static_v=None")):
+        if a[option] is not None:
+            raise ValueError(f"{option}: not supported by {where} (keys outside the sequence's "
+                             f"positions); {fix}")
+    if a["add_zero_attn"]:
+        raise ValueError(f"add_zero_attn=True: not supported by {where} (a key outside the "
+                         "sequence's positions); build the module with add_zero_attn=False")
+
+
+@_no_compile
+def _routed_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                 scale=None, enable_gqa=False):
     """F.scaled_dot_product_attention's signature ([B, H, Tl, D]) on cp_attention."""
-    comm, layout, strategy, threads, bf16_tier = route
+    comm, layout, strategy, threads, bf16_tier = mode.route
     if attn_mask is not None:
         raise ValueError("attn_mask: not supported inside ctxpar's context_parallel (masks come "
                          "from global positions); use is_causal=True, or "
                          "ctxpar.torch.cp_attention(mask=...)")
     if dropout_p != 0.0:
-        raise ValueError(f"dropout_p: ctxpar computes exact attention; got {dropout_p}")
-    # [B, H, Tl, D] -> [B, Tl, H, D]: a strided view, no copy (last dim stays contiguous).
+        raise ValueError(f"dropout_p: ctxpar computes exact attention; got {dropout_p} (the "
+                         "modules' dropout=0.0, or .eval())")
+    named = (("query", query), ("key", key), ("value", value))
+    for name, x in named:
+        if not isinstance(x, torch.Tensor) or x.ndim != 4:
+            got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name}: scaled_dot_product_attention inside ctxpar's "
+                             f"context_parallel takes 4-D [B, H, T, D] tensors, got {got}")
+    if not enable_gqa and query.shape[1] != key.shape[1]:
+        raise ValueError(f"enable_gqa=False but query has {query.shape[1]} heads and key "
+                         f"{key.shape[1]} (torch's scaled_dot_product_attention refuses this "
+                         "too); pass enable_gqa=True for grouped-query attention")
+    mode.check_seq_dims(named)
+    mode.route_recomputes()
+    # [B, H, T, D] -> [B, T, H, D]: a strided view, no copy (last dim stays contiguous).
     out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), comm,
                        layout=layout, causal=is_causal, strategy=strategy, threads=threads,
                        scale=scale, bf16_tier=bf16_tier)
@@ -156,17 +362,76 @@ def _check_buffers(comm, buffers, dims, layout):
     return dims
 
 
+def _check_buffer_roles(buffers, no_restore_buffers):
+    """What the block may do to each buffer: swap its data for the shard (a leaf, once) and,
+    for no_restore_buffers, leave it so. Returns the ids of the buffers not restored."""
+    first = {}
+    for i, b in enumerate(buffers):
+        if id(b) in first:
+            raise ValueError(f"buffers[{i}]: the same tensor as buffers[{first[id(b)]}]; pass "
+                             "each tensor once (the block shards it in place)")
+        first[id(b)] = i
+        if not b.is_leaf:
+            raise ValueError(
+                f"buffers[{i}]: not a leaf tensor (made by {type(b.grad_fn).__name__}); the "
+                "context_parallel block swaps its data for the shard, which the graph that made "
+                "it cannot follow (its backward would meet the shard's shape). Pass the leaves "
+                f"it is made from as buffers, or buffers[{i}].detach() (.requires_grad_() for a "
+                "gradient of its own)")
+    keep = set()
+    for j, b in enumerate(no_restore_buffers or ()):
+        if id(b) not in first:
+            raise ValueError(f"no_restore_buffers[{j}]: not one of buffers (pass the same tensor "
+                             "object in buffers too)")
+        if b.grad is not None:
+            i = first[id(b)]
+            raise ValueError(
+                f"no_restore_buffers[{j}]: buffers[{i}] has a .grad of shape "
+                f"{tuple(b.grad.shape)} from before the block, but context_parallel leaves "
+                "the buffer this rank's shard after it, which that gradient does not fit; set "
+                f"buffers[{i}].grad = None first, or let the block restore the buffer")
+        keep.add(id(b))
+    return keep
+
+
+# Buffers a block holds sharded, by id (process-wide: ranks as threads must not share one):
+# another block on one of them would shard the shard.
+_SHARDED = {}
+_SHARDED_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _hold(buffers):
+    """Marks `buffers` as sharded for the block's life; refuses one already held."""
+    with _SHARDED_LOCK:
+        for i, b in enumerate(buffers):
+            if _SHARDED.get(id(b)) is b:
+                raise ValueError(
+                    f"buffers[{i}]: already sharded by a context_parallel block that has not "
+                    "ended (a block inside another on the same tensor would shard the shard; "
+                    "ranks that run as threads need a tensor each); pass it to one block only")
+        _SHARDED.update((id(b), b) for b in buffers)
+    try:
+        yield
+    finally:
+        with _SHARDED_LOCK:
+            for b in buffers:
+                _SHARDED.pop(id(b), None)
+
+
 @contextlib.contextmanager
 def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=None,
                      layout="zigzag", strategy="ring", threads=1, bf16_tier="exact"):
     """Shards `buffers` in place along `buffer_seq_dims` (this rank's tokens in `layout`
     order) and, inside the block, runs torch's scaled_dot_product_attention on ctxpar (by a
-    TorchFunctionMode: names bound before the block are routed too). `mesh` is a 1-D torch
-    DeviceMesh (e.g. mesh["cp"], torch's own signature) or a ctxpar.Communicator. On exit,
-    even by an exception, every buffer not in no_restore_buffers gets its full contents back.
-    A restored buffer's .grad comes back whole too: the shard gradients of a backward inside
-    the block are gathered from every rank (collective) into the full shape and added to the
-    gradient it held before the block (on an exception the block's shard gradient is dropped).
+    TorchFunctionMode: names bound before the block, nn.MultiheadAttention and the
+    nn.Transformer layers, and torch.utils.checkpoint's recomputes are routed too). `mesh` is a
+    1-D torch DeviceMesh (e.g. mesh["cp"], torch's own signature) or a ctxpar.Communicator. On
+    exit, even by an exception, every buffer not in no_restore_buffers gets its full contents
+    back. A restored buffer's .grad comes back whole too: the shard gradients of a backward
+    inside the block are gathered from every rank (collective) into the full shape and added to
+    the gradient it held before the block (on an exception the block's shard gradient is
+    dropped). Buffers are leaves, each passed once and to one block at a time.
     bf16_tier: cp_attention's ("exact" or "fast"). Needs torch >= 2.0
     (scaled_dot_product_attention)."""
     comm = _communicator(mesh)
@@ -180,35 +445,39 @@ def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=No
     bf16_tier = _checks.bf16_tier(bf16_tier)
     buffers = list(buffers)
     dims = _check_buffers(comm, buffers, list(buffer_seq_dims), layout)
-    keep = {id(b) for b in (no_restore_buffers or ())}
-    originals = [b.data for b in buffers]
-    shards = [_layout.shard(b.data, comm, layout=layout, seq_dim=d) for b, d in zip(buffers, dims)]
-    # Gradients from before the block (full shape) wait here; the block's start at None.
-    grads_before = [b.grad if id(b) not in keep else None for b in buffers]
-    ok = False
-    try:
-        for b, s, g in zip(buffers, shards, grads_before):
-            if g is not None:
+    keep = _check_buffer_roles(buffers, no_restore_buffers)
+    with _hold(buffers):
+        originals = [b.data for b in buffers]
+        shards = [_layout.shard(b.data, comm, layout=layout, seq_dim=d)
+                  for b, d in zip(buffers, dims)]
+        # Gradients from before the block (full shape) wait here; the block's start at None.
+        grads_before = [b.grad if id(b) not in keep else None for b in buffers]
+        checked = [(i, b, d, tuple(full.shape))
+                   for i, (b, d, full) in enumerate(zip(buffers, dims, originals))]
+        ok = False
+        try:
+            for b, s, g in zip(buffers, shards, grads_before):
+                if g is not None:
+                    b.grad = None
+                b.data = s  # in place: the caller's tensor object now holds its shard
+            with _RouteAttention((comm, layout, strategy, threads, bf16_tier), checked):
+                yield
+            ok = True
+        finally:
+            block_grads = []
+            for b, full, before in zip(buffers, originals, grads_before):
+                if id(b) in keep:
+                    block_grads.append(None)
+                    continue
+                block_grads.append(b.grad)
                 b.grad = None
-            b.data = s  # in place: the caller's tensor object now holds its shard
-        with _RouteAttention(comm, layout, strategy, threads, bf16_tier):
-            yield
-        ok = True
-    finally:
-        block_grads = []
-        for b, full, before in zip(buffers, originals, grads_before):
-            if id(b) in keep:
-                block_grads.append(None)
-                continue
-            block_grads.append(b.grad)
-            b.grad = None
-            b.data = full
-            b.grad = before
-        # Every tensor is whole again before the (collective) gathers, which may raise.
-        for b, g, d, before in zip(buffers, block_grads, dims, grads_before):
-            if ok and g is not None:
-                whole = _layout.unshard(g, comm, layout=layout, seq_dim=d)
-                b.grad = whole if before is None else before + whole
+                b.data = full
+                b.grad = before
+            # Every tensor is whole again before the (collective) gathers, which may raise.
+            for b, g, d, before in zip(buffers, block_grads, dims, grads_before):
+                if ok and g is not None:
+                    whole = _layout.unshard(g, comm, layout=layout, seq_dim=d)
+                    b.grad = whole if before is None else before + whole
 
 
 def _communicator(mesh):

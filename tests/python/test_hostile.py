@@ -267,7 +267,7 @@ def test_context_parallel_gives_leaves_their_whole_gradient_back():
         bufs[1].grad = earlier.clone()
         grad_out = cl.shard(bhtd[3], comm, layout="zigzag", seq_dim=2)
         with context_parallel(comm, buffers=bufs, buffer_seq_dims=[2, 2, 2]):
-            out = F.scaled_dot_product_attention(*bufs, is_causal=True)
+            out = F.scaled_dot_product_attention(*bufs, is_causal=True, enable_gqa=True)
             (out * grad_out).sum().backward()
         for b in bufs:
             assert b.grad.shape == b.shape

@@ -132,7 +132,7 @@ def test_context_parallel_shards_routes_sdpa_and_restores():
         ids = [id(b) for b in bufs]
         with context_parallel(comm, buffers=bufs, buffer_seq_dims=[2, 2, 2]):
             assert bufs[0].shape[2] == T // comm.size  # sharded in place
-            out = F.scaled_dot_product_attention(*bufs, is_causal=True)
+            out = F.scaled_dot_product_attention(*bufs, is_causal=True, enable_gqa=True)
         assert [id(b) for b in bufs] == ids
         assert all(torch.equal(b, x) for b, x in zip(bufs, full))  # restored
         return out.detach().transpose(1, 2)
@@ -156,7 +156,7 @@ def test_context_parallel_routes_sdpa_bound_to_another_name_before_the_block():
     def rank(comm):
         bufs = [x.clone() for x in full]
         with context_parallel(comm, buffers=bufs, buffer_seq_dims=[2, 2, 2]):
-            out = bound(*bufs, is_causal=True)
+            out = bound(*bufs, is_causal=True, enable_gqa=True)
         return out.transpose(1, 2)
 
     out = cl.unshard_all(run_ranks(2, rank), layout="zigzag")

@@ -66,7 +66,7 @@ def test_context_parallel_on_a_2x2_mesh_routes_a_bound_sdpa_like_threads(tmp_pat
     def rank(comm):
         bufs = [x.clone() for x in (q, k, v)]
         with context_parallel(comm, buffers=bufs, buffer_seq_dims=[2, 2, 2]):
-            out = sdpa(*bufs, is_causal=True)
+            out = sdpa(*bufs, is_causal=True, enable_gqa=True)
         return cl.unshard(out.transpose(1, 2), comm, layout="zigzag", seq_dim=1)
 
     expected = run_ranks(2, rank)[0]

@@ -69,7 +69,7 @@ elif mode == "mesh":
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "cp"))
     q, k, v, _ = (torch.from_numpy(x).transpose(1, 2).contiguous() for x in problem(T=T))
     with context_parallel(mesh["cp"], buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
-        out = sdpa(q, k, v, is_causal=True)
+        out = sdpa(q, k, v, is_causal=True, enable_gqa=True)
     comm = ctxpar.Communicator.from_mesh(mesh, "cp")  # the block's, reused
     assert comm.size == world // 2 and comm.rank == mesh["cp"].get_local_rank()
     full = cl.unshard(out.transpose(1, 2), comm, layout="zigzag", seq_dim=1)
