@@ -30,12 +30,14 @@
 namespace ctxpar {
 
 struct KvCacheOptions {
-  int64_t sequences = 1;        // B: sequences held (each has its own length)
-  int64_t kv_heads = 1;         // Hkv
+  int64_t sequences = 1;        // B: sequences held (each has its own length), 1..kMaxBatch
+  int64_t kv_heads = 1;         // Hkv, 1..kMaxHeads
   int64_t head_dim = 64;        // D (16..256)
   DType dtype = DType::f32;     // k, v storage: fp32 or bf16
   int64_t block = kKernelTile;  // placement block (tokens); a kernel tile by default
-  Mask mask;                    // the attention's mask (documents: a document id per token)
+  // The attention's mask (documents: a document id per token): one that hides every later
+  // token (check_cache_mask), causal by default ("none", the default of Mask, is refused).
+  Mask mask = Mask::causal_mask();
   KernelConfig kernel;          // prefill and decode; bf16_tier the same on every rank
   DeviceOptions device;         // each rank makes its own device of this kind
   // Limits per rank; a call that would pass one is refused before anything changes, with an
@@ -46,6 +48,15 @@ struct KvCacheOptions {
   // Also refuse growth beyond ctxpar::memory_limit() (memory.h) of this process.
   bool check_memory_limit = true;
 };
+
+// The one rule for a cache's mask (the KvCache constructor, ctxpar.KVCache and `ctxpar decode`
+// hold to it): no query may see a key after it. The cache holds only the tokens so far, so a
+// mask that looks ahead ("none", window:L,R with R != 0) would make a token's attention depend
+// on how the sequence was cut into prefill calls. Accepted: causal, window:L,0 and
+// causal+window:L,0 (L >= -1), with or without documents; a positive right bound is refused
+// even under causal, which would hide the later keys it names. Throws Error naming `what` (the
+// option in the caller's words: "KvCacheOptions::mask", "--mask", "mask").
+void check_cache_mask(const Mask& mask, const char* what);
 
 enum class PrefillMode { automatic, pass_kv, pass_q };
 const char* prefill_mode_name(PrefillMode m);

@@ -11,6 +11,7 @@ namespace ctxpar {
 
 constexpr int64_t kMaxTokens = int64_t{1} << 40;  // tokens of a sequence: past any machine's memory
 constexpr int64_t kMaxHeads = 1 << 16;            // heads, kv heads, head groups
+constexpr int64_t kMaxBatch = 1 << 20;            // sequences of a batch, of a KV cache
 constexpr int kMaxThreads = 1024;                 // OpenMP threads per rank
 constexpr int kMaxProcesses = 1 << 20;            // MPI ranks, parallel degrees (ulysses_degree)
 constexpr double kMinTimeout = 1e-3, kMaxTimeout = 1e6;  // a communication timeout, seconds

@@ -57,6 +57,7 @@ std::unique_ptr<PyKvCache> make_cache(const PyCommunicator& comm, int64_t sequen
   } catch (const Error& e) {
     throw nb::value_error(detail::concat("mask / device: ", e.what()).c_str());
   }
+  check_cache_mask(o.mask, "mask");  // the library's rule, named as ctxpar.KVCache's argument
   o.kernel.threads = threads;
   if (scale) o.kernel.scale = *scale;
   o.kernel.bf16_tier = bf16_tier_arg(bf16_tier);  // ctxpar.KVCache checked it (_checks.py)

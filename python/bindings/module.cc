@@ -26,6 +26,7 @@ NB_MODULE(_ctxpar, m) {
   limits["processes"] = ctxpar::kMaxProcesses;
   limits["tokens"] = ctxpar::kMaxTokens;
   limits["heads"] = ctxpar::kMaxHeads;
+  limits["batch"] = ctxpar::kMaxBatch;
   limits["min_timeout"] = ctxpar::kMinTimeout;
   limits["max_timeout"] = ctxpar::kMaxTimeout;
   m.attr("_limits") = limits;

@@ -15,6 +15,7 @@ MAX_THREADS_RANKS = _LIMITS["threads_ranks"]  # ranks as threads of this process
 MAX_PROCESSES = _LIMITS["processes"]          # ulysses_degree (--ulysses-degree)
 MAX_TOKENS = _LIMITS["tokens"]                # tokens (--seq)
 MAX_HEADS = _LIMITS["heads"]                  # head_groups (a count of kv heads, --heads' range)
+MAX_BATCH = _LIMITS["batch"]                  # KVCache sequences (--batch)
 MIN_TIMEOUT, MAX_TIMEOUT = _LIMITS["min_timeout"], _LIMITS["max_timeout"]  # timeout_s (--timeout)
 THREADS_RANKS_NOTE = ("every rank is a thread of this process and the per-pair state grows as "
                       "ranks^2; for more ranks run one process per rank under mpirun")

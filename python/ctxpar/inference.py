@@ -30,8 +30,10 @@ class KVCache:
     """B sequences' K/V spread over the ranks of `comm` (None: ctxpar.init()).
 
     kv_heads, head_dim: the cache's Hkv and D (queries may have any multiple of Hkv heads:
-    GQA). dtype: storage, "float32" or "bfloat16". mask: "causal" (default), "none",
-    "causal+window:L,0", ("window", L, R), ... ; documents=True adds the documents rule (then
+    GQA). sequences: 1 .. 2^20 (the command's --batch range). dtype: storage, "float32" or
+    "bfloat16". mask: "causal" (default), "causal+window:L,0", ("window", L, 0): a mask that
+    hides every later token (ValueError for "none", a right bound above 0, ...: the cache holds
+    only the tokens so far; docs/inference.md); documents=True adds the documents rule (then
     every call takes document_ids, one per new token). block: the placement block (tokens).
     max_tokens_per_rank / max_bytes_per_rank: limits per rank (0: none), checked for every
     rank before a call changes anything (ValueError naming the field); check_memory_limit:
@@ -59,8 +61,8 @@ class KVCache:
         self.comm = comm
         self.mask = text
         self._cache = _ctxpar._KvCache(
-            comm, _whole("sequences", sequences, 1), _whole("kv_heads", kv_heads, 1,
-                                                            _checks.MAX_HEADS),
+            comm, _whole("sequences", sequences, 1, _checks.MAX_BATCH),
+            _whole("kv_heads", kv_heads, 1, _checks.MAX_HEADS),
             _whole("head_dim", head_dim, 1, 1 << 16), dtype, _whole("block", block, 1),
             text, _checks.threads(threads), _checks.scale(scale), str(device),
             _whole("max_tokens_per_rank", max_tokens_per_rank),

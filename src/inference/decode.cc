@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "ctxpar/error.h"
+#include "ctxpar/hash.h"
 #include "inference/internal.h"
 
 namespace ctxpar {
@@ -44,11 +45,13 @@ void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const 
                documents.size());
 
   {
+    // Every input before anything is stored: the same rows on every rank, the same verdict.
     auto where = [&](int64_t s, int64_t t) {
       return std::pair<int64_t, int64_t>{s, cache.tokens(s) + t};
     };
-    check_kv_finite("k_new", k_new, cache.device(), where);  // the same rows on every rank
-    check_kv_finite("v_new", v_new, cache.device(), where);
+    check_rows_finite("q", q, cache.device(), where, false);
+    check_rows_finite("k_new", k_new, cache.device(), where);
+    check_rows_finite("v_new", v_new, cache.device(), where);
   }
   CallStats call(cache);
   Device& dev = cache.device();
@@ -139,8 +142,8 @@ void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const 
     // all-gather's receive buffer holds this rank's own part at its place already.
     Buffer mine(part_bytes);
     std::memcpy(mine.data(), parts.data() + me * part_bytes, part_bytes - 8);
-    uint64_t signature = 1469598103934665603ull;  // FNV-1a over the call's shape
-    auto mix = [&](int64_t x) { signature = (signature ^ uint64_t(x)) * 1099511628211ull; };
+    uint64_t signature = kFnv1a64Offset;  // over the call's shape (the project's one hash)
+    auto mix = [&](int64_t x) { signature = fnv1a64(&x, sizeof x, signature); };
     mix(tn), mix(hq);
     for (int64_t n : lengths) mix(n);
     std::memcpy(mine.data() + part_bytes - 8, &signature, 8);

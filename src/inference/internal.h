@@ -28,11 +28,18 @@ struct KvCache::Shard {
 };
 
 struct InferenceAccess {
-  // Makes room for the sequences to reach `lengths` (one per sequence): checks every rank's
-  // share against the limits first (the same verdict on every rank, before anything changes),
-  // then this rank's memory_limit(), then grows this rank's buffers (stream-ordered copies).
+  // Makes room for the sequences to reach `lengths` (one per sequence): plan_growth, then grow.
   // `exact`: to the whole blocks needed (KvCache::reserve); else by the growth rule.
-  static void reserve(KvCache& c, const std::vector<int64_t>& lengths, bool exact = false);
+  static void reserve(KvCache& c, const std::vector<int64_t>& lengths, bool exact = false) {
+    grow(c, plan_growth(c, lengths, exact));
+  }
+  // The token slots each of this rank's shards needs for `lengths`, changing nothing: checks
+  // every rank's share against the limits (the same verdict on every rank), then this rank's
+  // memory_limit() (its own verdict: prefill agrees it with the others before any change).
+  static std::vector<int64_t> plan_growth(KvCache& c, const std::vector<int64_t>& lengths,
+                                          bool exact = false);
+  // Grows this rank's buffers to `capacities` (plan_growth's; stream-ordered copies).
+  static void grow(KvCache& c, const std::vector<int64_t>& capacities);
   // Stores rows of sequence seq: `indices` (increasing, all this rank's, following the ones it
   // holds) with k, v [1, m, Hkv, D] and m document ids (documents mask). Enqueued copies.
   static void store(KvCache& c, int64_t seq, std::span<const int64_t> indices,
@@ -123,12 +130,16 @@ void check_rows(const char* what, const TensorView& t, int64_t b, int64_t tokens
 void check_lse(const char* what, const TensorView& t, int64_t b, int64_t heads, int64_t tokens);
 // Note [The cache checks K/V at the door]: every key and value is checked finite once, before
 // it is stored (append, append_local, decode's new tokens: on every rank alike where every rank
-// has the same rows, so all refuse together), and decode's kernel calls then skip the scan of
-// the shard (KernelConfig::kv_checked) -- which for one new token cost as much as the attention.
-// t [B, n, Hkv, D] in host memory: ctxpar::Error naming the first NaN / Inf by the sequence and
-// token index where(b, t) gives. On the cuda device nothing is scanned (it reads no data on the
-// host; docs/cuda.md).
-void check_kv_finite(const char* what, const TensorView& t, const Device& dev,
-                     const std::function<std::pair<int64_t, int64_t>(int64_t, int64_t)>& where);
+// has the same rows, so all refuse together; prefill's rows, which are each rank's own, inside
+// the verdict the ranks agree on before anything is stored or sent), and decode's kernel calls
+// then skip the scan of the shard (KernelConfig::kv_checked) -- which for one new token cost as
+// much as the attention. Queries are checked at the same door (a query the kernel refused after
+// its call had stored the token's K/V left the token in the cache: a retry held it twice).
+// t [B, n, H, D] in host memory: ctxpar::Error naming the first NaN / Inf by the sequence and
+// token index where(b, t) gives (kv: a key or value, "kv head"). On the cuda device nothing is
+// scanned (it reads no data on the host; docs/cuda.md).
+void check_rows_finite(const char* what, const TensorView& t, const Device& dev,
+                       const std::function<std::pair<int64_t, int64_t>(int64_t, int64_t)>& where,
+                       bool kv = true);
 
 }  // namespace ctxpar

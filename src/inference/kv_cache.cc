@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "ctxpar/error.h"
+#include "ctxpar/limits.h"
 #include "ctxpar/memory.h"
 #include "kernel/finite.h"
 #include "inference/internal.h"
@@ -46,16 +47,28 @@ void check_rows(const char* what, const TensorView& t, int64_t b, int64_t tokens
   CTXPAR_CHECK(d <= 1 || t.stride(3) == 1, what, ": the head dimension must be contiguous");
 }
 
-void check_kv_finite(const char* what, const TensorView& t, const Device& dev,
-                     const std::function<std::pair<int64_t, int64_t>(int64_t, int64_t)>& where) {
+void check_rows_finite(const char* what, const TensorView& t, const Device& dev,
+                       const std::function<std::pair<int64_t, int64_t>(int64_t, int64_t)>& where,
+                       bool kv) {
   if (t.empty() || dev.name() == "cuda") return;
   const kernel::NonFinite f = kernel::find_non_finite(t);
   if (!f.found()) return;
   const auto [seq, index] = where(f.b, f.t);
   throw Error(detail::concat(what, ": non-finite value (", f.value, ") in sequence ", seq,
-                             ", token ", index, ", kv head ", f.h, ", dim ", f.d,
-                             "; the KV cache stores no NaN / Inf (", kernel::kNonFiniteHint,
-                             ")"));
+                             ", token ", index, kv ? ", kv head " : ", head ", f.h, ", dim ", f.d,
+                             kv ? "; the KV cache stores no NaN / Inf (" : " (",
+                             kernel::kNonFiniteHint, ")"));
+}
+
+void check_cache_mask(const Mask& m, const char* what) {
+  // Key j is visible to query i up to i + R (window), or up to i (causal): see mask.h.
+  const bool unbounded_ahead = !m.causal && m.window_right < 0;
+  CTXPAR_CHECK(!unbounded_ahead && m.window_right <= 0, what, " ", m.describe(),
+               unbounded_ahead ? " lets a token see every later one"
+                               : " names later tokens (a right window bound above 0)",
+               ", which a KV cache cannot give: it holds only the tokens so far, so a token's "
+               "attention would depend on how the sequence was cut into prefill calls; use "
+               "causal or causal+window:L,0 (+documents where needed)");
 }
 
 void check_lse(const char* what, const TensorView& t, int64_t b, int64_t heads, int64_t tokens) {
@@ -68,8 +81,11 @@ void check_lse(const char* what, const TensorView& t, int64_t b, int64_t heads, 
 KvCache::KvCache(Communicator& comm, const KvCacheOptions& options)
     : comm_(comm), options_(options) {
   const KvCacheOptions& o = options;
-  CTXPAR_CHECK(o.sequences >= 1, "KvCacheOptions::sequences must be >= 1, got ", o.sequences);
-  CTXPAR_CHECK(o.kv_heads >= 1, "KvCacheOptions::kv_heads must be >= 1, got ", o.kv_heads);
+  // Before anything is allocated (a shard per sequence: 10^9 of them took 22 s, then failed).
+  CTXPAR_CHECK(o.sequences >= 1 && o.sequences <= kMaxBatch,
+               "KvCacheOptions::sequences must be in [1, ", kMaxBatch, "], got ", o.sequences);
+  CTXPAR_CHECK(o.kv_heads >= 1 && o.kv_heads <= kMaxHeads,
+               "KvCacheOptions::kv_heads must be in [1, ", kMaxHeads, "], got ", o.kv_heads);
   CTXPAR_CHECK(o.head_dim >= 16 && o.head_dim <= 256,
                "KvCacheOptions::head_dim must be in 16..256 (the kernel's range), got ",
                o.head_dim);
@@ -77,6 +93,7 @@ KvCache::KvCache(Communicator& comm, const KvCacheOptions& options)
                "KvCacheOptions::dtype must be fp32 or bf16, got ", dtype_name(o.dtype));
   CTXPAR_CHECK(o.block >= 1 && o.block <= (int64_t{1} << 30),
                "KvCacheOptions::block must be in 1..2^30 tokens, got ", o.block);
+  check_cache_mask(o.mask, "KvCacheOptions::mask");
   CTXPAR_CHECK(o.max_tokens_per_rank >= 0,
                "KvCacheOptions::max_tokens_per_rank must be >= 0 (0: no limit), got ",
                o.max_tokens_per_rank);
@@ -189,8 +206,8 @@ void KvCache::append(int64_t seq, const TensorView& k, const TensorView& v,
                documents.size());
   const int64_t first = tokens(seq);
   auto where = [&](int64_t, int64_t t) { return std::pair<int64_t, int64_t>{seq, first + t}; };
-  check_kv_finite("k", k, *device_, where);
-  check_kv_finite("v", v, *device_, where);
+  check_rows_finite("k", k, *device_, where);
+  check_rows_finite("v", v, *device_, where);
   std::vector<int64_t> lengths;
   for (const auto& s : shards_) lengths.push_back(s->length);
   lengths[seq] += count;
@@ -210,8 +227,8 @@ void KvCache::append_local(int64_t seq, int64_t count, const TensorView& k, cons
   CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == m, "documents: the mask uses ",
                "documents: give one id per row of this rank (", m, "), got ", documents.size());
   auto where = [&](int64_t, int64_t t) { return std::pair<int64_t, int64_t>{seq, mine[t]}; };
-  check_kv_finite("k", k, *device_, where);
-  check_kv_finite("v", v, *device_, where);
+  check_rows_finite("k", k, *device_, where);
+  check_rows_finite("v", v, *device_, where);
   std::vector<int64_t> lengths;
   for (const auto& s : shards_) lengths.push_back(s->length);
   lengths[seq] += count;
@@ -260,7 +277,8 @@ void KvCache::reserve(const std::vector<int64_t>& lengths) {
   InferenceAccess::reserve(*this, at_least, true);
 }
 
-void InferenceAccess::reserve(KvCache& c, const std::vector<int64_t>& lengths, bool exact) {
+std::vector<int64_t> InferenceAccess::plan_growth(KvCache& c, const std::vector<int64_t>& lengths,
+                                                  bool exact) {
   const KvCacheOptions& o = c.options_;
   // Every rank's share, so that every rank refuses together, before any change.
   for (int r = 0; r < c.comm_.size(); ++r) {
@@ -293,8 +311,13 @@ void InferenceAccess::reserve(KvCache& c, const std::vector<int64_t>& lengths, b
                  " cannot grow its shard to ", want, " bytes: ", limit.shortfall(double(want - now)),
                  " (or turn KvCacheOptions::check_memory_limit off at your own risk)");
   }
+  return caps;
+}
+
+void InferenceAccess::grow(KvCache& c, const std::vector<int64_t>& caps) {
+  const KvCacheOptions& o = c.options_;
   Device& dev = *c.device_;
-  for (size_t seq = 0; seq < lengths.size(); ++seq) {
+  for (size_t seq = 0; seq < caps.size(); ++seq) {
     KvCache::Shard& s = *c.shards_[seq];
     const int64_t cap = caps[seq];
     if (cap <= s.capacity) continue;

@@ -206,31 +206,6 @@ void pass_q(KvCache& cache, int64_t seq, const PrefillShape& sh, const TensorVie
   dev.synchronize();  // the sends read `outgoing` until done
 }
 
-// Every rank's verdict on its arguments and the mode, shared before any other communication,
-// so that all ranks throw together (with the refusing rank's own message) instead of some
-// waiting in the ring for one that gave up.
-void agree(Communicator& comm, const std::string& error, const std::vector<int64_t>& signature) {
-  constexpr size_t kMessage = 256;  // bytes of a refusal message that travel
-  const int p = comm.size();
-  const size_t bytes = kMessage + signature.size() * 8;
-  std::vector<std::byte> mine(bytes), all(bytes * size_t(p));
-  std::memcpy(mine.data(), error.data(), std::min(error.size(), kMessage - 1));
-  std::memcpy(mine.data() + kMessage, signature.data(), signature.size() * 8);
-  if (p > 1) comm.allgather(mine.data(), all.data(), bytes);
-  else all = mine;
-  for (int r = 0; r < p; ++r) {  // refusals first: a refusing rank's signature says little
-    const char* theirs = reinterpret_cast<const char*>(all.data() + size_t(r) * bytes);
-    const std::string message(theirs, strnlen(theirs, kMessage));
-    CTXPAR_CHECK(message.empty(), "prefill: rank ", r, " refused its arguments: ", message);
-  }
-  for (int r = 0; r < p; ++r) {
-    const std::byte* theirs = all.data() + size_t(r) * bytes;
-    CTXPAR_CHECK(std::memcmp(theirs + kMessage, mine.data() + kMessage, bytes - kMessage) == 0,
-                 "prefill: rank ", r, " called with a different sequence, token count, heads, "
-                 "dtype or mode than rank ", comm.rank(), "; every rank must make the same call");
-  }
-}
-
 }  // namespace
 
 int64_t placement_held_by(int64_t n, int rank, int ranks, int64_t block) {
@@ -267,8 +242,13 @@ PrefillMode prefill(KvCache& cache, int64_t seq, int64_t new_tokens, const Tenso
   InferenceAccess::agree_kernels(cache, "prefill");
   const KvCacheOptions& o = cache.options();
   Communicator& comm = cache.comm();
+  // Every check, this rank's rows' values and its memory included, goes into the verdict the
+  // ranks share before anything is stored or sent: a rank that refused alone once left its
+  // ring messages queued (the next call took them for its own), and a NaN key stored before
+  // the kernel refused it stayed in the cache, which decode trusts (Note [The cache checks
+  // K/V at the door]).
   std::string error;
-  std::vector<int64_t> indices;
+  std::vector<int64_t> indices, capacities;
   PrefillShape sh;
   try {
     CTXPAR_CHECK(new_tokens >= 1, "prefill: new_tokens must be >= 1, got ", new_tokens);
@@ -286,6 +266,14 @@ PrefillMode prefill(KvCache& cache, int64_t seq, int64_t new_tokens, const Tenso
     CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == tl, "documents: the mask ",
                  "uses documents: give one id per row of this rank (", tl, "), got ",
                  documents.size());
+    auto where = [&](int64_t, int64_t t) { return std::pair<int64_t, int64_t>{seq, indices[t]}; };
+    check_rows_finite("q", q, cache.device(), where, false);
+    check_rows_finite("k", k, cache.device(), where);
+    check_rows_finite("v", v, cache.device(), where);
+    std::vector<int64_t> lengths;
+    for (int64_t s = 0; s < o.sequences; ++s) lengths.push_back(cache.tokens(s));
+    lengths[seq] += new_tokens;
+    capacities = InferenceAccess::plan_growth(cache, lengths);
     sh.hq = q.dim(2);
     sh.q_dtype = q.dtype();
   } catch (const Error& e) {
@@ -298,15 +286,19 @@ PrefillMode prefill(KvCache& cache, int64_t seq, int64_t new_tokens, const Tenso
   sh.block = o.block;
   sh.kv_dtype = o.dtype;
   sh.documents = o.mask.documents;
-  agree(comm, error, {seq, new_tokens, sh.cached, sh.hq, int64_t(sh.q_dtype), int64_t(mode)});
+  require_agreement(comm, "prefill",
+                    {{"seq", std::to_string(seq)},
+                     {"new_tokens", std::to_string(new_tokens)},
+                     {"cached tokens (KvCache::tokens(seq))", std::to_string(sh.cached)},
+                     {"query heads (q.dim(2))", std::to_string(sh.hq)},
+                     {"q dtype", dtype_name(sh.q_dtype)},
+                     {"mode", prefill_mode_name(mode)}},
+                    error);
 
   CallStats call(cache);
   const PrefillMode ran = choose_prefill(sh, mode);
   call.stats().mode = ran;
-  std::vector<int64_t> lengths;
-  for (int64_t s = 0; s < o.sequences; ++s) lengths.push_back(cache.tokens(s));
-  lengths[seq] += new_tokens;
-  InferenceAccess::reserve(cache, lengths);
+  InferenceAccess::grow(cache, capacities);
   if (!indices.empty()) InferenceAccess::store(cache, seq, indices, k, v, documents);
   InferenceAccess::set_length(cache, seq, sh.cached + new_tokens);
   Tokens q_tokens{indices, o.mask.documents ? documents : std::span<const int32_t>{}};

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `ctxpar attention` under a real torchrun (gloo transport, one rank per process; the addresses
 # go through the TCPStore that torchrun's agent hosts): the run must pick gloo by itself, pass
-# --check, and write outputs bitwise equal to the threads transport's. Then an inconsistent
-# launcher environment must be refused naming the variable. Then `ctxpar train` the same way.
+# --check, and write outputs bitwise equal to the threads transport's. Then `ctxpar train` and
+# `ctxpar decode` the same way. Then an inconsistent launcher environment must be refused naming
+# the variable.
 #   torchrun_test.sh <torchrun> <ctxpar> <nproc> <work folder>
 # Fails (never skips) when torchrun is missing: CI's scripts/setup.sh provides it.
 set -uo pipefail
@@ -63,6 +64,22 @@ timeout 240 "$torchrun" --no-python --standalone --nproc-per-node "$n" \
 cmp -s "$work/gloo.safetensors" "$work/threads.safetensors" ||
   fail "train: the weights differ between gloo and threads"
 echo "PASS: ctxpar train under torchrun: weights bitwise equal to threads"
+
+# ctxpar decode under torchrun: one rank per process over gloo (it ran P independent copies,
+# each a whole job on threads, with exit 0), rank 0 alone printing; every decoded token's out
+# and lse bitwise those of the threads transport (their hash, --json's outputs_hash).
+dargs=(decode --context $((100 * n)) --tokens 3 --chunk 64 --heads 4 --kv-heads 2 --head-dim 32
+       --json)
+timeout 240 "$torchrun" --no-python --standalone --nproc-per-node "$n" \
+  "$ctxpar" "${dargs[@]}" > "$work/decode.json" 2> "$work/decode.err" ||
+  { cat "$work/decode.err" >&2; fail "torchrun --nproc-per-node $n ctxpar decode exited $?"; }
+grep -q "\"transport\": \"gloo\", \"ranks\": $n," "$work/decode.json" ||
+  fail "decode did not run as $n gloo ranks: $(head -c 400 "$work/decode.json")"
+[ "$(grep -c '"command": "decode"' "$work/decode.json")" -eq 1 ] || fail "decode: more than rank 0 printed"
+want=$("$ctxpar" "${dargs[@]}" --ranks "$n" --transport threads | grep -o '"outputs_hash": "[0-9a-f]*"') ||
+  fail "the threads decode failed"
+grep -q "$want" "$work/decode.json" || fail "decode: the outputs differ between gloo and threads"
+echo "PASS: ctxpar decode under torchrun: $n gloo ranks, outputs bitwise equal to threads"
 
 # An environment torchrun would never make: refused (exit 2) naming the variable.
 err=$(env RANK=2 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 "$ctxpar" "${args[@]}" 2>&1)

@@ -25,7 +25,8 @@ expect 0 '"decoded_tokens": 3.*"prefill": "pass-kv\+pass-q"' -- \
 expect 0 '"prefill": "pass-kv"' -- \
   "$ctxpar" decode --lengths 300,170 --ranks 2 --tokens 2 --prefill-mode pass-kv --json
 expect 0 '"prefill": "fill"' -- "$ctxpar" decode --context 2K --ranks 4 --tokens 2 --prefill fill --json
-expect 2 '--mask none lets a token see later ones' -- "$ctxpar" decode --mask none
+expect 2 '--mask none lets a token see every later one, which a KV cache cannot give' -- \
+  "$ctxpar" decode --mask none
 expect 2 '--prefill-mode: unknown prefill mode .pass-x.' -- "$ctxpar" decode --prefill-mode pass-x
 expect 2 '--kv-heads 3 must divide --heads 8' -- "$ctxpar" decode --kv-heads 3
 expect 2 '--context must be in \[1, ' -- "$ctxpar" decode --context 0
@@ -58,9 +59,46 @@ expect 0 '"context_tokens": 300' -- "$ctxpar" decode --context 300 --heads 2 --k
   --head-dim 16 --ranks 3 --tokens 2 --k-npy "$npy/k.npy" --v-npy "$npy/v.npy" --json
 expect 2 '--k-npy .*expected shape \[C, 1, 16\] .* with C >= 400' -- "$ctxpar" decode --context 400 \
   --heads 2 --kv-heads 1 --head-dim 16 --k-npy "$npy/k.npy" --v-npy "$npy/v.npy"
+# Round six (issue 34). The library's one rule for a cache's mask (check_cache_mask): a right
+# window bound was taken under causal, which KVCache and the library took in any form.
+expect 2 '--mask causal\+window:4,2 names later tokens .* use causal or causal\+window:L,0' -- \
+  "$ctxpar" decode --mask causal+window:4,2
+expect 2 '--batch must be in \[1, 1048576\]' -- "$ctxpar" decode --batch 1048577
+# The memory check counts the prefill's rows, not only the cache: --heads 4096 over 32K tokens
+# passed and failed allocating 16 GiB of queries; refused at once (a limit of 16 GB makes the
+# verdict the same on any machine). --block 4M: the context was drawn a whole block at a time
+# (58 s for 100 tokens); now row by row, it runs at once (or, short of memory for the cache's
+# 2 GiB block, is refused at once).
+# within SECONDS CODES REGEX -- ARGS...: exits with one of CODES ("0|2") within SECONDS,
+# its output matching REGEX.
+within() {
+  local seconds=$1 codes=$2 regex=$3
+  shift 4
+  local out rc start=$SECONDS
+  out=$(timeout 120 "$@" 2>&1); rc=$?
+  if ! [[ $rc =~ ^($codes)$ ]] || ! grep -Eq -- "$regex" <<<"$out" || (( SECONDS - start > seconds )); then
+    echo "FAIL: $* -> exit $rc (want $codes) after $((SECONDS - start)) s (at most $seconds), output:"
+    echo "$out"; echo "(wanted /$regex/)"
+    fails=$((fails + 1))
+  fi
+}
+within 2 2 'the run needs .*GiB.*prefill call.*--heads 4096.*smaller --chunk' -- \
+  env CTXPAR_MEMORY_LIMIT_BYTES=16000000000 "$ctxpar" decode --heads 4096 --context 32768 --tokens 1
+within 10 '0|2' '"context_tokens": 100|the run needs .* KV cache' -- \
+  "$ctxpar" decode --block 4194304 --context 100 --tokens 2 --json
+# Launchers: srun without MPI is refused as `attention` refuses it; torchrun's copies join over
+# gloo (tests/cli/torchrun_test.sh), and an incomplete torchrun environment is named.
+expect 2 'started by srun \(SLURM_STEP_NUM_TASKS=2\) .* mpirun -n 2 ctxpar decode' -- \
+  env SLURM_PROCID=0 SLURM_STEP_NUM_TASKS=2 "$ctxpar" decode --context 100 --tokens 1
+expect 2 'MASTER_ADDR is not set' -- \
+  env WORLD_SIZE=2 RANK=0 LOCAL_RANK=0 "$ctxpar" decode --context 100 --tokens 1
 if [[ -n $mpiexec ]]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
   expect 0 '"transport": "mpi", "ranks": 2' -- "$mpiexec" -n 2 --oversubscribe \
+    --mca btl_vader_single_copy_mechanism none "$ctxpar" decode --context 500 --tokens 2 --json
+  # The same answer as the threads transport, bitwise (the hash of every decoded out and lse).
+  hash=$("$ctxpar" decode --context 500 --tokens 2 --ranks 2 --json | grep -o '"outputs_hash": "[0-9a-f]*"')
+  expect 0 "\"transport\": \"mpi\".*$hash" -- "$mpiexec" -n 2 --oversubscribe \
     --mca btl_vader_single_copy_mechanism none "$ctxpar" decode --context 500 --tokens 2 --json
   expect 0 '"transport": "mpi", .*"bf16_tier": "fast"' -- "$mpiexec" -n 2 --oversubscribe \
     --mca btl_vader_single_copy_mechanism none "$ctxpar" decode --context 500 --tokens 2 \
@@ -75,5 +113,10 @@ if [[ -n $mpiexec ]]; then
       -n 1 "$ctxpar" decode --context 500 --tokens 2 --dtype bf16 $a : \
       -n 1 "$ctxpar" decode --context 500 --tokens 2 --dtype bf16 $b
   done
+  # --plan on one rank only: agreed first, as every option (it returned on its own while the
+  # other rank waited 120 s in the agreement, naming nothing).
+  expect 2 'decode: the ranks were started with different options: --plan is on on rank 0 but off on rank 1' -- \
+    "$mpiexec" --oversubscribe --mca btl_vader_single_copy_mechanism none \
+    -n 1 "$ctxpar" decode --context 500 --tokens 2 --plan : -n 1 "$ctxpar" decode --context 500 --tokens 2
 fi
 exit $((fails > 0))

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "ctxpar/error.h"
+#include "ctxpar/limits.h"
 #include "ctxpar/memory.h"
 #include "inference/inference_support.h"
 #include "inference/internal.h"
@@ -129,7 +130,8 @@ TEST(Prefill, ARanksBadArgumentsStopEveryRank) {
     prefill(cache, 0, 100, q, k, v, out, lse);
   });
   for (int r : {0, 1, 2})
-    EXPECT_NE(errors[r].find("rank 1 refused its arguments: q: expected shape"), std::string::npos)
+    EXPECT_NE(errors[r].find("prefill: invalid arguments on rank 1 (of 3): q: expected shape"),
+              std::string::npos)
         << errors[r];
 }
 
@@ -192,7 +194,8 @@ TEST(Prefill, RanksThatDisagreeOnTheModeAreRefused) {
             comm.rank() == 1 ? PrefillMode::pass_q : PrefillMode::pass_kv);
   });
   for (const std::string& e : errors)
-    EXPECT_NE(e.find("called with a different sequence, token count, heads, dtype or mode"),
+    EXPECT_NE(e.find("prefill: the ranks were called with different arguments: mode is pass-kv "
+                     "on rank 0 but pass-q on rank 1"),
               std::string::npos) << e;
 }
 
@@ -334,4 +337,167 @@ TEST(KvCacheFinite, NonFiniteKeysAndValuesAreRefusedWhereTheyEnter) {
   for (const std::string& e : errors)
     EXPECT_NE(e.find("k_new: non-finite value (nan) in sequence 1, token 40, kv head 0, dim 7"),
               std::string::npos) << e;
+}
+
+// ---- Round six (issue 34): a refused call changes nothing --------------------------------
+// "Nothing changes" is checked against a twin cache that never saw the refused call: the same
+// lengths and shards, and the next calls give the same bits.
+
+namespace {
+
+Tensor normal(Shape shape, uint64_t seed) {
+  Tensor t(DType::f32, shape);
+  fill_normal(t, seed);
+  return t;
+}
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() && std::memcmp(a.data(), b.data(), a.bytes()) == 0;
+}
+
+void expect_same_cache(const KvCache& a, const KvCache& b) {
+  for (int64_t s = 0; s < a.options().sequences; ++s) {
+    EXPECT_EQ(a.tokens(s), b.tokens(s)) << "sequence " << s;
+    ASSERT_EQ(a.local_tokens(s), b.local_tokens(s)) << "sequence " << s;
+    EXPECT_TRUE(same_bits(Tensor::copy_of(a.k(s)), Tensor::copy_of(b.k(s)))) << "sequence " << s;
+  }
+}
+
+// decode of the same new token on both caches: out and lse bitwise equal.
+void expect_same_decode(KvCache& a, KvCache& b, uint64_t seed) {
+  const int64_t n = a.options().sequences;
+  const Tensor q = normal({n, 1, 4, 16}, seed), k = normal({n, 1, 2, 16}, seed + 1),
+               v = normal({n, 1, 2, 16}, seed + 2);
+  Tensor out_a(DType::f32, {n, 1, 4, 16}), lse_a(DType::f32, {n, 4, 1});
+  Tensor out_b(DType::f32, {n, 1, 4, 16}), lse_b(DType::f32, {n, 4, 1});
+  decode(a, q, k, v, out_a, lse_a);
+  decode(b, q, k, v, out_b, lse_b);
+  EXPECT_TRUE(same_bits(out_a, out_b) && same_bits(lse_a, lse_b));
+}
+
+}  // namespace
+
+// A NaN query was found by the kernel after decode had stored the token's K/V: a retry held the
+// token twice. The query is checked with the keys, before anything is stored.
+TEST(KvCacheRefusal, DecodeWithANonFiniteQueryStoresNothing) {
+  ThreadsOptions opt;
+  opt.timeout = std::chrono::seconds(20);
+  run_threads(2, [](Communicator& comm) {
+    KvCacheOptions o = small_options();
+    o.sequences = 2;
+    KvCache refused(comm, o), twin(comm, o);
+    for (KvCache* c : {&refused, &twin}) {
+      c->append(0, kv_rows(40, 1), kv_rows(40, 2));
+      c->append(1, kv_rows(25, 3), kv_rows(25, 4));
+    }
+    Tensor q = normal({2, 1, 4, 16}, 5);
+    q.ptr<float>()[(1 * 4 + 3) * 16 + 2] = std::nanf("");  // sequence 1, head 3, dim 2
+    Tensor out(DType::f32, {2, 1, 4, 16}), lse(DType::f32, {2, 4, 1});
+    try {
+      decode(refused, q, normal({2, 1, 2, 16}, 6), normal({2, 1, 2, 16}, 7), out, lse);
+      ADD_FAILURE() << "a NaN query was attended";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("q: non-finite value (nan) in sequence 1, token 25, "
+                                           "head 3, dim 2"),
+                std::string::npos) << e.what();
+    }
+    expect_same_cache(refused, twin);
+    expect_same_decode(refused, twin, 8);
+  }, opt);
+}
+
+// A NaN in one rank's own rows (a key: pass-KV; a query: pass-Q): that rank refused alone,
+// after storing its rows and sending its ring messages, which the next call then took for its
+// own. Every check is in the verdict the ranks agree on before anything is stored or sent.
+TEST(KvCacheRefusal, PrefillRefusedOnOneRankStoresAndSendsNothing) {
+  for (const bool key : {true, false}) {
+    SCOPED_TRACE(key ? "NaN key, pass-kv" : "NaN query, pass-q");
+    const PrefillMode mode = key ? PrefillMode::pass_kv : PrefillMode::pass_q;
+    std::vector<std::string> errors(2);
+    ThreadsOptions opt;
+    opt.timeout = std::chrono::seconds(20);
+    run_threads(2, [&](Communicator& comm) {
+      KvCache refused(comm, small_options()), twin(comm, small_options());
+      const Tensor q = normal({1, 70, 4, 16}, 1), k = kv_rows(70, 2), v = kv_rows(70, 3);
+      // Prefills tokens [first, first + count) of q, k, v: this rank's rows of them.
+      auto call = [&](KvCache& c, int64_t first, int64_t count, const Tensor& qs,
+                      const Tensor& ks) {
+        std::vector<int64_t> mine = c.placement(first, count, comm.rank());
+        const int64_t tl = int64_t(mine.size());
+        Tensor out(DType::f32, {1, tl, 4, 16}), lse(DType::f32, {1, 4, tl});
+        prefill(c, 0, count, rows_of(qs, mine), rows_of(ks, mine), rows_of(v, mine), out, lse,
+                mode);
+        return std::pair{out, lse};
+      };
+      call(refused, 0, 40, q, k);
+      call(twin, 0, 40, q, k);
+      Tensor bad = Tensor::copy_of(key ? k : q);  // token 50: block 3 (48..63), rank 1's
+      bad.ptr<float>()[(50 * bad.dim(2) + 1) * 16 + 3] = std::nanf("");
+      try {
+        call(refused, 40, 30, key ? q : bad, key ? bad : k);
+        ADD_FAILURE() << "a NaN was prefilled";
+      } catch (const Error& e) {
+        errors[comm.rank()] = e.what();
+      }
+      expect_same_cache(refused, twin);
+      const auto [out_a, lse_a] = call(refused, 40, 30, q, k);
+      const auto [out_b, lse_b] = call(twin, 40, 30, q, k);
+      EXPECT_TRUE(same_bits(out_a, out_b) && same_bits(lse_a, lse_b));
+      expect_same_decode(refused, twin, 9);
+    }, opt);
+    const std::string want =
+        std::string("prefill: invalid arguments on rank 1 (of 2): ") +
+        (key ? "k: non-finite value (nan) in sequence 0, token 50, kv head 1, dim 3"
+             : "q: non-finite value (nan) in sequence 0, token 50, head 1, dim 3");
+    for (const std::string& e : errors) EXPECT_NE(e.find(want), std::string::npos) << e;
+  }
+}
+
+// One rule for a cache's mask (check_cache_mask): every later token hidden. "none" or a right
+// window made a token's attention depend on how the sequence was cut into prefill calls.
+TEST(KvCacheRefusal, MasksThatSeeLaterTokensAreRefusedBeforeTheCacheExists) {
+  run_threads(1, [](Communicator& comm) {
+    for (const char* text : {"none", "causal+window:4,2", "window:-1,5", "window:3,-1",
+                             "documents"}) {
+      KvCacheOptions o = small_options();
+      o.mask = parse_mask(text);
+      try {
+        KvCache cache(comm, o);
+        ADD_FAILURE() << text << " accepted";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(std::string("KvCacheOptions::mask ") + text),
+                  std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("use causal or causal+window:L,0"),
+                  std::string::npos) << e.what();
+      }
+    }
+    // Accepted: no later key visible ("window:30,0" without causal is run against the fp64
+    // reference by Inference.EveryPathMatchesTheReference).
+    for (const char* text : {"causal", "window:4,0", "causal+window:4,0", "causal+window:4,-1",
+                             "causal+documents", "window:-1,0+documents"}) {
+      KvCacheOptions o = small_options();
+      o.mask = parse_mask(text);
+      EXPECT_NO_THROW(KvCache(comm, o)) << text;
+    }
+  });
+}
+
+// KvCacheOptions::sequences took any count (10^9: shards allocated for 22 s, then a failure).
+// The command's --batch range, refused before anything is allocated; kv_heads likewise.
+TEST(KvCacheRefusal, SequencesBeyondTheBatchRangeAreRefusedBeforeAllocating) {
+  run_threads(1, [](Communicator& comm) {
+    KvCacheOptions o = small_options();
+    o.sequences = kMaxBatch + 1;
+    try {
+      KvCache cache(comm, o);
+      ADD_FAILURE() << "2^20 + 1 sequences accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("KvCacheOptions::sequences must be in [1, 1048576], "
+                                           "got 1048577"),
+                std::string::npos) << e.what();
+    }
+    o = small_options();
+    o.kv_heads = kMaxHeads + 1;
+    EXPECT_THROW(KvCache(comm, o), Error);
+  });
 }

@@ -28,6 +28,11 @@ class RankFailure : public std::runtime_error {
   explicit RankFailure(const std::string& what) : std::runtime_error(what) {}
 };
 
+// The seed of the random row of token t (batch row b) of input `which` (q, k, v, ...): every
+// command draws its random inputs row by row from it, so a rank draws only its own rows and the
+// values depend on neither the number of ranks nor how tokens are placed on them.
+uint64_t token_seed(uint64_t seed, int which, int64_t b, int64_t t);
+
 // Refuses a launcher (torchrun, srun) that started copies of `ctxpar <command>` without MPI:
 // each copy would run the whole job alone (a UsageError saying how to launch it).
 void refuse_foreign_launcher(const char* command);

@@ -10,9 +10,12 @@
 #include <string>
 #include <vector>
 
+#include "attention_job.h"
 #include "commands.h"
 #include "ctxpar/comm.h"
 #include "ctxpar/error.h"
+#include "ctxpar/gloo.h"
+#include "ctxpar/hash.h"
 #include "ctxpar/inference.h"
 #include "ctxpar/memory.h"
 #include "ctxpar/npy.h"
@@ -33,31 +36,23 @@ struct DecodeConfig {
   bool json = false;
 };
 
-// Rows of a random tensor [1, n, H, D] at `indices`, each block of the placement seeded on its
-// own (seed, stream, block index): the values do not depend on P or on who draws them.
-Tensor random_rows(const std::vector<int64_t>& indices, int64_t heads, int64_t d, int64_t block,
-                   uint64_t seed, DType dtype) {
+// Rows of a random tensor [1, n, H, D] at `indices`, each token's row drawn from its own seed
+// (token_seed, as `ctxpar attention` draws): the values depend on neither P nor --block, and a
+// rank draws only its own rows (drawing whole blocks took 58 s for 100 tokens at --block 4M).
+Tensor random_rows(const std::vector<int64_t>& indices, int64_t heads, int64_t d, uint64_t seed,
+                   int which, int64_t seq, DType dtype) {
   Tensor out(DType::f32, {1, int64_t(indices.size()), heads, d});
-  for (size_t i = 0; i < indices.size();) {
-    const int64_t b = indices[i] / block;
-    size_t j = i;
-    while (j < indices.size() && indices[j] / block == b) ++j;
-    Tensor whole(DType::f32, {1, block, heads, d});
-    fill_normal(whole, seed * 1000003 + uint64_t(b));
-    copy_into(whole.view().slice(1, indices[i] - b * block, indices[j - 1] + 1 - b * block),
-              out.view().slice(1, int64_t(i), int64_t(j)));
-    i = j;
-  }
+  for (size_t i = 0; i < indices.size(); ++i)
+    fill_normal(out.view().slice(1, int64_t(i), int64_t(i) + 1),
+                token_seed(seed, which, seq, indices[i]));
   return Tensor::copy_of(out, dtype);
 }
 
 // This rank's rows of the context's keys or values, from the .npy file or drawn at random.
 Tensor context_rows(const DecodeConfig& c, const std::string& npy, const std::vector<int64_t>& rows,
-                    int64_t seq, uint64_t stream) {
+                    int64_t seq, int which) {
   const KvCacheOptions& o = c.cache;
-  if (npy.empty())
-    return random_rows(rows, o.kv_heads, o.head_dim, o.block, c.seed * 131 + seq * 7 + stream,
-                       o.dtype);
+  if (npy.empty()) return random_rows(rows, o.kv_heads, o.head_dim, c.seed, which, seq, o.dtype);
   const NpyHeader h = read_npy_header(npy);
   const int token_dim = h.shape.size() == 4 ? 1 : 0;
   const Tensor t = read_npy_rows(npy, token_dim, rows, o.dtype);  // contiguous
@@ -72,6 +67,9 @@ struct Report {
   std::vector<uint64_t> cache_bytes;    // per rank, at the end
   std::vector<double> cpu_seconds;      // per rank: decode's CPU time (its thread), all steps
   std::string prefill_mode;  // the modes the prefill calls ran ("pass-kv+pass-q"), or "fill"
+  // FNV-1a of every step's out and lse, which are bitwise the same on every rank and transport
+  // for the same P (docs/inference.md, "Decode"): `--json`'s way to compare two runs' answers.
+  uint64_t outputs_hash = kFnv1a64Offset;
 };
 
 void run_rank(Communicator& comm, const DecodeConfig& c, Report& report) {
@@ -95,7 +93,7 @@ void run_rank(Communicator& comm, const DecodeConfig& c, Report& report) {
         cache.append_local(s, t, k, v);
         continue;
       }
-      const Tensor q = random_rows(rows, c.hq, d, o.block, c.seed * 131 + s * 7 + 3, o.dtype);
+      const Tensor q = random_rows(rows, c.hq, d, c.seed, 0, s, o.dtype);
       const int64_t tl = int64_t(rows.size());
       Tensor out(DType::f32, {1, tl, c.hq, d}), lse(DType::f32, {1, c.hq, tl});
       const std::string ran = prefill_mode_name(prefill(cache, s, t, q, k, v, out, lse, c.mode));
@@ -109,7 +107,7 @@ void run_rank(Communicator& comm, const DecodeConfig& c, Report& report) {
   sent0 = comm.counters().bytes_sent;
   std::vector<double> steps;
   double merge = 0, cpu = 0;
-  std::vector<int64_t> one(static_cast<size_t>(nseq));
+  uint64_t outputs_hash = kFnv1a64Offset;
   for (int64_t step = 0; step < c.tokens; ++step) {
     Tensor q(DType::f32, {nseq, 1, c.hq, d}), k(DType::f32, {nseq, 1, o.kv_heads, d}),
         v(DType::f32, {nseq, 1, o.kv_heads, d});
@@ -124,6 +122,7 @@ void run_rank(Communicator& comm, const DecodeConfig& c, Report& report) {
     steps.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count());
     merge += cache.last_stats().merge_seconds;
     cpu += cache.last_stats().cpu_seconds;
+    outputs_hash = fnv1a64(lse.data(), lse.bytes(), fnv1a64(out.data(), out.bytes(), outputs_hash));
   }
   const uint64_t decode_sent = comm.counters().bytes_sent - sent0;
   // Every rank's figures to rank 0 (one small all-gather: [prefill bytes, decode bytes, cache,
@@ -137,6 +136,7 @@ void run_rank(Communicator& comm, const DecodeConfig& c, Report& report) {
   report.prefill_seconds = prefill_seconds;
   report.merge_seconds = merge;
   report.prefill_mode = mode;
+  report.outputs_hash = outputs_hash;
   for (int r = 0; r < comm.size(); ++r) {
     report.prefill_bytes += all[4 * r];
     report.decode_bytes += all[4 * r + 1];
@@ -174,7 +174,7 @@ void print(const DecodeConfig& c, int ranks, const std::string& transport, const
                 "\"token_seconds_mean\": %.6g, \"token_seconds_median\": %.6g, "
                 "\"merge_seconds_mean\": %.6g, \"decode_bytes_per_token\": %.6g, "
                 "\"cache_bytes_per_rank_max\": %llu, \"cache_bytes_per_rank_min\": %llu, "
-                "\"cpu_seconds_per_token\": [%s]}\n",
+                "\"cpu_seconds_per_token\": [%s], \"outputs_hash\": \"%016llx\"}\n",
                 transport.c_str(), ranks, (long long)c.cache.sequences, (long long)total,
                 (long long)c.tokens, (long long)c.hq, (long long)c.cache.kv_heads,
                 (long long)c.cache.head_dim, dtype_name(c.cache.dtype),
@@ -183,7 +183,8 @@ void print(const DecodeConfig& c, int ranks, const std::string& transport, const
                 mean, median(r.step_seconds),
                 r.step_seconds.empty() ? 0 : r.merge_seconds / double(r.step_seconds.size()),
                 c.tokens ? double(r.decode_bytes) / double(c.tokens) : 0.0,
-                (unsigned long long)cmax, (unsigned long long)cmin, cpu.c_str());
+                (unsigned long long)cmax, (unsigned long long)cmin, cpu.c_str(),
+                (unsigned long long)r.outputs_hash);
     return;
   }
   std::printf("ctxpar decode: %lld sequence(s), context %lld tokens, %d ranks (%s), Hq %lld, "
@@ -261,6 +262,99 @@ void print_plan(const DecodeConfig& c, int ranks) {
               (long long)p.crossover_seconds);
 }
 
+// The memory this process needs, from the options alone, so that a run that cannot fit is
+// refused before anything is allocated or drawn (counting the cache alone, `--heads 4096` over
+// 32K tokens passed and then failed allocating a rank's 16 GiB of queries). Per rank: its shards
+// in whole blocks (what reserve() allocates), and the larger of a prefill call's buffers and a
+// decode step's. `ranks_here`: the ranks in this process (P on threads, 1 under a launcher).
+struct DecodeMemory {
+  double cache = 0, prefill = 0, decode = 0;  // this process
+  double fullest_cache = 0;                   // the fullest rank's cache (--max-cache-bytes)
+  double total() const { return cache + std::max(prefill, decode); }
+};
+
+DecodeMemory decode_memory(const DecodeConfig& c, int ranks, int ranks_here) {
+  const KvCacheOptions& o = c.cache;
+  const double p = ranks, s = double(dtype_size(o.dtype)), hq = double(c.hq),
+               hkv = double(o.kv_heads), d = double(o.head_dim), b = double(o.sequences);
+  DecodeMemory m;
+  std::vector<int64_t> final_lengths;
+  int64_t longest = 0;
+  for (int64_t n : c.context) final_lengths.push_back(n + c.tokens), longest = std::max(longest, n);
+  double all = 0, shard = 0;  // shard: the largest of the longest sequence (what pass-KV moves)
+  for (int r = 0; r < ranks; ++r) {
+    const double mine = double(kv_cache_bytes(o, final_lengths, ranks, r));
+    all += mine;
+    m.fullest_cache = std::max(m.fullest_cache, mine);
+    shard = std::max(shard, double(kv_cache_bytes(o, {longest + c.tokens}, ranks, r)));
+  }
+  m.cache = ranks_here == ranks ? all : ranks_here * m.fullest_cache;
+  // Rows a rank takes of one prefill call of t tokens: the blocks of its turn among the at most
+  // t / block + 2 blocks the call touches.
+  const int64_t t = c.chunk > 0 ? std::min(c.chunk, longest) : longest;
+  const int64_t blocks = (t + o.block - 1) / o.block + 1;
+  const double rows = double(std::min<int64_t>(t, (blocks + ranks - 1) / ranks * o.block));
+  // Live together: the call's k, v (and q, out, lse when it attends) in --dtype, and either
+  // the fp32 rows being drawn (before the call) or what the call itself holds.
+  double call = 2 * rows * hkv * d * s, during = 0;
+  const double drawing = rows * (c.attend ? hq : hkv) * d * 4;
+  if (c.attend) {
+    call += rows * hq * d * s + rows * hq * (d + 1) * 4;  // q; out, lse
+    const double pass_kv = 2 * shard                        // its shard packed, one arriving
+                           + rows * hq * (d + 2) * 4;       // the kernel's running state
+    const double pass_q = 2 * rows * (hq * d * s + 8)       // q blocks: its own, one arriving
+                          + p * rows * hq * (d + 2) * 4     // a state per block it serves
+                          + (2 * p - 1) * rows * hq * (d + 1) * 4;  // partials: made, received
+    // The modes the calls run: auto's choice moves from pass-KV to pass-Q as the cache grows,
+    // so the first and the last call of the longest sequence say which it takes.
+    PrefillShape first;
+    first.new_tokens = t, first.ranks = ranks, first.hq = c.hq, first.hkv = o.kv_heads;
+    first.head_dim = o.head_dim, first.block = o.block;
+    first.kv_dtype = first.q_dtype = o.dtype;
+    PrefillShape last = first;
+    last.new_tokens = longest - (longest - 1) / t * t, last.cached = longest - last.new_tokens;
+    for (const PrefillShape& sh : {first, last})
+      during = std::max(during, choose_prefill(sh, c.mode) == PrefillMode::pass_q ? pass_q : pass_kv);
+  }
+  call += std::max(drawing, during);
+  m.prefill = ranks_here * call;
+  const double step = b * (hq + 2 * hkv) * d * (4 + s)  // q, k_new, v_new drawn, then in --dtype
+                      + b * hq * d * s                   // q packed by KV head
+                      + b * hq * (d + 1) * 4 * (p + 2)   // out, lse; the P partials; its own
+                      + b * hq * (d + 2) * 4;            // the kernel's running state
+  m.decode = ranks_here * step;
+  return m;
+}
+
+// Refuses (exit 2) a run that needs more than --max-cache-bytes or this process's memory limit,
+// naming the figures and the options that make the largest part.
+void check_decode_memory(const DecodeConfig& c, int ranks, int ranks_here) {
+  const DecodeMemory m = decode_memory(c, ranks, ranks_here);
+  const KvCacheOptions& k = c.cache;
+  if (k.max_bytes_per_rank > 0 && m.fullest_cache > k.max_bytes_per_rank)
+    throw UsageError("the KV cache needs " + bytes_text(m.fullest_cache) + " on a rank, over " +
+                     "--max-cache-bytes " + bytes_text(k.max_bytes_per_rank) +
+                     "; raise it, use more --ranks or a shorter --context");
+  const MemoryLimit limit = memory_limit();
+  if (!limit.known() || m.total() <= limit.bytes) return;
+  const char* fix =
+      m.cache >= std::max(m.prefill, m.decode)
+          ? "use a shorter --context, fewer --kv-heads, a smaller --block or --dtype bf16"
+      : m.prefill >= m.decode
+          ? "prefill in a smaller --chunk, with fewer --heads, or store the context without "
+            "attending (--prefill fill)"
+          : "use fewer --heads or a smaller --batch";
+  int64_t longest = 0;
+  for (int64_t n : c.context) longest = std::max(longest, n);
+  const int64_t per_call = c.chunk > 0 ? std::min(c.chunk, longest) : longest;
+  throw UsageError("the run " + limit.shortfall(m.total()) + " (" + std::to_string(ranks_here) +
+                   " rank" + (ranks_here == 1 ? "" : "s") + " in this process: the KV cache " +
+                   bytes_text(m.cache) + ", a prefill call's q, k, v, out and transfers " +
+                   bytes_text(m.prefill) + " for " + std::to_string(per_call) +
+                   " tokens of --heads " + std::to_string(c.hq) + ", a decode step's " +
+                   bytes_text(m.decode) + "); " + fix);
+}
+
 }  // namespace
 
 int cmd_decode(int argc, char** argv) {
@@ -273,8 +367,10 @@ int cmd_decode(int argc, char** argv) {
       .add("lengths", "", "context tokens of each sequence, comma-separated (instead of --context)")
       .add("batch", "1", "sequences decoded together (each --context tokens long)")
       .add("tokens", "16", "tokens to decode per sequence, one per step")
-      .add("ranks", "2", "ranks on the threads transport (ignored under mpirun)")
-      .add("transport", "auto", "auto | threads | mpi (auto: mpi when started by mpirun)")
+      .add("ranks", "2", "ranks on the threads transport (ignored under mpirun and torchrun)")
+      .add("transport", "auto",
+           "auto | threads | mpi | gloo (auto: mpi under mpirun, gloo under torchrun, else "
+           "threads)")
       .add("heads", "8", "query heads Hq")
       .add("kv-heads", "1", "key/value heads Hkv (divides Hq; GQA)")
       .add("head-dim", "64", "head dimension D (16..256)")
@@ -299,19 +395,37 @@ int cmd_decode(int argc, char** argv) {
       .example("ctxpar decode --context 1M --ranks 8 --tokens 64 --prefill fill")
       .example("ctxpar decode --context 8192 --ranks 2 --tokens 16 --prefill-mode pass-q --chunk 1024")
       .example("mpirun -n 4 ctxpar decode --context 256K --tokens 32 --prefill fill")
+      .example("torchrun --no-python --nproc-per-node 2 ctxpar decode --context 64K --tokens 8")
       .example("ctxpar decode --plan --context 131072 --chunk 4096 --ranks 2");
   if (!o.parse(argc, argv)) return 0;
+  // torchrun: one rank per process over gloo (an incomplete environment is refused by
+  // gloo_from_torchrun_env, naming the variable); other launchers without MPI are refused
+  // (each copy would run the whole job alone), as `attention` and `train` do.
+  if (!torchrun_job()) refuse_foreign_launcher("decode");
   const std::string transport = o.str("transport");
-  if (transport != "auto" && transport != "threads" && transport != "mpi")
-    throw UsageError("--transport must be auto, threads or mpi, got '" + transport + "'");
+  if (transport != "auto" && transport != "threads" && transport != "mpi" && transport != "gloo")
+    throw UsageError("--transport must be auto, threads, mpi or gloo, got '" + transport + "'");
   const bool use_mpi = transport == "mpi" || (transport == "auto" && launched_by_mpi());
-  if (use_mpi) mpi_world();  // from here on a rank's error ends every rank at once
+  const bool use_gloo =
+      transport == "gloo" || (transport == "auto" && !launched_by_mpi() && torchrun_job());
+  if (use_gloo && !torchrun_job())
+    throw UsageError("--transport gloo needs the job started by torchrun, e.g. torchrun "
+                     "--nproc-per-node 2 --no-python ctxpar decode ...; or use --transport "
+                     "threads");
+  const bool one_per_process = use_mpi || use_gloo;
+  auto world = [&]() -> Communicator& { return use_mpi ? mpi_world() : gloo_world(120); };
+  // Joined first: from here on a rank's error ends every rank at once (mpirun), or within
+  // seconds naming it (gloo), instead of leaving the others waiting to be joined.
+  if (one_per_process) world();
 
   DecodeConfig c;
   KvCacheOptions& k = c.cache;
   const int64_t batch = o.i64("batch", 1, kMaxBatch);
   if (o.given("lengths")) {
     c.context = o.list_i64("lengths");
+    if (int64_t(c.context.size()) > kMaxBatch)
+      throw UsageError("--lengths gives " + std::to_string(c.context.size()) + " sequences, " +
+                       "over the " + std::to_string(kMaxBatch) + " --batch takes");
     for (int64_t n : c.context)
       if (n < 1 || n > kMaxTokens)
         throw UsageError("--lengths: each length must be in [1, " + std::to_string(kMaxTokens) +
@@ -335,9 +449,7 @@ int cmd_decode(int argc, char** argv) {
     throw UsageError("--dtype must be fp32 or bf16, got '" + o.str("dtype") + "'");
   k.kernel.bf16_tier = bf16_tier_option(o);  // prefill's and decode's kernel calls
   k.mask = parse_mask(o.str("mask"));
-  if (!k.mask.causal && k.mask.window_right != 0)
-    throw UsageError("--mask " + o.str("mask") + " lets a token see later ones, which a cache "
-                     "cannot give; use causal or causal+window:L,0");
+  check_cache_mask(k.mask, "--mask");  // the library's rule, KvCache's and ctxpar.KVCache's
   if (k.mask.documents)
     throw UsageError("--mask with documents is not offered by the command (the library takes "
                      "document ids: ctxpar/inference.h)");
@@ -380,54 +492,41 @@ int cmd_decode(int argc, char** argv) {
                        "] (or [1, C, ...]) with C >= " + std::to_string(longest) +
                        " (--kv-heads, --head-dim, --context), got " + shape_str(h.shape));
   }
-  const int ranks = use_mpi ? mpi_world().size()
-                            : o.i32("ranks", 1, kMaxThreadsRanks, kThreadsRanksNote);
-  if (use_mpi && k.device.kind != DeviceKind::cpu)
-    throw UsageError("--device sim runs on the threads transport only; use --device cpu under mpirun");
+  const int ranks = one_per_process ? world().size()
+                                    : o.i32("ranks", 1, kMaxThreadsRanks, kThreadsRanksNote);
+  if (one_per_process && k.device.kind != DeviceKind::cpu)
+    throw UsageError("--device sim runs on the threads transport only; use --device cpu under "
+                     "mpirun or torchrun");
 
-  if (o.on("plan")) {
-    if (!use_mpi || mpi_world().rank() == 0) print_plan(c, ranks);
-    return 0;
-  }
-  // The cache's memory, checked before anything runs (exit 2 naming the options).
-  std::vector<int64_t> final_lengths;
-  for (int64_t n : c.context) final_lengths.push_back(n + c.tokens);
-  double here = 0, most = 0;
-  for (int r = 0; r < ranks; ++r) {
-    const double b = double(kv_cache_bytes(k, final_lengths, ranks, r));
-    most = std::max(most, b);
-    if (!use_mpi) here += b;  // threads: every rank is in this process
-  }
-  if (use_mpi) here = most;
-  if (k.max_bytes_per_rank > 0 && most > k.max_bytes_per_rank)
-    throw UsageError("the KV cache needs " + bytes_text(most) + " on a rank, over " +
-                     "--max-cache-bytes " + bytes_text(k.max_bytes_per_rank) +
-                     "; raise it, use more --ranks or a shorter --context");
-  const MemoryLimit limit = memory_limit();
-  if (limit.known() && here > limit.bytes)
-    throw UsageError("the KV cache of --context " + std::to_string(longest) + " (+ --tokens) " +
-                     limit.shortfall(here) + "; use a shorter --context, fewer --kv-heads or " +
-                     "--dtype bf16");
-
-  if (use_mpi) {  // every process parsed its own command line: refuse ranks that differ
+  // Every process parsed its own command line (an MPMD mpirun line, or torchrun's copies):
+  // before anything else, --plan included, refuse ranks that differ, naming the option (a rank
+  // alone with --plan returned while the others waited 120 s for it, naming nothing).
+  if (one_per_process) {
     Signature sig;
     for (const char* name : {"context", "lengths", "batch", "tokens", "heads", "kv-heads",
                              "head-dim", "dtype", "bf16-tier", "mask", "block", "prefill",
                              "prefill-mode", "chunk", "max-cache-bytes", "threads", "seed"})
       sig.push_back({name, o.str(name)});
-    for (const std::string& path : {c.k_npy, c.v_npy})
-      sig.push_back({"npy", path.empty() ? "" : path + ", " + file_fingerprint(path)});
-    agree_on_options(mpi_world(), sig, "decode");
+    sig.push_back({"plan", o.on("plan") ? "on" : "off"});
+    sig.push_back({"json", o.on("json") ? "on" : "off"});
+    for (const auto& [option, path] : {std::pair{"k-npy", c.k_npy}, std::pair{"v-npy", c.v_npy}})
+      sig.push_back({option, path.empty() ? "" : path + ", " + file_fingerprint(path)});
+    agree_on_options(world(), sig, "decode");
   }
+  const bool leader = !one_per_process || world().rank() == 0;  // prints
+  if (o.on("plan")) {
+    if (leader) print_plan(c, ranks);
+    return 0;
+  }
+  // Everything the run allocates, checked before anything runs (exit 2 naming the options).
+  check_decode_memory(c, ranks, one_per_process ? 1 : ranks);
+
   Report report;
-  const std::string used = use_mpi ? "mpi" : "threads";
-  try {
-    if (use_mpi) run_mpi([&](Communicator& comm) { run_rank(comm, c, report); });
-    else run_threads(ranks, [&](Communicator& comm) { run_rank(comm, c, report); });
-  } catch (const Error& e) {
-    throw std::runtime_error(e.what());  // a run-time failure: exit 1
-  }
-  if (!use_mpi || mpi_world().rank() == 0) print(c, ranks, used, report);
+  auto body = [&](Communicator& comm) { run_rank(comm, c, report); };
+  if (use_mpi) run_mpi(body);
+  else if (use_gloo) run_gloo(world(), body);
+  else run_rank_threads(ranks, body);  // a rank's failure: exit 1
+  if (leader) print(c, ranks, use_mpi ? "mpi" : use_gloo ? "gloo" : "threads", report);
   return 0;
 }
 

@@ -10,15 +10,6 @@
 #include "job_internal.h"
 
 namespace ctxpar::cli {
-namespace job {
-namespace {
-
-double thread_cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
 
 uint64_t token_seed(uint64_t seed, int which, int64_t b, int64_t t) {
   uint64_t z = seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(which) * 0xbf58476d1ce4e5b9ull +
@@ -26,6 +17,15 @@ uint64_t token_seed(uint64_t seed, int which, int64_t b, int64_t t) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
+}
+
+namespace job {
+namespace {
+
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
 // shard [B, Tl, H, D]: row i is global token index[i], drawn from its own seed; padding rows

@@ -33,8 +33,8 @@ void refuse_foreign_launcher(const char* command) {
       "started by ", l.name, " as ", l.ranks, " separate processes without MPI: each would run "
       "the whole job alone. Launch it with mpirun -n ", l.ranks, " ctxpar ", command,
       " ... (or srun --mpi=pmix with an MPI build), or as one process with --ranks ", l.ranks,
-      l.name.rfind("torchrun", 0) == 0 ? " (ctxpar attention and train run under torchrun, on "
-                                         "the gloo transport)" : ""));
+      l.name.rfind("torchrun", 0) == 0 ? " (ctxpar attention, train and decode run under "
+                                         "torchrun, on the gloo transport)" : ""));
 }
 
 bool torchrun_job() {

@@ -23,9 +23,8 @@ class UsageError : public Error {
 // Ranges the commands share (docs/cli.md, "Number ranges"). A value outside its range is a
 // usage error naming the option and the range, never a wrapped or clamped number.
 // The ranges the Python package shares are the library's (ctxpar/limits.h): kMaxTokens
-// (--seq), kMaxHeads (--heads, --kv-heads), kMaxThreads (--threads), kMaxProcesses (MPI
-// ranks, plan parallel degrees), kMinTimeout / kMaxTimeout (--timeout).
-constexpr int64_t kMaxBatch = 1 << 20;              // --batch
+// (--seq), kMaxHeads (--heads, --kv-heads), kMaxBatch (--batch), kMaxThreads (--threads),
+// kMaxProcesses (MPI ranks, plan parallel degrees), kMinTimeout / kMaxTimeout (--timeout).
 constexpr int kMaxRepeats = 1000000;                // --repeats
 constexpr double kMinLinkGbps = 1e-6, kMaxLinkGbps = 1e6;  // --link-gbps: 1 kB/s .. 1 PB/s
 constexpr double kMaxLinkLatencyUs = 1e7;                  // --link-latency-us: 10 s
