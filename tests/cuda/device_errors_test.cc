@@ -184,7 +184,9 @@ TEST(CudaDeviceErrors, AStrategyReportsTheFailedLaunchAndLeavesNothingBehind) {
 }
 
 // A free the runtime refuses (free() never throws): the buffer's own event is still destroyed.
-TEST(CudaDeviceErrors, AFailedFreeStillDestroysItsEvent) {
+// A record that fails: its event is destroyed. An allocation whose event cannot be made: the
+// memory is freed.
+TEST(CudaDeviceErrors, AFailedFreeRecordOrAllocationEventLeavesNothingBehind) {
   auto api = std::make_shared<cuda::RecordingCudaApi>();
   {
     cuda::CudaDevice dev(api, 0);
@@ -192,9 +194,15 @@ TEST(CudaDeviceErrors, AFailedFreeStillDestroysItsEvent) {
     api->fail_at("free", 1, "injected: cudaFreeAsync failed");
     b.reset();
     dev.synchronize();
+    api->fail_at("record", 1, "injected: cudaEventRecord failed");
+    EXPECT_THROW(dev.record(kComputeStream), Error);
+    api->fail_at("event_create", 1, "injected: cudaEventCreate failed");
+    EXPECT_THROW(dev.alloc(64), Error);
+    dev.synchronize();
   }
+  EXPECT_EQ(joined(api->violations()), "");
   EXPECT_EQ(api->live_events(), 0u);
-  EXPECT_EQ(api->live_allocations(), 1u);  // the refused free: the runtime kept it
+  EXPECT_EQ(api->live_allocations(), 1u);  // the refused free's: the runtime kept it
 }
 
 // A loopback message of the wrong size: the receiver's error names both sizes, and the
