@@ -6,24 +6,34 @@ Goal (issue 24): ctxpar >= 0.9x the fastest backend.
 
 NEVER RUN: written against ctxpar's documented Python API (docs/python.md: ctxpar.attention,
 ctxpar.attention_backward, q/k/v [B, T, H, D]) taking CUDA tensors, before any GPU was lent.
-scripts/gpu_check.sh runs it:  gpu_sdpa.py OUT.json [BUDGET_S]
+  gpu_sdpa.py OUT.json [BUDGET_S]            scripts/gpu_check.sh: every T, causal and full
+  gpu_sdpa.py --torch-only --seqs 8192 OUT.json [BUDGET_S]
+      scripts/gpu_first.sh: torch's backends only, causal (its python has no ctxpar package:
+      the window times the bundle's `ctxpar attention` at the same shape beside it)
+  gpu_sdpa.py --table RUNS_DIR               gpu_first.sh's summary: both, side by side
 A case that fails (a backend that refuses the shape, ctxpar refusing CUDA tensors, out of
-memory) is recorded with its error; the others still run.
+memory) is recorded with its error; the others still run. Each row is printed (one JSON line)
+as soon as it is measured.
 """
+import argparse
+import glob
 import json
+import os
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
-import ctxpar
-
 B, HQ, HKV, D = 1, 32, 8, 128
 SEQS = [8 * 1024, 32 * 1024, 128 * 1024]
-BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
+            "efficient": "EFFICIENT_ATTENTION"}  # torch.nn.attention.SDPBackend's names
+
+
+def load_torch():
+    """torch on first need: --table reads files only (the summary of a window, any python)."""
+    global torch, F, SDPBackend, sdpa_kernel
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def timed(fn, repeats):
@@ -46,7 +56,7 @@ def torch_case(backend, q, k, v, causal, backward):
     note = "enable_gqa"
 
     def fwd(gqa):
-        with sdpa_kernel(BACKENDS[backend]):
+        with sdpa_kernel(getattr(SDPBackend, BACKENDS[backend])):
             if gqa:
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
                                                       enable_gqa=True)
@@ -65,6 +75,7 @@ def torch_case(backend, q, k, v, causal, backward):
 
 
 def ctxpar_case(q, k, v, causal, backward):
+    import ctxpar
     mask = "causal" if causal else "none"
     if not backward:
         return timed(lambda: ctxpar.attention(q, k, v, ranks=1, mask=mask), 3)
@@ -76,20 +87,56 @@ def ctxpar_case(q, k, v, causal, backward):
     return timed(both, 3)
 
 
+def table(runs):
+    """The summary's side-by-side table of gpu_first.sh's sdpa stage, from its files in RUNS."""
+    lines = []
+    for path in sorted(glob.glob(os.path.join(runs, "sdpa-torch-*.json"))):
+        t = int(path.rsplit("-", 1)[1].split(".")[0])
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+        for row in rows:
+            cells = ["%s %.4g s" % (n, row[n]["seconds"]) if "seconds" in row[n] else
+                     "%s: %s" % (n, row[n].get("error", "?")[:60]) for n in BACKENDS if n in row]
+            pass_ = row["pass"]
+            ours = os.path.join(runs, "sdpa-ctxpar_T=%d_%s.out" % (t, pass_))
+            mine = "ctxpar not run"
+            try:
+                with open(ours) as f:
+                    j = json.load(f)
+                mine = "ctxpar %.4g s" % (j["forward_seconds"] + j.get("backward_seconds", 0))
+            except (OSError, ValueError, KeyError):
+                pass
+            lines.append("  T=%d causal %s: %s; %s" % (t, pass_, ", ".join(cells), mine))
+    if lines:
+        print("\nctxpar (the command: host tensors staged to the GPU each call) against torch's "
+              "SDPA (GPU tensors), bf16, B=1, Hq=32, Hkv=8, D=128, best of 3:")
+        print("\n".join(lines))
+
+
 def main():
-    out_path = sys.argv[1]
-    deadline = time.time() + (float(sys.argv[2]) if len(sys.argv) > 2 else 600)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="OUT.json, or RUNS_DIR with --table")
+    ap.add_argument("budget", nargs="?", type=float, default=600.0)
+    ap.add_argument("--torch-only", action="store_true")
+    ap.add_argument("--seqs", default=",".join(str(t) for t in SEQS))
+    ap.add_argument("--table", action="store_true")
+    a = ap.parse_args()
+    if a.table:
+        return table(a.out)
+    load_torch()
+    deadline = time.time() + a.budget
     rows = []
     info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "cudnn": torch.backends.cudnn.version(), "ctxpar": getattr(ctxpar, "__version__", "?")}
-    for t in SEQS:
+            "cudnn": torch.backends.cudnn.version()}
+    names = list(BACKENDS) + ([] if a.torch_only else ["ctxpar"])
+    for t in [int(x) for x in a.seqs.split(",")]:
         q = torch.randn(B, t, HQ, D, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(B, t, HKV, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(B, t, HKV, D, device="cuda", dtype=torch.bfloat16)
-        for causal in (True, False):
+        for causal in (True,) if a.torch_only else (True, False):
             for backward in (False, True):
                 row = {"seq": t, "causal": causal, "pass": "fwd+bwd" if backward else "fwd"}
-                for name in list(BACKENDS) + ["ctxpar"]:
+                for name in names:
                     if time.time() > deadline:
                         row[name] = {"error": "not run (budget spent)"}
                         continue
@@ -103,13 +150,13 @@ def main():
                         row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                         torch.cuda.empty_cache()
                 times = [row[n]["seconds"] for n in BACKENDS if "seconds" in row[n]]
-                if times and "seconds" in row["ctxpar"]:
+                if times and "seconds" in row.get("ctxpar", {}):
                     row["ctxpar_vs_fastest"] = min(times) / row["ctxpar"]["seconds"]  # goal >= 0.9
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         del q, k, v
         torch.cuda.empty_cache()
-    with open(out_path, "w") as f:
+    with open(a.out, "w") as f:
         json.dump({"info": info, "goal": "ctxpar >= 0.9x the fastest backend", "rows": rows}, f,
                   indent=1)
 

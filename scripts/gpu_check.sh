@@ -16,9 +16,14 @@
 #      (b) P = 4 and 8 loopback ranks against one (scaling.json), (c) the longest causal
 #      sequence the loopback ring runs on this GPU (longest.json).
 # Without a GPU it says so and exits 77 within seconds, before building anything.
+# It builds on the GPU machine, which needs that machine to have the build's dependencies (the
+# Debian -dev packages of scripts/setup.sh, a package registry): where it has not, as on the
+# machine described in ../shared/GPU-NOTES.md, use scripts/gpu_bundle.sh here and
+# scripts/gpu_first.sh there instead (docs/cuda.md, "The first GPU window").
 # usage: scripts/gpu_check.sh [BUILD_DIR]     (default build-gpu; configured and built if needed)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
+. scripts/gpu_lib.sh
 build=${1:-build-gpu}
 data=docs/data/gpu
 budget=${CTXPAR_GPU_CHECK_BUDGET:-470}
@@ -26,38 +31,23 @@ start=$SECONDS
 failures=0
 
 # ---- is there a GPU? (seconds, nothing built) ----
-gpu=""
-if command -v nvidia-smi > /dev/null 2>&1; then
-  gpu=$(timeout 20 nvidia-smi -L 2> /dev/null | head -n 1)
-elif [ -r /proc/driver/nvidia/version ] && [ -e /dev/nvidia0 ]; then
-  gpu="an NVIDIA GPU (/dev/nvidia0; driver: $(head -n 1 /proc/driver/nvidia/version))"
-fi
+gpu=$(gpu_found)
 if [ -z "$gpu" ]; then
-  echo "gpu_check: no GPU here: nvidia-smi $(command -v nvidia-smi > /dev/null 2>&1 && echo 'lists none' || echo 'not found'), no /proc/driver/nvidia/version with /dev/nvidia0; nothing was built or run. Run this script on a machine with an NVIDIA GPU and its driver (docs/cuda.md, \"On a GPU\")." >&2
+  echo "gpu_check: no GPU here: $(gpu_absent_reason); nothing was built or run. Run this script on a machine with an NVIDIA GPU and its driver (docs/cuda.md, \"On a GPU\")." >&2
   exit 77
 fi
 
 mkdir -p "$data"
 log=$data/gpu_check.log
 : > "$log"
+export GPU_LOG=$log GPU_MIN_START=10
+gpu_deadline "$budget"
 say() { echo "== $*" | tee -a "$log"; }
-left() { echo $((budget - (SECONDS - start))); }
-cap() { local n=$(($(left) - 15)); [ "$1" -lt "$n" ] && n=$1; [ "$n" -lt 1 ] && n=1; echo "$n"; }  # a run's own budget
-step() {  # step NAME TIMEOUT_S COMMAND...: runs with min(TIMEOUT_S, time left), logs; never stops the script
-  local name=$1 limit=$2; shift 2
-  local remaining
-  remaining=$(left)
-  if [ "$remaining" -lt 10 ]; then
-    say "$name: not run (budget of ${budget} s spent)"
-    failures=$((failures + 1))
-    return 0
-  fi
-  [ "$limit" -gt "$remaining" ] && limit=$remaining
-  say "$name (limit ${limit} s): $*"
-  timeout --kill-after=5 "$limit" "$@" >> "$log" 2>&1
-  local rc=$?
-  say "$name: exit $rc after $((SECONDS - start)) s"
-  [ "$rc" -ne 0 ] && failures=$((failures + 1))
+cap() { local n=$(($(gpu_left) - 15)); [ "$1" -lt "$n" ] && n=$1; [ "$n" -lt 1 ] && n=1; echo "$n"; }  # a run's own budget
+step() {  # step NAME TIMEOUT_S COMMAND...: gpu_step (gpu_lib.sh), logged; never stops the script
+  gpu_step "$@"
+  echo "== $1: $GPU_STATUS after $((SECONDS - start)) s"
+  [ "$GPU_STATUS" = passed ] || failures=$((failures + 1))
   return 0
 }
 export OMP_NUM_THREADS=1

@@ -113,8 +113,13 @@ std::shared_ptr<CudaApi> shared_real_api(int index, std::string* why);
 
 class CudnnAttention;
 // cuDNN's fused attention for the devices over make_real_api (CudnnAttention::create, in
-// cudnn_attention.cc), or nullptr with `why` (no libcudnn here, no CUDA in this build): the
-// device then runs every block on the fallback kernel. api_real.cc / api_none.cc.
-std::unique_ptr<CudnnAttention> make_cudnn(std::string* why);
+// cudnn_attention.cc) and the cudnnGetVersion() of the library it loaded, or nullptr with `why`
+// (no libcudnn here, too old, no CUDA in this build): the device then runs every block on the
+// fallback kernel. api_real.cc / api_none.cc.
+std::unique_ptr<CudnnAttention> make_cudnn(std::string* why, int64_t* version = nullptr);
+// make_cudnn as CTXPAR_CUDNN says (cudnn_use.h): nullptr under off or where make_cudnn finds
+// none (said once per process), an Error under require; sets the process's cudnn_state().
+// cuda_factory.cc.
+std::unique_ptr<CudnnAttention> cudnn_of_mode();
 
 }  // namespace ctxpar::cuda

@@ -17,7 +17,7 @@ std::unique_ptr<CudaApi> make_real_api(int, std::string* why) {
   return nullptr;
 }
 
-std::unique_ptr<CudnnAttention> make_cudnn(std::string* why) {
+std::unique_ptr<CudnnAttention> make_cudnn(std::string* why, int64_t*) {
   device_count(why);
   return nullptr;
 }

@@ -162,8 +162,10 @@ std::unique_ptr<CudaApi> make_real_api(int index, std::string* why) {
                                                   prop.name + ")");
 }
 
-std::unique_ptr<CudnnAttention> make_cudnn(std::string* why) {
-  return CudnnAttention::create(why);
+std::unique_ptr<CudnnAttention> make_cudnn(std::string* why, int64_t* version) {
+  std::unique_ptr<CudnnAttention> cudnn = CudnnAttention::create(why);
+  if (cudnn && version) *version = CudnnAttention::loaded_version();
+  return cudnn;
 }
 
 }  // namespace ctxpar::cuda

@@ -8,13 +8,17 @@
 #include <cstring>
 #include <initializer_list>
 
+#include "ctxpar/error.h"
+
 namespace ctxpar::cuda {
 
 struct StreamTag {
   int id = 0;
+  bool destroyed = false;
 };
 struct EventTag {
   int id = 0;
+  bool destroyed = false;
   std::chrono::steady_clock::time_point at;  // host time of the last record (work ran by then)
   bool recorded = false;
   int stream = -1;
@@ -57,6 +61,27 @@ struct RecordingCudaApi::Impl {
   size_t host_live = 0;
   std::vector<Entry> log;
   std::vector<std::string> violations;
+  std::map<std::string, std::pair<int, std::string>> faults;  // op -> calls left, message
+
+  // fail_at's fault, when this call of `name` is the one.
+  void maybe_fail(const std::string& name) {
+    auto it = faults.find(name);
+    if (it == faults.end() || --it->second.first > 0) return;
+    const std::string message = it->second.second;
+    faults.erase(it);
+    throw Error(message);
+  }
+  // A use of a destroyed handle (a late destroy, seen from the use).
+  void check_live(const char* what, const EventTag* e) {
+    if (e->destroyed)
+      violations.push_back(std::string("'") + what + "' of event " + std::to_string(e->id) +
+                           " after its destroy");
+  }
+  void check_live(const char* what, const StreamTag* s) {
+    if (s->destroyed)
+      violations.push_back(std::string("'") + what + "' on stream " + std::to_string(s->id) +
+                           " after its destroy");
+  }
 
   Alloc* find(const void* p, uintptr_t* base = nullptr) {
     const uintptr_t a = reinterpret_cast<uintptr_t>(p);
@@ -74,6 +99,8 @@ struct RecordingCudaApi::Impl {
   // Enqueues operation `op` on stream s: checks its uses against the clocks and records them.
   void op(const char* name, StreamHandle sh, std::initializer_list<Use> uses,
           const void* ptr = nullptr, size_t bytes = 0) {
+    maybe_fail(name);
+    check_live(name, sh);
     const int s = sh->id;
     merge_clock(clocks[size_t(s)], host);
     const uint64_t seq = ++seqs[size_t(s)];
@@ -133,10 +160,15 @@ StreamHandle RecordingCudaApi::stream_create() {
 }
 void RecordingCudaApi::stream_destroy(StreamHandle s) {
   std::lock_guard<std::mutex> l(impl_->mu);
+  if (s->destroyed)
+    impl_->violations.push_back("stream " + std::to_string(s->id) + " destroyed twice");
+  s->destroyed = true;
   impl_->log.push_back(Entry{"stream_destroy", s->id});
 }
 void RecordingCudaApi::stream_synchronize(StreamHandle s) {
   std::lock_guard<std::mutex> l(impl_->mu);
+  impl_->maybe_fail("stream_synchronize");
+  impl_->check_live("stream_synchronize", s);
   auto& h = impl_->host;
   if (h.size() <= size_t(s->id)) h.resize(size_t(s->id) + 1, 0);
   h[size_t(s->id)] = std::max(h[size_t(s->id)], impl_->seqs[size_t(s->id)]);
@@ -144,14 +176,24 @@ void RecordingCudaApi::stream_synchronize(StreamHandle s) {
 }
 EventHandle RecordingCudaApi::event_create(bool) {
   std::lock_guard<std::mutex> l(impl_->mu);
+  impl_->maybe_fail("event_create");
   auto e = std::make_unique<EventTag>();
   e->id = int(impl_->events.size());
   impl_->events.push_back(std::move(e));
   return impl_->events.back().get();
 }
-void RecordingCudaApi::event_destroy(EventHandle) {}
+void RecordingCudaApi::event_destroy(EventHandle e) {
+  std::lock_guard<std::mutex> l(impl_->mu);
+  if (e->destroyed)
+    impl_->violations.push_back("event " + std::to_string(e->id) + " destroyed twice");
+  e->destroyed = true;
+  impl_->log.push_back(Entry{"event_destroy", -1, 0, e->id, e->stream, e->seq});
+}
 void RecordingCudaApi::event_record(EventHandle e, StreamHandle s) {
   std::lock_guard<std::mutex> l(impl_->mu);
+  impl_->maybe_fail("record");
+  impl_->check_live("record", e);
+  impl_->check_live("record", s);
   merge_clock(impl_->clocks[size_t(s->id)], impl_->host);
   e->recorded = true;
   e->at = std::chrono::steady_clock::now();
@@ -164,17 +206,33 @@ void RecordingCudaApi::event_record(EventHandle e, StreamHandle s) {
 }
 void RecordingCudaApi::stream_wait_event(StreamHandle s, EventHandle e) {
   std::lock_guard<std::mutex> l(impl_->mu);
+  impl_->maybe_fail("wait");
+  impl_->check_live("wait", e);
+  impl_->check_live("wait", s);
   if (e->recorded) merge_clock(impl_->clocks[size_t(s->id)], e->clock);
   impl_->log.push_back(Entry{"wait", s->id, impl_->seqs[size_t(s->id)], e->id, e->stream, e->seq});
 }
-bool RecordingCudaApi::event_query(EventHandle) { return true; }  // everything ran at once
+bool RecordingCudaApi::event_query(EventHandle e) {  // everything ran at once
+  std::lock_guard<std::mutex> l(impl_->mu);
+  impl_->check_live("query", e);
+  return true;
+}
 void RecordingCudaApi::event_synchronize(EventHandle e) {
   std::lock_guard<std::mutex> l(impl_->mu);
+  impl_->check_live("event_synchronize", e);
   if (e->recorded) merge_clock(impl_->host, e->clock);
   impl_->log.push_back(Entry{"event_synchronize", -1, 0, e->id, e->stream, e->seq});
 }
 // Work runs at once, so the host time between two records is the time of what ran between.
 float RecordingCudaApi::event_elapsed_ms(EventHandle a, EventHandle b) {
+  std::lock_guard<std::mutex> l(impl_->mu);
+  impl_->maybe_fail("elapsed");
+  for (const EventTag* e : {a, b}) {
+    impl_->check_live("elapsed", e);
+    if (!e->recorded)
+      impl_->violations.push_back("'elapsed' of event " + std::to_string(e->id) +
+                                  ", never recorded");
+  }
   return std::chrono::duration<float, std::milli>(b->at - a->at).count();
 }
 
@@ -431,6 +489,22 @@ std::vector<RecordingCudaApi::Entry> RecordingCudaApi::log() const {
 std::vector<std::string> RecordingCudaApi::violations() const {
   std::lock_guard<std::mutex> l(impl_->mu);
   return impl_->violations;
+}
+void RecordingCudaApi::fail_at(const std::string& op, int nth, const std::string& message) {
+  std::lock_guard<std::mutex> l(impl_->mu);
+  impl_->faults[op] = {nth, message};
+}
+size_t RecordingCudaApi::live_events() const {
+  std::lock_guard<std::mutex> l(impl_->mu);
+  size_t n = 0;
+  for (const auto& e : impl_->events) n += !e->destroyed;
+  return n;
+}
+size_t RecordingCudaApi::live_streams() const {
+  std::lock_guard<std::mutex> l(impl_->mu);
+  size_t n = 0;
+  for (const auto& s : impl_->streams) n += !s->destroyed;
+  return n;
 }
 size_t RecordingCudaApi::live_allocations() const {
   std::lock_guard<std::mutex> l(impl_->mu);

@@ -15,8 +15,15 @@
 //     freeing it is a violation, and so is its release while a stream's use of it is not yet
 //     synchronised with the host (the caller would read or reuse it under running work);
 //   - freed memory is quarantined (kept, filled with 0xff: NaN in fp32 and bf16) and any later
-//     use is a violation; live() lists what was never freed.
+//     use is a violation; live() lists what was never freed;
+//   - events and streams are kept after their destroy (no handle is reused): a second destroy,
+//     and a late one -- any use after the destroy -- are violations, as is reading the elapsed
+//     time of an event never recorded (each an invalid-handle error on a GPU, which the next
+//     checked call would report in place of the error that led there); live_events() and
+//     live_streams() count what was never destroyed.
 // Violations are collected (violations()), not thrown, so that a test sees all of them.
+// fail_at() makes a chosen call throw, as a failing runtime call would: the device's error
+// paths are tested with it.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -91,9 +98,16 @@ class RecordingCudaApi final : public CudaApi {
                       int64_t row0, int64_t rows, const float* o, const float* lse,
                       StreamHandle s) override;
 
+  // The `nth` call (1 = the next) of `op` from now throws ctxpar::Error(`message`) before it
+  // does anything; op is a log name ("forward", "malloc", "memcpy h2d", "record", "wait", ...)
+  // or "stream_synchronize", "event_create", "elapsed".
+  void fail_at(const std::string& op, int nth, const std::string& message);
+
   // What the log shows (thread-safe copies).
   std::vector<Entry> log() const;
   std::vector<std::string> violations() const;
+  size_t live_events() const;       // created, never destroyed
+  size_t live_streams() const;
   size_t live_allocations() const;  // device allocations not freed (adopted memory is not one)
   size_t adopted() const;           // adopted ranges not released
   size_t live_host_allocations() const;

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
+#include <utility>
 
 #include "ctxpar/error.h"
 #include "device/devices.h"
@@ -14,8 +16,9 @@ namespace ctxpar::cuda {
 std::byte* CudaDevice::Storage::data() { return ptr; }
 
 CudaDevice::CudaDevice(std::shared_ptr<CudaApi> api, int rank,
-                       std::unique_ptr<CudnnAttention> cudnn)
-    : api_(std::move(api)), rank_(rank), cudnn_(std::move(cudnn)) {
+                       std::unique_ptr<CudnnAttention> cudnn, bool cudnn_required)
+    : api_(std::move(api)), rank_(rank), cudnn_(std::move(cudnn)),
+      cudnn_required_(cudnn_required) {
   for (auto& s : streams_) s = api_->stream_create();
   for (auto& e : free_events_) e = api_->event_create(false);
 }
@@ -35,15 +38,26 @@ CudaDevice::~CudaDevice() {
     q.clear();
   }
   for (auto& m : events_)
-    for (auto& [seq, e] : m) api_->event_destroy(e);
-  for (auto& [a, b] : timings_) api_->event_destroy(a), api_->event_destroy(b);
-  for (auto& e : free_events_) api_->event_destroy(e);
+    for (auto& [seq, e] : m) destroy_event(e);
+  for (auto& [a, b] : timings_) destroy_event(a), destroy_event(b);
+  for (auto& e : free_events_) destroy_event(e);
   try {
     for (auto& s : streams_) api_->stream_synchronize(s);
   } catch (...) {
   }
   release_adopted();
-  for (auto& s : streams_) api_->stream_destroy(s);
+  for (auto& s : streams_) try {
+      api_->stream_destroy(s);
+    } catch (...) {
+    }
+}
+
+void CudaDevice::destroy_event(EventHandle e) noexcept {
+  if (!e) return;
+  try {
+    api_->event_destroy(e);
+  } catch (...) {  // cleanup: the error that matters was thrown already, or will be
+  }
 }
 
 void CudaDevice::adopt(void* p, size_t bytes) {
@@ -84,13 +98,15 @@ void CudaDevice::release_adopted() {
 
 DeviceBuffer CudaDevice::alloc(size_t bytes) {
   auto st = std::make_unique<Storage>();
-  st->size = bytes;
-  st->ptr = static_cast<std::byte*>(api_->malloc_async(bytes, stream(kComputeStream)));
-  st->alloc_event = api_->event_create(false);
-  api_->event_record(st->alloc_event, stream(kComputeStream));
-  st->ordered[kComputeStream.index] = true;
-  live_[reinterpret_cast<uintptr_t>(st->ptr)] = st.get();
-  return DeviceBuffer(this, std::move(st));
+  Storage& s = *st;
+  s.size = bytes;
+  s.ptr = static_cast<std::byte*>(api_->malloc_async(bytes, stream(kComputeStream)));
+  live_[reinterpret_cast<uintptr_t>(s.ptr)] = &s;
+  DeviceBuffer b(this, std::move(st));  // from here a failure below frees it (free())
+  s.alloc_event = api_->event_create(false);
+  api_->event_record(s.alloc_event, stream(kComputeStream));
+  s.ordered[kComputeStream.index] = true;
+  return b;
 }
 
 DeviceBuffer CudaDevice::upload(const void* host, size_t bytes) {
@@ -115,10 +131,10 @@ void CudaDevice::free(std::unique_ptr<DeviceBuffer::Storage> storage) {
       api_->stream_wait_event(streams_[kStreams], free_events_[i]);
     }
     api_->free_async(st->ptr, streams_[kStreams]);
-    api_->event_destroy(st->alloc_event);
   } catch (...) {
     // free() never throws (device.h); a failed runtime reports at the next synchronize.
   }
+  destroy_event(st->alloc_event);  // whatever failed above: it is never used again
 }
 
 CudaDevice::Storage* CudaDevice::storage_of(const void* p) const {
@@ -146,7 +162,12 @@ Event CudaDevice::record(Stream s) {
   flush_device_sends(s);
   flush_receives(s);
   EventHandle e = api_->event_create(false);
-  api_->event_record(e, stream(s));
+  try {
+    api_->event_record(e, stream(s));
+  } catch (...) {
+    destroy_event(e);
+    throw;
+  }
   const uint64_t seq = ++recorded_[s.index];
   events_[s.index][seq] = e;
   return Event{s.index, seq};
@@ -187,15 +208,22 @@ void CudaDevice::synchronize() {
   for (auto& c : checks) c.second();
   keep_.clear();
   delta_out_.clear();
-  for (auto& [a, b] : timings_) {
-    counters_.busy_seconds += api_->event_elapsed_ms(a, b) / 1e3;
-    api_->event_destroy(a), api_->event_destroy(b);
+  // Each event leaves its container before it is destroyed, and every one is destroyed even
+  // when reading a time fails: a pair destroyed here and left in timings_ would be read and
+  // destroyed again (by the next synchronize or the destructor), and on a GPU that invalid
+  // handle's error would stand in for the one thrown here first.
+  std::exception_ptr failed;
+  for (auto& [a, b] : std::exchange(timings_, {})) {
+    try {
+      if (!failed) counters_.busy_seconds += api_->event_elapsed_ms(a, b) / 1e3;
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    destroy_event(a), destroy_event(b);
   }
-  timings_.clear();
-  for (auto& m : events_) {
-    for (auto& [seq, e] : m) api_->event_destroy(e);
-    m.clear();
-  }
+  for (auto& m : events_)
+    for (auto& [seq, e] : std::exchange(m, {})) destroy_event(e);
+  if (failed) std::rethrow_exception(failed);
 }
 
 

@@ -50,13 +50,19 @@ class CudaDevice final : public Device {
  public:
   // `cudnn` may be null: every block then runs on the fallback kernel.
   // `api` may be shared: the loopback transport's ranks share one GPU's (loopback.h).
-  CudaDevice(std::shared_ptr<CudaApi> api, int rank, std::unique_ptr<CudnnAttention> cudnn = {});
+  // `cudnn_required` (CTXPAR_CUDNN=require): a graph cuDNN refuses is an error, not a fallback.
+  CudaDevice(std::shared_ptr<CudaApi> api, int rank, std::unique_ptr<CudnnAttention> cudnn = {},
+             bool cudnn_required = false);
   ~CudaDevice() override;
   std::string name() const override { return "cuda"; }
   CudaApi& api() { return *api_; }
-  // How many block pairs went to cuDNN calls / to the fallback kernel (tests).
+  bool has_cudnn() const { return cudnn_ != nullptr; }
+  // Where the attention blocks went (--json's cudnn report): blocks run as cuDNN calls, the
+  // calls, blocks run on the fallback kernel, and of those the ones cuDNN refused a graph of.
+  int64_t cudnn_blocks() const { return cudnn_blocks_; }
   int64_t cudnn_calls() const { return cudnn_calls_; }
   int64_t fallback_blocks() const { return fallback_blocks_; }
+  int64_t cudnn_refused() const { return cudnn_refused_; }
 
   // The caller's device memory [p, p + bytes) (a CUDA tensor handed in through DLPack), used
   // in place until the device ends: views inside it are neither staged nor ever freed by the
@@ -169,6 +175,7 @@ class CudaDevice final : public Device {
                   const Tokens& kt, const Mask& mask, double factor, HostBlock& hb);
   template <class F>
   void timed(Stream s, F&& enqueue);  // an attention operation between two timing events
+  void destroy_event(EventHandle e) noexcept;  // cleanup: never throws
   void host_wait(const std::function<void()>& f);  // counts wait_seconds
   Strided4 strided(const TensorView& v) const;
   template <class T>
@@ -183,6 +190,9 @@ class CudaDevice final : public Device {
                          const TensorView& k, const TensorView& v, const Tokens& kt,
                          const Mask& mask, const TensorView& dout, const BackwardRows& rows,
                          float scale);
+#ifdef CTXPAR_CUDA_HEADERS
+  bool cudnn_refused(const CudnnRefused& r);  // false (a fallback, counted), or throws
+#endif
   bool cudnn_forward(Stream s, Scope& sc, const TensorView& q, const Tokens& qt,
                      const TensorView& k, const TensorView& v, const Tokens& kt,
                      const Mask& mask, const DeviceState& st, float scale);
@@ -222,6 +232,7 @@ class CudaDevice final : public Device {
   std::shared_ptr<CudaApi> api_;
   int rank_ = 0;
   std::unique_ptr<CudnnAttention> cudnn_;
+  bool cudnn_required_ = false;
   StreamHandle streams_[kStreams + 1] = {};  // compute, comm, free
   EventHandle free_events_[kStreams] = {};
   std::map<uintptr_t, Storage*> live_;       // by start address (adopted ranges too)
@@ -233,7 +244,7 @@ class CudaDevice final : public Device {
   std::vector<std::pair<EventHandle, EventHandle>> timings_;
   std::map<uint64_t, EventHandle> events_[kStreams];  // record()'s, by number, until synchronize
   uint64_t recorded_[kStreams] = {};
-  int64_t cudnn_calls_ = 0, fallback_blocks_ = 0;
+  int64_t cudnn_blocks_ = 0, cudnn_calls_ = 0, fallback_blocks_ = 0, cudnn_refused_ = 0;
 };
 
 // A CudaDevice over a RecordingCudaApi (host memory, the fallback kernel's tile math, a log):

@@ -12,13 +12,23 @@ struct CudaDevice::Storage final : DeviceBuffer::Storage {
   std::byte* data() override;
 };
 
+// The pair joins timings_ (read at synchronize) only once both are recorded: a pair whose
+// operation failed is destroyed here, never read (an unrecorded event's elapsed time is an
+// invalid-handle error on a GPU, which would replace the operation's own error).
 template <class F>
 void CudaDevice::timed(Stream s, F&& enqueue) {
-  EventHandle a = api_->event_create(true), b = api_->event_create(true);
+  EventHandle a = api_->event_create(true), b = nullptr;
+  try {
+    b = api_->event_create(true);
+    api_->event_record(a, stream(s));
+    enqueue();
+    api_->event_record(b, stream(s));
+  } catch (...) {
+    destroy_event(a);
+    if (b) destroy_event(b);
+    throw;
+  }
   timings_.emplace_back(a, b);
-  api_->event_record(a, stream(s));
-  enqueue();
-  api_->event_record(b, stream(s));
 }
 
 }  // namespace ctxpar::cuda

@@ -12,6 +12,7 @@
 #include "cuda/api.h"
 #include "cuda/api_recording.h"
 #include "cuda/cuda_device.h"
+#include "cuda/cudnn_use.h"
 #include "cuda/external.h"
 #include "device/devices.h"
 
@@ -51,15 +52,48 @@ std::unique_ptr<Device> make_cuda(const DeviceOptions& options, int rank) {
   }
   std::shared_ptr<cuda::CudaApi> api = cuda::shared_real_api(index, &why);
   if (!api) throw Error("device 'cuda': " + why);
-  // cuDNN takes the bf16 blocks it supports; without it (no libcudnn.so.9 here) every block
-  // runs on the fallback kernel, which is exact, only slower.
-  std::string no_cudnn;
-  return std::make_unique<cuda::CudaDevice>(std::move(api), rank, cuda::make_cudnn(&no_cudnn));
+  return std::make_unique<cuda::CudaDevice>(std::move(api), rank, cuda::cudnn_of_mode(),
+                                            cuda::cudnn_mode() == cuda::CudnnMode::require);
 }
 
 }  // namespace device
 
 namespace cuda {
+// cuDNN takes the bf16 blocks it supports; without it (no libcudnn.so.9 here, an old one, no
+// GPU, CTXPAR_CUDNN=off) every block runs on the fallback kernel, which is exact, only slower:
+// said once per process, and kept for --json (cudnn_state).
+std::unique_ptr<CudnnAttention> cudnn_of_mode() {
+  const CudnnMode mode = cudnn_mode();
+  std::string why = "CTXPAR_CUDNN=off";
+  std::unique_ptr<CudnnAttention> cudnn;
+  int64_t version = 0;
+  if (mode != CudnnMode::off) cudnn = make_cudnn(&why, &version);
+  if (!cudnn && mode == CudnnMode::require)
+    throw Error("device 'cuda': CTXPAR_CUDNN=require, but cuDNN cannot be used: " + why +
+                "; unset CTXPAR_CUDNN to run on the fallback kernel");
+  CudnnState state;
+  if (cudnn)
+    state.version = cudnn_version_name(version);
+  else
+    state.off_reason = why;
+  set_cudnn_state(state);
+  if (!cudnn)
+    note_once("cudnn off", "cuDNN is off (" + why +
+                               "): every attention block runs on the fallback kernel (exact, "
+                               "slower)");
+  return cudnn;
+}
+
+bool cudnn_report(Device& device, CudnnReport* out) {
+  auto* cuda = dynamic_cast<CudaDevice*>(&device);
+  if (!cuda) return false;
+  out->cudnn_blocks = cuda->cudnn_blocks();
+  out->cudnn_calls = cuda->cudnn_calls();
+  out->fallback_blocks = cuda->fallback_blocks();
+  out->refused_blocks = cuda->cudnn_refused();
+  return true;
+}
+
 std::shared_ptr<CudaApi> shared_real_api(int index, std::string* why) {
   static std::mutex mu;
   static std::map<int, std::weak_ptr<CudaApi>> apis;

@@ -24,6 +24,7 @@ std::unique_ptr<CudnnAttention> unavailable(std::string* why) {
 }
 }  // namespace
 std::unique_ptr<CudnnAttention> CudnnAttention::create(std::string* why) { return unavailable(why); }
+int64_t CudnnAttention::loaded_version() { return 0; }
 std::unique_ptr<CudnnAttention> CudnnAttention::create_deviceless(const std::string&,
                                                                   std::string* why) {
   return unavailable(why);
@@ -47,6 +48,7 @@ std::unique_ptr<CudnnAttention> CudnnAttention::create_deviceless(const std::str
 #include <utility>
 #include <vector>
 
+#include "cuda/cudnn_use.h"
 #include "cuda/kernels.h"
 #include "cuda/sdpa_mask.h"
 
@@ -82,7 +84,10 @@ constexpr Variant kBackwardVariants[] = {{true, false, "fp32 outputs"},
 constexpr size_t kAlign = 256;
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// Opens libcudnn.so.9 once for the process; "" when it is usable, else why not.
+// Opens libcudnn.so.9 once for the process; "" when it is usable, else why not. Its version
+// must meet the floor of the fused calls (cudnn_use.h), not the headers' version: each graph
+// is checked by the frontend against the library found, and a refused one falls back.
+int64_t loaded = 0;  // cudnnGetVersion() of the library in use
 std::string load_cudnn() {
   static std::once_flag once;
   static std::string failure;
@@ -92,7 +97,7 @@ std::string load_cudnn() {
     if (!h) {
       const char* e = dlerror();
       failure = std::string("libcudnn.so.9 cannot be loaded (") + (e ? e : "unknown error") +
-                "); install cuDNN 9 (>= " + std::to_string(CUDNN_VERSION) +
+                "); install cuDNN 9 (>= " + cudnn_version_name(kMinCudnn) +
                 ") and put its lib folder on LD_LIBRARY_PATH";
       return;
     }
@@ -101,12 +106,9 @@ std::string load_cudnn() {
       failure = "libcudnn.so.9 has no cudnnGetVersion: not a cuDNN 9 library";
       return;
     }
-    if (version() < size_t(CUDNN_VERSION)) {
-      failure = "libcudnn.so.9 is version " + std::to_string(version()) +
-                ", older than the headers this build used (" + std::to_string(CUDNN_VERSION) +
-                "); install cuDNN >= " + std::to_string(CUDNN_VERSION);
-      return;
-    }
+    failure = cudnn_version_refusal(int64_t(version()));
+    if (!failure.empty()) return;
+    loaded = int64_t(version());
     fe::cudnn_dlhandle = h;
   });
   return failure;
@@ -327,12 +329,16 @@ class Cudnn final : public CudnnAttention {
   }
 
  private:
+  static std::string about(const fused::Call& c, bool backward, const std::string& key,
+                           const std::string& what) {
+    return "cuDNN SDPA " + std::string(backward ? "backward" : "forward") + " of the call " +
+           c.describe() + " (rows [" + std::to_string(c.q_begin) + ", " +
+           std::to_string(c.q_end) + "), keys [" + std::to_string(c.k_begin) + ", " +
+           std::to_string(c.k_end) + ")): " + what + "; graph: " + key;
+  }
   [[noreturn]] void fail(const fused::Call& c, bool backward, const std::string& key,
                          const std::string& what) const {
-    throw Error("cuDNN SDPA " + std::string(backward ? "backward" : "forward") + " of the call " +
-                c.describe() + " (rows [" + std::to_string(c.q_begin) + ", " +
-                std::to_string(c.q_end) + "), keys [" + std::to_string(c.k_begin) + ", " +
-                std::to_string(c.k_end) + ")): " + what + "; graph: " + key);
+    throw Error(about(c, backward, key, what));
   }
 
   template <class Tensors>
@@ -341,6 +347,8 @@ class Cudnn final : public CudnnAttention {
     const std::string key = key_of(s, c, t);
     auto it = cache_.find(key);
     if (it != cache_.end()) return *it->second;
+    // A refused graph is refused again at once: its build (NVRTC) costs seconds.
+    if (auto r = refused_.find(key); r != refused_.end()) throw CudnnRefused(r->second);
     if (!supports(s))
       fail(c, backward, key, "shape not supported by the cuDNN path (bf16 storage, D a multiple "
                              "of 8 and <= 256, Hq a multiple of Hkv): use the fallback kernel");
@@ -364,11 +372,15 @@ class Cudnn final : public CudnnAttention {
         scratch_of(s, c, backward, !variant.fp32, e->cudnn_workspace, &e->info.workspace_bytes);
       return *cache_.emplace(key, std::move(e)).first->second;
     }
-    fail(c, backward, key, "cuDNN refused every form of the graph: " + refusals);
+    const std::string why =
+        about(c, backward, key, "cuDNN refused every form of the graph: " + refusals);
+    refused_.emplace(key, why);
+    throw CudnnRefused(why);
   }
 
-  // Builds one variant of a graph; false (with why) when cuDNN refuses it before the plan
-  // build, an Error for anything else.
+  // Builds one variant of a graph; false (with why) when cuDNN refuses it (validation,
+  // heuristics, support check, or a plan build that fails for another reason than the
+  // device-less module load), an Error for anything else.
   template <class Tensors>
   bool try_build(Entry& e, const SdpaShape& s, const fused::Call& c, const Tensors& t,
                  const Variant& variant, const std::string& key, std::string* why) {
@@ -397,14 +409,12 @@ class Cudnn final : public CudnnAttention {
       }
       if (err.is_good()) continue;
       const bool plan_build = std::string(stage) == "build_plans";
-      if (!plan_build) {
+      const size_t loads = plan_build && !handle_ ? plans_stopped_at_module_load(err.get_message())
+                                                  : 0;
+      if (!loads) {
         *why = std::string("refused at ") + stage + ": " + err.get_message();
         return false;
       }
-      const size_t loads = plans_stopped_at_module_load(err.get_message());
-      if (handle_ || !loads)
-        fail(c, backward, key, std::string(stage) + " failed (" + variant.name + "): " +
-                                   err.get_message());
       // Device-less: every plan compiled (NVRTC) and stopped at the module load.
       e.info.plans_stopped_at_module_load = loads;
       e.info.plan_build = err.get_message();
@@ -525,10 +535,13 @@ class Cudnn final : public CudnnAttention {
   std::shared_ptr<fe::DeviceProperties> props_;    // device-less: the typed device
   mutable std::mutex mutex_;                        // one cache and one handle per instance
   std::map<std::string, std::unique_ptr<Entry>> cache_;
+  std::map<std::string, std::string> refused_;  // key -> why (CudnnRefused's text)
   std::map<std::string, size_t> workspace_;  // key without strides -> bytes (workspace_bytes)
 };
 
 }  // namespace
+
+int64_t CudnnAttention::loaded_version() { return loaded; }
 
 std::unique_ptr<CudnnAttention> CudnnAttention::create(std::string* why) {
   std::string failure = load_cudnn();

@@ -17,6 +17,7 @@
 #include <memory>
 #include <string>
 
+#include "ctxpar/error.h"
 #include "ctxpar/tensor.h"
 #include "device/fused_calls.h"
 
@@ -65,11 +66,23 @@ struct SdpaPrepared {
   std::string plan_build;                    // device-less: the plan build's message
 };
 
+// A graph cuDNN refuses to build (every output form refused at validation, heuristics,
+// support check or plan build), by prepare(), workspace_bytes(), forward() or backward(),
+// before anything is enqueued: the device runs that block on the fallback kernel, counted
+// (CTXPAR_CUDNN=require makes it an error). Other cuDNN failures throw plain ctxpar::Error.
+class CudnnRefused : public Error {
+ public:
+  using Error::Error;
+};
+
 class CudnnAttention {
  public:
-  // nullptr, with `why` saying what was missing (libcudnn.so.9 not loadable, version older than
-  // the one built against), when cuDNN cannot be used on this machine.
+  // nullptr, with `why` saying what was missing (libcudnn.so.9 not loadable, a version below
+  // kMinCudnn of cudnn_use.h, no GPU for cudnnCreate), when cuDNN cannot be used here.
   static std::unique_ptr<CudnnAttention> create(std::string* why);
+  // cudnnGetVersion() of the libcudnn.so.9 create() loaded (91700 = 9.17.0); 0 before or
+  // without one.
+  static int64_t loaded_version();
   // Device-less (tests): graphs for the device a cuDNN device-properties JSON describes (sm_90,
   // 132 SMs), built through the plan build's NVRTC compile, which ends at the module load
   // without a GPU; prepare() only (forward / backward / workspace_bytes throw).

@@ -3,6 +3,7 @@
 // API. Plain C++; defined in cuda_factory.cc, built into every ctxpar_device.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,15 @@ namespace ctxpar::cuda {
 // CudaDevice::adopt on `device`: [p, p + bytes) is the caller's device memory, used in place
 // until the device ends. False (and nothing done) when `device` is not a cuda device.
 bool adopt(Device& device, void* p, size_t bytes);
+
+// Where a cuda device's attention blocks went (--json's cudnn report): blocks run as cuDNN
+// calls, the calls, blocks on the fallback kernel, and of those the ones cuDNN refused a graph
+// of. False (out untouched) when `device` is not a cuda device. The process's cuDNN version or
+// the reason it is off: cudnn_use.h's cudnn_state().
+struct CudnnReport {
+  int64_t cudnn_blocks = 0, cudnn_calls = 0, fallback_blocks = 0, refused_blocks = 0;
+};
+bool cudnn_report(Device& device, CudnnReport* out);
 
 namespace testing {
 // What a recording device's log showed when it ended (tests only).

@@ -93,15 +93,30 @@ std::function<void(bool)> LoopbackComm::recv(CudaApi& api, StreamHandle s, void*
   const LoopbackWorld::Key key{context_, peer, rank(), tag};
   return [this, &api, s, data, bytes, key](bool deliver) {
     const LoopbackWorld::Message m = world_->take(key, timeout_);
-    api.stream_wait_event(s, m.ready);
-    if (deliver) {
-      CTXPAR_CHECK(m.bytes == bytes, "rank ", std::get<2>(key), ": a loopback message of ",
-                   m.bytes, " bytes from rank ", std::get<1>(key), " (tag ", std::get<3>(key),
-                   ") where ", bytes, " were expected");
-      api.memcpy_async(data, m.staging, bytes, CopyKind::device_to_device, s);
+    // The staging and its event are released whatever happens (a size that does not match, a
+    // failed copy), after the wait when it was made: the sender's copy may still be writing.
+    bool waited = false;
+    auto release = [&] {
+      if (waited) api.free_async(m.staging, s);  // else leaked: never freed under a writer
+      api.event_destroy(m.ready);
+    };
+    try {
+      api.stream_wait_event(s, m.ready);
+      waited = true;
+      if (deliver) {
+        CTXPAR_CHECK(m.bytes == bytes, "rank ", std::get<2>(key), ": a loopback message of ",
+                     m.bytes, " bytes from rank ", std::get<1>(key), " (tag ", std::get<3>(key),
+                     ") where ", bytes, " were expected");
+        api.memcpy_async(data, m.staging, bytes, CopyKind::device_to_device, s);
+      }
+    } catch (...) {
+      try {
+        release();
+      } catch (...) {  // the first error is the one in flight
+      }
+      throw;
     }
-    api.free_async(m.staging, s);
-    api.event_destroy(m.ready);
+    release();
   };
 }
 

@@ -11,6 +11,7 @@
 
 #include "ctxpar/error.h"
 #include "cuda/cuda_check.h"
+#include "cuda/cudnn_use.h"
 
 #ifndef CTXPAR_NVCC_VERSION
 #error "runtime.cc is compiled by src/cuda/CMakeLists.txt, which defines the build's versions"
@@ -31,7 +32,9 @@ std::string dotted(int major, int minor, int patch) {
 }
 
 // The library `name` (by the loader's search, then in the toolkit's folder) and its version
-// function, an `int f(void)` (size_t for cuDNN), called; "" when not found.
+// function, an `int f(void)` (size_t for cuDNN), called: "<version> (<the file loaded>)", or
+// "not found (...)". The file is the one the loader chose (dladdr), so a first GPU run shows
+// whether a pip wheel's copy or a system one was taken.
 template <class Fn>
 std::string library_version(const char* name, const char* symbol, Fn decode) {
   void* lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
@@ -42,6 +45,8 @@ std::string library_version(const char* name, const char* symbol, Fn decode) {
   }
   if (!lib) return std::string("not found (dlopen ") + name + ": " + dlerror() + ")";
   void* fn = dlsym(lib, symbol);
+  Dl_info info{};
+  if (fn && dladdr(fn, &info) && info.dli_fname) where = info.dli_fname;
   const std::string v = fn ? decode(fn) + " (" + where + ")" : std::string("no ") + symbol;
   dlclose(lib);
   return v;
@@ -51,8 +56,9 @@ std::string library_version(const char* name, const char* symbol, Fn decode) {
 
 std::string build_summary() {
   const std::string cudnn = library_version("libcudnn.so.9", "cudnnGetVersion", [](void* f) {
-    const size_t v = reinterpret_cast<size_t (*)()>(f)();  // 91900 = 9.19.0
-    return dotted(int(v / 10000), int(v / 100 % 100), int(v % 100));
+    const int64_t v = int64_t(reinterpret_cast<size_t (*)()>(f)());  // 91900 = 9.19.0
+    const std::string refusal = cudnn_version_refusal(v);
+    return cudnn_version_name(v) + (refusal.empty() ? ", usable" : ", not usable: " + refusal);
   });
   const std::string nccl = library_version("libnccl.so.2", "ncclGetVersion", [](void* f) {
     int v = 0;

@@ -135,5 +135,39 @@ TEST(CliCuda, LoopbackOverTheRecordingApiMeetsTheReference) {
   EXPECT_EQ(r.exit_code, 2) << r.err;
 }
 
+// --json's cuDNN report on the cuda device (issue 36): cuDNN's version or why it is off, and
+// where the attention blocks went, per rank and in all. Over the recording API (no cuDNN)
+// every block is the fallback kernel's: the ring over P ranks runs P K/V blocks per rank
+// forward and P backward.
+TEST(CliCuda, JsonReportsWhereTheBlocksWentAndWhyCudnnIsOff) {
+  const int P = 2;
+  const CommandResult r = run_shell(
+      "CTXPAR_FAULT_CUDA_RECORDING=1 " + fault_ctxpar_path() +
+      " attention --seq 128 --heads 4 --kv-heads 2 --head-dim 16 --ranks 2 --strategy ring "
+      "--layout zigzag --mask causal --backward --device cuda --transport loopback --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = parse_json(r);
+  const nlohmann::json& c = j.at("cudnn");
+  EXPECT_EQ(c.at("used"), false);
+  EXPECT_TRUE(c.at("version").is_null());
+  EXPECT_NE(c.at("off_reason").get<std::string>().find("no cuDNN"), std::string::npos) << c;
+  EXPECT_EQ(c.at("blocks"), 0);
+  EXPECT_EQ(c.at("fallback_blocks"), P * P * 2);
+  EXPECT_EQ(c.at("refused_blocks"), 0);
+  for (const auto& rank : j.at("ranks")) EXPECT_EQ(rank.at("cudnn").at("fallback_blocks"), P * 2);
+  // Not a cuda run: no cudnn keys.
+  const CommandResult cpu = run_ctxpar("attention --seq 64 --heads 2 --head-dim 16 --ranks 2 --json");
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
+  EXPECT_FALSE(parse_json(cpu).contains("cudnn"));
+}
+
+// CTXPAR_CUDNN that is none of off / require / auto: bad usage, named, before anything runs.
+TEST(CliCuda, AnUnknownCtxparCudnnIsBadUsage) {
+  const CommandResult r = run_shell("CTXPAR_CUDNN=yes " + ctxpar_path() +
+                                    " attention --seq 64 --ranks 2 --device cuda");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("CTXPAR_CUDNN='yes': use off"), std::string::npos) << r.err;
+}
+
 }  // namespace
 }  // namespace ctxpar::test

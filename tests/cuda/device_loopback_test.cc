@@ -87,6 +87,8 @@ TEST(CudaLoopback, BitwiseTheCpuDeviceEveryStrategyLayoutMask) {
           const auto v = api->violations();
           EXPECT_TRUE(v.empty()) << where << ": " << v[0];
           EXPECT_EQ(api->live_allocations(), 0u) << where;
+          EXPECT_EQ(api->live_events(), 0u) << where;
+          EXPECT_EQ(api->live_streams(), 0u) << where;
         }
   }
 }

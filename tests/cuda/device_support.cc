@@ -11,13 +11,19 @@
 
 namespace ctxpar::testing {
 
-RecordingCudaDevices::RecordingCudaDevices(bool fake_cudnn) {
-  device::testing::set_cuda_factory([this, fake_cudnn](int rank) -> std::unique_ptr<Device> {
+RecordingCudaDevices::RecordingCudaDevices(bool fake_cudnn)
+    : RecordingCudaDevices(RecordingSetup{fake_cudnn, {}, false, {}}) {}
+
+RecordingCudaDevices::RecordingCudaDevices(const RecordingSetup& setup) {
+  device::testing::set_cuda_factory([this, setup](int rank) -> std::unique_ptr<Device> {
     auto api = std::make_unique<cuda::RecordingCudaApi>();
+    if (setup.on_api) setup.on_api(*api, rank);
     api->on_destroy = [this](const cuda::RecordingCudaApi& a) {
       DeviceReport r;
       r.violations = a.violations();
       r.live = a.live_allocations();
+      r.live_events = a.live_events();
+      r.live_streams = a.live_streams();
       r.host_live = a.live_host_allocations();
       r.ops = a.log().size();
       std::lock_guard<std::mutex> l(mu_);
@@ -25,11 +31,10 @@ RecordingCudaDevices::RecordingCudaDevices(bool fake_cudnn) {
     };
     std::unique_ptr<cuda::CudnnAttention> cudnn;
 #ifdef CTXPAR_CUDA_HEADERS
-    if (fake_cudnn) cudnn = std::make_unique<FakeCudnn>(&cudnn_calls_);
-#else
-    (void)fake_cudnn;
+    if (setup.fake_cudnn) cudnn = std::make_unique<FakeCudnn>(&cudnn_calls_, setup.refuse);
 #endif
-    return std::make_unique<cuda::CudaDevice>(std::move(api), rank, std::move(cudnn));
+    return std::make_unique<cuda::CudaDevice>(std::move(api), rank, std::move(cudnn),
+                                              setup.cudnn_required);
   });
 }
 
@@ -45,6 +50,8 @@ std::string RecordingCudaDevices::problems() const {
   for (const DeviceReport& r : reports()) {
     for (const std::string& v : r.violations) out += v + "\n";
     if (r.live) out += std::to_string(r.live) + " device allocations never freed\n";
+    if (r.live_events) out += std::to_string(r.live_events) + " events never destroyed\n";
+    if (r.live_streams) out += std::to_string(r.live_streams) + " streams never destroyed\n";
     if (r.host_live) out += std::to_string(r.host_live) + " pinned host allocations never freed\n";
   }
   return out;

@@ -3,20 +3,36 @@
 #pragma once
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "ctxpar/device.h"
+#include "device/fused_calls.h"
 #include "strategy/strategy_support.h"
+
+namespace ctxpar::cuda {
+class RecordingCudaApi;
+}
 
 namespace ctxpar::testing {
 
 struct DeviceReport {
   std::vector<std::string> violations;  // ordering rules broken (RecordingCudaApi)
   size_t live = 0;                      // allocations never freed
+  size_t live_events = 0, live_streams = 0;  // never destroyed
   size_t host_live = 0;
   size_t ops = 0;                       // log entries
+};
+
+// How RecordingCudaDevices makes each device (beyond the recording API): the fake cuDNN, which
+// graphs it refuses, CTXPAR_CUDNN=require, and a hook on each rank's API (fail_at).
+struct RecordingSetup {
+  bool fake_cudnn = false;
+  std::function<bool(const fused::Call&, bool backward)> refuse;  // FakeCudnn's RefuseGraph
+  bool cudnn_required = false;
+  std::function<void(cuda::RecordingCudaApi&, int rank)> on_api;
 };
 
 // While alive, make_device(cuda) makes recording CudaDevices; reports() has one entry per
@@ -24,6 +40,7 @@ struct DeviceReport {
 class RecordingCudaDevices {
  public:
   explicit RecordingCudaDevices(bool fake_cudnn = false);
+  explicit RecordingCudaDevices(const RecordingSetup& setup);
   ~RecordingCudaDevices();
   std::vector<DeviceReport> reports() const;
   int64_t cudnn_calls() const { return cudnn_calls_; }

@@ -5,6 +5,7 @@
 #pragma once
 #include <array>
 #include <atomic>
+#include <functional>
 #include <numeric>
 #include <vector>
 
@@ -13,27 +14,38 @@
 
 namespace ctxpar::testing {
 
+// `refuse` (when set) says which graphs cuDNN "refuses to build": prepare() and
+// workspace_bytes() of such a call throw CudnnRefused, as the real one does when every form of
+// a graph is refused; forward() / backward() of it are never reached (checked).
+using RefuseGraph = std::function<bool(const fused::Call&, bool backward)>;
+
 class FakeCudnn final : public cuda::CudnnAttention {
  public:
-  explicit FakeCudnn(std::atomic<int64_t>* calls = nullptr) : calls_(calls) {}
+  explicit FakeCudnn(std::atomic<int64_t>* calls = nullptr, RefuseGraph refuse = {})
+      : calls_(calls), refuse_(std::move(refuse)) {}
   bool supports(const cuda::SdpaShape& s) const override {
     return s.dtype == DType::bf16 && s.d % 8 == 0 && s.d <= 256 && s.hkv > 0 && s.hq % s.hkv == 0;
   }
-  size_t workspace_bytes(const cuda::SdpaShape&, const fused::Call&, bool) override { return 64; }
-  // No graphs here: each call runs directly (prepare() is the device-less test's, not the
-  // device's).
-  cuda::SdpaPrepared prepare(const cuda::SdpaShape&, const fused::Call&,
+  size_t workspace_bytes(const cuda::SdpaShape&, const fused::Call& c, bool backward) override {
+    check(c, backward);
+    return 64;
+  }
+  // No graphs here: each call runs directly.
+  cuda::SdpaPrepared prepare(const cuda::SdpaShape&, const fused::Call& c,
                              const cuda::SdpaForward&) override {
+    check(c, false);
     return {};
   }
-  cuda::SdpaPrepared prepare(const cuda::SdpaShape&, const fused::Call&,
+  cuda::SdpaPrepared prepare(const cuda::SdpaShape&, const fused::Call& c,
                              const cuda::SdpaBackward&) override {
+    check(c, true);
     return {};
   }
   size_t graphs_built() const override { return 0; }
 
   void forward(const cuda::SdpaShape& s, const fused::Call& c, const cuda::SdpaForward& t,
                void*, cudaStream_t) override {
+    CTXPAR_ASSERT(!refuse_ || !refuse_(c, false), "a refused graph was run");
     const int64_t rows = c.rows(), keys = c.keys();
     const auto [q, k, v] = qkv(s, c, t);
     const std::vector<int64_t> qp = local(rows), kp = local(keys);
@@ -48,6 +60,7 @@ class FakeCudnn final : public cuda::CudnnAttention {
 
   void backward(const cuda::SdpaShape& s, const fused::Call& c, const cuda::SdpaBackward& t,
                 void*, cudaStream_t) override {
+    CTXPAR_ASSERT(!refuse_ || !refuse_(c, true), "a refused graph was run");
     const int64_t rows = c.rows(), keys = c.keys();
     const auto [q, k, v] = qkv(s, c, t);
     const TensorView o = act(t.out, DType::bf16, s.batch, c.q_begin, rows, s.hq, s.d);
@@ -66,6 +79,11 @@ class FakeCudnn final : public cuda::CudnnAttention {
   }
 
  private:
+  void check(const fused::Call& c, bool backward) const {
+    if (refuse_ && refuse_(c, backward))
+      throw cuda::CudnnRefused(std::string("fake cuDNN refused the ") +
+                               (backward ? "backward" : "forward") + " graph of " + c.describe());
+  }
   // The call's slices of q, k, v (SdpaForward or SdpaBackward).
   template <class Tensors>
   static std::array<TensorView, 3> qkv(const cuda::SdpaShape& s, const fused::Call& c,
@@ -96,6 +114,7 @@ class FakeCudnn final : public cuda::CudnnAttention {
           for (int64_t d = 0; d < t.dim(3); ++d) t.set(0.0f, a, b, c, d);
   }
   std::atomic<int64_t>* calls_;
+  RefuseGraph refuse_;
 };
 
 }  // namespace ctxpar::testing

@@ -117,6 +117,9 @@ struct RankReport {
   // with --threads 1 it is all the rank's work). On a shared machine this, not the wall time,
   // shows what the rank would take with a core of its own.
   double forward_cpu_seconds = 0, backward_cpu_seconds = 0;
+  // --device cuda: attention blocks run as cuDNN calls (and the calls), blocks on the fallback
+  // kernel, and of those the ones cuDNN refused a graph of (all repeats, forward and backward).
+  int64_t cudnn_blocks = 0, cudnn_calls = 0, fallback_blocks = 0, cudnn_refused_blocks = 0;
 };
 
 // One compared quantity of --check: error of the run and of a plain fp32 computation, both
@@ -130,6 +133,8 @@ struct QuantityCheck {
 struct AttentionResult {
   bool is_root = true;            // false on MPI ranks other than 0 (they print nothing)
   std::vector<RankReport> ranks;
+  std::string cudnn_version;      // --device cuda: cuDNN in use (rank 0's process), or
+  std::string cudnn_off_reason;   // why it is off
   double forward_seconds = 0, backward_seconds = 0;  // wall, slowest rank
   double single_rank_bytes = 0;   // memory one rank would need for the whole problem
   double scores_bytes = 0;        // a materialised fp32 score matrix B*Hq*T*T (no flash kernel)

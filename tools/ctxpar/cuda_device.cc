@@ -7,6 +7,7 @@
 #include "ctxpar/comm.h"
 #include "ctxpar/error.h"
 #include "ctxpar/gloo.h"
+#include "cuda/cudnn_use.h"
 #include "options.h"
 #ifdef CTXPAR_HAVE_CUDA
 #include "cuda/runtime.h"
@@ -28,6 +29,7 @@ static bool recording_cuda() {
 }
 
 void check_cuda_device() {
+  cuda::cudnn_mode();  // a CTXPAR_CUDNN that is none of off / require / auto: bad usage, first
   if (recording_cuda()) return;
 #ifdef CTXPAR_HAVE_CUDA
   const cuda::DeviceProbe p = cuda::probe_devices();

@@ -9,6 +9,7 @@ namespace ctxpar::cli::job {
 namespace {
 
 constexpr int kStatFields = 9;
+constexpr size_t kRankFields = 7;  // tokens, shard and input bytes, the four cuDNN counts
 
 void pack_stats(const StrategyStats& s, double wall, double cpu, double* out) {
   const double v[kStatFields] = {cpu, wall, s.attention_flops, s.busy_seconds, s.wall_seconds,
@@ -34,16 +35,19 @@ StrategyStats unpack_stats(const double* in, double& wall, double& cpu) {
 void gather_to_root(Communicator& comm, const AttentionJob& job, RankData& mine,
                     std::vector<RankData>& all, bool tensors) {
   const int P = comm.size(), R = job.repeats;
-  const size_t n = 3 + 2 * static_cast<size_t>(R) * kStatFields;
+  const size_t n = kRankFields + 2 * static_cast<size_t>(R) * kStatFields;
   std::vector<double> send(n, 0), recv(n * P);
   send[0] = static_cast<double>(mine.tokens), send[1] = static_cast<double>(mine.shard_bytes);
   send[2] = static_cast<double>(mine.input_bytes_read);
+  send[3] = static_cast<double>(mine.cudnn_blocks), send[4] = static_cast<double>(mine.cudnn_calls);
+  send[5] = static_cast<double>(mine.fallback_blocks);
+  send[6] = static_cast<double>(mine.cudnn_refused_blocks);
   for (int rep = 0; rep < R; ++rep) {
     pack_stats(mine.fwd_stats[rep], mine.fwd_wall[rep], mine.fwd_cpu[rep],
-               &send[3 + rep * kStatFields]);
+               &send[kRankFields + rep * kStatFields]);
     if (job.backward)
       pack_stats(mine.bwd_stats[rep], mine.bwd_wall[rep], mine.bwd_cpu[rep],
-                 &send[3 + (R + rep) * kStatFields]);
+                 &send[kRankFields + (R + rep) * kStatFields]);
   }
   comm.allgather(send.data(), recv.data(), n * sizeof(double));
   if (comm.rank() == 0) {
@@ -53,14 +57,17 @@ void gather_to_root(Communicator& comm, const AttentionJob& job, RankData& mine,
       RankData& rd = all[p];
       rd.tokens = static_cast<int64_t>(in[0]), rd.shard_bytes = static_cast<size_t>(in[1]);
       rd.input_bytes_read = static_cast<uint64_t>(in[2]);
+      rd.cudnn_blocks = static_cast<int64_t>(in[3]), rd.cudnn_calls = static_cast<int64_t>(in[4]);
+      rd.fallback_blocks = static_cast<int64_t>(in[5]);
+      rd.cudnn_refused_blocks = static_cast<int64_t>(in[6]);
       rd.fwd_wall.resize(R), rd.fwd_cpu.resize(R), rd.fwd_stats.resize(R);
       for (int rep = 0; rep < R; ++rep) {
         rd.fwd_stats[rep] =
-            unpack_stats(&in[3 + rep * kStatFields], rd.fwd_wall[rep], rd.fwd_cpu[rep]);
+            unpack_stats(&in[kRankFields + rep * kStatFields], rd.fwd_wall[rep], rd.fwd_cpu[rep]);
         if (!job.backward) continue;
         rd.bwd_wall.resize(R), rd.bwd_cpu.resize(R), rd.bwd_stats.resize(R);
-        rd.bwd_stats[rep] =
-            unpack_stats(&in[3 + (R + rep) * kStatFields], rd.bwd_wall[rep], rd.bwd_cpu[rep]);
+        rd.bwd_stats[rep] = unpack_stats(&in[kRankFields + (R + rep) * kStatFields],
+                                         rd.bwd_wall[rep], rd.bwd_cpu[rep]);
       }
     }
   }

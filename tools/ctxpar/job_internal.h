@@ -23,6 +23,7 @@ struct RankData {
   uint64_t input_bytes_read = 0;
   std::vector<double> fwd_wall, bwd_wall, fwd_cpu, bwd_cpu;
   std::vector<StrategyStats> fwd_stats, bwd_stats;
+  int64_t cudnn_blocks = 0, cudnn_calls = 0, fallback_blocks = 0, cudnn_refused_blocks = 0;
 };
 
 // The whole sequence's token identity (T entries): positions and document ids.

@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "ctxpar/npy.h"
+#include "cuda/external.h"
 #include "job_internal.h"
 
 namespace ctxpar::cli {
@@ -133,6 +134,14 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
     rd.fwd_cpu.push_back(thread_cpu_seconds() - c0);
     rd.fwd_stats.push_back(strategy->last_stats());
   }
+  // Where the cuda device's blocks went (totals over the calls so far).
+  auto note_cudnn = [&] {
+    cuda::CudnnReport c;
+    if (!cuda::cudnn_report(strategy->device(), &c)) return;
+    rd.cudnn_blocks = c.cudnn_blocks, rd.cudnn_calls = c.cudnn_calls;
+    rd.fallback_blocks = c.fallback_blocks, rd.cudnn_refused_blocks = c.refused_blocks;
+  };
+  note_cudnn();
   if (!job.backward) return;
   for (int rep = 0; rep < job.repeats; ++rep) {
     step(nth("backward", rep));
@@ -144,6 +153,7 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
     rd.bwd_cpu.push_back(thread_cpu_seconds() - c0);
     rd.bwd_stats.push_back(strategy->last_stats());
   }
+  note_cudnn();
 }
 
 }  // namespace job

@@ -54,8 +54,30 @@ nlohmann::json to_json(const AttentionJob& job, const AttentionResult& result) {
                      {"peak_bytes", r.peak_bytes},
                      {"shard_bytes", r.shard_bytes},
                      {"input_bytes_read", r.input_bytes_read}});
+    if (job.device.kind == DeviceKind::cuda)
+      ranks.back()["cudnn"] = {{"blocks", r.cudnn_blocks},
+                               {"calls", r.cudnn_calls},
+                               {"fallback_blocks", r.fallback_blocks},
+                               {"refused_blocks", r.cudnn_refused_blocks}};
   }
   j["ranks"] = ranks;
+  if (job.device.kind == DeviceKind::cuda) {
+    // cuDNN's version, or why it is off (CTXPAR_CUDNN, no libcudnn, too old, no GPU); where
+    // the attention blocks went, over every rank, forward and backward, all repeats.
+    nlohmann::json c = {{"used", !result.cudnn_version.empty()},
+                        {"version", result.cudnn_version.empty() ? nlohmann::json(nullptr)
+                                                                 : nlohmann::json(result.cudnn_version)},
+                        {"off_reason", result.cudnn_off_reason.empty()
+                                           ? nlohmann::json(nullptr)
+                                           : nlohmann::json(result.cudnn_off_reason)}};
+    int64_t blocks = 0, calls = 0, fallback = 0, refused = 0;
+    for (const auto& r : result.ranks)
+      blocks += r.cudnn_blocks, calls += r.cudnn_calls, fallback += r.fallback_blocks,
+          refused += r.cudnn_refused_blocks;
+    c["blocks"] = blocks, c["calls"] = calls, c["fallback_blocks"] = fallback;
+    c["refused_blocks"] = refused;
+    j["cudnn"] = c;
+  }
   j["forward_flops"] = fwd_flops;
   j["backward_flops"] = bwd_flops;
   j["forward_gflops_per_second"] =

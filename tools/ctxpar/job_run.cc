@@ -10,6 +10,7 @@
 #include "attention_check.h"
 #include "ctxpar/gloo.h"
 #include "cuda/api.h"
+#include "cuda/cudnn_use.h"
 #include "cuda/loopback.h"
 #ifdef CTXPAR_FAULT_HOOKS
 #include "cuda/api_recording.h"
@@ -111,6 +112,9 @@ void run_loopback(int P, const AttentionJob& job, const SequenceTokens& seq,
     device::testing::set_cuda_factory([api](int rank) -> std::unique_ptr<Device> {
       return std::make_unique<cuda::CudaDevice>(api, rank);
     });
+    cuda::CudnnState no_cudnn;
+    no_cudnn.off_reason = "the recording CUDA API (CTXPAR_FAULT_CUDA_RECORDING) has no cuDNN";
+    cuda::set_cudnn_state(no_cudnn);
   }
   struct Restore {
     bool on;
@@ -169,6 +173,11 @@ AttentionResult run_attention_job(const AttentionJob& job) {
     }
   }
 
+  if (job.device.kind == DeviceKind::cuda) {
+    const cuda::CudnnState cudnn = cuda::cudnn_state();
+    result.cudnn_version = cudnn.version;
+    result.cudnn_off_reason = cudnn.known ? cudnn.off_reason : "no cuda device was made";
+  }
   const int fwd = fastest_repeat(all, false);
   const int bwd = job.backward ? fastest_repeat(all, true) : 0;
   for (int p = 0; p < P; ++p) {
@@ -176,6 +185,8 @@ AttentionResult run_attention_job(const AttentionJob& job) {
     RankReport rep;
     rep.rank = p;
     rep.tokens = rd.tokens;
+    rep.cudnn_blocks = rd.cudnn_blocks, rep.cudnn_calls = rd.cudnn_calls;
+    rep.fallback_blocks = rd.fallback_blocks, rep.cudnn_refused_blocks = rd.cudnn_refused_blocks;
     rep.shard_bytes = rd.shard_bytes;
     rep.input_bytes_read = rd.input_bytes_read;
     const StrategyStats& f = rd.fwd_stats[fwd];
