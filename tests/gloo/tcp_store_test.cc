@@ -12,13 +12,16 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "comm/gloo_address.h"
 #include "comm/gloo_env.h"
 #include "comm/tcp_store.h"
 #include "ctxpar/gloo.h"
+#include "error_text.h"
 
 namespace ctxpar::comm_detail {
 namespace {
@@ -254,15 +257,6 @@ std::string with_entry_size(const std::string& real, int size, uint32_t entry) {
   return out + real.substr(20 + e * (size - 1));
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 // Every peer's entries were sliced with the *last* address's entry size: a short address 1
 // before a real address 2 was read past its end (66 invalid reads under valgrind).
 TEST(GlooBootstrap, ConnectChecksEveryAddressOnItsOwn) {
@@ -271,7 +265,7 @@ TEST(GlooBootstrap, ConnectChecksEveryAddressOnItsOwn) {
   ASSERT_GT(real, 8u);
   std::vector<std::string> crafted = t.addresses;
   crafted[1] = with_entry_size(t.addresses[1], 3, 8);
-  const std::string e = error_of([&] { t.boots[0]->connect(crafted); });
+  const std::string e = ctxpar::test::error_text([&] { t.boots[0]->connect(crafted); });
   EXPECT_NE(e.find("addresses[1] has entries of 8 bytes, where this build's are " +
                    std::to_string(real)), std::string::npos) << e;
 }
@@ -285,7 +279,7 @@ TEST(GlooAddress, EachEntryIsCheckedOnItsOwn) {
   EXPECT_EQ(ok.entries[1], a.substr(20 + entry, entry));
   EXPECT_EQ(ok.listen, a.substr(20 + 2 * entry + 4));
   auto refused = [&](std::string bytes, const std::string& why) {
-    const std::string e = error_of([&] { parse_gloo_address(bytes, 2, 3, entry); });
+    const std::string e = ctxpar::test::error_text([&] { parse_gloo_address(bytes, 2, 3, entry); });
     EXPECT_NE(e.find("addresses[2]"), std::string::npos) << e;
     EXPECT_NE(e.find(why), std::string::npos) << e;
   };
@@ -311,12 +305,12 @@ TEST(GlooAddress, EachEntryIsCheckedOnItsOwn) {
 TEST(GlooBootstrap, SizeIsBoundedAndThePairsByTheTimeout) {
   GlooOptions o;
   o.hostname_or_interface = "127.0.0.1";
-  std::string e = error_of([&] { GlooBootstrap(0, 50000, o); });
+  std::string e = ctxpar::test::error_text([&] { GlooBootstrap(0, 50000, o); });
   EXPECT_NE(e.find("size must be in [1, " + std::to_string(kMaxGlooRanks) + "]"),
             std::string::npos) << e;
   // 1023 listening sockets take tens of milliseconds; the timeout is one.
   o.timeout = milliseconds(1);
-  e = error_of([&] { GlooBootstrap(0, kMaxGlooRanks, o); });
+  e = ctxpar::test::error_text([&] { GlooBootstrap(0, kMaxGlooRanks, o); });
   EXPECT_NE(e.find("pairs (one listening socket per peer) within the timeout of 0.001 s"),
             std::string::npos) << e;
 }
@@ -355,7 +349,14 @@ TorchrunEnv by_hand(int rank, int size, int port, const std::string& master = "1
   return e;
 }
 
-// One rendezvous per env, each on its own thread: what each threw ("" if it connected).
+GlooOptions on_loopback(milliseconds timeout) {
+  GlooOptions o;
+  o.hostname_or_interface = "127.0.0.1";
+  o.timeout = timeout;
+  return o;
+}
+
+// One rendezvous per env, each on its own thread: what each threw ("no error" if it connected).
 std::vector<std::string> rendezvous(const std::vector<TorchrunEnv>& envs,
                                     milliseconds timeout = seconds(20),
                                     milliseconds notice_after = seconds(5)) {
@@ -363,10 +364,8 @@ std::vector<std::string> rendezvous(const std::vector<TorchrunEnv>& envs,
   std::vector<std::thread> threads;
   for (size_t i = 0; i < envs.size(); ++i)
     threads.emplace_back([&, i] {
-      GlooOptions o;
-      o.hostname_or_interface = "127.0.0.1";
-      o.timeout = timeout;
-      errors[i] = error_of([&] { gloo_rendezvous(envs[i], o, notice_after); });
+      errors[i] = ctxpar::test::error_text(
+          [&] { gloo_rendezvous(envs[i], on_loopback(timeout), notice_after); });
     });
   for (auto& t : threads) t.join();
   return errors;
@@ -393,11 +392,37 @@ TEST(Rendezvous, AMismatchedWorldSizeIsRefusedNamingBothAtOnce) {
 // Two by-hand jobs on one port: a second process for a rank is refused, never let in.
 TEST(Rendezvous, ASecondProcessForOneRankIsRefusedNamingTheSlot) {
   const int port = free_port();
-  const auto errors = rendezvous({by_hand(0, 2, port), by_hand(1, 2, port), by_hand(1, 2, port)});
-  EXPECT_EQ(errors[0], "");
-  const bool second_lost = errors[1].empty();
+  // Two processes say RANK=1 of 3. Rank 2 starts once one of them has ended: the one refused
+  // (the other waits for rank 2), while rank 0 (waiting for rank 2 too) still hosts the store.
+  std::vector<std::string> errors(4);
+  std::mutex mu;
+  std::condition_variable cv;
+  int ended = 0;
+  auto join = [&](int i, int rank) {
+    return std::thread([&, i, rank] {
+      const std::string e = ctxpar::test::error_text(
+          [&] { gloo_rendezvous(by_hand(rank, 3, port), on_loopback(seconds(20))); });
+      std::lock_guard lock(mu);
+      errors[i] = e;
+      ++ended;
+      cv.notify_all();
+    });
+  };
+  std::vector<std::thread> threads;
+  threads.push_back(join(0, 0));
+  threads.push_back(join(1, 1));
+  threads.push_back(join(2, 1));
+  {
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return ended > 0; });
+  }
+  threads.push_back(join(3, 2));
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(errors[0], "no error");
+  EXPECT_EQ(errors[3], "no error");
+  const bool second_lost = errors[1] == "no error";
   const std::string& lost = second_lost ? errors[2] : errors[1];
-  EXPECT_EQ(second_lost ? errors[1] : errors[2], "") << "one rank 1 joins";
+  EXPECT_EQ(second_lost ? errors[1] : errors[2], "no error") << "one rank 1 joins";
   EXPECT_TRUE(has(lost, "rank 1: another process already joined the job at the TCP store at "
                         "127.0.0.1:" + std::to_string(port) + " (MASTER_ADDR:MASTER_PORT) as "
                         "rank 1 (key 'ctxpar/gloo///0/1')")) << lost;
@@ -458,7 +483,7 @@ TEST(Rendezvous, AFastStartSaysNothing) {
   ::testing::internal::CaptureStderr();
   const auto errors = rendezvous({by_hand(0, 2, port), by_hand(1, 2, port)});
   const std::string said = ::testing::internal::GetCapturedStderr();
-  EXPECT_EQ(errors, std::vector<std::string>(2));
+  EXPECT_EQ(errors, std::vector<std::string>(2, "no error"));
   EXPECT_EQ(said, "");
 }
 
@@ -467,7 +492,7 @@ TEST(Rendezvous, WorldSizeFromTheEnvironmentIsBounded) {
   setenv("WORLD_SIZE", "50000", 1);
   setenv("MASTER_ADDR", "127.0.0.1", 1);
   setenv("MASTER_PORT", "29500", 1);
-  const std::string e = error_of([] { read_torchrun_env(); });
+  const std::string e = ctxpar::test::error_text([] { read_torchrun_env(); });
   for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) unsetenv(v);
   EXPECT_TRUE(has(e, "WORLD_SIZE must be a whole number in [1, " + std::to_string(kMaxGlooRanks) +
                          "] (kMaxGlooRanks: the gloo transport's bound), got '50000'")) << e;
