@@ -46,8 +46,11 @@ std::string str(const std::string& s) { return u64(s.size()) + s; }
 // A raw TCP connection to 127.0.0.1:port, closed at the end of the test.
 struct Raw {
   int fd = -1;
-  explicit Raw(int port) {
+  // receive_buffer: a small one makes a client that never reads fill its window at once.
+  explicit Raw(int port, int receive_buffer = 0) {
     fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (receive_buffer > 0)
+      setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof(receive_buffer));
     sockaddr_in a{};
     a.sin_family = AF_INET;
     a.sin_port = htons(uint16_t(port));
@@ -148,8 +151,9 @@ TEST(TcpStoreServer, AClientThatNeverReadsStallsNeitherTheOthersNorTheExit) {
   {
     TcpStoreClient c("127.0.0.1", server->port(), kPrompt, "a test client", "the test's");
     c.set("big", std::string(1 << 20, 'b'));
+    ASSERT_EQ(c.get("big", "the value").size(), size_t{1} << 20);  // stored before the GETs
   }
-  Raw greedy(server->port());
+  Raw greedy(server->port(), 4096);
   std::string gets;
   for (int i = 0; i < 64; ++i) gets += cmd(kGet), gets += str("/big");  // 64 MiB of replies, unread
   greedy.send(gets);
