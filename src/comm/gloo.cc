@@ -383,17 +383,21 @@ GlooWorld::~GlooWorld() {
   int tick[2] = {-1, -1};
   struct Ignore : gloo::transport::tcp::Handler {
     void handleEvents(int) override {}
-  } ignore;
+  };
+  static Ignore ignore;  // static: never dangling, whatever happens below
   if (!tcp || ::pipe2(tick, O_CLOEXEC | O_NONBLOCK) != 0) return;  // then the slow way
   const char byte = 0;
   (void)!::write(tick[1], &byte, 1);  // never read: readable until closed
-  tcp->registerDescriptor(tick[0], EPOLLIN, &ignore);
-  detached.clear();
-  self.clear();
-  abort_buffer.reset();
-  context.reset();  // the pairs go here (unless a request still holds them)
-  tcp->unregisterDescriptor(tick[0], &ignore);
-  ::close(tick[0]);
+  try {  // Gloo throws where epoll_ctl fails: never out of a destructor
+    tcp->registerDescriptor(tick[0], EPOLLIN, &ignore);
+    detached.clear();
+    self.clear();
+    abort_buffer.reset();
+    context.reset();  // the pairs go here (unless a request still holds them)
+    tcp->unregisterDescriptor(tick[0], &ignore);
+  } catch (const std::exception&) {
+  }
+  ::close(tick[0]);  // (closing also takes it out of the loop's epoll set)
   ::close(tick[1]);
 }
 

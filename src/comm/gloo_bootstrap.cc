@@ -203,7 +203,8 @@ std::unique_ptr<Communicator> GlooBootstrap::connect(const std::vector<std::stri
       w.context->getPair(j)->connect(std::vector<char>(entry.begin(), entry.end()));
     } catch (const std::exception& e) {
       throw Error(detail::concat("gloo: rank ", w.rank, " could not connect to rank ", j, " (",
-                                 peers[j].listen, ") within ", state_->options.timeout.count() / 1000.0,
+                                 peers[j].listen, ") within ",
+                                 state_->options.timeout.count() / 1000.0,
                                  " s: ", e.what(), "; is rank ", j, " running, and is its address "
                                  "reachable from here (GlooOptions::hostname_or_interface, "
                                  "CTXPAR_GLOO_IFNAME)?"));

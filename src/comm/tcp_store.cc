@@ -25,6 +25,12 @@ using namespace store_wire;
 
 double seconds(std::chrono::milliseconds t) { return t.count() / 1000.0; }
 
+// The hints of a wait past the deadline: for an answer that comes at once from a store, and
+// for a key that another rank sets.
+constexpr const char* kIsItAStore = "is MASTER_PORT a c10d TCPStore, on a host that answers?";
+constexpr const char* kDidEveryRankStart =
+    "did every process of the job start, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE?";
+
 // One connection attempt to host:port: the socket, or -1 with errno set, or with *gai set to
 // getaddrinfo's error when the name did not resolve.
 int connect_once(const std::string& host, int port, int* gai) {
@@ -85,7 +91,7 @@ TcpStoreClient::TcpStoreClient(const std::string& host, int port,
   put<uint32_t>(msg, nonce);
   send_all(msg);
   uint32_t echo = 0;
-  recv_all(&echo, sizeof(echo), "the answer to its ping");
+  recv_all(&echo, sizeof(echo), "the answer to its ping", kIsItAStore);
   CTXPAR_CHECK(echo == nonce, "TCP store at ", where_, ": the server answered the ping with ",
                echo, " instead of ", nonce, "; is MASTER_PORT a c10d TCPStore?");
 }
@@ -122,7 +128,8 @@ void TcpStoreClient::send_all(const std::string& bytes) {
   }
 }
 
-void TcpStoreClient::recv_all(void* out, size_t n, const std::string& what) {
+void TcpStoreClient::recv_all(void* out, size_t n, const std::string& what,
+                              const char* hint) {
   auto* p = static_cast<char*>(out);
   while (n > 0) {
     const auto now = Clock::now();
@@ -136,9 +143,8 @@ void TcpStoreClient::recv_all(void* out, size_t n, const std::string& what) {
     if (r == 0) {
       if (Clock::now() >= deadline_)
         throw Error(detail::concat(who_, ": waited ", seconds(timeout_), " s for ", what,
-                                   " in the TCP store at ", where_, " (MASTER_ADDR:MASTER_PORT); "
-                                   "did every process of the job start, with the same "
-                                   "MASTER_ADDR, MASTER_PORT and WORLD_SIZE?"));
+                                   " in the TCP store at ", where_, " (MASTER_ADDR:MASTER_PORT); ",
+                                   hint));
       notice_if_due(what);
       continue;
     }
@@ -155,14 +161,15 @@ void TcpStoreClient::recv_all(void* out, size_t n, const std::string& what) {
   }
 }
 
-std::string TcpStoreClient::recv_value(const std::string& key, const std::string& what) {
+std::string TcpStoreClient::recv_value(const std::string& key, const std::string& what,
+                                       const char* hint) {
   uint64_t len = 0;
-  recv_all(&len, sizeof(len), what);
+  recv_all(&len, sizeof(len), what, hint);
   CTXPAR_CHECK(len <= kMaxStoreValueBytes, who_, ": TCP store at ", where_, ": the value of '",
                key, "' claims ", len, " bytes, more than a store value may hold (",
                kMaxStoreValueBytes, "); is MASTER_PORT a c10d TCPStore?");
   std::string value(len, '\0');
-  recv_all(value.data(), len, what);
+  recv_all(value.data(), len, what, hint);
   return value;
 }
 
@@ -182,7 +189,7 @@ std::string TcpStoreClient::claim(const std::string& key, const std::string& val
   put_string(msg, value);
   send_all(msg);
   wait_started_ = Clock::now();
-  return recv_value(key, "the answer to its claim of '" + key + "'");
+  return recv_value(key, "the answer to its claim of '" + key + "'", kIsItAStore);
 }
 
 std::string TcpStoreClient::get(const std::string& key, const std::string& what) {
@@ -193,14 +200,14 @@ std::string TcpStoreClient::get(const std::string& key, const std::string& what)
   send_all(msg);
   wait_started_ = Clock::now();
   uint8_t response = 0;
-  recv_all(&response, 1, what);
+  recv_all(&response, 1, what, kDidEveryRankStart);
   CTXPAR_CHECK(response == 0, who_, ": TCP store at ", where_, ": unexpected wait response ",
                int(response), "; is MASTER_PORT a c10d TCPStore?");
   msg.clear();
   put<uint8_t>(msg, kGet);
   put_string(msg, "/" + key);
   send_all(msg);
-  return recv_value(key, what);
+  return recv_value(key, what, kIsItAStore);
 }
 
 }  // namespace ctxpar::comm_detail

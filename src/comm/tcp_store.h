@@ -69,8 +69,9 @@ class TcpStoreClient {
 
  private:
   void send_all(const std::string& bytes);
-  void recv_all(void* out, size_t n, const std::string& what);
-  std::string recv_value(const std::string& key, const std::string& what);
+  // Reads n bytes by the deadline; `what` and `hint` word the error past it.
+  void recv_all(void* out, size_t n, const std::string& what, const char* hint);
+  std::string recv_value(const std::string& key, const std::string& what, const char* hint);
   // Prints the waiting notice once per kind of wait (connect, key), once it is due.
   void notice_if_due(const std::string& what);
   int fd_ = -1;

@@ -139,7 +139,8 @@ TcpStoreServer::TcpStoreServer(const std::string& host, int port,
     }
     getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
     s.port = ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
-    s.listening += (s.listen_fds.empty() ? "" : ", ") + text_of(reinterpret_cast<sockaddr*>(&addr), len);
+    s.listening += (s.listen_fds.empty() ? "" : ", ") +
+                   text_of(reinterpret_cast<sockaddr*>(&addr), len);
     s.listen_fds.push_back(fd);
   }
   freeaddrinfo(res);

@@ -97,7 +97,8 @@ void expect_prompt_stop(std::unique_ptr<TcpStoreServer>& server) {
 TEST(TcpStoreServer, AddOnAValueThatIsNotANumberDropsOnlyThatClient) {
   auto server = loopback_server();
   Raw word(server->port()), overflow(server->port()), counter(server->port());
-  const std::string crafted = cmd(kSet) + str("/key") + str("oops") + cmd(kAdd) + str("/key") + u64(1);
+  const std::string crafted =
+      cmd(kSet) + str("/key") + str("oops") + cmd(kAdd) + str("/key") + u64(1);
   ASSERT_EQ(crafted.size(), 46u);
   word.send(crafted);
   EXPECT_TRUE(word.closed_within(kPrompt));
@@ -290,7 +291,8 @@ TEST(GlooAddress, EachEntryIsCheckedOnItsOwn) {
   refused(a.substr(0, 15), "is not the address() of rank 2 of 3 (15 bytes)");
   refused(a.substr(0, 19), "is truncated (19 bytes, where its header alone is 20)");
   refused(t.addresses[1], "from rank 1 of 3");
-  refused(with_entry_size(a, 3, uint32_t(entry + 8)), "has entries of " + std::to_string(entry + 8));
+  refused(with_entry_size(a, 3, uint32_t(entry + 8)),
+          "has entries of " + std::to_string(entry + 8));
   refused(with_entry_size(a, 3, 0), "has entries of 0 bytes");
   refused(a.substr(0, a.size() - 1), "is truncated or damaged");
   refused(a + "x", "is truncated or damaged");
