@@ -9,7 +9,6 @@
 //   wait():                the header first (a size mismatch is reported, never read), then
 //                          the payload; blocks in Gloo's waitRecv/waitSend, which an abort
 //                          message from another rank interrupts
-#include <fcntl.h>
 #include <gloo/common/error.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/tcp/loop.h>
@@ -379,26 +378,27 @@ GlooWorld::~GlooWorld() {
     abort_buffer->abortWaitRecv();
     abort_thread.join();
   }
-  auto* tcp = dynamic_cast<gloo::transport::tcp::Device*>(device.get());
-  int tick[2] = {-1, -1};
   struct Ignore : gloo::transport::tcp::Handler {
     void handleEvents(int) override {}
   };
   static Ignore ignore;  // static: never dangling, whatever happens below
-  if (!tcp || ::pipe2(tick, O_CLOEXEC | O_NONBLOCK) != 0) return;  // then the slow way
-  const char byte = 0;
-  (void)!::write(tick[1], &byte, 1);  // never read: readable until closed
-  try {  // Gloo throws where epoll_ctl fails: never out of a destructor
-    tcp->registerDescriptor(tick[0], EPOLLIN, &ignore);
-    detached.clear();
-    self.clear();
-    abort_buffer.reset();
-    context.reset();  // the pairs go here (unless a request still holds them)
-    tcp->unregisterDescriptor(tick[0], &ignore);
-  } catch (const std::exception&) {
+  auto* tcp = dynamic_cast<gloo::transport::tcp::Device*>(device.get());
+  const int* tick = teardown_tick;
+  if (tcp && tick[0] >= 0) {  // else the slow way
+    const char byte = 0;
+    (void)!::write(tick[1], &byte, 1);  // never read: readable until closed
+    try {  // Gloo throws where epoll_ctl fails: never out of a destructor
+      tcp->registerDescriptor(tick[0], EPOLLIN, &ignore);
+      detached.clear();
+      self.clear();
+      abort_buffer.reset();
+      context.reset();  // the pairs go here (unless a request still holds them)
+      tcp->unregisterDescriptor(tick[0], &ignore);
+    } catch (const std::exception&) {
+    }
   }
-  ::close(tick[0]);  // (closing also takes it out of the loop's epoll set)
-  ::close(tick[1]);
+  for (int fd : teardown_tick)
+    if (fd >= 0) ::close(fd);  // (closing also takes it out of the loop's epoll set)
 }
 
 void GlooWorld::check_failed_locked(int me) const {

@@ -4,6 +4,7 @@
 // pair per other rank. Its address() lists, for every other rank j, the address of the pair
 // that waits for j; connect() hands each pair the entry that its peer made for this rank.
 // The bytes of address(): gloo_address.h.
+#include <fcntl.h>
 #include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/attr.h>
 #include <gloo/transport/tcp/device.h>
@@ -154,6 +155,8 @@ GlooBootstrap::GlooBootstrap(int rank, int size, const GlooOptions& options)
                                "; set GlooOptions::hostname_or_interface (or CTXPAR_GLOO_IFNAME="
                                "<interface>, CTXPAR_GLOO_HOST=<address>) to one of this host's"));
   }
+  if (::pipe2(w->teardown_tick, O_CLOEXEC | O_NONBLOCK) != 0)  // (without it: the slow way)
+    w->teardown_tick[0] = w->teardown_tick[1] = -1;
   w->context = w->device->createContext(rank, size);
   w->context->setTimeout(options.timeout);
   std::string& a = state_->address;
@@ -171,7 +174,15 @@ GlooBootstrap::GlooBootstrap(int rank, int size, const GlooOptions& options)
                  " of its ", size - 1, " pairs (one listening socket per peer) within the "
                  "timeout of ", options.timeout.count() / 1000.0, " s; use fewer ranks, or a "
                  "longer timeout");
-    const std::vector<char> bytes = w->context->createPair(j)->address().bytes();
+    std::vector<char> bytes;
+    try {
+      bytes = w->context->createPair(j)->address().bytes();
+    } catch (const std::exception& e) {  // Gloo's enforce: out of descriptors, most likely
+      throw Error(detail::concat("gloo: rank ", rank, " could not make its pair for rank ", j,
+                                 " of ", size, " (", e.what(), "); each rank holds a socket per "
+                                 "peer: raise the open-file limit (ulimit -n), or use fewer "
+                                 "ranks"));
+    }
     if (first) put_u32(a, static_cast<uint32_t>(bytes.size()));
     first = false;
     state_->entry_bytes = bytes.size();

@@ -38,6 +38,9 @@ struct GlooWorld {
   std::shared_ptr<gloo::transport::Device> device;
   std::shared_ptr<gloo::transport::Context> context;
   std::string peer_names;  // for errors
+  // A pipe made before the pairs, so that they can go in milliseconds even once the process is
+  // out of descriptors (Note [Gloo's teardown waits a tick per pair], gloo.cc).
+  int teardown_tick[2] = {-1, -1};
 
   std::mutex mu;
   std::condition_variable cv;
