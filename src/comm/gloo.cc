@@ -366,9 +366,13 @@ uint64_t data_slot(uint64_t header, uint64_t bytes) {
 
 // Note [Gloo's teardown waits a tick per pair]
 // Gloo's TCP loop polls with a 10 ms timeout, and each pair, as it is destroyed, waits for the
-// loop's next turn (Loop::unregisterDescriptor): 10 ms a pair, one after the other, so a
-// communicator (or a failed bootstrap) of 1024 ranks took 10 s to go away, whatever the
-// timeout. While the pairs go, a pipe that stays readable keeps the loop turning at once.
+// loop's next turn (Loop::unregisterDescriptor): 10 ms a pair, one after the other, so a failed
+// bootstrap of 1024 ranks (a rendezvous that timed out) held its process 10 s after the error,
+// whatever the timeout. While the pairs of a bootstrap that never connected go, a pipe that
+// stays readable keeps the loop turning at once. A connected world keeps Gloo's pace: a rank
+// that returns from connect() and goes away at once could close a pair before its peer's side
+// of the handshake had finished (seen with the fast teardown for every world, under parallel
+// load: Gloo.IsAvailableAndNamesItself's connect failed with "Connection closed by peer").
 GlooWorld::~GlooWorld() {
   if (abort_thread.joinable()) {
     {
@@ -384,7 +388,7 @@ GlooWorld::~GlooWorld() {
   static Ignore ignore;  // static: never dangling, whatever happens below
   auto* tcp = dynamic_cast<gloo::transport::tcp::Device*>(device.get());
   const int* tick = teardown_tick;
-  if (tcp && tick[0] >= 0) {  // else the slow way
+  if (tcp && tick[0] >= 0 && !connected) {  // else Gloo's pace
     const char byte = 0;
     (void)!::write(tick[1], &byte, 1);  // never read: readable until closed
     try {  // Gloo throws where epoll_ctl fails: never out of a destructor

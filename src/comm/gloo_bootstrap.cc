@@ -222,6 +222,7 @@ std::unique_ptr<Communicator> GlooBootstrap::connect(const std::vector<std::stri
     }
   }
   state_->connected = true;
+  w.connected = true;
   w.start_abort_listener();
   auto comm = comm_detail::make_gloo_communicator(state_->world);
   comm->set_timeout(state_->options.timeout);

@@ -353,17 +353,25 @@ TEST(GlooBootstrap, ABootstrapOfManyRanksGoesAwayAtOnce) {
 
 // ---- the rendezvous (item 9) ----------------------------------------------------------
 
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), len);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+// A loopback port bound (not listening) while this lives: a connection to it is refused, and no
+// other process can listen there meanwhile.
+struct HeldPort {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int port = 0;
+  HeldPort() {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    ::bind(fd, reinterpret_cast<sockaddr*>(&a), len);
+    getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    port = ntohs(a.sin_port);
+  }
+  ~HeldPort() { ::close(fd); }
+};
+
+// A port for rank 0's store (free when this returns; the store binds it at once).
+int free_port() { return HeldPort().port; }
 
 TorchrunEnv by_hand(int rank, int size, int port, const std::string& master = "127.0.0.1") {
   TorchrunEnv e;
@@ -480,11 +488,12 @@ size_t count(const std::string& text, const std::string& part) {
 
 // Item 9: a lone rank waited 300 s without a word.
 TEST(Rendezvous, ALoneRankSaysOnceWhatItWaitsForWhereAndHowLong) {
-  const int port = free_port();
-  const std::string where = "127.0.0.1:" + std::to_string(port) + " (MASTER_ADDR:MASTER_PORT)";
+  // Rank 1's retries go to a port held closed (never to another process's listener).
+  const HeldPort closed;
+  std::string where = "127.0.0.1:" + std::to_string(closed.port) + " (MASTER_ADDR:MASTER_PORT)";
   ::testing::internal::CaptureStderr();
   // The notice after 0.15 s (5 s by default), the timeout 0.7 s (300 s in the issue).
-  auto errors = rendezvous({by_hand(1, 2, port)}, milliseconds(700), milliseconds(150));
+  auto errors = rendezvous({by_hand(1, 2, closed.port)}, milliseconds(700), milliseconds(150));
   std::string said = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(count(said, "ctxpar: rank 1 waiting for rank 0's TCP store at " + where +
                             " for up to 0.7 s\n"), 1u) << said;
@@ -492,6 +501,8 @@ TEST(Rendezvous, ALoneRankSaysOnceWhatItWaitsForWhereAndHowLong) {
   EXPECT_TRUE(has(errors[0], "rank 1: cannot connect to rank 0's TCP store at " + where +
                                  " within 0.7 s")) << errors[0];
 
+  const int port = free_port();
+  where = "127.0.0.1:" + std::to_string(port) + " (MASTER_ADDR:MASTER_PORT)";
   ::testing::internal::CaptureStderr();
   errors = rendezvous({by_hand(0, 2, port)}, milliseconds(700), milliseconds(150));
   said = ::testing::internal::GetCapturedStderr();
