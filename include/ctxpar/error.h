@@ -5,6 +5,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace ctxpar {
 
@@ -18,6 +19,10 @@ class Error : public std::runtime_error {
 // A byte count for messages and reports, in binary units: "512 B", "1.5 MiB", "3.0 GiB"
 // (the one formatter of the library and the command).
 std::string bytes_text(double bytes);
+
+// A short, printable, single-line rendering of untrusted text (a file's header, a value from
+// the network) for error messages: other bytes as \xNN, past max_len cut with "...".
+std::string printable(std::string_view s, size_t max_len = 40);
 
 namespace detail {
 template <typename... Args>

@@ -29,13 +29,18 @@
 
 namespace ctxpar {
 
+// The most ranks of a gloo communicator: each rank holds a listening socket and a connection
+// per peer, and each address() holds an entry per peer, so the addresses exchanged grow as the
+// square of the ranks (136 MiB at this bound, all through one TCP store under torchrun).
+constexpr int kMaxGlooRanks = 1024;
+
 struct GlooOptions {
   // The address to listen on and to publish: a host name, an IP address, or a network
   // interface ("eth0"). "" = auto: CTXPAR_GLOO_IFNAME if set, else the address this host's
   // name resolves to, else the loopback.
   std::string hostname_or_interface;
-  // The communicator's timeout (Communicator::set_timeout), and how long connect() waits for
-  // the peers.
+  // The communicator's timeout (Communicator::set_timeout), how long connect() waits for the
+  // peers, and the bound on making the pairs (one per peer) in the constructor.
   std::chrono::milliseconds timeout{120000};
 };
 

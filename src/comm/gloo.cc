@@ -10,6 +10,9 @@
 //                          the payload; blocks in Gloo's waitRecv/waitSend, which an abort
 //                          message from another rank interrupts
 #include <gloo/common/error.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/transport/tcp/loop.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -361,6 +364,15 @@ uint64_t data_slot(uint64_t header, uint64_t bytes) {
   return mix(header ^ mix(bytes)) & ~(uint64_t(1) << 63);
 }
 
+// Note [Gloo's teardown waits a tick per pair]
+// Gloo's TCP loop polls with a 10 ms timeout, and each pair, as it is destroyed, waits for the
+// loop's next turn (Loop::unregisterDescriptor): 10 ms a pair, one after the other, so a failed
+// bootstrap of 1024 ranks (a rendezvous that timed out) held its process 10 s after the error,
+// whatever the timeout. While the pairs of a bootstrap that never connected go, a pipe that
+// stays readable keeps the loop turning at once. A connected world keeps Gloo's pace: a rank
+// that returns from connect() and goes away at once could close a pair before its peer's side
+// of the handshake had finished (seen with the fast teardown for every world, under parallel
+// load: Gloo.IsAvailableAndNamesItself's connect failed with "Connection closed by peer").
 GlooWorld::~GlooWorld() {
   if (abort_thread.joinable()) {
     {
@@ -370,6 +382,27 @@ GlooWorld::~GlooWorld() {
     abort_buffer->abortWaitRecv();
     abort_thread.join();
   }
+  struct Ignore : gloo::transport::tcp::Handler {
+    void handleEvents(int) override {}
+  };
+  static Ignore ignore;  // static: never dangling, whatever happens below
+  auto* tcp = dynamic_cast<gloo::transport::tcp::Device*>(device.get());
+  const int* tick = teardown_tick;
+  if (tcp && tick[0] >= 0 && !connected) {  // else Gloo's pace
+    const char byte = 0;
+    (void)!::write(tick[1], &byte, 1);  // never read: readable until closed
+    try {  // Gloo throws where epoll_ctl fails: never out of a destructor
+      tcp->registerDescriptor(tick[0], EPOLLIN, &ignore);
+      detached.clear();
+      self.clear();
+      abort_buffer.reset();
+      context.reset();  // the pairs go here (unless a request still holds them)
+      tcp->unregisterDescriptor(tick[0], &ignore);
+    } catch (const std::exception&) {
+    }
+  }
+  for (int fd : teardown_tick)
+    if (fd >= 0) ::close(fd);  // (closing also takes it out of the loop's epoll set)
 }
 
 void GlooWorld::check_failed_locked(int me) const {

@@ -3,25 +3,28 @@
 // Each rank opens a Gloo TCP device (one listening socket) and a transport context with one
 // pair per other rank. Its address() lists, for every other rank j, the address of the pair
 // that waits for j; connect() hands each pair the entry that its peer made for this rank.
-//
-//   address(): "CTXPARG1" | rank u32 | size u32 | entry bytes u32 | entries (j != rank, in
-//              order) | listen address text (for errors)
+// The bytes of address(): gloo_address.h.
+#include <fcntl.h>
+#include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/attr.h>
 #include <gloo/transport/tcp/device.h>
 #include <net/if.h>
 #include <netdb.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
 
+#include "comm/gloo_address.h"
 #include "comm/gloo_world.h"
 #include "ctxpar/gloo.h"
 
 namespace ctxpar {
 
 namespace {
+using Clock = std::chrono::steady_clock;
 constexpr char kMagic[8] = {'C', 'T', 'X', 'P', 'A', 'R', 'G', '1'};
 
 void put_u32(std::string& out, uint32_t v) { out.append(reinterpret_cast<const char*>(&v), 4); }
@@ -77,18 +80,62 @@ void ignore_sigpipe_if_default() {
 }
 }  // namespace
 
+namespace comm_detail {
+
+GlooAddress parse_gloo_address(const std::string& s, int j, int size, size_t entry_bytes) {
+  const std::string which = detail::concat("GlooBootstrap::connect: addresses[", j, "]");
+  const bool magic = s.size() >= 16 && std::memcmp(s.data(), kMagic, 8) == 0;
+  CTXPAR_CHECK(magic && get_u32(s, 8) == uint32_t(j) && get_u32(s, 12) == uint32_t(size),
+               which, " is not the address() of rank ", j, " of ", size, " (", s.size(), " bytes",
+               magic ? detail::concat(", from rank ", get_u32(s, 8), " of ", get_u32(s, 12))
+                     : std::string(),
+               "); pass every rank's address() in rank order");
+  CTXPAR_CHECK(s.size() >= 20, which, " is truncated (", s.size(), " bytes, where its header "
+               "alone is 20); pass the bytes of address() unchanged");
+  // Each address's own entry size: the entries of one address are never read with another's.
+  const uint64_t entry = get_u32(s, 16);
+  CTXPAR_CHECK(entry == entry_bytes, which, " has entries of ", entry, " bytes, where this "
+               "build's are ", entry_bytes, "; pass the bytes of address() unchanged, from "
+               "ranks that run the same ctxpar");
+  const uint64_t tail = 20 + entry * (size - 1);
+  CTXPAR_CHECK(s.size() >= tail + 4 && s.size() == tail + 4 + get_u32(s, tail), which,
+               " is truncated or damaged (", s.size(), " bytes, where ", size - 1,
+               " entries of ", entry, " bytes need ", tail + 4,
+               " and its listen text); pass the bytes of address() unchanged");
+  GlooAddress a;
+  a.listen = s.substr(tail + 4);
+  CTXPAR_CHECK(std::all_of(a.listen.begin(), a.listen.end(),
+                           [](char c) { return c >= 0x20 && c < 0x7f; }),
+               which, "'s listen address is not printable text; pass the bytes of address() "
+               "unchanged");
+  for (int k = 0; k + 1 < size; ++k) {
+    const std::vector<char> e(s.begin() + 20 + k * entry, s.begin() + 20 + (k + 1) * entry);
+    const int family = gloo::transport::tcp::Address(e).getSockaddr().ss_family;
+    CTXPAR_CHECK(family == AF_INET || family == AF_INET6, which, ": its entry for rank ",
+                 k + (k >= j ? 1 : 0), " is not an IPv4 or IPv6 socket address (family ",
+                 family, "); pass the bytes of address() unchanged");
+    a.entries.emplace_back(e.begin(), e.end());
+  }
+  return a;
+}
+
+}  // namespace comm_detail
+
 bool gloo_available() { return true; }
 
 struct GlooBootstrap::State {
   std::shared_ptr<comm_detail::GlooWorld> world;
   GlooOptions options;
   std::string address;
+  size_t entry_bytes = 0;  // of this rank's entries: every rank's must be the same
   bool connected = false;
 };
 
 GlooBootstrap::GlooBootstrap(int rank, int size, const GlooOptions& options)
     : state_(std::make_unique<State>()) {
-  CTXPAR_CHECK(size >= 1, "GlooBootstrap: size must be >= 1, got ", size);
+  CTXPAR_CHECK(size >= 1 && size <= kMaxGlooRanks, "GlooBootstrap: size must be in [1, ",
+               kMaxGlooRanks, "] (kMaxGlooRanks: each rank holds a socket per peer, and the "
+               "addresses exchanged grow as size squared), got ", size);
   CTXPAR_CHECK(rank >= 0 && rank < size, "GlooBootstrap: rank must be in [0, ", size, "), got ",
                rank);
   CTXPAR_CHECK(options.timeout.count() > 0, "GlooBootstrap: timeout must be positive, got ",
@@ -108,6 +155,8 @@ GlooBootstrap::GlooBootstrap(int rank, int size, const GlooOptions& options)
                                "; set GlooOptions::hostname_or_interface (or CTXPAR_GLOO_IFNAME="
                                "<interface>, CTXPAR_GLOO_HOST=<address>) to one of this host's"));
   }
+  if (::pipe2(w->teardown_tick, O_CLOEXEC | O_NONBLOCK) != 0)  // (without it: the slow way)
+    w->teardown_tick[0] = w->teardown_tick[1] = -1;
   w->context = w->device->createContext(rank, size);
   w->context->setTimeout(options.timeout);
   std::string& a = state_->address;
@@ -115,12 +164,28 @@ GlooBootstrap::GlooBootstrap(int rank, int size, const GlooOptions& options)
   put_u32(a, rank);
   put_u32(a, size);
   std::string listen = w->device->str();
+  // Each pair listens on a socket of its own; on a busy host that may take long: never past
+  // the timeout.
+  const auto deadline = Clock::now() + options.timeout;
   bool first = true;
   for (int j = 0; j < size; ++j) {
     if (j == rank) continue;
-    const std::vector<char> bytes = w->context->createPair(j)->address().bytes();
+    CTXPAR_CHECK(Clock::now() < deadline, "gloo: rank ", rank, " made only ", j - (j > rank),
+                 " of its ", size - 1, " pairs (one listening socket per peer) within the "
+                 "timeout of ", options.timeout.count() / 1000.0, " s; use fewer ranks, or a "
+                 "longer timeout");
+    std::vector<char> bytes;
+    try {
+      bytes = w->context->createPair(j)->address().bytes();
+    } catch (const std::exception& e) {  // Gloo's enforce: out of descriptors, most likely
+      throw Error(detail::concat("gloo: rank ", rank, " could not make its pair for rank ", j,
+                                 " of ", size, " (", e.what(), "); each rank holds a socket per "
+                                 "peer: raise the open-file limit (ulimit -n), or use fewer "
+                                 "ranks"));
+    }
     if (first) put_u32(a, static_cast<uint32_t>(bytes.size()));
     first = false;
+    state_->entry_bytes = bytes.size();
     a.append(bytes.data(), bytes.size());
   }
   if (first) put_u32(a, 0);
@@ -138,41 +203,26 @@ std::unique_ptr<Communicator> GlooBootstrap::connect(const std::vector<std::stri
   CTXPAR_CHECK(!state_->connected, "GlooBootstrap::connect: called twice (it may be called once)");
   CTXPAR_CHECK(static_cast<int>(addresses.size()) == w.size, "GlooBootstrap::connect: expected ",
                w.size, " addresses (one per rank), got ", addresses.size());
-  std::vector<std::string> listen(w.size);
-  size_t entry = 0;
-  for (int j = 0; j < w.size; ++j) {
-    const std::string& s = addresses[j];
-    const bool ok = s.size() >= 20 && std::memcmp(s.data(), kMagic, 8) == 0 &&
-                    get_u32(s, 8) == uint32_t(j) && get_u32(s, 12) == uint32_t(w.size);
-    CTXPAR_CHECK(ok, "GlooBootstrap::connect: addresses[", j, "] is not the address() of rank ",
-                 j, " of ", w.size, " (", s.size(), " bytes", s.size() >= 16 ? detail::concat(
-                 ", from rank ", get_u32(s, 8), " of ", get_u32(s, 12)) : std::string(),
-                 "); pass every rank's address() in rank order");
-    entry = get_u32(s, 16);
-    const size_t tail = 20 + entry * (w.size - 1);
-    CTXPAR_CHECK(s.size() >= tail + 4 && s.size() == tail + 4 + get_u32(s, tail),
-                 "GlooBootstrap::connect: addresses[", j, "] is truncated or damaged (",
-                 s.size(), " bytes); pass the bytes of address() unchanged");
-    listen[j] = s.substr(tail + 4);
-  }
+  std::vector<comm_detail::GlooAddress> peers(w.size);
+  for (int j = 0; j < w.size; ++j)
+    peers[j] = comm_detail::parse_gloo_address(addresses[j], j, w.size, state_->entry_bytes);
   for (int j = 0; j < w.size; ++j) {
     if (j == w.rank) continue;
     // Rank j's entries skip itself: the one for this rank is at index rank - (rank > j).
-    const int index = w.rank - (w.rank > j ? 1 : 0);
-    const std::string& s = addresses[j];
-    const std::vector<char> bytes(s.begin() + 20 + index * entry,
-                                  s.begin() + 20 + (index + 1) * entry);
+    const std::string& entry = peers[j].entries[w.rank - (w.rank > j ? 1 : 0)];
     try {
-      w.context->getPair(j)->connect(bytes);
+      w.context->getPair(j)->connect(std::vector<char>(entry.begin(), entry.end()));
     } catch (const std::exception& e) {
       throw Error(detail::concat("gloo: rank ", w.rank, " could not connect to rank ", j, " (",
-                                 listen[j], ") within ", state_->options.timeout.count() / 1000.0,
+                                 peers[j].listen, ") within ",
+                                 state_->options.timeout.count() / 1000.0,
                                  " s: ", e.what(), "; is rank ", j, " running, and is its address "
                                  "reachable from here (GlooOptions::hostname_or_interface, "
                                  "CTXPAR_GLOO_IFNAME)?"));
     }
   }
   state_->connected = true;
+  w.connected = true;
   w.start_abort_listener();
   auto comm = comm_detail::make_gloo_communicator(state_->world);
   comm->set_timeout(state_->options.timeout);

@@ -38,6 +38,11 @@ struct GlooWorld {
   std::shared_ptr<gloo::transport::Device> device;
   std::shared_ptr<gloo::transport::Context> context;
   std::string peer_names;  // for errors
+  // A pipe made before the pairs, so that those of a bootstrap that never connected go in
+  // milliseconds, even once the process is out of descriptors; `connected`: connect()
+  // succeeded, the pairs go at Gloo's pace (Note [Gloo's teardown waits a tick per pair]).
+  int teardown_tick[2] = {-1, -1};
+  bool connected = false;
 
   std::mutex mu;
   std::condition_variable cv;

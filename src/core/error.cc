@@ -14,6 +14,22 @@ std::string bytes_text(double bytes) {
   return buf;
 }
 
+std::string printable(std::string_view s, size_t max_len) {
+  std::string out;
+  for (size_t i = 0; i < s.size() && i < max_len; ++i) {
+    unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x20 && c < 0x7f) {
+      out += static_cast<char>(c);
+    } else {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    }
+  }
+  if (s.size() > max_len) out += "...";
+  return out;
+}
+
 void assert_fail(const char* expr, const char* file, int line, const std::string& msg) {
   std::fprintf(stderr, "ctxpar: internal error at %s:%d: assertion `%s` failed%s%s\n", file, line,
                expr, msg.empty() ? "" : ": ", msg.c_str());

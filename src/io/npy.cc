@@ -49,23 +49,6 @@ size_t type_size(NpyType t) {
   return 0;
 }
 
-// A short, printable, single-line rendering of untrusted text for error messages.
-std::string printable(std::string_view s, size_t max_len = 40) {
-  std::string out;
-  for (size_t i = 0; i < s.size() && i < max_len; ++i) {
-    unsigned char c = static_cast<unsigned char>(s[i]);
-    if (c >= 0x20 && c < 0x7f) {
-      out += static_cast<char>(c);
-    } else {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\x%02x", c);
-      out += buf;
-    }
-  }
-  if (s.size() > max_len) out += "...";
-  return out;
-}
-
 // ---- header dict scanner -----------------------------------------------------------------
 class DictScanner {
  public:

@@ -1,6 +1,8 @@
 """ctxpar's own TCP store server (rank 0 hosts it when torchrun's agent does not) against
 torch's TCPStore client: torch must validate, ping, wait for and read the address rank 0
-published, and its set must reach rank 0, which then refuses the bogus address naming it.
+published, its compare_set must find the job's size rank 0 claimed (torch's semantics: the
+value stays, the answer is the value), and its set must reach rank 0, which then refuses the
+bogus address naming it.
 
     python tcp_store_torch_test.py <ctxpar>     (the python of a venv with torch)
 """
@@ -26,6 +28,9 @@ store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seco
                       wait_for_workers=False)
 address = store.get("ctxpar/gloo///0/0")  # run id, restart count: unset; first communicator
 assert address.startswith(b"CTXPARG1"), address[:16]
+world = store.compare_set("ctxpar/gloo///0/world", "", "3 (torch's client)")
+assert world.startswith(b"2 (set by rank 0, pid "), world
+assert store.compare_set("ctxpar/gloo///0/world", "", "3 (again)") == world
 store.set("ctxpar/gloo///0/1", b"not an address")
 out, err = rank0.communicate(timeout=60)
 assert rank0.returncode != 0, (rank0.returncode, out, err)
