@@ -37,6 +37,9 @@ uint64_t mix(uint64_t x) {  // splitmix64's finaliser
   return x ^ (x >> 31);
 }
 
+// How long a lost connection waits for the peer's abort message (GlooWorld::await_failure).
+constexpr milliseconds kAbortGrace{500};
+
 struct Where {
   int me = 0;    // world ranks
   int peer = 0;
@@ -55,10 +58,7 @@ struct Where {
 // rank tells the others that at.peer failed, and throws naming it.
 [[noreturn]] void throw_lost(GlooWorld& w, const Where& at, const char* doing,
                              const std::string& gloo_message) {
-  {
-    std::lock_guard lock(w.mu);
-    w.check_failed_locked(at.me);
-  }
+  w.await_failure(at.me, kAbortGrace);
   const std::string why = detail::concat("its connection to rank ", at.me, " closed (",
                                          gloo_message, ")");
   w.fail(at.peer, why);
@@ -410,6 +410,12 @@ void GlooWorld::check_failed_locked(int me) const {
     throw Error(detail::concat("rank ", me, ": stopped because rank ", failed_rank, " failed: ",
                                failure));
   if (failed_rank == me) throw Error(detail::concat("rank ", me, ": failed earlier: ", failure));
+}
+
+void GlooWorld::await_failure(int me, milliseconds grace) {
+  std::unique_lock lock(mu);
+  cv.wait_for(lock, grace, [&] { return failed_rank >= 0; });
+  check_failed_locked(me);
 }
 
 void GlooWorld::fail(int who, const std::string& message) {

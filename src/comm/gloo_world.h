@@ -77,6 +77,12 @@ struct GlooWorld {
   // Throws "rank R: stopped because rank Q failed: ..." if a failure was recorded.
   // Caller holds mu.
   void check_failed_locked(int me) const;
+  // A connection that closed: a rank that fails sends its reason to every rank and then exits,
+  // so its abort message comes before its connection closes, but the listener thread that
+  // reads it may not have run yet. Waits up to `grace` for a recorded failure and throws it as
+  // check_failed_locked does, so that the reason wins over "lost the connection" (a rank
+  // killed outright sends nothing: the wait then costs `grace` once, on the way to the error).
+  void await_failure(int me, std::chrono::milliseconds grace);
 };
 
 struct SelfMessage {
