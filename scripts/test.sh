@@ -29,8 +29,10 @@ run_torch113() {
 stage setup bash scripts/setup.sh
 stage build env CTXPAR_SETUP_DONE=1 bash scripts/build.sh
 # The Python package ctxpar (docs/python.md): its library units are the Release build's, from
-# ccache (CMakeLists.txt gives both builds the same keys).
-stage python-package .venv/bin/pip install -q --no-build-isolation .
+# ccache (CMakeLists.txt gives both builds the same keys; the compiler must be the same path too:
+# scikit-build-core would take Python's own, g++, where the Release build has c++).
+cxx=$(sed -n 's/^CMAKE_CXX_COMPILER:FILEPATH=//p' build/CMakeCache.txt)
+stage python-package env CXX="$cxx" .venv/bin/pip install -q --no-build-isolation .
 rc=0
 stage ctest run_ctest "$@" || rc=$?
 stage pytest run_pytest || rc=$?
