@@ -142,6 +142,12 @@ class _RouteAttention(torch.overrides.TorchFunctionMode):
                 f"{name}: inside ctxpar's context_parallel this op would attend to this rank's "
                 "shard only; call torch.nn.functional.scaled_dot_product_attention (routed to "
                 "ctxpar) or ctxpar.torch.cp_attention")
+        if name.split("::")[-1] == "flex_attention":
+            raise RuntimeError(
+                "flex_attention inside ctxpar's context_parallel would attend to this rank's "
+                "shard only (ctxpar does not run score_mod / block_mask functions); call "
+                "torch.nn.functional.scaled_dot_product_attention (routed to ctxpar), or "
+                "ctxpar.torch.cp_attention with mask= (causal, windows, documents)")
         if func is _MHA:
             _check_multi_head_attention(args, kwargs)
         if inspect.isfunction(func) and func.__module__ != "torch._tensor":

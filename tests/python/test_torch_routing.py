@@ -234,6 +234,24 @@ def test_torch_ops_aten_sdpa_is_routed_and_fused_kernels_are_refused():
         check_close("out", out, ref, naive)
 
 
+def test_flex_attention_in_the_block_is_refused_not_run_on_the_shard():
+    # torch.nn.attention.flex_attention reached the mode as a function of its own and ran
+    # torch's kernel on this rank's shard: attention within the shard only, no error.
+    from torch.nn.attention.flex_attention import flex_attention
+    torch.manual_seed(7)
+    bhtd = [torch.randn(1, HEADS, T, 16) for _ in range(3)]
+
+    def rank(comm):
+        bufs = [x.clone() for x in bhtd]
+        with context_parallel(comm, buffers=bufs, buffer_seq_dims=[2, 2, 2]):
+            with pytest.raises(RuntimeError, match="flex_attention inside ctxpar's "
+                                                   "context_parallel would attend to this rank"):
+                flex_attention(*bufs)
+        return True
+
+    assert all(run_ranks(2, rank))
+
+
 MHA_REFUSALS = [
     ("need_weights=True", {}, lambda m, x: m(x, x, x)),  # nn.MultiheadAttention's default
     ("key_padding_mask", {},
