@@ -34,19 +34,6 @@ PrefillMode parse_prefill_mode(const std::string& name) {
   throw Error("unknown prefill mode '" + name + "'; valid: auto, pass-kv, pass-q");
 }
 
-void check_rows(const char* what, const TensorView& t, int64_t b, int64_t tokens, int64_t heads,
-                int64_t d, bool bf16) {
-  CTXPAR_CHECK(!t.empty() || b * tokens == 0, what, ": tensor is empty, expected ",
-               shape_str({b, tokens, heads, d}));
-  CTXPAR_CHECK(t.ndim() == 4 && t.shape() == Shape({b, tokens, heads, d}), what,
-               ": expected shape [B, T, H, D] = ", shape_str({b, tokens, heads, d}), ", got ",
-               shape_str(t.shape()));
-  CTXPAR_CHECK(t.dtype() == DType::f32 || (bf16 && t.dtype() == DType::bf16), what,
-               ": expected dtype ", bf16 ? "fp32 or bf16" : "fp32", ", got ",
-               dtype_name(t.dtype()));
-  CTXPAR_CHECK(d <= 1 || t.stride(3) == 1, what, ": the head dimension must be contiguous");
-}
-
 void check_rows_finite(const char* what, const TensorView& t, const Device& dev,
                        const std::function<std::pair<int64_t, int64_t>(int64_t, int64_t)>& where,
                        bool kv) {
@@ -58,6 +45,14 @@ void check_rows_finite(const char* what, const TensorView& t, const Device& dev,
                              ", token ", index, kv ? ", kv head " : ", head ", f.h, ", dim ", f.d,
                              kv ? "; the KV cache stores no NaN / Inf (" : " (",
                              kernel::kNonFiniteHint, ")"));
+}
+
+void record_stats(InferenceStats& stats, const strategy::CallMeasure& m) {
+  stats.bytes_sent = m.bytes_sent;
+  stats.bytes_received = m.bytes_received;
+  stats.attention_seconds = m.device.busy_seconds;
+  stats.wall_seconds = m.wall_seconds;
+  stats.cpu_seconds = m.cpu_seconds;
 }
 
 void check_cache_mask(const Mask& m, const char* what) {
@@ -199,8 +194,8 @@ void KvCache::append(int64_t seq, const TensorView& k, const TensorView& v,
                      std::span<const int32_t> documents) {
   const KvCacheOptions& o = options_;
   const int64_t count = k.ndim() == 4 ? k.dim(1) : 0;
-  check_rows("k", k, 1, count, o.kv_heads, o.head_dim);
-  check_rows("v", v, 1, count, o.kv_heads, o.head_dim);
+  kernel::check_activation("k", k, true, {1, count, o.kv_heads, o.head_dim});
+  kernel::check_activation("v", v, true, {1, count, o.kv_heads, o.head_dim});
   CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == count, "documents: the mask ",
                "uses documents, so give one id per new token (", count, "), got ",
                documents.size());
@@ -222,8 +217,8 @@ void KvCache::append_local(int64_t seq, int64_t count, const TensorView& k, cons
   CTXPAR_CHECK(count >= 0, "append_local: count must be >= 0, got ", count);
   const std::vector<int64_t> mine = placement(tokens(seq), count, comm_.rank());
   const int64_t m = int64_t(mine.size());
-  check_rows("k", k, 1, m, o.kv_heads, o.head_dim);
-  check_rows("v", v, 1, m, o.kv_heads, o.head_dim);
+  kernel::check_activation("k", k, true, {1, m, o.kv_heads, o.head_dim});
+  kernel::check_activation("v", v, true, {1, m, o.kv_heads, o.head_dim});
   CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == m, "documents: the mask uses ",
                "documents: give one id per row of this rank (", m, "), got ", documents.size());
   auto where = [&](int64_t, int64_t t) { return std::pair<int64_t, int64_t>{seq, mine[t]}; };
