@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <utility>
 
 #include "ctxpar/strategy_memory.h"
 #include "strategy/internal.h"
@@ -186,6 +187,46 @@ Exchange start_exchange(Device& dev, Communicator& comm, DeviceBuffer send,
 }
 void arrive(Device& dev, const Exchange& x) { dev.wait(kComputeStream, x.done); }
 
+// The layout of the gradients a group sends back: [dq | dk | dv] fp32, each rank's tokens.
+struct GradSections {
+  const Sections& sections;
+  size_t dq, dk, dv;
+};
+
+// Backward's end: every group's returned gradients into dq, dk, dv. Replicated KV heads get a
+// dK/dV part from every rank that read them: summed in rank order (then slot order, as without
+// groups), in fp32, so the result is the same run after run.
+void collect_gradients(Device& dev, int p, const Dims& dims, const HeadSplit& split,
+                       const Groups& groups, const GradSections& back,
+                       const std::vector<Exchange>& returned, const BackwardArgs& a) {
+  const int64_t b = dims.batch, tl = dims.tokens, d = dims.d;
+  const int64_t hq = split.hq_local, gq = groups.hq, gk = groups.hk;
+  const Sections& at = back.sections;
+  const size_t kv32_bytes = size_t(b * tl * dims.hkv * d) * 4;
+  DeviceBuffer dkv32 = dev.alloc(2 * kv32_bytes);
+  const TensorView dk32 = dkv32.view(DType::f32, {b, tl, dims.hkv, d});
+  const TensorView dv32 = dkv32.view(DType::f32, {b, tl, dims.hkv, d}, kv32_bytes);
+  dev.fill_zero(kComputeStream, flat_f32(dkv32));
+  for (const Exchange& x : returned) arrive(dev, x);
+  for (int j = 0; j < p; ++j) {
+    const std::vector<int64_t>& heads = split.kv_heads[j];
+    for (int g = 0; g < groups.count; ++g) {
+      const int64_t h0 = j * hq + g * gq;
+      dev.copy(kComputeStream, at.view(returned[g].recv, j, back.dq), a.dq.slice(2, h0, h0 + gq));
+    }
+    for (int64_t h = 0; h < split.hkv_local; ++h) {
+      const DeviceBuffer& from = returned[h / gk].recv;
+      const int64_t s = h % gk, kh = heads[h];
+      dev.add(kComputeStream, at.view(from, j, back.dk).slice(2, s, s + 1),
+              dk32.slice(2, kh, kh + 1));
+      dev.add(kComputeStream, at.view(from, j, back.dv).slice(2, s, s + 1),
+              dv32.slice(2, kh, kh + 1));
+    }
+  }
+  dev.copy(kComputeStream, dk32, a.dk);
+  dev.copy(kComputeStream, dv32, a.dv);
+}
+
 }  // namespace
 
 // The pipeline (both directions): the in-all-to-all of group g+1 is enqueued before group g
@@ -265,7 +306,6 @@ void ulysses_backward(Communicator& comm, Call& call, const BackwardArgs& a,
                       const UlyssesBackwardInner& inner, int max_groups) {
   // q, out, dout, dq [B, Tl, Hq, D]; k, v, dk, dv [B, Tl, Hkv, D]; lse [B, Hq, Tl]
   const TensorView &q = a.q, &k = a.k, &v = a.v, &out = a.out, &lse = a.lse, &dout = a.dout;
-  const TensorView &dq = a.dq, &dk = a.dk, &dv = a.dv;
   const Dims& dims = call.dims;
   Device& dev = *call.dev;
   const int p = comm.size();
@@ -323,15 +363,11 @@ void ulysses_backward(Communicator& comm, Call& call, const BackwardArgs& a,
     DeviceBuffer full = dev.alloc(whole.bytes);
     auto f = [&](size_t i) { return whole.view(full, 0, i); };
     for (size_t i : {fdq, fdk, fdv}) dev.fill_zero(kComputeStream, f(i));
-    for (int i = 0; i < p; ++i) {
-      const TensorView idx = group.index(i);
-      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sq), f(fq), idx);
-      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sk), f(fk), idx);
-      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sv), f(fv), idx);
-      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sdo), f(fdo), idx);
-      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sl), f(fl), idx);
-      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sdl), f(fdl), idx);
-    }
+    const std::pair<size_t, size_t> inputs[] = {{sq, fq},  {sk, fk}, {sv, fv},
+                                                {sdo, fdo}, {sl, fl}, {sdl, fdl}};
+    for (int i = 0; i < p; ++i)  // each rank's tokens of each input, to their sorted places
+      for (const auto& [from, to] : inputs)
+        dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, from), f(to), group.index(i));
     incoming = Exchange();
     inner({f(fq), f(fk), f(fv), group.tokens(), f(fdo), f(fl), f(fdl), f(fdq), f(fdk), f(fdv)});
 
@@ -345,29 +381,7 @@ void ulysses_backward(Communicator& comm, Call& call, const BackwardArgs& a,
     returned[g].send.reset();
     incoming = std::move(next);
   }
-  // Replicated KV heads get a dK/dV part from every rank that read them: summed in rank order
-  // (then slot order, as without groups), in fp32, so the result is the same run after run.
-  const size_t kv32_bytes = size_t(b * tl * dims.hkv * d) * 4;
-  DeviceBuffer dkv32 = dev.alloc(2 * kv32_bytes);
-  const TensorView dk32 = dkv32.view(DType::f32, {b, tl, dims.hkv, d});
-  const TensorView dv32 = dkv32.view(DType::f32, {b, tl, dims.hkv, d}, kv32_bytes);
-  dev.fill_zero(kComputeStream, flat_f32(dkv32));
-  for (const Exchange& x : returned) arrive(dev, x);
-  for (int j = 0; j < p; ++j) {
-    const std::vector<int64_t>& heads = split.kv_heads[j];
-    for (int g = 0; g < groups.count; ++g) {
-      const int64_t h0 = j * hq + g * gq;
-      dev.copy(kComputeStream, back.view(returned[g].recv, j, gdq), dq.slice(2, h0, h0 + gq));
-    }
-    for (int64_t h = 0; h < split.hkv_local; ++h) {
-      const DeviceBuffer& from = returned[h / gk].recv;
-      const int64_t s = h % gk, kh = heads[h];
-      dev.add(kComputeStream, back.view(from, j, gdk).slice(2, s, s + 1), dk32.slice(2, kh, kh + 1));
-      dev.add(kComputeStream, back.view(from, j, gdv).slice(2, s, s + 1), dv32.slice(2, kh, kh + 1));
-    }
-  }
-  dev.copy(kComputeStream, dk32, dk);
-  dev.copy(kComputeStream, dv32, dv);
+  collect_gradients(dev, p, dims, split, groups, {back, gdq, gdk, gdv}, returned, a);
 }
 
 namespace {
