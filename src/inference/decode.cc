@@ -37,7 +37,7 @@ void check_decode_args(KvCache& cache, const TensorView& q, const TensorView& k_
   kernel::check_activation("k_new", k_new, true, {b, tn, o.kv_heads, d});
   kernel::check_activation("v_new", v_new, true, {b, tn, o.kv_heads, d});
   kernel::check_activation("out", out, true, {b, tn, hq, d});
-  check_lse("lse", lse, b, hq, tn);
+  kernel::check_activation("lse", lse, false, {b, hq, tn}, "[B, H, T]");
   CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == b * tn, "documents: the mask ",
                "uses documents: give B * Tn = ", b * tn, " ids (row-major), got ",
                documents.size());

@@ -90,10 +90,8 @@ int64_t capacity_for(int64_t n, int64_t block);
 // and decode's merge time are the caller's to add.
 void record_stats(InferenceStats& stats, const strategy::CallMeasure& m);
 
-// The checks every call shares: a [B, T, H, D] activation is kernel::check_activation's (the
-// one rule, kernel/finite.h); lse [B, H, T] fp32, with `what` naming the argument. Throws
-// ctxpar::Error.
-void check_lse(const char* what, const TensorView& t, int64_t b, int64_t heads, int64_t tokens);
+// The argument checks every call shares are kernel::check_activation's (kernel/finite.h, the
+// one rule): q, k, v, out [B, T, H, D], and lse [B, H, T] fp32 with its shape given.
 // Note [The cache checks K/V at the door]: every key and value is checked finite once, before
 // it is stored (append, append_local, decode's new tokens: on every rank alike where every rank
 // has the same rows, so all refuse together; prefill's rows, which are each rank's own, inside

@@ -66,13 +66,6 @@ void check_cache_mask(const Mask& m, const char* what) {
                "causal or causal+window:L,0 (+documents where needed)");
 }
 
-void check_lse(const char* what, const TensorView& t, int64_t b, int64_t heads, int64_t tokens) {
-  CTXPAR_CHECK(t.ndim() == 3 && t.shape() == Shape({b, heads, tokens}) &&
-                   t.dtype() == DType::f32,
-               what, ": expected fp32 [B, H, T] = ", shape_str({b, heads, tokens}), ", got ",
-               dtype_name(t.dtype()), " ", shape_str(t.shape()));
-}
-
 KvCache::KvCache(Communicator& comm, const KvCacheOptions& options)
     : comm_(comm), options_(options) {
   const KvCacheOptions& o = options;

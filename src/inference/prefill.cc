@@ -200,7 +200,7 @@ PrefillMode prefill(KvCache& cache, int64_t seq, int64_t new_tokens, const Tenso
     kernel::check_activation("k", k, true, {1, tl, o.kv_heads, o.head_dim});
     kernel::check_activation("v", v, true, {1, tl, o.kv_heads, o.head_dim});
     kernel::check_activation("out", out, true, {1, tl, q.dim(2), o.head_dim});
-    check_lse("lse", lse, 1, q.dim(2), tl);
+    kernel::check_activation("lse", lse, false, {1, q.dim(2), tl}, "[B, H, T]");
     CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == tl, "documents: the mask ",
                  "uses documents: give one id per row of this rank (", tl, "), got ",
                  documents.size());

@@ -122,8 +122,8 @@ std::string check_backward(const BackwardArgs& a, const Mask& mask, Dims& dims) 
   if (!e.empty()) return e;
   const TensorView &q = a.q, &out = a.out, &dout = a.dout, &dq = a.dq, &dk = a.dk, &dv = a.dv;
   const Shape kv{dims.batch, dims.tokens, dims.hkv, dims.d};
-  if (!(e = kernel::activation_verdict("dout", dout, true, q.shape(), "q's [B, Tl, Hq, D]")).empty())
-    return e;
+  e = kernel::activation_verdict("dout", dout, true, q.shape(), "q's [B, Tl, Hq, D]");
+  if (!e.empty()) return e;
   if (dout.dtype() != out.dtype())
     return detail::concat("dout: expected out's dtype ", dtype_name(out.dtype()), ", got ",
                           dtype_name(dout.dtype()));

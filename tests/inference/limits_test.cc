@@ -537,3 +537,30 @@ TEST(KvCacheRefusal, AStridedHeadDimGetsTheOneRulesTextFromEveryLayer) {
       [&] { attention_forward_block(q, tokens, k, v, tokens, Mask{}, state); });
   EXPECT_NE(e.find(want), std::string::npos) << "kernel: " << e;
 }
+
+// Likewise lse [B, H, T]: the cache's decode had its own check and text.
+TEST(KvCacheRefusal, ABf16LseGetsTheOneRulesTextFromDecodeAndTheStrategies) {
+  const std::string want = "lse: expected dtype fp32, got bf16";
+  run_threads(1, [&](Communicator& comm) {
+    KvCache cache(comm, small_options());
+    cache.append(0, kv_rows(8, 1), kv_rows(8, 2));
+    Tensor out(DType::f32, {1, 1, 4, 16}), lse(DType::bf16, {1, 4, 1});
+    try {
+      decode(cache, normal({1, 1, 4, 16}, 3), normal({1, 1, 2, 16}, 4),
+             normal({1, 1, 2, 16}, 5), out, lse);
+      ADD_FAILURE() << "decode took a bf16 lse";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << "decode: " << e.what();
+    }
+    EXPECT_EQ(cache.tokens(0), 8);  // refused: nothing stored
+    const Tensor q = normal({1, 4, 2, 16}, 6), k = normal({1, 4, 2, 16}, 7);
+    Tensor sout(DType::f32, {1, 4, 2, 16}), slse(DType::bf16, {1, 2, 4});
+    std::vector<int64_t> positions = {0, 1, 2, 3};
+    try {
+      Strategy::create(comm, StrategyOptions{})->forward({q, k, k, {positions, {}}, sout, slse});
+      ADD_FAILURE() << "the strategy took a bf16 lse";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << "strategy: " << e.what();
+    }
+  });
+}
