@@ -106,18 +106,14 @@ PackedQueries pack_queries(Device& dev, const HeadRows& hr, const TensorView& q,
 // calls or caches differ, which would otherwise merge into a wrong answer without a word.
 struct Partials {
   HeadRows hr;
-  size_t o_bytes, part_bytes;
+  PartialLayout layout;
+  size_t part_bytes;
   DeviceBuffer parts;
   Partials(Device& dev, const HeadRows& h, int p)
-      : hr(h), o_bytes(size_t(h.b * h.rows() * h.hkv * h.d) * 4),
-        part_bytes(o_bytes + size_t(h.b * h.hkv * h.rows()) * 4 + 8),
+      : hr(h), layout{h.b, h.rows(), h.hkv, h.d}, part_bytes(layout.bytes() + 8),
         parts(dev.alloc(part_bytes * size_t(p))) {}
-  TensorView o(int r) const {
-    return parts.view(DType::f32, {hr.b, hr.rows(), hr.hkv, hr.d}, r * part_bytes);
-  }
-  TensorView lse(int r) const {
-    return parts.view(DType::f32, {hr.b, hr.hkv, hr.rows()}, r * part_bytes + o_bytes);
-  }
+  TensorView o(int r) const { return layout.o(parts, r * part_bytes); }
+  TensorView lse(int r) const { return layout.lse(parts, r * part_bytes); }
 };
 
 // This rank's partial: each sequence's packed queries over its shard, into parts.o(me) and

@@ -85,6 +85,21 @@ int64_t placement_held_by(int64_t n, int rank, int ranks, int64_t block);
 // Token slots a shard of n tokens takes: whole blocks, doubling (0 for n = 0).
 int64_t capacity_for(int64_t n, int64_t block);
 
+// A partial attention result as it travels, to be merged with the other ranks':
+// [O fp32 [B, rows, H, D] | LSE fp32 [B, H, rows]], from byte `at` of a buffer. Pass-Q's
+// partials (one sequence's query rows) and decode's (every sequence's, with a signature after).
+struct PartialLayout {
+  int64_t batch, rows, heads, d;
+  size_t o_bytes() const { return size_t(batch * rows * heads * d) * 4; }
+  size_t bytes() const { return o_bytes() + size_t(batch * heads * rows) * 4; }
+  TensorView o(const DeviceBuffer& b, size_t at = 0) const {
+    return b.view(DType::f32, {batch, rows, heads, d}, at);
+  }
+  TensorView lse(const DeviceBuffer& b, size_t at = 0) const {
+    return b.view(DType::f32, {batch, heads, rows}, at + o_bytes());
+  }
+};
+
 // One call's InferenceStats from its record (strategy/call_record.h, the one record of a call):
 // bytes counted by the communicator, wall and CPU time, the device's busy time. Prefill's mode
 // and decode's merge time are the caller's to add.

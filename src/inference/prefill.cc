@@ -36,9 +36,8 @@ strategy::KvPacking shard_packing(const PrefillShape& s, int64_t n) {
 strategy::KvPacking query_packing(const PrefillShape& s, int64_t n) {
   return {1, n, s.hq, s.head_dim, s.q_dtype, s.documents, 1};
 }
-size_t partial_bytes(const PrefillShape& s, int64_t n) {
-  return size_t(n * s.hq) * size_t(s.head_dim + 1) * 4;
-}
+// Pass-Q's partial result for n query rows.
+PartialLayout partial_of(const PrefillShape& s, int64_t n) { return {1, n, s.hq, s.head_dim}; }
 
 // ---- pass-KV ------------------------------------------------------------------------------
 
@@ -96,11 +95,6 @@ void pass_q(KvCache& cache, int64_t seq, const PrefillShape& sh, const TensorVie
     return query_packing(
         sh, held(sh, sh.cached + sh.new_tokens, owner) - held(sh, sh.cached, owner));
   };
-  // A partial result: [O fp32 [1, n, Hq, D] | LSE [1, Hq, n]].
-  auto part_o = [&](const DeviceBuffer& b, int64_t n) { return b.view(DType::f32, {1, n, hq, d}); };
-  auto part_lse = [&](const DeviceBuffer& b, int64_t n) {
-    return b.view(DType::f32, {1, hq, n}, size_t(n * hq * d) * 4);
-  };
 
   std::vector<DeviceBuffer> partials(static_cast<size_t>(p));
   std::vector<DeviceBuffer> outgoing(static_cast<size_t>(p));  // partials for other ranks
@@ -111,12 +105,13 @@ void pass_q(KvCache& cache, int64_t seq, const PrefillShape& sh, const TensorVie
     const int64_t n = pack.tokens;
     if (n == 0) return;
     states.emplace_back(dev, 1, n, hq, d);
-    DeviceBuffer part = dev.alloc(partial_bytes(sh, n));
+    const PartialLayout partial = partial_of(sh, n);
+    DeviceBuffer part = dev.alloc(partial.bytes());
     if (cache.local_tokens(seq) > 0)
       dev.forward_block(kComputeStream, pack.k(b), pack.tokens_of(b), cache.k(seq), cache.v(seq),
                         cache.local_token_ids(seq), o.mask, states.back().get(), o.kernel);
-    dev.forward_finalize(kComputeStream, states.back().get(), part_o(part, n), part_lse(part, n),
-                         o.kernel);
+    dev.forward_finalize(kComputeStream, states.back().get(), partial.o(part),
+                         partial.lse(part), o.kernel);
     (holding == me ? partials[me] : outgoing[holding]) = std::move(part);
   };
   strategy::ring_steps(dev, comm, pack_queries(dev, queries(me), q, q_tokens),
@@ -128,7 +123,7 @@ void pass_q(KvCache& cache, int64_t seq, const PrefillShape& sh, const TensorVie
   dev.wait(kCommStream, dev.record(kComputeStream));
   for (int r = 0; r < p; ++r)
     if (r != me && tl > 0)
-      partials[r] = dev.recv(kCommStream, comm, partial_bytes(sh, tl), r, kPartialTag + r);
+      partials[r] = dev.recv(kCommStream, comm, partial_of(sh, tl).bytes(), r, kPartialTag + r);
   for (int r = 0; r < p; ++r)
     if (!outgoing[r].empty()) dev.send(kCommStream, comm, outgoing[r], r, kPartialTag + me);
   if (tl == 0) {
@@ -136,11 +131,12 @@ void pass_q(KvCache& cache, int64_t seq, const PrefillShape& sh, const TensorVie
     return;
   }
   dev.wait(kComputeStream, dev.record(kCommStream));
+  const PartialLayout mine = partial_of(sh, tl);
   for (int r = 1; r < p; ++r)  // producer rank order: the same bits whatever arrives first
-    dev.merge(kComputeStream, part_o(partials[0], tl), part_lse(partials[0], tl),
-              part_o(partials[r], tl), part_lse(partials[r], tl));
-  dev.copy(kComputeStream, part_o(partials[0], tl), out);
-  dev.copy(kComputeStream, part_lse(partials[0], tl), lse);
+    dev.merge(kComputeStream, mine.o(partials[0]), mine.lse(partials[0]), mine.o(partials[r]),
+              mine.lse(partials[r]));
+  dev.copy(kComputeStream, mine.o(partials[0]), out);
+  dev.copy(kComputeStream, mine.lse(partials[0]), lse);
   dev.synchronize();  // the sends read `outgoing` until done
 }
 
@@ -160,7 +156,7 @@ PrefillBytes predict_prefill_bytes(const PrefillShape& s) {
   for (int r = 0; r < s.ranks; ++r) {
     const int64_t n = held(s, s.cached + s.new_tokens, r), rows = n - held(s, s.cached, r);
     b.pass_kv += hops * shard_packing(s, n).bytes();
-    b.pass_q += hops * (query_packing(s, rows).bytes() + (rows > 0 ? partial_bytes(s, rows) : 0));
+    b.pass_q += hops * (query_packing(s, rows).bytes() + (rows > 0 ? partial_of(s, rows).bytes() : 0));
   }
   return b;
 }
