@@ -156,7 +156,8 @@ PrefillBytes predict_prefill_bytes(const PrefillShape& s) {
   for (int r = 0; r < s.ranks; ++r) {
     const int64_t n = held(s, s.cached + s.new_tokens, r), rows = n - held(s, s.cached, r);
     b.pass_kv += hops * shard_packing(s, n).bytes();
-    b.pass_q += hops * (query_packing(s, rows).bytes() + (rows > 0 ? partial_of(s, rows).bytes() : 0));
+    const size_t partial = rows > 0 ? partial_of(s, rows).bytes() : 0;
+    b.pass_q += hops * (query_packing(s, rows).bytes() + partial);
   }
   return b;
 }
