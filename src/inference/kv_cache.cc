@@ -183,43 +183,51 @@ size_t kv_cache_bytes(const KvCacheOptions& o, const std::vector<int64_t>& lengt
   return total * bytes_per_token(o);
 }
 
+namespace {
+// The K/V rows an append stores, before anything is: [1, rows, Hkv, D] (the one activation
+// rule), one document id each when the mask uses documents (`whose` rows, in the message),
+// and finite (Note [The cache checks K/V at the door]; `where` names a row).
+void check_new_kv(const KvCacheOptions& o, const Device& dev, const TensorView& k,
+                  const TensorView& v, int64_t rows, std::span<const int32_t> documents,
+                  const char* whose,
+                  const std::function<std::pair<int64_t, int64_t>(int64_t, int64_t)>& where) {
+  kernel::check_activation("k", k, true, {1, rows, o.kv_heads, o.head_dim});
+  kernel::check_activation("v", v, true, {1, rows, o.kv_heads, o.head_dim});
+  CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == rows, "documents: the mask ",
+               "uses documents: give one id per ", whose, " (", rows, "), got ",
+               documents.size());
+  check_rows_finite("k", k, dev, where);
+  check_rows_finite("v", v, dev, where);
+}
+
+// Every sequence's length once sequence seq has `count` more tokens.
+std::vector<int64_t> lengths_after(const KvCache& cache, int64_t seq, int64_t count) {
+  std::vector<int64_t> lengths;
+  for (int64_t s = 0; s < cache.options().sequences; ++s) lengths.push_back(cache.tokens(s));
+  lengths[seq] += count;
+  return lengths;
+}
+}  // namespace
+
 void KvCache::append(int64_t seq, const TensorView& k, const TensorView& v,
                      std::span<const int32_t> documents) {
-  const KvCacheOptions& o = options_;
-  const int64_t count = k.ndim() == 4 ? k.dim(1) : 0;
-  kernel::check_activation("k", k, true, {1, count, o.kv_heads, o.head_dim});
-  kernel::check_activation("v", v, true, {1, count, o.kv_heads, o.head_dim});
-  CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == count, "documents: the mask ",
-               "uses documents, so give one id per new token (", count, "), got ",
-               documents.size());
-  const int64_t first = tokens(seq);
-  auto where = [&](int64_t, int64_t t) { return std::pair<int64_t, int64_t>{seq, first + t}; };
-  check_rows_finite("k", k, *device_, where);
-  check_rows_finite("v", v, *device_, where);
-  std::vector<int64_t> lengths;
-  for (const auto& s : shards_) lengths.push_back(s->length);
-  lengths[seq] += count;
-  InferenceAccess::reserve(*this, lengths);
+  const int64_t count = k.ndim() == 4 ? k.dim(1) : 0, first = tokens(seq);
+  check_new_kv(options_, *device_, k, v, count, documents, "new token", [&](int64_t, int64_t t) {
+    return std::pair<int64_t, int64_t>{seq, first + t};
+  });
+  InferenceAccess::reserve(*this, lengths_after(*this, seq, count));
   InferenceAccess::append_rows(*this, seq, k, v, documents);
   device_->synchronize();
 }
 
 void KvCache::append_local(int64_t seq, int64_t count, const TensorView& k, const TensorView& v,
                            std::span<const int32_t> documents) {
-  const KvCacheOptions& o = options_;
   CTXPAR_CHECK(count >= 0, "append_local: count must be >= 0, got ", count);
   const std::vector<int64_t> mine = placement(tokens(seq), count, comm_.rank());
   const int64_t m = int64_t(mine.size());
-  kernel::check_activation("k", k, true, {1, m, o.kv_heads, o.head_dim});
-  kernel::check_activation("v", v, true, {1, m, o.kv_heads, o.head_dim});
-  CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == m, "documents: the mask uses ",
-               "documents: give one id per row of this rank (", m, "), got ", documents.size());
-  auto where = [&](int64_t, int64_t t) { return std::pair<int64_t, int64_t>{seq, mine[t]}; };
-  check_rows_finite("k", k, *device_, where);
-  check_rows_finite("v", v, *device_, where);
-  std::vector<int64_t> lengths;
-  for (const auto& s : shards_) lengths.push_back(s->length);
-  lengths[seq] += count;
+  check_new_kv(options_, *device_, k, v, m, documents, "row of this rank",
+               [&](int64_t, int64_t t) { return std::pair<int64_t, int64_t>{seq, mine[t]}; });
+  const std::vector<int64_t> lengths = lengths_after(*this, seq, count);
   InferenceAccess::reserve(*this, lengths);
   if (m > 0) InferenceAccess::store(*this, seq, mine, k, v, documents);
   InferenceAccess::set_length(*this, seq, lengths[seq]);
