@@ -120,5 +120,14 @@ void record_stats(InferenceStats& stats, const strategy::CallMeasure& m);
 void check_rows_finite(const char* what, const TensorView& t, const Device& dev,
                        const std::function<std::pair<int64_t, int64_t>(int64_t, int64_t)>& where,
                        bool kv = true);
+// The K/V rows a call stores (append, append_local, prefill), before anything is: k, v
+// [1, rows, Hkv, D] by the one activation rule, one document id each when the mask uses
+// documents (`whose` rows, in the message), and finite (`where` names a row). Throws.
+void check_new_kv(const KvCacheOptions& o, const Device& dev, const TensorView& k,
+                  const TensorView& v, int64_t rows, std::span<const int32_t> documents,
+                  const char* whose,
+                  const std::function<std::pair<int64_t, int64_t>(int64_t, int64_t)>& where);
+// Every sequence's length once sequence seq has `count` more tokens.
+std::vector<int64_t> lengths_after(const KvCache& cache, int64_t seq, int64_t count);
 
 }  // namespace ctxpar

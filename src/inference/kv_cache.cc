@@ -183,10 +183,6 @@ size_t kv_cache_bytes(const KvCacheOptions& o, const std::vector<int64_t>& lengt
   return total * bytes_per_token(o);
 }
 
-namespace {
-// The K/V rows an append stores, before anything is: [1, rows, Hkv, D] (the one activation
-// rule), one document id each when the mask uses documents (`whose` rows, in the message),
-// and finite (Note [The cache checks K/V at the door]; `where` names a row).
 void check_new_kv(const KvCacheOptions& o, const Device& dev, const TensorView& k,
                   const TensorView& v, int64_t rows, std::span<const int32_t> documents,
                   const char* whose,
@@ -200,14 +196,12 @@ void check_new_kv(const KvCacheOptions& o, const Device& dev, const TensorView& 
   check_rows_finite("v", v, dev, where);
 }
 
-// Every sequence's length once sequence seq has `count` more tokens.
 std::vector<int64_t> lengths_after(const KvCache& cache, int64_t seq, int64_t count) {
   std::vector<int64_t> lengths;
   for (int64_t s = 0; s < cache.options().sequences; ++s) lengths.push_back(cache.tokens(s));
   lengths[seq] += count;
   return lengths;
 }
-}  // namespace
 
 void KvCache::append(int64_t seq, const TensorView& k, const TensorView& v,
                      std::span<const int32_t> documents) {

@@ -194,21 +194,12 @@ PrefillMode prefill(KvCache& cache, int64_t seq, int64_t new_tokens, const Tenso
     kernel::check_activation("q", q, true, {1, tl, q.dim(2), o.head_dim});
     CTXPAR_CHECK(q.dim(2) % o.kv_heads == 0, "q: query heads (", q.dim(2), ") must be a ",
                  "multiple of KvCacheOptions::kv_heads = ", o.kv_heads);
-    kernel::check_activation("k", k, true, {1, tl, o.kv_heads, o.head_dim});
-    kernel::check_activation("v", v, true, {1, tl, o.kv_heads, o.head_dim});
     kernel::check_activation("out", out, true, {1, tl, q.dim(2), o.head_dim});
     kernel::check_activation("lse", lse, false, {1, q.dim(2), tl}, "[B, H, T]");
-    CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == tl, "documents: the mask ",
-                 "uses documents: give one id per row of this rank (", tl, "), got ",
-                 documents.size());
     auto where = [&](int64_t, int64_t t) { return std::pair<int64_t, int64_t>{seq, indices[t]}; };
     check_rows_finite("q", q, cache.device(), where, false);
-    check_rows_finite("k", k, cache.device(), where);
-    check_rows_finite("v", v, cache.device(), where);
-    std::vector<int64_t> lengths;
-    for (int64_t s = 0; s < o.sequences; ++s) lengths.push_back(cache.tokens(s));
-    lengths[seq] += new_tokens;
-    capacities = InferenceAccess::plan_growth(cache, lengths);
+    check_new_kv(o, cache.device(), k, v, tl, documents, "row of this rank", where);
+    capacities = InferenceAccess::plan_growth(cache, lengths_after(cache, seq, new_tokens));
     sh.hq = q.dim(2);
     sh.q_dtype = q.dtype();
   } catch (const Error& e) {
