@@ -31,9 +31,10 @@ enum class AttentionPass { forward, backward };
 double attention_buffer_bytes(const StrategyOptions& options, const AttentionDims& dims,
                               int ranks, AttentionPass pass);
 
-// The rules of src/strategy/ulysses.cc the model needs, on one Ulysses group of `ranks`:
-// the KV slots a rank receives (Hkv / P when P divides Hkv, else the KV heads its Hq / P
-// query heads read, replicated), and the head groups its all-to-alls are pipelined over.
+// Ulysses' head rules, the one home that src/strategy/ulysses.cc and the model both call, on
+// one Ulysses group of `ranks`: the KV slots a rank receives (Hkv / P when P divides Hkv, else
+// the KV heads its Hq / P query heads read, replicated), and the head groups its all-to-alls
+// are pipelined over.
 int64_t ulysses_kv_slots(int64_t heads, int64_t kv_heads, int ranks);
 int ulysses_pipeline_groups(int64_t heads, int64_t kv_heads, int ranks, int64_t batch,
                             int threads, AttentionPass pass, int limit);

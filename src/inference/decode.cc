@@ -20,6 +20,180 @@
 namespace ctxpar {
 namespace {
 constexpr int64_t kDecodeChunk = 1024;  // Note [Decode streams the shard in chunks]
+
+// The call's checks, before anything is stored: shapes first, then every input's values (the
+// same rows on every rank: the same verdict).
+void check_decode_args(KvCache& cache, const TensorView& q, const TensorView& k_new,
+                       const TensorView& v_new, const TensorView& out, const TensorView& lse,
+                       std::span<const int32_t> documents) {
+  const KvCacheOptions& o = cache.options();
+  const int64_t b = o.sequences, d = o.head_dim;
+  CTXPAR_CHECK(q.ndim() == 4, "q: expected [B, Tn, Hq, D], got ", shape_str(q.shape()));
+  const int64_t tn = q.dim(1), hq = q.dim(2);
+  CTXPAR_CHECK(tn >= 1, "q: decode needs at least one new token per sequence (Tn >= 1)");
+  kernel::check_activation("q", q, true, {b, tn, hq, d});
+  CTXPAR_CHECK(hq % o.kv_heads == 0, "q: query heads (", hq, ") must be a multiple of the ",
+               "cache's KV heads (KvCacheOptions::kv_heads = ", o.kv_heads, ")");
+  kernel::check_activation("k_new", k_new, true, {b, tn, o.kv_heads, d});
+  kernel::check_activation("v_new", v_new, true, {b, tn, o.kv_heads, d});
+  kernel::check_activation("out", out, true, {b, tn, hq, d});
+  kernel::check_activation("lse", lse, false, {b, hq, tn}, "[B, H, T]");
+  CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == b * tn, "documents: the mask ",
+               "uses documents: give B * Tn = ", b * tn, " ids (row-major), got ",
+               documents.size());
+  auto where = [&](int64_t s, int64_t t) {
+    return std::pair<int64_t, int64_t>{s, cache.tokens(s) + t};
+  };
+  check_rows_finite("q", q, cache.device(), where, false);
+  check_rows_finite("k_new", k_new, cache.device(), where);
+  check_rows_finite("v_new", v_new, cache.device(), where);
+}
+
+// Note [Decode packs a KV head's query heads as rows]: one new token has Hq query rows
+// against the whole shard, and g = Hq / Hkv of them read the same KV head. Passed as they
+// are, the kernel would stream the shard's K/V once per query head, and decode is bound by
+// that stream. Packed as q_g [1, Tn * g, Hkv, D] (row t * g + j = query head h * g + j of
+// token t, for KV head h; each row has its token's position), each KV head is read once for
+// its g heads. The partials stay in this layout; the merged result is unpacked into out, lse.
+struct HeadRows {
+  int64_t b, tn, hkv, g, d;
+  int64_t rows() const { return tn * g; }
+  // q's (or out's) g heads of KV head h of token t of sequence s, as [1, g, Hkv, D].
+  TensorView heads_of(const TensorView& t4, int64_t s, int64_t t) const {
+    return TensorView(static_cast<std::byte*>(t4.data()) +
+                          t4.offset(s, t) * int64_t(dtype_size(t4.dtype())),
+                      t4.dtype(), {1, g, hkv, d}, {0, t4.stride(2), g * t4.stride(2), 1});
+  }
+};
+
+// q as q_g [B, Tn g, Hkv, D], with each row's position (and document) per sequence.
+struct PackedQueries {
+  DeviceBuffer buffer;
+  TensorView q_g;
+  std::vector<int64_t> positions;
+  std::vector<int32_t> documents;
+  // Sequence s's rows' tokens.
+  Tokens tokens(int64_t s, int64_t rows) const {
+    Tokens t;
+    t.positions = std::span<const int64_t>(positions).subspan(size_t(s * rows), size_t(rows));
+    if (!documents.empty())
+      t.documents = std::span<const int32_t>(documents).subspan(size_t(s * rows), size_t(rows));
+    return t;
+  }
+};
+
+PackedQueries pack_queries(Device& dev, const HeadRows& hr, const TensorView& q,
+                           const std::vector<int64_t>& positions,
+                           std::span<const int32_t> documents, bool with_documents) {
+  PackedQueries pq;
+  const int64_t rows = hr.rows();
+  pq.buffer = dev.alloc(size_t(hr.b * rows * hr.hkv * hr.d) * dtype_size(q.dtype()));
+  pq.q_g = pq.buffer.view(q.dtype(), {hr.b, rows, hr.hkv, hr.d});
+  for (int64_t s = 0; s < hr.b; ++s)
+    for (int64_t t = 0; t < hr.tn; ++t) {
+      dev.copy(kComputeStream, hr.heads_of(q, s, t),
+               pq.q_g.slice(0, s, s + 1).slice(1, t * hr.g, t * hr.g + hr.g));
+      for (int64_t j = 0; j < hr.g; ++j) {
+        pq.positions.push_back(positions[s * hr.tn + t]);
+        if (with_documents) pq.documents.push_back(documents[s * hr.tn + t]);
+      }
+    }
+  return pq;
+}
+
+// The P ranks' partial results, one message each: [O fp32 [B, Tn g, Hkv, D] | LSE [B, Hkv,
+// Tn g] | signature]; the signature (of Tn, Hq and the sequences' lengths) finds ranks whose
+// calls or caches differ, which would otherwise merge into a wrong answer without a word.
+struct Partials {
+  HeadRows hr;
+  PartialLayout layout;
+  size_t part_bytes;
+  DeviceBuffer parts;
+  Partials(Device& dev, const HeadRows& h, int p)
+      : hr(h), layout{h.b, h.rows(), h.hkv, h.d}, part_bytes(layout.bytes() + 8),
+        parts(dev.alloc(part_bytes * size_t(p))) {}
+  TensorView o(int r) const { return layout.o(parts, r * part_bytes); }
+  TensorView lse(int r) const { return layout.lse(parts, r * part_bytes); }
+};
+
+// This rank's partial: each sequence's packed queries over its shard, into parts.o(me) and
+// parts.lse(me).
+void attend_shards(KvCache& cache, const PackedQueries& pq, const Partials& parts, int me) {
+  Device& dev = cache.device();
+  const KvCacheOptions& o = cache.options();
+  const HeadRows& hr = parts.hr;
+  std::vector<DeviceForwardState> states;
+  states.reserve(size_t(hr.b));
+  for (int64_t s = 0; s < hr.b; ++s) {
+    states.emplace_back(dev, 1, hr.rows(), hr.hkv, hr.d);
+    const Tokens qt = pq.tokens(s, hr.rows());
+    // Note [Decode streams the shard in chunks]: the kernel packs the K/V it is given (K^T
+    // and V tiles) before computing, which for a whole shard writes a copy of it and reads it
+    // back from memory. Given kDecodeChunk tokens at a time, the packed chunk stays in the
+    // cache. The chunks' bounds depend on local indices only, so the bits still depend on the
+    // tokens alone (not on how they were prefilled).
+    const int64_t n = cache.local_tokens(s);
+    const Tokens kt = cache.local_token_ids(s);
+    KernelConfig checked = o.kernel;  // Note [The cache checks K/V at the door]
+    checked.kv_checked = true;
+    for (int64_t a = 0; a < n; a += kDecodeChunk) {
+      const int64_t e = std::min(n, a + kDecodeChunk);
+      Tokens ct;
+      ct.positions = kt.positions.subspan(size_t(a), size_t(e - a));
+      if (o.mask.documents) ct.documents = kt.documents.subspan(size_t(a), size_t(e - a));
+      dev.forward_block(kComputeStream, pq.q_g.slice(0, s, s + 1), qt, cache.k(s).slice(1, a, e),
+                        cache.v(s).slice(1, a, e), ct, o.mask, states.back().get(), checked);
+    }
+    dev.forward_finalize(kComputeStream, states.back().get(), parts.o(me).slice(0, s, s + 1),
+                         parts.lse(me).slice(0, s, s + 1), o.kernel);
+  }
+  dev.synchronize();
+}
+
+// All-gathers the partials (this rank's, signed), refuses ranks whose signature differs, and
+// merges them in rank order into parts.o(0), parts.lse(0): the same bits on every rank. On the
+// host, after the device is synchronised (the communicator's rule, device.h).
+void merge_partials(Communicator& comm, Partials& parts, int64_t tn, int64_t hq,
+                    const std::vector<int64_t>& lengths) {
+  const int p = comm.size(), me = comm.rank();
+  const size_t part_bytes = parts.part_bytes;
+  // The all-gather's receive buffer holds this rank's own part at its place already.
+  Buffer mine(part_bytes);
+  std::memcpy(mine.data(), parts.parts.data() + me * part_bytes, part_bytes - 8);
+  uint64_t signature = kFnv1a64Offset;  // over the call's shape (the project's one hash)
+  auto mix = [&](int64_t x) { signature = fnv1a64(&x, sizeof x, signature); };
+  mix(tn), mix(hq);
+  for (int64_t n : lengths) mix(n);
+  std::memcpy(mine.data() + part_bytes - 8, &signature, 8);
+  comm.allgather(mine.data(), parts.parts.data(), part_bytes);
+  for (int r = 0; r < p; ++r)
+    CTXPAR_CHECK(std::memcmp(parts.parts.data() + r * part_bytes + part_bytes - 8, &signature,
+                             8) == 0,
+                 "decode: rank ", r, " called with other shapes (Tn, Hq) or holds other "
+                 "sequence lengths than rank ", me, "; every rank must make the same calls on "
+                 "the same cache");
+  for (int r = 1; r < p; ++r)  // rank order: the same bits on every rank
+    merge(parts.o(0), parts.lse(0), parts.o(r), parts.lse(r));  // host memory
+}
+
+// The merged result (Note [Decode packs a KV head's query heads as rows]) into out, lse.
+void unpack(Device& dev, const Partials& parts, const TensorView& out, const TensorView& lse) {
+  const HeadRows& hr = parts.hr;
+  const int64_t g = hr.g, hkv = hr.hkv;
+  for (int64_t s = 0; s < hr.b; ++s)
+    for (int64_t t = 0; t < hr.tn; ++t) {
+      dev.copy(kComputeStream, parts.o(0).slice(0, s, s + 1).slice(1, t * g, t * g + g),
+               hr.heads_of(out, s, t));
+      // lse_g[s, h, t g + j] -> lse[s, h g + j, t]
+      const TensorView from = parts.lse(0);
+      dev.copy(kComputeStream,
+               TensorView(from.ptr<float>() + from.offset(s, 0, t * g), DType::f32, {1, hkv, g},
+                          {0, from.stride(1), 1}),
+               TensorView(lse.ptr<float>() + lse.offset(s, 0, t), DType::f32, {1, hkv, g},
+                          {0, g * lse.stride(1), lse.stride(1)}));
+    }
+}
+
 }  // namespace
 
 void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const TensorView& v_new,
@@ -28,32 +202,11 @@ void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const 
   // First, before any check that reads the options: a rank whose options differ would fail
   // those alone and leave the others waiting in the agreement.
   InferenceAccess::agree_kernels(cache, "decode");
+  check_decode_args(cache, q, k_new, v_new, out, lse, documents);
   const KvCacheOptions& o = cache.options();
-  const int64_t b = o.sequences, d = o.head_dim;
-  CTXPAR_CHECK(q.ndim() == 4, "q: expected [B, Tn, Hq, D], got ", shape_str(q.shape()));
-  const int64_t tn = q.dim(1), hq = q.dim(2);
-  CTXPAR_CHECK(tn >= 1, "q: decode needs at least one new token per sequence (Tn >= 1)");
-  check_rows("q", q, b, tn, hq, d);
-  CTXPAR_CHECK(hq % o.kv_heads == 0, "q: query heads (", hq, ") must be a multiple of the ",
-               "cache's KV heads (KvCacheOptions::kv_heads = ", o.kv_heads, ")");
-  check_rows("k_new", k_new, b, tn, o.kv_heads, d);
-  check_rows("v_new", v_new, b, tn, o.kv_heads, d);
-  check_rows("out", out, b, tn, hq, d);
-  check_lse("lse", lse, b, hq, tn);
-  CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == b * tn, "documents: the mask ",
-               "uses documents: give B * Tn = ", b * tn, " ids (row-major), got ",
-               documents.size());
-
-  {
-    // Every input before anything is stored: the same rows on every rank, the same verdict.
-    auto where = [&](int64_t s, int64_t t) {
-      return std::pair<int64_t, int64_t>{s, cache.tokens(s) + t};
-    };
-    check_rows_finite("q", q, cache.device(), where, false);
-    check_rows_finite("k_new", k_new, cache.device(), where);
-    check_rows_finite("v_new", v_new, cache.device(), where);
-  }
-  CallStats call(cache);
+  const int64_t b = o.sequences, tn = q.dim(1), hq = q.dim(2);
+  InferenceStats& stats = InferenceAccess::stats(cache) = InferenceStats{};
+  strategy::CallRecord record(cache.device(), {&cache.comm()});
   Device& dev = cache.device();
   Communicator& comm = cache.comm();
   std::vector<int64_t> lengths(static_cast<size_t>(b)), positions(static_cast<size_t>(b * tn));
@@ -69,107 +222,15 @@ void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const 
                                  docs);
   }
 
-  // Note [Decode packs a KV head's query heads as rows]: one new token has Hq query rows
-  // against the whole shard, and g = Hq / Hkv of them read the same KV head. Passed as they
-  // are, the kernel would stream the shard's K/V once per query head, and decode is bound by
-  // that stream. Packed as q_g [1, Tn * g, Hkv, D] (row t * g + j = query head h * g + j of
-  // token t, for KV head h; each row has its token's position), each KV head is read once for
-  // its g heads. The partials stay in this layout; the merged result is unpacked into out, lse.
-  const int64_t hkv = o.kv_heads, g = hq / hkv, rows = tn * g;
-  DeviceBuffer q_buffer = dev.alloc(size_t(b * rows * hkv * d) * dtype_size(q.dtype()));
-  const TensorView q_g = q_buffer.view(q.dtype(), {b, rows, hkv, d});
-  std::vector<int64_t> row_positions;
-  std::vector<int32_t> row_documents;
-  // q's (or out's) g heads of KV head h of token t of sequence s, as [1, g, Hkv, D].
-  auto heads_of = [&](const TensorView& t4, int64_t s, int64_t t) {
-    return TensorView(static_cast<std::byte*>(t4.data()) +
-                          t4.offset(s, t) * int64_t(dtype_size(t4.dtype())),
-                      t4.dtype(), {1, g, hkv, d}, {0, t4.stride(2), g * t4.stride(2), 1});
-  };
-  for (int64_t s = 0; s < b; ++s)
-    for (int64_t t = 0; t < tn; ++t) {
-      dev.copy(kComputeStream, heads_of(q, s, t), q_g.slice(0, s, s + 1).slice(1, t * g, t * g + g));
-      for (int64_t j = 0; j < g; ++j) {
-        row_positions.push_back(positions[s * tn + t]);
-        if (o.mask.documents) row_documents.push_back(documents[s * tn + t]);
-      }
-    }
-
-  // This rank's partial result, one message: [O fp32 [B, Tn g, Hkv, D] | LSE [B, Hkv, Tn g] |
-  // signature]; the signature (of Tn, Hq and the sequences' lengths) finds ranks whose calls or
-  // caches differ, which would otherwise merge into a wrong answer without a word.
-  const size_t o_bytes = size_t(b * rows * hkv * d) * 4,
-               lse_bytes = size_t(b * hkv * rows) * 4, part_bytes = o_bytes + lse_bytes + 8;
-  const int p = comm.size();
-  DeviceBuffer parts = dev.alloc(part_bytes * size_t(p));
-  auto part_o = [&](int r) { return parts.view(DType::f32, {b, rows, hkv, d}, r * part_bytes); };
-  auto part_lse = [&](int r) {
-    return parts.view(DType::f32, {b, hkv, rows}, r * part_bytes + o_bytes);
-  };
-  const int me = comm.rank();
-  std::vector<DeviceForwardState> states;
-  states.reserve(size_t(b));
-  for (int64_t s = 0; s < b; ++s) {
-    states.emplace_back(dev, 1, rows, hkv, d);
-    Tokens qt;
-    qt.positions = std::span<const int64_t>(row_positions).subspan(size_t(s * rows), size_t(rows));
-    if (o.mask.documents)
-      qt.documents = std::span<const int32_t>(row_documents).subspan(size_t(s * rows), size_t(rows));
-    // Note [Decode streams the shard in chunks]: the kernel packs the K/V it is given (K^T
-    // and V tiles) before computing, which for a whole shard writes a copy of it and reads it
-    // back from memory. Given kDecodeChunk tokens at a time, the packed chunk stays in the
-    // cache. The chunks' bounds depend on local indices only, so the bits still depend on the
-    // tokens alone (not on how they were prefilled).
-    const int64_t n = cache.local_tokens(s);
-    const Tokens kt = cache.local_token_ids(s);
-    KernelConfig checked = o.kernel;  // Note [The cache checks K/V at the door]
-    checked.kv_checked = true;
-    for (int64_t a = 0; a < n; a += kDecodeChunk) {
-      const int64_t e = std::min(n, a + kDecodeChunk);
-      Tokens ct;
-      ct.positions = kt.positions.subspan(size_t(a), size_t(e - a));
-      if (o.mask.documents) ct.documents = kt.documents.subspan(size_t(a), size_t(e - a));
-      dev.forward_block(kComputeStream, q_g.slice(0, s, s + 1), qt, cache.k(s).slice(1, a, e),
-                        cache.v(s).slice(1, a, e), ct, o.mask, states.back().get(), checked);
-    }
-    dev.forward_finalize(kComputeStream, states.back().get(), part_o(me).slice(0, s, s + 1),
-                         part_lse(me).slice(0, s, s + 1), o.kernel);
-  }
-  dev.synchronize();
-  const auto t_merge = std::chrono::steady_clock::now();
-  if (p > 1) {
-    // The host touches the communicator right after synchronize (device.h's rule). The
-    // all-gather's receive buffer holds this rank's own part at its place already.
-    Buffer mine(part_bytes);
-    std::memcpy(mine.data(), parts.data() + me * part_bytes, part_bytes - 8);
-    uint64_t signature = kFnv1a64Offset;  // over the call's shape (the project's one hash)
-    auto mix = [&](int64_t x) { signature = fnv1a64(&x, sizeof x, signature); };
-    mix(tn), mix(hq);
-    for (int64_t n : lengths) mix(n);
-    std::memcpy(mine.data() + part_bytes - 8, &signature, 8);
-    comm.allgather(mine.data(), parts.data(), part_bytes);
-    for (int r = 0; r < p; ++r)
-      CTXPAR_CHECK(std::memcmp(parts.data() + r * part_bytes + part_bytes - 8, &signature, 8) == 0,
-                   "decode: rank ", r, " called with other shapes (Tn, Hq) or holds other "
-                   "sequence lengths than rank ", me, "; every rank must make the same calls on "
-                   "the same cache");
-    for (int r = 1; r < p; ++r)  // rank order: the same bits on every rank
-      merge(part_o(0), part_lse(0), part_o(r), part_lse(r));  // host memory, after synchronize
-  }
-  for (int64_t s = 0; s < b; ++s)
-    for (int64_t t = 0; t < tn; ++t) {  // unpack (the Note above)
-      dev.copy(kComputeStream, part_o(0).slice(0, s, s + 1).slice(1, t * g, t * g + g),
-               heads_of(out, s, t));
-      // lse_g[s, h, t g + j] -> lse[s, h g + j, t]
-      const TensorView from = part_lse(0);
-      dev.copy(kComputeStream,
-               TensorView(from.ptr<float>() + from.offset(s, 0, t * g), DType::f32, {1, hkv, g},
-                          {0, from.stride(1), 1}),
-               TensorView(lse.ptr<float>() + lse.offset(s, 0, t), DType::f32, {1, hkv, g},
-                          {0, g * lse.stride(1), lse.stride(1)}));
-    }
-  call.finish();
-  call.stats().merge_seconds = CallStats::seconds_since(t_merge);
+  const HeadRows hr{b, tn, o.kv_heads, hq / o.kv_heads, o.head_dim};
+  const PackedQueries pq = pack_queries(dev, hr, q, positions, documents, o.mask.documents);
+  Partials parts(dev, hr, comm.size());
+  attend_shards(cache, pq, parts, comm.rank());
+  const double t_merge = strategy::now_seconds();
+  if (comm.size() > 1) merge_partials(comm, parts, tn, hq, lengths);
+  unpack(dev, parts, out, lse);
+  record_stats(stats, record.finish());
+  stats.merge_seconds = strategy::now_seconds() - t_merge;
 }
 
 }  // namespace ctxpar

@@ -1,9 +1,7 @@
 // Private pieces shared by the inference files: the cache's per-sequence shard, and what
 // decode and prefill do to a cache (grow it within its limits, store rows, keep stats).
 #pragma once
-#include <chrono>
 #include <cstdio>
-#include <ctime>
 #include <cstdint>
 #include <functional>
 #include <utility>
@@ -14,6 +12,8 @@
 #include "ctxpar/agreement.h"
 #include "ctxpar/inference.h"
 #include "device/kernel_agreement.h"
+#include "kernel/problem.h"
+#include "strategy/call_record.h"
 
 namespace ctxpar {
 
@@ -85,49 +85,28 @@ int64_t placement_held_by(int64_t n, int rank, int ranks, int64_t block);
 // Token slots a shard of n tokens takes: whole blocks, doubling (0 for n = 0).
 int64_t capacity_for(int64_t n, int64_t block);
 
-// Fills the cache's InferenceStats for one call: bytes counted by the communicator, wall time
-// and the device's busy time between construction and finish() (which synchronises first).
-class CallStats {
- public:
-  explicit CallStats(KvCache& cache)
-      : cache_(cache), stats_(InferenceAccess::stats(cache)),
-        counters_(cache.comm().counters()), device_(cache.device().counters()),
-        t0_(std::chrono::steady_clock::now()), cpu0_(thread_cpu_seconds()) {
-    stats_ = InferenceStats{};
+// A partial attention result as it travels, to be merged with the other ranks':
+// [O fp32 [B, rows, H, D] | LSE fp32 [B, H, rows]], from byte `at` of a buffer. Pass-Q's
+// partials (one sequence's query rows) and decode's (every sequence's, with a signature after).
+struct PartialLayout {
+  int64_t batch, rows, heads, d;
+  size_t o_bytes() const { return size_t(batch * rows * heads * d) * 4; }
+  size_t bytes() const { return o_bytes() + size_t(batch * heads * rows) * 4; }
+  TensorView o(const DeviceBuffer& b, size_t at = 0) const {
+    return b.view(DType::f32, {batch, rows, heads, d}, at);
   }
-  InferenceStats& stats() { return stats_; }
-  void finish() {
-    cache_.device().synchronize();
-    const CommCounters now = cache_.comm().counters();
-    stats_.bytes_sent = now.bytes_sent - counters_.bytes_sent;
-    stats_.bytes_received = now.bytes_received - counters_.bytes_received;
-    stats_.attention_seconds = cache_.device().counters().busy_seconds - device_.busy_seconds;
-    stats_.wall_seconds = seconds_since(t0_);
-    stats_.cpu_seconds = thread_cpu_seconds() - cpu0_;
+  TensorView lse(const DeviceBuffer& b, size_t at = 0) const {
+    return b.view(DType::f32, {batch, heads, rows}, at + o_bytes());
   }
-  static double thread_cpu_seconds() {
-    timespec ts{};
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
-  }
-  static double seconds_since(std::chrono::steady_clock::time_point t0) {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
-
- private:
-  KvCache& cache_;
-  InferenceStats& stats_;
-  CommCounters counters_;
-  DeviceCounters device_;
-  std::chrono::steady_clock::time_point t0_;
-  double cpu0_;
 };
 
-// The checks every call shares: a [B, T, H, D] activation of the cache's head dim and of fp32
-// or bf16 (fp32 only when !bf16), with `what` naming the argument. Throws ctxpar::Error.
-void check_rows(const char* what, const TensorView& t, int64_t b, int64_t tokens, int64_t heads,
-                int64_t d, bool bf16 = true);
-void check_lse(const char* what, const TensorView& t, int64_t b, int64_t heads, int64_t tokens);
+// One call's InferenceStats from its record (strategy/call_record.h, the one record of a call):
+// bytes counted by the communicator, wall and CPU time, the device's busy time. Prefill's mode
+// and decode's merge time are the caller's to add.
+void record_stats(InferenceStats& stats, const strategy::CallMeasure& m);
+
+// The argument checks every call shares are kernel::check_activation's (kernel/finite.h, the
+// one rule): q, k, v, out [B, T, H, D], and lse [B, H, T] fp32 with its shape given.
 // Note [The cache checks K/V at the door]: every key and value is checked finite once, before
 // it is stored (append, append_local, decode's new tokens: on every rank alike where every rank
 // has the same rows, so all refuse together; prefill's rows, which are each rank's own, inside
@@ -141,5 +120,14 @@ void check_lse(const char* what, const TensorView& t, int64_t b, int64_t heads, 
 void check_rows_finite(const char* what, const TensorView& t, const Device& dev,
                        const std::function<std::pair<int64_t, int64_t>(int64_t, int64_t)>& where,
                        bool kv = true);
+// The K/V rows a call stores (append, append_local, prefill), before anything is: k, v
+// [1, rows, Hkv, D] by the one activation rule, one document id each when the mask uses
+// documents (`whose` rows, in the message), and finite (`where` names a row). Throws.
+void check_new_kv(const KvCacheOptions& o, const Device& dev, const TensorView& k,
+                  const TensorView& v, int64_t rows, std::span<const int32_t> documents,
+                  const char* whose,
+                  const std::function<std::pair<int64_t, int64_t>(int64_t, int64_t)>& where);
+// Every sequence's length once sequence seq has `count` more tokens.
+std::vector<int64_t> lengths_after(const KvCache& cache, int64_t seq, int64_t count);
 
 }  // namespace ctxpar

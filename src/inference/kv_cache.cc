@@ -34,19 +34,6 @@ PrefillMode parse_prefill_mode(const std::string& name) {
   throw Error("unknown prefill mode '" + name + "'; valid: auto, pass-kv, pass-q");
 }
 
-void check_rows(const char* what, const TensorView& t, int64_t b, int64_t tokens, int64_t heads,
-                int64_t d, bool bf16) {
-  CTXPAR_CHECK(!t.empty() || b * tokens == 0, what, ": tensor is empty, expected ",
-               shape_str({b, tokens, heads, d}));
-  CTXPAR_CHECK(t.ndim() == 4 && t.shape() == Shape({b, tokens, heads, d}), what,
-               ": expected shape [B, T, H, D] = ", shape_str({b, tokens, heads, d}), ", got ",
-               shape_str(t.shape()));
-  CTXPAR_CHECK(t.dtype() == DType::f32 || (bf16 && t.dtype() == DType::bf16), what,
-               ": expected dtype ", bf16 ? "fp32 or bf16" : "fp32", ", got ",
-               dtype_name(t.dtype()));
-  CTXPAR_CHECK(d <= 1 || t.stride(3) == 1, what, ": the head dimension must be contiguous");
-}
-
 void check_rows_finite(const char* what, const TensorView& t, const Device& dev,
                        const std::function<std::pair<int64_t, int64_t>(int64_t, int64_t)>& where,
                        bool kv) {
@@ -60,6 +47,14 @@ void check_rows_finite(const char* what, const TensorView& t, const Device& dev,
                              kernel::kNonFiniteHint, ")"));
 }
 
+void record_stats(InferenceStats& stats, const strategy::CallMeasure& m) {
+  stats.bytes_sent = m.bytes_sent;
+  stats.bytes_received = m.bytes_received;
+  stats.attention_seconds = m.device.busy_seconds;
+  stats.wall_seconds = m.wall_seconds;
+  stats.cpu_seconds = m.cpu_seconds;
+}
+
 void check_cache_mask(const Mask& m, const char* what) {
   // Key j is visible to query i up to i + R (window), or up to i (causal): see mask.h.
   const bool unbounded_ahead = !m.causal && m.window_right < 0;
@@ -69,13 +64,6 @@ void check_cache_mask(const Mask& m, const char* what) {
                ", which a KV cache cannot give: it holds only the tokens so far, so a token's "
                "attention would depend on how the sequence was cut into prefill calls; use "
                "causal or causal+window:L,0 (+documents where needed)");
-}
-
-void check_lse(const char* what, const TensorView& t, int64_t b, int64_t heads, int64_t tokens) {
-  CTXPAR_CHECK(t.ndim() == 3 && t.shape() == Shape({b, heads, tokens}) &&
-                   t.dtype() == DType::f32,
-               what, ": expected fp32 [B, H, T] = ", shape_str({b, heads, tokens}), ", got ",
-               dtype_name(t.dtype()), " ", shape_str(t.shape()));
 }
 
 KvCache::KvCache(Communicator& comm, const KvCacheOptions& options)
@@ -195,43 +183,45 @@ size_t kv_cache_bytes(const KvCacheOptions& o, const std::vector<int64_t>& lengt
   return total * bytes_per_token(o);
 }
 
+void check_new_kv(const KvCacheOptions& o, const Device& dev, const TensorView& k,
+                  const TensorView& v, int64_t rows, std::span<const int32_t> documents,
+                  const char* whose,
+                  const std::function<std::pair<int64_t, int64_t>(int64_t, int64_t)>& where) {
+  kernel::check_activation("k", k, true, {1, rows, o.kv_heads, o.head_dim});
+  kernel::check_activation("v", v, true, {1, rows, o.kv_heads, o.head_dim});
+  CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == rows, "documents: the mask ",
+               "uses documents: give one id per ", whose, " (", rows, "), got ",
+               documents.size());
+  check_rows_finite("k", k, dev, where);
+  check_rows_finite("v", v, dev, where);
+}
+
+std::vector<int64_t> lengths_after(const KvCache& cache, int64_t seq, int64_t count) {
+  std::vector<int64_t> lengths;
+  for (int64_t s = 0; s < cache.options().sequences; ++s) lengths.push_back(cache.tokens(s));
+  lengths[seq] += count;
+  return lengths;
+}
+
 void KvCache::append(int64_t seq, const TensorView& k, const TensorView& v,
                      std::span<const int32_t> documents) {
-  const KvCacheOptions& o = options_;
-  const int64_t count = k.ndim() == 4 ? k.dim(1) : 0;
-  check_rows("k", k, 1, count, o.kv_heads, o.head_dim);
-  check_rows("v", v, 1, count, o.kv_heads, o.head_dim);
-  CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == count, "documents: the mask ",
-               "uses documents, so give one id per new token (", count, "), got ",
-               documents.size());
-  const int64_t first = tokens(seq);
-  auto where = [&](int64_t, int64_t t) { return std::pair<int64_t, int64_t>{seq, first + t}; };
-  check_rows_finite("k", k, *device_, where);
-  check_rows_finite("v", v, *device_, where);
-  std::vector<int64_t> lengths;
-  for (const auto& s : shards_) lengths.push_back(s->length);
-  lengths[seq] += count;
-  InferenceAccess::reserve(*this, lengths);
+  const int64_t count = k.ndim() == 4 ? k.dim(1) : 0, first = tokens(seq);
+  check_new_kv(options_, *device_, k, v, count, documents, "new token", [&](int64_t, int64_t t) {
+    return std::pair<int64_t, int64_t>{seq, first + t};
+  });
+  InferenceAccess::reserve(*this, lengths_after(*this, seq, count));
   InferenceAccess::append_rows(*this, seq, k, v, documents);
   device_->synchronize();
 }
 
 void KvCache::append_local(int64_t seq, int64_t count, const TensorView& k, const TensorView& v,
                            std::span<const int32_t> documents) {
-  const KvCacheOptions& o = options_;
   CTXPAR_CHECK(count >= 0, "append_local: count must be >= 0, got ", count);
   const std::vector<int64_t> mine = placement(tokens(seq), count, comm_.rank());
   const int64_t m = int64_t(mine.size());
-  check_rows("k", k, 1, m, o.kv_heads, o.head_dim);
-  check_rows("v", v, 1, m, o.kv_heads, o.head_dim);
-  CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == m, "documents: the mask uses ",
-               "documents: give one id per row of this rank (", m, "), got ", documents.size());
-  auto where = [&](int64_t, int64_t t) { return std::pair<int64_t, int64_t>{seq, mine[t]}; };
-  check_rows_finite("k", k, *device_, where);
-  check_rows_finite("v", v, *device_, where);
-  std::vector<int64_t> lengths;
-  for (const auto& s : shards_) lengths.push_back(s->length);
-  lengths[seq] += count;
+  check_new_kv(options_, *device_, k, v, m, documents, "row of this rank",
+               [&](int64_t, int64_t t) { return std::pair<int64_t, int64_t>{seq, mine[t]}; });
+  const std::vector<int64_t> lengths = lengths_after(*this, seq, count);
   InferenceAccess::reserve(*this, lengths);
   if (m > 0) InferenceAccess::store(*this, seq, mine, k, v, documents);
   InferenceAccess::set_length(*this, seq, lengths[seq]);

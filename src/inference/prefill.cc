@@ -17,6 +17,7 @@
 
 #include "ctxpar/error.h"
 #include "inference/internal.h"
+#include "strategy/ring_steps.h"
 
 namespace ctxpar {
 namespace {
@@ -27,58 +28,16 @@ constexpr int kPartialTag = (1 << 20) + 8192;  // + producing rank: a partial (O
 int64_t held(const PrefillShape& s, int64_t n, int rank) {
   return placement_held_by(n, rank, s.ranks, s.block);
 }
-size_t kv_block_bytes(const PrefillShape& s, int64_t n) {
-  return size_t(n) * (2 * size_t(s.hkv * s.head_dim) * dtype_size(s.kv_dtype) + 8 +
-                      (s.documents ? 4 : 0));
+// The travelling blocks (strategy::KvPacking): a shard of n tokens [k | v | positions |
+// documents] (pass-KV), and n query rows [q | positions | documents] (pass-Q).
+strategy::KvPacking shard_packing(const PrefillShape& s, int64_t n) {
+  return {1, n, s.hkv, s.head_dim, s.kv_dtype, s.documents};
 }
-size_t q_block_bytes(const PrefillShape& s, int64_t n) {
-  return size_t(n) * (size_t(s.hq * s.head_dim) * dtype_size(s.q_dtype) + 8 + (s.documents ? 4 : 0));
+strategy::KvPacking query_packing(const PrefillShape& s, int64_t n) {
+  return {1, n, s.hq, s.head_dim, s.q_dtype, s.documents, 1};
 }
-size_t partial_bytes(const PrefillShape& s, int64_t n) {
-  return size_t(n * s.hq) * size_t(s.head_dim + 1) * 4;
-}
-
-// One hop of a ring whose blocks differ in size (the ranks' shares differ by up to a block):
-// after the compute enqueued so far, posts the receive of the block the previous rank holds
-// (`in_bytes`; nothing when 0) and the send of `block` to the next rank (when `send`). Posted
-// before the step's compute, so the transfer overlaps it; wait() makes the compute stream wait
-// for both and hands over the received block.
-class Hop {
- public:
-  Hop(Device& dev, Communicator& comm, DeviceBuffer& block, size_t in_bytes, bool send, int tag)
-      : dev_(dev) {
-    const int p = comm.size(), me = comm.rank();
-    dev.wait(kCommStream, dev.record(kComputeStream));
-    if (in_bytes > 0) incoming_ = dev.recv(kCommStream, comm, in_bytes, (me + p - 1) % p, tag);
-    if (send) dev.send(kCommStream, comm, block, (me + 1) % p, tag);
-    arrived_ = dev.record(kCommStream);
-  }
-  DeviceBuffer wait() {
-    dev_.wait(kComputeStream, arrived_);
-    return std::move(incoming_);
-  }
-
- private:
-  Device& dev_;
-  DeviceBuffer incoming_;
-  Event arrived_;
-};
-
-// The P steps of a ring: at step s this rank holds the block of rank (r - s) mod P (its own,
-// `block`, at s = 0) and compute(s, owner, block) is enqueued while the next hop travels.
-// bytes(owner) is the size of owner's block (0: it has none, and nothing moves for it).
-template <typename Bytes, typename Compute>
-void ring_steps(Device& dev, Communicator& comm, DeviceBuffer block, Bytes bytes, Compute compute) {
-  const int p = comm.size(), me = comm.rank();
-  for (int s = 0; s < p; ++s) {
-    const int holding = (me - s + p) % p, next_owner = (me - s - 1 + 2 * p) % p;
-    std::optional<Hop> hop;
-    if (s + 1 < p)
-      hop.emplace(dev, comm, block, bytes(next_owner), bytes(holding) > 0, kRingTag + s + 1);
-    compute(s, holding, block);
-    if (hop) block = hop->wait();  // the block just used is freed stream-ordered
-  }
-}
+// Pass-Q's partial result for n query rows.
+PartialLayout partial_of(const PrefillShape& s, int64_t n) { return {1, n, s.hq, s.head_dim}; }
 
 // ---- pass-KV ------------------------------------------------------------------------------
 
@@ -87,48 +46,43 @@ void pass_kv(KvCache& cache, int64_t seq, const PrefillShape& sh, const TensorVi
   Device& dev = cache.device();
   Communicator& comm = cache.comm();
   const KvCacheOptions& o = cache.options();
-  const int p = comm.size(), me = comm.rank();
   const int64_t n_total = sh.cached + sh.new_tokens, tl = q.dim(1);
-  auto tokens_of = [&](int owner) { return held(sh, n_total, owner); };
-  // A shard as it travels: [k | v | positions | documents] (Device::pack_kv's layout).
-  auto k_view = [&](const DeviceBuffer& b, int64_t n) {
-    return b.view(o.dtype, {1, n, o.kv_heads, o.head_dim});
-  };
-  auto kv_bytes = [&](int64_t n) { return size_t(n * o.kv_heads * o.head_dim) * dtype_size(o.dtype); };
-  auto tokens_in = [&](const DeviceBuffer& b, int64_t n) {
-    Tokens t;
-    t.positions = {reinterpret_cast<const int64_t*>(b.data() + 2 * kv_bytes(n)), size_t(n)};
-    if (o.mask.documents)
-      t.documents = {reinterpret_cast<const int32_t*>(b.data() + 2 * kv_bytes(n) + n * 8), size_t(n)};
-    return t;
-  };
+  auto shard = [&](int owner) { return shard_packing(sh, held(sh, n_total, owner)); };
   std::optional<DeviceForwardState> state;
   if (tl > 0) state.emplace(dev, 1, tl, q.dim(2), q.dim(3));
+  const strategy::KvBlock mine{cache.k(seq), cache.v(seq), cache.local_token_ids(seq)};
   DeviceBuffer block;
-  const int64_t mine = tokens_of(me);
-  if (p > 1 && mine > 0) {
-    block = dev.alloc(kv_block_bytes(sh, mine));
-    dev.pack_kv(kComputeStream, cache.k(seq), cache.v(seq), cache.local_token_ids(seq),
-                o.mask.documents, k_view(block, mine),
-                block.view(o.dtype, {1, mine, o.kv_heads, o.head_dim}, kv_bytes(mine)),
-                block.data() + 2 * kv_bytes(mine));
-  }
-  auto bytes = [&](int owner) { return kv_block_bytes(sh, tokens_of(owner)); };
-  ring_steps(dev, comm, std::move(block), bytes, [&](int s, int holding, const DeviceBuffer& b) {
-    const int64_t n = tokens_of(holding);
-    if (tl == 0 || n == 0) return;
-    if (s == 0)
-      dev.forward_block(kComputeStream, q, q_tokens, cache.k(seq), cache.v(seq),
-                        cache.local_token_ids(seq), o.mask, state->get(), o.kernel);
-    else
-      dev.forward_block(kComputeStream, q, q_tokens, k_view(b, n),
-                        b.view(o.dtype, {1, n, o.kv_heads, o.head_dim}, kv_bytes(n)),
-                        tokens_in(b, n), o.mask, state->get(), o.kernel);
-  });
+  if (comm.size() > 1 && shard(comm.rank()).tokens > 0)
+    block = shard(comm.rank()).pack(dev, kComputeStream, mine);
+  auto compute = [&](int s, int holding, const DeviceBuffer& b) {
+    const strategy::KvPacking pack = shard(holding);
+    if (tl == 0 || pack.tokens == 0) return;
+    const strategy::KvBlock kv = s == 0 ? mine : pack.block(b);
+    dev.forward_block(kComputeStream, q, q_tokens, kv.k, kv.v, kv.tokens, o.mask, state->get(),
+                      o.kernel);
+  };
+  strategy::ring_steps(dev, comm, std::move(block),
+                       {kRingTag, [&](int owner) { return shard(owner).bytes(); }, compute});
   if (tl > 0) dev.forward_finalize(kComputeStream, state->get(), out, lse, o.kernel);
 }
 
 // ---- pass-Q -------------------------------------------------------------------------------
+
+// This rank's query rows as a travelling block, packed on the host and uploaded (the caller's
+// q may be strided); empty when it has none.
+DeviceBuffer pack_queries(Device& dev, const strategy::KvPacking& pack, const TensorView& q,
+                          const Tokens& q_tokens) {
+  if (pack.tokens == 0) return {};
+  std::vector<std::byte> host(pack.bytes());
+  const Tensor qc = Tensor::copy_of(q);
+  std::memcpy(host.data(), qc.data(), qc.bytes());
+  std::memcpy(host.data() + pack.tokens_offset(), q_tokens.positions.data(),
+              size_t(pack.tokens) * 8);
+  if (pack.documents)
+    std::memcpy(host.data() + pack.tokens_offset() + pack.tokens * 8, q_tokens.documents.data(),
+                size_t(pack.tokens) * 4);
+  return dev.upload(host.data(), host.size());
+}
 
 void pass_q(KvCache& cache, int64_t seq, const PrefillShape& sh, const TensorView& q,
             const Tokens& q_tokens, const TensorView& out, const TensorView& lse) {
@@ -137,52 +91,31 @@ void pass_q(KvCache& cache, int64_t seq, const PrefillShape& sh, const TensorVie
   const KvCacheOptions& o = cache.options();
   const int p = comm.size(), me = comm.rank();
   const int64_t hq = q.dim(2), d = q.dim(3), tl = q.dim(1);
-  auto rows_of = [&](int owner) {
-    return held(sh, sh.cached + sh.new_tokens, owner) - held(sh, sh.cached, owner);
-  };
-  const size_t q_bytes_per_row = size_t(hq * d) * dtype_size(sh.q_dtype);
-  // A query block: [q [1, n, Hq, D] | positions | documents].
-  auto q_view = [&](const DeviceBuffer& b, int64_t n) { return b.view(sh.q_dtype, {1, n, hq, d}); };
-  auto tokens_in = [&](const DeviceBuffer& b, int64_t n) {
-    Tokens t;
-    const std::byte* at = b.data() + size_t(n) * q_bytes_per_row;
-    t.positions = {reinterpret_cast<const int64_t*>(at), size_t(n)};
-    if (o.mask.documents) t.documents = {reinterpret_cast<const int32_t*>(at + n * 8), size_t(n)};
-    return t;
-  };
-  // A partial result: [O fp32 [1, n, Hq, D] | LSE [1, Hq, n]].
-  auto part_o = [&](const DeviceBuffer& b, int64_t n) { return b.view(DType::f32, {1, n, hq, d}); };
-  auto part_lse = [&](const DeviceBuffer& b, int64_t n) {
-    return b.view(DType::f32, {1, hq, n}, size_t(n * hq * d) * 4);
+  auto queries = [&](int owner) {
+    return query_packing(
+        sh, held(sh, sh.cached + sh.new_tokens, owner) - held(sh, sh.cached, owner));
   };
 
   std::vector<DeviceBuffer> partials(static_cast<size_t>(p));
-  DeviceBuffer block;
-  if (tl > 0) {  // packed on the host and uploaded (the caller's q may be strided)
-    std::vector<std::byte> host(q_block_bytes(sh, tl));
-    const Tensor qc = Tensor::copy_of(q);
-    std::memcpy(host.data(), qc.data(), qc.bytes());
-    std::memcpy(host.data() + qc.bytes(), q_tokens.positions.data(), size_t(tl) * 8);
-    if (o.mask.documents)
-      std::memcpy(host.data() + qc.bytes() + tl * 8, q_tokens.documents.data(), size_t(tl) * 4);
-    block = dev.upload(host.data(), host.size());
-  }
   std::vector<DeviceBuffer> outgoing(static_cast<size_t>(p));  // partials for other ranks
   std::vector<DeviceForwardState> states;
   states.reserve(size_t(p));
-  auto bytes = [&](int owner) { return q_block_bytes(sh, rows_of(owner)); };
-  ring_steps(dev, comm, std::move(block), bytes, [&](int, int holding, const DeviceBuffer& b) {
-    const int64_t n = rows_of(holding);
+  auto compute = [&](int, int holding, const DeviceBuffer& b) {
+    const strategy::KvPacking pack = queries(holding);
+    const int64_t n = pack.tokens;
     if (n == 0) return;
     states.emplace_back(dev, 1, n, hq, d);
-    DeviceBuffer part = dev.alloc(partial_bytes(sh, n));
+    const PartialLayout partial = partial_of(sh, n);
+    DeviceBuffer part = dev.alloc(partial.bytes());
     if (cache.local_tokens(seq) > 0)
-      dev.forward_block(kComputeStream, q_view(b, n), tokens_in(b, n), cache.k(seq), cache.v(seq),
+      dev.forward_block(kComputeStream, pack.k(b), pack.tokens_of(b), cache.k(seq), cache.v(seq),
                         cache.local_token_ids(seq), o.mask, states.back().get(), o.kernel);
-    dev.forward_finalize(kComputeStream, states.back().get(), part_o(part, n), part_lse(part, n),
-                         o.kernel);
+    dev.forward_finalize(kComputeStream, states.back().get(), partial.o(part),
+                         partial.lse(part), o.kernel);
     (holding == me ? partials[me] : outgoing[holding]) = std::move(part);
-  });
+  };
+  strategy::ring_steps(dev, comm, pack_queries(dev, queries(me), q, q_tokens),
+                       {kRingTag, [&](int owner) { return queries(owner).bytes(); }, compute});
   // The partials go home once the ring is done. Posted earlier, they would sit in the queue of
   // transfers ahead of the ring's next hop, and the cpu device completes its transfers in
   // order: a home rank's receive, waiting for a rank that waits for the ring, would block the
@@ -190,7 +123,7 @@ void pass_q(KvCache& cache, int64_t seq, const PrefillShape& sh, const TensorVie
   dev.wait(kCommStream, dev.record(kComputeStream));
   for (int r = 0; r < p; ++r)
     if (r != me && tl > 0)
-      partials[r] = dev.recv(kCommStream, comm, partial_bytes(sh, tl), r, kPartialTag + r);
+      partials[r] = dev.recv(kCommStream, comm, partial_of(sh, tl).bytes(), r, kPartialTag + r);
   for (int r = 0; r < p; ++r)
     if (!outgoing[r].empty()) dev.send(kCommStream, comm, outgoing[r], r, kPartialTag + me);
   if (tl == 0) {
@@ -198,11 +131,12 @@ void pass_q(KvCache& cache, int64_t seq, const PrefillShape& sh, const TensorVie
     return;
   }
   dev.wait(kComputeStream, dev.record(kCommStream));
+  const PartialLayout mine = partial_of(sh, tl);
   for (int r = 1; r < p; ++r)  // producer rank order: the same bits whatever arrives first
-    dev.merge(kComputeStream, part_o(partials[0], tl), part_lse(partials[0], tl),
-              part_o(partials[r], tl), part_lse(partials[r], tl));
-  dev.copy(kComputeStream, part_o(partials[0], tl), out);
-  dev.copy(kComputeStream, part_lse(partials[0], tl), lse);
+    dev.merge(kComputeStream, mine.o(partials[0]), mine.lse(partials[0]), mine.o(partials[r]),
+              mine.lse(partials[r]));
+  dev.copy(kComputeStream, mine.o(partials[0]), out);
+  dev.copy(kComputeStream, mine.lse(partials[0]), lse);
   dev.synchronize();  // the sends read `outgoing` until done
 }
 
@@ -221,8 +155,9 @@ PrefillBytes predict_prefill_bytes(const PrefillShape& s) {
   const uint64_t hops = uint64_t(s.ranks - 1);
   for (int r = 0; r < s.ranks; ++r) {
     const int64_t n = held(s, s.cached + s.new_tokens, r), rows = n - held(s, s.cached, r);
-    b.pass_kv += hops * kv_block_bytes(s, n);
-    b.pass_q += hops * (q_block_bytes(s, rows) + (rows > 0 ? partial_bytes(s, rows) : 0));
+    b.pass_kv += hops * shard_packing(s, n).bytes();
+    const size_t partial = rows > 0 ? partial_of(s, rows).bytes() : 0;
+    b.pass_q += hops * (query_packing(s, rows).bytes() + partial);
   }
   return b;
 }
@@ -256,24 +191,15 @@ PrefillMode prefill(KvCache& cache, int64_t seq, int64_t new_tokens, const Tenso
     indices = cache.placement(sh.cached, new_tokens, comm.rank());
     const int64_t tl = int64_t(indices.size());
     CTXPAR_CHECK(q.ndim() == 4, "q: expected [1, Tl, Hq, D], got ", shape_str(q.shape()));
-    check_rows("q", q, 1, tl, q.dim(2), o.head_dim);
+    kernel::check_activation("q", q, true, {1, tl, q.dim(2), o.head_dim});
     CTXPAR_CHECK(q.dim(2) % o.kv_heads == 0, "q: query heads (", q.dim(2), ") must be a ",
                  "multiple of KvCacheOptions::kv_heads = ", o.kv_heads);
-    check_rows("k", k, 1, tl, o.kv_heads, o.head_dim);
-    check_rows("v", v, 1, tl, o.kv_heads, o.head_dim);
-    check_rows("out", out, 1, tl, q.dim(2), o.head_dim);
-    check_lse("lse", lse, 1, q.dim(2), tl);
-    CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == tl, "documents: the mask ",
-                 "uses documents: give one id per row of this rank (", tl, "), got ",
-                 documents.size());
+    kernel::check_activation("out", out, true, {1, tl, q.dim(2), o.head_dim});
+    kernel::check_activation("lse", lse, false, {1, q.dim(2), tl}, "[B, H, T]");
     auto where = [&](int64_t, int64_t t) { return std::pair<int64_t, int64_t>{seq, indices[t]}; };
     check_rows_finite("q", q, cache.device(), where, false);
-    check_rows_finite("k", k, cache.device(), where);
-    check_rows_finite("v", v, cache.device(), where);
-    std::vector<int64_t> lengths;
-    for (int64_t s = 0; s < o.sequences; ++s) lengths.push_back(cache.tokens(s));
-    lengths[seq] += new_tokens;
-    capacities = InferenceAccess::plan_growth(cache, lengths);
+    check_new_kv(o, cache.device(), k, v, tl, documents, "row of this rank", where);
+    capacities = InferenceAccess::plan_growth(cache, lengths_after(cache, seq, new_tokens));
     sh.hq = q.dim(2);
     sh.q_dtype = q.dtype();
   } catch (const Error& e) {
@@ -295,16 +221,17 @@ PrefillMode prefill(KvCache& cache, int64_t seq, int64_t new_tokens, const Tenso
                      {"mode", prefill_mode_name(mode)}},
                     error);
 
-  CallStats call(cache);
+  InferenceStats& stats = InferenceAccess::stats(cache) = InferenceStats{};
+  strategy::CallRecord record(cache.device(), {&comm});
   const PrefillMode ran = choose_prefill(sh, mode);
-  call.stats().mode = ran;
+  stats.mode = ran;
   InferenceAccess::grow(cache, capacities);
   if (!indices.empty()) InferenceAccess::store(cache, seq, indices, k, v, documents);
   InferenceAccess::set_length(cache, seq, sh.cached + new_tokens);
   Tokens q_tokens{indices, o.mask.documents ? documents : std::span<const int32_t>{}};
   if (ran == PrefillMode::pass_q) pass_q(cache, seq, sh, q, q_tokens, out, lse);
   else pass_kv(cache, seq, sh, q, q_tokens, out, lse);
-  call.finish();
+  record_stats(stats, record.finish());
   return ran;
 }
 

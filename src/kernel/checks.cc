@@ -7,16 +7,32 @@
 
 namespace ctxpar::kernel {
 
-void check_activation(const char* name, const TensorView& t, bool allow_bf16) {
-  CTXPAR_CHECK(!t.empty(), name, ": tensor is empty (no data), expected a [B, T, H, D] tensor");
-  CTXPAR_CHECK(t.ndim() == 4, name, ": expected 4 dimensions [B, T, H, D], got shape ",
-               shape_str(t.shape()));
-  CTXPAR_CHECK(t.dtype() == DType::f32 || (allow_bf16 && t.dtype() == DType::bf16), name,
-               ": expected dtype ", allow_bf16 ? "fp32 or bf16" : "fp32", ", got ",
-               dtype_name(t.dtype()));
-  CTXPAR_CHECK(t.dim(3) <= 1 || t.stride(3) == 1, name,
-               ": the last (head) dimension must be contiguous (stride 1), got stride ",
-               t.stride(3));
+std::string activation_verdict(const char* name, const TensorView& t, bool allow_bf16,
+                               const Shape& want, const char* what) {
+  const bool any_shape = want.empty();
+  int64_t elements = 1;
+  for (int64_t x : want) elements *= x;
+  if (t.empty() && (any_shape || elements != 0))
+    return detail::concat(name, ": tensor is empty, expected ", what);
+  if (any_shape && t.ndim() != 4)
+    return detail::concat(name, ": expected 4 dimensions ", what, ", got shape ",
+                          shape_str(t.shape()));
+  if (!any_shape && t.shape() != want)
+    return detail::concat(name, ": expected shape ", what, " = ", shape_str(want), ", got ",
+                          shape_str(t.shape()));
+  if (!(t.dtype() == DType::f32 || (allow_bf16 && t.dtype() == DType::bf16)))
+    return detail::concat(name, ": expected dtype ", allow_bf16 ? "fp32 or bf16" : "fp32",
+                          ", got ", dtype_name(t.dtype()));
+  if (t.ndim() == 4 && t.dim(3) > 1 && t.stride(3) != 1)
+    return detail::concat(name, ": the last dimension must be contiguous (stride 1), got stride ",
+                          t.stride(3));
+  return "";
+}
+
+void check_activation(const char* name, const TensorView& t, bool allow_bf16, const Shape& want,
+                      const char* what) {
+  const std::string e = activation_verdict(name, t, allow_bf16, want, what);
+  if (!e.empty()) throw Error(e);
 }
 
 void check_rows_f32(const char* name, const TensorView& t, int64_t b, int64_t h, int64_t tokens) {

@@ -1,12 +1,23 @@
-// Where the first NaN / Inf of a [B, T, H, D] activation is. Shared by the kernel's argument
-// checks and the strategies', which name the token by its global position (the kernel only
-// sees the slice it was given: a head group, a gathered block).
+// The argument checks every layer shares (the kernel's, the strategies', the KV cache's and
+// the cuda device's): the one rule for a [B, T, H, D] activation, and where its first NaN / Inf
+// is (the strategies name the token by its global position: the kernel only sees the slice it
+// was given, a head group, a gathered block).
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "ctxpar/tensor.h"
 
 namespace ctxpar::kernel {
+
+// The verdict on an activation `name` (q, k, v, out, dout, the gradients; lse with its 3-d
+// `want`): "" when it holds, else the message. It holds when t has data (or `want` has no
+// elements), has the shape `want` (any 4-d shape when `want` is empty), is fp32 (or bf16 when
+// allow_bf16) and, 4-d, has a contiguous last dim. `what` names the expected shape in the
+// caller's words ("[B, Tl, Hq, D]", "q's [B, Tq, Hq, D]"). Never throws, so that ranks can
+// share a verdict before anyone gives up; check_activation (problem.h) throws it.
+std::string activation_verdict(const char* name, const TensorView& t, bool allow_bf16,
+                               const Shape& want = {}, const char* what = "[B, T, H, D]");
 
 struct NonFinite {
   int64_t b = -1, t = -1, h = -1, d = -1;  // the element's indices in the tensor

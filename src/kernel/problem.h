@@ -46,8 +46,9 @@ Problem check_backward_args(const TensorView& q, const Tokens& q_tokens, const T
                             const TensorView& dv, const KernelConfig& config);
 // Throws unless t is [B, H, T] fp32 (any strides).
 void check_rows_f32(const char* name, const TensorView& t, int64_t b, int64_t h, int64_t tokens);
-// Throws unless t is 4-d fp32 or bf16 with a contiguous last dim.
-void check_activation(const char* name, const TensorView& t, bool allow_bf16);
+// Throws activation_verdict's message (kernel/finite.h) unless it is "".
+void check_activation(const char* name, const TensorView& t, bool allow_bf16,
+                      const Shape& want = {}, const char* what = "[B, T, H, D]");
 // Throws naming the first NaN / Inf element of a [B, T, H, D] tensor.
 void check_finite(const char* name, const TensorView& t);
 

@@ -46,7 +46,6 @@ class AllGatherStrategy final : public Strategy {
     const TensorView &q = a.q, &k = a.k, &v = a.v, &out = a.out, &lse = a.lse;
     const Tokens& tokens = a.tokens;
     const Dims& dims = call.dims;
-    Run& run = call.run;
     Device& dev = *device_;
     const int64_t groups = groups_of(dims), hg = dims.hkv / groups, qg = hg * (dims.hq / dims.hkv);
     const KvPacking pack{dims.batch, dims.tokens, hg, dims.d, dims.dtype, options_.mask.documents};
@@ -59,11 +58,11 @@ class AllGatherStrategy final : public Strategy {
       DeviceForwardState state(dev, dims.batch, dims.tokens, qg, dims.d);
       for (int j = 0; j < comm_.size(); ++j) {
         const KvBlock kv = chunk(pack, k, v, tokens, g, gathered[g], j);
-        dev.forward_block(kComputeStream, qv, tokens, kv.k, kv.v, kv.tokens, run.mask,
-                          state.get(), run.kernel);
+        dev.forward_block(kComputeStream, qv, tokens, kv.k, kv.v, kv.tokens, call.mask,
+                          state.get(), call.kernel);
       }
       dev.forward_finalize(kComputeStream, state.get(), out.slice(2, g * qg, (g + 1) * qg),
-                           lse.slice(1, g * qg, (g + 1) * qg), run.kernel);
+                           lse.slice(1, g * qg, (g + 1) * qg), call.kernel);
       gathered[g] = Gathered();
     }
   }
@@ -73,7 +72,6 @@ class AllGatherStrategy final : public Strategy {
     const TensorView &dq = a.dq, &dk = a.dk, &dv = a.dv;
     const Tokens& tokens = a.tokens;
     const Dims& dims = call.dims;
-    Run& run = call.run;
     Device& dev = *device_;
     const int p = comm_.size(), r = comm_.rank();
     const int64_t groups = groups_of(dims), hg = dims.hkv / groups, qg = hg * (dims.hq / dims.hkv);
@@ -115,8 +113,8 @@ class AllGatherStrategy final : public Strategy {
         const KvBlock kv = chunk(pack, k, v, tokens, g, gathered[g], j);
         DeviceBuffer part = dev.alloc(grad_bytes);  // this rank's share of rank j's dK/dV
         dev.fill_zero(kComputeStream, flat_f32(part));
-        dev.backward_block(kComputeStream, qv, tokens, kv.k, kv.v, kv.tokens, run.mask, dov, lv,
-                           dlv, dqv, grad.k(part), grad.v(part), run.kernel);
+        dev.backward_block(kComputeStream, qv, tokens, kv.k, kv.v, kv.tokens, call.mask, dov, lv,
+                           dlv, dqv, grad.k(part), grad.v(part), call.kernel);
         if (own) {
           red.parts[r] = std::move(part);
         } else {

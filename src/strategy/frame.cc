@@ -10,83 +10,6 @@
 
 namespace ctxpar {
 namespace strategy {
-namespace {
-
-// Resets stats and snapshots the device's counters and the byte counters of `comms` at start;
-// finish() synchronises the device and writes deltas, wall time and the memory peak.
-class CallRecord {
- public:
-  CallRecord(StrategyStats& stats, Device& device, std::vector<Communicator*> comms)
-      : stats_(stats), device_(device), comms_(std::move(comms)) {
-    stats_ = StrategyStats{};
-    for (Communicator* c : comms_) {
-      sent0_ += c->counters().bytes_sent;
-      received0_ += c->counters().bytes_received;
-    }
-    device0_ = device_.counters();
-    held0_ = device_.held_bytes();
-    device_.reset_peak();
-    t0_ = now_seconds();
-  }
-
-  void finish(const Run& run) {
-    device_.synchronize();
-    uint64_t sent = 0, received = 0;
-    for (Communicator* c : comms_) {
-      sent += c->counters().bytes_sent;
-      received += c->counters().bytes_received;
-    }
-    const DeviceCounters d = device_.counters();
-    stats_.bytes_sent = sent - sent0_;
-    stats_.bytes_received = received - received0_;
-    stats_.attention_flops = d.flops - device0_.flops;
-    stats_.busy_seconds = d.busy_seconds - device0_.busy_seconds;
-    stats_.comm_wait_seconds = d.wait_seconds - device0_.wait_seconds + run.host_wait_seconds;
-    stats_.peak_bytes = device_.peak_bytes() - held0_;
-    stats_.wall_seconds = now_seconds() - t0_;
-  }
-
- private:
-  StrategyStats& stats_;
-  Device& device_;
-  std::vector<Communicator*> comms_;
-  uint64_t sent0_ = 0, received0_ = 0;
-  DeviceCounters device0_;
-  size_t held0_ = 0;
-  double t0_ = 0;
-};
-
-// One call's scope, made after every rank agreed on the arguments (the agreement's small
-// all-gather is done before the record starts counting, so it is not in the call's stats).
-// finish() waits for the device and records time, bytes and peak memory; a call that throws
-// still waits for its queued work before its buffers and the caller's tensors go.
-class CallScope {
- public:
-  CallScope(Device& device, StrategyStats& stats, const StrategyOptions& options,
-            const Dims& dims, std::vector<Communicator*> counted)
-      : record_(stats, device, std::move(counted)),
-        call{dims, Run{&device, options.mask, options.kernel}} {}
-  ~CallScope() {
-    if (finished_) return;
-    try {
-      call.run.dev->synchronize();
-    } catch (...) {  // the exception in flight says what went wrong first
-    }
-  }
-  void finish() {
-    finished_ = true;
-    record_.finish(call.run);
-  }
-
- private:
-  CallRecord record_;
-  bool finished_ = false;
-
- public:
-  Call call;
-};
-
-}  // namespace
 
 // The checks read arguments and results on the host; those a device holds in place in memory
 // the host cannot read (Device::host_readable: the cuda device's adopted CUDA tensors) are
@@ -162,9 +85,18 @@ void Strategy::in_frame(const char* call, const strategy::Dims& dims, std::strin
   const std::string what = std::string(strategy_name(options_.kind)) + " " + call;
   if (error.empty()) error = check_heads(dims.hq, dims.hkv);
   require_agreement(comm_, what, strategy::signature_of(dims, options_), error);
-  strategy::CallScope scope(*device_, stats_, options_, dims, counted());
-  run(scope.call);
-  scope.finish();
+  stats_ = StrategyStats{};
+  strategy::CallRecord record(*device_, counted());
+  strategy::Call frame{dims, device_.get(), options_.mask, options_.kernel};
+  run(frame);
+  const strategy::CallMeasure m = record.finish();
+  stats_.attention_flops = m.device.flops;
+  stats_.busy_seconds = m.device.busy_seconds;
+  stats_.wall_seconds = m.wall_seconds;
+  stats_.comm_wait_seconds = m.device.wait_seconds + frame.host_wait_seconds;
+  stats_.bytes_sent = m.bytes_sent;
+  stats_.bytes_received = m.bytes_received;
+  stats_.peak_bytes = m.peak_bytes;
   check_outputs(what);
 }
 

@@ -33,13 +33,13 @@ class HybridStrategy final : public Strategy {
 
   void run_forward(const ForwardArgs& a, Call& call) override {
     ulysses_forward(*ulysses_, call, a,
-                    [&](const ForwardArgs& f) { ring_forward(*ring_, call.run, f); },
+                    [&](const ForwardArgs& f) { ring_forward(*ring_, call, f); },
                     groups_limit(options_, 1));
   }
 
   void run_backward(const BackwardArgs& a, Call& call) override {
     ulysses_backward(*ulysses_, call, a,
-                     [&](const GradArgs& g) { ring_backward(*ring_, call.run, g); },
+                     [&](const GradArgs& g) { ring_backward(*ring_, call, g); },
                      groups_limit(options_, 1));
   }
 

@@ -1,9 +1,8 @@
 // Private pieces shared by the strategies: the argument checks and signature the call frame
-// agrees on (src/strategy/frame.cc), what a call hands its algorithm, the K/V block that
-// travels, and the two cores that hybrid composes (ring over a communicator, and Ulysses'
-// head <-> sequence all-to-all around an inner computation).
+// agrees on (src/strategy/frame.cc), what a call hands its algorithm, and the two cores that
+// hybrid composes (ring over a communicator, and Ulysses' head <-> sequence all-to-all around
+// an inner computation). The ring's block and rotation: strategy/ring_steps.h.
 #pragma once
-#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -15,6 +14,8 @@
 #include "ctxpar/device.h"
 #include "ctxpar/kernel.h"
 #include "ctxpar/strategy.h"
+#include "strategy/call_record.h"
+#include "strategy/ring_steps.h"
 
 namespace ctxpar::strategy {
 
@@ -57,13 +58,11 @@ void agree_outputs(Communicator& comm, const std::string& what, const BadOutput&
 
 // ---- per-call bookkeeping -----------------------------------------------------------------
 
-inline double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-// What the cores need: the device they enqueue on, and how to call the kernel.
-struct Run {
+// One call as the algorithm sees it (Note [One call frame] in ctxpar/strategy.h): this rank's
+// problem, agreed on by every rank, the device it enqueues on, and how to call the kernel.
+// What the call did is measured around it by a CallRecord (strategy/call_record.h).
+struct Call {
+  Dims dims;
   Device* dev;
   Mask mask;
   KernelConfig kernel;
@@ -80,13 +79,6 @@ struct Run {
   }
 };
 
-// One call as the algorithm sees it (Note [One call frame] in ctxpar/strategy.h): this rank's
-// problem, agreed on by every rank, and where to enqueue its work.
-struct Call {
-  Dims dims;
-  Run run;
-};
-
 // What every backward starts from (ring and all-gather on their own rows): delta = rowsum(dO * O)
 // [B, Hq, T] and a zeroed fp32 dQ accumulator [B, T, Hq, D] (the caller's dq may be bf16),
 // enqueued on the compute stream.
@@ -94,46 +86,14 @@ struct BackwardRows {
   DeviceBuffer delta_buffer, dq32_buffer;
   TensorView delta, dq32;
   BackwardRows(Call& call, const BackwardArgs& a)
-      : delta_buffer(call.run.dev->alloc(size_t(a.lse.numel()) * 4)),  // lse's [B, Hq, Tl]
-        dq32_buffer(call.run.dev->alloc(size_t(a.q.numel()) * 4)),
+      : delta_buffer(call.dev->alloc(size_t(a.lse.numel()) * 4)),  // lse's [B, Hq, Tl]
+        dq32_buffer(call.dev->alloc(size_t(a.q.numel()) * 4)),
         delta(delta_buffer.view(DType::f32, a.lse.shape())),
         dq32(dq32_buffer.view(DType::f32, a.q.shape())) {
-    call.run.dev->fill_zero(kComputeStream, dq32);
-    call.run.dev->backward_delta(kComputeStream, a.out, a.dout, delta, call.run.kernel);
+    call.dev->fill_zero(kComputeStream, dq32);
+    call.dev->backward_delta(kComputeStream, a.out, a.dout, delta, call.kernel);
   }
 };
-
-// ---- the K/V block that travels -----------------------------------------------------------
-
-// A K/V block: what rotates in the ring (and what all-gather gathers): the keys and values
-// [B, T, Hkv, D] of T tokens, with those tokens' positions (and document ids).
-struct KvBlock {
-  TensorView k, v;
-  Tokens tokens;
-};
-
-// Packed into one buffer to travel:
-// [k | v | positions (int64) | documents (int32, only with a documents mask)], k and v
-// [B, T, Hkv, D] in their storage dtype. No padding: every section is a multiple of 8 bytes
-// because D >= 16.
-struct KvPacking {
-  int64_t batch, tokens, heads, d;
-  DType dtype;
-  bool documents;
-  size_t kv_bytes() const { return size_t(batch * tokens * heads * d) * dtype_size(dtype); }
-  size_t bytes() const { return 2 * kv_bytes() + size_t(tokens) * (8 + (documents ? 4 : 0)); }
-  // A new block holding k, v and tokens, packed on `s`.
-  DeviceBuffer pack(Device& dev, Stream s, const KvBlock& block) const;
-  TensorView k(const DeviceBuffer& b) const;
-  TensorView v(const DeviceBuffer& b) const;
-  Tokens tokens_of(const DeviceBuffer& b) const;
-  KvBlock block(const DeviceBuffer& b) const { return {k(b), v(b), tokens_of(b)}; }
-};
-
-// A whole buffer as one flat fp32 tensor (for add / fill_zero).
-inline TensorView flat_f32(const DeviceBuffer& b) {
-  return b.view(DType::f32, {int64_t(b.size() / 4)});
-}
 
 // ---- cores --------------------------------------------------------------------------------
 
@@ -149,10 +109,10 @@ struct GradArgs {
 
 // Ring forward on `comm`: q [B, Tq, Hq, D] stays; k, v [B, Tk, Hkv, D] (with the tokens)
 // rotate P-1 times; out [B, Tq, Hq, D], lse [B, Hq, Tq].
-void ring_forward(Communicator& comm, Run& run, const ForwardArgs& a);
+void ring_forward(Communicator& comm, Call& call, const ForwardArgs& a);
 // Ring backward on `comm`: dk, dv get the gradient of this rank's K/V, summed over every
 // rank's queries.
-void ring_backward(Communicator& comm, Run& run, const GradArgs& a);
+void ring_backward(Communicator& comm, Call& call, const GradArgs& a);
 
 // Ulysses around an inner computation on the whole (group) sequence for Hq/P heads. The inner
 // receives the sequence of all ranks of `comm`, sorted by global position.

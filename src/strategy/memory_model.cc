@@ -1,6 +1,7 @@
 // The strategies' memory model (ctxpar/strategy_memory.h): the DeviceBuffers and
 // DeviceForwardStates ring.cc, allgather.cc, ulysses.cc and hybrid.cc hold, walked in the
-// order the code allocates and releases them. docs/plan.md, "Attention buffers".
+// order the code allocates and releases them. docs/plan.md, "Attention buffers". Ulysses' head
+// rules live here once: ulysses.cc deals its heads out by them.
 #include <algorithm>
 #include <numeric>
 #include <vector>
@@ -19,8 +20,10 @@ int ulysses_pipeline_groups(int64_t heads, int64_t kv_heads, int ranks, int64_t 
                             int threads, AttentionPass pass, int limit) {
   const int64_t hq = heads / ranks, hk = ulysses_kv_slots(heads, kv_heads, ranks);
   const int64_t common = std::gcd(hq, hk);
-  // Backward keeps batch * hk / G KV heads per kernel call >= its threads (bitwise the same
-  // dK/dV as one group: ulysses.cc, choose_groups).
+  // Backward keeps batch * hk / G KV heads per kernel call >= its threads: below that the fast
+  // kernel splits a head's key tiles over threads (Note [Backward tasks]) and would sum
+  // dK/dV/dQ in another order than the unpipelined call; with it, every group's results are
+  // the same bits as G = 1's.
   for (int n = int(std::min<int64_t>(limit, common)); n > 1; --n)
     if (common % n == 0 && (pass == AttentionPass::forward || batch * hk / n >= threads))
       return n;

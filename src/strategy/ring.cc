@@ -13,10 +13,10 @@
 // own contribution. Each rank computes its share into a local buffer first and adds it to the
 // travelling accumulator afterwards, so that accumulator transfers hide behind compute.
 #include <algorithm>
-#include <atomic>
+#include <optional>
 
+#include "ctxpar/strategy_memory.h"
 #include "strategy/internal.h"
-#include "strategy/testing.h"
 
 namespace ctxpar::strategy {
 namespace {
@@ -26,41 +26,6 @@ constexpr int kGradTag = 16384;  // dK/dV messages: kGradTag + step; K/V message
 KvPacking packing_of(const TensorView& k, bool documents) {
   return {k.dim(0), k.dim(1), k.dim(2), k.dim(3), k.dtype(), documents};
 }
-
-// Moves equal-sized blocks one hop around the ring of `comm` (ring-flash-attention's RingComm):
-// send_recv() enqueues on the comm stream, after the compute stream's work so far (which may
-// have written the block), the send of `block` to rank r+1 and the receive of the next block
-// from rank r-1; wait() makes the compute stream wait for both and hands over the received
-// block. The sent block stays readable: the caller keeps it while it computes on it (a lent
-// block's memory lives until both the sender and the receiver let go of it, so a peer that
-// unwinds from a failure cannot free it under this rank's compute).
-class RingComm {
- public:
-  RingComm(Device& dev, Communicator& comm, size_t bytes, int tag_base)
-      : dev_(dev), comm_(comm), bytes_(bytes), tag_base_(tag_base),
-        next_((comm.rank() + 1) % comm.size()),
-        prev_((comm.rank() + comm.size() - 1) % comm.size()) {}
-
-  void send_recv(DeviceBuffer& block, int step) {
-    dev_.wait(kCommStream, dev_.record(kComputeStream));
-    incoming_ = dev_.recv(kCommStream, comm_, bytes_, prev_, tag_base_ + step);
-    dev_.send(kCommStream, comm_, block, next_, tag_base_ + step);
-    arrived_ = dev_.record(kCommStream);
-  }
-  DeviceBuffer wait() {
-    if (!testing::ring_skips_wait()) dev_.wait(kComputeStream, arrived_);
-    return std::move(incoming_);
-  }
-
- private:
-  Device& dev_;
-  Communicator& comm_;
-  size_t bytes_;
-  int tag_base_, next_, prev_;
-  DeviceBuffer incoming_;
-  Event arrived_;
-};
-
 
 // Note [Pipelined last hop]: after the last step every accumulator still has one hop to go
 // home, and no compute is left to hide it behind. Sent whole, that hop was fully exposed (1/3
@@ -99,122 +64,142 @@ void send_piece(Device& dev, Communicator& comm, const KvPacking& grad, const De
 }
 }  // namespace
 
-void ring_forward(Communicator& comm, Run& run, const ForwardArgs& a) {
+void ring_forward(Communicator& comm, Call& call, const ForwardArgs& a) {
   // q, out [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; lse [B, Hq, Tq]
-  Device& dev = *run.dev;
+  Device& dev = *call.dev;
   const int p = comm.size();
-  const KvPacking pack = packing_of(a.k, run.mask.documents);
+  const KvPacking pack = packing_of(a.k, call.mask.documents);
   DeviceForwardState state(dev, a.q.dim(0), a.q.dim(1), a.q.dim(2), a.q.dim(3));
-  RingComm ring(dev, comm, pack.bytes(), 0);
-  auto compute = [&](const KvBlock& kv) {
-    dev.forward_block(kComputeStream, a.q, a.tokens, kv.k, kv.v, kv.tokens, run.mask, state.get(),
-                      run.kernel);
-  };
 
   // Step 0 computes on the caller's k, v directly; step s on `block`, the block of rank r-s,
   // which is also the one in flight to the next rank (sent before the compute: it overlaps).
-  // Steps 0..P-2 compute and rotate; the last step only computes.
   const KvBlock own{a.k, a.v, a.tokens};
   DeviceBuffer block;
   if (p > 1) block = pack.pack(dev, kComputeStream, own);
-  for (int s = 0; s + 1 < p; ++s) {
-    ring.send_recv(block, s + 1);
-    compute(s == 0 ? own : pack.block(block));
-    block = ring.wait();  // the block just computed on is freed stream-ordered
-  }
-  compute(p == 1 ? own : pack.block(block));
-  dev.forward_finalize(kComputeStream, state.get(), a.out, a.lse, run.kernel);
+  ring_steps(dev, comm, std::move(block),
+             {0, [&](int) { return pack.bytes(); },
+              [&](int s, int, const DeviceBuffer& b) {
+                const KvBlock kv = s == 0 ? own : pack.block(b);
+                dev.forward_block(kComputeStream, a.q, a.tokens, kv.k, kv.v, kv.tokens,
+                                  call.mask, state.get(), call.kernel);
+              }});
+  dev.forward_finalize(kComputeStream, state.get(), a.out, a.lse, call.kernel);
   // When sends lend their memory (threads transport on cpu), the memory of a forwarded block
   // lives until its last holder lets go (reference-counted), so its final owner may return
   // while a rank that forwarded it earlier still computes on it. The ranks still end the forward
   // together there: a rank that failed mid-ring then fails every rank, naming it, and
   // `plan --hardware local` models this barrier.
-  if (p > 2 && dev.lends_sent_buffers(comm)) {
+  if (ring_forward_ends_with_barrier(p, dev.lends_sent_buffers(comm))) {
     dev.wait(kCommStream, dev.record(kComputeStream));
     dev.barrier(kCommStream, comm);
   }
 }
 
-void ring_backward(Communicator& comm, Run& run, const GradArgs& a) {
-  // q, dout, dq [B, Tq, Hq, D]; k, v, dk, dv [B, Tk, Hkv, D]; lse, delta [B, Hq, Tq]
-  Device& dev = *run.dev;
-  const int p = comm.size();
-  const int64_t rows = a.k.dim(1);
-  const KvPacking pack = packing_of(a.k, run.mask.documents);
-  const KvPacking grad{a.k.dim(0), rows, a.k.dim(2), a.k.dim(3), DType::f32, false};
-  const size_t grad_bytes = 2 * grad.kv_bytes();  // [dk | dv] fp32, no tokens
-  RingComm kv_ring(dev, comm, pack.bytes(), 0), grad_ring(dev, comm, grad_bytes, kGradTag);
-  const std::vector<int64_t> cuts = ring_last_hop_cuts(rows);
-  const int pieces = int(cuts.size()) - 1;
-  auto piece_tag = [&](int c) { return kGradTag + p + 1 + c; };  // after the grad ring's tags
+namespace {
 
-  // Step 0 (this rank's own block) adds into `own`, which never travels. The accumulator of
-  // block r-s starts on its first visitor after the owner (step 1) and moves on after every
-  // step: P-1 hops bring it home, where it is added to `own`. From step 2 on, a step computes
-  // into a local `part` while the accumulator is still in flight from the previous rank, and
-  // adds `part` into it only after the compute: the accumulator's transfer hides behind the
-  // compute instead of being waited for before it (one more fp32 buffer per rank). The last
-  // step sends it home in pieces of key rows (Note [Pipelined last hop]).
-  const KvBlock mine{a.k, a.v, a.tokens};
-  DeviceBuffer block;
-  if (p > 1) block = pack.pack(dev, kComputeStream, mine);
-  DeviceBuffer own = dev.alloc(grad_bytes), acc, part;
-  dev.fill_zero(kComputeStream, flat_f32(own));
-  // Step s's gradient buffer: `own`, a new zeroed accumulator (step 1) or the zeroed `part`.
-  auto into_of = [&](int s) -> const DeviceBuffer& {
-    if (s == 1) {
-      acc = dev.alloc(grad_bytes);
-      dev.fill_zero(kComputeStream, flat_f32(acc));
-    } else if (s >= 2) {
-      if (part.empty()) part = dev.alloc(grad_bytes);
-      dev.fill_zero(kComputeStream, flat_f32(part));
-    }
-    return s == 0 ? own : s == 1 ? acc : part;
-  };
-  // Key rows [r0, r1) of step s's block into `into`; from step 2 on, added into the accumulator
-  // (which left the previous rank after its compute on this block: waited for at row 0).
-  auto compute = [&](int s, const KvBlock& kv, const DeviceBuffer& into, int64_t r0,
-                     int64_t r1) {
-    dev.backward_block(kComputeStream, a.q, a.tokens, kv.k.slice(1, r0, r1),
-                       kv.v.slice(1, r0, r1), token_rows(kv.tokens, r0, r1), run.mask, a.dout,
-                       a.lse, a.delta, a.dq, grad.k(into).slice(1, r0, r1),
-                       grad.v(into).slice(1, r0, r1), run.kernel);
-    if (s < 2) return;
-    if (r0 == 0) acc = grad_ring.wait();
-    dev.add(kComputeStream, grad.k(part).slice(1, r0, r1), grad.k(acc).slice(1, r0, r1));
-    dev.add(kComputeStream, grad.v(part).slice(1, r0, r1), grad.v(acc).slice(1, r0, r1));
-  };
+// The backward's steps (ring_backward below). Step 0 (this rank's own block) adds into `own`,
+// which never travels. The accumulator of block r-s starts on its first visitor after the
+// owner (step 1) and moves on after every step: P-1 hops bring it home, where it is added to
+// `own`. From step 2 on, a step computes into a local `part` while the accumulator is still
+// in flight from the previous rank, and adds `part` into it only after the compute: the
+// accumulator's transfer hides behind the compute instead of being waited for before it (one
+// more fp32 buffer per rank). The last step sends it home in pieces of key rows (Note
+// [Pipelined last hop]).
+class RingBackward {
+ public:
+  RingBackward(Communicator& comm, Call& call, const GradArgs& a)
+      : comm_(comm), call_(call), dev_(*call.dev), a_(a),
+        pack_(packing_of(a.k, call.mask.documents)),
+        grad_{a.k.dim(0), a.k.dim(1), a.k.dim(2), a.k.dim(3), DType::f32, false},
+        grad_bytes_(2 * grad_.kv_bytes()),  // [dk | dv] fp32, no tokens
+        cuts_(ring_last_hop_cuts(a.k.dim(1))) {}
 
-  for (int s = 0; s + 1 < p; ++s) {  // compute, and rotate both rings
-    kv_ring.send_recv(block, s + 1);
-    compute(s, s == 0 ? mine : pack.block(block), into_of(s), 0, rows);
-    if (s > 0) grad_ring.send_recv(acc, s + 1);
-    block = kv_ring.wait();
+  void run() {
+    const int p = comm_.size();
+    const KvBlock mine{a_.k, a_.v, a_.tokens};
+    DeviceBuffer block;
+    if (p > 1) block = pack_.pack(dev_, kComputeStream, mine);
+    own_ = dev_.alloc(grad_bytes_);
+    dev_.fill_zero(kComputeStream, flat_f32(own_));
+    ring_steps(dev_, comm_, std::move(block),
+               {0, [&](int) { return pack_.bytes(); },
+                [&](int s, int, const DeviceBuffer& b) {
+                  const KvBlock kv = s == 0 ? mine : pack_.block(b);
+                  if (s > 0 && s == p - 1) return last_step(s, kv);
+                  compute(s, kv, into_of(s), 0, grad_.tokens);
+                  if (s > 0) grad_hop_.emplace(dev_, comm_, &acc_, grad_bytes_, kGradTag + s + 1);
+                }});
+    dev_.copy(kComputeStream, grad_.k(own_), a_.dk);
+    dev_.copy(kComputeStream, grad_.v(own_), a_.dv);
   }
-  if (p == 1) {
-    compute(0, mine, own, 0, rows);
-  } else {  // the last step: computes only, and sends the accumulator home piece by piece
-    const int s = p - 1;
+
+ private:
+  // Step s's gradient buffer: `own`, a new zeroed accumulator (step 1) or the zeroed `part`.
+  const DeviceBuffer& into_of(int s) {
+    if (s == 1) {
+      acc_ = dev_.alloc(grad_bytes_);
+      dev_.fill_zero(kComputeStream, flat_f32(acc_));
+    } else if (s >= 2) {
+      if (part_.empty()) part_ = dev_.alloc(grad_bytes_);
+      dev_.fill_zero(kComputeStream, flat_f32(part_));
+    }
+    return s == 0 ? own_ : s == 1 ? acc_ : part_;
+  }
+
+  // Key rows [r0, r1) of step s's block into `into`; from step 2 on, added into the
+  // accumulator (which left the previous rank after its compute on this block: waited for at
+  // row 0).
+  void compute(int s, const KvBlock& kv, const DeviceBuffer& into, int64_t r0, int64_t r1) {
+    dev_.backward_block(kComputeStream, a_.q, a_.tokens, kv.k.slice(1, r0, r1),
+                        kv.v.slice(1, r0, r1), token_rows(kv.tokens, r0, r1), call_.mask,
+                        a_.dout, a_.lse, a_.delta, a_.dq, grad_.k(into).slice(1, r0, r1),
+                        grad_.v(into).slice(1, r0, r1), call_.kernel);
+    if (s < 2) return;
+    if (r0 == 0) acc_ = grad_hop_->wait();
+    dev_.add(kComputeStream, grad_.k(part_).slice(1, r0, r1), grad_.k(acc_).slice(1, r0, r1));
+    dev_.add(kComputeStream, grad_.v(part_).slice(1, r0, r1), grad_.v(acc_).slice(1, r0, r1));
+  }
+
+  // The last step: computes only, and sends the accumulator home piece by piece.
+  void last_step(int s, const KvBlock& kv) {
+    const int p = comm_.size(), pieces = int(cuts_.size()) - 1;
+    auto piece_tag = [&](int c) { return kGradTag + p + 1 + c; };  // after the grad ring's tags
     const DeviceBuffer& into = into_of(s);
     std::vector<DeviceBuffer> home;  // the pieces of our own block's accumulator
-    dev.wait(kCommStream, dev.record(kComputeStream));  // receives first: they may arrive
-    for (int c = 0; c < pieces; ++c)                     // while this step computes
-      home.push_back(dev.recv(kCommStream, comm, 2 * rows_of(grad, cuts[c], cuts[c + 1]).kv_bytes(),
-                              (comm.rank() + p - 1) % p, piece_tag(c)));
-    const KvBlock kv = pack.block(block);
+    dev_.wait(kCommStream, dev_.record(kComputeStream));  // receives first: they may arrive
+    for (int c = 0; c < pieces; ++c)                       // while this step computes
+      home.push_back(dev_.recv(kCommStream, comm_,
+                               2 * rows_of(grad_, cuts_[c], cuts_[c + 1]).kv_bytes(),
+                               (comm_.rank() + p - 1) % p, piece_tag(c)));
     for (int c = 0; c < pieces; ++c) {
-      compute(s, kv, into, cuts[c], cuts[c + 1]);
-      send_piece(dev, comm, grad, acc, cuts[c], cuts[c + 1], piece_tag(c));
+      compute(s, kv, into, cuts_[c], cuts_[c + 1]);
+      send_piece(dev_, comm_, grad_, acc_, cuts_[c], cuts_[c + 1], piece_tag(c));
     }
-    dev.wait(kComputeStream, dev.record(kCommStream));
+    dev_.wait(kComputeStream, dev_.record(kCommStream));
     for (int c = 0; c < pieces; ++c) {
-      const KvPacking piece = rows_of(grad, cuts[c], cuts[c + 1]);
-      dev.add(kComputeStream, piece.k(home[c]), grad.k(own).slice(1, cuts[c], cuts[c + 1]));
-      dev.add(kComputeStream, piece.v(home[c]), grad.v(own).slice(1, cuts[c], cuts[c + 1]));
+      const KvPacking piece = rows_of(grad_, cuts_[c], cuts_[c + 1]);
+      const int64_t r0 = cuts_[c], r1 = cuts_[c + 1];
+      dev_.add(kComputeStream, piece.k(home[c]), grad_.k(own_).slice(1, r0, r1));
+      dev_.add(kComputeStream, piece.v(home[c]), grad_.v(own_).slice(1, r0, r1));
     }
   }
-  dev.copy(kComputeStream, grad.k(own), a.dk);
-  dev.copy(kComputeStream, grad.v(own), a.dv);
+
+  Communicator& comm_;
+  Call& call_;
+  Device& dev_;
+  const GradArgs& a_;
+  const KvPacking pack_, grad_;
+  const size_t grad_bytes_;
+  const std::vector<int64_t> cuts_;
+  DeviceBuffer own_, acc_, part_;
+  std::optional<RingHop> grad_hop_;  // the accumulator's hop to the next rank
+};
+
+}  // namespace
+
+void ring_backward(Communicator& comm, Call& call, const GradArgs& a) {
+  // q, dout, dq [B, Tq, Hq, D]; k, v, dk, dv [B, Tk, Hkv, D]; lse, delta [B, Hq, Tq]
+  RingBackward(comm, call, a).run();
 }
 
 namespace {
@@ -225,13 +210,13 @@ class RingStrategy final : public Strategy {
       : Strategy(comm, options, std::move(device)) {}
 
  protected:
-  void run_forward(const ForwardArgs& a, Call& call) override { ring_forward(comm_, call.run, a); }
+  void run_forward(const ForwardArgs& a, Call& call) override { ring_forward(comm_, call, a); }
 
   void run_backward(const BackwardArgs& a, Call& call) override {
     const BackwardRows rows(call, a);
-    ring_backward(comm_, call.run,
+    ring_backward(comm_, call,
                   {a.q, a.k, a.v, a.tokens, a.dout, a.lse, rows.delta, rows.dq32, a.dk, a.dv});
-    call.run.dev->copy(kComputeStream, rows.dq32, a.dq);
+    call.dev->copy(kComputeStream, rows.dq32, a.dq);
   }
 };
 
@@ -241,14 +226,6 @@ std::unique_ptr<Strategy> make_ring(Communicator& comm, const StrategyOptions& o
                                     std::unique_ptr<Device> device) {
   return std::make_unique<RingStrategy>(comm, options, std::move(device));
 }
-
-namespace testing {
-namespace {
-std::atomic<bool> skip_wait{false};
-}
-void set_ring_skip_wait(bool skip) { skip_wait = skip; }
-bool ring_skips_wait() { return skip_wait; }
-}  // namespace testing
 
 }  // namespace ctxpar::strategy
 

@@ -1,5 +1,5 @@
-// Names, create(), and what every strategy shares: argument checks whose verdict all ranks
-// agree on, per-call statistics, and the packed K/V block.
+// Names, the exported head rules, and what every strategy shares: argument checks whose
+// verdict all ranks agree on, and the check of the outputs.
 #include "ctxpar/strategy.h"
 
 #include <algorithm>
@@ -57,20 +57,6 @@ int64_t allgather_head_groups(int64_t hkv, int head_groups) {
 namespace strategy {
 namespace {
 
-std::string check_activation(const char* name, const TensorView& t, const Shape& want,
-                             bool allow_bf16, const char* what) {
-  if (t.empty()) return detail::concat(name, ": tensor is empty, expected ", what);
-  if (t.shape() != want)
-    return detail::concat(name, ": expected shape ", what, " = ", shape_str(want), ", got ",
-                          shape_str(t.shape()));
-  if (!(t.dtype() == DType::f32 || (allow_bf16 && t.dtype() == DType::bf16)))
-    return detail::concat(name, ": expected dtype ", allow_bf16 ? "fp32 or bf16" : "fp32",
-                          ", got ", dtype_name(t.dtype()));
-  if (t.ndim() == 4 && t.dim(3) > 1 && t.stride(3) != 1)
-    return detail::concat(name, ": the last dimension must be contiguous (stride 1)");
-  return "";
-}
-
 // A NaN / Inf in this rank's own input, named by the token's global position (the kernel only
 // sees slices: a head group, a gathered block, a Ulysses head shard) -- checked before any
 // communication, so the verdict the ranks share names the rank that holds the bad token.
@@ -100,7 +86,8 @@ std::string check_forward(const ForwardArgs& a, const Mask& mask, Dims& dims) {
   dims.out_dtype = out.dtype();
   dims.documents = mask.documents;
   std::string e;
-  if (!(e = check_activation("q", q, q.shape(), true, "[B, Tl, Hq, D]")).empty()) return e;
+  if (!(e = kernel::activation_verdict("q", q, true, q.shape(), "[B, Tl, Hq, D]")).empty())
+    return e;
   if (dims.batch < 1 || dims.tokens < 1 || dims.hq < 1)
     return detail::concat("q: expected B, Tl, Hq >= 1, got shape ", shape_str(q.shape()));
   if (dims.d < 16 || dims.d > 256)
@@ -109,14 +96,15 @@ std::string check_forward(const ForwardArgs& a, const Mask& mask, Dims& dims) {
     return detail::concat("k: kv heads Hkv = ", dims.hkv, " must divide query heads Hq = ",
                           dims.hq, " (GQA)");
   const Shape kv{dims.batch, dims.tokens, dims.hkv, dims.d};
-  if (!(e = check_activation("k", k, kv, true, "[B, Tl, Hkv, D]")).empty()) return e;
-  if (!(e = check_activation("v", v, kv, true, "[B, Tl, Hkv, D]")).empty()) return e;
+  if (!(e = kernel::activation_verdict("k", k, true, kv, "[B, Tl, Hkv, D]")).empty()) return e;
+  if (!(e = kernel::activation_verdict("v", v, true, kv, "[B, Tl, Hkv, D]")).empty()) return e;
   if (k.dtype() != q.dtype() || v.dtype() != q.dtype())
     return detail::concat("q, k, v: expected one storage dtype, got ", dtype_name(q.dtype()), ", ",
                           dtype_name(k.dtype()), ", ", dtype_name(v.dtype()));
-  if (!(e = check_activation("out", out, q.shape(), true, "q's [B, Tl, Hq, D]")).empty()) return e;
-  if (!(e = check_activation("lse", lse, {dims.batch, dims.hq, dims.tokens}, false,
-                             "[B, Hq, Tl]")).empty())
+  if (!(e = kernel::activation_verdict("out", out, true, q.shape(), "q's [B, Tl, Hq, D]")).empty())
+    return e;
+  if (!(e = kernel::activation_verdict("lse", lse, false, {dims.batch, dims.hq, dims.tokens},
+                                       "[B, Hq, Tl]")).empty())
     return e;
   if (static_cast<int64_t>(tokens.positions.size()) != dims.tokens)
     return detail::concat("tokens.positions: expected ", dims.tokens, " entries (Tl), got ",
@@ -134,13 +122,17 @@ std::string check_backward(const BackwardArgs& a, const Mask& mask, Dims& dims) 
   if (!e.empty()) return e;
   const TensorView &q = a.q, &out = a.out, &dout = a.dout, &dq = a.dq, &dk = a.dk, &dv = a.dv;
   const Shape kv{dims.batch, dims.tokens, dims.hkv, dims.d};
-  if (!(e = check_activation("dout", dout, q.shape(), true, "q's [B, Tl, Hq, D]")).empty()) return e;
+  e = kernel::activation_verdict("dout", dout, true, q.shape(), "q's [B, Tl, Hq, D]");
+  if (!e.empty()) return e;
   if (dout.dtype() != out.dtype())
     return detail::concat("dout: expected out's dtype ", dtype_name(out.dtype()), ", got ",
                           dtype_name(dout.dtype()));
-  if (!(e = check_activation("dq", dq, q.shape(), true, "q's [B, Tl, Hq, D]")).empty()) return e;
-  if (!(e = check_activation("dk", dk, kv, true, "k's [B, Tl, Hkv, D]")).empty()) return e;
-  if (!(e = check_activation("dv", dv, kv, true, "k's [B, Tl, Hkv, D]")).empty()) return e;
+  if (!(e = kernel::activation_verdict("dq", dq, true, q.shape(), "q's [B, Tl, Hq, D]")).empty())
+    return e;
+  if (!(e = kernel::activation_verdict("dk", dk, true, kv, "k's [B, Tl, Hkv, D]")).empty())
+    return e;
+  if (!(e = kernel::activation_verdict("dv", dv, true, kv, "k's [B, Tl, Hkv, D]")).empty())
+    return e;
   return check_finite("dout", dout, a.tokens);
 }
 
@@ -246,30 +238,6 @@ void agree_outputs(Communicator& comm, const std::string& what, const BadOutput&
   if (rank < 0) return;
   throw Error(detail::concat(what, ": non-finite output on rank ", rank, " (of ", comm.size(),
                              "): ", all[rank].message, ": ", kOverflowHint));
-}
-
-DeviceBuffer KvPacking::pack(Device& dev, Stream s, const KvBlock& block) const {
-  DeviceBuffer b = dev.alloc(bytes());
-  dev.pack_kv(s, block.k, block.v, block.tokens, documents, k(b), v(b),
-              b.data() + 2 * kv_bytes());
-  return b;
-}
-
-TensorView KvPacking::k(const DeviceBuffer& b) const {
-  return b.view(dtype, {batch, tokens, heads, d});
-}
-
-TensorView KvPacking::v(const DeviceBuffer& b) const {
-  return b.view(dtype, {batch, tokens, heads, d}, kv_bytes());
-}
-
-Tokens KvPacking::tokens_of(const DeviceBuffer& b) const {
-  Tokens t;
-  t.positions = {reinterpret_cast<const int64_t*>(b.data() + 2 * kv_bytes()), size_t(tokens)};
-  if (documents)
-    t.documents = {reinterpret_cast<const int32_t*>(b.data() + 2 * kv_bytes() + tokens * 8),
-                   size_t(tokens)};
-  return t;
 }
 
 }  // namespace strategy

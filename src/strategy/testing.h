@@ -4,7 +4,7 @@
 
 namespace ctxpar::strategy::testing {
 
-// When set, the ring's rotation (RingComm::wait in ring.cc) leaves out the compute stream's
+// When set, the ring's rotation (RingHop::wait in ring_steps.cc) leaves out the compute stream's
 // wait for the received K/V block, so that a test can check that the sim device catches a
 // missing wait (tests/strategy/device_test.cc). Process-wide; tests set it around a run.
 void set_ring_skip_wait(bool skip);

@@ -17,7 +17,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <utility>
 
+#include "ctxpar/strategy_memory.h"
 #include "strategy/internal.h"
 
 namespace ctxpar::strategy {
@@ -32,9 +34,9 @@ struct HeadSplit {
   int64_t hq_local, hkv_local;
   std::vector<std::vector<int64_t>> kv_heads;
 
-  HeadSplit(const Dims& dims, int p) : hq_local(dims.hq / p) {
+  HeadSplit(const Dims& dims, int p)
+      : hq_local(dims.hq / p), hkv_local(ulysses_kv_slots(dims.hq, dims.hkv, p)) {
     const int64_t group = dims.hq / dims.hkv;
-    hkv_local = dims.hkv % p == 0 ? dims.hkv / p : group % hq_local == 0 ? 1 : hq_local;
     for (int j = 0; j < p; ++j) {
       std::vector<int64_t> heads;
       for (int64_t i = 0; i < hkv_local; ++i) {
@@ -74,13 +76,13 @@ struct GroupTokens {
   }
 };
 
-GroupTokens gather_tokens(Communicator& comm, Run& run, const Tokens& local, int64_t tl) {
+GroupTokens gather_tokens(Communicator& comm, Call& call, const Tokens& local, int64_t tl) {
   const int p = comm.size();
   std::vector<int64_t> pos(size_t(p) * tl);
   std::vector<int32_t> docs;
-  run.host_collective([&] {
+  call.host_collective([&] {
     comm.allgather(local.positions.data(), pos.data(), size_t(tl) * 8);
-    if (run.mask.documents) {
+    if (call.mask.documents) {
       docs.resize(size_t(p) * tl);
       comm.allgather(local.documents.data(), docs.data(), size_t(tl) * 4);
     }
@@ -89,17 +91,17 @@ GroupTokens gather_tokens(Communicator& comm, Run& run, const Tokens& local, int
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return pos[a] < pos[b]; });
   std::vector<int64_t> sorted_index(pos.size()), positions(pos.size());
-  std::vector<int32_t> documents(run.mask.documents ? pos.size() : 0);
+  std::vector<int32_t> documents(call.mask.documents ? pos.size() : 0);
   for (size_t i = 0; i < order.size(); ++i) {
     sorted_index[order[i]] = int64_t(i);
     positions[i] = pos[order[i]];
-    if (run.mask.documents) documents[i] = docs[order[i]];
+    if (call.mask.documents) documents[i] = docs[order[i]];
   }
   GroupTokens g;
   g.tl = tl;
-  g.sorted_index = run.dev->upload(sorted_index.data(), sorted_index.size() * 8);
-  g.positions = run.dev->upload(positions.data(), positions.size() * 8);
-  if (run.mask.documents) g.documents = run.dev->upload(documents.data(), documents.size() * 4);
+  g.sorted_index = call.dev->upload(sorted_index.data(), sorted_index.size() * 8);
+  g.positions = call.dev->upload(positions.data(), positions.size() * 8);
+  if (call.mask.documents) g.documents = call.dev->upload(documents.data(), documents.size() * 4);
   return g;
 }
 
@@ -148,26 +150,18 @@ void pack_qkv(Device& dev, const HeadSplit& split, const Groups& groups, int j, 
   copy_kv_heads(dev, v, groups.kv_heads(split, j, g), to_v);
 }
 
-constexpr int kMaxGroups = 4;  // ulysses' default for StrategyOptions::ulysses_groups
 // User tags of the all-to-alls (in: even, back: odd), one per group and direction: pending
 // ones never match each other, nor the ring's (step, 16384 + step) on hybrid's communicators.
 constexpr int kTagBase = 1 << 19;
 int tag_in(int g) { return kTagBase + 2 * g; }
 int tag_back(int g) { return kTagBase + 2 * g + 1; }
 
-// The most groups up to the limit that divide hq and hk. Backward also keeps batch * hk / G
-// KV heads per kernel call >= its threads: below that the fast kernel splits a head's key
-// tiles over threads (Note [Backward tasks]) and would sum dK/dV/dQ in another order than
-// the unpipelined call; with it, every group's results are the same bits as G = 1's.
-Groups choose_groups(const HeadSplit& split, int64_t batch, int threads, bool backward,
-                     int limit) {
-  const int64_t common = std::gcd(split.hq_local, split.hkv_local);
+// The most groups up to the limit that divide hq and hk (ulysses_pipeline_groups: the rule the
+// memory model shares, with why backward keeps enough KV heads per kernel call).
+Groups choose_groups(const HeadSplit& split, const Dims& dims, int p, int threads,
+                     AttentionPass pass, int limit) {
   Groups g;
-  for (int n = int(std::min<int64_t>(limit, common)); n > 1; --n)
-    if (common % n == 0 && (!backward || batch * split.hkv_local / n >= threads)) {
-      g.count = n;
-      break;
-    }
+  g.count = ulysses_pipeline_groups(dims.hq, dims.hkv, p, dims.batch, threads, pass, limit);
   g.hq = split.hq_local / g.count;
   g.hk = split.hkv_local / g.count;
   return g;
@@ -193,6 +187,46 @@ Exchange start_exchange(Device& dev, Communicator& comm, DeviceBuffer send,
 }
 void arrive(Device& dev, const Exchange& x) { dev.wait(kComputeStream, x.done); }
 
+// The layout of the gradients a group sends back: [dq | dk | dv] fp32, each rank's tokens.
+struct GradSections {
+  const Sections& sections;
+  size_t dq, dk, dv;
+};
+
+// Backward's end: every group's returned gradients into dq, dk, dv. Replicated KV heads get a
+// dK/dV part from every rank that read them: summed in rank order (then slot order, as without
+// groups), in fp32, so the result is the same run after run.
+void collect_gradients(Device& dev, int p, const Dims& dims, const HeadSplit& split,
+                       const Groups& groups, const GradSections& back,
+                       const std::vector<Exchange>& returned, const BackwardArgs& a) {
+  const int64_t b = dims.batch, tl = dims.tokens, d = dims.d;
+  const int64_t hq = split.hq_local, gq = groups.hq, gk = groups.hk;
+  const Sections& at = back.sections;
+  const size_t kv32_bytes = size_t(b * tl * dims.hkv * d) * 4;
+  DeviceBuffer dkv32 = dev.alloc(2 * kv32_bytes);
+  const TensorView dk32 = dkv32.view(DType::f32, {b, tl, dims.hkv, d});
+  const TensorView dv32 = dkv32.view(DType::f32, {b, tl, dims.hkv, d}, kv32_bytes);
+  dev.fill_zero(kComputeStream, flat_f32(dkv32));
+  for (const Exchange& x : returned) arrive(dev, x);
+  for (int j = 0; j < p; ++j) {
+    const std::vector<int64_t>& heads = split.kv_heads[j];
+    for (int g = 0; g < groups.count; ++g) {
+      const int64_t h0 = j * hq + g * gq;
+      dev.copy(kComputeStream, at.view(returned[g].recv, j, back.dq), a.dq.slice(2, h0, h0 + gq));
+    }
+    for (int64_t h = 0; h < split.hkv_local; ++h) {
+      const DeviceBuffer& from = returned[h / gk].recv;
+      const int64_t s = h % gk, kh = heads[h];
+      dev.add(kComputeStream, at.view(from, j, back.dk).slice(2, s, s + 1),
+              dk32.slice(2, kh, kh + 1));
+      dev.add(kComputeStream, at.view(from, j, back.dv).slice(2, s, s + 1),
+              dv32.slice(2, kh, kh + 1));
+    }
+  }
+  dev.copy(kComputeStream, dk32, a.dk);
+  dev.copy(kComputeStream, dv32, a.dv);
+}
+
 }  // namespace
 
 // The pipeline (both directions): the in-all-to-all of group g+1 is enqueued before group g
@@ -202,14 +236,14 @@ void ulysses_forward(Communicator& comm, Call& call, const ForwardArgs& a,
   // q, out [B, Tl, Hq, D]; k, v [B, Tl, Hkv, D]; lse [B, Hq, Tl]
   const TensorView &q = a.q, &k = a.k, &v = a.v, &out = a.out, &lse = a.lse;
   const Dims& dims = call.dims;
-  Run& run = call.run;
-  Device& dev = *run.dev;
+  Device& dev = *call.dev;
   const int p = comm.size();
   const int64_t b = dims.batch, tl = dims.tokens, t = tl * p, d = dims.d;
   const HeadSplit split(dims, p);
-  const Groups groups = choose_groups(split, b, run.kernel.threads, false, max_groups);
+  const Groups groups =
+      choose_groups(split, dims, p, call.kernel.threads, AttentionPass::forward, max_groups);
   const int64_t hq = split.hq_local, gq = groups.hq, gk = groups.hk;
-  const GroupTokens group = gather_tokens(comm, run, a.tokens, tl);
+  const GroupTokens group = gather_tokens(comm, call, a.tokens, tl);
 
   Sections in;
   const size_t sq = in.add(dims.dtype, {b, tl, gq, d}), sk = in.add(dims.dtype, {b, tl, gk, d}),
@@ -272,22 +306,21 @@ void ulysses_backward(Communicator& comm, Call& call, const BackwardArgs& a,
                       const UlyssesBackwardInner& inner, int max_groups) {
   // q, out, dout, dq [B, Tl, Hq, D]; k, v, dk, dv [B, Tl, Hkv, D]; lse [B, Hq, Tl]
   const TensorView &q = a.q, &k = a.k, &v = a.v, &out = a.out, &lse = a.lse, &dout = a.dout;
-  const TensorView &dq = a.dq, &dk = a.dk, &dv = a.dv;
   const Dims& dims = call.dims;
-  Run& run = call.run;
-  Device& dev = *run.dev;
+  Device& dev = *call.dev;
   const int p = comm.size();
   const int64_t b = dims.batch, tl = dims.tokens, t = tl * p, d = dims.d;
   const HeadSplit split(dims, p);
-  const Groups groups = choose_groups(split, b, run.kernel.threads, true, max_groups);
+  const Groups groups =
+      choose_groups(split, dims, p, call.kernel.threads, AttentionPass::backward, max_groups);
   const int64_t hq = split.hq_local, gq = groups.hq, gk = groups.hk;
   const DType es = dims.dtype, eo = dims.out_dtype;
 
   // delta = rowsum(dO * O) is per (token, head): computed where the tokens are, sent instead of O.
   DeviceBuffer delta = dev.alloc(size_t(b * dims.hq * tl) * 4);
   const TensorView delta_v = delta.view(DType::f32, {b, dims.hq, tl});
-  dev.backward_delta(kComputeStream, out, dout, delta_v, run.kernel);
-  const GroupTokens group = gather_tokens(comm, run, a.tokens, tl);
+  dev.backward_delta(kComputeStream, out, dout, delta_v, call.kernel);
+  const GroupTokens group = gather_tokens(comm, call, a.tokens, tl);
 
   Sections in;
   const size_t sq = in.add(es, {b, tl, gq, d}), sk = in.add(es, {b, tl, gk, d}),
@@ -330,15 +363,11 @@ void ulysses_backward(Communicator& comm, Call& call, const BackwardArgs& a,
     DeviceBuffer full = dev.alloc(whole.bytes);
     auto f = [&](size_t i) { return whole.view(full, 0, i); };
     for (size_t i : {fdq, fdk, fdv}) dev.fill_zero(kComputeStream, f(i));
-    for (int i = 0; i < p; ++i) {
-      const TensorView idx = group.index(i);
-      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sq), f(fq), idx);
-      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sk), f(fk), idx);
-      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sv), f(fv), idx);
-      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sdo), f(fdo), idx);
-      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sl), f(fl), idx);
-      dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, sdl), f(fdl), idx);
-    }
+    const std::pair<size_t, size_t> inputs[] = {{sq, fq},  {sk, fk}, {sv, fv},
+                                                {sdo, fdo}, {sl, fl}, {sdl, fdl}};
+    for (int i = 0; i < p; ++i)  // each rank's tokens of each input, to their sorted places
+      for (const auto& [from, to] : inputs)
+        dev.scatter_tokens(kComputeStream, in.view(incoming.recv, i, from), f(to), group.index(i));
     incoming = Exchange();
     inner({f(fq), f(fk), f(fv), group.tokens(), f(fdo), f(fl), f(fdl), f(fdq), f(fdk), f(fdv)});
 
@@ -352,29 +381,7 @@ void ulysses_backward(Communicator& comm, Call& call, const BackwardArgs& a,
     returned[g].send.reset();
     incoming = std::move(next);
   }
-  // Replicated KV heads get a dK/dV part from every rank that read them: summed in rank order
-  // (then slot order, as without groups), in fp32, so the result is the same run after run.
-  const size_t kv32_bytes = size_t(b * tl * dims.hkv * d) * 4;
-  DeviceBuffer dkv32 = dev.alloc(2 * kv32_bytes);
-  const TensorView dk32 = dkv32.view(DType::f32, {b, tl, dims.hkv, d});
-  const TensorView dv32 = dkv32.view(DType::f32, {b, tl, dims.hkv, d}, kv32_bytes);
-  dev.fill_zero(kComputeStream, flat_f32(dkv32));
-  for (const Exchange& x : returned) arrive(dev, x);
-  for (int j = 0; j < p; ++j) {
-    const std::vector<int64_t>& heads = split.kv_heads[j];
-    for (int g = 0; g < groups.count; ++g) {
-      const int64_t h0 = j * hq + g * gq;
-      dev.copy(kComputeStream, back.view(returned[g].recv, j, gdq), dq.slice(2, h0, h0 + gq));
-    }
-    for (int64_t h = 0; h < split.hkv_local; ++h) {
-      const DeviceBuffer& from = returned[h / gk].recv;
-      const int64_t s = h % gk, kh = heads[h];
-      dev.add(kComputeStream, back.view(from, j, gdk).slice(2, s, s + 1), dk32.slice(2, kh, kh + 1));
-      dev.add(kComputeStream, back.view(from, j, gdv).slice(2, s, s + 1), dv32.slice(2, kh, kh + 1));
-    }
-  }
-  dev.copy(kComputeStream, dk32, dk);
-  dev.copy(kComputeStream, dv32, dv);
+  collect_gradients(dev, p, dims, split, groups, {back, gdq, gdk, gdv}, returned, a);
 }
 
 namespace {
@@ -392,21 +399,19 @@ class UlyssesStrategy final : public Strategy {
   }
 
   void run_forward(const ForwardArgs& a, Call& call) override {
-    Run& run = call.run;
     ulysses_forward(comm_, call, a, [&](const ForwardArgs& f) {
-      DeviceForwardState state(*run.dev, f.q.dim(0), f.q.dim(1), f.q.dim(2), f.q.dim(3));
-      run.dev->forward_block(kComputeStream, f.q, f.tokens, f.k, f.v, f.tokens, run.mask,
-                             state.get(), run.kernel);
-      run.dev->forward_finalize(kComputeStream, state.get(), f.out, f.lse, run.kernel);
-    }, groups_limit(options_, kMaxGroups));
+      DeviceForwardState state(*call.dev, f.q.dim(0), f.q.dim(1), f.q.dim(2), f.q.dim(3));
+      call.dev->forward_block(kComputeStream, f.q, f.tokens, f.k, f.v, f.tokens, call.mask,
+                             state.get(), call.kernel);
+      call.dev->forward_finalize(kComputeStream, state.get(), f.out, f.lse, call.kernel);
+    }, groups_limit(options_, kUlyssesDefaultGroups));
   }
 
   void run_backward(const BackwardArgs& a, Call& call) override {
-    Run& run = call.run;
     ulysses_backward(comm_, call, a, [&](const GradArgs& g) {
-      run.dev->backward_block(kComputeStream, g.q, g.tokens, g.k, g.v, g.tokens, run.mask, g.dout,
-                              g.lse, g.delta, g.dq, g.dk, g.dv, run.kernel);
-    }, groups_limit(options_, kMaxGroups));
+      call.dev->backward_block(kComputeStream, g.q, g.tokens, g.k, g.v, g.tokens, call.mask, g.dout,
+                              g.lse, g.delta, g.dq, g.dk, g.dv, call.kernel);
+    }, groups_limit(options_, kUlyssesDefaultGroups));
   }
 };
 

@@ -6,10 +6,12 @@
 #include <cstdlib>
 #include <limits>
 #include <cstring>
+#include <functional>
 
 #include "ctxpar/error.h"
 #include "ctxpar/limits.h"
 #include "ctxpar/memory.h"
+#include "ctxpar/strategy.h"
 #include "inference/inference_support.h"
 #include "inference/internal.h"
 
@@ -499,5 +501,66 @@ TEST(KvCacheRefusal, SequencesBeyondTheBatchRangeAreRefusedBeforeAllocating) {
     o = small_options();
     o.kv_heads = kMaxHeads + 1;
     EXPECT_THROW(KvCache(comm, o), Error);
+  });
+}
+
+// The KV cache, the strategies and the kernel each had their own [B, T, H, D] check, with three
+// texts for one fault. A key whose last dim is strided now gets the one rule's text
+// (kernel::activation_verdict) from each of them.
+TEST(KvCacheRefusal, AStridedHeadDimGetsTheOneRulesTextFromEveryLayer) {
+  const std::string want = "k: the last dimension must be contiguous (stride 1), got stride 2";
+  Tensor wide(DType::f32, {1, 4, 2, 32});
+  const TensorView k(wide.data(), DType::f32, {1, 4, 2, 16}, {256, 64, 32, 2});
+  auto error_of = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const Tensor q = normal({1, 4, 2, 16}, 1), v = normal({1, 4, 2, 16}, 2);
+  std::vector<int64_t> positions = {0, 1, 2, 3};
+  const Tokens tokens{positions, {}};
+  run_threads(1, [&](Communicator& comm) {
+    KvCache cache(comm, small_options());
+    const std::string e = error_of([&] { cache.append(0, k, v); });
+    EXPECT_NE(e.find(want), std::string::npos) << "cache: " << e;
+    EXPECT_EQ(cache.tokens(0), 0);  // refused: nothing stored
+    Tensor out(DType::f32, {1, 4, 2, 16}), lse(DType::f32, {1, 2, 4});
+    auto strategy = Strategy::create(comm, StrategyOptions{});
+    const std::string s = error_of([&] { strategy->forward({q, k, v, tokens, out, lse}); });
+    EXPECT_NE(s.find(want), std::string::npos) << "strategy: " << s;
+  });
+  ForwardState state(1, 4, 2, 16);
+  const std::string e = error_of(
+      [&] { attention_forward_block(q, tokens, k, v, tokens, Mask{}, state); });
+  EXPECT_NE(e.find(want), std::string::npos) << "kernel: " << e;
+}
+
+// Likewise lse [B, H, T]: the cache's decode had its own check and text.
+TEST(KvCacheRefusal, ABf16LseGetsTheOneRulesTextFromDecodeAndTheStrategies) {
+  const std::string want = "lse: expected dtype fp32, got bf16";
+  run_threads(1, [&](Communicator& comm) {
+    KvCache cache(comm, small_options());
+    cache.append(0, kv_rows(8, 1), kv_rows(8, 2));
+    Tensor out(DType::f32, {1, 1, 4, 16}), lse(DType::bf16, {1, 4, 1});
+    try {
+      decode(cache, normal({1, 1, 4, 16}, 3), normal({1, 1, 2, 16}, 4),
+             normal({1, 1, 2, 16}, 5), out, lse);
+      ADD_FAILURE() << "decode took a bf16 lse";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << "decode: " << e.what();
+    }
+    EXPECT_EQ(cache.tokens(0), 8);  // refused: nothing stored
+    const Tensor q = normal({1, 4, 2, 16}, 6), k = normal({1, 4, 2, 16}, 7);
+    Tensor sout(DType::f32, {1, 4, 2, 16}), slse(DType::bf16, {1, 2, 4});
+    std::vector<int64_t> positions = {0, 1, 2, 3};
+    try {
+      Strategy::create(comm, StrategyOptions{})->forward({q, k, k, {positions, {}}, sout, slse});
+      ADD_FAILURE() << "the strategy took a bf16 lse";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << "strategy: " << e.what();
+    }
   });
 }

@@ -116,7 +116,7 @@ TEST(RingPipeline, LastHopGoesHomeInPiecesAsTheyAreComputed) {
   std::vector<std::vector<std::string>> logs(2);
   run_threads(2, [&](Communicator& comm) {
     RecordingDevice dev(comm.rank());
-    strategy::Run run{&dev, Mask{}, KernelConfig{}};
+    strategy::Call call{{}, &dev, Mask{}, KernelConfig{}};
     auto zeros = [](const Shape& s) { return Tensor(DType::f32, s); };  // zero-filled
     Tensor q = zeros({b, tl, h, d}), k = zeros({b, tl, h, d}), v = zeros({b, tl, h, d});
     Tensor dout = zeros({b, tl, h, d}), lse = zeros({b, h, tl}), delta = zeros({b, h, tl});
@@ -124,7 +124,7 @@ TEST(RingPipeline, LastHopGoesHomeInPiecesAsTheyAreComputed) {
     std::vector<int64_t> pos(tl);
     for (int64_t i = 0; i < tl; ++i) pos[i] = comm.rank() * tl + i;
     const Tokens tokens{pos, {}};
-    strategy::ring_backward(comm, run, {q, k, v, tokens, dout, lse, delta, dq, dk, dv});
+    strategy::ring_backward(comm, call, {q, k, v, tokens, dout, lse, delta, dq, dk, dv});
     dev.synchronize();
     logs[comm.rank()] = dev.log;
   });

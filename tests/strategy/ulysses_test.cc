@@ -215,7 +215,7 @@ double ulysses_wait_seconds(int groups, double& link_seconds) {
       kRanks,
       [&](Communicator& comm) {
         auto dev = make_device(DeviceOptions{}, comm.rank());
-        strategy::Call call{{}, strategy::Run{dev.get(), Mask{}, KernelConfig{}}};
+        strategy::Call call{{}, dev.get(), Mask{}, KernelConfig{}};
         strategy::Dims& dims = call.dims;
         dims.batch = 1, dims.tokens = tl, dims.hq = hq, dims.hkv = hkv, dims.d = d;
         Tensor q(DType::f32, {1, tl, hq, d}), k(DType::f32, {1, tl, hkv, d}),

@@ -1,0 +1,69 @@
+#include "strategy/ring_steps.h"
+
+#include <atomic>
+#include <optional>
+
+#include "strategy/testing.h"
+
+namespace ctxpar::strategy {
+
+DeviceBuffer KvPacking::pack(Device& dev, Stream s, const KvBlock& block) const {
+  DeviceBuffer b = dev.alloc(bytes());
+  dev.pack_kv(s, block.k, block.v, block.tokens, documents, k(b), v(b),
+              b.data() + tokens_offset());
+  return b;
+}
+
+TensorView KvPacking::k(const DeviceBuffer& b) const {
+  return b.view(dtype, {batch, tokens, heads, d});
+}
+
+TensorView KvPacking::v(const DeviceBuffer& b) const {
+  return b.view(dtype, {batch, tokens, heads, d}, kv_bytes());
+}
+
+Tokens KvPacking::tokens_of(const DeviceBuffer& b) const {
+  Tokens t;
+  t.positions = {reinterpret_cast<const int64_t*>(b.data() + tokens_offset()), size_t(tokens)};
+  if (documents)
+    t.documents = {reinterpret_cast<const int32_t*>(b.data() + tokens_offset() + tokens * 8),
+                   size_t(tokens)};
+  return t;
+}
+
+RingHop::RingHop(Device& dev, Communicator& comm, DeviceBuffer* send, size_t in_bytes, int tag)
+    : dev_(dev) {
+  const int p = comm.size(), me = comm.rank();
+  dev.wait(kCommStream, dev.record(kComputeStream));
+  if (in_bytes > 0) incoming_ = dev.recv(kCommStream, comm, in_bytes, (me + p - 1) % p, tag);
+  if (send) dev.send(kCommStream, comm, *send, (me + 1) % p, tag);
+  arrived_ = dev.record(kCommStream);
+}
+
+DeviceBuffer RingHop::wait() {
+  if (!testing::ring_skips_wait()) dev_.wait(kComputeStream, arrived_);
+  return std::move(incoming_);
+}
+
+void ring_steps(Device& dev, Communicator& comm, DeviceBuffer block, const RingOp& op) {
+  const int p = comm.size(), me = comm.rank();
+  for (int s = 0; s < p; ++s) {
+    const int holding = (me - s + p) % p, next_owner = (me - s - 1 + 2 * p) % p;
+    std::optional<RingHop> hop;
+    if (s + 1 < p)
+      hop.emplace(dev, comm, op.bytes(holding) > 0 ? &block : nullptr, op.bytes(next_owner),
+                  op.tag + s + 1);
+    op.compute(s, holding, block);
+    if (hop) block = hop->wait();  // the block just used is freed stream-ordered
+  }
+}
+
+namespace testing {
+namespace {
+std::atomic<bool> skip_wait{false};
+}
+void set_ring_skip_wait(bool skip) { skip_wait = skip; }
+bool ring_skips_wait() { return skip_wait; }
+}  // namespace testing
+
+}  // namespace ctxpar::strategy
