@@ -41,7 +41,15 @@ netns_shape() {
 netns_mpirun() {
   local n=$1
   shift
+  local rc=0
   timeout -k 5 "${NETNS_TIMEOUT:-300}" ip netns exec "$NETNS" \
     mpirun -n "$n" --oversubscribe --bind-to none \
-      --mca btl tcp,self --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo "$@"
+      --mca btl tcp,self --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo "$@" || rc=$?
+  # timeout's own codes: say which bound ended the run (a killed run printed nothing at all).
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    echo "netns_mpirun: $n ranks did not end within NETNS_TIMEOUT = ${NETNS_TIMEOUT:-300} s and were" \
+         "killed (exit $rc); a loaded machine slows the shaped runs: rerun on a quieter one or" \
+         "raise the bound (--run-timeout)" >&2
+  fi
+  return $rc
 }
