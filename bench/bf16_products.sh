@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 26: bf16 inputs with fp32 products against the exact bf16 products through AMX-BF16
+# bf16 inputs with fp32 products against the exact bf16 products through AMX-BF16
 # tiles (and vdpbf16ps where AVX512_BF16, and torch's bf16 SDPA where a python with torch is
 # given), one thread, T=4096, H=8, D=128, causal and non-causal, forward and backward.
 # Alternating runs (ABC, CBA, ...), medians over REPEATS processes of `bench kernel --repeats 1`;

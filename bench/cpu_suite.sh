@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The measurement suite of issue 14 in one run: ctxpar's kernel against this machine's FMA peak,
+# The CPU measurement suite in one run: ctxpar's kernel against this machine's FMA peak,
 # ctxpar against PyTorch's CPU scaled_dot_product_attention (a pinned current torch from PyPI,
 # in its own venv), the ring P=2 against one rank with two threads, zigzag against contiguous.
 # Every figure is a ratio of runs taken in the same repetition; the repetitions alternate the
@@ -112,7 +112,7 @@ RUNS=(kernel_1t torch_1t kernel_2t torch_2t kernel_bf16_1t torch_bf16_1t kernel_
       ring_p2_zigzag ring_p2_contiguous one_rank_2t)
 [ -e "$INFO/torch_skipped" ] && RUNS=(kernel_1t kernel_2t ring_p2_zigzag ring_p2_contiguous one_rank_2t)
 [ -n "$GGML_BIN" ] && RUNS+=(ggml_1t ggml_2t ggml_f16_2t)
-# Issue 26: bf16 inputs with the exact bf16 products forced on (CTXPAR_BF16_PRODUCTS=on), beside
+# bf16 inputs with the exact bf16 products forced on (CTXPAR_BF16_PRODUCTS=on), beside
 # kernel_bf16_1t (what the probe chose: fp32 products on a CPU where vdpbf16ps is slower).
 # Both tiers (the default exact one, the opt-in --bf16-tier fast), beside fp32 products forced
 # (off); and through AMX-BF16 tiles (CTXPAR_BF16_PRODUCTS=amx) where the CPU has them.

@@ -1,4 +1,4 @@
-"""The table and summary.json of bench/cpu_suite.sh: every ratio of issue 14, taken per
+"""The table and summary.json of bench/cpu_suite.sh: every ratio of the suite, taken per
 repetition from the JSON files of that repetition's runs (so both sides of a ratio ran minutes
 apart at most, in alternating order), then the median and the spread (min - max) over the
 repetitions. Standard library only; any python3 runs it.
@@ -7,7 +7,7 @@ The ring rows also get a ratio by per-rank CPU time (`ranks[].forward_cpu_second
 attention JSON: each rank's own thread, CLOCK_THREAD_CPUTIME_ID; the slowest rank's figure, as
 the wall time is the slowest rank's): on a shared machine another process's time stretches the
 wall clock of one side and not the other, and the zigzag / contiguous wall ratio read 0.99 while
-CPU time read 1.40-1.44 (issue 26). A run whose ranks have OpenMP workers (--threads > 1) has
+CPU time read 1.40-1.44. A run whose ranks have OpenMP workers (--threads > 1) has
 no CPU figure: a rank's thread time does not count its workers.
 
     python3 bench/cpu_suite_report.py OUT_DIR     # reads OUT_DIR/info/, OUT_DIR/raw/rep*/
@@ -105,7 +105,7 @@ def ratio_rows(meta):
          lambda r: r["kernel_2t"]["bwd_peak_ratio"]),
     ]
     if meta.get("torch_skipped") is None:
-        # fp32 (the issue's 1.2x goal), then bf16 storage on both sides (what a PyTorch trainer
+        # fp32 (the 1.2x goal), then bf16 storage on both sides (what a PyTorch trainer
         # feeds: ctxpar widens to fp32 and computes in fp32, torch runs its own bf16 kernel; no
         # goal). Run names: kernel_{n}t / torch_{n}t, kernel_bf16_{n}t / torch_bf16_{n}t.
         for dtype, tag, label, goal in (("fp32", "", "", 1.2), ("bf16", "bf16_", "bf16: ", None)):
@@ -118,7 +118,7 @@ def ratio_rows(meta):
                                      f"{n} thread{'s' * (n > 1)}", goal,
                                      lambda r, n=n, key=key, tag=tag:
                                      r[f"torch_{tag}{n}t"][key] / r[f"kernel_{tag}{n}t"][key]))
-    # Issue 26: exact bf16 products forced on against the default bf16 run (same bf16 inputs;
+    # Exact bf16 products forced on against the default bf16 run (same bf16 inputs;
     # the probe's choice) and against torch's bf16 SDPA; the run exists on AVX512_BF16 CPUs.
     if "kernel_bf16dot_1t" in meta.get("runs", []):
         for pas, word in (("fwd", "forward"), ("bwd", "backward")):
@@ -236,7 +236,7 @@ def main():
         json.dump(summary, f, indent=2)
 
     m = meta
-    print(f"ctxpar CPU suite (issue 14), {m['date']}, {len(reps)} alternating repetition(s)"
+    print(f"ctxpar CPU suite, {m['date']}, {len(reps)} alternating repetition(s)"
           f"{', QUICK shapes: not the issue figures' if m['quick'] else ''}")
     print(f"machine: {m['cpu_model']}; flags: {m['cpu_flags']}; {m['cpus']} CPU(s); "
           f"load average at start {m['loadavg_start']}, at end {m.get('loadavg_end', '?')}")

@@ -1,5 +1,5 @@
 // ggml's CPU flash attention (ggml_flash_attn_ext, the kernel llama.cpp runs on a CPU) timed at
-// the shape of `ctxpar bench kernel`, for issue 14's "against ggml" row. Not part of ctxpar's
+// the shape of `ctxpar bench kernel`, for the CPU suite's "against ggml" row. Not part of ctxpar's
 // build: ggml is not a dependency, and neither its code nor a script that fetches or builds it
 // is in this repository. Build it by hand against a ggml checkout of your own (CPU backend,
 // static libraries), then give the binary to the suite:

@@ -2,7 +2,7 @@
 """One rank of ctxpar against torch's F.scaled_dot_product_attention on one GPU, with each
 backend torch offers (cuDNN, flash, efficient; torch.nn.attention.sdpa_kernel): bf16, B = 1,
 Hq = 32, Hkv = 8, D = 128, T in {8K, 32K, 128K}, causal and full, forward and forward+backward.
-Goal (issue 24): ctxpar >= 0.9x the fastest backend.
+Goal: ctxpar >= 0.9x the fastest backend.
 
 NEVER RUN: written against ctxpar's documented Python API (docs/python.md: ctxpar.attention,
 ctxpar.attention_backward, q/k/v [B, T, H, D]) taking CUDA tensors, before any GPU was lent.

@@ -1,6 +1,6 @@
 """fp32 accuracy at long T: ctxpar's fp32 kernel (one or more builds, through the CLI) and
 PyTorch's fp32 CPU scaled_dot_product_attention, both against an fp64 reference of the same
-inputs, forward O and backward dQ, dK, dV. Issue 26: a key row's dK / dV sums every query row
+inputs, forward O and backward dQ, dK, dV. A key row's dK / dV sums every query row
 that sees it, so its error is the one that grows with T. Run with an interpreter that has torch
 and NumPy:
 

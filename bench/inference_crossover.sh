@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prefill of 4096 new tokens onto caches of C tokens, pass-KV against pass-Q, for a range of C
-# (issue 25: the planner's crossover against the measured one; docs/BENCHMARKS.md, "Inference").
+# (the planner's crossover against the measured one; docs/BENCHMARKS.md, "Inference").
 # mpirun -n 2, one rank per core; each C alternates the two modes for two rounds
 # (bench/inference_prefill.py), and `ctxpar decode --plan` predicts the same shape.
 # Usage: bench/inference_crossover.sh [build dir] (PYTHON: the venv's python, with ctxpar).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Ring overlap over a real network (issue 15): MPI ranks talk TCP through the loopback of a
+# Ring overlap over a real network: MPI ranks talk TCP through the loopback of a
 # network namespace whose link is shaped with `tc tbf`, under each MPI progress mode asked for
 # (CTXPAR_MPI_PROGRESS: off, thread, tiles, both; docs/comm.md, "Progress"). Prints, per run, the transfer time the shaped link implies and how much of it each rank
 # waited for (comm_wait_seconds); every figure is a ratio measured in the same run.

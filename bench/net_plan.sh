@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The planner against the ring over a shaped TCP link (issue 15: "ctxpar plan --hardware
+# The planner against the ring over a shaped TCP link (the goal: "ctxpar plan --hardware
 # local learns the MPI/TCP link and predicts these runs within 15 %"). For each case (P,
 # heads), alternating `--repeats` times: `ctxpar plan --hardware local` under mpirun in the
 # shaped namespace (it times each rank's kernel and a ring shift of one K/V block over the

@@ -8,8 +8,8 @@ target. Deterministic; run it again after changing it and commit the result:
 fuzz/corpus/npy/ (the .npy reader's seeds) predates this script and is left as it is; the
 npy_rows seeds are built from it.
 
-regression_* inputs go to fuzz/regressions/<target>/ instead: inputs that crashed a target
-(issue 21), which scripts/fuzzers.sh replays on every run. Apart from the corpus, so that the
+regression_* inputs go to fuzz/regressions/<target>/ instead: inputs that crashed a target,
+which scripts/fuzzers.sh replays on every run. Apart from the corpus, so that the
 normal suite's io_fuzz_npy (scripts/fuzz.sh, fuzz/corpus/npy only) is not affected.
 """
 import json
@@ -92,7 +92,7 @@ bad_headers = {
                             "data_offsets": [0, 3], "extra": [[[[[[[[{"k": [1]}]]]]]]]]}}),
 }
 # 8000 nested lists in an entry (16 KB): a recursive copy or dump of the header overflowed the
-# stack (issue 21).
+# stack.
 deep = "[" * 8000 + "]" * 8000
 bad_headers["regression_deep_nesting"] = hdr({"__metadata__": {"x": "1"}, "a": {
     "dtype": "U8", "shape": [3], "data_offsets": [0, 3], "extra": 0}}).replace("0}}", deep + "}}")
@@ -106,7 +106,7 @@ def npy(descr, shape, data=b""):
     h += " " * ((64 - (10 + len(h) + 1) % 64) % 64) + "\n"
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(h)) + h.encode() + data
 
-# A zero first, then dimensions whose product overflows int64 (Tensor::numel; issue 21).
+# A zero first, then dimensions whose product overflows int64 (Tensor::numel).
 overflow = npy("<f4", "(0, 4294967296, 4294967296, 4294967296)")
 write("npy", "regression_numel_overflow.npy", overflow)
 
@@ -137,7 +137,7 @@ masks = ["none", "causal", "window:128,0", "window:-1,-1", "causal+window:256,0"
          "window:99999999999999999999,0"]
 for i, m in enumerate(masks):
     write("mask", f"{i:02d}.txt", m)
-# Lengths near 2^63: their sum overflowed int64 in the job's validation (issue 21).
+# Lengths near 2^63: their sum overflowed int64 in the job's validation.
 write("mask", "regression_documents_sum_overflow.txt", "documents:9223372036854775807,1\n1024")
 
 # ---- options: the arguments after `ctxpar attention`, one a line ---------------------------

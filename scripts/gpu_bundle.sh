@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The bundle of the GPU window (issue 36; docs/cuda.md, "The first GPU window"), made on a CPU
+# The bundle of the GPU window (docs/cuda.md, "The first GPU window"), made on a CPU
 # machine: the GPU-facing binaries, built with CUDA, and every shared library they need that the
 # GPU machine may lack, in .gpu/ (git-ignored, at most 64 MiB): what the device tool carries
 # beside the tree for scripts/gpu_first.sh, which compiles nothing.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first GPU window (issue 36; docs/cuda.md, "The first GPU window"): run on the GPU machine
+# The first GPU window (docs/cuda.md, "The first GPU window"): run on the GPU machine
 # from the bundle scripts/gpu_bundle.sh made on a CPU machine (.gpu/: bin, lib, manifest.txt);
 # nothing is compiled or downloaded there.
 #     bash scripts/gpu_first.sh          (the device tool: carry [".gpu"], timeout_s 600)

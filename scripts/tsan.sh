@@ -31,7 +31,7 @@ archer="$(dirname "$(readlink -f "$cxx")")/../lib/libarcher.so"
 # ignore_noninstrumented_modules: libomp itself is not instrumented (Archer annotates it).
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:report_signal_unsafe=0:ignore_noninstrumented_modules=1"
 # Not under TSan: ThreadsLimits.RefusedThreadIsAnErrorAndStopsTheStartedRanks caps the address
-# space (RLIMIT_AS), which TSan's shadow memory cannot live under (issue 21: an env override,
+# space (RLIMIT_AS), which TSan's shadow memory cannot live under (an env override,
 # CTXPAR_MEMORY_LIMIT_BYTES, replaces the cap; drop the name here then).
 export GTEST_FILTER="-ThreadsLimits.RefusedThreadIsAnErrorAndStopsTheStartedRanks"
 names=("$@")

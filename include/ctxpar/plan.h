@@ -191,7 +191,7 @@ struct RingProblem {
   bool barrier_after_forward = false;      // ring_forward_ends_with_barrier(ranks, ...)
   // ring.cc computes into a local partial and adds the travelling dK/dV accumulator after the
   // compute (false), which hides the accumulator's hop behind one step's compute; true models
-  // waiting for the accumulator before the compute (ring.cc's order until 2026-11-30).
+  // waiting for the accumulator before the compute (ring.cc's earlier order).
   bool accumulator_before_compute = false;
   double step_overhead_seconds = 0;        // fixed cost per kernel call (local: measured)
 };

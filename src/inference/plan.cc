@@ -146,9 +146,9 @@ InferenceRates measure_inference_rates(const KvCacheOptions& options, int64_t hq
     Tensor q(o.dtype, {1, t, hq, d}), out(DType::f32, {1, t, hq, d}), lse(DType::f32, {1, hq, t});
     fill_normal(q, 3);
     // The rate of a prefill onto a cache (t new rows against context - t cached keys and
-    // themselves), the shape it predicts: a prefill onto an empty cache (t x t, causal) ran at
-    // half that rate here -- its diagonal tiles and short rows -- and the predictions were 1.9x
-    // the measured times at 4K new tokens onto 124K (docs/BENCHMARKS.md, "Inference").
+    // themselves), the shape it predicts: a prefill onto an empty cache (t x t, causal) runs well
+    // below that rate -- its diagonal tiles and short rows -- and predictions from it came out far
+    // above the measured times (docs/BENCHMARKS.md, "Inference", has the figures).
     const int64_t cached = context - t;
     cache.append(0, k.view().slice(1, 0, cached), v.view().slice(1, 0, cached));
     prefill(cache, 0, t, q, k.view().slice(1, cached, context), v.view().slice(1, cached, context),

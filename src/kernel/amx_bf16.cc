@@ -100,8 +100,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void scores_amx(
 //     (round_to_pairs), and the tiles add the three parts' exact products into the same fp32
 //     accumulators: P and dS stay fp32 in effect, only the order of the fp32 additions
 //     changes (as it does between vdpbf16ps and tdpbf16ps for S). Three tile products cost
-//     less than one fp32 FMA product where tiles run well over 3x the FMA rate (the probe
-//     measured 8x on the Sapphire Rapids guest; docs/BENCHMARKS.md has the end-to-end gain).
+//     less than one fp32 FMA product where tiles run well over 3x the FMA rate (docs/BENCHMARKS.md
+//     has the probe's tile rates and the end-to-end gain).
 // V, dO, Q and K are packed as VNNI pair-rows (pack_vnni); the fp32 accumulators (the
 // forward's O rows, the backward's dV / dK block partials and dQ rows) are loaded into the C
 // tiles and stored back. dK sums (scale dS)^T Q with the unscaled bf16 Q, so it needs no

@@ -1,5 +1,5 @@
 // Private to the kernel layer: whether AMX-BF16 tile products are usable here and how fast
-// (issue 26; amx_probe.cc); the AMX kernel path is amx_bf16.cc.
+// (amx_probe.cc); the AMX kernel path is amx_bf16.cc.
 #pragma once
 #include <cstdint>
 #include <string>

@@ -1,11 +1,11 @@
 // Note [Hot loops under AddressSanitizer]: the micro-kernels load and store whole SIMD vectors
 // (32 or 64 bytes). AddressSanitizer checks such an access through an out-of-line call, one per
-// vector load, which made the kernel 15-30x slower under the sanitizer build, most of CI's
+// vector load, which made the kernel many times slower under the sanitizer build, most of CI's
 // sanitizer stage. A function marked CTXPAR_REGION_CHECKED is compiled without the per-access
 // checks and instead checks, once per call, every byte its loops will touch (check_rows below)
 // against the same shadow memory: an access outside a live allocation is still reported, with
 // ASan's own report, before the loop runs (tests/kernel/asan_regions_test.cc). UBSan's checks
-// are left out of those loops too (they halved the remaining time): what they would check there
+// are left out of those loops too (they took much of the time left): what they would check there
 // is index arithmetic on int64 values bounded by the tile (rows, columns <= kTile, strides of a
 // packed tile), which cannot overflow; every function that computes those bounds, and the
 // packing that reads the user's tensors, stays instrumented. Outside a sanitizer build both are

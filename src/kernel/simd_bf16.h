@@ -1,4 +1,4 @@
-// Private to the kernel layer: the exact bf16 products of issue 26 (docs/kernel.md, "bf16
+// Private to the kernel layer: the exact bf16 products (docs/kernel.md, "bf16
 // products"). With bf16 inputs the scores S = Q K^T and dP = dO V^T are products of bf16
 // values, exact in fp32 (8-bit x 8-bit significands), so AVX512_BF16's vdpbf16ps (bf16 pairs
 // multiplied and added into fp32 lanes) computes them with fp32 accumulation -- only the order

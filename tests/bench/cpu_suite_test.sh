@@ -26,11 +26,11 @@ for row in "ctxpar forward / one-thread FMA peak" "ring P=2 zigzag causal / one 
   line=$(grep -F "$row" "$TMP/out.txt") || fail "no row '$row'"
   [[ $line =~ [0-9]+\.[0-9]{3} ]] || fail "row '$row' has no figure: $line"
 done
-# Issue 26: the zigzag / contiguous row has its ratio by per-rank CPU time too (wall, CPU).
+# The zigzag / contiguous row has its ratio by per-rank CPU time too (wall, CPU).
 line=$(grep -F "zigzag / contiguous" "$TMP/out.txt")
 [[ $line =~ [0-9]+\.[0-9]{3}.*[0-9]+\.[0-9]{3}.*[0-9]+\.[0-9]{3}.*[0-9]+\.[0-9]{3}.*[0-9]+\.[0-9]{3} ]] ||
   fail "row 'zigzag / contiguous' has no CPU ratio beside the wall one: $line"
-# Issue 26: on an AVX512_BF16 CPU both tiers through vdpbf16ps beside fp32 products forced.
+# On an AVX512_BF16 CPU both tiers through vdpbf16ps beside fp32 products forced.
 if grep -qw avx512_bf16 /proc/cpuinfo; then
   for row in "vdpbf16ps bf16 products / fp32 products speed" "vdpbf16ps, fast bf16 tier / fp32 products speed"; do
     line=$(grep -F "$row" "$TMP/out.txt" | head -n1) || fail "no row '$row'"

@@ -135,7 +135,7 @@ TEST(CliCuda, LoopbackOverTheRecordingApiMeetsTheReference) {
   EXPECT_EQ(r.exit_code, 2) << r.err;
 }
 
-// --json's cuDNN report on the cuda device (issue 36): cuDNN's version or why it is off, and
+// --json's cuDNN report on the cuda device: cuDNN's version or why it is off, and
 // where the attention blocks went, per rank and in all. Over the recording API (no cuDNN)
 // every block is the fallback kernel's: the ring over P ranks runs P K/V blocks per rank
 // forward and P backward.

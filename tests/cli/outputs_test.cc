@@ -1,4 +1,4 @@
-// Issue 20, round two: what the command writes and where (help, --json with stderr merged,
+// What the command writes and where (help, --json with stderr merged,
 // the --out folder given as a link, its mode, hidden folders of killed runs, environment
 // variables, the fault hooks of the test build).
 #include <gtest/gtest.h>

@@ -145,7 +145,7 @@ TEST(NumberRanges, EverySubcommandChecksItsNumbers) {
   });
 }
 
-// Issue 21: in-range options whose B*T*H*D is 2^64 wrapped Tensor::numel() to 0, the tensors
+// In-range options whose B*T*H*D is 2^64 wrapped Tensor::numel() to 0, the tensors
 // got 64 bytes and fill_normal wrote past them (SIGSEGV); --kv-heads 65536 with --heads 1 was
 // refused only after 12.7 s of allocating and filling 1 GiB. Now every option is checked first,
 // and Tensor itself refuses a shape whose count overflows (below any memory check).
@@ -262,7 +262,7 @@ TEST(MemoryLimits, JobAboveTheLimitIsRefusedAtOnce) {
             std::string::npos) << bad.err;
 }
 
-// The issue's case: under ulimit -v 4000000, --seq 12M filled 3.4 GB for 29 s and failed with
+// The reported case: under ulimit -v 4000000, --seq 12M filled 3.4 GB for 29 s and failed with
 // "out of memory" (only MemAvailable was read); now refused at once naming the address-space
 // limit. A real ulimit -v: skipped under sanitizers (the other memory tests use the override).
 TEST(MemoryLimits, AddressSpaceLimitRefusesAtOnceNamingIt) {

@@ -27,7 +27,7 @@ TEST(Mask, Parse) {
   EXPECT_THROW(parse_mask("window:a,b"), Error);
 }
 
-// The grammar is strict (issue 21): any rule starting with "documents" was taken
+// The grammar is strict: any rule starting with "documents" was taken
 // ("documentsXYZ"), a second documents rule was ignored, strtoll took leading spaces and '+'
 // and clamped out-of-range numbers to INT64_MAX without a word. Each is refused naming the
 // part and showing the grammar.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CTest gpu_first_dry (issue 36): scripts/gpu_first.sh from a freshly packed bundle, in an
+# CTest gpu_first_dry: scripts/gpu_first.sh from a freshly packed bundle, in an
 # environment that looks like the GPU machine without its GPU -- a private mount namespace where
 # every system library the bundle packed and every cuDNN / NCCL outside the python venv is an
 # empty file (as tests/python/test_no_mpi.py hides libmpi), no network (unshare -n), and only

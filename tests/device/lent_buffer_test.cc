@@ -2,7 +2,7 @@
 // (device.h: "`buffer` stays readable by the sender"). On the cpu device with the threads
 // transport the receiver gets the sender's memory itself (no copy), and it used to own it
 // alone: a receiver that freed it (a ring rank unwinding from a failed peer, ~RingComm) freed
-// it under a sender still computing on it (issue 21: heap-use-after-free under ASan, SIGSEGV
+// it under a sender still computing on it (heap-use-after-free under ASan, SIGSEGV
 // without). Now both hold it and the last to let go frees it.
 #include <gtest/gtest.h>
 

@@ -59,8 +59,9 @@ expect 0 '"context_tokens": 300' -- "$ctxpar" decode --context 300 --heads 2 --k
   --head-dim 16 --ranks 3 --tokens 2 --k-npy "$npy/k.npy" --v-npy "$npy/v.npy" --json
 expect 2 '--k-npy .*expected shape \[C, 1, 16\] .* with C >= 400' -- "$ctxpar" decode --context 400 \
   --heads 2 --kv-heads 1 --head-dim 16 --k-npy "$npy/k.npy" --v-npy "$npy/v.npy"
-# Round six (issue 34). The library's one rule for a cache's mask (check_cache_mask): a right
-# window bound was taken under causal, which KVCache and the library took in any form.
+# The library's one rule for a cache's mask (check_cache_mask): a right window bound was taken
+# under causal, which KVCache and the library took in any form (docs/faults.md, "Round six:
+# the KV cache and decode").
 expect 2 '--mask causal\+window:4,2 names later tokens .* use causal or causal\+window:L,0' -- \
   "$ctxpar" decode --mask causal+window:4,2
 expect 2 '--batch must be in \[1, 1048576\]' -- "$ctxpar" decode --batch 1048577

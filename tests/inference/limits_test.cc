@@ -341,7 +341,7 @@ TEST(KvCacheFinite, NonFiniteKeysAndValuesAreRefusedWhereTheyEnter) {
               std::string::npos) << e;
 }
 
-// ---- Round six (issue 34): a refused call changes nothing --------------------------------
+// ---- A refused call changes nothing ------------------------------------------------------
 // "Nothing changes" is checked against a twin cache that never saw the refused call: the same
 // lengths and shards, and the next calls give the same bits.
 

@@ -3,11 +3,11 @@
 //  - Logits spread to |s| ~ 1e4 .. 5e8 (q, k scaled; the softmax is one-hot) or offset by
 //    1e4 .. 1e6 (a common component in q and k): the backward recomputes P = exp(S - LSE) from
 //    the forward's LSE, so S must be rounded exactly as the forward rounded it and P can never
-//    exceed 1 (issue 9: dq was 3.9e7 where the truth is 0, dv many times the naive error).
+//    exceed 1 (dq was once 3.9e7 where the truth is 0, dv many times the naive error).
 //    See docs/kernel.md, Note [P at most one].
 //  - Positions anywhere in int64 (INT64_MIN itself marks padding), near INT64_MAX / INT64_MIN and +-2^62 on both sides, with
-//    windows up to INT64_MAX: the mask arithmetic must not overflow (issue 9: every row came
-//    out zero). The reference decides visibility in 128-bit arithmetic, independently.
+//    windows up to INT64_MAX: the mask arithmetic must not overflow (an overflow made every
+//    row come out zero). The reference decides visibility in 128-bit arithmetic, independently.
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -1,4 +1,4 @@
-// Forward and backward against the fp64 reference over a grid that covers each axis of issue 2
+// Forward and backward against the fp64 reference over a grid that covers each axis
 // (lengths 1/7/63/65/1000, D 16/64/80/128/256, GQA 1/4/8, every mask kind and combination,
 // Tq != Tk, offset / strided / unsorted positions, fp32 and bf16, 1 and 2 threads) with a few
 // combinations each rather than the full cross product, so the binary stays fast.

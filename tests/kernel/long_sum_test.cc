@@ -1,4 +1,4 @@
-// dK / dV at long T (issue 26): the first key tile under a causal mask is seen by every query
+// dK / dV at long T: the first key tile under a causal mask is seen by every query
 // row, so its gradient sums T of them. Its error against fp64 must not grow with T: the rule
 // is a fixed number of fp32 ulps of the largest |reference|, which one running fp32 sum over
 // the T rows exceeded (docs/kernel.md "Note [Blocked dK / dV]").

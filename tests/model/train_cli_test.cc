@@ -170,7 +170,7 @@ TEST_F(TrainCli, FullDiskDuringLogFailsNamingTheFile) {
   EXPECT_EQ(r.err.find("matplotlib"), std::string::npos) << "it must not go on to plot: " << r.err;
 }
 
-// Issue 20: a link planted at the --log or --plot name made the run overwrite the link's
+// A link planted at the --log or --plot name made the run overwrite the link's
 // target. Refused by name before the run; the target keeps its bytes.
 TEST_F(TrainCli, LogAndPlotNeverWriteThroughALink) {
   std::ofstream(dir_ / "victim") << "x\n";

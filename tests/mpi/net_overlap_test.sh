@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CTest `mpi_net_overlap` (label net): ring attention under mpirun over TCP through a shaped
 # loopback (bench/net_overlap.sh makes and deletes the namespace) must hide its transfers
-# behind compute once MPI progress calls are made (the kernel's tiles or a thread) (issue 15, Note [MPI progress]).
+# behind compute once MPI progress calls are made (the kernel's tiles or a thread) (Note [MPI progress]).
 #
 #   net_overlap_test.sh CTXPAR BENCH_SCRIPT OUT_DIR
 #

@@ -1,6 +1,6 @@
 // The planner holds the runtime's rules, not copies of them: the all-gather head groups, the
-// layout's padded length and the ring forward's barrier (issue 22, "One home for every shared
-// rule and model").
+// layout's padded length and the ring forward's barrier (docs/faults.md, "Round two: one home for
+// every shared rule and model").
 #include <gtest/gtest.h>
 
 #include "ctxpar/comm.h"
@@ -26,7 +26,7 @@ PlanInput small(int64_t seq, int cp, int64_t heads, int64_t kv_heads) {
 }
 
 // The runtime runs all-gather in the largest divisor of Hkv up to 4 head groups; the planner
-// used min(Hkv, 4) until 2026-12, which differs at Hkv = 5, 6, 7 (and every Hkv with no
+// once used min(Hkv, 4), which differs at Hkv = 5, 6, 7 (and every Hkv with no
 // divisor 4 or 3 or 2 <= 4 that min picks: 5 -> 1, 6 -> 3, 7 -> 1, 9 -> 3, ...).
 TEST(PlanMatchesRuntime, AllGatherHeadGroups) {
   for (int64_t hkv = 1; hkv <= 64; ++hkv) {
@@ -40,8 +40,8 @@ TEST(PlanMatchesRuntime, AllGatherHeadGroups) {
   EXPECT_EQ(allgather_head_groups(8, 2), 2);  // given groups win
 }
 
-// The runtime pads any T to the layout's granule; the planner refused T % (2)cp != 0 until
-// 2026-12. Now it plans every length the runtime runs, on the runtime's padded length.
+// The runtime pads any T to the layout's granule; the planner once refused T % (2)cp != 0.
+// Now it plans every length the runtime runs, on the runtime's padded length.
 TEST(PlanMatchesRuntime, AnyLengthPlansOnTheRuntimesPaddedLength) {
   for (LayoutKind kind : {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped})
     for (int cp : {1, 2, 3, 4, 8})

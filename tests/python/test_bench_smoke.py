@@ -36,7 +36,7 @@ def _attention_json(threads, walls, cpus):
 
 
 def test_cpu_suite_report_prints_cpu_ratios_beside_wall(tmp_path):
-    """Issue 26: on a shared machine the zigzag / contiguous wall ratio read 0.99 while CPU time
+    """On a shared machine the zigzag / contiguous wall ratio read 0.99 while CPU time
     read 1.40-1.44. The report gives the ring rows both: the slowest rank's wall and CPU seconds,
     per repetition, median over them; a rank with OpenMP workers has no CPU figure."""
     info, raw = tmp_path / "info", tmp_path / "raw"
@@ -77,7 +77,7 @@ def test_cpu_suite_report_prints_cpu_ratios_beside_wall(tmp_path):
 
 
 def test_cpu_suite_report_has_both_bf16_product_kinds_and_tiers(tmp_path):
-    """Issue 26: on an AVX512_BF16 CPU (Zen 5's rows are the goal) the suite runs vdpbf16ps in
+    """On an AVX512_BF16 CPU (Zen 5's rows are the goal) the suite runs vdpbf16ps in
     both tiers beside fp32 products forced, and on an AMX CPU the tiles too; the report's ratios
     are fp32-products seconds over each run's, and torch's bf16 seconds over each run's (goal
     1.5), per repetition."""

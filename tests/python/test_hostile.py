@@ -1,8 +1,8 @@
-"""Hostile input, round two (issue 20, the Python API): every number is range-checked with an
-error naming the argument; reserved or wrapping positions, a bad lse, self-overlapping outputs,
-mismatched buffer dims and scale=0 are refused; ranks agree on cp_attention's arguments; and a
-context_parallel block gives its leaves whole gradients back. Ranks are threads here
-(ctxpar.run_threads); test_mpi.py runs the same agreement under mpirun."""
+"""Hostile input to the Python API (docs/faults.md, "Round two: the Python API"): every number
+is range-checked with an error naming the argument; reserved or wrapping positions, a bad lse,
+self-overlapping outputs, mismatched buffer dims and scale=0 are refused; ranks agree on
+cp_attention's arguments; and a context_parallel block gives its leaves whole gradients back.
+Ranks are threads here (ctxpar.run_threads); test_mpi.py runs the same agreement under mpirun."""
 import math
 import threading
 

@@ -1,7 +1,7 @@
-"""ctxpar.KVCache refuses bad input before anything changes (issue 34, round six): a refused
-prefill or decode leaves the cache as a twin that never saw the call (its lengths, and the
-next calls' outputs bitwise); masks that let a token see later ones and batch sizes beyond the
-command's range are refused before the cache exists. docs/faults.md, "Round six"."""
+"""ctxpar.KVCache refuses bad input before anything changes: a refused prefill or decode leaves
+the cache as a twin that never saw the call (its lengths, and the next calls' outputs bitwise);
+masks that let a token see later ones and batch sizes beyond the command's range are refused
+before the cache exists. docs/faults.md, "Round six: the KV cache and decode"."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""The package without MPI (issue 23): the extension ctxpar._ctxpar links no libmpi; its MPI
+"""The package without MPI: the extension ctxpar._ctxpar links no libmpi; its MPI
 transport is the plugin libctxpar_mpi.so, loaded only when MPI is asked for. With OpenMPI's
 libraries hidden (a private mount namespace, `unshare -m`, an empty file bind-mounted over
 each libmpi*.so, so that loading it fails), `import ctxpar`, the threads transport, a world of

@@ -1,4 +1,4 @@
-"""context_parallel routes every attention reached inside the block (issue 34): torch's modules
+"""context_parallel routes every attention reached inside the block: torch's modules
 (nn.MultiheadAttention, nn.TransformerEncoderLayer / DecoderLayer, their eval fast paths),
 torch.utils.checkpoint's recomputes in both modes and torch.compile'd functions, each against
 the same computation on the whole sequence in float64 under the project's rule (float32 torch as

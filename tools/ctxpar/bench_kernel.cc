@@ -65,7 +65,7 @@ int bench_kernel(int argc, char** argv) {
                "and --threads must be >= 1");
   const bool backward = !o.on("no-backward");
   // Every option is checked before anything is allocated (--kv-heads 65536 was refused only
-  // by the kernel, after 12 s of filling 1 GiB). A shape whose count overflows int64 is
+  // by the kernel, after a long time filling 1 GiB). A shape whose count overflows int64 is
   // refused by Tensor itself (B*T*H*D = 2^64 of in-range options made a 64-byte tensor).
   if (hq % hkv != 0)
     throw UsageError(detail::concat("--heads ", hq, " must be a multiple of --kv-heads ", hkv,
