@@ -59,6 +59,25 @@ class _CPAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+def _no_compile(what):
+    """A decorator: the function runs eagerly under torch.compile. Dynamo breaks the graph at it,
+    with a reason that names `what` ("cp_attention runs") (fullgraph=True stops there), instead of tracing into the
+    communication and the DLPack exchange (Dynamo cannot build a constant of a DLDeviceType)."""
+    def wrap(fn):
+        disable = getattr(getattr(torch, "compiler", None), "disable", None)
+        if disable is None:  # torch < 2.1: nothing compiles
+            return fn
+        reason = (f"ctxpar's {what} eagerly (its communication is not traceable): the "
+                  "compiled function breaks its graph there; with fullgraph=True compile the "
+                  "parts around the attention instead")
+        try:
+            return disable(fn, reason=reason)
+        except TypeError:  # a torch.compiler.disable without reason=
+            return disable(fn)
+    return wrap
+
+
+@_no_compile("cp_attention runs")
 def cp_attention(q_local, k_local, v_local, comm, layout="zigzag", causal=False, *, mask=None,
                  strategy="ring", document_ids=None, positions=None, return_lse=False,
                  ulysses_degree=0, head_groups=0, threads=1, scale=None, bf16_tier="exact"):
@@ -112,8 +131,8 @@ def cp_attention(q_local, k_local, v_local, comm, layout="zigzag", causal=False,
 # the block began are not the block's (their recompute re-enters the block itself). A torch whose
 # checkpoint keeps that function elsewhere gets a refusal, never an SDPA on the shard.
 #
-# torch.compile: the routed SDPA is torch.compiler.disable'd, so Dynamo breaks the graph there and
-# runs it eagerly through the route; the rest of a compiled function stays compiled.
+# torch.compile: the routed SDPA and cp_attention are torch.compiler.disable'd, so Dynamo breaks
+# the graph there and runs them eagerly; the rest of a compiled function stays compiled.
 
 
 class _RouteAttention(torch.overrides.TorchFunctionMode):
@@ -218,21 +237,6 @@ _LOCAL_ATTENTION = ("_scaled_dot_product", "_native_multi_head_attention",
 _BHTD = ("batch B (dim 0)", "heads H (dim 1)", "sequence T (dim 2)", "head dim D (dim 3)")
 
 
-def _no_compile(fn):
-    """fn run eagerly by torch.compile: Dynamo breaks the graph at it, with a reason that names
-    the block (fullgraph=True stops there)."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    if disable is None:  # torch < 2.1: nothing compiles
-        return fn
-    reason = ("ctxpar's context_parallel runs scaled_dot_product_attention eagerly (its "
-              "communication is not traceable): the compiled function breaks its graph there; "
-              "with fullgraph=True compile the parts around the attention instead")
-    try:
-        return disable(fn, reason=reason)
-    except TypeError:  # a torch.compiler.disable without reason=
-        return disable(fn)
-
-
 def _op_name(func):
     """'aten::x' for torch.ops.aten.x (packet or overload), else the function's __name__."""
     schema = getattr(func, "_schema", None)
@@ -308,7 +312,7 @@ def _check_multi_head_attention(args, kwargs):
                          "sequence's positions); build the module with add_zero_attn=False")
 
 
-@_no_compile
+@_no_compile("context_parallel runs scaled_dot_product_attention")
 def _routed_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                  scale=None, enable_gqa=False):
     """F.scaled_dot_product_attention's signature ([B, H, Tl, D]) on cp_attention."""
