@@ -70,7 +70,7 @@ class CudaDevice final : public Device {
   // caller's: finish it before the first operation (the Python package synchronizes torch's
   // current stream), and read the results after synchronize() (which every Strategy forward
   // and backward ends with). docs/python.md, "CUDA tensors".
-  void adopt(void* p, size_t bytes);
+  bool adopt(void* p, size_t bytes) override;
 
   DeviceBuffer alloc(size_t bytes) override;
   DeviceBuffer upload(const void* host, size_t bytes) override;
@@ -85,32 +85,10 @@ class CudaDevice final : public Device {
   void barrier(Stream s, Communicator& comm) override;
   bool lends_sent_buffers(const Communicator&) const override { return false; }
   bool host_readable(const void* p) const override { return !on_device(p); }
+  // Its kernels do not check finiteness, and nothing reads the inputs on the host to do it.
+  DeviceCaps caps() const override { return {.finite_checks = false}; }
 
-  void forward_reset(Stream s, const ForwardStateView& state) override;
-  void forward_block(Stream s, const TensorView& q, const Tokens& q_tokens, const TensorView& k,
-                     const TensorView& v, const Tokens& k_tokens, const Mask& mask,
-                     const ForwardStateView& state, const KernelConfig& config) override;
-  void forward_finalize(Stream s, const ForwardStateView& state, const TensorView& out,
-                        const TensorView& lse, const KernelConfig& config) override;
-  void backward_delta(Stream s, const TensorView& out, const TensorView& dout,
-                      const TensorView& delta, const KernelConfig& config) override;
-  void backward_block(Stream s, const TensorView& q, const Tokens& q_tokens, const TensorView& k,
-                      const TensorView& v, const Tokens& k_tokens, const Mask& mask,
-                      const TensorView& dout, const TensorView& lse, const TensorView& delta,
-                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                      const KernelConfig& config) override;
-  void merge(Stream s, const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b,
-             const TensorView& lse_b) override;
-  void add(Stream s, const TensorView& x, const TensorView& y) override;
-  void copy(Stream s, const TensorView& src, const TensorView& dst) override;
-  void fill_zero(Stream s, const TensorView& t) override;
-  void pack_kv(Stream s, const TensorView& k, const TensorView& v, const Tokens& tokens,
-               bool documents, const TensorView& block_k, const TensorView& block_v,
-               std::byte* block_tokens) override;
-  void scatter_tokens(Stream s, const TensorView& src, const TensorView& dst,
-                      const TensorView& index) override;
-  void gather_tokens(Stream s, const TensorView& src, const TensorView& dst,
-                     const TensorView& index) override;
+  void run(Stream s, const Op& op) override;
 
  protected:
   void free(std::unique_ptr<DeviceBuffer::Storage> storage) override;
@@ -149,6 +127,20 @@ class CudaDevice final : public Device {
     std::vector<DeviceBuffer> temps_;
     std::vector<std::function<void()>> back_;
   };
+
+  // One case per operation of device_op.h (cuda_ops.cc).
+  void enqueue(Stream s, const op::ForwardReset& a);
+  void enqueue(Stream s, const op::ForwardBlock& a);
+  void enqueue(Stream s, const op::ForwardFinalize& a);
+  void enqueue(Stream s, const op::BackwardDelta& a);
+  void enqueue(Stream s, const op::BackwardBlock& a);
+  void enqueue(Stream s, const op::Merge& a);
+  void enqueue(Stream s, const op::Add& a);
+  void enqueue(Stream s, const op::Copy& a);
+  void enqueue(Stream s, const op::FillZero& a);
+  void enqueue(Stream s, const op::PackKv& a);
+  void enqueue(Stream s, const op::ScatterTokens& a);
+  void enqueue(Stream s, const op::GatherTokens& a);
 
   StreamHandle stream(Stream s) const { return streams_[s.index]; }
   Storage* storage_of(const void* p) const;  // the live allocation holding p, or null
@@ -246,9 +238,5 @@ class CudaDevice final : public Device {
   uint64_t recorded_[kStreams] = {};
   int64_t cudnn_blocks_ = 0, cudnn_calls_ = 0, fallback_blocks_ = 0, cudnn_refused_ = 0;
 };
-
-// A CudaDevice over a RecordingCudaApi (host memory, the fallback kernel's tile math, a log):
-// for tests only, never a user-visible device name (device::testing::set_cuda_factory).
-std::unique_ptr<Device> make_recording_cuda_device(int rank);
 
 }  // namespace ctxpar::cuda
