@@ -83,7 +83,7 @@ Problem<T> CudaDevice::problem(Scope& sc, const TensorView& q, const Tokens& qt,
   p.batch = q.dim(0), p.tq = q.dim(1), p.hq = q.dim(2), p.d = q.dim(3);
   p.tk = k.dim(1), p.hkv = k.dim(2), p.group = p.hq / p.hkv;
   p.scale = scale;
-  p.mask = rules_of(mask);
+  p.mask = mask;
   p.q_pos = sc.positions(qt, p.tq), p.k_pos = sc.positions(kt, p.tk);
   p.q_doc = sc.documents(qt, p.tq, mask.documents), p.k_doc = sc.documents(kt, p.tk, mask.documents);
   p.q_tiles = sc.tiles(p.q_pos, p.q_doc, p.tq, mask.documents);
