@@ -128,19 +128,10 @@ class CudaDevice final : public Device {
     std::vector<std::function<void()>> back_;
   };
 
-  // One case per operation of device_op.h (cuda_ops.cc).
-  void enqueue(Stream s, const op::ForwardReset& a);
-  void enqueue(Stream s, const op::ForwardBlock& a);
-  void enqueue(Stream s, const op::ForwardFinalize& a);
-  void enqueue(Stream s, const op::BackwardDelta& a);
-  void enqueue(Stream s, const op::BackwardBlock& a);
-  void enqueue(Stream s, const op::Merge& a);
-  void enqueue(Stream s, const op::Add& a);
-  void enqueue(Stream s, const op::Copy& a);
-  void enqueue(Stream s, const op::FillZero& a);
-  void enqueue(Stream s, const op::PackKv& a);
-  void enqueue(Stream s, const op::ScatterTokens& a);
-  void enqueue(Stream s, const op::GatherTokens& a);
+  // One specialisation per operation of device_op.h (cuda_ops.cc), for run(): its
+  // arguments checked, staged and launched.
+  template <class Args>
+  void enqueue(Stream s, const Args& a);
 
   StreamHandle stream(Stream s) const { return streams_[s.index]; }
   Storage* storage_of(const void* p) const;  // the live allocation holding p, or null

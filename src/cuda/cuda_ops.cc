@@ -57,10 +57,7 @@ void CudaDevice::host_block(Stream s, const TensorView& q, const Tokens& qt, con
           .flops;
 }
 
-void CudaDevice::run(Stream s, const Op& op) {
-  std::visit([&](const auto& a) { enqueue(s, a); }, op.args);
-}
-
+template <>
 void CudaDevice::enqueue(Stream s, const op::ForwardReset& a) {
   const ForwardStateView& state = a.state;
   before(s, {state.acc().data(), state.m().data(), state.l().data()});
@@ -100,6 +97,7 @@ void CudaDevice::forward_fallback(Stream s, Scope& sc, const TensorView& q, cons
   api_->forward(problem<T>(sc, q, qt, k, v, kt, mask, scale), st, stream(s));
 }
 
+template <>
 void CudaDevice::enqueue(Stream s, const op::ForwardBlock& a) {
   const TensorView &q = a.q, &k = a.k, &v = a.v;
   const Tokens &qt = a.q_tokens, &kt = a.k_tokens;
@@ -128,6 +126,7 @@ void CudaDevice::enqueue(Stream s, const op::ForwardBlock& a) {
   sc.finish();
 }
 
+template <>
 void CudaDevice::enqueue(Stream s, const op::ForwardFinalize& a) {
   const ForwardStateView& state = a.state;
   const TensorView &out = a.out, &lse = a.lse;
@@ -145,6 +144,7 @@ void CudaDevice::enqueue(Stream s, const op::ForwardFinalize& a) {
   sc.finish();
 }
 
+template <>
 void CudaDevice::enqueue(Stream s, const op::BackwardDelta& a) {
   const TensorView &out = a.out, &dout = a.dout, &delta = a.delta;
   kernel::check_activation("out", out, true);
@@ -178,6 +178,7 @@ void CudaDevice::backward_fallback(Stream s, Scope& sc, const TensorView& q, con
   api_->backward(p, rows, stream(s));
 }
 
+template <>
 void CudaDevice::enqueue(Stream s, const op::BackwardBlock& a) {
   const TensorView &q = a.q, &k = a.k, &v = a.v, &dout = a.dout, &lse = a.lse,
                    &delta = a.delta, &dq = a.dq, &dk = a.dk, &dv = a.dv;
@@ -221,6 +222,7 @@ void CudaDevice::enqueue(Stream s, const op::BackwardBlock& a) {
   sc.finish();
 }
 
+template <>
 void CudaDevice::enqueue(Stream s, const op::Merge& m) {
   const TensorView &o_a = m.o_a, &lse_a = m.lse_a, &o_b = m.o_b, &lse_b = m.lse_b;
   CTXPAR_CHECK(o_a.dtype() == DType::f32 && o_b.dtype() == DType::f32 && o_a.ndim() == 4 &&
@@ -236,6 +238,7 @@ void CudaDevice::enqueue(Stream s, const op::Merge& m) {
   sc.finish();
 }
 
+template <>
 void CudaDevice::enqueue(Stream s, const op::Add& a) {
   const TensorView &x = a.x, &y = a.y;
   CTXPAR_CHECK(x.dtype() == DType::f32 && y.dtype() == DType::f32 && x.shape() == y.shape(),
@@ -253,6 +256,7 @@ void CudaDevice::elementwise(Stream s, const TensorView& x, const TensorView& y,
   sc.finish();
 }
 
+template <>
 void CudaDevice::enqueue(Stream s, const op::Copy& a) {
   const TensorView &src = a.src, &dst = a.dst;
   CTXPAR_CHECK(src.shape() == dst.shape(), "copy: shape ", shape_str(src.shape()),
@@ -264,6 +268,7 @@ void CudaDevice::enqueue(Stream s, const op::Copy& a) {
   elementwise(s, src, dst, &CudaApi::copy);
 }
 
+template <>
 void CudaDevice::enqueue(Stream s, const op::FillZero& z) {
   const TensorView& t = z.t;
   before(s, {t.data()});
@@ -273,6 +278,7 @@ void CudaDevice::enqueue(Stream s, const op::FillZero& z) {
   sc.finish();
 }
 
+template <>
 void CudaDevice::enqueue(Stream s, const op::PackKv& a) {
   const TensorView &k = a.k, &v = a.v;
   const Tokens& tokens = a.tokens;
@@ -327,11 +333,18 @@ void CudaDevice::permute(Stream s, const TensorView& src, const TensorView& dst,
   sc.finish();
 }
 
+template <>
 void CudaDevice::enqueue(Stream s, const op::ScatterTokens& a) {
   permute(s, a.src, a.dst, a.index, true);
 }
+template <>
 void CudaDevice::enqueue(Stream s, const op::GatherTokens& a) {
   permute(s, a.src, a.dst, a.index, false);
+}
+
+// After every specialisation of enqueue: they are what it instantiates.
+void CudaDevice::run(Stream s, const Op& op) {
+  std::visit([&](const auto& a) { enqueue(s, a); }, op.args);
 }
 
 }  // namespace ctxpar::cuda

@@ -18,16 +18,14 @@ void HostDevice::busy(F&& f) {
   counters_.flops += ks.flops;
 }
 
-void HostDevice::run(Stream s, const Op& op) {
-  std::visit([&](const auto& a) { enqueue(s, a); }, op.args);
-}
-
+template <>
 void HostDevice::enqueue(Stream s, const op::ForwardReset& a) {
   const ForwardStateView state = a.state;
   submit(s, a.kName, {}, {state.acc(), state.m(), state.l()},
          [=] { host_forward_reset(state); });
 }
 
+template <>
 void HostDevice::enqueue(Stream s, const op::ForwardBlock& a) {
   submit(s, a.kName, {a.q, a.k, a.v}, {a.state.acc(), a.state.m(), a.state.l()}, [=, this] {
     busy([&] {
@@ -37,6 +35,7 @@ void HostDevice::enqueue(Stream s, const op::ForwardBlock& a) {
   });
 }
 
+template <>
 void HostDevice::enqueue(Stream s, const op::ForwardFinalize& a) {
   submit(s, a.kName, {a.state.acc(), a.state.m(), a.state.l()}, {a.out, a.lse}, [=, this] {
     busy([&] {
@@ -46,6 +45,7 @@ void HostDevice::enqueue(Stream s, const op::ForwardFinalize& a) {
   });
 }
 
+template <>
 void HostDevice::enqueue(Stream s, const op::BackwardDelta& a) {
   submit(s, a.kName, {a.out, a.dout}, {a.delta}, [=, this] {
     busy([&] {
@@ -55,6 +55,7 @@ void HostDevice::enqueue(Stream s, const op::BackwardDelta& a) {
   });
 }
 
+template <>
 void HostDevice::enqueue(Stream s, const op::BackwardBlock& a) {
   submit(s, a.kName, {a.q, a.k, a.v, a.dout, a.lse, a.delta}, {a.dq, a.dk, a.dv}, [=, this] {
     busy([&] {
@@ -64,23 +65,28 @@ void HostDevice::enqueue(Stream s, const op::BackwardBlock& a) {
   });
 }
 
+template <>
 void HostDevice::enqueue(Stream s, const op::Merge& a) {
   submit(s, a.kName, {a.o_a, a.lse_a, a.o_b, a.lse_b}, {a.o_a, a.lse_a},
          [=] { ctxpar::merge(a.o_a, a.lse_a, a.o_b, a.lse_b); });
 }
 
+template <>
 void HostDevice::enqueue(Stream s, const op::Add& a) {
   submit(s, a.kName, {a.x}, {a.y}, [=] { host_add(a.x, a.y); });
 }
 
+template <>
 void HostDevice::enqueue(Stream s, const op::Copy& a) {
   submit(s, a.kName, {a.src}, {a.dst}, [=] { copy_into(a.src, a.dst); });
 }
 
+template <>
 void HostDevice::enqueue(Stream s, const op::FillZero& a) {
   submit(s, a.kName, {}, {a.t}, [=] { host_fill_zero(a.t); });
 }
 
+template <>
 void HostDevice::enqueue(Stream s, const op::PackKv& a) {
   const size_t tb = size_t(a.k.dim(1)) * (8 + (a.documents ? 4 : 0));
   submit(s, a.kName, {a.k, a.v}, {a.block_k, a.block_v, bytes_view(a.block_tokens, tb)}, [=] {
@@ -88,14 +94,21 @@ void HostDevice::enqueue(Stream s, const op::PackKv& a) {
   });
 }
 
+template <>
 void HostDevice::enqueue(Stream s, const op::ScatterTokens& a) {
   submit(s, a.kName, {a.src, a.index}, {a.dst},
          [=] { host_scatter_tokens(a.src, a.dst, a.index); });
 }
 
+template <>
 void HostDevice::enqueue(Stream s, const op::GatherTokens& a) {
   submit(s, a.kName, {a.src, a.index}, {a.dst},
          [=] { host_gather_tokens(a.src, a.dst, a.index); });
+}
+
+// After every specialisation of enqueue: they are what it instantiates.
+void HostDevice::run(Stream s, const Op& op) {
+  std::visit([&](const auto& a) { enqueue(s, a); }, op.args);
 }
 
 }  // namespace ctxpar::device

@@ -55,19 +55,10 @@ class HostDevice : public Device {
   // Runs an attention operation (f returns its KernelStats), counting its time and FLOPs.
   template <typename F>
   void busy(F&& f);
-  // One case per operation of device_op.h: its host work and the memory it reads and writes.
-  void enqueue(Stream s, const op::ForwardReset& a);
-  void enqueue(Stream s, const op::ForwardBlock& a);
-  void enqueue(Stream s, const op::ForwardFinalize& a);
-  void enqueue(Stream s, const op::BackwardDelta& a);
-  void enqueue(Stream s, const op::BackwardBlock& a);
-  void enqueue(Stream s, const op::Merge& a);
-  void enqueue(Stream s, const op::Add& a);
-  void enqueue(Stream s, const op::Copy& a);
-  void enqueue(Stream s, const op::FillZero& a);
-  void enqueue(Stream s, const op::PackKv& a);
-  void enqueue(Stream s, const op::ScatterTokens& a);
-  void enqueue(Stream s, const op::GatherTokens& a);
+  // One specialisation per operation of device_op.h (host_device.cc), for run(): its
+  // host work and the memory it reads and writes.
+  template <class Args>
+  void enqueue(Stream s, const Args& a);
 };
 
 // The host work of the operations that are not attention kernels (host_ops.cc).
