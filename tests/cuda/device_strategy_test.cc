@@ -63,18 +63,8 @@ TEST(CudaDevice, Bf16BitwiseTheCpuScalarPathEveryStrategyLayoutMaskP) {
   every_strategy(DType::bf16);
 }
 
-// A cuda device that leaves out every wait of the compute stream for the comm stream, as a
-// strategy that forgot the wait for a received K/V block would.
-class DroppingCommWaits final : public ForwardingDevice {
- public:
-  using ForwardingDevice::ForwardingDevice;
-  void wait(Stream s, const Event& e) override {
-    if (s == kComputeStream && e.stream == kCommStream.index) return;
-    ForwardingDevice::wait(s, e);
-  }
-};
-
-// The ring on that device: the run does not throw, but the recording API's log shows a read of
+// The ring on a cuda device that leaves out the compute stream's waits for received blocks
+// (SkippingReceiveWaits): the run does not throw, but the recording API's log shows a read of
 // the comm stream's write with no wait in between.
 TEST(CudaDevice, RemovedWaitIsSeenInTheLog) {
   Problem pr;
@@ -85,10 +75,7 @@ TEST(CudaDevice, RemovedWaitIsSeenInTheLog) {
   opt.kind = StrategyKind::ring;
   RecordingCudaDevices devices;
   opt.device = devices.options();
-  opt.device.registry = opt.device.registry->with(
-      DeviceKind::cuda, [&devices](const DeviceOptions&, int rank) -> std::unique_ptr<Device> {
-        return std::make_unique<DroppingCommWaits>(devices.make(rank));
-      });
+  opt.device.registry = skipping_receive_waits(opt.device.registry, DeviceKind::cuda);
   run_sharded(pr, 2, LayoutKind::zigzag, opt);
   const std::string problems = devices.problems();
   EXPECT_NE(problems.find("with no wait in between"), std::string::npos) << problems;

@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdlib>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -49,5 +50,48 @@ class ForwardingDevice : public Device {
  private:
   std::unique_ptr<Device> inner_;
 };
+
+// A device that leaves out the compute stream's waits for the messages it received, as a
+// strategy that forgot to wait for a received K/V block would: a wait of the compute stream for
+// a comm-stream event that covers a recv() (and no all-to-all, whose chunks the cpu device only
+// lands at such a wait) is dropped; every other call goes through.
+class SkippingReceiveWaits final : public ForwardingDevice {
+ public:
+  using ForwardingDevice::ForwardingDevice;
+  DeviceBuffer recv(Stream s, Communicator& comm, size_t bytes, int peer, int tag) override {
+    if (s == kCommStream) received_ = true;
+    return ForwardingDevice::recv(s, comm, bytes, peer, tag);
+  }
+  void alltoall(Stream s, Communicator& comm, const DeviceBuffer& send, const DeviceBuffer& recv,
+                size_t chunk_bytes, int tag) override {
+    if (s == kCommStream) exchanged_ = true;
+    ForwardingDevice::alltoall(s, comm, send, recv, chunk_bytes, tag);
+  }
+  Event record(Stream s) override {
+    const Event e = ForwardingDevice::record(s);
+    if (s == kCommStream) {
+      if (received_ && !exchanged_) receive_events_.insert(e.seq);
+      received_ = exchanged_ = false;
+    }
+    return e;
+  }
+  void wait(Stream s, const Event& e) override {
+    if (s == kComputeStream && e.stream == kCommStream.index && receive_events_.count(e.seq))
+      return;
+    ForwardingDevice::wait(s, e);
+  }
+
+ private:
+  bool received_ = false, exchanged_ = false;  // on the comm stream since its last record
+  std::set<uint64_t> receive_events_;
+};
+
+// `base` with its devices of `kind` made behind SkippingReceiveWaits.
+inline std::shared_ptr<const DeviceRegistry> skipping_receive_waits(
+    std::shared_ptr<const DeviceRegistry> base, DeviceKind kind) {
+  return base->with(kind, [base](const DeviceOptions& o, int rank) -> std::unique_ptr<Device> {
+    return std::make_unique<SkippingReceiveWaits>(base->make(o, rank));
+  });
+}
 
 }  // namespace ctxpar::testing
