@@ -51,8 +51,11 @@ std::shared_ptr<const DeviceRegistry> DeviceRegistry::with(DeviceKind kind,
 
 std::unique_ptr<Device> DeviceRegistry::make(const DeviceOptions& options, int rank) const {
   const int kind = int(options.kind);
-  CTXPAR_CHECK(kind >= 0 && kind < kDeviceKinds && factories_[kind],
-               "no factory for device kind ", kind, " in this registry");
+  CTXPAR_CHECK(kind >= 0 && kind < kDeviceKinds, "device kind ", kind, " is not a DeviceKind");
+  CTXPAR_CHECK(factories_[kind], "this DeviceRegistry has no factory for device '",
+               device_name(options.kind), "': give it one with with(DeviceKind::",
+               device_name(options.kind), ", factory), or leave DeviceOptions::registry empty "
+               "for the built-in devices");
   return factories_[kind](options, rank);
 }
 
