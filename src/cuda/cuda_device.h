@@ -13,8 +13,8 @@
 //   Kernels: the fallback kernel (kernels.h) for every block; bf16 blocks of a shape cuDNN
 //     supports go to a CudnnAttention (injectable), one fused call at a time (fused_calls.h),
 //     their fp32 partials merged into the state / added into the gradients.
-//   Transfers: through the communicator's DeviceTransport on the stream's cudaStream_t where
-//     it has one (nccl); otherwise staged through host memory: a send copies the buffer to
+//   Transfers: through the communicator's DeviceTransport where it has one (device_transport.h:
+//     nccl on the stream's cudaStream_t, grouped; loopback at once); otherwise staged through host memory: a send copies the buffer to
 //     the host once the stream's earlier work is done (the host waits for it) and posts
 //     comm.isend; a receive posts comm.irecv at once and, before the next operation of its
 //     stream, waits for the message (the communicator's timeout names the peer) and copies it
@@ -192,7 +192,7 @@ class CudaDevice final : public Device {
   void permute(Stream s, const TensorView& src, const TensorView& dst, const TensorView& index,
                bool scatter);
 
-  // Sends and receives through a DeviceTransport (nccl) are held until the next other
+  // Sends and receives through a grouped DeviceTransport (nccl) are held until the next other
   // operation on their stream (or a free, or synchronize), which first posts them all as one
   // group (DeviceTransport::group_start / end), as NCCL needs: a ring step's receive and send
   // then progress together. Posted one by one, each rank's first transfer would wait for a
@@ -209,7 +209,7 @@ class CudaDevice final : public Device {
     Request request;
     Storage* into = nullptr;  // null once the buffer was freed
     size_t offset = 0;
-    std::function<void(bool)> complete;  // an ApiTransport's receive (then no request)
+    std::function<void(bool)> complete;  // an immediate DeviceTransport's (then no request)
   };
 
   std::shared_ptr<CudaApi> api_;
