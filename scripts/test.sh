@@ -30,9 +30,11 @@ stage setup bash scripts/setup.sh
 stage build env CTXPAR_SETUP_DONE=1 bash scripts/build.sh
 # The Python package ctxpar (docs/python.md): its library units are the Release build's, from
 # ccache (CMakeLists.txt gives both builds the same keys; the compiler must be the same path too:
-# scikit-build-core would take Python's own, g++, where the Release build has c++).
+# scikit-build-core would take Python's own, g++, where the Release build has c++). A test build:
+# with the extension's test hooks, which tests/python uses (python/bindings/testing.h).
 cxx=$(sed -n 's/^CMAKE_CXX_COMPILER:FILEPATH=//p' build/CMakeCache.txt)
-stage python-package env CXX="$cxx" .venv/bin/pip install -q --no-build-isolation .
+stage python-package env CXX="$cxx" .venv/bin/pip install -q --no-build-isolation \
+  -C cmake.define.CTXPAR_PYTHON_TESTING=ON .
 rc=0
 stage ctest run_ctest "$@" || rc=$?
 stage pytest run_pytest || rc=$?

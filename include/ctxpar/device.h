@@ -1,5 +1,5 @@
 // Devices: where a strategy's memory lives and its kernel operations and transfers run.
-// One interface, one file per device (src/device/cpu.cc, src/device/sim.cc; later cuda). A
+// One interface, one file per device (src/device/cpu.cc, src/device/sim.cc, src/cuda). A
 // strategy is written once against it: it allocates buffers, *enqueues* kernel operations
 // and transfers on streams, and says which stream waits for which (record / wait). See
 // docs/device.md (with a diagram).
@@ -13,7 +13,9 @@
 //         buffer another stream writes (or writes one it reads) with no wait in between is
 //         refused with an error naming both operations.
 //   Both are HostDevices (src/device/host_device.h): the kernel operations are written once,
-//   over one virtual run() that cpu calls inline and sim queues.
+//   as host work handed to one virtual that cpu calls inline and sim queues.
+//   cuda: on a GPU through the CUDA runtime, or in tests over a recording CUDA API on the host
+//         (src/cuda/cuda_device.h, docs/cuda.md).
 //
 // Rules for the code that enqueues (every device relies on them):
 //   - An operation reads and writes its views when it runs, not when it is enqueued: keep
@@ -42,9 +44,9 @@
 //     wait(s, e): the operations enqueued on s later start after e is done (it may block the
 //     host, as cpu's does, but need not). synchronize(): the host waits until every stream's
 //     work (transfers included) is done.
-//   - Kernel operations (the block below): arguments are taken by value at the call (views,
-//     Tokens spans, Mask, config: the caller may drop those objects at once, not the memory
-//     they point to). Views point into DeviceBuffers or the caller's memory; Tokens spans into
+//   - Kernel operations: run(s, op), one Op (device_op.h) whose arguments are taken by value
+//     (views, Tokens spans, Mask, config: the caller may drop those objects at once, not the
+//     memory they point to); a device has one case per argument struct. Views point into DeviceBuffers or the caller's memory; Tokens spans into
 //     the caller's host memory or into a DeviceBuffer (a travelling K/V block's positions); a
 //     device that cannot read one where it lies copies it itself. Results are bitwise those of
 //     kernel.h's functions on the same data, or within the accuracy tests' rule against the
@@ -56,6 +58,8 @@
 //     forward_block and backward_block; busy_seconds, the time of forward_block,
 //     forward_finalize, backward_delta and backward_block; wait_seconds, host time blocked
 //     waiting for the device or for transfers.
+//   - Optional members, defaulted: upload, host_readable, caps() (what the device can do:
+//     asked for instead of its name), adopt (the caller's device memory used in place).
 //   - Errors: a failed operation or transfer throws ctxpar::Error, from the call that enqueued
 //     it, from a later wait(), or at the latest from the next synchronize() (an asynchronous
 //     device names the operation and stream in it). After an error a device may drop its queued work (sim does, and then
@@ -64,11 +68,13 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "ctxpar/comm.h"
+#include "ctxpar/device_op.h"
 #include "ctxpar/kernel.h"
 #include "ctxpar/tensor.h"
 
@@ -138,20 +144,51 @@ struct DeviceCounters {
   double wait_seconds = 0;  // host time blocked waiting (cpu: transfers; sim: in synchronize)
 };
 
-// cuda: parsed so that the command can say why it cannot run (docs/cuda.md); no Device yet.
+// cuda: on this machine's GPU; where there is none, make_device says why (docs/cuda.md).
 enum class DeviceKind { cpu, sim, cuda };
+inline constexpr int kDeviceKinds = 3;
 const char* device_name(DeviceKind k);
 DeviceKind parse_device(const std::string& name);  // throws listing the valid names
 
+class DeviceRegistry;
 struct DeviceOptions {
   DeviceKind kind = DeviceKind::cpu;
   uint64_t sim_seed = 1;       // sim: seeds the random delay of every operation
   int sim_max_delay_us = 200;  // sim: each operation waits 0..this many microseconds first
   int cuda_index = -1;         // cuda: the GPU; -1: LOCAL_RANK when set, else rank % GPUs
+  // Where the device of `kind` comes from; null: DeviceRegistry::builtin().
+  std::shared_ptr<const DeviceRegistry> registry;
 };
 
-// The device of one rank (each rank has its own: a sim device has its own worker threads).
+// The device of one rank (each rank has its own: a sim device has its own worker threads),
+// made by options.registry's factory for options.kind.
 std::unique_ptr<Device> make_device(const DeviceOptions& options, int rank);
+
+// How a device of one kind is made for one rank.
+using DeviceFactory = std::function<std::unique_ptr<Device>(const DeviceOptions&, int rank)>;
+
+// The factories of the device kinds (ggml's backend registry, small). builtin() makes cpu, sim
+// and cuda (on this machine's GPU). A caller that wants other devices of a kind (a test: cuda
+// devices over the recording CUDA API) makes a registry with(kind, its factory) and hands it in
+// DeviceOptions::registry: nothing process-wide changes, and only the calls given it see it.
+class DeviceRegistry {
+ public:
+  static const std::shared_ptr<const DeviceRegistry>& builtin();
+  // A copy of this registry whose `kind` is made by `factory`.
+  std::shared_ptr<const DeviceRegistry> with(DeviceKind kind, DeviceFactory factory) const;
+  std::unique_ptr<Device> make(const DeviceOptions& options, int rank) const;
+
+ private:
+  DeviceFactory factories_[kDeviceKinds];
+};
+
+// What a device can do, for the code that would otherwise ask for its name.
+struct DeviceCaps {
+  // The host reads a call's inputs to refuse NaN / Inf naming the element (the kernel's checks,
+  // the KV cache's door). False where the device reads no input data on the host (cuda: its
+  // kernels do not check finiteness, docs/cuda.md).
+  bool finite_checks = true;
+};
 
 class Device {
  public:
@@ -200,47 +237,65 @@ class Device {
   // cuda device's adopted CUDA tensors): the checks then read a copy the device makes.
   virtual bool host_readable(const void* p) const { return true; }
 
-  // ---- kernel operations (see kernel.h for shapes) --------------------------------------
-  // state: m = -inf, l = 0, acc = 0 (ForwardState::reset).
-  virtual void forward_reset(Stream s, const ForwardStateView& state) = 0;
-  // attention_forward_block / _finalize of kernel.h on a state in device memory.
-  virtual void forward_block(Stream s, const TensorView& q, const Tokens& q_tokens,
-                             const TensorView& k, const TensorView& v, const Tokens& k_tokens,
-                             const Mask& mask, const ForwardStateView& state,
-                             const KernelConfig& config) = 0;
-  virtual void forward_finalize(Stream s, const ForwardStateView& state, const TensorView& out,
-                                const TensorView& lse, const KernelConfig& config) = 0;
-  virtual void backward_delta(Stream s, const TensorView& out, const TensorView& dout,
-                              const TensorView& delta, const KernelConfig& config) = 0;
-  virtual void backward_block(Stream s, const TensorView& q, const Tokens& q_tokens,
-                              const TensorView& k, const TensorView& v, const Tokens& k_tokens,
-                              const Mask& mask, const TensorView& dout, const TensorView& lse,
-                              const TensorView& delta, const TensorView& dq, const TensorView& dk,
-                              const TensorView& dv, const KernelConfig& config) = 0;
-  // (o_a, lse_a) <- the log-sum-exp merge of two partial results of the same queries over
-  // disjoint key sets, in place, bitwise kernel.h's merge(): inference's pass-Q prefill merges
-  // the partials that come home in rank order (src/inference/prefill.cc).
-  virtual void merge(Stream s, const TensorView& o_a, const TensorView& lse_a,
-                     const TensorView& o_b, const TensorView& lse_b) = 0;
-  // y += x, fp32, same shape, element by element in index order (bitwise stable).
-  virtual void add(Stream s, const TensorView& x, const TensorView& y) = 0;
-  // copy_into (any strides, fp32 <-> bf16).
-  virtual void copy(Stream s, const TensorView& src, const TensorView& dst) = 0;
-  virtual void fill_zero(Stream s, const TensorView& t) = 0;
-  // A travelling K/V block: [k | v | positions | documents] into `block` (KvPacking layout:
-  // k, v [B, T, H, D] in their dtype, then T int64 positions, then T int32 document ids when
-  // `documents`).
-  virtual void pack_kv(Stream s, const TensorView& k, const TensorView& v, const Tokens& tokens,
-                       bool documents, const TensorView& block_k, const TensorView& block_v,
-                       std::byte* block_tokens) = 0;
-  // Token permutations along the token axis (dim 1 of [B, T, H, D], dim 2 of [B, H, T]);
-  // `index` is an int64 view of src's token count:
-  //   scatter_tokens: dst[.., index[i], ..] = src[.., i, ..]
-  //   gather_tokens:  dst[.., i, ..] = src[.., index[i], ..]
-  virtual void scatter_tokens(Stream s, const TensorView& src, const TensorView& dst,
-                              const TensorView& index) = 0;
-  virtual void gather_tokens(Stream s, const TensorView& src, const TensorView& dst,
-                             const TensorView& index) = 0;
+  // ---- capabilities and optional members (asked for, never inferred from name()) ----------
+  virtual DeviceCaps caps() const { return {}; }
+  // The caller's device memory [p, p + bytes) (a CUDA tensor handed in through DLPack), used in
+  // place until the device ends, never freed by it. False (and nothing done) where the device
+  // cannot (the default): the caller then hands it host memory instead.
+  virtual bool adopt(void* p, size_t bytes) { return false; }
+
+  // ---- kernel operations: ops as data (device_op.h; kernel.h for shapes) -----------------
+  // Enqueues `op` on s: the one virtual of the kernel operations. The helpers below build the
+  // op from the arguments and call it.
+  virtual void run(Stream s, const Op& op) = 0;
+  void forward_reset(Stream s, const ForwardStateView& state) {
+    run(s, {op::ForwardReset{state}});
+  }
+  void forward_block(Stream s, const TensorView& q, const Tokens& q_tokens, const TensorView& k,
+                     const TensorView& v, const Tokens& k_tokens, const Mask& mask,
+                     const ForwardStateView& state, const KernelConfig& config) {
+    run(s, {op::ForwardBlock{q, q_tokens, k, v, k_tokens, mask, state, config}});
+  }
+  void forward_finalize(Stream s, const ForwardStateView& state, const TensorView& out,
+                        const TensorView& lse, const KernelConfig& config) {
+    run(s, {op::ForwardFinalize{state, out, lse, config}});
+  }
+  void backward_delta(Stream s, const TensorView& out, const TensorView& dout,
+                      const TensorView& delta, const KernelConfig& config) {
+    run(s, {op::BackwardDelta{out, dout, delta, config}});
+  }
+  void backward_block(Stream s, const TensorView& q, const Tokens& q_tokens, const TensorView& k,
+                      const TensorView& v, const Tokens& k_tokens, const Mask& mask,
+                      const TensorView& dout, const TensorView& lse, const TensorView& delta,
+                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                      const KernelConfig& config) {
+    run(s, {op::BackwardBlock{q, q_tokens, k, v, k_tokens, mask, dout, lse, delta, dq, dk, dv,
+                              config}});
+  }
+  // Inference's pass-Q prefill merges the partials that come home in rank order
+  // (src/inference/prefill.cc).
+  void merge(Stream s, const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b,
+             const TensorView& lse_b) {
+    run(s, {op::Merge{o_a, lse_a, o_b, lse_b}});
+  }
+  void add(Stream s, const TensorView& x, const TensorView& y) { run(s, {op::Add{x, y}}); }
+  void copy(Stream s, const TensorView& src, const TensorView& dst) {
+    run(s, {op::Copy{src, dst}});
+  }
+  void fill_zero(Stream s, const TensorView& t) { run(s, {op::FillZero{t}}); }
+  void pack_kv(Stream s, const TensorView& k, const TensorView& v, const Tokens& tokens,
+               bool documents, const TensorView& block_k, const TensorView& block_v,
+               std::byte* block_tokens) {
+    run(s, {op::PackKv{k, v, tokens, documents, block_k, block_v, block_tokens}});
+  }
+  void scatter_tokens(Stream s, const TensorView& src, const TensorView& dst,
+                      const TensorView& index) {
+    run(s, {op::ScatterTokens{src, dst, index}});
+  }
+  void gather_tokens(Stream s, const TensorView& src, const TensorView& dst,
+                     const TensorView& index) {
+    run(s, {op::GatherTokens{src, dst, index}});
+  }
 
   DeviceCounters counters() const { return counters_; }
 

@@ -13,11 +13,13 @@
 
 #include "communicator.h"
 #include "ctxpar/device.h"
-#include "cuda/external.h"
 #include "ctxpar/layout.h"
 #include "ctxpar/reference.h"
 #include "ctxpar/strategy.h"
 #include "ctxpar/threads_run.h"
+#ifdef CTXPAR_PYTHON_TESTING
+#include "testing.h"
+#endif
 
 namespace ctxpar::python {
 namespace {
@@ -137,8 +139,20 @@ void whole_backward(const ReadArray& q, const ReadArray& k, const ReadArray& v,
   run_whole(ranks, args, w, false);
 }
 
+// The cuda device of CUDA tensors on GPU `cuda_index`: the built-in one, or in a test build
+// the recording one a test turned on (testing.h).
+DeviceOptions cuda_device_options(int cuda_index) {
+  DeviceOptions d;
+  d.kind = DeviceKind::cuda;
+  d.cuda_index = cuda_index;
+#ifdef CTXPAR_PYTHON_TESTING
+  d.registry = testing::device_registry();
+#endif
+  return d;
+}
+
 // This rank's strategy: on the CPU device, or (cuda_index >= 0: every tensor is on that CUDA
-// device) on a cuda device that uses the tensors' memory in place (cuda::adopt; no staging,
+// device) on a cuda device that uses the tensors' memory in place (Device::adopt; no staging,
 // never freed by it). Order with the caller's stream: the Python side synchronizes torch's
 // current stream before the call, and every forward / backward ends with the device's
 // synchronize, so the results are complete when this returns.
@@ -146,14 +160,13 @@ std::unique_ptr<Strategy> rank_strategy(Communicator& comm, StrategyOptions opti
                                         int cuda_index,
                                         std::initializer_list<TensorView> tensors) {
   if (cuda_index < 0) return Strategy::create(comm, options);
-  options.device.kind = DeviceKind::cuda;
-  options.device.cuda_index = cuda_index;
+  options.device = cuda_device_options(cuda_index);
   std::unique_ptr<Device> device = make_device(options.device, comm.rank());
   for (const TensorView& t : tensors) {
     if (t.empty()) continue;
     int64_t last = 0;
     for (int i = 0; i < t.ndim(); ++i) last += (t.dim(i) - 1) * t.stride(i);
-    const bool adopted = cuda::adopt(*device, t.data(), size_t(last + 1) * dtype_size(t.dtype()));
+    const bool adopted = device->adopt(t.data(), size_t(last + 1) * dtype_size(t.dtype()));
     CTXPAR_CHECK(adopted, "cuda_index ", cuda_index, ": make_device(cuda) made a ",
                  device->name(), " device");
   }
@@ -241,61 +254,37 @@ std::vector<int64_t> layout_positions(const std::string& layout, int64_t tokens,
 
 // Why the cuda device cannot take this process's CUDA tensors ("" when it can): ctxpar.attention
 // routes tensors whose DLPack device is kDLCUDA there (python/ctxpar/_arrays.py).
-bool recording_cuda = false;  // _testing_cuda_recording(True): the cuda device is a test's
-
 std::string cuda_unavailable() {
+  const DeviceOptions options = cuda_device_options(-1);
 #ifndef CTXPAR_PYTHON_CUDA
-  if (!recording_cuda)
+  if (!options.registry)
     return "this ctxpar was built without CUDA: nvcc was not found when the package was built "
            "(pyproject.toml's CTXPAR_CUDA=AUTO), or it was built with CTXPAR_CUDA=OFF "
            "(docs/cuda.md); move the tensors to the CPU with .cpu(), or rebuild it where nvcc "
            "is found (pip install . with the CUDA toolkit on PATH or CUDA_HOME set)";
 #endif
-  auto probe = [] {
+  auto probe = [&options] {
     try {
-      DeviceOptions options;
-      options.kind = DeviceKind::cuda;
       make_device(options, 0);
       return std::string();
     } catch (const Error& e) {
       return std::string(e.what());  // e.g. "no CUDA device found: ..." (src/cuda/runtime.h)
     }
   };
-  if (recording_cuda) return probe();
+  if (options.registry) return probe();
   // The GPU's answer does not change within a process: asked once, not by a throwaway device
   // on every call with CUDA tensors (the GIL serialises the first call).
   static const std::string gpu = probe();
   return gpu;
 }
 
-// Tests only: the cuda device over RecordingCudaApi (host memory labelled as device memory),
-// and what each such device's log showed when it ended.
-void testing_cuda_recording(bool on) {
-  cuda::testing::use_recording_devices(on);
-  recording_cuda = on;
-}
-
-nb::list testing_cuda_reports() {
-  nb::list out;
-  for (const auto& r : cuda::testing::take_recording_reports()) {
-    nb::dict d;
-    d["violations"] = r.violations;
-    d["live"] = r.live, d["host_live"] = r.host_live;
-    d["adopts"] = r.adopts, d["releases"] = r.releases, d["ops"] = r.ops;
-    out.append(d);
-  }
-  return out;
-}
-
 }  // namespace
 
 void bind_attention(nb::module_& m) {
   m.def("_cuda_unavailable", &cuda_unavailable);
-  m.def("_testing_cuda_recording", &testing_cuda_recording, nb::arg("on"),
-        "Test-only: make_device(cuda) makes cuda devices over the recording CUDA API (host "
-        "memory), on or off.");
-  m.def("_testing_cuda_reports", &testing_cuda_reports,
-        "Test-only: the logs' verdicts of the recording cuda devices ended since the last call.");
+#ifdef CTXPAR_PYTHON_TESTING
+  testing::bind(m);
+#endif
   // Keyword arguments shared by every entry point (the Python layer passes all of them).
   auto job_args = [](const std::string& strategy, const std::string& layout,
                      const std::string& mask, std::optional<ReadArray> positions,

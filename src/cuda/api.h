@@ -19,7 +19,7 @@
 
 #include "cuda/tile_math.cuh"
 
-// Whether the CUDA runtime's headers are here (the cuDNN path and DeviceTransport need
+// Whether the CUDA runtime's headers are here (the cuDNN path and the nccl transport need
 // cudaStream_t); without them the device is built without those paths. CTXPAR_NO_CUDA_HEADERS
 // builds as if they were missing (to check that build on a machine that has them).
 #if !defined(CTXPAR_NO_CUDA_HEADERS) && __has_include(<cuda_runtime_api.h>)

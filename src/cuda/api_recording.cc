@@ -9,6 +9,7 @@
 #include <initializer_list>
 
 #include "ctxpar/error.h"
+#include "device/race_checker.h"
 
 namespace ctxpar::cuda {
 
@@ -23,7 +24,7 @@ struct EventTag {
   bool recorded = false;
   int stream = -1;
   uint64_t seq = 0;
-  std::vector<uint64_t> clock;
+  device::RaceChecker::Clock clock;
 };
 
 namespace {
@@ -33,30 +34,14 @@ struct Use {
   bool write;
 };
 
-struct Alloc {
-  size_t bytes = 0;
-  bool alive = true;
-  bool external = false;                  // adopted: the caller's memory
-  int stream = 0;
-  uint64_t seq = 0;                       // the malloc's point on `stream`
-  std::vector<uint64_t> last_read, last_write;  // per stream, 0 = never
-};
-
-void merge_clock(std::vector<uint64_t>& into, const std::vector<uint64_t>& from) {
-  if (into.size() < from.size()) into.resize(from.size(), 0);
-  for (size_t i = 0; i < from.size(); ++i) into[i] = std::max(into[i], from[i]);
-}
-
 }  // namespace
 
 struct RecordingCudaApi::Impl {
   mutable std::mutex mu;
   std::vector<std::unique_ptr<StreamTag>> streams;
-  std::vector<std::vector<uint64_t>> clocks;  // per stream: what it has waited for
   std::vector<uint64_t> seqs;                 // per stream: operations so far
-  std::vector<uint64_t> host;                 // what the host has synchronised with
   std::vector<std::unique_ptr<EventTag>> events;
-  std::map<uintptr_t, Alloc> allocs;          // by start address; freed ones stay (quarantine)
+  device::RaceChecker races{0};               // allocations, by start; freed ones stay
   std::vector<void*> memory;                  // every block, released at destruction
   size_t host_live = 0;
   std::vector<Entry> log;
@@ -82,62 +67,39 @@ struct RecordingCudaApi::Impl {
       violations.push_back(std::string("'") + what + "' on stream " + std::to_string(s->id) +
                            " after its destroy");
   }
-
-  Alloc* find(const void* p, uintptr_t* base = nullptr) {
-    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-    auto it = allocs.upper_bound(a);
-    if (it == allocs.begin()) return nullptr;
-    --it;
-    if (a >= it->first + std::max<size_t>(it->second.bytes, 1)) return nullptr;
-    if (base) *base = it->first;
-    return &it->second;
+  // The checker's verdict on one use of operation `name` on stream s, as violations.
+  void report(const char* name, int s, bool write, const device::RaceChecker::Verdict& v) {
+    char where[64];
+    std::snprintf(where, sizeof where, "allocation %#lx", (unsigned long)v.start);
+    const std::string on = std::string("'") + name + "' on stream " + std::to_string(s);
+    if (v.freed) {
+      violations.push_back(on + " uses freed memory (" + where + ")");
+      return;
+    }
+    if (v.unordered)
+      violations.push_back(on + " uses " + where + " before its allocation on stream " +
+                           std::to_string(v.allocation->stream) + " is ordered before it");
+    for (const device::RaceChecker::Race& r : v.races)
+      violations.push_back(
+          r.write ? on + (write ? " writes " : " reads ") + where + " that stream " +
+                        std::to_string(r.stream) + " writes (op " + std::to_string(r.last) +
+                        ") with no wait in between"
+                  : on + " writes " + where + " that stream " + std::to_string(r.stream) +
+                        " still reads (op " + std::to_string(r.last) + ")");
   }
-  uint64_t covered(int s, int t) const {
-    const auto& c = clocks[size_t(s)];
-    return size_t(t) < c.size() ? c[size_t(t)] : 0;
-  }
-  // Enqueues operation `op` on stream s: checks its uses against the clocks and records them.
+  // Enqueues operation `op` on stream s: checks its uses against the clocks and notes them.
   void op(const char* name, StreamHandle sh, std::initializer_list<Use> uses,
           const void* ptr = nullptr, size_t bytes = 0) {
     maybe_fail(name);
     check_live(name, sh);
     const int s = sh->id;
-    merge_clock(clocks[size_t(s)], host);
     const uint64_t seq = ++seqs[size_t(s)];
-    clocks[size_t(s)][size_t(s)] = seq;
     for (const Use& u : uses) {
       if (!u.p) continue;
-      uintptr_t base = 0;
-      Alloc* a = find(u.p, &base);
-      if (!a) continue;  // host memory: the host's own business
-      char where[64];
-      std::snprintf(where, sizeof where, "allocation %#lx", (unsigned long)base);
-      if (!a->alive) {
-        violations.push_back(std::string("'") + name + "' on stream " + std::to_string(s) +
-                             " uses freed memory (" + where + ")");
-        continue;
-      }
-      if (a->stream != s && covered(s, a->stream) < a->seq)
-        violations.push_back(std::string("'") + name + "' on stream " + std::to_string(s) +
-                             " uses " + where + " before its allocation on stream " +
-                             std::to_string(a->stream) + " is ordered before it");
-      for (size_t t = 0; t < seqs.size(); ++t) {
-        if (int(t) == s) continue;
-        const uint64_t w = t < a->last_write.size() ? a->last_write[t] : 0;
-        const uint64_t r = t < a->last_read.size() ? a->last_read[t] : 0;
-        if (w > covered(s, int(t)))
-          violations.push_back(std::string("'") + name + "' on stream " + std::to_string(s) +
-                               (u.write ? " writes " : " reads ") + where + " that stream " +
-                               std::to_string(t) + " writes (op " + std::to_string(w) +
-                               ") with no wait in between");
-        if (u.write && r > covered(s, int(t)))
-          violations.push_back(std::string("'") + name + "' on stream " + std::to_string(s) +
-                               " writes " + where + " that stream " + std::to_string(t) +
-                               " still reads (op " + std::to_string(r) + ")");
-      }
-      auto& v = u.write ? a->last_write : a->last_read;
-      if (v.size() <= size_t(s)) v.resize(size_t(s) + 1, 0);
-      v[size_t(s)] = seq;
+      const device::RaceChecker::Verdict v = races.check(s, u.p, u.write);
+      if (!v.allocation) continue;  // host memory: the host's own business
+      report(name, s, u.write, v);
+      races.note(s, seq, name, u.p, u.write);
     }
     log.push_back(Entry{name, s, seq, -1, -1, 0, ptr, bytes});
   }
@@ -152,10 +114,9 @@ RecordingCudaApi::~RecordingCudaApi() {
 StreamHandle RecordingCudaApi::stream_create() {
   std::lock_guard<std::mutex> l(impl_->mu);
   auto s = std::make_unique<StreamTag>();
-  s->id = int(impl_->streams.size());
+  s->id = impl_->races.add_stream();
   impl_->streams.push_back(std::move(s));
   impl_->seqs.push_back(0);
-  impl_->clocks.emplace_back(impl_->streams.size(), 0);
   return impl_->streams.back().get();
 }
 void RecordingCudaApi::stream_destroy(StreamHandle s) {
@@ -169,9 +130,9 @@ void RecordingCudaApi::stream_synchronize(StreamHandle s) {
   std::lock_guard<std::mutex> l(impl_->mu);
   impl_->maybe_fail("stream_synchronize");
   impl_->check_live("stream_synchronize", s);
-  auto& h = impl_->host;
-  if (h.size() <= size_t(s->id)) h.resize(size_t(s->id) + 1, 0);
-  h[size_t(s->id)] = std::max(h[size_t(s->id)], impl_->seqs[size_t(s->id)]);
+  device::RaceChecker::Clock seen(impl_->seqs.size(), 0);
+  seen[size_t(s->id)] = impl_->seqs[size_t(s->id)];
+  impl_->races.host_wait(seen);
   impl_->log.push_back(Entry{"stream_synchronize", s->id, impl_->seqs[size_t(s->id)]});
 }
 EventHandle RecordingCudaApi::event_create(bool) {
@@ -194,14 +155,11 @@ void RecordingCudaApi::event_record(EventHandle e, StreamHandle s) {
   impl_->maybe_fail("record");
   impl_->check_live("record", e);
   impl_->check_live("record", s);
-  merge_clock(impl_->clocks[size_t(s->id)], impl_->host);
   e->recorded = true;
   e->at = std::chrono::steady_clock::now();
   e->stream = s->id;
   e->seq = impl_->seqs[size_t(s->id)];
-  e->clock = impl_->clocks[size_t(s->id)];
-  if (e->clock.size() <= size_t(s->id)) e->clock.resize(size_t(s->id) + 1, 0);
-  e->clock[size_t(s->id)] = e->seq;
+  e->clock = impl_->races.event_clock(s->id, e->seq);
   impl_->log.push_back(Entry{"record", s->id, e->seq, e->id, s->id, e->seq});
 }
 void RecordingCudaApi::stream_wait_event(StreamHandle s, EventHandle e) {
@@ -209,7 +167,7 @@ void RecordingCudaApi::stream_wait_event(StreamHandle s, EventHandle e) {
   impl_->maybe_fail("wait");
   impl_->check_live("wait", e);
   impl_->check_live("wait", s);
-  if (e->recorded) merge_clock(impl_->clocks[size_t(s->id)], e->clock);
+  if (e->recorded) impl_->races.wait(s->id, e->clock);
   impl_->log.push_back(Entry{"wait", s->id, impl_->seqs[size_t(s->id)], e->id, e->stream, e->seq});
 }
 bool RecordingCudaApi::event_query(EventHandle e) {  // everything ran at once
@@ -220,7 +178,7 @@ bool RecordingCudaApi::event_query(EventHandle e) {  // everything ran at once
 void RecordingCudaApi::event_synchronize(EventHandle e) {
   std::lock_guard<std::mutex> l(impl_->mu);
   impl_->check_live("event_synchronize", e);
-  if (e->recorded) merge_clock(impl_->host, e->clock);
+  if (e->recorded) impl_->races.host_wait(e->clock);
   impl_->log.push_back(Entry{"event_synchronize", -1, 0, e->id, e->stream, e->seq});
 }
 // Work runs at once, so the host time between two records is the time of what ran between.
@@ -242,63 +200,56 @@ void* RecordingCudaApi::malloc_async(size_t bytes, StreamHandle s) {
   impl_->memory.push_back(p);
   std::memset(p, 0xff, std::max<size_t>(bytes, 1));  // uninitialised: NaN
   impl_->op("malloc", s, {}, p, bytes);
-  Alloc a;
-  a.bytes = bytes;
-  a.stream = s->id;
-  a.seq = impl_->seqs[size_t(s->id)];
-  impl_->allocs[reinterpret_cast<uintptr_t>(p)] = a;
+  impl_->races.add(p, bytes, s->id, impl_->seqs[size_t(s->id)]);
   return p;
 }
 void RecordingCudaApi::free_async(void* p, StreamHandle s) {
   std::lock_guard<std::mutex> l(impl_->mu);
-  Alloc* a = impl_->find(p);
-  if (!a || !a->alive) {
+  uintptr_t start = 0;
+  const device::RaceChecker::Allocation* a = impl_->races.find(p, &start);
+  if (!a || a->freed) {
     impl_->violations.push_back("free of memory that is not a live allocation");
     return;
   }
-  if (a->external) {
+  if (a->adopted) {
     impl_->violations.push_back("free of the caller's memory (adopted, never the device's)");
     return;
   }
-  impl_->op("free", s, {{p, true}}, p, a->bytes);  // a free is the last write
-  a->alive = false;
-  std::memset(p, 0xff, a->bytes);
+  const size_t bytes = a->bytes;
+  impl_->op("free", s, {{p, true}}, p, bytes);  // a free is the last write
+  impl_->races.freed(reinterpret_cast<void*>(start));
+  std::memset(p, 0xff, bytes);
 }
 void RecordingCudaApi::adopt(void* p, size_t bytes) {
   std::lock_guard<std::mutex> l(impl_->mu);
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  auto next = impl_->allocs.lower_bound(a);
-  if (impl_->find(p) || (next != impl_->allocs.end() && next->first < a + bytes)) {
+  const auto& allocations = impl_->races.allocations();
+  auto next = allocations.lower_bound(a);
+  if (impl_->races.find(p) || (next != allocations.end() && next->first < a + bytes)) {
     impl_->violations.push_back("adopt of memory that overlaps an allocation or adopted range");
     return;
   }
-  Alloc al;  // stream 0, point 0: ordered before every stream's first operation
-  al.bytes = bytes;
-  al.external = true;
-  impl_->allocs[a] = al;
+  // Allocated on no stream: ordered before every stream's first operation.
+  impl_->races.add(p, bytes, -1, 0, /*adopted=*/true);
   impl_->log.push_back(Entry{"adopt", -1, 0, -1, -1, 0, p, bytes});
 }
 void RecordingCudaApi::release(void* p) {
   std::lock_guard<std::mutex> l(impl_->mu);
-  auto it = impl_->allocs.find(reinterpret_cast<uintptr_t>(p));
-  if (it == impl_->allocs.end() || !it->second.external) {
+  const auto& allocations = impl_->races.allocations();
+  auto it = allocations.find(reinterpret_cast<uintptr_t>(p));
+  if (it == allocations.end() || !it->second.adopted) {
     impl_->violations.push_back("release of memory that was not adopted");
     return;
   }
-  const Alloc& a = it->second;
-  const auto& h = impl_->host;
-  for (size_t t = 0; t < impl_->seqs.size(); ++t) {
-    const uint64_t seen = t < h.size() ? h[t] : 0;
-    const uint64_t w = t < a.last_write.size() ? a.last_write[t] : 0;
-    const uint64_t r = t < a.last_read.size() ? a.last_read[t] : 0;
-    if (std::max(w, r) > seen)
+  const device::RaceChecker::Clock unseen = impl_->races.unseen_by_host(p);
+  for (size_t t = 0; t < unseen.size(); ++t)
+    if (unseen[t])
       impl_->violations.push_back("the caller's memory is handed back while stream " +
                                   std::to_string(t) + " still uses it (op " +
-                                  std::to_string(std::max(w, r)) +
+                                  std::to_string(unseen[t]) +
                                   ") with no synchronisation in between");
-  }
-  impl_->log.push_back(Entry{"release", -1, 0, -1, -1, 0, p, a.bytes});
-  impl_->allocs.erase(it);
+  impl_->log.push_back(Entry{"release", -1, 0, -1, -1, 0, p, it->second.bytes});
+  impl_->races.forget(p);
 }
 void* RecordingCudaApi::host_alloc(size_t bytes) {
   std::lock_guard<std::mutex> l(impl_->mu);
@@ -320,10 +271,10 @@ void RecordingCudaApi::memcpy_async(void* dst, const void* src, size_t bytes, Co
   impl_->op(name, s, {{src, false}, {dst, true}}, dst, bytes);
   // The caller's device memory taken for host memory (staged instead of used in place): on a
   // GPU the runtime would refuse the copy, or the host would read a device address.
-  const Alloc* from = impl_->find(src);
-  const Alloc* to = impl_->find(dst);
-  if ((kind == CopyKind::host_to_device && from && from->external) ||
-      (kind == CopyKind::device_to_host && to && to->external))
+  const device::RaceChecker::Allocation* from = impl_->races.find(src);
+  const device::RaceChecker::Allocation* to = impl_->races.find(dst);
+  if ((kind == CopyKind::host_to_device && from && from->adopted) ||
+      (kind == CopyKind::device_to_host && to && to->adopted))
     impl_->violations.push_back(std::string("'") + name + "' on stream " +
                                 std::to_string(s->id) +
                                 " treats the caller's device memory (adopted) as host memory");
@@ -509,13 +460,13 @@ size_t RecordingCudaApi::live_streams() const {
 size_t RecordingCudaApi::live_allocations() const {
   std::lock_guard<std::mutex> l(impl_->mu);
   size_t n = 0;
-  for (const auto& [p, a] : impl_->allocs) n += a.alive && !a.external;
+  for (const auto& [p, a] : impl_->races.allocations()) n += !a.freed && !a.adopted;
   return n;
 }
 size_t RecordingCudaApi::adopted() const {
   std::lock_guard<std::mutex> l(impl_->mu);
   size_t n = 0;
-  for (const auto& [p, a] : impl_->allocs) n += a.external;
+  for (const auto& [p, a] : impl_->races.allocations()) n += a.adopted;
   return n;
 }
 size_t RecordingCudaApi::live_host_allocations() const {
@@ -524,7 +475,7 @@ size_t RecordingCudaApi::live_host_allocations() const {
 }
 bool RecordingCudaApi::is_device_memory(const void* p) const {
   std::lock_guard<std::mutex> l(impl_->mu);
-  return impl_->find(p) != nullptr;
+  return impl_->races.find(p) != nullptr;
 }
 
 }  // namespace ctxpar::cuda

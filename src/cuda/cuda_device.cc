@@ -60,8 +60,8 @@ void CudaDevice::destroy_event(EventHandle e) noexcept {
   }
 }
 
-void CudaDevice::adopt(void* p, size_t bytes) {
-  if (!p || !bytes) return;
+bool CudaDevice::adopt(void* p, size_t bytes) {
+  if (!p || !bytes) return true;
   uintptr_t lo = reinterpret_cast<uintptr_t>(p), hi = lo + bytes;
   for (auto it = adopted_.begin(); it != adopted_.end();) {  // merge what it touches
     const uintptr_t a = reinterpret_cast<uintptr_t>((*it)->ptr), b = a + (*it)->size;
@@ -81,6 +81,7 @@ void CudaDevice::adopt(void* p, size_t bytes) {
   live_[lo] = st.get();
   api_->adopt(st->ptr, st->size);
   adopted_.push_back(std::move(st));
+  return true;
 }
 
 void CudaDevice::release_adopted() {

@@ -13,8 +13,8 @@
 //   Kernels: the fallback kernel (kernels.h) for every block; bf16 blocks of a shape cuDNN
 //     supports go to a CudnnAttention (injectable), one fused call at a time (fused_calls.h),
 //     their fp32 partials merged into the state / added into the gradients.
-//   Transfers: through the communicator's DeviceTransport on the stream's cudaStream_t where
-//     it has one (nccl); otherwise staged through host memory: a send copies the buffer to
+//   Transfers: through the communicator's DeviceTransport where it has one (device_transport.h:
+//     nccl on the stream's cudaStream_t, grouped; loopback at once); otherwise staged through host memory: a send copies the buffer to
 //     the host once the stream's earlier work is done (the host waits for it) and posts
 //     comm.isend; a receive posts comm.irecv at once and, before the next operation of its
 //     stream, waits for the message (the communicator's timeout names the peer) and copies it
@@ -70,7 +70,7 @@ class CudaDevice final : public Device {
   // caller's: finish it before the first operation (the Python package synchronizes torch's
   // current stream), and read the results after synchronize() (which every Strategy forward
   // and backward ends with). docs/python.md, "CUDA tensors".
-  void adopt(void* p, size_t bytes);
+  bool adopt(void* p, size_t bytes) override;
 
   DeviceBuffer alloc(size_t bytes) override;
   DeviceBuffer upload(const void* host, size_t bytes) override;
@@ -85,32 +85,10 @@ class CudaDevice final : public Device {
   void barrier(Stream s, Communicator& comm) override;
   bool lends_sent_buffers(const Communicator&) const override { return false; }
   bool host_readable(const void* p) const override { return !on_device(p); }
+  // Its kernels do not check finiteness, and nothing reads the inputs on the host to do it.
+  DeviceCaps caps() const override { return {.finite_checks = false}; }
 
-  void forward_reset(Stream s, const ForwardStateView& state) override;
-  void forward_block(Stream s, const TensorView& q, const Tokens& q_tokens, const TensorView& k,
-                     const TensorView& v, const Tokens& k_tokens, const Mask& mask,
-                     const ForwardStateView& state, const KernelConfig& config) override;
-  void forward_finalize(Stream s, const ForwardStateView& state, const TensorView& out,
-                        const TensorView& lse, const KernelConfig& config) override;
-  void backward_delta(Stream s, const TensorView& out, const TensorView& dout,
-                      const TensorView& delta, const KernelConfig& config) override;
-  void backward_block(Stream s, const TensorView& q, const Tokens& q_tokens, const TensorView& k,
-                      const TensorView& v, const Tokens& k_tokens, const Mask& mask,
-                      const TensorView& dout, const TensorView& lse, const TensorView& delta,
-                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                      const KernelConfig& config) override;
-  void merge(Stream s, const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b,
-             const TensorView& lse_b) override;
-  void add(Stream s, const TensorView& x, const TensorView& y) override;
-  void copy(Stream s, const TensorView& src, const TensorView& dst) override;
-  void fill_zero(Stream s, const TensorView& t) override;
-  void pack_kv(Stream s, const TensorView& k, const TensorView& v, const Tokens& tokens,
-               bool documents, const TensorView& block_k, const TensorView& block_v,
-               std::byte* block_tokens) override;
-  void scatter_tokens(Stream s, const TensorView& src, const TensorView& dst,
-                      const TensorView& index) override;
-  void gather_tokens(Stream s, const TensorView& src, const TensorView& dst,
-                     const TensorView& index) override;
+  void run(Stream s, const Op& op) override;
 
  protected:
   void free(std::unique_ptr<DeviceBuffer::Storage> storage) override;
@@ -149,6 +127,11 @@ class CudaDevice final : public Device {
     std::vector<DeviceBuffer> temps_;
     std::vector<std::function<void()>> back_;
   };
+
+  // One specialisation per operation of device_op.h (cuda_ops.cc), for run(): its
+  // arguments checked, staged and launched.
+  template <class Args>
+  void enqueue(Stream s, const Args& a);
 
   StreamHandle stream(Stream s) const { return streams_[s.index]; }
   Storage* storage_of(const void* p) const;  // the live allocation holding p, or null
@@ -209,7 +192,7 @@ class CudaDevice final : public Device {
   void permute(Stream s, const TensorView& src, const TensorView& dst, const TensorView& index,
                bool scatter);
 
-  // Sends and receives through a DeviceTransport (nccl) are held until the next other
+  // Sends and receives through a grouped DeviceTransport (nccl) are held until the next other
   // operation on their stream (or a free, or synchronize), which first posts them all as one
   // group (DeviceTransport::group_start / end), as NCCL needs: a ring step's receive and send
   // then progress together. Posted one by one, each rank's first transfer would wait for a
@@ -226,7 +209,7 @@ class CudaDevice final : public Device {
     Request request;
     Storage* into = nullptr;  // null once the buffer was freed
     size_t offset = 0;
-    std::function<void(bool)> complete;  // an ApiTransport's receive (then no request)
+    std::function<void(bool)> complete;  // an immediate DeviceTransport's (then no request)
   };
 
   std::shared_ptr<CudaApi> api_;
@@ -246,9 +229,5 @@ class CudaDevice final : public Device {
   uint64_t recorded_[kStreams] = {};
   int64_t cudnn_blocks_ = 0, cudnn_calls_ = 0, fallback_blocks_ = 0, cudnn_refused_ = 0;
 };
-
-// A CudaDevice over a RecordingCudaApi (host memory, the fallback kernel's tile math, a log):
-// for tests only, never a user-visible device name (device::testing::set_cuda_factory).
-std::unique_ptr<Device> make_recording_cuda_device(int rank);
 
 }  // namespace ctxpar::cuda

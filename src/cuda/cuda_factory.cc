@@ -1,16 +1,14 @@
-// make_device's cuda branch (device.cc): a CudaDevice over the CUDA runtime on device
-// LOCAL_RANK (when set) or rank % count; where there is no GPU (or no CUDA in this build), the
-// refusal the command gives (tools/ctxpar/cuda_device.cc). Tests swap the factory for one that
-// makes CudaDevices over RecordingCudaApi (device::testing::set_cuda_factory).
+// The built-in factory of cuda devices (DeviceRegistry::builtin()): a CudaDevice over the CUDA
+// runtime on device LOCAL_RANK (when set) or rank % count; where there is no GPU (or no CUDA in
+// this build), the refusal the command gives (tools/ctxpar/cuda_device.cc). Tests hand
+// strategies a registry of their own whose cuda devices run over RecordingCudaApi.
 #include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
-#include <utility>
 
 #include "ctxpar/error.h"
 #include "cuda/api.h"
-#include "cuda/api_recording.h"
 #include "cuda/cuda_device.h"
 #include "cuda/cudnn_use.h"
 #include "cuda/external.h"
@@ -18,21 +16,8 @@
 
 namespace ctxpar {
 namespace device {
-namespace {
-std::function<std::unique_ptr<Device>(int)>& factory() {
-  static std::function<std::unique_ptr<Device>(int)> f;
-  return f;
-}
-}  // namespace
-
-namespace testing {
-void set_cuda_factory(std::function<std::unique_ptr<Device>(int rank)> f) {
-  factory() = std::move(f);
-}
-}  // namespace testing
 
 std::unique_ptr<Device> make_cuda(const DeviceOptions& options, int rank) {
-  if (factory()) return factory()(rank);
   std::string why;
   const int count = cuda::device_count(&why);
   if (count <= 0) throw Error("device 'cuda': " + why);
@@ -104,46 +89,6 @@ std::shared_ptr<CudaApi> shared_real_api(int index, std::string* why) {
   return api;
 }
 
-std::unique_ptr<Device> make_recording_cuda_device(int rank) {
-  return std::make_unique<CudaDevice>(std::make_unique<RecordingCudaApi>(), rank);
-}
-
-bool adopt(Device& device, void* p, size_t bytes) {
-  auto* cuda = dynamic_cast<CudaDevice*>(&device);
-  if (cuda) cuda->adopt(p, bytes);
-  return cuda != nullptr;
-}
-
-namespace testing {
-namespace {
-std::mutex reports_mu;
-std::vector<RecordingReport> reports;
-}  // namespace
-
-void use_recording_devices(bool on) {
-  if (!on) return device::testing::set_cuda_factory({});
-  device::testing::set_cuda_factory([](int rank) -> std::unique_ptr<Device> {
-    auto api = std::make_unique<RecordingCudaApi>();
-    api->on_destroy = [](const RecordingCudaApi& a) {
-      RecordingReport r;
-      r.violations = a.violations();
-      r.live = a.live_allocations();
-      r.host_live = a.live_host_allocations();
-      const auto log = a.log();
-      r.ops = log.size();
-      for (const auto& e : log) r.adopts += e.op == "adopt", r.releases += e.op == "release";
-      std::lock_guard<std::mutex> l(reports_mu);
-      reports.push_back(std::move(r));
-    };
-    return std::make_unique<CudaDevice>(std::move(api), rank);
-  });
-}
-
-std::vector<RecordingReport> take_recording_reports() {
-  std::lock_guard<std::mutex> l(reports_mu);
-  return std::exchange(reports, {});
-}
-}  // namespace testing
 }  // namespace cuda
 
 }  // namespace ctxpar

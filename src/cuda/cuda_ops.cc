@@ -57,7 +57,9 @@ void CudaDevice::host_block(Stream s, const TensorView& q, const Tokens& qt, con
           .flops;
 }
 
-void CudaDevice::forward_reset(Stream s, const ForwardStateView& state) {
+template <>
+void CudaDevice::enqueue(Stream s, const op::ForwardReset& a) {
+  const ForwardStateView& state = a.state;
   before(s, {state.acc().data(), state.m().data(), state.l().data()});
   Scope sc(*this, s);
   const TensorView acc = sc.place(state.acc(), true), m = sc.contiguous(state.m(), false, true),
@@ -78,7 +80,7 @@ Problem<T> CudaDevice::problem(Scope& sc, const TensorView& q, const Tokens& qt,
   p.batch = q.dim(0), p.tq = q.dim(1), p.hq = q.dim(2), p.d = q.dim(3);
   p.tk = k.dim(1), p.hkv = k.dim(2), p.group = p.hq / p.hkv;
   p.scale = scale;
-  p.mask = rules_of(mask);
+  p.mask = mask;
   p.q_pos = sc.positions(qt, p.tq), p.k_pos = sc.positions(kt, p.tk);
   p.q_doc = sc.documents(qt, p.tq, mask.documents), p.k_doc = sc.documents(kt, p.tk, mask.documents);
   p.q_tiles = sc.tiles(p.q_pos, p.q_doc, p.tq, mask.documents);
@@ -95,10 +97,12 @@ void CudaDevice::forward_fallback(Stream s, Scope& sc, const TensorView& q, cons
   api_->forward(problem<T>(sc, q, qt, k, v, kt, mask, scale), st, stream(s));
 }
 
-void CudaDevice::forward_block(Stream s, const TensorView& q, const Tokens& qt,
-                               const TensorView& k, const TensorView& v, const Tokens& kt,
-                               const Mask& mask, const ForwardStateView& state,
-                               const KernelConfig& config) {
+template <>
+void CudaDevice::enqueue(Stream s, const op::ForwardBlock& a) {
+  const TensorView &q = a.q, &k = a.k, &v = a.v;
+  const Tokens &qt = a.q_tokens, &kt = a.k_tokens;
+  const Mask& mask = a.mask;
+  const ForwardStateView& state = a.state;
   check_block(q, qt, k, v, kt, mask);
   before(s, {q.data(), k.data(), v.data(), state.acc().data(), state.m().data(),
              state.l().data()});
@@ -111,7 +115,7 @@ void CudaDevice::forward_block(Stream s, const TensorView& q, const Tokens& qt,
   const DeviceState st{static_cast<float*>(sc.contiguous(state.acc(), true, true).data()),
                        static_cast<float*>(sc.contiguous(state.m(), true, true).data()),
                        static_cast<float*>(sc.contiguous(state.l(), true, true).data())};
-  const float scale = config.scale != 0 ? config.scale : 1.0f / std::sqrt(float(q.dim(3)));
+  const float scale = a.config.scale != 0 ? a.config.scale : 1.0f / std::sqrt(float(q.dim(3)));
   timed(s, [&] {
     if (cudnn_forward(s, sc, qd_, hq, kd_, vd_, hk, mask, st, scale)) return;
     if (q.dtype() == DType::bf16)
@@ -122,8 +126,10 @@ void CudaDevice::forward_block(Stream s, const TensorView& q, const Tokens& qt,
   sc.finish();
 }
 
-void CudaDevice::forward_finalize(Stream s, const ForwardStateView& state, const TensorView& out,
-                                  const TensorView& lse, const KernelConfig&) {
+template <>
+void CudaDevice::enqueue(Stream s, const op::ForwardFinalize& a) {
+  const ForwardStateView& state = a.state;
+  const TensorView &out = a.out, &lse = a.lse;
   kernel::check_activation("out", out, true);
   before(s, {state.acc().data(), state.m().data(), state.l().data(), out.data(), lse.data()});
   Scope sc(*this, s);
@@ -138,8 +144,9 @@ void CudaDevice::forward_finalize(Stream s, const ForwardStateView& state, const
   sc.finish();
 }
 
-void CudaDevice::backward_delta(Stream s, const TensorView& out, const TensorView& dout,
-                                const TensorView& delta, const KernelConfig&) {
+template <>
+void CudaDevice::enqueue(Stream s, const op::BackwardDelta& a) {
+  const TensorView &out = a.out, &dout = a.dout, &delta = a.delta;
   kernel::check_activation("out", out, true);
   CTXPAR_CHECK(out.shape() == dout.shape(), "backward_delta: out and dout must match");
   before(s, {out.data(), dout.data(), delta.data()});
@@ -171,12 +178,12 @@ void CudaDevice::backward_fallback(Stream s, Scope& sc, const TensorView& q, con
   api_->backward(p, rows, stream(s));
 }
 
-void CudaDevice::backward_block(Stream s, const TensorView& q, const Tokens& qt,
-                                const TensorView& k, const TensorView& v, const Tokens& kt,
-                                const Mask& mask, const TensorView& dout, const TensorView& lse,
-                                const TensorView& delta, const TensorView& dq,
-                                const TensorView& dk, const TensorView& dv,
-                                const KernelConfig& config) {
+template <>
+void CudaDevice::enqueue(Stream s, const op::BackwardBlock& a) {
+  const TensorView &q = a.q, &k = a.k, &v = a.v, &dout = a.dout, &lse = a.lse,
+                   &delta = a.delta, &dq = a.dq, &dk = a.dk, &dv = a.dv;
+  const Tokens &qt = a.q_tokens, &kt = a.k_tokens;
+  const Mask& mask = a.mask;
   check_block(q, qt, k, v, kt, mask);
   kernel::check_activation("dout", dout, true);
   kernel::check_rows_f32("lse", lse, q.dim(0), q.dim(2), q.dim(1));
@@ -201,7 +208,7 @@ void CudaDevice::backward_block(Stream s, const TensorView& q, const Tokens& qt,
                    ld_ = sc.place(lse, false),
                    dd_ = sc.place(delta, false), dqd = sc.rows(dq, true), dkd = sc.rows(dk, true),
                    dvd = sc.rows(dv, true);
-  const float scale = config.scale != 0 ? config.scale : 1.0f / std::sqrt(float(q.dim(3)));
+  const float scale = a.config.scale != 0 ? a.config.scale : 1.0f / std::sqrt(float(q.dim(3)));
   timed(s, [&] {
     if (cudnn_backward(s, sc, qd_, hq, kd_, vd_, hk, mask, gd_, ld_, delta, dqd, dkd, dvd, scale))
       return;
@@ -215,8 +222,9 @@ void CudaDevice::backward_block(Stream s, const TensorView& q, const Tokens& qt,
   sc.finish();
 }
 
-void CudaDevice::merge(Stream s, const TensorView& o_a, const TensorView& lse_a,
-                       const TensorView& o_b, const TensorView& lse_b) {
+template <>
+void CudaDevice::enqueue(Stream s, const op::Merge& m) {
+  const TensorView &o_a = m.o_a, &lse_a = m.lse_a, &o_b = m.o_b, &lse_b = m.lse_b;
   CTXPAR_CHECK(o_a.dtype() == DType::f32 && o_b.dtype() == DType::f32 && o_a.ndim() == 4 &&
                    o_a.shape() == o_b.shape() && lse_a.shape() == lse_b.shape(),
                "merge: fp32 [B, T, H, D] partials of one shape");
@@ -230,7 +238,9 @@ void CudaDevice::merge(Stream s, const TensorView& o_a, const TensorView& lse_a,
   sc.finish();
 }
 
-void CudaDevice::add(Stream s, const TensorView& x, const TensorView& y) {
+template <>
+void CudaDevice::enqueue(Stream s, const op::Add& a) {
+  const TensorView &x = a.x, &y = a.y;
   CTXPAR_CHECK(x.dtype() == DType::f32 && y.dtype() == DType::f32 && x.shape() == y.shape(),
                "add: fp32 views of one shape");
   elementwise(s, x, y, &CudaApi::add);
@@ -246,7 +256,9 @@ void CudaDevice::elementwise(Stream s, const TensorView& x, const TensorView& y,
   sc.finish();
 }
 
-void CudaDevice::copy(Stream s, const TensorView& src, const TensorView& dst) {
+template <>
+void CudaDevice::enqueue(Stream s, const op::Copy& a) {
+  const TensorView &src = a.src, &dst = a.dst;
   CTXPAR_CHECK(src.shape() == dst.shape(), "copy: shape ", shape_str(src.shape()),
                " does not match ", shape_str(dst.shape()));
   CTXPAR_CHECK(src.dtype() == dst.dtype() ||
@@ -256,7 +268,9 @@ void CudaDevice::copy(Stream s, const TensorView& src, const TensorView& dst) {
   elementwise(s, src, dst, &CudaApi::copy);
 }
 
-void CudaDevice::fill_zero(Stream s, const TensorView& t) {
+template <>
+void CudaDevice::enqueue(Stream s, const op::FillZero& z) {
+  const TensorView& t = z.t;
   before(s, {t.data()});
   Scope sc(*this, s);
   const TensorView a = sc.place(t, true);
@@ -264,11 +278,14 @@ void CudaDevice::fill_zero(Stream s, const TensorView& t) {
   sc.finish();
 }
 
-void CudaDevice::pack_kv(Stream s, const TensorView& k, const TensorView& v, const Tokens& tokens,
-                         bool documents, const TensorView& bk, const TensorView& bv,
-                         std::byte* bt) {
-  copy(s, k, bk);
-  copy(s, v, bv);
+template <>
+void CudaDevice::enqueue(Stream s, const op::PackKv& a) {
+  const TensorView &k = a.k, &v = a.v;
+  const Tokens& tokens = a.tokens;
+  const bool documents = a.documents;
+  std::byte* bt = a.block_tokens;
+  enqueue(s, op::Copy{k, a.block_k});
+  enqueue(s, op::Copy{v, a.block_v});
   const int64_t t = k.dim(1);
   if (t == 0) return;
   CTXPAR_CHECK(on_device(bt), "pack_kv: the block's tokens must be device memory");
@@ -316,13 +333,18 @@ void CudaDevice::permute(Stream s, const TensorView& src, const TensorView& dst,
   sc.finish();
 }
 
-void CudaDevice::scatter_tokens(Stream s, const TensorView& src, const TensorView& dst,
-                                const TensorView& index) {
-  permute(s, src, dst, index, true);
+template <>
+void CudaDevice::enqueue(Stream s, const op::ScatterTokens& a) {
+  permute(s, a.src, a.dst, a.index, true);
 }
-void CudaDevice::gather_tokens(Stream s, const TensorView& src, const TensorView& dst,
-                               const TensorView& index) {
-  permute(s, src, dst, index, false);
+template <>
+void CudaDevice::enqueue(Stream s, const op::GatherTokens& a) {
+  permute(s, a.src, a.dst, a.index, false);
+}
+
+// After every specialisation of enqueue: they are what it instantiates.
+void CudaDevice::run(Stream s, const Op& op) {
+  std::visit([&](const auto& a) { enqueue(s, a); }, op.args);
 }
 
 }  // namespace ctxpar::cuda

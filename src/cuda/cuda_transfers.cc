@@ -1,35 +1,29 @@
-// The cuda device's transfers (cuda_device.h): through the communicator's DeviceTransport on
-// the stream's cudaStream_t where it has one and the API has native streams, otherwise staged
-// through host memory (device.h's rules: the communicator's timeout names the peer, a failed
+// The cuda device's transfers (cuda_device.h): through the communicator's DeviceTransport
+// (device_transport.h: an immediate one, or a grouped one where the API has native streams),
+// otherwise staged through host memory (device.h's rules: the communicator's timeout names the peer, a failed
 // peer ends in ctxpar::Error, bytes are counted by the communicator).
 #include <cstring>
 
 #include "ctxpar/error.h"
-#include "cuda/api_transport.h"
 #include "cuda/cuda_device_impl.h"
-#ifdef CTXPAR_CUDA_HEADERS
 #include "cuda/device_transport.h"
-#define CTXPAR_CUDA_DEVICE_TRANSPORT 1
-#endif
 
 namespace ctxpar::cuda {
 namespace {
 
-#ifdef CTXPAR_CUDA_DEVICE_TRANSPORT
+// The communicator's device transport as the device uses it on s: an immediate one always; a
+// grouped one where s has a native stream (its check() then called at the next synchronize),
+// else none (the transfer is staged through host memory).
 DeviceTransport* transport_of(Communicator& comm, CudaApi& api, StreamHandle s,
                               std::vector<std::pair<const void*, std::function<void()>>>& checks) {
-  DeviceTransport* t = api.native_stream(s) ? device_transport(comm) : nullptr;
-  if (t) {
-    bool known = false;
-    for (auto& c : checks) known = known || c.first == t;
-    if (!known) checks.emplace_back(t, [t] { t->check(); });
-  }
+  DeviceTransport* t = device_transport(comm);
+  if (!t || !t->grouped()) return t;
+  if (!api.native_stream(s)) return nullptr;
+  bool known = false;
+  for (auto& c : checks) known = known || c.first == t;
+  if (!known) checks.emplace_back(t, [t] { t->check(); });
   return t;
 }
-cudaStream_t native(CudaApi& api, StreamHandle s) {
-  return static_cast<cudaStream_t>(api.native_stream(s));
-}
-#endif
 
 }  // namespace
 
@@ -57,7 +51,7 @@ void CudaDevice::flush_receives_front(Stream s) {
       api_->stream_wait_event(stream(s), r.into->alloc_event);
       r.into->ordered[s.index] = true;
     }
-    if (r.complete) {  // an ApiTransport's: it enqueues its own copy on s
+    if (r.complete) {  // an immediate DeviceTransport's: it enqueues its own copy on s
       host_wait([&] { r.complete(r.into != nullptr); });
       return;
     }
@@ -76,16 +70,12 @@ void CudaDevice::flush_device_sends(Stream s) {
   if (q.empty()) return;
   std::vector<std::function<void()>> sends = std::move(q);
   q.clear();
-#ifdef CTXPAR_CUDA_DEVICE_TRANSPORT
-  // Every held send went through a DeviceTransport; one group for all of them.
+  // Every held send went through a grouped DeviceTransport; one group for all of them.
   DeviceTransport* t = nullptr;
   for (auto& c : transport_checks_) t = t ? t : static_cast<DeviceTransport*>(const_cast<void*>(c.first));
   if (t) t->group_start();
   for (auto& post : sends) post();
   if (t) t->group_end();
-#else
-  for (auto& post : sends) post();
-#endif
 }
 
 void CudaDevice::order_transfer(Stream s, Storage* st) {
@@ -100,19 +90,18 @@ void CudaDevice::order_transfer(Stream s, Storage* st) {
 void CudaDevice::send(Stream s, Communicator& comm, DeviceBuffer& buffer, int peer, int tag) {
   auto* st = static_cast<Storage*>(buffer.storage());
   order_transfer(s, st);
-  if (ApiTransport* t = api_transport(comm)) {
+  DeviceTransport* t = transport_of(comm, *api_, stream(s), transport_checks_);
+  if (t && !t->grouped()) {
     t->send(*api_, stream(s), st->ptr, st->size, peer, tag);
     return;
   }
-#ifdef CTXPAR_CUDA_DEVICE_TRANSPORT
-  if (DeviceTransport* t = transport_of(comm, *api_, stream(s), transport_checks_)) {
+  if (t) {
     device_sends_[s.index].push_back(
-        [t, ptr = st->ptr, n = st->size, peer, tag, cs = native(*api_, stream(s))] {
-          t->send(ptr, n, peer, tag, cs);
+        [t, api = api_.get(), sh = stream(s), ptr = st->ptr, n = st->size, peer, tag] {
+          t->send(*api, sh, ptr, n, peer, tag);
         });
     return;
   }
-#endif
   flush_device_sends(s);
   Buffer out = Buffer::uninitialized(st->size);
   if (st->size)
@@ -124,23 +113,22 @@ void CudaDevice::send(Stream s, Communicator& comm, DeviceBuffer& buffer, int pe
 DeviceBuffer CudaDevice::recv(Stream s, Communicator& comm, size_t bytes, int peer, int tag) {
   DeviceBuffer b = alloc(bytes);
   auto* st = static_cast<Storage*>(b.storage());
-  if (ApiTransport* t = api_transport(comm)) {
+  DeviceTransport* t = transport_of(comm, *api_, stream(s), transport_checks_);
+  if (t && !t->grouped()) {
     PendingReceive r;
     r.into = st;
     r.complete = t->recv(*api_, stream(s), st->ptr, bytes, peer, tag);
     receives_[s.index].push_back(std::move(r));
     return b;
   }
-#ifdef CTXPAR_CUDA_DEVICE_TRANSPORT
-  if (DeviceTransport* t = transport_of(comm, *api_, stream(s), transport_checks_)) {
+  if (t) {
     order_transfer(s, st);
     device_sends_[s.index].push_back(
-        [t, ptr = st->ptr, bytes, peer, tag, cs = native(*api_, stream(s))] {
-          t->recv(ptr, bytes, peer, tag, cs);
+        [t, api = api_.get(), sh = stream(s), ptr = st->ptr, bytes, peer, tag] {
+          t->recv(*api, sh, ptr, bytes, peer, tag);
         });
     return b;
   }
-#endif
   receives_[s.index].push_back(PendingReceive{comm.irecv(bytes, peer, tag), st, 0, {}});
   return b;
 }
@@ -158,7 +146,8 @@ void CudaDevice::alltoall(Stream s, Communicator& comm, const DeviceBuffer& send
   order_transfer(s, from);
   order_transfer(s, into);
   if (chunk_bytes == 0) return;
-  if (ApiTransport* t = api_transport(comm)) {
+  DeviceTransport* t = transport_of(comm, *api_, stream(s), transport_checks_);
+  if (t && !t->grouped()) {
     for (int k = 1; k < p; ++k) {
       const int j = (r + k) % p;
       t->send(*api_, stream(s), from->ptr + size_t(j) * chunk_bytes, chunk_bytes, j, tag);
@@ -175,26 +164,24 @@ void CudaDevice::alltoall(Stream s, Communicator& comm, const DeviceBuffer& send
                        chunk_bytes, CopyKind::device_to_device, stream(s));
     return;
   }
-#ifdef CTXPAR_CUDA_DEVICE_TRANSPORT
-  if (DeviceTransport* t = transport_of(comm, *api_, stream(s), transport_checks_)) {
+  if (t) {
     std::vector<std::function<void()>> sends = std::move(device_sends_[s.index]);
     device_sends_[s.index].clear();
     t->group_start();
     for (auto& post : sends) post();
     for (int k = 1; k < p; ++k) {
       const int j = (r - k + p) % p;
-      t->recv(into->ptr + size_t(j) * chunk_bytes, chunk_bytes, j, tag, native(*api_, stream(s)));
+      t->recv(*api_, stream(s), into->ptr + size_t(j) * chunk_bytes, chunk_bytes, j, tag);
     }
     for (int k = 1; k < p; ++k) {
       const int j = (r + k) % p;
-      t->send(from->ptr + size_t(j) * chunk_bytes, chunk_bytes, j, tag, native(*api_, stream(s)));
+      t->send(*api_, stream(s), from->ptr + size_t(j) * chunk_bytes, chunk_bytes, j, tag);
     }
     t->group_end();
     api_->memcpy_async(into->ptr + size_t(r) * chunk_bytes, from->ptr + size_t(r) * chunk_bytes,
                        chunk_bytes, CopyKind::device_to_device, stream(s));
     return;
   }
-#endif
   for (int k = 1; k < p; ++k) {
     const int j = (r - k + p) % p;
     receives_[s.index].push_back(

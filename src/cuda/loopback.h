@@ -21,7 +21,7 @@
 
 #include "comm/host_delegating.h"
 #include "ctxpar/comm.h"
-#include "cuda/api_transport.h"
+#include "cuda/device_transport.h"
 
 namespace ctxpar::cuda {
 
@@ -48,7 +48,7 @@ class LoopbackWorld {
   std::map<Key, std::deque<Message>> box_;
 };
 
-class LoopbackComm final : public HostDelegatingComm, public ApiTransport {
+class LoopbackComm final : public HostDelegatingComm, public DeviceTransport {
  public:
   LoopbackComm(Communicator& host, std::shared_ptr<LoopbackWorld> world, uint64_t context = 1);
   LoopbackComm(std::unique_ptr<Communicator> host, std::shared_ptr<LoopbackWorld> world,
@@ -58,6 +58,8 @@ class LoopbackComm final : public HostDelegatingComm, public ApiTransport {
   // Host memory and collectives: the wrapped threads world's (HostDelegatingComm).
   std::unique_ptr<Communicator> split(int color, int key) override;
 
+  // Device memory (DeviceTransport, immediate).
+  bool grouped() const override { return false; }
   void send(CudaApi& api, StreamHandle s, const void* data, size_t bytes, int peer,
             int tag) override;
   std::function<void(bool)> recv(CudaApi& api, StreamHandle s, void* data, size_t bytes,

@@ -99,9 +99,19 @@ class NcclCommunicator final : public HostDelegatingComm, public DeviceTransport
   // broadcast through the split); nullptr where the host's split gives none.
   std::unique_ptr<Communicator> split(int color, int key) override;
 
-  // Device memory (DeviceTransport).
-  void send(const void* data, size_t bytes, int peer, int tag, cudaStream_t stream) override;
-  void recv(void* data, size_t bytes, int peer, int tag, cudaStream_t stream) override;
+  // Device memory (DeviceTransport, grouped): ncclSend / ncclRecv on `stream`.
+  void send(const void* data, size_t bytes, int peer, int tag, cudaStream_t stream);
+  void recv(void* data, size_t bytes, int peer, int tag, cudaStream_t stream);
+  bool grouped() const override { return true; }
+  void send(CudaApi& api, StreamHandle s, const void* data, size_t bytes, int peer,
+            int tag) override {
+    send(data, bytes, peer, tag, static_cast<cudaStream_t>(api.native_stream(s)));
+  }
+  std::function<void(bool)> recv(CudaApi& api, StreamHandle s, void* data, size_t bytes,
+                                 int peer, int tag) override {
+    recv(data, bytes, peer, tag, static_cast<cudaStream_t>(api.native_stream(s)));
+    return {};
+  }
   void group_start() override;
   void group_end() override;
   void check() override;

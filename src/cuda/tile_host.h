@@ -16,16 +16,6 @@
 namespace ctxpar::cuda {
 
 static_assert(kTile == kKernelTile, "the CUDA fallback kernel tiles as the CPU kernel does");
-static_assert(kPadding == kPaddingPosition, "padding positions agree");
-
-inline MaskRules rules_of(const Mask& m) {
-  MaskRules r;
-  r.causal = m.causal;
-  r.window_left = m.window_left;
-  r.window_right = m.window_right;
-  r.documents = m.documents;
-  return r;
-}
 
 // [B, T, H, D] view (contiguous last dim) and [B, H, T] rows of a TensorView.
 template <class T>
@@ -60,7 +50,7 @@ struct HostProblem {
     p.q_pos = q_tokens.positions.data(), p.k_pos = k_tokens.positions.data();
     p.q_doc = q_tokens.documents.data(), p.k_doc = k_tokens.documents.data();
     p.q_tiles = q_tiles.data(), p.k_tiles = k_tiles.data();
-    p.mask = rules_of(mask);
+    p.mask = mask;
     p.batch = q.dim(0), p.tq = q.dim(1), p.hq = q.dim(2), p.d = q.dim(3);
     p.tk = k.dim(1), p.hkv = k.dim(2), p.group = p.hq / p.hkv;
     p.scale = scale != 0 ? scale : 1.0f / std::sqrt(float(p.d));

@@ -8,25 +8,24 @@
 //
 // Where the GPU's fallback path is taken (docs/cuda.md): fp32 storage, head dims that are not
 // a multiple of 8, positions no fused call can express. It mirrors the CPU's scalar path
-// (src/kernel/scalar_*.cc): same 64 x 64 tiles, same skip / full / partial classification
-// (mask.h's rules, copied into MaskRules below and tested to agree), same order of additions.
+// (src/kernel/scalar_*.cc): same 64 x 64 tiles, the same skip / full / partial classification
+// (mask_rules.h, the one home of the mask's rules, which the CPU kernel uses too), same order of
+// additions.
 #pragma once
 #include <math.h>
 #include <stdint.h>
 
-#if defined(__CUDACC__)
-#define CTXPAR_HD __host__ __device__ inline
-#else
-#define CTXPAR_HD inline
-#endif
+#include "ctxpar/mask_rules.h"  // MaskRules, TileRange, classify; CTXPAR_HD
 
 namespace ctxpar::cuda {
 
+using ::ctxpar::classify;
+using ::ctxpar::MaskRules;
+using ::ctxpar::TileKind;
+using ::ctxpar::TileRange;
+
 constexpr int64_t kTile = 64;          // = kKernelTile of kernel.h (asserted in kernels.h)
 constexpr int64_t kMaxHeadDim = 256;   // rows are held in fixed arrays of this size
-constexpr int64_t kInt64Min = -9223372036854775807LL - 1;
-constexpr int64_t kInt64Max = 9223372036854775807LL;
-constexpr int64_t kPadding = kInt64Min;  // kPaddingPosition of mask.h
 
 CTXPAR_HD float neg_inf() { return -INFINITY; }
 CTXPAR_HD float min_f(float a, float b) { return a < b ? a : b; }
@@ -75,76 +74,25 @@ struct Rows3 {
   CTXPAR_HD T& at(int64_t b, int64_t h, int64_t t) const { return ptr[b * s0 + h * s1 + t * s2]; }
 };
 
-// ---- mask rules (mask.h, as plain data) ---------------------------------------------------
-// A copy of Mask's rules usable in device code; tests/cuda checks that visible / tile_masked /
-// tile_full agree with Mask's over random and extreme positions.
-struct MaskRules {
-  bool causal = false;
-  int64_t window_left = -1, window_right = -1;  // < 0: unbounded
-  bool documents = false;
-
-  // a - b and a + b for b >= 0, saturated at the ends of int64 (issue 9).
-  CTXPAR_HD static int64_t minus(int64_t a, int64_t b) { return a < kInt64Min + b ? kInt64Min : a - b; }
-  CTXPAR_HD static int64_t plus(int64_t a, int64_t b) { return a > kInt64Max - b ? kInt64Max : a + b; }
-  CTXPAR_HD int64_t key_lo(int64_t pos_q) const {
-    return window_left >= 0 ? minus(pos_q, window_left) : kInt64Min;
-  }
-  CTXPAR_HD int64_t key_hi(int64_t pos_q) const {
-    int64_t hi = window_right >= 0 ? plus(pos_q, window_right) : kInt64Max;
-    if (causal && pos_q < hi) hi = pos_q;
-    return hi;
-  }
-  CTXPAR_HD bool visible(int64_t pos_q, int64_t pos_k, int32_t doc_q, int32_t doc_k) const {
-    if (pos_q == kPadding || pos_k == kPadding) return false;
-    return pos_k >= key_lo(pos_q) && pos_k <= key_hi(pos_q) && (!documents || doc_q == doc_k);
-  }
-  CTXPAR_HD bool tile_masked(int64_t q_lo, int64_t q_hi, int64_t k_lo, int64_t k_hi,
-                             int32_t dq_lo, int32_t dq_hi, int32_t dk_lo, int32_t dk_hi) const {
-    if (k_hi < key_lo(q_lo) || k_lo > key_hi(q_hi)) return true;
-    return documents && (dq_hi < dk_lo || dk_hi < dq_lo);
-  }
-  CTXPAR_HD bool tile_full(int64_t q_lo, int64_t q_hi, int64_t k_lo, int64_t k_hi,
-                           int32_t dq_lo, int32_t dq_hi, int32_t dk_lo, int32_t dk_hi) const {
-    if (k_lo < key_lo(q_hi) || k_hi > key_hi(q_lo)) return false;
-    return !documents || (dq_lo == dq_hi && dk_lo == dk_hi && dq_lo == dk_lo);
-  }
-};
-
 // ---- tiles ------------------------------------------------------------------------------
-// The position / document range of one tile's real tokens (problem.h's TileRanges, one entry).
-struct TileRange {
-  int64_t pos_lo = 0, pos_hi = 0;
-  int32_t doc_lo = 0, doc_hi = 0;
-  int32_t padding = 0;  // 0: none, 1: some, 2: all (then the ranges are never read)
-};
+// The position / document range of tokens [begin, end) (problem.h's tile_ranges, one entry).
 CTXPAR_HD TileRange tile_range_of(const int64_t* pos, const int32_t* doc, int64_t begin,
                                   int64_t end, bool documents) {
   TileRange r;
   int64_t lo = kInt64Max, hi = kInt64Min, real = 0;
   int32_t dl = 2147483647, dh = -2147483647 - 1;
   for (int64_t i = begin; i < end; ++i) {
-    if (pos[i] == kPadding) continue;
+    if (pos[i] == kPaddingPosition) continue;
     ++real;
     lo = pos[i] < lo ? pos[i] : lo;
     hi = pos[i] > hi ? pos[i] : hi;
     if (documents) dl = doc[i] < dl ? doc[i] : dl, dh = doc[i] > dh ? doc[i] : dh;
   }
-  r.padding = real == end - begin ? 0 : real == 0 ? 2 : 1;
+  r.padding = real == end - begin ? TileRange::none : real == 0 ? TileRange::all : TileRange::some;
   if (real == 0) return r;
   r.pos_lo = lo, r.pos_hi = hi;
   if (documents) r.doc_lo = dl, r.doc_hi = dh;
   return r;
-}
-
-enum TileKind : int { kSkip = 0, kFull = 1, kPartial = 2 };
-CTXPAR_HD int classify(const MaskRules& m, const TileRange& q, const TileRange& k) {
-  if (q.padding == 2 || k.padding == 2) return kSkip;
-  const int32_t dql = m.documents ? q.doc_lo : 0, dqh = m.documents ? q.doc_hi : 0;
-  const int32_t dkl = m.documents ? k.doc_lo : 0, dkh = m.documents ? k.doc_hi : 0;
-  if (m.tile_masked(q.pos_lo, q.pos_hi, k.pos_lo, k.pos_hi, dql, dqh, dkl, dkh)) return kSkip;
-  const bool padded = q.padding != 0 || k.padding != 0;
-  if (!padded && m.tile_full(q.pos_lo, q.pos_hi, k.pos_lo, k.pos_hi, dql, dqh, dkl, dkh)) return kFull;
-  return kPartial;
 }
 
 // ---- one attention problem (one Q block against one K/V block) ----------------------------
@@ -200,14 +148,14 @@ CTXPAR_HD int64_t forward_row(const Problem<T>& p, int64_t b, int64_t h, int64_t
   int64_t computed = 0;
   load_row(p.q.row(b, i, h), d, qrow);
   for (int64_t kt = 0; kt < p.k_tile_count(); ++kt) {
-    const int kind = classify(p.mask, p.q_tiles[qt], p.k_tiles[kt]);
-    if (kind == kSkip) continue;
+    const TileKind kind = classify(p.mask, p.q_tiles[qt], p.k_tiles[kt]);
+    if (kind == TileKind::skip) continue;
     ++computed;
     const int64_t j0 = kt * kTile, j1 = j0 + kTile < p.tk ? j0 + kTile : p.tk;
     float row_max = neg_inf();
     for (int64_t j = j0; j < j1; ++j) {
       const float dot = dot_row(qrow, p.k.row(b, j, hk), d);
-      const bool seen = kind == kFull || p.visible(i, j);
+      const bool seen = kind == TileKind::full || p.visible(i, j);
       s[j - j0] = seen ? dot * p.scale : neg_inf();
       row_max = max_f(row_max, s[j - j0]);
     }
@@ -287,12 +235,12 @@ CTXPAR_HD int64_t backward_dq_row(const Problem<T>& p, const BackwardRows& r, in
   float* dq = r.dq.row(b, i, h);
   int64_t computed = 0;
   for (int64_t kt = 0; kt < p.k_tile_count(); ++kt) {
-    const int kind = classify(p.mask, p.q_tiles[qt], p.k_tiles[kt]);
-    if (kind == kSkip) continue;
+    const TileKind kind = classify(p.mask, p.q_tiles[qt], p.k_tiles[kt]);
+    if (kind == TileKind::skip) continue;
     ++computed;
     const int64_t j0 = kt * kTile, j1 = j0 + kTile < p.tk ? j0 + kTile : p.tk;
     for (int64_t j = j0; j < j1; ++j) {
-      if (kind == kPartial && !p.visible(i, j)) continue;
+      if (kind == TileKind::partial && !p.visible(i, j)) continue;
       const T* kj = p.k.row(b, j, hk);
       const PairTerms t = pair_terms(dot_row(qrow, kj, d), dorow, p.v.row(b, j, hk), d, lse,
                                      delta, p.scale);
@@ -315,14 +263,14 @@ CTXPAR_HD int64_t backward_dkdv_row(const Problem<T>& p, const BackwardRows& r, 
   int64_t computed = 0;
   for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h)
     for (int64_t qt = 0; qt < p.q_tile_count(); ++qt) {
-      const int kind = classify(p.mask, p.q_tiles[qt], p.k_tiles[kt]);
-      if (kind == kSkip) continue;
+      const TileKind kind = classify(p.mask, p.q_tiles[qt], p.k_tiles[kt]);
+      if (kind == TileKind::skip) continue;
       ++computed;
       const int64_t i0 = qt * kTile, i1 = i0 + kTile < p.tq ? i0 + kTile : p.tq;
       for (int64_t i = i0; i < i1; ++i) {
         const float lse = r.lse.at(b, h, i);
         if (lse == neg_inf()) continue;
-        if (kind == kPartial && !p.visible(i, j)) continue;
+        if (kind == TileKind::partial && !p.visible(i, j)) continue;
         const T* qi = p.q.row(b, i, h);
         load_row(p.dout.row(b, i, h), d, dorow);
         // S = q . k in q's order, as the forward and the dQ pass round it.

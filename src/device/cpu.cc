@@ -1,4 +1,4 @@
-// The cpu device: every operation runs inline on the calling thread (HostDevice::run), in the
+// The cpu device: every operation runs inline on the calling thread (HostDevice::execute), in the
 // order it is enqueued, so both streams are the host's own order. A transfer is posted when it
 // is enqueued and completed when something waits for it (an event of the comm stream, or the
 // host reading the received buffer): the host blocks there, as the strategies did before
@@ -6,7 +6,7 @@
 // to the transport (the threads transport hands it to the receiver: no copy); the sender keeps
 // a handle of its own (Buffer::share), so the memory goes only when both the sender's
 // DeviceBuffer and the receiver's are gone, whichever order they go in (a receiver unwinding
-// from a failed peer freed it under a sender still computing on it: issue 21). An all-to-all is
+// from a failed peer must not free it under a sender still computing on it). An all-to-all is
 // P-1 such sends and receives (its chunks land in place at the wait), so it overlaps compute
 // too.
 #include <algorithm>
@@ -159,7 +159,7 @@ class CpuDevice final : public HostDevice {
     }
   }
   // A kernel operation runs now, on the calling thread.
-  void run(Stream, const char*, Views, Views, const Work& work) override { work(); }
+  void execute(Stream, const char*, Views, Views, const Work& work) override { work(); }
 
  private:
 

@@ -1,10 +1,10 @@
-// What every device shares: buffer and forward-state handles, names, make_device, and the
-// ring's test-only hook. See docs/device.md.
+// What every device shares: buffer and forward-state handles, names, the registry of device
+// factories and make_device. See docs/device.md.
 #include "ctxpar/device.h"
 
-#include <atomic>
 #include <cstring>
 
+#include "ctxpar/error.h"
 #include "device/devices.h"
 
 namespace ctxpar {
@@ -29,13 +29,40 @@ DeviceKind parse_device(const std::string& name) {
   throw Error("unknown device '" + name + "': use cpu, sim or cuda");
 }
 
+const std::shared_ptr<const DeviceRegistry>& DeviceRegistry::builtin() {
+  static const std::shared_ptr<const DeviceRegistry> registry = [] {
+    auto r = std::make_shared<DeviceRegistry>();
+    r->factories_[int(DeviceKind::cpu)] = [](const DeviceOptions&, int) {
+      return device::make_cpu();
+    };
+    r->factories_[int(DeviceKind::sim)] = device::make_sim;
+    r->factories_[int(DeviceKind::cuda)] = device::make_cuda;
+    return r;
+  }();
+  return registry;
+}
+
+std::shared_ptr<const DeviceRegistry> DeviceRegistry::with(DeviceKind kind,
+                                                           DeviceFactory factory) const {
+  auto r = std::make_shared<DeviceRegistry>(*this);
+  r->factories_[int(kind)] = std::move(factory);
+  return r;
+}
+
+std::unique_ptr<Device> DeviceRegistry::make(const DeviceOptions& options, int rank) const {
+  const int kind = int(options.kind);
+  CTXPAR_CHECK(kind >= 0 && kind < kDeviceKinds, "device kind ", kind, " is not a DeviceKind");
+  CTXPAR_CHECK(factories_[kind], "this DeviceRegistry has no factory for device '",
+               device_name(options.kind), "': give it one with with(DeviceKind::",
+               device_name(options.kind), ", factory), or leave DeviceOptions::registry empty "
+               "for the built-in devices");
+  return factories_[kind](options, rank);
+}
+
 std::unique_ptr<Device> make_device(const DeviceOptions& options, int rank) {
-  switch (options.kind) {
-    case DeviceKind::cpu: return device::make_cpu();
-    case DeviceKind::sim: return device::make_sim(options, rank);
-    case DeviceKind::cuda: return device::make_cuda(options, rank);
-  }
-  throw Error("unknown device kind");
+  const DeviceRegistry& registry =
+      options.registry ? *options.registry : *DeviceRegistry::builtin();
+  return registry.make(options, rank);
 }
 
 DeviceBuffer::DeviceBuffer(Device* device, std::unique_ptr<Storage> storage)

@@ -1,5 +1,5 @@
 // The kernel operations of a device whose memory is host memory, each once: its host work and
-// the memory it reads and writes, handed to run() (see host_device.h).
+// the memory it reads and writes, handed to execute() (see host_device.h).
 #include "device/host_device.h"
 
 #include "device/devices.h"
@@ -18,88 +18,97 @@ void HostDevice::busy(F&& f) {
   counters_.flops += ks.flops;
 }
 
-void HostDevice::forward_reset(Stream s, const ForwardStateView& state) {
-  submit(s, "forward_reset", {}, {state.acc(), state.m(), state.l()},
+template <>
+void HostDevice::enqueue(Stream s, const op::ForwardReset& a) {
+  const ForwardStateView state = a.state;
+  submit(s, a.kName, {}, {state.acc(), state.m(), state.l()},
          [=] { host_forward_reset(state); });
 }
 
-void HostDevice::forward_block(Stream s, const TensorView& q, const Tokens& qt,
-                               const TensorView& k, const TensorView& v, const Tokens& kt,
-                               const Mask& mask, const ForwardStateView& state,
-                               const KernelConfig& config) {
-  submit(s, "forward_block", {q, k, v}, {state.acc(), state.m(), state.l()}, [=, this] {
-           busy([&] { return attention_forward_block(q, qt, k, v, kt, mask, state, config); });
-         });
+template <>
+void HostDevice::enqueue(Stream s, const op::ForwardBlock& a) {
+  submit(s, a.kName, {a.q, a.k, a.v}, {a.state.acc(), a.state.m(), a.state.l()}, [=, this] {
+    busy([&] {
+      return attention_forward_block(a.q, a.q_tokens, a.k, a.v, a.k_tokens, a.mask, a.state,
+                                     a.config);
+    });
+  });
 }
 
-void HostDevice::forward_finalize(Stream s, const ForwardStateView& state, const TensorView& out,
-                                  const TensorView& lse, const KernelConfig& config) {
-  submit(s, "forward_finalize", {state.acc(), state.m(), state.l()}, {out, lse}, [=, this] {
+template <>
+void HostDevice::enqueue(Stream s, const op::ForwardFinalize& a) {
+  submit(s, a.kName, {a.state.acc(), a.state.m(), a.state.l()}, {a.out, a.lse}, [=, this] {
     busy([&] {
-      attention_forward_finalize(state, out, lse, config);
+      attention_forward_finalize(a.state, a.out, a.lse, a.config);
       return KernelStats{};
     });
   });
 }
 
-void HostDevice::backward_delta(Stream s, const TensorView& out, const TensorView& dout,
-                                const TensorView& delta, const KernelConfig& config) {
-  submit(s, "backward_delta", {out, dout}, {delta}, [=, this] {
+template <>
+void HostDevice::enqueue(Stream s, const op::BackwardDelta& a) {
+  submit(s, a.kName, {a.out, a.dout}, {a.delta}, [=, this] {
     busy([&] {
-      attention_backward_delta(out, dout, delta, config);
+      attention_backward_delta(a.out, a.dout, a.delta, a.config);
       return KernelStats{};
     });
   });
 }
 
-void HostDevice::backward_block(Stream s, const TensorView& q, const Tokens& qt,
-                                const TensorView& k, const TensorView& v, const Tokens& kt,
-                                const Mask& mask, const TensorView& dout, const TensorView& lse,
-                                const TensorView& delta, const TensorView& dq,
-                                const TensorView& dk, const TensorView& dv,
-                                const KernelConfig& config) {
-  submit(s, "backward_block", {q, k, v, dout, lse, delta}, {dq, dk, dv}, [=, this] {
+template <>
+void HostDevice::enqueue(Stream s, const op::BackwardBlock& a) {
+  submit(s, a.kName, {a.q, a.k, a.v, a.dout, a.lse, a.delta}, {a.dq, a.dk, a.dv}, [=, this] {
     busy([&] {
-      return attention_backward_block(q, qt, k, v, kt, mask, dout, lse, delta, dq, dk, dv,
-                                      config);
+      return attention_backward_block(a.q, a.q_tokens, a.k, a.v, a.k_tokens, a.mask, a.dout,
+                                      a.lse, a.delta, a.dq, a.dk, a.dv, a.config);
     });
   });
 }
 
-void HostDevice::merge(Stream s, const TensorView& o_a, const TensorView& lse_a,
-                       const TensorView& o_b, const TensorView& lse_b) {
-  submit(s, "merge", {o_a, lse_a, o_b, lse_b}, {o_a, lse_a},
-         [=] { ctxpar::merge(o_a, lse_a, o_b, lse_b); });
+template <>
+void HostDevice::enqueue(Stream s, const op::Merge& a) {
+  submit(s, a.kName, {a.o_a, a.lse_a, a.o_b, a.lse_b}, {a.o_a, a.lse_a},
+         [=] { ctxpar::merge(a.o_a, a.lse_a, a.o_b, a.lse_b); });
 }
 
-void HostDevice::add(Stream s, const TensorView& x, const TensorView& y) {
-  submit(s, "add", {x}, {y}, [=] { host_add(x, y); });
+template <>
+void HostDevice::enqueue(Stream s, const op::Add& a) {
+  submit(s, a.kName, {a.x}, {a.y}, [=] { host_add(a.x, a.y); });
 }
 
-void HostDevice::copy(Stream s, const TensorView& src, const TensorView& dst) {
-  submit(s, "copy", {src}, {dst}, [=] { copy_into(src, dst); });
+template <>
+void HostDevice::enqueue(Stream s, const op::Copy& a) {
+  submit(s, a.kName, {a.src}, {a.dst}, [=] { copy_into(a.src, a.dst); });
 }
 
-void HostDevice::fill_zero(Stream s, const TensorView& t) {
-  submit(s, "fill_zero", {}, {t}, [=] { host_fill_zero(t); });
+template <>
+void HostDevice::enqueue(Stream s, const op::FillZero& a) {
+  submit(s, a.kName, {}, {a.t}, [=] { host_fill_zero(a.t); });
 }
 
-void HostDevice::pack_kv(Stream s, const TensorView& k, const TensorView& v, const Tokens& tokens,
-                         bool documents, const TensorView& bk, const TensorView& bv,
-                         std::byte* bt) {
-  const size_t tb = size_t(k.dim(1)) * (8 + (documents ? 4 : 0));
-  submit(s, "pack_kv", {k, v}, {bk, bv, bytes_view(bt, tb)},
-         [=] { host_pack_kv(k, v, tokens, documents, bk, bv, bt); });
+template <>
+void HostDevice::enqueue(Stream s, const op::PackKv& a) {
+  const size_t tb = size_t(a.k.dim(1)) * (8 + (a.documents ? 4 : 0));
+  submit(s, a.kName, {a.k, a.v}, {a.block_k, a.block_v, bytes_view(a.block_tokens, tb)}, [=] {
+    host_pack_kv(a.k, a.v, a.tokens, a.documents, a.block_k, a.block_v, a.block_tokens);
+  });
 }
 
-void HostDevice::scatter_tokens(Stream s, const TensorView& src, const TensorView& dst,
-                                const TensorView& index) {
-  submit(s, "scatter_tokens", {src, index}, {dst}, [=] { host_scatter_tokens(src, dst, index); });
+template <>
+void HostDevice::enqueue(Stream s, const op::ScatterTokens& a) {
+  submit(s, a.kName, {a.src, a.index}, {a.dst},
+         [=] { host_scatter_tokens(a.src, a.dst, a.index); });
 }
 
-void HostDevice::gather_tokens(Stream s, const TensorView& src, const TensorView& dst,
-                               const TensorView& index) {
-  submit(s, "gather_tokens", {src, index}, {dst}, [=] { host_gather_tokens(src, dst, index); });
+template <>
+void HostDevice::enqueue(Stream s, const op::GatherTokens& a) {
+  submit(s, a.kName, {a.src, a.index}, {a.dst},
+         [=] { host_gather_tokens(a.src, a.dst, a.index); });
+}
+
+// After every specialisation of enqueue: they are what it instantiates.
+void HostDevice::run(Stream s, const Op& op) {
+  std::visit([&](const auto& a) { enqueue(s, a); }, op.args);
 }
 
 }  // namespace ctxpar::device

@@ -51,7 +51,7 @@ struct Inflight {
   Clock::time_point deadline;
 };
 
-struct Op {
+struct Queued {
   enum Kind { run, post, wait } kind = run;
   std::string name;
   uint64_t seq = 0;
@@ -106,8 +106,8 @@ class SimDevice final : public HostDevice {
 
   void wait(Stream s, const Event& e) override {
     if (e.stream < 0 || e.stream == s.index) return;  // a stream is ordered with itself
-    Op op;
-    op.kind = Op::wait;
+    Queued op;
+    op.kind = Queued::wait;
     op.name = "wait";
     op.wait_for = e;
     std::lock_guard lock(mu_);
@@ -126,8 +126,8 @@ class SimDevice final : public HostDevice {
     });
     if (!failed_) {
       release_deferred();
-      uint64_t enqueued[kStreams];
-      for (int t = 0; t < kStreams; ++t) enqueued[t] = streams_[t].enqueued;
+      RaceChecker::Clock enqueued(kStreams);
+      for (int t = 0; t < kStreams; ++t) enqueued[size_t(t)] = streams_[t].enqueued;
       races_.synchronized(enqueued);
     }
     counters_.wait_seconds += now_seconds() - t0;
@@ -176,13 +176,13 @@ class SimDevice final : public HostDevice {
     defer(std::move(d));
   }
   // A kernel operation: checked for races now, run by the stream's worker later.
-  void run(Stream s, const char* op, Views reads, Views writes, const Work& work) override {
+  void execute(Stream s, const char* op, Views reads, Views writes, const Work& work) override {
     enqueue(s, op, reads, writes, work.keep());
   }
 
  private:
   struct StreamState {
-    std::deque<Op> queue;
+    std::deque<Queued> queue;
     uint64_t enqueued = 0, completed = 0;
   };
 
@@ -221,7 +221,7 @@ class SimDevice final : public HostDevice {
   // Holds mu_. A refusal also fails the device (its queued work is dropped), so that the rank
   // leaves the call at once and its peers fail with it instead of waiting for its messages.
   void check(int s, uint64_t seq, const std::string& op, const TensorView& t, bool write) {
-    const std::string refusal = races_.check(s, seq, op, t.data(), write);
+    const std::string refusal = races_.refusal(s, seq, op, t.data(), write);
     if (!refusal.empty()) refuse(refusal);
   }
 
@@ -236,7 +236,7 @@ class SimDevice final : public HostDevice {
   }
 
   void enqueue(Stream s, const char* name, Views reads, Views writes, std::function<void()> fn) {
-    Op op;
+    Queued op;
     op.name = name;
     op.fn = std::move(fn);
     std::lock_guard lock(mu_);
@@ -245,8 +245,8 @@ class SimDevice final : public HostDevice {
   }
   void enqueue_post(Stream s, const char* name, Views reads, Views writes,
                     std::function<Inflight()> fn) {
-    Op op;
-    op.kind = Op::post;
+    Queued op;
+    op.kind = Queued::post;
     op.name = name;
     op.post_fn = std::move(fn);
     std::lock_guard lock(mu_);
@@ -261,7 +261,7 @@ class SimDevice final : public HostDevice {
   }
 
   // Caller holds mu_.
-  void push(Stream s, Op op) {
+  void push(Stream s, Queued op) {
     StreamState& st = streams_[s.index];
     op.seq = ++st.enqueued;
     op.delay_us = max_delay_us_ > 0 && (rng_() & 1) ? int(rng_() % uint64_t(max_delay_us_ + 1)) : 0;
@@ -356,14 +356,14 @@ class SimDevice final : public HostDevice {
           cv_.wait_for(lock, std::chrono::microseconds(50));
         continue;
       }
-      Op op = std::move(st.queue.front());
+      Queued op = std::move(st.queue.front());
       st.queue.pop_front();
       if (op.delay_us > 0 && !failed_) {
         lock.unlock();
         std::this_thread::sleep_for(std::chrono::microseconds(op.delay_us));
         lock.lock();
       }
-      if (op.kind == Op::wait) {
+      if (op.kind == Queued::wait) {
         const StreamState& other = streams_[op.wait_for.stream];
         while (!failed_ && !stop_ && other.completed < op.wait_for.seq) {
           if (!inflight.empty()) poll(s, inflight, lock, executed);
@@ -373,7 +373,7 @@ class SimDevice final : public HostDevice {
         lock.unlock();
         std::string error;
         try {
-          if (op.kind == Op::run) {
+          if (op.kind == Queued::run) {
             op.fn();
           } else {
             Inflight f = op.post_fn();

@@ -55,32 +55,29 @@ void check_finite(const char* name, const TensorView& t);
 // The position / document range of each tile of `tile` consecutive tokens. Positions need not
 // be sorted, so a range is the min and max over the tile.
 struct TileRanges {
-  enum Padding : uint8_t { none, some, all };  // padding tokens (kPaddingPosition) in the tile
+  // Padding tokens (kPaddingPosition) in the tile, as TileRange::Padding.
+  enum Padding : uint8_t { none = TileRange::none, some = TileRange::some, all = TileRange::all };
   std::vector<int64_t> pos_lo, pos_hi;         // over the tile's real tokens
   std::vector<int32_t> doc_lo, doc_hi;
   std::vector<Padding> padding;
   int64_t tile = 0;
   int64_t count() const { return static_cast<int64_t>(pos_lo.size()); }
+  // Tile i as mask_rules.h's TileRange (doc_lo / doc_hi are empty without documents).
+  TileRange at(int64_t i) const {
+    TileRange r;
+    r.pos_lo = pos_lo[i], r.pos_hi = pos_hi[i];
+    if (!doc_lo.empty()) r.doc_lo = doc_lo[i], r.doc_hi = doc_hi[i];
+    r.padding = padding[i];  // none, some, all: TileRange's values
+    return r;
+  }
 };
 TileRanges tile_ranges(const Tokens& tokens, int64_t n, int64_t tile, bool documents);
 
-// What a (query tile, key tile) pair needs.
-enum class TileKind { skip, full, partial };
+// What a (query tile, key tile) pair needs: mask_rules.h's classification, the GPU's too.
+using ::ctxpar::TileKind;
 inline TileKind classify(const Mask& mask, const TileRanges& qr, int64_t qi,
                          const TileRanges& kr, int64_t kj) {
-  if (qr.padding[qi] == TileRanges::all || kr.padding[kj] == TileRanges::all) return TileKind::skip;
-  int32_t dql = 0, dqh = 0, dkl = 0, dkh = 0;
-  if (mask.documents) {
-    dql = qr.doc_lo[qi], dqh = qr.doc_hi[qi], dkl = kr.doc_lo[kj], dkh = kr.doc_hi[kj];
-  }
-  if (mask.tile_masked(qr.pos_lo[qi], qr.pos_hi[qi], kr.pos_lo[kj], kr.pos_hi[kj], dql, dqh,
-                       dkl, dkh))
-    return TileKind::skip;
-  const bool padded = qr.padding[qi] != TileRanges::none || kr.padding[kj] != TileRanges::none;
-  if (!padded && mask.tile_full(qr.pos_lo[qi], qr.pos_hi[qi], kr.pos_lo[kj], kr.pos_hi[kj], dql,
-                                dqh, dkl, dkh))
-    return TileKind::full;
-  return TileKind::partial;
+  return ::ctxpar::classify(mask, qr.at(qi), kr.at(kj));
 }
 
 // Tiles computed / skipped over all (batch, query head) and their FLOPs: 4 * D per computed

@@ -171,7 +171,7 @@ TEST(CudaDeviceErrors, AStrategyReportsTheFailedLaunchAndLeavesNothingBehind) {
   StrategyOptions opt;
   opt.kind = StrategyKind::ring;
   opt.mask = parse_mask("causal");
-  opt.device.kind = DeviceKind::cuda;
+  opt.device = devices.options();
   std::string error;
   try {
     run_sharded(pr, 2, LayoutKind::zigzag, opt);
@@ -319,7 +319,7 @@ TEST(CudaDeviceCudnn, StrategiesWithRefusedGraphsMeetTheAccuracyRule) {
       StrategyOptions opt;
       opt.kind = StrategyKind::ring;
       opt.mask = pr.mask;
-      opt.device.kind = DeviceKind::cuda;
+      opt.device = devices.options();
       const Errors e = errors_of(run_sharded(pr, 2, layout, opt), refs);
       const std::string where = std::string(mask) + " " + layout_name(layout);
       EXPECT_EQ(beyond(e, bounds_of(refs)), "") << where;

@@ -17,12 +17,6 @@
 namespace ctxpar::testing {
 namespace {
 
-std::unique_ptr<Device> cuda_device(int rank) {
-  DeviceOptions o;
-  o.kind = DeviceKind::cuda;
-  return make_device(o, rank);
-}
-
 TensorView floats(const DeviceBuffer& b) { return b.view(DType::f32, {int64_t(b.size() / 4)}); }
 
 void fill(Device& dev, DeviceBuffer& b, float first) {
@@ -42,8 +36,8 @@ std::vector<float> read(Device& dev, const DeviceBuffer& b) {
 
 TEST(CudaDeviceOps, SendRecvAndAlltoallStagedThroughTheHost) {
   RecordingCudaDevices devices;
-  const auto errors = errors_on_ranks(3, [](Communicator& comm) {
-    auto dev = cuda_device(comm.rank());
+  const auto errors = errors_on_ranks(3, [&](Communicator& comm) {
+    auto dev = devices.make(comm.rank());
     const int r = comm.rank(), p = comm.size();
     DeviceBuffer mine = dev->alloc(64);
     fill(*dev, mine, float(100 * r));
@@ -68,8 +62,8 @@ TEST(CudaDeviceOps, SendRecvAndAlltoallStagedThroughTheHost) {
 // A peer that fails: the receiver's next synchronize throws naming it, at once.
 TEST(CudaDeviceOps, FailedPeerIsNamed) {
   RecordingCudaDevices devices;
-  const auto errors = errors_on_ranks(2, [](Communicator& comm) {
-    auto dev = cuda_device(comm.rank());
+  const auto errors = errors_on_ranks(2, [&](Communicator& comm) {
+    auto dev = devices.make(comm.rank());
     if (comm.rank() == 1) throw Error("rank 1 gave up");
     DeviceBuffer got = dev->recv(kCommStream, comm, 64, 1, 9);
     dev->synchronize();
@@ -83,9 +77,9 @@ TEST(CudaDeviceOps, FailedPeerIsNamed) {
 TEST(CudaDeviceOps, StuckPeerTimesOutNamingIt) {
   RecordingCudaDevices devices;
   double seconds = 0;
-  const auto errors = errors_on_ranks(2, [](Communicator& comm) {
+  const auto errors = errors_on_ranks(2, [&](Communicator& comm) {
     comm.set_timeout(std::chrono::milliseconds(500));
-    auto dev = cuda_device(comm.rank());
+    auto dev = devices.make(comm.rank());
     DeviceBuffer got = dev->recv(kCommStream, comm, 64, 1 - comm.rank(), 11);
     dev->synchronize();
   }, &seconds);
@@ -164,7 +158,7 @@ TEST(CudaDeviceOps, TheCheckerSeesAnUnorderedUse) {
 // Host views (the caller's tensors), strided, through copy / add / fill_zero.
 TEST(CudaDeviceOps, StridedHostViewsAreStaged) {
   RecordingCudaDevices devices;
-  auto dev = cuda_device(0);
+  auto dev = devices.make(0);
   Tensor src(DType::f32, {2, 3, 4, 5}), dst(DType::bf16, {2, 3, 4, 5});
   for (int64_t i = 0; i < src.numel(); ++i) src.ptr<float>()[i] = float(i) * 0.37f;
   const TensorView s = src.view().slice(2, 1, 3), d = dst.view().slice(2, 0, 2);
@@ -185,13 +179,15 @@ TEST(CudaDeviceOps, StridedHostViewsAreStaged) {
 // with no staging copy, and are neither freed nor counted as a leak.
 TEST(CudaDeviceOps, AdoptedMemoryIsUsedInPlace) {
   RecordingCudaDevices devices;
-  auto dev = cuda_device(0);
+  auto dev = devices.make(0);
   auto& cuda_dev = dynamic_cast<cuda::CudaDevice&>(*dev);
   auto& api = dynamic_cast<cuda::RecordingCudaApi&>(cuda_dev.api());
   Tensor src(DType::f32, {2, 3, 4, 5}), dst(DType::bf16, {2, 3, 4, 5});
   for (int64_t i = 0; i < src.numel(); ++i) src.ptr<float>()[i] = float(i) * 0.37f;
-  cuda_dev.adopt(src.data(), src.bytes());
-  cuda_dev.adopt(dst.data(), dst.bytes() / 2);  // two touching halves: merged into one range
+  EXPECT_TRUE(dev->adopt(src.data(), src.bytes()));  // Device's optional member
+  EXPECT_TRUE(dev->adopt(dst.data(), dst.bytes() / 2));  // touching halves: one range
+  // Its kernels check no finiteness and the host reads no input: the KV cache asks this.
+  EXPECT_FALSE(dev->caps().finite_checks);
   cuda_dev.adopt(static_cast<std::byte*>(dst.data()) + dst.bytes() / 2, dst.bytes() / 2);
   EXPECT_EQ(api.adopted(), 2u);
   const TensorView s = src.view().slice(2, 1, 3), d = dst.view().slice(2, 0, 2);
@@ -257,7 +253,7 @@ void meets_the_accuracy_rule(DType dtype, bool fake_cudnn) {
         StrategyOptions opt;
         opt.kind = kind;
         opt.mask = pr.mask;
-        opt.device.kind = DeviceKind::cuda;
+        opt.device = devices.options();
         const Errors e = errors_of(run_sharded(pr, 2, layout, opt), refs);
         const std::string where = std::string(mask) + " " + layout_name(layout) + " " +
                                   strategy_name(kind);

@@ -9,8 +9,8 @@
 
 #include "ctxpar/device.h"
 #include "cuda/device_support.h"
+#include "device/forwarding_device.h"
 #include "strategy/strategy_support.h"
-#include "strategy/testing.h"
 
 namespace ctxpar::testing {
 namespace {
@@ -44,7 +44,7 @@ void every_strategy(DType dtype) {
           StrategyOptions opt{.kind = c.kind, .ulysses_degree = c.u, .mask = parse_mask(mask)};
           const RunResult cpu = run_sharded(pr, p, layout, opt);
           RecordingCudaDevices devices;
-          opt.device.kind = DeviceKind::cuda;
+          opt.device = devices.options();
           const RunResult cuda = run_sharded(pr, p, layout, opt);
           const std::string where = std::string(strategy_name(c.kind)) + " u=" +
                                     std::to_string(c.u) + " P=" + std::to_string(p) + " " +
@@ -63,8 +63,9 @@ TEST(CudaDevice, Bf16BitwiseTheCpuScalarPathEveryStrategyLayoutMaskP) {
   every_strategy(DType::bf16);
 }
 
-// The ring's debug hook leaves out the compute stream's wait for a received K/V block: the
-// recording API's log shows a read of the comm stream's write with no wait in between.
+// The ring on a cuda device that leaves out the compute stream's waits for received blocks
+// (SkippingReceiveWaits): the run does not throw, but the recording API's log shows a read of
+// the comm stream's write with no wait in between.
 TEST(CudaDevice, RemovedWaitIsSeenInTheLog) {
   Problem pr;
   pr.mask = parse_mask("causal");
@@ -72,11 +73,10 @@ TEST(CudaDevice, RemovedWaitIsSeenInTheLog) {
   StrategyOptions opt;
   opt.mask = pr.mask;
   opt.kind = StrategyKind::ring;
-  opt.device.kind = DeviceKind::cuda;
   RecordingCudaDevices devices;
-  strategy::testing::set_ring_skip_wait(true);  // the run does not throw: the log tells
+  opt.device = devices.options();
+  opt.device.registry = skipping_receive_waits(opt.device.registry, DeviceKind::cuda);
   run_sharded(pr, 2, LayoutKind::zigzag, opt);
-  strategy::testing::set_ring_skip_wait(false);
   const std::string problems = devices.problems();
   EXPECT_NE(problems.find("with no wait in between"), std::string::npos) << problems;
 }

@@ -4,7 +4,6 @@
 
 #include "cuda/api_recording.h"
 #include "cuda/cuda_device.h"
-#include "device/devices.h"
 #ifdef CTXPAR_CUDA_HEADERS
 #include "cuda/fake_cudnn.h"
 #endif
@@ -14,31 +13,40 @@ namespace ctxpar::testing {
 RecordingCudaDevices::RecordingCudaDevices(bool fake_cudnn)
     : RecordingCudaDevices(RecordingSetup{fake_cudnn, {}, false, {}}) {}
 
-RecordingCudaDevices::RecordingCudaDevices(const RecordingSetup& setup) {
-  device::testing::set_cuda_factory([this, setup](int rank) -> std::unique_ptr<Device> {
-    auto api = std::make_unique<cuda::RecordingCudaApi>();
-    if (setup.on_api) setup.on_api(*api, rank);
-    api->on_destroy = [this](const cuda::RecordingCudaApi& a) {
-      DeviceReport r;
-      r.violations = a.violations();
-      r.live = a.live_allocations();
-      r.live_events = a.live_events();
-      r.live_streams = a.live_streams();
-      r.host_live = a.live_host_allocations();
-      r.ops = a.log().size();
-      std::lock_guard<std::mutex> l(mu_);
-      reports_.push_back(std::move(r));
-    };
-    std::unique_ptr<cuda::CudnnAttention> cudnn;
-#ifdef CTXPAR_CUDA_HEADERS
-    if (setup.fake_cudnn) cudnn = std::make_unique<FakeCudnn>(&cudnn_calls_, setup.refuse);
-#endif
-    return std::make_unique<cuda::CudaDevice>(std::move(api), rank, std::move(cudnn),
-                                              setup.cudnn_required);
-  });
+RecordingCudaDevices::RecordingCudaDevices(const RecordingSetup& setup)
+    : setup_(setup),
+      registry_(DeviceRegistry::builtin()->with(
+          DeviceKind::cuda,
+          [this](const DeviceOptions&, int rank) { return make_recording(rank); })) {}
+
+DeviceOptions RecordingCudaDevices::options() const {
+  DeviceOptions o;
+  o.kind = DeviceKind::cuda;
+  o.registry = registry_;
+  return o;
 }
 
-RecordingCudaDevices::~RecordingCudaDevices() { device::testing::set_cuda_factory({}); }
+std::unique_ptr<Device> RecordingCudaDevices::make_recording(int rank) {
+  auto api = std::make_unique<cuda::RecordingCudaApi>();
+  if (setup_.on_api) setup_.on_api(*api, rank);
+  api->on_destroy = [this](const cuda::RecordingCudaApi& a) {
+    DeviceReport r;
+    r.violations = a.violations();
+    r.live = a.live_allocations();
+    r.live_events = a.live_events();
+    r.live_streams = a.live_streams();
+    r.host_live = a.live_host_allocations();
+    r.ops = a.log().size();
+    std::lock_guard<std::mutex> l(mu_);
+    reports_.push_back(std::move(r));
+  };
+  std::unique_ptr<cuda::CudnnAttention> cudnn;
+#ifdef CTXPAR_CUDA_HEADERS
+  if (setup_.fake_cudnn) cudnn = std::make_unique<FakeCudnn>(&cudnn_calls_, setup_.refuse);
+#endif
+  return std::make_unique<cuda::CudaDevice>(std::move(api), rank, std::move(cudnn),
+                                            setup_.cudnn_required);
+}
 
 std::vector<DeviceReport> RecordingCudaDevices::reports() const {
   std::lock_guard<std::mutex> l(mu_);

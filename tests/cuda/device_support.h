@@ -1,5 +1,6 @@
-// The cuda device's tests: make_device(cuda) swapped for CudaDevices over RecordingCudaApi
-// (optionally with the fake cuDNN), and what their logs said when each device went.
+// The cuda device's tests: a registry whose cuda devices are CudaDevices over RecordingCudaApi
+// (optionally with the fake cuDNN), handed to strategies in their DeviceOptions, and what the
+// devices' logs said when each went.
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -35,19 +36,24 @@ struct RecordingSetup {
   std::function<void(cuda::RecordingCudaApi&, int rank)> on_api;
 };
 
-// While alive, make_device(cuda) makes recording CudaDevices; reports() has one entry per
-// device destroyed since.
+// Recording CudaDevices: options() (kind cuda and a registry whose cuda devices these are)
+// makes them wherever DeviceOptions go (StrategyOptions::device, make_device); reports() has
+// one entry per device destroyed since. Outlives every device made from it.
 class RecordingCudaDevices {
  public:
   explicit RecordingCudaDevices(bool fake_cudnn = false);
   explicit RecordingCudaDevices(const RecordingSetup& setup);
-  ~RecordingCudaDevices();
+  DeviceOptions options() const;
+  std::unique_ptr<Device> make(int rank) const { return make_device(options(), rank); }
   std::vector<DeviceReport> reports() const;
   int64_t cudnn_calls() const { return cudnn_calls_; }
   // "" when every device kept the rules and freed everything, else what went wrong.
   std::string problems() const;
 
  private:
+  std::unique_ptr<Device> make_recording(int rank);
+  RecordingSetup setup_;
+  std::shared_ptr<const DeviceRegistry> registry_;
   mutable std::mutex mu_;
   std::vector<DeviceReport> reports_;
   std::atomic<int64_t> cudnn_calls_{0};

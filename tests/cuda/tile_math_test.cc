@@ -140,40 +140,8 @@ TEST(CudaTileMath, FullyMaskedRowsAreZeroWithMinusInfinityLse) {
     for (int64_t i = 0; i < g->numel(); ++i) ASSERT_EQ(g->ptr<float>()[i], 0.0f);
 }
 
-// MaskRules is mask.h's Mask as plain data: the same answers, extremes of int64 included.
-TEST(CudaTileMath, MaskRulesAgreeWithMask) {
-  std::mt19937_64 rng(7);
-  const int64_t lo = std::numeric_limits<int64_t>::min(), hi = std::numeric_limits<int64_t>::max();
-  const int64_t specials[] = {lo, lo + 1, lo + 5, -3, -1, 0, 1, 2, 5, 17, hi - 5, hi - 1, hi};
-  auto position = [&]() {
-    const uint64_t r = rng();
-    return r % 3 == 0 ? specials[rng() % 13] : int64_t(rng() % 64) - 32;
-  };
-  const int64_t bounds[] = {-1, 0, 1, 3, 40, hi - 1, hi};
-  for (int trial = 0; trial < 200000; ++trial) {
-    Mask m;
-    m.causal = rng() & 1;
-    m.window_left = bounds[rng() % 7], m.window_right = bounds[rng() % 7];
-    m.documents = rng() & 1;
-    const cuda::MaskRules r = cuda::rules_of(m);
-    int64_t p[4];
-    for (int64_t& x : p) x = position();
-    const int32_t dq = int32_t(rng() % 3), dk = int32_t(rng() % 3);
-    ASSERT_EQ(r.visible(p[0], p[1], dq, dk), m.visible(p[0], p[1], dq, dk)) << m.describe();
-    const int64_t ql = std::min(p[0], p[1]), qh = std::max(p[0], p[1]);
-    const int64_t kl = std::min(p[2], p[3]), kh = std::max(p[2], p[3]);
-    const int32_t d[4] = {int32_t(rng() % 3), int32_t(rng() % 3), int32_t(rng() % 3),
-                          int32_t(rng() % 3)};
-    const int32_t dql = std::min(d[0], d[1]), dqh = std::max(d[0], d[1]);
-    const int32_t dkl = std::min(d[2], d[3]), dkh = std::max(d[2], d[3]);
-    ASSERT_EQ(r.tile_masked(ql, qh, kl, kh, dql, dqh, dkl, dkh),
-              m.tile_masked(ql, qh, kl, kh, dql, dqh, dkl, dkh));
-    ASSERT_EQ(r.tile_full(ql, qh, kl, kh, dql, dqh, dkl, dkh),
-              m.tile_full(ql, qh, kl, kh, dql, dqh, dkl, dkh));
-  }
-}
-
-// tile_range_of / classify against the CPU kernel's tile_ranges / classify (problem.h).
+// tile_range_of against the CPU kernel's tile_ranges (problem.h), through the classification
+// both kernels share (mask_rules.h).
 TEST(CudaTileMath, TileRangesAndClassesAgreeWithTheCpuKernel) {
   std::mt19937_64 rng(3);
   for (int trial = 0; trial < 300; ++trial) {
@@ -194,8 +162,7 @@ TEST(CudaTileMath, TileRangesAndClassesAgreeWithTheCpuKernel) {
     for (int64_t a = 0; a < cpu.count(); ++a) {
       ASSERT_EQ(ours[a].padding, int(cpu.padding[a]));
       for (int64_t b = 0; b < cpu.count(); ++b)
-        ASSERT_EQ(cuda::classify(cuda::rules_of(m), ours[a], ours[b]),
-                  int(kernel::classify(m, cpu, a, cpu, b)));
+        ASSERT_EQ(cuda::classify(m, ours[a], ours[b]), kernel::classify(m, cpu, a, cpu, b));
     }
   }
 }

@@ -1,5 +1,5 @@
 // HostDevice: the cpu device runs a kernel operation without a heap allocation of its own (its
-// run() takes the bound work by reference; only sim copies it into a std::function).
+// execute() takes the bound work by reference; only sim copies it into a std::function).
 #include <gtest/gtest.h>
 
 #include <atomic>

@@ -20,10 +20,10 @@ class RaceCheckerTest : public ::testing::Test {
   }
   // Operation `seq` of stream s, `op`, reads or writes `at`: what the checker says.
   std::string read(int s, uint64_t seq, const char* op, const void* at) {
-    return r.check(s, seq, op, at, false);
+    return r.refusal(s, seq, op, at, false);
   }
   std::string write(int s, uint64_t seq, const char* op, const void* at) {
-    return r.check(s, seq, op, at, true);
+    return r.refusal(s, seq, op, at, true);
   }
   // Stream s waits for an event recorded on stream t when t had `seq` operations.
   bool order(int s, int t, uint64_t seq) {
@@ -77,8 +77,7 @@ TEST_F(RaceCheckerTest, WaitsOrderTransitively) {
 TEST_F(RaceCheckerTest, SynchronizeOrdersEverythingBeforeIt) {
   EXPECT_EQ(write(kCompute, 1, "fill_zero", a), "");
   r.record(kCompute, 1);
-  const uint64_t enqueued[kStreams] = {1, 0};
-  r.synchronized(enqueued);
+  r.synchronized({1, 0});
   EXPECT_FALSE(r.wait(kComm, Event{kCompute, 1}));  // done: no wait needed
   EXPECT_EQ(read(kComm, 1, "copy", a), "");
 }

@@ -1,7 +1,7 @@
 """The Python package's CUDA path on a machine without a GPU (run by test_cuda_tensors.py in a
 process of its own, with CTXPAR_KERNEL=scalar): fake CUDA tensors (fake_cuda.py: CPU memory
 exported through DLPack as kDLCUDA) on the test-only recording cuda device
-(_ctxpar._testing_cuda_recording: RecordingCudaApi, host memory, the fallback kernel's tile
+(the test build's _testing_cuda_recording: RecordingCudaApi, host memory, the fallback kernel's tile
 math), against the cpu device on the same inputs. The recording device over the threads
 transport is bitwise the cpu device's scalar kernel (docs/cuda.md), so every result must have
 the same bits; and every device's log must show no ordering violation, no leak, and the
@@ -14,10 +14,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ctxpar  # noqa: E402
-from ctxpar import _ctxpar  # noqa: E402
 from ctxpar.torch import cp_attention  # noqa: E402
 from conftest import problem  # noqa: E402
-from fake_cuda import exports, on_fake_gpu  # noqa: E402
+from fake_cuda import exports, on_fake_gpu, test_hooks  # noqa: E402
+
+_ctxpar = test_hooks()
 
 assert os.environ.get("CTXPAR_KERNEL") == "scalar", "run with CTXPAR_KERNEL=scalar"
 

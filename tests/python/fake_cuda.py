@@ -1,9 +1,9 @@
 """Fake CUDA tensors for the tests of the CUDA path on a machine without a GPU: inside
 on_fake_gpu(), CPU torch tensors whose DLPack export says kDLCUDA (device (2, 0)), handed over
-as real DLPack capsules built with ctypes. With the extension's test-only recording cuda device
-(_ctxpar._testing_cuda_recording(True): RecordingCudaApi, whose "device memory" is host memory)
-ctxpar then runs the whole CUDA path on them: routing, outputs allocated on the inputs' device, autograd's
-backward, the device taking the memory in place."""
+as real DLPack capsules built with ctypes. With the recording cuda device of the extension's
+test build (test_hooks()._testing_cuda_recording(True): RecordingCudaApi, whose "device memory"
+is host memory) ctxpar then runs the whole CUDA path on them: routing, outputs allocated on the
+inputs' device, autograd's backward, the device taking the memory in place."""
 import contextlib
 import ctypes
 
@@ -65,3 +65,14 @@ def on_fake_gpu():
         yield
     finally:
         torch.Tensor.__dlpack__, torch.Tensor.__dlpack_device__ = saved
+
+
+def test_hooks():
+    """The extension, with the test hooks of a test build (python/bindings/testing.h); a failure
+    saying how to get one where the installed package has none (a user's `pip install .`)."""
+    from ctxpar import _ctxpar
+    assert hasattr(_ctxpar, "_testing_cuda_recording"), (
+        "this ctxpar was built without its test hooks: install a test build with "
+        "pip install --no-build-isolation -C cmake.define.CTXPAR_PYTHON_TESTING=ON . "
+        "(scripts/test.sh does)")
+    return _ctxpar

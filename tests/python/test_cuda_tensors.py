@@ -102,11 +102,11 @@ def test_the_cuda_path_on_the_recording_device_is_bitwise_the_cpu_device():
 
 
 def test_fake_cuda_tensors_meet_the_refusals_on_the_recording_device():
-    from fake_cuda import on_fake_gpu
+    from fake_cuda import on_fake_gpu, test_hooks
     q, k, v, dout = problem(T=16)
     qt, kt, vt = (torch.from_numpy(x) for x in (q, k, v))
     ref, ref_lse = ctxpar.attention(q, k, v, ranks=2, mask="causal")
-    _ctxpar._testing_cuda_recording(True)
+    test_hooks()._testing_cuda_recording(True)
     try:
         with on_fake_gpu():
             with pytest.raises(TypeError, match=r"^tensors on different devices: q on cuda:0, "

@@ -6,8 +6,8 @@
 #include <cstring>
 
 #include "ctxpar/device.h"
+#include "device/forwarding_device.h"
 #include "strategy/strategy_support.h"
-#include "strategy/testing.h"
 
 namespace ctxpar::testing {
 namespace {
@@ -57,14 +57,13 @@ TEST(Device, SimBitwiseEqualsCpuEveryStrategyLayoutMaskP) {
   }
 }
 
-// The debug hook leaves out the compute stream's wait for the received K/V block in the
-// ring's rotation: sim refuses the compute that reads it, naming both operations; cpu (where a
-// received buffer is complete once the host reads it) still gives the right bits.
+// Devices that leave out the compute stream's wait for each received K/V block
+// (SkippingReceiveWaits, injected through the options' registry): sim refuses the compute that
+// reads it, naming both operations; cpu (where a received buffer is complete once the host
+// reads it) still gives the right bits.
 TEST(Device, RemovedWaitFailsSimNotCpu) {
-  struct Hook {
-    Hook() { strategy::testing::set_ring_skip_wait(true); }
-    ~Hook() { strategy::testing::set_ring_skip_wait(false); }
-  };
+  const std::shared_ptr<const DeviceRegistry> skipping = skipping_receive_waits(
+      skipping_receive_waits(DeviceRegistry::builtin(), DeviceKind::cpu), DeviceKind::sim);
   Problem pr;
   pr.mask = parse_mask("causal");
   pr.build();
@@ -75,7 +74,7 @@ TEST(Device, RemovedWaitFailsSimNotCpu) {
     opt.ulysses_degree = kind == StrategyKind::hybrid ? 2 : 0;
     const RunResult good = run_sharded(pr, 4, LayoutKind::zigzag, opt);
     {
-      Hook hook;
+      opt.device.registry = skipping;
       const RunResult cpu = run_sharded(pr, 4, LayoutKind::zigzag, opt);
       EXPECT_TRUE(same_bits(good, cpu)) << strategy_name(kind);
       opt.device.kind = DeviceKind::sim;
@@ -90,6 +89,7 @@ TEST(Device, RemovedWaitFailsSimNotCpu) {
             << m;
       }
       opt.device.kind = DeviceKind::cpu;
+      opt.device.registry = nullptr;
     }
     opt.device.kind = DeviceKind::sim;
     EXPECT_TRUE(same_bits(good, run_sharded(pr, 4, LayoutKind::zigzag, opt)))

@@ -13,6 +13,7 @@
 
 #include "ctxpar/comm.h"
 #include "ctxpar/device.h"
+#include "device/forwarding_device.h"
 #include "strategy/internal.h"
 #include "strategy/strategy_support.h"
 
@@ -21,84 +22,20 @@ namespace {
 
 // Forwards every operation to a cpu device and logs the ones that show the schedule:
 // "bwd <key rows>" and "send <bytes> <tag>".
-class RecordingDevice final : public Device {
+class RecordingDevice final : public ForwardingDevice {
  public:
-  explicit RecordingDevice(int rank) : inner_(make_device({}, rank)) {}
+  explicit RecordingDevice(int rank) : ForwardingDevice(make_device({}, rank)) {}
   std::vector<std::string> log;
 
-  std::string name() const override { return "recording"; }
-  DeviceBuffer alloc(size_t bytes) override { return inner_->alloc(bytes); }
-  Event record(Stream s) override { return inner_->record(s); }
-  void wait(Stream s, const Event& e) override { inner_->wait(s, e); }
-  void synchronize() override { inner_->synchronize(); }
   void send(Stream s, Communicator& comm, DeviceBuffer& buffer, int peer, int tag) override {
     log.push_back("send " + std::to_string(buffer.size()) + " " + std::to_string(tag));
-    inner_->send(s, comm, buffer, peer, tag);
+    ForwardingDevice::send(s, comm, buffer, peer, tag);
   }
-  DeviceBuffer recv(Stream s, Communicator& comm, size_t bytes, int peer, int tag) override {
-    return inner_->recv(s, comm, bytes, peer, tag);
+  void run(Stream s, const Op& op) override {
+    if (const auto* b = std::get_if<op::BackwardBlock>(&op.args))
+      log.push_back("bwd " + std::to_string(b->k.dim(1)));
+    ForwardingDevice::run(s, op);
   }
-  void alltoall(Stream s, Communicator& comm, const DeviceBuffer& send, const DeviceBuffer& recv,
-                size_t chunk_bytes, int tag) override {
-    inner_->alltoall(s, comm, send, recv, chunk_bytes, tag);
-  }
-  void barrier(Stream s, Communicator& comm) override { inner_->barrier(s, comm); }
-  bool lends_sent_buffers(const Communicator& comm) const override {
-    return inner_->lends_sent_buffers(comm);
-  }
-  void forward_reset(Stream s, const ForwardStateView& state) override {
-    inner_->forward_reset(s, state);
-  }
-  void forward_block(Stream s, const TensorView& q, const Tokens& qt, const TensorView& k,
-                     const TensorView& v, const Tokens& kt, const Mask& mask,
-                     const ForwardStateView& state, const KernelConfig& config) override {
-    inner_->forward_block(s, q, qt, k, v, kt, mask, state, config);
-  }
-  void forward_finalize(Stream s, const ForwardStateView& state, const TensorView& out,
-                        const TensorView& lse, const KernelConfig& config) override {
-    inner_->forward_finalize(s, state, out, lse, config);
-  }
-  void backward_delta(Stream s, const TensorView& out, const TensorView& dout,
-                      const TensorView& delta, const KernelConfig& config) override {
-    inner_->backward_delta(s, out, dout, delta, config);
-  }
-  void backward_block(Stream s, const TensorView& q, const Tokens& qt, const TensorView& k,
-                      const TensorView& v, const Tokens& kt, const Mask& mask,
-                      const TensorView& dout, const TensorView& lse, const TensorView& delta,
-                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                      const KernelConfig& config) override {
-    log.push_back("bwd " + std::to_string(k.dim(1)));
-    inner_->backward_block(s, q, qt, k, v, kt, mask, dout, lse, delta, dq, dk, dv, config);
-  }
-  void merge(Stream s, const TensorView& oa, const TensorView& la, const TensorView& ob,
-             const TensorView& lb) override {
-    inner_->merge(s, oa, la, ob, lb);
-  }
-  void add(Stream s, const TensorView& x, const TensorView& y) override { inner_->add(s, x, y); }
-  void copy(Stream s, const TensorView& src, const TensorView& dst) override {
-    inner_->copy(s, src, dst);
-  }
-  void fill_zero(Stream s, const TensorView& t) override { inner_->fill_zero(s, t); }
-  void pack_kv(Stream s, const TensorView& k, const TensorView& v, const Tokens& tokens,
-               bool documents, const TensorView& bk, const TensorView& bv,
-               std::byte* bt) override {
-    inner_->pack_kv(s, k, v, tokens, documents, bk, bv, bt);
-  }
-  void scatter_tokens(Stream s, const TensorView& src, const TensorView& dst,
-                      const TensorView& index) override {
-    inner_->scatter_tokens(s, src, dst, index);
-  }
-  void gather_tokens(Stream s, const TensorView& src, const TensorView& dst,
-                     const TensorView& index) override {
-    inner_->gather_tokens(s, src, dst, index);
-  }
-
- protected:
-  // Every buffer comes from the inner device and goes back to it; nothing is ever ours.
-  void free(std::unique_ptr<DeviceBuffer::Storage>) override { std::abort(); }
-
- private:
-  std::unique_ptr<Device> inner_;
 };
 
 std::string joined(const std::vector<std::string>& v) {

@@ -106,26 +106,26 @@ void run_loopback(int P, const AttentionJob& job, const SequenceTokens& seq,
   // ctxpar-faults only: the whole path on the CPU, every rank's cuda device and the loopback
   // world over one RecordingCudaApi (the fallback kernel's tile math on the host), so the CLI
   // tests run `--device cuda --transport loopback --check` without a GPU (CliCuda.*).
-  const bool recording = std::getenv("CTXPAR_FAULT_CUDA_RECORDING") != nullptr;
-  if (recording) {
+  std::shared_ptr<const DeviceRegistry> recording_devices;
+  if (std::getenv("CTXPAR_FAULT_CUDA_RECORDING")) {
     api = std::make_shared<cuda::RecordingCudaApi>();
-    device::testing::set_cuda_factory([api](int rank) -> std::unique_ptr<Device> {
-      return std::make_unique<cuda::CudaDevice>(api, rank);
-    });
+    recording_devices = DeviceRegistry::builtin()->with(
+        DeviceKind::cuda, [api](const DeviceOptions&, int rank) -> std::unique_ptr<Device> {
+          return std::make_unique<cuda::CudaDevice>(api, rank);
+        });
     cuda::CudnnState no_cudnn;
     no_cudnn.off_reason = "the recording CUDA API (CTXPAR_FAULT_CUDA_RECORDING) has no cuDNN";
     cuda::set_cudnn_state(no_cudnn);
   }
-  struct Restore {
-    bool on;
-    ~Restore() { if (on) device::testing::set_cuda_factory({}); }
-  } restore{recording};
 #endif
   if (!api) api = cuda::shared_real_api(index, &why);
   if (!api) throw Error("--transport loopback --device cuda: " + why);
   auto world = std::make_shared<cuda::LoopbackWorld>(api);
   AttentionJob on_one_gpu = job;
   on_one_gpu.device.cuda_index = index;
+#ifdef CTXPAR_FAULT_HOOKS
+  if (recording_devices) on_one_gpu.device.registry = recording_devices;
+#endif
   run_rank_threads(P, [&](Communicator& host) {
     cuda::LoopbackComm comm(host, world);
     run_rank(comm, on_one_gpu, seq, all[comm.rank()]);

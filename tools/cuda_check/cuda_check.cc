@@ -135,7 +135,7 @@ bool run_case(const Case& c) {
     p.v = {dv_in.as<const T>() + k0 * ks, c.tk * ks, ks, c.d};
     p.q_pos = dqp.as<int64_t>(), p.q_doc = dqd.as<int32_t>(), p.q_tiles = dqt.as<TileRange>();
     p.k_pos = dkp.as<int64_t>() + k0, p.k_doc = dkd.as<int32_t>() + k0;
-    p.mask = rules_of(mask);
+    p.mask = mask;
     p.batch = b, p.tq = c.tq, p.tk = k1 - k0, p.hq = c.hq, p.hkv = c.hkv, p.d = c.d;
     p.group = c.hq / c.hkv, p.scale = 1.0f / std::sqrt(float(c.d));
     return p;
