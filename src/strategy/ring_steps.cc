@@ -1,9 +1,7 @@
 #include "strategy/ring_steps.h"
 
-#include <atomic>
 #include <optional>
 
-#include "strategy/testing.h"
 
 namespace ctxpar::strategy {
 
@@ -41,7 +39,7 @@ RingHop::RingHop(Device& dev, Communicator& comm, DeviceBuffer* send, size_t in_
 }
 
 DeviceBuffer RingHop::wait() {
-  if (!testing::ring_skips_wait()) dev_.wait(kComputeStream, arrived_);
+  dev_.wait(kComputeStream, arrived_);
   return std::move(incoming_);
 }
 
@@ -57,13 +55,5 @@ void ring_steps(Device& dev, Communicator& comm, DeviceBuffer block, const RingO
     if (hop) block = hop->wait();  // the block just used is freed stream-ordered
   }
 }
-
-namespace testing {
-namespace {
-std::atomic<bool> skip_wait{false};
-}
-void set_ring_skip_wait(bool skip) { skip_wait = skip; }
-bool ring_skips_wait() { return skip_wait; }
-}  // namespace testing
 
 }  // namespace ctxpar::strategy
