@@ -50,7 +50,8 @@ KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_
   const int64_t tasks = heads * chunks;
   const int64_t q_block = p.group * nqt * kTile * ld;  // one task's packed Q (or dO, or dQ)
   float* dq_partial = scratch(Scratch::dq_partial, tasks * q_block);
-  const int64_t k_panel = kernel_k_panel(kTile, d);  // S and dP stream K^T, V^T in L1 panels
+  // S and dP stream K^T, V^T in L1 panels
+  const int64_t k_panel = kernel_k_panel(kTile, d, p.l1d_bytes);
   const DF df;
   const int64_t nl = lanes();
   // With AMX, dV, dK and dQ in tiles too (Note [P V, dV, dK, dQ through AMX] in amx_bf16.cc): P and

@@ -88,7 +88,8 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
   constexpr int64_t kSub = 2;
   const int64_t npairs = (nqt + kSub - 1) / kSub;
   const int64_t tasks = p.batch * p.hq * npairs;
-  const int64_t k_panel = kernel_k_panel(kTile, d);  // S = Q K^T streams K^T in L1 panels
+  // S = Q K^T streams K^T in L1 panels
+  const int64_t k_panel = kernel_k_panel(kTile, d, p.l1d_bytes);
   const DF df;
   const int64_t nl = lanes();
 #pragma omp parallel num_threads(p.threads)

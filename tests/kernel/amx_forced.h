@@ -1,7 +1,7 @@
-// The kernel tests' AMX fixture (issue 26): CTXPAR_SKIP_WITHOUT_AMX() skips, saying why, where
-// AMX-BF16 is not usable; AmxForced forces the AMX products for the test's body (and puts the
-// probe's choice back after), skipping where the SIMD target in use is not an avx512 one;
-// DotForced the same for vdpbf16ps.
+// The kernel tests' AMX fixture: CTXPAR_SKIP_WITHOUT_AMX() skips, saying why, where AMX-BF16 is
+// not usable; AmxForced gives the test's kernel calls the AMX products to ask for
+// (KernelConfig::bf16_products = kProducts), skipping where the SIMD target in use is not an
+// avx512 one; DotForced the same for vdpbf16ps.
 #pragma once
 #include <gtest/gtest.h>
 
@@ -17,23 +17,24 @@
 
 namespace ctxpar::test {
 
-// The bf16 products forced to `level` (kernel::kBf16Dot or kBf16Amx) for the test's body, the
-// probe's choice put back after; skips, saying why, where the CPU lacks them or the SIMD target
-// in use is not an avx512 one.
+// The bf16 products of `level` (kernel::kBf16Dot or kBf16Amx) for the test's kernel calls to
+// ask for (kProducts); skips, saying why, where the CPU lacks them or the SIMD target in use is
+// not an avx512 one.
 template <int level>
 class ProductsForced : public ::testing::Test {
  protected:
+  static constexpr Bf16Products kProducts = kernel::bf16_products_of_level(level);
   void SetUp() override {
     if (level == kernel::kBf16Amx) CTXPAR_SKIP_WITHOUT_AMX();
     __builtin_cpu_init();
     if (level == kernel::kBf16Dot && !__builtin_cpu_supports("avx512bf16"))
       GTEST_SKIP() << "this CPU has no AVX512_BF16 (vdpbf16ps)";
-    kernel::set_bf16_products_for_test(level);
-    if (kernel::bf16_products_on() != level)
+    KernelConfig config;
+    config.bf16_products = kProducts;
+    if (kernel::bf16_products_on(config) != level)
       GTEST_SKIP() << "the SIMD target in use (" << simd_targets().chosen
                    << ") is not an avx512 one: products stay fp32";
   }
-  void TearDown() override { kernel::set_bf16_products_for_test(-1); }
 };
 using AmxForced = ProductsForced<kernel::kBf16Amx>;
 using DotForced = ProductsForced<kernel::kBf16Dot>;
