@@ -50,12 +50,10 @@ constexpr int64_t kSub = 2;
 constexpr int64_t kRows = kSub * kTile;
 constexpr int64_t kHalf = kTile / 2;
 
-// The sizes a call works with, and its product paths.
-struct ForwardShape {
-  TileRanges qr, kr;
-  int64_t d = 0, dp = 0, nkt = 0, nqt = 0;
-  int64_t ld = 0;       // row stride of V, Q and acc tiles (Note [Padded rows])
-  int64_t k_panel = 0;  // S = Q K^T streams K^T in L1 panels
+// The sizes a call works with, and its product paths: its tiles (ld the row stride of V, Q
+// and acc tiles, Note [Padded rows]; S = Q K^T streams K^T in L1 panels of k_panel rows) and
+// its tasks.
+struct ForwardShape : CallTiles {
   int64_t npairs = 0, tasks = 0;
   // With exact bf16 products (simd_bf16.h) K is packed as tiles of bf16 pairs: pairs stored
   // a row, words a packed row.
@@ -73,11 +71,7 @@ struct ForwardShape {
 ForwardShape forward_shape(const ForwardArgs& a) {
   const Problem& p = a.p;
   ForwardShape sh;
-  sh.qr = tile_ranges(a.q_tokens, p.tq, kTile, a.mask.documents);
-  sh.kr = tile_ranges(a.k_tokens, p.tk, kTile, a.mask.documents);
-  sh.d = p.d, sh.dp = round_up(p.d, lanes()), sh.nkt = sh.kr.count(), sh.nqt = sh.qr.count();
-  sh.ld = padded_ld(sh.dp);
-  sh.k_panel = kernel_k_panel(kTile, sh.d, p.l1d_bytes);
+  static_cast<CallTiles&>(sh) = call_tiles(p, a.q_tokens, a.k_tokens, a.mask);
   sh.npairs = (sh.nqt + kSub - 1) / kSub;
   sh.tasks = p.batch * p.hq * sh.npairs;
   sh.np = bf16::stored_pairs(sh.d, p.amx), sh.ldw = bf16::row_words(sh.d, p.amx);
