@@ -8,7 +8,7 @@
 #include "lab_common.h"
 
 int main(int argc, char** argv) {
-  ctxpar::set_kernel_environment(ctxpar::read_kernel_environment());  // CTXPAR_SIMD
+  ctxpar::set_kernel_environment(ctxpar::environment::kernel());  // CTXPAR_SIMD
   lab::Problem p(argc, argv);
   ctxpar::ForwardState state(1, p.t, p.h, p.d);
   ctxpar::Tensor o(ctxpar::DType::f32, {1, p.t, p.h, p.d}), lse(ctxpar::DType::f32, {1, p.h, p.t});

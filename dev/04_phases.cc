@@ -158,7 +158,7 @@ int main(int argc, char** argv) {
                          "[query rows 64|128|192] [repeats >= 1]\n");
     return 2;
   }
-  ctxpar::set_kernel_environment(ctxpar::read_kernel_environment());  // CTXPAR_SIMD
+  ctxpar::set_kernel_environment(ctxpar::environment::kernel());  // CTXPAR_SIMD
   ctxpar::kernel::select_simd_target();
   ctxpar::Tensor q(ctxpar::DType::f32, {1, t, 1, d}), k(ctxpar::DType::f32, {1, t, 1, d}),
       v(ctxpar::DType::f32, {1, t, 1, d});

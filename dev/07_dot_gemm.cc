@@ -25,7 +25,7 @@ int main(int argc, char** argv) {
     std::printf("lab_07_dot_gemm: this CPU has no AVX512_BF16 (vdpbf16ps); nothing to measure\n");
     return 0;
   }
-  ctxpar::set_kernel_environment(ctxpar::read_kernel_environment());  // CTXPAR_BF16_PRODUCTS
+  ctxpar::set_kernel_environment(ctxpar::environment::kernel());  // CTXPAR_BF16_PRODUCTS
   const kernel::Bf16Choice& probe = kernel::bf16_products();
   std::printf("probe: vdpbf16ps %.0f GFLOP/s, fp32 FMA %.0f GFLOP/s\n", probe.dot_gflops,
               probe.fma_gflops);

@@ -11,7 +11,7 @@ int bench_kernel(int argc, char** argv);
 
 int main(int argc, char** argv) {
   try {
-    ctxpar::set_kernel_environment(ctxpar::read_kernel_environment());  // as `ctxpar` does
+    ctxpar::set_kernel_environment(ctxpar::environment::kernel());  // as `ctxpar` does
     return ctxpar::cli::bench_kernel(argc - 1, argv + 1);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kernel_bench: %s\n", e.what());

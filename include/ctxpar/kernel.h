@@ -182,7 +182,7 @@ SimdTargets simd_targets();
 
 // The kernel's settings that come from the environment, as the user wrote them ("" = unset):
 // read at the edge -- the command, the Python package, a test program
-// (read_kernel_environment(), src/core/kernel_environment.h) -- and installed once, before the
+// (environment::kernel(), src/core/kernel_environment.h) -- and installed once, before the
 // first kernel call; the library reads no environment variable. Without it the kernel takes
 // the best SIMD target, the probe's bf16 products and the C library's L1 size. A value the
 // kernel cannot honour is an error of the kernel calls it concerns (and of

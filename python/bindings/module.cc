@@ -20,7 +20,7 @@ NB_MODULE(_ctxpar, m) {
   namespace nb = nanobind;
   m.attr("__version__") = CTXPAR_VERSION;
   // The kernel's environment variables (CTXPAR_SIMD, ...), read once, as the command reads them.
-  ctxpar::set_kernel_environment(ctxpar::read_kernel_environment());
+  ctxpar::set_kernel_environment(ctxpar::environment::kernel());
   // The library's ranges (ctxpar/limits.h, comm.h), which ctxpar._checks holds
   // every argument to, as the command holds its options.
   nb::dict limits;

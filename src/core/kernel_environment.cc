@@ -3,7 +3,7 @@
 
 #include <cstdlib>
 
-namespace ctxpar {
+namespace ctxpar::environment {
 
 namespace {
 std::string variable(const char* name) {
@@ -12,7 +12,7 @@ std::string variable(const char* name) {
 }
 }  // namespace
 
-KernelEnvironment read_kernel_environment() {
+KernelEnvironment kernel() {
   KernelEnvironment env;
   env.simd = variable("CTXPAR_SIMD");
   env.kernel = variable("CTXPAR_KERNEL");
@@ -21,4 +21,4 @@ KernelEnvironment read_kernel_environment() {
   return env;
 }
 
-}  // namespace ctxpar
+}  // namespace ctxpar::environment

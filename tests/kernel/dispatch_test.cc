@@ -141,21 +141,21 @@ TEST(Bf16Products, ThisCpusChoiceIsReported) {
 TEST(KernelEnvironment, ReadAtTheEdgeAndKeptOnceUsed) {
   const char* names[] = {"CTXPAR_SIMD", "CTXPAR_KERNEL", "CTXPAR_BF16_PRODUCTS",
                          "CTXPAR_KERNEL_L1D"};
-  const KernelEnvironment installed = read_kernel_environment();
+  const KernelEnvironment installed = environment::kernel();
   std::string saved[4];
   for (int i = 0; i < 4; ++i) {
     const char* v = std::getenv(names[i]);
     saved[i] = v != nullptr ? v : "";
     setenv(names[i], ("value " + std::to_string(i)).c_str(), 1);
   }
-  const KernelEnvironment read = read_kernel_environment();
+  const KernelEnvironment read = environment::kernel();
   for (int i = 0; i < 4; ++i)
     saved[i].empty() ? unsetenv(names[i]) : setenv(names[i], saved[i].c_str(), 1);
   EXPECT_EQ(read.simd, "value 0");
   EXPECT_EQ(read.kernel, "value 1");
   EXPECT_EQ(read.bf16_products, "value 2");
   EXPECT_EQ(read.l1d, "value 3");
-  EXPECT_TRUE(read_kernel_environment() == installed);
+  EXPECT_TRUE(environment::kernel() == installed);
 
   (void)simd_targets();  // the choices are made
   EXPECT_NO_THROW(set_kernel_environment(installed));

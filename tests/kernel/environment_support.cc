@@ -5,7 +5,7 @@
 
 namespace {
 [[maybe_unused]] const bool kInstalled = [] {
-  ctxpar::set_kernel_environment(ctxpar::read_kernel_environment());
+  ctxpar::set_kernel_environment(ctxpar::environment::kernel());
   return true;
 }();
 }  // namespace

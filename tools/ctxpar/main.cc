@@ -105,7 +105,7 @@ bool asks_for_help(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  ctxpar::set_kernel_environment(ctxpar::read_kernel_environment());  // CTXPAR_SIMD, ...
+  ctxpar::set_kernel_environment(ctxpar::environment::kernel());  // CTXPAR_SIMD, ...
   if (argc >= 2 && !std::strcmp(argv[1], "--version")) return version();
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     usage(argc < 2 ? stderr : stdout);
