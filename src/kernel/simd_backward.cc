@@ -29,9 +29,9 @@
 #include <vector>
 
 #include "kernel/problem.h"
+#include "kernel/simd_backward_products.h"
 #include "kernel/simd_bf16.h"
 #include "kernel/simd_tile.h"
-#include "kernel/simd_backward_products.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace ctxpar::kernel::HWY_NAMESPACE {
