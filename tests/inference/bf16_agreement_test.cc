@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "inference/inference_support.h"
-#include "kernel/problem.h"
+#include "kernel/amx_forced.h"
 
 using namespace ctxpar;
 using namespace ctxpar::testing;
@@ -39,13 +39,9 @@ Scenario bf16_scenario(Bf16Products products) {
 }
 
 TEST(Bf16Agreement, ACachesAgreementLeavesTheNextCachesBitsAlone) {
-  const int top = kernel::bf16_top_level();
-  KernelConfig top_config;
-  top_config.bf16_products = kernel::bf16_products_of_level(top);
-  if (top == 0 || kernel::bf16_products_on(top_config) != top)
-    GTEST_SKIP() << "no bf16 products to choose here (CPU or SIMD target "
-                 << simd_targets().chosen << ")";
-  const Bf16Products high = top_config.bf16_products, low = kernel::bf16_products_of_level(top - 1);
+  const test::TopProducts levels = test::top_products();
+  if (!levels.skip.empty()) GTEST_SKIP() << levels.skip;
+  const Bf16Products high = levels.high, low = levels.low;
   const std::vector<RankResult> before = run_on_threads(bf16_scenario(high), 2);
 
   // Another cache, on another communicator, whose ranks disagree: rank 1 takes the level

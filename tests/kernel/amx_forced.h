@@ -1,9 +1,12 @@
 // The kernel tests' AMX fixture: CTXPAR_SKIP_WITHOUT_AMX() skips, saying why, where AMX-BF16 is
 // not usable; AmxForced gives the test's kernel calls the AMX products to ask for
 // (KernelConfig::bf16_products = kProducts), skipping where the SIMD target in use is not an
-// avx512 one; DotForced the same for vdpbf16ps.
+// avx512 one; DotForced the same for vdpbf16ps. top_products(): the levels a test of ranks that
+// disagree gives them.
 #pragma once
 #include <gtest/gtest.h>
+
+#include <string>
 
 #include "ctxpar/kernel.h"
 #include "kernel/amx_probe.h"
@@ -38,5 +41,25 @@ class ProductsForced : public ::testing::Test {
 };
 using AmxForced = ProductsForced<kernel::kBf16Amx>;
 using DotForced = ProductsForced<kernel::kBf16Dot>;
+
+// The top bf16-products level kernel calls take here (AMX where usable) and the one below it,
+// for the tests of ranks that disagree on them; `skip` says why there is no choice ("" when
+// there is one).
+struct TopProducts {
+  Bf16Products high = Bf16Products::fp32, low = Bf16Products::fp32;
+  std::string skip;
+};
+inline TopProducts top_products() {
+  TopProducts t;
+  const int top = kernel::bf16_top_level();
+  KernelConfig config;
+  config.bf16_products = kernel::bf16_products_of_level(top);
+  if (top == 0 || kernel::bf16_products_on(config) != top) {
+    t.skip = "no bf16 products to choose here (CPU or SIMD target " + simd_targets().chosen + ")";
+    return t;
+  }
+  t.high = config.bf16_products, t.low = kernel::bf16_products_of_level(top - 1);
+  return t;
+}
 
 }  // namespace ctxpar::test

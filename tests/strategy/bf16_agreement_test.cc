@@ -9,7 +9,7 @@
 #include <tuple>
 #include <vector>
 
-#include "kernel/problem.h"
+#include "kernel/amx_forced.h"
 #include "strategy/strategy_support.h"
 
 namespace ctxpar::testing {
@@ -20,13 +20,9 @@ bool same_bits(const Tensor& a, const Tensor& b) {
 }
 
 TEST(Bf16Agreement, AnAgreementOnOneCommunicatorLeavesTheNextStrategysBitsAlone) {
-  const int top = kernel::bf16_top_level();
-  KernelConfig top_config;
-  top_config.bf16_products = kernel::bf16_products_of_level(top);
-  if (top == 0 || kernel::bf16_products_on(top_config) != top)
-    GTEST_SKIP() << "no bf16 products to choose here (CPU or SIMD target "
-                 << simd_targets().chosen << ")";
-  const Bf16Products high = top_config.bf16_products, low = kernel::bf16_products_of_level(top - 1);
+  const test::TopProducts levels = test::top_products();
+  if (!levels.skip.empty()) GTEST_SKIP() << levels.skip;
+  const Bf16Products high = levels.high, low = levels.low;
   Problem pr;
   pr.tokens = 160, pr.hq = pr.hkv = 2, pr.d = 32, pr.dtype = DType::bf16;
   pr.mask = Mask::causal_mask();
