@@ -3,10 +3,12 @@
 // AVX2) for S = Q K^T and O += P V, exp2 as a vector polynomial fused with the row sum, Q
 // pre-scaled by scale * log2(e), lazy rescaling. Run through the public API, one thread.
 //   ./build/dev/lab_03_simd [T] [H] [D]
+#include "core/kernel_environment.h"
 #include "ctxpar/kernel.h"
 #include "lab_common.h"
 
 int main(int argc, char** argv) {
+  ctxpar::set_kernel_environment(ctxpar::environment::kernel());  // CTXPAR_SIMD
   lab::Problem p(argc, argv);
   ctxpar::ForwardState state(1, p.t, p.h, p.d);
   ctxpar::Tensor o(ctxpar::DType::f32, {1, p.t, p.h, p.d}), lse(ctxpar::DType::f32, {1, p.h, p.t});

@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "core/kernel_environment.h"
 #include "kernel/problem.h"
 #include "kernel/simd_tile.h"
 
@@ -62,7 +63,7 @@ Phases Run(const float* q, const float* k, const float* v, int64_t t, int64_t d,
     }
   for (int64_t i = 0; i < t; ++i)
     for (int64_t c = 0; c < d; ++c) qp[i * ld + c] = q[i * d + c] * scale;
-  const int64_t k_panel = kernel_k_panel(kTile, d);
+  const int64_t k_panel = kernel_k_panel(kTile, d, 0);
   std::vector<float> s(qrows * kTile), acc(qrows * ld), m(qrows), lv(qrows * nl);
   std::vector<float> s_saved(qrows * kTile);
   auto seconds = [](auto&& f) {
@@ -157,6 +158,7 @@ int main(int argc, char** argv) {
                          "[query rows 64|128|192] [repeats >= 1]\n");
     return 2;
   }
+  ctxpar::set_kernel_environment(ctxpar::environment::kernel());  // CTXPAR_SIMD
   ctxpar::kernel::select_simd_target();
   ctxpar::Tensor q(ctxpar::DType::f32, {1, t, 1, d}), k(ctxpar::DType::f32, {1, t, 1, d}),
       v(ctxpar::DType::f32, {1, t, 1, d});

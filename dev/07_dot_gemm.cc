@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "core/kernel_environment.h"
 #include "kernel/problem.h"
 #include "kernel/simd_bf16.h"
 #include "lab_common.h"
@@ -24,6 +25,7 @@ int main(int argc, char** argv) {
     std::printf("lab_07_dot_gemm: this CPU has no AVX512_BF16 (vdpbf16ps); nothing to measure\n");
     return 0;
   }
+  ctxpar::set_kernel_environment(ctxpar::environment::kernel());  // CTXPAR_BF16_PRODUCTS
   const kernel::Bf16Choice& probe = kernel::bf16_products();
   std::printf("probe: vdpbf16ps %.0f GFLOP/s, fp32 FMA %.0f GFLOP/s\n", probe.dot_gflops,
               probe.fma_gflops);

@@ -2,7 +2,8 @@
 # Builds the libFuzzer target for the .npy reader (fuzz/npy_fuzz.cc) with clang, AddressSanitizer
 # and UndefinedBehaviorSanitizer, and runs it for a bounded time. The build is separate from the
 # CMake one (the project builds with GCC; libFuzzer needs clang), and compiles only what the
-# parser uses: src/io/npy.cc, npy_write.cc and output_file.cc (round trips) and src/core/*.cc.
+# parser uses: src/io/npy.cc, npy_header.cc, npy_write.cc and output_file.cc (round trips) and
+# src/core/*.cc.
 #
 #   scripts/fuzz.sh                       # build if stale, fuzz 25 s (what the test suite does)
 #   scripts/fuzz.sh --seconds 3600        # a longer run; see docs/cli-files.md
@@ -35,7 +36,7 @@ if [ -z "$cxx" ]; then
 fi
 mkdir -p "$build" "$build/corpus-npy"
 bin="$build/npy_fuzz"
-srcs=("$root/fuzz/npy_fuzz.cc" "$root/src/io/npy.cc" "$root/src/io/npy_write.cc" "$root/src/io/output_file.cc" "$root"/src/core/*.cc)
+srcs=("$root/fuzz/npy_fuzz.cc" "$root/src/io/npy.cc" "$root/src/io/npy_header.cc" "$root/src/io/npy_write.cc" "$root/src/io/output_file.cc" "$root"/src/core/*.cc)
 stale=0
 [ -x "$bin" ] || stale=1
 for f in "${srcs[@]}" "$root"/include/ctxpar/*.h "$root"/src/io/*.h "$0"; do

@@ -43,10 +43,27 @@ inline std::optional<Bf16Tier> parse_bf16_tier(std::string_view name) {
   return std::nullopt;
 }
 
+// Which products bf16 inputs take (docs/kernel.md, "bf16 products"): fp32 FMAs of the widened
+// values, vdpbf16ps (AVX512_BF16: bf16 pairs into fp32 lanes) or AMX-BF16 tiles. Every product
+// is exact; only the order of the fp32 additions differs, so the choice changes bits (within
+// the same accuracy rule). automatic: this machine's choice (a short probe, or what
+// CTXPAR_BF16_PRODUCTS asked for: KernelEnvironment). The ranks of a job take the lowest level
+// any of them takes: Strategy::create and a KvCache's first prefill or decode turn automatic
+// into that level (Note [The ranks agree on bf16 products], src/kernel/problem.h). fp32 inputs,
+// the scalar path and SIMD targets below avx512 take fp32 products whatever it says.
+enum class Bf16Products : uint8_t { automatic, fp32, dot, amx };
+// "automatic" | "fp32" | "dot" | "amx", for errors and reports.
+const char* bf16_products_name(Bf16Products products);
+
 struct KernelConfig {
   int threads = 1;      // OpenMP threads inside this rank (over batch, head, query tile)
   float scale = 0.0f;   // softmax scale; 0 means 1/sqrt(D)
   Bf16Tier bf16_tier = Bf16Tier::exact;
+  Bf16Products bf16_products = Bf16Products::automatic;
+  // The L1 data cache size the fast path sizes its K panels for (docs/kernel.md, Note [K
+  // panels]), 1024 to 2^30 bytes; 0: this machine's (CTXPAR_KERNEL_L1D, else what the C
+  // library reports). Only the speed depends on it, never a bit of the results.
+  int64_t l1d_bytes = 0;
   // k and v were checked finite by the caller, so the kernel does not scan them again: a KV
   // cache checks each key and value once, when it is stored (docs/inference.md, "Checked at
   // the door"), and decode would otherwise rescan the whole shard for every new token. q (and
@@ -162,6 +179,25 @@ struct SimdTargets {
   std::string products;  // fp32 or bf16 products for bf16 inputs, and why (measured or forced)
 };
 SimdTargets simd_targets();
+
+// The kernel's settings that come from the environment, as the user wrote them ("" = unset):
+// read at the edge -- the command, the Python package, a test program
+// (environment::kernel(), src/core/kernel_environment.h) -- and installed once, before the
+// first kernel call; the library reads no environment variable. Without it the kernel takes
+// the best SIMD target, the probe's bf16 products and the C library's L1 size. A value the
+// kernel cannot honour is an error of the kernel calls it concerns (and of
+// simd_targets().error), named by its variable, as when the variables were read here.
+struct KernelEnvironment {
+  std::string simd;           // CTXPAR_SIMD: a target name, or scalar; "" for the best
+  std::string kernel;         // CTXPAR_KERNEL: scalar selects the readable scalar path
+  std::string bf16_products;  // CTXPAR_BF16_PRODUCTS: on | dot | amx | off | auto
+  std::string l1d;            // CTXPAR_KERNEL_L1D: the L1 data cache size in bytes
+  bool operator==(const KernelEnvironment&) const = default;
+};
+// Installs `env`. The kernel's choices are made from it at the first kernel call (or
+// simd_targets()) and kept for the process: a later call with another environment throws
+// ctxpar::Error (the same one again is a no-op).
+void set_kernel_environment(const KernelEnvironment& env);
 
 // Forward FLOPs of a full (unmasked) problem: 4 * B * Hq * Tq * Tk * D.
 inline double attention_flops(int64_t b, int64_t hq, int64_t tq, int64_t tk, int64_t d) {

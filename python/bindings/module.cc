@@ -4,6 +4,7 @@
 #include <nanobind/nanobind.h>
 
 #include "communicator.h"
+#include "core/kernel_environment.h"
 #include "ctxpar/comm.h"
 #include "ctxpar/limits.h"
 
@@ -18,6 +19,8 @@ void bind_mpi(nb::module_& m);   // mpi_loader.cc: the MPI transport, loaded whe
 NB_MODULE(_ctxpar, m) {
   namespace nb = nanobind;
   m.attr("__version__") = CTXPAR_VERSION;
+  // The kernel's environment variables (CTXPAR_SIMD, ...), read once, as the command reads them.
+  ctxpar::set_kernel_environment(ctxpar::environment::kernel());
   // The library's ranges (ctxpar/limits.h, comm.h), which ctxpar._checks holds
   // every argument to, as the command holds its options.
   nb::dict limits;

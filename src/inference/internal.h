@@ -54,7 +54,8 @@ struct InferenceAccess {
   // exchange, on the cache's options (refused, naming the field, where ranks differ: a block or
   // a mask of its own would place or mask rows differently, a scale or bf16 tier of its own mix
   // two results, a limit of its own refuse on one rank only -- each without a word) and on the
-  // machine's bf16 products (device/kernel_agreement.h). `what` names the call in the error.
+  // bf16 products, kept in the cache's options (device/kernel_agreement.h). `what` names the
+  // call in the error.
   static void agree_kernels(KvCache& c, const char* what) {
     if (c.kernels_agreed_) return;
     const KvCacheOptions& o = c.options_;
@@ -73,8 +74,9 @@ struct InferenceAccess {
          {"max_tokens_per_rank (KvCacheOptions::max_tokens_per_rank)",
           std::to_string(o.max_tokens_per_rank)},
          {"max_bytes_per_rank (KvCacheOptions::max_bytes_per_rank)",
-          std::to_string(o.max_bytes_per_rank)}});
-    device::agree_kernel_choices(c.comm_);
+          std::to_string(o.max_bytes_per_rank)}},
+        device::kernel_choices_error(o.kernel));
+    device::agree_kernel_choices(c.comm_, c.options_.kernel);
     c.kernels_agreed_ = true;
   }
 };

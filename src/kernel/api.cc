@@ -42,13 +42,16 @@ void attention_forward_finalize(const ForwardState& state, const TensorView& out
 
 namespace {
 // Whether a product of a and b takes exact bf16 products (kernel/simd_bf16.h): both bf16, and
-// bf16 products chosen for this CPU and SIMD target (the probe is run only for bf16 inputs).
-bool both_bf16(const TensorView& a, const TensorView& b) {
+// bf16 products chosen by `config` for this CPU and SIMD target (the probe is run only for bf16
+// inputs).
+bool both_bf16(const TensorView& a, const TensorView& b, const KernelConfig& config) {
   return a.dtype() == DType::bf16 && b.dtype() == DType::bf16 && !kernel::use_scalar_path() &&
-         kernel::bf16_products_on() > 0;
+         kernel::bf16_products_on(config) > 0;
 }
 // Whether those products run through AMX tiles (kernel/amx_bf16.cc).
-bool amx_products() { return kernel::bf16_products_on() == kernel::kBf16Amx; }
+bool amx_products(const KernelConfig& config) {
+  return kernel::bf16_products_on(config) == kernel::kBf16Amx;
+}
 
 // A state given as views must be laid out as a ForwardState's own tensors.
 void check_state_memory(const ForwardStateView& state) {
@@ -68,8 +71,8 @@ KernelStats attention_forward_block(const TensorView& q, const Tokens& q_tokens,
                                     const Tokens& k_tokens, const Mask& mask,
                                     const ForwardStateView& state, const KernelConfig& config) {
   kernel::Problem p = kernel::check_forward_args(q, q_tokens, k, v, k_tokens, mask, config);
-  p.bf16_scores = both_bf16(q, k);
-  p.amx = p.bf16_scores && amx_products();
+  p.bf16_scores = both_bf16(q, k, config);
+  p.amx = p.bf16_scores && amx_products(config);
   p.round_p = config.bf16_tier == Bf16Tier::fast && q.dtype() == DType::bf16;
   const TensorView& acc = state.acc();
   CTXPAR_CHECK(!acc.empty() && acc.ndim() == 4 && acc.dim(0) == p.batch && acc.dim(1) == p.tq &&
@@ -137,8 +140,8 @@ void attention_backward_delta(const TensorView& out, const TensorView& dout,
   // A bf16 dout meets bf16 V in the backward's dP products: add in their order (when V is fp32
   // too, dP takes fp32 products and a one-hot row's dS is not promised to be exactly 0).
   const bool pairs = dout.dtype() == DType::bf16 && !kernel::use_scalar_path() &&
-                     kernel::bf16_products_on() > 0;
-  const bool amx = pairs && amx_products();
+                     kernel::bf16_products_on(config) > 0;
+  const bool amx = pairs && amx_products(config);
 #pragma omp parallel num_threads(config.threads)
   {
     std::vector<float> o(d), g(d);
@@ -173,8 +176,8 @@ KernelStats attention_backward_block(const TensorView& q, const Tokens& q_tokens
                                      const KernelConfig& config) {
   kernel::Problem p = kernel::check_backward_args(q, q_tokens, k, v, k_tokens, mask, dout, lse,
                                                   delta, dq, dk, dv, config);
-  p.bf16_scores = both_bf16(q, k), p.bf16_dp = both_bf16(dout, v);
-  p.amx = (p.bf16_scores || p.bf16_dp) && amx_products();
+  p.bf16_scores = both_bf16(q, k, config), p.bf16_dp = both_bf16(dout, v, config);
+  p.amx = (p.bf16_scores || p.bf16_dp) && amx_products(config);
   p.round_p = config.bf16_tier == Bf16Tier::fast && q.dtype() == DType::bf16;
   if (p.tq == 0 || p.tk == 0 || p.batch == 0) return {};
   if (kernel::use_scalar_path())

@@ -9,15 +9,14 @@
 // pays for packing the tiles as bf16 pairs). AMX-BF16 tile products (amx_bf16.cc), where Linux
 // grants the tile state, are timed beside them and taken where they give at least kAmxPays
 // times the fp32 FLOP/s and beat vdpbf16ps. CTXPAR_BF16_PRODUCTS=on|dot|amx|off|auto overrides it
-// (read here, beside CTXPAR_SIMD, in the dispatch layer; for tests and comparisons). The ranks
-// of a job then agree on it (Note [The ranks agree on bf16 products], problem.h).
+// (installed with the kernel's environment, beside CTXPAR_SIMD; for tests and comparisons), and
+// KernelConfig::bf16_products asks for a level itself. The ranks of a job then agree on it (Note
+// [The ranks agree on bf16 products], problem.h).
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <ctime>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -154,25 +153,31 @@ Bf16Choice decide_bf16_products(const char* env_value, bool cpu_has, double fma_
   return c;
 }
 
-namespace {
-std::atomic<int> for_test{-1};  // set_bf16_products_for_test: -1 = the probe's choice
-std::atomic<int> agreed{kBf16Amx};  // Note [The ranks agree on bf16 products]: at most this
-}  // namespace
-
-int bf16_products_wanted() {
-  const int t = for_test.load();
-  return std::min(agreed.load(), t >= 0 ? t : bf16_products().level);
-}
-
-void bf16_products_agreed_at_most(int level) {
-  int now = agreed.load();
-  while (level < now && !agreed.compare_exchange_weak(now, level)) {
+int bf16_products_level(Bf16Products products) {
+  switch (products) {
+    case Bf16Products::automatic: return bf16_products().level;
+    case Bf16Products::fp32: return kBf16Fp32;
+    case Bf16Products::dot: return kBf16Dot;
+    case Bf16Products::amx: return kBf16Amx;
   }
+  return kBf16Fp32;
 }
 
-void set_bf16_products_for_test(int level) {
-  for_test.store(level < 0 ? -1 : std::min<int>(level, kBf16Amx));
-  agreed.store(kBf16Amx);
+std::string bf16_products_refusal(Bf16Products products, bool cpu_has_dot,
+                                  const std::string& amx_why) {
+  if (products == Bf16Products::dot && !cpu_has_dot)
+    return "KernelConfig::bf16_products = dot: this CPU lacks AVX512_BF16 (vdpbf16ps); use "
+           "automatic or fp32";
+  if (products == Bf16Products::amx && !amx_why.empty())
+    return "KernelConfig::bf16_products = amx: AMX-BF16 is not usable here (" + amx_why +
+           "); use automatic, dot or fp32";
+  return "";
+}
+
+std::string bf16_products_refusal(Bf16Products products) {
+  if (products == Bf16Products::automatic || products == Bf16Products::fp32) return "";
+  return bf16_products_refusal(products, cpu_has_bf16_dot(),
+                               products == Bf16Products::amx ? amx_unusable_why() : "");
 }
 
 int bf16_top_level() {
@@ -181,8 +186,8 @@ int bf16_top_level() {
 
 const Bf16Choice& bf16_products() {
   static const Bf16Choice c = [] {
-    const char* e = std::getenv("CTXPAR_BF16_PRODUCTS");
-    if (e != nullptr && *e == '\0') e = nullptr;
+    const std::string& want = kernel_environment().bf16_products;  // CTXPAR_BF16_PRODUCTS
+    const char* e = want.empty() ? nullptr : want.c_str();
     const bool has = cpu_has_bf16_dot();
     double fma = 0, dot = 0;
     const bool measure = has && (e == nullptr || std::strcmp(e, "auto") == 0);
@@ -202,3 +207,17 @@ const Bf16Choice& bf16_products() {
 }
 
 }  // namespace ctxpar::kernel
+
+namespace ctxpar {
+
+const char* bf16_products_name(Bf16Products products) {
+  switch (products) {
+    case Bf16Products::automatic: return "automatic";
+    case Bf16Products::fp32: return "fp32";
+    case Bf16Products::dot: return "dot";
+    case Bf16Products::amx: return "amx";
+  }
+  return "?";
+}
+
+}  // namespace ctxpar

@@ -121,6 +121,11 @@ Problem check_forward_args(const TensorView& q, const Tokens& q_tokens, const Te
                "value >= 0 (0 = 1/sqrt(D)), got ", config.scale);
   p.scale = config.scale > 0 ? config.scale : 1.0f / std::sqrt(static_cast<float>(p.d));
   p.threads = config.threads;
+  CTXPAR_CHECK(config.l1d_bytes == 0 ||
+                   (config.l1d_bytes >= kMinL1dBytes && config.l1d_bytes <= kMaxL1dBytes),
+               "config.l1d_bytes: expected 0 (this machine's) or 1024 to 2^30 bytes, got ",
+               config.l1d_bytes);
+  p.l1d_bytes = config.l1d_bytes;
   check_finite("q", q);
   if (!config.kv_checked) {
     check_finite("k", k);

@@ -2,17 +2,18 @@
 // HWY_TARGETS (baseline SSSE3, SSE4, AVX2, AVX-512 for the default -march=x86-64-v2) and
 // HWY_DYNAMIC_DISPATCH calls the best one the CPU supports. CTXPAR_SIMD=<name> restricts the
 // choice to one lower target (for testing every path on one machine, and for comparing them);
-// CTXPAR_SIMD=scalar (or CTXPAR_KERNEL=scalar) selects the readable scalar path instead.
+// CTXPAR_SIMD=scalar (or CTXPAR_KERNEL=scalar) selects the readable scalar path instead. The
+// variables reach the kernel through set_kernel_environment (the edge reads them).
 #include <hwy/highway.h>
 #include <hwy/targets.h>
 
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
 
 #include "kernel/problem.h"
@@ -38,10 +39,19 @@ std::string names_of(int64_t targets) {
   return s;
 }
 
-const char* env(const char* name) {
-  const char* e = std::getenv(name);
-  return e != nullptr && *e != '\0' ? e : nullptr;
+// The installed environment, and whether the kernel's choices have been made from it.
+struct Installed {
+  std::mutex mutex;
+  KernelEnvironment env;
+  bool fixed = false;
+};
+Installed& installed() {
+  static Installed i;
+  return i;
 }
+
+// A variable's value, or nullptr where it is unset or empty.
+const char* value(const std::string& v) { return v.empty() ? nullptr : v.c_str(); }
 
 struct Choice {
   int64_t runnable = 0;  // compiled targets this CPU supports (before any restriction)
@@ -50,13 +60,12 @@ struct Choice {
   std::string error;     // why CTXPAR_SIMD cannot be honoured
 };
 
-Choice decide() {
+Choice decide(const KernelEnvironment& env) {
   Choice c;
   c.runnable = hwy::SupportedTargets() & HWY_TARGETS;
   c.chosen = c.runnable & -c.runnable;  // the best
-  const char* kernel_env = env("CTXPAR_KERNEL");
-  c.scalar = kernel_env != nullptr && std::strcmp(kernel_env, "scalar") == 0;
-  const char* want = env("CTXPAR_SIMD");
+  c.scalar = env.kernel == "scalar";
+  const char* want = value(env.simd);
   if (want == nullptr) return c;
   if (std::strcmp(want, "scalar") == 0) {
     c.scalar = true;
@@ -81,7 +90,7 @@ Choice decide() {
 // Decided once per process, before the first dispatch.
 const Choice& choice() {
   static const Choice c = [] {
-    Choice d = decide();
+    Choice d = decide(kernel_environment());
     // Restrict Highway's dispatch to the chosen target; the best one needs no restriction.
     if (d.error.empty() && !d.scalar && d.chosen != (d.runnable & -d.runnable))
       hwy::SetSupportedTargetsForTest(d.chosen);
@@ -91,6 +100,13 @@ const Choice& choice() {
 }
 
 }  // namespace
+
+const KernelEnvironment& kernel_environment() {
+  Installed& i = installed();
+  std::lock_guard<std::mutex> lock(i.mutex);
+  i.fixed = true;
+  return i.env;
+}
 
 void select_simd_target() {
   const Choice& c = choice();
@@ -109,41 +125,37 @@ bool avx512_target(const Choice& c) {
 }
 }  // namespace
 
-int bf16_products_on() {
+int bf16_products_on(const KernelConfig& config) {
   const Bf16Choice& b = bf16_products();
   CTXPAR_CHECK(b.error.empty(), b.error);  // e.g. CTXPAR_BF16_PRODUCTS=on on a CPU without it
-  return avx512_target(choice()) ? bf16_products_wanted() : kBf16Fp32;
+  const std::string refused = bf16_products_refusal(config.bf16_products);
+  CTXPAR_CHECK(refused.empty(), refused);
+  return avx512_target(choice()) ? bf16_products_level(config.bf16_products) : kBf16Fp32;
 }
 
 int64_t parse_kernel_l1d(const char* text) {
   char* end = nullptr;
   errno = 0;
   const long long v = std::strtoll(text, &end, 10);
-  CTXPAR_CHECK(errno == 0 && end != text && *end == '\0' && v >= 1024 && v <= (1LL << 30),
+  CTXPAR_CHECK(errno == 0 && end != text && *end == '\0' && v >= kMinL1dBytes && v <= kMaxL1dBytes,
                "CTXPAR_KERNEL_L1D=" + std::string(text) +
                    ": expected the L1 data cache size in bytes, a whole number from 1024 to "
                    "1073741824 (e.g. 32768), or unset it to use this CPU's");
   return static_cast<int64_t>(v);
 }
 
-namespace {
-std::atomic<int64_t> l1d_for_test{0};
-}  // namespace
-
-void set_kernel_l1d_for_test(int64_t bytes) { l1d_for_test.store(bytes); }
-
 int64_t kernel_l1d_bytes() {
-  if (const int64_t forced = l1d_for_test.load(); forced > 0) return forced;
   static const int64_t bytes = [] {
-    if (const char* e = env("CTXPAR_KERNEL_L1D")) return parse_kernel_l1d(e);
+    if (const char* e = value(kernel_environment().l1d)) return parse_kernel_l1d(e);
     const long reported = sysconf(_SC_LEVEL1_DCACHE_SIZE);
     return reported >= 1024 ? static_cast<int64_t>(reported) : int64_t{32768};
   }();
   return bytes;
 }
 
-int64_t kernel_k_panel(int64_t n, int64_t k) {
-  const int64_t budget = kernel_l1d_bytes() / 2, bytes = n * k * static_cast<int64_t>(sizeof(float));
+int64_t kernel_k_panel(int64_t n, int64_t k, int64_t l1d_bytes) {
+  const int64_t budget = (l1d_bytes > 0 ? l1d_bytes : kernel_l1d_bytes()) / 2;
+  const int64_t bytes = n * k * static_cast<int64_t>(sizeof(float));
   if (bytes <= budget) return 0;
   // The fewest equal panels that fit (a 128-row K^T tile in two of 64 rows, on 32 and 48 KiB
   // L1s alike), rounded up to 16 rows, and never fewer than 16.
@@ -166,16 +178,20 @@ SimdTargets simd_targets() {
   t.error = c.error;
   const kernel::Bf16Choice& bf16 = kernel::bf16_products();  // CTXPAR_BF16_PRODUCTS
   t.products = bf16.reason;
-  const int agreed = kernel::bf16_products_wanted();
-  if (agreed < bf16.level)
-    t.products += agreed == kernel::kBf16Fp32
-                      ? "; turned off: the ranks of this job did not all choose them"
-                      : "; lowered to vdpbf16ps: the ranks of this job did not all choose AMX";
-  else if (bf16.level > 0 && !kernel::avx512_target(c))
+  if (bf16.level > 0 && !kernel::avx512_target(c))
     t.products += "; not applied: the SIMD target in use (" + t.chosen +
                   ") is not an avx512 one, products stay fp32";
   if (t.error.empty()) t.error = bf16.error;
   return t;
+}
+
+void set_kernel_environment(const KernelEnvironment& env) {
+  kernel::Installed& i = kernel::installed();
+  std::lock_guard<std::mutex> lock(i.mutex);
+  if (i.fixed && !(env == i.env))
+    throw Error("set_kernel_environment: the kernel's choices were already made from another "
+                "environment (its first call, or simd_targets()); install it before either");
+  i.env = env;
 }
 
 }  // namespace ctxpar

@@ -24,8 +24,9 @@ struct Problem {
   int64_t group = 1;  // hq / hkv: query heads per kv head
   float scale = 0;    // softmax scale actually used
   int threads = 1;
+  int64_t l1d_bytes = 0;  // KernelConfig::l1d_bytes: 0 for this machine's (kernel_k_panel)
   // Exact bf16 products (simd_bf16.h; api.cc sets them): S = Q K^T when q and k are bf16,
-  // dP = dO V^T when dout and v are bf16, and bf16 products are chosen (bf16_products_on()).
+  // dP = dO V^T when dout and v are bf16, and bf16 products are chosen (bf16_products_on).
   bool bf16_scores = false, bf16_dp = false;
   bool amx = false;  // those products through AMX-BF16 tiles (amx_bf16.cc), else vdpbf16ps
   // KernelConfig::bf16_tier fast with bf16 q (api.cc): P and dS rounded to bf16 before the
@@ -113,16 +114,19 @@ inline void store_row(const TensorView& t, int64_t off, int64_t n, const float* 
   }
 }
 
-// The SIMD target (dispatch.cc): select_simd_target() applies CTXPAR_SIMD once and throws
-// ctxpar::Error when it names a target this binary or CPU lacks; use_scalar_path() is true for
-// CTXPAR_SIMD=scalar or CTXPAR_KERNEL=scalar.
+// The SIMD target (dispatch.cc): select_simd_target() applies CTXPAR_SIMD (KernelEnvironment)
+// once and throws ctxpar::Error when it names a target this binary or CPU lacks;
+// use_scalar_path() is true for CTXPAR_SIMD=scalar or CTXPAR_KERNEL=scalar.
 void select_simd_target();
 bool use_scalar_path();
+// The kernel's environment as installed (set_kernel_environment), or the empty one; the first
+// call fixes it for the process.
+const KernelEnvironment& kernel_environment();
 
 // Whether bf16 inputs take bf16 x bf16 -> fp32 products (bf16_probe.cc), and which: a level,
-// 0 fp32 products, 1 vdpbf16ps (AVX512_BF16), 2 AMX-BF16 tiles. Decided once by a short probe
-// of vdpbf16ps and AMX tile products against fp32 FMAs, or by
-// CTXPAR_BF16_PRODUCTS=on|dot|amx|off|auto. decide_bf16_products is the rule on given
+// 0 fp32 products, 1 vdpbf16ps (AVX512_BF16), 2 AMX-BF16 tiles. This machine's choice is made
+// once by a short probe of vdpbf16ps and AMX tile products against fp32 FMAs, or by
+// CTXPAR_BF16_PRODUCTS=on|dot|amx|off|auto; decide_bf16_products is the rule on given
 // measurements (tested on every outcome).
 constexpr double kBf16Pays = 1.25;  // bf16 dot FLOP/s over fp32 FMA FLOP/s it takes
 constexpr double kAmxPays = 2.0;    // AMX tile FLOP/s over fp32 FMA FLOP/s it takes
@@ -145,36 +149,45 @@ int bf16_top_level();
 // of products before rounding, the fp32 path one product at a time, AMX tiles in yet another
 // order), and a timed probe can choose differently on two ranks of one job (four ranks on two
 // cores: CI saw MPI != threads). So before ranks compute together they agree
-// (agree_kernel_choices, device layer): the lowest level any rank wants. bf16_products_wanted()
-// is this process's level as the agreements left it; bf16_products_agreed_at_most(level)
-// lowers it for good in this process (an agreement only ever lowers it, so a later agreement
-// on a sub-communicator cannot raise what the whole job agreed). Tests:
-// set_bf16_products_for_test(level) replaces the probe's choice and clears the agreements, -1
-// restores both.
-int bf16_products_wanted();
-void bf16_products_agreed_at_most(int level);
-void set_bf16_products_for_test(int level);
-// The level kernel calls take for bf16 inputs: bf16_products_wanted() where the SIMD target in
-// use is an avx512 one, else 0 (CTXPAR_SIMD=avx2 or scalar keeps fp32 products).
-int bf16_products_on();
+// (agree_kernel_choices, device layer): each rank's KernelConfig::bf16_products becomes the
+// lowest level any rank of the communicator takes, in that strategy's or cache's own options.
+// Nothing is kept for the process, so an agreement on one communicator never changes the bits
+// of a strategy made on another.
+// The level `products` takes on this machine before the SIMD target is considered: automatic
+// is bf16_products().level, the others their own; bf16_products_of_level is its inverse.
+int bf16_products_level(Bf16Products products);
+constexpr Bf16Products bf16_products_of_level(int level) {
+  return level >= kBf16Amx ? Bf16Products::amx
+         : level == kBf16Dot ? Bf16Products::dot
+                             : Bf16Products::fp32;
+}
+// "" where this machine can take `products`, else why not, naming KernelConfig::bf16_products:
+// dot on a CPU without AVX512_BF16, amx where AMX-BF16 is not usable (amx_why, "" when usable).
+std::string bf16_products_refusal(Bf16Products products, bool cpu_has_dot,
+                                  const std::string& amx_why);
+std::string bf16_products_refusal(Bf16Products products);  // on this machine
+// The level kernel calls with `config` take for bf16 inputs: bf16_products_level where the SIMD
+// target in use is an avx512 one, else 0 (CTXPAR_SIMD=avx2 or scalar keeps fp32 products).
+// Throws ctxpar::Error on a bad CTXPAR_BF16_PRODUCTS or a refused KernelConfig::bf16_products.
+int bf16_products_on(const KernelConfig& config);
 // Whether the chosen target's multiply-add is fused (AVX2, AVX-512: yes; SSE4, SSSE3: no).
 bool simd_fused_multiply_add();
 // The chosen target's vector exp2 (2^t, t <= 0) over n values, for its accuracy test.
 void exp2_neg_simd(const float* in, float* out, int64_t n);
 
-// The L1 data cache size the fast path sizes its K panels for (simd_tile.h, Note [K panels]):
-// CTXPAR_KERNEL_L1D (bytes) when set, else what the C library reports for this CPU, else
-// 32 KiB. Read once per process; a malformed CTXPAR_KERNEL_L1D throws ctxpar::Error naming it.
-// Only the speed depends on it, never a bit of the results.
+// The L1 data cache size the fast path sizes its K panels for (simd_tile.h, Note [K panels]),
+// where KernelConfig::l1d_bytes leaves it to this machine: CTXPAR_KERNEL_L1D (bytes) when set,
+// else what the C library reports for this CPU, else 32 KiB. Decided once per process; a
+// malformed CTXPAR_KERNEL_L1D throws ctxpar::Error naming it. Only the speed depends on it,
+// never a bit of the results.
+constexpr int64_t kMinL1dBytes = 1024, kMaxL1dBytes = int64_t{1} << 30;
 int64_t kernel_l1d_bytes();
-// CTXPAR_KERNEL_L1D's value checked: 1024 .. 2^30 bytes, else ctxpar::Error naming it.
+// CTXPAR_KERNEL_L1D's value checked: kMinL1dBytes .. kMaxL1dBytes, else ctxpar::Error naming it.
 int64_t parse_kernel_l1d(const char* text);
-// Tests only: makes kernel_l1d_bytes() return `bytes` (> 0), or what it did before (0).
-void set_kernel_l1d_for_test(int64_t bytes);
 // Rows per K panel for a product whose B operand has n floats a row and k rows: B split into
-// the fewest equal panels (rounded up to 16 rows) that take at most half of that L1 each; 0
-// (one pass, no panels) when the whole B fits.
-int64_t kernel_k_panel(int64_t n, int64_t k);
+// the fewest equal panels (rounded up to 16 rows) that take at most half of an L1 of
+// `l1d_bytes` (0: kernel_l1d_bytes()) each; 0 (one pass, no panels) when the whole B fits.
+int64_t kernel_k_panel(int64_t n, int64_t k, int64_t l1d_bytes);
 
 // The two implementations behind the public calls (see api.cc for the choice).
 KernelStats forward_scalar(const Problem& p, const TensorView& q, const Tokens& q_tokens,

@@ -27,166 +27,257 @@
 HWY_BEFORE_NAMESPACE();
 namespace ctxpar::kernel::HWY_NAMESPACE {
 
-KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
-                         const TensorView& k, const TensorView& v, const Tokens& k_tokens,
-                         const Mask& mask, const ForwardStateView& state) {
-  // q [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; state.acc [B, Tq, Hq, D], state.m/l [B, Hq, Tq].
-  const TileRanges qr = tile_ranges(q_tokens, p.tq, kTile, mask.documents);
-  const TileRanges kr = tile_ranges(k_tokens, p.tk, kTile, mask.documents);
-  const int64_t d = p.d, dp = round_up(d, lanes()), nkt = kr.count(), nqt = qr.count();
-  const int64_t ld = padded_ld(dp);  // row stride of V, Q and acc tiles (Note [Padded rows])
-  // Packed K^T tiles [B, Hkv, nkt][D][64] and V tiles [B, Hkv, nkt][64][dp].
-  float* kpack =
-      p.bf16_scores ? nullptr : scratch(Scratch::k_pack, p.batch * p.hkv * nkt * d * kTile);
-  // With AMX, O += P V in tiles too (Note [P V, dV, dK, dQ through AMX] in amx_bf16.cc): P split
-  // into 3 bf16 parts (the exact tier) or rounded to one (the fast tier), V packed as VNNI
-  // pair-rows instead; with vdpbf16ps, the fast tier's the same way (Note [The fast tier through
-  // vdpbf16ps] in simd_bf16.cc). Both write columns up to d rounded to 16, which the acc rows
-  // must hold (they do on the avx512 targets, the only ones with bf16 products).
-  const int64_t n16 = round_up(d, 16), ldv = bf16::vnni_words(d);
-  const bool pairs_pv = bf16::pair_products(p.bf16_scores, p.amx, p.round_p) &&
-                      v.dtype() == DType::bf16 && n16 <= ld;
-  const int nsplit = bf16::amx_parts(p.round_p);
-  uint32_t* vvnni =
-      pairs_pv ? bf16::buffer(bf16::Buffer::v_vnni, p.batch * p.hkv * nkt * (kTile / 2) * ldv)
-             : nullptr;
-  float* vpack = pairs_pv ? nullptr : scratch(Scratch::v_pack, p.batch * p.hkv * nkt * kTile * ld);
-  // With exact bf16 products (simd_bf16.h) K is packed as tiles of bf16 pairs instead.
-  const int64_t np = bf16::stored_pairs(d, p.amx), ldw = bf16::row_words(d, p.amx);
-  uint32_t* kpairs =
-      p.bf16_scores ? bf16::buffer(bf16::Buffer::k_tiles, p.batch * p.hkv * nkt * np * kTile)
-                    : nullptr;
-  const int64_t pack_tasks = p.batch * p.hkv * nkt;
+namespace {
+
+// One forward call's arguments: q [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; state.acc
+// [B, Tq, Hq, D], state.m / l [B, Hq, Tq].
+struct ForwardArgs {
+  const Problem& p;
+  const TensorView &q, &k, &v;
+  const Tokens &q_tokens, &k_tokens;
+  const Mask& mask;
+  const ForwardStateView& state;
+};
+
+// Note [Two query tiles a task]: a task takes kSub = 2 consecutive 64-row query tiles, so
+// every K / V tile it brings into L1 serves 128 query rows instead of 64 (faster forward;
+// the measurement: docs/kernel.md, "Forward tasks"). Which (query tile, key tile)
+// pairs are computed is exactly as with one tile a task: per key tile each query tile is
+// classified on its own, and the rows of a skipped one are left out of the products (with two
+// tiles the computed ones are always adjacent). A row's result never depends on its
+// neighbours, so the bits, the tile counts and tile_progress() calls are those of 64-row tasks.
+constexpr int64_t kSub = 2;
+constexpr int64_t kRows = kSub * kTile;
+constexpr int64_t kHalf = kTile / 2;
+
+// The sizes a call works with, and its product paths: its tiles (ld the row stride of V, Q
+// and acc tiles, Note [Padded rows]; S = Q K^T streams K^T in L1 panels of k_panel rows) and
+// its tasks.
+struct ForwardShape : CallTiles {
+  int64_t npairs = 0, tasks = 0;
+  // With exact bf16 products (simd_bf16.h) K is packed as tiles of bf16 pairs: pairs stored
+  // a row, words a packed row.
+  int64_t np = 0, ldw = 0;
+  // With AMX, O += P V in tiles too (Note [P V, dV, dK, dQ through AMX] in amx_bf16.cc): P
+  // split into 3 bf16 parts (the exact tier) or rounded to one (the fast tier), V packed as
+  // VNNI pair-rows instead; with vdpbf16ps, the fast tier's the same way (Note [The fast tier
+  // through vdpbf16ps] in simd_bf16.cc). Both write columns up to d rounded to 16, which the
+  // acc rows must hold (they do on the avx512 targets, the only ones with bf16 products).
+  bool pairs_pv = false;
+  int64_t n16 = 0, ldv = 0;
+  int nsplit = 0;
+};
+
+ForwardShape forward_shape(const ForwardArgs& a) {
+  const Problem& p = a.p;
+  ForwardShape sh;
+  static_cast<CallTiles&>(sh) = call_tiles(p, a.q_tokens, a.k_tokens, a.mask);
+  sh.npairs = (sh.nqt + kSub - 1) / kSub;
+  sh.tasks = p.batch * p.hq * sh.npairs;
+  sh.np = bf16::stored_pairs(sh.d, p.amx), sh.ldw = bf16::row_words(sh.d, p.amx);
+  sh.n16 = round_up(sh.d, 16), sh.ldv = bf16::vnni_words(sh.d);
+  sh.pairs_pv = bf16::pair_products(p.bf16_scores, p.amx, p.round_p) &&
+                a.v.dtype() == DType::bf16 && sh.n16 <= sh.ld;
+  sh.nsplit = bf16::amx_parts(p.round_p);
+  return sh;
+}
+
+// K and V of the block, packed once a call for the products of every query tile: K^T tiles
+// [B, Hkv, nkt][D][64] (fp32 score products) or K as bf16-pair tiles (exact bf16 products);
+// V tiles [B, Hkv, nkt][64][dp] (fp32 P V) or V's VNNI pair-rows (pair products).
+struct PackedKv {
+  float* kpack = nullptr;
+  uint32_t* kpairs = nullptr;
+  float* vpack = nullptr;
+  uint32_t* vvnni = nullptr;
+};
+
+// Allocated on the calling thread (its scratch), packed by all.
+PackedKv pack_kv(const ForwardArgs& a, const ForwardShape& sh) {
+  const Problem& p = a.p;
+  const int64_t tiles = p.batch * p.hkv * sh.nkt, d = sh.d;
+  PackedKv kv;
+  if (p.bf16_scores)
+    kv.kpairs = bf16::buffer(bf16::Buffer::k_tiles, tiles * sh.np * kTile);
+  else
+    kv.kpack = scratch(Scratch::k_pack, tiles * d * kTile);
+  if (sh.pairs_pv)
+    kv.vvnni = bf16::buffer(bf16::Buffer::v_vnni, tiles * kHalf * sh.ldv);
+  else
+    kv.vpack = scratch(Scratch::v_pack, tiles * kTile * sh.ld);
 #pragma omp parallel num_threads(p.threads)
   {
     std::vector<float> row(d);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < pack_tasks; ++t) {
-      const int64_t kt = t % nkt, hk = (t / nkt) % p.hkv, b = t / (nkt * p.hkv);
-      const int64_t cols = std::min(p.tk, (kt + 1) * kTile) - kt * kTile;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t kt = t % sh.nkt, hk = (t / sh.nkt) % p.hkv, b = t / (sh.nkt * p.hkv);
+      const int64_t j0 = kt * kTile, cols = std::min(p.tk, (kt + 1) * kTile) - j0;
       if (p.bf16_scores)
-        bf16::pack_tile(k, b, hk, kt * kTile, cols, d, kpairs + t * np * kTile, p.amx);
+        bf16::pack_tile(a.k, b, hk, j0, cols, d, kv.kpairs + t * sh.np * kTile, p.amx);
       else
-        pack_transposed(k, b, hk, kt * kTile, cols, d, kpack + t * d * kTile, row.data());
-      if (pairs_pv)
-        bf16::pack_vnni(v, b, hk, kt * kTile, cols, d, ldv, vvnni + t * (kTile / 2) * ldv, kTile);
+        pack_transposed(a.k, b, hk, j0, cols, d, kv.kpack + t * d * kTile, row.data());
+      if (sh.pairs_pv)
+        bf16::pack_vnni(a.v, b, hk, j0, cols, d, sh.ldv, kv.vvnni + t * kHalf * sh.ldv, kTile);
       else
-        pack_rows(v, b, hk, kt * kTile, cols, d, ld, vpack + t * kTile * ld);
+        pack_rows(a.v, b, hk, j0, cols, d, sh.ld, kv.vpack + t * kTile * sh.ld);
+    }
+  }
+  return kv;
+}
+
+// One thread's share of the tasks: per task its rows' state in, every key tile it sees
+// absorbed, the state out.
+class ForwardWorker {
+ public:
+  ForwardWorker(const ForwardArgs& a, const ForwardShape& sh, const PackedKv& kv)
+      : a_(a), p_(a.p), sh_(sh), kv_(kv), nl_(lanes()), split_words_(kRows * kHalf),
+        qt_(kRows * sh.ld), s_(kRows * kTile), acc_(kRows * sh.ld), m_(kRows),
+        lv_(kRows * nl_), qpairs_(a.p.bf16_scores ? kRows * sh.ldw : 0),
+        ppairs_(sh.pairs_pv ? sh.nsplit * split_words_ : 0) {}
+
+  void run(int64_t task) {
+    const int64_t qp = task % sh_.npairs, h = (task / sh_.npairs) % p_.hq;
+    b_ = task / (sh_.npairs * p_.hq), h_ = h, hk_ = h / p_.group;
+    q0_ = qp * kSub, nsub_ = std::min(kSub, sh_.nqt - q0_);
+    i0_ = q0_ * kTile, rows_ = std::min(p_.tq, i0_ + nsub_ * kTile) - i0_;
+    if (p_.bf16_scores)
+      bf16::pack_rows(a_.q, b_, h_, i0_, rows_, sh_.d, sh_.ldw, qpairs_.data(), kRows);
+    else
+      pack_rows(a_.q, b_, h_, i0_, rows_, sh_.d, sh_.ld, qt_.data(), p_.scale, kRows);
+    load_state();
+    bool touched = false;
+    for (int64_t kt = 0; kt < sh_.nkt; ++kt) touched = key_tile(kt) || touched;
+    if (touched) store_state();  // else the rows are unchanged (same bits)
+  }
+
+ private:
+  float* stat_ptr(const TensorView& t) const { return t.ptr<float>(); }
+  int64_t stat(int64_t r) const { return (b_ * p_.hq + h_) * p_.tq + i0_ + r; }
+  float* acc_row(int64_t r) const {
+    return a_.state.acc().ptr<float>() + ((b_ * p_.tq + i0_ + r) * p_.hq + h_) * sh_.d;
+  }
+
+  void load_state() {
+    std::fill(acc_.begin(), acc_.end(), 0.0f);
+    for (int64_t r = 0; r < rows_; ++r) {
+      m_[r] = stat_ptr(a_.state.m())[stat(r)];
+      // Row sums kept as one vector per row (lanes summed once per task, not once per tile).
+      std::fill_n(lv_.data() + r * nl_, nl_, 0.0f);
+      lv_[r * nl_] = stat_ptr(a_.state.l())[stat(r)];
+      std::copy_n(acc_row(r), sh_.d, acc_.data() + r * sh_.ld);
     }
   }
 
-  float* acc_state = state.acc().ptr<float>();
-  float* m_state = state.m().ptr<float>();
-  float* l_state = state.l().ptr<float>();
-  // Note [Two query tiles a task]: a task takes kSub = 2 consecutive 64-row query tiles, so
-  // every K / V tile it brings into L1 serves 128 query rows instead of 64 (faster forward;
-  // the measurement: docs/kernel.md, "Forward tasks"). Which (query tile, key tile)
-  // pairs are computed is exactly as with one tile a task: per key tile each query tile is
-  // classified on its own, and the rows of a skipped one are left out of the products (with two
-  // tiles the computed ones are always adjacent). A row's result never depends on its
-  // neighbours, so the bits, the tile counts and tile_progress() calls are those of 64-row tasks.
-  constexpr int64_t kSub = 2;
-  const int64_t npairs = (nqt + kSub - 1) / kSub;
-  const int64_t tasks = p.batch * p.hq * npairs;
-  const int64_t k_panel = kernel_k_panel(kTile, d);  // S = Q K^T streams K^T in L1 panels
-  const DF df;
-  const int64_t nl = lanes();
+  void store_state() {
+    const DF df;
+    for (int64_t r = 0; r < rows_; ++r) {
+      stat_ptr(a_.state.m())[stat(r)] = m_[r];
+      stat_ptr(a_.state.l())[stat(r)] =
+          hn::GetLane(hn::SumOfLanes(df, hn::LoadU(df, lv_.data() + r * nl_)));
+      std::copy_n(acc_.data() + r * sh_.ld, sh_.d, acc_row(r));
+    }
+  }
+
+  // Key tile kt absorbed by the task's query tiles that see it; false where none does.
+  bool key_tile(int64_t kt) {
+    TileKind kinds[kSub];
+    int64_t first = -1, last = -1;  // the computed query tiles of this task: [first, last]
+    for (int64_t u = 0; u < nsub_; ++u) {
+      kinds[u] = classify(a_.mask, sh_.qr, q0_ + u, sh_.kr, kt);
+      if (kinds[u] == TileKind::skip) continue;
+      if (first < 0) first = u;
+      last = u;
+    }
+    if (first < 0) return false;
+    const int64_t j0 = kt * kTile, cols = std::min(p_.tk, j0 + kTile) - j0;
+    const int64_t pk = (b_ * p_.hkv + hk_) * sh_.nkt + kt;
+    // Rows [r0, r0 + mrows): the computed tiles' rows; any beyond `rows` are zero padding.
+    const int64_t r0 = first * kTile, r1 = std::min(rows_, (last + 1) * kTile);
+    const int64_t mrows = round_up(r1 - r0, 4);
+    scores(pk, r0, mrows);
+    for (int64_t u = first; u <= last; ++u) {
+      const int64_t u0 = u * kTile, urows = std::min(rows_, u0 + kTile) - u0;
+      if (kinds[u] == TileKind::partial || cols < kTile)
+        mask_tile(s_.data() + u0 * kTile, urows, cols, kinds[u] == TileKind::partial, a_.mask,
+                  a_.q_tokens, i0_ + u0, a_.k_tokens, j0);
+    }
+    for (int64_t r = r0; r < r0 + mrows; ++r) {
+      float* sr = s_.data() + r * kTile;
+      if (r >= rows_) {  // padding rows: P = 0 keeps their (unused) acc at 0
+        std::fill(sr, sr + kTile, 0.0f);
+        continue;
+      }
+      softmax_row(sr, m_[r], lv_.data() + r * nl_, acc_.data() + r * sh_.ld, sh_.dp);
+    }
+    if (sh_.pairs_pv)
+      values_pairs(pk, r0, mrows);
+    else
+      values_fp32(pk, r0, mrows, cols);
+    // The MPI transport's progress calls, if installed (tile_progress.h): one a tile.
+    for (int64_t u = first; u <= last; ++u) tile_progress();
+    return true;
+  }
+
+  // S = scale (Q K^T) for rows [r0, r0 + mrows): exact bf16 products (simd_bf16.h), or fp32
+  // FMAs of the pre-scaled Q.
+  void scores(int64_t pk, int64_t r0, int64_t mrows) {
+    if (p_.bf16_scores)
+      bf16::scores(mrows, sh_.np, qpairs_.data() + r0 * sh_.ldw, sh_.ldw,
+                   kv_.kpairs + pk * sh_.np * kTile, s_.data() + r0 * kTile, p_.scale, p_.amx);
+    else
+      gemm_rows(mrows, kTile, sh_.d, qt_.data() + r0 * sh_.ld, sh_.ld,
+                kv_.kpack + pk * sh_.d * kTile, kTile, s_.data() + r0 * kTile, kTile, false,
+                sh_.k_panel);
+  }
+
+  // O += P V in fp32 FMAs; the fast bf16 tier rounds P for it (l summed the fp32 P).
+  void values_fp32(int64_t pk, int64_t r0, int64_t mrows, int64_t cols) {
+    if (p_.round_p) round_bf16(s_.data() + r0 * kTile, mrows * kTile);
+    gemm_rows(mrows, sh_.dp, cols, s_.data() + r0 * kTile, kTile, kv_.vpack + pk * kTile * sh_.ld,
+              sh_.ld, acc_.data() + r0 * sh_.ld, sh_.ld, true);
+  }
+
+  // O += P V as pair products: P's parts, or P rounded (the fast tier), times V's pair-rows,
+  // in 16-row tiles: rows past mrows are padding rows (r >= rows), their P pairs zero.
+  void values_pairs(int64_t pk, int64_t r0, int64_t mrows) {
+    const int64_t m16 = round_up(mrows, 16);
+    uint32_t* pp = ppairs_.data();
+    bf16::round_to_pairs(s_.data() + r0 * kTile, kTile, mrows, kHalf, pp, kHalf, sh_.nsplit,
+                         split_words_);
+    for (int sp = 0; sp < sh_.nsplit; ++sp)
+      std::fill(pp + sp * split_words_ + mrows * kHalf, pp + sp * split_words_ + m16 * kHalf, 0u);
+    bf16::gemm_pairs(m16, sh_.n16, kHalf, pp, kHalf, kv_.vvnni + pk * kHalf * sh_.ldv, sh_.ldv,
+                     acc_.data() + r0 * sh_.ld, sh_.ld, true, p_.amx, sh_.nsplit, split_words_);
+  }
+
+  const ForwardArgs& a_;
+  const Problem& p_;
+  const ForwardShape& sh_;
+  const PackedKv& kv_;
+  int64_t nl_, split_words_;
+  std::vector<float> qt_, s_, acc_, m_, lv_;
+  std::vector<uint32_t> qpairs_;  // Q as bf16 pairs, unscaled
+  std::vector<uint32_t> ppairs_;  // P's parts as pairs
+  int64_t b_ = 0, h_ = 0, hk_ = 0, q0_ = 0, nsub_ = 0, i0_ = 0, rows_ = 0;
+};
+
+}  // namespace
+
+KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
+                         const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                         const Mask& mask, const ForwardStateView& state) {
+  const ForwardArgs a{p, q, k, v, q_tokens, k_tokens, mask, state};
+  const ForwardShape sh = forward_shape(a);
+  const PackedKv kv = pack_kv(a, sh);
 #pragma omp parallel num_threads(p.threads)
   {
-    constexpr int64_t kRows = kSub * kTile;
-    std::vector<float> qt(kRows * ld), s(kRows * kTile), acc(kRows * ld), m(kRows);
-    // Row sums kept as one vector per row (lanes summed once per task, not once per tile).
-    std::vector<float> lv(kRows * nl);
-    std::vector<uint32_t> qpairs(p.bf16_scores ? kRows * ldw : 0);  // Q as bf16 pairs, unscaled
-    const int64_t split_words = kRows * (kTile / 2);
-    std::vector<uint32_t> ppairs(pairs_pv ? nsplit * split_words : 0);  // P's parts as pairs
+    ForwardWorker worker(a, sh, kv);
     // Each task owns its rows of the state, so which thread runs it cannot change the result:
     // dynamic scheduling balances causal masks (late query tiles see more keys) for free.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t qp = task % npairs, h = (task / npairs) % p.hq, b = task / (npairs * p.hq);
-      const int64_t hk = h / p.group, q0 = qp * kSub, nsub = std::min(kSub, nqt - q0);
-      const int64_t i0 = q0 * kTile, rows = std::min(p.tq, i0 + nsub * kTile) - i0;
-      if (p.bf16_scores)
-        bf16::pack_rows(q, b, h, i0, rows, d, ldw, qpairs.data(), kRows);
-      else
-        pack_rows(q, b, h, i0, rows, d, ld, qt.data(), p.scale, kRows);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t stat = (b * p.hq + h) * p.tq + i0 + r;
-        m[r] = m_state[stat];
-        std::fill_n(lv.data() + r * nl, nl, 0.0f);
-        lv[r * nl] = l_state[stat];
-        std::copy_n(acc_state + ((b * p.tq + i0 + r) * p.hq + h) * d, d, acc.data() + r * ld);
-      }
-      bool touched = false;
-      for (int64_t kt = 0; kt < nkt; ++kt) {
-        TileKind kinds[kSub];
-        int64_t first = -1, last = -1;  // the computed query tiles of this task: [first, last]
-        for (int64_t u = 0; u < nsub; ++u) {
-          kinds[u] = classify(mask, qr, q0 + u, kr, kt);
-          if (kinds[u] == TileKind::skip) continue;
-          if (first < 0) first = u;
-          last = u;
-        }
-        if (first < 0) continue;
-        touched = true;
-        const int64_t j0 = kt * kTile, cols = std::min(p.tk, j0 + kTile) - j0;
-        const int64_t pk = (b * p.hkv + hk) * nkt + kt;
-        // Rows [r0, r0 + mrows): the computed tiles' rows; any beyond `rows` are zero padding.
-        const int64_t r0 = first * kTile, r1 = std::min(rows, (last + 1) * kTile);
-        const int64_t mrows = round_up(r1 - r0, 4);
-        if (p.bf16_scores)  // S = scale (Q K^T), the products exact (simd_bf16.h)
-          bf16::scores(mrows, np, qpairs.data() + r0 * ldw, ldw, kpairs + pk * np * kTile,
-                       s.data() + r0 * kTile, p.scale, p.amx);
-        else
-          gemm_rows(mrows, kTile, d, qt.data() + r0 * ld, ld, kpack + pk * d * kTile, kTile,
-                    s.data() + r0 * kTile, kTile, false, k_panel);
-        for (int64_t u = first; u <= last; ++u) {
-          const int64_t u0 = u * kTile, urows = std::min(rows, u0 + kTile) - u0;
-          if (kinds[u] == TileKind::partial || cols < kTile)
-            mask_tile(s.data() + u0 * kTile, urows, cols, kinds[u] == TileKind::partial, mask,
-                      q_tokens, i0 + u0, k_tokens, j0);
-        }
-        for (int64_t r = r0; r < r0 + mrows; ++r) {
-          float* sr = s.data() + r * kTile;
-          if (r >= rows) {  // padding rows: P = 0 keeps their (unused) acc at 0
-            std::fill(sr, sr + kTile, 0.0f);
-            continue;
-          }
-          softmax_row(sr, m[r], lv.data() + r * nl, acc.data() + r * ld, dp);
-        }
-        // The fast bf16 tier: P rounded for O += P V only (l summed the fp32 P above).
-        if (pairs_pv) {  // P's parts, or P rounded (the fast tier), times V as pairs
-          // 16-row tiles: rows past mrows are padding rows (r >= rows), their P pairs zero.
-          const int64_t m16 = round_up(mrows, 16);
-          bf16::round_to_pairs(s.data() + r0 * kTile, kTile, mrows, kTile / 2, ppairs.data(),
-                               kTile / 2, nsplit, split_words);
-          for (int sp = 0; sp < nsplit; ++sp)
-            std::fill(ppairs.data() + sp * split_words + mrows * (kTile / 2),
-                      ppairs.data() + sp * split_words + m16 * (kTile / 2), 0u);
-          bf16::gemm_pairs(m16, n16, kTile / 2, ppairs.data(), kTile / 2,
-                           vvnni + pk * (kTile / 2) * ldv, ldv, acc.data() + r0 * ld, ld, true,
-                           p.amx, nsplit, split_words);
-        } else {
-          if (p.round_p) round_bf16(s.data() + r0 * kTile, mrows * kTile);
-          gemm_rows(mrows, dp, cols, s.data() + r0 * kTile, kTile, vpack + pk * kTile * ld, ld,
-                    acc.data() + r0 * ld, ld, true);
-        }
-        // The MPI transport's progress calls, if installed (tile_progress.h): one a tile.
-        for (int64_t u = first; u <= last; ++u) tile_progress();
-      }
-      if (!touched) continue;
-      // Rows of a query tile that computed nothing are written back unchanged (same bits).
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t stat = (b * p.hq + h) * p.tq + i0 + r;
-        m_state[stat] = m[r];
-        l_state[stat] = hn::GetLane(hn::SumOfLanes(df, hn::LoadU(df, lv.data() + r * nl)));
-        std::copy_n(acc.data() + r * ld, d, acc_state + ((b * p.tq + i0 + r) * p.hq + h) * d);
-      }
-    }
+    for (int64_t task = 0; task < sh.tasks; ++task) worker.run(task);
   }
-  return count_tiles(p, mask, qr, kr, 1.0);
+  return count_tiles(p, mask, sh.qr, sh.kr, 1.0);
 }
 
 // The target's vector exp2 over n values (n any), for its accuracy test.

@@ -175,6 +175,24 @@ inline int64_t padded_ld(int64_t dp) {
   return (dp * static_cast<int64_t>(sizeof(float))) % 256 == 0 ? dp + 16 : dp;
 }
 
+// The tiles of one fast-path call, forward or backward: the query and key tiles' ranges, D
+// rounded up to the lanes and the padded row stride of the [rows][dp] tiles, and the K panel
+// rows of its S = Q K^T (and dP = dO V^T) products.
+struct CallTiles {
+  TileRanges qr, kr;
+  int64_t d = 0, dp = 0, nkt = 0, nqt = 0, ld = 0, k_panel = 0;
+};
+inline CallTiles call_tiles(const Problem& p, const Tokens& q_tokens, const Tokens& k_tokens,
+                            const Mask& mask) {
+  CallTiles t;
+  t.qr = tile_ranges(q_tokens, p.tq, kTile, mask.documents);
+  t.kr = tile_ranges(k_tokens, p.tk, kTile, mask.documents);
+  t.d = p.d, t.dp = round_up(p.d, lanes()), t.nkt = t.kr.count(), t.nqt = t.qr.count();
+  t.ld = padded_ld(t.dp);
+  t.k_panel = kernel_k_panel(kTile, t.d, p.l1d_bytes);
+  return t;
+}
+
 // Packs rows [j0, j0 + cols) of one (batch, head) of t [B, T, H, D] as a zero-padded tile:
 // transposed [D][kTile] (for A * B^T products) or row-major [tile_rows][ld] (ld >= d floats a
 // row; tile_rows >= rows, kTile unless given).

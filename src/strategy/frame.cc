@@ -66,15 +66,18 @@ std::unique_ptr<Strategy> Strategy::create(Communicator& comm, const StrategyOpt
                            options.ulysses_groups);
   else if (options.kernel.threads < 1)
     error = detail::concat("kernel.threads: expected >= 1, got ", options.kernel.threads);
+  else
+    error = device::kernel_choices_error(options.kernel);
   require_agreement(comm, std::string(strategy_name(options.kind)) + " create",
                     strategy::signature_of(strategy::Dims{}, options), error);
-  device::agree_kernel_choices(comm);  // before hybrid splits: the whole job agrees first
-  switch (options.kind) {
-    case StrategyKind::ring: return strategy::make_ring(comm, options, std::move(device));
+  StrategyOptions agreed = options;
+  device::agree_kernel_choices(comm, agreed.kernel);  // before hybrid splits: the whole job
+  switch (agreed.kind) {
+    case StrategyKind::ring: return strategy::make_ring(comm, agreed, std::move(device));
     case StrategyKind::allgather:
-      return strategy::make_allgather(comm, options, std::move(device));
-    case StrategyKind::ulysses: return strategy::make_ulysses(comm, options, std::move(device));
-    case StrategyKind::hybrid: return strategy::make_hybrid(comm, options, std::move(device));
+      return strategy::make_allgather(comm, agreed, std::move(device));
+    case StrategyKind::ulysses: return strategy::make_ulysses(comm, agreed, std::move(device));
+    case StrategyKind::hybrid: return strategy::make_hybrid(comm, agreed, std::move(device));
   }
   throw Error("unknown strategy kind");
 }

@@ -37,6 +37,7 @@ KvCacheOptions Scenario::cache_options() const {
   o.mask = mask;
   o.device.kind = device;
   o.device.sim_max_delay_us = 20;
+  o.kernel.bf16_products = bf16_products;
   return o;
 }
 
@@ -117,6 +118,7 @@ RankResult run_rank(Communicator& comm, const Scenario& s) {
       put_rows(Tensor::copy_of(out.view().slice(0, b, b + 1)),
                Tensor::copy_of(lse.view().slice(0, b, b + 1)), at[b], r.out[b], r.lse[b]);
   }
+  r.bf16_products = cache.options().kernel.bf16_products;
   return r;
 }
 

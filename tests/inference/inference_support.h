@@ -19,6 +19,7 @@ struct Scenario {
   int64_t decode_steps = 3, decode_tokens = 1;
   PrefillMode mode = PrefillMode::automatic;
   DeviceKind device = DeviceKind::cpu;
+  Bf16Products bf16_products = Bf16Products::automatic;  // the cache's KernelConfig's
   uint64_t seed = 1;
   // Filled by build(): per sequence, the whole sequence [1, N, H, D] and its token ids.
   std::vector<Tensor> q, k, v;
@@ -37,6 +38,7 @@ struct RankResult {
   std::vector<PrefillMode> modes;       // each prefill call's
   std::vector<InferenceStats> prefill_stats;
   uint64_t prefill_bytes_predicted = 0;  // this rank's share is not predicted: all ranks together
+  Bf16Products bf16_products = Bf16Products::automatic;  // as the ranks agreed (the cache's)
 };
 
 RankResult run_rank(Communicator& comm, const Scenario& s);

@@ -74,6 +74,20 @@ TEST(Args, ForwardRejectsBadTokens) {
   bad.threads = 0;
   expect_error([&] { attention_forward_block(a.q, a.qt(), a.k, a.v, a.kt(), Mask{}, a.state, bad); },
                "config.threads");
+  // The L1 size the K panels are sized for: 0 (this machine's) or a cache's size in bytes.
+  for (const int64_t l1d : {int64_t{-1}, int64_t{512}, (int64_t{1} << 30) + 1}) {
+    KernelConfig cache;
+    cache.l1d_bytes = l1d;
+    expect_error(
+        [&] { attention_forward_block(a.q, a.qt(), a.k, a.v, a.kt(), Mask{}, a.state, cache); },
+                 "config.l1d_bytes: expected 0 (this machine's) or 1024 to 2^30 bytes, got " +
+                     std::to_string(l1d));
+  }
+  for (const int64_t l1d : {int64_t{1024}, int64_t{1} << 30}) {
+    KernelConfig cache;
+    cache.l1d_bytes = l1d;
+    EXPECT_NO_THROW(attention_forward_block(a.q, a.qt(), a.k, a.v, a.kt(), Mask{}, a.state, cache));
+  }
 }
 
 TEST(Args, BackwardAndFinalizeRejectBadShapes) {

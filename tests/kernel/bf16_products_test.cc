@@ -43,16 +43,18 @@ TEST(Bf16Products, ForcedChoiceIsWhatKernelCallsTake) {
   const SimdTargets t = simd_targets();
   const bool avx512 = t.chosen == "avx512" || t.chosen == "avx512_dl";
   if (want == "off") {
-    EXPECT_EQ(kernel::bf16_products_on(), kernel::kBf16Fp32);
+    EXPECT_EQ(kernel::bf16_products_on(KernelConfig{}), kernel::kBf16Fp32);
   }
   if (want == "on" && cpu_has_bf16()) {
-    EXPECT_EQ(kernel::bf16_products_on(), avx512 ? kernel::kBf16Dot : kernel::kBf16Fp32) << t.chosen;
+    EXPECT_EQ(kernel::bf16_products_on(KernelConfig{}),
+              avx512 ? kernel::kBf16Dot : kernel::kBf16Fp32) << t.chosen;
     if (!avx512) {
       EXPECT_NE(t.products.find("not applied"), std::string::npos) << t.products;
     }
   }
   if (want == "amx" && kernel::amx_unusable_why().empty()) {
-    EXPECT_EQ(kernel::bf16_products_on(), avx512 ? kernel::kBf16Amx : kernel::kBf16Fp32) << t.chosen;
+    EXPECT_EQ(kernel::bf16_products_on(KernelConfig{}),
+              avx512 ? kernel::kBf16Amx : kernel::kBf16Fp32) << t.chosen;
   }
   if (!cpu_has_bf16() && want != "amx") {
     EXPECT_EQ(kernel::bf16_products().level, kernel::kBf16Fp32);
@@ -244,7 +246,7 @@ TEST(Bf16Products, GemmDotIsTheExactPairProducts) {
       }
 }
 
-using test::AmxForced;  // the AMX products forced for the test's body (amx_forced.h)
+using test::AmxForced;  // the AMX products for the test's kernel calls (amx_forced.h)
 
 // Forward and backward against the fp64 reference by the fp32 rule (bf16 inputs): causal,
 // window and document masks, D = 64, 80, 96, 128, lengths not multiples of 16, GQA, 2 threads
@@ -261,6 +263,7 @@ TEST_F(AmxForced, ForwardBackwardWithinTheRule) {
       Case c;
       c.tq = 150 - 7 * n % 3, c.tk = 150, c.hq = 2, c.hkv = 1, c.d = d, c.mask = m;
       c.dtype = DType::bf16, c.doc_len = 45, c.threads = 1 + n % 2, c.seed = 11 + n++;
+      c.products = kProducts;
       const std::string err = test::check_case(c, true);
       EXPECT_TRUE(err.empty()) << err;
     }
@@ -273,7 +276,7 @@ TEST_F(AmxForced, OneHotRowsWithinTheRule) {
     for (const int64_t d : {16, 37, 80}) {
       test::Case c;
       c.tq = 70, c.tk = 130, c.hq = 2, c.hkv = 1, c.d = d, c.mask = Mask::causal_mask();
-      c.dtype = DType::bf16, c.q_offset = 60, c.qk_scale = qk;
+      c.dtype = DType::bf16, c.q_offset = 60, c.qk_scale = qk, c.products = kProducts;
       const std::string err = test::check_case(c, true);
       EXPECT_TRUE(err.empty()) << err;
     }

@@ -27,14 +27,20 @@ struct Named {
   const std::vector<double>& ref;
 };
 
-// Each case's fast and exact tiers against fp64 by the rules above, `threads` OpenMP threads.
-void check_tiers(const std::vector<Case>& cases, int threads) {
+// Each case's fast and exact tiers against fp64 by the rules above, `threads` OpenMP threads,
+// the bf16 products `products` asks for.
+void check_tiers(const std::vector<Case>& cases, int threads,
+                 Bf16Products products = Bf16Products::automatic) {
   for (const Case& k : cases) {
     SCOPED_TRACE(k.name());
     const Inputs in = make_inputs(k);
     const References refs = references_of(in, k.mask, true);
-    const Outputs exact = run_fast(in, k.mask, threads, true, 1, {}, Bf16Tier::exact);
-    const Outputs fast = run_fast(in, k.mask, threads, true, 1, {}, Bf16Tier::fast);
+    KernelConfig config;
+    config.bf16_products = products;
+    config.bf16_tier = Bf16Tier::exact;
+    const Outputs exact = run_fast(in, k.mask, threads, true, 1, {}, config);
+    config.bf16_tier = Bf16Tier::fast;
+    const Outputs fast = run_fast(in, k.mask, threads, true, 1, {}, config);
     const Named outs[] = {{"o", exact.o, fast.o, refs.naive32.o, refs.ref64.o},
                           {"dq", exact.dq, fast.dq, refs.naive32.dq, refs.ref64.dq},
                           {"dk", exact.dk, fast.dk, refs.naive32.dk, refs.ref64.dk},
@@ -96,7 +102,7 @@ std::vector<Case> pair_product_cases() {
 // kernel_bf16_amx says the same).
 TEST_F(AmxForced, BothTiersThroughAmxWithinTheirRules) {
   if (kernel::use_scalar_path()) GTEST_SKIP() << "the scalar path has one tier (exact)";
-  check_tiers(pair_product_cases(), 2);
+  check_tiers(pair_product_cases(), 2, kProducts);
 }
 
 // The fast tier's P V, dV, dK and dQ through vdpbf16ps (Note [The fast tier through vdpbf16ps]
@@ -104,7 +110,7 @@ TEST_F(AmxForced, BothTiersThroughAmxWithinTheirRules) {
 // saying why, on a CPU without AVX512_BF16.
 TEST_F(DotForced, FastTierThroughVdpbf16psWithinItsRule) {
   if (kernel::use_scalar_path()) GTEST_SKIP() << "the scalar path has one tier (exact)";
-  check_tiers(pair_product_cases(), 2);
+  check_tiers(pair_product_cases(), 2, kProducts);
 }
 
 }  // namespace

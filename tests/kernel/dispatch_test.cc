@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "core/kernel_environment.h"
 #include "ctxpar/kernel.h"
 #include "kernel/peak.h"
 #include "kernel/problem.h"
@@ -90,19 +91,31 @@ TEST(Bf16Products, RuleOnEveryOutcomeAndOverrides) {
             std::string::npos);
 }
 
-// The agreement of the ranks (Note [The ranks agree on bf16 products]) only ever lowers the
-// level: AMX on one rank and vdpbf16ps on another must not mix (they round differently).
-TEST(Bf16Products, AgreementOnlyLowersTheLevel) {
-  kernel::set_bf16_products_for_test(kernel::kBf16Amx);
-  EXPECT_EQ(kernel::bf16_products_wanted(), kernel::kBf16Amx);
-  kernel::bf16_products_agreed_at_most(kernel::kBf16Dot);
-  EXPECT_EQ(kernel::bf16_products_wanted(), kernel::kBf16Dot);
-  kernel::bf16_products_agreed_at_most(kernel::kBf16Amx);  // a sub-communicator cannot raise it
-  EXPECT_EQ(kernel::bf16_products_wanted(), kernel::kBf16Dot);
-  kernel::bf16_products_agreed_at_most(kernel::kBf16Fp32);
-  EXPECT_EQ(kernel::bf16_products_wanted(), kernel::kBf16Fp32);
-  kernel::set_bf16_products_for_test(-1);
-  EXPECT_EQ(kernel::bf16_products_wanted(), kernel::bf16_products().level);
+// KernelConfig::bf16_products: each level is its own, automatic this machine's choice; a level
+// the CPU cannot take is refused, naming the field and what to ask for instead (kernel calls
+// with bf16 inputs throw it). The ranks' agreement on the lowest level: strategy
+// Bf16Agreement.*, strategy_mpi_*, inference_mpi_*.
+TEST(Bf16Products, ConfigLevelsAndRefusals) {
+  using kernel::bf16_products_refusal;
+  EXPECT_EQ(kernel::bf16_products_level(Bf16Products::automatic), kernel::bf16_products().level);
+  for (const int level : {kernel::kBf16Fp32, kernel::kBf16Dot, kernel::kBf16Amx})
+    EXPECT_EQ(kernel::bf16_products_level(kernel::bf16_products_of_level(level)), level);
+  for (const Bf16Products p : {Bf16Products::automatic, Bf16Products::fp32})
+    EXPECT_EQ(bf16_products_refusal(p, false, "no AMX"), "") << bf16_products_name(p);
+  EXPECT_EQ(bf16_products_refusal(Bf16Products::dot, true, "no AMX"), "");
+  EXPECT_EQ(bf16_products_refusal(Bf16Products::dot, false, "no AMX"),
+            "KernelConfig::bf16_products = dot: this CPU lacks AVX512_BF16 (vdpbf16ps); use "
+            "automatic or fp32");
+  EXPECT_EQ(bf16_products_refusal(Bf16Products::amx, true, ""), "");
+  EXPECT_EQ(bf16_products_refusal(Bf16Products::amx, true, "this CPU has no AMX-BF16"),
+            "KernelConfig::bf16_products = amx: AMX-BF16 is not usable here (this CPU has no "
+            "AMX-BF16); use automatic, dot or fp32");
+  // This machine: the levels up to its top one are taken, the ones above refused.
+  const int top = kernel::bf16_top_level();
+  for (const int level : {kernel::kBf16Dot, kernel::kBf16Amx})
+    EXPECT_EQ(kernel::bf16_products_refusal(kernel::bf16_products_of_level(level)).empty(),
+              level <= top)
+        << level;
 }
 
 // What this process chose is what `ctxpar --version` reports; unforced on a bf16 CPU it was
@@ -119,6 +132,38 @@ TEST(Bf16Products, ThisCpusChoiceIsReported) {
     EXPECT_EQ(c.level, amx                                                ? kernel::kBf16Amx
                        : c.dot_gflops >= kernel::kBf16Pays * c.fma_gflops ? kernel::kBf16Dot
                                                                           : kernel::kBf16Fp32);
+  }
+}
+
+// The kernel's environment comes from the edge (core/kernel_environment.h reads the variables;
+// this program installed them, environment_support.cc): the kernel keeps the one its choices
+// were made from, so a different one afterwards is refused, and the same one again is not.
+TEST(KernelEnvironment, ReadAtTheEdgeAndKeptOnceUsed) {
+  const char* names[] = {"CTXPAR_SIMD", "CTXPAR_KERNEL", "CTXPAR_BF16_PRODUCTS",
+                         "CTXPAR_KERNEL_L1D"};
+  const KernelEnvironment installed = environment::kernel();
+  std::string saved[4];
+  for (int i = 0; i < 4; ++i) {
+    const char* v = std::getenv(names[i]);
+    saved[i] = v != nullptr ? v : "";
+    setenv(names[i], ("value " + std::to_string(i)).c_str(), 1);
+  }
+  const KernelEnvironment read = environment::kernel();
+  for (int i = 0; i < 4; ++i)
+    saved[i].empty() ? unsetenv(names[i]) : setenv(names[i], saved[i].c_str(), 1);
+  EXPECT_EQ(read.simd, "value 0");
+  EXPECT_EQ(read.kernel, "value 1");
+  EXPECT_EQ(read.bf16_products, "value 2");
+  EXPECT_EQ(read.l1d, "value 3");
+  EXPECT_TRUE(environment::kernel() == installed);
+
+  (void)simd_targets();  // the choices are made
+  EXPECT_NO_THROW(set_kernel_environment(installed));
+  try {
+    set_kernel_environment(read);
+    ADD_FAILURE() << "a second environment was taken after the kernel's choices were made";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("already made"), std::string::npos) << e.what();
   }
 }
 

@@ -34,7 +34,10 @@ std::string Case::name() const {
     << " " << dtype_name(dtype) << " mask=" << mask.describe() << " qpos=" << q_offset << "+"
     << q_stride << "i kpos=" << k_offset << "+" << k_stride << "j doc_len=" << doc_len
     << (shuffle ? " shuffled" : "") << (qk_scale != 1 ? " qk_scale=" + std::to_string(qk_scale) : "")
-    << (qk_common != 0 ? " qk_common=" + std::to_string(qk_common) : "") << " threads=" << threads;
+    << (qk_common != 0 ? " qk_common=" + std::to_string(qk_common) : "") << " threads=" << threads
+    << (products != Bf16Products::automatic
+            ? std::string(" products=") + bf16_products_name(products)
+            : "");
   return s.str();
 }
 
@@ -93,12 +96,10 @@ Tokens kv_tokens(const Inputs& in, int j, int blocks) {
 }
 
 Outputs run_fast(const Inputs& in, const Mask& mask, int threads, bool backward, int kv_blocks,
-                 std::vector<int> order, Bf16Tier tier) {
+                 std::vector<int> order, KernelConfig cfg) {
   const int64_t b = in.q.dim(0), tq = in.q.dim(1), hq = in.q.dim(2), d = in.q.dim(3);
   const int64_t tk = in.k.dim(1), hkv = in.k.dim(2);
-  KernelConfig cfg;
   cfg.threads = threads;
-  cfg.bf16_tier = tier;
   if (order.empty()) {
     order.resize(kv_blocks);
     std::iota(order.begin(), order.end(), 0);
@@ -183,9 +184,10 @@ std::string rule_violations(const Outputs& fast, const References& refs, bool ba
 
 std::string check_case(const Case& c, bool backward) {
   const Inputs in = make_inputs(c);
-  const std::string fail =
-      rule_violations(run_fast(in, c.mask, c.threads, backward), references_of(in, c.mask, backward),
-                      backward);
+  KernelConfig config;
+  config.bf16_products = c.products;
+  const std::string fail = rule_violations(run_fast(in, c.mask, c.threads, backward, 1, {}, config),
+                                           references_of(in, c.mask, backward), backward);
   return fail.empty() ? "" : c.name() + ": " + fail;
 }
 

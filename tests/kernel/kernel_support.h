@@ -23,6 +23,7 @@ struct Case {
   float qk_common = 0;  // q[..., 0] = k[..., 0] = it: every logit offset by qk_common^2 * scale
   bool shuffle = false;  // permute the tokens' positions (unsorted, as after a Ulysses all-to-all)
   int threads = 1;
+  Bf16Products products = Bf16Products::automatic;  // KernelConfig::bf16_products
   uint64_t seed = 1;
   std::string name() const;
 };
@@ -46,11 +47,10 @@ TensorView kv_block(const TensorView& t, int j, int blocks);
 Tokens kv_tokens(const Inputs& in, int j, int blocks);
 
 // Forward over the K/V split into `kv_blocks` blocks absorbed in `order` (empty: 0, 1, ...),
-// then finalize, delta from the fp32 O, and backward block by block in the same order.
-// `tier`: KernelConfig::bf16_tier (bf16_tier_test.cc).
+// then finalize, delta from the fp32 O, and backward block by block in the same order, every
+// call with `config` and `threads` threads.
 Outputs run_fast(const Inputs& in, const Mask& mask, int threads, bool backward = true,
-                 int kv_blocks = 1, std::vector<int> order = {},
-                 Bf16Tier tier = Bf16Tier::exact);
+                 int kv_blocks = 1, std::vector<int> order = {}, KernelConfig config = {});
 
 double max_abs(const std::vector<double>& ref);
 // max |t - ref| over finite entries; an entry where exactly one side is -inf counts as infinite.

@@ -30,34 +30,29 @@ using test::Inputs;
 using test::Outputs;
 using test::run_fast;
 
-struct L1dOverride {
-  explicit L1dOverride(int64_t bytes) { kernel::set_kernel_l1d_for_test(bytes); }
-  ~L1dOverride() { kernel::set_kernel_l1d_for_test(0); }
-};
+// A kernel configuration that sizes its K panels for an L1 of `bytes`.
+KernelConfig with_l1d(int64_t bytes) {
+  KernelConfig c;
+  c.l1d_bytes = bytes;
+  return c;
+}
 
 bool same_bits(const Tensor& a, const Tensor& b) {
   return a.bytes() == b.bytes() && std::memcmp(a.data(), b.data(), a.bytes()) == 0;
 }
 
 TEST(Layout, PanelRowsFollowTheL1Size) {
-  {
-    L1dOverride l1(32768);  // Zen 3: a 128 x 64 K^T tile (32 KiB) in two 16 KiB panels
-    EXPECT_EQ(kernel::kernel_k_panel(64, 128), 64);
-    EXPECT_EQ(kernel::kernel_k_panel(64, 64), 0);  // 16 KiB fits half of 32 KiB: one pass
-    EXPECT_EQ(kernel::kernel_k_panel(64, 256), 64);
-  }
-  {
-    L1dOverride l1(49152);  // Sapphire Rapids: 24 KiB budget, still two even panels
-    EXPECT_EQ(kernel::kernel_k_panel(64, 128), 64);
-  }
-  {
-    L1dOverride l1(4096);  // the floor: 16 rows
-    EXPECT_EQ(kernel::kernel_k_panel(64, 128), 16);
-  }
-  {
-    L1dOverride l1(1 << 30);
-    EXPECT_EQ(kernel::kernel_k_panel(64, 256), 0);
-  }
+  // Zen 3: a 128 x 64 K^T tile (32 KiB) in two 16 KiB panels
+  EXPECT_EQ(kernel::kernel_k_panel(64, 128, 32768), 64);
+  EXPECT_EQ(kernel::kernel_k_panel(64, 64, 32768), 0);  // 16 KiB fits half of 32 KiB: one pass
+  EXPECT_EQ(kernel::kernel_k_panel(64, 256, 32768), 64);
+  // Sapphire Rapids: 24 KiB budget, still two even panels
+  EXPECT_EQ(kernel::kernel_k_panel(64, 128, 49152), 64);
+  EXPECT_EQ(kernel::kernel_k_panel(64, 128, 4096), 16);  // the floor: 16 rows
+  EXPECT_EQ(kernel::kernel_k_panel(64, 256, 1 << 30), 0);
+  // 0: this machine's L1
+  EXPECT_EQ(kernel::kernel_k_panel(64, 256, 0),
+            kernel::kernel_k_panel(64, 256, kernel::kernel_l1d_bytes()));
 }
 
 TEST(Layout, MalformedL1SizeIsRefusedByName) {
@@ -81,16 +76,11 @@ TEST(Layout, ResultsDoNotDependOnTheL1Size) {
       c.tq = 150, c.tk = 200, c.hq = 4, c.hkv = 2, c.d = d, c.dtype = dtype;
       c.mask = Mask::causal_mask(), c.q_offset = 50, c.seed = 7 + d;
       const Inputs in = make_inputs(c);
-      Outputs base;
-      {
-        L1dOverride l1(1 << 30);  // one pass, as before panels existed
-        base = run_fast(in, c.mask, 2);
-      }
+      const Outputs base = run_fast(in, c.mask, 2, true, 1, {}, with_l1d(1 << 30));  // one pass
       const std::string violations = rule_violations(base, references_of(in, c.mask, true), true);
       EXPECT_EQ(violations, "") << c.name();
       for (int64_t bytes : {4096, 32768, 49152}) {
-        L1dOverride l1(bytes);
-        const Outputs f = run_fast(in, c.mask, 2);
+        const Outputs f = run_fast(in, c.mask, 2, true, 1, {}, with_l1d(bytes));
         for (auto [x, y, what] : {std::tuple{&f.o, &base.o, "o"}, {&f.lse, &base.lse, "lse"},
                                   {&f.dq, &base.dq, "dq"}, {&f.dk, &base.dk, "dk"},
                                   {&f.dv, &base.dv, "dv"}})

@@ -17,8 +17,11 @@ bool same_bits(const TensorView& a, const Tensor& b) {
          std::memcmp(a.data(), b.data(), b.bytes()) == 0;
 }
 
+// `mine`: this rank's KernelConfig::bf16_products; `lowest`, where given: the level the ranks
+// must agree on. The P-thread run takes the level the MPI ranks agreed on.
 int check(Communicator& world, StrategyKind kind, LayoutKind lk, const char* mask, int64_t hq,
-          int64_t hkv, DType dtype) {
+          int64_t hkv, DType dtype, Bf16Products mine = Bf16Products::automatic,
+          Bf16Products lowest = Bf16Products::automatic) {
   const int p = world.size(), r = world.rank();
   Problem pr;
   pr.batch = 2;
@@ -45,14 +48,22 @@ int check(Communicator& world, StrategyKind kind, LayoutKind lk, const char* mas
   Tensor o(DType::f32, {pr.batch, tl, hq, pr.d}), lse(DType::f32, {pr.batch, hq, tl});
   Tensor dq(DType::f32, {pr.batch, tl, hq, pr.d}), dk(DType::f32, {pr.batch, tl, hkv, pr.d}),
       dv(DType::f32, {pr.batch, tl, hkv, pr.d});
+  opt.kernel.bf16_products = mine;
   auto strategy = Strategy::create(world, opt);
   Tokens tok{pos, docs};
   strategy->forward(q, k, v, tok, o, lse);
   strategy->backward(q, k, v, tok, o, lse, dout, dq, dk, dv);
 
   // The same on P threads in this process; compare this rank's shard.
+  const Bf16Products agreed = strategy->options().kernel.bf16_products;
+  opt.kernel.bf16_products = agreed;
   const RunResult t = run_sharded(pr, p, lk, opt);
-  const bool ok = same_bits(o, layout.shard(t.o, r)) && same_bits(lse, layout.shard(t.lse, r, 2)) &&
+  const bool lowest_agreed = lowest == Bf16Products::automatic || agreed == lowest;
+  if (!lowest_agreed)
+    std::fprintf(stderr, "rank %d: %s agreed on bf16 products %s, not the lowest (%s)\n", r,
+                 strategy_name(kind), bf16_products_name(agreed), bf16_products_name(lowest));
+  const bool ok = lowest_agreed && same_bits(o, layout.shard(t.o, r)) &&
+                  same_bits(lse, layout.shard(t.lse, r, 2)) &&
                   same_bits(dq, layout.shard(t.dq, r)) && same_bits(dk, layout.shard(t.dk, r)) &&
                   same_bits(dv, layout.shard(t.dv, r));
   if (!ok)
@@ -65,9 +76,10 @@ int check(Communicator& world, StrategyKind kind, LayoutKind lk, const char* mas
 }  // namespace
 
 // Every strategy x layout, once as this CPU chooses; then (where the CPU has bf16 products to
-// choose) again with the odd ranks wanting bf16 products and the even ones not -- what a timed
-// probe did on four ranks sharing two cores in CI -- which the ranks must agree away (Note [The
-// ranks agree on bf16 products], src/kernel/problem.h) for MPI to equal threads.
+// choose) again with the odd ranks asking for bf16 products and the even ones for the level
+// below -- what a timed probe did on four ranks sharing two cores in CI -- which the ranks must
+// agree away (Note [The ranks agree on bf16 products], src/kernel/problem.h) for MPI to equal
+// threads.
 int main() {
   int status = 0;
   run_mpi([&](Communicator& world) {
@@ -75,8 +87,9 @@ int main() {
     // The split: odd ranks at this CPU's top level (AMX where usable), even ones one below.
     const int top = kernel::bf16_top_level();
     const bool can_split = world.size() > 1 && kernel::bf16_products().error.empty() && top > 0;
+    const Bf16Products low = kernel::bf16_products_of_level(top - 1);
+    const Bf16Products mine = world.rank() % 2 ? kernel::bf16_products_of_level(top) : low;
     for (int split = 0; split <= (can_split ? 1 : 0); ++split) {
-      if (split) kernel::set_bf16_products_for_test(world.rank() % 2 ? top : top - 1);
       for (StrategyKind kind : {StrategyKind::ring, StrategyKind::allgather,
                                 StrategyKind::ulysses, StrategyKind::hybrid})
         for (LayoutKind lk : {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped}) {
@@ -84,14 +97,13 @@ int main() {
             failures += check(world, kind, lk, "causal", 8, 2, DType::f32);
             runs += 1;
           }
-          failures += check(world, kind, lk, "window:9,3+documents", 4, 4, DType::bf16);
+          failures += check(world, kind, lk, "window:9,3+documents", 4, 4, DType::bf16,
+                            split ? mine : Bf16Products::automatic,
+                            split ? low : Bf16Products::automatic);
           runs += 1;
         }
       if (split && world.rank() == 0)
-        std::printf("strategy mpi: bf16 runs with ranks that disagreed on bf16 products: %s\n",
-                    kernel::bf16_products_wanted() != top - 1 ? "not the lowest (wrong)"
-                                                              : "agreed on the lowest");
-      if (split) failures += kernel::bf16_products_wanted() != top - 1 ? 1 : 0;
+        std::printf("strategy mpi: bf16 runs with ranks that disagreed on bf16 products\n");
     }
     world.allreduce(&failures, 1);
     if (world.rank() == 0)

@@ -12,6 +12,7 @@
 #ifdef CTXPAR_HAVE_MPI
 #include "comm/mpi_env.h"
 #endif
+#include "core/kernel_environment.h"
 #include "options.h"
 
 namespace {
@@ -104,6 +105,7 @@ bool asks_for_help(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  ctxpar::set_kernel_environment(ctxpar::environment::kernel());  // CTXPAR_SIMD, ...
   if (argc >= 2 && !std::strcmp(argv[1], "--version")) return version();
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     usage(argc < 2 ? stderr : stdout);

@@ -1,0 +1,227 @@
+// The backward's products by path (simd_backward.cc): the score products of a side, S =
+// scale (Q K^T) or dP = dO V^T (exact bf16 pairs or fp32 FMAs), and the gradient products,
+// dV, dK and dQ (Fp32Gradients: fp32 FMAs, the fast tier rounding P and dS to bf16 first;
+// PairGradients: bf16 pair products through AMX tiles or vdpbf16ps, in the exact tier's 3 parts
+// or the fast tier's one). Compiled once per SIMD target, as simd_tile.h.
+// Per-target include guard (Highway's idiom): re-opened for each target of foreach_target.h.
+#if defined(CTXPAR_KERNEL_SIMD_BACKWARD_PRODUCTS_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef CTXPAR_KERNEL_SIMD_BACKWARD_PRODUCTS_H_
+#undef CTXPAR_KERNEL_SIMD_BACKWARD_PRODUCTS_H_
+#else
+#define CTXPAR_KERNEL_SIMD_BACKWARD_PRODUCTS_H_
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "kernel/problem.h"
+#include "kernel/simd_bf16.h"
+#include "kernel/simd_tile.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace ctxpar::kernel::HWY_NAMESPACE {
+
+// The sizes a call works with (Note [Backward tasks]): its tiles (ld the row stride of the
+// [rows][dp] tiles, Note [Padded rows]; S and dP stream K^T, V^T in L1 panels of k_panel rows)
+// and its tasks.
+struct BackwardShape : CallTiles {
+  int64_t heads = 0, chunks = 0, tasks = 0;
+  int64_t q_block = 0;  // one task's packed Q (or dO, or dQ)
+  // Exact bf16 score products (simd_bf16.h): pairs stored a row, words a packed row, one
+  // task's packed Q (or dO) rows.
+  int64_t np = 0, ldw = 0, w_block = 0;
+};
+
+// A key tile of the task's pass (Note [Two key tiles a pass]) and its dK / dV: dk / dv the
+// block partials (Note [Blocked dK / dV]); *_sum, *_comp the compensated sum of the blocks;
+// in_block the query tiles in the current block.
+struct KeyTile {
+  std::vector<float> dk, dv, dk_sum, dv_sum, dk_comp, dv_comp;
+  int64_t kt = 0, j0 = 0, cols = 0, in_block = 0;
+  bool packed = false;
+  explicit KeyTile(int64_t ld) {
+    for (std::vector<float>* x : {&dk, &dv, &dk_sum, &dv_sum, &dk_comp, &dv_comp})
+      x->resize(kTile * ld);
+  }
+  void start(int64_t tile, int64_t tk) {
+    kt = tile, j0 = kt * kTile, cols = std::min(tk, j0 + kTile) - j0;
+    packed = false, in_block = 0;
+    std::fill(dk_sum.begin(), dk_sum.end(), 0.0f);
+    std::fill(dv_sum.begin(), dv_sum.end(), 0.0f);
+    std::fill(dk_comp.begin(), dk_comp.end(), 0.0f);
+    std::fill(dv_comp.begin(), dv_comp.end(), 0.0f);
+  }
+  void flush() {  // the block partial into the compensated sum
+    if (in_block == 0) return;
+    add_compensated(static_cast<int64_t>(dk.size()), dk.data(), dk_sum.data(), dk_comp.data());
+    add_compensated(static_cast<int64_t>(dv.size()), dv.data(), dv_sum.data(), dv_comp.data());
+    in_block = 0;
+  }
+};
+
+// One side of the score products, S = scale (Q K^T) or dP = dO V^T: exact bf16 products
+// (vdpbf16ps or AMX tiles, simd_bf16.h) of the rows as bf16 pairs where both operands are
+// bf16, else fp32 FMAs of the gradient products' packed fp32 rows with K^T (V^T) packed here.
+class ScoreProducts {
+ public:
+  ScoreProducts(const Problem& p, const BackwardShape& sh, bool pairs, bf16::Buffer rows,
+                float scale)
+      : p_(p), sh_(sh), pairs_(pairs), scale_(scale),
+        rows_(pairs ? bf16::buffer(rows, sh.w_block) : nullptr) {
+    for (int u = 0; u < 2; ++u) {
+      key_pack_[u].resize(sh.d * kTile);
+      key_pairs_[u].resize(pairs ? sh.np * kTile : 0);
+    }
+  }
+  void pack_rows(const TensorView& x, int64_t b, int64_t h, int64_t i0, int64_t rows,
+                 int64_t off) {
+    if (pairs_) bf16::pack_rows(x, b, h, i0, rows, sh_.d, sh_.ldw, rows_ + off * sh_.ldw, kTile);
+  }
+  void pack_key(const TensorView& x, int64_t b, int64_t hk, const KeyTile& t, int u,
+                float* row) {
+    if (pairs_)
+      bf16::pack_tile(x, b, hk, t.j0, t.cols, sh_.d, key_pairs_[u].data(), p_.amx);
+    else
+      pack_transposed(x, b, hk, t.j0, t.cols, sh_.d, key_pack_[u].data(), row);
+  }
+  // The products of query rows [off, off + mrows) with key tile u into out [kTile][kTile];
+  // `fp32_rows`: the same rows packed in fp32, for the fp32 products.
+  void product(int u, int64_t mrows, int64_t off, const float* fp32_rows, float* out) const {
+    if (pairs_)
+      bf16::scores(mrows, sh_.np, rows_ + off * sh_.ldw, sh_.ldw, key_pairs_[u].data(), out,
+                   scale_, p_.amx);
+    else
+      gemm_rows(mrows, kTile, sh_.d, fp32_rows, sh_.ld, key_pack_[u].data(), kTile, out, kTile,
+                false, sh_.k_panel);
+  }
+
+ private:
+  const Problem& p_;
+  const BackwardShape& sh_;
+  bool pairs_;
+  float scale_;
+  uint32_t* rows_;
+  std::vector<float> key_pack_[2];
+  std::vector<uint32_t> key_pairs_[2];
+};
+
+// The gradient products in fp32 FMAs: dV += P^T dO, dK += (scale dS)^T Qs (times 1 / scale at
+// the end), dQ += scale dS K, over packed rows; the fast tier rounds P and scale dS to bf16
+// first. Its packed Qs and dO also serve the fp32 score products.
+class Fp32Gradients {
+ public:
+  Fp32Gradients(const Problem& p, const BackwardShape& sh)
+      : p_(p), sh_(sh), qpack_(scratch(Scratch::q_pack, sh.q_block)),
+        dopack_(scratch(Scratch::do_pack, sh.q_block)) {
+    for (std::vector<float>& r : k_rows_) r.resize(kTile * sh.ld);
+  }
+  float dk_mul() const { return 1.0f / p_.scale; }
+  const float* qs(int64_t off) const { return qpack_ + off * sh_.ld; }
+  const float* dot(int64_t off) const { return dopack_ + off * sh_.ld; }
+  void pack_rows(const TensorView& q, const TensorView& dout, int64_t b, int64_t h, int64_t i0,
+                 int64_t rows, int64_t off) {
+    kernel::HWY_NAMESPACE::pack_rows(q, b, h, i0, rows, sh_.d, sh_.ld, qpack_ + off * sh_.ld,
+                                     p_.scale);
+    kernel::HWY_NAMESPACE::pack_rows(dout, b, h, i0, rows, sh_.d, sh_.ld, dopack_ + off * sh_.ld);
+  }
+  void pack_key(const TensorView& k, int64_t b, int64_t hk, const KeyTile& t, int u) {
+    kernel::HWY_NAMESPACE::pack_rows(k, b, hk, t.j0, t.cols, sh_.d, sh_.ld, k_rows_[u].data());
+  }
+  // s holds P, dpm scale dS (kTile x kTile); pt, dst take their transposes.
+  void accumulate(KeyTile& t, int u, float* s, float* dpm, float* pt, float* dst, int64_t off,
+                  int64_t mrows, float* dq_acc) {
+    if (p_.round_p) {  // the fast bf16 tier: P for dV, scale dS for dQ and dK
+      round_bf16(s, kTile * kTile);
+      round_bf16(dpm, kTile * kTile);
+    }
+    transpose_tile(s, pt);
+    transpose_tile(dpm, dst);
+    const bool fresh = t.in_block == 0;  // a block's first tile overwrites its partials
+    const int64_t ld = sh_.ld, dp = sh_.dp;
+    gemm_rows(kTile, dp, mrows, pt, kTile, dot(off), ld, t.dv.data(), ld, !fresh);
+    gemm_rows(kTile, dp, mrows, dst, kTile, qs(off), ld, t.dk.data(), ld, !fresh);
+    if (++t.in_block == kDkvBlock) t.flush();
+    gemm_rows(mrows, dp, t.cols, dpm, kTile, k_rows_[u].data(), ld, dq_acc + off * ld, ld, true);
+  }
+
+ private:
+  const Problem& p_;
+  const BackwardShape& sh_;
+  float* qpack_;
+  float* dopack_;
+  std::vector<float> k_rows_[2];
+};
+
+// The gradient products as bf16 pair products (Note [P V, dV, dK, dQ through AMX] in
+// amx_bf16.cc; Note [The fast tier through vdpbf16ps] in simd_bf16.cc): P and dS split into 3
+// bf16 parts (the exact tier, AMX) or rounded to one (the fast tier, AMX or vdpbf16ps), Q, dO
+// and K as VNNI pair-rows (unscaled Q: dK needs no 1 / scale). They write columns up to d
+// rounded to 16, which the accumulators' rows hold.
+class PairGradients {
+ public:
+  PairGradients(const Problem& p, const BackwardShape& sh)
+      : p_(p), sh_(sh), n16_(round_up(sh.d, 16)), ldv_(bf16::vnni_words(sh.d)),
+        nsplit_(bf16::amx_parts(p.round_p)), split_words_(kTile * kHalf) {
+    const int64_t v_block = p.group * sh.nqt * kHalf * ldv_;  // one task's Q (or dO) pair-rows
+    qvnni_ = bf16::buffer(bf16::Buffer::q_vnni, v_block);
+    dovnni_ = bf16::buffer(bf16::Buffer::do_vnni, v_block);
+    for (std::vector<uint32_t>* x : {&ptp_, &dstp_, &dsp_}) x->resize(nsplit_ * split_words_);
+    for (std::vector<uint32_t>& r : k_vnni_) r.resize(kHalf * ldv_);
+  }
+  // Whether these products serve a call: both score sides bf16, a pair path for its
+  // products and tier, and the rows wide enough for their columns.
+  static bool serve(const Problem& p, const BackwardShape& sh) {
+    return bf16::pair_products(p.bf16_scores && p.bf16_dp, p.amx, p.round_p) &&
+           round_up(sh.d, 16) <= sh.ld;
+  }
+  float dk_mul() const { return 1.0f; }
+  const float* qs(int64_t) const { return nullptr; }  // the score products are pairs too
+  const float* dot(int64_t) const { return nullptr; }
+  void pack_rows(const TensorView& q, const TensorView& dout, int64_t b, int64_t h, int64_t i0,
+                 int64_t rows, int64_t off) {
+    bf16::pack_vnni(q, b, h, i0, rows, sh_.d, ldv_, qvnni_ + off / 2 * ldv_, kTile);
+    bf16::pack_vnni(dout, b, h, i0, rows, sh_.d, ldv_, dovnni_ + off / 2 * ldv_, kTile);
+  }
+  void pack_key(const TensorView& k, int64_t b, int64_t hk, const KeyTile& t, int u) {
+    bf16::pack_vnni(k, b, hk, t.j0, t.cols, sh_.d, ldv_, k_vnni_[u].data(), kTile);
+  }
+  // As Fp32Gradients::accumulate, over all 64 rows: those past the tile's are zero in P, dS.
+  void accumulate(KeyTile& t, int u, float* s, float* dpm, float* pt, float* dst, int64_t off,
+                  int64_t, float* dq_acc) {
+    transpose_tile(s, pt);
+    transpose_tile(dpm, dst);
+    const bool fresh = t.in_block == 0;
+    const int64_t ld = sh_.ld, voff = off / 2 * ldv_;
+    pairs(pt, ptp_);
+    pairs(dst, dstp_);
+    pairs(dpm, dsp_);
+    product(ptp_, dovnni_ + voff, t.dv.data(), !fresh);
+    product(dstp_, qvnni_ + voff, t.dk.data(), !fresh);
+    if (++t.in_block == kDkvBlock) t.flush();
+    product(dsp_, k_vnni_[u].data(), dq_acc + off * ld, true);
+  }
+
+ private:
+  static constexpr int64_t kHalf = kTile / 2;
+  void pairs(const float* from, std::vector<uint32_t>& to) const {
+    bf16::round_to_pairs(from, kTile, kTile, kHalf, to.data(), kHalf, nsplit_, split_words_);
+  }
+  void product(const std::vector<uint32_t>& a, const uint32_t* b, float* c, bool add) const {
+    bf16::gemm_pairs(kTile, n16_, kHalf, a.data(), kHalf, b, ldv_, c, sh_.ld, add, p_.amx,
+                     nsplit_, split_words_);
+  }
+  const Problem& p_;
+  const BackwardShape& sh_;
+  int64_t n16_, ldv_;
+  int nsplit_;
+  int64_t split_words_;  // one part of a 64 x 64 P or dS tile, as pairs
+  uint32_t* qvnni_;
+  uint32_t* dovnni_;
+  std::vector<uint32_t> ptp_, dstp_, dsp_, k_vnni_[2];
+};
+
+}  // namespace ctxpar::kernel::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // per-target include guard
