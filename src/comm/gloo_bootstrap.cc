@@ -34,15 +34,12 @@ uint32_t get_u32(const std::string& in, size_t at) {
   return v;
 }
 
-// Where to listen: an interface name, else a host name or address; "" picks
-// CTXPAR_GLOO_IFNAME, CTXPAR_GLOO_HOST, this host's name (if it resolves), else the loopback.
+// Where to listen: an interface name, else a host name or address; "" picks this host's name
+// (if it resolves), else the loopback. (CTXPAR_GLOO_IFNAME / _HOST reach `given` from the
+// command and the Python package: environment::gloo_interface.)
 gloo::transport::tcp::attr device_attr(const std::string& given) {
   gloo::transport::tcp::attr attr;
   std::string what = given;
-  if (what.empty()) {
-    if (const char* v = std::getenv("CTXPAR_GLOO_IFNAME"); v && *v) what = v;
-    else if (const char* h = std::getenv("CTXPAR_GLOO_HOST"); h && *h) what = h;
-  }
   if (!what.empty() && if_nametoindex(what.c_str()) != 0) {
     attr.iface = what;
     return attr;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ctxpar/agreement.h"
+#include "ctxpar/clock.h"
 #include "ctxpar/inference.h"
 #include "device/kernel_agreement.h"
 
@@ -104,11 +105,6 @@ class CallStats {
     stats_.attention_seconds = cache_.device().counters().busy_seconds - device_.busy_seconds;
     stats_.wall_seconds = seconds_since(t0_);
     stats_.cpu_seconds = thread_cpu_seconds() - cpu0_;
-  }
-  static double thread_cpu_seconds() {
-    timespec ts{};
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
   }
   static double seconds_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ctxpar/agreement.h"
+#include "ctxpar/clock.h"
 #include "ctxpar/comm.h"
 #include "ctxpar/device.h"
 #include "ctxpar/kernel.h"
@@ -56,11 +57,6 @@ BadOutput check_backward_outputs(const TensorView& dq, const TensorView& dk, con
 void agree_outputs(Communicator& comm, const std::string& what, const BadOutput& mine);
 
 // ---- per-call bookkeeping -----------------------------------------------------------------
-
-inline double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // What the cores need: the device they enqueue on, and how to call the kernel.
 struct Run {

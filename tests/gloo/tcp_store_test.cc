@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "comm/gloo_address.h"
@@ -306,6 +307,28 @@ TEST(GlooAddress, EachEntryIsCheckedOnItsOwn) {
   std::string family = a;
   std::memset(family.data() + 20 + entry, 0x7f, 2);  // the second entry's address family
   refused(family, "its entry for rank 1 is not an IPv4 or IPv6 socket address");
+}
+
+// The library reads no environment: CTXPAR_GLOO_IFNAME / CTXPAR_GLOO_HOST are read by the
+// command and the Python package and passed in as GlooOptions::hostname_or_interface. A
+// bootstrap given "" picks this host's address, whatever the variables say.
+TEST(GlooBootstrap, AnEmptyAddressIgnoresTheEnvironment) {
+  const char* const names[] = {"CTXPAR_GLOO_IFNAME", "CTXPAR_GLOO_HOST"};
+  std::vector<std::optional<std::string>> saved;
+  for (const char* name : names) {
+    const char* v = std::getenv(name);
+    saved.push_back(v ? std::optional<std::string>(v) : std::nullopt);
+  }
+  setenv("CTXPAR_GLOO_IFNAME", "", 1);
+  setenv("CTXPAR_GLOO_HOST", "no-such-host.invalid", 1);
+  GlooOptions o;
+  o.timeout = seconds(2);
+  const std::string e = ctxpar::test::error_text([&] { GlooBootstrap(0, 2, o).address(); });
+  for (size_t i = 0; i < saved.size(); ++i) {
+    if (saved[i]) setenv(names[i], saved[i]->c_str(), 1);
+    else unsetenv(names[i]);
+  }
+  EXPECT_EQ(e, "no error");
 }
 
 // Item 9: WORLD_SIZE=50000 built a pair per rank, ten a second, ignoring the timeout.

@@ -355,9 +355,7 @@ void check_decode_memory(const DecodeConfig& c, int ranks, int ranks_here) {
                    bytes_text(m.decode) + "); " + fix);
 }
 
-}  // namespace
-
-int cmd_decode(int argc, char** argv) {
+Options decode_options() {
   Options o("decode",
             "Long-context inference with the KV cache spread over the ranks (block round-robin):\n"
             "fill each sequence's cache with a context, by prefill attention (pass-KV or pass-Q)\n"
@@ -397,45 +395,61 @@ int cmd_decode(int argc, char** argv) {
       .example("mpirun -n 4 ctxpar decode --context 256K --tokens 32 --prefill fill")
       .example("torchrun --no-python --nproc-per-node 2 ctxpar decode --context 64K --tokens 8")
       .example("ctxpar decode --plan --context 131072 --chunk 4096 --ranks 2");
-  if (!o.parse(argc, argv)) return 0;
-  // torchrun: one rank per process over gloo (an incomplete environment is refused by
-  // gloo_from_torchrun_env, naming the variable); other launchers without MPI are refused
-  // (each copy would run the whole job alone), as `attention` and `train` do.
-  if (!torchrun_job()) refuse_foreign_launcher("decode");
-  const std::string transport = o.str("transport");
-  if (transport != "auto" && transport != "threads" && transport != "mpi" && transport != "gloo")
-    throw UsageError("--transport must be auto, threads, mpi or gloo, got '" + transport + "'");
-  const bool use_mpi = transport == "mpi" || (transport == "auto" && launched_by_mpi());
-  const bool use_gloo =
-      transport == "gloo" || (transport == "auto" && !launched_by_mpi() && torchrun_job());
-  if (use_gloo && !torchrun_job())
-    throw UsageError("--transport gloo needs the job started by torchrun, e.g. torchrun "
-                     "--nproc-per-node 2 --no-python ctxpar decode ...; or use --transport "
-                     "threads");
-  const bool one_per_process = use_mpi || use_gloo;
-  auto world = [&]() -> Communicator& { return use_mpi ? mpi_world() : gloo_world(120); };
-  // Joined first: from here on a rank's error ends every rank at once (mpirun), or within
-  // seconds naming it (gloo), instead of leaving the others waiting to be joined.
-  if (one_per_process) world();
+  return o;
+}
 
-  DecodeConfig c;
-  KvCacheOptions& k = c.cache;
+// --lengths, else --batch sequences of --context tokens.
+std::vector<int64_t> context_lengths(const Options& o) {
+  std::vector<int64_t> context;
   const int64_t batch = o.i64("batch", 1, kMaxBatch);
   if (o.given("lengths")) {
-    c.context = o.list_i64("lengths");
-    if (int64_t(c.context.size()) > kMaxBatch)
-      throw UsageError("--lengths gives " + std::to_string(c.context.size()) + " sequences, " +
+    context = o.list_i64("lengths");
+    if (int64_t(context.size()) > kMaxBatch)
+      throw UsageError("--lengths gives " + std::to_string(context.size()) + " sequences, " +
                        "over the " + std::to_string(kMaxBatch) + " --batch takes");
-    for (int64_t n : c.context)
+    for (int64_t n : context)
       if (n < 1 || n > kMaxTokens)
         throw UsageError("--lengths: each length must be in [1, " + std::to_string(kMaxTokens) +
                          "], got " + std::to_string(n));
-    if (o.given("batch") && int64_t(c.context.size()) != batch)
-      throw UsageError("--lengths gives " + std::to_string(c.context.size()) +
+    if (o.given("batch") && int64_t(context.size()) != batch)
+      throw UsageError("--lengths gives " + std::to_string(context.size()) +
                        " sequences but --batch is " + std::to_string(batch) + "; give one");
   } else {
-    c.context.assign(size_t(batch), o.i64("context", 1, kMaxTokens));
+    context.assign(size_t(batch), o.i64("context", 1, kMaxTokens));
   }
+  return context;
+}
+
+// --k-npy / --v-npy: headers of the shape [C, Hkv, D] (or [1, C, Hkv, D]) with C >= `longest`.
+void check_context_files(const DecodeConfig& c, int64_t longest) {
+  const KvCacheOptions& k = c.cache;
+  if (c.k_npy.empty() != c.v_npy.empty())
+    throw UsageError("--k-npy and --v-npy go together: give both or neither");
+  for (const auto& [option, path] : {std::pair{"k-npy", c.k_npy}, std::pair{"v-npy", c.v_npy}}) {
+    if (path.empty()) continue;
+    NpyHeader h;
+    try {
+      h = read_npy_header(path);
+    } catch (const Error& e) {
+      throw UsageError(std::string("--") + option + ": " + e.what());
+    }
+    const bool rank3 = h.shape.size() == 3, rank4 = h.shape.size() == 4 && h.shape[0] == 1;
+    const int64_t tokens = rank3 ? h.shape[0] : rank4 ? h.shape[1] : 0;
+    const Shape tail = rank3 ? Shape{h.shape[1], h.shape[2]}
+                             : rank4 ? Shape{h.shape[2], h.shape[3]} : Shape{};
+    if (!(rank3 || rank4) || tail != Shape({k.kv_heads, k.head_dim}) || tokens < longest)
+      throw UsageError(std::string("--") + option + " " + path + ": expected shape [C, " +
+                       std::to_string(k.kv_heads) + ", " + std::to_string(k.head_dim) +
+                       "] (or [1, C, ...]) with C >= " + std::to_string(longest) +
+                       " (--kv-heads, --head-dim, --context), got " + shape_str(h.shape));
+  }
+}
+
+// The run a parsed command line asks for, checked (a UsageError naming the option).
+DecodeConfig decode_from_options(const Options& o) {
+  DecodeConfig c;
+  KvCacheOptions& k = c.cache;
+  c.context = context_lengths(o);
   k.sequences = int64_t(c.context.size());
   c.tokens = o.i64("tokens", 0, kMaxTokens);
   c.hq = o.i64("heads", 1, kMaxHeads);
@@ -472,26 +486,16 @@ int cmd_decode(int argc, char** argv) {
   for (int64_t n : c.context) longest = std::max(longest, n);
   c.attend = how == "attend" || (how == "auto" && longest <= 32768);
   c.k_npy = o.str("k-npy"), c.v_npy = o.str("v-npy");
-  if (c.k_npy.empty() != c.v_npy.empty())
-    throw UsageError("--k-npy and --v-npy go together: give both or neither");
-  for (const auto& [option, path] : {std::pair{"k-npy", c.k_npy}, std::pair{"v-npy", c.v_npy}}) {
-    if (path.empty()) continue;
-    NpyHeader h;
-    try {
-      h = read_npy_header(path);
-    } catch (const Error& e) {
-      throw UsageError(std::string("--") + option + ": " + e.what());
-    }
-    const bool rank3 = h.shape.size() == 3, rank4 = h.shape.size() == 4 && h.shape[0] == 1;
-    const int64_t tokens = rank3 ? h.shape[0] : rank4 ? h.shape[1] : 0;
-    const Shape tail = rank3 ? Shape{h.shape[1], h.shape[2]}
-                             : rank4 ? Shape{h.shape[2], h.shape[3]} : Shape{};
-    if (!(rank3 || rank4) || tail != Shape({k.kv_heads, k.head_dim}) || tokens < longest)
-      throw UsageError(std::string("--") + option + " " + path + ": expected shape [C, " +
-                       std::to_string(k.kv_heads) + ", " + std::to_string(k.head_dim) +
-                       "] (or [1, C, ...]) with C >= " + std::to_string(longest) +
-                       " (--kv-heads, --head-dim, --context), got " + shape_str(h.shape));
-  }
+  check_context_files(c, longest);
+  return c;
+}
+
+// Runs `c` on the ranks of `transport` (the world of a launcher's job, already joined, or
+// --ranks threads): agrees the options across processes, then plans (--plan) or runs.
+int run_decode(const Options& o, const DecodeConfig& c, TransportKind transport) {
+  const bool one_per_process = transport_traits(transport).one_rank_per_process;
+  auto world = [&]() -> Communicator& { return process_world(transport, 120); };
+  const KvCacheOptions& k = c.cache;
   const int ranks = one_per_process ? world().size()
                                     : o.i32("ranks", 1, kMaxThreadsRanks, kThreadsRanksNote);
   if (one_per_process && k.device.kind != DeviceKind::cpu)
@@ -523,11 +527,32 @@ int cmd_decode(int argc, char** argv) {
 
   Report report;
   auto body = [&](Communicator& comm) { run_rank(comm, c, report); };
-  if (use_mpi) run_mpi(body);
-  else if (use_gloo) run_gloo(world(), body);
-  else run_rank_threads(ranks, body);  // a rank's failure: exit 1
-  if (leader) print(c, ranks, use_mpi ? "mpi" : use_gloo ? "gloo" : "threads", report);
+  LaunchOptions launch_options;
+  launch_options.gloo = gloo_options(120);
+  launch_ranks(transport, ranks, body, launch_options);  // a threads rank's failure: exit 1
+  if (leader) print(c, ranks, transport_name(transport), report);
   return 0;
+}
+
+}  // namespace
+
+int cmd_decode(int argc, char** argv) {
+  Options o = decode_options();
+  if (!o.parse(argc, argv)) return 0;
+  // torchrun: one rank per process over gloo (an incomplete environment is refused by
+  // gloo_from_torchrun_env, naming the variable); other launchers without MPI are refused
+  // (each copy would run the whole job alone), as `attention` and `train` do.
+  if (!torchrun_job()) refuse_foreign_launcher("decode");
+  using enum TransportKind;
+  const TransportKind transport = transport_option(o.str("transport"), {threads, mpi, gloo});
+  if (transport == gloo && !torchrun_job())
+    throw UsageError("--transport gloo needs the job started by torchrun, e.g. torchrun "
+                     "--nproc-per-node 2 --no-python ctxpar decode ...; or use --transport "
+                     "threads");
+  // Joined first: from here on a rank's error ends every rank at once (mpirun), or within
+  // seconds naming it (gloo), instead of leaving the others waiting to be joined.
+  if (transport_traits(transport).one_rank_per_process) process_world(transport, 120);
+  return run_decode(o, decode_from_options(o), transport);
 }
 
 }  // namespace ctxpar::cli

@@ -6,6 +6,7 @@
 #include <ctime>
 #include <numeric>
 
+#include "ctxpar/clock.h"
 #include "ctxpar/npy.h"
 #include "cuda/external.h"
 #include "job_internal.h"
@@ -22,12 +23,6 @@ uint64_t token_seed(uint64_t seed, int which, int64_t b, int64_t t) {
 
 namespace job {
 namespace {
-
-double thread_cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
 
 // shard [B, Tl, H, D]: row i is global token index[i], drawn from its own seed; padding rows
 // (index >= the layout's T) stay zero.

@@ -22,7 +22,7 @@ nlohmann::json to_json(const AttentionJob& job, const AttentionResult& result) {
                             ? (job.ulysses_degree ? job.ulysses_degree : job.ranks)
                             : (job.strategy == StrategyKind::ulysses ? job.ranks : 1);
   j["layout"] = layout_name(job.layout);
-  j["transport"] = job.transport;
+  j["transport"] = transport_name(job.transport);
   j["device"] = device_name(job.device.kind);
   j["threads"] = job.threads;
   j["backward"] = job.backward;

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "attention_check.h"
+#include "core/environment.h"
 #include "ctxpar/gloo.h"
 #include "cuda/api.h"
 #include "cuda/cudnn_use.h"
@@ -38,27 +39,43 @@ void refuse_foreign_launcher(const char* command) {
                                          "torchrun, on the gloo transport)" : ""));
 }
 
-bool torchrun_job() {
-  return launched_by_torchrun() || foreign_launcher().name.rfind("torchrun", 0) == 0;
+TransportKind transport_option(const std::string& given,
+                               std::initializer_list<TransportKind> allowed) {
+  if (given == "auto") return launcher_transport();
+  std::string names = "auto";
+  for (TransportKind k : allowed) {
+    if (given == transport_name(k)) return k;
+    names += std::string(k == *(allowed.end() - 1) ? " or " : ", ") + transport_name(k);
+  }
+  throw UsageError("--transport must be " + names + ", got '" + given + "'");
+}
+
+void join_mpi_first(const std::string& transport_option) {
+  if (launched_by_mpi() && transport_option != transport_name(TransportKind::threads))
+    mpi_world();
+}
+
+GlooOptions gloo_options(double timeout_seconds) {
+  GlooOptions options;
+  options.timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(std::max(1.0, timeout_seconds) * 1000));
+  options.hostname_or_interface = environment::gloo_interface();
+  return options;
 }
 
 Communicator& gloo_world(double timeout_seconds) {
-  // Never destroyed: the sockets close when the process exits.
-  static Communicator* world = nullptr;
-  if (!world) {
-    GlooOptions options;
-    options.timeout =
-        std::chrono::milliseconds(static_cast<int64_t>(std::max(1.0, timeout_seconds) * 1000));
-    world = gloo_from_torchrun_env(options).release();
-  }
-  return *world;
+  return ctxpar::gloo_world(gloo_options(timeout_seconds));
 }
 
-void run_rank_threads(int ranks, const std::function<void(Communicator&)>& fn,
-                      const ThreadsOptions& options) {
+Communicator& process_world(TransportKind kind, double timeout_seconds) {
+  return host_transport(kind) == TransportKind::mpi ? mpi_world() : gloo_world(timeout_seconds);
+}
+
+void launch_ranks(TransportKind kind, int ranks, const std::function<void(Communicator&)>& fn,
+                  const LaunchOptions& options) {
   std::atomic<bool> started{false};
   try {
-    run_threads(ranks, [&](Communicator& comm) {
+    launch(kind, ranks, [&](Communicator& comm) {
       started = true;
       fn(comm);
     }, options);
@@ -66,6 +83,13 @@ void run_rank_threads(int ranks, const std::function<void(Communicator&)>& fn,
     if (started) throw RankFailure(e.what());
     throw;
   }
+}
+
+void run_rank_threads(int ranks, const std::function<void(Communicator&)>& fn,
+                      const ThreadsOptions& options) {
+  LaunchOptions launch;
+  launch.threads = options;
+  launch_ranks(TransportKind::threads, ranks, fn, launch);
 }
 
 namespace {
@@ -76,30 +100,25 @@ void run_over_nccl(Communicator& host, const AttentionJob& job,
                    const std::function<void(Communicator&)>& body) {
 #ifdef CTXPAR_HAVE_NCCL
   cuda::NcclOptions options;
-  options.cuda_device = 0;
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "LOCAL_RANK"})
-    if (const char* v = std::getenv(var)) {
-      options.cuda_device = std::max(0, std::atoi(v));
-      break;
-    }
+  options.cuda_device = std::max(0, environment::launcher().local_rank);
   options.timeout =
       std::chrono::milliseconds(static_cast<int64_t>(std::max(1.0, job.timeout_seconds) * 1000));
   std::unique_ptr<cuda::NcclCommunicator> comm = cuda::nccl_over(host, options);
   body(*comm);
 #else
   (void)host, (void)body;
-  throw Error(detail::concat("--transport ", job.transport, ": this ctxpar was built without "
-                             "NCCL (docs/cuda.md)"));
+  throw Error(detail::concat("--transport ", transport_name(job.transport), ": this ctxpar was "
+                             "built without NCCL (docs/cuda.md)"));
 #endif
 }
 
-// --transport loopback: P ranks as threads of this process on one GPU (LOCAL_RANK's, else the
-// first), their device memory exchanged by device-to-device copies (src/cuda/loopback.h); the
-// ranks' cuda devices share that GPU's CudaApi with the loopback world.
+// --transport loopback: P ranks as threads of this process on one GPU (the launcher's local
+// rank's, else the first), their device memory exchanged by device-to-device copies
+// (src/cuda/loopback.h); the ranks' cuda devices share that GPU's CudaApi with the loopback
+// world.
 void run_loopback(int P, const AttentionJob& job, const SequenceTokens& seq,
                   std::vector<RankData>& all, const ThreadsOptions& options) {
-  int index = 0;
-  if (const char* local = std::getenv("LOCAL_RANK")) index = std::max(0, std::atoi(local));
+  const int index = std::max(0, environment::launcher().local_rank);
   std::string why;
   std::shared_ptr<cuda::CudaApi> api;
 #ifdef CTXPAR_FAULT_HOOKS
@@ -142,10 +161,10 @@ AttentionResult run_attention_job(const AttentionJob& job) {
   std::vector<RankData> all;
   AttentionResult result;
 
-  if (job.transport == "mpi" || job.transport == "gloo" || job.transport == "nccl") {
+  if (transport_traits(job.transport).one_rank_per_process) {
     // One rank per process: mpirun's, or torchrun's over gloo (nccl: bootstrapped over either).
-    const bool mpi = job.transport == "mpi" || (job.transport == "nccl" && launched_by_mpi());
-    Communicator& world = mpi ? mpi_world() : gloo_world(job.timeout_seconds);
+    const bool mpi = host_transport(job.transport) == TransportKind::mpi;
+    Communicator& world = process_world(job.transport, job.timeout_seconds);
     const char* launcher = mpi ? "mpirun -n " : "torchrun --nproc-per-node ";
     CTXPAR_CHECK(world.size() == P, mpi ? "mpirun" : "torchrun", " started ", world.size(),
                  " processes but --ranks is ", P, "; drop --ranks or use ", launcher, P);
@@ -154,10 +173,11 @@ AttentionResult run_attention_job(const AttentionJob& job) {
       run_rank(comm, job, seq, mine);
       gather_to_root(comm, job, mine, all, need_tensors);
     };
-    if (job.transport == "nccl")
+    if (job.transport == TransportKind::nccl)
       body = [&job, rank_body = body](Communicator& host) { run_over_nccl(host, job, rank_body); };
-    if (mpi) run_mpi(body);
-    else run_gloo(world, body);
+    LaunchOptions options;
+    options.gloo = gloo_options(job.timeout_seconds);
+    launch(job.transport, P, body, options);
     result.is_root = world.rank() == 0;
     if (!result.is_root) return result;
   } else {
@@ -165,7 +185,7 @@ AttentionResult run_attention_job(const AttentionJob& job) {
     ThreadsOptions options;
     options.link = job.link;
     options.timeout = std::chrono::milliseconds(static_cast<int64_t>(job.timeout_seconds * 1000));
-    if (job.transport == "loopback") {
+    if (job.transport == TransportKind::loopback) {
       run_loopback(P, job, seq, all, options);
     } else {
       run_rank_threads(P, [&](Communicator& comm) { run_rank(comm, job, seq, all[comm.rank()]); },

@@ -69,17 +69,14 @@ void validate(const AttentionJob& job) {
     }
   }
 
-  const bool gpu_transport = job.transport == "nccl" || job.transport == "loopback";
-  CTXPAR_CHECK(job.transport == "threads" || job.transport == "mpi" || job.transport == "gloo" ||
-                   gpu_transport,
-               "--transport must be threads, mpi, gloo, nccl or loopback, got '", job.transport,
-               "'");
   // (nccl and loopback need --device cuda and a GPU: check_gpu_transport, cuda_device.cc.)
-  CTXPAR_CHECK(gpu_transport || job.device.kind == DeviceKind::cpu || job.transport == "threads",
+  const bool gpu_transport = transport_traits(job.transport).needs_gpu;
+  CTXPAR_CHECK(gpu_transport || job.device.kind == DeviceKind::cpu ||
+                   job.transport == TransportKind::threads,
                "--device ", device_name(job.device.kind), " runs on the threads transport only "
                "(its streams' worker threads use the communicator); use --device cpu under mpirun "
                "or torchrun");
-  if (job.transport == "gloo") {
+  if (job.transport == TransportKind::gloo) {
     CTXPAR_CHECK(gloo_available(), "--transport gloo: this ctxpar was built without the gloo "
                  "transport (reconfigure with -DCTXPAR_GLOO=ON; needs libgloo-dev)");
     CTXPAR_CHECK(launched_by_torchrun(), "--transport gloo needs the job started by torchrun "
@@ -88,7 +85,7 @@ void validate(const AttentionJob& job) {
     CTXPAR_CHECK(job.link.gbytes_per_second == 0 && job.link.latency_us == 0,
                  "--link-gbps / --link-latency-us simulate a link on the threads transport only");
   }
-  if (job.transport == "mpi") {
+  if (job.transport == TransportKind::mpi) {
     CTXPAR_CHECK(launched_by_mpi(), "--transport mpi needs the job started by mpirun, e.g. "
                  "mpirun -n ", P, " ctxpar attention ...; or use --transport threads");
     CTXPAR_CHECK(job.link.gbytes_per_second == 0 && job.link.latency_us == 0,
