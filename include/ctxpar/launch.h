@@ -1,7 +1,8 @@
 // Starting a job's ranks, on any transport: launch(kind, ranks, fn) runs fn on each rank this
 // process holds -- P threads (threads), or this process's rank of the mpirun job (mpi) or of
 // the torchrun job over gloo (gloo). The commands' attention, train and decode, and the Python
-// package's run_threads, start their ranks through it. See docs/comm.md ("Launching").
+// package's run_threads, start their ranks through it. See docs/comm.md ("Transports as a
+// type, and launching a job").
 #pragma once
 #include <functional>
 
