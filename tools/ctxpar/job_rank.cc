@@ -35,46 +35,13 @@ void fill_shard(const TensorView& shard, const Layout& layout, const std::vector
                     token_seed(seed, which, b, index[i]));
 }
 
-}  // namespace
-
-SequenceTokens sequence_tokens(const AttentionJob& job) {
-  SequenceTokens s;
-  s.positions = job.positions;
-  if (s.positions.empty()) {
-    s.positions.resize(job.seq);
-    std::iota(s.positions.begin(), s.positions.end(), int64_t{0});
-  }
-  if (!job.documents.empty()) {
-    s.documents = job.documents;
-  } else if (!job.document_lengths.empty()) {
-    for (size_t d = 0; d < job.document_lengths.size(); ++d)
-      s.documents.insert(s.documents.end(), job.document_lengths[d], static_cast<int32_t>(d));
-  }
-  if (!job.mask.documents) s.documents.clear();
-  return s;
-}
-
-void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens& seq,
-              RankData& rd) {
-  const int r = comm.rank();
-  auto step = [&](const std::string& name) {
-    if (r == 0 && job.on_step) job.on_step(name);
-  };
-  step("inputs");
-#ifdef CTXPAR_FAULT_HOOKS
-  // Test hook (the test build ctxpar-faults only): CTXPAR_FAULT_RANK=r makes rank r fail here,
-  // as a rank failing at run time would.
-  if (const char* fault = std::getenv("CTXPAR_FAULT_RANK"); fault && std::atoi(fault) == r)
-    throw Error(detail::concat("injected fault (CTXPAR_FAULT_RANK=", fault, ")"));
-#endif
-  const Layout layout(job.layout, job.seq, job.ranks);
-  const std::vector<int64_t> index = layout.positions(r);
+// Rank r's shards of q, k, v (and dO): a library caller's tensors, the rows of the input
+// files, or drawn from the seed; and the outputs it writes. `index`: the rank's global token
+// index per row (layout.positions(r)).
+void make_shards(const AttentionJob& job, const Layout& layout, int r,
+                 const std::vector<int64_t>& index, RankData& rd) {
   const int64_t B = job.batch, Tl = layout.local_tokens(), Hq = job.heads;
   const int64_t Hkv = kv_heads_of(job), D = job.head_dim;
-  rd.tokens = std::count_if(index.begin(), index.end(),
-                            [&](int64_t t) { return !layout.is_padding(t); });
-  rd.positions = layout.token_positions(r, seq.positions);
-  if (!seq.documents.empty()) rd.documents = layout.shard(seq.documents, r);
   auto input = [&](const Tensor& given, const InputFile& file, int64_t heads, int which) {
     if (!given.empty()) return Tensor::copy_of(layout.shard(given, r), job.dtype);
     if (file.given()) {
@@ -110,6 +77,55 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
   }
   for (const Tensor* t : {&rd.q, &rd.k, &rd.v, &rd.out, &rd.lse, &rd.dout, &rd.dq, &rd.dk, &rd.dv})
     rd.shard_bytes += t->empty() ? 0 : t->bytes();
+}
+
+// Where the cuda device's blocks went (totals over the calls so far).
+void note_cudnn(Strategy& strategy, RankData& rd) {
+  cuda::CudnnReport c;
+  if (!cuda::cudnn_report(strategy.device(), &c)) return;
+  rd.cudnn_blocks = c.cudnn_blocks, rd.cudnn_calls = c.cudnn_calls;
+  rd.fallback_blocks = c.fallback_blocks, rd.cudnn_refused_blocks = c.refused_blocks;
+}
+
+}  // namespace
+
+SequenceTokens sequence_tokens(const AttentionJob& job) {
+  SequenceTokens s;
+  s.positions = job.positions;
+  if (s.positions.empty()) {
+    s.positions.resize(job.seq);
+    std::iota(s.positions.begin(), s.positions.end(), int64_t{0});
+  }
+  if (!job.documents.empty()) {
+    s.documents = job.documents;
+  } else if (!job.document_lengths.empty()) {
+    for (size_t d = 0; d < job.document_lengths.size(); ++d)
+      s.documents.insert(s.documents.end(), job.document_lengths[d], static_cast<int32_t>(d));
+  }
+  if (!job.mask.documents) s.documents.clear();
+  return s;
+}
+
+void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens& seq,
+              RankData& rd) {
+  const int r = comm.rank();
+  auto step = [&](const std::string& name) {
+    if (r == 0 && job.on_step) job.on_step(name);
+  };
+  step("inputs");
+#ifdef CTXPAR_FAULT_HOOKS
+  // Test hook (the test build ctxpar-faults only): CTXPAR_FAULT_RANK=r makes rank r fail here,
+  // as a rank failing at run time would.
+  if (const char* fault = std::getenv("CTXPAR_FAULT_RANK"); fault && std::atoi(fault) == r)
+    throw Error(detail::concat("injected fault (CTXPAR_FAULT_RANK=", fault, ")"));
+#endif
+  const Layout layout(job.layout, job.seq, job.ranks);
+  const std::vector<int64_t> index = layout.positions(r);
+  rd.tokens = std::count_if(index.begin(), index.end(),
+                            [&](int64_t t) { return !layout.is_padding(t); });
+  rd.positions = layout.token_positions(r, seq.positions);
+  if (!seq.documents.empty()) rd.documents = layout.shard(seq.documents, r);
+  make_shards(job, layout, r, index, rd);
 
   comm.set_timeout(std::chrono::milliseconds(static_cast<int64_t>(job.timeout_seconds * 1000)));
   std::unique_ptr<Strategy> strategy = Strategy::create(comm, strategy_options(job));
@@ -129,14 +145,7 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
     rd.fwd_cpu.push_back(thread_cpu_seconds() - c0);
     rd.fwd_stats.push_back(strategy->last_stats());
   }
-  // Where the cuda device's blocks went (totals over the calls so far).
-  auto note_cudnn = [&] {
-    cuda::CudnnReport c;
-    if (!cuda::cudnn_report(strategy->device(), &c)) return;
-    rd.cudnn_blocks = c.cudnn_blocks, rd.cudnn_calls = c.cudnn_calls;
-    rd.fallback_blocks = c.fallback_blocks, rd.cudnn_refused_blocks = c.refused_blocks;
-  };
-  note_cudnn();
+  note_cudnn(*strategy, rd);
   if (!job.backward) return;
   for (int rep = 0; rep < job.repeats; ++rep) {
     step(nth("backward", rep));
@@ -148,7 +157,7 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
     rd.bwd_cpu.push_back(thread_cpu_seconds() - c0);
     rd.bwd_stats.push_back(strategy->last_stats());
   }
-  note_cudnn();
+  note_cudnn(*strategy, rd);
 }
 
 }  // namespace job
