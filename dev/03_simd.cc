@@ -3,7 +3,7 @@
 // AVX2) for S = Q K^T and O += P V, exp2 as a vector polynomial fused with the row sum, Q
 // pre-scaled by scale * log2(e), lazy rescaling. Run through the public API, one thread.
 //   ./build/dev/lab_03_simd [T] [H] [D]
-#include "core/kernel_environment.h"
+#include "core/environment.h"
 #include "ctxpar/kernel.h"
 #include "lab_common.h"
 

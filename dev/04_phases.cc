@@ -23,7 +23,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "core/kernel_environment.h"
+#include "core/environment.h"
 #include "kernel/problem.h"
 #include "kernel/simd_tile.h"
 

@@ -13,7 +13,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "core/kernel_environment.h"
+#include "core/environment.h"
 #include "kernel/problem.h"
 #include "kernel/simd_bf16.h"
 #include "lab_common.h"

@@ -2,7 +2,7 @@
 // so the kernel can be measured while higher layers are half-built.
 #include <cstdio>
 
-#include "core/kernel_environment.h"
+#include "core/environment.h"
 #include "options.h"
 
 namespace ctxpar::cli {

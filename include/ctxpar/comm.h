@@ -1,5 +1,6 @@
 // Communicators: P ranks that exchange messages. One interface, one file per transport
-// (src/comm/threads.cc, src/comm/mpi.cc). See docs/comm.md.
+// (src/comm/threads.cc, mpi.cc, gloo.cc; the cuda device's nccl and loopback in src/cuda), and
+// one way to start a job's ranks on any of them (launch, ctxpar/launch.h). See docs/comm.md.
 //
 // Point-to-point messages are owned byte buffers that move: on the threads transport a send
 // hands the buffer itself to the receiver (no copy); on MPI it is the send buffer. Collectives
@@ -73,6 +74,23 @@ struct CommCounters {
 
 class Communicator;
 
+// The transports (--transport, Communicator::transport()). threads, mpi and gloo carry a whole
+// job (launch); nccl and loopback move the cuda device's memory, over one of those for the
+// rest (src/cuda/nccl_comm.h: the launcher's mpi or gloo; src/cuda/loopback.h: threads).
+enum class TransportKind { threads, mpi, gloo, nccl, loopback };
+
+// What a transport is and needs: one row per transport (transport_traits), the one place a
+// command or the Python package asks it, instead of comparing names.
+struct TransportTraits {
+  const char* name;           // "threads", "mpi", ...: --transport's word for it
+  bool one_rank_per_process;  // each process is one rank (else P ranks are threads of one)
+  bool needs_launcher;        // its processes are started by mpirun or torchrun
+  bool needs_gpu;             // it moves device memory: --device cuda, on a GPU
+};
+const TransportTraits& transport_traits(TransportKind kind);
+inline const char* transport_name(TransportKind kind) { return transport_traits(kind).name; }
+TransportKind parse_transport(const std::string& name);  // throws listing the valid names
+
 // A pending send or receive. wait() blocks until done (or the communicator's timeout passes:
 // then it throws ctxpar::Error naming rank, peer and tag). A receive's buffer is taken with
 // take() after wait().
@@ -130,7 +148,7 @@ class Communicator {
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  virtual std::string transport() const = 0;  // "threads" | "mpi"
+  virtual TransportKind transport() const = 0;
   // True when isend hands the Buffer's memory itself to the receiver (threads transport): a
   // sender that goes on reading it must keep a handle of its own (Buffer::share()).
   virtual bool shares_send_buffers() const { return false; }

@@ -36,8 +36,9 @@ constexpr int kMaxGlooRanks = 1024;
 
 struct GlooOptions {
   // The address to listen on and to publish: a host name, an IP address, or a network
-  // interface ("eth0"). "" = auto: CTXPAR_GLOO_IFNAME if set, else the address this host's
-  // name resolves to, else the loopback.
+  // interface ("eth0"). "" = auto: under gloo_from_torchrun_env the address from which
+  // MASTER_ADDR is reached, else the address this host's name resolves to, else the loopback.
+  // (The command and the Python package pass CTXPAR_GLOO_IFNAME or CTXPAR_GLOO_HOST here.)
   std::string hostname_or_interface;
   // The communicator's timeout (Communicator::set_timeout), how long connect() waits for the
   // peers, and the bound on making the pairs (one per peer) in the constructor.

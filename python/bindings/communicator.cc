@@ -10,6 +10,8 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 
+#include "ctxpar/launch.h"
+
 namespace ctxpar::python {
 
 Communicator& PyCommunicator::get() const {
@@ -69,14 +71,14 @@ void run_threads_py(int ranks, nb::callable fn, double timeout_s) {
   if (ranks < 1) throw nb::value_error(detail::concat("ranks: must be >= 1, got ", ranks).c_str());
   std::mutex mu;
   std::optional<nb::python_error> first;
-  ThreadsOptions options;
-  options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  LaunchOptions options;
+  options.threads.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   std::string failure;
   {
     nb::gil_scoped_release release;
     try {
-      run_threads(
-          ranks,
+      launch(
+          TransportKind::threads, ranks,
           [&](Communicator& comm) {
             auto alive = std::make_shared<std::atomic<bool>>(true);
             nb::gil_scoped_acquire acquire;
@@ -112,7 +114,8 @@ void bind_communicator(nb::module_& m) {
                              "P ranks that exchange messages (one rank's handle).")
       .def_prop_ro("rank", [](const PyCommunicator& c) { return c.get().rank(); })
       .def_prop_ro("size", [](const PyCommunicator& c) { return c.get().size(); })
-      .def_prop_ro("transport", [](const PyCommunicator& c) { return c.get().transport(); })
+      .def_prop_ro("transport",
+                   [](const PyCommunicator& c) { return transport_name(c.get().transport()); })
       // Seconds one wait may block; checked, and exposed as the property timeout_s, in Python
       // (ctxpar/__init__.py).
       .def("_timeout_s",

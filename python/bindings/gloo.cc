@@ -11,14 +11,18 @@
 #include <nanobind/stl/vector.h>
 
 #include "communicator.h"
+#include "core/environment.h"
 #include "ctxpar/gloo.h"
 
 namespace ctxpar::python {
 
 namespace {
+// The environment is read here, at the edge: CTXPAR_GLOO_IFNAME / CTXPAR_GLOO_HOST choose
+// the address (environment::gloo_interface).
 GlooOptions gloo_options(int64_t timeout_ms) {
   GlooOptions options;
   options.timeout = std::chrono::milliseconds(timeout_ms);
+  options.hostname_or_interface = environment::gloo_interface();
   return options;
 }
 

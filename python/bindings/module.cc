@@ -4,7 +4,7 @@
 #include <nanobind/nanobind.h>
 
 #include "communicator.h"
-#include "core/kernel_environment.h"
+#include "core/environment.h"
 #include "ctxpar/comm.h"
 #include "ctxpar/limits.h"
 

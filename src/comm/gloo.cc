@@ -40,20 +40,6 @@ uint64_t mix(uint64_t x) {  // splitmix64's finaliser
 // How long a lost connection waits for the peer's abort message (GlooWorld::await_failure).
 constexpr milliseconds kAbortGrace{500};
 
-struct Where {
-  int me = 0;    // world ranks
-  int peer = 0;
-  int tag = 0;
-  Channel ch = Channel::user;
-  milliseconds timeout{};
-};
-
-[[noreturn]] void throw_timeout(const Where& at, const char* waiting_for) {
-  throw Error(detail::concat("rank ", at.me, ": timed out after ", at.timeout.count() / 1000.0,
-                             " s waiting for ", waiting_for, " rank ", at.peer, " (",
-                             describe_tag(at.ch, at.tag), ")"));
-}
-
 // A Gloo failure on the pair to at.peer (its process exited, or the connection broke): this
 // rank tells the others that at.peer failed, and throws naming it.
 [[noreturn]] void throw_lost(GlooWorld& w, const Where& at, const char* doing,
@@ -198,10 +184,7 @@ class GlooRequest final : public Request::Impl {
   void complete() {
     const Clock::time_point deadline = Clock::now() + at_.timeout;
     if (!wait_buffer(*world_, t_->header_buffer.get(), recv_, at_, deadline)) return;
-    if (recv_)
-      CTXPAR_CHECK(t_->header[0] == expected_, "rank ", at_.me, ": recv from rank ", at_.peer,
-                   " (", describe_tag(at_.ch, at_.tag), ") expected ", expected_,
-                   " bytes, but the message has ", t_->header[0], " bytes");
+    if (recv_) check_message_size(at_, expected_, t_->header[0]);
     if (t_->data_buffer && !wait_buffer(*world_, t_->data_buffer.get(), recv_, at_, deadline))
       return;
     done_ = true;
@@ -251,9 +234,7 @@ class SelfRecvRequest final : public Request::Impl {
  private:
   bool ready_locked() const {
     if (!m_->arrived) return false;
-    CTXPAR_CHECK(m_->payload.size() == expected_, "rank ", at_.me, ": recv from rank ", at_.peer,
-                 " (", describe_tag(at_.ch, at_.tag), ") expected ", expected_,
-                 " bytes, but the message has ", m_->payload.size(), " bytes");
+    check_message_size(at_, expected_, m_->payload.size());
     return true;
   }
   std::shared_ptr<GlooWorld> world_;
@@ -276,7 +257,7 @@ class GlooCommunicator final : public PointToPointCommunicator {
 
   int rank() const override { return rank_; }
   int size() const override { return static_cast<int>(world_of_.size()); }
-  std::string transport() const override { return "gloo"; }
+  TransportKind transport() const override { return TransportKind::gloo; }
   int world_rank() const override { return world_of_[rank_]; }
   int world_rank_of(int peer) const override { return world_of_[peer]; }
   GlooWorld& world() { return *world_; }
@@ -339,9 +320,6 @@ class GlooCommunicator final : public PointToPointCommunicator {
   }
 
  private:
-  Where where(int peer, int tag, Channel ch) const {
-    return Where{world_rank(), world_rank_of(peer), tag, ch, timeout()};
-  }
   void check_not_failed(const Where& at) {
     std::lock_guard lock(world_->mu);
     world_->check_failed_locked(at.me);
@@ -407,8 +385,7 @@ GlooWorld::~GlooWorld() {
 
 void GlooWorld::check_failed_locked(int me) const {
   if (failed_rank >= 0 && failed_rank != me)
-    throw Error(detail::concat("rank ", me, ": stopped because rank ", failed_rank, " failed: ",
-                               failure));
+    throw_stopped(me, failed_rank, failure);
   if (failed_rank == me) throw Error(detail::concat("rank ", me, ": failed earlier: ", failure));
 }
 

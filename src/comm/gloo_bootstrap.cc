@@ -34,15 +34,12 @@ uint32_t get_u32(const std::string& in, size_t at) {
   return v;
 }
 
-// Where to listen: an interface name, else a host name or address; "" picks
-// CTXPAR_GLOO_IFNAME, CTXPAR_GLOO_HOST, this host's name (if it resolves), else the loopback.
+// Where to listen: an interface name, else a host name or address; "" picks this host's name
+// (if it resolves), else the loopback. (CTXPAR_GLOO_IFNAME / _HOST reach `given` from the
+// command and the Python package: environment::gloo_interface.)
 gloo::transport::tcp::attr device_attr(const std::string& given) {
   gloo::transport::tcp::attr attr;
   std::string what = given;
-  if (what.empty()) {
-    if (const char* v = std::getenv("CTXPAR_GLOO_IFNAME"); v && *v) what = v;
-    else if (const char* h = std::getenv("CTXPAR_GLOO_HOST"); h && *h) what = h;
-  }
   if (!what.empty() && if_nametoindex(what.c_str()) != 0) {
     attr.iface = what;
     return attr;
@@ -148,13 +145,27 @@ GlooBootstrap::GlooBootstrap(int rank, int size, const GlooOptions& options)
   const auto attr = device_attr(options.hostname_or_interface);
   const std::string where = attr.iface.empty() ? "host '" + attr.hostname + "'"
                                                : "interface '" + attr.iface + "'";
-  try {
-    w->device = gloo::transport::tcp::CreateDevice(attr);
-  } catch (const std::exception& e) {
-    throw Error(detail::concat("gloo: rank ", rank, " cannot listen on ", where, ": ", e.what(),
+  // libgloo's CreateDevice may crash (SIGSEGV in CreateDeviceAttr) instead of throwing on a
+  // host name that does not resolve: the name is resolved here first.
+  std::string why;
+  if (attr.iface.empty()) {
+    addrinfo* found = nullptr;
+    if (const int rc = getaddrinfo(attr.hostname.c_str(), nullptr, nullptr, &found); rc != 0)
+      why = std::string("the name does not resolve (") + gai_strerror(rc) + ")";
+    else
+      freeaddrinfo(found);
+  }
+  if (why.empty()) {
+    try {
+      w->device = gloo::transport::tcp::CreateDevice(attr);
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+  }
+  if (!why.empty())
+    throw Error(detail::concat("gloo: rank ", rank, " cannot listen on ", where, ": ", why,
                                "; set GlooOptions::hostname_or_interface (or CTXPAR_GLOO_IFNAME="
                                "<interface>, CTXPAR_GLOO_HOST=<address>) to one of this host's"));
-  }
   if (::pipe2(w->teardown_tick, O_CLOEXEC | O_NONBLOCK) != 0)  // (without it: the slow way)
     w->teardown_tick[0] = w->teardown_tick[1] = -1;
   w->context = w->device->createContext(rank, size);

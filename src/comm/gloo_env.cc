@@ -23,6 +23,7 @@
 
 #include "comm/gloo_env.h"
 #include "comm/tcp_store.h"
+#include "core/environment.h"
 #include "ctxpar/gloo.h"
 
 namespace ctxpar {
@@ -34,13 +35,8 @@ constexpr const char* kHowToLaunch =
     "start it with torchrun (torchrun --nproc-per-node N --no-python ctxpar ...), or set RANK, "
     "WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun does";
 
-std::string env_or_empty(const char* name) {
-  const char* v = std::getenv(name);
-  return v ? v : "";
-}
-
-long env_int(const char* name, long lo, long hi, const char* why = "") {
-  const std::string v = env_or_empty(name);
+// `v`, the value of variable `name`, as a whole number in [lo, hi].
+long env_int(const char* name, const std::string& v, long lo, long hi, const char* why = "") {
   CTXPAR_CHECK(!v.empty(), name, " is not set; ", kHowToLaunch);
   char* end = nullptr;
   const long n = std::strtol(v.c_str(), &end, 10);
@@ -82,37 +78,37 @@ std::string first_word(const std::string& s) { return s.substr(0, s.find(' ')); 
 }  // namespace
 
 TorchrunEnv read_torchrun_env() {
+  const environment::Torchrun v = environment::torchrun();
   TorchrunEnv e;
-  e.size = static_cast<int>(env_int("WORLD_SIZE", 1, kMaxGlooRanks,
+  e.size = static_cast<int>(env_int("WORLD_SIZE", v.world_size, 1, kMaxGlooRanks,
                                     " (kMaxGlooRanks: the gloo transport's bound)"));
-  e.rank = static_cast<int>(env_int("RANK", 0, 1 << 20));
+  e.rank = static_cast<int>(env_int("RANK", v.rank, 0, 1 << 20));
   CTXPAR_CHECK(e.rank < e.size, "RANK=", e.rank, " is not below WORLD_SIZE=", e.size,
                "; the launcher's environment is inconsistent: ", kHowToLaunch);
-  if (!env_or_empty("LOCAL_RANK").empty() && !env_or_empty("LOCAL_WORLD_SIZE").empty()) {
-    const long local = env_int("LOCAL_RANK", 0, 1 << 20);
-    const long local_size = env_int("LOCAL_WORLD_SIZE", 1, 1 << 20);
+  if (!v.local_rank.empty() && !v.local_world_size.empty()) {
+    const long local = env_int("LOCAL_RANK", v.local_rank, 0, 1 << 20);
+    const long local_size = env_int("LOCAL_WORLD_SIZE", v.local_world_size, 1, 1 << 20);
     CTXPAR_CHECK(local < local_size && local_size <= e.size, "LOCAL_RANK=", local,
                  " / LOCAL_WORLD_SIZE=", local_size, " do not fit WORLD_SIZE=", e.size,
                  "; the launcher's environment is inconsistent: ", kHowToLaunch);
   }
-  e.master = env_or_empty("MASTER_ADDR");
+  e.master = v.master_addr;
   CTXPAR_CHECK(!e.master.empty(), "MASTER_ADDR is not set (the host of the job's TCP store); ",
                kHowToLaunch);
-  e.port = static_cast<int>(env_int("MASTER_PORT", 1, 65535));
+  e.port = static_cast<int>(env_int("MASTER_PORT", v.master_port, 1, 65535));
   // torchrun's agent hosts the store and says so; otherwise rank 0 hosts it, as torch's env://
   // does.
-  const std::string agent = env_or_empty("TORCHELASTIC_USE_AGENT_STORE");
+  const std::string& agent = v.use_agent_store;
   e.agent_store = agent == "True" || agent == "true" || agent == "1";
-  e.run_id = env_or_empty("TORCHELASTIC_RUN_ID");
-  e.restart = env_or_empty("TORCHELASTIC_RESTART_COUNT");
+  e.run_id = v.run_id;
+  e.restart = v.restart_count;
   return e;
 }
 
 std::unique_ptr<Communicator> gloo_rendezvous(const TorchrunEnv& env, const GlooOptions& options,
                                               std::chrono::milliseconds notice_after) {
   GlooOptions o = options;
-  if (o.hostname_or_interface.empty() && env_or_empty("CTXPAR_GLOO_IFNAME").empty() &&
-      env_or_empty("CTXPAR_GLOO_HOST").empty())
+  if (o.hostname_or_interface.empty())
     o.hostname_or_interface = address_towards(env.master, env.port);
 
   // Note [Claims keep two jobs apart]. Keys are also unique per run, restart and call, so a

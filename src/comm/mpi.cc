@@ -27,6 +27,7 @@
 #include "comm/mpi_env.h"
 #include "comm/mpi_progress.h"
 #include "comm/point_to_point.h"
+#include "core/environment.h"
 
 namespace ctxpar {
 namespace comm_detail {
@@ -61,20 +62,6 @@ void mpi_check(int code, const char* call) {
   if (code != MPI_SUCCESS)
     throw Error(detail::concat("rank ", world_rank_now(), ": ", call, " failed: ",
                                mpi_error_string(code)));
-}
-
-struct Where {
-  int me = 0;
-  int peer = 0;
-  int tag = 0;
-  Channel ch = Channel::user;
-  std::chrono::milliseconds timeout{};
-};
-
-[[noreturn]] void throw_timeout(const Where& at, const char* waiting_for) {
-  throw Error(detail::concat("rank ", at.me, ": timed out after ", at.timeout.count() / 1000.0,
-                             " s waiting for ", waiting_for, " rank ", at.peer, " (",
-                             describe_tag(at.ch, at.tag), ")"));
 }
 
 // Polls by yielding: a large message over shared memory moves one fragment per progress
@@ -209,9 +196,7 @@ class MpiRecvRequest final : public Request::Impl {
     pending_.done();
     int got = 0;
     MPI_Get_count(&status, MPI_BYTE, &got);
-    CTXPAR_CHECK(size_t(got) == buf_.size(), "rank ", at_.me, ": recv from rank ", at_.peer,
-                 " (", describe_tag(at_.ch, at_.tag), ") expected ", buf_.size(),
-                 " bytes, but the message has ", got, " bytes");
+    check_message_size(at_, buf_.size(), size_t(got));
     done_ = true;
     return true;
   }
@@ -227,20 +212,12 @@ class MpiRecvRequest final : public Request::Impl {
   // called a different collective: what this rank waits for will never come. (Best effort:
   // a probe sees the first pending message of each source.)
   void check_same_collective() const {
-    const int kind = (at_.tag >> 4) & 15;
     MpiLock lock(mpi_mutex());
     for (int src = 0; src < static_cast<int>(world_ranks_->size()); ++src) {
       int flag = 0;
       MPI_Status status;
       mpi_check(MPI_Iprobe(src, MPI_ANY_TAG, comm_, &flag, &status), "MPI_Iprobe");
-      if (!flag || tag_call(status.MPI_TAG) != tag_call(at_.tag) ||
-          ((status.MPI_TAG >> 4) & 15) == kind)
-        continue;
-      throw Error(detail::concat(
-          "rank ", at_.me, ": collective mismatch: this rank is in ", tag_kind_name(at_.tag),
-          " (call ", tag_call(at_.tag), ") but rank ", (*world_ranks_)[src], " called ",
-          tag_kind_name(status.MPI_TAG),
-          "; every rank must call the same collectives in the same order"));
+      if (flag) comm_detail::check_same_collective(at_, status.MPI_TAG, (*world_ranks_)[src]);
     }
   }
 
@@ -289,7 +266,7 @@ class MpiCommunicator final : public PointToPointCommunicator {
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
-  std::string transport() const override { return "mpi"; }
+  TransportKind transport() const override { return TransportKind::mpi; }
   int world_rank() const override { return world_ranks_[rank_]; }
   int world_rank_of(int peer) const override { return world_ranks_[peer]; }
 
@@ -348,9 +325,6 @@ class MpiCommunicator final : public PointToPointCommunicator {
 
  private:
   MPI_Comm comm(Channel ch) const { return ch == Channel::user ? user_ : collective_; }
-  Where where(int peer, int tag, Channel ch) const {
-    return Where{world_rank(), world_rank_of(peer), tag, ch, timeout()};
-  }
 
   MPI_Comm user_ = MPI_COMM_NULL;
   MPI_Comm collective_ = MPI_COMM_NULL;
@@ -366,7 +340,8 @@ MpiCommunicator* g_world = nullptr;
 // does not; mpirun --timeout bounds the whole job). So MPI_Init runs under a watchdog.
 double init_timeout_from_env() {
   double limit = 120;
-  if (const char* env = std::getenv("CTXPAR_MPI_INIT_TIMEOUT")) {
+  if (const std::optional<std::string> text = environment::mpi().init_timeout) {
+    const char* env = text->c_str();
     // A bad value is refused (exit 2), not replaced by the default or waited on forever:
     // "inf", 9e9 (beyond what a timed wait can hold), "abc", 0 or a negative number.
     constexpr double kMaxInitTimeout = 7 * 24 * 3600;

@@ -51,6 +51,7 @@
 #include <cstring>
 #include <string>
 
+#include "core/environment.h"
 #include "ctxpar/error.h"
 #include "ctxpar/tile_progress.h"
 
@@ -68,16 +69,18 @@ MpiProgress& mpi_progress() {
 
 ProgressSettings progress_settings_from_env() {
   ProgressSettings s;
-  if (const char* mode = std::getenv("CTXPAR_MPI_PROGRESS"); mode != nullptr && *mode) {
-    const std::string m = mode;
+  const environment::Mpi env = environment::mpi();
+  if (env.progress && !env.progress->empty()) {
+    const std::string& m = *env.progress;
     CTXPAR_CHECK(m == "thread" || m == "tiles" || m == "both" || m == "off",
                  "CTXPAR_MPI_PROGRESS must be 'thread' (a progress thread moves MPI transfers "
                  "while the rank computes), 'tiles' (the CPU kernel makes the progress calls "
-                 "between tiles; the default), 'both' or 'off', got '", mode, "'");
+                 "between tiles; the default), 'both' or 'off', got '", m, "'");
     s.thread = m == "thread" || m == "both";
     s.tiles = m == "tiles" || m == "both";
   }
-  if (const char* us = std::getenv("CTXPAR_MPI_PROGRESS_US")) {
+  if (env.progress_us) {
+    const char* us = env.progress_us->c_str();
     char* end = nullptr;
     const long v = std::strtol(us, &end, 10);
     CTXPAR_CHECK(end != us && *end == '\0' && v >= 1 && v <= 100000,

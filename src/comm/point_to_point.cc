@@ -53,6 +53,32 @@ std::string describe_tag(Channel ch, int tag) {
                         ", phase ", tag & 15);
 }
 
+void throw_timeout(const Where& at, const char* waiting_for) {
+  throw Error(detail::concat("rank ", at.me, ": timed out after ", at.timeout.count() / 1000.0,
+                             " s waiting for ", waiting_for, " rank ", at.peer, " (",
+                             describe_tag(at.ch, at.tag), ")"));
+}
+
+void check_message_size(const Where& at, size_t expected, size_t got) {
+  CTXPAR_CHECK(got == expected, "rank ", at.me, ": recv from rank ", at.peer, " (",
+               describe_tag(at.ch, at.tag), ") expected ", expected,
+               " bytes, but the message has ", got, " bytes");
+}
+
+void check_same_collective(const Where& at, int their_tag, int from) {
+  if (tag_call(their_tag) != tag_call(at.tag) || ((their_tag >> 4) & 15) == ((at.tag >> 4) & 15))
+    return;
+  throw Error(detail::concat(
+      "rank ", at.me, ": collective mismatch: this rank is in ", tag_kind_name(at.tag), " (call ",
+      tag_call(at.tag), ") but rank ", from, " called ", tag_kind_name(their_tag),
+      "; every rank must call the same collectives in the same order"));
+}
+
+void throw_stopped(int me, int failed_rank, const std::string& failure) {
+  throw Error(detail::concat("rank ", me, ": stopped because rank ", failed_rank, " failed: ",
+                             failure));
+}
+
 uint32_t PointToPointCommunicator::next_call(CommKind) { return calls_++; }
 
 void PointToPointCommunicator::check_peer(int peer, const char* what) const {

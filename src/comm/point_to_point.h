@@ -4,6 +4,7 @@
 // on top of them. Both transports therefore run the same collective algorithms, in the same
 // summation order, and give bitwise identical results. See docs/comm.md.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -23,6 +24,28 @@ inline uint32_t tag_call(int tag) { return static_cast<uint32_t>(tag) >> 8; }
 const char* tag_kind_name(int tag);
 // "tag 5" for user messages, "tag 5 of allgather call 3" for collective ones.
 std::string describe_tag(Channel ch, int tag);
+
+// Who waits for what, for the transports' error messages; ranks are world ranks, so a message
+// from a sub-group names the thread or process it means.
+struct Where {
+  int me = 0;
+  int peer = 0;
+  int tag = 0;
+  Channel ch = Channel::user;
+  std::chrono::milliseconds timeout{};  // the communicator's, when the request was posted
+};
+
+// Every transport's errors, in one wording (a test reads them on each transport):
+// "rank 1: timed out after 2 s waiting for recv from rank 0 (tag 5)"
+[[noreturn]] void throw_timeout(const Where& at, const char* waiting_for);
+// A receive whose message has `got` bytes where `at` expected `expected`.
+void check_message_size(const Where& at, size_t expected, size_t got);
+// A collective message `their_tag` from world rank `from`, seen while `at` waits in a
+// collective: the same call number of another kind means that rank called a different
+// collective, and nothing this rank waits for will come; throws naming both.
+void check_same_collective(const Where& at, int their_tag, int from);
+// "rank 2: stopped because rank 0 failed: <failure>": another rank of the job failed first.
+[[noreturn]] void throw_stopped(int me, int failed_rank, const std::string& failure);
 
 class PointToPointCommunicator : public Communicator {
  public:
@@ -53,6 +76,10 @@ class PointToPointCommunicator : public Communicator {
                                                    const std::vector<int>& members,
                                                    uint32_t split_number) = 0;
   virtual int max_user_tag() const = 0;
+  // The Where of a transfer with `peer` (this communicator's rank) posted now.
+  Where where(int peer, int tag, Channel ch) const {
+    return Where{world_rank(), world_rank_of(peer), tag, ch, timeout()};
+  }
 
  private:
   uint32_t next_call(CommKind kind);

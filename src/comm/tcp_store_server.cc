@@ -94,6 +94,14 @@ struct TcpStoreServer::State {
   bool flush(Client& c);
   bool reply(Client& c, const std::string& bytes);
   void store(const std::string& key, std::string value);
+  // COMPARE_SET: torch's semantics, an unset key takes `value` only when `expected` is "".
+  // Replies with the key's value after it.
+  void compare_set(const std::string& key, const std::string& expected, std::string value,
+                   std::string& out);
+  // ADD: the key's value, a whole number as decimal text (0 when unset), plus `delta`; replies
+  // with the sum. False (the client is dropped) when the value is not a whole number or the
+  // sum leaves int64.
+  bool add(const std::string& key, int64_t delta, std::string& out);
   void drop(Client& c) {
     held -= c.in.size() + c.out.size();
     ::close(c.fd);
@@ -259,6 +267,28 @@ void TcpStoreServer::State::store(const std::string& key, std::string value) {
   it->second = std::move(value);
 }
 
+void TcpStoreServer::State::compare_set(const std::string& key, const std::string& expected,
+                                        std::string value, std::string& out) {
+  if (auto it = data.find(key); it == data.end() ? expected.empty() : it->second == expected)
+    store(key, std::move(value));
+  put_string(out, data.count(key) ? data[key] : expected);
+}
+
+bool TcpStoreServer::State::add(const std::string& key, int64_t delta, std::string& out) {
+  int64_t now = 0;
+  // The value must be a whole number that the sum keeps in range (torch's store keeps
+  // counters as decimal text); anything else breaks the protocol.
+  if (auto it = data.find(key); it != data.end()) {
+    const std::string& v = it->second;
+    const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), now);
+    if (ec != std::errc() || end != v.data() + v.size() || v.empty()) return false;
+  }
+  if (__builtin_add_overflow(now, delta, &now)) return false;
+  store(key, std::to_string(now));
+  put<int64_t>(out, now);
+  return true;
+}
+
 bool TcpStoreServer::State::serve(Client& c) {
   while (!c.in.empty()) {
     if (!c.waiting.empty()) {
@@ -290,34 +320,20 @@ bool TcpStoreServer::State::serve(Client& c) {
         if (p == Parse::done) store(key, std::move(value));
         break;
       case kCompareSet:
-        // torch's semantics: an unset key takes `desired` only when `expected` is "".
         p = r.bytes(key, kMaxStoreKeyBytes);
         if (p == Parse::done) p = r.bytes(expected, kMaxStoreValueBytes);
         if (p == Parse::done) p = r.bytes(value, kMaxStoreValueBytes);
-        if (p != Parse::done) break;
-        if (auto it = data.find(key); it == data.end() ? expected.empty() : it->second == expected)
-          store(key, std::move(value));
-        put_string(out, data.count(key) ? data[key] : expected);
+        if (p == Parse::done) compare_set(key, expected, std::move(value), out);
         break;
       case kGet:
         p = r.bytes(key, kMaxStoreKeyBytes);
         if (p == Parse::done) put_string(out, data.count(key) ? data[key] : std::string());
         break;
       case kAdd: {
-        int64_t delta = 0, now = 0;
+        int64_t delta = 0;
         p = r.bytes(key, kMaxStoreKeyBytes);
         if (p == Parse::done) p = r.fixed(&delta, 8);
-        if (p != Parse::done) break;
-        // The value must be a whole number that the sum keeps in range (torch's store keeps
-        // counters as decimal text); anything else breaks the protocol.
-        if (auto it = data.find(key); it != data.end()) {
-          const std::string& v = it->second;
-          const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), now);
-          if (ec != std::errc() || end != v.data() + v.size() || v.empty()) return false;
-        }
-        if (__builtin_add_overflow(now, delta, &now)) return false;
-        store(key, std::to_string(now));
-        put<int64_t>(out, now);
+        if (p == Parse::done && !add(key, delta, out)) return false;
         break;
       }
       case kCheck:

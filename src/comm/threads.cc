@@ -77,26 +77,9 @@ struct World {
   }
 };
 
-// Who is waiting for what, for error messages (world ranks).
-struct Where {
-  int me = 0;
-  int peer = 0;
-  int tag = 0;
-  Channel ch = Channel::user;
-  std::chrono::milliseconds timeout{};
-};
-
 // Caller holds w.mu.
 void check_group(const World& w, const Where& at) {
-  if (w.failed_rank >= 0 && w.failed_rank != at.me)
-    throw Error(detail::concat("rank ", at.me, ": stopped because rank ", w.failed_rank,
-                               " failed: ", w.failure));
-}
-
-[[noreturn]] void throw_timeout(const Where& at, const char* waiting_for) {
-  throw Error(detail::concat("rank ", at.me, ": timed out after ", at.timeout.count() / 1000.0,
-                             " s waiting for ", waiting_for, " rank ", at.peer, " (",
-                             describe_tag(at.ch, at.tag), ")"));
+  if (w.failed_rank >= 0 && w.failed_rank != at.me) throw_stopped(at.me, w.failed_rank, w.failure);
 }
 
 class SendRequest final : public Request::Impl {
@@ -170,25 +153,16 @@ class RecvRequest final : public Request::Impl {
   // Caller holds the lock. Throws on a size mismatch once the message is there.
   bool ready(Clock::time_point now) const {
     if (!m_->arrived || now < m_->deliver_at) return false;
-    CTXPAR_CHECK(m_->payload.size() == m_->expected, "rank ", at_.me, ": recv from rank ",
-                 at_.peer, " (", describe_tag(at_.ch, at_.tag), ") expected ", m_->expected,
-                 " bytes, but the message has ", m_->payload.size(), " bytes");
+    check_message_size(at_, m_->expected, m_->payload.size());
     return true;
   }
 
   // Caller holds the lock. A message of the same collective call number but another kind
   // means a rank called a different collective: no message this rank waits for will come.
   void check_same_collective() const {
-    const int kind = (at_.tag >> 4) & 15;
-    for (const auto& u : group_->unexpected[local_rank_]) {
-      if (u->ch != Channel::collective || tag_call(u->tag) != tag_call(at_.tag) ||
-          ((u->tag >> 4) & 15) == kind)
-        continue;
-      throw Error(detail::concat(
-          "rank ", at_.me, ": collective mismatch: this rank is in ", tag_kind_name(at_.tag),
-          " (call ", tag_call(at_.tag), ") but rank ", group_->world[u->src], " called ",
-          tag_kind_name(u->tag), "; every rank must call the same collectives in the same order"));
-    }
+    for (const auto& u : group_->unexpected[local_rank_])
+      if (u->ch == Channel::collective)
+        comm_detail::check_same_collective(at_, u->tag, group_->world[u->src]);
   }
 
   std::shared_ptr<World> world_;
@@ -209,7 +183,7 @@ class ThreadsCommunicator final : public PointToPointCommunicator {
 
   int rank() const override { return rank_; }
   int size() const override { return static_cast<int>(group_->world.size()); }
-  std::string transport() const override { return "threads"; }
+  TransportKind transport() const override { return TransportKind::threads; }
   bool shares_send_buffers() const override { return true; }
   int world_rank() const override { return group_->world[rank_]; }
   int world_rank_of(int peer) const override { return group_->world[peer]; }
@@ -219,7 +193,7 @@ class ThreadsCommunicator final : public PointToPointCommunicator {
 
   Request post_send(Buffer&& buf, int peer, int tag, Channel ch) override {
     World& w = *world_;
-    const Where at{world_rank(), world_rank_of(peer), tag, ch, timeout()};
+    const Where at = where(peer, tag, ch);
     std::lock_guard lock(w.mu);
     check_group(w, at);
     const auto now = Clock::now();
@@ -270,7 +244,7 @@ class ThreadsCommunicator final : public PointToPointCommunicator {
 
   Request post_recv(size_t bytes, int peer, int tag, Channel ch) override {
     World& w = *world_;
-    const Where at{world_rank(), world_rank_of(peer), tag, ch, timeout()};
+    const Where at = where(peer, tag, ch);
     std::lock_guard lock(w.mu);
     check_group(w, at);
     auto m = std::make_shared<Message>();

@@ -10,6 +10,7 @@
 #include <sstream>
 #include <string>
 
+#include "core/environment.h"
 #include "ctxpar/error.h"
 
 namespace ctxpar {
@@ -106,7 +107,7 @@ void rlimit_limits(const MemoryLimitSources& s, MemoryLimit& best) {
 
 MemoryLimitSources MemoryLimitSources::system() {
   MemoryLimitSources s;
-  if (const char* env = std::getenv(kMemoryLimitEnv)) s.override_value = env;
+  s.override_value = environment::memory_limit_override();
   return s;
 }
 

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string>
 
+#include "core/environment.h"
 #include "ctxpar/error.h"
 #include "cuda/api.h"
 #include "cuda/cuda_device.h"
@@ -27,11 +28,12 @@ std::unique_ptr<Device> make_cuda(const DeviceOptions& options, int rank) {
       throw Error("device 'cuda': GPU " + std::to_string(options.cuda_index) +
                   " asked for, but this machine has " + std::to_string(count));
     index = options.cuda_index;
-  } else if (const char* local = std::getenv("LOCAL_RANK")) {
+  } else if (const std::optional<std::string> given = environment::cuda().local_rank) {
+    const char* local = given->c_str();
     char* end = nullptr;
     const long v = std::strtol(local, &end, 10);
     if (!*local || *end || v < 0 || v >= count)
-      throw Error("LOCAL_RANK='" + std::string(local) + "': not a CUDA device index 0.." +
+      throw Error("LOCAL_RANK='" + *given + "': not a CUDA device index 0.." +
                   std::to_string(count - 1) + " on this machine; unset it or fix it");
     index = int(v);
   }

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <set>
 
+#include "core/environment.h"
 #include "ctxpar/error.h"
 
 namespace ctxpar::cuda {
@@ -42,7 +43,10 @@ CudnnMode parse_cudnn_mode(const char* value) {
               "or auto / unset (cuDNN where it loads)");
 }
 
-CudnnMode cudnn_mode() { return parse_cudnn_mode(std::getenv("CTXPAR_CUDNN")); }
+CudnnMode cudnn_mode() {
+  const std::optional<std::string> mode = environment::cuda().cudnn;
+  return parse_cudnn_mode(mode ? mode->c_str() : nullptr);
+}
 
 namespace {
 std::mutex state_mu;

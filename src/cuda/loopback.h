@@ -54,7 +54,7 @@ class LoopbackComm final : public HostDelegatingComm, public DeviceTransport {
   LoopbackComm(std::unique_ptr<Communicator> host, std::shared_ptr<LoopbackWorld> world,
                 uint64_t context);
 
-  std::string transport() const override { return "loopback"; }
+  TransportKind transport() const override { return TransportKind::loopback; }
   // Host memory and collectives: the wrapped threads world's (HostDelegatingComm).
   std::unique_ptr<Communicator> split(int color, int key) override;
 

@@ -92,7 +92,7 @@ class NcclCommunicator final : public HostDelegatingComm, public DeviceTransport
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
 
-  std::string transport() const override { return "nccl"; }
+  TransportKind transport() const override { return TransportKind::nccl; }
 
   // Host memory and collectives: the host communicator's (HostDelegatingComm).
   // A NcclCommunicator over the host communicator's split (a new NCCL communicator, its id

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string>
 
+#include "core/environment.h"
 #include "cuda/nccl_comm.h"
 
 namespace ctxpar::cuda {
@@ -30,8 +31,8 @@ Fn* symbol(void* lib, const char* name, const std::string& path) {
 }
 
 std::shared_ptr<const NcclApi> load() {
-  const char* env = std::getenv("CTXPAR_NCCL_LIBRARY");
-  const std::string path = env && *env ? env : "libnccl.so.2";
+  std::string path = environment::cuda().nccl_library.value_or("");
+  if (path.empty()) path = "libnccl.so.2";
   void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!lib) {
     const char* why = dlerror();

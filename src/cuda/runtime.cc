@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "core/environment.h"
 #include "ctxpar/error.h"
 #include "cuda/cuda_check.h"
 #include "cuda/cudnn_use.h"
@@ -96,14 +97,14 @@ DeviceProbe probe_devices() {
 }
 
 std::string no_device_message(const DeviceProbe& p) {
-  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  const std::optional<std::string> visible = environment::cuda().visible_devices;
   void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   const std::string driver_state = driver ? "loads" : "not found";
   if (driver) dlclose(driver);
   return "no CUDA device found: cudaGetDeviceCount returned " + std::to_string(p.error) + " (" +
          p.error_name + ": " + p.error_text + ") and " + std::to_string(p.count) +
          " devices; looked for NVIDIA GPUs through the driver library libcuda.so.1 (" +
-         driver_state + "), CUDA_VISIBLE_DEVICES=" + (visible ? visible : "<unset>") +
+         driver_state + "), CUDA_VISIBLE_DEVICES=" + visible.value_or("<unset>") +
          "; use --device cpu, or run on a machine with an NVIDIA GPU and its driver";
 }
 

@@ -4,14 +4,12 @@
 #include <chrono>
 #include <memory>
 
+#include "ctxpar/clock.h"
 #include "ctxpar/device.h"
 
 namespace ctxpar::device {
 
-inline double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+using ctxpar::now_seconds;  // ctxpar/clock.h
 
 std::unique_ptr<Device> make_cpu();
 std::unique_ptr<Device> make_sim(const DeviceOptions& options, int rank);

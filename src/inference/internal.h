@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ctxpar/agreement.h"
+#include "ctxpar/clock.h"
 #include "ctxpar/inference.h"
 #include "device/kernel_agreement.h"
 #include "kernel/problem.h"

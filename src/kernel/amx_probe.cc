@@ -14,18 +14,14 @@
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "ctxpar/clock.h"
 #endif
 
 namespace ctxpar::kernel {
 
 #if defined(__x86_64__) && defined(__linux__)
 namespace {
-
-double thread_seconds() {  // as bf16_probe.cc: a preempted probe is not charged for waiting
-  timespec t{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
-}
 
 // 4 independent 16 x 16 fp32 accumulators, each += A (16 x 32 bf16) B (32 x 16 bf16 pairs)
 // per step: 4 * 16 * 16 * 32 multiply-adds. Returns the seconds `steps` took.
@@ -44,14 +40,14 @@ __attribute__((target("amx-tile,amx-bf16"), noinline)) double tile_chains(long s
   _tile_loadd(5, b, 64);
   _tile_loadd(6, a, 64);
   _tile_loadd(7, b, 64);
-  const double t0 = thread_seconds();
+  const double t0 = thread_cpu_seconds();
   for (long i = 0; i < steps; ++i) {
     _tile_dpbf16ps(0, 4, 5);
     _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(2, 6, 5);
     _tile_dpbf16ps(3, 6, 7);
   }
-  const double s = thread_seconds() - t0;
+  const double s = thread_cpu_seconds() - t0;
   _tile_stored(0, c, 64);
   _tile_release();
   volatile float sink = c[0];

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <string>
 
+#include "ctxpar/clock.h"
 #include "kernel/amx_probe.h"
 #include "kernel/problem.h"
 
@@ -34,14 +35,6 @@ namespace {
 #define CTXPAR_PROBE_KEEP(v) __asm__ volatile("" : "+v"(v));
 #define CTXPAR_PROBE_SUM(v) sum = _mm512_add_ps(sum, v);
 
-// This thread's CPU time: a probe preempted by another process (four ranks on two cores) is
-// not charged for the time it waited, as a wall clock would charge it.
-double thread_seconds() {
-  timespec t{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
-}
-
 // 12 chains of vdpbf16ps (kBf16) or of vfmadd231ps, `iterations` steps; the seconds they took.
 template <bool kBf16>
 __attribute__((target("avx512f,avx512bf16,fma"), noinline)) double chains(long iterations,
@@ -50,13 +43,13 @@ __attribute__((target("avx512f,avx512bf16,fma"), noinline)) double chains(long i
   const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80);  // bf16 pairs (1, 1)
   const __m512bh y = (__m512bh)_mm512_set1_epi32(0x33d633d6);  // (1e-7, 1e-7)
   const __m512 m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
-  const double t0 = thread_seconds();
+  const double t0 = thread_cpu_seconds();
   for (long i = 0; i < iterations; ++i) {
 #define CTXPAR_PROBE_STEP(v) v = kBf16 ? _mm512_dpbf16_ps(v, x, y) : _mm512_fmadd_ps(v, m, c);
     CTXPAR_PROBE_CHAINS(CTXPAR_PROBE_STEP)
     CTXPAR_PROBE_CHAINS(CTXPAR_PROBE_KEEP)
   }
-  const double s = thread_seconds() - t0;
+  const double s = thread_cpu_seconds() - t0;
   __m512 sum = _mm512_setzero_ps();
   CTXPAR_PROBE_CHAINS(CTXPAR_PROBE_SUM)
   volatile float sink = _mm512_cvtss_f32(sum);

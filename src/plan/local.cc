@@ -13,6 +13,7 @@
 
 #include <unistd.h>
 
+#include "ctxpar/clock.h"
 #include "ctxpar/comm.h"
 #include "ctxpar/device.h"
 #include "ctxpar/error.h"
@@ -22,11 +23,6 @@
 
 namespace ctxpar {
 namespace {
-
-double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // Best of `repeats` timings of fn(), each repeated until it has run for at least `min_seconds`.
 template <typename Fn>
@@ -147,7 +143,7 @@ void measure_over_comm(const LocalOptions& o, Communicator& comm, LocalMeasureme
   comm.allreduce(sums, 2);
   m.forward_flops = sums[0] / o.ranks;
   m.backward_flops = sums[1] / o.ranks;
-  m.transport = comm.transport();
+  m.transport = transport_name(comm.transport());
   m.lends_sent_buffers = cpu_lends_sent_buffers(comm);
   if (o.ranks == 1) {  // nothing to send: no link, as for one thread
     m.link.gbytes_per_second = 1e6;

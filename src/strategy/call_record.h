@@ -2,26 +2,17 @@
 // strategies' forward / backward (StrategyStats, src/strategy/frame.cc) and inference's
 // prefill / decode (InferenceStats, src/inference/). Shared by the two layers.
 #pragma once
-#include <chrono>
 #include <cstdint>
-#include <ctime>
 #include <vector>
 
+#include "ctxpar/clock.h"
 #include "ctxpar/comm.h"
 #include "ctxpar/device.h"
 
 namespace ctxpar::strategy {
 
-inline double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-inline double thread_cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
-}
+using ctxpar::now_seconds;
+using ctxpar::thread_cpu_seconds;
 
 // What one rank did between a CallRecord's construction and its finish().
 struct CallMeasure {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ctxpar/agreement.h"
+#include "ctxpar/clock.h"
 #include "ctxpar/comm.h"
 #include "ctxpar/device.h"
 #include "ctxpar/kernel.h"

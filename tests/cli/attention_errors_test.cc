@@ -4,6 +4,7 @@
 
 #include <fstream>
 #include <string>
+#include <utility>
 
 #include "cli/cli_support.h"
 #include "ctxpar/mask.h"
@@ -57,6 +58,20 @@ TEST(CliAttentionErrors, InvalidCombinationsExit2WithWhatWouldWork) {
       EXPECT_NE(r.err.find(part), std::string::npos)
           << c.args << ": stderr lacks '" << part << "':\n" << r.err;
     EXPECT_TRUE(r.out.empty()) << c.args << ": nothing on stdout on refusal, got " << r.out;
+  }
+}
+
+// --transport is parsed once (transport_option): each command names the transports it takes.
+TEST(CliAttentionErrors, UnknownTransportNamesTheOnesTheCommandTakes) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"attention --seq 64 --transport tcp", "auto, threads, mpi, gloo, nccl or loopback"},
+      {"train --seq 64 --steps 1 --transport nccl", "auto, threads, mpi or gloo"},
+      {"decode --context 64 --tokens 1 --transport tcp", "auto, threads, mpi or gloo"}};
+  for (const auto& [args, names] : cases) {
+    const CommandResult r = run_ctxpar(args);
+    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.err;
+    EXPECT_NE(r.err.find(std::string("--transport must be ") + names + ", got '"),
+              std::string::npos) << args << ": " << r.err;
   }
 }
 

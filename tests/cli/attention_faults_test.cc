@@ -17,6 +17,7 @@
 
 #include "cli/cli_support.h"
 #include "ctxpar/npy.h"
+#include "held_port.h"
 #include "sanitizers.h"
 
 namespace ctxpar::test {
@@ -192,6 +193,22 @@ TEST(CliAttentionFaults, LauncherWithoutMpiIsRefusedWithHowToLaunch) {
   for (const char* env : {"SLURM_PROCID=0 SLURM_NTASKS=4", "WORLD_SIZE=1 RANK=0"}) {
     CommandResult r = run_shell(std::string("env ") + env + " " + ctxpar_path() + " " + kSmall);
     EXPECT_EQ(r.exit_code, 0) << env << ": " << r.err;
+  }
+}
+
+// The library reads no environment: the command reads CTXPAR_GLOO_IFNAME / CTXPAR_GLOO_HOST and
+// passes them to the gloo transport (GlooOptions::hostname_or_interface). A torchrun job of one
+// rank told to listen on a host that does not resolve is refused, naming it, by each command.
+TEST(CliAttentionFaults, GlooAddressVariablesReachTheTransport) {
+  for (const std::string& command : {std::string(kSmall), std::string("train --seq 64 --steps 1"),
+                                    std::string("decode --context 64 --tokens 1")}) {
+    const std::string env = "env RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                            std::to_string(ctxpar::test::free_port()) +
+                            " CTXPAR_GLOO_IFNAME= CTXPAR_GLOO_HOST=no-such-host.invalid ";
+    const CommandResult r = run_shell(env + ctxpar_path() + " " + command);
+    EXPECT_EQ(r.exit_code, 2) << command << ": " << r.err;
+    EXPECT_NE(r.err.find("cannot listen on host 'no-such-host.invalid'"), std::string::npos)
+        << command << ": " << r.err;
   }
 }
 

@@ -31,7 +31,7 @@ std::string message_of(const std::function<void()>& fn) {
 TEST(Mpi, IsLaunchedAsExpected) {
   Communicator& world = mpi_world();
   EXPECT_TRUE(launched_by_mpi());
-  EXPECT_EQ(world.transport(), "mpi");
+  EXPECT_EQ(world.transport(), TransportKind::mpi);
   EXPECT_GE(world.size(), 1);
 }
 

@@ -137,7 +137,7 @@ TEST(CudaNccl, UniqueIdOfRankZeroGoesThroughTheHostCommunicator) {
   FakeNccl fake;
   run_threads(3, [&](Communicator& host) {
     NcclCommunicator comm(host, fake.api());
-    EXPECT_EQ(comm.transport(), "nccl");
+    EXPECT_EQ(comm.transport(), TransportKind::nccl);
     EXPECT_EQ(comm.rank(), host.rank());
     EXPECT_EQ(comm.size(), 3);
     EXPECT_EQ(host.counters().calls_of(CommKind::allgather), 1u);  // the id's broadcast
@@ -305,7 +305,7 @@ TEST(CudaNccl, HostCollectivesAndSplitGoThroughTheHostCommunicator) {
     EXPECT_EQ(comm.counters().calls_of(CommKind::allreduce), 1u);
     std::unique_ptr<Communicator> sub = comm.split(r % 2, r);
     ASSERT_NE(sub, nullptr);
-    EXPECT_EQ(sub->transport(), "nccl");
+    EXPECT_EQ(sub->transport(), TransportKind::nccl);
     EXPECT_EQ(sub->size(), 2);
     EXPECT_EQ(sub->rank(), r / 2);
     EXPECT_NE(device_transport(*sub), nullptr);

@@ -28,7 +28,7 @@ void expect_no_errors(const std::vector<std::string>& errors) {
 TEST(Gloo, IsAvailableAndNamesItself) {
   EXPECT_TRUE(gloo_available());
   expect_no_errors(testing::run_gloo_threads(2, [](Communicator& comm) {
-    EXPECT_EQ(comm.transport(), "gloo");
+    EXPECT_EQ(comm.transport(), TransportKind::gloo);
     EXPECT_EQ(comm.size(), 2);
   }));
 }

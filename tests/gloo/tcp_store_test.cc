@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "comm/gloo_address.h"
@@ -23,6 +24,7 @@
 #include "comm/tcp_store.h"
 #include "ctxpar/gloo.h"
 #include "error_text.h"
+#include "held_port.h"
 
 namespace ctxpar::comm_detail {
 namespace {
@@ -308,6 +310,40 @@ TEST(GlooAddress, EachEntryIsCheckedOnItsOwn) {
   refused(family, "its entry for rank 1 is not an IPv4 or IPv6 socket address");
 }
 
+// libgloo's CreateDevice crashed (SIGSEGV) on a host name that does not resolve, where it
+// should have thrown: the name is resolved first, and refused naming it.
+TEST(GlooBootstrap, AHostThatDoesNotResolveIsRefusedNamingIt) {
+  GlooOptions o;
+  o.hostname_or_interface = "no-such-host.invalid";
+  o.timeout = seconds(2);
+  const std::string e = ctxpar::test::error_text([&] { GlooBootstrap(0, 2, o).address(); });
+  EXPECT_NE(e.find("gloo: rank 0 cannot listen on host 'no-such-host.invalid': the name does "
+                   "not resolve"), std::string::npos) << e;
+  EXPECT_NE(e.find("CTXPAR_GLOO_HOST=<address>"), std::string::npos) << e;
+}
+
+// The library reads no environment: CTXPAR_GLOO_IFNAME / CTXPAR_GLOO_HOST are read by the
+// command and the Python package and passed in as GlooOptions::hostname_or_interface. A
+// bootstrap given "" picks this host's address, whatever the variables say.
+TEST(GlooBootstrap, AnEmptyAddressIgnoresTheEnvironment) {
+  const char* const names[] = {"CTXPAR_GLOO_IFNAME", "CTXPAR_GLOO_HOST"};
+  std::vector<std::optional<std::string>> saved;
+  for (const char* name : names) {
+    const char* v = std::getenv(name);
+    saved.push_back(v ? std::optional<std::string>(v) : std::nullopt);
+  }
+  setenv("CTXPAR_GLOO_IFNAME", "", 1);
+  setenv("CTXPAR_GLOO_HOST", "no-such-host.invalid", 1);
+  GlooOptions o;
+  o.timeout = seconds(2);
+  const std::string e = ctxpar::test::error_text([&] { GlooBootstrap(0, 2, o).address(); });
+  for (size_t i = 0; i < saved.size(); ++i) {
+    if (saved[i]) setenv(names[i], saved[i]->c_str(), 1);
+    else unsetenv(names[i]);
+  }
+  EXPECT_EQ(e, "no error");
+}
+
 // Item 9: WORLD_SIZE=50000 built a pair per rank, ten a second, ignoring the timeout.
 TEST(GlooBootstrap, SizeIsBoundedAndThePairsByTheTimeout) {
   GlooOptions o;
@@ -353,25 +389,8 @@ TEST(GlooBootstrap, ABootstrapOfManyRanksGoesAwayAtOnce) {
 
 // ---- the rendezvous (item 9) ----------------------------------------------------------
 
-// A loopback port bound (not listening) while this lives: a connection to it is refused, and no
-// other process can listen there meanwhile.
-struct HeldPort {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  int port = 0;
-  HeldPort() {
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof(a);
-    ::bind(fd, reinterpret_cast<sockaddr*>(&a), len);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-    port = ntohs(a.sin_port);
-  }
-  ~HeldPort() { ::close(fd); }
-};
-
-// A port for rank 0's store (free when this returns; the store binds it at once).
-int free_port() { return HeldPort().port; }
+using ctxpar::test::free_port;
+using ctxpar::test::HeldPort;
 
 TorchrunEnv by_hand(int rank, int size, int port, const std::string& master = "127.0.0.1") {
   TorchrunEnv e;

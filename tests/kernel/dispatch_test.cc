@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "core/kernel_environment.h"
+#include "core/environment.h"
 #include "ctxpar/kernel.h"
 #include "kernel/peak.h"
 #include "kernel/problem.h"
@@ -135,7 +135,7 @@ TEST(Bf16Products, ThisCpusChoiceIsReported) {
   }
 }
 
-// The kernel's environment comes from the edge (core/kernel_environment.h reads the variables;
+// The kernel's environment comes from the edge (core/environment.h reads the variables;
 // this program installed them, environment_support.cc): the kernel keeps the one its choices
 // were made from, so a different one afterwards is refused, and the same one again is not.
 TEST(KernelEnvironment, ReadAtTheEdgeAndKeptOnceUsed) {

@@ -81,11 +81,11 @@ std::vector<Case> cases(int P) {
   return out;
 }
 
-// The transport this program was launched for: "mpi" (mpirun) or "gloo" (torchrun).
-std::string transport() { return ctxpar::launched_by_mpi() ? "mpi" : "gloo"; }
+// The transport this program was launched for: mpi (mpirun) or gloo (torchrun).
+ctxpar::TransportKind transport() { return ctxpar::launcher_transport(); }
 
 ctxpar::Communicator& world() {
-  return transport() == "mpi" ? ctxpar::mpi_world() : ctxpar::cli::gloo_world(60);
+  return transport() == ctxpar::TransportKind::mpi ? ctxpar::mpi_world() : ctxpar::cli::gloo_world(60);
 }
 
 int compare_with_threads() {
@@ -97,7 +97,7 @@ int compare_with_threads() {
     ctxpar::cli::AttentionResult mpi = ctxpar::cli::run_attention_job(c.job);
     if (!mpi.is_root) continue;  // rank 0 compares while the others go on to the next case
     AttentionJob threads_job = c.job;
-    threads_job.transport = "threads";
+    threads_job.transport = ctxpar::TransportKind::threads;
     ctxpar::cli::AttentionResult thr = ctxpar::cli::run_attention_job(threads_job);
     std::string bad;
     const std::pair<const char*, std::pair<const Tensor*, const Tensor*>> fields[] = {
@@ -137,7 +137,7 @@ int fault() {
     ring->forward(q, k, v, ctxpar::Tokens{pos, {}}, out, lse);
     std::this_thread::sleep_for(std::chrono::seconds(200));  // never reached on a correct abort
   };
-  if (transport() == "mpi") ctxpar::run_mpi(body);
+  if (transport() == ctxpar::TransportKind::mpi) ctxpar::run_mpi(body);
   else ctxpar::run_gloo(world(), body);
   std::printf("rank %d: fault run returned; the job was not ended\n", world().rank());
   return 1;

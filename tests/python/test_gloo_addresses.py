@@ -59,3 +59,14 @@ def test_from_torch_refuses_a_group_past_the_bound(monkeypatch):
     stand_in_for_torch(monkeypatch, 5000, [None] * 5000)
     with pytest.raises(ValueError, match=r"size must be in \[1, 1024\]"):
         ctxpar.Communicator.from_torch(None, timeout_s=2)
+
+
+def test_the_address_variables_reach_the_bootstrap(monkeypatch):
+    """The library reads no environment: the extension reads CTXPAR_GLOO_IFNAME / _HOST and
+    passes them to the C++ bootstrap. A host that does not resolve is refused naming it."""
+    monkeypatch.setenv("CTXPAR_GLOO_IFNAME", "")
+    monkeypatch.setenv("CTXPAR_GLOO_HOST", "no-such-host.invalid")
+    with pytest.raises(_ctxpar.Error, match="cannot listen on host 'no-such-host.invalid'"):
+        _ctxpar._GlooBootstrap(0, 2, 2000)
+    monkeypatch.delenv("CTXPAR_GLOO_HOST")
+    assert _ctxpar._GlooBootstrap(0, 2, 2000).address().startswith(b"CTXPARG1")

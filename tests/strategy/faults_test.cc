@@ -194,7 +194,7 @@ class FailingComm final : public Communicator {
       : inner_(inner), fail_at_(fail_at), drop_(drop), recv_timeout_(recv_timeout) {}
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
-  std::string transport() const override { return inner_.transport(); }
+  TransportKind transport() const override { return inner_.transport(); }
   bool shares_send_buffers() const override { return inner_.shares_send_buffers(); }
   Request isend(Buffer&& buf, int peer, int tag) override {
     if (++sends_ == fail_at_) {

@@ -133,25 +133,79 @@ bool labels_preserve_ids(std::span<const int32_t> labels, std::span<const int64_
   return true;
 }
 
-}  // namespace
+// dK, dV when every query row was a reference row: the sums of the chunks' contributions.
+void compare_summed_key_grads(const CheckInputs& in, const std::vector<reference::Result>& ref,
+                              const std::vector<reference::Result>& naive, ErrorAcc& e_dk,
+                              ErrorAcc& e_dv) {
+  const int64_t B = in.q.dim(0), T = in.q.dim(1), D = in.q.dim(3), Hkv = in.k.dim(2);
+  const int64_t chunks = static_cast<int64_t>(ref.size());
+  const size_t n = static_cast<size_t>(B * T * Hkv * D);
+  std::vector<double> rdk(n, 0), rdv(n, 0), ndk(n, 0), ndv(n, 0);
+  for (int64_t c = 0; c < chunks; ++c)
+    for (size_t x = 0; x < n; ++x) {
+      rdk[x] += ref[c].dk[x], rdv[x] += ref[c].dv[x];
+      ndk[x] += naive[c].dk[x], ndv[x] += naive[c].dv[x];
+    }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t d = 0; d < D; ++d) {
+          const size_t x = static_cast<size_t>(((b * T + t) * Hkv + h) * D + d);
+          e_dk.add(in.dk.get(b, t, h, d), ndk[x], rdk[x]);
+          e_dv.add(in.dv.get(b, t, h, d), ndv[x], rdv[x]);
+        }
+}
 
-void check_against_reference(const CheckInputs& in, double budget, int threads,
-                             AttentionResult& result) {
+// dK, dV on `count` evenly spaced key rows when the query rows were a sample: fp64 and naive
+// fp32 sums over all queries, from the run's LSE and O. Returns the key rows.
+std::vector<int64_t> compare_sampled_key_grads(const CheckInputs& in, int64_t count, int threads,
+                                               ErrorAcc& e_dk, ErrorAcc& e_dv) {
   const int64_t B = in.q.dim(0), T = in.q.dim(1), Hq = in.q.dim(2), D = in.q.dim(3);
   const int64_t Hkv = in.k.dim(2);
-  const bool backward = !in.dout.empty();
-  const double per_row = static_cast<double>(B) * Hq * T * D;
-  const int64_t budget_rows = static_cast<int64_t>(budget / per_row);
-  const int64_t count = std::min<int64_t>(T, std::max<int64_t>(16, budget_rows));
-  const std::vector<int64_t> rows = spaced_rows(T, count);
-  const bool sampled = static_cast<int64_t>(rows.size()) < T;
-  const int64_t S = static_cast<int64_t>(rows.size());
+  const std::vector<int64_t> key_rows = spaced_rows(T, count);
+  Tensor q = Tensor::copy_of(in.q, DType::f32), k = Tensor::copy_of(in.k, DType::f32);
+  Tensor v = Tensor::copy_of(in.v, DType::f32), dout = Tensor::copy_of(in.dout, DType::f32);
+  Tensor out = Tensor::copy_of(in.out, DType::f32), lse = Tensor::copy_of(in.lse, DType::f32);
+  const int64_t nk = static_cast<int64_t>(key_rows.size());
+  std::vector<double> r64(nk * B * Hkv * 2 * D);
+  std::vector<float> r32(r64.size());
+  parallel_for(nk * B * Hkv, threads, [&](int64_t x) {
+    const int64_t hk = x % Hkv, b = (x / Hkv) % B, j = key_rows[x / (Hkv * B)];
+    key_row_grads<double>(q.ptr<float>(), k.ptr<float>(), v.ptr<float>(), dout.ptr<float>(),
+                          out.ptr<float>(), lse.ptr<float>(), in.tokens, in.mask, T, Hq, Hkv,
+                          D, b, j, hk, &r64[x * 2 * D], &r64[x * 2 * D + D]);
+    key_row_grads<float>(q.ptr<float>(), k.ptr<float>(), v.ptr<float>(), dout.ptr<float>(),
+                         out.ptr<float>(), lse.ptr<float>(), in.tokens, in.mask, T, Hq, Hkv,
+                         D, b, j, hk, &r32[x * 2 * D], &r32[x * 2 * D + D]);
+  });
+  for (int64_t x = 0; x < nk * B * Hkv; ++x) {
+    const int64_t hk = x % Hkv, b = (x / Hkv) % B, j = key_rows[x / (Hkv * B)];
+    for (int64_t d = 0; d < D; ++d) {
+      e_dk.add(in.dk.get(b, j, hk, d), r32[x * 2 * D + d], r64[x * 2 * D + d]);
+      e_dv.add(in.dv.get(b, j, hk, d), r32[x * 2 * D + D + d], r64[x * 2 * D + D + d]);
+    }
+  }
+  return key_rows;
+}
 
-  // Reference over chunks of query rows, in parallel: fp64 and naive fp32 on the same rows.
+// The reference over chunks of the query rows `rows`, in parallel: fp64 and naive fp32 on the
+// same rows.
+struct ReferenceChunks {
+  std::vector<std::vector<int64_t>> rows;
+  std::vector<reference::Result> ref, naive;
+};
+
+ReferenceChunks reference_chunks(const CheckInputs& in, const std::vector<int64_t>& rows,
+                                 int threads, bool sampled) {
+  const bool backward = !in.dout.empty();
+  const int64_t S = static_cast<int64_t>(rows.size());
   const int64_t chunk = std::max<int64_t>(1, (S + 4 * threads - 1) / (4 * threads));
   const int64_t chunks = (S + chunk - 1) / chunk;
-  std::vector<reference::Result> ref(chunks), naive(chunks);
-  std::vector<std::vector<int64_t>> chunk_rows(chunks);
+  ReferenceChunks out;
+  out.ref.resize(chunks), out.naive.resize(chunks), out.rows.resize(chunks);
+  std::vector<reference::Result>& ref = out.ref;
+  std::vector<reference::Result>& naive = out.naive;
+  std::vector<std::vector<int64_t>>& chunk_rows = out.rows;
   for (int64_t c = 0; c < chunks; ++c)
     chunk_rows[c].assign(rows.begin() + c * chunk, rows.begin() + std::min(S, (c + 1) * chunk));
   const bool docs = !in.tokens.documents.empty();
@@ -175,7 +229,14 @@ void check_against_reference(const CheckInputs& in, double budget, int threads,
     // [B, T, Hkv, D] partial sums at once, or the chunks together would hold gigabytes.
     if (sampled) r.dk = {}, r.dv = {};
   });
+  return out;
+}
 
+// The checks' verdicts from the errors, each against its floor.
+void record_checks(const CheckInputs& in, const ErrorAcc& e_out, const ErrorAcc& e_lse,
+                   const ErrorAcc& e_dq, const ErrorAcc& e_dk, const ErrorAcc& e_dv,
+                   AttentionResult& result) {
+  const bool backward = !in.dout.empty();
   const bool bf16 = in.dtype == DType::bf16;
   // Floors, relative to the largest reference value: fp32 storage leaves only the arithmetic
   // (covered by 2 x naive32); bf16 storage also rounds O to 8 bits of mantissa (2^-9 relative),
@@ -186,67 +247,6 @@ void check_against_reference(const CheckInputs& in, double budget, int threads,
   const bool fast = bf16 && in.bf16_tier == Bf16Tier::fast;
   const double out_floor = fast ? reference::kFastBf16TierFloor : bf16 ? 0x1.0p-8 : f32_floor;
   const double grad_floor = bf16 ? 0x1.0p-7 : f32_floor;
-
-  ErrorAcc e_out, e_lse, e_dq, e_dk, e_dv;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const auto& cr = chunk_rows[c];
-    const int64_t sc = static_cast<int64_t>(cr.size());
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < sc; ++i)
-        for (int64_t h = 0; h < Hq; ++h) {
-          const int64_t li = (b * Hq + h) * sc + i;
-          e_lse.add(in.lse.get(b, h, cr[i]), naive[c].lse[li], ref[c].lse[li]);
-          for (int64_t d = 0; d < D; ++d) {
-            const int64_t oi = ((b * sc + i) * Hq + h) * D + d;
-            e_out.add(in.out.get(b, cr[i], h, d), naive[c].o[oi], ref[c].o[oi]);
-            if (backward) e_dq.add(in.dq.get(b, cr[i], h, d), naive[c].dq[oi], ref[c].dq[oi]);
-          }
-        }
-  }
-
-  std::vector<int64_t> key_rows;
-  if (backward && !sampled) {
-    // Every query row was a reference row: dK, dV are the sums of the chunks' contributions.
-    const size_t n = static_cast<size_t>(B * T * Hkv * D);
-    std::vector<double> rdk(n, 0), rdv(n, 0), ndk(n, 0), ndv(n, 0);
-    for (int64_t c = 0; c < chunks; ++c)
-      for (size_t x = 0; x < n; ++x) {
-        rdk[x] += ref[c].dk[x], rdv[x] += ref[c].dv[x];
-        ndk[x] += naive[c].dk[x], ndv[x] += naive[c].dv[x];
-      }
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t h = 0; h < Hkv; ++h)
-          for (int64_t d = 0; d < D; ++d) {
-            const size_t x = static_cast<size_t>(((b * T + t) * Hkv + h) * D + d);
-            e_dk.add(in.dk.get(b, t, h, d), ndk[x], rdk[x]);
-            e_dv.add(in.dv.get(b, t, h, d), ndv[x], rdv[x]);
-          }
-  } else if (backward) {
-    key_rows = spaced_rows(T, count);
-    Tensor q = Tensor::copy_of(in.q, DType::f32), k = Tensor::copy_of(in.k, DType::f32);
-    Tensor v = Tensor::copy_of(in.v, DType::f32), dout = Tensor::copy_of(in.dout, DType::f32);
-    Tensor out = Tensor::copy_of(in.out, DType::f32), lse = Tensor::copy_of(in.lse, DType::f32);
-    const int64_t nk = static_cast<int64_t>(key_rows.size());
-    std::vector<double> r64(nk * B * Hkv * 2 * D);
-    std::vector<float> r32(r64.size());
-    parallel_for(nk * B * Hkv, threads, [&](int64_t x) {
-      const int64_t hk = x % Hkv, b = (x / Hkv) % B, j = key_rows[x / (Hkv * B)];
-      key_row_grads<double>(q.ptr<float>(), k.ptr<float>(), v.ptr<float>(), dout.ptr<float>(),
-                            out.ptr<float>(), lse.ptr<float>(), in.tokens, in.mask, T, Hq, Hkv,
-                            D, b, j, hk, &r64[x * 2 * D], &r64[x * 2 * D + D]);
-      key_row_grads<float>(q.ptr<float>(), k.ptr<float>(), v.ptr<float>(), dout.ptr<float>(),
-                           out.ptr<float>(), lse.ptr<float>(), in.tokens, in.mask, T, Hq, Hkv,
-                           D, b, j, hk, &r32[x * 2 * D], &r32[x * 2 * D + D]);
-    });
-    for (int64_t x = 0; x < nk * B * Hkv; ++x) {
-      const int64_t hk = x % Hkv, b = (x / Hkv) % B, j = key_rows[x / (Hkv * B)];
-      for (int64_t d = 0; d < D; ++d) {
-        e_dk.add(in.dk.get(b, j, hk, d), r32[x * 2 * D + d], r64[x * 2 * D + d]);
-        e_dv.add(in.dv.get(b, j, hk, d), r32[x * 2 * D + D + d], r64[x * 2 * D + D + d]);
-      }
-    }
-  }
 
   result.checked = true;
   result.checks = {finish("out", e_out, out_floor), finish("lse", e_lse, f32_floor)};
@@ -270,6 +270,52 @@ void check_against_reference(const CheckInputs& in, double budget, int threads,
     double ratio = c.tolerance > 0 ? c.max_abs_err / c.tolerance : c.max_abs_err;
     if (ratio > worst) worst = ratio, result.max_abs_err = c.max_abs_err, result.tolerance = c.tolerance;
   }
+}
+
+}  // namespace
+
+void check_against_reference(const CheckInputs& in, double budget, int threads,
+                             AttentionResult& result) {
+  const int64_t B = in.q.dim(0), T = in.q.dim(1), Hq = in.q.dim(2), D = in.q.dim(3);
+  const bool backward = !in.dout.empty();
+  const double per_row = static_cast<double>(B) * Hq * T * D;
+  const int64_t budget_rows = static_cast<int64_t>(budget / per_row);
+  const int64_t count = std::min<int64_t>(T, std::max<int64_t>(16, budget_rows));
+  const std::vector<int64_t> rows = spaced_rows(T, count);
+  const bool sampled = static_cast<int64_t>(rows.size()) < T;
+  const int64_t S = static_cast<int64_t>(rows.size());
+
+  const ReferenceChunks chunked = reference_chunks(in, rows, threads, sampled);
+  const std::vector<reference::Result>& ref = chunked.ref;
+  const std::vector<reference::Result>& naive = chunked.naive;
+  const std::vector<std::vector<int64_t>>& chunk_rows = chunked.rows;
+  const int64_t chunks = static_cast<int64_t>(chunk_rows.size());
+
+  ErrorAcc e_out, e_lse, e_dq, e_dk, e_dv;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const auto& cr = chunk_rows[c];
+    const int64_t sc = static_cast<int64_t>(cr.size());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < sc; ++i)
+        for (int64_t h = 0; h < Hq; ++h) {
+          const int64_t li = (b * Hq + h) * sc + i;
+          e_lse.add(in.lse.get(b, h, cr[i]), naive[c].lse[li], ref[c].lse[li]);
+          for (int64_t d = 0; d < D; ++d) {
+            const int64_t oi = ((b * sc + i) * Hq + h) * D + d;
+            e_out.add(in.out.get(b, cr[i], h, d), naive[c].o[oi], ref[c].o[oi]);
+            if (backward) e_dq.add(in.dq.get(b, cr[i], h, d), naive[c].dq[oi], ref[c].dq[oi]);
+          }
+        }
+  }
+
+  std::vector<int64_t> key_rows;
+  if (backward && !sampled) {
+    compare_summed_key_grads(in, ref, naive, e_dk, e_dv);
+  } else if (backward) {
+    key_rows = compare_sampled_key_grads(in, count, threads, e_dk, e_dv);
+  }
+
+  record_checks(in, e_out, e_lse, e_dq, e_dk, e_dv, result);
   result.check_sampled = sampled;
   result.check_query_rows = sampled ? rows : std::vector<int64_t>{};
   result.check_key_rows = key_rows;

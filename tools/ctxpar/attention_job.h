@@ -7,6 +7,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ctxpar/comm.h"
+#include "ctxpar/launch.h"
 #include "ctxpar/layout.h"
 #include "ctxpar/mask.h"
 #include "ctxpar/strategy.h"
@@ -37,17 +39,31 @@ uint64_t token_seed(uint64_t seed, int which, int64_t b, int64_t t);
 // each copy would run the whole job alone (a UsageError saying how to launch it).
 void refuse_foreign_launcher(const char* command);
 
-// Started by torchrun: its four variables, or the two that foreign_launcher() reads (then
-// gloo_from_torchrun_env names the one missing).
-bool torchrun_job();
+// --transport: "auto" (launcher_transport(): mpi under mpirun, gloo under torchrun, else
+// threads) or the name of one of `allowed`; a UsageError listing them otherwise.
+TransportKind transport_option(const std::string& given, std::initializer_list<TransportKind> allowed);
 
-// This torchrun job's gloo communicator (gloo_from_torchrun_env), made on first use with the
-// given timeout; kept until the process exits.
+// Under mpirun, MPI first (unless --transport threads): from there on a rank's error ends
+// every rank at once (main.cc), where a rank that exits before MPI_Init, on a bad option,
+// would leave the others waiting in it.
+void join_mpi_first(const std::string& transport_option);
+
+// How the command joins a torchrun job over gloo: `timeout_seconds` (at least 1 s), at the
+// address CTXPAR_GLOO_IFNAME / CTXPAR_GLOO_HOST name (environment::gloo_interface).
+GlooOptions gloo_options(double timeout_seconds);
+// This torchrun job's gloo communicator (ctxpar::gloo_world(gloo_options(timeout_seconds)),
+// made on first use; kept until the process exits).
 Communicator& gloo_world(double timeout_seconds);
+// The world of a job of one rank per process on `kind` (host_transport: nccl's is mpirun's or
+// torchrun's): mpi_world(), else gloo_world(timeout_seconds).
+Communicator& process_world(TransportKind kind, double timeout_seconds);
 
-// run_threads for a command: a rank that fails once the ranks run becomes a RankFailure (exit
-// 1, as under MPI), while run_threads refusing its arguments before any rank starts stays a
-// ctxpar::Error (exit 2).
+// launch() for a command: on the threads transport a rank that fails once the ranks run
+// becomes a RankFailure (exit 1, as under MPI), while run_threads refusing its arguments
+// before any rank starts stays a ctxpar::Error (exit 2).
+void launch_ranks(TransportKind kind, int ranks, const std::function<void(Communicator&)>& fn,
+                  const LaunchOptions& options);
+// launch_ranks on the threads transport.
 void run_rank_threads(int ranks, const std::function<void(Communicator&)>& fn,
                       const ThreadsOptions& options = {});
 
@@ -71,7 +87,7 @@ struct AttentionJob {
   int ulysses_degree = 0;
   int ulysses_groups = 0;  // StrategyOptions::ulysses_groups (CTXPAR_ULYSSES_GROUPS)
   LayoutKind layout = LayoutKind::contiguous;
-  std::string transport = "threads";  // "threads" | "mpi" | "gloo"
+  TransportKind transport = TransportKind::threads;
   DeviceOptions device;               // --device cpu | sim, --sim-seed
   int threads = 1;                    // OpenMP threads per rank
   bool backward = false;

@@ -2,28 +2,19 @@
 // attention job as `ctxpar attention` (attention_job.h), writes one row per run to
 // results.json and results.csv after every run (so Ctrl-C keeps what finished), prints a
 // short table, and draws the plots with scripts/plot_cp.py. See docs/cli-files.md.
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
-#include <set>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "attention_job.h"
+#include "bench_cp_files.h"
 #include "ctxpar/memory.h"
-#include "ctxpar/npy.h"
 #include "options.h"
 #include "progress.h"
-
-extern char** environ;
 
 namespace ctxpar::cli {
 namespace {
@@ -41,153 +32,6 @@ struct Combo {
                           layout_name(layout));
   }
 };
-
-// ---- results.json / results.csv ----------------------------------------------------------
-
-// One CSV column per figure: objects and arrays of objects flatten to dotted names
-// ("ranks.3.peak_bytes"); an array of plain values stays one cell, space-separated.
-void flatten(const json& j, const std::string& prefix, std::vector<std::pair<std::string, std::string>>& out) {
-  auto cell = [](const json& v) -> std::string {
-    if (v.is_string()) return v.get<std::string>();
-    if (v.is_null()) return "";
-    return v.dump();
-  };
-  if (j.is_object()) {
-    for (auto it = j.begin(); it != j.end(); ++it)
-      flatten(it.value(), prefix.empty() ? it.key() : prefix + '.' + it.key(), out);
-  } else if (j.is_array() && std::any_of(j.begin(), j.end(), [](const json& v) { return v.is_structured(); })) {
-    for (size_t i = 0; i < j.size(); ++i) flatten(j[i], prefix + '.' + std::to_string(i), out);
-  } else if (j.is_array()) {
-    std::string s;
-    for (const auto& v : j) {
-      if (!s.empty()) s += ' ';
-      s += cell(v);
-    }
-    out.emplace_back(prefix, s);
-  } else {
-    out.emplace_back(prefix, cell(j));
-  }
-}
-
-std::string csv_field(const std::string& s) {
-  if (s.find_first_of(",\"\n\r") == std::string::npos) return s;
-  std::string q = "\"";
-  for (char c : s) q += c == '"' ? std::string("\"\"") : std::string(1, c);
-  return q + "\"";
-}
-
-std::string to_csv(const std::vector<json>& rows) {
-  std::vector<std::vector<std::pair<std::string, std::string>>> flat(rows.size());
-  for (size_t i = 0; i < rows.size(); ++i) flatten(rows[i], "", flat[i]);
-  // Columns: what identifies a run first, then the union of every row's figures; the row with
-  // the most ranks sets the order, so ranks.0..ranks.P-1 come out in rank order.
-  std::vector<std::string> columns = {"seq", "num_ranks", "strategy", "layout", "mask"};
-  std::set<std::string> seen(columns.begin(), columns.end());
-  std::vector<size_t> order(rows.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t a, size_t b) { return flat[a].size() > flat[b].size(); });
-  for (size_t i : order)
-    for (const auto& [k, v] : flat[i])
-      if (seen.insert(k).second) columns.push_back(k);
-  // The run's own figures before the per-rank ones (ranks.0.tokens, ...).
-  std::stable_partition(columns.begin(), columns.end(),
-                        [](const std::string& c) { return c.find('.') == std::string::npos; });
-  std::string out;
-  for (size_t c = 0; c < columns.size(); ++c) {
-    if (c) out += ',';
-    out += csv_field(columns[c]);
-  }
-  out += "\n";
-  for (const auto& row : flat) {
-    for (size_t c = 0; c < columns.size(); ++c) {
-      if (c) out += ",";
-      for (const auto& [k, v] : row)
-        if (k == columns[c]) {
-          out += csv_field(v);
-          break;
-        }
-    }
-    out += "\n";
-  }
-  return out;
-}
-
-void write_results(const fs::path& dir, const json& sweep, const std::vector<json>& rows,
-                   const json& skipped, bool complete, bool interrupted) {
-  json j;
-  j["sweep"] = sweep;
-  j["runs"] = rows;
-  j["skipped"] = skipped;
-  j["complete"] = complete;
-  j["interrupted"] = interrupted;
-  write_file_atomic((dir / "results.json").string(), j.dump(1) + "\n");
-  write_file_atomic((dir / "results.csv").string(), to_csv(rows));
-}
-
-// ---- plots ------------------------------------------------------------------------------
-
-// scripts/plot_cp.py: --plot-script, $CTXPAR_PLOT_SCRIPT, the source tree this binary was
-// built from, or beside the binary (build dir inside the source tree, or an install prefix).
-std::string find_plot_script(const std::string& given) {
-  if (!given.empty()) return given;
-  if (const char* env = std::getenv("CTXPAR_PLOT_SCRIPT")) return env;
-  std::vector<fs::path> candidates = {fs::path(__FILE__).parent_path() / "../../scripts/plot_cp.py"};
-  std::error_code ec;
-  fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  if (!ec) {
-    candidates.push_back(exe.parent_path() / "../scripts/plot_cp.py");
-    candidates.push_back(exe.parent_path() / "../share/ctxpar/plot_cp.py");
-  }
-  for (const auto& c : candidates)
-    if (fs::exists(c, ec)) return fs::weakly_canonical(c, ec).string();
-  return "";
-}
-
-// Runs `python -I script results.json --out dir` with its output on our stderr; returns its exit
-// status (127: python could not be started).
-int run_plot_script(const std::string& python, const std::string& script, const fs::path& dir) {
-  std::string results = (dir / "results.json").string(), out = dir.string();
-  // -I (isolated): neither the working folder, the script's folder, PYTHONPATH nor the user's
-  // site-packages is searched, so a json.py planted beside the results is never imported.
-  std::vector<char*> argv = {const_cast<char*>(python.c_str()), const_cast<char*>("-I"),
-                             const_cast<char*>(script.c_str()), results.data(),
-                             const_cast<char*>("--out"), out.data(), nullptr};
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, STDERR_FILENO, STDOUT_FILENO);  // keep stdout for the table
-  pid_t pid;
-  int rc = posix_spawn(&pid, python.c_str(), &fa, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) return 127;
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
-void draw_plots(const Options& opts, const fs::path& dir) {
-  const std::string python = opts.str("python");
-  const std::string script = find_plot_script(opts.str("plot-script"));
-  if (script.empty()) {
-    std::fprintf(stderr, "plots skipped: scripts/plot_cp.py not found (give --plot-script PATH); "
-                         "results.json and results.csv are written\n");
-    return;
-  }
-  if (access(python.c_str(), X_OK) != 0) {
-    std::fprintf(stderr, "plots skipped: %s not found (apt-get install python3-matplotlib); "
-                         "results.json and results.csv are written\n", python.c_str());
-    return;
-  }
-  const int rc = run_plot_script(python, script, dir);
-  if (rc == 3)  // plot_cp.py's code for "matplotlib is missing"
-    std::fprintf(stderr, "plots skipped: %s has no matplotlib (apt-get install "
-                         "python3-matplotlib); results.json and results.csv are written\n",
-                 python.c_str());
-  else if (rc != 0)
-    std::fprintf(stderr, "plots failed: %s %s exited with %d; results.json and results.csv are "
-                         "written\n", python.c_str(), script.c_str(), rc);
-}
 
 // ---- the table on stdout ----------------------------------------------------------------
 
@@ -241,9 +85,23 @@ auto parse_list(const Options& opts, const std::string& name, Parse parse) {
   return out;
 }
 
-}  // namespace
+// What the sweep varies and what it keeps (the options, checked: a UsageError naming one).
+struct Sweep {
+  std::vector<int64_t> seqs;
+  std::vector<int> ranks;
+  std::vector<StrategyKind> strategies;
+  std::vector<LayoutKind> layouts;
+  AttentionJob base;
+  int ulysses_degree = 0;  // hybrid's
+};
 
-int bench_cp(int argc, char** argv) {
+// The runs in order, and the combinations left out with the reason.
+struct SweepPlan {
+  std::vector<Combo> runs;
+  json skipped = json::array();
+};
+
+Options bench_cp_options() {
   Options opts("bench cp",
                "Sweeps context-parallel attention over sequence lengths, rank counts, strategies "
                "and layouts (threads transport), skipping invalid combinations with a note. "
@@ -269,25 +127,21 @@ int bench_cp(int argc, char** argv) {
       .example("ctxpar bench cp --seq 4096,16384,65536 --ranks 1,2,4,8 --strategy "
                "ring,allgather,ulysses --layout contiguous,zigzag,striped --mask causal --out cp")
       .example("ctxpar bench cp --seq 2048 --ranks 4 --backward --link-gbps 25 --out slow-link");
-  if (!opts.parse(argc, argv)) return 0;
-  if (launched_by_mpi())
-    throw UsageError("bench cp sweeps P on the threads transport inside one process; run it "
-                     "without mpirun (for MPI timings: mpirun -n P ctxpar attention ...)");
-  if (const ForeignLauncher l = foreign_launcher(); l.ranks > 0)
-    throw UsageError("started by " + l.name + " as " + std::to_string(l.ranks) +
-                     " processes, each of which would run the whole sweep: bench cp sweeps P on "
-                     "the threads transport inside one process; run it once, without a launcher");
+  return opts;
+}
 
-  const auto seqs = parse_list(opts, "seq", [](const std::string& s) {
+Sweep sweep_from_options(const Options& opts) {
+  Sweep w;
+  w.seqs = parse_list(opts, "seq", [](const std::string& s) {
     return whole_number_in("seq", s, 1, kMaxTokens);
   });
-  const auto ranks = parse_list(opts, "ranks", [](const std::string& s) {
+  w.ranks = parse_list(opts, "ranks", [](const std::string& s) {
     return static_cast<int>(whole_number_in("ranks", s, 1, kMaxThreadsRanks, kThreadsRanksNote));
   });
-  const auto strategies = parse_list(opts, "strategy", [](const std::string& s) { return parse_strategy(s); });
-  const auto layouts = parse_list(opts, "layout", [](const std::string& s) { return parse_layout(s); });
+  w.strategies = parse_list(opts, "strategy", [](const std::string& s) { return parse_strategy(s); });
+  w.layouts = parse_list(opts, "layout", [](const std::string& s) { return parse_layout(s); });
 
-  AttentionJob base;
+  AttentionJob& base = w.base;
   try {
     base.mask = parse_mask(opts.str("mask"));
     base.dtype = parse_dtype(opts.str("dtype"));
@@ -303,87 +157,91 @@ int bench_cp(int argc, char** argv) {
   base.check = opts.on("check");
   base.link.gbytes_per_second = opts.num_or_zero("link-gbps", kMinLinkGbps, kMaxLinkGbps);
   base.link.latency_us = opts.num("link-latency-us", 0, kMaxLinkLatencyUs);
-  const int ulysses_degree = opts.i32("ulysses-degree", 0, kMaxThreadsRanks);
+  w.ulysses_degree = opts.i32("ulysses-degree", 0, kMaxThreadsRanks);
   memory_limit();  // a bad CTXPAR_MEMORY_LIMIT_BYTES: exit 2 now, not a skip of every run
+  return w;
+}
 
-  // The plan: short sequences first, so an interrupted sweep has whole small sizes. At P = 1
-  // every layout is the same run, so only the first layout listed runs there.
-  std::vector<Combo> plan;
-  json skipped = json::array();
+AttentionJob job_of(const Sweep& w, const Combo& c) {
+  AttentionJob job = w.base;
+  job.seq = c.seq, job.ranks = c.ranks, job.strategy = c.strategy, job.layout = c.layout;
+  job.ulysses_degree = c.strategy == StrategyKind::hybrid ? w.ulysses_degree : 0;
+  return job;
+}
+
+// Short sequences first, so an interrupted sweep has whole small sizes. At P = 1 every layout
+// is the same run, so only the first layout listed runs there. Prints the skips (stderr).
+SweepPlan plan_sweep(const Sweep& w) {
+  SweepPlan plan;
   std::vector<std::string> notes;
-  std::vector<int64_t> sorted_seqs = seqs;
+  std::vector<int64_t> sorted_seqs = w.seqs;
   std::sort(sorted_seqs.begin(), sorted_seqs.end());
-  std::vector<int> sorted_ranks = ranks;
+  std::vector<int> sorted_ranks = w.ranks;
   std::sort(sorted_ranks.begin(), sorted_ranks.end());
   bool p1_note = false;
   for (int64_t T : sorted_seqs)
     for (int P : sorted_ranks)
-      for (StrategyKind s : strategies)
-        for (size_t li = 0; li < layouts.size(); ++li) {
-          Combo c{T, P, s, layouts[li]};
+      for (StrategyKind s : w.strategies)
+        for (size_t li = 0; li < w.layouts.size(); ++li) {
+          Combo c{T, P, s, w.layouts[li]};
           if (P == 1 && li > 0) {
             p1_note = true;
             continue;
           }
-          AttentionJob job = base;
-          job.seq = T, job.ranks = P, job.strategy = s, job.layout = c.layout;
-          job.ulysses_degree = s == StrategyKind::hybrid ? ulysses_degree : 0;
           try {
-            validate(job);
-            plan.push_back(c);
+            validate(job_of(w, c));
+            plan.runs.push_back(c);
           } catch (const Error& e) {
             notes.push_back("skip " + c.name() + ": " + e.what());
-            skipped.push_back({{"seq", T}, {"num_ranks", P}, {"strategy", strategy_name(s)},
-                               {"layout", layout_name(c.layout)}, {"reason", e.what()}});
+            plan.skipped.push_back({{"seq", T}, {"num_ranks", P}, {"strategy", strategy_name(s)},
+                                    {"layout", layout_name(c.layout)}, {"reason", e.what()}});
           }
         }
-  if (p1_note && layouts.size() > 1)
+  if (p1_note && w.layouts.size() > 1)
     notes.push_back(std::string("note: at P=1 every layout is the same run; running ") +
-                    layout_name(layouts[0]) + " only");
+                    layout_name(w.layouts[0]) + " only");
   for (const auto& n : notes) std::fprintf(stderr, "%s\n", n.c_str());
-  if (plan.empty())
-    throw UsageError("no valid combination to run (every one was skipped, see above)");
-  std::fprintf(stderr, "bench cp: %zu runs, %zu skipped\n", plan.size(), skipped.size());
-  if (opts.on("dry-run")) {
-    for (const Combo& c : plan) std::printf("run %s\n", c.name().c_str());
-    return 0;
-  }
+  return plan;
+}
 
-  const fs::path dir = opts.str("out");
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec || !fs::is_directory(dir))
-    throw Error("--out " + dir.string() + ": cannot create the directory (" + ec.message() + ")");
-  json sweep = {{"seq", seqs}, {"ranks", ranks}, {"mask", opts.str("mask")},
+// results.json's "sweep": what was asked for.
+json sweep_record(const Options& opts, const Sweep& w) {
+  const AttentionJob& base = w.base;
+  json sweep = {{"seq", w.seqs}, {"ranks", w.ranks}, {"mask", opts.str("mask")},
                 {"batch", base.batch}, {"heads", base.heads}, {"kv_heads", base.kv_heads},
                 {"head_dim", base.head_dim}, {"dtype", opts.str("dtype")},
                 {"bf16_tier", bf16_tier_name(base.bf16_tier)},
                 {"threads", base.threads}, {"backward", base.backward}, {"check", base.check},
                 {"repeats", base.repeats}, {"transport", "threads"}};
   std::vector<std::string> names;
-  for (auto s : strategies) names.push_back(strategy_name(s));
+  for (auto s : w.strategies) names.push_back(strategy_name(s));
   sweep["strategy"] = names;
   names.clear();
-  for (auto l : layouts) names.push_back(layout_name(l));
+  for (auto l : w.layouts) names.push_back(layout_name(l));
   sweep["layout"] = names;
+  return sweep;
+}
 
+// Runs the plan into `dir`, writing the results after every run; the table, the plots. The
+// exit status: 130 interrupted, 1 a check failed, else 0.
+int run_sweep(const Options& opts, const Sweep& w, SweepPlan plan, const fs::path& dir) {
+  const json sweep = sweep_record(opts, w);
+  json& skipped = plan.skipped;
   install_interrupt_handler();
   std::vector<json> rows;
   bool failed_check = false;
   write_results(dir, sweep, rows, skipped, false, false);
   {
-    Progress bar("bench cp", static_cast<int64_t>(plan.size()));
+    Progress bar("bench cp", static_cast<int64_t>(plan.runs.size()));
     // A run's cost grows as T^2 (attention) whatever P: the ETA weighs runs by it.
     auto work = [&](const Combo& c) { return static_cast<double>(c.seq) * static_cast<double>(c.seq); };
     double total_work = 0;
-    for (const Combo& c : plan) total_work += work(c);
+    for (const Combo& c : plan.runs) total_work += work(c);
     bar.set_work(total_work);
-    for (const Combo& c : plan) {
+    for (const Combo& c : plan.runs) {
       if (interrupted()) break;
       bar.note(c.name());
-      AttentionJob job = base;
-      job.seq = c.seq, job.ranks = c.ranks, job.strategy = c.strategy, job.layout = c.layout;
-      job.ulysses_degree = c.strategy == StrategyKind::hybrid ? ulysses_degree : 0;
+      const AttentionJob job = job_of(w, c);
       try {
         AttentionResult result = run_attention_job(job);
         json row = to_json(job, result);
@@ -407,13 +265,43 @@ int bench_cp(int argc, char** argv) {
   write_results(dir, sweep, rows, skipped, !stopped, stopped);
   if (stopped)
     std::fprintf(stderr, "bench cp: interrupted after %zu of %zu runs; kept in %s\n", rows.size(),
-                 plan.size(), dir.c_str());
-  if (!rows.empty()) print_table(rows, base.backward);
+                 plan.runs.size(), dir.c_str());
+  if (!rows.empty()) print_table(rows, w.base.backward);
   std::fflush(stdout);  // the table before the plot script's messages, also through a pipe
   std::fprintf(stderr, "wrote %s and %s\n", (dir / "results.json").c_str(), (dir / "results.csv").c_str());
   if (!rows.empty() && !opts.on("no-plots")) draw_plots(opts, dir);
   if (stopped) return 130;
   return failed_check ? 1 : 0;
+}
+
+}  // namespace
+
+int bench_cp(int argc, char** argv) {
+  Options opts = bench_cp_options();
+  if (!opts.parse(argc, argv)) return 0;
+  if (launched_by_mpi())
+    throw UsageError("bench cp sweeps P on the threads transport inside one process; run it "
+                     "without mpirun (for MPI timings: mpirun -n P ctxpar attention ...)");
+  if (const ForeignLauncher l = foreign_launcher(); l.ranks > 0)
+    throw UsageError("started by " + l.name + " as " + std::to_string(l.ranks) +
+                     " processes, each of which would run the whole sweep: bench cp sweeps P on "
+                     "the threads transport inside one process; run it once, without a launcher");
+
+  const Sweep w = sweep_from_options(opts);
+  SweepPlan plan = plan_sweep(w);
+  if (plan.runs.empty())
+    throw UsageError("no valid combination to run (every one was skipped, see above)");
+  std::fprintf(stderr, "bench cp: %zu runs, %zu skipped\n", plan.runs.size(), plan.skipped.size());
+  if (opts.on("dry-run")) {
+    for (const Combo& c : plan.runs) std::printf("run %s\n", c.name().c_str());
+    return 0;
+  }
+  const fs::path dir = opts.str("out");
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec || !fs::is_directory(dir))
+    throw Error("--out " + dir.string() + ": cannot create the directory (" + ec.message() + ")");
+  return run_sweep(opts, w, std::move(plan), dir);
 }
 
 }  // namespace ctxpar::cli

@@ -33,9 +33,16 @@ void time_once(Best& best, int threads, const std::function<void()>& run) {
   best.cpu = std::min(best.cpu, (kernel::process_cpu_seconds() - c0) / threads);
 }
 
-}  // namespace
+// The measurement `ctxpar bench kernel` makes: the shape, dtype and tier, threads, repeats.
+struct KernelBench {
+  int64_t t = 0, hq = 0, hkv = 0, d = 0, b = 0;
+  int threads = 1, repeats = 1;
+  DType dtype = DType::f32;
+  Bf16Tier tier = Bf16Tier::exact;
+  bool backward = true;
+};
 
-int bench_kernel(int argc, char** argv) {
+Options bench_kernel_options() {
   Options o("bench kernel",
             "Forward and backward throughput of the single-rank attention kernel on random\n"
             "inputs, against the FMA peak of this machine for the same thread count, measured\n"
@@ -53,17 +60,22 @@ int bench_kernel(int argc, char** argv) {
       .flag("no-backward", "skip the backward measurements")
       .flag("json", "print one JSON object instead of text");
   o.example("ctxpar bench kernel --seq 4096 --heads 8 --head-dim 128 --threads 1 --json");
-  if (!o.parse(argc, argv)) return 0;
-  const int64_t t = o.i64("seq", 1, kMaxTokens), hq = o.i64("heads", 1, kMaxHeads);
-  const int64_t d = o.i64("head-dim", 16, 256), b = o.i64("batch", 1, kMaxBatch);
-  const int64_t kv = o.i64("kv-heads", 0, kMaxHeads), hkv = kv > 0 ? kv : hq;
-  const int threads = threads_option(o);
-  const int repeats = o.i32("repeats", 1, kMaxRepeats);
-  const DType dtype = parse_dtype(o.str("dtype"));
-  const Bf16Tier tier = bf16_tier_option(o);
+  return o;
+}
+
+// The options, checked before anything is allocated (a UsageError or ctxpar::Error naming one).
+KernelBench kernel_bench_from_options(const Options& o) {
+  KernelBench kb;
+  const int64_t t = kb.t = o.i64("seq", 1, kMaxTokens), hq = kb.hq = o.i64("heads", 1, kMaxHeads);
+  const int64_t d = kb.d = o.i64("head-dim", 16, 256), b = kb.b = o.i64("batch", 1, kMaxBatch);
+  const int64_t kv = o.i64("kv-heads", 0, kMaxHeads), hkv = kb.hkv = kv > 0 ? kv : hq;
+  const int threads = kb.threads = threads_option(o);
+  kb.repeats = o.i32("repeats", 1, kMaxRepeats);
+  const DType dtype = kb.dtype = parse_dtype(o.str("dtype"));
+  kb.tier = bf16_tier_option(o);
   CTXPAR_CHECK(t >= 1 && hq >= 1 && b >= 1 && threads >= 1, "bench kernel: --seq, --heads, --batch "
                "and --threads must be >= 1");
-  const bool backward = !o.on("no-backward");
+  kb.backward = !o.on("no-backward");
   // Every option is checked before anything is allocated (--kv-heads 65536 was refused only
   // by the kernel, after a long time filling 1 GiB). A shape whose count overflows int64 is
   // refused by Tensor itself (B*T*H*D = 2^64 of in-range options made a 64-byte tensor).
@@ -82,6 +94,17 @@ int bench_kernel(int argc, char** argv) {
                  limit.shortfall(need), ", or lower --seq, --heads, --head-dim or --batch");
   }
 
+  return kb;
+}
+
+// Times the forward and backward, unmasked and causal, and the FMA peak: the best of
+// `repeats` each. Returns the figures as --json prints them.
+nlohmann::json run_kernel_bench(const KernelBench& kb) {
+  const int64_t t = kb.t, hq = kb.hq, hkv = kb.hkv, d = kb.d, b = kb.b;
+  const int threads = kb.threads, repeats = kb.repeats;
+  const DType dtype = kb.dtype;
+  const Bf16Tier tier = kb.tier;
+  const bool backward = kb.backward;
   Tensor q(dtype, {b, t, hq, d}), k(dtype, {b, t, hkv, d}), v(dtype, {b, t, hkv, d});
   Tensor dout(dtype, {b, t, hq, d});
   fill_normal(q, 1), fill_normal(k, 2), fill_normal(v, 3), fill_normal(dout, 4);
@@ -144,10 +167,17 @@ int bench_kernel(int argc, char** argv) {
     j["bwd_peak_ratio"] = 2.5 * full / bwd.wall / 1e9 / peak.gflops;
     j["bwd_peak_ratio_cpu"] = 2.5 * full / bwd.cpu / 1e9 / peak.cpu_gflops;
   }
-  if (o.on("json")) {
-    std::printf("%s\n", j.dump().c_str());
-    return 0;
-  }
+  return j;
+}
+
+// The figures of run_kernel_bench as a table.
+void print_kernel_bench(const KernelBench& kb, const nlohmann::json& j) {
+  const int64_t t = kb.t, hq = kb.hq, hkv = kb.hkv, d = kb.d, b = kb.b;
+  const int threads = kb.threads, repeats = kb.repeats;
+  const DType dtype = kb.dtype;
+  const bool backward = kb.backward;
+  kernel::Peak peak;
+  peak.gflops = j["peak_gflops"], peak.cpu_gflops = j["peak_gflops_cpu"];
   std::printf("kernel T=%lld Hq=%lld Hkv=%lld D=%lld B=%lld %s, %d thread(s), SIMD %s x%d, best of %d\n",
               (long long)t, (long long)hq, (long long)hkv, (long long)d, (long long)b,
               dtype_name(dtype), threads, kernel::simd_target_name(), kernel::simd_lanes(), repeats);
@@ -169,6 +199,20 @@ int bench_kernel(int argc, char** argv) {
   }
   std::printf("  causal / non-causal forward (unmasked FLOPs): %.2f (wall), %.2f (cpu)\n",
               double(j["causal_fwd_vs_fwd"]), double(j["causal_fwd_vs_fwd_cpu"]));
+}
+
+}  // namespace
+
+int bench_kernel(int argc, char** argv) {
+  Options o = bench_kernel_options();
+  if (!o.parse(argc, argv)) return 0;
+  const KernelBench kb = kernel_bench_from_options(o);
+  const nlohmann::json j = run_kernel_bench(kb);
+  if (o.on("json")) {
+    std::printf("%s\n", j.dump().c_str());
+    return 0;
+  }
+  print_kernel_bench(kb, j);
   return 0;
 }
 

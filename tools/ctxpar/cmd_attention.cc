@@ -104,19 +104,18 @@ AttentionJob job_from(const Options& o) {
   job.strategy = parse_strategy(o.str("strategy"));
   job.ulysses_degree = o.i32("ulysses-degree", 0, kMaxProcesses);
   job.layout = parse_layout(o.str("layout"));
-  check_gpu_transport(o.str("transport"), o.str("device"));
+  using enum TransportKind;
+  job.transport = transport_option(o.str("transport"), {threads, mpi, gloo, nccl, loopback});
+  check_gpu_transport(job.transport, o.str("device"));
   job.device = device_of(o);
-  job.transport = o.str("transport");
-  if (job.transport == "auto")
-    job.transport = launched_by_mpi() ? "mpi" : torchrun_job() ? "gloo" : "threads";
-  job.ranks = job.transport == "threads" ? o.i32("ranks", 1, kMaxThreadsRanks, kThreadsRanksNote)
-                                         : o.i32("ranks", 1, kMaxProcesses);
-  if (job.transport == "mpi" && !o.given("ranks") && launched_by_mpi())
+  job.ranks = job.transport == threads ? o.i32("ranks", 1, kMaxThreadsRanks, kThreadsRanksNote)
+                                       : o.i32("ranks", 1, kMaxProcesses);
+  if (job.transport == mpi && !o.given("ranks") && launched_by_mpi())
     job.ranks = mpi_world().size();
   job.timeout_seconds = o.num("timeout", kMinTimeout, kMaxTimeout);
-  if (job.transport == "gloo" && !o.given("ranks") && torchrun_job())
+  if (job.transport == gloo && !o.given("ranks") && torchrun_job())
     job.ranks = gloo_world(job.timeout_seconds).size();
-  if (job.transport == "nccl" && !o.given("ranks"))  // (a launcher: check_gpu_transport)
+  if (job.transport == nccl && !o.given("ranks"))  // (a launcher: check_gpu_transport)
     job.ranks = launched_by_mpi() ? mpi_world().size() : gloo_world(job.timeout_seconds).size();
   job.link.gbytes_per_second = o.num_or_zero("link-gbps", kMinLinkGbps, kMaxLinkGbps);
   job.link.latency_us = o.num("link-latency-us", 0, kMaxLinkLatencyUs);
@@ -181,7 +180,7 @@ void print_table(const AttentionJob& job, const AttentionResult& r) {
   if (job.strategy == StrategyKind::hybrid)
     how += " (ulysses groups of " + std::to_string(job.ulysses_degree ? job.ulysses_degree : job.ranks) + ")";
   std::printf("%s over %d ranks, %s layout, %s transport, %d thread%s per rank\n\n", how.c_str(),
-              job.ranks, layout_name(job.layout), job.transport.c_str(), job.threads,
+              job.ranks, layout_name(job.layout), transport_name(job.transport), job.threads,
               job.threads == 1 ? "" : "s");
   std::printf("%5s %10s %12s %9s %9s %11s %11s %12s\n", "rank", "tokens", "work GFLOP", "busy s",
               "wait s", "sent", "received", "peak memory");
@@ -262,7 +261,7 @@ Signature signature_of(const Options& o, const AttentionJob& job) {
           {"bf16-tier", bf16_tier_name(job.bf16_tier)},
           {"ranks", num(job.ranks)}, {"strategy", strategy_name(job.strategy)},
           {"ulysses-degree", num(job.ulysses_degree)}, {"layout", layout_name(job.layout)},
-          {"transport", job.transport}, {"seed", num(job.seed)}, {"repeats", num(job.repeats)},
+          {"transport", transport_name(job.transport)}, {"seed", num(job.seed)}, {"repeats", num(job.repeats)},
           {"backward", job.backward ? "on" : "off"}, {"check", job.check ? "on" : "off"},
           {"check-budget", o.str("check-budget")}, {"out", o.given("out") ? "given" : ""},
           {"json", o.on("json") ? "on" : "off"}, {"documents", ints(job.document_ids)},
@@ -279,15 +278,15 @@ int cmd_attention(int argc, char** argv) {
   if (!torchrun_job()) refuse_foreign_launcher("attention");
   // Under mpirun, MPI first: from here on a rank's error ends every rank at once (main.cc),
   // where a rank that exits before MPI_Init would leave the others waiting in it.
-  if (launched_by_mpi() && o.str("transport") != "threads") mpi_world();
+  join_mpi_first(o.str("transport"));
   AttentionJob job = job_from(o);
-  // (--transport mpi without mpirun is refused by validate, with how to start it.)
-  const bool nccl = job.transport == "nccl";  // over mpirun's ranks, else torchrun's
-  const bool under_mpi = (job.transport == "mpi" || nccl) && launched_by_mpi();
-  const bool under_torchrun =
-      (job.transport == "gloo" || nccl) && !under_mpi && launched_by_torchrun();
+  // (--transport mpi without mpirun is refused by validate, with how to start it; nccl runs
+  // over mpirun's ranks, else torchrun's.)
+  const TransportKind host = host_transport(job.transport);
+  const bool under_mpi = host == TransportKind::mpi && launched_by_mpi();
+  const bool under_torchrun = host == TransportKind::gloo && !under_mpi && launched_by_torchrun();
   if (under_mpi || under_torchrun) {
-    Communicator& world = under_mpi ? mpi_world() : gloo_world(job.timeout_seconds);
+    Communicator& world = process_world(job.transport, job.timeout_seconds);
     world.set_timeout(
         std::chrono::milliseconds(static_cast<int64_t>(std::max(1.0, job.timeout_seconds) * 1000)));
     agree_on_options(world, signature_of(o, job));

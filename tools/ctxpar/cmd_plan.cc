@@ -134,9 +134,7 @@ HardwareSpec hardware_from(const Options& o, const PlanInput& in) {
   return h;
 }
 
-}  // namespace
-
-int cmd_plan(int argc, char** argv) {
+Options plan_options() {
   Options o("plan",
             "Memory, FLOPs, communication and ring overlap of context-parallel training for a "
             "model on a cluster (see docs/plan.md).");
@@ -180,16 +178,18 @@ int cmd_plan(int argc, char** argv) {
       .example("ctxpar plan --model llama3-70b --seq 1M --cp 16 --tp 8 --hardware h100 --compare")
       .example("ctxpar plan --hardware local --layers 1 --hidden 512 --heads 4 --ffn 1024 "
                "--vocab 1000 --seq 8192 --cp 4 --link-gbps 1 --json");
-  if (!o.parse(argc, argv)) return 0;
+  return o;
+}
 
-  PlanInput in;
-  in.model = model_from(o);
+// --seq, or --video-hours x 3600 x --fps x --tokens-per-frame.
+int64_t plan_seq(const Options& o) {
   if (o.given("video-hours")) {
     if (o.given("seq")) throw UsageError("give --seq or --video-hours, not both");
     const double hours = o.num("video-hours", 1e-6, 1e6), fps = o.num("fps", 1e-6, 1e4);
     const int64_t per_frame = o.i64("tokens-per-frame", 1, 1 << 20);
+    int64_t seq = 0;
     try {
-      in.seq = video_tokens(hours, fps, per_frame);
+      seq = video_tokens(hours, fps, per_frame);
     } catch (const Error&) {  // past int64: the library names its arguments, say the flags
       throw Error(detail::concat(
           "--video-hours x 3600 x --fps x --tokens-per-frame is ",
@@ -197,13 +197,20 @@ int cmd_plan(int argc, char** argv) {
           " tokens, past int64 (more than the largest --seq); lower --video-hours, --fps or "
           "--tokens-per-frame"));
     }
-    if (in.seq > kMaxTokens)
+    if (seq > kMaxTokens)
       throw UsageError("--video-hours x 3600 x --fps x --tokens-per-frame is " +
-                       std::to_string(in.seq) + " tokens, more than the largest --seq (" +
+                       std::to_string(seq) + " tokens, more than the largest --seq (" +
                        std::to_string(kMaxTokens) + ")");
-  } else {
-    in.seq = o.i64("seq", 1, kMaxTokens);
+    return seq;
   }
+  return o.i64("seq", 1, kMaxTokens);
+}
+
+// The plan's input from the options, checked; --cp auto: the smallest cp that fits.
+PlanInput plan_from_options(const Options& o) {
+  PlanInput in;
+  in.model = model_from(o);
+  in.seq = plan_seq(o);
   in.batch = o.i64("batch", 1, kMaxBatch);
   in.dp = o.i32("dp", 1, kMaxProcesses);
   in.tp = o.i32("tp", 1, kMaxProcesses);
@@ -237,6 +244,16 @@ int cmd_plan(int argc, char** argv) {
           " to see that plan (it will show what does not fit)"));
   }
   in.hardware = hardware_from(o, in);
+  return in;
+}
+
+}  // namespace
+
+int cmd_plan(int argc, char** argv) {
+  Options o = plan_options();
+  if (!o.parse(argc, argv)) return 0;
+  const PlanInput in = plan_from_options(o);
+  const bool local = o.str("hardware") == "local";
   const Plan plan = make_plan(in, o.on("compare"));
   if (local && launched_by_mpi() && mpi_world().rank() != 0) return 0;  // rank 0 prints
   if (o.on("json")) {

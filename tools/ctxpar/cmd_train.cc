@@ -19,6 +19,7 @@
 #include "attention_job.h"
 #include "ctxpar/gloo.h"
 #include "commands.h"
+#include "core/environment.h"
 #include "ctxpar/comm.h"
 #include "ctxpar/error.h"
 #include "ctxpar/model.h"
@@ -114,12 +115,10 @@ void check_output_paths(const std::vector<std::pair<const char*, std::string>>& 
 }
 
 // Ranks of this job on this machine: they share its memory. OpenMPI, MPICH and torchrun say
-// how many.
+// how many (environment::Launcher::local_size, 0 when none does).
 int ranks_on_this_machine(bool one_per_process, int ranks) {
   if (!one_per_process) return ranks;
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE"})
-    if (const char* v = std::getenv(var)) return std::max(1, std::atoi(v));
-  return 1;
+  return std::max(1, environment::launcher().local_size);
 }
 
 // Every option that changes the trained weights or the schedule of the ranks' messages, for
@@ -201,7 +200,17 @@ int cmd_train(int argc, char** argv) {
 }
 
 namespace {
-int train_command(int argc, char** argv) {
+
+// What `ctxpar train` runs: the parsed, checked options (train_from_options).
+struct TrainRun {
+  TrainConfig config;
+  TransportKind transport = TransportKind::threads;
+  int ranks = 1;
+  std::string png;  // the loss curve to draw from the --log ("" = none)
+  bool quiet = false;
+};
+
+Options train_options() {
   Options o("train",
             "Train a byte-level decoder-only transformer whose attention is split across ranks\n"
             "(context parallelism). Without --data it trains on a built-in long-range task: L\n"
@@ -246,13 +255,14 @@ int train_command(int argc, char** argv) {
       .example("ctxpar train --seq 16384 --ranks 2 --strategy allgather --layout contiguous")
       .example("mpirun -n 4 ctxpar train --seq 8192 --dp 2 --cp 2")
       .example("ctxpar train --data book.txt --seq 2048 --save ck.safetensors --save-every 50");
-  if (!o.parse(argc, argv)) return 0;
-  if (!torchrun_job()) refuse_foreign_launcher("train");
-  // Under mpirun, MPI first: from here on a rank's error ends every rank at once (main.cc),
-  // instead of leaving the others in MPI_Init.
-  if (launched_by_mpi() && o.str("transport") != "threads") mpi_world();
+  return o;
+}
 
-  TrainConfig c;
+// The options of a parsed command line, checked (a UsageError naming the option): the
+// model, the ranks and the files the run writes, which the ranks of a launcher's job agree on.
+TrainRun train_from_options(const Options& o) {
+  TrainRun run;
+  TrainConfig& c = run.config;
   constexpr int64_t kMaxSteps = int64_t{1} << 40;
   c.seq = o.i64("seq", 1, kMaxTokens);
   c.steps = o.i64("steps", 1, kMaxSteps);
@@ -284,23 +294,20 @@ int train_command(int argc, char** argv) {
   c.dump_path = o.str("dump-grads");
   if (c.threads < 1) throw UsageError("--threads must be >= 1");
 
-  const std::string transport = o.str("transport");
-  if (transport != "auto" && transport != "threads" && transport != "mpi" && transport != "gloo")
-    throw UsageError("--transport must be auto, threads, mpi or gloo, got '" + transport + "'");
-  const bool use_mpi = transport == "mpi" || (transport == "auto" && launched_by_mpi());
-  const bool use_gloo =
-      transport == "gloo" || (transport == "auto" && !launched_by_mpi() && torchrun_job());
-  if (use_gloo && !torchrun_job())
+  using enum TransportKind;
+  const TransportKind transport = run.transport =
+      transport_option(o.str("transport"), {threads, mpi, gloo});
+  if (transport == gloo && !torchrun_job())
     throw UsageError("--transport gloo needs the job started by torchrun, e.g. torchrun "
                      "--nproc-per-node 4 --no-python ctxpar train ...; or use --transport threads");
   // One rank per process (mpirun's or torchrun's): the world communicator.
-  const bool one_per_process = use_mpi || use_gloo;
-  auto world = [&]() -> Communicator& { return use_mpi ? mpi_world() : gloo_world(120); };
+  const bool one_per_process = transport_traits(transport).one_rank_per_process;
+  auto world = [&]() -> Communicator& { return process_world(transport, 120); };
   if (one_per_process && c.device.kind != DeviceKind::cpu)
     throw UsageError("--device sim runs on the threads transport only; use --device cpu under "
                      "mpirun or torchrun");
-  int ranks = one_per_process ? world().size()
-                              : o.i32("ranks", 1, kMaxThreadsRanks, kThreadsRanksNote);
+  const int ranks = run.ranks =
+      one_per_process ? world().size() : o.i32("ranks", 1, kMaxThreadsRanks, kThreadsRanksNote);
   if (ranks < 1) throw UsageError("--ranks must be >= 1");
   c.dp = o.i32("dp", 1, kMaxProcesses);
   const int cp = o.i32("cp", 0, kMaxProcesses);
@@ -315,7 +322,7 @@ int train_command(int argc, char** argv) {
   // option that changes the result or the schedule, within seconds and naming it.
   if (one_per_process) agree_on_options(world(), train_signature(c), "train");
   check_train_memory(c, ranks_on_this_machine(one_per_process, ranks), memory_limit());
-  std::string png = o.on("no-plot") ? "" : o.str("plot");
+  std::string& png = run.png = o.on("no-plot") ? "" : o.str("plot");
   if (o.on("no-plot") && o.given("plot"))
     throw UsageError("--plot and --no-plot contradict each other; give one");
   if (png.empty() && !o.on("no-plot") && !c.log_path.empty()) {
@@ -327,8 +334,16 @@ int train_command(int argc, char** argv) {
   if (!one_per_process || world().rank() == 0)  // rank 0 writes them
     check_output_paths({{"save", c.save_path}, {"log", c.log_path},
                         {"plot", c.log_path.empty() ? "" : png}, {"dump-grads", c.dump_path}});
+  run.quiet = o.on("quiet");
+  return run;
+}
 
-  const bool quiet = o.on("quiet");
+// Trains on the run's ranks; rank 0 prints a line per step and the summary, and draws the
+// loss curve.
+int run_train(const TrainRun& run) {
+  const TrainConfig& c = run.config;
+  const bool quiet = run.quiet;
+  const bool one_per_process = transport_traits(run.transport).one_rank_per_process;
   const bool tty = isatty(fileno(stderr));
   std::unique_ptr<Progress> bar;
   double sum_tps = 0;
@@ -356,14 +371,14 @@ int train_command(int argc, char** argv) {
   };
   if (!quiet)
     std::printf("ctxpar train: T=%lld, %d ranks (dp %d x cp %d, %s, %s, %s), model %s, %s\n",
-                (long long)c.seq, ranks, c.dp, c.cp, strategy_name(c.strategy),
-                layout_name(c.layout), use_mpi ? "mpi" : use_gloo ? "gloo" : "threads",
+                (long long)c.seq, run.ranks, c.dp, c.cp, strategy_name(c.strategy),
+                layout_name(c.layout), transport_name(run.transport),
                 c.model.describe().c_str(),
                 c.data_path.empty() ? "built-in copy task" : c.data_path.c_str());
-  if (use_mpi) run_mpi(body);
-  else if (use_gloo) run_gloo(world(), body);
-  else run_threads(ranks, body);
-  const bool leader = !one_per_process || world().rank() == 0;
+  LaunchOptions launch_options;
+  launch_options.gloo = gloo_options(120);
+  launch(run.transport, run.ranks, body, launch_options);
+  const bool leader = !one_per_process || process_world(run.transport, 120).rank() == 0;
   if (bar) bar->finish();
   if (first_step > c.steps) {
     // Nothing was trained, so there is no loss to report and nothing new to save or plot.
@@ -379,8 +394,16 @@ int train_command(int argc, char** argv) {
                 last.loss, std::log(256.0), last.accuracy,
                 counted_steps ? sum_tps / double(counted_steps) : last.tokens_per_second,
                 bytes_text(double(last.peak_bytes_max)).c_str());
-  if (leader && !png.empty() && !c.log_path.empty()) plot_loss(c.log_path, png);
+  if (leader && !run.png.empty() && !c.log_path.empty()) plot_loss(c.log_path, run.png);
   return 0;
+}
+
+int train_command(int argc, char** argv) {
+  Options o = train_options();
+  if (!o.parse(argc, argv)) return 0;
+  if (!torchrun_job()) refuse_foreign_launcher("train");
+  join_mpi_first(o.str("transport"));
+  return run_train(train_from_options(o));
 }
 
 }  // namespace

@@ -41,10 +41,10 @@ void check_cuda_device() {
 #endif
 }
 
-void check_gpu_transport(const std::string& transport, const std::string& device) {
-  if (transport != "nccl" && transport != "loopback") return;
-  const bool nccl = transport == "nccl";
-  const std::string opt = "--transport " + transport;
+void check_gpu_transport(TransportKind transport, const std::string& device) {
+  if (!transport_traits(transport).needs_gpu) return;
+  const bool nccl = transport == TransportKind::nccl;
+  const std::string opt = std::string("--transport ") + transport_name(transport);
   if (device != "cuda")
     throw Error(opt + (nccl ? " moves GPU memory between processes" : " runs P ranks on one GPU") +
                 " and needs --device cuda (got --device " + device + "); add --device cuda, or "

@@ -6,6 +6,7 @@
 #include <ctime>
 #include <numeric>
 
+#include "ctxpar/clock.h"
 #include "ctxpar/npy.h"
 #include "cuda/external.h"
 #include "job_internal.h"
@@ -23,12 +24,6 @@ uint64_t token_seed(uint64_t seed, int which, int64_t b, int64_t t) {
 namespace job {
 namespace {
 
-double thread_cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
 // shard [B, Tl, H, D]: row i is global token index[i], drawn from its own seed; padding rows
 // (index >= the layout's T) stay zero.
 void fill_shard(const TensorView& shard, const Layout& layout, const std::vector<int64_t>& index,
@@ -38,6 +33,58 @@ void fill_shard(const TensorView& shard, const Layout& layout, const std::vector
       if (!layout.is_padding(index[i]))
         fill_normal(shard.slice(0, b, b + 1).slice(1, i, i + 1),
                     token_seed(seed, which, b, index[i]));
+}
+
+// Rank r's shards of q, k, v (and dO): a library caller's tensors, the rows of the input
+// files, or drawn from the seed; and the outputs it writes. `index`: the rank's global token
+// index per row (layout.positions(r)).
+void make_shards(const AttentionJob& job, const Layout& layout, int r,
+                 const std::vector<int64_t>& index, RankData& rd) {
+  const int64_t B = job.batch, Tl = layout.local_tokens(), Hq = job.heads;
+  const int64_t Hkv = kv_heads_of(job), D = job.head_dim;
+  auto input = [&](const Tensor& given, const InputFile& file, int64_t heads, int which) {
+    if (!given.empty()) return Tensor::copy_of(layout.shard(given, r), job.dtype);
+    if (file.given()) {
+      // The real tokens' rows (padding, indices >= T, ends the increasing index), read as fp32
+      // and then stored as job.dtype: the same rounding as a whole-file read. Padding rows
+      // stay zero, as layout.shard leaves them.
+      const std::vector<int64_t> real(index.begin(), index.begin() + rd.tokens);
+      Tensor rows = read_npy_rows(file.path, file.heads_first ? 2 : 1, real, DType::f32,
+                                  &rd.input_bytes_read);
+      const Shape s = rows.shape();  // [B, H, T_real, D] -> [B, T_real, H, D] when heads first
+      const TensorView rows_bthd =
+          file.heads_first ? TensorView(rows.data(), rows.dtype(), {s[0], s[2], s[1], s[3]},
+                                        {s[1] * s[2] * s[3], s[3], s[2] * s[3], 1})
+                           : rows.view();
+      Tensor t(job.dtype, {B, Tl, heads, D});
+      copy_into(rows_bthd, t.view().slice(1, 0, rd.tokens));
+      return t;
+    }
+    Tensor t(job.dtype, {B, Tl, heads, D});
+    fill_shard(t, layout, index, job.seed, which);
+    return t;
+  };
+  rd.q = input(job.q, job.q_file, Hq, 0);
+  rd.k = input(job.k, job.k_file, Hkv, 1);
+  rd.v = input(job.v, job.v_file, Hkv, 2);
+  rd.out = Tensor(job.dtype, {B, Tl, Hq, D});
+  rd.lse = Tensor(DType::f32, {B, Hq, Tl});
+  if (job.backward) {
+    rd.dout = input(job.dout, job.dout_file, Hq, 3);
+    rd.dq = Tensor(DType::f32, {B, Tl, Hq, D});
+    rd.dk = Tensor(DType::f32, {B, Tl, Hkv, D});
+    rd.dv = Tensor(DType::f32, {B, Tl, Hkv, D});
+  }
+  for (const Tensor* t : {&rd.q, &rd.k, &rd.v, &rd.out, &rd.lse, &rd.dout, &rd.dq, &rd.dk, &rd.dv})
+    rd.shard_bytes += t->empty() ? 0 : t->bytes();
+}
+
+// Where the cuda device's blocks went (totals over the calls so far).
+void note_cudnn(Strategy& strategy, RankData& rd) {
+  cuda::CudnnReport c;
+  if (!cuda::cudnn_report(strategy.device(), &c)) return;
+  rd.cudnn_blocks = c.cudnn_blocks, rd.cudnn_calls = c.cudnn_calls;
+  rd.fallback_blocks = c.fallback_blocks, rd.cudnn_refused_blocks = c.refused_blocks;
 }
 
 }  // namespace
@@ -74,47 +121,11 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
 #endif
   const Layout layout(job.layout, job.seq, job.ranks);
   const std::vector<int64_t> index = layout.positions(r);
-  const int64_t B = job.batch, Tl = layout.local_tokens(), Hq = job.heads;
-  const int64_t Hkv = kv_heads_of(job), D = job.head_dim;
   rd.tokens = std::count_if(index.begin(), index.end(),
                             [&](int64_t t) { return !layout.is_padding(t); });
   rd.positions = layout.token_positions(r, seq.positions);
   if (!seq.documents.empty()) rd.documents = layout.shard(seq.documents, r);
-  auto input = [&](const Tensor& given, const InputFile& file, int64_t heads, int which) {
-    if (!given.empty()) return Tensor::copy_of(layout.shard(given, r), job.dtype);
-    if (file.given()) {
-      // The real tokens' rows (padding, indices >= T, ends the increasing index), read as fp32
-      // and then stored as job.dtype: the same rounding as a whole-file read. Padding rows
-      // stay zero, as layout.shard leaves them.
-      const std::vector<int64_t> real(index.begin(), index.begin() + rd.tokens);
-      Tensor rows = read_npy_rows(file.path, file.heads_first ? 2 : 1, real, DType::f32,
-                                  &rd.input_bytes_read);
-      const Shape s = rows.shape();  // [B, H, T_real, D] -> [B, T_real, H, D] when heads first
-      const TensorView rows_bthd =
-          file.heads_first ? TensorView(rows.data(), rows.dtype(), {s[0], s[2], s[1], s[3]},
-                                        {s[1] * s[2] * s[3], s[3], s[2] * s[3], 1})
-                           : rows.view();
-      Tensor t(job.dtype, {B, Tl, heads, D});
-      copy_into(rows_bthd, t.view().slice(1, 0, rd.tokens));
-      return t;
-    }
-    Tensor t(job.dtype, {B, Tl, heads, D});
-    fill_shard(t, layout, index, job.seed, which);
-    return t;
-  };
-  rd.q = input(job.q, job.q_file, Hq, 0);
-  rd.k = input(job.k, job.k_file, Hkv, 1);
-  rd.v = input(job.v, job.v_file, Hkv, 2);
-  rd.out = Tensor(job.dtype, {B, Tl, Hq, D});
-  rd.lse = Tensor(DType::f32, {B, Hq, Tl});
-  if (job.backward) {
-    rd.dout = input(job.dout, job.dout_file, Hq, 3);
-    rd.dq = Tensor(DType::f32, {B, Tl, Hq, D});
-    rd.dk = Tensor(DType::f32, {B, Tl, Hkv, D});
-    rd.dv = Tensor(DType::f32, {B, Tl, Hkv, D});
-  }
-  for (const Tensor* t : {&rd.q, &rd.k, &rd.v, &rd.out, &rd.lse, &rd.dout, &rd.dq, &rd.dk, &rd.dv})
-    rd.shard_bytes += t->empty() ? 0 : t->bytes();
+  make_shards(job, layout, r, index, rd);
 
   comm.set_timeout(std::chrono::milliseconds(static_cast<int64_t>(job.timeout_seconds * 1000)));
   std::unique_ptr<Strategy> strategy = Strategy::create(comm, strategy_options(job));
@@ -134,14 +145,7 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
     rd.fwd_cpu.push_back(thread_cpu_seconds() - c0);
     rd.fwd_stats.push_back(strategy->last_stats());
   }
-  // Where the cuda device's blocks went (totals over the calls so far).
-  auto note_cudnn = [&] {
-    cuda::CudnnReport c;
-    if (!cuda::cudnn_report(strategy->device(), &c)) return;
-    rd.cudnn_blocks = c.cudnn_blocks, rd.cudnn_calls = c.cudnn_calls;
-    rd.fallback_blocks = c.fallback_blocks, rd.cudnn_refused_blocks = c.refused_blocks;
-  };
-  note_cudnn();
+  note_cudnn(*strategy, rd);
   if (!job.backward) return;
   for (int rep = 0; rep < job.repeats; ++rep) {
     step(nth("backward", rep));
@@ -153,7 +157,7 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
     rd.bwd_cpu.push_back(thread_cpu_seconds() - c0);
     rd.bwd_stats.push_back(strategy->last_stats());
   }
-  note_cudnn();
+  note_cudnn(*strategy, rd);
 }
 
 }  // namespace job

@@ -8,6 +8,76 @@ namespace ctxpar::cli {
 
 using job::kv_heads_of;
 
+namespace {
+
+// One rank's figures (its cuDNN use on the cuda device).
+nlohmann::json rank_json(const RankReport& r, bool cuda) {
+  nlohmann::json j = {{"rank", r.rank},
+                      {"tokens", r.tokens},
+                      {"attention_flops", r.attention_flops},
+                      {"forward_flops", r.forward_flops},
+                      {"backward_flops", r.backward_flops},
+                      {"busy_seconds", r.busy_seconds},
+                      {"forward_busy_seconds", r.forward_busy_seconds},
+                      {"backward_busy_seconds", r.backward_busy_seconds},
+                      {"forward_cpu_seconds", r.forward_cpu_seconds},
+                      {"backward_cpu_seconds", r.backward_cpu_seconds},
+                      {"wall_seconds", r.wall_seconds},
+                      {"comm_wait_seconds", r.comm_wait_seconds},
+                      {"bytes_sent", r.bytes_sent},
+                      {"bytes_received", r.bytes_received},
+                      {"peak_bytes", r.peak_bytes},
+                      {"shard_bytes", r.shard_bytes},
+                      {"input_bytes_read", r.input_bytes_read}};
+  if (cuda)
+    j["cudnn"] = {{"blocks", r.cudnn_blocks},
+                 {"calls", r.cudnn_calls},
+                 {"fallback_blocks", r.fallback_blocks},
+                 {"refused_blocks", r.cudnn_refused_blocks}};
+  return j;
+}
+
+// cuDNN's version, or why it is off (CTXPAR_CUDNN, no libcudnn, too old, no GPU); where
+// the attention blocks went, over every rank, forward and backward, all repeats.
+nlohmann::json cudnn_json(const AttentionResult& result) {
+  nlohmann::json c = {{"used", !result.cudnn_version.empty()},
+                      {"version", result.cudnn_version.empty() ? nlohmann::json(nullptr)
+                                                               : nlohmann::json(result.cudnn_version)},
+                      {"off_reason", result.cudnn_off_reason.empty()
+                                         ? nlohmann::json(nullptr)
+                                         : nlohmann::json(result.cudnn_off_reason)}};
+  int64_t blocks = 0, calls = 0, fallback = 0, refused = 0;
+  for (const auto& r : result.ranks)
+    blocks += r.cudnn_blocks, calls += r.cudnn_calls, fallback += r.fallback_blocks,
+        refused += r.cudnn_refused_blocks;
+  c["blocks"] = blocks, c["calls"] = calls, c["fallback_blocks"] = fallback;
+  c["refused_blocks"] = refused;
+  return c;
+}
+
+// The check's verdict and each quantity's error against its tolerance.
+void put_check(const AttentionResult& result, nlohmann::json& j) {
+  j["check_passed"] = result.check_passed;
+  j["check_seconds"] = result.check_seconds;
+  j["max_abs_err"] = result.max_abs_err;
+  j["tolerance"] = result.tolerance;
+  nlohmann::json q = nlohmann::json::array();
+  for (const auto& c : result.checks)
+    q.push_back({{"name", c.name},
+                 {"max_abs_err", c.max_abs_err},
+                 {"naive32_err", c.naive_err},
+                 {"tolerance", c.tolerance},
+                 {"passed", c.passed}});
+  j["check"] = {{"sampled", result.check_sampled},
+                {"note", result.check_note},
+                {"rule", "max|run - fp64| <= 2 * max|naive fp32 - fp64| + floor"},
+                {"quantities", q},
+                {"query_rows", result.check_query_rows},
+                {"key_rows", result.check_key_rows}};
+}
+
+}  // namespace
+
 nlohmann::json to_json(const AttentionJob& job, const AttentionResult& result) {
   nlohmann::json j;
   j["command"] = "attention";
@@ -22,7 +92,7 @@ nlohmann::json to_json(const AttentionJob& job, const AttentionResult& result) {
                             ? (job.ulysses_degree ? job.ulysses_degree : job.ranks)
                             : (job.strategy == StrategyKind::ulysses ? job.ranks : 1);
   j["layout"] = layout_name(job.layout);
-  j["transport"] = job.transport;
+  j["transport"] = transport_name(job.transport);
   j["device"] = device_name(job.device.kind);
   j["threads"] = job.threads;
   j["backward"] = job.backward;
@@ -37,47 +107,10 @@ nlohmann::json to_json(const AttentionJob& job, const AttentionResult& result) {
   for (const auto& r : result.ranks) {
     fwd_flops += r.forward_flops, bwd_flops += r.backward_flops;
     total_flops += r.attention_flops, max_flops = std::max(max_flops, r.attention_flops);
-    ranks.push_back({{"rank", r.rank},
-                     {"tokens", r.tokens},
-                     {"attention_flops", r.attention_flops},
-                     {"forward_flops", r.forward_flops},
-                     {"backward_flops", r.backward_flops},
-                     {"busy_seconds", r.busy_seconds},
-                     {"forward_busy_seconds", r.forward_busy_seconds},
-                     {"backward_busy_seconds", r.backward_busy_seconds},
-                     {"forward_cpu_seconds", r.forward_cpu_seconds},
-                     {"backward_cpu_seconds", r.backward_cpu_seconds},
-                     {"wall_seconds", r.wall_seconds},
-                     {"comm_wait_seconds", r.comm_wait_seconds},
-                     {"bytes_sent", r.bytes_sent},
-                     {"bytes_received", r.bytes_received},
-                     {"peak_bytes", r.peak_bytes},
-                     {"shard_bytes", r.shard_bytes},
-                     {"input_bytes_read", r.input_bytes_read}});
-    if (job.device.kind == DeviceKind::cuda)
-      ranks.back()["cudnn"] = {{"blocks", r.cudnn_blocks},
-                               {"calls", r.cudnn_calls},
-                               {"fallback_blocks", r.fallback_blocks},
-                               {"refused_blocks", r.cudnn_refused_blocks}};
+    ranks.push_back(rank_json(r, job.device.kind == DeviceKind::cuda));
   }
   j["ranks"] = ranks;
-  if (job.device.kind == DeviceKind::cuda) {
-    // cuDNN's version, or why it is off (CTXPAR_CUDNN, no libcudnn, too old, no GPU); where
-    // the attention blocks went, over every rank, forward and backward, all repeats.
-    nlohmann::json c = {{"used", !result.cudnn_version.empty()},
-                        {"version", result.cudnn_version.empty() ? nlohmann::json(nullptr)
-                                                                 : nlohmann::json(result.cudnn_version)},
-                        {"off_reason", result.cudnn_off_reason.empty()
-                                           ? nlohmann::json(nullptr)
-                                           : nlohmann::json(result.cudnn_off_reason)}};
-    int64_t blocks = 0, calls = 0, fallback = 0, refused = 0;
-    for (const auto& r : result.ranks)
-      blocks += r.cudnn_blocks, calls += r.cudnn_calls, fallback += r.fallback_blocks,
-          refused += r.cudnn_refused_blocks;
-    c["blocks"] = blocks, c["calls"] = calls, c["fallback_blocks"] = fallback;
-    c["refused_blocks"] = refused;
-    j["cudnn"] = c;
-  }
+  if (job.device.kind == DeviceKind::cuda) j["cudnn"] = cudnn_json(result);
   j["forward_flops"] = fwd_flops;
   j["backward_flops"] = bwd_flops;
   j["forward_gflops_per_second"] =
@@ -87,25 +120,7 @@ nlohmann::json to_json(const AttentionJob& job, const AttentionResult& result) {
   j["load_balance"] = total_flops > 0 ? max_flops / (total_flops / result.ranks.size()) : 1.0;
   j["single_rank_bytes"] = result.single_rank_bytes;
   j["scores_bytes"] = result.scores_bytes;
-  if (result.checked) {
-    j["check_passed"] = result.check_passed;
-    j["check_seconds"] = result.check_seconds;
-    j["max_abs_err"] = result.max_abs_err;
-    j["tolerance"] = result.tolerance;
-    nlohmann::json q = nlohmann::json::array();
-    for (const auto& c : result.checks)
-      q.push_back({{"name", c.name},
-                   {"max_abs_err", c.max_abs_err},
-                   {"naive32_err", c.naive_err},
-                   {"tolerance", c.tolerance},
-                   {"passed", c.passed}});
-    j["check"] = {{"sampled", result.check_sampled},
-                  {"note", result.check_note},
-                  {"rule", "max|run - fp64| <= 2 * max|naive fp32 - fp64| + floor"},
-                  {"quantities", q},
-                  {"query_rows", result.check_query_rows},
-                  {"key_rows", result.check_key_rows}};
-  }
+  if (result.checked) put_check(result, j);
   return j;
 }
 

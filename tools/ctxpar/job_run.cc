@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "attention_check.h"
+#include "core/environment.h"
 #include "ctxpar/gloo.h"
 #include "cuda/api.h"
 #include "cuda/cudnn_use.h"
@@ -38,27 +39,43 @@ void refuse_foreign_launcher(const char* command) {
                                          "torchrun, on the gloo transport)" : ""));
 }
 
-bool torchrun_job() {
-  return launched_by_torchrun() || foreign_launcher().name.rfind("torchrun", 0) == 0;
+TransportKind transport_option(const std::string& given,
+                               std::initializer_list<TransportKind> allowed) {
+  if (given == "auto") return launcher_transport();
+  std::string names = "auto";
+  for (TransportKind k : allowed) {
+    if (given == transport_name(k)) return k;
+    names += std::string(k == *(allowed.end() - 1) ? " or " : ", ") + transport_name(k);
+  }
+  throw UsageError("--transport must be " + names + ", got '" + given + "'");
+}
+
+void join_mpi_first(const std::string& transport_option) {
+  if (launched_by_mpi() && transport_option != transport_name(TransportKind::threads))
+    mpi_world();
+}
+
+GlooOptions gloo_options(double timeout_seconds) {
+  GlooOptions options;
+  options.timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(std::max(1.0, timeout_seconds) * 1000));
+  options.hostname_or_interface = environment::gloo_interface();
+  return options;
 }
 
 Communicator& gloo_world(double timeout_seconds) {
-  // Never destroyed: the sockets close when the process exits.
-  static Communicator* world = nullptr;
-  if (!world) {
-    GlooOptions options;
-    options.timeout =
-        std::chrono::milliseconds(static_cast<int64_t>(std::max(1.0, timeout_seconds) * 1000));
-    world = gloo_from_torchrun_env(options).release();
-  }
-  return *world;
+  return ctxpar::gloo_world(gloo_options(timeout_seconds));
 }
 
-void run_rank_threads(int ranks, const std::function<void(Communicator&)>& fn,
-                      const ThreadsOptions& options) {
+Communicator& process_world(TransportKind kind, double timeout_seconds) {
+  return host_transport(kind) == TransportKind::mpi ? mpi_world() : gloo_world(timeout_seconds);
+}
+
+void launch_ranks(TransportKind kind, int ranks, const std::function<void(Communicator&)>& fn,
+                  const LaunchOptions& options) {
   std::atomic<bool> started{false};
   try {
-    run_threads(ranks, [&](Communicator& comm) {
+    launch(kind, ranks, [&](Communicator& comm) {
       started = true;
       fn(comm);
     }, options);
@@ -66,6 +83,13 @@ void run_rank_threads(int ranks, const std::function<void(Communicator&)>& fn,
     if (started) throw RankFailure(e.what());
     throw;
   }
+}
+
+void run_rank_threads(int ranks, const std::function<void(Communicator&)>& fn,
+                      const ThreadsOptions& options) {
+  LaunchOptions launch;
+  launch.threads = options;
+  launch_ranks(TransportKind::threads, ranks, fn, launch);
 }
 
 namespace {
@@ -76,30 +100,25 @@ void run_over_nccl(Communicator& host, const AttentionJob& job,
                    const std::function<void(Communicator&)>& body) {
 #ifdef CTXPAR_HAVE_NCCL
   cuda::NcclOptions options;
-  options.cuda_device = 0;
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "LOCAL_RANK"})
-    if (const char* v = std::getenv(var)) {
-      options.cuda_device = std::max(0, std::atoi(v));
-      break;
-    }
+  options.cuda_device = std::max(0, environment::launcher().local_rank);
   options.timeout =
       std::chrono::milliseconds(static_cast<int64_t>(std::max(1.0, job.timeout_seconds) * 1000));
   std::unique_ptr<cuda::NcclCommunicator> comm = cuda::nccl_over(host, options);
   body(*comm);
 #else
   (void)host, (void)body;
-  throw Error(detail::concat("--transport ", job.transport, ": this ctxpar was built without "
-                             "NCCL (docs/cuda.md)"));
+  throw Error(detail::concat("--transport ", transport_name(job.transport), ": this ctxpar was "
+                             "built without NCCL (docs/cuda.md)"));
 #endif
 }
 
-// --transport loopback: P ranks as threads of this process on one GPU (LOCAL_RANK's, else the
-// first), their device memory exchanged by device-to-device copies (src/cuda/loopback.h); the
-// ranks' cuda devices share that GPU's CudaApi with the loopback world.
+// --transport loopback: P ranks as threads of this process on one GPU (the launcher's local
+// rank's, else the first), their device memory exchanged by device-to-device copies
+// (src/cuda/loopback.h); the ranks' cuda devices share that GPU's CudaApi with the loopback
+// world.
 void run_loopback(int P, const AttentionJob& job, const SequenceTokens& seq,
                   std::vector<RankData>& all, const ThreadsOptions& options) {
-  int index = 0;
-  if (const char* local = std::getenv("LOCAL_RANK")) index = std::max(0, std::atoi(local));
+  const int index = std::max(0, environment::launcher().local_rank);
   std::string why;
   std::shared_ptr<cuda::CudaApi> api;
 #ifdef CTXPAR_FAULT_HOOKS
@@ -132,20 +151,16 @@ void run_loopback(int P, const AttentionJob& job, const SequenceTokens& seq,
   }, options);
 }
 
-}  // namespace
-
-AttentionResult run_attention_job(const AttentionJob& job) {
-  validate(job);
-  const SequenceTokens seq = sequence_tokens(job);
+// Runs the job's ranks on its transport; `all` gets every rank's data on the root (this
+// process under threads or loopback; rank 0's process under a launcher). Returns whether this
+// process is the root.
+bool run_ranks(const AttentionJob& job, const SequenceTokens& seq, std::vector<RankData>& all) {
   const int P = job.ranks;
   const bool need_tensors = job.check || job.keep_outputs;
-  std::vector<RankData> all;
-  AttentionResult result;
-
-  if (job.transport == "mpi" || job.transport == "gloo" || job.transport == "nccl") {
+  if (transport_traits(job.transport).one_rank_per_process) {
     // One rank per process: mpirun's, or torchrun's over gloo (nccl: bootstrapped over either).
-    const bool mpi = job.transport == "mpi" || (job.transport == "nccl" && launched_by_mpi());
-    Communicator& world = mpi ? mpi_world() : gloo_world(job.timeout_seconds);
+    const bool mpi = host_transport(job.transport) == TransportKind::mpi;
+    Communicator& world = process_world(job.transport, job.timeout_seconds);
     const char* launcher = mpi ? "mpirun -n " : "torchrun --nproc-per-node ";
     CTXPAR_CHECK(world.size() == P, mpi ? "mpirun" : "torchrun", " started ", world.size(),
                  " processes but --ranks is ", P, "; drop --ranks or use ", launcher, P);
@@ -154,68 +169,61 @@ AttentionResult run_attention_job(const AttentionJob& job) {
       run_rank(comm, job, seq, mine);
       gather_to_root(comm, job, mine, all, need_tensors);
     };
-    if (job.transport == "nccl")
+    if (job.transport == TransportKind::nccl)
       body = [&job, rank_body = body](Communicator& host) { run_over_nccl(host, job, rank_body); };
-    if (mpi) run_mpi(body);
-    else run_gloo(world, body);
-    result.is_root = world.rank() == 0;
-    if (!result.is_root) return result;
+    LaunchOptions options;
+    options.gloo = gloo_options(job.timeout_seconds);
+    launch(job.transport, P, body, options);
+    return world.rank() == 0;
+  }
+  all.resize(P);
+  ThreadsOptions options;
+  options.link = job.link;
+  options.timeout = std::chrono::milliseconds(static_cast<int64_t>(job.timeout_seconds * 1000));
+  if (job.transport == TransportKind::loopback) {
+    run_loopback(P, job, seq, all, options);
   } else {
-    all.resize(P);
-    ThreadsOptions options;
-    options.link = job.link;
-    options.timeout = std::chrono::milliseconds(static_cast<int64_t>(job.timeout_seconds * 1000));
-    if (job.transport == "loopback") {
-      run_loopback(P, job, seq, all, options);
-    } else {
-      run_rank_threads(P, [&](Communicator& comm) { run_rank(comm, job, seq, all[comm.rank()]); },
-                       options);
-    }
+    run_rank_threads(P, [&](Communicator& comm) { run_rank(comm, job, seq, all[comm.rank()]); },
+                     options);
   }
+  return true;
+}
 
-  if (job.device.kind == DeviceKind::cuda) {
-    const cuda::CudnnState cudnn = cuda::cudnn_state();
-    result.cudnn_version = cudnn.version;
-    result.cudnn_off_reason = cudnn.known ? cudnn.off_reason : "no cuda device was made";
+// Rank p's figures, from its fastest forward (and backward) repeat.
+RankReport rank_report(const AttentionJob& job, const RankData& rd, int p, int fwd, int bwd) {
+  RankReport rep;
+  rep.rank = p;
+  rep.tokens = rd.tokens;
+  rep.cudnn_blocks = rd.cudnn_blocks, rep.cudnn_calls = rd.cudnn_calls;
+  rep.fallback_blocks = rd.fallback_blocks, rep.cudnn_refused_blocks = rd.cudnn_refused_blocks;
+  rep.shard_bytes = rd.shard_bytes;
+  rep.input_bytes_read = rd.input_bytes_read;
+  const StrategyStats& f = rd.fwd_stats[fwd];
+  rep.forward_flops = f.attention_flops;
+  rep.forward_busy_seconds = f.busy_seconds;
+  rep.forward_cpu_seconds = rd.fwd_cpu[fwd];
+  rep.wall_seconds = rd.fwd_wall[fwd];
+  rep.comm_wait_seconds = f.comm_wait_seconds;
+  rep.bytes_sent = f.bytes_sent, rep.bytes_received = f.bytes_received;
+  rep.peak_bytes = f.peak_bytes;
+  if (job.backward) {
+    const StrategyStats& b = rd.bwd_stats[bwd];
+    rep.backward_flops = b.attention_flops;
+    rep.backward_busy_seconds = b.busy_seconds;
+    rep.backward_cpu_seconds = rd.bwd_cpu[bwd];
+    rep.wall_seconds += rd.bwd_wall[bwd];
+    rep.comm_wait_seconds += b.comm_wait_seconds;
+    rep.bytes_sent += b.bytes_sent, rep.bytes_received += b.bytes_received;
+    rep.peak_bytes = std::max(rep.peak_bytes, b.peak_bytes);
   }
-  const int fwd = fastest_repeat(all, false);
-  const int bwd = job.backward ? fastest_repeat(all, true) : 0;
-  for (int p = 0; p < P; ++p) {
-    const RankData& rd = all[p];
-    RankReport rep;
-    rep.rank = p;
-    rep.tokens = rd.tokens;
-    rep.cudnn_blocks = rd.cudnn_blocks, rep.cudnn_calls = rd.cudnn_calls;
-    rep.fallback_blocks = rd.fallback_blocks, rep.cudnn_refused_blocks = rd.cudnn_refused_blocks;
-    rep.shard_bytes = rd.shard_bytes;
-    rep.input_bytes_read = rd.input_bytes_read;
-    const StrategyStats& f = rd.fwd_stats[fwd];
-    rep.forward_flops = f.attention_flops;
-    rep.forward_busy_seconds = f.busy_seconds;
-    rep.forward_cpu_seconds = rd.fwd_cpu[fwd];
-    rep.wall_seconds = rd.fwd_wall[fwd];
-    rep.comm_wait_seconds = f.comm_wait_seconds;
-    rep.bytes_sent = f.bytes_sent, rep.bytes_received = f.bytes_received;
-    rep.peak_bytes = f.peak_bytes;
-    result.forward_seconds = std::max(result.forward_seconds, rd.fwd_wall[fwd]);
-    if (job.backward) {
-      const StrategyStats& b = rd.bwd_stats[bwd];
-      rep.backward_flops = b.attention_flops;
-      rep.backward_busy_seconds = b.busy_seconds;
-      rep.backward_cpu_seconds = rd.bwd_cpu[bwd];
-      rep.wall_seconds += rd.bwd_wall[bwd];
-      rep.comm_wait_seconds += b.comm_wait_seconds;
-      rep.bytes_sent += b.bytes_sent, rep.bytes_received += b.bytes_received;
-      rep.peak_bytes = std::max(rep.peak_bytes, b.peak_bytes);
-      result.backward_seconds = std::max(result.backward_seconds, rd.bwd_wall[bwd]);
-    }
-    rep.attention_flops = rep.forward_flops + rep.backward_flops;
-    rep.busy_seconds = rep.forward_busy_seconds + rep.backward_busy_seconds;
-    result.ranks.push_back(rep);
-  }
+  rep.attention_flops = rep.forward_flops + rep.backward_flops;
+  rep.busy_seconds = rep.forward_busy_seconds + rep.backward_busy_seconds;
+  return rep;
+}
 
-  // One rank alone: inputs and outputs of the whole sequence plus the kernel's fp32 state
-  // (acc [B, T, Hq, D], m and l [B, Hq, T]); backward adds dO, fp32 dQ, dK, dV and delta.
+// One rank alone: inputs and outputs of the whole sequence plus the kernel's fp32 state
+// (acc [B, T, Hq, D], m and l [B, Hq, T]); backward adds dO, fp32 dQ, dK, dV and delta.
+void set_single_rank_bytes(const AttentionJob& job, AttentionResult& result) {
   const double B = static_cast<double>(job.batch), T = static_cast<double>(job.seq);
   const double Hq = static_cast<double>(job.heads), Hkv = static_cast<double>(kv_heads_of(job));
   const double D = static_cast<double>(job.head_dim), es = static_cast<double>(dtype_size(job.dtype));
@@ -224,8 +232,13 @@ AttentionResult run_attention_job(const AttentionJob& job) {
   if (job.backward) single += B * T * Hq * D * (es + 4) + 2 * B * T * Hkv * D * 4 + B * Hq * T * 4;
   result.single_rank_bytes = single;
   result.scores_bytes = B * Hq * T * T * 4;
+}
 
-  if (!need_tensors) return result;
+// The outputs of the whole sequence from the ranks' shards, and (--check) their check against
+// the fp64 reference; frees the shards before the reference runs.
+void unshard_and_check(const AttentionJob& job, const SequenceTokens& seq,
+                       std::vector<RankData>& all, AttentionResult& result) {
+  const int P = job.ranks;
   const Layout layout(job.layout, job.seq, P);
   result.out = unshard_field(layout, all, &RankData::out, 1);
   result.lse = unshard_field(layout, all, &RankData::lse, 2);
@@ -253,6 +266,34 @@ AttentionResult run_attention_job(const AttentionJob& job) {
     check_against_reference(in, job.check_budget, threads, result);
     result.check_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   }
+}
+
+}  // namespace
+
+AttentionResult run_attention_job(const AttentionJob& job) {
+  validate(job);
+  const SequenceTokens seq = sequence_tokens(job);
+  const int P = job.ranks;
+  std::vector<RankData> all;
+  AttentionResult result;
+  result.is_root = run_ranks(job, seq, all);
+  if (!result.is_root) return result;
+
+  if (job.device.kind == DeviceKind::cuda) {
+    const cuda::CudnnState cudnn = cuda::cudnn_state();
+    result.cudnn_version = cudnn.version;
+    result.cudnn_off_reason = cudnn.known ? cudnn.off_reason : "no cuda device was made";
+  }
+  const int fwd = fastest_repeat(all, false);
+  const int bwd = job.backward ? fastest_repeat(all, true) : 0;
+  for (int p = 0; p < P; ++p) {
+    result.ranks.push_back(rank_report(job, all[p], p, fwd, bwd));
+    result.forward_seconds = std::max(result.forward_seconds, all[p].fwd_wall[fwd]);
+    if (job.backward)
+      result.backward_seconds = std::max(result.backward_seconds, all[p].bwd_wall[bwd]);
+  }
+  set_single_rank_bytes(job, result);
+  if (job.check || job.keep_outputs) unshard_and_check(job, seq, all, result);
   return result;
 }
 

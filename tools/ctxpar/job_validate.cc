@@ -25,25 +25,11 @@ std::vector<int32_t> dense_document_labels(const std::vector<int64_t>& ids) {
   return labels;
 }
 
-void validate(const AttentionJob& job) {
-  const int64_t T = job.seq, P = job.ranks, Hq = job.heads, Hkv = kv_heads_of(job);
-  CTXPAR_CHECK(job.batch >= 1, "--batch must be >= 1, got ", job.batch);
-  CTXPAR_CHECK(T >= 1, "--seq must be >= 1, got ", T);
-  CTXPAR_CHECK(Hq >= 1 && Hkv >= 1, "--heads and --kv-heads must be >= 1");
-  CTXPAR_CHECK(Hq % Hkv == 0, "--heads ", Hq, " must be a multiple of --kv-heads ", Hkv,
-               " (grouped-query attention); e.g. --kv-heads ", std::gcd(Hq, Hkv));
-  CTXPAR_CHECK(job.head_dim >= 16 && job.head_dim <= 256, "--head-dim must be in [16, 256], got ",
-               job.head_dim);
-  CTXPAR_CHECK(job.dtype == DType::f32 || job.dtype == DType::bf16,
-               "--dtype must be fp32 or bf16, got ", dtype_name(job.dtype));
-  CTXPAR_CHECK(P >= 1, "--ranks must be >= 1, got ", P);
-  CTXPAR_CHECK(job.threads >= 1, "--threads must be >= 1, got ", job.threads);
-  CTXPAR_CHECK(job.repeats >= 1, "--repeats must be >= 1, got ", job.repeats);
-  CTXPAR_CHECK(job.timeout_seconds >= 1e-3, "--timeout must be at least 0.001 seconds (waits are "
-               "counted in milliseconds), got ", job.timeout_seconds);
+namespace {
 
-  // Any --seq works: the layout pads it to its granule (docs/layouts.md, "Padding").
-
+// --ulysses-degree, and the heads a Ulysses group splits (the library's rule, in flag names).
+void validate_ulysses(const AttentionJob& job) {
+  const int64_t P = job.ranks, Hq = job.heads;
   const bool uses_ulysses =
       job.strategy == StrategyKind::ulysses || job.strategy == StrategyKind::hybrid;
   CTXPAR_CHECK(job.ulysses_degree == 0 || job.strategy == StrategyKind::hybrid,
@@ -68,18 +54,20 @@ void validate(const AttentionJob& job) {
           ", or --strategy ring, or --strategy hybrid --ulysses-degree ", best));
     }
   }
+}
 
-  const bool gpu_transport = job.transport == "nccl" || job.transport == "loopback";
-  CTXPAR_CHECK(job.transport == "threads" || job.transport == "mpi" || job.transport == "gloo" ||
-                   gpu_transport,
-               "--transport must be threads, mpi, gloo, nccl or loopback, got '", job.transport,
-               "'");
+// The transport's needs: the device it runs, its launcher, a link only the threads transport
+// simulates.
+void validate_transport(const AttentionJob& job) {
+  const int64_t P = job.ranks;
   // (nccl and loopback need --device cuda and a GPU: check_gpu_transport, cuda_device.cc.)
-  CTXPAR_CHECK(gpu_transport || job.device.kind == DeviceKind::cpu || job.transport == "threads",
+  const bool gpu_transport = transport_traits(job.transport).needs_gpu;
+  CTXPAR_CHECK(gpu_transport || job.device.kind == DeviceKind::cpu ||
+                   job.transport == TransportKind::threads,
                "--device ", device_name(job.device.kind), " runs on the threads transport only "
                "(its streams' worker threads use the communicator); use --device cpu under mpirun "
                "or torchrun");
-  if (job.transport == "gloo") {
+  if (job.transport == TransportKind::gloo) {
     CTXPAR_CHECK(gloo_available(), "--transport gloo: this ctxpar was built without the gloo "
                  "transport (reconfigure with -DCTXPAR_GLOO=ON; needs libgloo-dev)");
     CTXPAR_CHECK(launched_by_torchrun(), "--transport gloo needs the job started by torchrun "
@@ -88,7 +76,7 @@ void validate(const AttentionJob& job) {
     CTXPAR_CHECK(job.link.gbytes_per_second == 0 && job.link.latency_us == 0,
                  "--link-gbps / --link-latency-us simulate a link on the threads transport only");
   }
-  if (job.transport == "mpi") {
+  if (job.transport == TransportKind::mpi) {
     CTXPAR_CHECK(launched_by_mpi(), "--transport mpi needs the job started by mpirun, e.g. "
                  "mpirun -n ", P, " ctxpar attention ...; or use --transport threads");
     CTXPAR_CHECK(job.link.gbytes_per_second == 0 && job.link.latency_us == 0,
@@ -96,7 +84,11 @@ void validate(const AttentionJob& job) {
   }
   CTXPAR_CHECK(job.link.gbytes_per_second >= 0 && job.link.latency_us >= 0,
                "--link-gbps and --link-latency-us must be >= 0");
+}
 
+// Documents, positions: one per token of --seq.
+void validate_tokens(const AttentionJob& job) {
+  const int64_t T = job.seq;
   if (job.mask.documents) {
     CTXPAR_CHECK(!job.documents.empty() || !job.document_lengths.empty(),
                  "--mask documents needs the document lengths (--mask documents:512,512) or "
@@ -121,7 +113,11 @@ void validate(const AttentionJob& job) {
   for (size_t i = 0; i < job.positions.size(); ++i)
     CTXPAR_CHECK(job.positions[i] != kPaddingPosition, "--positions: token ", i, " has position ",
                  kPaddingPosition, " (INT64_MIN), which marks padding; use any other value");
+}
 
+// --q, --k, --v, --do: [B, T, H, D] each, the first three together.
+void validate_inputs(const AttentionJob& job) {
+  const int64_t T = job.seq, Hq = job.heads, Hkv = kv_heads_of(job);
   // Tensors given by a library caller, or files (shape from the header) by the command.
   struct Input {
     const char* name;
@@ -142,6 +138,32 @@ void validate(const AttentionJob& job) {
   auto given = [](const Input& in) { return !in.tensor.empty() || in.file.given(); };
   CTXPAR_CHECK(given(inputs[0]) == given(inputs[1]) && given(inputs[1]) == given(inputs[2]),
                "--q, --k and --v come together");
+}
+
+}  // namespace
+
+void validate(const AttentionJob& job) {
+  const int64_t T = job.seq, P = job.ranks, Hq = job.heads, Hkv = kv_heads_of(job);
+  CTXPAR_CHECK(job.batch >= 1, "--batch must be >= 1, got ", job.batch);
+  CTXPAR_CHECK(T >= 1, "--seq must be >= 1, got ", T);
+  CTXPAR_CHECK(Hq >= 1 && Hkv >= 1, "--heads and --kv-heads must be >= 1");
+  CTXPAR_CHECK(Hq % Hkv == 0, "--heads ", Hq, " must be a multiple of --kv-heads ", Hkv,
+               " (grouped-query attention); e.g. --kv-heads ", std::gcd(Hq, Hkv));
+  CTXPAR_CHECK(job.head_dim >= 16 && job.head_dim <= 256, "--head-dim must be in [16, 256], got ",
+               job.head_dim);
+  CTXPAR_CHECK(job.dtype == DType::f32 || job.dtype == DType::bf16,
+               "--dtype must be fp32 or bf16, got ", dtype_name(job.dtype));
+  CTXPAR_CHECK(P >= 1, "--ranks must be >= 1, got ", P);
+  CTXPAR_CHECK(job.threads >= 1, "--threads must be >= 1, got ", job.threads);
+  CTXPAR_CHECK(job.repeats >= 1, "--repeats must be >= 1, got ", job.repeats);
+  CTXPAR_CHECK(job.timeout_seconds >= 1e-3, "--timeout must be at least 0.001 seconds (waits are "
+               "counted in milliseconds), got ", job.timeout_seconds);
+
+  // Any --seq works: the layout pads it to its granule (docs/layouts.md, "Padding").
+  validate_ulysses(job);
+  validate_transport(job);
+  validate_tokens(job);
+  validate_inputs(job);
   check_memory(job);  // last: a shape that is wrong is named as such, not as too large
 }
 

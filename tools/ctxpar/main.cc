@@ -12,7 +12,7 @@
 #ifdef CTXPAR_HAVE_MPI
 #include "comm/mpi_env.h"
 #endif
-#include "core/kernel_environment.h"
+#include "core/environment.h"
 #include "options.h"
 
 namespace {

@@ -50,7 +50,7 @@ MemoryEstimate estimate_memory(const AttentionJob& job) {
   m.shard_bytes = B * Tl * D * (2 * Hq + 2 * Hkv) * es + B * Hq * Tl * 4;
   if (job.backward) m.shard_bytes += B * Tl * D * (Hq * es + (Hq + 2 * Hkv) * 4);
   m.strategy_bytes = strategy_bytes(job);
-  const bool mpi = job.transport != "threads";  // one rank per process (mpi, gloo)
+  const bool mpi = job.transport != TransportKind::threads;  // one rank per process (mpi, gloo)
   m.ranks_here = mpi ? 1 : job.ranks;
   m.run_bytes = m.ranks_here * (m.shard_bytes + m.strategy_bytes + kPerRankOverhead) +
                 double(m.ranks_here) * job.ranks * kVerdictBytes;

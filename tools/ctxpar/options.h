@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "ctxpar/comm.h"
 #include "ctxpar/device.h"
 #include "ctxpar/error.h"
 #include "ctxpar/kernel.h"
@@ -122,7 +123,7 @@ void check_cuda_device();
 // refusal names the transport: either needs --device cuda and a GPU (the no-GPU line of
 // --device cuda); nccl also mpirun or torchrun and a loadable NCCL. Throws ctxpar::Error
 // (exit 2, one line); returns for every other transport. cuda_device.cc.
-void check_gpu_transport(const std::string& transport, const std::string& device);
+void check_gpu_transport(TransportKind transport, const std::string& device);
 // `ctxpar --version`'s lines on the CUDA build (cuda_device.cc).
 std::string cuda_version_lines();
 
