@@ -1,0 +1,200 @@
+"""ctxpar.hf: random-init Llama and Qwen2 (transformers, no downloads) trained for a few steps
+with attn_implementation="ctxpar" on 2 and 4 ranks (threads), losses and gradients against the
+same model on the whole sequence in one process: the fp64 reference ("eager", packed documents
+found by transformers from the per-document position_ids) under the project's tolerance rule,
+with fp32 "eager" as the naive run. Plus the refusals (padding masks, forgotten position_ids,
+no CP context)."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import ctxpar  # noqa: E402
+from ctxpar import hf  # noqa: E402
+from conftest import check_close  # noqa: E402
+
+B, T, VOCAB, STEPS, LR = 2, 32, 128, 3, 0.5
+hf.register()
+
+
+def config(family):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  attention_dropout=0.0)
+    if family == "llama":
+        return transformers.LlamaConfig(**common)
+    return transformers.Qwen2Config(**common)
+
+
+def models(family, seed=0):
+    """The random-init model (fp32), built once on the main thread (the seed is global)."""
+    torch.manual_seed(seed)
+    cls = transformers.LlamaForCausalLM if family == "llama" else transformers.Qwen2ForCausalLM
+    return cls(config(family))
+
+
+def with_attention(model, impl, dtype, checkpointing=None):
+    m = copy.deepcopy(model).to(dtype)
+    m.set_attn_implementation(impl)
+    if checkpointing is not None:
+        m.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": checkpointing})
+    m.train()
+    return m
+
+
+def batches(documents):
+    """STEPS batches: input_ids [B, T]; document_ids [T] when packed (3 documents)."""
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS):
+        b = {"input_ids": torch.randint(VOCAB, (B, T), generator=gen)}
+        if documents:
+            b["document_ids"] = torch.tensor([0] * 5 + [1] * 17 + [2] * 10)
+        out.append(b)
+    return out
+
+
+def flat_grads(model):
+    return torch.cat([p.grad.detach().double().reshape(-1) for p in model.parameters()])
+
+
+def train_whole(model, data):
+    """One process, whole sequence: the loss transformers computes from shift_labels and
+    num_items_in_batch (built here independently of ctxpar.hf), per step (loss, gradients)."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    trace = []
+    for b in data:
+        ids = b["input_ids"]
+        shift = torch.full_like(ids, -100)
+        shift[:, :-1] = ids[:, 1:]
+        pos = torch.arange(T)
+        if "document_ids" in b:
+            d = b["document_ids"]
+            last = torch.cat([d[1:] != d[:-1], torch.tensor([True])])
+            shift[:, last] = -100
+            starts = [i for i in range(T) if i == 0 or d[i] != d[i - 1]]
+            pos = torch.cat([torch.arange(e - s) for s, e in zip(starts, starts[1:] + [T])])
+        out = model(input_ids=ids, position_ids=pos[None].expand(B, T), labels=shift,
+                    shift_labels=shift, num_items_in_batch=int((shift != -100).sum()),
+                    use_cache=False)
+        opt.zero_grad()
+        out.loss.backward()
+        trace.append((out.loss.detach().double(), flat_grads(model)))
+        opt.step()
+    return trace
+
+
+def train_cp(model, data, ranks, layout="zigzag"):
+    """The same steps on `ranks` threads with attn_implementation="ctxpar": rank 0's trace
+    (every rank holds the same after the reductions)."""
+    replicas = [copy.deepcopy(model) for _ in range(ranks)]
+    traces = [None] * ranks
+
+    def rank(comm):
+        m = replicas[comm.rank]
+        opt = torch.optim.SGD(m.parameters(), lr=LR)
+        trace = []
+        for b in data:
+            local = hf.shard_batch(b, comm, layout=layout)
+            out = m(**local, use_cache=False)
+            opt.zero_grad()
+            out.loss.backward()
+            hf.all_reduce_gradients(m, comm)
+            loss = torch.tensor([out.loss.item()], dtype=torch.float64)
+            comm.allreduce(loss.numpy())
+            trace.append((loss[0], flat_grads(m)))
+            opt.step()
+        traces[comm.rank] = trace
+
+    ctxpar.run_threads(ranks, rank)
+    return traces[0]
+
+
+def check_training(family, ranks, documents=False, checkpointing=None, layout="zigzag"):
+    base = models(family)
+    data = batches(documents)
+    ref = train_whole(with_attention(base, "eager", torch.float64), data)
+    naive = train_whole(with_attention(base, "eager", torch.float32), data)
+    ours = train_cp(with_attention(base, "ctxpar", torch.float32, checkpointing), data, ranks,
+                    layout)
+    for step, ((lo, go), (lr, gr), (ln, gn)) in enumerate(zip(ours, ref, naive)):
+        check_close(f"loss step {step}", lo, lr, ln)
+        check_close(f"gradients step {step}", go, gr, gn)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_training_matches_one_process(family, ranks):
+    check_training(family, ranks)
+
+
+@pytest.mark.parametrize("ranks, layout", [(2, "zigzag"), (4, "striped")])
+def test_packed_documents(ranks, layout):
+    check_training("llama", ranks, documents=True, layout=layout)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_gradient_checkpointing(use_reentrant):
+    check_training("qwen2", 2, documents=True, checkpointing=use_reentrant)
+
+
+def test_shard_batch_shifts_before_sharding():
+    """Token t is scored on token t + 1 of its own document; num_items counts every rank's."""
+    ids = torch.arange(16)[None, :] + 100
+    docs = torch.tensor([0] * 6 + [1] * 10)
+    seen = {}
+
+    def rank(comm):
+        seen[comm.rank] = hf.shard_batch({"input_ids": ids, "cu_seqlens": [0, 6, 16]}, comm)
+
+    ctxpar.run_threads(2, rank)
+    for r, local in seen.items():
+        index = local["input_ids"][0] - 100
+        expect = torch.where((index == 15) | (index == 5), -100, index + 101)
+        assert torch.equal(local["shift_labels"][0], expect)
+        assert torch.equal(local["position_ids"][0], index - 6 * (docs[index] == 1))
+        assert local["num_items_in_batch"] == 14
+
+
+def test_padding_mask_refused():
+    model = with_attention(models("llama"), "ctxpar", torch.float32)
+    ids = torch.randint(VOCAB, (1, 8))
+    pad = torch.ones(1, 8, dtype=torch.long)
+    pad[0, 6:] = 0
+    errors = {}
+
+    def rank(comm):
+        with pytest.raises(ValueError, match="attention_mask") as e:
+            hf.shard_batch({"input_ids": ids, "attention_mask": pad}, comm)
+        local = hf.shard_batch({"input_ids": ids}, comm)
+        with pytest.raises(ValueError, match="attention_mask"):
+            model(**local, attention_mask=pad[:, 4:], use_cache=False)
+        model(**local, attention_mask=torch.ones(1, 4), use_cache=False)  # restates: fine
+        errors[comm.rank] = str(e.value)
+
+    ctxpar.run_threads(2, rank)
+    assert "document_ids" in errors[0]
+
+
+def test_forgotten_position_ids_refused():
+    """Without the shard's position_ids transformers rotates by 0..Tl-1: refused, named."""
+    model = with_attention(models("llama"), "ctxpar", torch.float32)
+    ids = torch.randint(VOCAB, (1, 8))
+
+    def rank(comm):
+        local = hf.shard_batch({"input_ids": ids}, comm)
+        del local["position_ids"]
+        with pytest.raises(ValueError, match="position_ids"):
+            model(**local, use_cache=False)
+
+    ctxpar.run_threads(2, rank)
+
+
+def test_no_context_refused():
+    model = with_attention(models("llama"), "ctxpar", torch.float32)
+    hf.clear_context()
+    with pytest.raises(RuntimeError, match="shard_batch"):
+        model(input_ids=torch.randint(VOCAB, (1, 8)))
