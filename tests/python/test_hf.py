@@ -198,3 +198,30 @@ def test_no_context_refused():
     hf.clear_context()
     with pytest.raises(RuntimeError, match="shard_batch"):
         model(input_ids=torch.randint(VOCAB, (1, 8)))
+
+
+def test_four_d_mask_restating_causal_ignored_else_refused():
+    """A 4-D mask of the shard that says only causal-within-documents (bool, or additive 0 /
+    -inf) changes nothing; one that hides one more token is refused, named."""
+    model = with_attention(models("llama"), "ctxpar", torch.float32)
+    ids = torch.randint(VOCAB, (1, 16))
+    docs = torch.tensor([0] * 6 + [1] * 10)
+    outs = {}
+
+    def rank(comm):
+        local = hf.shard_batch({"input_ids": ids, "document_ids": docs}, comm)
+        pos = torch.as_tensor(ctxpar.layout.positions(16, comm.size, comm.rank))
+        restated = (pos[None, :] <= pos[:, None]) & (docs[pos][:, None] == docs[pos][None, :])
+        plain = model(**local, use_cache=False).logits
+        with_bool = model(**local, attention_mask=restated[None, None], use_cache=False).logits
+        additive = torch.zeros(restated.shape).masked_fill(~restated, float("-inf"))
+        with_add = model(**local, attention_mask=additive[None, None], use_cache=False).logits
+        hidden = restated.clone()
+        hidden[-1, -1] = False  # every token sees itself
+        with pytest.raises(ValueError, match="attention_mask"):
+            model(**local, attention_mask=hidden[None, None], use_cache=False)
+        outs[comm.rank] = (plain, with_bool, with_add)
+
+    ctxpar.run_threads(2, rank)
+    for plain, with_bool, with_add in outs.values():
+        assert torch.equal(plain, with_bool) and torch.equal(plain, with_add)
