@@ -64,15 +64,16 @@ def train(comm, model, args):
     for step in range(args.steps):
         local = hf.shard_batch(packed_batch(step, args), comm, layout="zigzag")
         loss = model(**local, use_cache=False).loss  # this rank's share of the global mean
-        opt.zero_grad(set_to_none=False)
         loss.backward()
-        hf.all_reduce_gradients(model, comm)
+        hf.all_reduce_gradients(model, comm)  # the gradient of the whole sequence
+        opt.step()
+        opt.zero_grad()
+        # The loss of the whole sequence: the ranks' shares summed.
         total = torch.tensor([loss.item()], dtype=torch.float64)
         comm.allreduce(total.numpy())
-        opt.step()
         losses.append(total.item())
         if comm.rank == 0:
-            print(f"step {step:3d}  loss {total.item():.8f}", flush=True)
+            print(f"step {step:3d}  loss {losses[-1]:.8f}", flush=True)
     return losses
 
 

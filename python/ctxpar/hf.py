@@ -333,10 +333,19 @@ def register(name=NAME):
 def all_reduce_gradients(model, comm):
     """Sums every parameter's gradient over the ranks of comm (one comm.allreduce, in rank
     order), so each rank steps with the gradient of the whole sequence. model: a torch module
-    or an iterable of parameters. Collective: every rank calls it with the same parameters."""
+    or an iterable of parameters; one that requires grad but has none here counts as zeros.
+    Collective: every rank calls it with the same parameters. Gradients on a GPU or in bfloat16
+    go through one float32 host buffer (a CUDA trainer of many ranks may prefer DDP over the
+    cp group, whose all-reduce stays on the device)."""
     _check_comm(comm)
     params = model.parameters() if isinstance(model, torch.nn.Module) else model
-    grads = [p.grad for p in params if p.grad is not None]
+    params = [p for p in params if p.requires_grad]
+    # A parameter without a gradient on this rank (unused by its tokens) takes part as zeros:
+    # every rank reduces the same list, in one order.
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
     if not grads:
         return
     wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32

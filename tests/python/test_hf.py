@@ -225,3 +225,24 @@ def test_four_d_mask_restating_causal_ignored_else_refused():
     ctxpar.run_threads(2, rank)
     for plain, with_bool, with_add in outs.values():
         assert torch.equal(plain, with_bool) and torch.equal(plain, with_add)
+
+
+def test_all_reduce_gradients_sums_and_counts_missing_as_zeros():
+    """Sums over the ranks, equal to the sum taken here; a parameter one rank never used (no
+    .grad there) takes part as zeros, so the ranks reduce the same list."""
+    grads = [torch.randn(3, 2, dtype=torch.float64) for _ in range(3)]
+    results = {}
+
+    def rank(comm):
+        a = torch.nn.Parameter(torch.zeros(3, 2, dtype=torch.float64))
+        b = torch.nn.Parameter(torch.zeros(3, 2, dtype=torch.float64))
+        a.grad = grads[comm.rank].clone()
+        if comm.rank != 1:  # rank 1's tokens did not reach b
+            b.grad = grads[comm.rank].clone() * 2
+        hf.all_reduce_gradients([a, b], comm)
+        results[comm.rank] = (a.grad, b.grad)
+
+    ctxpar.run_threads(3, rank, timeout_s=10)
+    for a, b in results.values():
+        assert torch.equal(a, grads[0] + grads[1] + grads[2])
+        assert torch.equal(b, grads[0] * 2 + grads[2] * 2)
