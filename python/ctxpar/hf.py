@@ -277,8 +277,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         raise ValueError(f"key: {key.shape[2]} keys for {Tl} queries (a cache from earlier "
                          f"steps?); attn_implementation=\"{NAME}\" trains on a sharded sequence: "
                          "call the model with use_cache=False")
-    if Tl * ctx.comm.size > _checks.MAX_TOKENS:
-        raise ValueError(f"query: {Tl} tokens x {ctx.comm.size} ranks exceeds ctxpar's limit")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     _check_mask(ctx, attention_mask, causal, Tl)
     _check_positions(ctx, kwargs.get("position_ids"), Tl)

@@ -246,3 +246,53 @@ def test_all_reduce_gradients_sums_and_counts_missing_as_zeros():
     for a, b in results.values():
         assert torch.equal(a, grads[0] + grads[1] + grads[2])
         assert torch.equal(b, grads[0] * 2 + grads[2] * 2)
+
+
+@pytest.mark.parametrize("batch, needle", [
+    ({"input_ids": torch.zeros(1, 10, dtype=torch.long)}, "T % 4 == 0"),
+    ({"input_ids": torch.zeros(16, dtype=torch.long)}, "input_ids: expected"),
+    ({"input_ids": torch.zeros(1, 16, dtype=torch.long), "mask": 1}, "unknown keys"),
+    ({"input_ids": torch.zeros(1, 16, dtype=torch.long), "labels": torch.zeros(1, 8)},
+     "labels: expected"),
+    ({"input_ids": torch.zeros(2, 16, dtype=torch.long),
+      "document_ids": torch.tensor([[0] * 16, [0] * 8 + [1] * 8])}, "document_ids: rows"),
+    ({"input_ids": torch.zeros(1, 16, dtype=torch.long),
+      "document_ids": torch.tensor([1] * 8 + [0] * 8)}, "non-decreasing"),
+    ({"input_ids": torch.zeros(1, 16, dtype=torch.long), "cu_seqlens": [0, 9, 9, 16]},
+     "cu_seqlens"),
+    ({"input_ids": torch.zeros(1, 16, dtype=torch.long), "cu_seqlens": [0, 16],
+      "document_ids": torch.zeros(16)}, "not both"),
+    ({"input_ids": torch.zeros(1, 16, dtype=torch.long), "position_ids": torch.arange(8)},
+     "position_ids: expected"),
+])
+def test_shard_batch_refuses_naming_the_argument(batch, needle):
+    def rank(comm):
+        with pytest.raises((ValueError, TypeError), match=needle):
+            hf.shard_batch(batch, comm)
+
+    ctxpar.run_threads(2, rank)
+
+
+def test_context_block_equals_shard_batch():
+    """`with hf.context(comm, document_ids=...)` on shards made by hand gives shard_batch's
+    logits, and the previous context is back after the block."""
+    model = with_attention(models("llama"), "ctxpar", torch.float32)
+    ids = torch.randint(VOCAB, (1, 16))
+    docs = torch.tensor([0] * 6 + [1] * 10)
+    outs = {}
+
+    def rank(comm):
+        local = hf.shard_batch({"input_ids": ids, "document_ids": docs}, comm)
+        before = model(**local, use_cache=False).logits
+        hf.clear_context()
+        shard = ctxpar.layout.shard(ids, comm)
+        pos = ctxpar.layout.shard(torch.tensor(list(range(6)) + list(range(10)))[None], comm)
+        with hf.context(comm, document_ids=docs, position_ids=pos):
+            inside = model(input_ids=shard, position_ids=pos, use_cache=False).logits
+        with pytest.raises(RuntimeError, match="shard_batch"):
+            model(input_ids=shard, position_ids=pos, use_cache=False)
+        outs[comm.rank] = (before, inside)
+
+    ctxpar.run_threads(2, rank)
+    for before, inside in outs.values():
+        assert torch.equal(before, inside)
