@@ -200,13 +200,17 @@ def test_no_context_refused():
         model(input_ids=torch.randint(VOCAB, (1, 8)))
 
 
+def two_documents():
+    """A ctxpar model, input_ids [1, 16] of two documents (6 and 10 tokens), their ids, and a
+    dict for the ranks' results."""
+    model = with_attention(models("llama"), "ctxpar", torch.float32)
+    return model, torch.randint(VOCAB, (1, 16)), torch.tensor([0] * 6 + [1] * 10), {}
+
+
 def test_four_d_mask_restating_causal_ignored_else_refused():
     """A 4-D mask of the shard that says only causal-within-documents (bool, or additive 0 /
     -inf) changes nothing; one that hides one more token is refused, named."""
-    model = with_attention(models("llama"), "ctxpar", torch.float32)
-    ids = torch.randint(VOCAB, (1, 16))
-    docs = torch.tensor([0] * 6 + [1] * 10)
-    outs = {}
+    model, ids, docs, outs = two_documents()
 
     def rank(comm):
         local = hf.shard_batch({"input_ids": ids, "document_ids": docs}, comm)
@@ -276,10 +280,7 @@ def test_shard_batch_refuses_naming_the_argument(batch, needle):
 def test_context_block_equals_shard_batch():
     """`with hf.context(comm, document_ids=...)` on shards made by hand gives shard_batch's
     logits, and the previous context is back after the block."""
-    model = with_attention(models("llama"), "ctxpar", torch.float32)
-    ids = torch.randint(VOCAB, (1, 16))
-    docs = torch.tensor([0] * 6 + [1] * 10)
-    outs = {}
+    model, ids, docs, outs = two_documents()
 
     def rank(comm):
         local = hf.shard_batch({"input_ids": ids, "document_ids": docs}, comm)
