@@ -1,7 +1,7 @@
 """Hugging Face transformers models with context parallelism: attn_implementation="ctxpar".
 
     ctxpar.hf.register()
-    model = LlamaForCausalLM(config, attn_implementation="ctxpar")   # or from_pretrained(...)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="ctxpar")
     local = ctxpar.hf.shard_batch({"input_ids": ids, "document_ids": docs}, comm)
     loss = model(**local).loss          # this rank's share of the global mean
     loss.backward()
@@ -49,8 +49,8 @@ def _set(ctx):
 
 class Context:
     """The sequence this thread's rank is training on: comm, layout, document ids of the whole
-    sequence (int32 [T], None: one document) and this rank's position_ids [Tl] (the per-document
-    positions the model must rotate by)."""
+    sequence (int32 [T], None: one document) and this rank's position_ids [B, Tl] or [Tl] (the
+    per-document positions the model must rotate by; None: not checked)."""
 
     def __init__(self, comm, layout, document_ids, position_ids):
         self.comm, self.layout = comm, layout
