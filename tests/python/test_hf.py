@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 import ctxpar  # noqa: E402
 from ctxpar import hf  # noqa: E402
+from ctxpar.torch import context_parallel  # noqa: E402
 from conftest import check_close  # noqa: E402
 
 B, T, VOCAB, STEPS, LR = 2, 32, 128, 3, 0.5
@@ -61,25 +62,31 @@ def flat_grads(model):
     return torch.cat([p.grad.detach().double().reshape(-1) for p in model.parameters()])
 
 
+def whole_inputs(b):
+    """The whole sequence's model inputs for batch b, built here independently of ctxpar.hf:
+    per-document position_ids, shift_labels (each document's last token -100) and
+    num_items_in_batch."""
+    ids = b["input_ids"]
+    shift = torch.full_like(ids, -100)
+    shift[:, :-1] = ids[:, 1:]
+    pos = torch.arange(T)
+    if "document_ids" in b:
+        d = b["document_ids"]
+        last = torch.cat([d[1:] != d[:-1], torch.tensor([True])])
+        shift[:, last] = -100
+        starts = [i for i in range(T) if i == 0 or d[i] != d[i - 1]]
+        pos = torch.cat([torch.arange(e - s) for s, e in zip(starts, starts[1:] + [T])])
+    return dict(input_ids=ids.clone(), position_ids=pos[None].expand(B, T).clone(),
+                labels=shift, shift_labels=shift, num_items_in_batch=int((shift != -100).sum()))
+
+
 def train_whole(model, data):
     """One process, whole sequence: the loss transformers computes from shift_labels and
-    num_items_in_batch (built here independently of ctxpar.hf), per step (loss, gradients)."""
+    num_items_in_batch, per step (loss, gradients)."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     trace = []
     for b in data:
-        ids = b["input_ids"]
-        shift = torch.full_like(ids, -100)
-        shift[:, :-1] = ids[:, 1:]
-        pos = torch.arange(T)
-        if "document_ids" in b:
-            d = b["document_ids"]
-            last = torch.cat([d[1:] != d[:-1], torch.tensor([True])])
-            shift[:, last] = -100
-            starts = [i for i in range(T) if i == 0 or d[i] != d[i - 1]]
-            pos = torch.cat([torch.arange(e - s) for s, e in zip(starts, starts[1:] + [T])])
-        out = model(input_ids=ids, position_ids=pos[None].expand(B, T), labels=shift,
-                    shift_labels=shift, num_items_in_batch=int((shift != -100).sum()),
-                    use_cache=False)
+        out = model(**whole_inputs(b), use_cache=False)
         opt.zero_grad()
         out.loss.backward()
         trace.append((out.loss.detach().double(), flat_grads(model)))
@@ -87,8 +94,29 @@ def train_whole(model, data):
     return trace
 
 
-def train_cp(model, data, ranks, layout="zigzag"):
-    """The same steps on `ranks` threads with attn_implementation="ctxpar": rank 0's trace
+def loss_of_shard_batch(model, b, comm, layout):
+    """attn_implementation="ctxpar": this rank's loss, backward done."""
+    loss = model(**hf.shard_batch(b, comm, layout=layout), use_cache=False).loss
+    loss.backward()
+    return loss
+
+
+def loss_in_block(model, b, comm, layout):
+    """transformers' own "sdpa" inside ctxpar.torch.context_parallel: the block shards the
+    whole inputs in place; the all-ones attention_mask keeps transformers from reading the
+    shard's global positions as packed documents (it would build a mask the block refuses)."""
+    x = whole_inputs(b)
+    x["labels"] = x["shift_labels"] = x["shift_labels"].clone()
+    x["attention_mask"] = torch.ones_like(x["input_ids"])
+    buffers = [x["input_ids"], x["position_ids"], x["labels"], x["attention_mask"]]
+    with context_parallel(comm, buffers=buffers, buffer_seq_dims=[1] * 4, layout=layout):
+        loss = model(**x, use_cache=False).loss
+        loss.backward()
+    return loss
+
+
+def train_cp(model, data, ranks, layout="zigzag", step=loss_of_shard_batch):
+    """The same steps on `ranks` threads (step: this rank's loss and backward): rank 0's trace
     (every rank holds the same after the reductions)."""
     replicas = [copy.deepcopy(model) for _ in range(ranks)]
     traces = [None] * ranks
@@ -98,14 +126,12 @@ def train_cp(model, data, ranks, layout="zigzag"):
         opt = torch.optim.SGD(m.parameters(), lr=LR)
         trace = []
         for b in data:
-            local = hf.shard_batch(b, comm, layout=layout)
-            out = m(**local, use_cache=False)
             opt.zero_grad()
-            out.loss.backward()
+            loss = step(m, b, comm, layout)
             hf.all_reduce_gradients(m, comm)
-            loss = torch.tensor([out.loss.item()], dtype=torch.float64)
-            comm.allreduce(loss.numpy())
-            trace.append((loss[0], flat_grads(m)))
+            total = torch.tensor([loss.item()], dtype=torch.float64)
+            comm.allreduce(total.numpy())
+            trace.append((total[0], flat_grads(m)))
             opt.step()
         traces[comm.rank] = trace
 
@@ -114,13 +140,15 @@ def train_cp(model, data, ranks, layout="zigzag"):
 
 
 def check_training(family, ranks, documents=False, checkpointing=None, layout="zigzag",
-                   dtype=torch.float32, steps=STEPS):
-    """ctxpar in `dtype` against fp64 "eager", with "eager" in `dtype` as the naive run."""
+                   dtype=torch.float32, steps=STEPS, block=False):
+    """ctxpar in `dtype` against fp64 "eager", with "eager" in `dtype` as the naive run.
+    block: transformers' "sdpa" inside context_parallel instead of attn_implementation="ctxpar"."""
     base = models(family)
     data = batches(documents)[:steps]
     ref = train_whole(with_attention(base, "eager", torch.float64), data)
     naive = train_whole(with_attention(base, "eager", dtype), data)
-    ours = train_cp(with_attention(base, "ctxpar", dtype, checkpointing), data, ranks, layout)
+    ours = train_cp(with_attention(base, "sdpa" if block else "ctxpar", dtype, checkpointing),
+                    data, ranks, layout, loss_in_block if block else loss_of_shard_batch)
     for step, ((lo, go), (lr, gr), (ln, gn)) in enumerate(zip(ours, ref, naive)):
         check_close(f"{dtype} loss step {step}", lo, lr, ln)
         check_close(f"{dtype} gradients step {step}", go, gr, gn)
@@ -304,3 +332,29 @@ def test_bfloat16_model():
     """A bfloat16 model: loss and gradients within the rule's bound of one-process bfloat16
     "eager" (the naive run in the same precision)."""
     check_training("llama", 2, documents=True, dtype=torch.bfloat16, steps=2)
+
+
+@pytest.mark.parametrize("use_reentrant", [None, True, False])
+def test_sdpa_inside_context_parallel_block(use_reentrant):
+    """transformers' own "sdpa" inside ctxpar.torch.context_parallel (no ctxpar.hf attention)
+    trains equal to one process, with and without gradient checkpointing, given an all-ones
+    attention_mask."""
+    check_training("llama", 2, checkpointing=use_reentrant, block=True)
+
+
+def test_sdpa_block_refuses_the_mask_transformers_builds_from_positions():
+    """Without attention_mask (and without a cache) transformers reads a zigzag shard's global
+    positions as packed documents and builds a mask hiding the other chunk: the block refuses
+    it, naming attn_mask, rather than attending within chunks. Only rank 0's positions jump
+    (0..7, 24..31), so rank 1 gets no mask and fails naming rank 0."""
+    model = with_attention(models("llama"), "sdpa", torch.float32)
+    x = whole_inputs(batches(False)[0])
+
+    def rank(comm):
+        ids, pos = x["input_ids"].clone(), x["position_ids"].clone()
+        with context_parallel(comm, buffers=[ids, pos], buffer_seq_dims=[1, 1]):
+            with pytest.raises(ValueError if comm.rank == 0 else ctxpar.Error,
+                               match="attn_mask" if comm.rank == 0 else "rank 0"):
+                model(input_ids=ids, position_ids=pos, use_cache=False)
+
+    ctxpar.run_threads(2, rank)
