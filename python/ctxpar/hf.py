@@ -290,7 +290,7 @@ def _check_positions(ctx, position_ids, Tl):
     """The model rotates by the position_ids it was called with: they must be the context's
     (without them transformers uses 0..Tl-1, wrong for every rank's share: silently wrong RoPE)."""
     expected = ctx.position_ids
-    if expected is None:
+    if expected is None or position_ids is expected:  # shard_batch's own tensor, passed on
         return
     expected = torch.as_tensor(expected)
     got = position_ids
