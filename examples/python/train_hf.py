@@ -3,6 +3,7 @@
     python examples/python/train_hf.py                   # 2 ranks as threads of one process
     python examples/python/train_hf.py --threads 1       # the same losses on one rank
     torchrun --nproc-per-node 4 examples/python/train_hf.py    # one rank per process (gloo)
+    torchrun --nproc-per-node 1 examples/python/train_hf.py    # one rank: the same losses
     mpirun -n 4 python examples/python/train_hf.py       # the same under MPI
 
 Every step packs documents of random lengths into one sequence (document_ids), shards it with
@@ -15,6 +16,7 @@ falls only through attention, most of it across ranks. Nothing is downloaded.
 import argparse
 import copy
 import json
+import os
 
 import torch
 
@@ -97,6 +99,12 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
+def launched():
+    """Started by mpirun or torchrun, of one worker too (ctxpar.launched_by() counts only
+    launchers of several; without one this script runs threads)."""
+    return ctxpar.launched_by() is not None or bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+
+
 def run(args):
     """{losses, ranks} of rank 0: one rank per process under a launcher, else threads."""
     torch.set_num_threads(1)
@@ -109,7 +117,7 @@ def run(args):
         if comm.rank == 0:
             results.update(losses=losses, ranks=comm.size)
 
-    if ctxpar.launched_by() is not None:  # mpirun, torchrun
+    if launched():
         rank(ctxpar.init(), model)
     else:
         replicas = [copy.deepcopy(model) for _ in range(args.threads)]

@@ -73,14 +73,29 @@ def test_a_2x2_mesh_trains_like_one_process(tmp_path, data_parallel):
 TRAIN_HF = os.path.join(EXAMPLES, "train_hf.py")
 
 
-def train_hf_in_process(*argv):
-    """examples/python/train_hf.py's run() in this process (ranks as threads)."""
+def train_hf_module():
     pytest.importorskip("transformers")
     import importlib.util
     spec = importlib.util.spec_from_file_location("train_hf", TRAIN_HF)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def train_hf_in_process(*argv):
+    """examples/python/train_hf.py's run() in this process (ranks as threads)."""
+    module = train_hf_module()
     return module.run(module.parse(list(argv)))
+
+
+def test_hf_example_under_torchrun_of_one_worker_is_one_rank(monkeypatch):
+    """torchrun --nproc-per-node 1 sets TORCHELASTIC_RUN_ID but ctxpar.launched_by() is None
+    (a launcher of one): the script must join it as one rank, not start its default threads."""
+    module = train_hf_module()
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert not module.launched()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert module.launched()
 
 
 @pytest.mark.parametrize("checkpointing", ["reentrant", "non-reentrant"])
