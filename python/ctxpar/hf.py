@@ -158,7 +158,7 @@ def shard_batch(batch, comm, layout="zigzag"):
                          f"sequence to {-(-T // unit) * unit} tokens")
     _check_no_padding(batch.get("attention_mask"))
     documents = _documents(batch.get("document_ids"), batch.get("cu_seqlens"), T)
-    labels = torch.as_tensor(batch.get("labels", ids))
+    labels = ids if batch.get("labels") is None else torch.as_tensor(batch["labels"])
     if tuple(labels.shape) != tuple(ids.shape):
         raise ValueError(f"labels: expected the shape of input_ids {tuple(ids.shape)}, got "
                          f"{tuple(labels.shape)}")
