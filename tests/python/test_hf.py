@@ -171,21 +171,25 @@ def test_gradient_checkpointing(use_reentrant):
 
 
 def test_shard_batch_shifts_before_sharding():
-    """Token t is scored on token t + 1 of its own document; num_items counts every rank's."""
+    """Token t is scored on label t + 1 of its own document (a -100 label, e.g. a prompt
+    token, stays unscored); num_items counts every rank's."""
     ids = torch.arange(16)[None, :] + 100
+    labels = ids.clone()
+    labels[0, 9] = -100
     docs = torch.tensor([0] * 6 + [1] * 10)
     seen = {}
 
     def rank(comm):
-        seen[comm.rank] = hf.shard_batch({"input_ids": ids, "cu_seqlens": [0, 6, 16]}, comm)
+        seen[comm.rank] = hf.shard_batch({"input_ids": ids, "labels": labels,
+                                          "cu_seqlens": [0, 6, 16]}, comm)
 
     ctxpar.run_threads(2, rank)
     for r, local in seen.items():
         index = local["input_ids"][0] - 100
-        expect = torch.where((index == 15) | (index == 5), -100, index + 101)
+        expect = torch.where((index == 15) | (index == 5) | (index == 8), -100, index + 101)
         assert torch.equal(local["shift_labels"][0], expect)
         assert torch.equal(local["position_ids"][0], index - 6 * (docs[index] == 1))
-        assert local["num_items_in_batch"] == 14
+        assert local["num_items_in_batch"] == 13
 
 
 def test_padding_mask_refused():
