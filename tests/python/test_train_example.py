@@ -68,3 +68,52 @@ def test_a_2x2_mesh_trains_like_one_process(tmp_path, data_parallel):
                    "--losses", str(mesh), timeout=400)
     assert_same_losses(expected, losses_of(run, mesh, 20)["losses"],
                        "2 x 2 mesh " + (" ".join(data_parallel) or "DDP"), learns_by=0.5)
+
+
+TRAIN_HF = os.path.join(EXAMPLES, "train_hf.py")
+
+
+def train_hf_module():
+    pytest.importorskip("transformers")
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_hf", TRAIN_HF)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def train_hf_in_process(*argv):
+    """examples/python/train_hf.py's run() in this process (ranks as threads)."""
+    module = train_hf_module()
+    return module.run(module.parse(list(argv)))
+
+
+def test_hf_example_under_torchrun_of_one_worker_is_one_rank(monkeypatch):
+    """torchrun --nproc-per-node 1 sets TORCHELASTIC_RUN_ID but ctxpar.launched_by() is None
+    (a launcher of one): the script must join it as one rank, not start its default threads."""
+    module = train_hf_module()
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert not module.launched()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert module.launched()
+
+
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non-reentrant"])
+def test_hf_example_threads_train_like_one(checkpointing):
+    """train_hf.py (random-init Llama, packed documents, gradient checkpointing) on 4 ranks
+    gives the losses of one."""
+    args = ("--steps", "12", "--checkpointing", checkpointing)
+    one = train_hf_in_process("--threads", "1", *args)
+    four = train_hf_in_process("--threads", "4", *args)
+    assert (one["ranks"], four["ranks"]) == (1, 4)
+    assert_same_losses(one["losses"], four["losses"], "4 threads", learns_by=0.1)
+
+
+@needs_gloo_torchrun
+def test_hf_example_under_torchrun_trains_like_one(tmp_path):
+    one = train_hf_in_process("--threads", "1", "--steps", "12")
+    path = tmp_path / "losses.json"
+    run = torchrun(2, TRAIN_HF, "--steps", "12", "--losses", str(path), timeout=300)
+    result = losses_of(run, path, 12)
+    assert result["ranks"] == 2
+    assert_same_losses(one["losses"], result["losses"], "torchrun, 2 workers", learns_by=0.1)
