@@ -224,9 +224,9 @@ struct ThreadsOptions {
 
 // The most ranks run_threads takes. Every rank is a thread of this one process, and what a
 // rank holds about all others adds up to P x P in one address space (each strategy call
-// agrees on its arguments by an allgather of a small verdict, agreement.h: at P = 2000 the
-// ~640-byte verdict it once was took 2.6 GB, and a ring's P steps wake all P threads per
-// message). Beyond it, use MPI.
+// agrees on its arguments by an allgather of a small verdict, agreement.h: at thousands of ranks
+// a verdict of a few hundred bytes takes gigabytes, and a ring's P steps wake all P threads
+// per message). Beyond it, use MPI.
 constexpr int kMaxThreadsRanks = 1024;
 
 // Runs fn(comm) on P threads, one rank each, and returns when all have returned. If any rank

@@ -69,7 +69,7 @@ void check_cache_mask(const Mask& m, const char* what) {
 KvCache::KvCache(Communicator& comm, const KvCacheOptions& options)
     : comm_(comm), options_(options) {
   const KvCacheOptions& o = options;
-  // Before anything is allocated (a shard per sequence: 10^9 of them took 22 s, then failed).
+  // Before anything is allocated (a shard per sequence: an absurd count would allocate for a long time, then fail).
   CTXPAR_CHECK(o.sequences >= 1 && o.sequences <= kMaxBatch,
                "KvCacheOptions::sequences must be in [1, ", kMaxBatch, "], got ", o.sequences);
   CTXPAR_CHECK(o.kv_heads >= 1 && o.kv_heads <= kMaxHeads,

@@ -1,4 +1,4 @@
-// Whether bf16 products pay on this CPU, by measurement (issue 26). With bf16 inputs, Q K^T
+// Whether bf16 products pay on this CPU, by measurement. With bf16 inputs, Q K^T
 // and dO V^T are exact as bf16 x bf16 -> fp32 products (vdpbf16ps, AVX512_BF16), which do
 // twice the multiply-adds of an fp32 FMA per instruction -- but at what rate depends on the
 // core: on the Sapphire Rapids guest here vdpbf16ps gave 0.48x the fp32 FMA FLOP/s (dev lab 05),

@@ -10,7 +10,7 @@
 // the backward: it recomputes P = exp(S - LSE) from the forward's fp32 LSE, and the row's max
 // score must come out as the same fp32 number there (for a one-hot row LSE == max S, so P = 1
 // exactly). Scores converted to log2 units and back differed from LSE by an ulp of |S| -- at
-// |S| ~ 5e8 that is 2^(+-64) (issue 9). Rescaling is lazy: a row's acc and l are multiplied by
+// |S| ~ 5e8 that is 2^(+-64). Rescaling is lazy: a row's acc and l are multiplied by
 // alpha = exp(m_old - m_new) only when its max actually grew.
 // Compiled once per SIMD target (hwy/foreach_target.h re-includes this file); forward_simd at
 // the bottom dispatches to the chosen one.

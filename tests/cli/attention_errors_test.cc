@@ -30,7 +30,7 @@ TEST(CliAttentionErrors, InvalidCombinationsExit2WithWhatWouldWork) {
       {"--seq 64 --mask documents:30,30", {"add up to 60", "--seq is 64"}},
       {"--seq 64 --mask documents", {"documents:512,512", "--documents"}},
       {"--seq 64 --mask causl", {"unknown mask 'causl'", "causal"}},
-      // Issue 21: two INT64_MAX lengths + 514 wrapped to 512 and passed --seq 512, then failed
+      // Two INT64_MAX lengths + 514 wrapped to 512 and passed --seq 512, then failed
       // with vector::_M_fill_insert (exit 1); strtoll clamped out-of-range lengths silently;
       // any rule starting with "documents" was taken, a second one ignored.
       {"--seq 512 --mask documents:9223372036854775807,9223372036854775807,514",

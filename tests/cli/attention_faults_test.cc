@@ -1,4 +1,4 @@
-// What a hostile user found (issue 9, fault matrix), each case as the user runs it: int64
+// What a hostile user found (docs/faults.md), each case as the user runs it: int64
 // document ids, --out replaced as a whole, a FIFO as an input, exit codes of failing ranks,
 // launchers that are not mpirun.
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-// The TCP store and the rendezvous under hostile input (issue 34, items 6-9): the server fed
+// The TCP store and the rendezvous under hostile input (docs/faults.md, "the TCP store and the rendezvous"): the server fed
 // crafted bytes through raw sockets must drop that client alone, keep serving the others and
 // stop at once when destroyed; GlooBootstrap::connect checks every address on its own; the
 // rendezvous refuses mismatched jobs naming why, fails at once on a name that does not
@@ -166,7 +166,7 @@ TEST(TcpStoreServer, AClientThatNeverReadsStallsNeitherTheOthersNorTheExit) {
 }
 
 // A client that sends half a command and stays connected holds nothing up (a guard: the
-// store's poll loop already kept it apart before issue 34).
+// store's poll loop already kept it apart before the store's hardening).
 TEST(TcpStoreServer, HalfACommandStallsNeitherTheOthersNorTheExit) {
   auto server = loopback_server();
   Raw half(server->port());

@@ -1,4 +1,4 @@
-// Issue 26: the exact bf16 products (kernel/simd_bf16.h; AMX tiles: kernel/amx_bf16.cc). The
+// The exact bf16 products (kernel/simd_bf16.h; AMX tiles: kernel/amx_bf16.cc). The
 // fp64 reference tests of this binary run on every outcome (ctest entries kernel_bf16_on /
 // kernel_bf16_off / kernel_bf16_amx force them; AmxProducts.* skip, saying why, where AMX-BF16
 // is not usable); these

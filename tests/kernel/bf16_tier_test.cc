@@ -1,4 +1,4 @@
-// Issue 26: the opt-in fast bf16 tier (KernelConfig::bf16_tier = fast: P and dS rounded to bf16
+// The opt-in fast bf16 tier (KernelConfig::bf16_tier = fast: P and dS rounded to bf16
 // before the P V, dV, dQ and dK products, as GPU flash attention does) against fp64, by its own
 // rule (docs/kernel.md, "bf16 tiers"):
 //   max |fast - ref64| <= 2 max |naive32 - ref64| + kFastTierFloor * max(1, max |ref64|),

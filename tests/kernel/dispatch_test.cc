@@ -41,7 +41,7 @@ TEST(Dispatch, ChosenTargetIsTheRequestedOrTheBest) {
   EXPECT_EQ(std::string(kernel::simd_target_name()), t.chosen);
 }
 
-// Issue 26: bf16 products only where the probe measured them faster (or CTXPAR_BF16_PRODUCTS
+// bf16 products only where the probe measured them faster (or CTXPAR_BF16_PRODUCTS
 // forces them); the rule on every outcome of the measurement (fp32, vdpbf16ps, AMX), and the
 // overrides.
 TEST(Bf16Products, RuleOnEveryOutcomeAndOverrides) {

@@ -1,5 +1,5 @@
 // Test support for the kernel tests: seeded inputs with positions / documents, one call of the
-// fast kernel (forward + finalize + delta + backward), and the tolerance rule of issue 2:
+// fast kernel (forward + finalize + delta + backward), and the project's tolerance rule:
 //   max |fast - ref64| <= 2 * max |naive32 - ref64| + floor,   floor = 1e-5 * max(1, max|ref64|)
 // where naive32 is the materialised fp32 computation on the same (bf16-rounded) inputs.
 #pragma once

@@ -1,5 +1,5 @@
 """Communicator.from_torch hands every rank's gloo address, as all_gather_object returned it, to
-the C++ bootstrap, which checks each address on its own (issue 34, item 7; the cases are in
+the C++ bootstrap, which checks each address on its own (the cases are in
 tests/gloo/tcp_store_test.cc): a crafted one is a ValueError naming the rank, never a read past
 its end. torch.distributed is stood in for (one process plays rank 0 of 3)."""
 import struct

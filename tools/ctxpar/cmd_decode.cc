@@ -31,7 +31,7 @@ using namespace decode_cli;
 
 // Rows of a random tensor [1, n, H, D] at `indices`, each token's row drawn from its own seed
 // (token_seed, as `ctxpar attention` draws): the values depend on neither P nor --block, and a
-// rank draws only its own rows (drawing whole blocks took 58 s for 100 tokens at --block 4M).
+// rank draws only its own rows (drawing whole blocks costs the block size, whatever the context).
 Tensor random_rows(const std::vector<int64_t>& indices, int64_t heads, int64_t d, uint64_t seed,
                    int which, int64_t seq, DType dtype) {
   Tensor out(DType::f32, {1, int64_t(indices.size()), heads, d});
