@@ -48,7 +48,8 @@ int positive(const char* name, const char* text) {
   char* end = nullptr;
   const long v = std::strtol(text, &end, 10);
   if (end == text || *end != '\0' || v < 1 || v > (1L << 20))
-    usage((std::string(name) + " needs a whole number from 1 to 1048576, got '" + text + "'").c_str());
+    usage((std::string(name) + " needs a whole number from 1 to 1048576, got '" + text + "'")
+              .c_str());
   return static_cast<int>(v);
 }
 
@@ -66,16 +67,22 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (i + 1 >= argc) usage((a + " needs a value").c_str());
     const char* v = argv[i + 1];
-    if (a == "--seq") T = positive("--seq", v);
-    else if (a == "--heads") H = positive("--heads", v);
-    else if (a == "--head-dim") D = positive("--head-dim", v);
-    else if (a == "--threads") threads = positive("--threads", v);
-    else if (a == "--repeats") repeats = positive("--repeats", v);
+    if (a == "--seq")
+      T = positive("--seq", v);
+    else if (a == "--heads")
+      H = positive("--heads", v);
+    else if (a == "--head-dim")
+      D = positive("--head-dim", v);
+    else if (a == "--threads")
+      threads = positive("--threads", v);
+    else if (a == "--repeats")
+      repeats = positive("--repeats", v);
     else if (a == "--kv") {
       if (std::strcmp(v, "f32") != 0 && std::strcmp(v, "f16") != 0)
         usage(("--kv is f32 or f16, got '" + std::string(v) + "'").c_str());
       f16 = std::strcmp(v, "f16") == 0;
-    } else usage(("unknown option '" + a + "'").c_str());
+    } else
+      usage(("unknown option '" + a + "'").c_str());
   }
   if (T == 0 || H == 0 || D == 0 || threads == 0)
     usage("--seq, --heads, --head-dim and --threads are required");
@@ -94,8 +101,10 @@ int main(int argc, char** argv) {
     for (int64_t i = 0; i < ggml_nelements(t); ++i) {
       state = state * 6364136223846793005ull + 1442695040888963407ull;
       const float x = static_cast<float>(state >> 40) / static_cast<float>(1 << 24) - 0.5f;
-      if (t->type == GGML_TYPE_F16) static_cast<ggml_fp16_t*>(t->data)[i] = ggml_fp32_to_fp16(x);
-      else static_cast<float*>(t->data)[i] = x;
+      if (t->type == GGML_TYPE_F16)
+        static_cast<ggml_fp16_t*>(t->data)[i] = ggml_fp32_to_fp16(x);
+      else
+        static_cast<float*>(t->data)[i] = x;
     }
   };
   fill(q), fill(k), fill(v);
@@ -127,26 +136,30 @@ int main(int argc, char** argv) {
       for (int64_t c = 0; c < D; ++c) o[c] += p * element(v, j * D + c);
     }
     for (int64_t c = 0; c < D; ++c) {
-      const double got = static_cast<const float*>(out->data)[c + int64_t{D} * (0 + int64_t{H} * t)];
+      const double got =
+          static_cast<const float*>(out->data)[c + int64_t{D} * (0 + int64_t{H} * t)];
       max_err = std::max(max_err, std::abs(got - o[c] / sum));
     }
   }
   if (!(max_err <= 1e-3)) {
-    std::fprintf(stderr, "ggml_fa: ggml's result differs from the fp64 reference by %.3g\n", max_err);
+    std::fprintf(stderr, "ggml_fa: ggml's result differs from the fp64 reference by %.3g\n",
+                 max_err);
     return 1;
   }
   double best = INFINITY;
   for (int r = 0; r < repeats; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
     ggml_graph_compute_with_ctx(ctx, graph, threads);
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    best = std::min(best,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   const double flops = 4.0 * H * double(T) * T * D;
-  std::printf("{\"impl\": \"ggml_flash_attn_ext\", \"ggml_version\": \"%s\", \"ggml_commit\": \"%s\", "
-              "\"seq\": %d, \"heads\": %d, \"head_dim\": %d, \"threads\": %d, \"kv\": \"%s\", "
-              "\"fwd_seconds\": %.6f, \"fwd_gflops\": %.2f, \"max_err_vs_fp64\": %.3g}\n",
-              ggml_version(), ggml_commit(), T, H, D, threads, f16 ? "f16" : "f32", best,
-              flops / best / 1e9, max_err);
+  std::printf(
+      "{\"impl\": \"ggml_flash_attn_ext\", \"ggml_version\": \"%s\", \"ggml_commit\": \"%s\", "
+      "\"seq\": %d, \"heads\": %d, \"head_dim\": %d, \"threads\": %d, \"kv\": \"%s\", "
+      "\"fwd_seconds\": %.6f, \"fwd_gflops\": %.2f, \"max_err_vs_fp64\": %.3g}\n",
+      ggml_version(), ggml_commit(), T, H, D, threads, f16 ? "f16" : "f32", best,
+      flops / best / 1e9, max_err);
   ggml_free(ctx);
   return 0;
 }

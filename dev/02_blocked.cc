@@ -19,8 +19,7 @@ int main(int argc, char** argv) {
         const int64_t rows = std::min(tile, t - i0);
         std::fill(m.begin(), m.end(), -INFINITY);
         std::fill(l.begin(), l.end(), 0.0f);
-        for (int64_t r = 0; r < rows; ++r)
-          std::fill_n(o.data() + ((i0 + r) * h + hh) * d, d, 0.0f);
+        for (int64_t r = 0; r < rows; ++r) std::fill_n(o.data() + ((i0 + r) * h + hh) * d, d, 0.0f);
         for (int64_t j0 = 0; j0 < t; j0 += tile) {
           const int64_t cols = std::min(tile, t - j0);
           for (int64_t r = 0; r < rows; ++r) {

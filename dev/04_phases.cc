@@ -47,7 +47,8 @@ using ctxpar::kernel::kNegInf;
 HWY_INLINE void softmax_rows(float* s, int64_t rows, float* m, float* lv, float* acc, int64_t ld,
                              int64_t dp) {
   const int64_t nl = lanes();
-  for (int64_t r = 0; r < rows; ++r) softmax_row(s + r * kTile, m[r], lv + r * nl, acc + r * ld, dp);
+  for (int64_t r = 0; r < rows; ++r)
+    softmax_row(s + r * kTile, m[r], lv + r * nl, acc + r * ld, dp);
 }
 
 Phases Run(const float* q, const float* k, const float* v, int64_t t, int64_t d, int64_t qrows,
@@ -77,8 +78,8 @@ Phases Run(const float* q, const float* k, const float* v, int64_t t, int64_t d,
     std::fill(lv.begin(), lv.end(), 0.0f);
   };
   auto s_product = [&](int64_t i0, int64_t kt) {
-    gemm_rows(qrows, kTile, d, qp.data() + i0 * ld, ld, kp.data() + kt * d * kTile, kTile,
-              s.data(), kTile, false, k_panel);
+    gemm_rows(qrows, kTile, d, qp.data() + i0 * ld, ld, kp.data() + kt * d * kTile, kTile, s.data(),
+              kTile, false, k_panel);
   };
   auto pv_product = [&](int64_t kt) {
     gemm_rows(qrows, dp, kTile, s.data(), kTile, vp.data() + kt * kTile * ld, ld, acc.data(), ld,
@@ -90,39 +91,41 @@ Phases Run(const float* q, const float* k, const float* v, int64_t t, int64_t d,
   Phases best{1e30, 1e30, 1e30, 1e30};
   for (int rep = 0; rep < repeats; ++rep) {
     best.s = std::min(best.s, seconds([&] {
-      for (int64_t i0 = 0; i0 < t; i0 += qrows)
-        for (int64_t kt = 0; kt < nt; ++kt) s_product(i0, kt);
-    }));
+                        for (int64_t i0 = 0; i0 < t; i0 += qrows)
+                          for (int64_t kt = 0; kt < nt; ++kt) s_product(i0, kt);
+                      }));
     best.pv = std::min(best.pv, seconds([&] {
-      for (int64_t i0 = 0; i0 < t; i0 += qrows) {
-        reset_state();
-        for (int64_t kt = 0; kt < nt; ++kt) pv_product(kt);
-      }
-    }));
-    best.soft = std::min(best.soft, seconds([&] {
-      for (int64_t i0 = 0; i0 < t; i0 += qrows) {
-        reset_state();
-        for (int64_t kt = 0; kt < nt; ++kt) {
-          std::copy(s_saved.begin(), s_saved.end(), s.begin());
-          softmax_rows(s.data(), qrows, m.data(), lv.data(), acc.data(), ld, dp);
-        }
-      }
-    }));
-    best.full = std::min(best.full, seconds([&] {
-      for (int64_t i0 = 0; i0 < t; i0 += qrows) {
-        reset_state();
-        for (int64_t kt = 0; kt < nt; ++kt) {
-          s_product(i0, kt);
-          softmax_rows(s.data(), qrows, m.data(), lv.data(), acc.data(), ld, dp);
-          pv_product(kt);
-        }
-        for (int64_t r = 0; r < qrows; ++r) {
-          const DF df;
-          const float l = hn::GetLane(hn::SumOfLanes(df, hn::LoadU(df, lv.data() + r * nl)));
-          for (int64_t c = 0; c < d; ++c) out[(i0 + r) * d + c] = acc[r * ld + c] / l;
-        }
-      }
-    }));
+                         for (int64_t i0 = 0; i0 < t; i0 += qrows) {
+                           reset_state();
+                           for (int64_t kt = 0; kt < nt; ++kt) pv_product(kt);
+                         }
+                       }));
+    best.soft =
+        std::min(best.soft, seconds([&] {
+                   for (int64_t i0 = 0; i0 < t; i0 += qrows) {
+                     reset_state();
+                     for (int64_t kt = 0; kt < nt; ++kt) {
+                       std::copy(s_saved.begin(), s_saved.end(), s.begin());
+                       softmax_rows(s.data(), qrows, m.data(), lv.data(), acc.data(), ld, dp);
+                     }
+                   }
+                 }));
+    best.full = std::min(
+        best.full, seconds([&] {
+          for (int64_t i0 = 0; i0 < t; i0 += qrows) {
+            reset_state();
+            for (int64_t kt = 0; kt < nt; ++kt) {
+              s_product(i0, kt);
+              softmax_rows(s.data(), qrows, m.data(), lv.data(), acc.data(), ld, dp);
+              pv_product(kt);
+            }
+            for (int64_t r = 0; r < qrows; ++r) {
+              const DF df;
+              const float l = hn::GetLane(hn::SumOfLanes(df, hn::LoadU(df, lv.data() + r * nl)));
+              for (int64_t c = 0; c < d; ++c) out[(i0 + r) * d + c] = acc[r * ld + c] / l;
+            }
+          }
+        }));
   }
   // The softmax-only phase also copied the saved tile back in every step: take that out.
   const double copy = seconds([&] {
@@ -154,8 +157,9 @@ int main(int argc, char** argv) {
   const int repeats = argc > 4 ? std::atoi(argv[4]) : 3;
   if ((qrows != 64 && qrows != 128 && qrows != 192) || t < qrows || t % qrows != 0 || d < 16 ||
       d > 256 || repeats < 1) {
-    std::fprintf(stderr, "usage: lab_04_phases [T, a multiple of 64 and of the query rows] [D 16..256] "
-                         "[query rows 64|128|192] [repeats >= 1]\n");
+    std::fprintf(stderr,
+                 "usage: lab_04_phases [T, a multiple of 64 and of the query rows] [D 16..256] "
+                 "[query rows 64|128|192] [repeats >= 1]\n");
     return 2;
   }
   ctxpar::set_kernel_environment(ctxpar::environment::kernel());  // CTXPAR_SIMD
@@ -165,8 +169,8 @@ int main(int argc, char** argv) {
   ctxpar::fill_normal(q, 1), ctxpar::fill_normal(k, 2), ctxpar::fill_normal(v, 3);
   std::vector<float> out(t * d);
   const ctxpar::kernel::Peak peak = ctxpar::kernel::measure_fma_peak(1);
-  const lab::Phases ph = HWY_DYNAMIC_DISPATCH(lab::Run)(q.ptr<float>(), k.ptr<float>(),
-                                                       v.ptr<float>(), t, d, qrows, repeats, out.data());
+  const lab::Phases ph = HWY_DYNAMIC_DISPATCH(lab::Run)(
+      q.ptr<float>(), k.ptr<float>(), v.ptr<float>(), t, d, qrows, repeats, out.data());
   std::vector<int64_t> pos(t);
   for (int64_t i = 0; i < t; ++i) pos[i] = i;
   const int64_t rows = 64;
@@ -180,8 +184,9 @@ int main(int argc, char** argv) {
     std::printf("  %-34s %8.4f s  %7.1f GFLOP/s  %5.1f %% of peak\n", name, s, flops / s / 1e9,
                 100 * flops / s / 1e9 / peak_g);
   };
-  std::printf("lab_04_phases T=%lld D=%lld, %lld query rows a task, SIMD %s, best of %d, one thread\n",
-              (long long)t, (long long)d, (long long)qrows, ctxpar::kernel::simd_target_name(), repeats);
+  std::printf(
+      "lab_04_phases T=%lld D=%lld, %lld query rows a task, SIMD %s, best of %d, one thread\n",
+      (long long)t, (long long)d, (long long)qrows, ctxpar::kernel::simd_target_name(), repeats);
   std::printf("  FMA peak %.1f GFLOP/s\n", peak_g);
   line("S = Q K^T alone", ph.s, half);
   line("O += P V alone", ph.pv, half);

@@ -16,9 +16,11 @@ namespace {
 
 constexpr long kIterations = 50'000'000;  // x 24 instructions
 
+// clang-format off
 #define CTXPAR_LAB_CHAINS(OP) \
   OP(a0) OP(a1) OP(a2) OP(a3) OP(a4) OP(a5) OP(a6) OP(a7) OP(a8) OP(a9) OP(a10) OP(a11) \
   OP(b0) OP(b1) OP(b2) OP(b3) OP(b4) OP(b5) OP(b6) OP(b7) OP(b8) OP(b9) OP(b10) OP(b11)
+// clang-format on
 // Named variables (GCC keeps arrays of vectors on the stack); the empty asm keeps every chain
 // live and in a register.
 #define CTXPAR_LAB_DECLARE(v) __m512 v = _mm512_set1_ps(seed);
@@ -36,7 +38,8 @@ __attribute__((target("avx512f"))) inline float lanes_sum(__m512 v) {
 
 // 24 chains of vdpbf16ps (kBf16) or of vfmadd231ps; returns a checksum, sets the seconds.
 template <bool kBf16>
-__attribute__((target("avx512f,avx512bf16,fma"), noinline)) float chains(float seed, double* seconds) {
+__attribute__((target("avx512f,avx512bf16,fma"), noinline)) float chains(float seed,
+                                                                         double* seconds) {
   CTXPAR_LAB_CHAINS(CTXPAR_LAB_DECLARE)
   const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80);  // bf16 pairs (1, 1)
   const __m512bh y = (__m512bh)_mm512_set1_epi32(0x33d633d6);  // (1e-7, 1e-7)
@@ -69,7 +72,9 @@ int main() {
   }
   const double n = 24.0 * kIterations;
   const double dp = n * 64 / best_dp / 1e9, fma = n * 32 / best_fma / 1e9;
-  std::printf("vdpbf16ps %.1f GFLOP/s, vfmadd231ps %.1f GFLOP/s: bf16 products give %.2fx the fp32 "
-              "FMA rate (one thread, best of 3; checksum %g)\n", dp, fma, dp / fma, sink);
+  std::printf(
+      "vdpbf16ps %.1f GFLOP/s, vfmadd231ps %.1f GFLOP/s: bf16 products give %.2fx the fp32 "
+      "FMA rate (one thread, best of 3; checksum %g)\n",
+      dp, fma, dp / fma, sink);
   return 0;
 }

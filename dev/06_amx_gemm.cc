@@ -44,16 +44,16 @@ int main(int argc, char** argv) {
   std::vector<uint32_t> a(3 * 128 * 128, 0x3f803f80u), b(128 * 160, 0x3f803f80u);
   std::vector<float> c(128 * 144, 0.0f);
   std::printf("scores_amx 128 x 64, 64 pairs: %.0f GFLOP/s\n",
-              gflops(2.0 * 128 * 64 * 128, repeats, [&] {
-                bf16::scores_amx(128, 64, a.data(), 80, b.data(), c.data(), 0.5f);
-              }));
+              gflops(2.0 * 128 * 64 * 128, repeats,
+                     [&] { bf16::scores_amx(128, 64, a.data(), 80, b.data(), c.data(), 0.5f); }));
   for (const int m : {64, 128})
     for (const int nsplit : {1, 3})
-      std::printf("gemm_amx %d x 128, 32 pairs, %d part(s): %.0f GFLOP/s (of the parts' products)\n",
-                  m, nsplit, gflops(2.0 * m * 128 * 64 * nsplit, repeats, [&] {
-                    bf16::gemm_amx(m, 128, 32, a.data(), 32, b.data(), 144, c.data(), 144, true,
-                                   nsplit, 128 * 32);
-                  }));
+      std::printf(
+          "gemm_amx %d x 128, 32 pairs, %d part(s): %.0f GFLOP/s (of the parts' products)\n", m,
+          nsplit, gflops(2.0 * m * 128 * 64 * nsplit, repeats, [&] {
+            bf16::gemm_amx(m, 128, 32, a.data(), 32, b.data(), 144, c.data(), 144, true, nsplit,
+                           128 * 32);
+          }));
   std::printf("gemm_amx 64 x 128, 32 pairs, C zeroed (not loaded): %.0f GFLOP/s\n",
               gflops(2.0 * 64 * 128 * 64, repeats, [&] {
                 bf16::gemm_amx(64, 128, 32, a.data(), 32, b.data(), 144, c.data(), 144, false);
@@ -69,8 +69,8 @@ int main(int argc, char** argv) {
   // several query tiles' P^T parts would be).
   for (const int np : {32, 64, 128})
     for (const int nsplit : {1, 3})
-      std::printf("gemm_amx 64 x 128, %d pairs, %d part(s), A 128 pairs a row: %.0f GFLOP/s\n",
-                  np, nsplit, gflops(2.0 * 64 * 128 * 2 * np * nsplit, repeats * 32 / np, [&] {
+      std::printf("gemm_amx 64 x 128, %d pairs, %d part(s), A 128 pairs a row: %.0f GFLOP/s\n", np,
+                  nsplit, gflops(2.0 * 64 * 128 * 2 * np * nsplit, repeats * 32 / np, [&] {
                     bf16::gemm_amx(64, 128, np, a.data(), 128, b.data(), 144, c.data(), 144, true,
                                    nsplit, 64 * 128);
                   }));
@@ -83,7 +83,8 @@ int main(int argc, char** argv) {
   const double tiny = gflops(2.0 * 16 * 16 * 32, repeats * 10, [&] {
     bf16::gemm_amx(16, 16, 16, a.data(), 32, b.data(), 144, c.data(), 144, true);
   });
-  std::printf("gemm_amx 16 x 16, 16 pairs (one tile product a call): %.1f GFLOP/s = %.0f ns a call\n",
-              tiny, 2.0 * 16 * 16 * 32 / tiny);
+  std::printf(
+      "gemm_amx 16 x 16, 16 pairs (one tile product a call): %.1f GFLOP/s = %.0f ns a call\n", tiny,
+      2.0 * 16 * 16 * 32 / tiny);
   return 0;
 }

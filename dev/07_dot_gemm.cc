@@ -38,9 +38,11 @@ int main(int argc, char** argv) {
     for (long i = 0; i < repeats; ++i)
       kernel::bf16::gemm_dot(m, 128, 32, a.data(), 32, b.data(), 144, c.data(), 144, true);
     const double gf = flops * static_cast<double>(repeats) / (lab::cpu_seconds() - t0) / 1e9;
-    std::printf("gemm_dot %d x 128, 32 pairs: %.0f GFLOP/s = %.2f of vdpbf16ps, %.2f x fp32 FMA "
-                "peak\n", m, gf, probe.dot_gflops > 0 ? gf / probe.dot_gflops : 0.0,
-                probe.fma_gflops > 0 ? gf / probe.fma_gflops : 0.0);
+    std::printf(
+        "gemm_dot %d x 128, 32 pairs: %.0f GFLOP/s = %.2f of vdpbf16ps, %.2f x fp32 FMA "
+        "peak\n",
+        m, gf, probe.dot_gflops > 0 ? gf / probe.dot_gflops : 0.0,
+        probe.fma_gflops > 0 ? gf / probe.fma_gflops : 0.0);
   }
   return 0;
 }

@@ -51,12 +51,13 @@ inline int report(const char* name, const Problem& p, const std::function<void()
   const int64_t rows = std::min<int64_t>(64, p.t);
   ctxpar::TensorView q_rows = p.q.view().slice(1, 0, rows);
   std::vector<int64_t> qpos(p.pos.begin(), p.pos.begin() + rows);
-  const auto ref = ctxpar::reference::attention_f64(q_rows, {qpos, {}}, p.k, p.v, {p.pos, {}},
-                                                    ctxpar::Mask{});
+  const auto ref =
+      ctxpar::reference::attention_f64(q_rows, {qpos, {}}, p.k, p.v, {p.pos, {}}, ctxpar::Mask{});
   double err = 0;
   for (size_t i = 0; i < ref.o.size(); ++i) err = std::max(err, std::fabs(ref.o[i] - o[i]));
-  std::printf("%-12s T=%lld H=%lld D=%lld  %8.2f GFLOP/s (CPU time, best of 3)  max|o - ref64| = %.2e\n",
-              name, (long long)p.t, (long long)p.h, (long long)p.d, p.flops() / best / 1e9, err);
+  std::printf(
+      "%-12s T=%lld H=%lld D=%lld  %8.2f GFLOP/s (CPU time, best of 3)  max|o - ref64| = %.2e\n",
+      name, (long long)p.t, (long long)p.h, (long long)p.d, p.flops() / best / 1e9, err);
   return err < 1e-4 ? 0 : 1;
 }
 

@@ -58,8 +58,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   // The arguments after `ctxpar attention` (Options::parse takes no command name).
   std::string a1 = "--mask", a3 = "--seq", a5 = "--ranks", a6 = "2";
-  std::vector<char*> argv = {a1.data(), text.data(), a3.data(), seq.data(), a5.data(), a6.data(),
-                             nullptr};
+  std::vector<char*> argv = {a1.data(), text.data(), a3.data(), seq.data(),
+                             a5.data(), a6.data(),   nullptr};
   try {
     Options o = attention_options();
     if (!o.parse(static_cast<int>(argv.size()) - 1, argv.data())) return 0;
@@ -70,7 +70,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       for (int64_t l : job.document_lengths)
         if (__builtin_add_overflow(sum, l, &sum))
           fuzz::fail("mask_fuzz", "validated lengths whose sum overflows 64 bits", text);
-      if (sum != job.seq) fuzz::fail("mask_fuzz", "validated lengths that do not add up to --seq", text);
+      if (sum != job.seq)
+        fuzz::fail("mask_fuzz", "validated lengths that do not add up to --seq", text);
     }
   } catch (const Error& e) {
     fuzz::check_message("mask_fuzz", e.what());

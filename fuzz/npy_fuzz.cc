@@ -43,8 +43,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     ctxpar::parse_npy(bytes, ctxpar::DType::bf16, "fuzz.npy");
     ok16 = true;
-  } catch (const ctxpar::Error&) {
-  }
+  } catch (const ctxpar::Error&) {}
   if (ok32 != ok16) fuzz_fail("fp32 and bf16 reads disagree on validity", std::to_string(size));
 
   static const int fd = memfd_create("npy_fuzz", 0);
@@ -54,9 +53,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     try {
       f = ctxpar::read_npy("/proc/self/fd/" + std::to_string(fd));
       ok_file = true;
-    } catch (const ctxpar::Error&) {
-    }
-    if (ok_file != ok32) fuzz_fail("read_npy and parse_npy disagree on validity", std::to_string(size));
+    } catch (const ctxpar::Error&) {}
+    if (ok_file != ok32)
+      fuzz_fail("read_npy and parse_npy disagree on validity", std::to_string(size));
     if (ok_file && (f.shape() != t.shape() || f.dtype() != t.dtype() ||
                     std::memcmp(f.data(), t.data(), t.bytes()) != 0))
       fuzz_fail("read_npy and parse_npy read different tensors", ctxpar::shape_str(t.shape()));

@@ -41,8 +41,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     full = ctxpar::read_npy(path, ft);
     ok_full = true;
-  } catch (const ctxpar::Error&) {
-  }
+  } catch (const ctxpar::Error&) {}
   if (ok_rows && !ok_full) fuzz::fail("npy_rows_fuzz", "accepted a file read_npy refuses", path);
   if (!ok_rows) return 0;
 

@@ -39,7 +39,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     } catch (const Error& e) {
       fuzz::check_message("options_fuzz", e.what());
     }
-    if (ok != in) fuzz::fail("options_fuzz", "parse_whole_number and whole_number_in disagree", args[i]);
+    if (ok != in)
+      fuzz::fail("options_fuzz", "parse_whole_number and whole_number_in disagree", args[i]);
   }
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
@@ -48,7 +49,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     Options o = attention_options();
     if (!o.parse(static_cast<int>(args.size()), argv.data())) return 0;
     const int64_t seq = o.i64("seq", 1, kMaxTokens);
-    if (seq < 1 || seq > kMaxTokens) fuzz::fail("options_fuzz", "--seq out of its range", o.str("seq"));
+    if (seq < 1 || seq > kMaxTokens)
+      fuzz::fail("options_fuzz", "--seq out of its range", o.str("seq"));
     const double lat = o.num("link-latency-us", 0, kMaxLinkLatencyUs);
     if (!(lat >= 0 && lat <= kMaxLinkLatencyUs))
       fuzz::fail("options_fuzz", "--link-latency-us out of its range", o.str("link-latency-us"));
@@ -56,7 +58,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (!(gbps == 0 || (gbps >= kMinLinkGbps && gbps <= kMaxLinkGbps)))
       fuzz::fail("options_fuzz", "--link-gbps out of its range", o.str("link-gbps"));
     const int t = threads_option(o);
-    if (t < 1 || t > kMaxThreads) fuzz::fail("options_fuzz", "--threads out of its range", o.str("threads"));
+    if (t < 1 || t > kMaxThreads)
+      fuzz::fail("options_fuzz", "--threads out of its range", o.str("threads"));
     (void)o.list("mask");
     AttentionJob job = job_from(o);
     validate(job);

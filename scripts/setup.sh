@@ -32,7 +32,7 @@ pkgs=(
 [ $cxx_only -eq 1 ] || pkgs+=(
   python3-numpy python3-matplotlib python3-torch
   python3-dev python3-venv python3-mpi4py
-  clang libclang-rt-14-dev libomp-14-dev
+  clang libclang-rt-14-dev libomp-14-dev clang-format
 )
 missing=()
 for p in "${pkgs[@]}"; do

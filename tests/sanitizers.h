@@ -14,9 +14,9 @@
 #define CTXPAR_UNDER_SANITIZER 0
 #endif
 
-#define CTXPAR_SKIP_UNDER_SANITIZER()                                                        \
-  do {                                                                                       \
-    if (CTXPAR_UNDER_SANITIZER)                                                              \
-      GTEST_SKIP() << "lowers RLIMIT_AS (ulimit -v), which AddressSanitizer and "            \
-                      "ThreadSanitizer cannot run under";                                    \
+#define CTXPAR_SKIP_UNDER_SANITIZER()                                             \
+  do {                                                                            \
+    if (CTXPAR_UNDER_SANITIZER)                                                   \
+      GTEST_SKIP() << "lowers RLIMIT_AS (ulimit -v), which AddressSanitizer and " \
+                      "ThreadSanitizer cannot run under";                         \
   } while (0)

@@ -10,8 +10,7 @@ namespace ctxpar {
 
 // Seconds on the steady clock: monotonic, only differences mean anything.
 inline double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // CPU seconds the calling thread has run (CLOCK_THREAD_CPUTIME_ID), its OpenMP workers not

@@ -42,7 +42,9 @@ class Buffer {
   size_t size() const { return size_; }
   std::byte* data() const { return data_.get(); }
   template <typename T>
-  T* as() const { return reinterpret_cast<T*>(data_.get()); }
+  T* as() const {
+    return reinterpret_cast<T*>(data_.get());
+  }
   bool empty() const { return size_ == 0; }
   // Another handle to the same memory (no copy); writes through one are seen through the other.
   Buffer share() const {
@@ -116,8 +118,8 @@ class Request {
  public:
   struct Impl {
     virtual ~Impl() = default;
-    virtual bool test() = 0;        // true when complete (never blocks)
-    virtual void wait() = 0;        // blocks; throws on timeout / group failure
+    virtual bool test() = 0;  // true when complete (never blocks)
+    virtual void wait() = 0;  // blocks; throws on timeout / group failure
     virtual Buffer take() { return {}; }
   };
   Request() = default;

@@ -95,8 +95,8 @@ const char* stream_name(Stream s);
 // A point in a stream's order: done when every operation enqueued on `stream` before
 // record() returned it is done.
 struct Event {
-  int stream = -1;    // -1: an event that is always done
-  uint64_t seq = 0;   // the stream's operation count at record()
+  int stream = -1;   // -1: an event that is always done
+  uint64_t seq = 0;  // the stream's operation count at record()
 };
 
 // Device memory, freed (stream-ordered, see above) when the handle is destroyed or reset.
@@ -248,9 +248,7 @@ class Device {
   // Enqueues `op` on s: the one virtual of the kernel operations. The helpers below build the
   // op from the arguments and call it.
   virtual void run(Stream s, const Op& op) = 0;
-  void forward_reset(Stream s, const ForwardStateView& state) {
-    run(s, {op::ForwardReset{state}});
-  }
+  void forward_reset(Stream s, const ForwardStateView& state) { run(s, {op::ForwardReset{state}}); }
   void forward_block(Stream s, const TensorView& q, const Tokens& q_tokens, const TensorView& k,
                      const TensorView& v, const Tokens& k_tokens, const Mask& mask,
                      const ForwardStateView& state, const KernelConfig& config) {

@@ -37,13 +37,14 @@ std::string concat(const Args&... args) {
 
 // Throws ctxpar::Error when `cond` is false; the rest of the arguments are streamed into the
 // message: CTXPAR_CHECK(d % 2 == 0, "q: head dim must be even, got ", d).
-#define CTXPAR_CHECK(cond, ...)                                   \
-  do {                                                            \
+#define CTXPAR_CHECK(cond, ...)                                                \
+  do {                                                                         \
     if (!(cond)) throw ::ctxpar::Error(::ctxpar::detail::concat(__VA_ARGS__)); \
   } while (0)
 
-#define CTXPAR_ASSERT(cond, ...)                                                      \
-  do {                                                                                \
-    if (!(cond))                                                                      \
-      ::ctxpar::assert_fail(#cond, __FILE__, __LINE__, ::ctxpar::detail::concat("", ##__VA_ARGS__)); \
+#define CTXPAR_ASSERT(cond, ...)                                          \
+  do {                                                                    \
+    if (!(cond))                                                          \
+      ::ctxpar::assert_fail(#cond, __FILE__, __LINE__,                    \
+                            ::ctxpar::detail::concat("", ##__VA_ARGS__)); \
   } while (0)

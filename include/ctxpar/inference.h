@@ -38,8 +38,8 @@ struct KvCacheOptions {
   // The attention's mask (documents: a document id per token): one that hides every later
   // token (check_cache_mask), causal by default ("none", the default of Mask, is refused).
   Mask mask = Mask::causal_mask();
-  KernelConfig kernel;          // prefill and decode; bf16_tier the same on every rank
-  DeviceOptions device;         // each rank makes its own device of this kind
+  KernelConfig kernel;   // prefill and decode; bf16_tier the same on every rank
+  DeviceOptions device;  // each rank makes its own device of this kind
   // Limits per rank; a call that would pass one is refused before anything changes, with an
   // Error naming the field (every rank computes every rank's share, so all refuse together).
   // Bytes count whole blocks of tokens (kv_cache_bytes), not the spare room of growth.
@@ -136,8 +136,8 @@ class KvCache {
 
 // Bytes rank `rank` (of `ranks`) needs when the sequences have `lengths` tokens, in whole
 // blocks: KvCache::bytes_for without a communicator (the CLI's check before it starts).
-size_t kv_cache_bytes(const KvCacheOptions& options, const std::vector<int64_t>& lengths,
-                      int ranks, int rank);
+size_t kv_cache_bytes(const KvCacheOptions& options, const std::vector<int64_t>& lengths, int ranks,
+                      int rank);
 
 // Decode: Tn new tokens (usually 1) of every sequence at once, sequences of any lengths.
 // Appends their K/V (each on the rank the rule names), then every rank attends q over its
@@ -146,8 +146,7 @@ size_t kv_cache_bytes(const KvCacheOptions& options, const std::vector<int64_t>&
 // do not depend on how earlier tokens were prefilled or decoded. documents: B * Tn ids
 // (row-major) when the mask uses documents. Collective.
 void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const TensorView& v_new,
-            const TensorView& out, const TensorView& lse,
-            std::span<const int32_t> documents = {});
+            const TensorView& out, const TensorView& lse, std::span<const int32_t> documents = {});
 
 // Bytes that prefilling `new_tokens` after `cached` tokens of one sequence moves, all ranks
 // together, in each mode (exactly what the communicators count):
@@ -174,9 +173,9 @@ PrefillMode choose_prefill(const PrefillShape& shape, PrefillMode forced = Prefi
 struct InferenceRates {
   double decode_seconds_per_token_head = 0;  // decode kernel: per cached token and KV head
                                              // (its g query rows), one rank
-  double attention_flops = 0;     // prefill kernel FLOP/s per rank (4 D FLOPs per pair and head)
+  double attention_flops = 0;        // prefill kernel FLOP/s per rank (4 D FLOPs per pair and head)
   double link_bytes_per_second = 0;  // one message between two ranks, one direction
-  double message_seconds = 0;     // fixed cost per message (latency, and decode's merge per rank)
+  double message_seconds = 0;  // fixed cost per message (latency, and decode's merge per rank)
 };
 // Measures the rates on this machine with the threads transport and `options`' device and
 // kernel (about a second): a one-rank decode and prefill, and a two-rank exchange.
@@ -192,8 +191,7 @@ struct DecodePlan {
   double seconds = 0;                    // kernel + merge
 };
 DecodePlan plan_decode(const KvCacheOptions& options, int64_t hq, int64_t tn,
-                       const std::vector<int64_t>& lengths, int ranks,
-                       const InferenceRates& rates);
+                       const std::vector<int64_t>& lengths, int ranks, const InferenceRates& rates);
 
 // Prefill of shape.new_tokens after shape.cached tokens in each mode: bytes (exact, as
 // predict_prefill_bytes), seconds (the slowest rank's compute plus the transfers it cannot

@@ -34,7 +34,9 @@ constexpr int64_t kKernelTile = 64;
 // and the scalar path ignore it.
 enum class Bf16Tier : uint8_t { exact, fast };
 // "exact" | "fast": the names the command, the Python package and the ranks' agreement use.
-inline const char* bf16_tier_name(Bf16Tier tier) { return tier == Bf16Tier::fast ? "fast" : "exact"; }
+inline const char* bf16_tier_name(Bf16Tier tier) {
+  return tier == Bf16Tier::fast ? "fast" : "exact";
+}
 // The tier a name gives, or nullopt for any other text (each caller says so in its own terms:
 // the command's --bf16-tier, the Python package's bf16_tier).
 inline std::optional<Bf16Tier> parse_bf16_tier(std::string_view name) {
@@ -56,8 +58,8 @@ enum class Bf16Products : uint8_t { automatic, fp32, dot, amx };
 const char* bf16_products_name(Bf16Products products);
 
 struct KernelConfig {
-  int threads = 1;      // OpenMP threads inside this rank (over batch, head, query tile)
-  float scale = 0.0f;   // softmax scale; 0 means 1/sqrt(D)
+  int threads = 1;     // OpenMP threads inside this rank (over batch, head, query tile)
+  float scale = 0.0f;  // softmax scale; 0 means 1/sqrt(D)
   Bf16Tier bf16_tier = Bf16Tier::exact;
   Bf16Products bf16_products = Bf16Products::automatic;
   // The L1 data cache size the fast path sizes its K panels for (docs/kernel.md, Note [K
@@ -73,7 +75,7 @@ struct KernelConfig {
 
 // What a call actually computed, for load-balance and throughput figures.
 struct KernelStats {
-  double flops = 0;         // 4 * (unmasked-tile scores) * D for forward; 2.5x that for backward
+  double flops = 0;  // 4 * (unmasked-tile scores) * D for forward; 2.5x that for backward
   int64_t tiles_computed = 0;
   int64_t tiles_skipped = 0;
   KernelStats& operator+=(const KernelStats& o) {
@@ -129,14 +131,13 @@ class ForwardState {
 // are fully masked are skipped. Throws ctxpar::Error on bad shapes / dtypes / positions.
 KernelStats attention_forward_block(const TensorView& q, const Tokens& q_tokens,
                                     const TensorView& k, const TensorView& v,
-                                    const Tokens& k_tokens, const Mask& mask,
-                                    ForwardState& state, const KernelConfig& config = {});
+                                    const Tokens& k_tokens, const Mask& mask, ForwardState& state,
+                                    const KernelConfig& config = {});
 // The same on a state's memory given as views (what devices pass).
 KernelStats attention_forward_block(const TensorView& q, const Tokens& q_tokens,
                                     const TensorView& k, const TensorView& v,
                                     const Tokens& k_tokens, const Mask& mask,
-                                    const ForwardStateView& state,
-                                    const KernelConfig& config = {});
+                                    const ForwardStateView& state, const KernelConfig& config = {});
 
 // O = acc / l (fp32 -> out's dtype), LSE = m + log(l). Rows that saw no visible key:
 // O = 0, LSE = -inf.
@@ -174,8 +175,8 @@ void merge(const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b
 struct SimdTargets {
   std::vector<std::string> compiled;  // in this binary, best first
   std::vector<std::string> runnable;  // of those, the ones this CPU can run
-  std::string chosen;  // what kernel calls run: the best runnable, or CTXPAR_SIMD's choice
-  std::string error;   // why CTXPAR_SIMD cannot be honoured ("" if fine); kernel calls throw it
+  std::string chosen;    // what kernel calls run: the best runnable, or CTXPAR_SIMD's choice
+  std::string error;     // why CTXPAR_SIMD cannot be honoured ("" if fine); kernel calls throw it
   std::string products;  // fp32 or bf16 products for bf16 inputs, and why (measured or forced)
 };
 SimdTargets simd_targets();

@@ -37,9 +37,9 @@ class Layout {
   // Throws ctxpar::Error for T < 1 or P < 1.
   Layout(LayoutKind kind, int64_t tokens, int ranks);
   LayoutKind kind() const { return kind_; }
-  int64_t tokens() const { return tokens_; }                // T, the real tokens
-  int64_t padded_tokens() const { return padded_; }         // Tp >= T, a multiple of the granule
-  int64_t padding() const { return padded_ - tokens_; }     // Tp - T (< the granule)
+  int64_t tokens() const { return tokens_; }             // T, the real tokens
+  int64_t padded_tokens() const { return padded_; }      // Tp >= T, a multiple of the granule
+  int64_t padding() const { return padded_ - tokens_; }  // Tp - T (< the granule)
   int ranks() const { return ranks_; }
   int64_t local_tokens() const { return padded_ / ranks_; }  // Tp / P, padding included
   bool is_padding(int64_t index) const { return index >= tokens_; }
@@ -74,8 +74,8 @@ class Layout {
   // global token order.
   template <typename T>
   std::vector<T> unshard(const std::vector<std::vector<T>>& shards) const {
-    CTXPAR_CHECK(static_cast<int>(shards.size()) == ranks_, "layout unshard: got ",
-                 shards.size(), " shards, expected one per rank (", ranks_, ")");
+    CTXPAR_CHECK(static_cast<int>(shards.size()) == ranks_, "layout unshard: got ", shards.size(),
+                 " shards, expected one per rank (", ranks_, ")");
     std::vector<T> full(tokens_);
     for (int r = 0; r < ranks_; ++r) {
       CTXPAR_CHECK(static_cast<int64_t>(shards[r].size()) == local_tokens(),

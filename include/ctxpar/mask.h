@@ -18,7 +18,11 @@ namespace ctxpar {
 // A mask: MaskRules (visible, tile_masked, tile_full, kPaddingPosition) and its names.
 struct Mask : MaskRules {
   static Mask none() { return {}; }
-  static Mask causal_mask() { Mask m; m.causal = true; return m; }
+  static Mask causal_mask() {
+    Mask m;
+    m.causal = true;
+    return m;
+  }
   bool any() const { return causal || window_left >= 0 || window_right >= 0 || documents; }
   std::string describe() const;
 

@@ -47,8 +47,7 @@ struct MaskRules {
     if (causal && pos_q < hi) hi = pos_q;
     return hi;
   }
-  CTXPAR_HD bool visible(int64_t pos_q, int64_t pos_k, int32_t doc_q = 0,
-                         int32_t doc_k = 0) const {
+  CTXPAR_HD bool visible(int64_t pos_q, int64_t pos_k, int32_t doc_q = 0, int32_t doc_k = 0) const {
     if (pos_q == kPaddingPosition || pos_k == kPaddingPosition) return false;
     return pos_k >= key_lo(pos_q) && pos_k <= key_hi(pos_q) && (!documents || doc_q == doc_k);
   }

@@ -37,8 +37,8 @@ struct MemoryLimitSources {
   std::string meminfo = "/proc/meminfo";
   std::string self_status = "/proc/self/status";  // VmSize, VmData
   std::string self_cgroup = "/proc/self/cgroup";
-  std::string cgroup_root = "/sys/fs/cgroup";     // v2 unified root; v1 controllers below it
-  bool rlimits = true;                            // read getrlimit (false: ignore them)
+  std::string cgroup_root = "/sys/fs/cgroup";  // v2 unified root; v1 controllers below it
+  bool rlimits = true;                         // read getrlimit (false: ignore them)
   // The override's text; nullopt: not set. Default: the environment variable.
   std::optional<std::string> override_value;
   static MemoryLimitSources system();  // the real files, rlimits and environment

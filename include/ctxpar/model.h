@@ -18,64 +18,65 @@ namespace ctxpar {
 
 struct ModelConfig {
   int layers = 2;
-  int dim = 64;          // model width C
-  int heads = 4;         // query heads Hq
-  int kv_heads = 2;      // key/value heads Hkv (GQA: Hq % Hkv == 0)
-  int head_dim = 16;     // D (the kernel needs 16 <= D <= 256, even for RoPE)
-  int hidden = 192;      // SwiGLU inner width F
-  int vocab = 256;       // byte tokens
+  int dim = 64;       // model width C
+  int heads = 4;      // query heads Hq
+  int kv_heads = 2;   // key/value heads Hkv (GQA: Hq % Hkv == 0)
+  int head_dim = 16;  // D (the kernel needs 16 <= D <= 256, even for RoPE)
+  int hidden = 192;   // SwiGLU inner width F
+  int vocab = 256;    // byte tokens
   double rope_base = 10000.0;
   float norm_eps = 1e-5f;
   // Throws ctxpar::Error naming the bad field.
   void validate() const;
-  std::string describe() const;  // "layers=2 dim=64 heads=4 kv_heads=2 head_dim=16 hidden=192 vocab=256"
+  std::string describe()
+      const;  // "layers=2 dim=64 heads=4 kv_heads=2 head_dim=16 hidden=192 vocab=256"
 };
 
 struct TrainConfig {
   ModelConfig model;
-  int64_t seq = 1024;       // T, global tokens per sequence
-  int64_t batch = 1;        // sequences per data group per step
+  int64_t seq = 1024;  // T, global tokens per sequence
+  int64_t batch = 1;   // sequences per data group per step
   int64_t steps = 100;
   uint64_t seed = 1;
-  int dp = 1, cp = 1;       // dp * cp must equal the communicator's size
+  int dp = 1, cp = 1;  // dp * cp must equal the communicator's size
   StrategyKind strategy = StrategyKind::ring;
   int ulysses_degree = 0;
-  int ulysses_groups = 0;   // StrategyOptions::ulysses_groups (0: the strategy's default)
-  DeviceOptions device;     // each rank's device for attention (cpu | sim)
+  int ulysses_groups = 0;  // StrategyOptions::ulysses_groups (0: the strategy's default)
+  DeviceOptions device;    // each rank's device for attention (cpu | sim)
   LayoutKind layout = LayoutKind::zigzag;
-  int threads = 1;          // BLAS and kernel threads per rank
-  std::string data_path;    // empty: the built-in long-range copy task
-  int64_t copy_len = 0;     // built-in task: length of the copied block; 0 = min(128, T/4)
+  int threads = 1;        // BLAS and kernel threads per rank
+  std::string data_path;  // empty: the built-in long-range copy task
+  int64_t copy_len = 0;   // built-in task: length of the copied block; 0 = min(128, T/4)
   // Optimiser: AdamW, global-norm clipping, linear warm-up then cosine decay to min_lr.
   double lr = 3e-3, min_lr = 1e-3, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
-  double clip = 1.0;        // <= 0: no clipping
+  double clip = 1.0;  // <= 0: no clipping
   int64_t warmup = 10;
   // Files (written by world rank 0).
-  std::string log_path;        // JSON lines, one record per step
-  std::string save_path;       // checkpoint path (safetensors)
-  int64_t save_every = 0;      // 0: only at the end when save_path is set
-  std::string resume_path;     // continue from this checkpoint
-  std::string dump_path;       // write weights, batch and gradients of the first step here
+  std::string log_path;     // JSON lines, one record per step
+  std::string save_path;    // checkpoint path (safetensors)
+  int64_t save_every = 0;   // 0: only at the end when save_path is set
+  std::string resume_path;  // continue from this checkpoint
+  std::string dump_path;    // write weights, batch and gradients of the first step here
 };
 
 // One step as every rank saw it (loss and accuracy are global figures).
 struct StepRecord {
-  int64_t step = 0;             // 1-based
-  double loss = 0;              // mean cross-entropy over the counted tokens of all data groups
-  double accuracy = 0;          // argmax accuracy on the counted (long-range) tokens
+  int64_t step = 0;     // 1-based
+  double loss = 0;      // mean cross-entropy over the counted tokens of all data groups
+  double accuracy = 0;  // argmax accuracy on the counted (long-range) tokens
   double lr = 0;
-  double grad_norm = 0;         // before clipping
+  double grad_norm = 0;  // before clipping
   double seconds = 0;
-  double tokens_per_second = 0; // global tokens (dp * batch * T) / step time
-  size_t peak_bytes = 0;        // this rank: peak of activations and buffers held in the step
-  size_t peak_bytes_max = 0;    // max over ranks
+  double tokens_per_second = 0;  // global tokens (dp * batch * T) / step time
+  size_t peak_bytes = 0;         // this rank: peak of activations and buffers held in the step
+  size_t peak_bytes_max = 0;     // max over ranks
 };
 
 struct TrainResult {
   // Empty when the checkpoint resumed from is already at config.steps or past it (nothing
   // was trained; first_step is then its step + 1).
   std::vector<StepRecord> steps;
-  std::vector<float> weights;   // final weights, flat, in parameter order
+  std::vector<float> weights;  // final weights, flat, in parameter order
   int64_t first_step = 1;
 };
 

@@ -27,10 +27,10 @@ const char* npy_type_name(NpyType t);  // "float16", "float32", "int32", "int64"
 
 struct NpyHeader {
   NpyType type = NpyType::f32;
-  Shape shape;              // C order
-  int version = 1;          // major format version: 1, 2 or 3
-  uint64_t data_offset = 0; // bytes from the start of the file to the first element
-  uint64_t data_bytes = 0;  // numel * element size, equal to what follows the header
+  Shape shape;               // C order
+  int version = 1;           // major format version: 1, 2 or 3
+  uint64_t data_offset = 0;  // bytes from the start of the file to the first element
+  uint64_t data_bytes = 0;   // numel * element size, equal to what follows the header
 };
 
 // Parses and checks a header. `head` holds the file's first bytes (at least the whole header);

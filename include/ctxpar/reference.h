@@ -15,8 +15,8 @@ namespace ctxpar::reference {
 // Dense result of a reference computation, in fp64 (or fp32 for naive32), [B, T, H, D] and
 // [B, H, T] layouts as in kernel.h.
 struct Result {
-  std::vector<double> o, lse;       // forward
-  std::vector<double> dq, dk, dv;   // backward (empty unless asked for)
+  std::vector<double> o, lse;      // forward
+  std::vector<double> dq, dk, dv;  // backward (empty unless asked for)
 };
 
 // Inputs are read as fp32 values (bf16 inputs are widened exactly). `dout` may be empty (then

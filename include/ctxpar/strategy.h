@@ -41,19 +41,19 @@ struct StrategyOptions {
   int ulysses_groups = 0;
   Mask mask;
   KernelConfig kernel;
-  DeviceOptions device;    // each rank makes its own device of this kind (default: cpu)
+  DeviceOptions device;  // each rank makes its own device of this kind (default: cpu)
 };
 
 // What one rank did in the last call.
 struct StrategyStats {
-  double attention_flops = 0;   // FLOPs the kernel actually computed (masked tiles skipped)
-  double busy_seconds = 0;      // time inside kernel calls
-  double wall_seconds = 0;      // whole call
-  double comm_wait_seconds = 0; // host time blocked waiting (cpu: for transfers, the exposed
-                                // communication; sim: for the device)
+  double attention_flops = 0;    // FLOPs the kernel actually computed (masked tiles skipped)
+  double busy_seconds = 0;       // time inside kernel calls
+  double wall_seconds = 0;       // whole call
+  double comm_wait_seconds = 0;  // host time blocked waiting (cpu: for transfers, the exposed
+                                 // communication; sim: for the device)
   uint64_t bytes_sent = 0;
   uint64_t bytes_received = 0;
-  size_t peak_bytes = 0;        // largest total of buffers the strategy held at once
+  size_t peak_bytes = 0;  // largest total of buffers the strategy held at once
 };
 
 // The rules the strategies check, exported so that a caller (the ctxpar command) can say them
@@ -83,9 +83,9 @@ struct ForwardArgs {
 struct BackwardArgs {
   TensorView q, k, v;
   Tokens tokens;
-  TensorView out, lse;     // forward's global results
+  TensorView out, lse;  // forward's global results
   TensorView dout;
-  TensorView dq, dk, dv;   // overwritten (not accumulated)
+  TensorView dq, dk, dv;  // overwritten (not accumulated)
 };
 
 namespace strategy {
@@ -115,14 +115,13 @@ class Strategy {
   void forward(const ForwardArgs& args);
   // Uses the global out and lse of forward. dq, dk, dv are overwritten (not accumulated).
   void backward(const BackwardArgs& args);
-  void forward(const TensorView& q, const TensorView& k, const TensorView& v,
-               const Tokens& tokens, const TensorView& out, const TensorView& lse) {
+  void forward(const TensorView& q, const TensorView& k, const TensorView& v, const Tokens& tokens,
+               const TensorView& out, const TensorView& lse) {
     forward(ForwardArgs{q, k, v, tokens, out, lse});
   }
-  void backward(const TensorView& q, const TensorView& k, const TensorView& v,
-                const Tokens& tokens, const TensorView& out, const TensorView& lse,
-                const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                const TensorView& dv) {
+  void backward(const TensorView& q, const TensorView& k, const TensorView& v, const Tokens& tokens,
+                const TensorView& out, const TensorView& lse, const TensorView& dout,
+                const TensorView& dq, const TensorView& dk, const TensorView& dv) {
     backward(BackwardArgs{q, k, v, tokens, out, lse, dout, dq, dk, dv});
   }
 

@@ -50,7 +50,9 @@ class TensorView {
 
   void* data() const { return data_; }
   template <typename T>
-  T* ptr() const { return static_cast<T*>(data_); }
+  T* ptr() const {
+    return static_cast<T*>(data_);
+  }
   DType dtype() const { return dtype_; }
   int ndim() const { return ndim_; }
   int64_t dim(int i) const { return shape_[i]; }
@@ -91,7 +93,9 @@ class Tensor {
   operator TensorView() const { return view(); }
   void* data() const { return buf_.get(); }
   template <typename T>
-  T* ptr() const { return static_cast<T*>(static_cast<void*>(buf_.get())); }
+  T* ptr() const {
+    return static_cast<T*>(static_cast<void*>(buf_.get()));
+  }
   DType dtype() const { return dtype_; }
   const Shape& shape() const { return shape_; }
   int64_t dim(int i) const { return shape_[i]; }

@@ -16,8 +16,8 @@ namespace ctxpar {
 //   q, out, dout, dq [B, T, Hq, D]; k, v, dk, dv [B, T, Hkv, D]; lse [B, Hq, T]
 struct WholeAttention {
   TensorView q, k, v;
-  Tokens tokens;          // T global positions, and T document ids with a documents mask
-  TensorView out, lse;    // forward writes them; a backward alone reads them
+  Tokens tokens;        // T global positions, and T document ids with a documents mask
+  TensorView out, lse;  // forward writes them; a backward alone reads them
   TensorView dout, dq, dk, dv;
   // The dtype of each rank's out, dout, dq, dk, dv shards (dout converted to it); unset: the
   // whole tensor's own.

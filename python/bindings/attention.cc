@@ -52,7 +52,8 @@ Job make_job(int64_t tokens, const std::string& strategy, const std::string& lay
   job.strategy.mask = parse_named("mask", mask, parse_mask);
   job.strategy.ulysses_degree = ulysses_degree;
   job.strategy.head_groups = head_groups;
-  if (threads < 1) throw nb::value_error(detail::concat("threads: must be >= 1, got ", threads).c_str());
+  if (threads < 1)
+    throw nb::value_error(detail::concat("threads: must be >= 1, got ", threads).c_str());
   job.strategy.kernel.threads = threads;
   job.strategy.kernel.scale = scale;
   job.strategy.kernel.bf16_tier = bf16_tier_arg(bf16_tier);
@@ -88,15 +89,16 @@ RankTokens rank_tokens(const Job& job, const Layout& layout, int rank) {
 Layout shard_layout(LayoutKind kind, int64_t local_tokens, int ranks) {
   Layout layout(kind, local_tokens * ranks, ranks);
   if (layout.padding() != 0)
-    throw nb::value_error(detail::concat(
-        "q: ", local_tokens, " tokens per rank x ", ranks, " ranks cannot be cut by the ",
-        layout_name(kind), " layout (it needs T % ", kind == LayoutKind::zigzag ? "2P" : "P",
-        " == 0, a multiple of ", layout_granule(kind, ranks),
-        ": an even number of tokens per rank); pad the sequence, or use ctxpar.attention "
-        "on whole tensors, which pads internally").c_str());
+    throw nb::value_error(
+        detail::concat(
+            "q: ", local_tokens, " tokens per rank x ", ranks, " ranks cannot be cut by the ",
+            layout_name(kind), " layout (it needs T % ", kind == LayoutKind::zigzag ? "2P" : "P",
+            " == 0, a multiple of ", layout_granule(kind, ranks),
+            ": an even number of tokens per rank); pad the sequence, or use ctxpar.attention "
+            "on whole tensors, which pads internally")
+            .c_str());
   return layout;
 }
-
 
 struct JobArgs {
   std::string strategy, layout, mask;
@@ -156,8 +158,7 @@ DeviceOptions cuda_device_options(int cuda_index) {
 // never freed by it). Order with the caller's stream: the Python side synchronizes torch's
 // current stream before the call, and every forward / backward ends with the device's
 // synchronize, so the results are complete when this returns.
-std::unique_ptr<Strategy> rank_strategy(Communicator& comm, StrategyOptions options,
-                                        int cuda_index,
+std::unique_ptr<Strategy> rank_strategy(Communicator& comm, StrategyOptions options, int cuda_index,
                                         std::initializer_list<TensorView> tensors) {
   if (cuda_index < 0) return Strategy::create(comm, options);
   options.device = cuda_device_options(cuda_index);
@@ -167,8 +168,8 @@ std::unique_ptr<Strategy> rank_strategy(Communicator& comm, StrategyOptions opti
     int64_t last = 0;
     for (int i = 0; i < t.ndim(); ++i) last += (t.dim(i) - 1) * t.stride(i);
     const bool adopted = device->adopt(t.data(), size_t(last + 1) * dtype_size(t.dtype()));
-    CTXPAR_CHECK(adopted, "cuda_index ", cuda_index, ": make_device(cuda) made a ",
-                 device->name(), " device");
+    CTXPAR_CHECK(adopted, "cuda_index ", cuda_index, ": make_device(cuda) made a ", device->name(),
+                 " device");
   }
   return Strategy::create(comm, options, std::move(device));
 }
@@ -180,8 +181,7 @@ void local_forward(const PyCommunicator& c, const ReadArray& q, const ReadArray&
   Communicator& comm = c.get();
   const TensorView qv = view_of(q, "q", 4, cuda_index), kv = view_of(k, "k", 4, cuda_index),
                    vv = view_of(v, "v", 4, cuda_index);
-  const TensorView ov = view_of(out, "out", 4, cuda_index),
-                   lv = view_of(lse, "lse", 3, cuda_index);
+  const TensorView ov = view_of(out, "out", 4, cuda_index), lv = view_of(lse, "lse", 3, cuda_index);
   const Job job = args.make(qv.dim(1) * comm.size());
   nb::gil_scoped_release release;
   const Layout layout = shard_layout(job.layout, qv.dim(1), comm.size());
@@ -228,8 +228,8 @@ nb::tuple reference_forward(const ReadArray& q, const ReadArray& k, const ReadAr
   reference::Result r;
   {
     nb::gil_scoped_release release;
-    r = naive32 ? reference::attention_naive_f32(qv, tokens, kv, vv, tokens, job.strategy.mask,
-                                                 {}, job.strategy.kernel.scale)
+    r = naive32 ? reference::attention_naive_f32(qv, tokens, kv, vv, tokens, job.strategy.mask, {},
+                                                 job.strategy.kernel.scale)
                 : reference::attention_f64(qv, tokens, kv, vv, tokens, job.strategy.mask, {},
                                            job.strategy.kernel.scale);
   }
@@ -241,14 +241,17 @@ std::vector<int64_t> layout_positions(const std::string& layout, int64_t tokens,
                                       int rank) {
   const LayoutKind kind = parse_named("layout", layout, parse_layout);
   if (rank < 0 || rank >= ranks)
-    throw nb::value_error(detail::concat("rank: ", rank, " is out of range [0, ", ranks, ")").c_str());
+    throw nb::value_error(
+        detail::concat("rank: ", rank, " is out of range [0, ", ranks, ")").c_str());
   const Layout l(kind, tokens, ranks);
   if (l.padding() != 0)
-    throw nb::value_error(detail::concat(
-        "tokens: ", tokens, " tokens cannot be cut into ", ranks, " equal shards by the ",
-        layout, " layout (it needs T % ", kind == LayoutKind::zigzag ? "2P" : "P",
-        " == 0); pad the sequence to ", l.padded_tokens(),
-        ", or use ctxpar.attention on whole tensors, which pads internally").c_str());
+    throw nb::value_error(
+        detail::concat("tokens: ", tokens, " tokens cannot be cut into ", ranks,
+                       " equal shards by the ", layout, " layout (it needs T % ",
+                       kind == LayoutKind::zigzag ? "2P" : "P", " == 0); pad the sequence to ",
+                       l.padded_tokens(),
+                       ", or use ctxpar.attention on whole tensors, which pads internally")
+            .c_str());
   return l.positions(rank);
 }
 
@@ -290,8 +293,16 @@ void bind_attention(nb::module_& m) {
                      const std::string& mask, std::optional<ReadArray> positions,
                      std::optional<ReadArray> documents, int ulysses_degree, int head_groups,
                      int threads, float scale, const std::string& bf16_tier) {
-    return JobArgs{strategy, layout, mask, std::move(positions), std::move(documents),
-                   ulysses_degree, head_groups, threads, scale, bf16_tier};
+    return JobArgs{strategy,
+                   layout,
+                   mask,
+                   std::move(positions),
+                   std::move(documents),
+                   ulysses_degree,
+                   head_groups,
+                   threads,
+                   scale,
+                   bf16_tier};
   };
   nb::class_<JobArgs>(m, "_JobArgs")
       .def(nb::new_(job_args), nb::arg("strategy"), nb::arg("layout"), nb::arg("mask"),
@@ -300,31 +311,29 @@ void bind_attention(nb::module_& m) {
            nb::arg("bf16_tier") = "exact");
   m.def("_forward", &whole_forward);
   m.def("_backward", &whole_backward);
-  m.def("_local_forward", &local_forward, nb::arg("comm"), nb::arg("q"), nb::arg("k"),
-        nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("args"),
-        nb::arg("cuda_index") = -1);
+  m.def("_local_forward", &local_forward, nb::arg("comm"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("out"), nb::arg("lse"), nb::arg("args"), nb::arg("cuda_index") = -1);
   m.def("_local_backward", &local_backward, nb::arg("comm"), nb::arg("q"), nb::arg("k"),
-        nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"),
-        nb::arg("dk"), nb::arg("dv"), nb::arg("args"), nb::arg("cuda_index") = -1);
+        nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"),
+        nb::arg("dv"), nb::arg("args"), nb::arg("cuda_index") = -1);
   // The address DLPack handed over: tests compare it with the caller's pointer (zero-copy).
-  m.def("_data_pointer", [](const ReadArray& a) {
-    return reinterpret_cast<uintptr_t>(a.data());
-  });
-  m.def("_reference", &reference_forward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
-        nb::arg("args"), nb::arg("naive32") = false);
+  m.def("_data_pointer", [](const ReadArray& a) { return reinterpret_cast<uintptr_t>(a.data()); });
+  m.def("_reference", &reference_forward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("args"),
+        nb::arg("naive32") = false);
   // The one home of the accuracy rule and of the layout's granule (ctxpar/reference.h,
   // ctxpar/layout.h), for ctxpar.testing and ctxpar.torch.
-  m.def("_accuracy_tolerance",
-        [](double naive_error, double ref_max, double floor_rel) {
-          return reference::accuracy_tolerance(naive_error, ref_max, floor_rel);
-        },
-        nb::arg("naive_error"), nb::arg("ref_max"),
-        nb::arg("floor_rel") = reference::kAccuracyFloor);
-  m.def("_layout_granule",
-        [](const std::string& layout, int ranks) {
-          return layout_granule(parse_layout(layout), ranks);
-        },
-        nb::arg("layout"), nb::arg("ranks"));
+  m.def(
+      "_accuracy_tolerance",
+      [](double naive_error, double ref_max, double floor_rel) {
+        return reference::accuracy_tolerance(naive_error, ref_max, floor_rel);
+      },
+      nb::arg("naive_error"), nb::arg("ref_max"), nb::arg("floor_rel") = reference::kAccuracyFloor);
+  m.def(
+      "_layout_granule",
+      [](const std::string& layout, int ranks) {
+        return layout_granule(parse_layout(layout), ranks);
+      },
+      nb::arg("layout"), nb::arg("ranks"));
   m.def("_layout_positions", &layout_positions, nb::arg("layout"), nb::arg("tokens"),
         nb::arg("ranks"), nb::arg("rank"));
 }

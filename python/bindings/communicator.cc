@@ -44,8 +44,10 @@ void allreduce(const PyCommunicator& self, const Array& a) {
     throw nb::type_error("allreduce: expected a float32 or float64 array");
   void* data = contiguous_data(a, "allreduce");
   nb::gil_scoped_release release;
-  if (a.dtype() == nb::dtype<float>()) comm.allreduce(static_cast<float*>(data), a.size());
-  else comm.allreduce(static_cast<double*>(data), a.size());
+  if (a.dtype() == nb::dtype<float>())
+    comm.allreduce(static_cast<float*>(data), a.size());
+  else
+    comm.allreduce(static_cast<double*>(data), a.size());
 }
 
 void allgather(const PyCommunicator& self, const nb::ndarray<nb::ro>& send, const Array& recv) {
@@ -53,9 +55,8 @@ void allgather(const PyCommunicator& self, const nb::ndarray<nb::ro>& send, cons
   if (send.dtype() != recv.dtype())
     throw nb::type_error("allgather: send and recv must have one dtype");
   if (recv.nbytes() != send.nbytes() * static_cast<size_t>(comm.size()))
-    throw nb::value_error(detail::concat("allgather: recv must hold size() * send = ",
-                                         comm.size(), " x ", send.nbytes(), " bytes, got ",
-                                         recv.nbytes())
+    throw nb::value_error(detail::concat("allgather: recv must hold size() * send = ", comm.size(),
+                                         " x ", send.nbytes(), " bytes, got ", recv.nbytes())
                               .c_str());
   const void* s = contiguous_data(send, "allgather send");
   void* r = contiguous_data(recv, "allgather recv");

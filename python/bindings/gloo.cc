@@ -35,13 +35,14 @@ PyCommunicator owned(std::unique_ptr<Communicator> comm, int64_t timeout_ms) {
 void bind_gloo(nb::module_& m) {
   nb::class_<GlooBootstrap>(m, "_GlooBootstrap",
                             "One rank's listening address; connect() to every rank's.")
-      .def("__init__",
-           [](GlooBootstrap* self, int rank, int size, int64_t timeout_ms) {
-             GlooOptions options = gloo_options(timeout_ms);
-             nb::gil_scoped_release release;
-             new (self) GlooBootstrap(rank, size, options);
-           },
-           nb::arg("rank"), nb::arg("size"), nb::arg("timeout_ms"))
+      .def(
+          "__init__",
+          [](GlooBootstrap* self, int rank, int size, int64_t timeout_ms) {
+            GlooOptions options = gloo_options(timeout_ms);
+            nb::gil_scoped_release release;
+            new (self) GlooBootstrap(rank, size, options);
+          },
+          nb::arg("rank"), nb::arg("size"), nb::arg("timeout_ms"))
       // Opaque bytes, not text: Python bytes both ways.
       .def("address",
            [](const GlooBootstrap& self) {

@@ -35,9 +35,8 @@ struct PyKvCache {
 };
 
 std::unique_ptr<PyKvCache> make_cache(const PyCommunicator& comm, int64_t sequences,
-                                      int64_t kv_heads, int64_t head_dim,
-                                      const std::string& dtype, int64_t block,
-                                      const std::string& mask, int threads,
+                                      int64_t kv_heads, int64_t head_dim, const std::string& dtype,
+                                      int64_t block, const std::string& mask, int threads,
                                       std::optional<float> scale, const std::string& device,
                                       int64_t max_tokens_per_rank, double max_bytes_per_rank,
                                       bool check_memory_limit, const std::string& bf16_tier) {
@@ -91,8 +90,8 @@ void append_whole(PyKvCache& c, int64_t seq, const ReadArray& k, const ReadArray
   cache.append(seq, kv, vv, docs);
 }
 
-void append_local(PyKvCache& c, int64_t seq, int64_t count, const ReadArray& k,
-                  const ReadArray& v, const std::optional<ReadArray>& documents) {
+void append_local(PyKvCache& c, int64_t seq, int64_t count, const ReadArray& k, const ReadArray& v,
+                  const std::optional<ReadArray>& documents) {
   KvCache& cache = c.get();
   const TensorView kv = view_of(k, "k", 4), vv = view_of(v, "v", 4);
   const std::vector<int32_t> docs = ids(documents, kv.dim(1));
@@ -117,8 +116,11 @@ struct PrefillArgs {
   PrefillMode mode;
   PrefillArgs(const ReadArray& q_, const ReadArray& k_, const ReadArray& v_, const Array& out_,
               const Array& lse_, const std::string& mode_name)
-      : q(view_of(q_, "q", 4)), k(view_of(k_, "k", 4)), v(view_of(v_, "v", 4)),
-        out(view_of(out_, "out", 4)), lse(view_of(lse_, "lse", 3)) {
+      : q(view_of(q_, "q", 4)),
+        k(view_of(k_, "k", 4)),
+        v(view_of(v_, "v", 4)),
+        out(view_of(out_, "out", 4)),
+        lse(view_of(lse_, "lse", 3)) {
     try {
       mode = parse_prefill_mode(mode_name);
     } catch (const Error& e) {
@@ -174,15 +176,17 @@ std::string prefill_whole(PyKvCache& c, int64_t seq, const ReadArray& q, const R
   const TensorView ll(send.data() + most * hq * d, DType::f32, {1, hq, tl}, {hq * most, most, 1});
   const PrefillMode ran =
       prefill(cache, seq, t, ql.view(), kl.view(), vl.view(), lo, ll, m, my_docs);
-  if (p > 1) comm.allgather(send.data(), recv.data(), size_t(part) * 4);
-  else recv = send;
+  if (p > 1)
+    comm.allgather(send.data(), recv.data(), size_t(part) * 4);
+  else
+    recv = send;
   for (int r = 0; r < p; ++r) {
     const float* base = recv.data() + size_t(r) * size_t(part);
     for (size_t i = 0; i < rows[r].size(); ++i) {
       const int64_t row = rows[r][i];
-      copy_into(TensorView(const_cast<float*>(base) + int64_t(i) * hq * d, DType::f32,
-                           {1, 1, hq, d}),
-                ov.slice(1, row, row + 1));
+      copy_into(
+          TensorView(const_cast<float*>(base) + int64_t(i) * hq * d, DType::f32, {1, 1, hq, d}),
+          ov.slice(1, row, row + 1));
       copy_into(TensorView(const_cast<float*>(base) + most * hq * d + int64_t(i), DType::f32,
                            {1, hq, 1}, {hq * most, most, 1}),
                 lv.slice(2, row, row + 1));
@@ -249,16 +253,15 @@ void bind_inference(nb::module_& m) {
       .def("prefill", &prefill_whole)
       .def("prefill_local", &prefill_local)
       .def("last_stats", [](PyKvCache& c) { return stats_of(c.get().last_stats()); });
-  m.def("_predict_prefill_bytes",
-        [](int64_t cached, int64_t new_tokens, int ranks, int64_t hq, int64_t hkv,
-           int64_t head_dim, int64_t block, const std::string& kv_dtype,
-           const std::string& q_dtype, bool documents) {
-          const PrefillShape s = shape_of(cached, new_tokens, ranks, hq, hkv, head_dim, block,
-                                          kv_dtype, q_dtype, documents);
-          const PrefillBytes b = predict_prefill_bytes(s);
-          return nb::make_tuple(b.pass_kv, b.pass_q,
-                                std::string(prefill_mode_name(choose_prefill(s))));
-        });
+  m.def("_predict_prefill_bytes", [](int64_t cached, int64_t new_tokens, int ranks, int64_t hq,
+                                     int64_t hkv, int64_t head_dim, int64_t block,
+                                     const std::string& kv_dtype, const std::string& q_dtype,
+                                     bool documents) {
+    const PrefillShape s =
+        shape_of(cached, new_tokens, ranks, hq, hkv, head_dim, block, kv_dtype, q_dtype, documents);
+    const PrefillBytes b = predict_prefill_bytes(s);
+    return nb::make_tuple(b.pass_kv, b.pass_q, std::string(prefill_mode_name(choose_prefill(s))));
+  });
 }
 
 }  // namespace ctxpar::python

@@ -12,9 +12,9 @@ namespace ctxpar::python {
 void bind_attention(nb::module_& m);
 void bind_agreement(nb::module_& m);
 void bind_inference(nb::module_& m);  // inference.cc: ctxpar.KVCache
-void bind_gloo(nb::module_& m);  // gloo.cc, where the library has its gloo transport
-void bind_mpi(nb::module_& m);   // mpi_loader.cc: the MPI transport, loaded when asked for
-}
+void bind_gloo(nb::module_& m);       // gloo.cc, where the library has its gloo transport
+void bind_mpi(nb::module_& m);        // mpi_loader.cc: the MPI transport, loaded when asked for
+}  // namespace ctxpar::python
 
 NB_MODULE(_ctxpar, m) {
   namespace nb = nanobind;

@@ -55,7 +55,8 @@ const MpiPlugin* load_locked() {
     g_failure = std::string("MPI transport: cannot load ") + path + ", which needs OpenMPI's " +
                 "libmpi.so.40 (" + (why ? why : "dlopen failed") +
                 "); install OpenMPI (Debian: apt install libopenmpi3 openmpi-bin; conda: "
-                "openmpi) and start the job with mpirun" + kWaysOn;
+                "openmpi) and start the job with mpirun" +
+                kWaysOn;
     return nullptr;
   }
   using Entry = const MpiPlugin* (*)(int, SetTileProgressHook);

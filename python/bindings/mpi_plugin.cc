@@ -16,9 +16,8 @@ void set_tile_progress_hook(TileProgressHook hook) {
 
 extern "C" __attribute__((visibility("default"))) const ctxpar::python::MpiPlugin*
 ctxpar_mpi_plugin(int abi, ctxpar::python::SetTileProgressHook set_hook) {
-  static const ctxpar::python::MpiPlugin plugin{ctxpar::python::kMpiPluginAbi,
-                                                &ctxpar::mpi_world, &ctxpar::mpi_wrap,
-                                                &ctxpar::abort_mpi_job};
+  static const ctxpar::python::MpiPlugin plugin{ctxpar::python::kMpiPluginAbi, &ctxpar::mpi_world,
+                                                &ctxpar::mpi_wrap, &ctxpar::abort_mpi_job};
   if (abi != plugin.abi) return nullptr;
   ctxpar::g_set_hook = set_hook;
   return &plugin;

@@ -124,8 +124,9 @@ void require_agreement(Communicator& comm, const std::string& what, const Signat
                                "): ", a.error));
   }
   if (!a.field.empty())
-    throw Error(detail::concat(what, ": the ranks were called with different arguments: ",
-                               a.difference(), "; every rank of the communicator must pass the "
+    throw Error(detail::concat(what,
+                               ": the ranks were called with different arguments: ", a.difference(),
+                               "; every rank of the communicator must pass the "
                                "same"));
 }
 

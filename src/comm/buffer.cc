@@ -33,14 +33,22 @@ void Buffer::Free::operator()(std::byte* p) const { std::free(p); }
 
 const char* comm_kind_name(CommKind k) {
   switch (k) {
-    case CommKind::send: return "send";
-    case CommKind::recv: return "recv";
-    case CommKind::allgather: return "allgather";
-    case CommKind::reduce_scatter: return "reduce_scatter";
-    case CommKind::alltoall: return "alltoall";
-    case CommKind::allreduce: return "allreduce";
-    case CommKind::barrier: return "barrier";
-    case CommKind::count_: break;
+    case CommKind::send:
+      return "send";
+    case CommKind::recv:
+      return "recv";
+    case CommKind::allgather:
+      return "allgather";
+    case CommKind::reduce_scatter:
+      return "reduce_scatter";
+    case CommKind::alltoall:
+      return "alltoall";
+    case CommKind::allreduce:
+      return "allreduce";
+    case CommKind::barrier:
+      return "barrier";
+    case CommKind::count_:
+      break;
   }
   return "?";
 }

@@ -45,8 +45,8 @@ constexpr milliseconds kAbortGrace{500};
 [[noreturn]] void throw_lost(GlooWorld& w, const Where& at, const char* doing,
                              const std::string& gloo_message) {
   w.await_failure(at.me, kAbortGrace);
-  const std::string why = detail::concat("its connection to rank ", at.me, " closed (",
-                                         gloo_message, ")");
+  const std::string why =
+      detail::concat("its connection to rank ", at.me, " closed (", gloo_message, ")");
   w.fail(at.peer, why);
   w.broadcast_abort(at.peer, why);
   throw Error(detail::concat("rank ", at.me, ": lost the connection to rank ", at.peer, " while ",
@@ -66,8 +66,8 @@ bool wait_buffer(GlooWorld& w, gloo::transport::UnboundBuffer* buf, bool recv, c
   bool ok = false;
   std::string io_error;
   try {
-    const auto left = std::max(milliseconds(1),
-                               std::chrono::ceil<milliseconds>(deadline - Clock::now()));
+    const auto left =
+        std::max(milliseconds(1), std::chrono::ceil<milliseconds>(deadline - Clock::now()));
     ok = recv ? buf->waitRecv(nullptr, left) : buf->waitSend(nullptr, left);
   } catch (const std::exception& e) {
     io_error = e.what();
@@ -111,7 +111,10 @@ class GlooRequest final : public Request::Impl {
  public:
   GlooRequest(std::shared_ptr<GlooWorld> w, Where at, uint64_t slot, bool recv, Buffer&& buf,
               size_t bytes)
-      : world_(std::move(w)), at_(at), recv_(recv), expected_(bytes),
+      : world_(std::move(w)),
+        at_(at),
+        recv_(recv),
+        expected_(bytes),
         t_(std::make_shared<Transfer>()) {
     Transfer& t = *t_;
     t.payload = recv ? Buffer::uninitialized(bytes) : std::move(buf);
@@ -190,7 +193,10 @@ class GlooRequest final : public Request::Impl {
     done_ = true;
   }
   void abort_wait(gloo::transport::UnboundBuffer* b) {
-    if (recv_) b->abortWaitRecv(); else b->abortWaitSend();
+    if (recv_)
+      b->abortWaitRecv();
+    else
+      b->abortWaitSend();
   }
   void finish_helper(std::unique_lock<std::mutex>& lock) {
     lock.unlock();
@@ -376,16 +382,14 @@ GlooWorld::~GlooWorld() {
       abort_buffer.reset();
       context.reset();  // the pairs go here (unless a request still holds them)
       tcp->unregisterDescriptor(tick[0], &ignore);
-    } catch (const std::exception&) {
-    }
+    } catch (const std::exception&) {}
   }
   for (int fd : teardown_tick)
     if (fd >= 0) ::close(fd);  // (closing also takes it out of the loop's epoll set)
 }
 
 void GlooWorld::check_failed_locked(int me) const {
-  if (failed_rank >= 0 && failed_rank != me)
-    throw_stopped(me, failed_rank, failure);
+  if (failed_rank >= 0 && failed_rank != me) throw_stopped(me, failed_rank, failure);
   if (failed_rank == me) throw Error(detail::concat("rank ", me, ": failed earlier: ", failure));
 }
 
@@ -453,8 +457,7 @@ void GlooWorld::broadcast_abort(int failed, const std::string& message) {
     try {
       b->waitSend(nullptr, std::max(milliseconds(1),
                                     std::chrono::ceil<milliseconds>(deadline - Clock::now())));
-    } catch (...) {
-    }
+    } catch (...) {}
   }
   // Gloo may still hold the sends that did not complete: their memory stays.
   std::lock_guard lock(mu);

@@ -47,7 +47,8 @@ gloo::transport::tcp::attr device_attr(const std::string& given) {
   if (what.empty()) {
     char name[256] = {};
     addrinfo* res = nullptr;
-    if (gethostname(name, sizeof(name) - 1) == 0 && getaddrinfo(name, nullptr, nullptr, &res) == 0) {
+    if (gethostname(name, sizeof(name) - 1) == 0 &&
+        getaddrinfo(name, nullptr, nullptr, &res) == 0) {
       freeaddrinfo(res);
       what = name;
     } else {
@@ -82,35 +83,40 @@ namespace comm_detail {
 GlooAddress parse_gloo_address(const std::string& s, int j, int size, size_t entry_bytes) {
   const std::string which = detail::concat("GlooBootstrap::connect: addresses[", j, "]");
   const bool magic = s.size() >= 16 && std::memcmp(s.data(), kMagic, 8) == 0;
-  CTXPAR_CHECK(magic && get_u32(s, 8) == uint32_t(j) && get_u32(s, 12) == uint32_t(size),
-               which, " is not the address() of rank ", j, " of ", size, " (", s.size(), " bytes",
-               magic ? detail::concat(", from rank ", get_u32(s, 8), " of ", get_u32(s, 12))
-                     : std::string(),
-               "); pass every rank's address() in rank order");
-  CTXPAR_CHECK(s.size() >= 20, which, " is truncated (", s.size(), " bytes, where its header "
+  CTXPAR_CHECK(
+      magic && get_u32(s, 8) == uint32_t(j) && get_u32(s, 12) == uint32_t(size), which,
+      " is not the address() of rank ", j, " of ", size, " (", s.size(), " bytes",
+      magic ? detail::concat(", from rank ", get_u32(s, 8), " of ", get_u32(s, 12)) : std::string(),
+      "); pass every rank's address() in rank order");
+  CTXPAR_CHECK(s.size() >= 20, which, " is truncated (", s.size(),
+               " bytes, where its header "
                "alone is 20); pass the bytes of address() unchanged");
   // Each address's own entry size: the entries of one address are never read with another's.
   const uint64_t entry = get_u32(s, 16);
-  CTXPAR_CHECK(entry == entry_bytes, which, " has entries of ", entry, " bytes, where this "
-               "build's are ", entry_bytes, "; pass the bytes of address() unchanged, from "
+  CTXPAR_CHECK(entry == entry_bytes, which, " has entries of ", entry,
+               " bytes, where this "
+               "build's are ",
+               entry_bytes,
+               "; pass the bytes of address() unchanged, from "
                "ranks that run the same ctxpar");
   const uint64_t tail = 20 + entry * (size - 1);
   CTXPAR_CHECK(s.size() >= tail + 4 && s.size() == tail + 4 + get_u32(s, tail), which,
-               " is truncated or damaged (", s.size(), " bytes, where ", size - 1,
-               " entries of ", entry, " bytes need ", tail + 4,
+               " is truncated or damaged (", s.size(), " bytes, where ", size - 1, " entries of ",
+               entry, " bytes need ", tail + 4,
                " and its listen text); pass the bytes of address() unchanged");
   GlooAddress a;
   a.listen = s.substr(tail + 4);
-  CTXPAR_CHECK(std::all_of(a.listen.begin(), a.listen.end(),
-                           [](char c) { return c >= 0x20 && c < 0x7f; }),
-               which, "'s listen address is not printable text; pass the bytes of address() "
-               "unchanged");
+  CTXPAR_CHECK(
+      std::all_of(a.listen.begin(), a.listen.end(), [](char c) { return c >= 0x20 && c < 0x7f; }),
+      which,
+      "'s listen address is not printable text; pass the bytes of address() "
+      "unchanged");
   for (int k = 0; k + 1 < size; ++k) {
     const std::vector<char> e(s.begin() + 20 + k * entry, s.begin() + 20 + (k + 1) * entry);
     const int family = gloo::transport::tcp::Address(e).getSockaddr().ss_family;
     CTXPAR_CHECK(family == AF_INET || family == AF_INET6, which, ": its entry for rank ",
-                 k + (k >= j ? 1 : 0), " is not an IPv4 or IPv6 socket address (family ",
-                 family, "); pass the bytes of address() unchanged");
+                 k + (k >= j ? 1 : 0), " is not an IPv4 or IPv6 socket address (family ", family,
+                 "); pass the bytes of address() unchanged");
     a.entries.emplace_back(e.begin(), e.end());
   }
   return a;
@@ -131,8 +137,10 @@ struct GlooBootstrap::State {
 GlooBootstrap::GlooBootstrap(int rank, int size, const GlooOptions& options)
     : state_(std::make_unique<State>()) {
   CTXPAR_CHECK(size >= 1 && size <= kMaxGlooRanks, "GlooBootstrap: size must be in [1, ",
-               kMaxGlooRanks, "] (kMaxGlooRanks: each rank holds a socket per peer, and the "
-               "addresses exchanged grow as size squared), got ", size);
+               kMaxGlooRanks,
+               "] (kMaxGlooRanks: each rank holds a socket per peer, and the "
+               "addresses exchanged grow as size squared), got ",
+               size);
   CTXPAR_CHECK(rank >= 0 && rank < size, "GlooBootstrap: rank must be in [0, ", size, "), got ",
                rank);
   CTXPAR_CHECK(options.timeout.count() > 0, "GlooBootstrap: timeout must be positive, got ",
@@ -143,8 +151,8 @@ GlooBootstrap::GlooBootstrap(int rank, int size, const GlooOptions& options)
   w->rank = rank;
   w->size = size;
   const auto attr = device_attr(options.hostname_or_interface);
-  const std::string where = attr.iface.empty() ? "host '" + attr.hostname + "'"
-                                               : "interface '" + attr.iface + "'";
+  const std::string where =
+      attr.iface.empty() ? "host '" + attr.hostname + "'" : "interface '" + attr.iface + "'";
   // libgloo's CreateDevice may crash (SIGSEGV in CreateDeviceAttr) instead of throwing on a
   // host name that does not resolve: the name is resolved here first.
   std::string why;
@@ -182,15 +190,19 @@ GlooBootstrap::GlooBootstrap(int rank, int size, const GlooOptions& options)
   for (int j = 0; j < size; ++j) {
     if (j == rank) continue;
     CTXPAR_CHECK(Clock::now() < deadline, "gloo: rank ", rank, " made only ", j - (j > rank),
-                 " of its ", size - 1, " pairs (one listening socket per peer) within the "
-                 "timeout of ", options.timeout.count() / 1000.0, " s; use fewer ranks, or a "
+                 " of its ", size - 1,
+                 " pairs (one listening socket per peer) within the "
+                 "timeout of ",
+                 options.timeout.count() / 1000.0,
+                 " s; use fewer ranks, or a "
                  "longer timeout");
     std::vector<char> bytes;
     try {
       bytes = w->context->createPair(j)->address().bytes();
     } catch (const std::exception& e) {  // Gloo's enforce: out of descriptors, most likely
       throw Error(detail::concat("gloo: rank ", rank, " could not make its pair for rank ", j,
-                                 " of ", size, " (", e.what(), "); each rank holds a socket per "
+                                 " of ", size, " (", e.what(),
+                                 "); each rank holds a socket per "
                                  "peer: raise the open-file limit (ulimit -n), or use fewer "
                                  "ranks"));
     }
@@ -224,12 +236,12 @@ std::unique_ptr<Communicator> GlooBootstrap::connect(const std::vector<std::stri
     try {
       w.context->getPair(j)->connect(std::vector<char>(entry.begin(), entry.end()));
     } catch (const std::exception& e) {
-      throw Error(detail::concat("gloo: rank ", w.rank, " could not connect to rank ", j, " (",
-                                 peers[j].listen, ") within ",
-                                 state_->options.timeout.count() / 1000.0,
-                                 " s: ", e.what(), "; is rank ", j, " running, and is its address "
-                                 "reachable from here (GlooOptions::hostname_or_interface, "
-                                 "CTXPAR_GLOO_IFNAME)?"));
+      throw Error(detail::concat(
+          "gloo: rank ", w.rank, " could not connect to rank ", j, " (", peers[j].listen,
+          ") within ", state_->options.timeout.count() / 1000.0, " s: ", e.what(), "; is rank ", j,
+          " running, and is its address "
+          "reachable from here (GlooOptions::hostname_or_interface, "
+          "CTXPAR_GLOO_IFNAME)?"));
     }
   }
   state_->connected = true;

@@ -40,8 +40,10 @@ long env_int(const char* name, const std::string& v, long lo, long hi, const cha
   CTXPAR_CHECK(!v.empty(), name, " is not set; ", kHowToLaunch);
   char* end = nullptr;
   const long n = std::strtol(v.c_str(), &end, 10);
-  CTXPAR_CHECK(*end == '\0' && n >= lo && n <= hi, name, " must be a whole number "
-               "in [", lo, ", ", hi, "]", why, ", got '", v, "'; ", kHowToLaunch);
+  CTXPAR_CHECK(*end == '\0' && n >= lo && n <= hi, name,
+               " must be a whole number "
+               "in [",
+               lo, ", ", hi, "]", why, ", got '", v, "'; ", kHowToLaunch);
   return n;
 }
 
@@ -113,16 +115,16 @@ std::unique_ptr<Communicator> gloo_rendezvous(const TorchrunEnv& env, const Gloo
 
   // Note [Claims keep two jobs apart]. Keys are also unique per run, restart and call, so a
   // restarted job or a second communicator never reads a stale address.
-  const std::string prefix = "ctxpar/gloo/" + env.run_id + "/" + env.restart + "/" +
-                             std::to_string(env.call) + "/";
+  const std::string prefix =
+      "ctxpar/gloo/" + env.run_id + "/" + env.restart + "/" + std::to_string(env.call) + "/";
   const std::string my_world = detail::concat(env.size, " (set by rank ", env.rank, ", pid ",
                                               ::getpid(), " on ", this_host(), ")");
   const std::string me = "rank " + std::to_string(env.rank);
   // The rank that hosts the store sets the job's size before any other rank can connect.
   std::optional<TcpStoreServer> server;
   if (env.rank == 0 && !env.agent_store)
-    server.emplace(env.master, env.port, std::map<std::string, std::string>{
-                                             {prefix + "world", my_world}});
+    server.emplace(env.master, env.port,
+                   std::map<std::string, std::string>{{prefix + "world", my_world}});
   TcpStoreClient store(env.master, env.port, o.timeout, me,
                        env.agent_store ? "torchrun's agent's" : "rank 0's", notice_after);
   const std::string where = "the TCP store at " + store.where() + " (MASTER_ADDR:MASTER_PORT)";
@@ -136,16 +138,20 @@ std::unique_ptr<Communicator> gloo_rendezvous(const TorchrunEnv& env, const Gloo
   const std::string world = store.claim(prefix + "world", my_world);
   if (first_word(world) != std::to_string(env.size))
     refuse(detail::concat(me, ": WORLD_SIZE=", env.size, " here, but the job at ", where,
-                          " has WORLD_SIZE=", printable(world, 200), "; start every rank "
+                          " has WORLD_SIZE=", printable(world, 200),
+                          "; start every rank "
                           "with the same WORLD_SIZE, and give each job a MASTER_PORT of its own"));
 
   GlooBootstrap boot(env.rank, env.size, o);
   const std::string mine = boot.address();
   if (store.claim(prefix + std::to_string(env.rank), mine) != mine)
     throw Error(detail::concat(
-        me, ": another process already joined the job at ", where, " as rank ", env.rank,
-        " (key '", prefix, env.rank, "'); two jobs share MASTER_ADDR:MASTER_PORT, or two "
-        "processes have RANK=", env.rank, ": give each job a MASTER_PORT of its own (or a "
+        me, ": another process already joined the job at ", where, " as rank ", env.rank, " (key '",
+        prefix, env.rank,
+        "'); two jobs share MASTER_ADDR:MASTER_PORT, or two "
+        "processes have RANK=",
+        env.rank,
+        ": give each job a MASTER_PORT of its own (or a "
         "TORCHELASTIC_RUN_ID of its own on all its ranks), and each process its own RANK"));
   std::vector<std::string> addresses(env.size);
   for (int j = 0; j < env.size; ++j) {
@@ -157,9 +163,9 @@ std::unique_ptr<Communicator> gloo_rendezvous(const TorchrunEnv& env, const Gloo
     addresses[j] = store.get(key, detail::concat("rank ", j, " of WORLD_SIZE=", env.size,
                                                  " to join (its address, key '", key, "')"));
     if (addresses[j].rfind(kRefused, 0) == 0)
-      throw Error(detail::concat(me, ": rank ", j, " could not join: ",
-                                 printable(addresses[j].substr(std::string(kRefused).size()),
-                                           1000)));
+      throw Error(detail::concat(
+          me, ": rank ", j,
+          " could not join: ", printable(addresses[j].substr(std::string(kRefused).size()), 1000)));
   }
   auto comm = boot.connect(addresses);
   // Every rank has read every address once every pair is connected; rank 0 may stop serving.

@@ -10,12 +10,12 @@
 namespace ctxpar::comm_detail {
 
 struct TorchrunEnv {
-  int rank = 0, size = 1;          // RANK, WORLD_SIZE
-  std::string master;              // MASTER_ADDR
-  int port = 0;                    // MASTER_PORT
-  bool agent_store = false;        // TORCHELASTIC_USE_AGENT_STORE: torchrun's agent hosts the store
-  std::string run_id, restart;     // TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT ("" by hand)
-  int call = 0;                    // which communicator of this process (keys of each apart)
+  int rank = 0, size = 1;       // RANK, WORLD_SIZE
+  std::string master;           // MASTER_ADDR
+  int port = 0;                 // MASTER_PORT
+  bool agent_store = false;     // TORCHELASTIC_USE_AGENT_STORE: torchrun's agent hosts the store
+  std::string run_id, restart;  // TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT ("" by hand)
+  int call = 0;                 // which communicator of this process (keys of each apart)
 };
 
 // The environment's variables, each checked (a missing or inconsistent one throws naming it).

@@ -12,15 +12,11 @@ namespace {
 // Indexed by TransportKind.
 constexpr TransportTraits kTraits[] = {
     // name       one rank per process  needs a launcher  needs a GPU
-    {"threads", false, false, false},
-    {"mpi", true, true, false},
-    {"gloo", true, true, false},
-    {"nccl", true, true, true},
-    {"loopback", false, false, true},
+    {"threads", false, false, false}, {"mpi", true, true, false},       {"gloo", true, true, false},
+    {"nccl", true, true, true},       {"loopback", false, false, true},
 };
-constexpr TransportKind kKinds[] = {TransportKind::threads, TransportKind::mpi,
-                                    TransportKind::gloo, TransportKind::nccl,
-                                    TransportKind::loopback};
+constexpr TransportKind kKinds[] = {TransportKind::threads, TransportKind::mpi, TransportKind::gloo,
+                                    TransportKind::nccl, TransportKind::loopback};
 static_assert(std::size(kTraits) == std::size(kKinds));
 
 // Under a launcher the job's ranks are its processes.

@@ -60,8 +60,8 @@ std::string mpi_error_string(int code) {
 
 void mpi_check(int code, const char* call) {
   if (code != MPI_SUCCESS)
-    throw Error(detail::concat("rank ", world_rank_now(), ": ", call, " failed: ",
-                               mpi_error_string(code)));
+    throw Error(
+        detail::concat("rank ", world_rank_now(), ": ", call, " failed: ", mpi_error_string(code)));
 }
 
 // Polls by yielding: a large message over shared memory moves one fragment per progress
@@ -150,7 +150,8 @@ class MpiSendRequest final : public Request::Impl {
     return done_;
   }
   void wait() override {
-    wait_until_done(at_, "send to", [this] { return test(); }, [] {});
+    wait_until_done(
+        at_, "send to", [this] { return test(); }, [] {});
   }
 
  private:
@@ -201,9 +202,11 @@ class MpiRecvRequest final : public Request::Impl {
     return true;
   }
   void wait() override {
-    wait_until_done(at_, "recv from", [this] { return test(); }, [this] {
-      if (at_.ch == Channel::collective) check_same_collective();
-    });
+    wait_until_done(
+        at_, "recv from", [this] { return test(); },
+        [this] {
+          if (at_.ch == Channel::collective) check_same_collective();
+        });
   }
   Buffer take() override { return std::move(buf_); }
 
@@ -318,8 +321,7 @@ class MpiCommunicator final : public PointToPointCommunicator {
     }
     mpi_check(rc, "MPI_Comm_split");
     auto out = std::make_unique<MpiCommunicator>(sub);
-    CTXPAR_ASSERT(out->size() == static_cast<int>(members.size()) &&
-                  members[out->rank()] == rank_);
+    CTXPAR_ASSERT(out->size() == static_cast<int>(members.size()) && members[out->rank()] == rank_);
     return out;
   }
 
@@ -351,8 +353,11 @@ double init_timeout_from_env() {
     CTXPAR_CHECK(*env != '\0' && end != env && *end == '\0' && errno != ERANGE &&
                      std::isfinite(v) && v > 0 && v <= kMaxInitTimeout,
                  "CTXPAR_MPI_INIT_TIMEOUT must be the seconds MPI_Init may wait for the other "
-                 "processes of the job, a number in (0, ", kMaxInitTimeout, "] (default 120), "
-                 "got '", env, "'");
+                 "processes of the job, a number in (0, ",
+                 kMaxInitTimeout,
+                 "] (default 120), "
+                 "got '",
+                 env, "'");
     limit = v;
   }
   return limit;

@@ -75,7 +75,8 @@ ProgressSettings progress_settings_from_env() {
     CTXPAR_CHECK(m == "thread" || m == "tiles" || m == "both" || m == "off",
                  "CTXPAR_MPI_PROGRESS must be 'thread' (a progress thread moves MPI transfers "
                  "while the rank computes), 'tiles' (the CPU kernel makes the progress calls "
-                 "between tiles; the default), 'both' or 'off', got '", m, "'");
+                 "between tiles; the default), 'both' or 'off', got '",
+                 m, "'");
     s.thread = m == "thread" || m == "both";
     s.tiles = m == "tiles" || m == "both";
   }
@@ -86,7 +87,8 @@ ProgressSettings progress_settings_from_env() {
     CTXPAR_CHECK(end != us && *end == '\0' && v >= 1 && v <= 100000,
                  "CTXPAR_MPI_PROGRESS_US must be the progress calls' interval in microseconds "
                  "(the thread's poll, the tile hook's least spacing), 1..100000 (default 100), "
-                 "got '", us, "'");
+                 "got '",
+                 us, "'");
     s.interval = std::chrono::microseconds(v);
   }
   return s;
@@ -126,12 +128,13 @@ void MpiProgress::start_once() {
   // stops the thread (and removes the tile hook) when the program finalises MPI itself
   // (mpi_wrap: mpi4py at exit), not finalize_at_exit.
   int keyval = MPI_KEYVAL_INVALID;
-  if (MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN,
-                             [](MPI_Comm, int, void*, void*) {
-                               mpi_progress().stop();
-                               return MPI_SUCCESS;
-                             },
-                             &keyval, nullptr) != MPI_SUCCESS ||
+  if (MPI_Comm_create_keyval(
+          MPI_COMM_NULL_COPY_FN,
+          [](MPI_Comm, int, void*, void*) {
+            mpi_progress().stop();
+            return MPI_SUCCESS;
+          },
+          &keyval, nullptr) != MPI_SUCCESS ||
       MPI_Comm_set_attr(MPI_COMM_SELF, keyval, nullptr) != MPI_SUCCESS) {
     description_ = "off (no MPI_Finalize hook on MPI_COMM_SELF)";
     return;

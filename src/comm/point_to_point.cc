@@ -61,29 +61,28 @@ void throw_timeout(const Where& at, const char* waiting_for) {
 
 void check_message_size(const Where& at, size_t expected, size_t got) {
   CTXPAR_CHECK(got == expected, "rank ", at.me, ": recv from rank ", at.peer, " (",
-               describe_tag(at.ch, at.tag), ") expected ", expected,
-               " bytes, but the message has ", got, " bytes");
+               describe_tag(at.ch, at.tag), ") expected ", expected, " bytes, but the message has ",
+               got, " bytes");
 }
 
 void check_same_collective(const Where& at, int their_tag, int from) {
   if (tag_call(their_tag) != tag_call(at.tag) || ((their_tag >> 4) & 15) == ((at.tag >> 4) & 15))
     return;
-  throw Error(detail::concat(
-      "rank ", at.me, ": collective mismatch: this rank is in ", tag_kind_name(at.tag), " (call ",
-      tag_call(at.tag), ") but rank ", from, " called ", tag_kind_name(their_tag),
-      "; every rank must call the same collectives in the same order"));
+  throw Error(detail::concat("rank ", at.me, ": collective mismatch: this rank is in ",
+                             tag_kind_name(at.tag), " (call ", tag_call(at.tag), ") but rank ",
+                             from, " called ", tag_kind_name(their_tag),
+                             "; every rank must call the same collectives in the same order"));
 }
 
 void throw_stopped(int me, int failed_rank, const std::string& failure) {
-  throw Error(detail::concat("rank ", me, ": stopped because rank ", failed_rank, " failed: ",
-                             failure));
+  throw Error(
+      detail::concat("rank ", me, ": stopped because rank ", failed_rank, " failed: ", failure));
 }
 
 uint32_t PointToPointCommunicator::next_call(CommKind) { return calls_++; }
 
 void PointToPointCommunicator::check_peer(int peer, const char* what) const {
-  CTXPAR_CHECK(peer >= 0 && peer < size(), what, ": peer must be in [0, ", size(), "), got ",
-               peer);
+  CTXPAR_CHECK(peer >= 0 && peer < size(), what, ": peer must be in [0, ", size(), "), got ", peer);
 }
 
 Request PointToPointCommunicator::isend(Buffer&& buf, int peer, int tag) {
@@ -105,8 +104,8 @@ Request PointToPointCommunicator::irecv(size_t bytes, int peer, int tag) {
 // Ring all-gather of variable-sized segments: segment j is data[offsets[j], offsets[j+1]) and
 // this rank's own segment is already in place. Step s forwards the segment received in step
 // s-1 to the right neighbour, handing the received Buffer on without copying it.
-void PointToPointCommunicator::ring_allgatherv(const std::vector<size_t>& offsets,
-                                               std::byte* data, int tag) {
+void PointToPointCommunicator::ring_allgatherv(const std::vector<size_t>& offsets, std::byte* data,
+                                               int tag) {
   const int p = size(), r = rank();
   const int right = (r + 1) % p, left = (r + p - 1) % p;
   if (p == 1) return;
@@ -137,8 +136,7 @@ void PointToPointCommunicator::allgather(const void* send, void* recv, size_t by
 }
 
 void PointToPointCommunicator::post_pairwise(const std::byte* chunks, size_t bytes, int tag,
-                                             std::vector<Request>& rq,
-                                             std::vector<Request>& sq) {
+                                             std::vector<Request>& rq, std::vector<Request>& sq) {
   const int p = size(), r = rank();
   for (int k = 1; k < p; ++k) {
     const int j = (r - k + p) % p;
@@ -278,8 +276,8 @@ std::unique_ptr<Communicator> PointToPointCommunicator::split(int color, int key
   ring_allgatherv(offsets, reinterpret_cast<std::byte*>(table.data()),
                   make_tag(calls_++, kSplitKind, 0));
   for (int j = 0; j < p; ++j)
-    CTXPAR_CHECK(table[2 * j] >= 0, "split: color must be >= 0 on every rank; rank ", j,
-                 " gave ", table[2 * j]);
+    CTXPAR_CHECK(table[2 * j] >= 0, "split: color must be >= 0 on every rank; rank ", j, " gave ",
+                 table[2 * j]);
   std::vector<int> members;
   for (int j = 0; j < p; ++j)
     if (table[2 * j] == color) members.push_back(j);

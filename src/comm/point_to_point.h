@@ -93,7 +93,7 @@ class PointToPointCommunicator : public Communicator {
   template <typename T>
   void allreduce_sum(T* buf, size_t count);
 
-  uint32_t calls_ = 0;    // collectives called so far (all kinds): the call number in tags
+  uint32_t calls_ = 0;  // collectives called so far (all kinds): the call number in tags
   uint32_t splits_ = 0;
 };
 

@@ -57,12 +57,15 @@ int connect_once(const std::string& host, int port, int* gai) {
 }
 }  // namespace
 
-TcpStoreClient::TcpStoreClient(const std::string& host, int port,
-                               std::chrono::milliseconds timeout, const std::string& who,
-                               const std::string& host_of_store,
+TcpStoreClient::TcpStoreClient(const std::string& host, int port, std::chrono::milliseconds timeout,
+                               const std::string& who, const std::string& host_of_store,
                                std::chrono::milliseconds notice_after)
-    : where_(host + ":" + std::to_string(port)), who_(who), host_of_store_(host_of_store),
-      timeout_(timeout), notice_after_(notice_after), deadline_(Clock::now() + timeout),
+    : where_(host + ":" + std::to_string(port)),
+      who_(who),
+      host_of_store_(host_of_store),
+      timeout_(timeout),
+      notice_after_(notice_after),
+      deadline_(Clock::now() + timeout),
       wait_started_(Clock::now()) {
   std::string last_error;
   for (;;) {
@@ -92,8 +95,8 @@ TcpStoreClient::TcpStoreClient(const std::string& host, int port,
   send_all(msg);
   uint32_t echo = 0;
   recv_all(&echo, sizeof(echo), "the answer to its ping", kIsItAStore);
-  CTXPAR_CHECK(echo == nonce, "TCP store at ", where_, ": the server answered the ping with ",
-               echo, " instead of ", nonce, "; is MASTER_PORT a c10d TCPStore?");
+  CTXPAR_CHECK(echo == nonce, "TCP store at ", where_, ": the server answered the ping with ", echo,
+               " instead of ", nonce, "; is MASTER_PORT a c10d TCPStore?");
 }
 
 TcpStoreClient::~TcpStoreClient() {
@@ -104,13 +107,17 @@ void TcpStoreClient::notice_if_due(const std::string& what) {
   bool& noticed = what.empty() ? noticed_connect_ : noticed_key_;
   if (noticed || Clock::now() - wait_started_ < notice_after_) return;
   noticed = true;
-  const std::string text =
-      what.empty() ? detail::concat("ctxpar: ", who_, " waiting for ", host_of_store_,
-                                    " TCP store at ", where_, " (MASTER_ADDR:MASTER_PORT) for up "
-                                    "to ", seconds(timeout_), " s\n")
-                   : detail::concat("ctxpar: ", who_, " waiting for ", what, " in the TCP store "
-                                    "at ", where_, " (MASTER_ADDR:MASTER_PORT) for up to ",
-                                    seconds(timeout_), " s\n");
+  const std::string text = what.empty()
+                               ? detail::concat("ctxpar: ", who_, " waiting for ", host_of_store_,
+                                                " TCP store at ", where_,
+                                                " (MASTER_ADDR:MASTER_PORT) for up "
+                                                "to ",
+                                                seconds(timeout_), " s\n")
+                               : detail::concat("ctxpar: ", who_, " waiting for ", what,
+                                                " in the TCP store "
+                                                "at ",
+                                                where_, " (MASTER_ADDR:MASTER_PORT) for up to ",
+                                                seconds(timeout_), " s\n");
   std::fputs(text.c_str(), stderr);
   std::fflush(stderr);
 }
@@ -122,14 +129,14 @@ void TcpStoreClient::send_all(const std::string& bytes) {
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0)
       throw Error(detail::concat(who_, ": TCP store at ", where_, ": send failed (",
-                                 std::strerror(errno), "); ", host_of_store_, " store's host may "
+                                 std::strerror(errno), "); ", host_of_store_,
+                                 " store's host may "
                                  "have exited (its own error says why)"));
     off += n;
   }
 }
 
-void TcpStoreClient::recv_all(void* out, size_t n, const std::string& what,
-                              const char* hint) {
+void TcpStoreClient::recv_all(void* out, size_t n, const std::string& what, const char* hint) {
   auto* p = static_cast<char*>(out);
   while (n > 0) {
     const auto now = Clock::now();
@@ -152,8 +159,9 @@ void TcpStoreClient::recv_all(void* out, size_t n, const std::string& what,
     if (got < 0 && errno == EINTR) continue;
     if (got <= 0)
       throw Error(detail::concat(who_, ": the TCP store at ", where_, " closed the connection (",
-                                 got < 0 ? std::strerror(errno) : "end of stream", ") while ",
-                                 who_, " waited for ", what, ": ", host_of_store_, " store's host "
+                                 got < 0 ? std::strerror(errno) : "end of stream", ") while ", who_,
+                                 " waited for ", what, ": ", host_of_store_,
+                                 " store's host "
                                  "exited or failed (its own error says why), or dropped this "
                                  "client for breaking the protocol"));
     p += got;
@@ -165,9 +173,9 @@ std::string TcpStoreClient::recv_value(const std::string& key, const std::string
                                        const char* hint) {
   uint64_t len = 0;
   recv_all(&len, sizeof(len), what, hint);
-  CTXPAR_CHECK(len <= kMaxStoreValueBytes, who_, ": TCP store at ", where_, ": the value of '",
-               key, "' claims ", len, " bytes, more than a store value may hold (",
-               kMaxStoreValueBytes, "); is MASTER_PORT a c10d TCPStore?");
+  CTXPAR_CHECK(len <= kMaxStoreValueBytes, who_, ": TCP store at ", where_, ": the value of '", key,
+               "' claims ", len, " bytes, more than a store value may hold (", kMaxStoreValueBytes,
+               "); is MASTER_PORT a c10d TCPStore?");
   std::string value(len, '\0');
   recv_all(value.data(), len, what, hint);
   return value;

@@ -103,11 +103,20 @@ class TcpStoreServer {
 namespace store_wire {
 constexpr uint32_t kValidationMagic = 0x3C85F7CE;
 enum Query : uint8_t {
-  kValidate = 0, kSet = 1, kCompareSet = 2, kGet = 3, kAdd = 4, kCheck = 5, kWait = 6,
-  kCancelWait = 12, kPing = 13
+  kValidate = 0,
+  kSet = 1,
+  kCompareSet = 2,
+  kGet = 3,
+  kAdd = 4,
+  kCheck = 5,
+  kWait = 6,
+  kCancelWait = 12,
+  kPing = 13
 };
 template <typename T>
-void put(std::string& out, T v) { out.append(reinterpret_cast<const char*>(&v), sizeof(T)); }
+void put(std::string& out, T v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
 inline void put_string(std::string& out, const std::string& s) {
   put<uint64_t>(out, s.size());
   out += s;

@@ -123,13 +123,16 @@ TcpStoreServer::TcpStoreServer(const std::string& host, int port,
   addrinfo hints{}, *res = nullptr;
   hints.ai_socktype = SOCK_STREAM;
   if (const int gai = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res))
-    throw Error(detail::concat("rank 0 cannot host the TCP store at ", where, ": MASTER_ADDR "
-                               "cannot be resolved (", gai_strerror(gai), "); set MASTER_ADDR to "
+    throw Error(detail::concat("rank 0 cannot host the TCP store at ", where,
+                               ": MASTER_ADDR "
+                               "cannot be resolved (",
+                               gai_strerror(gai),
+                               "); set MASTER_ADDR to "
                                "the host name or IP address of rank 0's machine"));
   int first_error = 0;
   for (addrinfo* a = res; a; a = a->ai_next) {
-    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
-                            a->ai_protocol);
+    const int fd =
+        ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
     if (fd < 0) continue;
     int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -147,8 +150,8 @@ TcpStoreServer::TcpStoreServer(const std::string& host, int port,
     }
     getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
     s.port = ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
-    s.listening += (s.listen_fds.empty() ? "" : ", ") +
-                   text_of(reinterpret_cast<sockaddr*>(&addr), len);
+    s.listening +=
+        (s.listen_fds.empty() ? "" : ", ") + text_of(reinterpret_cast<sockaddr*>(&addr), len);
     s.listen_fds.push_back(fd);
   }
   freeaddrinfo(res);
@@ -203,8 +206,10 @@ void TcpStoreServer::State::run() {
     for (size_t i = 0; i < polled; ++i) {
       Client& c = clients[i];
       const short ev = fds[first + i].revents;
-      if ((ev & (POLLIN | POLLHUP | POLLERR)) && !(receive(c) && serve(c))) drop(c);
-      else if ((ev & POLLOUT) && !flush(c)) drop(c);
+      if ((ev & (POLLIN | POLLHUP | POLLERR)) && !(receive(c) && serve(c)))
+        drop(c);
+      else if ((ev & POLLOUT) && !flush(c))
+        drop(c);
     }
     // A SET may have completed other clients' waits.
     for (auto& c : clients) {
@@ -344,9 +349,12 @@ bool TcpStoreServer::State::serve(Client& c) {
         for (uint64_t k = 0; k < n && p == Parse::done; ++k)
           p = r.bytes(keys.emplace_back(), kMaxStoreKeyBytes);
         if (p != Parse::done) break;
-        if (uint8_t(c.in[0]) == kCheck) put<uint8_t>(out, ready(keys) ? 0 : 1);
-        else if (ready(keys)) put<uint8_t>(out, 0);
-        else c.waiting = std::move(keys);
+        if (uint8_t(c.in[0]) == kCheck)
+          put<uint8_t>(out, ready(keys) ? 0 : 1);
+        else if (ready(keys))
+          put<uint8_t>(out, 0);
+        else
+          c.waiting = std::move(keys);
         break;
       }
       default:

@@ -42,9 +42,9 @@ using Queue = std::deque<std::shared_ptr<Message>>;
 
 struct Group {
   uint64_t id = 0;
-  std::vector<int> world;          // local rank -> world rank
-  std::vector<Queue> posted;       // per local rank: its receives still waiting, in post order
-  std::vector<Queue> unexpected;   // per local rank: messages to it nobody asked for yet
+  std::vector<int> world;         // local rank -> world rank
+  std::vector<Queue> posted;      // per local rank: its receives still waiting, in post order
+  std::vector<Queue> unexpected;  // per local rank: messages to it nobody asked for yet
 };
 
 struct World {
@@ -116,7 +116,10 @@ class RecvRequest final : public Request::Impl {
  public:
   RecvRequest(std::shared_ptr<World> w, std::shared_ptr<Group> g, int local_rank, Where at,
               std::shared_ptr<Message> m)
-      : world_(std::move(w)), group_(std::move(g)), local_rank_(local_rank), at_(at),
+      : world_(std::move(w)),
+        group_(std::move(g)),
+        local_rank_(local_rank),
+        at_(at),
         m_(std::move(m)) {}
   ~RecvRequest() override {
     // A receive dropped before its message came must not swallow a later message.
@@ -139,9 +142,9 @@ class RecvRequest final : public Request::Impl {
       if (ready(now)) return;
       check_group(*world_, at_);
       if (!m_->arrived && world_->finished[at_.peer])
-        throw Error(detail::concat("rank ", at_.me, ": waiting for recv from rank ", at_.peer,
-                                   " (", describe_tag(at_.ch, at_.tag), "), but rank ",
-                                   at_.peer, " has returned without sending it"));
+        throw Error(detail::concat("rank ", at_.me, ": waiting for recv from rank ", at_.peer, " (",
+                                   describe_tag(at_.ch, at_.tag), "), but rank ", at_.peer,
+                                   " has returned without sending it"));
       if (!m_->arrived && at_.ch == Channel::collective) check_same_collective();
       if (now >= deadline) throw_timeout(at_, "recv from");
       world_->cv.wait_until(lock, m_->arrived ? std::min(m_->deliver_at, deadline) : deadline);
@@ -212,10 +215,12 @@ class ThreadsCommunicator final : public PointToPointCommunicator {
       if (!(delay <= limit))
         throw Error(detail::concat(
             "rank ", at.me, ": the simulated link (", w.link.gbytes_per_second, " GB/s, ",
-            w.link.latency_us, " us latency) would deliver this ", buf.size(), "-byte message to rank ",
-            at.peer, " after ", delay, " s, past the ", limit, " s timeout; raise the link's "
+            w.link.latency_us, " us latency) would deliver this ", buf.size(),
+            "-byte message to rank ", at.peer, " after ", delay, " s, past the ", limit,
+            " s timeout; raise the link's "
             "bandwidth, lower its latency, or raise the timeout"));
-      done = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(wire));
+      done =
+          start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(wire));
       w.link_free[at.me] = done;
       deliver = done + std::chrono::duration_cast<Clock::duration>(
                            std::chrono::duration<double, std::micro>(w.link.latency_us));
@@ -299,14 +304,19 @@ void run_threads(int ranks, const std::function<void(Communicator&)>& fn,
                  const ThreadsOptions& options) {
   using namespace comm_detail;
   CTXPAR_CHECK(ranks >= 1, "run_threads: ranks must be >= 1, got ", ranks);
-  CTXPAR_CHECK(ranks <= kMaxThreadsRanks, "run_threads: ", ranks, " ranks is more than the "
-               "threads transport's ", kMaxThreadsRanks, " (every rank is a thread of this "
+  CTXPAR_CHECK(ranks <= kMaxThreadsRanks, "run_threads: ", ranks,
+               " ranks is more than the "
+               "threads transport's ",
+               kMaxThreadsRanks,
+               " (every rank is a thread of this "
                "process and per-pair state grows as ranks^2); use MPI for more ranks");
-  CTXPAR_CHECK(options.link.gbytes_per_second >= 0 && std::isfinite(options.link.gbytes_per_second),
-               "run_threads: link.gbytes_per_second must be finite and >= 0 (0 = no link model), got ",
-               options.link.gbytes_per_second);
+  CTXPAR_CHECK(
+      options.link.gbytes_per_second >= 0 && std::isfinite(options.link.gbytes_per_second),
+      "run_threads: link.gbytes_per_second must be finite and >= 0 (0 = no link model), got ",
+      options.link.gbytes_per_second);
   CTXPAR_CHECK(options.link.latency_us >= 0 && std::isfinite(options.link.latency_us),
-               "run_threads: link.latency_us must be finite and >= 0, got ", options.link.latency_us);
+               "run_threads: link.latency_us must be finite and >= 0, got ",
+               options.link.latency_us);
   CTXPAR_CHECK(options.timeout.count() > 0, "run_threads: timeout must be positive, got ",
                options.timeout.count(), " ms");
   auto world = std::make_shared<World>(ranks, options.link);

@@ -96,9 +96,7 @@ Mpi mpi() {
           variable("CTXPAR_MPI_PROGRESS_US")};
 }
 
-std::optional<std::string> memory_limit_override() {
-  return variable(kMemoryLimitEnv);
-}
+std::optional<std::string> memory_limit_override() { return variable(kMemoryLimitEnv); }
 
 Cuda cuda() {
   return {variable("CTXPAR_CUDNN"), variable("CTXPAR_NCCL_LIBRARY"), variable("LOCAL_RANK"),

@@ -38,11 +38,11 @@ Launcher launcher();
 
 // torchrun's variables as set ("" when unset), for gloo_from_torchrun_env to check and use.
 struct Torchrun {
-  std::string rank, world_size;                   // RANK, WORLD_SIZE
-  std::string local_rank, local_world_size;       // LOCAL_RANK, LOCAL_WORLD_SIZE
-  std::string master_addr, master_port;           // MASTER_ADDR, MASTER_PORT
-  std::string use_agent_store;                    // TORCHELASTIC_USE_AGENT_STORE
-  std::string run_id, restart_count;              // TORCHELASTIC_RUN_ID, _RESTART_COUNT
+  std::string rank, world_size;              // RANK, WORLD_SIZE
+  std::string local_rank, local_world_size;  // LOCAL_RANK, LOCAL_WORLD_SIZE
+  std::string master_addr, master_port;      // MASTER_ADDR, MASTER_PORT
+  std::string use_agent_store;               // TORCHELASTIC_USE_AGENT_STORE
+  std::string run_id, restart_count;         // TORCHELASTIC_RUN_ID, _RESTART_COUNT
 };
 Torchrun torchrun();
 
@@ -65,9 +65,9 @@ std::optional<std::string> memory_limit_override();
 
 // The cuda device's and nccl transport's settings as set (nullopt: unset).
 struct Cuda {
-  std::optional<std::string> cudnn;         // CTXPAR_CUDNN: off | require | auto
-  std::optional<std::string> nccl_library;  // CTXPAR_NCCL_LIBRARY: the path of libnccl.so.2
-  std::optional<std::string> local_rank;    // LOCAL_RANK: a cuda device's GPU when none is given
+  std::optional<std::string> cudnn;            // CTXPAR_CUDNN: off | require | auto
+  std::optional<std::string> nccl_library;     // CTXPAR_NCCL_LIBRARY: the path of libnccl.so.2
+  std::optional<std::string> local_rank;       // LOCAL_RANK: a cuda device's GPU when none is given
   std::optional<std::string> visible_devices;  // CUDA_VISIBLE_DEVICES, for the no-GPU message
 };
 Cuda cuda();

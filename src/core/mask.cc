@@ -30,8 +30,9 @@ constexpr const char* kGrammar =
 // without a word: two such document lengths added up to 512).
 int64_t parse_number(const std::string& text, int64_t lo, const std::string& whole,
                      const char* what) {
-  const bool digits = !text.empty() && text.find_first_not_of("0123456789", text[0] == '-') ==
-                                           std::string::npos && text != "-";
+  const bool digits = !text.empty() &&
+                      text.find_first_not_of("0123456789", text[0] == '-') == std::string::npos &&
+                      text != "-";
   errno = 0;
   char* end = nullptr;
   const long long v = digits ? std::strtoll(text.c_str(), &end, 10) : 0;
@@ -50,7 +51,8 @@ Mask parse(const std::string& text, std::vector<int64_t>* lengths) {
   size_t start = 0;
   while (start <= text.size()) {
     size_t plus = text.find('+', start);
-    std::string part = text.substr(start, plus == std::string::npos ? std::string::npos : plus - start);
+    std::string part =
+        text.substr(start, plus == std::string::npos ? std::string::npos : plus - start);
     if (part == "none") {
       once(seen_none, part);
     } else if (part == "causal") {
@@ -63,10 +65,9 @@ Mask parse(const std::string& text, std::vector<int64_t>* lengths) {
         size_t from = 0;
         for (;;) {
           const size_t comma = list.find(',', from);
-          const int64_t len = parse_number(list.substr(from, comma == std::string::npos
-                                                                 ? std::string::npos
-                                                                 : comma - from),
-                                           1, text, "document length");
+          const int64_t len = parse_number(
+              list.substr(from, comma == std::string::npos ? std::string::npos : comma - from), 1,
+              text, "document length");
           if (lengths) lengths->push_back(len);
           if (comma == std::string::npos) break;
           from = comma + 1;

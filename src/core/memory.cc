@@ -133,24 +133,36 @@ MemoryLimit memory_limit() { return memory_limit(MemoryLimitSources::system()); 
 
 std::string MemoryLimit::source_text() const {
   switch (source) {
-    case MemorySource::meminfo: return "the machine's available memory (MemAvailable in /proc/meminfo)";
-    case MemorySource::rlimit_as: return "the address-space limit (ulimit -v)";
-    case MemorySource::rlimit_data: return "the data-segment limit (ulimit -d)";
-    case MemorySource::cgroup: return "the cgroup's memory limit (" + where + ")";
-    case MemorySource::env_override: return kMemoryLimitEnv;
-    case MemorySource::unknown: break;
+    case MemorySource::meminfo:
+      return "the machine's available memory (MemAvailable in /proc/meminfo)";
+    case MemorySource::rlimit_as:
+      return "the address-space limit (ulimit -v)";
+    case MemorySource::rlimit_data:
+      return "the data-segment limit (ulimit -d)";
+    case MemorySource::cgroup:
+      return "the cgroup's memory limit (" + where + ")";
+    case MemorySource::env_override:
+      return kMemoryLimitEnv;
+    case MemorySource::unknown:
+      break;
   }
   return "no known limit";
 }
 
 std::string MemoryLimit::raise_text() const {
   switch (source) {
-    case MemorySource::meminfo: return "free memory on this machine";
-    case MemorySource::rlimit_as: return "raise it (ulimit -v)";
-    case MemorySource::rlimit_data: return "raise it (ulimit -d)";
-    case MemorySource::cgroup: return "raise the container's or cgroup's memory limit";
-    case MemorySource::env_override: return std::string("raise or unset ") + kMemoryLimitEnv;
-    case MemorySource::unknown: break;
+    case MemorySource::meminfo:
+      return "free memory on this machine";
+    case MemorySource::rlimit_as:
+      return "raise it (ulimit -v)";
+    case MemorySource::rlimit_data:
+      return "raise it (ulimit -d)";
+    case MemorySource::cgroup:
+      return "raise the container's or cgroup's memory limit";
+    case MemorySource::env_override:
+      return std::string("raise or unset ") + kMemoryLimitEnv;
+    case MemorySource::unknown:
+      break;
   }
   return "";
 }

@@ -8,20 +8,28 @@ namespace ctxpar {
 
 size_t dtype_size(DType t) {
   switch (t) {
-    case DType::f32: return 4;
-    case DType::bf16: return 2;
-    case DType::i32: return 4;
-    case DType::i64: return 8;
+    case DType::f32:
+      return 4;
+    case DType::bf16:
+      return 2;
+    case DType::i32:
+      return 4;
+    case DType::i64:
+      return 8;
   }
   return 0;
 }
 
 const char* dtype_name(DType t) {
   switch (t) {
-    case DType::f32: return "fp32";
-    case DType::bf16: return "bf16";
-    case DType::i32: return "i32";
-    case DType::i64: return "i64";
+    case DType::f32:
+      return "fp32";
+    case DType::bf16:
+      return "bf16";
+    case DType::i32:
+      return "i32";
+    case DType::i64:
+      return "i64";
   }
   return "?";
 }
@@ -55,8 +63,8 @@ void check_shape_fits(DType dtype, const Shape& shape) {
   fits = fits && !__builtin_mul_overflow(n, int64_t(dtype_size(dtype)), &n);
   CTXPAR_CHECK(fits, "tensor shape ", shape_str(shape), " (", dtype_name(dtype),
                "): its element or byte count overflows int64 (the product of its non-zero "
-               "dimensions must be at most ", INT64_MAX / int64_t(dtype_size(dtype)),
-               " elements); use smaller dimensions");
+               "dimensions must be at most ",
+               INT64_MAX / int64_t(dtype_size(dtype)), " elements); use smaller dimensions");
 }
 }  // namespace
 
@@ -101,10 +109,14 @@ bool TensorView::contiguous() const {
 float TensorView::get(int64_t i0, int64_t i1, int64_t i2, int64_t i3) const {
   int64_t o = offset(i0, i1, i2, i3);
   switch (dtype_) {
-    case DType::f32: return static_cast<const float*>(data_)[o];
-    case DType::bf16: return bf16_to_f32(static_cast<const uint16_t*>(data_)[o]);
-    case DType::i32: return static_cast<float>(static_cast<const int32_t*>(data_)[o]);
-    case DType::i64: return static_cast<float>(static_cast<const int64_t*>(data_)[o]);
+    case DType::f32:
+      return static_cast<const float*>(data_)[o];
+    case DType::bf16:
+      return bf16_to_f32(static_cast<const uint16_t*>(data_)[o]);
+    case DType::i32:
+      return static_cast<float>(static_cast<const int32_t*>(data_)[o]);
+    case DType::i64:
+      return static_cast<float>(static_cast<const int64_t*>(data_)[o]);
   }
   return 0;
 }
@@ -112,10 +124,18 @@ float TensorView::get(int64_t i0, int64_t i1, int64_t i2, int64_t i3) const {
 void TensorView::set(float v, int64_t i0, int64_t i1, int64_t i2, int64_t i3) const {
   int64_t o = offset(i0, i1, i2, i3);
   switch (dtype_) {
-    case DType::f32: static_cast<float*>(data_)[o] = v; break;
-    case DType::bf16: static_cast<uint16_t*>(data_)[o] = f32_to_bf16(v); break;
-    case DType::i32: static_cast<int32_t*>(data_)[o] = static_cast<int32_t>(v); break;
-    case DType::i64: static_cast<int64_t*>(data_)[o] = static_cast<int64_t>(v); break;
+    case DType::f32:
+      static_cast<float*>(data_)[o] = v;
+      break;
+    case DType::bf16:
+      static_cast<uint16_t*>(data_)[o] = f32_to_bf16(v);
+      break;
+    case DType::i32:
+      static_cast<int32_t*>(data_)[o] = static_cast<int32_t>(v);
+      break;
+    case DType::i64:
+      static_cast<int64_t*>(data_)[o] = static_cast<int64_t>(v);
+      break;
   }
 }
 
@@ -168,7 +188,9 @@ void copy_into(const TensorView& src, const TensorView& dst) {
   const int n = src.ndim();
   Shape full(kMaxDims, 1);
   for (int i = 0; i < n; ++i) full[kMaxDims - n + i] = src.dim(i);
-  auto st = [n](const TensorView& t, int i) { return i < kMaxDims - n ? 0 : t.stride(i - (kMaxDims - n)); };
+  auto st = [n](const TensorView& t, int i) {
+    return i < kMaxDims - n ? 0 : t.stride(i - (kMaxDims - n));
+  };
   const size_t es = dtype_size(src.dtype());
   const bool same = src.dtype() == dst.dtype();
   for (int64_t a = 0; a < full[0]; ++a)

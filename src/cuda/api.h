@@ -80,8 +80,8 @@ class CudaApi {
                      int64_t hq, int64_t d, float* delta, StreamHandle s) = 0;
   virtual void backward(const Problem<float>& p, const BackwardRows& r, StreamHandle s) = 0;
   virtual void backward(const Problem<Bf16>& p, const BackwardRows& r, StreamHandle s) = 0;
-  virtual void merge(float* o_a, float* lse_a, const float* o_b, const float* lse_b,
-                     int64_t batch, int64_t t, int64_t h, int64_t d, StreamHandle s) = 0;
+  virtual void merge(float* o_a, float* lse_a, const float* o_b, const float* lse_b, int64_t batch,
+                     int64_t t, int64_t h, int64_t d, StreamHandle s) = 0;
   // Token permutation (tile_math.cuh's permute_rows_byte).
   virtual void permute(const std::byte* src, std::byte* dst, int64_t outer, int64_t src_tokens,
                        int64_t dst_tokens, int64_t row, const int64_t* index, bool scatter,

@@ -7,8 +7,9 @@ namespace ctxpar::cuda {
 
 int device_count(std::string* why) {
   if (why)
-    *why = "this ctxpar was built without CUDA (CTXPAR_CUDA=OFF, or no nvcc at configure time); "
-           "rebuild with -DCTXPAR_CUDA=ON where the CUDA toolkit is installed, or use cpu";
+    *why =
+        "this ctxpar was built without CUDA (CTXPAR_CUDA=OFF, or no nvcc at configure time); "
+        "rebuild with -DCTXPAR_CUDA=ON where the CUDA toolkit is installed, or use cpu";
   return 0;
 }
 

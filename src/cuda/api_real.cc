@@ -31,8 +31,8 @@ class RealCudaApi final : public CudaApi {
   void* native_stream(StreamHandle s) override { return cs(s); }
   EventHandle event_create(bool timing) override {
     cudaEvent_t e;
-    CTXPAR_CUDA_CHECK(cudaEventCreateWithFlags(&e, timing ? cudaEventDefault
-                                                          : cudaEventDisableTiming));
+    CTXPAR_CUDA_CHECK(
+        cudaEventCreateWithFlags(&e, timing ? cudaEventDefault : cudaEventDisableTiming));
     return reinterpret_cast<EventHandle>(e);
   }
   void event_destroy(EventHandle e) override { cudaEventDestroy(ce(e)); }
@@ -98,8 +98,8 @@ class RealCudaApi final : public CudaApi {
   void delta(const void* out, const void* dout, bool bf16, int64_t b, int64_t t, int64_t h,
              int64_t d, float* delta, StreamHandle s) override {
     if (bf16)
-      launch_delta(static_cast<const Bf16*>(out), static_cast<const Bf16*>(dout), b, t, h, d,
-                   delta, cs(s));
+      launch_delta(static_cast<const Bf16*>(out), static_cast<const Bf16*>(dout), b, t, h, d, delta,
+                   cs(s));
     else
       launch_delta(static_cast<const float*>(out), static_cast<const float*>(dout), b, t, h, d,
                    delta, cs(s));
@@ -110,8 +110,8 @@ class RealCudaApi final : public CudaApi {
   void backward(const Problem<Bf16>& p, const BackwardRows& r, StreamHandle s) override {
     launch_backward(p, r, cs(s));
   }
-  void merge(float* o_a, float* lse_a, const float* o_b, const float* lse_b, int64_t b,
-             int64_t t, int64_t h, int64_t d, StreamHandle s) override {
+  void merge(float* o_a, float* lse_a, const float* o_b, const float* lse_b, int64_t b, int64_t t,
+             int64_t h, int64_t d, StreamHandle s) override {
     launch_merge(o_a, lse_a, o_b, lse_b, b, t, h, d, cs(s));
   }
   void permute(const std::byte* src, std::byte* dst, int64_t outer, int64_t src_tokens,
@@ -125,7 +125,9 @@ class RealCudaApi final : public CudaApi {
   void add(const Strided4& x, const Strided4& y, StreamHandle s) override {
     launch_strided(kStridedAdd, x, y, cs(s));
   }
-  void zero(const Strided4& t, StreamHandle s) override { launch_strided(kStridedZero, t, t, cs(s)); }
+  void zero(const Strided4& t, StreamHandle s) override {
+    launch_strided(kStridedZero, t, t, cs(s));
+  }
   void fill_f32(float* p, int64_t n, float value, StreamHandle s) override {
     launch_fill_f32(p, n, value, cs(s));
   }
@@ -158,8 +160,8 @@ std::unique_ptr<CudaApi> make_real_api(int index, std::string* why) {
   }
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, index);
-  return std::make_unique<RealCudaApi>(index, "cuda:" + std::to_string(index) + " (" +
-                                                  prop.name + ")");
+  return std::make_unique<RealCudaApi>(index,
+                                       "cuda:" + std::to_string(index) + " (" + prop.name + ")");
 }
 
 std::unique_ptr<CudnnAttention> make_cudnn(std::string* why, int64_t* version) {

@@ -39,10 +39,10 @@ struct Use {
 struct RecordingCudaApi::Impl {
   mutable std::mutex mu;
   std::vector<std::unique_ptr<StreamTag>> streams;
-  std::vector<uint64_t> seqs;                 // per stream: operations so far
+  std::vector<uint64_t> seqs;  // per stream: operations so far
   std::vector<std::unique_ptr<EventTag>> events;
-  device::RaceChecker races{0};               // allocations, by start; freed ones stay
-  std::vector<void*> memory;                  // every block, released at destruction
+  device::RaceChecker races{0};  // allocations, by start; freed ones stay
+  std::vector<void*> memory;     // every block, released at destruction
   size_t host_live = 0;
   std::vector<Entry> log;
   std::vector<std::string> violations;
@@ -275,8 +275,7 @@ void RecordingCudaApi::memcpy_async(void* dst, const void* src, size_t bytes, Co
   const device::RaceChecker::Allocation* to = impl_->races.find(dst);
   if ((kind == CopyKind::host_to_device && from && from->adopted) ||
       (kind == CopyKind::device_to_host && to && to->adopted))
-    impl_->violations.push_back(std::string("'") + name + "' on stream " +
-                                std::to_string(s->id) +
+    impl_->violations.push_back(std::string("'") + name + "' on stream " + std::to_string(s->id) +
                                 " treats the caller's device memory (adopted) as host memory");
   if (bytes) std::memmove(dst, src, bytes);
 }
@@ -297,10 +296,17 @@ void RecordingCudaApi::tile_ranges(const int64_t* pos, const int32_t* doc, int64
 template <class T>
 void RecordingCudaApi::forward_t(const Problem<T>& p, const DeviceState& st, StreamHandle s) {
   std::lock_guard<std::mutex> l(impl_->mu);
-  impl_->op("forward", s, {{p.q.ptr, false}, {p.k.ptr, false}, {p.v.ptr, false},
-                           {p.q_pos, false}, {p.k_pos, false}, {p.q_tiles, false},
-                           {p.k_tiles, false}, {p.mask.documents ? p.q_doc : nullptr, false},
-                           {p.mask.documents ? p.k_doc : nullptr, false}, {st.acc, true}});
+  impl_->op("forward", s,
+            {{p.q.ptr, false},
+             {p.k.ptr, false},
+             {p.v.ptr, false},
+             {p.q_pos, false},
+             {p.k_pos, false},
+             {p.q_tiles, false},
+             {p.k_tiles, false},
+             {p.mask.documents ? p.q_doc : nullptr, false},
+             {p.mask.documents ? p.k_doc : nullptr, false},
+             {st.acc, true}});
   if (p.tk == 0) return;
   float qrow[kMaxHeadDim];
   for (int64_t b = 0; b < p.batch; ++b)  // forward_kernel: a thread per (b, h, i)
@@ -341,24 +347,32 @@ void RecordingCudaApi::delta(const void* out, const void* dout, bool bf16, int64
   impl_->op("delta", s, {{out, false}, {dout, false}, {delta, true}});
   for (int64_t r = 0; r < batch * tq * hq; ++r) {  // delta_kernel
     const int64_t h = r % hq, t = (r / hq) % tq, b = r / (hq * tq);
-    delta[(b * hq + h) * tq + t] =
-        bf16 ? delta_row(static_cast<const Bf16*>(out) + r * d,
-                         static_cast<const Bf16*>(dout) + r * d, d)
-             : delta_row(static_cast<const float*>(out) + r * d,
-                         static_cast<const float*>(dout) + r * d, d);
+    delta[(b * hq + h) * tq + t] = bf16 ? delta_row(static_cast<const Bf16*>(out) + r * d,
+                                                    static_cast<const Bf16*>(dout) + r * d, d)
+                                        : delta_row(static_cast<const float*>(out) + r * d,
+                                                    static_cast<const float*>(dout) + r * d, d);
   }
 }
 
 template <class T>
 void RecordingCudaApi::backward_t(const Problem<T>& p, const BackwardRows& r, StreamHandle s) {
   std::lock_guard<std::mutex> l(impl_->mu);
-  impl_->op("backward", s, {{p.q.ptr, false}, {p.k.ptr, false}, {p.v.ptr, false},
-                            {p.dout.ptr, false}, {p.q_pos, false}, {p.k_pos, false},
-                            {p.q_tiles, false}, {p.k_tiles, false},
-                            {p.mask.documents ? p.q_doc : nullptr, false},
-                            {p.mask.documents ? p.k_doc : nullptr, false}, {r.lse.ptr, false},
-                            {r.delta.ptr, false}, {r.dq.ptr, true}, {r.dk.ptr, true},
-                            {r.dv.ptr, true}});
+  impl_->op("backward", s,
+            {{p.q.ptr, false},
+             {p.k.ptr, false},
+             {p.v.ptr, false},
+             {p.dout.ptr, false},
+             {p.q_pos, false},
+             {p.k_pos, false},
+             {p.q_tiles, false},
+             {p.k_tiles, false},
+             {p.mask.documents ? p.q_doc : nullptr, false},
+             {p.mask.documents ? p.k_doc : nullptr, false},
+             {r.lse.ptr, false},
+             {r.delta.ptr, false},
+             {r.dq.ptr, true},
+             {r.dk.ptr, true},
+             {r.dv.ptr, true}});
   if (p.tq == 0 || p.tk == 0) return;
   float a[kMaxHeadDim], g[kMaxHeadDim];
   for (int64_t b = 0; b < p.batch; ++b)  // backward_kernel<T, false>: a thread per query row
@@ -418,9 +432,9 @@ void RecordingCudaApi::fill_f32(float* p, int64_t n, float value, StreamHandle s
   impl_->op("fill_f32", s, {{p, true}});
   for (int64_t i = 0; i < n; ++i) p[i] = value;
 }
-void RecordingCudaApi::absorb_partial(const DeviceState& st, int64_t batch, int64_t tq,
-                                      int64_t hq, int64_t d, int64_t row0, int64_t rows,
-                                      const float* o, const float* lse, StreamHandle s) {
+void RecordingCudaApi::absorb_partial(const DeviceState& st, int64_t batch, int64_t tq, int64_t hq,
+                                      int64_t d, int64_t row0, int64_t rows, const float* o,
+                                      const float* lse, StreamHandle s) {
   std::lock_guard<std::mutex> l(impl_->mu);
   impl_->op("absorb_partial", s, {{o, false}, {lse, false}, {st.acc, true}});
   for (int64_t b = 0; b < batch; ++b)

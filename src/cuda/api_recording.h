@@ -39,10 +39,10 @@ namespace ctxpar::cuda {
 class RecordingCudaApi final : public CudaApi {
  public:
   struct Entry {
-    std::string op;       // "malloc", "free", "memcpy h2d", "record", "wait", "forward", ...
-    int stream = -1;      // the stream's id (creation order), -1 for host calls
-    uint64_t seq = 0;     // the operation's number on its stream
-    int event = -1;       // record / wait / synchronize: the event's id
+    std::string op;    // "malloc", "free", "memcpy h2d", "record", "wait", "forward", ...
+    int stream = -1;   // the stream's id (creation order), -1 for host calls
+    uint64_t seq = 0;  // the operation's number on its stream
+    int event = -1;    // record / wait / synchronize: the event's id
     int event_stream = -1;
     uint64_t event_seq = 0;  // the stream point the event stands for
     const void* ptr = nullptr;
@@ -79,8 +79,8 @@ class RecordingCudaApi final : public CudaApi {
                    bool documents_used, TileRange* out, StreamHandle s) override;
   void forward(const Problem<float>& p, const DeviceState& st, StreamHandle s) override;
   void forward(const Problem<Bf16>& p, const DeviceState& st, StreamHandle s) override;
-  void finalize(const DeviceState& st, int64_t batch, int64_t tq, int64_t hq, int64_t d,
-                void* out, bool bf16, float* lse, StreamHandle s) override;
+  void finalize(const DeviceState& st, int64_t batch, int64_t tq, int64_t hq, int64_t d, void* out,
+                bool bf16, float* lse, StreamHandle s) override;
   void delta(const void* out, const void* dout, bool bf16, int64_t batch, int64_t tq, int64_t hq,
              int64_t d, float* delta, StreamHandle s) override;
   void backward(const Problem<float>& p, const BackwardRows& r, StreamHandle s) override;
@@ -106,7 +106,7 @@ class RecordingCudaApi final : public CudaApi {
   // What the log shows (thread-safe copies).
   std::vector<Entry> log() const;
   std::vector<std::string> violations() const;
-  size_t live_events() const;       // created, never destroyed
+  size_t live_events() const;  // created, never destroyed
   size_t live_streams() const;
   size_t live_allocations() const;  // device allocations not freed (adopted memory is not one)
   size_t adopted() const;           // adopted ranges not released

@@ -10,9 +10,9 @@ namespace ctxpar::cuda {
 
 }  // namespace ctxpar::cuda
 
-#define CTXPAR_CUDA_CHECK(call)                                                        \
-  do {                                                                                 \
-    const cudaError_t ctxpar_cuda_err_ = (call);                                       \
-    if (ctxpar_cuda_err_ != cudaSuccess)                                               \
-      ::ctxpar::cuda::throw_cuda_error(ctxpar_cuda_err_, #call, __FILE__, __LINE__);   \
+#define CTXPAR_CUDA_CHECK(call)                                                      \
+  do {                                                                               \
+    const cudaError_t ctxpar_cuda_err_ = (call);                                     \
+    if (ctxpar_cuda_err_ != cudaSuccess)                                             \
+      ::ctxpar::cuda::throw_cuda_error(ctxpar_cuda_err_, #call, __FILE__, __LINE__); \
   } while (0)

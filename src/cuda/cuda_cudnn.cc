@@ -20,9 +20,7 @@ namespace ctxpar::cuda {
 #ifdef CTXPAR_CUDA_CUDNN_PATH
 namespace {
 
-SdpaTensor sdpa(const TensorView& t) {
-  return {t.data(), t.stride(0), t.stride(1), t.stride(2)};
-}
+SdpaTensor sdpa(const TensorView& t) { return {t.data(), t.stride(0), t.stride(1), t.stride(2)}; }
 SdpaRows sdpa_rows(const TensorView& t) {
   return {static_cast<float*>(t.data()), t.stride(0), t.stride(1), t.stride(2)};
 }
@@ -43,9 +41,10 @@ bool CudaDevice::cudnn_refused(const CudnnRefused& r) {
     throw Error(std::string("CTXPAR_CUDNN=require: ") + r.what() +
                 "; unset CTXPAR_CUDNN to run such blocks on the fallback kernel");
   ++cudnn_refused_;
-  note_once("cudnn refused", std::string("cuDNN refused a graph; its blocks run on the fallback "
-                                         "kernel (exact), counted in --json's cudnn.refused_blocks: ") +
-                                 r.what());
+  note_once("cudnn refused",
+            std::string("cuDNN refused a graph; its blocks run on the fallback "
+                        "kernel (exact), counted in --json's cudnn.refused_blocks: ") +
+                r.what());
   return false;
 }
 
@@ -94,8 +93,8 @@ bool CudaDevice::cudnn_forward(Stream s, Scope& sc, const TensorView& q, const T
 bool CudaDevice::cudnn_backward(Stream s, Scope& sc, const TensorView& q, const Tokens& qt,
                                 const TensorView& k, const TensorView& v, const Tokens& kt,
                                 const Mask& mask, const TensorView& dout, const TensorView& lse,
-                                const TensorView& delta, const TensorView& dq,
-                                const TensorView& dk, const TensorView& dv, float scale) {
+                                const TensorView& delta, const TensorView& dq, const TensorView& dk,
+                                const TensorView& dv, float scale) {
   if (!cudnn_ || q.dtype() != DType::bf16) return false;
   const SdpaShape shape = shape_of(q, k, scale);
   if (!cudnn_->supports(shape)) return false;
@@ -149,15 +148,15 @@ bool CudaDevice::cudnn_backward(Stream s, Scope& sc, const TensorView& q, const 
 
 #else
 
-bool CudaDevice::cudnn_forward(Stream, Scope&, const TensorView&, const Tokens&,
-                               const TensorView&, const TensorView&, const Tokens&, const Mask&,
-                               const DeviceState&, float) {
+bool CudaDevice::cudnn_forward(Stream, Scope&, const TensorView&, const Tokens&, const TensorView&,
+                               const TensorView&, const Tokens&, const Mask&, const DeviceState&,
+                               float) {
   return false;
 }
-bool CudaDevice::cudnn_backward(Stream, Scope&, const TensorView&, const Tokens&,
-                                const TensorView&, const TensorView&, const Tokens&, const Mask&,
+bool CudaDevice::cudnn_backward(Stream, Scope&, const TensorView&, const Tokens&, const TensorView&,
+                                const TensorView&, const Tokens&, const Mask&, const TensorView&,
                                 const TensorView&, const TensorView&, const TensorView&,
-                                const TensorView&, const TensorView&, const TensorView&, float) {
+                                const TensorView&, const TensorView&, float) {
   return false;
 }
 

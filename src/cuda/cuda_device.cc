@@ -17,8 +17,7 @@ std::byte* CudaDevice::Storage::data() { return ptr; }
 
 CudaDevice::CudaDevice(std::shared_ptr<CudaApi> api, int rank,
                        std::unique_ptr<CudnnAttention> cudnn, bool cudnn_required)
-    : api_(std::move(api)), rank_(rank), cudnn_(std::move(cudnn)),
-      cudnn_required_(cudnn_required) {
+    : api_(std::move(api)), rank_(rank), cudnn_(std::move(cudnn)), cudnn_required_(cudnn_required) {
   for (auto& s : streams_) s = api_->stream_create();
   for (auto& e : free_events_) e = api_->event_create(false);
 }
@@ -33,8 +32,7 @@ CudaDevice::~CudaDevice() {
     for (PendingReceive& r : q)
       if (r.complete) try {
           r.complete(false);
-        } catch (...) {
-        }
+        } catch (...) {}
     q.clear();
   }
   for (auto& m : events_)
@@ -43,13 +41,11 @@ CudaDevice::~CudaDevice() {
   for (auto& e : free_events_) destroy_event(e);
   try {
     for (auto& s : streams_) api_->stream_synchronize(s);
-  } catch (...) {
-  }
+  } catch (...) {}
   release_adopted();
   for (auto& s : streams_) try {
       api_->stream_destroy(s);
-    } catch (...) {
-    }
+    } catch (...) {}
 }
 
 void CudaDevice::destroy_event(EventHandle e) noexcept {
@@ -89,8 +85,7 @@ void CudaDevice::release_adopted() {
     live_.erase(reinterpret_cast<uintptr_t>(st->ptr));
     try {
       api_->release(st->ptr);
-    } catch (...) {
-    }
+    } catch (...) {}
   }
   adopted_.clear();
 }
@@ -227,7 +222,6 @@ void CudaDevice::synchronize() {
   if (failed) std::rethrow_exception(failed);
 }
 
-
 // ---- staging ------------------------------------------------------------------------------
 
 Strided4 CudaDevice::strided(const TensorView& v) const {
@@ -338,8 +332,8 @@ const int32_t* CudaDevice::Scope::documents(const Tokens& t, int64_t n, bool use
 const TileRange* CudaDevice::Scope::tiles(const int64_t* pos, const int32_t* doc, int64_t n,
                                           bool documents) {
   const int64_t count = (n + kTile - 1) / kTile;
-  auto* out = reinterpret_cast<TileRange*>(scratch(size_t(std::max<int64_t>(count, 1)) *
-                                                   sizeof(TileRange)));
+  auto* out = reinterpret_cast<TileRange*>(
+      scratch(size_t(std::max<int64_t>(count, 1)) * sizeof(TileRange)));
   dev_.before(s_, {pos, doc, out});
   if (n) dev_.api_->tile_ranges(pos, doc, n, documents, out, dev_.stream(s_));
   return out;
@@ -360,8 +354,8 @@ Tokens CudaDevice::host_tokens(Stream s, const Tokens& t, int64_t n, bool docume
   }
   if (doc_dev) {
     docs.resize(size_t(n));
-    api_->memcpy_async(docs.data(), t.documents.data(), size_t(n) * 4,
-                       CopyKind::device_to_host, stream(s));
+    api_->memcpy_async(docs.data(), t.documents.data(), size_t(n) * 4, CopyKind::device_to_host,
+                       stream(s));
     h.documents = docs;
   }
   host_wait([&] { api_->stream_synchronize(stream(s)); });

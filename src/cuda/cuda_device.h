@@ -157,7 +157,7 @@ class CudaDevice final : public Device {
   void host_block(Stream s, const TensorView& q, const Tokens& qt, const TensorView& k,
                   const Tokens& kt, const Mask& mask, double factor, HostBlock& hb);
   template <class F>
-  void timed(Stream s, F&& enqueue);  // an attention operation between two timing events
+  void timed(Stream s, F&& enqueue);           // an attention operation between two timing events
   void destroy_event(EventHandle e) noexcept;  // cleanup: never throws
   void host_wait(const std::function<void()>& f);  // counts wait_seconds
   Strided4 strided(const TensorView& v) const;
@@ -177,13 +177,13 @@ class CudaDevice final : public Device {
   bool cudnn_refused(const CudnnRefused& r);  // false (a fallback, counted), or throws
 #endif
   bool cudnn_forward(Stream s, Scope& sc, const TensorView& q, const Tokens& qt,
-                     const TensorView& k, const TensorView& v, const Tokens& kt,
-                     const Mask& mask, const DeviceState& st, float scale);
+                     const TensorView& k, const TensorView& v, const Tokens& kt, const Mask& mask,
+                     const DeviceState& st, float scale);
   bool cudnn_backward(Stream s, Scope& sc, const TensorView& q, const Tokens& qt,
-                      const TensorView& k, const TensorView& v, const Tokens& kt,
-                      const Mask& mask, const TensorView& dout, const TensorView& lse,
-                      const TensorView& delta, const TensorView& dq, const TensorView& dk,
-                      const TensorView& dv, float scale);
+                      const TensorView& k, const TensorView& v, const Tokens& kt, const Mask& mask,
+                      const TensorView& dout, const TensorView& lse, const TensorView& delta,
+                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                      float scale);
   // backward_delta's O (a device copy: the caller may free its own) by the address of the
   // delta it wrote, for cuDNN's backward, which takes O; dropped at synchronize().
   std::map<const void*, std::pair<DeviceBuffer, TensorView>> delta_out_;
@@ -218,12 +218,12 @@ class CudaDevice final : public Device {
   bool cudnn_required_ = false;
   StreamHandle streams_[kStreams + 1] = {};  // compute, comm, free
   EventHandle free_events_[kStreams] = {};
-  std::map<uintptr_t, Storage*> live_;       // by start address (adopted ranges too)
+  std::map<uintptr_t, Storage*> live_;  // by start address (adopted ranges too)
   std::vector<std::unique_ptr<Storage>> adopted_;
   void release_adopted();
   std::deque<PendingReceive> receives_[kStreams];
-  std::vector<Request> sends_;               // staged sends, completed at synchronize()
-  std::vector<Buffer> keep_;                 // host copies a copy may still read
+  std::vector<Request> sends_;  // staged sends, completed at synchronize()
+  std::vector<Buffer> keep_;    // host copies a copy may still read
   std::vector<std::pair<EventHandle, EventHandle>> timings_;
   std::map<uint64_t, EventHandle> events_[kStreams];  // record()'s, by number, until synchronize
   uint64_t recorded_[kStreams] = {};

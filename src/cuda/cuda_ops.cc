@@ -29,13 +29,12 @@ void check_block(const TensorView& q, const Tokens& qt, const TensorView& k, con
                "cuda device: q ", shape_str(q.shape()), " and k/v ", shape_str(k.shape()),
                " do not form an attention block");
   CTXPAR_CHECK(q.dim(3) <= kMaxHeadDim, "cuda device: head dim ", q.dim(3), " > ", kMaxHeadDim);
-  CTXPAR_CHECK(int64_t(qt.positions.size()) == q.dim(1) &&
-                   int64_t(kt.positions.size()) == k.dim(1),
+  CTXPAR_CHECK(int64_t(qt.positions.size()) == q.dim(1) && int64_t(kt.positions.size()) == k.dim(1),
                "cuda device: token positions do not match q / k's token counts");
   if (mask.documents)
-    CTXPAR_CHECK(int64_t(qt.documents.size()) == q.dim(1) &&
-                     int64_t(kt.documents.size()) == k.dim(1),
-                 "cuda device: the mask uses documents: one document id per token needed");
+    CTXPAR_CHECK(
+        int64_t(qt.documents.size()) == q.dim(1) && int64_t(kt.documents.size()) == k.dim(1),
+        "cuda device: the mask uses documents: one document id per token needed");
 }
 
 kernel::Problem sizes(const TensorView& q, const TensorView& k) {
@@ -52,7 +51,8 @@ void CudaDevice::host_block(Stream s, const TensorView& q, const Tokens& qt, con
   hb.q = host_tokens(s, qt, q.dim(1), mask.documents, hb.qp, hb.qd);
   hb.k = host_tokens(s, kt, k.dim(1), mask.documents, hb.kp, hb.kd);
   counters_.flops +=
-      kernel::count_tiles(sizes(q, k), mask, kernel::tile_ranges(hb.q, q.dim(1), kTile, mask.documents),
+      kernel::count_tiles(sizes(q, k), mask,
+                          kernel::tile_ranges(hb.q, q.dim(1), kTile, mask.documents),
                           kernel::tile_ranges(hb.k, k.dim(1), kTile, mask.documents), factor)
           .flops;
 }
@@ -82,7 +82,8 @@ Problem<T> CudaDevice::problem(Scope& sc, const TensorView& q, const Tokens& qt,
   p.scale = scale;
   p.mask = mask;
   p.q_pos = sc.positions(qt, p.tq), p.k_pos = sc.positions(kt, p.tk);
-  p.q_doc = sc.documents(qt, p.tq, mask.documents), p.k_doc = sc.documents(kt, p.tk, mask.documents);
+  p.q_doc = sc.documents(qt, p.tq, mask.documents),
+  p.k_doc = sc.documents(kt, p.tk, mask.documents);
   p.q_tiles = sc.tiles(p.q_pos, p.q_doc, p.tq, mask.documents);
   p.k_tiles = sc.tiles(p.k_pos, p.k_doc, p.tk, mask.documents);
   before(sc.stream(), {p.q_pos, p.k_pos, p.q_doc, p.k_doc});
@@ -104,8 +105,7 @@ void CudaDevice::enqueue(Stream s, const op::ForwardBlock& a) {
   const Mask& mask = a.mask;
   const ForwardStateView& state = a.state;
   check_block(q, qt, k, v, kt, mask);
-  before(s, {q.data(), k.data(), v.data(), state.acc().data(), state.m().data(),
-             state.l().data()});
+  before(s, {q.data(), k.data(), v.data(), state.acc().data(), state.m().data(), state.l().data()});
   HostBlock hb;
   host_block(s, q, qt, k, kt, mask, 1.0, hb);
   const Tokens &hq = hb.q, &hk = hb.k;
@@ -156,8 +156,8 @@ void CudaDevice::enqueue(Stream s, const op::BackwardDelta& a) {
                    g = widen ? sc.widened(dout) : sc.contiguous(dout, true, false);
   const TensorView d = sc.contiguous(delta, false, true);
   timed(s, [&] {
-    api_->delta(o.data(), g.data(), o.dtype() == DType::bf16, out.dim(0), out.dim(1),
-                out.dim(2), out.dim(3), static_cast<float*>(d.data()), stream(s));
+    api_->delta(o.data(), g.data(), o.dtype() == DType::bf16, out.dim(0), out.dim(1), out.dim(2),
+                out.dim(3), static_cast<float*>(d.data()), stream(s));
   });
   sc.finish();
   if (cudnn_ && out.dtype() == DType::bf16 && dout.dtype() == DType::bf16) {
@@ -180,8 +180,8 @@ void CudaDevice::backward_fallback(Stream s, Scope& sc, const TensorView& q, con
 
 template <>
 void CudaDevice::enqueue(Stream s, const op::BackwardBlock& a) {
-  const TensorView &q = a.q, &k = a.k, &v = a.v, &dout = a.dout, &lse = a.lse,
-                   &delta = a.delta, &dq = a.dq, &dk = a.dk, &dv = a.dv;
+  const TensorView &q = a.q, &k = a.k, &v = a.v, &dout = a.dout, &lse = a.lse, &delta = a.delta,
+                   &dq = a.dq, &dk = a.dk, &dv = a.dv;
   const Tokens &qt = a.q_tokens, &kt = a.k_tokens;
   const Mask& mask = a.mask;
   check_block(q, qt, k, v, kt, mask);
@@ -189,8 +189,8 @@ void CudaDevice::enqueue(Stream s, const op::BackwardBlock& a) {
   kernel::check_rows_f32("lse", lse, q.dim(0), q.dim(2), q.dim(1));
   kernel::check_rows_f32("delta", delta, q.dim(0), q.dim(2), q.dim(1));
   for (auto [name, t, ref] : {std::tuple{"dq", &dq, &q}, {"dk", &dk, &k}, {"dv", &dv, &v}})
-    CTXPAR_CHECK(t->dtype() == DType::f32 && t->shape() == ref->shape(), "backward_block: ",
-                 name, " must be fp32 of shape ", shape_str(ref->shape()));
+    CTXPAR_CHECK(t->dtype() == DType::f32 && t->shape() == ref->shape(), "backward_block: ", name,
+                 " must be fp32 of shape ", shape_str(ref->shape()));
   before(s, {q.data(), k.data(), v.data(), dout.data(), lse.data(), delta.data(), dq.data(),
              dk.data(), dv.data()});
   HostBlock hb;
@@ -205,9 +205,8 @@ void CudaDevice::enqueue(Stream s, const op::BackwardBlock& a) {
                    kd_ = widen ? sc.widened(k) : sc.rows(k, false),
                    vd_ = widen ? sc.widened(v) : sc.rows(v, false),
                    gd_ = widen ? sc.widened(dout) : sc.rows(dout, false),
-                   ld_ = sc.place(lse, false),
-                   dd_ = sc.place(delta, false), dqd = sc.rows(dq, true), dkd = sc.rows(dk, true),
-                   dvd = sc.rows(dv, true);
+                   ld_ = sc.place(lse, false), dd_ = sc.place(delta, false),
+                   dqd = sc.rows(dq, true), dkd = sc.rows(dk, true), dvd = sc.rows(dv, true);
   const float scale = a.config.scale != 0 ? a.config.scale : 1.0f / std::sqrt(float(q.dim(3)));
   timed(s, [&] {
     if (cudnn_backward(s, sc, qd_, hq, kd_, vd_, hk, mask, gd_, ld_, delta, dqd, dkd, dvd, scale))
@@ -233,8 +232,8 @@ void CudaDevice::enqueue(Stream s, const op::Merge& m) {
   const TensorView a = sc.contiguous(o_a, true, true), la = sc.contiguous(lse_a, true, true);
   const TensorView b = sc.contiguous(o_b, true, false), lb = sc.contiguous(lse_b, true, false);
   api_->merge(static_cast<float*>(a.data()), static_cast<float*>(la.data()),
-              static_cast<const float*>(b.data()), static_cast<const float*>(lb.data()),
-              o_a.dim(0), o_a.dim(1), o_a.dim(2), o_a.dim(3), stream(s));
+              static_cast<const float*>(b.data()), static_cast<const float*>(lb.data()), o_a.dim(0),
+              o_a.dim(1), o_a.dim(2), o_a.dim(3), stream(s));
   sc.finish();
 }
 
@@ -261,10 +260,10 @@ void CudaDevice::enqueue(Stream s, const op::Copy& a) {
   const TensorView &src = a.src, &dst = a.dst;
   CTXPAR_CHECK(src.shape() == dst.shape(), "copy: shape ", shape_str(src.shape()),
                " does not match ", shape_str(dst.shape()));
-  CTXPAR_CHECK(src.dtype() == dst.dtype() ||
-                   ((src.dtype() == DType::f32 || src.dtype() == DType::bf16) &&
-                    (dst.dtype() == DType::f32 || dst.dtype() == DType::bf16)),
-               "copy: converts between fp32 and bf16 only");
+  CTXPAR_CHECK(
+      src.dtype() == dst.dtype() || ((src.dtype() == DType::f32 || src.dtype() == DType::bf16) &&
+                                     (dst.dtype() == DType::f32 || dst.dtype() == DType::bf16)),
+      "copy: converts between fp32 and bf16 only");
   elementwise(s, src, dst, &CudaApi::copy);
 }
 

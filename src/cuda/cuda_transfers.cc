@@ -72,7 +72,8 @@ void CudaDevice::flush_device_sends(Stream s) {
   q.clear();
   // Every held send went through a grouped DeviceTransport; one group for all of them.
   DeviceTransport* t = nullptr;
-  for (auto& c : transport_checks_) t = t ? t : static_cast<DeviceTransport*>(const_cast<void*>(c.first));
+  for (auto& c : transport_checks_)
+    t = t ? t : static_cast<DeviceTransport*>(const_cast<void*>(c.first));
   if (t) t->group_start();
   for (auto& post : sends) post();
   if (t) t->group_end();
@@ -96,10 +97,9 @@ void CudaDevice::send(Stream s, Communicator& comm, DeviceBuffer& buffer, int pe
     return;
   }
   if (t) {
-    device_sends_[s.index].push_back(
-        [t, api = api_.get(), sh = stream(s), ptr = st->ptr, n = st->size, peer, tag] {
-          t->send(*api, sh, ptr, n, peer, tag);
-        });
+    device_sends_[s.index].push_back([t, api = api_.get(), sh = stream(s), ptr = st->ptr,
+                                      n = st->size, peer,
+                                      tag] { t->send(*api, sh, ptr, n, peer, tag); });
     return;
   }
   flush_device_sends(s);
@@ -123,10 +123,8 @@ DeviceBuffer CudaDevice::recv(Stream s, Communicator& comm, size_t bytes, int pe
   }
   if (t) {
     order_transfer(s, st);
-    device_sends_[s.index].push_back(
-        [t, api = api_.get(), sh = stream(s), ptr = st->ptr, bytes, peer, tag] {
-          t->recv(*api, sh, ptr, bytes, peer, tag);
-        });
+    device_sends_[s.index].push_back([t, api = api_.get(), sh = stream(s), ptr = st->ptr, bytes,
+                                      peer, tag] { t->recv(*api, sh, ptr, bytes, peer, tag); });
     return b;
   }
   receives_[s.index].push_back(PendingReceive{comm.irecv(bytes, peer, tag), st, 0, {}});
@@ -156,8 +154,8 @@ void CudaDevice::alltoall(Stream s, Communicator& comm, const DeviceBuffer& send
       const int j = (r - k + p) % p;
       PendingReceive pr;
       pr.into = into;
-      pr.complete = t->recv(*api_, stream(s), into->ptr + size_t(j) * chunk_bytes, chunk_bytes,
-                            j, tag);
+      pr.complete =
+          t->recv(*api_, stream(s), into->ptr + size_t(j) * chunk_bytes, chunk_bytes, j, tag);
       receives_[s.index].push_back(std::move(pr));
     }
     api_->memcpy_async(into->ptr + size_t(r) * chunk_bytes, from->ptr + size_t(r) * chunk_bytes,

@@ -18,12 +18,15 @@ namespace ctxpar::cuda {
 namespace {
 std::unique_ptr<CudnnAttention> unavailable(std::string* why) {
   if (why)
-    *why = "this build has no cuDNN execution path: the cudnn-frontend headers were not found at "
-           "configure time (run scripts/cudnn_frontend.sh, then re-run cmake)";
+    *why =
+        "this build has no cuDNN execution path: the cudnn-frontend headers were not found at "
+        "configure time (run scripts/cudnn_frontend.sh, then re-run cmake)";
   return nullptr;
 }
 }  // namespace
-std::unique_ptr<CudnnAttention> CudnnAttention::create(std::string* why) { return unavailable(why); }
+std::unique_ptr<CudnnAttention> CudnnAttention::create(std::string* why) {
+  return unavailable(why);
+}
 int64_t CudnnAttention::loaded_version() { return 0; }
 std::unique_ptr<CudnnAttention> CudnnAttention::create_deviceless(const std::string&,
                                                                   std::string* why) {
@@ -121,8 +124,8 @@ const char* ptr_at(const void* base, int64_t elements, DType t) {
 }
 
 // Our [B, T, H, D] seen as cuDNN's [B, H, T, D] through strides (no transpose).
-TensorPtr bhtd(fe::graph::Graph& g, const char* name, int64_t uid, int64_t b, int64_t h,
-               int64_t t, int64_t d, const SdpaTensor& s) {
+TensorPtr bhtd(fe::graph::Graph& g, const char* name, int64_t uid, int64_t b, int64_t h, int64_t t,
+               int64_t d, const SdpaTensor& s) {
   return g.tensor(fe::graph::Tensor_attributes()
                       .set_name(name)
                       .set_uid(uid)
@@ -276,10 +279,12 @@ class Cudnn final : public CudnnAttention {
     const std::string wkey = key_of(s, c, backward);
     auto it = workspace_.find(wkey);
     if (it != workspace_.end()) return it->second;
-    const Entry& e = backward ? entry(s, c, dense_backward(s, c)) : entry(s, c, dense_forward(s, c));
+    const Entry& e =
+        backward ? entry(s, c, dense_backward(s, c)) : entry(s, c, dense_forward(s, c));
     if (!e.info.executable)
-      fail(c, backward, e.info.key, "workspace_bytes(): the graph was built device-less and has "
-                                    "no plan to size");
+      fail(c, backward, e.info.key,
+           "workspace_bytes(): the graph was built device-less and has "
+           "no plan to size");
     return workspace_[wkey] = e.info.workspace_bytes;
   }
 
@@ -321,9 +326,8 @@ class Cudnn final : public CudnnAttention {
       return const_cast<char*>(ptr_at(x.data, c.k_begin * x.t_stride, s.dtype));
     };
     std::unordered_map<int64_t, void*> pack = {
-        {kQ, rows(t.q)},   {kK, keys(t.k)},   {kV, keys(t.v)},
-        {kO, rows(t.out)}, {kDO, rows(t.dout)},
-        {kDQ, t.dq.data},  {kDK, t.dk.data},  {kDV, t.dv.data}};
+        {kQ, rows(t.q)},     {kK, keys(t.k)},  {kV, keys(t.v)},  {kO, rows(t.out)},
+        {kDO, rows(t.dout)}, {kDQ, t.dq.data}, {kDK, t.dk.data}, {kDV, t.dv.data}};
     const std::pair<int64_t, SdpaTensor> outputs[] = {{kDQ, t.dq}, {kDK, t.dk}, {kDV, t.dv}};
     execute(e, s, c, true, pack, outputs, &t.lse, workspace, stream);
   }
@@ -332,9 +336,9 @@ class Cudnn final : public CudnnAttention {
   static std::string about(const fused::Call& c, bool backward, const std::string& key,
                            const std::string& what) {
     return "cuDNN SDPA " + std::string(backward ? "backward" : "forward") + " of the call " +
-           c.describe() + " (rows [" + std::to_string(c.q_begin) + ", " +
-           std::to_string(c.q_end) + "), keys [" + std::to_string(c.k_begin) + ", " +
-           std::to_string(c.k_end) + ")): " + what + "; graph: " + key;
+           c.describe() + " (rows [" + std::to_string(c.q_begin) + ", " + std::to_string(c.q_end) +
+           "), keys [" + std::to_string(c.k_begin) + ", " + std::to_string(c.k_end) +
+           ")): " + what + "; graph: " + key;
   }
   [[noreturn]] void fail(const fused::Call& c, bool backward, const std::string& key,
                          const std::string& what) const {
@@ -350,14 +354,15 @@ class Cudnn final : public CudnnAttention {
     // A refused graph is refused again at once: its build (NVRTC) costs seconds.
     if (auto r = refused_.find(key); r != refused_.end()) throw CudnnRefused(r->second);
     if (!supports(s))
-      fail(c, backward, key, "shape not supported by the cuDNN path (bf16 storage, D a multiple "
-                             "of 8 and <= 256, Hq a multiple of Hkv): use the fallback kernel");
+      fail(c, backward, key,
+           "shape not supported by the cuDNN path (bf16 storage, D a multiple "
+           "of 8 and <= 256, Hq a multiple of Hkv): use the fallback kernel");
     if (c.rows() <= 0 || c.keys() <= 0) fail(c, backward, key, "empty call");
     std::string refusals;
-    for (const Variant& variant : backward ? std::vector<Variant>(std::begin(kBackwardVariants),
-                                                                  std::end(kBackwardVariants))
-                                           : std::vector<Variant>(std::begin(kForwardVariants),
-                                                                  std::end(kForwardVariants))) {
+    for (const Variant& variant :
+         backward
+             ? std::vector<Variant>(std::begin(kBackwardVariants), std::end(kBackwardVariants))
+             : std::vector<Variant>(std::begin(kForwardVariants), std::end(kForwardVariants))) {
       auto e = std::make_unique<Entry>();
       e->graph = std::make_unique<fe::graph::Graph>();
       std::string refused;
@@ -391,12 +396,14 @@ class Cudnn final : public CudnnAttention {
     } catch (const std::exception& x) {  // the frontend throws on a missing symbol
       fail(c, backward, key, std::string("cudnn-frontend threw: ") + x.what());
     }
-    const std::pair<const char*, std::function<fe::error_t()>> stages[] = {
+    const std::pair<const char*, std::function<fe::error_t()> > stages[] = {
         {"validate", [&] { return g.validate(); }},
         {"build_operation_graph",
          [&] { return handle_ ? g.build_operation_graph(handle_) : g.build_operation_graph(); }},
         {"create_execution_plans",
-         [&] { return g.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}); }},
+         [&] {
+           return g.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK});
+         }},
         {"check_support", [&] { return handle_ ? g.check_support(handle_) : g.check_support(); }},
         {"build_plans", [&] { return g.build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE); }},
     };
@@ -409,8 +416,8 @@ class Cudnn final : public CudnnAttention {
       }
       if (err.is_good()) continue;
       const bool plan_build = std::string(stage) == "build_plans";
-      const size_t loads = plan_build && !handle_ ? plans_stopped_at_module_load(err.get_message())
-                                                  : 0;
+      const size_t loads =
+          plan_build && !handle_ ? plans_stopped_at_module_load(err.get_message()) : 0;
       if (!loads) {
         *why = std::string("refused at ") + stage + ": " + err.get_message();
         return false;
@@ -449,8 +456,8 @@ class Cudnn final : public CudnnAttention {
         .set_stride({t.lse.b_stride, t.lse.h_stride, t.lse.t_stride, 1});
   }
 
-  void build(fe::graph::Graph& g, const SdpaShape& s, const fused::Call& c,
-             const SdpaBackward& t, const Variant& variant) {
+  void build(fe::graph::Graph& g, const SdpaShape& s, const fused::Call& c, const SdpaBackward& t,
+             const Variant& variant) {
     start(g, s);
     const int64_t b = s.batch, rows = c.rows(), keys = c.keys();
     auto q = bhtd(g, "Q", kQ, b, s.hq, rows, s.d, t.q);
@@ -459,7 +466,8 @@ class Cudnn final : public CudnnAttention {
     auto o = bhtd(g, "O", kO, b, s.hq, rows, s.d, t.out);
     auto dout = bhtd(g, "dO", kDO, b, s.hq, rows, s.d, t.dout);
     auto stats = g.tensor(stats_attributes(b, s.hq, rows, dense_rows(rows, s.hq)));  // packed
-    auto a = fe::graph::SDPA_backward_attributes().set_name("sdpa_backward").set_attn_scale(s.scale);
+    auto a =
+        fe::graph::SDPA_backward_attributes().set_name("sdpa_backward").set_attn_scale(s.scale);
     apply_mask(a, sdpa_mask_of(c));
     auto [dq, dk, dv] = g.sdpa_backward(q, k, v, o, dout, stats, a);
     as_output(dq, kDQ, b, s.hq, rows, s.d, t.dq, variant.fp32);
@@ -483,21 +491,19 @@ class Cudnn final : public CudnnAttention {
       fail(c, backward, e.info.key,
            "this instance is device-less (create_deviceless): its graphs are built, never run");
     auto w = workspace_.find(key_of(s, c, backward));
-    if (e.info.workspace_bytes > 0 &&
-        (w == workspace_.end() || w->second < e.info.workspace_bytes))
+    if (e.info.workspace_bytes > 0 && (w == workspace_.end() || w->second < e.info.workspace_bytes))
       fail(c, backward, e.info.key,
            "the graph needs " + std::to_string(e.info.workspace_bytes) +
                " B of workspace, more than workspace_bytes() said (" +
                (w == workspace_.end() ? std::string("not asked") : std::to_string(w->second)) +
                ")");
     size_t end = 0;
-    const auto scratch =
-        scratch_of(s, c, backward, !e.info.fp32_outputs, e.cudnn_workspace, &end);
+    const auto scratch = scratch_of(s, c, backward, !e.info.fp32_outputs, e.cudnn_workspace, &end);
     if (lse) {  // the rows' LSE, packed into scratch
       if (lse->t_stride != 1)
         fail(c, backward, e.info.key, "the LSE rows must be contiguous (t stride 1)");
-      float* packed = reinterpret_cast<float*>(static_cast<char*>(workspace) +
-                                               scratch.at(kStats).offset);
+      float* packed =
+          reinterpret_cast<float*>(static_cast<char*>(workspace) + scratch.at(kStats).offset);
       launch_copy<float, float>(
           View4<const float>{lse->data + c.q_begin, lse->b_stride, lse->h_stride, 0}, packed,
           s.batch, s.hq, 1, c.rows(), stream);
@@ -531,12 +537,12 @@ class Cudnn final : public CudnnAttention {
       }
   }
 
-  cudnnHandle_t handle_ = nullptr;                  // null: device-less
-  std::shared_ptr<fe::DeviceProperties> props_;    // device-less: the typed device
-  mutable std::mutex mutex_;                        // one cache and one handle per instance
-  std::map<std::string, std::unique_ptr<Entry>> cache_;
+  cudnnHandle_t handle_ = nullptr;               // null: device-less
+  std::shared_ptr<fe::DeviceProperties> props_;  // device-less: the typed device
+  mutable std::mutex mutex_;                     // one cache and one handle per instance
+  std::map<std::string, std::unique_ptr<Entry> > cache_;
   std::map<std::string, std::string> refused_;  // key -> why (CudnnRefused's text)
-  std::map<std::string, size_t> workspace_;  // key without strides -> bytes (workspace_bytes)
+  std::map<std::string, size_t> workspace_;     // key without strides -> bytes (workspace_bytes)
 };
 
 }  // namespace

@@ -37,15 +37,15 @@ struct SdpaRows {
 // The shape of a block pair; the calls cut rows [q_begin, q_end) and keys [k_begin, k_end)
 // out of q (and dout, out) and k, v.
 struct SdpaShape {
-  DType dtype = DType::bf16;  // storage of q, k, v, out, dout
+  DType dtype = DType::bf16;                  // storage of q, k, v, out, dout
   int64_t batch = 0, hq = 0, hkv = 0, d = 0;  // query head h reads kv head h / (hq / hkv)
   float scale = 0;
 };
 
 struct SdpaForward {
-  SdpaTensor q, k, v;       // whole blocks, in shape.dtype
-  SdpaTensor o;             // out: [B, call rows, Hq, D] fp32, rows from 0 (call-local)
-  SdpaRows lse;             // out: [B, Hq, call rows] fp32, natural log, rows from 0
+  SdpaTensor q, k, v;  // whole blocks, in shape.dtype
+  SdpaTensor o;        // out: [B, call rows, Hq, D] fp32, rows from 0 (call-local)
+  SdpaRows lse;        // out: [B, Hq, call rows] fp32, natural log, rows from 0
 };
 
 struct SdpaBackward {
@@ -57,13 +57,13 @@ struct SdpaBackward {
 
 // What prepare() built (tests/cuda/cudnn_attention_test.cc drives it device-less).
 struct SdpaPrepared {
-  size_t graph_id = 0;        // the cache entry: the same for the same key
-  std::string key;            // the cache key, readable (the graph's shape in error messages)
-  bool executable = false;    // plans built and loaded (never device-less)
-  bool fp32_outputs = false;  // O / dQ / dK / dV requested as fp32 (else bf16)
-  size_t workspace_bytes = 0;                // when executable
-  size_t plans_stopped_at_module_load = 0;   // device-less: plans compiled, then no GPU to load
-  std::string plan_build;                    // device-less: the plan build's message
+  size_t graph_id = 0;         // the cache entry: the same for the same key
+  std::string key;             // the cache key, readable (the graph's shape in error messages)
+  bool executable = false;     // plans built and loaded (never device-less)
+  bool fp32_outputs = false;   // O / dQ / dK / dV requested as fp32 (else bf16)
+  size_t workspace_bytes = 0;  // when executable
+  size_t plans_stopped_at_module_load = 0;  // device-less: plans compiled, then no GPU to load
+  std::string plan_build;                   // device-less: the plan build's message
 };
 
 // A graph cuDNN refuses to build (every output form refused at validation, heuristics,

@@ -23,8 +23,7 @@ std::string cudnn_version_name(int64_t v) {
 std::string cudnn_version_refusal(int64_t v) {
   const std::string found = "libcudnn.so.9 reports cuDNN " + cudnn_version_name(v) +
                             " (cudnnGetVersion " + std::to_string(v) + ")";
-  const std::string need = "ctxpar's fused calls need cuDNN 9 >= " +
-                           cudnn_version_name(kMinCudnn) +
+  const std::string need = "ctxpar's fused calls need cuDNN 9 >= " + cudnn_version_name(kMinCudnn) +
                            "; install a newer cuDNN 9 (pip: nvidia-cudnn-cu13) and put its lib "
                            "folder on LD_LIBRARY_PATH, or set CTXPAR_CUDNN=off";
   if (v >= 100000) return found + ", not a cuDNN 9; " + need;

@@ -28,14 +28,14 @@ __global__ void forward_kernel(Problem<T> p, DeviceState st) {
   if (i >= p.tq) return;
   float qrow[kMaxHeadDim];
   const int64_t row = (b * p.hq + h) * p.tq + i;
-  forward_row(p, b, h, i, StateRow{st.acc + ((b * p.tq + i) * p.hq + h) * p.d, st.m + row, st.l + row},
-              qrow);
+  forward_row(p, b, h, i,
+              StateRow{st.acc + ((b * p.tq + i) * p.hq + h) * p.d, st.m + row, st.l + row}, qrow);
 }
 
 // One thread per (b, t, h) row of O.
 template <class T>
-__global__ void finalize_kernel(DeviceState st, int64_t batch, int64_t tq, int64_t hq,
-                                int64_t d, T* out, float* lse) {
+__global__ void finalize_kernel(DeviceState st, int64_t batch, int64_t tq, int64_t hq, int64_t d,
+                                T* out, float* lse) {
   const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= batch * tq * hq) return;
   const int64_t h = r % hq, t = (r / hq) % tq, b = r / (hq * tq);
@@ -142,15 +142,15 @@ void launch_finalize(const DeviceState& state, int64_t batch, int64_t tq, int64_
 template <class T>
 void launch_delta(const T* out, const T* dout, int64_t batch, int64_t tq, int64_t hq, int64_t d,
                   float* delta, cudaStream_t stream) {
-  launch_items(delta_kernel<T>, "delta_kernel", batch * tq * hq, kThreads, stream, out, dout,
-               batch, tq, hq, d, delta);
+  launch_items(delta_kernel<T>, "delta_kernel", batch * tq * hq, kThreads, stream, out, dout, batch,
+               tq, hq, d, delta);
 }
 
 template <class T>
 void launch_backward(const Problem<T>& p, const BackwardRows& rows, cudaStream_t stream) {
   if (p.tq == 0 || p.tk == 0) return;
-  launch_tiles(backward_kernel<T, false>, "backward_kernel (dQ)", p.q_tile_count(),
-               p.batch * p.hq, stream, p, rows);
+  launch_tiles(backward_kernel<T, false>, "backward_kernel (dQ)", p.q_tile_count(), p.batch * p.hq,
+               stream, p, rows);
   launch_tiles(backward_kernel<T, true>, "backward_kernel (dK, dV)", p.k_tile_count(),
                p.batch * p.hkv, stream, p, rows);
 }
@@ -162,8 +162,8 @@ void launch_merge(float* o_a, float* lse_a, const float* o_b, const float* lse_b
 }
 
 template <class S, class D>
-void launch_copy(const View4<const S>& src, D* dst, int64_t batch, int64_t t, int64_t h,
-                 int64_t d, cudaStream_t stream) {
+void launch_copy(const View4<const S>& src, D* dst, int64_t batch, int64_t t, int64_t h, int64_t d,
+                 cudaStream_t stream) {
   const int64_t n = batch * t * h * d;
   launch_items(copy_kernel<S, D>, "copy_kernel", n, 256, stream, src, dst, n, t, h, d);
 }
@@ -176,23 +176,23 @@ void launch_permute(const std::byte* src, std::byte* dst, int64_t outer, int64_t
 }
 
 // The storage types: fp32 and bf16 (fp32 compute).
-#define CTXPAR_INSTANTIATE(T)                                                                  \
-  template void launch_forward<T>(const Problem<T>&, const DeviceState&, cudaStream_t);        \
-  template void launch_finalize<T>(const DeviceState&, int64_t, int64_t, int64_t, int64_t, T*, \
-                                   float*, cudaStream_t);                                      \
+#define CTXPAR_INSTANTIATE(T)                                                                   \
+  template void launch_forward<T>(const Problem<T>&, const DeviceState&, cudaStream_t);         \
+  template void launch_finalize<T>(const DeviceState&, int64_t, int64_t, int64_t, int64_t, T*,  \
+                                   float*, cudaStream_t);                                       \
   template void launch_delta<T>(const T*, const T*, int64_t, int64_t, int64_t, int64_t, float*, \
-                                cudaStream_t);                                                 \
+                                cudaStream_t);                                                  \
   template void launch_backward<T>(const Problem<T>&, const BackwardRows&, cudaStream_t);
 CTXPAR_INSTANTIATE(float)
 CTXPAR_INSTANTIATE(Bf16)
 #undef CTXPAR_INSTANTIATE
 template void launch_copy<float, float>(const View4<const float>&, float*, int64_t, int64_t,
                                         int64_t, int64_t, cudaStream_t);
-template void launch_copy<float, Bf16>(const View4<const float>&, Bf16*, int64_t, int64_t,
-                                       int64_t, int64_t, cudaStream_t);
-template void launch_copy<Bf16, Bf16>(const View4<const Bf16>&, Bf16*, int64_t, int64_t,
-                                      int64_t, int64_t, cudaStream_t);
-template void launch_copy<Bf16, float>(const View4<const Bf16>&, float*, int64_t, int64_t,
-                                       int64_t, int64_t, cudaStream_t);
+template void launch_copy<float, Bf16>(const View4<const float>&, Bf16*, int64_t, int64_t, int64_t,
+                                       int64_t, cudaStream_t);
+template void launch_copy<Bf16, Bf16>(const View4<const Bf16>&, Bf16*, int64_t, int64_t, int64_t,
+                                      int64_t, cudaStream_t);
+template void launch_copy<Bf16, float>(const View4<const Bf16>&, float*, int64_t, int64_t, int64_t,
+                                       int64_t, cudaStream_t);
 
 }  // namespace ctxpar::cuda

@@ -41,8 +41,8 @@ void launch_merge(float* o_a, float* lse_a, const float* o_b, const float* lse_b
 // A strided [B, T, H, D] view into a contiguous buffer, converting the storage type (pack_kv's
 // copies of k and v; fp32 -> bf16 casts).
 template <class S, class D>
-void launch_copy(const View4<const S>& src, D* dst, int64_t batch, int64_t t, int64_t h,
-                 int64_t d, cudaStream_t stream);
+void launch_copy(const View4<const S>& src, D* dst, int64_t batch, int64_t t, int64_t h, int64_t d,
+                 cudaStream_t stream);
 // Token permutations of contiguous rows (device.h's scatter_tokens / gather_tokens): `outer`
 // blocks of `tokens` rows of `row` bytes; index [tokens] int64 on the device.
 void launch_permute(const std::byte* src, std::byte* dst, int64_t outer, int64_t tokens,
@@ -55,11 +55,11 @@ void launch_permute(const std::byte* src, std::byte* dst, int64_t outer, int64_t
 enum StridedOp : int { kStridedCopy = 0, kStridedAdd = 1, kStridedZero = 2 };
 void launch_strided(StridedOp op, const Strided4& a, const Strided4& b, cudaStream_t stream);
 void launch_fill_f32(float* p, int64_t n, float value, cudaStream_t stream);
-void launch_absorb_partial(const DeviceState& st, int64_t batch, int64_t tq, int64_t hq,
-                           int64_t d, int64_t row0, int64_t rows, const float* o,
-                           const float* lse, cudaStream_t stream);
-void launch_permute_rows(const std::byte* src, std::byte* dst, int64_t outer,
-                         int64_t src_tokens, int64_t dst_tokens, int64_t row,
-                         const int64_t* index, bool scatter, cudaStream_t stream);
+void launch_absorb_partial(const DeviceState& st, int64_t batch, int64_t tq, int64_t hq, int64_t d,
+                           int64_t row0, int64_t rows, const float* o, const float* lse,
+                           cudaStream_t stream);
+void launch_permute_rows(const std::byte* src, std::byte* dst, int64_t outer, int64_t src_tokens,
+                         int64_t dst_tokens, int64_t row, const int64_t* index, bool scatter,
+                         cudaStream_t stream);
 
 }  // namespace ctxpar::cuda

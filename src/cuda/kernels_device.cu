@@ -11,9 +11,12 @@ constexpr int kThreads = 256;
 __global__ void strided_kernel(int op, Strided4 a, Strided4 b, int64_t n) {
   const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= n) return;
-  if (op == kStridedCopy) copy_strided_element(a, b, e);
-  else if (op == kStridedAdd) add_strided_element(a, b, e);
-  else zero_strided_element(a, e);
+  if (op == kStridedCopy)
+    copy_strided_element(a, b, e);
+  else if (op == kStridedAdd)
+    add_strided_element(a, b, e);
+  else
+    zero_strided_element(a, e);
 }
 
 __global__ void fill_kernel(float* p, int64_t n, float value) {
@@ -62,22 +65,22 @@ void launch_fill_f32(float* p, int64_t n, float value, cudaStream_t stream) {
   check("fill_kernel");
 }
 
-void launch_absorb_partial(const DeviceState& st, int64_t batch, int64_t tq, int64_t hq,
-                           int64_t d, int64_t row0, int64_t rows, const float* o,
-                           const float* lse, cudaStream_t stream) {
+void launch_absorb_partial(const DeviceState& st, int64_t batch, int64_t tq, int64_t hq, int64_t d,
+                           int64_t row0, int64_t rows, const float* o, const float* lse,
+                           cudaStream_t stream) {
   const int64_t n = batch * rows * hq;
   if (n == 0) return;
   absorb_kernel<<<blocks(n), kThreads, 0, stream>>>(st, batch, tq, hq, d, row0, rows, o, lse);
   check("absorb_kernel");
 }
 
-void launch_permute_rows(const std::byte* src, std::byte* dst, int64_t outer,
-                         int64_t src_tokens, int64_t dst_tokens, int64_t row,
-                         const int64_t* index, bool scatter, cudaStream_t stream) {
+void launch_permute_rows(const std::byte* src, std::byte* dst, int64_t outer, int64_t src_tokens,
+                         int64_t dst_tokens, int64_t row, const int64_t* index, bool scatter,
+                         cudaStream_t stream) {
   const int64_t n = outer * (scatter ? src_tokens : dst_tokens) * row;
   if (n == 0) return;
-  permute_rows_kernel<<<blocks(n), kThreads, 0, stream>>>(src, dst, n, src_tokens, dst_tokens,
-                                                          row, index, scatter);
+  permute_rows_kernel<<<blocks(n), kThreads, 0, stream>>>(src, dst, n, src_tokens, dst_tokens, row,
+                                                          index, scatter);
   check("permute_rows_kernel");
 }
 

@@ -61,8 +61,8 @@ LoopbackComm::LoopbackComm(Communicator& host, std::shared_ptr<LoopbackWorld> wo
   set_timeout(host.timeout());
 }
 
-LoopbackComm::LoopbackComm(std::unique_ptr<Communicator> host,
-                           std::shared_ptr<LoopbackWorld> world, uint64_t context)
+LoopbackComm::LoopbackComm(std::unique_ptr<Communicator> host, std::shared_ptr<LoopbackWorld> world,
+                           uint64_t context)
     : HostDelegatingComm(std::move(host)), world_(std::move(world)), context_(context) {
   set_timeout(host_comm().timeout());
 }
@@ -87,8 +87,8 @@ void LoopbackComm::send(CudaApi& api, StreamHandle s, const void* data, size_t b
   count(CommKind::send, bytes, 0);
 }
 
-std::function<void(bool)> LoopbackComm::recv(CudaApi& api, StreamHandle s, void* data,
-                                             size_t bytes, int peer, int tag) {
+std::function<void(bool)> LoopbackComm::recv(CudaApi& api, StreamHandle s, void* data, size_t bytes,
+                                             int peer, int tag) {
   count(CommKind::recv, 0, bytes);
   const LoopbackWorld::Key key{context_, peer, rank(), tag};
   return [this, &api, s, data, bytes, key](bool deliver) {

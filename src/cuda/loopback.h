@@ -52,7 +52,7 @@ class LoopbackComm final : public HostDelegatingComm, public DeviceTransport {
  public:
   LoopbackComm(Communicator& host, std::shared_ptr<LoopbackWorld> world, uint64_t context = 1);
   LoopbackComm(std::unique_ptr<Communicator> host, std::shared_ptr<LoopbackWorld> world,
-                uint64_t context);
+               uint64_t context);
 
   TransportKind transport() const override { return TransportKind::loopback; }
   // Host memory and collectives: the wrapped threads world's (HostDelegatingComm).
@@ -62,8 +62,8 @@ class LoopbackComm final : public HostDelegatingComm, public DeviceTransport {
   bool grouped() const override { return false; }
   void send(CudaApi& api, StreamHandle s, const void* data, size_t bytes, int peer,
             int tag) override;
-  std::function<void(bool)> recv(CudaApi& api, StreamHandle s, void* data, size_t bytes,
-                                 int peer, int tag) override;
+  std::function<void(bool)> recv(CudaApi& api, StreamHandle s, void* data, size_t bytes, int peer,
+                                 int tag) override;
 
  private:
   std::shared_ptr<LoopbackWorld> world_;

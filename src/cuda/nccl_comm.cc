@@ -58,8 +58,10 @@ void NcclCommunicator::init() {
   std::vector<Offer> all(size());
   host_comm().set_timeout(timeout());
   host_comm().allgather(&mine, all.data(), sizeof(Offer));
-  CTXPAR_CHECK(all[0].ok, "rank ", rank(), ": nccl transport: rank 0 could not make the NCCL "
-               "unique id (", std::string(all[0].text), "); check NCCL_DEBUG=INFO on rank 0");
+  CTXPAR_CHECK(all[0].ok, "rank ", rank(),
+               ": nccl transport: rank 0 could not make the NCCL "
+               "unique id (",
+               std::string(all[0].text), "); check NCCL_DEBUG=INFO on rank 0");
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // every call returns; the watchdog can abort
   const ncclResult_t r = api_->comm_init_rank_config(&comm_, size(), all[0].id, rank(), &config);
@@ -92,8 +94,10 @@ NcclCommunicator::~NcclCommunicator() {
     if (state != ncclInProgress || Clock::now() >= deadline) break;
     std::this_thread::sleep_for(options_.poll);
   }
-  if (clean && state == ncclSuccess) api_->comm_destroy(comm_);
-  else api_->comm_abort(comm_);
+  if (clean && state == ncclSuccess)
+    api_->comm_destroy(comm_);
+  else
+    api_->comm_abort(comm_);
 }
 
 // ---- host memory: the host communicator's -------------------------------------------------
@@ -111,9 +115,8 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
 // ---- device memory ----------------------------------------------------------------------
 
 void NcclCommunicator::check_peer(int peer, int tag, const char* what) const {
-  CTXPAR_CHECK(peer >= 0 && peer < size(), "rank ", rank(), ": nccl transport: ", what,
-               " rank ", peer, " (tag ", tag, ") is not a rank of this communicator (0..",
-               size() - 1, ")");
+  CTXPAR_CHECK(peer >= 0 && peer < size(), "rank ", rank(), ": nccl transport: ", what, " rank ",
+               peer, " (tag ", tag, ") is not a rank of this communicator (0..", size() - 1, ")");
 }
 
 void NcclCommunicator::send(const void* data, size_t bytes, int peer, int tag,
@@ -220,10 +223,12 @@ void NcclCommunicator::settle(const std::vector<Op>& ops, const char* during) {
       std::lock_guard<std::mutex> lock(mutex_);
       if (state != ncclInProgress)
         fail_locked(detail::concat("asynchronous NCCL error in ", during, ": ",
-                                   api_->get_error_string(state)), ops);
+                                   api_->get_error_string(state)),
+                    ops);
       else if (Clock::now() >= deadline)
         fail_locked(detail::concat("timed out after ", seconds(timeout()), " s in ", during,
-                                   " (--timeout)"), ops);
+                                   " (--timeout)"),
+                    ops);
       throw_if_failed_locked();
     }
     std::this_thread::sleep_for(options_.poll);
@@ -314,7 +319,8 @@ void NcclCommunicator::watchdog() {
     else if (Clock::now() - front.start >= front.timeout)
       fail_locked(detail::concat("timed out after ", seconds(front.timeout),
                                  " s: a peer died, hangs, or posted no matching transfer "
-                                 "(--timeout)"), front.ops);
+                                 "(--timeout)"),
+                  front.ops);
     else
       cv_.wait_for(lock, options_.poll);
   }

@@ -50,9 +50,10 @@ struct NcclApi {
   std::function<ncclResult_t(ncclComm_t)> comm_destroy;
   std::function<ncclResult_t(ncclComm_t)> comm_abort;
   std::function<ncclResult_t(const void*, size_t, ncclDataType_t, int peer, ncclComm_t,
-                             cudaStream_t)> send;
-  std::function<ncclResult_t(void*, size_t, ncclDataType_t, int peer, ncclComm_t,
-                             cudaStream_t)> recv;
+                             cudaStream_t)>
+      send;
+  std::function<ncclResult_t(void*, size_t, ncclDataType_t, int peer, ncclComm_t, cudaStream_t)>
+      recv;
   std::function<ncclResult_t()> group_start;
   std::function<ncclResult_t()> group_end;
   std::function<const char*(ncclResult_t)> get_error_string;
@@ -107,8 +108,8 @@ class NcclCommunicator final : public HostDelegatingComm, public DeviceTransport
             int tag) override {
     send(data, bytes, peer, tag, static_cast<cudaStream_t>(api.native_stream(s)));
   }
-  std::function<void(bool)> recv(CudaApi& api, StreamHandle s, void* data, size_t bytes,
-                                 int peer, int tag) override {
+  std::function<void(bool)> recv(CudaApi& api, StreamHandle s, void* data, size_t bytes, int peer,
+                                 int tag) override {
     recv(data, bytes, peer, tag, static_cast<cudaStream_t>(api.native_stream(s)));
     return {};
   }
@@ -131,7 +132,7 @@ class NcclCommunicator final : public HostDelegatingComm, public DeviceTransport
   };
   struct Pending {
     std::vector<Op> ops;
-    std::vector<void*> marks;  // one per stream the group used
+    std::vector<void*> marks;                     // one per stream the group used
     std::chrono::steady_clock::time_point start;  // restarts when it reaches the front
     std::chrono::milliseconds timeout;
   };

@@ -56,10 +56,11 @@ std::shared_ptr<const NcclApi> load() {
   api->comm_finalize = symbol<ncclResult_t(ncclComm_t)>(lib, "ncclCommFinalize", path);
   api->comm_destroy = symbol<ncclResult_t(ncclComm_t)>(lib, "ncclCommDestroy", path);
   api->comm_abort = symbol<ncclResult_t(ncclComm_t)>(lib, "ncclCommAbort", path);
-  api->send = symbol<ncclResult_t(const void*, size_t, ncclDataType_t, int, ncclComm_t,
-                                  cudaStream_t)>(lib, "ncclSend", path);
-  api->recv = symbol<ncclResult_t(void*, size_t, ncclDataType_t, int, ncclComm_t,
-                                  cudaStream_t)>(lib, "ncclRecv", path);
+  api->send =
+      symbol<ncclResult_t(const void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t)>(
+          lib, "ncclSend", path);
+  api->recv = symbol<ncclResult_t(void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t)>(
+      lib, "ncclRecv", path);
   api->group_start = symbol<ncclResult_t()>(lib, "ncclGroupStart", path);
   api->group_end = symbol<ncclResult_t()>(lib, "ncclGroupEnd", path);
   api->get_error_string = symbol<const char*(ncclResult_t)>(lib, "ncclGetErrorString", path);

@@ -21,9 +21,8 @@
 namespace ctxpar::cuda {
 
 void throw_cuda_error(cudaError_t err, const char* call, const char* file, int line) {
-  throw Error(std::string("CUDA call ") + call + " failed at " + file + ":" +
-              std::to_string(line) + ": " + cudaGetErrorName(err) + " (" +
-              cudaGetErrorString(err) + ")");
+  throw Error(std::string("CUDA call ") + call + " failed at " + file + ":" + std::to_string(line) +
+              ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
 }
 
 namespace {
@@ -69,9 +68,9 @@ std::string build_summary() {
   int runtime = 0, driver = 0;
   cudaRuntimeGetVersion(&runtime);
   cudaDriverGetVersion(&driver);  // 0 where no driver is installed
-  return std::string("CUDA: built with nvcc ") + CTXPAR_NVCC_VERSION + " for " +
-         CTXPAR_CUDA_ARCHS + " (runtime " + std::to_string(runtime / 1000) + "." +
-         std::to_string(runtime % 1000 / 10) + ", static); driver here: " +
+  return std::string("CUDA: built with nvcc ") + CTXPAR_NVCC_VERSION + " for " + CTXPAR_CUDA_ARCHS +
+         " (runtime " + std::to_string(runtime / 1000) + "." + std::to_string(runtime % 1000 / 10) +
+         ", static); driver here: " +
          (driver ? std::to_string(driver / 1000) + "." + std::to_string(driver % 1000 / 10)
                  : std::string("none")) +
          "\nCUDA: cuDNN headers " + CTXPAR_CUDNN_HEADER + ", found here: " + cudnn +

@@ -14,11 +14,11 @@ std::string build_summary();
 // cudaGetDeviceCount's answer.
 struct DeviceProbe {
   int count = 0;
-  int error = 0;            // cudaError_t; 0 = cudaSuccess
-  std::string error_name;   // e.g. cudaErrorInsufficientDriver
-  std::string error_text;   // e.g. "CUDA driver version is insufficient for CUDA runtime version"
-  std::string first_name;   // cudaGetDeviceProperties(0).name when count > 0
-  int first_sm = 0;         // its major * 10 + minor
+  int error = 0;           // cudaError_t; 0 = cudaSuccess
+  std::string error_name;  // e.g. cudaErrorInsufficientDriver
+  std::string error_text;  // e.g. "CUDA driver version is insufficient for CUDA runtime version"
+  std::string first_name;  // cudaGetDeviceProperties(0).name when count > 0
+  int first_sm = 0;        // its major * 10 + minor
 };
 DeviceProbe probe_devices();
 // "no CUDA device found: cudaGetDeviceCount returned 35 (cudaErrorInsufficientDriver: ...);

@@ -40,9 +40,8 @@ template <class T>
 struct HostProblem {
   Problem<T> p;
   std::vector<TileRange> q_tiles, k_tiles;
-  HostProblem(const TensorView& q, const Tokens& q_tokens, const TensorView& k,
-              const TensorView& v, const Tokens& k_tokens, const Mask& mask, float scale,
-              const TensorView& dout = {})
+  HostProblem(const TensorView& q, const Tokens& q_tokens, const TensorView& k, const TensorView& v,
+              const Tokens& k_tokens, const Mask& mask, float scale, const TensorView& dout = {})
       : q_tiles(tile_ranges_host(q_tokens, q.dim(1), mask.documents)),
         k_tiles(tile_ranges_host(k_tokens, k.dim(1), mask.documents)) {
     p.q = view4<const T>(q), p.k = view4<const T>(k), p.v = view4<const T>(v);
@@ -100,8 +99,8 @@ void delta_host(const TensorView& out, const TensorView& dout, const TensorView&
   for (int64_t bi = 0; bi < b; ++bi)
     for (int64_t ti = 0; ti < t; ++ti)
       for (int64_t hi = 0; hi < h; ++hi)
-        rows3<float>(delta).at(bi, hi, ti) = delta_row(view4<const T>(out).row(bi, ti, hi),
-                                                       view4<const T>(dout).row(bi, ti, hi), d);
+        rows3<float>(delta).at(bi, hi, ti) =
+            delta_row(view4<const T>(out).row(bi, ti, hi), view4<const T>(dout).row(bi, ti, hi), d);
 }
 
 // kernel.h's attention_backward_block: the dQ pass (every query row), then the dK/dV pass

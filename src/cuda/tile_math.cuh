@@ -24,8 +24,8 @@ using ::ctxpar::MaskRules;
 using ::ctxpar::TileKind;
 using ::ctxpar::TileRange;
 
-constexpr int64_t kTile = 64;          // = kKernelTile of kernel.h (asserted in kernels.h)
-constexpr int64_t kMaxHeadDim = 256;   // rows are held in fixed arrays of this size
+constexpr int64_t kTile = 64;         // = kKernelTile of kernel.h (asserted in kernels.h)
+constexpr int64_t kMaxHeadDim = 256;  // rows are held in fixed arrays of this size
 
 CTXPAR_HD float neg_inf() { return -INFINITY; }
 CTXPAR_HD float min_f(float a, float b) { return a < b ? a : b; }
@@ -38,12 +38,18 @@ struct Bf16 {
   uint16_t bits;
 };
 CTXPAR_HD uint32_t f32_bits(float f) {
-  union { float f; uint32_t u; } x;
+  union {
+    float f;
+    uint32_t u;
+  } x;
   x.f = f;
   return x.u;
 }
 CTXPAR_HD float f32_of_bits(uint32_t u) {
-  union { float f; uint32_t u; } x;
+  union {
+    float f;
+    uint32_t u;
+  } x;
   x.u = u;
   return x.f;
 }
@@ -217,15 +223,15 @@ CTXPAR_HD PairTerms pair_terms(float s, const float* dorow, const T* vj, int64_t
 }
 
 struct BackwardRows {
-  Rows3<const float> lse, delta;   // [B, Hq, Tq], final
-  View4<float> dq, dk, dv;         // fp32 accumulators
+  Rows3<const float> lse, delta;  // [B, Hq, Tq], final
+  View4<float> dq, dk, dv;        // fp32 accumulators
 };
 
 // dQ of query row (b, h, i), over the key tiles in order: one thread owns the row, so the
 // order of additions is fixed (no atomics). qrow, dorow: scratch of D floats.
 template <class T>
-CTXPAR_HD int64_t backward_dq_row(const Problem<T>& p, const BackwardRows& r, int64_t b,
-                                  int64_t h, int64_t i, float* qrow, float* dorow) {
+CTXPAR_HD int64_t backward_dq_row(const Problem<T>& p, const BackwardRows& r, int64_t b, int64_t h,
+                                  int64_t i, float* qrow, float* dorow) {
   const float lse = r.lse.at(b, h, i);
   if (lse == neg_inf()) return 0;  // the row saw no key anywhere: P = 0
   const float delta = r.delta.at(b, h, i);
@@ -242,8 +248,8 @@ CTXPAR_HD int64_t backward_dq_row(const Problem<T>& p, const BackwardRows& r, in
     for (int64_t j = j0; j < j1; ++j) {
       if (kind == TileKind::partial && !p.visible(i, j)) continue;
       const T* kj = p.k.row(b, j, hk);
-      const PairTerms t = pair_terms(dot_row(qrow, kj, d), dorow, p.v.row(b, j, hk), d, lse,
-                                     delta, p.scale);
+      const PairTerms t =
+          pair_terms(dot_row(qrow, kj, d), dorow, p.v.row(b, j, hk), d, lse, delta, p.scale);
       for (int64_t c = 0; c < d; ++c) dq[c] += t.ds * to_f32(kj[c]);
     }
   }
@@ -328,7 +334,6 @@ CTXPAR_HD BytePair permute_byte(int64_t n, int64_t tokens, int64_t row, const in
   return scatter ? BytePair{n, moved} : BytePair{moved, n};
 }
 
-
 // ---- the cuda device's small kernels: state, strided element-wise ops, partial merges --------
 // A ForwardState on the device, contiguous: acc [B, Tq, Hq, D], m and l [B, Hq, Tq].
 struct DeviceState {
@@ -408,8 +413,8 @@ CTXPAR_HD void absorb_partial_row(StateRow st, const float* o, float lse, int64_
 // Token permutation between contiguous rows of different token counts (device.h's
 // scatter_tokens / gather_tokens: `outer` blocks of src_tokens / dst_tokens rows of `row`
 // bytes). n runs over src's bytes (scatter) or dst's (gather).
-CTXPAR_HD BytePair permute_rows_byte(int64_t n, int64_t src_tokens, int64_t dst_tokens,
-                                     int64_t row, const int64_t* index, bool scatter) {
+CTXPAR_HD BytePair permute_rows_byte(int64_t n, int64_t src_tokens, int64_t dst_tokens, int64_t row,
+                                     const int64_t* index, bool scatter) {
   const int64_t tokens = scatter ? src_tokens : dst_tokens;
   const int64_t byte = n % row, token = (n / row) % tokens, outer = n / (row * tokens);
   const int64_t moved = (outer * (scatter ? dst_tokens : src_tokens) + index[token]) * row + byte;

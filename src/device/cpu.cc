@@ -25,11 +25,11 @@ class CpuDevice;
 
 struct CpuStorage final : DeviceBuffer::Storage {
   CpuDevice* device = nullptr;
-  Buffer buffer;            // its memory (empty while a receive fills it); shared once lent
+  Buffer buffer;  // its memory (empty while a receive fills it); shared once lent
   std::byte* ptr = nullptr;
-  Request transfer;         // a pending receive into this buffer, or the send it was lent to
+  Request transfer;  // a pending receive into this buffer, or the send it was lent to
   bool receiving = false;
-  bool lent = false;        // lent to a send already: a later send sends a copy
+  bool lent = false;  // lent to a send already: a later send sends a copy
   std::byte* data() override;
 };
 
@@ -68,7 +68,7 @@ class CpuDevice final : public HostDevice {
     if (!s->lent && !s->buffer.empty()) {
       out = s->buffer.share();  // lent: s->buffer keeps the memory alive for s->ptr
       s->lent = true;
-    } else {                    // already lent to an earlier send: send a copy
+    } else {  // already lent to an earlier send: send a copy
       out = Buffer::uninitialized(s->size);
       std::memcpy(out.data(), s->ptr, s->size);
     }
@@ -102,8 +102,8 @@ class CpuDevice final : public HostDevice {
     std::byte* to = recv.data();
     for (int k = 1; k < p && chunk_bytes; ++k) {
       const int j = (r - k + p) % p;
-      pending_.push_back({posted_++, nullptr, comm.irecv(chunk_bytes, j, tag), into,
-                          size_t(j) * chunk_bytes});
+      pending_.push_back(
+          {posted_++, nullptr, comm.irecv(chunk_bytes, j, tag), into, size_t(j) * chunk_bytes});
     }
     for (int k = 1; k < p && chunk_bytes; ++k) {
       const int j = (r + k) % p;
@@ -162,12 +162,11 @@ class CpuDevice final : public HostDevice {
   void execute(Stream, const char*, Views, Views, const Work& work) override { work(); }
 
  private:
-
   struct Pending {
     uint64_t index;
-    CpuStorage* storage;        // null once its buffer is freed (completed then)
-    Request request = {};       // the send of a copy (the buffer was lent already), or an
-    CpuStorage* into = nullptr; // all-to-all's chunk, received into `into` at `offset`
+    CpuStorage* storage;         // null once its buffer is freed (completed then)
+    Request request = {};        // the send of a copy (the buffer was lent already), or an
+    CpuStorage* into = nullptr;  // all-to-all's chunk, received into `into` at `offset`
     size_t offset = 0;
   };
 

@@ -15,9 +15,12 @@ const char* stream_name(Stream s) {
 
 const char* device_name(DeviceKind k) {
   switch (k) {
-    case DeviceKind::cpu: return "cpu";
-    case DeviceKind::sim: return "sim";
-    case DeviceKind::cuda: return "cuda";
+    case DeviceKind::cpu:
+      return "cpu";
+    case DeviceKind::sim:
+      return "sim";
+    case DeviceKind::cuda:
+      return "cuda";
   }
   return "?";
 }
@@ -53,8 +56,9 @@ std::unique_ptr<Device> DeviceRegistry::make(const DeviceOptions& options, int r
   const int kind = int(options.kind);
   CTXPAR_CHECK(kind >= 0 && kind < kDeviceKinds, "device kind ", kind, " is not a DeviceKind");
   CTXPAR_CHECK(factories_[kind], "this DeviceRegistry has no factory for device '",
-               device_name(options.kind), "': give it one with with(DeviceKind::",
-               device_name(options.kind), ", factory), or leave DeviceOptions::registry empty "
+               device_name(options.kind),
+               "': give it one with with(DeviceKind::", device_name(options.kind),
+               ", factory), or leave DeviceOptions::registry empty "
                "for the built-in devices");
   return factories_[kind](options, rank);
 }
@@ -109,9 +113,9 @@ DeviceForwardState::DeviceForwardState(Device& device, int64_t batch, int64_t tq
   const size_t acc_bytes = size_t(batch * tq * hq * d) * 4, row_bytes = size_t(batch * hq * tq) * 4;
   memory_ = device.alloc(acc_bytes + 2 * row_bytes);  // ForwardState::bytes()
   if (memory_.data()) {
-    view_ = ForwardStateView(memory_.view(DType::f32, acc),
-                             memory_.view(DType::f32, rows, acc_bytes),
-                             memory_.view(DType::f32, rows, acc_bytes + row_bytes));
+    view_ =
+        ForwardStateView(memory_.view(DType::f32, acc), memory_.view(DType::f32, rows, acc_bytes),
+                         memory_.view(DType::f32, rows, acc_bytes + row_bytes));
   } else {
     // No elements (and no memory on cpu): views of nothing at an address that is never read or
     // written, as a ForwardState's empty tensors have one, so the kernel takes it as a state.

@@ -26,7 +26,7 @@ void add_band(const Run& q, const Run& k, int64_t s, const Mask& mask, std::vect
   if (mask.causal) dmin = 0;
   if (mask.window_right >= 0) dmin = std::max(dmin, -i128(mask.window_right));
   if (mask.window_left >= 0) dmax = i128(mask.window_left);
-  const i128 e_lo = dmin == kNoLow ? kNoLow : ceil_div(dmin - delta, s);   // i - j >= e_lo
+  const i128 e_lo = dmin == kNoLow ? kNoLow : ceil_div(dmin - delta, s);     // i - j >= e_lo
   const i128 e_hi = dmax == kNoHigh ? kNoHigh : floor_div(dmax - delta, s);  // i - j <= e_hi
   if (e_lo > e_hi) return;
   const i128 nq = q.size(), nk = k.size();
@@ -61,8 +61,7 @@ Run token_run(const Run& r, int64_t t) {
 std::vector<Run> split_runs(const Tokens& tokens, bool documents) {
   const int64_t n = static_cast<int64_t>(tokens.positions.size());
   CTXPAR_CHECK(!documents || static_cast<int64_t>(tokens.documents.size()) == n,
-               "fused split_runs: ", tokens.documents.size(), " document ids for ", n,
-               " tokens");
+               "fused split_runs: ", tokens.documents.size(), " document ids for ", n, " tokens");
   std::vector<Run> runs;
   for (int64_t t = 0; t < n; ++t) {
     const int64_t pos = tokens.positions[t];
@@ -97,7 +96,8 @@ std::vector<Call> decompose(const Tokens& q_tokens, const Tokens& k_tokens, cons
       if (q.stride == 0 || k.stride == 0 || q.stride == k.stride) {
         add_band(q, k, std::max<int64_t>({q.stride, k.stride, 1}), mask, calls);
       } else {  // strides differ: each query token on its own (it pairs with any stride)
-        for (int64_t t = q.begin; t < q.end; ++t) add_band(token_run(q, t), k, k.stride, mask, calls);
+        for (int64_t t = q.begin; t < q.end; ++t)
+          add_band(token_run(q, t), k, k.stride, mask, calls);
       }
     }
   }

@@ -21,8 +21,7 @@ void HostDevice::busy(F&& f) {
 template <>
 void HostDevice::enqueue(Stream s, const op::ForwardReset& a) {
   const ForwardStateView state = a.state;
-  submit(s, a.kName, {}, {state.acc(), state.m(), state.l()},
-         [=] { host_forward_reset(state); });
+  submit(s, a.kName, {}, {state.acc(), state.m(), state.l()}, [=] { host_forward_reset(state); });
 }
 
 template <>
@@ -59,8 +58,8 @@ template <>
 void HostDevice::enqueue(Stream s, const op::BackwardBlock& a) {
   submit(s, a.kName, {a.q, a.k, a.v, a.dout, a.lse, a.delta}, {a.dq, a.dk, a.dv}, [=, this] {
     busy([&] {
-      return attention_backward_block(a.q, a.q_tokens, a.k, a.v, a.k_tokens, a.mask, a.dout,
-                                      a.lse, a.delta, a.dq, a.dk, a.dv, a.config);
+      return attention_backward_block(a.q, a.q_tokens, a.k, a.v, a.k_tokens, a.mask, a.dout, a.lse,
+                                      a.delta, a.dq, a.dk, a.dv, a.config);
     });
   });
 }
@@ -102,8 +101,7 @@ void HostDevice::enqueue(Stream s, const op::ScatterTokens& a) {
 
 template <>
 void HostDevice::enqueue(Stream s, const op::GatherTokens& a) {
-  submit(s, a.kName, {a.src, a.index}, {a.dst},
-         [=] { host_gather_tokens(a.src, a.dst, a.index); });
+  submit(s, a.kName, {a.src, a.index}, {a.dst}, [=] { host_gather_tokens(a.src, a.dst, a.index); });
 }
 
 // After every specialisation of enqueue: they are what it instantiates.

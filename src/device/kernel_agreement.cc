@@ -17,8 +17,9 @@ void agree_kernel_choices(Communicator& comm, KernelConfig& config) {
   double at_least[2] = {level >= 1 ? 1.0 : 0.0, level >= 2 ? 1.0 : 0.0};
   comm.allreduce(at_least, 2);
   const double n = comm.size();
-  config.bf16_products =
-      kernel::bf16_products_of_level(at_least[1] == n ? 2 : at_least[0] == n ? 1 : 0);
+  config.bf16_products = kernel::bf16_products_of_level(at_least[1] == n   ? 2
+                                                        : at_least[0] == n ? 1
+                                                                           : 0);
 }
 
 }  // namespace ctxpar::device

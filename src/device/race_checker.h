@@ -50,7 +50,7 @@ class RaceChecker {
   };
   struct Allocation {
     size_t bytes = 0;
-    int stream = -1;     // allocated on this stream after its operation `seq`; -1: before all
+    int stream = -1;  // allocated on this stream after its operation `seq`; -1: before all
     uint64_t seq = 0;
     bool adopted = false;  // the caller's memory, used in place (never freed by a device)
     bool freed = false;

@@ -60,9 +60,9 @@ struct HeadRows {
   int64_t rows() const { return tn * g; }
   // q's (or out's) g heads of KV head h of token t of sequence s, as [1, g, Hkv, D].
   TensorView heads_of(const TensorView& t4, int64_t s, int64_t t) const {
-    return TensorView(static_cast<std::byte*>(t4.data()) +
-                          t4.offset(s, t) * int64_t(dtype_size(t4.dtype())),
-                      t4.dtype(), {1, g, hkv, d}, {0, t4.stride(2), g * t4.stride(2), 1});
+    return TensorView(
+        static_cast<std::byte*>(t4.data()) + t4.offset(s, t) * int64_t(dtype_size(t4.dtype())),
+        t4.dtype(), {1, g, hkv, d}, {0, t4.stride(2), g * t4.stride(2), 1});
   }
 };
 
@@ -110,7 +110,9 @@ struct Partials {
   size_t part_bytes;
   DeviceBuffer parts;
   Partials(Device& dev, const HeadRows& h, int p)
-      : hr(h), layout{h.b, h.rows(), h.hkv, h.d}, part_bytes(layout.bytes() + 8),
+      : hr(h),
+        layout{h.b, h.rows(), h.hkv, h.d},
+        part_bytes(layout.bytes() + 8),
         parts(dev.alloc(part_bytes * size_t(p))) {}
   TensorView o(int r) const { return layout.o(parts, r * part_bytes); }
   TensorView lse(int r) const { return layout.lse(parts, r * part_bytes); }
@@ -167,11 +169,14 @@ void merge_partials(Communicator& comm, Partials& parts, int64_t tn, int64_t hq,
   std::memcpy(mine.data() + part_bytes - 8, &signature, 8);
   comm.allgather(mine.data(), parts.parts.data(), part_bytes);
   for (int r = 0; r < p; ++r)
-    CTXPAR_CHECK(std::memcmp(parts.parts.data() + r * part_bytes + part_bytes - 8, &signature,
-                             8) == 0,
-                 "decode: rank ", r, " called with other shapes (Tn, Hq) or holds other "
-                 "sequence lengths than rank ", me, "; every rank must make the same calls on "
-                 "the same cache");
+    CTXPAR_CHECK(
+        std::memcmp(parts.parts.data() + r * part_bytes + part_bytes - 8, &signature, 8) == 0,
+        "decode: rank ", r,
+        " called with other shapes (Tn, Hq) or holds other "
+        "sequence lengths than rank ",
+        me,
+        "; every rank must make the same calls on "
+        "the same cache");
   for (int r = 1; r < p; ++r)  // rank order: the same bits on every rank
     merge(parts.o(0), parts.lse(0), parts.o(r), parts.lse(r));  // host memory
 }

@@ -43,8 +43,8 @@ struct InferenceAccess {
   static void grow(KvCache& c, const std::vector<int64_t>& capacities);
   // Stores rows of sequence seq: `indices` (increasing, all this rank's, following the ones it
   // holds) with k, v [1, m, Hkv, D] and m document ids (documents mask). Enqueued copies.
-  static void store(KvCache& c, int64_t seq, std::span<const int64_t> indices,
-                    const TensorView& k, const TensorView& v, std::span<const int32_t> documents);
+  static void store(KvCache& c, int64_t seq, std::span<const int64_t> indices, const TensorView& k,
+                    const TensorView& v, std::span<const int32_t> documents);
   // Stores the rows of the `count` = k.dim(1) new tokens of sequence seq (k, v [1, count, Hkv,
   // D], the same on every rank) that this rank holds, and counts them in the length.
   static void append_rows(KvCache& c, int64_t seq, const TensorView& k, const TensorView& v,

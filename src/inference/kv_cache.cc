@@ -20,9 +20,12 @@ namespace ctxpar {
 
 const char* prefill_mode_name(PrefillMode m) {
   switch (m) {
-    case PrefillMode::automatic: return "auto";
-    case PrefillMode::pass_kv: return "pass-kv";
-    case PrefillMode::pass_q: return "pass-q";
+    case PrefillMode::automatic:
+      return "auto";
+    case PrefillMode::pass_kv:
+      return "pass-kv";
+    case PrefillMode::pass_q:
+      return "pass-q";
   }
   return "?";
 }
@@ -100,9 +103,7 @@ KvCache::~KvCache() {
   shards_.clear();
 }
 
-int KvCache::rank_of(int64_t index) const {
-  return int((index / options_.block) % comm_.size());
-}
+int KvCache::rank_of(int64_t index) const { return int((index / options_.block) % comm_.size()); }
 
 int64_t KvCache::held_by(int64_t n, int rank) const {
   return placement_held_by(n, rank, comm_.size(), options_.block);
@@ -190,8 +191,7 @@ void check_new_kv(const KvCacheOptions& o, const Device& dev, const TensorView& 
   kernel::check_activation("k", k, true, {1, rows, o.kv_heads, o.head_dim});
   kernel::check_activation("v", v, true, {1, rows, o.kv_heads, o.head_dim});
   CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == rows, "documents: the mask ",
-               "uses documents: give one id per ", whose, " (", rows, "), got ",
-               documents.size());
+               "uses documents: give one id per ", whose, " (", rows, "), got ", documents.size());
   check_rows_finite("k", k, dev, where);
   check_rows_finite("v", v, dev, where);
 }
@@ -219,8 +219,9 @@ void KvCache::append_local(int64_t seq, int64_t count, const TensorView& k, cons
   CTXPAR_CHECK(count >= 0, "append_local: count must be >= 0, got ", count);
   const std::vector<int64_t> mine = placement(tokens(seq), count, comm_.rank());
   const int64_t m = int64_t(mine.size());
-  check_new_kv(options_, *device_, k, v, m, documents, "row of this rank",
-               [&](int64_t, int64_t t) { return std::pair<int64_t, int64_t>{seq, mine[t]}; });
+  check_new_kv(options_, *device_, k, v, m, documents, "row of this rank", [&](int64_t, int64_t t) {
+    return std::pair<int64_t, int64_t>{seq, mine[t]};
+  });
   const std::vector<int64_t> lengths = lengths_after(*this, seq, count);
   InferenceAccess::reserve(*this, lengths);
   if (m > 0) InferenceAccess::store(*this, seq, mine, k, v, documents);
@@ -228,8 +229,8 @@ void KvCache::append_local(int64_t seq, int64_t count, const TensorView& k, cons
   device_->synchronize();
 }
 
-void InferenceAccess::append_rows(KvCache& c, int64_t seq, const TensorView& k,
-                                  const TensorView& v, std::span<const int32_t> documents) {
+void InferenceAccess::append_rows(KvCache& c, int64_t seq, const TensorView& k, const TensorView& v,
+                                  std::span<const int32_t> documents) {
   const int64_t n = c.tokens(seq), count = k.dim(1);
   const std::vector<int64_t> mine = c.placement(n, count, c.comm_.rank());
   // Mine are runs of whole blocks; store each run from its rows of k, v.
@@ -263,7 +264,8 @@ void KvCache::reserve(const std::vector<int64_t>& lengths) {
   CTXPAR_CHECK(int64_t(lengths.size()) == options_.sequences, "reserve: give one length per ",
                "sequence (", options_.sequences, "), got ", lengths.size());
   std::vector<int64_t> at_least = lengths;
-  for (size_t s = 0; s < lengths.size(); ++s) at_least[s] = std::max(lengths[s], tokens(int64_t(s)));
+  for (size_t s = 0; s < lengths.size(); ++s)
+    at_least[s] = std::max(lengths[s], tokens(int64_t(s)));
   InferenceAccess::reserve(*this, at_least, true);
 }
 
@@ -274,14 +276,16 @@ std::vector<int64_t> InferenceAccess::plan_growth(KvCache& c, const std::vector<
   for (int r = 0; r < c.comm_.size(); ++r) {
     int64_t held = 0;
     for (int64_t n : lengths) held += c.held_by(n, r);
-    CTXPAR_CHECK(o.max_tokens_per_rank == 0 || held <= o.max_tokens_per_rank, "KV cache: rank ",
-                 r, " would hold ", held, " tokens, over KvCacheOptions::max_tokens_per_rank = ",
-                 o.max_tokens_per_rank, "; raise it, or spread the cache over more ranks (each "
+    CTXPAR_CHECK(o.max_tokens_per_rank == 0 || held <= o.max_tokens_per_rank, "KV cache: rank ", r,
+                 " would hold ", held,
+                 " tokens, over KvCacheOptions::max_tokens_per_rank = ", o.max_tokens_per_rank,
+                 "; raise it, or spread the cache over more ranks (each "
                  "holds about 1/P of the tokens)");
     const size_t bytes = c.bytes_for(lengths, r);
     CTXPAR_CHECK(o.max_bytes_per_rank == 0 || double(bytes) <= o.max_bytes_per_rank,
                  "KV cache: rank ", r, " would hold ", bytes, " bytes (", held, " tokens), over ",
-                 "KvCacheOptions::max_bytes_per_rank = ", o.max_bytes_per_rank, "; raise it, or "
+                 "KvCacheOptions::max_bytes_per_rank = ", o.max_bytes_per_rank,
+                 "; raise it, or "
                  "spread the cache over more ranks");
   }
   const int me = c.comm_.rank();
@@ -298,7 +302,8 @@ std::vector<int64_t> InferenceAccess::plan_growth(KvCache& c, const std::vector<
   if (want > now && o.check_memory_limit) {
     const MemoryLimit limit = memory_limit();
     CTXPAR_CHECK(!limit.known() || double(want - now) <= limit.bytes, "KV cache: rank ", me,
-                 " cannot grow its shard to ", want, " bytes: ", limit.shortfall(double(want - now)),
+                 " cannot grow its shard to ", want,
+                 " bytes: ", limit.shortfall(double(want - now)),
                  " (or turn KvCacheOptions::check_memory_limit off at your own risk)");
   }
   return caps;

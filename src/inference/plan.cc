@@ -37,15 +37,15 @@ struct ModeSeconds {
 ModeSeconds prefill_seconds(const PrefillShape& s, bool causal, const InferenceRates& r) {
   ModeSeconds t;
   const double flop_per_pair = 4.0 * double(s.hq * s.head_dim);
-  const size_t kv_tok = 2 * size_t(s.hkv * s.head_dim) * dtype_size(s.kv_dtype) + 8 +
-                        (s.documents ? 4 : 0);
-  const size_t q_tok = size_t(s.hq * s.head_dim) * dtype_size(s.q_dtype) + 8 + (s.documents ? 4 : 0);
+  const size_t kv_tok =
+      2 * size_t(s.hkv * s.head_dim) * dtype_size(s.kv_dtype) + 8 + (s.documents ? 4 : 0);
+  const size_t q_tok =
+      size_t(s.hq * s.head_dim) * dtype_size(s.q_dtype) + 8 + (s.documents ? 4 : 0);
   const size_t part_tok = size_t(s.hq * (s.head_dim + 1)) * 4;
   const int p = s.ranks;
   for (int rank = 0; rank < p; ++rank) {
-    const double compute = r.attention_flops > 0
-                               ? rank_pairs(s, rank, causal) * flop_per_pair / r.attention_flops
-                               : 0;
+    const double compute =
+        r.attention_flops > 0 ? rank_pairs(s, rank, causal) * flop_per_pair / r.attention_flops : 0;
     double kv = compute, q = compute;
     const double step = compute / p;
     for (int j = 1; j < p; ++j) {  // the block arriving at step j came from rank - j
@@ -103,9 +103,9 @@ DecodePlan plan_decode(const KvCacheOptions& o, int64_t hq, int64_t tn,
     plan.tokens_per_rank.push_back(tokens);
     plan.cache_bytes.push_back(kv_cache_bytes(o, after, ranks, r));
     // g query rows of each of the tn tokens ride one stream of the shard (decode.cc's Note).
-    plan.kernel_seconds = std::max(plan.kernel_seconds, double(tokens) * double(o.kv_heads) *
-                                                            double(tn) *
-                                                            rates.decode_seconds_per_token_head);
+    plan.kernel_seconds =
+        std::max(plan.kernel_seconds, double(tokens) * double(o.kv_heads) * double(tn) *
+                                          rates.decode_seconds_per_token_head);
   }
   const uint64_t part = uint64_t(o.sequences * tn * hq * (o.head_dim + 1)) * 4 + 8;
   plan.bytes_per_call = uint64_t(ranks) * uint64_t(ranks - 1) * part;

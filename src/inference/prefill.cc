@@ -22,7 +22,7 @@
 namespace ctxpar {
 namespace {
 
-constexpr int kRingTag = 1 << 20;            // + step: the travelling shard or query block
+constexpr int kRingTag = 1 << 20;              // + step: the travelling shard or query block
 constexpr int kPartialTag = (1 << 20) + 8192;  // + producing rank: a partial (O, LSE) going home
 
 int64_t held(const PrefillShape& s, int64_t n, int rank) {
@@ -92,8 +92,8 @@ void pass_q(KvCache& cache, int64_t seq, const PrefillShape& sh, const TensorVie
   const int p = comm.size(), me = comm.rank();
   const int64_t hq = q.dim(2), d = q.dim(3), tl = q.dim(1);
   auto queries = [&](int owner) {
-    return query_packing(
-        sh, held(sh, sh.cached + sh.new_tokens, owner) - held(sh, sh.cached, owner));
+    return query_packing(sh,
+                         held(sh, sh.cached + sh.new_tokens, owner) - held(sh, sh.cached, owner));
   };
 
   std::vector<DeviceBuffer> partials(static_cast<size_t>(p));
@@ -110,8 +110,8 @@ void pass_q(KvCache& cache, int64_t seq, const PrefillShape& sh, const TensorVie
     if (cache.local_tokens(seq) > 0)
       dev.forward_block(kComputeStream, pack.k(b), pack.tokens_of(b), cache.k(seq), cache.v(seq),
                         cache.local_token_ids(seq), o.mask, states.back().get(), o.kernel);
-    dev.forward_finalize(kComputeStream, states.back().get(), partial.o(part),
-                         partial.lse(part), o.kernel);
+    dev.forward_finalize(kComputeStream, states.back().get(), partial.o(part), partial.lse(part),
+                         o.kernel);
     (holding == me ? partials[me] : outgoing[holding]) = std::move(part);
   };
   strategy::ring_steps(dev, comm, pack_queries(dev, queries(me), q, q_tokens),
@@ -229,8 +229,10 @@ PrefillMode prefill(KvCache& cache, int64_t seq, int64_t new_tokens, const Tenso
   if (!indices.empty()) InferenceAccess::store(cache, seq, indices, k, v, documents);
   InferenceAccess::set_length(cache, seq, sh.cached + new_tokens);
   Tokens q_tokens{indices, o.mask.documents ? documents : std::span<const int32_t>{}};
-  if (ran == PrefillMode::pass_q) pass_q(cache, seq, sh, q, q_tokens, out, lse);
-  else pass_kv(cache, seq, sh, q, q_tokens, out, lse);
+  if (ran == PrefillMode::pass_q)
+    pass_q(cache, seq, sh, q, q_tokens, out, lse);
+  else
+    pass_kv(cache, seq, sh, q, q_tokens, out, lse);
   record_stats(stats, record.finish());
   return ran;
 }

@@ -49,9 +49,12 @@ float half_to_float(uint16_t h) {
 DType tensor_dtype(NpyType t, DType float_dtype) {
   switch (t) {
     case NpyType::f16:
-    case NpyType::f32: return float_dtype;
-    case NpyType::i32: return DType::i32;
-    case NpyType::i64: return DType::i64;
+    case NpyType::f32:
+      return float_dtype;
+    case NpyType::i32:
+      return DType::i32;
+    case NpyType::i64:
+      return DType::i64;
   }
   return DType::f32;
 }
@@ -118,8 +121,10 @@ void read_exact(int fd, void* dst, uint64_t n, uint64_t offset, const std::strin
     const size_t want = static_cast<size_t>(std::min<uint64_t>(n, uint64_t(1) << 30));
     const ssize_t got = pread(fd, p, want, static_cast<off_t>(offset));
     if (got < 0 && errno == EINTR) continue;
-    if (got < 0) fail(path, std::string("read error in the ") + where + ": " + std::strerror(errno));
-    if (got == 0) fail(path, std::string("truncated ") + where + " (the file shrank while being read)");
+    if (got < 0)
+      fail(path, std::string("read error in the ") + where + ": " + std::strerror(errno));
+    if (got == 0)
+      fail(path, std::string("truncated ") + where + " (the file shrank while being read)");
     p += got, n -= static_cast<uint64_t>(got), offset += static_cast<uint64_t>(got);
     if (counted) *counted += static_cast<uint64_t>(got);
   }
@@ -134,8 +139,10 @@ void open_npy(const std::string& path, OpenNpy& f, uint64_t* counted) {
   if (fstat(f.fd, &st) != 0) fail(path, std::string("cannot stat: ") + std::strerror(errno));
   if (!S_ISREG(st.st_mode))
     fail(path, std::string("not a regular file (") +
-                   (S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISDIR(st.st_mode) ? "a folder"
-                    : S_ISSOCK(st.st_mode) ? "a socket" : "a device") +
+                   (S_ISFIFO(st.st_mode)   ? "a FIFO"
+                    : S_ISDIR(st.st_mode)  ? "a folder"
+                    : S_ISSOCK(st.st_mode) ? "a socket"
+                                           : "a device") +
                    "); give the path of a .npy file");
   const int flags = fcntl(f.fd, F_GETFL);
   if (flags >= 0) fcntl(f.fd, F_SETFL, flags & ~O_NONBLOCK);
@@ -227,8 +234,9 @@ Tensor read_npy_rows(const std::string& path, int token_dim, std::span<const int
 std::vector<int64_t> read_npy_ints(const std::string& path) {
   Tensor t = read_npy(path);
   if (t.dtype() != DType::i32 && t.dtype() != DType::i64)
-    fail(path, "expected an integer array (int32 or int64), got a float array; save "
-               "a.astype(np.int64)");
+    fail(path,
+         "expected an integer array (int32 or int64), got a float array; save "
+         "a.astype(np.int64)");
   std::vector<int64_t> out(static_cast<size_t>(t.numel()));
   for (size_t i = 0; i < out.size(); ++i)
     out[i] = t.dtype() == DType::i32 ? t.ptr<int32_t>()[i] : t.ptr<int64_t>()[i];

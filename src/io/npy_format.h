@@ -22,10 +22,14 @@ inline constexpr size_t kMagicLen = 6;
 // Bytes one stored element of type t takes.
 inline size_t element_size(NpyType t) {
   switch (t) {
-    case NpyType::f16: return 2;
-    case NpyType::f32: return 4;
-    case NpyType::i32: return 4;
-    case NpyType::i64: return 8;
+    case NpyType::f16:
+      return 2;
+    case NpyType::f32:
+      return 4;
+    case NpyType::i32:
+      return 4;
+    case NpyType::i64:
+      return 8;
   }
   return 0;
 }

@@ -58,7 +58,8 @@ class DictScanner {
         h.shape = shape_tuple();
         have_shape = true;
       } else {
-        bad("unexpected key '" + printable(key) + "' (a .npy header has descr, fortran_order, shape)");
+        bad("unexpected key '" + printable(key) +
+            "' (a .npy header has descr, fortran_order, shape)");
       }
       skip_ws();
       if (peek() == ',') {
@@ -72,7 +73,10 @@ class DictScanner {
     if (i_ != s_.size()) bad("unexpected text after the header dict");
     if (!have_descr || !have_fortran || !have_shape)
       fail(name_, std::string("bad header: missing key '") +
-                      (!have_descr ? "descr" : !have_fortran ? "fortran_order" : "shape") + "'");
+                      (!have_descr     ? "descr"
+                       : !have_fortran ? "fortran_order"
+                                       : "shape") +
+                      "'");
     h.type = dtype(descr);
     if (fortran) {
       // A Fortran-order array with at most one dimension above 1 has the same bytes as C order.
@@ -150,8 +154,8 @@ class DictScanner {
     if (d == "<i4") return NpyType::i32;
     if (d == "<i8") return NpyType::i64;
     if (d.size() == 3 && d[0] == '>' && (d[1] == 'f' || d[1] == 'i'))
-      fail(name_, "big-endian dtype '" + printable(d) +
-                      "' is not supported; save a.astype('<" + d.substr(1) + "') instead");
+      fail(name_, "big-endian dtype '" + printable(d) + "' is not supported; save a.astype('<" +
+                      d.substr(1) + "') instead");
     fail(name_, "unsupported dtype '" + printable(d) +
                     "': expected float32 '<f4', float16 '<f2', int32 '<i4' or int64 '<i8'");
   }
@@ -183,7 +187,8 @@ uint64_t header_end(std::span<const uint8_t> head, uint64_t file_size, const std
     fail(name, "unsupported .npy format version " + std::to_string(major) + "." +
                    std::to_string(minor) + " (1.0, 2.0 and 3.0 are supported)");
   const int len_bytes = major == 1 ? 2 : 4;
-  if (head.size() < 8u + len_bytes) fail(name, "truncated header (file ends inside the header length)");
+  if (head.size() < 8u + len_bytes)
+    fail(name, "truncated header (file ends inside the header length)");
   const uint64_t len = read_le(head.data() + 8, len_bytes);
   if (len > kMaxHeaderLen)
     fail(name, "header length " + std::to_string(len) + " is absurd (more than 1 MiB)");
@@ -201,10 +206,14 @@ using npy_format::fail;
 
 const char* npy_type_name(NpyType t) {
   switch (t) {
-    case NpyType::f16: return "float16";
-    case NpyType::f32: return "float32";
-    case NpyType::i32: return "int32";
-    case NpyType::i64: return "int64";
+    case NpyType::f16:
+      return "float16";
+    case NpyType::f32:
+      return "float32";
+    case NpyType::i32:
+      return "int32";
+    case NpyType::i64:
+      return "int64";
   }
   return "?";
 }

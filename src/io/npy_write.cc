@@ -28,8 +28,10 @@ namespace {
 std::vector<uint8_t> header_bytes(const char* descr, const Shape& shape) {
   std::string dict = std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': (";
   for (size_t i = 0; i < shape.size(); ++i) dict += std::to_string(shape[i]) + ", ";
-  if (shape.size() > 1) dict.resize(dict.size() - 2);  // (n,) for 1-D, (a, b) otherwise
-  else if (shape.size() == 1) dict.resize(dict.size() - 1);
+  if (shape.size() > 1)
+    dict.resize(dict.size() - 2);  // (n,) for 1-D, (a, b) otherwise
+  else if (shape.size() == 1)
+    dict.resize(dict.size() - 1);
   dict += "), }";
   // Pad with spaces so that the data starts on a 64-byte boundary, header ends with '\n'.
   int version = 1;
@@ -46,7 +48,8 @@ std::vector<uint8_t> header_bytes(const char* descr, const Shape& shape) {
   out.push_back(static_cast<uint8_t>(version));
   out.push_back(0);
   const uint64_t len = dict.size();
-  for (int i = 0; i < (version == 1 ? 2 : 4); ++i) out.push_back(static_cast<uint8_t>(len >> (8 * i)));
+  for (int i = 0; i < (version == 1 ? 2 : 4); ++i)
+    out.push_back(static_cast<uint8_t>(len >> (8 * i)));
   out.insert(out.end(), dict.begin(), dict.end());
   return out;
 }
@@ -75,7 +78,8 @@ void write_npy(const std::string& path, const TensorView& t) {
 
 namespace {
 template <typename T>
-void write_ints(const std::string& path, std::span<const T> values, const Shape& shape, DType dtype) {
+void write_ints(const std::string& path, std::span<const T> values, const Shape& shape,
+                DType dtype) {
   Shape s = shape.empty() ? Shape{static_cast<int64_t>(values.size())} : shape;
   TensorView v(const_cast<T*>(values.data()), dtype, s);
   CTXPAR_CHECK(v.numel() == static_cast<int64_t>(values.size()), "write_npy ", path, ": shape ",
@@ -99,7 +103,8 @@ void write_file_atomic(const std::string& path, std::span<const uint8_t> bytes) 
 void write_file_atomic(const std::string& path, std::span<const std::span<const uint8_t>> pieces) {
   std::string tmpl;
   const int fd = open_temp_beside(path, &tmpl);
-  if (fd < 0) fail(path, std::string("cannot create a temporary file beside it: ") + std::strerror(errno));
+  if (fd < 0)
+    fail(path, std::string("cannot create a temporary file beside it: ") + std::strerror(errno));
   auto give_up = [&](const char* what) {
     const int err = errno;
     close(fd);
@@ -129,8 +134,8 @@ void write_file_atomic(const std::string& path, std::span<const std::span<const 
 }
 
 void write_file_atomic(const std::string& path, const std::string& text) {
-  write_file_atomic(path, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()),
-                                                   text.size()));
+  write_file_atomic(
+      path, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
 }
 
 }  // namespace ctxpar

@@ -34,8 +34,8 @@ std::string output_path_problem(const std::string& path) {
   std::string temp;
   const int fd = open_temp_beside(path, &temp);
   if (fd < 0)
-    return "cannot be written: no file can be created in " + folder + " (" +
-           std::strerror(errno) + "); give a path in a folder you can write";
+    return "cannot be written: no file can be created in " + folder + " (" + std::strerror(errno) +
+           "); give a path in a folder you can write";
   ::close(fd);
   ::unlink(temp.c_str());
   return "";

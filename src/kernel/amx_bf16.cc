@@ -64,9 +64,10 @@ __attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void block(
 
 }  // namespace
 
-__attribute__((target("amx-tile,amx-bf16,avx512f"))) void scores_amx(
-    int64_t m, int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b, float* c,
-    float mul) {
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) void scores_amx(int64_t m, int64_t npairs,
+                                                                     const uint32_t* a, int64_t lda,
+                                                                     const uint32_t* b, float* c,
+                                                                     float mul) {
   load_tiles();
   // A remainder of fewer than 32 rows is copied into zeroed rows, its C written here first.
   thread_local std::vector<uint32_t> a_tail;
@@ -176,12 +177,12 @@ __attribute__((target("avx512f,avx512vl,avx512bw,avx512bf16"))) void round_to_pa
     int nsplit, int64_t split_words) {
   // Word indices that move bf16 value i (of the low or high 16) into the high half of 32-bit
   // lane i; the masked permute below zeroes the low halves, leaving the value's fp32 bits.
-  alignas(64) static constexpr uint16_t kToHighLo[32] = {
-      0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13,
-      14, 14, 15, 15};
-  alignas(64) static constexpr uint16_t kToHighHi[32] = {
-      16, 16, 17, 17, 18, 18, 19, 19, 20, 20, 21, 21, 22, 22, 23, 23, 24, 24, 25, 25, 26, 26, 27,
-      27, 28, 28, 29, 29, 30, 30, 31, 31};
+  alignas(64) static constexpr uint16_t kToHighLo[32] = {0,  0,  1,  1,  2,  2,  3,  3,  4,  4,  5,
+                                                         5,  6,  6,  7,  7,  8,  8,  9,  9,  10, 10,
+                                                         11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
+  alignas(64) static constexpr uint16_t kToHighHi[32] = {16, 16, 17, 17, 18, 18, 19, 19, 20, 20, 21,
+                                                         21, 22, 22, 23, 23, 24, 24, 25, 25, 26, 26,
+                                                         27, 27, 28, 28, 29, 29, 30, 30, 31, 31};
   const __m512i to_high_lo = _mm512_load_si512(kToHighLo);
   const __m512i to_high_hi = _mm512_load_si512(kToHighHi);
   for (int64_t r = 0; r < rows; ++r) {
@@ -222,8 +223,8 @@ __attribute__((target("avx512f,avx512vl,avx512bw,avx512bf16"))) void round_to_pa
 // One C element of a tile product (A row 0 = x, B column 0 = y; the rest zero), accumulated
 // over npairs / 16 steps from a zeroed tile exactly as block() accumulates every element.
 __attribute__((target("amx-tile,amx-bf16"))) float dot_pairs_amx(const uint32_t* x,
-                                                                const uint32_t* y,
-                                                                int64_t npairs) {
+                                                                 const uint32_t* y,
+                                                                 int64_t npairs) {
   load_tiles();
   alignas(64) uint32_t at[16 * 16] = {}, bt[16 * 16] = {};
   alignas(64) float ct[16 * 16];
@@ -240,8 +241,8 @@ __attribute__((target("amx-tile,amx-bf16"))) float dot_pairs_amx(const uint32_t*
 }
 #else
 void scores_amx(int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*, float*, float) {}
-void gemm_amx(int64_t, int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*, int64_t,
-              float*, int64_t, bool, int, int64_t) {}
+void gemm_amx(int64_t, int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*, int64_t, float*,
+              int64_t, bool, int, int64_t) {}
 void round_to_pairs(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t, int, int64_t) {}
 float dot_pairs_amx(const uint32_t*, const uint32_t*, int64_t) { return 0; }
 #endif

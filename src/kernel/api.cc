@@ -16,7 +16,8 @@ namespace ctxpar {
 using kernel::kNegInf;
 
 ForwardState::ForwardState(int64_t batch, int64_t tq, int64_t hq, int64_t d)
-    : acc_(DType::f32, {batch, tq, hq, d}), m_(DType::f32, {batch, hq, tq}),
+    : acc_(DType::f32, {batch, tq, hq, d}),
+      m_(DType::f32, {batch, hq, tq}),
       l_(DType::f32, {batch, hq, tq}) {
   reset();
 }
@@ -30,8 +31,8 @@ void ForwardState::reset() {
 
 KernelStats attention_forward_block(const TensorView& q, const Tokens& q_tokens,
                                     const TensorView& k, const TensorView& v,
-                                    const Tokens& k_tokens, const Mask& mask,
-                                    ForwardState& state, const KernelConfig& config) {
+                                    const Tokens& k_tokens, const Mask& mask, ForwardState& state,
+                                    const KernelConfig& config) {
   return attention_forward_block(q, q_tokens, k, v, k_tokens, mask, state.view(), config);
 }
 
@@ -56,9 +57,9 @@ bool amx_products(const KernelConfig& config) {
 // A state given as views must be laid out as a ForwardState's own tensors.
 void check_state_memory(const ForwardStateView& state) {
   const int64_t b = state.acc().dim(0), t = state.acc().dim(1), h = state.acc().dim(2);
-  CTXPAR_CHECK(state.acc().dtype() == DType::f32 && state.acc().ndim() == 4 &&
-                   state.acc().contiguous(),
-               "state: acc must be a contiguous fp32 [B, Tq, Hq, D] view");
+  CTXPAR_CHECK(
+      state.acc().dtype() == DType::f32 && state.acc().ndim() == 4 && state.acc().contiguous(),
+      "state: acc must be a contiguous fp32 [B, Tq, Hq, D] view");
   kernel::check_rows_f32("state.m", state.m(), b, h, t);
   kernel::check_rows_f32("state.l", state.l(), b, h, t);
   CTXPAR_CHECK(state.m().contiguous() && state.l().contiguous(),
@@ -94,8 +95,9 @@ void attention_forward_finalize(const ForwardStateView& state, const TensorView&
   const int64_t b = state.acc().dim(0), t = state.acc().dim(1), h = state.acc().dim(2),
                 d = state.acc().dim(3);
   kernel::check_activation("out", out, true);
-  CTXPAR_CHECK(out.shape() == Shape({b, t, h, d}), "out: expected shape [B, Tq, Hq, D] = ",
-               shape_str({b, t, h, d}), " (the state's), got ", shape_str(out.shape()));
+  CTXPAR_CHECK(out.shape() == Shape({b, t, h, d}),
+               "out: expected shape [B, Tq, Hq, D] = ", shape_str({b, t, h, d}),
+               " (the state's), got ", shape_str(out.shape()));
   kernel::check_rows_f32("lse", lse, b, h, t);
   CTXPAR_CHECK(config.threads >= 1, "config.threads: expected >= 1, got ", config.threads);
   const float* acc = state.acc().ptr<const float>();
@@ -181,8 +183,8 @@ KernelStats attention_backward_block(const TensorView& q, const Tokens& q_tokens
   p.round_p = config.bf16_tier == Bf16Tier::fast && q.dtype() == DType::bf16;
   if (p.tq == 0 || p.tk == 0 || p.batch == 0) return {};
   if (kernel::use_scalar_path())
-    return kernel::backward_scalar(p, q, q_tokens, k, v, k_tokens, mask, dout, lse, delta, dq,
-                                   dk, dv);
+    return kernel::backward_scalar(p, q, q_tokens, k, v, k_tokens, mask, dout, lse, delta, dq, dk,
+                                   dv);
   return kernel::backward_simd(p, q, q_tokens, k, v, k_tokens, mask, dout, lse, delta, dq, dk, dv);
 }
 

@@ -96,8 +96,7 @@ std::string fixed2(double x) {
 }  // namespace
 
 Bf16Choice decide_bf16_products(const char* env_value, bool cpu_has, double fma_gflops,
-                                double dot_gflops, const std::string& amx_why,
-                                double amx_gflops) {
+                                double dot_gflops, const std::string& amx_why, double amx_gflops) {
   Bf16Choice c;
   const std::string want = env_value != nullptr ? env_value : "";
   if (!want.empty() && want != "auto" && want != "on" && want != "off" && want != "dot" &&
@@ -148,10 +147,14 @@ Bf16Choice decide_bf16_products(const char* env_value, bool cpu_has, double fma_
 
 int bf16_products_level(Bf16Products products) {
   switch (products) {
-    case Bf16Products::automatic: return bf16_products().level;
-    case Bf16Products::fp32: return kBf16Fp32;
-    case Bf16Products::dot: return kBf16Dot;
-    case Bf16Products::amx: return kBf16Amx;
+    case Bf16Products::automatic:
+      return bf16_products().level;
+    case Bf16Products::fp32:
+      return kBf16Fp32;
+    case Bf16Products::dot:
+      return kBf16Dot;
+    case Bf16Products::amx:
+      return kBf16Amx;
   }
   return kBf16Fp32;
 }
@@ -205,10 +208,14 @@ namespace ctxpar {
 
 const char* bf16_products_name(Bf16Products products) {
   switch (products) {
-    case Bf16Products::automatic: return "automatic";
-    case Bf16Products::fp32: return "fp32";
-    case Bf16Products::dot: return "dot";
-    case Bf16Products::amx: return "amx";
+    case Bf16Products::automatic:
+      return "automatic";
+    case Bf16Products::fp32:
+      return "fp32";
+    case Bf16Products::dot:
+      return "dot";
+    case Bf16Products::amx:
+      return "amx";
   }
   return "?";
 }

@@ -21,8 +21,8 @@ std::string activation_verdict(const char* name, const TensorView& t, bool allow
     return detail::concat(name, ": expected shape ", what, " = ", shape_str(want), ", got ",
                           shape_str(t.shape()));
   if (!(t.dtype() == DType::f32 || (allow_bf16 && t.dtype() == DType::bf16)))
-    return detail::concat(name, ": expected dtype ", allow_bf16 ? "fp32 or bf16" : "fp32",
-                          ", got ", dtype_name(t.dtype()));
+    return detail::concat(name, ": expected dtype ", allow_bf16 ? "fp32 or bf16" : "fp32", ", got ",
+                          dtype_name(t.dtype()));
   if (t.ndim() == 4 && t.dim(3) > 1 && t.stride(3) != 1)
     return detail::concat(name, ": the last dimension must be contiguous (stride 1), got stride ",
                           t.stride(3));
@@ -36,11 +36,12 @@ void check_activation(const char* name, const TensorView& t, bool allow_bf16, co
 }
 
 void check_rows_f32(const char* name, const TensorView& t, int64_t b, int64_t h, int64_t tokens) {
-  CTXPAR_CHECK(!t.empty(), name, ": tensor is empty, expected [B, H, T] = ",
-               shape_str({b, h, tokens}), " fp32");
+  CTXPAR_CHECK(!t.empty(), name,
+               ": tensor is empty, expected [B, H, T] = ", shape_str({b, h, tokens}), " fp32");
   CTXPAR_CHECK(t.dtype() == DType::f32, name, ": expected dtype fp32, got ", dtype_name(t.dtype()));
-  CTXPAR_CHECK(t.shape() == Shape({b, h, tokens}), name, ": expected shape [B, H, T] = ",
-               shape_str({b, h, tokens}), ", got ", shape_str(t.shape()));
+  CTXPAR_CHECK(t.shape() == Shape({b, h, tokens}), name,
+               ": expected shape [B, H, T] = ", shape_str({b, h, tokens}), ", got ",
+               shape_str(t.shape()));
 }
 
 const char* const kNonFiniteHint =
@@ -93,8 +94,8 @@ void check_tokens(const char* name, const Tokens& tokens, int64_t n, const Mask&
 }
 
 void check_same(const char* name, const TensorView& t, const Shape& want, const char* what) {
-  CTXPAR_CHECK(t.shape() == want, name, ": expected shape ", what, " = ", shape_str(want),
-               ", got ", shape_str(t.shape()));
+  CTXPAR_CHECK(t.shape() == want, name, ": expected shape ", what, " = ", shape_str(want), ", got ",
+               shape_str(t.shape()));
 }
 }  // namespace
 
@@ -111,14 +112,16 @@ Problem check_forward_args(const TensorView& q, const Tokens& q_tokens, const Te
   CTXPAR_CHECK(k.dim(0) == p.batch, "k: batch ", k.dim(0), " does not match q's batch ", p.batch);
   CTXPAR_CHECK(k.dim(3) == p.d, "k: head dim ", k.dim(3), " does not match q's head dim ", p.d);
   check_same("v", v, k.shape(), "k's [B, Tk, Hkv, D]");
-  CTXPAR_CHECK(p.hkv > 0 && p.hq % p.hkv == 0, "k: kv heads (", p.hkv,
-               ") must divide q's heads (", p.hq, "): Hq % Hkv == 0 (GQA/MQA)");
+  CTXPAR_CHECK(p.hkv > 0 && p.hq % p.hkv == 0, "k: kv heads (", p.hkv, ") must divide q's heads (",
+               p.hq, "): Hq % Hkv == 0 (GQA/MQA)");
   p.group = p.hq / p.hkv;
   check_tokens("q_tokens", q_tokens, p.tq, mask);
   check_tokens("k_tokens", k_tokens, p.tk, mask);
   CTXPAR_CHECK(config.threads >= 1, "config.threads: expected >= 1, got ", config.threads);
-  CTXPAR_CHECK(std::isfinite(config.scale) && config.scale >= 0, "config.scale: expected a finite "
-               "value >= 0 (0 = 1/sqrt(D)), got ", config.scale);
+  CTXPAR_CHECK(std::isfinite(config.scale) && config.scale >= 0,
+               "config.scale: expected a finite "
+               "value >= 0 (0 = 1/sqrt(D)), got ",
+               config.scale);
   p.scale = config.scale > 0 ? config.scale : 1.0f / std::sqrt(static_cast<float>(p.d));
   p.threads = config.threads;
   CTXPAR_CHECK(config.l1d_bytes == 0 ||
@@ -136,9 +139,9 @@ Problem check_forward_args(const TensorView& q, const Tokens& q_tokens, const Te
 
 Problem check_backward_args(const TensorView& q, const Tokens& q_tokens, const TensorView& k,
                             const TensorView& v, const Tokens& k_tokens, const Mask& mask,
-                            const TensorView& dout, const TensorView& lse,
-                            const TensorView& delta, const TensorView& dq, const TensorView& dk,
-                            const TensorView& dv, const KernelConfig& config) {
+                            const TensorView& dout, const TensorView& lse, const TensorView& delta,
+                            const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                            const KernelConfig& config) {
   Problem p = check_forward_args(q, q_tokens, k, v, k_tokens, mask, config);
   check_activation("dout", dout, true);
   check_same("dout", dout, q.shape(), "q's [B, Tq, Hq, D]");
@@ -173,7 +176,9 @@ TileRanges tile_ranges(const Tokens& tokens, int64_t n, int64_t tile, bool docum
       lo = std::min(lo, pos), hi = std::max(hi, pos);
       if (documents) dl = std::min(dl, tokens.documents[i]), dh = std::max(dh, tokens.documents[i]);
     }
-    r.padding[t] = real == b - a ? TileRanges::none : real == 0 ? TileRanges::all : TileRanges::some;
+    r.padding[t] = real == b - a ? TileRanges::none
+                   : real == 0   ? TileRanges::all
+                                 : TileRanges::some;
     if (real == 0) continue;  // all padding: classify() skips it, the ranges are never read
     r.pos_lo[t] = lo, r.pos_hi[t] = hi;
     if (documents) r.doc_lo[t] = dl, r.doc_hi[t] = dh;

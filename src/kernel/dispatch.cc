@@ -28,8 +28,9 @@ struct Named {
   const char* name;
 };
 // Best first (a lower Highway bit is a better target).
-constexpr Named kNames[] = {{HWY_AVX3_DL, "avx512_dl"}, {HWY_AVX3, "avx512"}, {HWY_AVX2, "avx2"},
-                            {HWY_SSE4, "sse4"},         {HWY_SSSE3, "ssse3"}, {HWY_EMU128, "emu128"},
+constexpr Named kNames[] = {{HWY_AVX3_DL, "avx512_dl"}, {HWY_AVX3, "avx512"},
+                            {HWY_AVX2, "avx2"},         {HWY_SSE4, "sse4"},
+                            {HWY_SSSE3, "ssse3"},       {HWY_EMU128, "emu128"},
                             {HWY_SCALAR, "hwy_scalar"}};
 
 std::string names_of(int64_t targets) {
@@ -79,8 +80,9 @@ Choice decide(const KernelEnvironment& env) {
               (target == 0 ? "unknown SIMD target" : "not compiled into this binary") +
               "; use one of: " + names_of(HWY_TARGETS) + ", scalar (or unset it for the best)";
   } else if (!(target & c.runnable)) {
-    c.error = "CTXPAR_SIMD=" + std::string(want) + ": this CPU lacks it; it can run: " +
-              names_of(c.runnable) + ", scalar (or unset CTXPAR_SIMD for the best)";
+    c.error = "CTXPAR_SIMD=" + std::string(want) +
+              ": this CPU lacks it; it can run: " + names_of(c.runnable) +
+              ", scalar (or unset CTXPAR_SIMD for the best)";
   } else {
     c.chosen = target;
   }
@@ -189,8 +191,9 @@ void set_kernel_environment(const KernelEnvironment& env) {
   kernel::Installed& i = kernel::installed();
   std::lock_guard<std::mutex> lock(i.mutex);
   if (i.fixed && !(env == i.env))
-    throw Error("set_kernel_environment: the kernel's choices were already made from another "
-                "environment (its first call, or simd_targets()); install it before either");
+    throw Error(
+        "set_kernel_environment: the kernel's choices were already made from another "
+        "environment (its first call, or simd_targets()); install it before either");
   i.env = env;
 }
 

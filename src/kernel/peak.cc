@@ -35,11 +35,13 @@ HWY_NOINLINE float FmaChains(int64_t iterations, float seed) {
     a9 = hn::MulAdd(a9, mul, add), a10 = hn::MulAdd(a10, mul, add), a11 = hn::MulAdd(a11, mul, add);
     // An empty asm that "may change" the chains: the compiler can neither drop nor merge the
     // loop, and the values stay in registers ("v": any vector register).
-    __asm__ volatile("" : "+v"(a0.raw), "+v"(a1.raw), "+v"(a2.raw), "+v"(a3.raw), "+v"(a4.raw),
-                     "+v"(a5.raw), "+v"(a6.raw), "+v"(a7.raw), "+v"(a8.raw), "+v"(a9.raw),
-                     "+v"(a10.raw), "+v"(a11.raw));
+    __asm__ volatile(""
+                     : "+v"(a0.raw), "+v"(a1.raw), "+v"(a2.raw), "+v"(a3.raw), "+v"(a4.raw),
+                       "+v"(a5.raw), "+v"(a6.raw), "+v"(a7.raw), "+v"(a8.raw), "+v"(a9.raw),
+                       "+v"(a10.raw), "+v"(a11.raw));
   }
-  VF sum = hn::Add(hn::Add(hn::Add(a0, a1), hn::Add(a2, a3)), hn::Add(hn::Add(a4, a5), hn::Add(a6, a7)));
+  VF sum =
+      hn::Add(hn::Add(hn::Add(a0, a1), hn::Add(a2, a3)), hn::Add(hn::Add(a4, a5), hn::Add(a6, a7)));
   sum = hn::Add(sum, hn::Add(hn::Add(a8, a9), hn::Add(a10, a11)));
   return hn::GetLane(sum);
 }

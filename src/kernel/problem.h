@@ -42,9 +42,9 @@ Problem check_forward_args(const TensorView& q, const Tokens& q_tokens, const Te
 // Also checks dout, lse, delta, dq, dk, dv against the Problem.
 Problem check_backward_args(const TensorView& q, const Tokens& q_tokens, const TensorView& k,
                             const TensorView& v, const Tokens& k_tokens, const Mask& mask,
-                            const TensorView& dout, const TensorView& lse,
-                            const TensorView& delta, const TensorView& dq, const TensorView& dk,
-                            const TensorView& dv, const KernelConfig& config);
+                            const TensorView& dout, const TensorView& lse, const TensorView& delta,
+                            const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                            const KernelConfig& config);
 // Throws unless t is [B, H, T] fp32 (any strides).
 void check_rows_f32(const char* name, const TensorView& t, int64_t b, int64_t h, int64_t tokens);
 // Throws activation_verdict's message (kernel/finite.h) unless it is "".
@@ -58,7 +58,7 @@ void check_finite(const char* name, const TensorView& t);
 struct TileRanges {
   // Padding tokens (kPaddingPosition) in the tile, as TileRange::Padding.
   enum Padding : uint8_t { none = TileRange::none, some = TileRange::some, all = TileRange::all };
-  std::vector<int64_t> pos_lo, pos_hi;         // over the tile's real tokens
+  std::vector<int64_t> pos_lo, pos_hi;  // over the tile's real tokens
   std::vector<int32_t> doc_lo, doc_hi;
   std::vector<Padding> padding;
   int64_t tile = 0;
@@ -76,8 +76,8 @@ TileRanges tile_ranges(const Tokens& tokens, int64_t n, int64_t tile, bool docum
 
 // What a (query tile, key tile) pair needs: mask_rules.h's classification, the GPU's too.
 using ::ctxpar::TileKind;
-inline TileKind classify(const Mask& mask, const TileRanges& qr, int64_t qi,
-                         const TileRanges& kr, int64_t kj) {
+inline TileKind classify(const Mask& mask, const TileRanges& qr, int64_t qi, const TileRanges& kr,
+                         int64_t kj) {
   return ::ctxpar::classify(mask, qr.at(qi), kr.at(kj));
 }
 
@@ -157,7 +157,7 @@ int bf16_top_level();
 // is bf16_products().level, the others their own; bf16_products_of_level is its inverse.
 int bf16_products_level(Bf16Products products);
 constexpr Bf16Products bf16_products_of_level(int level) {
-  return level >= kBf16Amx ? Bf16Products::amx
+  return level >= kBf16Amx   ? Bf16Products::amx
          : level == kBf16Dot ? Bf16Products::dot
                              : Bf16Products::fp32;
 }

@@ -64,7 +64,8 @@ Result attention(const TensorView& q, const Tokens& q_tokens, const TensorView& 
   // Which keys each query sees: the same for every batch and head.
   std::vector<char> seen(static_cast<size_t>(Tq * Tk));
   for (int64_t i = 0; i < Tq; ++i)
-    for (int64_t j = 0; j < Tk; ++j) seen[i * Tk + j] = visible_exact(mask, q_tokens, i, k_tokens, j);
+    for (int64_t j = 0; j < Tk; ++j)
+      seen[i * Tk + j] = visible_exact(mask, q_tokens, i, k_tokens, j);
 
   Result r;
   std::vector<T> o(B * Tq * Hq * D, 0), lse(B * Hq * Tq, neg_inf);

@@ -61,8 +61,8 @@ BackwardShape backward_shape(const BackwardArgs& a) {
 
 // P = 2^(min(S - lse, 0) log2(e)) over s, and scale dS = scale P (dP - delta) over dpm, rows
 // [0, kTile) of a tile with `rows` real rows; padding and fully masked rows give 0.
-void softmax_gradient(const Problem& p, float* s, float* dpm, int64_t rows,
-                      const float* lse_rows, const float* dlt) {
+void softmax_gradient(const Problem& p, float* s, float* dpm, int64_t rows, const float* lse_rows,
+                      const float* dlt) {
   const DF df;
   const int64_t nl = lanes();
   for (int64_t r = 0; r < kTile; ++r) {
@@ -92,12 +92,21 @@ template <class Gradients>
 class BackwardWorker {
  public:
   BackwardWorker(const BackwardArgs& a, const BackwardShape& sh, float* dq_partial)
-      : a_(a), p_(a.p), sh_(sh), dq_partial_(dq_partial), grads_(a.p, sh),
+      : a_(a),
+        p_(a.p),
+        sh_(sh),
+        dq_partial_(dq_partial),
+        grads_(a.p, sh),
         scores_(a.p, sh, a.p.bf16_scores, bf16::Buffer::q_rows, a.p.scale),
         dps_(a.p, sh, a.p.bf16_dp, bf16::Buffer::do_rows, 1.0f),
         keys_{KeyTile(sh.ld), KeyTile(sh.ld)},
-        lse_rows_(p_.group * sh.nqt * kTile), dlt_(lse_rows_.size()), row_(sh.d),
-        s_(kTile * kTile), dpm_(s_.size()), pt_(s_.size()), dst_(s_.size()) {}
+        lse_rows_(p_.group * sh.nqt * kTile),
+        dlt_(lse_rows_.size()),
+        row_(sh.d),
+        s_(kTile * kTile),
+        dpm_(s_.size()),
+        pt_(s_.size()),
+        dst_(s_.size()) {}
 
   void run(int64_t task) {
     const int64_t chunk = task % sh_.chunks, bh = task / sh_.chunks;
@@ -223,10 +232,10 @@ void reduce_dq(const BackwardArgs& a, const BackwardShape& sh, const float* dq_p
 }  // namespace
 
 KernelStats BackwardSimd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
-                          const TensorView& k, const TensorView& v, const Tokens& k_tokens,
-                          const Mask& mask, const TensorView& dout, const TensorView& lse,
-                          const TensorView& delta, const TensorView& dq, const TensorView& dk,
-                          const TensorView& dv) {
+                         const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                         const Mask& mask, const TensorView& dout, const TensorView& lse,
+                         const TensorView& delta, const TensorView& dq, const TensorView& dk,
+                         const TensorView& dv) {
   const BackwardArgs a{p, q, k, v, dout, lse, delta, dq, dk, dv, q_tokens, k_tokens, mask};
   const BackwardShape sh = backward_shape(a);
   float* dq_partial = scratch(Scratch::dq_partial, sh.tasks * sh.q_block);
@@ -255,8 +264,8 @@ KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q
                           const Mask& mask, const TensorView& dout, const TensorView& lse,
                           const TensorView& delta, const TensorView& dq, const TensorView& dk,
                           const TensorView& dv) {
-  return HWY_DYNAMIC_DISPATCH(BackwardSimd)(p, q, q_tokens, k, v, k_tokens, mask, dout, lse,
-                                            delta, dq, dk, dv);
+  return HWY_DYNAMIC_DISPATCH(BackwardSimd)(p, q, q_tokens, k, v, k_tokens, mask, dout, lse, delta,
+                                            dq, dk, dv);
 }
 
 }  // namespace ctxpar::kernel

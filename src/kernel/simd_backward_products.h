@@ -67,19 +67,20 @@ class ScoreProducts {
  public:
   ScoreProducts(const Problem& p, const BackwardShape& sh, bool pairs, bf16::Buffer rows,
                 float scale)
-      : p_(p), sh_(sh), pairs_(pairs), scale_(scale),
+      : p_(p),
+        sh_(sh),
+        pairs_(pairs),
+        scale_(scale),
         rows_(pairs ? bf16::buffer(rows, sh.w_block) : nullptr) {
     for (int u = 0; u < 2; ++u) {
       key_pack_[u].resize(sh.d * kTile);
       key_pairs_[u].resize(pairs ? sh.np * kTile : 0);
     }
   }
-  void pack_rows(const TensorView& x, int64_t b, int64_t h, int64_t i0, int64_t rows,
-                 int64_t off) {
+  void pack_rows(const TensorView& x, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t off) {
     if (pairs_) bf16::pack_rows(x, b, h, i0, rows, sh_.d, sh_.ldw, rows_ + off * sh_.ldw, kTile);
   }
-  void pack_key(const TensorView& x, int64_t b, int64_t hk, const KeyTile& t, int u,
-                float* row) {
+  void pack_key(const TensorView& x, int64_t b, int64_t hk, const KeyTile& t, int u, float* row) {
     if (pairs_)
       bf16::pack_tile(x, b, hk, t.j0, t.cols, sh_.d, key_pairs_[u].data(), p_.amx);
     else
@@ -89,8 +90,8 @@ class ScoreProducts {
   // `fp32_rows`: the same rows packed in fp32, for the fp32 products.
   void product(int u, int64_t mrows, int64_t off, const float* fp32_rows, float* out) const {
     if (pairs_)
-      bf16::scores(mrows, sh_.np, rows_ + off * sh_.ldw, sh_.ldw, key_pairs_[u].data(), out,
-                   scale_, p_.amx);
+      bf16::scores(mrows, sh_.np, rows_ + off * sh_.ldw, sh_.ldw, key_pairs_[u].data(), out, scale_,
+                   p_.amx);
     else
       gemm_rows(mrows, kTile, sh_.d, fp32_rows, sh_.ld, key_pack_[u].data(), kTile, out, kTile,
                 false, sh_.k_panel);
@@ -112,7 +113,9 @@ class ScoreProducts {
 class Fp32Gradients {
  public:
   Fp32Gradients(const Problem& p, const BackwardShape& sh)
-      : p_(p), sh_(sh), qpack_(scratch(Scratch::q_pack, sh.q_block)),
+      : p_(p),
+        sh_(sh),
+        qpack_(scratch(Scratch::q_pack, sh.q_block)),
         dopack_(scratch(Scratch::do_pack, sh.q_block)) {
     for (std::vector<float>& r : k_rows_) r.resize(kTile * sh.ld);
   }
@@ -161,8 +164,12 @@ class Fp32Gradients {
 class PairGradients {
  public:
   PairGradients(const Problem& p, const BackwardShape& sh)
-      : p_(p), sh_(sh), n16_(round_up(sh.d, 16)), ldv_(bf16::vnni_words(sh.d)),
-        nsplit_(bf16::amx_parts(p.round_p)), split_words_(kTile * kHalf) {
+      : p_(p),
+        sh_(sh),
+        n16_(round_up(sh.d, 16)),
+        ldv_(bf16::vnni_words(sh.d)),
+        nsplit_(bf16::amx_parts(p.round_p)),
+        split_words_(kTile * kHalf) {
     const int64_t v_block = p.group * sh.nqt * kHalf * ldv_;  // one task's Q (or dO) pair-rows
     qvnni_ = bf16::buffer(bf16::Buffer::q_vnni, v_block);
     dovnni_ = bf16::buffer(bf16::Buffer::do_vnni, v_block);
@@ -208,8 +215,8 @@ class PairGradients {
     bf16::round_to_pairs(from, kTile, kTile, kHalf, to.data(), kHalf, nsplit_, split_words_);
   }
   void product(const std::vector<uint32_t>& a, const uint32_t* b, float* c, bool add) const {
-    bf16::gemm_pairs(kTile, n16_, kHalf, a.data(), kHalf, b, ldv_, c, sh_.ld, add, p_.amx,
-                     nsplit_, split_words_);
+    bf16::gemm_pairs(kTile, n16_, kHalf, a.data(), kHalf, b, ldv_, c, sh_.ld, add, p_.amx, nsplit_,
+                     split_words_);
   }
   const Problem& p_;
   const BackwardShape& sh_;

@@ -40,8 +40,8 @@ void pack_tile(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t co
   for (int64_t c = 0; c < cols; ++c) {
     const uint16_t* src = t.ptr<const uint16_t>() + t.offset(b, j0 + c, h);
     for (int64_t p = 0; p < d / 2; ++p)
-      out[p * kCols + c] = static_cast<uint32_t>(src[2 * p]) |
-                           static_cast<uint32_t>(src[2 * p + 1]) << 16;
+      out[p * kCols + c] = static_cast<uint32_t>(src[2 * p]) | static_cast<uint32_t>(src[2 * p + 1])
+                                                                   << 16;
     if (d % 2 != 0) out[(np - 1) * kCols + c] = src[d - 1];
   }
 }
@@ -90,7 +90,8 @@ __attribute__((target("avx512f,avx512bf16"), always_inline)) inline void micro(
   }
   const __m512 vm = _mm512_set1_ps(mul);
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(c + r * ldc + j * 16, _mm512_mul_ps(acc[r][j], vm));
+    for (int j = 0; j < NV; ++j)
+      _mm512_storeu_ps(c + r * ldc + j * 16, _mm512_mul_ps(acc[r][j], vm));
 }
 
 template <int R>
@@ -101,20 +102,27 @@ __attribute__((target("avx512f,avx512bf16"), always_inline)) inline void micro_r
     const uint32_t* bc = b + col;
     float* cc = c + col;
     switch (std::min<int64_t>(4, (n - col) / 16)) {
-      case 4: micro<R, 4>(npairs, a, lda, bc, ldb, cc, ldc, accumulate, mul); break;
-      case 3: micro<R, 3>(npairs, a, lda, bc, ldb, cc, ldc, accumulate, mul); break;
-      case 2: micro<R, 2>(npairs, a, lda, bc, ldb, cc, ldc, accumulate, mul); break;
-      default: micro<R, 1>(npairs, a, lda, bc, ldb, cc, ldc, accumulate, mul);
+      case 4:
+        micro<R, 4>(npairs, a, lda, bc, ldb, cc, ldc, accumulate, mul);
+        break;
+      case 3:
+        micro<R, 3>(npairs, a, lda, bc, ldb, cc, ldc, accumulate, mul);
+        break;
+      case 2:
+        micro<R, 2>(npairs, a, lda, bc, ldb, cc, ldc, accumulate, mul);
+        break;
+      default:
+        micro<R, 1>(npairs, a, lda, bc, ldb, cc, ldc, accumulate, mul);
     }
   }
 }
 
 // C[m][n] = mul * (C or 0 + A B) over bf16 pairs: rows in blocks of 6, then 4, then 2 (m even).
 __attribute__((target("avx512f,avx512bf16"))) void dot_gemm(int64_t m, int64_t n, int64_t npairs,
-                                                           const uint32_t* a, int64_t lda,
-                                                           const uint32_t* b, int64_t ldb,
-                                                           float* c, int64_t ldc,
-                                                           bool accumulate, float mul) {
+                                                            const uint32_t* a, int64_t lda,
+                                                            const uint32_t* b, int64_t ldb,
+                                                            float* c, int64_t ldc, bool accumulate,
+                                                            float mul) {
   int64_t r = 0;
   for (; r + 6 <= m; r += 6)
     micro_row<6>(n, npairs, a + r * lda, lda, b, ldb, c + r * ldc, ldc, accumulate, mul);
@@ -126,8 +134,8 @@ __attribute__((target("avx512f,avx512bf16"))) void dot_gemm(int64_t m, int64_t n
 
 }  // namespace
 
-void scores(int64_t m, int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b,
-            float* c, float mul, bool amx) {
+void scores(int64_t m, int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b, float* c,
+            float mul, bool amx) {
   if (amx) return scores_amx(m, npairs, a, lda, b, c, mul);
   dot_gemm(m, kCols, npairs, a, lda, b, kCols, c, kCols, false, mul);
 }
@@ -145,8 +153,8 @@ uint16_t bits16(float x, bool& exact) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-__attribute__((target("avx512f,avx512bf16"))) float dot_pairs(const uint32_t* x,
-                                                             const uint32_t* y, int64_t n) {
+__attribute__((target("avx512f,avx512bf16"))) float dot_pairs(const uint32_t* x, const uint32_t* y,
+                                                              int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t p = 0; p < n; ++p)
     acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(x[p])),

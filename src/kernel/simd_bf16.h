@@ -46,8 +46,8 @@ void pack_tile(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t co
 // amx: through AMX-BF16 tiles instead (amx_bf16.cc; npairs = stored_pairs(d, true), lda a
 // multiple of 16 as row_words(d, true) is; any m): the same exact products summed in fp32 by
 // tdpbf16ps, 16 pairs a step, in its own order (so the bits differ from vdpbf16ps's).
-void scores(int64_t m, int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b,
-            float* c, float mul, bool amx = false);
+void scores(int64_t m, int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b, float* c,
+            float mul, bool amx = false);
 void scores_amx(int64_t m, int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b,
                 float* c, float mul);
 

@@ -130,9 +130,18 @@ PackedKv pack_kv(const ForwardArgs& a, const ForwardShape& sh) {
 class ForwardWorker {
  public:
   ForwardWorker(const ForwardArgs& a, const ForwardShape& sh, const PackedKv& kv)
-      : a_(a), p_(a.p), sh_(sh), kv_(kv), nl_(lanes()), split_words_(kRows * kHalf),
-        qt_(kRows * sh.ld), s_(kRows * kTile), acc_(kRows * sh.ld), m_(kRows),
-        lv_(kRows * nl_), qpairs_(a.p.bf16_scores ? kRows * sh.ldw : 0),
+      : a_(a),
+        p_(a.p),
+        sh_(sh),
+        kv_(kv),
+        nl_(lanes()),
+        split_words_(kRows * kHalf),
+        qt_(kRows * sh.ld),
+        s_(kRows * kTile),
+        acc_(kRows * sh.ld),
+        m_(kRows),
+        lv_(kRows * nl_),
+        qpairs_(a.p.bf16_scores ? kRows * sh.ldw : 0),
         ppairs_(sh.pairs_pv ? sh.nsplit * split_words_ : 0) {}
 
   void run(int64_t task) {
@@ -264,8 +273,8 @@ class ForwardWorker {
 }  // namespace
 
 KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
-                         const TensorView& k, const TensorView& v, const Tokens& k_tokens,
-                         const Mask& mask, const ForwardStateView& state) {
+                        const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                        const Mask& mask, const ForwardStateView& state) {
   const ForwardArgs a{p, q, k, v, q_tokens, k_tokens, mask, state};
   const ForwardShape sh = forward_shape(a);
   const PackedKv kv = pack_kv(a, sh);

@@ -74,8 +74,9 @@ HWY_INLINE VF exp2_neg(DF d, VF t) {
 // R rows x C vectors of C: acc over k of A[r][k] * B[k][c]. A row stride lda, B row stride ldb
 // (floats, B rows 64-byte friendly), C row stride ldc. accumulate = false overwrites C.
 template <int R, int C>
-CTXPAR_REGION_CHECKED HWY_INLINE void micro(const float* HWY_RESTRICT a, int64_t lda, const float* HWY_RESTRICT b,
-                      int64_t ldb, int64_t k, float* HWY_RESTRICT c, int64_t ldc, bool accumulate) {
+CTXPAR_REGION_CHECKED HWY_INLINE void micro(const float* HWY_RESTRICT a, int64_t lda,
+                                            const float* HWY_RESTRICT b, int64_t ldb, int64_t k,
+                                            float* HWY_RESTRICT c, int64_t ldc, bool accumulate) {
   const DF d;
   const int64_t n = lanes();
   VF acc[R][C];
@@ -96,11 +97,13 @@ CTXPAR_REGION_CHECKED HWY_INLINE void micro(const float* HWY_RESTRICT a, int64_t
 
 // R rows of C against all N columns: micro-kernels of kC vectors, then single vectors.
 template <int R, int kC>
-CTXPAR_REGION_CHECKED HWY_INLINE void row_block(int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                          int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+CTXPAR_REGION_CHECKED HWY_INLINE void row_block(int64_t n, int64_t k, const float* a, int64_t lda,
+                                                const float* b, int64_t ldb, float* c, int64_t ldc,
+                                                bool accumulate) {
   const int64_t nl = lanes();
   int64_t j = 0;
-  for (; j + kC * nl <= n; j += kC * nl) micro<R, kC>(a, lda, b + j, ldb, k, c + j, ldc, accumulate);
+  for (; j + kC * nl <= n; j += kC * nl)
+    micro<R, kC>(a, lda, b + j, ldb, k, c + j, ldc, accumulate);
   for (; j < n; j += nl) micro<R, 1>(a, lda, b + j, ldb, k, c + j, ldc, accumulate);
 }
 

@@ -11,9 +11,12 @@ namespace ctxpar {
 
 const char* layout_name(LayoutKind k) {
   switch (k) {
-    case LayoutKind::contiguous: return "contiguous";
-    case LayoutKind::zigzag: return "zigzag";
-    case LayoutKind::striped: return "striped";
+    case LayoutKind::contiguous:
+      return "contiguous";
+    case LayoutKind::zigzag:
+      return "zigzag";
+    case LayoutKind::striped:
+      return "striped";
   }
   return "?";
 }
@@ -100,12 +103,14 @@ std::vector<int64_t> Layout::token_positions(int rank, std::span<const int64_t> 
 int Layout::owner(int64_t t) const {
   CTXPAR_CHECK(t >= 0 && t < padded_, "layout: token ", t, " out of range [0, ", padded_, ")");
   switch (kind_) {
-    case LayoutKind::contiguous: return static_cast<int>(t / local_tokens());
+    case LayoutKind::contiguous:
+      return static_cast<int>(t / local_tokens());
     case LayoutKind::zigzag: {
       const int64_t chunk = t / (padded_ / (2 * int64_t(ranks_)));
       return static_cast<int>(chunk < ranks_ ? chunk : 2 * int64_t(ranks_) - 1 - chunk);
     }
-    case LayoutKind::striped: return static_cast<int>(t % ranks_);
+    case LayoutKind::striped:
+      return static_cast<int>(t % ranks_);
   }
   return 0;
 }
@@ -113,12 +118,14 @@ int Layout::owner(int64_t t) const {
 int64_t Layout::local_index(int64_t t) const {
   const int r = owner(t);
   switch (kind_) {
-    case LayoutKind::contiguous: return t - r * local_tokens();
+    case LayoutKind::contiguous:
+      return t - r * local_tokens();
     case LayoutKind::zigzag: {
       const int64_t c = padded_ / (2 * int64_t(ranks_));
       return t / c < ranks_ ? t - r * c : c + t - (2 * int64_t(ranks_) - 1 - r) * c;
     }
-    case LayoutKind::striped: return t / ranks_;
+    case LayoutKind::striped:
+      return t / ranks_;
   }
   return 0;
 }

@@ -7,8 +7,8 @@
 namespace ctxpar::model {
 
 void attention_forward(const ModelConfig& m, const LayerParams& w, Strategy& strategy,
-                       const Tokens& tokens, const RopeTable& rope, int64_t batch,
-                       BlockActs& a, float* y) {
+                       const Tokens& tokens, const RopeTable& rope, int64_t batch, BlockActs& a,
+                       float* y) {
   const int64_t tl = rope.tokens, n = batch * tl, c = m.dim, d = m.head_dim;
   const int64_t q_width = int64_t(m.heads) * d, kv_width = int64_t(m.kv_heads) * d;
   linear_forward(a.xn1.data(), w.wq, a.q.data(), n, c, q_width);

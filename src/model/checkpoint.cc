@@ -28,7 +28,8 @@ int64_t parse_step(const std::string& path, const std::string& text) {
   const char* end = text.data() + text.size();
   auto [p, ec] = std::from_chars(text.data(), end, step);
   CTXPAR_CHECK(!text.empty() && ec == std::errc() && p == end && step >= 0, "checkpoint ", path,
-               ": its step '", text, "' is not a non-negative integer; the file is corrupt or "
+               ": its step '", text,
+               "' is not a non-negative integer; the file is corrupt or "
                "was edited");
   return step;
 }
@@ -38,10 +39,12 @@ void check_values(const std::string& path, const std::string& name, const float*
                   bool second_moment) {
   for (size_t i = 0; i < n; ++i) {
     CTXPAR_CHECK(std::isfinite(x[i]), "checkpoint ", path, ": tensor ", name, " holds ", x[i],
-                 " at index ", i, " (the run that wrote it diverged, or the file is corrupt); "
+                 " at index ", i,
+                 " (the run that wrote it diverged, or the file is corrupt); "
                  "resume from an earlier checkpoint");
-    CTXPAR_CHECK(!second_moment || x[i] >= 0.0f, "checkpoint ", path, ": tensor ", name,
-                 " holds ", x[i], " at index ", i, ", but Adam's second moment is a mean of "
+    CTXPAR_CHECK(!second_moment || x[i] >= 0.0f, "checkpoint ", path, ": tensor ", name, " holds ",
+                 x[i], " at index ", i,
+                 ", but Adam's second moment is a mean of "
                  "squares and never negative; the file is corrupt or was edited");
   }
 }
@@ -74,17 +77,19 @@ void load_checkpoint(const std::string& path, const TrainConfig& config,
   SafetensorsFile f = read_safetensors(path);
   const std::string format = f.metadata.count("format") ? f.metadata["format"] : "";
   CTXPAR_CHECK(format == kFormat || format == kFormatUnchecked, "checkpoint ", path,
-               " is not a ctxpar training checkpoint (no format '", kFormat,
-               "' in its metadata)");
+               " is not a ctxpar training checkpoint (no format '", kFormat, "' in its metadata)");
   CTXPAR_CHECK(f.checksummed || format == kFormatUnchecked, "checkpoint ", path,
                " has no checksum in its metadata; the file was edited or is corrupt");
   if (!f.checksummed)
-    std::fprintf(stderr, "ctxpar train: note: checkpoint %s predates checksums (%s); its bytes "
-                 "are not verified\n", path.c_str(), kFormatUnchecked);
+    std::fprintf(stderr,
+                 "ctxpar train: note: checkpoint %s predates checksums (%s); its bytes "
+                 "are not verified\n",
+                 path.c_str(), kFormatUnchecked);
   const std::string want = config.model.describe();
   CTXPAR_CHECK(f.metadata["model"] == want, "checkpoint ", path,
                " is from another model config:\n  checkpoint: ", f.metadata["model"],
-               "\n  this run:   ", want, "\nrun with the checkpoint's model options or start fresh");
+               "\n  this run:   ", want,
+               "\nrun with the checkpoint's model options or start fresh");
   const int64_t step = parse_step(path, f.metadata["step"]);
   auto infos = param_infos(config.model);
   const size_t total = param_count(infos);
@@ -109,9 +114,10 @@ void load_checkpoint(const std::string& path, const TrainConfig& config,
   take("adam.v.", adam.v);
   adam.step = step;
   if (f.metadata["seed"] != std::to_string(config.seed))
-    std::fprintf(stderr, "ctxpar train: note: checkpoint %s was trained with --seed %s; this run "
-                 "uses %llu, so its batches differ from an uninterrupted run\n", path.c_str(),
-                 f.metadata["seed"].c_str(), (unsigned long long)config.seed);
+    std::fprintf(stderr,
+                 "ctxpar train: note: checkpoint %s was trained with --seed %s; this run "
+                 "uses %llu, so its batches differ from an uninterrupted run\n",
+                 path.c_str(), f.metadata["seed"].c_str(), (unsigned long long)config.seed);
 }
 
 }  // namespace ctxpar::model

@@ -68,7 +68,8 @@ DataSource::DataSource(const TrainConfig& config) : config_(config) {
   copy_len_ = config.copy_len > 0 ? config.copy_len : std::min<int64_t>(128, t / 4);
   CTXPAR_CHECK(copy_len_ >= 1 && copy_len_ <= 128 && copy_len_ <= t / 4,
                "train: TrainConfig::copy_len must be in [1, min(128, T/4)] so that the copy lies "
-               "more than T/2 back, got ", copy_len_, " with T = ", t);
+               "more than T/2 back, got ",
+               copy_len_, " with T = ", t);
 }
 
 DataSource::~DataSource() {
@@ -81,11 +82,12 @@ void DataSource::read_sequence(uint64_t start, uint8_t* to, size_t n) const {
   while (done < n) {
     const ssize_t got = ::pread(fd_, to + done, n - done, off_t(start + done));
     if (got < 0 && errno == EINTR) continue;
-    CTXPAR_CHECK(got >= 0, "train: reading TrainConfig::data_path ", config_.data_path, " failed: ",
-                 std::strerror(errno));
+    CTXPAR_CHECK(got >= 0, "train: reading TrainConfig::data_path ", config_.data_path,
+                 " failed: ", std::strerror(errno));
     CTXPAR_CHECK(got > 0, "train: TrainConfig::data_path ", config_.data_path,
                  " shrank while training (had ", file_bytes_, " bytes, ends before byte ",
-                 start + done + 1, "); is another "
+                 start + done + 1,
+                 "); is another "
                  "process writing it?");
     done += size_t(got);
   }

@@ -11,8 +11,7 @@
 
 namespace ctxpar::model {
 
-void embedding_forward(const uint8_t* tokens, const float* table, float* x, int64_t n,
-                       int64_t c) {
+void embedding_forward(const uint8_t* tokens, const float* table, float* x, int64_t n, int64_t c) {
   for (int64_t i = 0; i < n; ++i) std::memcpy(x + i * c, table + int64_t(tokens[i]) * c, c * 4);
 }
 
@@ -25,9 +24,8 @@ void embedding_backward(const uint8_t* tokens, const float* dx, float* dtable, i
   }
 }
 
-LossSums cross_entropy_forward_backward(float* logits, const uint8_t* labels,
-                                        const uint8_t* weight, int64_t n, int64_t v,
-                                        double global_count) {
+LossSums cross_entropy_forward_backward(float* logits, const uint8_t* labels, const uint8_t* weight,
+                                        int64_t n, int64_t v, double global_count) {
   LossSums sums;
   const float inv = static_cast<float>(1.0 / global_count);
   for (int64_t i = 0; i < n; ++i) {

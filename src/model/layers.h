@@ -20,8 +20,8 @@ void linear_backward(const float* dy, const float* x, const float* w, float* dx,
 void rmsnorm_forward(const float* x, const float* w, float* y, float* rstd, int64_t n, int64_t c,
                      float eps);
 // dy [N, C]; dx [N, C] +=; dw [C] +=.
-void rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd,
-                      float* dx, float* dw, int64_t n, int64_t c);
+void rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd, float* dx,
+                      float* dw, int64_t n, int64_t c);
 
 // ---- rope.cc: rotary embedding from each token's GLOBAL position -----------------------------
 // Pairs (2i, 2i+1) of every head are rotated by angle pos * base^(-2i/D).
@@ -49,15 +49,14 @@ void embedding_backward(const uint8_t* tokens, const float* dx, float* dtable, i
                         int64_t c);
 
 struct LossSums {
-  double loss = 0;     // sum over counted tokens of -log p(label), already divided by the
-                       // global count
-  int64_t counted = 0; // local counted tokens
-  int64_t correct = 0; // local counted tokens whose argmax is the label
+  double loss = 0;      // sum over counted tokens of -log p(label), already divided by the
+                        // global count
+  int64_t counted = 0;  // local counted tokens
+  int64_t correct = 0;  // local counted tokens whose argmax is the label
 };
 // logits [N, V] are overwritten with dloss/dlogits = (softmax - onehot) * weight / global_count
 // for counted tokens (weight[i] != 0) and 0 elsewhere. labels, weight [N].
-LossSums cross_entropy_forward_backward(float* logits, const uint8_t* labels,
-                                        const uint8_t* weight, int64_t n, int64_t v,
-                                        double global_count);
+LossSums cross_entropy_forward_backward(float* logits, const uint8_t* labels, const uint8_t* weight,
+                                        int64_t n, int64_t v, double global_count);
 
 }  // namespace ctxpar::model

@@ -20,8 +20,8 @@ void linear_backward(const float* dy, const float* x, const float* w, float* dx,
                 accumulate_dx ? 1.0f : 0.0f, dx, in);
   // dw [out, in] += dy^T [out, N] . x [N, in]
   if (dw)
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, out, in, n, 1.0f, dy, out, x, in, 1.0f,
-                dw, in);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, out, in, n, 1.0f, dy, out, x, in, 1.0f, dw,
+                in);
 }
 
 }  // namespace ctxpar::model

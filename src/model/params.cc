@@ -14,8 +14,8 @@ void ModelConfig::validate() const {
                "model: ModelConfig::dim and ModelConfig::hidden must be >= 1");
   CTXPAR_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0,
                "model: ModelConfig::heads must be a multiple of ModelConfig::kv_heads (GQA), got "
-               "heads=", heads,
-               " kv_heads=", kv_heads);
+               "heads=",
+               heads, " kv_heads=", kv_heads);
   CTXPAR_CHECK(head_dim >= 16 && head_dim <= 256 && head_dim % 2 == 0,
                "model: ModelConfig::head_dim must be even and in [16, 256] (kernel and RoPE), got ",
                head_dim);

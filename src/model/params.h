@@ -10,10 +10,10 @@
 namespace ctxpar::model {
 
 struct ParamInfo {
-  std::string name;             // PyTorch-style: "embed", "layers.0.wq", "final_norm"
+  std::string name;  // PyTorch-style: "embed", "layers.0.wq", "final_norm"
   std::vector<int64_t> shape;
   size_t offset = 0, numel = 0;
-  bool decay = false;           // AdamW weight decay on matrices only, not on norm gains
+  bool decay = false;  // AdamW weight decay on matrices only, not on norm gains
 };
 
 // Parameter order and shapes for a config; identical on every rank.
@@ -24,9 +24,9 @@ struct LayerParams {
   float *attn_norm, *wq, *wk, *wv, *wo, *mlp_norm, *w1, *w3, *w2;
 };
 struct ModelParams {
-  float* embed;                 // [V, C], also the LM head (tied)
+  float* embed;  // [V, C], also the LM head (tied)
   std::vector<LayerParams> layers;
-  float* final_norm;            // [C]
+  float* final_norm;  // [C]
 };
 // Named pointers into a flat buffer laid out by param_infos (weights or their gradients).
 ModelParams bind_params(const ModelConfig& config, float* flat);

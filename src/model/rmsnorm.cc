@@ -19,8 +19,8 @@ void rmsnorm_forward(const float* x, const float* w, float* y, float* rstd, int6
   }
 }
 
-void rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd,
-                      float* dx, float* dw, int64_t n, int64_t c) {
+void rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd, float* dx,
+                      float* dw, int64_t n, int64_t c) {
   // With xhat = x * r:  dx = r * (dy*w - xhat * mean(dy*w*xhat)),  dw += dy * xhat.
   for (int64_t i = 0; i < n; ++i) {
     const float* xi = x + i * c;

@@ -61,9 +61,9 @@ std::string checksummed_header(nlohmann::json header) {
 // Bytes per element of the safetensors dtypes; 0 for an unknown one.
 uint64_t dtype_bytes(const std::string& dtype) {
   static const std::pair<const char*, uint64_t> kSizes[] = {
-      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E5M2", 1}, {"F8_E4M3", 1}, {"I16", 2},
-      {"U16", 2},  {"F16", 2}, {"BF16", 2}, {"I32", 4},    {"U32", 4},     {"F32", 4},
-      {"I64", 8},  {"U64", 8}, {"F64", 8}};
+      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E5M2", 1}, {"F8_E4M3", 1},
+      {"I16", 2},  {"U16", 2}, {"F16", 2}, {"BF16", 2},    {"I32", 4},
+      {"U32", 4},  {"F32", 4}, {"I64", 8}, {"U64", 8},     {"F64", 8}};
   for (const auto& [name, bytes] : kSizes)
     if (dtype == name) return bytes;
   return 0;
@@ -83,7 +83,8 @@ void read_at(int fd, void* out, uint64_t bytes, uint64_t offset, const std::stri
     const ssize_t n = ::pread(fd, p, bytes, off_t(offset));
     if (n < 0 && errno == EINTR) continue;
     CTXPAR_CHECK(n >= 0, "checkpoint ", path, ": read failed: ", std::strerror(errno));
-    CTXPAR_CHECK(n > 0, "checkpoint ", path, " is truncated: it ended while being read "
+    CTXPAR_CHECK(n > 0, "checkpoint ", path,
+                 " is truncated: it ended while being read "
                  "(is another process writing it?)");
     p += n, offset += uint64_t(n), bytes -= uint64_t(n);
   }
@@ -99,9 +100,9 @@ struct Range {
 Range check_entry(const std::string& path, const std::string& name, const nlohmann::json& e,
                   LoadedTensor& t) {
   const std::string where = "checkpoint " + path + ": tensor " + name;
-  CTXPAR_CHECK(e.is_object() && e.contains("dtype") && e.contains("shape") &&
-                   e.contains("data_offsets"),
-               where, " needs an object with dtype, shape and data_offsets, got ", e.dump());
+  CTXPAR_CHECK(
+      e.is_object() && e.contains("dtype") && e.contains("shape") && e.contains("data_offsets"),
+      where, " needs an object with dtype, shape and data_offsets, got ", e.dump());
   CTXPAR_CHECK(e["dtype"].is_string(), where, ": dtype must be a string, got ", e["dtype"].dump());
   t.dtype = e["dtype"].get<std::string>();
   const uint64_t elem = dtype_bytes(t.dtype);
@@ -137,7 +138,8 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
   if (!metadata.empty()) header["__metadata__"] = metadata;
   size_t offset = 0;
   for (const auto& t : tensors) {
-    header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.bytes}}};
+    header[t.name] = {
+        {"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.bytes}}};
     offset += t.bytes;
   }
   Fnv1a64 sum;
@@ -222,13 +224,14 @@ SafetensorsFile read_safetensors(const std::string& path) {
   }
   // The ranges must tile the data section: no overlap, no hole, nothing past the end.
   const uint64_t data_start = 8 + len, data_bytes = size - data_start;
-  std::sort(ranges.begin(), ranges.end(),
-            [](const Range& a, const Range& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
   uint64_t covered = 0;
   for (size_t i = 0; i < ranges.size(); ++i) {
     const Range& r = ranges[i];
-    CTXPAR_CHECK(r.begin >= covered, "checkpoint ", path, ": tensors ", ranges[i - 1].name,
-                 " and ", r.name, " overlap (bytes ", r.begin, "..", covered, ")");
+    CTXPAR_CHECK(r.begin >= covered, "checkpoint ", path, ": tensors ", ranges[i - 1].name, " and ",
+                 r.name, " overlap (bytes ", r.begin, "..", covered, ")");
     CTXPAR_CHECK(r.end <= data_bytes, "checkpoint ", path, " is truncated: tensor ", r.name,
                  " ends at byte ", data_start + r.end, ", the file has ", size,
                  " (an interrupted copy? the previous checkpoint may still be intact)");

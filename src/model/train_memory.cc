@@ -20,9 +20,8 @@ namespace {
 
 double file_bytes(const std::string& path) {
   struct stat st = {};
-  return !path.empty() && ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)
-             ? double(st.st_size)
-             : 0.0;
+  return !path.empty() && ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) ? double(st.st_size)
+                                                                                : 0.0;
 }
 
 std::string params_text(double n) {
@@ -77,16 +76,19 @@ void check_train_memory(const TrainConfig& config, int ranks_here, const MemoryL
   if (!limit.known()) return;
   const TrainMemory need = estimate_train_memory(config);
   const double total = need.total() * ranks_here;
-  CTXPAR_CHECK(total <= limit.bytes, "train: this run needs about ", bytes_text(total), " of memory (",
-               ranks_here, " rank(s) on this machine, ", bytes_text(need.total()), " each) but ",
-               limit.source_text(), " leaves ", bytes_text(limit.bytes), "; ", limit.raise_text(),
-               ", or lower the run. Per rank:\n  ",
-               bytes_text(need.state), " weights, gradients and Adam moments (",
-               params_text(need.params), " parameters: lower ModelConfig::layers, "
+  CTXPAR_CHECK(total <= limit.bytes, "train: this run needs about ", bytes_text(total),
+               " of memory (", ranks_here, " rank(s) on this machine, ", bytes_text(need.total()),
+               " each) but ", limit.source_text(), " leaves ", bytes_text(limit.bytes), "; ",
+               limit.raise_text(), ", or lower the run. Per rank:\n  ", bytes_text(need.state),
+               " weights, gradients and Adam moments (", params_text(need.params),
+               " parameters: lower ModelConfig::layers, "
                "ModelConfig::dim, ModelConfig::hidden or ModelConfig::heads)\n  ",
-               bytes_text(need.activations), " activations (lower TrainConfig::seq or "
+               bytes_text(need.activations),
+               " activations (lower TrainConfig::seq or "
                "TrainConfig::batch, or spread them over more ranks with TrainConfig::cp on more "
-               "machines)\n  ", bytes_text(need.data), " data (the batch, TrainConfig::data_path "
+               "machines)\n  ",
+               bytes_text(need.data),
+               " data (the batch, TrainConfig::data_path "
                "and TrainConfig::resume_path files, read whole)");
 }
 

@@ -98,8 +98,9 @@ class LogFile {
  private:
   [[noreturn]] void fail(const char* what) {
     const int err = errno;
-    throw Error(detail::concat("train: ", what, " TrainConfig::log_path ", path_, " failed: ",
-                               std::strerror(err), " (errno ", err, "); free space there or give "
+    throw Error(detail::concat("train: ", what, " TrainConfig::log_path ", path_,
+                               " failed: ", std::strerror(err), " (errno ", err,
+                               "); free space there or give "
                                "another TrainConfig::log_path path"));
   }
   std::string path_;
@@ -169,7 +170,8 @@ TrainResult train(Communicator& world, const TrainConfig& config,
   std::vector<float> weights, grads(model::param_count(infos));
   model::AdamState adam;
   model::init_params(config.model, weights, config.seed);
-  if (!config.resume_path.empty()) model::load_checkpoint(config.resume_path, config, weights, adam);
+  if (!config.resume_path.empty())
+    model::load_checkpoint(config.resume_path, config, weights, adam);
   const int64_t first = adam.step + 1;
 
   // Any --seq: the layout pads it to its granule; padding tokens (index >= seq) have no input,
@@ -246,9 +248,9 @@ TrainResult train(Communicator& world, const TrainConfig& config,
                           {"ranks", world.size()}};
       log.write_line(j.dump());
     }
-    const bool save_now = !config.save_path.empty() &&
-                          ((config.save_every > 0 && step % config.save_every == 0) ||
-                           step == config.steps);
+    const bool save_now =
+        !config.save_path.empty() &&
+        ((config.save_every > 0 && step % config.save_every == 0) || step == config.steps);
     if (leader && save_now) model::save_checkpoint(config.save_path, config, weights, adam);
     if (on_step) on_step(rec);
   }

@@ -63,7 +63,7 @@ class DataSource {
 // ---- safetensors.cc -------------------------------------------------------------------------
 struct NamedTensor {
   std::string name;
-  std::string dtype;              // "F32" | "U8"
+  std::string dtype;  // "F32" | "U8"
   std::vector<int64_t> shape;
   const void* data = nullptr;
   size_t bytes = 0;

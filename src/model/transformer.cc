@@ -46,8 +46,8 @@ Transformer::Transformer(const ModelConfig& config, Strategy& strategy,
     a.h1.resize(n * f);
     a.h3.resize(n * f);
     a.g.resize(n * f);
-    held_bytes_ += bytes_of(a.x_in, a.rstd1, a.xn1, a.q, a.k, a.v, a.att, a.lse, a.x_mid,
-                            a.rstd2, a.xn2, a.h1, a.h3, a.g);
+    held_bytes_ += bytes_of(a.x_in, a.rstd1, a.xn1, a.q, a.k, a.v, a.att, a.lse, a.x_mid, a.rstd2,
+                            a.xn2, a.h1, a.h3, a.g);
   }
   x_.resize(n * c);
   xf_.resize(n * c);
@@ -65,8 +65,7 @@ Transformer::Transformer(const ModelConfig& config, Strategy& strategy,
   attn_scratch_.dk.resize(n * kvw);
   attn_scratch_.dv.resize(n * kvw);
   held_bytes_ += bytes_of(x_, xf_, rstdf_, xnf_, logits_, dx_, dxn_, tmp_, dg_, dh1_, dh3_,
-                          attn_scratch_.datt, attn_scratch_.dq, attn_scratch_.dk,
-                          attn_scratch_.dv);
+                          attn_scratch_.datt, attn_scratch_.dq, attn_scratch_.dk, attn_scratch_.dv);
   held_bytes_ += rope_.cos.capacity() * 8;
 }
 
@@ -102,14 +101,14 @@ LossSums Transformer::forward_backward(const float* weights, float* grads, const
   rmsnorm_forward(xf_.data(), w.final_norm, xnf_.data(), rstdf_.data(), n, c, m.norm_eps);
   linear_forward(xnf_.data(), w.embed, logits_.data(), n, c, v);
   // logits_ becomes dloss/dlogits in place.
-  LossSums sums = cross_entropy_forward_backward(logits_.data(), labels, weight, n, v,
-                                                 global_count);
+  LossSums sums =
+      cross_entropy_forward_backward(logits_.data(), labels, weight, n, v, global_count);
 
   // ---- backward ----
   linear_backward(logits_.data(), xnf_.data(), w.embed, dxn_.data(), g.embed, n, c, v, false);
   std::fill(dx_.begin(), dx_.end(), 0.0f);
-  rmsnorm_backward(dxn_.data(), xf_.data(), w.final_norm, rstdf_.data(), dx_.data(),
-                   g.final_norm, n, c);
+  rmsnorm_backward(dxn_.data(), xf_.data(), w.final_norm, rstdf_.data(), dx_.data(), g.final_norm,
+                   n, c);
   for (int l = m.layers - 1; l >= 0; --l) {
     const BlockActs& a = acts_[l];
     const LayerParams& lw = w.layers[l];

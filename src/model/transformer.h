@@ -21,8 +21,8 @@ struct BlockActs {
 // xn [N, C] -> q, k, v projections, RoPE at global positions, strategy attention, writes
 // acts.att [B, Tl, Hq, D] and acts.lse [B, Hq, Tl]; y [N, C] = att Wo^T.
 void attention_forward(const ModelConfig& m, const LayerParams& w, Strategy& strategy,
-                       const Tokens& tokens, const RopeTable& rope, int64_t batch,
-                       BlockActs& acts, float* y);
+                       const Tokens& tokens, const RopeTable& rope, int64_t batch, BlockActs& acts,
+                       float* y);
 // dy [N, C] -> dxn1 [N, C] (overwritten); weight gradients accumulated into g.
 // scratch: datt [N, Hq*D], dq [N, Hq*D], dk, dv [N, Hkv*D].
 struct AttentionScratch {

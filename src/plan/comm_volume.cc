@@ -78,11 +78,12 @@ CommVolume attention_comm_bytes(StrategyKind kind, int P, int ulysses_degree, in
                " must be a multiple of ranks ", P);
   CTXPAR_CHECK(heads > 0 && kv_heads > 0 && head_dim > 0 && batch > 0,
                "attention_comm_bytes: batch, heads, kv_heads and head_dim must be > 0");
-  const Sizes z{static_cast<double>(seq) / P, static_cast<double>(dtype_bytes),
-                static_cast<double>(batch), static_cast<double>(heads),
+  const Sizes z{static_cast<double>(seq) / P,  static_cast<double>(dtype_bytes),
+                static_cast<double>(batch),    static_cast<double>(heads),
                 static_cast<double>(kv_heads), static_cast<double>(head_dim)};
   switch (kind) {
-    case StrategyKind::ring: return ring(P, z);
+    case StrategyKind::ring:
+      return ring(P, z);
     case StrategyKind::allgather: {
       // As src/strategy/allgather.cc: the largest divisor of Hkv up to 4 unless given.
       const int g = static_cast<int>(allgather_head_groups(kv_heads, head_groups));
@@ -90,7 +91,8 @@ CommVolume attention_comm_bytes(StrategyKind kind, int P, int ulysses_degree, in
                    kv_heads);
       return allgather(P, z, g);
     }
-    case StrategyKind::ulysses: return ulysses(P, z);
+    case StrategyKind::ulysses:
+      return ulysses(P, z);
     case StrategyKind::hybrid: {
       const int u = ulysses_degree > 0 ? ulysses_degree : P;
       CTXPAR_CHECK(P % u == 0, "hybrid: ulysses degree ", u, " must divide ranks ", P);

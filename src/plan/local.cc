@@ -73,7 +73,8 @@ KernelRates rates_of_one_rank(const LocalOptions& o, int rank,
   Tensor q(o.dtype, {b, n, hq, d}), k(o.dtype, {b, n, hkv, d}), v(o.dtype, {b, n, hkv, d});
   Tensor dout(o.dtype, {b, n, hq, d});
   Tensor lse(DType::f32, {b, hq, n}), delta(DType::f32, {b, hq, n});
-  Tensor dq(DType::f32, {b, n, hq, d}), dk(DType::f32, {b, n, hkv, d}), dv(DType::f32, {b, n, hkv, d});
+  Tensor dq(DType::f32, {b, n, hq, d}), dk(DType::f32, {b, n, hkv, d}),
+      dv(DType::f32, {b, n, hkv, d});
   const Layout layout(o.layout, n * P, P);
   const std::vector<int64_t> qpos = layout.positions(rank);
   const std::vector<int64_t> kpos[2] = {qpos, layout.positions((rank + P - 1) % P)};
@@ -90,7 +91,11 @@ KernelRates rates_of_one_rank(const LocalOptions& o, int rank,
   };
   ForwardState state(b, n, hq, d);
   const double fwd = seconds_per_call(
-      [&] { both([&](const Tokens& t) { return attention_forward_block(q, qt, k, v, t, mask, state, one); }); },
+      [&] {
+        both([&](const Tokens& t) {
+          return attention_forward_block(q, qt, k, v, t, mask, state, one);
+        });
+      },
       3, o.min_seconds);
   r.forward = flops / fwd;
   const double bwd = seconds_per_call(
@@ -154,8 +159,8 @@ void measure_over_comm(const LocalOptions& o, Communicator& comm, LocalMeasureme
   // A block over a slow link takes seconds: two, after the small shifts made the connections.
   m.block_message_seconds = ring_shift_seconds(comm, bytes, 0, 2);
   m.link.latency_us = m.handover_seconds * 1e6;
-  m.link.gbytes_per_second =
-      static_cast<double>(bytes) / std::max(m.block_message_seconds - m.handover_seconds, 1e-9) / 1e9;
+  m.link.gbytes_per_second = static_cast<double>(bytes) /
+                             std::max(m.block_message_seconds - m.handover_seconds, 1e-9) / 1e9;
 }
 
 }  // namespace
@@ -201,20 +206,23 @@ LocalMeasurement measure_local(const LocalOptions& o) {
     ThreadsOptions to;
     to.link = link;
     double best = 1e30;
-    run_threads(2, [&](Communicator& comm) {
-      for (int i = 0; i < repeats; ++i) {
-        comm.barrier();
-        const double t0 = now_seconds();
-        if (comm.rank() == 0) {
-          comm.isend(Buffer(size), 1, 0).wait();
-          comm.irecv(8, 1, 1).take();
-        } else {
-          comm.irecv(size, 0, 0).take();
-          comm.isend(Buffer(8), 0, 1).wait();
-        }
-        if (comm.rank() == 0) best = std::min(best, now_seconds() - t0);
-      }
-    }, to);
+    run_threads(
+        2,
+        [&](Communicator& comm) {
+          for (int i = 0; i < repeats; ++i) {
+            comm.barrier();
+            const double t0 = now_seconds();
+            if (comm.rank() == 0) {
+              comm.isend(Buffer(size), 1, 0).wait();
+              comm.irecv(8, 1, 1).take();
+            } else {
+              comm.irecv(size, 0, 0).take();
+              comm.isend(Buffer(8), 0, 1).wait();
+            }
+            if (comm.rank() == 0) best = std::min(best, now_seconds() - t0);
+          }
+        },
+        to);
     return best;
   };
   run_threads(1, [&](Communicator& comm) { m.lends_sent_buffers = cpu_lends_sent_buffers(comm); });
@@ -223,7 +231,8 @@ LocalMeasurement measure_local(const LocalOptions& o) {
   const size_t bytes = std::max<size_t>(8, static_cast<size_t>(o.message_bytes));
   if (o.link.gbytes_per_second > 0 || o.link.latency_us > 0)
     m.block_message_seconds = time_messages(o.link, bytes, 2) - m.handover_seconds -
-                              o.link.latency_us * 1e-6 - 8 / std::max(o.link.gbytes_per_second * 1e9, 1.0);
+                              o.link.latency_us * 1e-6 -
+                              8 / std::max(o.link.gbytes_per_second * 1e9, 1.0);
   m.link.gbytes_per_second = o.link.gbytes_per_second > 0 ? o.link.gbytes_per_second : 1e6;
   m.link.latency_us = o.link.latency_us + m.handover_seconds * 1e6;
   return m;

@@ -27,12 +27,14 @@ void validate(const PlanInput& in) {
   CTXPAR_CHECK(in.pp <= m.layers, "plan: pp = ", in.pp, " must not exceed the model's layers (",
                m.layers, ")");
   CTXPAR_CHECK(in.zero >= 0 && in.zero <= 3, "plan: zero must be 0, 1, 2 or 3, got ", in.zero);
-  CTXPAR_CHECK(in.dtype == DType::bf16 || in.dtype == DType::f32, "plan: dtype must be bf16 or fp32");
+  CTXPAR_CHECK(in.dtype == DType::bf16 || in.dtype == DType::f32,
+               "plan: dtype must be bf16 or fp32");
   // Any seq: the layout pads it to its granule, as the runtime does (plan_padded_seq).
   const HardwareSpec& h = in.hardware;
-  CTXPAR_CHECK(h.flops > 0 && h.mem_gb > 0 && h.intra.gbytes_per_second > 0 &&
-                   h.inter.gbytes_per_second > 0 && h.devices_per_node >= 1,
-               "hardware: flops, mem_gb and link bandwidths must be > 0 (or use a hardware preset)");
+  CTXPAR_CHECK(
+      h.flops > 0 && h.mem_gb > 0 && h.intra.gbytes_per_second > 0 &&
+          h.inter.gbytes_per_second > 0 && h.devices_per_node >= 1,
+      "hardware: flops, mem_gb and link bandwidths must be > 0 (or use a hardware preset)");
   CTXPAR_CHECK(h.efficiency > 0 && h.efficiency <= 1, "hardware: efficiency must be in (0, 1]");
 }
 
@@ -61,7 +63,7 @@ MemoryBreakdown plan_memory(const PlanInput& in) {
   MemoryBreakdown mb;
   mb.weights = params * s / (in.zero >= 3 ? shard : 1);
   mb.gradients = params * 4.0 / (in.zero >= 2 ? shard : 1);  // fp32 gradient accumulation
-  const double opt = in.dtype == DType::bf16 ? 12.0 : 8.0;    // (fp32 master +) Adam m, v
+  const double opt = in.dtype == DType::bf16 ? 12.0 : 8.0;   // (fp32 master +) Adam m, v
   mb.optimizer = params * opt / (in.zero >= 1 ? shard : 1);
   if (in.zero >= 3 && shard > 1) mb.gathered_weights = 2 * m.layer_params() / in.tp * s;
 
@@ -77,9 +79,8 @@ MemoryBreakdown plan_memory(const PlanInput& in) {
   mb.activations_per_layer = in.recompute == Recompute::full ? layer_input : full_layer;
   // With pipeline stages (1F1B), the first stage holds pp micro-batches in flight.
   const double in_flight = static_cast<double>(in.pp);
-  mb.activations = in.recompute == Recompute::full
-                       ? in_flight * layers * layer_input + full_layer
-                       : in_flight * layers * full_layer;
+  mb.activations = in.recompute == Recompute::full ? in_flight * layers * layer_input + full_layer
+                                                   : in_flight * layers * full_layer;
   mb.logits = tokens * (static_cast<double>(m.vocab) / in.tp) * (s + 4.0);
 
   // The strategy's buffers for one layer at their peak, the larger of forward and backward:
@@ -118,8 +119,8 @@ FlopCount plan_flops(const PlanInput& in) {
   f.attention_step = m.layers * f.attention_forward * passes;
   const double tokens = b * T;
   const double dense_passes = 3.0 + (in.recompute == Recompute::full ? 1.0 : 0.0);
-  f.dense_step = 2.0 * tokens * m.layers * m.layer_params() * dense_passes +
-                 6.0 * tokens * m.vocab * m.hidden;
+  f.dense_step =
+      2.0 * tokens * m.layers * m.layer_params() * dense_passes + 6.0 * tokens * m.vocab * m.hidden;
   f.total_step = f.attention_step + f.dense_step;
   f.per_device = f.total_step / (static_cast<double>(in.cp) * in.tp * in.pp);
   return f;

@@ -151,8 +151,8 @@ StrategyEstimate estimate(const PlanInput& in, StrategyKind kind, const RingSimu
       break;
     }
   }
-  const CommVolume c = attention_comm_bytes(kind, P, u, in.batch, in.seq, hq, hkv,
-                                            in.model.head_dim, s);
+  const CommVolume c =
+      attention_comm_bytes(kind, P, u, in.batch, in.seq, hq, hkv, in.model.head_dim, s);
   e.bytes_per_step = layers * (c.forward_bytes + c.backward_bytes);
   e.attention_seconds = layers * seconds;
   e.exposed_comm_seconds = std::max(0.0, layers * (seconds - perfect));
@@ -191,20 +191,20 @@ Plan make_plan(const PlanInput& given, bool compare) {
   const int64_t hq = in.model.heads / in.tp, hkv = kv_per_device(in);
   const size_t s = dtype_size(in.dtype);
   const double layers = static_cast<double>(layers_per_stage(in));
-  for (StrategyKind k : {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses,
-                         StrategyKind::hybrid}) {
+  for (StrategyKind k :
+       {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses, StrategyKind::hybrid}) {
     const int u = k == StrategyKind::hybrid ? plan_ulysses_degree(in) : 0;
     if (k == StrategyKind::ulysses && hq % in.cp != 0) continue;
     if (k == StrategyKind::hybrid && (in.cp % u != 0 || hq % u != 0)) continue;
-    CommVolume c = attention_comm_bytes(k, in.cp, u, in.batch, in.seq, hq, hkv,
-                                        in.model.head_dim, s);
+    CommVolume c =
+        attention_comm_bytes(k, in.cp, u, in.batch, in.seq, hq, hkv, in.model.head_dim, s);
     c.step_bytes = layers * (c.forward_bytes + c.backward_bytes);
     p.comm.push_back(c);
   }
   // The ring's slowest hop decides whether its transfers hide.
   const LinkSpec slow = slowest_link(in, in.cp, 1);
-  p.min_block = min_block_tokens(in.hardware.effective_flops(), slow, hq, hkv,
-                                 in.model.head_dim, s, in.causal ? 0.5 : 1.0);
+  p.min_block = min_block_tokens(in.hardware.effective_flops(), slow, hq, hkv, in.model.head_dim, s,
+                                 in.causal ? 0.5 : 1.0);
   p.block_tokens = in.seq / in.cp;
   RingProblem rp = ring_problem(in, in.cp, hq, hkv, 1);
   p.ring = simulate_ring(rp);

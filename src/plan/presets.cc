@@ -10,7 +10,7 @@ namespace ctxpar {
 double ModelSpec::layer_params() const {
   double h = static_cast<double>(hidden);
   double q = static_cast<double>(heads) * head_dim, kv = static_cast<double>(kv_heads) * head_dim;
-  double attention = h * q + 2 * h * kv + q * h;   // Wq, Wk, Wv, Wo (no biases in LLaMA)
+  double attention = h * q + 2 * h * kv + q * h;  // Wq, Wk, Wv, Wo (no biases in LLaMA)
   double mlp = 3 * h * static_cast<double>(ffn);  // SwiGLU: gate, up, down
   return attention + mlp + 2 * h;                 // two RMSNorm gains
 }
@@ -49,8 +49,8 @@ const std::map<std::string, ModelSpec>& models() {
   return m;
 }
 
-HardwareSpec gpu(const char* name, double tflops, double mem_gb, double nvlink_gbs,
-                 double ib_gbs, int per_node) {
+HardwareSpec gpu(const char* name, double tflops, double mem_gb, double nvlink_gbs, double ib_gbs,
+                 int per_node) {
   HardwareSpec h;
   h.name = name;
   h.flops = tflops * 1e12;
@@ -100,8 +100,8 @@ double LinkSpec::seconds(double bytes) const {
 
 ModelSpec model_preset(const std::string& name) {
   auto it = models().find(name);
-  CTXPAR_CHECK(it != models().end(), "model: unknown preset '", name, "'; valid: ",
-               names_of(models()));
+  CTXPAR_CHECK(it != models().end(), "model: unknown preset '", name,
+               "'; valid: ", names_of(models()));
   return it->second;
 }
 
@@ -136,9 +136,9 @@ int64_t video_tokens(double hours, double fps, int64_t tokens_per_frame) {
   int64_t tokens = 0;
   if (!(frames < 0x1p62) ||
       __builtin_mul_overflow(static_cast<int64_t>(frames), tokens_per_frame, &tokens))
-    throw Error(detail::concat(
-        "video_tokens: hours x 3600 x fps x tokens_per_frame is ",
-        frames * double(tokens_per_frame), " tokens, past int64; lower one of them"));
+    throw Error(detail::concat("video_tokens: hours x 3600 x fps x tokens_per_frame is ",
+                               frames * double(tokens_per_frame),
+                               " tokens, past int64; lower one of them"));
   return tokens;
 }
 

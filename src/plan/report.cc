@@ -39,9 +39,9 @@ std::string plan_json(const Plan& p) {
   const ModelSpec& m = in.model;
   const HardwareSpec& h = in.hardware;
   json j;
-  j["model"] = {{"name", m.name},         {"layers", m.layers},     {"hidden", m.hidden},
-                {"heads", m.heads},       {"kv_heads", m.kv_heads}, {"head_dim", m.head_dim},
-                {"ffn", m.ffn},           {"vocab", m.vocab},       {"params", m.params()}};
+  j["model"] = {{"name", m.name},   {"layers", m.layers},     {"hidden", m.hidden},
+                {"heads", m.heads}, {"kv_heads", m.kv_heads}, {"head_dim", m.head_dim},
+                {"ffn", m.ffn},     {"vocab", m.vocab},       {"params", m.params()}};
   j["hardware"] = {{"name", h.name},
                    {"flops", h.flops},
                    {"backward_flops", h.backward_flops > 0 ? h.backward_flops : h.flops},
@@ -105,21 +105,24 @@ std::string plan_json(const Plan& p) {
                          {"start", (*pass)[s].start},
                          {"compute", (*pass)[s].compute},
                          {"wait", (*pass)[s].wait}});
-    json rank = {{"rank", r},          {"compute_seconds", t.compute}, {"wait_seconds", t.wait},
-                 {"finish", t.finish}, {"bytes_sent", t.bytes_sent}};
+    json rank = {{"rank", r},
+                 {"compute_seconds", t.compute},
+                 {"wait_seconds", t.wait},
+                 {"finish", t.finish},
+                 {"bytes_sent", t.bytes_sent}};
     if (p.ring.ranks.size() <= kRingStepsTraced) rank["steps"] = steps;
     ranks.push_back(rank);
   }
-  j["ring_layer"] = {{"forward_seconds", p.ring.forward_seconds},
-                     {"backward_seconds", p.ring.backward_seconds},
-                     {"seconds", p.ring.seconds},
-                     {"compute_seconds", p.ring.compute_seconds},
-                     {"exposed_comm_seconds", p.ring.exposed_comm},
-                     {"perfect_seconds", p.ring.perfect_seconds},
-                     {"efficiency", p.ring.efficiency},
-                     {"seconds_if_accumulator_waited_before_compute",
-                      p.ring_seconds_accumulator_before},
-                     {"ranks", ranks}};
+  j["ring_layer"] = {
+      {"forward_seconds", p.ring.forward_seconds},
+      {"backward_seconds", p.ring.backward_seconds},
+      {"seconds", p.ring.seconds},
+      {"compute_seconds", p.ring.compute_seconds},
+      {"exposed_comm_seconds", p.ring.exposed_comm},
+      {"perfect_seconds", p.ring.perfect_seconds},
+      {"efficiency", p.ring.efficiency},
+      {"seconds_if_accumulator_waited_before_compute", p.ring_seconds_accumulator_before},
+      {"ranks", ranks}};
   json cmp = json::array();
   for (const auto& e : p.compare) {
     json x = {{"strategy", strategy_name(e.strategy)}, {"valid", e.valid}};
@@ -155,14 +158,15 @@ std::string plan_table(const Plan& p) {
     << " GB/s)\n";
   o << "sequence " << in.seq << " tokens"
     << (p.padded_seq > in.seq ? " (padded to " + std::to_string(p.padded_seq) + ")" : "")
-    << " x batch " << in.batch << ", mesh dp " << in.dp
-    << " cp " << in.cp << " tp " << in.tp << " pp " << in.pp << " ("
-    << int64_t{in.dp} * in.cp * in.tp * in.pp << " devices), " << strategy_name(in.strategy)
-    << " / " << layout_name(in.layout) << (in.causal ? " causal" : " full") << ", "
-    << dtype_name(in.dtype) << ", recompute " << (in.recompute == Recompute::full ? "full" : "none")
-    << ", zero " << in.zero << "\n\n";
+    << " x batch " << in.batch << ", mesh dp " << in.dp << " cp " << in.cp << " tp " << in.tp
+    << " pp " << in.pp << " (" << int64_t{in.dp} * in.cp * in.tp * in.pp << " devices), "
+    << strategy_name(in.strategy) << " / " << layout_name(in.layout)
+    << (in.causal ? " causal" : " full") << ", " << dtype_name(in.dtype) << ", recompute "
+    << (in.recompute == Recompute::full ? "full" : "none") << ", zero " << in.zero << "\n\n";
   o << "memory per device\n";
-  auto row = [&](const char* name, double v) { o << "  " << name << std::string(24 - std::string(name).size(), ' ') << gb(v) << "\n"; };
+  auto row = [&](const char* name, double v) {
+    o << "  " << name << std::string(24 - std::string(name).size(), ' ') << gb(v) << "\n";
+  };
   row("weights", mb.weights);
   row("gradients", mb.gradients);
   row("optimizer state", mb.optimizer);
@@ -183,16 +187,17 @@ std::string plan_table(const Plan& p) {
     << sci(p.flops.per_device) << "\n\n";
   o << "bytes each device sends per step\n";
   for (const auto& c : p.comm)
-    o << "  " << strategy_name(c.strategy) << std::string(12 - std::string(strategy_name(c.strategy)).size(), ' ')
-      << gb(c.step_bytes) << "  (per layer fwd " << gb(c.forward_bytes) << ", bwd "
-      << gb(c.backward_bytes) << ")\n";
+    o << "  " << strategy_name(c.strategy)
+      << std::string(12 - std::string(strategy_name(c.strategy)).size(), ' ') << gb(c.step_bytes)
+      << "  (per layer fwd " << gb(c.forward_bytes) << ", bwd " << gb(c.backward_bytes) << ")\n";
   o << "\nring overlap: block " << p.block_tokens << " tokens per rank, minimal block "
     << fixed(p.min_block.tokens, 0) << " (forward " << fixed(p.min_block.forward, 0)
     << ", backward " << fixed(p.min_block.backward, 0) << "): transfers "
     << (p.block_tokens >= p.min_block.tokens ? "hide behind compute" : "are EXPOSED") << "\n";
   o << "ring schedule, one layer: " << fixed(p.ring.seconds * 1e3, 3) << " ms (forward "
-    << fixed(p.ring.forward_seconds * 1e3, 3) << "), compute " << fixed(p.ring.compute_seconds * 1e3, 3)
-    << " ms, exposed comm " << fixed(p.ring.exposed_comm * 1e3, 3) << " ms, efficiency "
+    << fixed(p.ring.forward_seconds * 1e3, 3) << "), compute "
+    << fixed(p.ring.compute_seconds * 1e3, 3) << " ms, exposed comm "
+    << fixed(p.ring.exposed_comm * 1e3, 3) << " ms, efficiency "
     << fixed(100 * p.ring.efficiency, 1) << "% of perfect scaling\n";
   if (p.ring.ranks.size() <= 16) {
     o << "  rank  compute ms   wait ms  finish ms\n";
@@ -208,7 +213,8 @@ std::string plan_table(const Plan& p) {
   for (const auto& e : p.compare) {
     const std::string name = strategy_name(e.strategy);
     if (!e.valid) {
-      o << "  " << name << std::string(12 - name.size(), ' ') << "invalid: " << e.why_invalid << "\n";
+      o << "  " << name << std::string(12 - name.size(), ' ') << "invalid: " << e.why_invalid
+        << "\n";
       continue;
     }
     o << "  " << name << std::string(12 - name.size(), ' ') << fixed(e.attention_seconds, 3)
@@ -216,8 +222,8 @@ std::string plan_table(const Plan& p) {
       << fixed(100 * e.efficiency, 1) << "%, sends " << gb(e.bytes_per_step) << ", buffers "
       << gb(e.attention_buffer_bytes) << (e.fits ? "" : " (DOES NOT FIT)") << "\n";
   }
-  o << "\nstep time per device: dense " << fixed(p.dense_seconds, 3) << " s + attention = "
-    << fixed(p.step_seconds, 3) << " s\n";
+  o << "\nstep time per device: dense " << fixed(p.dense_seconds, 3)
+    << " s + attention = " << fixed(p.step_seconds, 3) << " s\n";
   return o.str();
 }
 

@@ -19,8 +19,10 @@ struct RankPositions {
   int64_t local() const { return seq / ranks; }
   int64_t operator()(int64_t i) const {
     switch (layout) {
-      case LayoutKind::contiguous: return rank * local() + i;
-      case LayoutKind::striped: return rank + static_cast<int64_t>(ranks) * i;
+      case LayoutKind::contiguous:
+        return rank * local() + i;
+      case LayoutKind::striped:
+        return rank + static_cast<int64_t>(ranks) * i;
       case LayoutKind::zigzag: {
         const int64_t chunk = seq / (2 * ranks);
         return i < chunk ? rank * chunk + i : (2 * ranks - 1 - rank) * chunk + (i - chunk);
@@ -63,8 +65,8 @@ double tiled_pairs(const RankPositions& q, const RankPositions& k, int64_t tile)
 
 }  // namespace
 
-double visible_pairs(LayoutKind layout, int64_t seq, int ranks, int q_rank, int k_rank,
-                     bool causal, int tile) {
+double visible_pairs(LayoutKind layout, int64_t seq, int ranks, int q_rank, int k_rank, bool causal,
+                     int tile) {
   CTXPAR_CHECK(ranks >= 1 && seq % ranks == 0, "visible_pairs: seq must divide by ranks");
   const double n = static_cast<double>(seq / ranks);
   if (!causal) return n * n;
@@ -117,8 +119,7 @@ double solve_overlap(double alpha, double beta, double gamma) {
 //   backward: compute 2.5x forward       >=  K, V (dtype s) and dK, dV (fp32) + 2 L
 // With bf16 (s = 2), Hkv = Hq, f = 1 and L = 0 the forward bound is Ring Attention's c >= F/B.
 MinBlock min_block_tokens(double flops_per_second, const LinkSpec& link, int64_t heads,
-                          int64_t kv_heads, int64_t head_dim, size_t dtype_bytes,
-                          double fraction) {
+                          int64_t kv_heads, int64_t head_dim, size_t dtype_bytes, double fraction) {
   CTXPAR_CHECK(flops_per_second > 0, "min_block_tokens: flops must be > 0");
   CTXPAR_CHECK(link.gbytes_per_second > 0, "min_block_tokens: link bandwidth must be > 0");
   CTXPAR_CHECK(heads > 0 && kv_heads > 0 && head_dim > 0 && fraction > 0,
@@ -137,7 +138,8 @@ MinBlock min_block_tokens(double flops_per_second, const LinkSpec& link, int64_t
 RingSimulation simulate_ring(const RingProblem& pr) {
   const int P = pr.ranks;
   CTXPAR_CHECK(P >= 1, "simulate_ring: ranks must be >= 1, got ", P);
-  CTXPAR_CHECK(pr.seq > 0 && pr.seq % P == 0, "simulate_ring: seq must be a positive multiple of ranks");
+  CTXPAR_CHECK(pr.seq > 0 && pr.seq % P == 0,
+               "simulate_ring: seq must be a positive multiple of ranks");
   CTXPAR_CHECK(pr.links.size() == 1 || static_cast<int>(pr.links.size()) == P,
                "simulate_ring: links must have 1 or ", P, " entries");
   CTXPAR_CHECK(pr.flops_per_second.size() == 1 || static_cast<int>(pr.flops_per_second.size()) == P,
@@ -182,7 +184,9 @@ RingSimulation simulate_ring(const RingProblem& pr) {
   // A message posted on rank r's outgoing link at time t leaves when the link is idle; the
   // send completes when its last byte has left, and arrives `latency` later (as the threads
   // transport's SimulatedLink). Returns {send complete, delivered}.
-  struct Posted { double done, arrive; };
+  struct Posted {
+    double done, arrive;
+  };
   auto post = [&](int r, double t, double bytes) {
     const double begin = std::max(link_free[r], t);
     link_free[r] = begin + bytes / (link(r).gbytes_per_second * 1e9);
@@ -301,7 +305,8 @@ RingSimulation simulate_ring(const RingProblem& pr) {
   sim.exposed_comm = std::max(0.0, sim.seconds - slowest_compute);
   double fwd_rate = 0, bwd_rate = 0;
   for (int r = 0; r < P; ++r) fwd_rate += rate(r, false) / P, bwd_rate += rate(r, true) / P;
-  sim.perfect_seconds = per_pair * total_pairs * (1.0 / fwd_rate + (pr.backward ? 2.5 / bwd_rate : 0)) / P;
+  sim.perfect_seconds =
+      per_pair * total_pairs * (1.0 / fwd_rate + (pr.backward ? 2.5 / bwd_rate : 0)) / P;
   sim.efficiency = sim.seconds > 0 ? sim.perfect_seconds / sim.seconds : 1.0;
   return sim;
 }

@@ -58,8 +58,8 @@ class AllGatherStrategy final : public Strategy {
       DeviceForwardState state(dev, dims.batch, dims.tokens, qg, dims.d);
       for (int j = 0; j < comm_.size(); ++j) {
         const KvBlock kv = chunk(pack, k, v, tokens, g, gathered[g], j);
-        dev.forward_block(kComputeStream, qv, tokens, kv.k, kv.v, kv.tokens, call.mask,
-                          state.get(), call.kernel);
+        dev.forward_block(kComputeStream, qv, tokens, kv.k, kv.v, kv.tokens, call.mask, state.get(),
+                          call.kernel);
       }
       dev.forward_finalize(kComputeStream, state.get(), out.slice(2, g * qg, (g + 1) * qg),
                            lse.slice(1, g * qg, (g + 1) * qg), call.kernel);
@@ -152,8 +152,8 @@ class AllGatherStrategy final : public Strategy {
     out.chunks.resize(p);
     const int64_t h0 = g * pack.heads, h1 = h0 + pack.heads;
     for (int i = 1; i < p; ++i)
-      out.sent.push_back(pack.pack(dev, kComputeStream, {k.slice(2, h0, h1), v.slice(2, h0, h1),
-                                                         tokens}));
+      out.sent.push_back(
+          pack.pack(dev, kComputeStream, {k.slice(2, h0, h1), v.slice(2, h0, h1), tokens}));
     dev.wait(kCommStream, dev.record(kComputeStream));
     for (int j = 0; j < p; ++j)
       if (j != r) out.chunks[j] = dev.recv(kCommStream, comm_, pack.bytes(), j, int(g));

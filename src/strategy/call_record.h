@@ -18,9 +18,9 @@ using ctxpar::thread_cpu_seconds;
 struct CallMeasure {
   uint64_t bytes_sent = 0, bytes_received = 0;  // over the counted communicators
   DeviceCounters device;                        // the device's counters: flops, busy, wait
-  size_t peak_bytes = 0;     // most device bytes held at once, above those held at the start
+  size_t peak_bytes = 0;  // most device bytes held at once, above those held at the start
   double wall_seconds = 0;
-  double cpu_seconds = 0;    // of the calling thread (the cpu device runs inline)
+  double cpu_seconds = 0;  // of the calling thread (the cpu device runs inline)
 };
 
 // Made once every rank has agreed on the call's arguments (the agreement's small all-gather

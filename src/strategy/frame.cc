@@ -39,7 +39,8 @@ class HostViews {
 
 Strategy::Strategy(Communicator& comm, const StrategyOptions& options,
                    std::unique_ptr<Device> device)
-    : comm_(comm), options_(options),
+    : comm_(comm),
+      options_(options),
       device_(device ? std::move(device) : make_device(options.device, comm.rank())) {}
 
 std::unique_ptr<Strategy> Strategy::create(Communicator& comm, const StrategyOptions& options) {
@@ -73,11 +74,14 @@ std::unique_ptr<Strategy> Strategy::create(Communicator& comm, const StrategyOpt
   StrategyOptions agreed = options;
   device::agree_kernel_choices(comm, agreed.kernel);  // before hybrid splits: the whole job
   switch (agreed.kind) {
-    case StrategyKind::ring: return strategy::make_ring(comm, agreed, std::move(device));
+    case StrategyKind::ring:
+      return strategy::make_ring(comm, agreed, std::move(device));
     case StrategyKind::allgather:
       return strategy::make_allgather(comm, agreed, std::move(device));
-    case StrategyKind::ulysses: return strategy::make_ulysses(comm, agreed, std::move(device));
-    case StrategyKind::hybrid: return strategy::make_hybrid(comm, agreed, std::move(device));
+    case StrategyKind::ulysses:
+      return strategy::make_ulysses(comm, agreed, std::move(device));
+    case StrategyKind::hybrid:
+      return strategy::make_hybrid(comm, agreed, std::move(device));
   }
   throw Error("unknown strategy kind");
 }
@@ -113,15 +117,15 @@ void Strategy::forward(const ForwardArgs& args) {
     host.ready();
     error = strategy::check_forward(checked, options_.mask, dims);
   }
-  in_frame("forward", dims, std::move(error),
-           [&](strategy::Call& call) { run_forward(args, call); },
-           [&](const std::string& what) {
-             strategy::HostViews host(*device_);
-             const TensorView out = host(args.out), lse = host(args.lse);
-             host.ready();
-             strategy::agree_outputs(comm_, what,
-                                     strategy::check_forward_outputs(out, lse, args.tokens));
-           });
+  in_frame(
+      "forward", dims, std::move(error), [&](strategy::Call& call) { run_forward(args, call); },
+      [&](const std::string& what) {
+        strategy::HostViews host(*device_);
+        const TensorView out = host(args.out), lse = host(args.lse);
+        host.ready();
+        strategy::agree_outputs(comm_, what,
+                                strategy::check_forward_outputs(out, lse, args.tokens));
+      });
 }
 
 void Strategy::backward(const BackwardArgs& args) {
@@ -135,15 +139,15 @@ void Strategy::backward(const BackwardArgs& args) {
     host.ready();
     error = strategy::check_backward(checked, options_.mask, dims);
   }
-  in_frame("backward", dims, std::move(error),
-           [&](strategy::Call& call) { run_backward(args, call); },
-           [&](const std::string& what) {
-             strategy::HostViews host(*device_);
-             const TensorView dq = host(args.dq), dk = host(args.dk), dv = host(args.dv);
-             host.ready();
-             strategy::agree_outputs(comm_, what,
-                                     strategy::check_backward_outputs(dq, dk, dv, args.tokens));
-           });
+  in_frame(
+      "backward", dims, std::move(error), [&](strategy::Call& call) { run_backward(args, call); },
+      [&](const std::string& what) {
+        strategy::HostViews host(*device_);
+        const TensorView dq = host(args.dq), dk = host(args.dk), dv = host(args.dv);
+        host.ready();
+        strategy::agree_outputs(comm_, what,
+                                strategy::check_backward_outputs(dq, dk, dv, args.tokens));
+      });
 }
 
 }  // namespace ctxpar

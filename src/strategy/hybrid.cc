@@ -14,8 +14,7 @@ namespace {
 
 class HybridStrategy final : public Strategy {
  public:
-  HybridStrategy(Communicator& comm, const StrategyOptions& options,
-                 std::unique_ptr<Device> device)
+  HybridStrategy(Communicator& comm, const StrategyOptions& options, std::unique_ptr<Device> device)
       : Strategy(comm, options, std::move(device)) {
     const int p = comm.size(), r = comm.rank();
     u_ = options.ulysses_degree > 0 ? options.ulysses_degree : p;
@@ -32,15 +31,15 @@ class HybridStrategy final : public Strategy {
   std::vector<Communicator*> counted() override { return {ulysses_.get(), ring_.get()}; }
 
   void run_forward(const ForwardArgs& a, Call& call) override {
-    ulysses_forward(*ulysses_, call, a,
-                    [&](const ForwardArgs& f) { ring_forward(*ring_, call, f); },
-                    groups_limit(options_, 1));
+    ulysses_forward(
+        *ulysses_, call, a, [&](const ForwardArgs& f) { ring_forward(*ring_, call, f); },
+        groups_limit(options_, 1));
   }
 
   void run_backward(const BackwardArgs& a, Call& call) override {
-    ulysses_backward(*ulysses_, call, a,
-                     [&](const GradArgs& g) { ring_backward(*ring_, call, g); },
-                     groups_limit(options_, 1));
+    ulysses_backward(
+        *ulysses_, call, a, [&](const GradArgs& g) { ring_backward(*ring_, call, g); },
+        groups_limit(options_, 1));
   }
 
  private:

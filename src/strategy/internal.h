@@ -46,8 +46,8 @@ Signature signature_of(const Dims& dims, const StrategyOptions& options);
 // O, dQ, dK or dV, is. The first bad element (lowest batch, global position, head) is kept.
 struct BadOutput {
   int64_t batch = -1, position = 0, head = 0;  // batch < 0: nothing bad
-  std::string message;                          // "lse = inf at token position 5, batch 0, ..."
-  void take(const BadOutput& other);            // keeps the first of the two
+  std::string message;                         // "lse = inf at token position 5, batch 0, ..."
+  void take(const BadOutput& other);           // keeps the first of the two
 };
 BadOutput check_forward_outputs(const TensorView& out, const TensorView& lse, const Tokens& tokens);
 BadOutput check_backward_outputs(const TensorView& dq, const TensorView& dk, const TensorView& dv,

@@ -16,8 +16,8 @@ int64_t ulysses_kv_slots(int64_t heads, int64_t kv_heads, int ranks) {
   return kv_heads % ranks == 0 ? kv_heads / ranks : group % local == 0 ? 1 : local;
 }
 
-int ulysses_pipeline_groups(int64_t heads, int64_t kv_heads, int ranks, int64_t batch,
-                            int threads, AttentionPass pass, int limit) {
+int ulysses_pipeline_groups(int64_t heads, int64_t kv_heads, int ranks, int64_t batch, int threads,
+                            AttentionPass pass, int limit) {
   const int64_t hq = heads / ranks, hk = ulysses_kv_slots(heads, kv_heads, ranks);
   const int64_t common = std::gcd(hq, hk);
   // Backward keeps batch * hk / G KV heads per kernel call >= its threads: below that the fast
@@ -25,8 +25,7 @@ int ulysses_pipeline_groups(int64_t heads, int64_t kv_heads, int ranks, int64_t 
   // dK/dV/dQ in another order than the unpipelined call; with it, every group's results are
   // the same bits as G = 1's.
   for (int n = int(std::min<int64_t>(limit, common)); n > 1; --n)
-    if (common % n == 0 && (pass == AttentionPass::forward || batch * hk / n >= threads))
-      return n;
+    if (common % n == 0 && (pass == AttentionPass::forward || batch * hk / n >= threads)) return n;
   return 1;
 }
 
@@ -83,7 +82,7 @@ double allgather(const StrategyOptions& o, const Sizes& z, const AttentionDims& 
   const double gathered = 2.0 * (P - 1) * z.pack(tl, hk);
   if (pass == AttentionPass::forward) return z.state(tl, hq) + (G > 1 ? 2 : 1) * gathered;
   const double reduce = (2.0 * P - 1) * z.grad(tl, hk), sum = z.grad(tl, hk);
-  double peak = sum + reduce;  // the last group's reduce, summed
+  double peak = sum + reduce;                          // the last group's reduce, summed
   for (int64_t g : {int64_t{0}, int64_t{1}, G - 1}) {  // every middle group is group 1
     if (g >= G) continue;
     const double next = g + 1 < G ? gathered : 0;
@@ -100,10 +99,11 @@ double ulysses(const StrategyOptions& o, const Sizes& z, const AttentionDims& d,
                AttentionPass pass) {
   const bool bwd = pass == AttentionPass::backward;
   const int64_t tl = d.seq / P, t = tl * u, R = P / u;
-  const int limit = o.ulysses_groups > 0 ? o.ulysses_groups
-                    : o.kind == StrategyKind::hybrid ? 1 : kUlyssesDefaultGroups;
-  const int G = ulysses_pipeline_groups(d.heads, d.kv_heads, u, d.batch, o.kernel.threads,
-                                        pass, limit);
+  const int limit = o.ulysses_groups > 0             ? o.ulysses_groups
+                    : o.kind == StrategyKind::hybrid ? 1
+                                                     : kUlyssesDefaultGroups;
+  const int G =
+      ulysses_pipeline_groups(d.heads, d.kv_heads, u, d.batch, o.kernel.threads, pass, limit);
   const double gq = double(d.heads / u / G);
   const double gk = double(ulysses_kv_slots(d.heads, d.kv_heads, u) / G);
   const double B = z.B, D = z.D, es = z.es, eo = z.eo, tld = double(tl), td = double(t);
@@ -139,8 +139,8 @@ double ulysses(const StrategyOptions& o, const Sizes& z, const AttentionDims& d,
 
 }  // namespace
 
-double attention_buffer_bytes(const StrategyOptions& options, const AttentionDims& dims,
-                              int ranks, AttentionPass pass) {
+double attention_buffer_bytes(const StrategyOptions& options, const AttentionDims& dims, int ranks,
+                              AttentionPass pass) {
   const Sizes z{double(dims.batch), double(dims.head_dim), double(dtype_size(dims.dtype)),
                 double(dtype_size(dims.out_dtype)), options.mask.documents};
   if (dims.batch <= 0 || dims.seq <= 0 || dims.heads <= 0 || dims.kv_heads <= 0 ||

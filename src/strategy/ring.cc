@@ -80,8 +80,8 @@ void ring_forward(Communicator& comm, Call& call, const ForwardArgs& a) {
              {0, [&](int) { return pack.bytes(); },
               [&](int s, int, const DeviceBuffer& b) {
                 const KvBlock kv = s == 0 ? own : pack.block(b);
-                dev.forward_block(kComputeStream, a.q, a.tokens, kv.k, kv.v, kv.tokens,
-                                  call.mask, state.get(), call.kernel);
+                dev.forward_block(kComputeStream, a.q, a.tokens, kv.k, kv.v, kv.tokens, call.mask,
+                                  state.get(), call.kernel);
               }});
   dev.forward_finalize(kComputeStream, state.get(), a.out, a.lse, call.kernel);
   // When sends lend their memory (threads transport on cpu), the memory of a forwarded block
@@ -108,7 +108,10 @@ namespace {
 class RingBackward {
  public:
   RingBackward(Communicator& comm, Call& call, const GradArgs& a)
-      : comm_(comm), call_(call), dev_(*call.dev), a_(a),
+      : comm_(comm),
+        call_(call),
+        dev_(*call.dev),
+        a_(a),
         pack_(packing_of(a.k, call.mask.documents)),
         grad_{a.k.dim(0), a.k.dim(1), a.k.dim(2), a.k.dim(3), DType::f32, false},
         grad_bytes_(2 * grad_.kv_bytes()),  // [dk | dv] fp32, no tokens
@@ -151,8 +154,8 @@ class RingBackward {
   // row 0).
   void compute(int s, const KvBlock& kv, const DeviceBuffer& into, int64_t r0, int64_t r1) {
     dev_.backward_block(kComputeStream, a_.q, a_.tokens, kv.k.slice(1, r0, r1),
-                        kv.v.slice(1, r0, r1), token_rows(kv.tokens, r0, r1), call_.mask,
-                        a_.dout, a_.lse, a_.delta, a_.dq, grad_.k(into).slice(1, r0, r1),
+                        kv.v.slice(1, r0, r1), token_rows(kv.tokens, r0, r1), call_.mask, a_.dout,
+                        a_.lse, a_.delta, a_.dq, grad_.k(into).slice(1, r0, r1),
                         grad_.v(into).slice(1, r0, r1), call_.kernel);
     if (s < 2) return;
     if (r0 == 0) acc_ = grad_hop_->wait();
@@ -167,7 +170,7 @@ class RingBackward {
     const DeviceBuffer& into = into_of(s);
     std::vector<DeviceBuffer> home;  // the pieces of our own block's accumulator
     dev_.wait(kCommStream, dev_.record(kComputeStream));  // receives first: they may arrive
-    for (int c = 0; c < pieces; ++c)                       // while this step computes
+    for (int c = 0; c < pieces; ++c)                      // while this step computes
       home.push_back(dev_.recv(kCommStream, comm_,
                                2 * rows_of(grad_, cuts_[c], cuts_[c + 1]).kv_bytes(),
                                (comm_.rank() + p - 1) % p, piece_tag(c)));

@@ -2,13 +2,11 @@
 
 #include <optional>
 
-
 namespace ctxpar::strategy {
 
 DeviceBuffer KvPacking::pack(Device& dev, Stream s, const KvBlock& block) const {
   DeviceBuffer b = dev.alloc(bytes());
-  dev.pack_kv(s, block.k, block.v, block.tokens, documents, k(b), v(b),
-              b.data() + tokens_offset());
+  dev.pack_kv(s, block.k, block.v, block.tokens, documents, k(b), v(b), b.data() + tokens_offset());
   return b;
 }
 

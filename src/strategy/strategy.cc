@@ -16,10 +16,14 @@ namespace ctxpar {
 
 const char* strategy_name(StrategyKind k) {
   switch (k) {
-    case StrategyKind::ring: return "ring";
-    case StrategyKind::allgather: return "allgather";
-    case StrategyKind::ulysses: return "ulysses";
-    case StrategyKind::hybrid: return "hybrid";
+    case StrategyKind::ring:
+      return "ring";
+    case StrategyKind::allgather:
+      return "allgather";
+    case StrategyKind::ulysses:
+      return "ulysses";
+    case StrategyKind::hybrid:
+      return "hybrid";
   }
   return "?";
 }
@@ -93,8 +97,8 @@ std::string check_forward(const ForwardArgs& a, const Mask& mask, Dims& dims) {
   if (dims.d < 16 || dims.d > 256)
     return detail::concat("q: head dim D must be in 16..256, got ", dims.d);
   if (dims.hkv < 1 || dims.hq % dims.hkv != 0)
-    return detail::concat("k: kv heads Hkv = ", dims.hkv, " must divide query heads Hq = ",
-                          dims.hq, " (GQA)");
+    return detail::concat("k: kv heads Hkv = ", dims.hkv, " must divide query heads Hq = ", dims.hq,
+                          " (GQA)");
   const Shape kv{dims.batch, dims.tokens, dims.hkv, dims.d};
   if (!(e = kernel::activation_verdict("k", k, true, kv, "[B, Tl, Hkv, D]")).empty()) return e;
   if (!(e = kernel::activation_verdict("v", v, true, kv, "[B, Tl, Hkv, D]")).empty()) return e;
@@ -104,7 +108,8 @@ std::string check_forward(const ForwardArgs& a, const Mask& mask, Dims& dims) {
   if (!(e = kernel::activation_verdict("out", out, true, q.shape(), "q's [B, Tl, Hq, D]")).empty())
     return e;
   if (!(e = kernel::activation_verdict("lse", lse, false, {dims.batch, dims.hq, dims.tokens},
-                                       "[B, Hq, Tl]")).empty())
+                                       "[B, Hq, Tl]"))
+           .empty())
     return e;
   if (static_cast<int64_t>(tokens.positions.size()) != dims.tokens)
     return detail::concat("tokens.positions: expected ", dims.tokens, " entries (Tl), got ",
@@ -147,10 +152,13 @@ Signature signature_of(const Dims& dims, const StrategyOptions& options) {
           {"mask", options.mask.describe()},
           {"kernel scale", scale},
           {"kernel bf16 tier", bf16_tier_name(options.kernel.bf16_tier)},
-          {"batch B", num(dims.batch)}, {"local tokens Tl", num(dims.tokens)},
-          {"query heads Hq", num(dims.hq)}, {"kv heads Hkv", num(dims.hkv)},
+          {"batch B", num(dims.batch)},
+          {"local tokens Tl", num(dims.tokens)},
+          {"query heads Hq", num(dims.hq)},
+          {"kv heads Hkv", num(dims.hkv)},
           {"head dim D", num(dims.d)},
-          {"dtype", dtype_name(dims.dtype)}, {"out dtype", dtype_name(dims.out_dtype)},
+          {"dtype", dtype_name(dims.dtype)},
+          {"out dtype", dtype_name(dims.out_dtype)},
           {"device", device_name(options.device.kind)}};
 }
 
@@ -162,9 +170,10 @@ namespace {
 void first_bad_row(const char* name, const TensorView& t, const Tokens& tokens, BadOutput& bad) {
   const kernel::NonFinite f = kernel::find_non_finite(t);
   if (!f.found()) return;
-  bad.take({f.b, tokens.positions[f.t], f.h, detail::concat(
-      name, " = ", f.value, " at token position ", tokens.positions[f.t], ", batch ", f.b,
-      ", head ", f.h, ", dim ", f.d, " (local row ", f.t, ")")});
+  bad.take(
+      {f.b, tokens.positions[f.t], f.h,
+       detail::concat(name, " = ", f.value, " at token position ", tokens.positions[f.t],
+                      ", batch ", f.b, ", head ", f.h, ", dim ", f.d, " (local row ", f.t, ")")});
 }
 
 constexpr int kMessageBytes = 440;  // a rank's report of its first bad element, cut to this
@@ -177,8 +186,8 @@ constexpr const char* kOverflowHint =
 
 void BadOutput::take(const BadOutput& other) {
   if (other.batch < 0) return;
-  if (batch < 0 || std::tie(other.batch, other.position, other.head) <
-                       std::tie(batch, position, head))
+  if (batch < 0 ||
+      std::tie(other.batch, other.position, other.head) < std::tie(batch, position, head))
     *this = other;
 }
 
@@ -193,23 +202,23 @@ BadOutput check_forward_outputs(const TensorView& out, const TensorView& lse,
     for (int64_t h = 0; h < H; ++h) {
       const float* row = l + lse.offset(b, h, 0);
       bool any = false;
-      for (int64_t t = 0; t < T; ++t) any |= std::isnan(row[t * lse.stride(2)]) ||
-                                             row[t * lse.stride(2)] == INFINITY;
+      for (int64_t t = 0; t < T; ++t)
+        any |= std::isnan(row[t * lse.stride(2)]) || row[t * lse.stride(2)] == INFINITY;
       if (!any) continue;
       for (int64_t t = 0; t < T; ++t) {
         const float x = row[t * lse.stride(2)];
         if (!std::isnan(x) && x != INFINITY) continue;
-        bad.take({b, tokens.positions[t], h, detail::concat(
-            "lse = ", x, " at token position ", tokens.positions[t], ", batch ", b, ", head ", h,
-            " (local row ", t, ")")});
+        bad.take({b, tokens.positions[t], h,
+                  detail::concat("lse = ", x, " at token position ", tokens.positions[t],
+                                 ", batch ", b, ", head ", h, " (local row ", t, ")")});
       }
     }
   first_bad_row("out", out, tokens, bad);
   return bad;
 }
 
-BadOutput check_backward_outputs(const TensorView& dq, const TensorView& dk,
-                                 const TensorView& dv, const Tokens& tokens) {
+BadOutput check_backward_outputs(const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                 const Tokens& tokens) {
   BadOutput bad;
   first_bad_row("dq", dq, tokens, bad);
   first_bad_row("dk", dk, tokens, bad);

@@ -40,9 +40,12 @@ struct HeadSplit {
     for (int j = 0; j < p; ++j) {
       std::vector<int64_t> heads;
       for (int64_t i = 0; i < hkv_local; ++i) {
-        if (dims.hkv % p == 0) heads.push_back(j * hkv_local + i);
-        else if (hkv_local == 1) heads.push_back(j * hq_local / group);
-        else heads.push_back((j * hq_local + i) / group);
+        if (dims.hkv % p == 0)
+          heads.push_back(j * hkv_local + i);
+        else if (hkv_local == 1)
+          heads.push_back(j * hq_local / group);
+        else
+          heads.push_back((j * hq_local + i) / group);
       }
       kv_heads.push_back(heads);
     }
@@ -66,8 +69,7 @@ struct GroupTokens {
     const size_t t = positions.size() / 8;
     Tokens out;
     out.positions = {reinterpret_cast<const int64_t*>(positions.data()), t};
-    if (!documents.empty())
-      out.documents = {reinterpret_cast<const int32_t*>(documents.data()), t};
+    if (!documents.empty()) out.documents = {reinterpret_cast<const int32_t*>(documents.data()), t};
     return out;
   }
   // The rows of rank `rank`'s chunk: chunk row i is group row index(rank)[i].
@@ -89,7 +91,8 @@ GroupTokens gather_tokens(Communicator& comm, Call& call, const Tokens& local, i
   });
   std::vector<int64_t> order(pos.size());
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return pos[a] < pos[b]; });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return pos[a] < pos[b]; });
   std::vector<int64_t> sorted_index(pos.size()), positions(pos.size());
   std::vector<int32_t> documents(call.mask.documents ? pos.size() : 0);
   for (size_t i = 0; i < order.size(); ++i) {
@@ -142,8 +145,8 @@ struct Groups {
 
 // Chunk j of group g: q of the query heads rank j takes, k and v of the KV slots they read.
 void pack_qkv(Device& dev, const HeadSplit& split, const Groups& groups, int j, int g,
-              const TensorView& q, const TensorView& k, const TensorView& v,
-              const TensorView& to_q, const TensorView& to_k, const TensorView& to_v) {
+              const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& to_q,
+              const TensorView& to_k, const TensorView& to_v) {
   const int64_t h0 = j * split.hq_local + g * groups.hq;
   dev.copy(kComputeStream, q.slice(2, h0, h0 + groups.hq), to_q);
   copy_kv_heads(dev, k, groups.kv_heads(split, j, g), to_k);
@@ -278,7 +281,8 @@ void ulysses_forward(Communicator& comm, Call& call, const ForwardArgs& a,
     DeviceBuffer of = dev.alloc(size_t(b * t * gq * d) * dtype_size(dims.out_dtype));
     DeviceBuffer lf = dev.alloc(size_t(b * gq * t) * 4);
     const TensorView qv = qf.view(dims.dtype, {b, t, gq, d});
-    const TensorView kv = kf.view(dims.dtype, {b, t, gk, d}), vv = vf.view(dims.dtype, {b, t, gk, d});
+    const TensorView kv = kf.view(dims.dtype, {b, t, gk, d}),
+                     vv = vf.view(dims.dtype, {b, t, gk, d});
     const TensorView ov = of.view(dims.out_dtype, {b, t, gq, d});
     const TensorView lv = lf.view(DType::f32, {b, gq, t});
     for (int i = 0; i < p; ++i) {
@@ -363,7 +367,7 @@ void ulysses_backward(Communicator& comm, Call& call, const BackwardArgs& a,
     DeviceBuffer full = dev.alloc(whole.bytes);
     auto f = [&](size_t i) { return whole.view(full, 0, i); };
     for (size_t i : {fdq, fdk, fdv}) dev.fill_zero(kComputeStream, f(i));
-    const std::pair<size_t, size_t> inputs[] = {{sq, fq},  {sk, fk}, {sv, fv},
+    const std::pair<size_t, size_t> inputs[] = {{sq, fq},   {sk, fk}, {sv, fv},
                                                 {sdo, fdo}, {sl, fl}, {sdl, fdl}};
     for (int i = 0; i < p; ++i)  // each rank's tokens of each input, to their sorted places
       for (const auto& [from, to] : inputs)
@@ -399,19 +403,25 @@ class UlyssesStrategy final : public Strategy {
   }
 
   void run_forward(const ForwardArgs& a, Call& call) override {
-    ulysses_forward(comm_, call, a, [&](const ForwardArgs& f) {
-      DeviceForwardState state(*call.dev, f.q.dim(0), f.q.dim(1), f.q.dim(2), f.q.dim(3));
-      call.dev->forward_block(kComputeStream, f.q, f.tokens, f.k, f.v, f.tokens, call.mask,
-                             state.get(), call.kernel);
-      call.dev->forward_finalize(kComputeStream, state.get(), f.out, f.lse, call.kernel);
-    }, groups_limit(options_, kUlyssesDefaultGroups));
+    ulysses_forward(
+        comm_, call, a,
+        [&](const ForwardArgs& f) {
+          DeviceForwardState state(*call.dev, f.q.dim(0), f.q.dim(1), f.q.dim(2), f.q.dim(3));
+          call.dev->forward_block(kComputeStream, f.q, f.tokens, f.k, f.v, f.tokens, call.mask,
+                                  state.get(), call.kernel);
+          call.dev->forward_finalize(kComputeStream, state.get(), f.out, f.lse, call.kernel);
+        },
+        groups_limit(options_, kUlyssesDefaultGroups));
   }
 
   void run_backward(const BackwardArgs& a, Call& call) override {
-    ulysses_backward(comm_, call, a, [&](const GradArgs& g) {
-      call.dev->backward_block(kComputeStream, g.q, g.tokens, g.k, g.v, g.tokens, call.mask, g.dout,
-                              g.lse, g.delta, g.dq, g.dk, g.dv, call.kernel);
-    }, groups_limit(options_, kUlyssesDefaultGroups));
+    ulysses_backward(
+        comm_, call, a,
+        [&](const GradArgs& g) {
+          call.dev->backward_block(kComputeStream, g.q, g.tokens, g.k, g.v, g.tokens, call.mask,
+                                   g.dout, g.lse, g.delta, g.dq, g.dk, g.dv, call.kernel);
+        },
+        groups_limit(options_, kUlyssesDefaultGroups));
   }
 };
 

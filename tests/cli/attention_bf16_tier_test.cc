@@ -16,8 +16,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const std::string kBf16Problem = "--seq 256 --heads 4 --kv-heads 2 --head-dim 64 --mask causal "
-                                 "--backward ";
+const std::string kBf16Problem =
+    "--seq 256 --heads 4 --kv-heads 2 --head-dim 64 --mask causal "
+    "--backward ";
 const char* const kOutputs[] = {"out.npy", "lse.npy", "dq.npy", "dk.npy", "dv.npy"};
 
 bool same_bytes(const Tensor& a, const Tensor& b) {

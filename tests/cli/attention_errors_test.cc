@@ -56,7 +56,8 @@ TEST(CliAttentionErrors, InvalidCombinationsExit2WithWhatWouldWork) {
     EXPECT_EQ(r.exit_code, 2) << c.args << "\nstderr: " << r.err << "\nstdout: " << r.out;
     for (const auto& part : c.says)
       EXPECT_NE(r.err.find(part), std::string::npos)
-          << c.args << ": stderr lacks '" << part << "':\n" << r.err;
+          << c.args << ": stderr lacks '" << part << "':\n"
+          << r.err;
     EXPECT_TRUE(r.out.empty()) << c.args << ": nothing on stdout on refusal, got " << r.out;
   }
 }
@@ -71,7 +72,8 @@ TEST(CliAttentionErrors, UnknownTransportNamesTheOnesTheCommandTakes) {
     const CommandResult r = run_ctxpar(args);
     EXPECT_EQ(r.exit_code, 2) << args << ": " << r.err;
     EXPECT_NE(r.err.find(std::string("--transport must be ") + names + ", got '"),
-              std::string::npos) << args << ": " << r.err;
+              std::string::npos)
+        << args << ": " << r.err;
   }
 }
 
@@ -84,8 +86,8 @@ TEST(CliAttentionErrors, BadUlyssesGroupsVariableExitsTwo) {
          {std::string("attention --seq 64 --heads 4 --ranks 2 --strategy ulysses"),
           "bench cp --seq 64 --ranks 2 --strategy ulysses --dry-run --out " +
               temp_dir("uly_env")}) {
-      CommandResult r = run_shell("CTXPAR_ULYSSES_GROUPS=" + bad + " " + ctxpar_path() + " " +
-                                  command);
+      CommandResult r =
+          run_shell("CTXPAR_ULYSSES_GROUPS=" + bad + " " + ctxpar_path() + " " + command);
       EXPECT_EQ(r.exit_code, 2) << bad << ": " << command << "\n" << r.err << r.out;
       EXPECT_NE(r.err.find("CTXPAR_ULYSSES_GROUPS must be an integer in [1, 1024]"),
                 std::string::npos)

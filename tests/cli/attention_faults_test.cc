@@ -47,9 +47,9 @@ TEST(CliAttentionFaults, Int64DocumentIdsStayDistinct) {
   write_npy(dir + "/small.npy", std::span<const int64_t>(halves(0, 1)));
   write_npy(dir + "/one.npy", std::span<const int64_t>(halves(7, 7)));
   for (const char* name : {"wide", "small", "one"}) {
-    CommandResult r = run_ctxpar(std::string(kSmall) + "--ranks 2 --layout zigzag --check --json" +
-                                 " --documents " + dir + "/" + name + ".npy --out " + dir + "/" +
-                                 name);
+    CommandResult r =
+        run_ctxpar(std::string(kSmall) + "--ranks 2 --layout zigzag --check --json" +
+                   " --documents " + dir + "/" + name + ".npy --out " + dir + "/" + name);
     ASSERT_EQ(r.exit_code, 0) << name << ": " << r.err << r.out;
     EXPECT_TRUE(parse_json(r)["check_passed"].get<bool>()) << r.out;
   }
@@ -78,8 +78,8 @@ std::set<std::string> names(const std::map<std::string, std::string>& files) {
 TEST(CliAttentionFaults, OutIsReplacedAsAWholeSet) {
   const std::string dir = temp_dir("out_set"), out = dir + "/res";
   ASSERT_EQ(run_ctxpar(std::string(kSmall) + "--backward --out " + out).exit_code, 0);
-  EXPECT_EQ(names(folder_files(out)),
-            (std::set<std::string>{".ctxpar-out", "out.npy", "lse.npy", "dq.npy", "dk.npy", "dv.npy"}));
+  EXPECT_EQ(names(folder_files(out)), (std::set<std::string>{".ctxpar-out", "out.npy", "lse.npy",
+                                                             "dq.npy", "dk.npy", "dv.npy"}));
   CommandResult r = run_ctxpar(std::string(kSmall) + "--seed 3 --out " + out);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(names(folder_files(out)), (std::set<std::string>{".ctxpar-out", "out.npy", "lse.npy"}));
@@ -102,8 +102,8 @@ TEST(CliAttentionFaults, OutKilledDuringTheWriteIsTheOldSetOrTheNew) {
   EXPECT_EQ(r.exit_code, 128 + 9) << r.err;  // killed
   EXPECT_EQ(folder_files(out), old_set);
 
-  r = run_shell("CTXPAR_OUT_FAULT=after-swap " + fault_ctxpar_path() + " " + kSmall + "--seed 5 --out " +
-                out);
+  r = run_shell("CTXPAR_OUT_FAULT=after-swap " + fault_ctxpar_path() + " " + kSmall +
+                "--seed 5 --out " + out);
   EXPECT_EQ(r.exit_code, 128 + 9) << r.err;
   EXPECT_EQ(folder_files(out), new_set);
   // The next run replaces the set again, killed or not before.
@@ -118,7 +118,8 @@ TEST(CliAttentionFaults, OutThatCannotBeWrittenFailsBeforeComputing) {
   CommandResult r = run_shell("CTXPAR_FAULT_RANK=0 " + fault_ctxpar_path() + " " + kSmall +
                               "--out /proc/ctxpar_out");
   EXPECT_EQ(r.exit_code, 2) << r.err;
-  EXPECT_NE(r.err.find("--out /proc/ctxpar_out: cannot write in /proc"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("--out /proc/ctxpar_out: cannot write in /proc"), std::string::npos)
+      << r.err;
   EXPECT_EQ(r.err.find("injected fault"), std::string::npos) << r.err;
 
   // A folder of the user's own files is not replaced (that would delete them).
@@ -150,7 +151,8 @@ TEST(CliAttentionFaults, FifoAsInputIsRefusedAtOnce) {
 // Exit status: 2 for bad usage or input (before any computing), 1 for a failure at run time,
 // as under MPI (tests in attention_mpi_test.cc).
 TEST(CliAttentionFaults, FailingRankExits1AndBadUsageExits2) {
-  CommandResult r = run_shell("CTXPAR_FAULT_RANK=1 " + fault_ctxpar_path() + " " + kSmall + "--ranks 2");
+  CommandResult r =
+      run_shell("CTXPAR_FAULT_RANK=1 " + fault_ctxpar_path() + " " + kSmall + "--ranks 2");
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("rank 1 failed: injected fault"), std::string::npos) << r.err;
   r = run_ctxpar(std::string(kSmall) + "--head-dim 8");
@@ -165,16 +167,18 @@ TEST(CliAttentionFaults, LauncherWithoutMpiIsRefusedWithHowToLaunch) {
   EXPECT_EQ(tr.exit_code, 2) << tr.err;
   EXPECT_NE(tr.err.find("MASTER_ADDR is not set"), std::string::npos) << tr.err;
   EXPECT_NE(tr.err.find("torchrun --nproc-per-node N"), std::string::npos) << tr.err;
-  for (const char* env : {"SLURM_PROCID=1 SLURM_STEP_NUM_TASKS=2",
-                          "SLURM_PROCID=0 SLURM_NTASKS=2 SLURM_STEP_ID=0"}) {
+  for (const char* env :
+       {"SLURM_PROCID=1 SLURM_STEP_NUM_TASKS=2", "SLURM_PROCID=0 SLURM_NTASKS=2 SLURM_STEP_ID=0"}) {
     CommandResult r = run_shell(std::string("env ") + env + " " + ctxpar_path() + " " + kSmall);
     EXPECT_EQ(r.exit_code, 2) << env << ": " << r.err;
-    EXPECT_NE(r.err.find("mpirun -n 2 ctxpar attention"), std::string::npos) << env << ": " << r.err;
+    EXPECT_NE(r.err.find("mpirun -n 2 ctxpar attention"), std::string::npos)
+        << env << ": " << r.err;
     EXPECT_NE(r.err.find("--ranks 2"), std::string::npos) << r.err;
     EXPECT_TRUE(r.out.empty()) << r.out;
   }
   // bench cp sweeps P itself, in one process.
-  CommandResult b = run_shell("env WORLD_SIZE=2 RANK=0 " + ctxpar_path() + " bench cp --seq 64 --dry-run");
+  CommandResult b =
+      run_shell("env WORLD_SIZE=2 RANK=0 " + ctxpar_path() + " bench cp --seq 64 --dry-run");
   EXPECT_EQ(b.exit_code, 2) << b.err;
   EXPECT_NE(b.err.find("run it once, without a launcher"), std::string::npos) << b.err;
   // train: the same (it runs over gloo under torchrun, given torchrun's whole environment),
@@ -201,7 +205,7 @@ TEST(CliAttentionFaults, LauncherWithoutMpiIsRefusedWithHowToLaunch) {
 // rank told to listen on a host that does not resolve is refused, naming it, by each command.
 TEST(CliAttentionFaults, GlooAddressVariablesReachTheTransport) {
   for (const std::string& command : {std::string(kSmall), std::string("train --seq 64 --steps 1"),
-                                    std::string("decode --context 64 --tokens 1")}) {
+                                     std::string("decode --context 64 --tokens 1")}) {
     const std::string env = "env RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
                             std::to_string(ctxpar::test::free_port()) +
                             " CTXPAR_GLOO_IFNAME= CTXPAR_GLOO_HOST=no-such-host.invalid ";
@@ -214,7 +218,8 @@ TEST(CliAttentionFaults, GlooAddressVariablesReachTheTransport) {
 
 TEST(CliAttentionFaults, ThreadsDefaultToOmpNumThreads) {
   auto threads = [](const std::string& env, const std::string& args) {
-    CommandResult r = run_shell("env " + env + " " + ctxpar_path() + " " + kSmall + "--json " + args);
+    CommandResult r =
+        run_shell("env " + env + " " + ctxpar_path() + " " + kSmall + "--json " + args);
     EXPECT_EQ(r.exit_code, 0) << r.err;
     return r.exit_code == 0 ? parse_json(r)["threads"].get<int>() : -1;
   };
@@ -231,7 +236,8 @@ TEST(CliAttentionFaults, ThreadsDefaultToOmpNumThreads) {
                               "--no-backward --json");
   ASSERT_EQ(k.exit_code, 0) << k.err;
   EXPECT_EQ(parse_json(k)["threads"].get<int>(), 2);
-  CommandResult t = run_shell("env OMP_NUM_THREADS=0 " + ctxpar_path() + " train --seq 64 --steps 1");
+  CommandResult t =
+      run_shell("env OMP_NUM_THREADS=0 " + ctxpar_path() + " train --seq 64 --steps 1");
   EXPECT_EQ(t.exit_code, 2) << t.err;
   EXPECT_NE(t.err.find("OMP_NUM_THREADS='0'"), std::string::npos) << t.err;
 }

@@ -41,7 +41,8 @@ TEST_F(CliMpi, RanksWithDifferentOptionsAreRefusedNamingTheOption) {
   write_npy(dir + "/q.npy", q.view());
   const std::string files = " --q " + dir + "/q.npy --k " + dir + "/q.npy --v " + dir + "/q.npy";
   const Case cases[] = {
-      {"--layout zigzag", "--layout contiguous", "--layout is zigzag on rank 0 but contiguous on rank 1"},
+      {"--layout zigzag", "--layout contiguous",
+       "--layout is zigzag on rank 0 but contiguous on rank 1"},
       {"--check", "", "--check is on on rank 0 but off on rank 1"},
       {"--out " + dir + "/out", "", "--out is given on rank 0 but (not given) on rank 1"},
       {"", "--backward", "--backward is off on rank 0 but on on rank 1"},
@@ -64,24 +65,24 @@ TEST_F(CliMpi, RanksWithDifferentOptionsAreRefusedNamingTheOption) {
   {
     const auto t0 = std::chrono::steady_clock::now();
     const std::string uly = kSmall + " --strategy ulysses --heads 4";
-    CommandResult e = run_shell(mpirun("-n 1 -x CTXPAR_ULYSSES_GROUPS=1 " + ctxpar(uly) +
-                                       " : -n 1 " + ctxpar(uly)));
+    CommandResult e = run_shell(
+        mpirun("-n 1 -x CTXPAR_ULYSSES_GROUPS=1 " + ctxpar(uly) + " : -n 1 " + ctxpar(uly)));
     EXPECT_NE(e.exit_code, 0) << e.err;
     EXPECT_NE(e.err.find("ulysses_groups is 1 on rank 0 but 0 on rank 1"), std::string::npos)
         << e.err;
     EXPECT_LT(seconds_since(t0), 30.0) << "refused, but not at once";
   }
   // --threads does not change the answer (bitwise): ranks may differ in it.
-  CommandResult r = run_shell(mpirun("-n 1 " + ctxpar(kSmall + " --threads 2 --check") + " : -n 1 " +
-                                     ctxpar(kSmall + " --threads 1 --check")));
+  CommandResult r = run_shell(mpirun("-n 1 " + ctxpar(kSmall + " --threads 2 --check") +
+                                     " : -n 1 " + ctxpar(kSmall + " --threads 1 --check")));
   EXPECT_EQ(r.exit_code, 0) << r.err;
   fs::remove_all(dir);
 }
 
 // Exit status as on the threads transport: 1 a rank failed at run time, 2 bad usage.
 TEST_F(CliMpi, FailingRankExits1AndBadUsageExits2) {
-  CommandResult r = run_shell(mpirun("-n 2 -x CTXPAR_FAULT_RANK=1 " + fault_ctxpar_path() +
-                                     " attention " + kSmall));
+  CommandResult r = run_shell(
+      mpirun("-n 2 -x CTXPAR_FAULT_RANK=1 " + fault_ctxpar_path() + " attention " + kSmall));
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("rank 1 failed: injected fault"), std::string::npos) << r.err;
   r = run_shell(mpirun("-n 2 " + ctxpar(kSmall + " --head-dim 8")));
@@ -103,13 +104,14 @@ TEST_F(CliMpi, OverflowingScoresFailEveryRankNamingTokenAndHead) {
   write_npy(dir + "/q.npy", q.view()), write_npy(dir + "/k.npy", k.view());
   write_npy(dir + "/v.npy", v.view());
   for (const char* strategy : {"ring", "ulysses"}) {
-    const CommandResult r = run_shell(mpirun(
-        "-n 2 " + ctxpar("--q " + dir + "/q.npy --k " + dir + "/k.npy --v " + dir +
-                         "/v.npy --mask causal --strategy " + strategy)));
+    const CommandResult r =
+        run_shell(mpirun("-n 2 " + ctxpar("--q " + dir + "/q.npy --k " + dir + "/k.npy --v " + dir +
+                                          "/v.npy --mask causal --strategy " + strategy)));
     EXPECT_EQ(r.exit_code, 1) << strategy << ": " << r.err;
     for (const char* rank : {"rank 0 failed: ", "rank 1 failed: "})
       EXPECT_NE(r.err.find(std::string(rank) + strategy + " forward: non-finite output on rank "),
-                std::string::npos) << rank << r.err;
+                std::string::npos)
+          << rank << r.err;
     EXPECT_NE(r.err.find("lse = inf at token position 40, batch 0, head 1"), std::string::npos)
         << r.err;
   }
@@ -120,8 +122,8 @@ TEST_F(CliMpi, OverflowingScoresFailEveryRankNamingTokenAndHead) {
 // which OpenMPI does not bound: ctxpar's watchdog does (CTXPAR_MPI_INIT_TIMEOUT).
 TEST_F(CliMpi, ProgramThatNeverStartsMpiEndsTheJob) {
   const auto t0 = std::chrono::steady_clock::now();
-  CommandResult r = run_shell(mpirun("-n 1 -x CTXPAR_MPI_INIT_TIMEOUT=3 " + ctxpar(kSmall) +
-                                     " : -n 1 /bin/true", 60));
+  CommandResult r = run_shell(
+      mpirun("-n 1 -x CTXPAR_MPI_INIT_TIMEOUT=3 " + ctxpar(kSmall) + " : -n 1 /bin/true", 60));
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("MPI_Init has not returned after 3 s"), std::string::npos) << r.err;
   EXPECT_LT(seconds_since(t0), 30.0);
@@ -150,7 +152,8 @@ TEST_F(CliMpi, EachRankReadsItsOwnRowsOfTheInputFiles) {
       file_data += h.data_bytes, headers += h.data_offset;
     }
     const std::string args = "--q " + dir + "/q.npy --k " + dir + "/k.npy --v " + dir +
-                             "/v.npy --do " + dir + "/do.npy --layout-in bhtd --mask causal "
+                             "/v.npy --do " + dir +
+                             "/do.npy --layout-in bhtd --mask causal "
                              "--layout zigzag --check --json";
     CommandResult m = run_shell(mpirun("-n 2 " + ctxpar(args + " --out " + dir + "/mpi")));
     ASSERT_EQ(m.exit_code, 0) << m.err << m.out;

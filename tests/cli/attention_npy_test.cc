@@ -67,18 +67,18 @@ TEST(CliAttentionNpy, ShardedRunOfUserTensorsMatchesNumpy) {
     GTEST_SKIP() << "python3-numpy missing: " << w.err;
   ASSERT_EQ(w.exit_code, 0) << w.err;
 
-  CommandResult r = run_ctxpar("attention --q " + dir + "/q.npy --k " + dir + "/k.npy --v " +
-                               dir + "/v.npy --do " + dir + "/do.npy --documents " + dir +
+  CommandResult r = run_ctxpar("attention --q " + dir + "/q.npy --k " + dir + "/k.npy --v " + dir +
+                               "/v.npy --do " + dir + "/do.npy --documents " + dir +
                                "/docs.npy --layout-in bhtd --mask causal --ranks 4 --layout "
-                               "zigzag --strategy ring --out " + dir + "/out");
+                               "zigzag --strategy ring --out " +
+                               dir + "/out");
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
   for (const char* f : {"out.npy", "lse.npy", "dq.npy", "dk.npy", "dv.npy"})
     EXPECT_TRUE(std::filesystem::exists(dir + "/out/" + f)) << f;
   // Files are written whole or not at all: no temporary names left behind (the marker that
   // lets the next run replace the folder is the one other file).
   for (const auto& e : std::filesystem::directory_iterator(dir + "/out"))
-    EXPECT_TRUE(e.path().extension() == ".npy" || e.path().filename() == ".ctxpar-out")
-        << e.path();
+    EXPECT_TRUE(e.path().extension() == ".npy" || e.path().filename() == ".ctxpar-out") << e.path();
 
   CommandResult c = run_shell("/usr/bin/python3 " + dir + "/ref.py " + dir + " compare");
   EXPECT_EQ(c.exit_code, 0) << "max |ctxpar - numpy fp64| per output against its bound:\n"
@@ -96,15 +96,19 @@ TEST(CliAttentionNpy, OverflowingScoresFailNamingTokenAndHead) {
   const std::string dir = temp_dir("nan");
   CommandResult w = run_shell(
       "/usr/bin/python3 -c \"import numpy as np; r = np.random.default_rng(1); "
-      "[np.save('" + dir + "/' + n + '.npy', r.standard_normal((1, 32, 2, 16)).astype(np.float32)) "
+      "[np.save('" +
+      dir +
+      "/' + n + '.npy', r.standard_normal((1, 32, 2, 16)).astype(np.float32)) "
       "for n in 'kv']; q = r.standard_normal((1, 32, 2, 16)).astype(np.float32); "
-      "q[0, 5, 1, :] = 3e38; q[0, 5, 1, ::2] = -3e38; np.save('" + dir + "/q.npy', q)\"");
+      "q[0, 5, 1, :] = 3e38; q[0, 5, 1, ::2] = -3e38; np.save('" +
+      dir + "/q.npy', q)\"");
   if (w.exit_code != 0) GTEST_SKIP() << "numpy unavailable: " << w.err;
   for (const char* extra : {"", " --check", " --strategy ulysses --layout contiguous"}) {
     CommandResult r = run_ctxpar("attention --q " + dir + "/q.npy --k " + dir + "/k.npy --v " +
                                  dir + "/v.npy --ranks 2" + extra);
     EXPECT_EQ(r.exit_code, 1) << extra << ": " << r.err << r.out;
-    EXPECT_NE(r.err.find("forward: non-finite output"), std::string::npos) << extra << ": " << r.err;
+    EXPECT_NE(r.err.find("forward: non-finite output"), std::string::npos)
+        << extra << ": " << r.err;
     EXPECT_NE(r.err.find("at token position 5, batch 0, head 1"), std::string::npos)
         << extra << ": " << r.err;
     EXPECT_NE(r.err.find("beyond the fp32 range"), std::string::npos) << r.err;

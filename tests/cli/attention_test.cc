@@ -73,10 +73,13 @@ TEST(CliAttention, EveryStrategyAndLayoutPassesItsCheck) {
       {"ring contiguous", base + "--mask causal --ranks 3 --strategy ring", 3},
       {"ring zigzag", base + "--mask causal --ranks 4 --strategy ring --layout zigzag", 4},
       {"ring striped", base + "--mask causal --ranks 4 --strategy ring --layout striped", 4},
-      {"allgather zigzag", base + "--mask causal --ranks 4 --strategy allgather --layout zigzag", 4},
+      {"allgather zigzag", base + "--mask causal --ranks 4 --strategy allgather --layout zigzag",
+       4},
       {"ulysses striped", base + "--mask causal --ranks 4 --strategy ulysses --layout striped", 4},
-      {"hybrid 2x2", base + "--mask causal --ranks 4 --strategy hybrid --ulysses-degree 2 "
-                            "--layout zigzag", 4},
+      {"hybrid 2x2",
+       base + "--mask causal --ranks 4 --strategy hybrid --ulysses-degree 2 "
+              "--layout zigzag",
+       4},
       {"ring window", base + "--mask window:20,3 --ranks 2 --layout zigzag", 2},
       {"ring documents", base + "--mask causal+documents:40,8,48 --ranks 4 --layout striped", 4},
       {"ring GQA bf16", base + "--kv-heads 1 --mask causal --ranks 2 --dtype bf16", 2},
@@ -93,19 +96,22 @@ TEST(CliAttention, ZigzagBalancesCausalWork) {
   // Work is the FLOPs each rank computed (fully masked tiles skipped): contiguous causal puts
   // the whole triangle's bottom on the last rank, zigzag pairs early and late chunks.
   auto balance = [](const std::string& layout) {
-    CommandResult r = run_attention("--seq 4096 --heads 1 --head-dim 16 --mask causal --ranks 4 "
-                                 "--json --layout " + layout);
+    CommandResult r = run_attention(
+        "--seq 4096 --heads 1 --head-dim 16 --mask causal --ranks 4 "
+        "--json --layout " +
+        layout);
     EXPECT_EQ(r.exit_code, 0) << r.err;
     return parse_json(r)["load_balance"].get<double>();
   };
   const double contiguous = balance("contiguous"), zigzag = balance("zigzag");
-  EXPECT_GT(contiguous, 1.5);   // ideal 7/4 for P = 4
+  EXPECT_GT(contiguous, 1.5);  // ideal 7/4 for P = 4
   EXPECT_LT(zigzag, 1.1);
 }
 
 TEST(CliAttention, HumanTableShowsRanksTotalsCheckAndMemory) {
-  CommandResult r = run_attention("--seq 128 --heads 2 --head-dim 16 --mask causal --ranks 2 "
-                               "--layout zigzag --backward --check");
+  CommandResult r = run_attention(
+      "--seq 128 --heads 2 --head-dim 16 --mask causal --ranks 2 "
+      "--layout zigzag --backward --check");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   for (const char* part : {"rank", "tokens", "total", "peak memory", "check: PASSED",
                            "one rank alone would need", "load balance"})
@@ -114,8 +120,9 @@ TEST(CliAttention, HumanTableShowsRanksTotalsCheckAndMemory) {
 
 TEST(CliAttention, SampledCheckNamesItsRows) {
   // A tiny budget forces the sampled check: the JSON says which rows were compared.
-  CommandResult r = run_attention("--seq 512 --heads 2 --head-dim 16 --mask causal --ranks 2 "
-                               "--layout zigzag --backward --check --check-budget 1 --json");
+  CommandResult r = run_attention(
+      "--seq 512 --heads 2 --head-dim 16 --mask causal --ranks 2 "
+      "--layout zigzag --backward --check --check-budget 1 --json");
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
   nlohmann::json j = parse_json(r);
   EXPECT_TRUE(j["check"]["sampled"].get<bool>());
@@ -130,12 +137,22 @@ TEST(CliAttention, SampledCheckNamesItsRows) {
 TEST(CliAttention, HelpListsEveryOptionWithDefaults) {
   CommandResult r = run_ctxpar("attention --help");
   ASSERT_EQ(r.exit_code, 0);
-  for (const char* opt : {"--seq", "--heads", "--kv-heads", "--head-dim", "--batch", "--mask",
-                          "--dtype", "--threads", "--backward", "--check", "--json", "--seed",
-                          "--repeats", "--ranks", "--strategy", "--ulysses-degree", "--layout",
-                          "--transport", "--link-gbps", "--link-latency-us", "--timeout", "--q",
-                          "--k", "--v", "--do", "--out", "--layout-in", "--documents",
-                          "--positions", "(default: 4096)", "examples:"})
+  for (const char* opt : {"--seq",       "--heads",
+                          "--kv-heads",  "--head-dim",
+                          "--batch",     "--mask",
+                          "--dtype",     "--threads",
+                          "--backward",  "--check",
+                          "--json",      "--seed",
+                          "--repeats",   "--ranks",
+                          "--strategy",  "--ulysses-degree",
+                          "--layout",    "--transport",
+                          "--link-gbps", "--link-latency-us",
+                          "--timeout",   "--q",
+                          "--k",         "--v",
+                          "--do",        "--out",
+                          "--layout-in", "--documents",
+                          "--positions", "(default: 4096)",
+                          "examples:"})
     EXPECT_NE(r.out.find(opt), std::string::npos) << "help lacks " << opt;
 }
 

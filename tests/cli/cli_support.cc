@@ -26,8 +26,8 @@ std::string fault_ctxpar_path() {
 }
 
 std::string temp_dir(const std::string& name) {
-  fs::path p = fs::temp_directory_path() /
-               ("ctxpar_cli_" + std::to_string(::getpid()) + "_" + name);
+  fs::path p =
+      fs::temp_directory_path() / ("ctxpar_cli_" + std::to_string(::getpid()) + "_" + name);
   fs::remove_all(p);
   fs::create_directories(p);
   return p.string();
@@ -44,9 +44,9 @@ std::string slurp(const fs::path& p) {
 
 CommandResult run_shell(const std::string& command) {
   static int counter = 0;
-  const fs::path base = fs::temp_directory_path() /
-                        ("ctxpar_cli_run_" + std::to_string(::getpid()) + "_" +
-                         std::to_string(counter++));
+  const fs::path base =
+      fs::temp_directory_path() /
+      ("ctxpar_cli_run_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
   const std::string out = base.string() + ".out", err = base.string() + ".err";
   const std::string line = "(" + command + ") >" + out + " 2>" + err;
   const int status = std::system(line.c_str());

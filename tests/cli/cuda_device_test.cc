@@ -33,7 +33,8 @@ TEST(CliCuda, DeviceCudaIsRefusedInOneLineWithTheReason) {
   EXPECT_NE(r.err.find("no CUDA device found"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("cudaGetDeviceCount returned "), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("looked for NVIDIA GPUs through the driver library libcuda.so.1"),
-            std::string::npos) << r.err;
+            std::string::npos)
+      << r.err;
   EXPECT_NE(r.err.find("use --device cpu"), std::string::npos) << r.err;
 #else
   EXPECT_NE(r.err.find("built without CUDA"), std::string::npos) << r.err;
@@ -45,8 +46,10 @@ TEST(CliCuda, DeviceCudaIsRefusedInOneLineWithTheReason) {
 CommandResult run_gpu_transport(const std::string& transport, const std::string& device,
                                 double* seconds) {
   const auto start = std::chrono::steady_clock::now();
-  const CommandResult r = run_ctxpar("attention --seq 256 --heads 2 --head-dim 16 --ranks 2 "
-                                     "--transport " + transport + " --device " + device);
+  const CommandResult r = run_ctxpar(
+      "attention --seq 256 --heads 2 --head-dim 16 --ranks 2 "
+      "--transport " +
+      transport + " --device " + device);
   *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_EQ(r.out, "");
@@ -62,12 +65,14 @@ TEST(CliCuda, GpuTransportsNeedDeviceCuda) {
   EXPECT_NE(r.err.find("--transport nccl moves GPU memory between processes and needs --device "
                        "cuda (got --device cpu); add --device cuda, or use --transport threads, "
                        "mpi or gloo with --device cpu"),
-            std::string::npos) << r.err;
+            std::string::npos)
+      << r.err;
   r = run_gpu_transport("loopback", "sim", &s);
   EXPECT_NE(r.err.find("--transport loopback runs P ranks on one GPU and needs --device cuda "
                        "(got --device sim); add --device cuda, or use --transport threads with "
                        "--device cpu"),
-            std::string::npos) << r.err;
+            std::string::npos)
+      << r.err;
 }
 
 TEST(CliCuda, GpuTransportsWithoutAGpuAreRefusedAtOnce) {
@@ -77,9 +82,12 @@ TEST(CliCuda, GpuTransportsWithoutAGpuAreRefusedAtOnce) {
     EXPECT_LT(seconds, 5.0);
 #ifdef CTXPAR_HAVE_CUDA
     if (r.err.find("no CUDA device found") != std::string::npos) {
-      EXPECT_EQ(r.err.rfind("ctxpar attention: error: --transport " + transport +
-                            " --device cuda: no CUDA device found: cudaGetDeviceCount returned ", 0),
-                0u) << r.err;
+      EXPECT_EQ(
+          r.err.rfind("ctxpar attention: error: --transport " + transport +
+                          " --device cuda: no CUDA device found: cudaGetDeviceCount returned ",
+                      0),
+          0u)
+          << r.err;
       EXPECT_NE(r.err.find("use --device cpu"), std::string::npos) << r.err;
     } else if (transport == "nccl") {  // a machine with a GPU, no launcher
       EXPECT_NE(r.err.find("start it with mpirun -n P or torchrun"), std::string::npos) << r.err;
@@ -117,11 +125,11 @@ namespace {
 TEST(CliCuda, LoopbackOverTheRecordingApiMeetsTheReference) {
   for (const std::string strategy : {"ring", "allgather", "ulysses", "hybrid"}) {
     for (const std::string dtype : {"fp32", "bf16"}) {
-      const std::string args = "attention --seq 200 --heads 4 --kv-heads 2 --head-dim 24 "
-                               "--ranks 4 --layout zigzag --mask causal --backward --check "
-                               "--device cuda --transport loopback --strategy " + strategy +
-                               (strategy == "hybrid" ? " --ulysses-degree 2" : "") +
-                               " --dtype " + dtype;
+      const std::string args =
+          "attention --seq 200 --heads 4 --kv-heads 2 --head-dim 24 "
+          "--ranks 4 --layout zigzag --mask causal --backward --check "
+          "--device cuda --transport loopback --strategy " +
+          strategy + (strategy == "hybrid" ? " --ulysses-degree 2" : "") + " --dtype " + dtype;
       const CommandResult r =
           run_shell("CTXPAR_FAULT_CUDA_RECORDING=1 " + fault_ctxpar_path() + " " + args);
       EXPECT_EQ(r.exit_code, 0) << args << "\n" << r.err;
@@ -156,7 +164,8 @@ TEST(CliCuda, JsonReportsWhereTheBlocksWentAndWhyCudnnIsOff) {
   EXPECT_EQ(c.at("refused_blocks"), 0);
   for (const auto& rank : j.at("ranks")) EXPECT_EQ(rank.at("cudnn").at("fallback_blocks"), P * 2);
   // Not a cuda run: no cudnn keys.
-  const CommandResult cpu = run_ctxpar("attention --seq 64 --heads 2 --head-dim 16 --ranks 2 --json");
+  const CommandResult cpu =
+      run_ctxpar("attention --seq 64 --heads 2 --head-dim 16 --ranks 2 --json");
   ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
   EXPECT_FALSE(parse_json(cpu).contains("cudnn"));
 }

@@ -22,8 +22,10 @@ TEST(CliDevice, SimWritesTheCpuBytesForEveryStrategy) {
   for (const std::string s : {"ring", "allgather", "ulysses", "hybrid --ulysses-degree 2"}) {
     const std::string name = s.substr(0, s.find(' '));
     const std::string a = temp_dir("device_cpu_" + name), b = temp_dir("device_sim_" + name);
-    const std::string args = "attention --seq 4096 --heads 8 --kv-heads 2 --head-dim 64 --ranks 4 "
-                             "--strategy " + s + " --layout zigzag --mask causal --backward";
+    const std::string args =
+        "attention --seq 4096 --heads 8 --kv-heads 2 --head-dim 64 --ranks 4 "
+        "--strategy " +
+        s + " --layout zigzag --mask causal --backward";
     const CommandResult cpu = run_ctxpar(args + " --device cpu --out " + a);
     ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
     const CommandResult sim = run_ctxpar(args + " --device sim --sim-seed 3 --out " + b);
@@ -56,11 +58,13 @@ TEST(CliDevice, UnknownDeviceIsAUsageError) {
 // The library's Ulysses rule (Hq % P == 0; KV heads replicated when they do not split) is the
 // command's rule: 6 query heads over 3 ranks with 2 KV heads runs.
 TEST(CliDevice, UlyssesHeadsFollowTheLibrarysRule) {
-  const CommandResult ok = run_ctxpar("attention --heads 6 --kv-heads 2 --ranks 3 --strategy "
-                                      "ulysses --layout contiguous --seq 3072 --head-dim 16");
+  const CommandResult ok = run_ctxpar(
+      "attention --heads 6 --kv-heads 2 --ranks 3 --strategy "
+      "ulysses --layout contiguous --seq 3072 --head-dim 16");
   EXPECT_EQ(ok.exit_code, 0) << ok.err;
-  const CommandResult bad = run_ctxpar("attention --heads 6 --kv-heads 2 --ranks 4 --strategy "
-                                       "ulysses --seq 256 --head-dim 16");
+  const CommandResult bad = run_ctxpar(
+      "attention --heads 6 --kv-heads 2 --ranks 4 --strategy "
+      "ulysses --seq 256 --head-dim 16");
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.err.find("needs --heads (6) divisible by 4"), std::string::npos) << bad.err;
 }

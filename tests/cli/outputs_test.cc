@@ -35,8 +35,10 @@ TEST(CliOutputs, EveryHelpExits0) {
 // also for a problem big enough that progress lines used to go to a log.
 TEST(CliOutputs, JsonWithStderrMergedIsJson) {
   // 16384^2 x 16 x 5 repeats = 2.1e10: above the size that drew plain lines into logs.
-  const CommandResult r = run_shell(ctxpar_path() + " attention --seq 16384 --heads 1 "
-                                    "--head-dim 16 --mask causal --ranks 1 --repeats 5 --json 2>&1");
+  const CommandResult r =
+      run_shell(ctxpar_path() +
+                " attention --seq 16384 --heads 1 "
+                "--head-dim 16 --mask causal --ranks 1 --repeats 5 --json 2>&1");
   ASSERT_EQ(r.exit_code, 0) << r.out;
   EXPECT_TRUE(nlohmann::json::accept(r.out)) << r.out.substr(0, 300);
   // --progress asks for the lines anyway (stderr).
@@ -64,7 +66,8 @@ TEST(CliOutputs, OutThroughALinkReachesItsTarget) {
   const CommandResult d = run_ctxpar(kSmall + "--out " + dir + "/dangling");
   EXPECT_EQ(d.exit_code, 2) << d.err;
   EXPECT_NE(d.err.find("--out " + dir + "/dangling is a symbolic link to no folder"),
-            std::string::npos) << d.err;
+            std::string::npos)
+      << d.err;
   fs::remove_all(dir);
 }
 
@@ -75,7 +78,9 @@ TEST(CliOutputs, OutFolderHonoursTheUmask) {
     SCOPED_TRACE(mask);
     const std::string out = dir + "/res" + mask;
     ASSERT_EQ(run_shell(std::string("umask ") + mask + "; " + ctxpar_path() + " " + kSmall +
-                        "--out " + out).exit_code, 0);
+                        "--out " + out)
+                  .exit_code,
+              0);
     struct stat st = {};
     ASSERT_EQ(::stat(out.c_str(), &st), 0);
     EXPECT_EQ(st.st_mode & 0777, mode);
@@ -87,8 +92,8 @@ TEST(CliOutputs, OutFolderHonoursTheUmask) {
 // removes it (ours by name, its pid dead), and nothing else.
 TEST(CliOutputs, HiddenFoldersOfKilledRunsAreRemoved) {
   const std::string dir = temp_dir("out_stale"), out = dir + "/res";
-  CommandResult r = run_shell("CTXPAR_OUT_FAULT=before-swap " + fault_ctxpar_path() + " " +
-                              kSmall + "--out " + out);
+  CommandResult r = run_shell("CTXPAR_OUT_FAULT=before-swap " + fault_ctxpar_path() + " " + kSmall +
+                              "--out " + out);
   ASSERT_EQ(r.exit_code, 128 + 9) << r.err;
   auto hidden = [&] {
     int n = 0;
@@ -100,8 +105,8 @@ TEST(CliOutputs, HiddenFoldersOfKilledRunsAreRemoved) {
   // Not stale: a running process's (this test's own pid, this host).
   char host[256] = {};
   gethostname(host, sizeof host - 1);
-  const std::string live = dir + "/.res.ctxpar-new." + std::to_string(getpid()) + "-" + host +
-                           ".abcdef";
+  const std::string live =
+      dir + "/.res.ctxpar-new." + std::to_string(getpid()) + "-" + host + ".abcdef";
   fs::create_directories(live);
   fs::create_directories(dir + "/.other.ctxpar-new.1-" + host + ".abcdef");  // another --out's
   r = run_ctxpar(kSmall + "--out " + out);
@@ -116,8 +121,8 @@ TEST(CliOutputs, HiddenFoldersOfKilledRunsAreRemoved) {
 // ignores them.
 TEST(CliOutputs, ReleaseBinaryHasNoFaultHooks) {
   const std::string dir = temp_dir("no_hooks");
-  CommandResult r = run_shell("CTXPAR_FAULT_RANK=0 CTXPAR_OUT_FAULT=before-swap " +
-                              ctxpar_path() + " " + kSmall + "--ranks 2 --out " + dir + "/res");
+  CommandResult r = run_shell("CTXPAR_FAULT_RANK=0 CTXPAR_OUT_FAULT=before-swap " + ctxpar_path() +
+                              " " + kSmall + "--ranks 2 --out " + dir + "/res");
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_TRUE(fs::exists(dir + "/res/out.npy"));
   r = run_shell("CTXPAR_FAULT_RANK=0 " + fault_ctxpar_path() + " " + kSmall + "--ranks 2");

@@ -23,8 +23,10 @@ class CliMpiTrain : public MpiCommandTest {
  protected:
   // One rank of a tiny training run with `extra` options.
   std::string rank(const std::string& extra) {
-    return "-n 1 " + ctxpar_path() + " train --seq 64 --layers 1 --dim 32 --heads 2 "
-           "--kv-heads 1 --hidden 32 --steps 3 --quiet " + extra;
+    return "-n 1 " + ctxpar_path() +
+           " train --seq 64 --layers 1 --dim 32 --heads 2 "
+           "--kv-heads 1 --hidden 32 --steps 3 --quiet " +
+           extra;
   }
 };
 
@@ -59,8 +61,8 @@ TEST_F(CliMpiTrain, RanksWithDifferentOptionsAreRefusedNamingTheOption) {
     EXPECT_LT(seconds_since(t0), 30.0) << "refused only after a timeout";
   }
   // The same options: trains (exit 0). --quiet and the output paths may differ.
-  const CommandResult ok = run_shell(mpirun(rank("--lr 0.003") + " : " + rank("--lr 3e-3 --log " +
-                                                                               dir + "/r.jsonl")));
+  const CommandResult ok =
+      run_shell(mpirun(rank("--lr 0.003") + " : " + rank("--lr 3e-3 --log " + dir + "/r.jsonl")));
   EXPECT_EQ(ok.exit_code, 0) << ok.err;
   fs::remove_all(dir);
 }
@@ -70,13 +72,15 @@ TEST_F(CliMpiTrain, RanksWithDifferentOptionsAreRefusedNamingTheOption) {
 TEST_F(CliMpiTrain, BadInitTimeoutIsRefusedByName) {
   for (const char* value : {"inf", "9e9", "abc", "-1", "0"}) {
     SCOPED_TRACE(value);
-    const CommandResult r = run_shell(mpirun("-n 1 -x CTXPAR_MPI_INIT_TIMEOUT=" + std::string(value) +
-                                             " " + ctxpar_path() + " attention --seq 64 "
-                                             "--heads 2 --head-dim 16"));
+    const CommandResult r = run_shell(
+        mpirun("-n 1 -x CTXPAR_MPI_INIT_TIMEOUT=" + std::string(value) + " " + ctxpar_path() +
+               " attention --seq 64 "
+               "--heads 2 --head-dim 16"));
     EXPECT_EQ(r.exit_code, 2) << r.err;
     EXPECT_NE(r.err.find("CTXPAR_MPI_INIT_TIMEOUT must be the seconds MPI_Init may wait for the "
                          "other processes of the job, a number in (0, 604800]"),
-              std::string::npos) << r.err;
+              std::string::npos)
+        << r.err;
     EXPECT_NE(r.err.find("got '" + std::string(value) + "'"), std::string::npos) << r.err;
   }
 }

@@ -68,8 +68,10 @@ class BenchCp : public ::testing::Test {
     argv.push_back(nullptr);
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 1, (dir_ / "stdout").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_addopen(&fa, 2, (dir_ / "stderr").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_addopen(&fa, 1, (dir_ / "stdout").c_str(),
+                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_addopen(&fa, 2, (dir_ / "stderr").c_str(),
+                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
     pid_t pid = -1;
     EXPECT_EQ(posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), environ), 0);
     posix_spawn_file_actions_destroy(&fa);
@@ -85,8 +87,9 @@ class BenchCp : public ::testing::Test {
   }
   int run(std::vector<std::string> args) { return wait(start(std::move(args))); }
   int python(const std::string& body) {
-    std::ofstream(dir_ / "check.py") << "import json, csv, sys, os\nD = '" << out().string()
-                                     << "'\n" << body;
+    std::ofstream(dir_ / "check.py")
+        << "import json, csv, sys, os\nD = '" << out().string() << "'\n"
+        << body;
     return std::system(("/usr/bin/python3 " + (dir_ / "check.py").string()).c_str());
   }
   fs::path out() const { return dir_ / "out"; }
@@ -98,9 +101,9 @@ class BenchCp : public ::testing::Test {
 // The runs a sweep over these lists must make: every strategy x layout for P > 1, one layout
 // per strategy at P = 1 (all layouts are the same run there).
 TEST_F(BenchCp, TinySweepWritesEveryRowAndTheFourPlots) {
-  const int rc = run({"--seq", "128,256", "--ranks", "1,2,4", "--strategy", "ring,allgather,ulysses",
-                      "--layout", "contiguous,zigzag,striped", "--heads", "4", "--head-dim", "16",
-                      "--mask", "causal"});
+  const int rc = run({"--seq", "128,256", "--ranks", "1,2,4", "--strategy",
+                      "ring,allgather,ulysses", "--layout", "contiguous,zigzag,striped", "--heads",
+                      "4", "--head-dim", "16", "--mask", "causal"});
   ASSERT_EQ(rc, 0) << err_text_;
   const int expected_runs = 2 * (3 + 2 * 9);
   json results = json::parse(slurp(out() / "results.json"));
@@ -118,8 +121,10 @@ TEST_F(BenchCp, TinySweepWritesEveryRowAndTheFourPlots) {
     EXPECT_EQ(r["head_dim"].get<int>(), 16);
   }
   // Not a TTY here: plain progress lines, no carriage returns, the final one complete.
-  EXPECT_NE(err_text_.find(std::to_string(expected_runs) + "/" + std::to_string(expected_runs) + " 100%"),
-            std::string::npos) << err_text_;
+  EXPECT_NE(
+      err_text_.find(std::to_string(expected_runs) + "/" + std::to_string(expected_runs) + " 100%"),
+      std::string::npos)
+      << err_text_;
   EXPECT_EQ(err_text_.find('\r'), std::string::npos);
   // The table on stdout: a row per run.
   EXPECT_NE(out_text_.find("GFLOP/s"), std::string::npos) << out_text_;
@@ -166,9 +171,10 @@ for png in ['throughput.png', 'memory.png', 'work.png', 'time_split.png']:
 
 TEST_F(BenchCp, InvalidCombinationsAreSkippedWithANote) {
   // T = 20, P = 4: ulysses needs the 2 heads divisible by 4 (zigzag pads T to 24 and runs).
-  const std::vector<std::string> args = {"--seq", "20", "--ranks", "4", "--strategy", "ring,ulysses",
-                                         "--layout", "contiguous,zigzag", "--heads", "2",
-                                         "--head-dim", "16", "--no-plots"};
+  const std::vector<std::string> args = {
+      "--seq",        "20",       "--ranks",           "4",       "--strategy",
+      "ring,ulysses", "--layout", "contiguous,zigzag", "--heads", "2",
+      "--head-dim",   "16",       "--no-plots"};
   std::vector<std::string> dry = args;
   dry.push_back("--dry-run");
   ASSERT_EQ(run(dry), 0) << err_text_;
@@ -190,19 +196,19 @@ TEST_F(BenchCp, InvalidCombinationsAreSkippedWithANote) {
 
 TEST_F(BenchCp, OptionErrorsExit2WithAPointerToHelp) {
   const std::vector<std::vector<std::string>> bad = {
-      {"--sq", "128"},                       // unknown option (did you mean --seq?)
-      {"--strategy", "rign"},                // unknown strategy
-      {"--layout", "diagonal"},              // unknown layout
-      {"--seq", "12x"},                      // not a number
-      {"--seq", ""},                         // empty list
-      {"--ranks", "0"},                      // out of range
-      {"--mask", "sideways"},                // unknown mask
-      {"--dtype", "f64"},                    // unknown dtype
-      {"--heads", "many"},                   // not a number
+      {"--sq", "128"},           // unknown option (did you mean --seq?)
+      {"--strategy", "rign"},    // unknown strategy
+      {"--layout", "diagonal"},  // unknown layout
+      {"--seq", "12x"},          // not a number
+      {"--seq", ""},             // empty list
+      {"--ranks", "0"},          // out of range
+      {"--mask", "sideways"},    // unknown mask
+      {"--dtype", "f64"},        // unknown dtype
+      {"--heads", "many"},       // not a number
       {"--seq", "8", "--ranks", "2", "--heads", "3", "--strategy", "ulysses"},  // nothing valid
-      {"--mask", "documents:4,4"},           // not sweepable
-      {"--backward=maybe"},                  // a flag with a value
-      {"stray"},                             // not an option
+      {"--mask", "documents:4,4"},                                              // not sweepable
+      {"--backward=maybe"},  // a flag with a value
+      {"stray"},             // not an option
   };
   for (const auto& args : bad) {
     std::vector<std::string> a = args;
@@ -214,9 +220,9 @@ TEST_F(BenchCp, OptionErrorsExit2WithAPointerToHelp) {
     EXPECT_NE(err_text_.find("--help"), std::string::npos) << err_text_;
   }
   EXPECT_EQ(run({"--help"}), 0);
-  for (const char* opt : {"--seq", "--ranks", "--strategy", "--layout", "--mask", "--out", "--heads",
-                          "--head-dim", "--dtype", "--threads", "--backward", "--repeats",
-                          "(default: 4096,16384)", "examples:"})
+  for (const char* opt :
+       {"--seq", "--ranks", "--strategy", "--layout", "--mask", "--out", "--heads", "--head-dim",
+        "--dtype", "--threads", "--backward", "--repeats", "(default: 4096,16384)", "examples:"})
     EXPECT_NE(out_text_.find(opt), std::string::npos) << opt;
 }
 
@@ -225,8 +231,8 @@ TEST_F(BenchCp, OptionErrorsExit2WithAPointerToHelp) {
 TEST_F(BenchCp, PlotScriptRunsIsolated) {
   const fs::path planted = dir_ / "planted";
   fs::create_directories(planted);
-  std::ofstream(planted / "json.py") << "open(" << json((dir_ / "PWNED").string()).dump()
-                                     << ", 'w')\n";
+  std::ofstream(planted / "json.py")
+      << "open(" << json((dir_ / "PWNED").string()).dump() << ", 'w')\n";
   ::setenv("PYTHONPATH", planted.c_str(), 1);
   const int rc = run({"--seq", "64", "--ranks", "2", "--strategy", "ring", "--layout", "zigzag",
                       "--heads", "2", "--head-dim", "16"});
@@ -241,7 +247,8 @@ TEST_F(BenchCp, WithoutPythonTheResultsAreStillWritten) {
                  "--heads", "2", "--head-dim", "16", "--python", "/nonexistent/python3"}),
             0)
       << err_text_;
-  EXPECT_NE(err_text_.find("plots skipped: /nonexistent/python3 not found"), std::string::npos) << err_text_;
+  EXPECT_NE(err_text_.find("plots skipped: /nonexistent/python3 not found"), std::string::npos)
+      << err_text_;
   EXPECT_TRUE(fs::exists(out() / "results.json"));
   EXPECT_TRUE(fs::exists(out() / "results.csv"));
   EXPECT_FALSE(fs::exists(out() / "throughput.png"));
@@ -269,8 +276,8 @@ TEST_F(BenchCp, WithoutMatplotlibTheResultsAreStillWritten) {
 
 TEST_F(BenchCp, CtrlCStopsAfterTheCurrentRunAndKeepsFinishedRows) {
   const pid_t pid = start({"--seq", "512,1024,1536,2048,2560,3072", "--ranks", "2,4", "--strategy",
-                           "ring,allgather", "--layout", "contiguous,zigzag,striped", "--heads", "2",
-                           "--head-dim", "32", "--no-plots"});
+                           "ring,allgather", "--layout", "contiguous,zigzag,striped", "--heads",
+                           "2", "--head-dim", "32", "--no-plots"});
   const size_t total = 6 * 2 * 2 * 3;
   // Wait for the first finished row, then press Ctrl-C.
   size_t seen = 0;

@@ -47,7 +47,7 @@ TEST(NumberParse, SuffixesAndLimitsOfInt64) {
   EXPECT_EQ(v, INT64_MIN);
   // 2^54 + 1 K wrapped to 1024 before (the suffix's multiply overflowed).
   EXPECT_FALSE(parse_whole_number("18014398509481985K", v));
-  EXPECT_FALSE(parse_whole_number("8796093022208M", v));  // 2^43 M = 2^63
+  EXPECT_FALSE(parse_whole_number("8796093022208M", v));       // 2^43 M = 2^63
   EXPECT_FALSE(parse_whole_number("9223372036854775808", v));  // strtoll's ERANGE
   EXPECT_FALSE(parse_whole_number("", v));
   EXPECT_FALSE(parse_whole_number("K", v));
@@ -59,20 +59,34 @@ TEST(NumberParse, RangedAccessorsNameOptionAndRange) {
   EXPECT_EQ(parsed({"--n", "4K"}).i64("n", 1, 1 << 20), 4096);
   EXPECT_EQ(parsed({"--n", "1024"}).i32("n", 1, 1024), 1024);
   // 2^32 + 2 became 2 through static_cast<int> before.
-  EXPECT_EQ(usage_error([] { parsed({"--n", "4294967298"}).i32("n", 1, 1024, "why"); }),
+  EXPECT_EQ(usage_error([] {
+              parsed({"--n", "4294967298"}).i32("n", 1, 1024, "why");
+            }),
             "--n must be in [1, 1024] (why), got '4294967298'");
-  EXPECT_EQ(usage_error([] { parsed({"--n", "0"}).i32("n", 1, 8); }), "--n must be in [1, 8], got '0'");
-  EXPECT_EQ(usage_error([] { parsed({"--n", "99999999999999999999"}).i64("n", 1, 8); }),
+  EXPECT_EQ(usage_error([] {
+              parsed({"--n", "0"}).i32("n", 1, 8);
+            }),
+            "--n must be in [1, 8], got '0'");
+  EXPECT_EQ(usage_error([] {
+              parsed({"--n", "99999999999999999999"}).i64("n", 1, 8);
+            }),
             "--n must be in [1, 8], got '99999999999999999999'");
   for (const char* bad : {"lots", "", "K", "-", "1e3", "12KB", "0x10"})
-    EXPECT_EQ(usage_error([&] { parsed({"--n", bad}).i64("n", 1, 8); }),
-              std::string("--n expects a whole number in [1, 8] (64K, 1M suffixes accepted), got '") +
-                  bad + "'");
-  EXPECT_EQ(usage_error([] { parsed({"--n", "-99999999999999999999K"}).i64("n", 1, 8); }),
+    EXPECT_EQ(
+        usage_error([&] {
+          parsed({"--n", bad}).i64("n", 1, 8);
+        }),
+        std::string("--n expects a whole number in [1, 8] (64K, 1M suffixes accepted), got '") +
+            bad + "'");
+  EXPECT_EQ(usage_error([] {
+              parsed({"--n", "-99999999999999999999K"}).i64("n", 1, 8);
+            }),
             "--n must be in [1, 8], got '-99999999999999999999K'");
   EXPECT_EQ(parsed({"--x", "2.5"}).num("x", 0, 10), 2.5);
   for (const char* bad : {"inf", "-inf", "nan", "1e400", "1e-400", "11", "-1", "x"})
-    EXPECT_EQ(usage_error([&] { parsed({"--x", bad}).num("x", 0, 10); }),
+    EXPECT_EQ(usage_error([&] {
+                parsed({"--x", bad}).num("x", 0, 10);
+              }),
               std::string("--x must be a number in [0, 10], got '") + bad + "'")
         << bad;
   // Unranged: still no NaN, infinity or overflow.
@@ -84,7 +98,9 @@ TEST(NumberParse, ZeroMeansOffButTinyIsRefused) {
   EXPECT_EQ(parsed({"--x", "0"}).num_or_zero("x", 1e-6, 1e6), 0.0);
   EXPECT_EQ(parsed({"--x", "1e-6"}).num_or_zero("x", 1e-6, 1e6), 1e-6);
   // 1e-300 GB/s switched the simulated link off before (its time overflowed).
-  EXPECT_EQ(usage_error([] { parsed({"--x", "1e-300"}).num_or_zero("x", 1e-6, 1e6); }),
+  EXPECT_EQ(usage_error([] {
+              parsed({"--x", "1e-300"}).num_or_zero("x", 1e-6, 1e6);
+            }),
             "--x must be 0 or a number in [1e-06, 1e+06], got '1e-300'");
   EXPECT_NE(usage_error([] { parsed({"--x", "inf"}).num_or_zero("x", 1e-6, 1e6); }), "");
 }
@@ -137,8 +153,7 @@ TEST(NumberRanges, EverySubcommandChecksItsNumbers) {
       {"plan --tp 4294967297", "--tp must be in [1, 1048576]"},
       {"plan --efficiency inf", "--efficiency must be a number in [1e-06, 1]"},
       {"plan --link-gbps nan", "--link-gbps expects numbers in [0, 1e+06]"},
-      {"plan --video-hours 1e6 --fps 1e4 --tokens-per-frame 1M",
-       "more than the largest --seq"},
+      {"plan --video-hours 1e6 --fps 1e4 --tokens-per-frame 1M", "more than the largest --seq"},
       // Wrapped to 2^20 tokens and planned (exit 0) before: 2^44 frames x 2^20 = 2^64.
       {"plan --video-hours 488671.83456713834 --fps 1e4 --tokens-per-frame 1M --model lwm-7b",
        "--video-hours x 3600 x --fps x --tokens-per-frame is 1.8"},
@@ -228,7 +243,8 @@ TEST(ThreadLimits, RefusedThreadEndsTheCommandWithAnError) {
       r = test::run_shell("ulimit -v 4000000; timeout 60 " + test::ctxpar_path() + " " + command);
     });
     EXPECT_EQ(r.exit_code, std::string(command).rfind("attention", 0) == 0 ? 1 : 2)
-        << command << "\n" << r.err;
+        << command << "\n"
+        << r.err;
     EXPECT_NE(r.err.find("run_threads: the system refused thread"), std::string::npos) << r.err;
     EXPECT_NE(r.err.find("ranks already started were stopped"), std::string::npos) << r.err;
     EXPECT_LT(wall, 30.0) << command;
@@ -251,15 +267,16 @@ TEST(MemoryLimits, JobAboveTheLimitIsRefusedAtOnce) {
     EXPECT_NE(r.err.find(part), std::string::npos) << part << "\n" << r.err;
   EXPECT_LT(wall, CTXPAR_UNDER_SANITIZER ? 8.0 : 1.0);  // a process start (ASan's is slow)
   // The same job under a limit it fits in runs (a normal job passes).
-  const test::CommandResult ok = test::run_shell(
-      "CTXPAR_MEMORY_LIMIT_BYTES=1e9 " + test::ctxpar_path() +
-      " attention --seq 1024 --heads 1 --head-dim 16 --ranks 4 --check --json");
+  const test::CommandResult ok =
+      test::run_shell("CTXPAR_MEMORY_LIMIT_BYTES=1e9 " + test::ctxpar_path() +
+                      " attention --seq 1024 --heads 1 --head-dim 16 --ranks 4 --check --json");
   EXPECT_EQ(ok.exit_code, 0) << ok.err;
-  const test::CommandResult bad = test::run_shell(
-      "CTXPAR_MEMORY_LIMIT_BYTES=lots " + test::ctxpar_path() + " attention --seq 64");
+  const test::CommandResult bad = test::run_shell("CTXPAR_MEMORY_LIMIT_BYTES=lots " +
+                                                  test::ctxpar_path() + " attention --seq 64");
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.err.find("CTXPAR_MEMORY_LIMIT_BYTES must be a positive number of bytes"),
-            std::string::npos) << bad.err;
+            std::string::npos)
+      << bad.err;
 }
 
 // The reported case: under ulimit -v 4000000, --seq 12M filled 3.4 GB for 29 s and failed with
@@ -273,8 +290,9 @@ TEST(MemoryLimits, AddressSpaceLimitRefusesAtOnceNamingIt) {
                         test::ctxpar_path() + " attention --seq 12M --heads 1 --head-dim 64");
   });
   EXPECT_EQ(r.exit_code, 2) << r.err;
-  for (const char* part : {"this job needs about ", "but the address-space limit (ulimit -v) leaves ",
-                           "raise it (ulimit -v)", "lower --seq"})
+  for (const char* part :
+       {"this job needs about ", "but the address-space limit (ulimit -v) leaves ",
+        "raise it (ulimit -v)", "lower --seq"})
     EXPECT_NE(r.err.find(part), std::string::npos) << part << "\n" << r.err;
   EXPECT_LT(wall, 5.0);
 }
@@ -282,29 +300,36 @@ TEST(MemoryLimits, AddressSpaceLimitRefusesAtOnceNamingIt) {
 // bench kernel allocated its tensors unchecked; now the same limit refuses it first. bench cp
 // checks every run of its sweep (a skip naming the limit), and a bad override is exit 2 at once.
 TEST(MemoryLimits, BenchCommandsAreCheckedToo) {
-  const test::CommandResult r = test::run_shell(
-      "CTXPAR_MEMORY_LIMIT_BYTES=1e6 " + test::ctxpar_path() +
-      " bench kernel --seq 4096 --heads 8 --head-dim 128 --repeats 1");
+  const test::CommandResult r =
+      test::run_shell("CTXPAR_MEMORY_LIMIT_BYTES=1e6 " + test::ctxpar_path() +
+                      " bench kernel --seq 4096 --heads 8 --head-dim 128 --repeats 1");
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("bench kernel: this run needs "), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("CTXPAR_MEMORY_LIMIT_BYTES leaves 976.6 KiB"), std::string::npos) << r.err;
-  const test::CommandResult bad = test::run_shell(
-      "CTXPAR_MEMORY_LIMIT_BYTES=-1 " + test::ctxpar_path() + " bench kernel --seq 64");
+  const test::CommandResult bad = test::run_shell("CTXPAR_MEMORY_LIMIT_BYTES=-1 " +
+                                                  test::ctxpar_path() + " bench kernel --seq 64");
   EXPECT_EQ(bad.exit_code, 2) << bad.err;
   EXPECT_NE(bad.err.find("CTXPAR_MEMORY_LIMIT_BYTES must be a positive number of bytes, got '-1'"),
-            std::string::npos) << bad.err;
-  const std::string cp = test::ctxpar_path() + " bench cp --seq 4096 --ranks 2 --strategy ring "
-                         "--layout zigzag --dry-run --out " + test::temp_dir("bench_cp_memory");
+            std::string::npos)
+      << bad.err;
+  const std::string cp = test::ctxpar_path() +
+                         " bench cp --seq 4096 --ranks 2 --strategy ring "
+                         "--layout zigzag --dry-run --out " +
+                         test::temp_dir("bench_cp_memory");
   const test::CommandResult skip = test::run_shell("CTXPAR_MEMORY_LIMIT_BYTES=1e3 " + cp);
   EXPECT_EQ(skip.exit_code, 2) << skip.err;
   EXPECT_NE(skip.err.find("skip T=4096 P=2 ring/zigzag: this job needs about"), std::string::npos)
       << skip.err;
-  EXPECT_NE(skip.err.find("CTXPAR_MEMORY_LIMIT_BYTES leaves 1000 B"), std::string::npos) << skip.err;
+  EXPECT_NE(skip.err.find("CTXPAR_MEMORY_LIMIT_BYTES leaves 1000 B"), std::string::npos)
+      << skip.err;
   const test::CommandResult bad_cp = test::run_shell("CTXPAR_MEMORY_LIMIT_BYTES=0 " + cp);
   EXPECT_EQ(bad_cp.exit_code, 2) << bad_cp.err;
-  EXPECT_NE(bad_cp.err.find("CTXPAR_MEMORY_LIMIT_BYTES must be a positive number of bytes, got '0'"),
-            std::string::npos) << bad_cp.err;
-  EXPECT_EQ(bad_cp.err.find("skip"), std::string::npos) << "refused once, not per run: " << bad_cp.err;
+  EXPECT_NE(
+      bad_cp.err.find("CTXPAR_MEMORY_LIMIT_BYTES must be a positive number of bytes, got '0'"),
+      std::string::npos)
+      << bad_cp.err;
+  EXPECT_EQ(bad_cp.err.find("skip"), std::string::npos)
+      << "refused once, not per run: " << bad_cp.err;
 }
 
 // The per-rank estimate against what the run reports (`--json`: peak_bytes of the strategy's
@@ -319,26 +344,32 @@ TEST(MemoryLimits, EstimateBoundsTheMeasuredPeak) {
     const char* mask = "none";
   };
   const Config configs[] = {
-      {"ring", 1, ""}, {"ring", 4, ""}, {"ring", 8, "--dtype bf16"},
-      {"allgather", 2, ""}, {"allgather", 4, "--dtype bf16 --kv-heads 1"}, {"allgather", 8, ""},
-      {"ulysses", 1, ""}, {"ulysses", 4, "--kv-heads 2"}, {"ulysses", 4, "--dtype bf16"},
-      {"hybrid", 4, "--ulysses-degree 2"}, {"hybrid", 8, "--ulysses-degree 4 --kv-heads 2"},
+      {"ring", 1, ""},
+      {"ring", 4, ""},
+      {"ring", 8, "--dtype bf16"},
+      {"allgather", 2, ""},
+      {"allgather", 4, "--dtype bf16 --kv-heads 1"},
+      {"allgather", 8, ""},
+      {"ulysses", 1, ""},
+      {"ulysses", 4, "--kv-heads 2"},
+      {"ulysses", 4, "--dtype bf16"},
+      {"hybrid", 4, "--ulysses-degree 2"},
+      {"hybrid", 8, "--ulysses-degree 4 --kv-heads 2"},
       {"ring", 4, "", "causal+documents:1000,1048"},
   };
   for (const Config& c : configs)
     for (const char* pass : {"", "--backward"}) {
       const std::string args = std::string("attention --seq 2048 --heads 4 --head-dim 32 ") +
-                               "--strategy " + c.strategy + " --ranks " +
-                               std::to_string(c.ranks) + " --mask " + c.mask + " " + c.extra + " " +
-                               pass + " --json";
+                               "--strategy " + c.strategy + " --ranks " + std::to_string(c.ranks) +
+                               " --mask " + c.mask + " " + c.extra + " " + pass + " --json";
       const test::CommandResult r = test::run_ctxpar(args);
       ASSERT_EQ(r.exit_code, 0) << args << "\n" << r.err;
       const auto j = test::parse_json(r);
       double measured = 0, shard = 0, peak = 0;
       for (const auto& rank : j["ranks"]) {
         peak = std::max(peak, rank["peak_bytes"].get<double>());
-        measured = std::max(measured, rank["peak_bytes"].get<double>() +
-                                          rank["shard_bytes"].get<double>());
+        measured = std::max(measured,
+                            rank["peak_bytes"].get<double>() + rank["shard_bytes"].get<double>());
         shard = std::max(shard, rank["shard_bytes"].get<double>());
       }
       AttentionJob job;

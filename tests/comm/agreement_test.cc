@@ -50,8 +50,9 @@ TEST(Agreement, TheFirstDifferingFieldIsNamedOnEveryRank) {
       },
       no_error);
   for (const std::string& e : errors)
-    EXPECT_EQ(e, "call: the ranks were called with different arguments: mask window is 128 on "
-                 "rank 0 but 64 on rank 3; every rank of the communicator must pass the same");
+    EXPECT_EQ(e,
+              "call: the ranks were called with different arguments: mask window is 128 on "
+              "rank 0 but 64 on rank 3; every rank of the communicator must pass the same");
 }
 
 TEST(Agreement, AFieldOneRankLacksOrLeavesEmptyIsNamed) {
@@ -61,11 +62,16 @@ TEST(Agreement, AFieldOneRankLacksOrLeavesEmptyIsNamed) {
         return r == 0 ? Signature{{"out", "given"}} : Signature{{"out", ""}, {"extra", "1"}};
       },
       no_error);
-  EXPECT_EQ(errors[1], "call: the ranks were called with different arguments: out is given on "
-                       "rank 0 but (not given) on rank 1; every rank of the communicator must "
-                       "pass the same");
+  EXPECT_EQ(errors[1],
+            "call: the ranks were called with different arguments: out is given on "
+            "rank 0 but (not given) on rank 1; every rank of the communicator must "
+            "pass the same");
   const auto extra = refusals(
-      2, [](int r) { return r == 0 ? Signature{} : Signature{{"extra", "1"}}; }, no_error);
+      2,
+      [](int r) {
+        return r == 0 ? Signature{} : Signature{{"extra", "1"}};
+      },
+      no_error);
   EXPECT_NE(extra[0].find("extra is (unknown to this rank) on rank 0 but 1 on rank 1"),
             std::string::npos)
       << extra[0];
@@ -73,7 +79,10 @@ TEST(Agreement, AFieldOneRankLacksOrLeavesEmptyIsNamed) {
 
 TEST(Agreement, LocalErrorsComeFirstNamingEveryFailedRank) {
   const auto errors = refusals(
-      4, [](int r) { return Signature{{"seq", std::to_string(r)}}; },
+      4,
+      [](int r) {
+        return Signature{{"seq", std::to_string(r)}};
+      },
       [](int r) { return r == 1 || r == 3 ? "lse: bad shape on rank " + std::to_string(r) : ""; });
   for (const std::string& e : errors)
     EXPECT_EQ(e, "call: invalid arguments on rank 1, 3 (of 4): lse: bad shape on rank 1");

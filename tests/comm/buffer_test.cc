@@ -72,9 +72,12 @@ TEST(Request, AFailedRequestFailsAtOnceAfterWithTheSameError) {
   EXPECT_EQ(first, "rank 0: timed out after 1 s waiting for recv from rank 1 (tag 1)");
   for (int i = 0; i < 3; ++i) {
     try {
-      if (i == 0) r.wait();
-      else if (i == 1) r.take();
-      else r.test();
+      if (i == 0)
+        r.wait();
+      else if (i == 1)
+        r.take();
+      else
+        r.test();
       ADD_FAILURE() << "call " << i << " after the failure did not throw";
     } catch (const Error& e) {
       EXPECT_EQ(std::string(e.what()), first) << "call " << i;

@@ -13,14 +13,14 @@ namespace ctxpar::testing {
 // A float in [-2^10, 2^10) of varied magnitude (so summation order changes the rounding).
 float input_value(int rank, size_t i, int salt);
 
-void check_point_to_point(Communicator& comm);   // ring exchange, FIFO per tag, self-send
+void check_point_to_point(Communicator& comm);  // ring exchange, FIFO per tag, self-send
 void check_allgather(Communicator& comm, size_t bytes);
 void check_reduce_scatter(Communicator& comm, size_t count);
 void check_alltoall(Communicator& comm, size_t bytes);
 void check_allreduce(Communicator& comm, size_t count);  // float and double
 void check_barrier(Communicator& comm);
 void check_split_mesh(Communicator& comm);  // data x context mesh, and ordering by key
-void check_all(Communicator& comm);          // every check above, a few sizes each
+void check_all(Communicator& comm);         // every check above, a few sizes each
 
 // The outputs of reduce_scatter and allreduce (fp32 and fp64) on fixed inputs, as bytes, so
 // two transports can be compared bit for bit.

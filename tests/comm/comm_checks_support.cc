@@ -76,7 +76,9 @@ void check_point_to_point(Communicator& comm) {
   const int right = (r + 1) % p, left = (r + p - 1) % p;
   // Two messages on the same tag and one on another: same-tag messages keep their order,
   // whatever order the receives are waited in.
-  auto size_of = [](int rank, int m) { return m == 2 ? size_t(0) : (m ? 3000 : 100) + size_t(rank); };
+  auto size_of = [](int rank, int m) {
+    return m == 2 ? size_t(0) : (m ? 3000 : 100) + size_t(rank);
+  };
   const int tags[3] = {5, 5, 6};
   const CommCounters before = comm.counters();
   std::vector<Request> recvs;
@@ -121,7 +123,8 @@ void check_allgather(Communicator& comm, size_t bytes) {
                "allgather");
   for (int j = 0; j < p; ++j)
     for (size_t i = 0; i < bytes; ++i)
-      ASSERT_EQ(recv[j * bytes + i], byte_value(j, i, 1)) << "allgather rank " << j << " byte " << i;
+      ASSERT_EQ(recv[j * bytes + i], byte_value(j, i, 1))
+          << "allgather rank " << j << " byte " << i;
   EXPECT_EQ(recv[p * bytes], 0xee) << "allgather wrote past the end";
 }
 

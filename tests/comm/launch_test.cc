@@ -17,9 +17,8 @@
 namespace ctxpar {
 namespace {
 
-constexpr TransportKind kAll[] = {TransportKind::threads, TransportKind::mpi,
-                                  TransportKind::gloo, TransportKind::nccl,
-                                  TransportKind::loopback};
+constexpr TransportKind kAll[] = {TransportKind::threads, TransportKind::mpi, TransportKind::gloo,
+                                  TransportKind::nccl, TransportKind::loopback};
 
 // Sets variables for one test and restores what was there before.
 class ScopedEnv {
@@ -28,14 +27,18 @@ class ScopedEnv {
     for (const auto& [name, value] : vars) {
       const char* old = std::getenv(name);
       saved_.push_back({name, old ? std::optional<std::string>(old) : std::nullopt});
-      if (value) setenv(name, value, 1);
-      else unsetenv(name);
+      if (value)
+        setenv(name, value, 1);
+      else
+        unsetenv(name);
     }
   }
   ~ScopedEnv() {
     for (const auto& [name, old] : saved_) {
-      if (old) setenv(name.c_str(), old->c_str(), 1);
-      else unsetenv(name.c_str());
+      if (old)
+        setenv(name.c_str(), old->c_str(), 1);
+      else
+        unsetenv(name.c_str());
     }
   }
 
@@ -107,14 +110,17 @@ TEST(Launch, ThreadsRunsEveryRankAndRethrowsARanksError) {
 }
 
 TEST(Environment, LauncherLocalRankIsTheFirstVariableSet) {
-  ScopedEnv env{{"OMPI_COMM_WORLD_LOCAL_RANK", nullptr}, {"MPI_LOCALRANKID", "3"},
-                {"LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", nullptr},
-                {"MPI_LOCALNRANKS", nullptr}, {"LOCAL_WORLD_SIZE", "0"}};
+  ScopedEnv env{{"OMPI_COMM_WORLD_LOCAL_RANK", nullptr},
+                {"MPI_LOCALRANKID", "3"},
+                {"LOCAL_RANK", "1"},
+                {"OMPI_COMM_WORLD_LOCAL_SIZE", nullptr},
+                {"MPI_LOCALNRANKS", nullptr},
+                {"LOCAL_WORLD_SIZE", "0"}};
   environment::Launcher l = environment::launcher();
   EXPECT_EQ(l.local_rank, 3);
   EXPECT_EQ(l.local_size, 1);  // at least one rank: this one
-  ScopedEnv unset{{"MPI_LOCALRANKID", nullptr}, {"LOCAL_RANK", "-2"},
-                  {"LOCAL_WORLD_SIZE", nullptr}};
+  ScopedEnv unset{
+      {"MPI_LOCALRANKID", nullptr}, {"LOCAL_RANK", "-2"}, {"LOCAL_WORLD_SIZE", nullptr}};
   l = environment::launcher();
   EXPECT_EQ(l.local_rank, 0);
   EXPECT_EQ(l.local_size, 0);

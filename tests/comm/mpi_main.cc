@@ -35,9 +35,7 @@ TEST(Mpi, IsLaunchedAsExpected) {
   EXPECT_GE(world.size(), 1);
 }
 
-TEST(Mpi, EveryOperationMatchesIndependentExpectations) {
-  testing::check_all(mpi_world());
-}
+TEST(Mpi, EveryOperationMatchesIndependentExpectations) { testing::check_all(mpi_world()); }
 
 // The threads transport with the same P must give the same bits.
 TEST(Mpi, ReductionsAreBitwiseEqualToThreads) {
@@ -136,7 +134,8 @@ int progress_wrap_demo();
 }
 
 int main(int argc, char** argv) {
-  if (argc > 1 && std::string(argv[1]) == "--wrap-demo") return ctxpar::testing::progress_wrap_demo();
+  if (argc > 1 && std::string(argv[1]) == "--wrap-demo")
+    return ctxpar::testing::progress_wrap_demo();
   if (argc > 1 && std::string(argv[1]) == "--abort-demo") {
     ctxpar::run_mpi([](ctxpar::Communicator& comm) {
       comm.set_timeout(std::chrono::seconds(100));  // MPI_Abort, not a timeout, must end it

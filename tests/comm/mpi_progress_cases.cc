@@ -30,8 +30,8 @@ using namespace std::chrono_literals;
 // message (a rendezvous: the sender must see the answer and write every fragment) can only
 // arrive if the sender's progress thread or tile hook moves it. Without them it does not
 // (checked, CTXPAR_MPI_PROGRESS=off: the receive is still pending after 2.5 s).
-void check_transfer_moves_while(const std::function<void(std::chrono::steady_clock::time_point)>& compute,
-                                const char* what) {
+void check_transfer_moves_while(
+    const std::function<void(std::chrono::steady_clock::time_point)>& compute, const char* what) {
   Communicator& world = mpi_world();
   auto comm = world.split(0, world.rank());
   const int r = comm->rank(), peer = r ^ 1;
@@ -139,8 +139,10 @@ TEST(MpiProgress, SettingsComeFromTheEnvironment) {
     EXPECT_TRUE(comm_detail::progress_settings_from_env().tiles);
     EXPECT_EQ(comm_detail::progress_settings_from_env().interval, 100us);
   }
-  for (auto [mode, thread, tiles] : {std::tuple{"thread", true, false}, {"tiles", false, true},
-                                     {"both", true, true}, {"off", false, false}}) {
+  for (auto [mode, thread, tiles] : {std::tuple{"thread", true, false},
+                                     {"tiles", false, true},
+                                     {"both", true, true},
+                                     {"off", false, false}}) {
     ScopedEnv env("CTXPAR_MPI_PROGRESS", mode);
     EXPECT_EQ(comm_detail::progress_settings_from_env().thread, thread) << mode;
     EXPECT_EQ(comm_detail::progress_settings_from_env().tiles, tiles) << mode;
@@ -162,7 +164,8 @@ TEST(MpiProgress, SettingsComeFromTheEnvironment) {
     EXPECT_EQ(settings_error(),
               std::string("CTXPAR_MPI_PROGRESS_US must be the progress calls' interval in "
                           "microseconds (the thread's poll, the tile hook's least spacing), "
-                          "1..100000 (default 100), got '") + v + "'");
+                          "1..100000 (default 100), got '") +
+                  v + "'");
   }
 }
 

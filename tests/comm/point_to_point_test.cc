@@ -18,12 +18,12 @@ TEST_P(EveryOperation, MatchesIndependentExpectations) {
   ThreadsOptions options;
   if (link) options.link = {/*gbytes_per_second=*/20, /*latency_us=*/30};
   options.timeout = std::chrono::seconds(20);
-  run_threads(p, [](Communicator& comm) { testing::check_all(comm); }, options);
+  run_threads(
+      p, [](Communicator& comm) { testing::check_all(comm); }, options);
 }
 
 INSTANTIATE_TEST_SUITE_P(Threads, EveryOperation,
-                         ::testing::Combine(::testing::Values(1, 2, 3, 4, 8),
-                                            ::testing::Bool()),
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4, 8), ::testing::Bool()),
                          [](const auto& info) {
                            // Built with += : GCC 12 warns (falsely) on "P" + std::string.
                            std::string name = "P";

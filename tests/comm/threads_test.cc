@@ -93,39 +93,45 @@ TEST(Threads, SimulatedLinkDelaysDeliveries) {
   // are the check; the upper ones catch a delivery that never happens or waits for a timeout).
   const double wire = 0.004, latency = 0.002, slack = 2.0;
   std::atomic<int64_t> start_ns{0};
-  run_threads(2, [&](Communicator& comm) {
-    comm.barrier();
-    if (comm.rank() == 0) {
-      const auto t0 = Clock::now();
-      start_ns = t0.time_since_epoch().count();
-      Request a = comm.isend(Buffer(bytes), 1, 0);
-      Request b = comm.isend(Buffer(bytes), 1, 1);
-      a.wait();
-      EXPECT_GE(seconds_since(t0), wire);  // the first message's last byte has left
-      b.wait();
-      EXPECT_GE(seconds_since(t0), 2 * wire);  // the second waited for the first
-    } else {
-      Request a = comm.irecv(bytes, 0, 0), b = comm.irecv(bytes, 0, 1);
-      a.wait();
-      const auto t0 = Clock::time_point(Clock::duration(start_ns.load()));
-      const double first = seconds_since(t0);
-      b.wait();
-      const double second = seconds_since(t0);
-      EXPECT_GE(first, wire + latency);
-      EXPECT_LT(first, wire + latency + slack);
-      EXPECT_GE(second, 2 * wire + latency);
-      EXPECT_LT(second, 2 * wire + latency + slack);
-    }
-  }, options);
+  run_threads(
+      2,
+      [&](Communicator& comm) {
+        comm.barrier();
+        if (comm.rank() == 0) {
+          const auto t0 = Clock::now();
+          start_ns = t0.time_since_epoch().count();
+          Request a = comm.isend(Buffer(bytes), 1, 0);
+          Request b = comm.isend(Buffer(bytes), 1, 1);
+          a.wait();
+          EXPECT_GE(seconds_since(t0), wire);  // the first message's last byte has left
+          b.wait();
+          EXPECT_GE(seconds_since(t0), 2 * wire);  // the second waited for the first
+        } else {
+          Request a = comm.irecv(bytes, 0, 0), b = comm.irecv(bytes, 0, 1);
+          a.wait();
+          const auto t0 = Clock::time_point(Clock::duration(start_ns.load()));
+          const double first = seconds_since(t0);
+          b.wait();
+          const double second = seconds_since(t0);
+          EXPECT_GE(first, wire + latency);
+          EXPECT_LT(first, wire + latency + slack);
+          EXPECT_GE(second, 2 * wire + latency);
+          EXPECT_LT(second, 2 * wire + latency + slack);
+        }
+      },
+      options);
 }
 
 TEST(Threads, NoLinkDeliversAtOnce) {
   run_threads(2, [&](Communicator& comm) {
     comm.barrier();
     const auto t0 = Clock::now();
-    if (comm.rank() == 0) comm.isend(Buffer(4'000'000), 1, 0).wait();
-    else comm.irecv(4'000'000, 0, 0).wait();
-    EXPECT_LT(seconds_since(t0), 2.0);  // nothing is modelled: only scheduling delays (loaded machine)
+    if (comm.rank() == 0)
+      comm.isend(Buffer(4'000'000), 1, 0).wait();
+    else
+      comm.irecv(4'000'000, 0, 0).wait();
+    EXPECT_LT(seconds_since(t0),
+              2.0);  // nothing is modelled: only scheduling delays (loaded machine)
   });
 }
 
@@ -133,16 +139,19 @@ TEST(ThreadsFaults, RankThrowingMidExchangeStopsEveryRankPromptly) {
   ThreadsOptions options;
   options.timeout = std::chrono::seconds(60);  // must not be what ends it
   const auto t0 = Clock::now();
-  const std::string msg = failure_of(4, [](Communicator& comm) {
-    const int p = comm.size(), r = comm.rank();
-    for (int step = 0; step < 10; ++step) {
-      if (r == 2 && step == 3) throw Error("boom at step 3");
-      Request rq = comm.irecv(1024, (r + p - 1) % p, step);
-      comm.isend(Buffer(1024), (r + 1) % p, step).wait();
-      rq.wait();
-    }
-    comm.barrier();
-  }, options);
+  const std::string msg = failure_of(
+      4,
+      [](Communicator& comm) {
+        const int p = comm.size(), r = comm.rank();
+        for (int step = 0; step < 10; ++step) {
+          if (r == 2 && step == 3) throw Error("boom at step 3");
+          Request rq = comm.irecv(1024, (r + p - 1) % p, step);
+          comm.isend(Buffer(1024), (r + 1) % p, step).wait();
+          rq.wait();
+        }
+        comm.barrier();
+      },
+      options);
   EXPECT_LT(seconds_since(t0), 5.0);
   EXPECT_EQ(msg, "rank 2 failed: boom at step 3");
 }
@@ -168,11 +177,17 @@ TEST(ThreadsFaults, WaitTimesOutNamingRankPeerAndTag) {
   ThreadsOptions options;
   options.timeout = milliseconds(300);
   const auto t0 = Clock::now();
-  const std::string msg = failure_of(2, [](Communicator& comm) {
-    if (comm.rank() == 0) comm.irecv(8, 1, 7).wait();  // rank 1 never sends it
-    else std::this_thread::sleep_for(milliseconds(2000));  // stalls of ~1 s happen under load
-  }, options);
-  EXPECT_EQ(msg, "rank 0 failed: rank 0: timed out after 0.3 s waiting for recv from rank 1 (tag 7)");
+  const std::string msg = failure_of(
+      2,
+      [](Communicator& comm) {
+        if (comm.rank() == 0)
+          comm.irecv(8, 1, 7).wait();  // rank 1 never sends it
+        else
+          std::this_thread::sleep_for(milliseconds(2000));  // stalls of ~1 s happen under load
+      },
+      options);
+  EXPECT_EQ(msg,
+            "rank 0 failed: rank 0: timed out after 0.3 s waiting for recv from rank 1 (tag 7)");
   EXPECT_GE(seconds_since(t0), 0.3);
   EXPECT_LT(seconds_since(t0), 5.0);
 }
@@ -188,11 +203,14 @@ TEST(ThreadsFaults, WaitingForARankThatReturnedFailsAtOnce) {
 
 TEST(ThreadsFaults, ReceiveOfWrongSizeNamesBothSizes) {
   const std::string msg = failure_of(2, [](Communicator& comm) {
-    if (comm.rank() == 0) comm.isend(Buffer(8), 1, 3).wait();
-    else comm.irecv(16, 0, 3).wait();
+    if (comm.rank() == 0)
+      comm.isend(Buffer(8), 1, 3).wait();
+    else
+      comm.irecv(16, 0, 3).wait();
   });
-  EXPECT_EQ(msg, "rank 1 failed: rank 1: recv from rank 0 (tag 3) expected 16 bytes, but the "
-                 "message has 8 bytes");
+  EXPECT_EQ(msg,
+            "rank 1 failed: rank 1: recv from rank 0 (tag 3) expected 16 bytes, but the "
+            "message has 8 bytes");
 }
 
 TEST(ThreadsFaults, CollectiveSkippedByOneRankFails) {
@@ -201,31 +219,41 @@ TEST(ThreadsFaults, CollectiveSkippedByOneRankFails) {
   // Rank 1 skips the all-gather and goes on to a barrier: the ranks see a message of another
   // collective with the same call number and fail at once.
   const auto t0 = Clock::now();
-  std::string msg = failure_of(3, [](Communicator& comm) {
-    float x[3] = {}, y = 1;
-    if (comm.rank() != 1) comm.allgather(&y, x, sizeof(float));
-    comm.barrier();
-  }, options);
+  std::string msg = failure_of(
+      3,
+      [](Communicator& comm) {
+        float x[3] = {}, y = 1;
+        if (comm.rank() != 1) comm.allgather(&y, x, sizeof(float));
+        comm.barrier();
+      },
+      options);
   EXPECT_LT(seconds_since(t0), 5.0);
   EXPECT_NE(msg.find("collective mismatch"), std::string::npos) << msg;
   EXPECT_NE(msg.find("rank 1"), std::string::npos) << msg;
   // Rank 1 skips and returns: the ranks waiting for it fail at once.
-  msg = failure_of(3, [](Communicator& comm) {
-    double v = 1;
-    if (comm.rank() != 1) comm.allreduce(&v, 1);
-  }, options);
+  msg = failure_of(
+      3,
+      [](Communicator& comm) {
+        double v = 1;
+        if (comm.rank() != 1) comm.allreduce(&v, 1);
+      },
+      options);
   EXPECT_LT(seconds_since(t0), 5.0);
   EXPECT_NE(msg.find("rank 1 has returned without sending it"), std::string::npos) << msg;
   // Rank 2 skips one all-reduce then waits on a user message nobody sends: the ranks still in
   // the all-reduce wait for rank 2's share, so the timeout ends it.
   options.timeout = std::chrono::milliseconds(400);
-  msg = failure_of(3, [](Communicator& comm) {
-    double v = 1;
-    if (comm.rank() != 2) comm.allreduce(&v, 1);
-    else comm.irecv(8, 0, 1).wait();
-  }, options);
-  EXPECT_NE(msg.find("timed out after 0.4 s waiting for recv from rank"), std::string::npos)
-      << msg;
+  msg = failure_of(
+      3,
+      [](Communicator& comm) {
+        double v = 1;
+        if (comm.rank() != 2)
+          comm.allreduce(&v, 1);
+        else
+          comm.irecv(8, 0, 1).wait();
+      },
+      options);
+  EXPECT_NE(msg.find("timed out after 0.4 s waiting for recv from rank"), std::string::npos) << msg;
   EXPECT_LT(seconds_since(t0), 8.0);
 }
 
@@ -243,7 +271,9 @@ TEST(ThreadsFaults, InvalidArgumentsAreErrors) {
   EXPECT_THROW(run_threads(0, [](Communicator&) {}), Error);
   ThreadsOptions bad;
   bad.link.gbytes_per_second = -1;
-  EXPECT_THROW(run_threads(2, [](Communicator&) {}, bad), Error);
+  EXPECT_THROW(run_threads(
+                   2, [](Communicator&) {}, bad),
+               Error);
 }
 
 TEST(ThreadsFaults, NonStandardExceptionIsReported) {
@@ -324,7 +354,8 @@ TEST(ThreadsLimits, RefusedThreadIsAnErrorAndStopsTheStartedRanks) {
     } catch (const Error& e) {
       const std::string msg = e.what();
       code = has(msg, "the system refused thread") && has(msg, "ranks already started were stopped")
-                 ? 0 : 3;
+                 ? 0
+                 : 3;
       if (code) std::fprintf(stderr, "message: %s\n", msg.c_str());
     }
     _exit(code);
@@ -344,30 +375,44 @@ TEST(ThreadsLimits, LinkTooSlowForTheTimeoutFailsAtTheSend) {
   o.link.gbytes_per_second = 1e-300;
   o.timeout = std::chrono::seconds(5);
   const auto t0 = Clock::now();
-  const std::string msg = failure_of(2, [](Communicator& comm) {
-    if (comm.rank() == 0) comm.isend(Buffer(1024), 1, 0).wait();
-    else comm.irecv(1024, 0, 0).take();
-  }, o);
+  const std::string msg = failure_of(
+      2,
+      [](Communicator& comm) {
+        if (comm.rank() == 0)
+          comm.isend(Buffer(1024), 1, 0).wait();
+        else
+          comm.irecv(1024, 0, 0).take();
+      },
+      o);
   EXPECT_TRUE(has(msg, "rank 0 failed: rank 0: the simulated link (1e-300 GB/s")) << msg;
   EXPECT_TRUE(has(msg, "past the 5 s timeout")) << msg;
   EXPECT_LT(seconds_since(t0), 3.0);
 
   o.link.gbytes_per_second = 0;
   o.link.latency_us = 1e300;  // finite, but far past any timeout
-  const std::string late = failure_of(2, [](Communicator& comm) {
-    if (comm.rank() == 0) comm.isend(Buffer(8), 1, 0).wait();
-    else comm.irecv(8, 0, 0).take();
-  }, o);
+  const std::string late = failure_of(
+      2,
+      [](Communicator& comm) {
+        if (comm.rank() == 0)
+          comm.isend(Buffer(8), 1, 0).wait();
+        else
+          comm.irecv(8, 0, 0).take();
+      },
+      o);
   EXPECT_TRUE(has(late, "the simulated link (0 GB/s, 1e+300 us latency)")) << late;
 }
 
 TEST(ThreadsLimits, NonFiniteLinkIsRefused) {
   ThreadsOptions o;
   o.link.latency_us = std::numeric_limits<double>::infinity();
-  EXPECT_TRUE(has(failure_of(2, [](Communicator&) {}, o), "link.latency_us must be finite"));
+  EXPECT_TRUE(has(failure_of(
+                      2, [](Communicator&) {}, o),
+                  "link.latency_us must be finite"));
   o.link.latency_us = 0;
   o.link.gbytes_per_second = std::nan("");
-  EXPECT_TRUE(has(failure_of(2, [](Communicator&) {}, o), "link.gbytes_per_second must be finite"));
+  EXPECT_TRUE(has(failure_of(
+                      2, [](Communicator&) {}, o),
+                  "link.gbytes_per_second must be finite"));
 }
 
 // A slow link that does fit in the timeout still works, and still delays.
@@ -375,10 +420,15 @@ TEST(ThreadsLimits, SlowLinkWithinTheTimeoutDelivers) {
   ThreadsOptions o;
   o.link.gbytes_per_second = 1e-6;  // 1 kB/s: 100 bytes take 0.1 s
   const auto t0 = Clock::now();
-  run_threads(2, [](Communicator& comm) {
-    if (comm.rank() == 0) comm.isend(Buffer(100), 1, 0).wait();
-    else EXPECT_EQ(comm.irecv(100, 0, 0).take().size(), 100u);
-  }, o);
+  run_threads(
+      2,
+      [](Communicator& comm) {
+        if (comm.rank() == 0)
+          comm.isend(Buffer(100), 1, 0).wait();
+        else
+          EXPECT_EQ(comm.irecv(100, 0, 0).take().size(), 100u);
+      },
+      o);
   EXPECT_GE(seconds_since(t0), 0.09);
 }
 

@@ -46,8 +46,9 @@ TEST(Mask, StrictGrammar) {
       {"documents:+512", "document length ''"},  // '+' joins rules: "documents:" and "512"
       {"documents:0", "document length '0'"},
       {"documents:-5", "document length '-5'"},
-      {"documents:9223372036854775808", "document length '9223372036854775808' is not a whole "
-                                        "number in [1, 9223372036854775807]"},
+      {"documents:9223372036854775808",
+       "document length '9223372036854775808' is not a whole "
+       "number in [1, 9223372036854775807]"},
       {"window: 5,0", "window bound ' 5'"},
       {"window:+5,0", "window needs two bounds"},  // "window:" and "5,0"
       {"window:5,0x", "window bound '0x'"},
@@ -95,9 +96,9 @@ TEST(Mask, VisibleRules) {
 // Tile verdicts must agree with the element rule by brute force: a "masked" tile has no visible
 // pair, a "full" tile has no hidden pair. (Independent check of the skip logic the kernel uses.)
 TEST(Mask, TileVerdictsAgreeWithElements) {
-  const Mask masks[] = {parse_mask("none"), parse_mask("causal"), parse_mask("window:3,2"),
-                        parse_mask("causal+window:4,0"), parse_mask("documents"),
-                        parse_mask("causal+documents")};
+  const Mask masks[] = {parse_mask("none"),       parse_mask("causal"),
+                        parse_mask("window:3,2"), parse_mask("causal+window:4,0"),
+                        parse_mask("documents"),  parse_mask("causal+documents")};
   int checked = 0;
   for (const Mask& m : masks)
     for (int qlo = 0; qlo < 12; qlo += 3)

@@ -34,7 +34,8 @@ class MemoryLimitTest : public ::testing::Test {
     src_.self_cgroup = (dir_ / "cgroup").string();
     src_.cgroup_root = (dir_ / "sys").string();
     src_.rlimits = false;
-    write("meminfo", "MemTotal:       16000000 kB\nMemFree:  100 kB\nMemAvailable:    8000000 kB\n");
+    write("meminfo",
+          "MemTotal:       16000000 kB\nMemFree:  100 kB\nMemAvailable:    8000000 kB\n");
   }
   void TearDown() override { fs::remove_all(dir_); }
   void write(const std::string& rel, const std::string& text) {
@@ -59,8 +60,9 @@ TEST_F(MemoryLimitTest, OverrideCountsWhenSmallestAndIsValidated) {
   MemoryLimit m = memory_limit(src_);
   EXPECT_EQ(m.bytes, 1e6);
   EXPECT_EQ(m.source, MemorySource::env_override);
-  EXPECT_EQ(m.shortfall(3e6), "needs 2.9 MiB, CTXPAR_MEMORY_LIMIT_BYTES leaves 976.6 KiB; raise or "
-                              "unset CTXPAR_MEMORY_LIMIT_BYTES");
+  EXPECT_EQ(m.shortfall(3e6),
+            "needs 2.9 MiB, CTXPAR_MEMORY_LIMIT_BYTES leaves 976.6 KiB; raise or "
+            "unset CTXPAR_MEMORY_LIMIT_BYTES");
   src_.override_value = "1e15";  // larger than MemAvailable: MemAvailable binds
   EXPECT_EQ(memory_limit(src_).source, MemorySource::meminfo);
   for (const char* bad : {"", "lots", "0", "-5", "1e400", "inf", "nan", "12 GB"}) {
@@ -70,8 +72,10 @@ TEST_F(MemoryLimitTest, OverrideCountsWhenSmallestAndIsValidated) {
       ADD_FAILURE() << "'" << bad << "' accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("CTXPAR_MEMORY_LIMIT_BYTES must be a positive number "
-                                           "of bytes, got '" + std::string(bad) + "'"),
-                std::string::npos) << e.what();
+                                           "of bytes, got '" +
+                                           std::string(bad) + "'"),
+                std::string::npos)
+          << e.what();
     }
   }
 }
@@ -125,7 +129,8 @@ TEST_F(MemoryLimitTest, RlimitLessWhatTheProcessUsesBinds) {
       const rlimit r = {cap, cap};
       if (::setrlimit(resource, &r) != 0) _exit(10);
       const MemoryLimit m = memory_limit(src_);
-      const MemorySource want = resource == RLIMIT_AS ? MemorySource::rlimit_as : MemorySource::rlimit_data;
+      const MemorySource want =
+          resource == RLIMIT_AS ? MemorySource::rlimit_as : MemorySource::rlimit_data;
       if (m.source != want) _exit(11);
       // The cap less what is mapped already (VmSize / VmData, read again here: a few pages may
       // come and go between the two reads).
@@ -148,8 +153,8 @@ TEST_F(MemoryLimitTest, RlimitLessWhatTheProcessUsesBinds) {
     int status = 0;
     ASSERT_EQ(::waitpid(pid, &status, 0), pid);
     ASSERT_TRUE(WIFEXITED(status));
-    EXPECT_EQ(WEXITSTATUS(status), 0) << "resource " << resource
-                                      << " (10 setrlimit, 11 source, 12 bytes, 13 text)";
+    EXPECT_EQ(WEXITSTATUS(status), 0)
+        << "resource " << resource << " (10 setrlimit, 11 source, 12 bytes, 13 text)";
   }
 }
 

@@ -19,7 +19,7 @@ TEST(Bf16, RoundsToNearestEven) {
   // 1 + 3 * 2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties to even -> 1 + 2^-6.
   EXPECT_EQ(round_to_bf16(1.0f + 3 * 0x1.0p-8f), 1.0f + 0x1.0p-6f);
   EXPECT_EQ(round_to_bf16(1.0f + 0x1.8p-8f), 1.0f + 0x1.0p-7f);  // above half: up
-  EXPECT_EQ(round_to_bf16(-2.5f), -2.5f);                          // exact
+  EXPECT_EQ(round_to_bf16(-2.5f), -2.5f);                        // exact
   EXPECT_TRUE(std::isnan(round_to_bf16(std::numeric_limits<float>::quiet_NaN())));
   EXPECT_EQ(round_to_bf16(-std::numeric_limits<float>::infinity()),
             -std::numeric_limits<float>::infinity());
@@ -48,10 +48,10 @@ TEST(Tensor, ZeroFilledAndShaped) {
 TEST(Tensor, ShapeWhoseCountOverflowsIsRefused) {
   const int64_t big = int64_t{1} << 32;
   const std::vector<std::pair<DType, Shape>> bad = {
-      {DType::f32, {1, int64_t{1} << 40, 65536, 256}},       // 2^64 elements
-      {DType::f32, {int64_t{1} << 62}},                       // elements fit, bytes do not
-      {DType::bf16, {int64_t{1} << 62, 2}},                   // 2^63 elements
-      {DType::f32, {0, big, big}},                            // zero: the others still bounded
+      {DType::f32, {1, int64_t{1} << 40, 65536, 256}},  // 2^64 elements
+      {DType::f32, {int64_t{1} << 62}},                 // elements fit, bytes do not
+      {DType::bf16, {int64_t{1} << 62, 2}},             // 2^63 elements
+      {DType::f32, {0, big, big}},                      // zero: the others still bounded
       {DType::i64, {big, 0, big}},
   };
   for (const auto& [dtype, shape] : bad) {
@@ -102,7 +102,8 @@ TEST(Tensor, FillNormalIsSeededAndStandard) {
   fill_normal(b.view(), 7);
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.bytes()), 0);
   double sum = 0, sq = 0;
-  for (int64_t i = 0; i < a.numel(); ++i) sum += a.ptr<float>()[i], sq += a.ptr<float>()[i] * a.ptr<float>()[i];
+  for (int64_t i = 0; i < a.numel(); ++i)
+    sum += a.ptr<float>()[i], sq += a.ptr<float>()[i] * a.ptr<float>()[i];
   double mean = sum / a.numel(), var = sq / a.numel() - mean * mean;
   EXPECT_NEAR(mean, 0.0, 0.03);  // 32000 samples: sd of the mean ~ 0.0056
   EXPECT_NEAR(var, 1.0, 0.05);

@@ -33,8 +33,9 @@ namespace {
 std::unique_ptr<CudnnAttention> deviceless() {
   const char* props = std::getenv("CTXPAR_CUDNN_PROPERTIES");
   if (!props) {
-    std::fprintf(stderr, "CTXPAR_CUDNN_PROPERTIES is not set: run through ctest (it names the "
-                         "device-properties JSON)\n");
+    std::fprintf(stderr,
+                 "CTXPAR_CUDNN_PROPERTIES is not set: run through ctest (it names the "
+                 "device-properties JSON)\n");
     std::abort();
   }
   std::string why;
@@ -119,12 +120,12 @@ TEST(CudnnAttention, DecompositionCallsBuildUpToTheModuleLoad) {
         std::vector<int32_t> qdoc, kdoc;
         if (k.mask.documents) qdoc = layout.shard(docs, rq, -1), kdoc = layout.shard(docs, rk, -1);
         const int64_t tq = int64_t(qpos.size()), tk = int64_t(kpos.size());
-        for (const fused::Call& c :
-             fused::decompose({qpos, qdoc}, {kpos, kdoc}, k.mask)) {
+        for (const fused::Call& c : fused::decompose({qpos, qdoc}, {kpos, kdoc}, k.mask)) {
           for (bool backward : {false, true}) {
-            const std::string what = std::string(k.name) + " D=" + std::to_string(k.d) + " q rank " +
-                                     std::to_string(rq) + " k rank " + std::to_string(rk) + " " +
-                                     (backward ? "bwd " : "fwd ") + c.describe();
+            const std::string what = std::string(k.name) + " D=" + std::to_string(k.d) +
+                                     " q rank " + std::to_string(rq) + " k rank " +
+                                     std::to_string(rk) + " " + (backward ? "bwd " : "fwd ") +
+                                     c.describe();
             SdpaPrepared prep;
             try {
               prep = backward ? a.prepare(s, c, backward_tensors(s, c, tq, tk))
@@ -149,7 +150,9 @@ TEST(CudnnAttention, DecompositionCallsBuildUpToTheModuleLoad) {
     const bool fp32 = seen.find("fp32") != std::string::npos;
     const bool bf16 = seen.find("bf16") != std::string::npos;
     std::printf("  %-28s outputs: %s\n", form.c_str(),
-                fp32 && bf16 ? "fp32 and bf16" : fp32 ? "fp32" : "bf16 (cast to fp32)");
+                fp32 && bf16 ? "fp32 and bf16"
+                : fp32       ? "fp32"
+                             : "bf16 (cast to fp32)");
     RecordProperty(form, fp32 && bf16 ? "fp32 and bf16" : fp32 ? "fp32" : "bf16");
   }
 }

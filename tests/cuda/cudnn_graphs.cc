@@ -46,15 +46,17 @@ struct Outcome {
 };
 
 std::shared_ptr<fe::graph::Tensor_attributes> tensor_bthd(fe::graph::Graph& g, const char* name,
-                                                           int64_t b, int64_t t, int64_t h,
-                                                           int64_t d) {
+                                                          int64_t b, int64_t t, int64_t h,
+                                                          int64_t d) {
   // Our layout [B, T, H, D] seen as cuDNN's [B, H, T, D] by strides: no transpose.
-  return g.tensor(fe::graph::Tensor_attributes().set_name(name).set_dim({b, h, t, d}).set_stride(
-      {t * h * d, d, h * d, 1}));
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_dim({b, h, t, d})
+                      .set_stride({t * h * d, d, h * d, 1}));
 }
 
 std::shared_ptr<fe::graph::Tensor_attributes> int_tensor(fe::graph::Graph& g, const char* name,
-                                                          int64_t n) {
+                                                         int64_t n) {
   return g.tensor(fe::graph::Tensor_attributes()
                       .set_name(name)
                       .set_dim({n, 1, 1, 1})
@@ -91,12 +93,14 @@ Outcome check(const Spec& s, const std::shared_ptr<fe::DeviceProperties>& props)
   }
   const float scale = 1.0f / std::sqrt(float(s.d));
   if (!s.backward) {
-    auto a = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(true).set_attn_scale(scale);
+    auto a = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(true).set_attn_scale(
+        scale);
     apply_mask(a, s);
     if (s.ragged) a.set_padding_mask(true).set_seq_len_q(seq_q).set_seq_len_kv(seq_kv);
     auto [o, stats] = g.sdpa(q, k, v, a);
-    o->set_output(true).set_dim({b, s.hq, s.rows, s.d}).set_stride(
-        {s.rows * s.hq * s.d, s.d, s.hq * s.d, 1});
+    o->set_output(true)
+        .set_dim({b, s.hq, s.rows, s.d})
+        .set_stride({s.rows * s.hq * s.d, s.d, s.hq * s.d, 1});
     if (s.ragged) o->set_ragged_offset(int_tensor(g, "o_offsets", b + 1));
     stats->set_output(true).set_data_type(fe::DataType_t::FLOAT);
   } else {
@@ -114,11 +118,13 @@ Outcome check(const Spec& s, const std::shared_ptr<fe::DeviceProperties>& props)
     apply_mask(a, s);
     if (s.ragged) a.set_padding_mask(true).set_seq_len_q(seq_q).set_seq_len_kv(seq_kv);
     auto [dq, dk, dv] = g.sdpa_backward(q, k, v, o, dout, stats, a);
-    dq->set_output(true).set_dim({b, s.hq, s.rows, s.d}).set_stride(
-        {s.rows * s.hq * s.d, s.d, s.hq * s.d, 1});
+    dq->set_output(true)
+        .set_dim({b, s.hq, s.rows, s.d})
+        .set_stride({s.rows * s.hq * s.d, s.d, s.hq * s.d, 1});
     for (auto& t : {dk, dv})
-      t->set_output(true).set_dim({b, s.hkv, s.keys, s.d}).set_stride(
-          {s.keys * s.hkv * s.d, s.d, s.hkv * s.d, 1});
+      t->set_output(true)
+          .set_dim({b, s.hkv, s.keys, s.d})
+          .set_stride({s.keys * s.hkv * s.d, s.d, s.hkv * s.d, 1});
   }
   const std::pair<const char*, std::function<fe::error_t()>> stages[] = {
       {"validate", [&] { return g.validate(); }},
@@ -227,8 +233,8 @@ int save_properties(const char* path) {
     std::fprintf(stderr, "error: device properties: %s\n", e.get_message().c_str());
     return 1;
   }
-  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(json.data()),
-                                              std::streamsize(json.size()));
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(json.data()), std::streamsize(json.size()));
   std::printf("device properties of device 0 written to %s\n", path);
   return 0;
 }
@@ -252,8 +258,8 @@ int main(int argc, char** argv) {
                  e.get_message().c_str());
     return 1;
   }
-  std::printf("cuDNN %zu, cudnn-frontend %d, device-less (sm_90, 132 SMs, %s)\n",
-              cudnnGetVersion(), CUDNN_FRONTEND_VERSION, argv[1]);
+  std::printf("cuDNN %zu, cudnn-frontend %d, device-less (sm_90, 132 SMs, %s)\n", cudnnGetVersion(),
+              CUDNN_FRONTEND_VERSION, argv[1]);
   int failures = 0, passed = 0;
   for (const Spec& s : specs()) {
     const Outcome o = check(s, props);

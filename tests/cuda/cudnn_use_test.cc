@@ -100,8 +100,7 @@ TEST_F(CudnnModeEnv, OffAutoAndRequireWithoutAUsableCudnn) {
     FAIL() << "CTXPAR_CUDNN=require went on without cuDNN";
   } catch (const Error& e) {
     const std::string m = e.what();
-    EXPECT_TRUE(has(m, "CTXPAR_CUDNN=require, but cuDNN cannot be used: " + state.off_reason))
-        << m;
+    EXPECT_TRUE(has(m, "CTXPAR_CUDNN=require, but cuDNN cannot be used: " + state.off_reason)) << m;
   }
   setenv("CTXPAR_CUDNN", "sometimes", 1);
   EXPECT_THROW(cudnn_of_mode(), Error);

@@ -35,21 +35,20 @@ TEST(CudaRecording, DoubleAndLateDestroysAreFlagged) {
   auto e0 = api.event_create(false), e1 = api.event_create(true), e2 = api.event_create(true);
   api.event_record(e0, s0);
   api.event_destroy(e0);
-  api.event_destroy(e0);             // double
-  api.stream_wait_event(s1, e0);     // late: a use after the destroy
-  api.event_elapsed_ms(e1, e2);      // neither was recorded
+  api.event_destroy(e0);          // double
+  api.stream_wait_event(s1, e0);  // late: a use after the destroy
+  api.event_elapsed_ms(e1, e2);   // neither was recorded
   api.stream_destroy(s1);
-  api.stream_destroy(s1);            // double
+  api.stream_destroy(s1);               // double
   api.memset_async(nullptr, 0, 0, s1);  // late: an operation on a destroyed stream
-  const std::vector<std::string> want = {
-      "event 0 destroyed twice",
-      "'wait' of event 0 after its destroy",
-      "'elapsed' of event 1, never recorded",
-      "'elapsed' of event 2, never recorded",
-      "stream 1 destroyed twice",
-      "'memset' on stream 1 after its destroy"};
+  const std::vector<std::string> want = {"event 0 destroyed twice",
+                                         "'wait' of event 0 after its destroy",
+                                         "'elapsed' of event 1, never recorded",
+                                         "'elapsed' of event 2, never recorded",
+                                         "stream 1 destroyed twice",
+                                         "'memset' on stream 1 after its destroy"};
   EXPECT_EQ(joined(api.violations()), joined(want));
-  EXPECT_EQ(api.live_events(), 2u);  // e1, e2
+  EXPECT_EQ(api.live_events(), 2u);   // e1, e2
   EXPECT_EQ(api.live_streams(), 1u);  // s0
 }
 
@@ -76,10 +75,12 @@ TEST(CudaRecording, FailAtThrowsFromTheNthCallOnly) {
 TensorView flat(const Tensor& t) { return TensorView(t.data(), t.dtype(), {t.numel()}); }
 
 struct Block {
-  Tensor q{DType::bf16, {1, 64, 4, 16}}, k{DType::bf16, {1, 64, 2, 16}}, v{DType::bf16, {1, 64, 2, 16}};
+  Tensor q{DType::bf16, {1, 64, 4, 16}}, k{DType::bf16, {1, 64, 2, 16}},
+      v{DType::bf16, {1, 64, 2, 16}};
   Tensor out{DType::bf16, {1, 64, 4, 16}}, lse{DType::f32, {1, 4, 64}};
   Tensor dout{DType::bf16, {1, 64, 4, 16}}, delta{DType::f32, {1, 4, 64}};
-  Tensor dq{DType::f32, {1, 64, 4, 16}}, dk{DType::f32, {1, 64, 2, 16}}, dv{DType::f32, {1, 64, 2, 16}};
+  Tensor dq{DType::f32, {1, 64, 4, 16}}, dk{DType::f32, {1, 64, 2, 16}},
+      dv{DType::f32, {1, 64, 2, 16}};
   std::vector<int64_t> pos = std::vector<int64_t>(64);
   Mask mask = parse_mask("causal");
   Block() {
@@ -94,7 +95,8 @@ struct Block {
   void forward(Device& dev) {
     DeviceForwardState st(dev, 1, 64, 4, 16);
     dev.forward_reset(kComputeStream, st.get());
-    dev.forward_block(kComputeStream, q, Tokens{pos, {}}, k, v, Tokens{pos, {}}, mask, st.get(), {});
+    dev.forward_block(kComputeStream, q, Tokens{pos, {}}, k, v, Tokens{pos, {}}, mask, st.get(),
+                      {});
     dev.forward_finalize(kComputeStream, st.get(), out, lse, {});
   }
   void backward(Device& dev) {

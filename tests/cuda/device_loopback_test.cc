@@ -27,24 +27,28 @@ RunResult run_loopback(const Problem& pr, int ranks, LayoutKind kind, const Stra
   std::vector<std::array<Tensor, 5>> out(static_cast<size_t>(ranks));
   ThreadsOptions topt;
   topt.timeout = std::chrono::seconds(20);
-  run_threads(ranks, [&](Communicator& host) {
-    cuda::LoopbackComm comm(host, world);
-    const int r = comm.rank();
-    const std::vector<int64_t> pos = layout.token_positions(r, pr.positions);
-    const std::vector<int32_t> docs = opt.mask.documents ? layout.shard(pr.documents, r)
-                                                         : std::vector<int32_t>{};
-    const Tensor q = layout.shard(pr.q, r), k = layout.shard(pr.k, r), v = layout.shard(pr.v, r);
-    auto strategy = Strategy::create(comm, opt, std::make_unique<cuda::CudaDevice>(api, r));
-    auto& [o, lse, dq, dk, dv] = out[size_t(r)];
-    o = Tensor(DType::f32, {pr.batch, tl, pr.hq, pr.d});
-    lse = Tensor(DType::f32, {pr.batch, pr.hq, tl});
-    strategy->forward(q, k, v, Tokens{pos, docs}, o, lse);
-    const Tensor dout = layout.shard(pr.dout, r);
-    dq = Tensor(DType::f32, {pr.batch, tl, pr.hq, pr.d});
-    dk = Tensor(DType::f32, {pr.batch, tl, pr.hkv, pr.d});
-    dv = Tensor(DType::f32, {pr.batch, tl, pr.hkv, pr.d});
-    strategy->backward(q, k, v, Tokens{pos, docs}, o, lse, dout, dq, dk, dv);
-  }, topt);
+  run_threads(
+      ranks,
+      [&](Communicator& host) {
+        cuda::LoopbackComm comm(host, world);
+        const int r = comm.rank();
+        const std::vector<int64_t> pos = layout.token_positions(r, pr.positions);
+        const std::vector<int32_t> docs =
+            opt.mask.documents ? layout.shard(pr.documents, r) : std::vector<int32_t>{};
+        const Tensor q = layout.shard(pr.q, r), k = layout.shard(pr.k, r),
+                     v = layout.shard(pr.v, r);
+        auto strategy = Strategy::create(comm, opt, std::make_unique<cuda::CudaDevice>(api, r));
+        auto& [o, lse, dq, dk, dv] = out[size_t(r)];
+        o = Tensor(DType::f32, {pr.batch, tl, pr.hq, pr.d});
+        lse = Tensor(DType::f32, {pr.batch, pr.hq, tl});
+        strategy->forward(q, k, v, Tokens{pos, docs}, o, lse);
+        const Tensor dout = layout.shard(pr.dout, r);
+        dq = Tensor(DType::f32, {pr.batch, tl, pr.hq, pr.d});
+        dk = Tensor(DType::f32, {pr.batch, tl, pr.hkv, pr.d});
+        dv = Tensor(DType::f32, {pr.batch, tl, pr.hkv, pr.d});
+        strategy->backward(q, k, v, Tokens{pos, docs}, o, lse, dout, dq, dk, dv);
+      },
+      topt);
   RunResult res;
   res.o = Tensor(DType::f32, {pr.batch, pr.tokens, pr.hq, pr.d});
   res.lse = Tensor(DType::f32, {pr.batch, pr.hq, pr.tokens});
@@ -62,34 +66,35 @@ RunResult run_loopback(const Problem& pr, int ranks, LayoutKind kind, const Stra
 
 TEST(CudaLoopback, BitwiseTheCpuDeviceEveryStrategyLayoutMask) {
   for (DType dtype : {DType::f32, DType::bf16}) {
-  Problem pr;
-  pr.hq = 8;
-  pr.hkv = 4;
-  pr.tokens = 48;
-  pr.dtype = dtype;
-  pr.build();
-  for (const char* mask : {"none", "causal", "window:7,3", "causal+documents"})
-    for (int p : {2, 4})
-      for (StrategyKind kind : {StrategyKind::ring, StrategyKind::allgather,
-                                StrategyKind::ulysses, StrategyKind::hybrid})
-        for (LayoutKind layout : {LayoutKind::contiguous, LayoutKind::zigzag,
-                                  LayoutKind::striped}) {
-          StrategyOptions opt;
-          opt.kind = kind;
-          opt.ulysses_degree = kind == StrategyKind::hybrid ? 2 : 0;
-          opt.mask = parse_mask(mask);
-          const RunResult cpu = run_sharded(pr, p, layout, opt);
-          auto api = std::make_shared<cuda::RecordingCudaApi>();
-          const RunResult loop = run_loopback(pr, p, layout, opt, api);
-          const std::string where = std::string(dtype_name(dtype)) + " " + strategy_name(kind) + " P=" +
-                                    std::to_string(p) + " " + layout_name(layout) + " " + mask;
-          EXPECT_EQ(bits_differ(cpu, loop), "") << where;
-          const auto v = api->violations();
-          EXPECT_TRUE(v.empty()) << where << ": " << v[0];
-          EXPECT_EQ(api->live_allocations(), 0u) << where;
-          EXPECT_EQ(api->live_events(), 0u) << where;
-          EXPECT_EQ(api->live_streams(), 0u) << where;
-        }
+    Problem pr;
+    pr.hq = 8;
+    pr.hkv = 4;
+    pr.tokens = 48;
+    pr.dtype = dtype;
+    pr.build();
+    for (const char* mask : {"none", "causal", "window:7,3", "causal+documents"})
+      for (int p : {2, 4})
+        for (StrategyKind kind : {StrategyKind::ring, StrategyKind::allgather,
+                                  StrategyKind::ulysses, StrategyKind::hybrid})
+          for (LayoutKind layout :
+               {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped}) {
+            StrategyOptions opt;
+            opt.kind = kind;
+            opt.ulysses_degree = kind == StrategyKind::hybrid ? 2 : 0;
+            opt.mask = parse_mask(mask);
+            const RunResult cpu = run_sharded(pr, p, layout, opt);
+            auto api = std::make_shared<cuda::RecordingCudaApi>();
+            const RunResult loop = run_loopback(pr, p, layout, opt, api);
+            const std::string where = std::string(dtype_name(dtype)) + " " + strategy_name(kind) +
+                                      " P=" + std::to_string(p) + " " + layout_name(layout) + " " +
+                                      mask;
+            EXPECT_EQ(bits_differ(cpu, loop), "") << where;
+            const auto v = api->violations();
+            EXPECT_TRUE(v.empty()) << where << ": " << v[0];
+            EXPECT_EQ(api->live_allocations(), 0u) << where;
+            EXPECT_EQ(api->live_events(), 0u) << where;
+            EXPECT_EQ(api->live_streams(), 0u) << where;
+          }
   }
 }
 

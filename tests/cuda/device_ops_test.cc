@@ -22,8 +22,7 @@ TensorView floats(const DeviceBuffer& b) { return b.view(DType::f32, {int64_t(b.
 void fill(Device& dev, DeviceBuffer& b, float first) {
   std::vector<float> host(b.size() / 4);
   std::iota(host.begin(), host.end(), first);
-  dev.copy(kComputeStream, TensorView(host.data(), DType::f32, {int64_t(host.size())}),
-           floats(b));
+  dev.copy(kComputeStream, TensorView(host.data(), DType::f32, {int64_t(host.size())}), floats(b));
   dev.synchronize();  // host's memory is read by then
 }
 
@@ -77,12 +76,15 @@ TEST(CudaDeviceOps, FailedPeerIsNamed) {
 TEST(CudaDeviceOps, StuckPeerTimesOutNamingIt) {
   RecordingCudaDevices devices;
   double seconds = 0;
-  const auto errors = errors_on_ranks(2, [&](Communicator& comm) {
-    comm.set_timeout(std::chrono::milliseconds(500));
-    auto dev = devices.make(comm.rank());
-    DeviceBuffer got = dev->recv(kCommStream, comm, 64, 1 - comm.rank(), 11);
-    dev->synchronize();
-  }, &seconds);
+  const auto errors = errors_on_ranks(
+      2,
+      [&](Communicator& comm) {
+        comm.set_timeout(std::chrono::milliseconds(500));
+        auto dev = devices.make(comm.rank());
+        DeviceBuffer got = dev->recv(kCommStream, comm, 64, 1 - comm.rank(), 11);
+        dev->synchronize();
+      },
+      &seconds);
   bool named = false;
   for (int r = 0; r < 2; ++r)
     named |= errors[size_t(r)].find("rank " + std::to_string(1 - r)) != std::string::npos;
@@ -133,7 +135,8 @@ TEST(CudaDeviceOps, BusyTimeFromEventPairs) {
   std::vector<int64_t> pos(256);
   std::iota(pos.begin(), pos.end(), 0);
   DeviceForwardState st(dev, 1, 256, 2, 64);
-  dev.forward_block(kComputeStream, q, Tokens{pos, {}}, q, q, Tokens{pos, {}}, Mask{}, st.get(), {});
+  dev.forward_block(kComputeStream, q, Tokens{pos, {}}, q, q, Tokens{pos, {}}, Mask{}, st.get(),
+                    {});
   dev.forward_finalize(kComputeStream, st.get(), out, lse, {});
   EXPECT_EQ(dev.counters().busy_seconds, 0.0);  // not read before synchronize
   dev.synchronize();
@@ -184,7 +187,7 @@ TEST(CudaDeviceOps, AdoptedMemoryIsUsedInPlace) {
   auto& api = dynamic_cast<cuda::RecordingCudaApi&>(cuda_dev.api());
   Tensor src(DType::f32, {2, 3, 4, 5}), dst(DType::bf16, {2, 3, 4, 5});
   for (int64_t i = 0; i < src.numel(); ++i) src.ptr<float>()[i] = float(i) * 0.37f;
-  EXPECT_TRUE(dev->adopt(src.data(), src.bytes()));  // Device's optional member
+  EXPECT_TRUE(dev->adopt(src.data(), src.bytes()));      // Device's optional member
   EXPECT_TRUE(dev->adopt(dst.data(), dst.bytes() / 2));  // touching halves: one range
   // Its kernels check no finiteness and the host reads no input: the KV cache asks this.
   EXPECT_FALSE(dev->caps().finite_checks);
@@ -255,8 +258,8 @@ void meets_the_accuracy_rule(DType dtype, bool fake_cudnn) {
         opt.mask = pr.mask;
         opt.device = devices.options();
         const Errors e = errors_of(run_sharded(pr, 2, layout, opt), refs);
-        const std::string where = std::string(mask) + " " + layout_name(layout) + " " +
-                                  strategy_name(kind);
+        const std::string where =
+            std::string(mask) + " " + layout_name(layout) + " " + strategy_name(kind);
         EXPECT_EQ(beyond(e, bounds_of(refs)), "") << where;
         EXPECT_EQ(devices.cudnn_calls() > 0, fake_cudnn) << where;
         EXPECT_EQ(devices.problems(), "") << where;

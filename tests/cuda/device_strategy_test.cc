@@ -21,8 +21,8 @@ struct Case {
 };
 
 std::vector<Case> cases_for(int p) {
-  std::vector<Case> cases = {{StrategyKind::ring, 0}, {StrategyKind::allgather, 0},
-                             {StrategyKind::ulysses, 0}};
+  std::vector<Case> cases = {
+      {StrategyKind::ring, 0}, {StrategyKind::allgather, 0}, {StrategyKind::ulysses, 0}};
   for (int u = 1; u < p; ++u)
     if (p % u == 0) cases.push_back({StrategyKind::hybrid, u});
   return cases;
@@ -40,14 +40,15 @@ void every_strategy(DType dtype) {
   for (const char* mask : {"none", "causal", "window:7,3", "causal+documents"})
     for (int p = 1; p <= 4; ++p)
       for (const Case& c : cases_for(p))
-        for (LayoutKind layout : {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped}) {
+        for (LayoutKind layout :
+             {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped}) {
           StrategyOptions opt{.kind = c.kind, .ulysses_degree = c.u, .mask = parse_mask(mask)};
           const RunResult cpu = run_sharded(pr, p, layout, opt);
           RecordingCudaDevices devices;
           opt.device = devices.options();
           const RunResult cuda = run_sharded(pr, p, layout, opt);
-          const std::string where = std::string(strategy_name(c.kind)) + " u=" +
-                                    std::to_string(c.u) + " P=" + std::to_string(p) + " " +
+          const std::string where = std::string(strategy_name(c.kind)) +
+                                    " u=" + std::to_string(c.u) + " P=" + std::to_string(p) + " " +
                                     layout_name(layout) + " " + mask;
           EXPECT_EQ(bits_differ(cpu, cuda), "") << where;
           EXPECT_EQ(devices.problems(), "") << where;

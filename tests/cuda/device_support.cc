@@ -83,8 +83,8 @@ std::string beyond(const Errors& e, const Errors& bound) {
   const double max[] = {bound.o, bound.lse, bound.dq, bound.dk, bound.dv};
   for (int i = 0; i < 5; ++i)
     if (!(got[i] <= max[i]))
-      out += std::string(names[i]) + " " + std::to_string(got[i]) + " > " +
-             std::to_string(max[i]) + "; ";
+      out += std::string(names[i]) + " " + std::to_string(got[i]) + " > " + std::to_string(max[i]) +
+             "; ";
   return out;
 }
 

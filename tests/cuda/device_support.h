@@ -20,11 +20,11 @@ class RecordingCudaApi;
 namespace ctxpar::testing {
 
 struct DeviceReport {
-  std::vector<std::string> violations;  // ordering rules broken (RecordingCudaApi)
-  size_t live = 0;                      // allocations never freed
+  std::vector<std::string> violations;       // ordering rules broken (RecordingCudaApi)
+  size_t live = 0;                           // allocations never freed
   size_t live_events = 0, live_streams = 0;  // never destroyed
   size_t host_live = 0;
-  size_t ops = 0;                       // log entries
+  size_t ops = 0;  // log entries
 };
 
 // How RecordingCudaDevices makes each device (beyond the recording API): the fake cuDNN, which

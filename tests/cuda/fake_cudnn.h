@@ -43,8 +43,8 @@ class FakeCudnn final : public cuda::CudnnAttention {
   }
   size_t graphs_built() const override { return 0; }
 
-  void forward(const cuda::SdpaShape& s, const fused::Call& c, const cuda::SdpaForward& t,
-               void*, cudaStream_t) override {
+  void forward(const cuda::SdpaShape& s, const fused::Call& c, const cuda::SdpaForward& t, void*,
+               cudaStream_t) override {
     CTXPAR_ASSERT(!refuse_ || !refuse_(c, false), "a refused graph was run");
     const int64_t rows = c.rows(), keys = c.keys();
     const auto [q, k, v] = qkv(s, c, t);
@@ -58,8 +58,8 @@ class FakeCudnn final : public cuda::CudnnAttention {
     if (calls_) ++*calls_;
   }
 
-  void backward(const cuda::SdpaShape& s, const fused::Call& c, const cuda::SdpaBackward& t,
-                void*, cudaStream_t) override {
+  void backward(const cuda::SdpaShape& s, const fused::Call& c, const cuda::SdpaBackward& t, void*,
+                cudaStream_t) override {
     CTXPAR_ASSERT(!refuse_ || !refuse_(c, true), "a refused graph was run");
     const int64_t rows = c.rows(), keys = c.keys();
     const auto [q, k, v] = qkv(s, c, t);
@@ -73,8 +73,8 @@ class FakeCudnn final : public cuda::CudnnAttention {
     const TensorView dv = act(t.dv, DType::f32, s.batch, 0, keys, s.hkv, s.d);
     for (const TensorView* z : {&dq, &dk, &dv}) zero(*z);
     const std::vector<int64_t> qp = local(rows), kp = local(keys);
-    cuda::backward_host<cuda::Bf16>(q, Tokens{qp, {}}, k, v, Tokens{kp, {}}, c.local_mask(), g,
-                                    lse, delta.view(), dq, dk, dv, s.scale);
+    cuda::backward_host<cuda::Bf16>(q, Tokens{qp, {}}, k, v, Tokens{kp, {}}, c.local_mask(), g, lse,
+                                    delta.view(), dq, dk, dv, s.scale);
     if (calls_) ++*calls_;
   }
 
@@ -92,8 +92,8 @@ class FakeCudnn final : public cuda::CudnnAttention {
             act(t.k, DType::bf16, s.batch, c.k_begin, c.keys(), s.hkv, s.d),
             act(t.v, DType::bf16, s.batch, c.k_begin, c.keys(), s.hkv, s.d)};
   }
-  static TensorView act(const cuda::SdpaTensor& t, DType dt, int64_t b, int64_t begin,
-                        int64_t n, int64_t h, int64_t d) {
+  static TensorView act(const cuda::SdpaTensor& t, DType dt, int64_t b, int64_t begin, int64_t n,
+                        int64_t h, int64_t d) {
     auto* base = static_cast<std::byte*>(t.data) + begin * t.t_stride * int64_t(dtype_size(dt));
     return TensorView(base, dt, {b, n, h, d}, {t.b_stride, t.t_stride, t.h_stride, 1});
   }

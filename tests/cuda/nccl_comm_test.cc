@@ -42,7 +42,10 @@ struct FakeNccl {
 
   std::shared_ptr<NcclApi> api() {
     auto a = std::make_shared<NcclApi>();
-    a->get_version = [](int* v) { *v = 22809; return ncclSuccess; };
+    a->get_version = [](int* v) {
+      *v = 22809;
+      return ncclSuccess;
+    };
     a->get_unique_id = [this](ncclUniqueId* id) {
       if (unique_id_result != ncclSuccess) return ncclResult_t(unique_id_result.load());
       std::lock_guard<std::mutex> lock(mutex);
@@ -61,7 +64,10 @@ struct FakeNccl {
       *state = ncclResult_t(async.load());
       return ncclSuccess;
     };
-    a->comm_finalize = [this](ncclComm_t) { ++finalizes; return ncclSuccess; };
+    a->comm_finalize = [this](ncclComm_t) {
+      ++finalizes;
+      return ncclSuccess;
+    };
     a->comm_destroy = [this](ncclComm_t c) {
       ++destroys;
       delete reinterpret_cast<int*>(c);
@@ -83,7 +89,10 @@ struct FakeNccl {
                     std::to_string(peer) + " on " + std::to_string(uintptr_t(s)));
       return ncclSuccess;
     };
-    a->group_start = [] { log.push_back("group start"); return ncclSuccess; };
+    a->group_start = [] {
+      log.push_back("group start");
+      return ncclSuccess;
+    };
     a->group_end = [this] {
       log.push_back("group end");
       return ncclResult_t(group_end_result.load());
@@ -163,9 +172,10 @@ TEST(CudaNccl, RankZeroFailingToMakeTheIdFailsEveryRankByName) {
   fake.unique_id_result = ncclSystemError;
   run_threads(2, [&](Communicator& host) {
     EXPECT_EQ(error_of([&] { NcclCommunicator comm(host, fake.api()); }),
-              "rank " + std::to_string(host.rank()) + ": nccl transport: rank 0 could not make "
-              "the NCCL unique id (ncclGetUniqueId failed: fake NCCL error); check "
-              "NCCL_DEBUG=INFO on rank 0");
+              "rank " + std::to_string(host.rank()) +
+                  ": nccl transport: rank 0 could not make "
+                  "the NCCL unique id (ncclGetUniqueId failed: fake NCCL error); check "
+                  "NCCL_DEBUG=INFO on rank 0");
   });
   EXPECT_TRUE(fake.inits.empty());
 }
@@ -184,14 +194,14 @@ TEST(CudaNccl, AStepIsOneGroupAndLoneTransfersAreGroupsOfOne) {
     comm.recv(buf.data(), 32, prev, 7, stream_token(5));
     comm.group_end();
     const std::string n = std::to_string(next);
-    EXPECT_EQ(FakeNccl::log,
-              (std::vector<std::string>{"group start", "send 64 type 1 to " + n + " on 5",
-                                        "recv 32 type 1 from " + n + " on 5", "group end",
-                                        "mark on 5"}));
+    EXPECT_EQ(FakeNccl::log, (std::vector<std::string>{
+                                 "group start", "send 64 type 1 to " + n + " on 5",
+                                 "recv 32 type 1 from " + n + " on 5", "group end", "mark on 5"}));
     FakeNccl::log.clear();
     comm.send(buf.data(), 16, next, 8, stream_token(6));
-    EXPECT_EQ(FakeNccl::log, (std::vector<std::string>{"group start", "send 16 type 1 to " + n +
-                                                       " on 6", "group end", "mark on 6"}));
+    EXPECT_EQ(FakeNccl::log,
+              (std::vector<std::string>{"group start", "send 16 type 1 to " + n + " on 6",
+                                        "group end", "mark on 6"}));
     comm.wait_all();
     EXPECT_EQ(comm.pending(), 0u);
     EXPECT_EQ(comm.counters().calls_of(CommKind::send), 2u);
@@ -202,8 +212,9 @@ TEST(CudaNccl, AStepIsOneGroupAndLoneTransfersAreGroupsOfOne) {
               "rank " + std::to_string(comm.rank()) +
                   ": nccl transport: group_end() without a group_start()");
     EXPECT_EQ(error_of([&] { comm.send(buf.data(), 8, 5, 3, stream_token(5)); }),
-              "rank " + std::to_string(comm.rank()) + ": nccl transport: send to rank 5 (tag 3) "
-              "is not a rank of this communicator (0..1)");
+              "rank " + std::to_string(comm.rank()) +
+                  ": nccl transport: send to rank 5 (tag 3) "
+                  "is not a rank of this communicator (0..1)");
   });
   fake.expect_ended(0, 2);
 }
@@ -224,10 +235,12 @@ TEST(CudaNccl, WatchdogAbortsATransferThatNeverCompletesNamingRankPeerAndTag) {
     EXPECT_GE(s, 0.29);
     EXPECT_LT(s, 30.0);
     const std::string me = std::to_string(comm.rank()), p = std::to_string(peer);
-    EXPECT_EQ(what, "rank " + me + ": nccl transport: timed out after 0.3 s: a peer died, "
-              "hangs, or posted no matching transfer (--timeout): send to rank " + p +
-              " (tag 9, 1.0 KiB), recv from rank " + p + " (tag 9, 1.0 KiB); the NCCL "
-              "communicator was aborted (ncclCommAbort)");
+    EXPECT_EQ(what, "rank " + me +
+                        ": nccl transport: timed out after 0.3 s: a peer died, "
+                        "hangs, or posted no matching transfer (--timeout): send to rank " +
+                        p + " (tag 9, 1.0 KiB), recv from rank " + p +
+                        " (tag 9, 1.0 KiB); the NCCL "
+                        "communicator was aborted (ncclCommAbort)");
     // Every later call says the same.
     EXPECT_EQ(error_of([&] { comm.send(buf.data(), 8, peer, 10, stream_token(1)); }), what);
     EXPECT_EQ(error_of([&] { comm.check(); }), what);
@@ -245,10 +258,12 @@ TEST(CudaNccl, AnAsynchronousErrorSurfacesAndAborts) {
     if (comm.rank() == 0) fake.async = ncclRemoteError;
     const Clock::time_point start = Clock::now();
     EXPECT_EQ(error_of([&] { comm.wait_all(); }),
-              "rank " + std::to_string(comm.rank()) + ": nccl transport: asynchronous NCCL "
-              "error: remote process exited or there was a network error: recv from rank " +
-              std::to_string(1 - comm.rank()) + " (tag 4, 256 B); the NCCL communicator was "
-              "aborted (ncclCommAbort)");
+              "rank " + std::to_string(comm.rank()) +
+                  ": nccl transport: asynchronous NCCL "
+                  "error: remote process exited or there was a network error: recv from rank " +
+                  std::to_string(1 - comm.rank()) +
+                  " (tag 4, 256 B); the NCCL communicator was "
+                  "aborted (ncclCommAbort)");
     EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 30.0);
   });
   fake.expect_ended(2, 0);
@@ -280,8 +295,8 @@ TEST(CudaNccl, AFailingLoneSendClosesItsGroupAndAborts) {
               "rank 0: nccl transport: ncclSend failed: fake NCCL error: send to rank 0 (tag 2, "
               "8 B); the NCCL communicator was aborted (ncclCommAbort)");
     // NCCL's group state is the thread's: the group opened for the lone send is closed.
-    EXPECT_EQ(FakeNccl::log, (std::vector<std::string>{"group start", "send 8 type 1 to 0 on 4",
-                                                       "group end"}));
+    EXPECT_EQ(FakeNccl::log,
+              (std::vector<std::string>{"group start", "send 8 type 1 to 0 on 4", "group end"}));
     FakeNccl::log.clear();
     EXPECT_NE(error_of([&] { comm.group_start(); }), "");
     EXPECT_TRUE(FakeNccl::log.empty()) << "no NCCL call after the abort";

@@ -15,9 +15,9 @@ namespace ctxpar {
 namespace {
 
 TEST(CudaSdpaMask, AttributesShowExactlyTheCallsPairs) {
-  const char* masks[] = {"none", "causal", "window:5,0", "causal+window:7,0", "window:6,3",
-                         "window:0,4", "window:4,-1", "causal+documents",
-                         "window:3,2+documents"};
+  const char* masks[] = {
+      "none",       "causal",      "window:5,0",       "causal+window:7,0",   "window:6,3",
+      "window:0,4", "window:4,-1", "causal+documents", "window:3,2+documents"};
   std::set<std::string> forms;
   int calls = 0;
   for (LayoutKind kind : {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped})
@@ -30,7 +30,8 @@ TEST(CudaSdpaMask, AttributesShowExactlyTheCallsPairs) {
         const Mask mask = parse_mask(m);
         for (int rq = 0; rq < p; ++rq)
           for (int rk = 0; rk < p; ++rk) {
-            const std::vector<int64_t> qp = layout.token_positions(rq, {}), kp = layout.token_positions(rk, {});
+            const std::vector<int64_t> qp = layout.token_positions(rq, {}),
+                                       kp = layout.token_positions(rk, {});
             const std::vector<int32_t> qd = layout.shard(docs, rq, int32_t{-1}),
                                        kd = layout.shard(docs, rk, int32_t{-1});
             for (const fused::Call& c : fused::decompose({qp, qd}, {kp, kd}, mask)) {

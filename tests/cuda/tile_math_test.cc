@@ -37,8 +37,8 @@ test::Outputs run_tiles(const test::Inputs& in, const Mask& mask, int blocks) {
   ForwardState state(b, tq, hq, d);
   for (int j = 0; j < blocks; ++j) {
     if (bf16)
-      cuda::forward_host<cuda::Bf16>(in.q, in.q_tokens(), block(j, in.k), block(j, in.v),
-                                     tokens(j), mask, state);
+      cuda::forward_host<cuda::Bf16>(in.q, in.q_tokens(), block(j, in.k), block(j, in.v), tokens(j),
+                                     mask, state);
     else
       cuda::forward_host<float>(in.q, in.q_tokens(), block(j, in.k), block(j, in.v), tokens(j),
                                 mask, state);
@@ -54,8 +54,8 @@ test::Outputs run_tiles(const test::Inputs& in, const Mask& mask, int blocks) {
   for (int j = 0; j < blocks; ++j) {
     auto run = [&](auto storage) {
       using T = decltype(storage);
-      cuda::backward_host<T>(in.q, in.q_tokens(), block(j, in.k), block(j, in.v), tokens(j),
-                             mask, in.dout, out.lse, delta, out.dq, block(j, out.dk.view()),
+      cuda::backward_host<T>(in.q, in.q_tokens(), block(j, in.k), block(j, in.v), tokens(j), mask,
+                             in.dout, out.lse, delta, out.dq, block(j, out.dk.view()),
                              block(j, out.dv.view()));
     };
     if (bf16)
@@ -68,8 +68,8 @@ test::Outputs run_tiles(const test::Inputs& in, const Mask& mask, int blocks) {
 
 std::vector<Case> grid() {
   std::vector<Case> cases;
-  const char* masks[] = {"none", "causal", "window:9,3", "causal+window:20,0", "documents",
-                         "causal+documents", "window:0,0"};
+  const char* masks[] = {"none",      "causal",           "window:9,3", "causal+window:20,0",
+                         "documents", "causal+documents", "window:0,0"};
   uint64_t seed = 1;
   for (int64_t d : {24, 40, 64, 128})
     for (const char* m : masks)
@@ -99,8 +99,8 @@ TEST(CudaTileMath, ForwardAndBackwardMeetTheAccuracyRule) {
     for (int blocks : {1, 3}) {
       SCOPED_TRACE(c.name() + " kv_blocks=" + std::to_string(blocks));
       const test::Inputs in = test::make_inputs(c);
-      const std::string fail = test::rule_violations(
-          run_tiles(in, c.mask, blocks), test::references_of(in, c.mask, true), true);
+      const std::string fail = test::rule_violations(run_tiles(in, c.mask, blocks),
+                                                     test::references_of(in, c.mask, true), true);
       EXPECT_EQ(fail, "");
       ++checked;
     }
@@ -118,8 +118,10 @@ TEST(CudaTileMath, BitwiseTheScalarPath) {
     const test::Inputs in = test::make_inputs(c);
     const test::Outputs cpu = test::run_fast(in, c.mask, 1, true, 2);
     const test::Outputs gpu_math = run_tiles(in, c.mask, 2);
-    for (auto [a, b, what] : {std::tuple{&cpu.o, &gpu_math.o, "o"}, {&cpu.lse, &gpu_math.lse, "lse"},
-                              {&cpu.dq, &gpu_math.dq, "dq"}, {&cpu.dk, &gpu_math.dk, "dk"},
+    for (auto [a, b, what] : {std::tuple{&cpu.o, &gpu_math.o, "o"},
+                              {&cpu.lse, &gpu_math.lse, "lse"},
+                              {&cpu.dq, &gpu_math.dq, "dq"},
+                              {&cpu.dk, &gpu_math.dk, "dk"},
                               {&cpu.dv, &gpu_math.dv, "dv"}})
       EXPECT_EQ(std::memcmp(a->data(), b->data(), a->bytes()), 0) << what;
   }
@@ -173,8 +175,8 @@ TEST(CudaTileMath, MergeIsTheLibrarysMergeBitwise) {
   Tensor la(DType::f32, {b, h, t}), lb(DType::f32, {b, h, t});
   fill_normal(oa, 1), fill_normal(ob, 2), fill_normal(la, 3, 20), fill_normal(lb, 4, 20);
   const float ninf = -std::numeric_limits<float>::infinity();
-  for (int64_t r = 0; r < b * h * t; r += 4) la.ptr<float>()[r] = ninf;   // a saw nothing
-  for (int64_t r = 0; r < b * h * t; r += 3) lb.ptr<float>()[r] = ninf;   // b saw nothing
+  for (int64_t r = 0; r < b * h * t; r += 4) la.ptr<float>()[r] = ninf;  // a saw nothing
+  for (int64_t r = 0; r < b * h * t; r += 3) lb.ptr<float>()[r] = ninf;  // b saw nothing
   Tensor oa2 = Tensor::copy_of(oa), la2 = Tensor::copy_of(la);
   merge(oa, la, ob, lb);
   cuda::merge_host(oa2, la2, ob, lb);

@@ -62,7 +62,8 @@ TEST_F(RaceCheckerTest, ReusingWhatAnotherStreamReadsIsARaceTwoReadsAreNot) {
   const std::string refusal = write(kCompute, 2, "pack_kv", a);
   EXPECT_NE(refusal.find("'pack_kv' on the compute stream writes a buffer that 'send' on the "
                          "comm stream reads"),
-            std::string::npos) << refusal;
+            std::string::npos)
+      << refusal;
 }
 
 // compute -> comm -> compute: the second wait carries the first one's order with it.

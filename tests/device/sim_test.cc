@@ -47,7 +47,9 @@ TEST(Sim, UsingAFreedBufferIsRefused) {
     FAIL() << "a copy from freed memory was enqueued";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("'copy' on the compute stream uses a buffer that was "
-                                         "already freed"), std::string::npos) << e.what();
+                                         "already freed"),
+              std::string::npos)
+        << e.what();
   }
   EXPECT_THROW(dev->synchronize(), Error);
 }
@@ -63,7 +65,8 @@ TEST(Sim, ReadOfAnotherStreamsWriteWithoutWaitIsRefused) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("'copy' on the comm stream reads a buffer that "
                                          "'fill_zero' on the compute stream writes, with no wait"),
-              std::string::npos) << e.what();
+              std::string::npos)
+        << e.what();
   }
   // The refusal failed the device: its queued work is dropped and synchronize says why.
   EXPECT_THROW(dev->synchronize(), Error);
@@ -90,7 +93,8 @@ TEST(Sim, ReuseWhileAnotherStreamReadsIsRefused) {
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("'fill_zero' on the compute stream writes a buffer "
                                            "that 'copy' on the comm stream reads"),
-                std::string::npos) << e.what();
+                std::string::npos)
+          << e.what();
     }
   }
 }
@@ -161,7 +165,8 @@ TEST(Sim, ForwardStateIsCheckedForRaces) {
   }
   EXPECT_NE(refusal.find("'forward_block' on the comm stream writes a buffer that "
                          "'forward_reset' on the compute stream writes"),
-            std::string::npos) << refusal;
+            std::string::npos)
+      << refusal;
 }
 
 TEST(Device, Names) {

@@ -22,9 +22,15 @@ namespace {
 
 using fused::Call;
 
-const char* kMasks[] = {"none",           "causal",          "window:5,0",
-                        "causal+window:7,0", "window:6,3",   "window:0,4",
-                        "documents",      "causal+documents", "causal+window:4,0+documents",
+const char* kMasks[] = {"none",
+                        "causal",
+                        "window:5,0",
+                        "causal+window:7,0",
+                        "window:6,3",
+                        "window:0,4",
+                        "documents",
+                        "causal+documents",
+                        "causal+window:4,0+documents",
                         "window:3,2+documents"};
 
 // Per-token document ids for T tokens: lengths 5, 1, 9, 3, 11, ... cycling, the last cut short.
@@ -44,8 +50,8 @@ std::string check_coverage(const Tokens& q, const Tokens& k, const Mask& mask,
   const int64_t nq = q.positions.size(), nk = k.positions.size();
   std::vector<int> count(nq * nk, 0);
   for (const Call& c : calls) {
-    if (c.q_begin < 0 || c.q_end > nq || c.q_begin >= c.q_end || c.k_begin < 0 ||
-        c.k_end > nk || c.k_begin >= c.k_end)
+    if (c.q_begin < 0 || c.q_end > nq || c.q_begin >= c.q_end || c.k_begin < 0 || c.k_end > nk ||
+        c.k_begin >= c.k_end)
       return "call out of bounds or empty";
     if ((c.has_upper && c.upper < 0) || (c.has_lower && c.lower < 0)) return "negative bound";
     for (int64_t i = 0; i < c.rows(); ++i) {
@@ -60,9 +66,9 @@ std::string check_coverage(const Tokens& q, const Tokens& k, const Mask& mask,
   }
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t j = 0; j < nk; ++j) {
-      const bool want = mask.visible(q.positions[i], k.positions[j],
-                                     mask.documents ? q.documents[i] : 0,
-                                     mask.documents ? k.documents[j] : 0);
+      const bool want =
+          mask.visible(q.positions[i], k.positions[j], mask.documents ? q.documents[i] : 0,
+                       mask.documents ? k.documents[j] : 0);
       if (count[i * nk + j] != (want ? 1 : 0))
         return "pair (" + std::to_string(i) + ", " + std::to_string(j) + ") covered " +
                std::to_string(count[i * nk + j]) + " times, visible " + std::to_string(want);
@@ -101,12 +107,13 @@ TEST(FusedDecompose, CoversEveryVisiblePairOnceForEveryLayoutRanksAndMask) {
             const Mask mask = parse_mask(m);
             for (int rq = 0; rq < p; ++rq)
               for (int rk = 0; rk < p; ++rk) {
-                const Block q = block_of(layout, rq, user, docs), k = block_of(layout, rk, user, docs);
+                const Block q = block_of(layout, rq, user, docs),
+                            k = block_of(layout, rk, user, docs);
                 const auto calls = fused::decompose(q.tokens(), k.tokens(), mask);
                 const std::string bad = check_coverage(q.tokens(), k.tokens(), mask, calls);
-                ASSERT_EQ(bad, "") << layout_name(kind) << " P=" << p << " T=" << t
-                                   << " offset=" << offset << " mask=" << m << " q rank " << rq
-                                   << " k rank " << rk;
+                ASSERT_EQ(bad, "")
+                    << layout_name(kind) << " P=" << p << " T=" << t << " offset=" << offset
+                    << " mask=" << m << " q rank " << rq << " k rank " << rk;
                 ++blocks;
                 calls_total += calls.size();
               }
@@ -253,7 +260,8 @@ TEST(FusedDecompose, CallsThroughTheCpuKernelMatchTheReference) {
             Tensor out, lse;
             run_decomposed(q, k, v, fused::decompose(qb.tokens(), kb.tokens(), mask), out, lse);
             const auto ref = reference::attention_f64(q, qb.tokens(), k, v, kb.tokens(), mask);
-            const auto naive = reference::attention_naive_f32(q, qb.tokens(), k, v, kb.tokens(), mask);
+            const auto naive =
+                reference::attention_naive_f32(q, qb.tokens(), k, v, kb.tokens(), mask);
             double ref_max = 0, naive_err = 0, err = 0;
             for (size_t i = 0; i < ref.o.size(); ++i) {
               ref_max = std::max(ref_max, std::abs(ref.o[i]));
@@ -265,7 +273,8 @@ TEST(FusedDecompose, CallsThroughTheCpuKernelMatchTheReference) {
               if (std::isinf(ref.lse[i])) {
                 ASSERT_EQ(got, ref.lse[i]) << "fully masked row " << i;
               } else {
-                err = std::max(err, std::abs(got - ref.lse[i]) / std::max(1.0, std::abs(ref.lse[i])));
+                err =
+                    std::max(err, std::abs(got - ref.lse[i]) / std::max(1.0, std::abs(ref.lse[i])));
               }
             }
             ASSERT_LE(err, reference::accuracy_tolerance(naive_err, ref_max))

@@ -13,7 +13,8 @@
 namespace ctxpar::testing {
 
 // messages[r]: what rank r's fn threw ("" if it returned).
-std::vector<std::string> run_gloo_threads(int ranks, const std::function<void(Communicator&)>& fn,
-                                          std::chrono::milliseconds timeout = std::chrono::seconds(60));
+std::vector<std::string> run_gloo_threads(
+    int ranks, const std::function<void(Communicator&)>& fn,
+    std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
 }  // namespace ctxpar::testing

@@ -36,20 +36,17 @@ TEST(Gloo, IsAvailableAndNamesItself) {
 class GlooRanks : public ::testing::TestWithParam<int> {};
 
 TEST_P(GlooRanks, EveryOperationMatchesIndependentExpectations) {
-  expect_no_errors(testing::run_gloo_threads(GetParam(), [](Communicator& comm) {
-    testing::check_all(comm);
-  }));
+  expect_no_errors(
+      testing::run_gloo_threads(GetParam(), [](Communicator& comm) { testing::check_all(comm); }));
 }
 
 TEST_P(GlooRanks, ReductionsAreBitwiseEqualToThreads) {
   const int P = GetParam();
   std::vector<std::vector<unsigned char>> on_gloo(P), on_threads(P);
-  expect_no_errors(testing::run_gloo_threads(P, [&](Communicator& comm) {
-    on_gloo[comm.rank()] = testing::reduction_results(comm);
-  }));
-  run_threads(P, [&](Communicator& comm) {
-    on_threads[comm.rank()] = testing::reduction_results(comm);
-  });
+  expect_no_errors(testing::run_gloo_threads(
+      P, [&](Communicator& comm) { on_gloo[comm.rank()] = testing::reduction_results(comm); }));
+  run_threads(
+      P, [&](Communicator& comm) { on_threads[comm.rank()] = testing::reduction_results(comm); });
   for (int r = 0; r < P; ++r) {
     ASSERT_EQ(on_gloo[r].size(), on_threads[r].size());
     EXPECT_EQ(std::memcmp(on_gloo[r].data(), on_threads[r].data(), on_gloo[r].size()), 0)
@@ -60,26 +57,34 @@ TEST_P(GlooRanks, ReductionsAreBitwiseEqualToThreads) {
 INSTANTIATE_TEST_SUITE_P(P, GlooRanks, ::testing::Values(1, 2, 3, 4));
 
 TEST(Gloo, RecvOfTheWrongSizeNamesBothSizes) {
-  auto errors = testing::run_gloo_threads(2, [](Communicator& comm) {
-    if (comm.rank() == 0) {
-      comm.isend(Buffer(8), 1, 3).wait();
-    } else {
-      comm.irecv(16, 0, 3).wait();
-    }
-  }, milliseconds(5000));
+  auto errors = testing::run_gloo_threads(
+      2,
+      [](Communicator& comm) {
+        if (comm.rank() == 0) {
+          comm.isend(Buffer(8), 1, 3).wait();
+        } else {
+          comm.irecv(16, 0, 3).wait();
+        }
+      },
+      milliseconds(5000));
   EXPECT_NE(errors[1].find("rank 1: recv from rank 0 (tag 3) expected 16 bytes, but the message "
-                           "has 8 bytes"), std::string::npos) << errors[1];
+                           "has 8 bytes"),
+            std::string::npos)
+      << errors[1];
 }
 
 TEST(Gloo, WaitTimesOutNamingRankPeerAndTag) {
   const auto start = Clock::now();
   auto errors = testing::run_gloo_threads(2, [](Communicator& comm) {
     comm.set_timeout(milliseconds(300));
-    if (comm.rank() == 1) comm.irecv(4, 0, 77).wait();  // rank 0 never sends
-    else std::this_thread::sleep_for(milliseconds(2000));  // stalls of ~1 s happen under load
+    if (comm.rank() == 1)
+      comm.irecv(4, 0, 77).wait();  // rank 0 never sends
+    else
+      std::this_thread::sleep_for(milliseconds(2000));  // stalls of ~1 s happen under load
   });
   EXPECT_NE(errors[1].find("rank 1: timed out after 0.3 s waiting for recv from rank 0 (tag 77)"),
-            std::string::npos) << errors[1];
+            std::string::npos)
+      << errors[1];
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
 }
 
@@ -106,8 +111,10 @@ TEST(Gloo, APeerThatGoesAwayStopsTheOthersNamingIt) {
   auto errors = testing::run_gloo_threads(3, [](Communicator& comm) {
     if (comm.rank() == 1) throw Error("rank 1 gives up");  // its communicator closes
     // Rank 0 waits for rank 1 directly; rank 2 waits for rank 0, which waits for rank 1.
-    if (comm.rank() == 0) comm.irecv(4, 1, 5).wait();
-    else comm.irecv(4, 0, 6).wait();
+    if (comm.rank() == 0)
+      comm.irecv(4, 1, 5).wait();
+    else
+      comm.irecv(4, 0, 6).wait();
   });
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(20));
   EXPECT_NE(errors[0].find("rank 0: lost the connection to rank 1"), std::string::npos)
@@ -159,9 +166,8 @@ TEST(Gloo, WritingToAClosedPeerIsAnErrorNotSigpipe) {
 }
 
 TEST(Gloo, SplitGroupsKeepTheContract) {
-  expect_no_errors(testing::run_gloo_threads(4, [](Communicator& comm) {
-    testing::check_split_mesh(comm);
-  }));
+  expect_no_errors(
+      testing::run_gloo_threads(4, [](Communicator& comm) { testing::check_split_mesh(comm); }));
 }
 
 TEST(Gloo, TestNeverBlocksAndSeesCompletion) {

@@ -106,8 +106,8 @@ TEST(TcpStoreServer, AddOnAValueThatIsNotANumberDropsOnlyThatClient) {
   word.send(crafted);
   EXPECT_TRUE(word.closed_within(kPrompt));
   // The sum would pass int64's range: dropped too, never wrapped.
-  overflow.send(cmd(kSet) + str("/max") + str(std::to_string(INT64_MAX)) + cmd(kAdd) +
-                str("/max") + u64(1));
+  overflow.send(cmd(kSet) + str("/max") + str(std::to_string(INT64_MAX)) + cmd(kAdd) + str("/max") +
+                u64(1));
   EXPECT_TRUE(overflow.closed_within(kPrompt));
   // A counter still counts: its reply is the sum.
   const int64_t start = 40, delta = 2;
@@ -224,7 +224,8 @@ TEST(TcpStoreServer, AnAddressOfAnotherMachineIsRefusedNamingMasterAddr) {
     FAIL() << "listened on 192.0.2.1";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("MASTER_ADDR must be an address of rank 0's machine"),
-              std::string::npos) << e.what();
+              std::string::npos)
+        << e.what();
   }
 }
 
@@ -274,8 +275,10 @@ TEST(GlooBootstrap, ConnectChecksEveryAddressOnItsOwn) {
   std::vector<std::string> crafted = t.addresses;
   crafted[1] = with_entry_size(t.addresses[1], 3, 8);
   const std::string e = ctxpar::test::error_text([&] { t.boots[0]->connect(crafted); });
-  EXPECT_NE(e.find("addresses[1] has entries of 8 bytes, where this build's are " +
-                   std::to_string(real)), std::string::npos) << e;
+  EXPECT_NE(
+      e.find("addresses[1] has entries of 8 bytes, where this build's are " + std::to_string(real)),
+      std::string::npos)
+      << e;
 }
 
 TEST(GlooAddress, EachEntryIsCheckedOnItsOwn) {
@@ -318,7 +321,9 @@ TEST(GlooBootstrap, AHostThatDoesNotResolveIsRefusedNamingIt) {
   o.timeout = seconds(2);
   const std::string e = ctxpar::test::error_text([&] { GlooBootstrap(0, 2, o).address(); });
   EXPECT_NE(e.find("gloo: rank 0 cannot listen on host 'no-such-host.invalid': the name does "
-                   "not resolve"), std::string::npos) << e;
+                   "not resolve"),
+            std::string::npos)
+      << e;
   EXPECT_NE(e.find("CTXPAR_GLOO_HOST=<address>"), std::string::npos) << e;
 }
 
@@ -338,8 +343,10 @@ TEST(GlooBootstrap, AnEmptyAddressIgnoresTheEnvironment) {
   o.timeout = seconds(2);
   const std::string e = ctxpar::test::error_text([&] { GlooBootstrap(0, 2, o).address(); });
   for (size_t i = 0; i < saved.size(); ++i) {
-    if (saved[i]) setenv(names[i], saved[i]->c_str(), 1);
-    else unsetenv(names[i]);
+    if (saved[i])
+      setenv(names[i], saved[i]->c_str(), 1);
+    else
+      unsetenv(names[i]);
   }
   EXPECT_EQ(e, "no error");
 }
@@ -349,13 +356,14 @@ TEST(GlooBootstrap, SizeIsBoundedAndThePairsByTheTimeout) {
   GlooOptions o;
   o.hostname_or_interface = "127.0.0.1";
   std::string e = ctxpar::test::error_text([&] { GlooBootstrap(0, 50000, o); });
-  EXPECT_NE(e.find("size must be in [1, " + std::to_string(kMaxGlooRanks) + "]"),
-            std::string::npos) << e;
+  EXPECT_NE(e.find("size must be in [1, " + std::to_string(kMaxGlooRanks) + "]"), std::string::npos)
+      << e;
   // 1023 listening sockets take tens of milliseconds; the timeout is one.
   o.timeout = milliseconds(1);
   e = ctxpar::test::error_text([&] { GlooBootstrap(0, kMaxGlooRanks, o); });
   EXPECT_NE(e.find("pairs (one listening socket per peer) within the timeout of 0.001 s"),
-            std::string::npos) << e;
+            std::string::npos)
+      << e;
 }
 
 // A pair per peer is a socket per peer: past the open-file limit, Gloo's own enforce text
@@ -372,7 +380,9 @@ TEST(GlooBootstrap, OutOfDescriptorsNamesTheLimit) {
   setrlimit(RLIMIT_NOFILE, &was);
   EXPECT_NE(e.find("of 500 ("), std::string::npos) << e;
   EXPECT_NE(e.find("Too many open files); each rank holds a socket per peer: raise the "
-                   "open-file limit (ulimit -n), or use fewer ranks"), std::string::npos) << e;
+                   "open-file limit (ulimit -n), or use fewer ranks"),
+            std::string::npos)
+      << e;
 }
 
 // Gloo's pairs went away at 10 ms each (Note [Gloo's teardown waits a tick per pair]): a failed
@@ -435,7 +445,8 @@ TEST(Rendezvous, AMismatchedWorldSizeIsRefusedNamingBothAtOnce) {
   const auto errors = rendezvous({by_hand(0, 2, port), by_hand(1, 3, port)});
   EXPECT_LT(Clock::now() - start, seconds(10)) << "the timeout is 20 s";
   const std::string why = "rank 1: WORLD_SIZE=3 here, but the job at the TCP store at 127.0.0.1:" +
-                          std::to_string(port) + " (MASTER_ADDR:MASTER_PORT) has WORLD_SIZE=2 "
+                          std::to_string(port) +
+                          " (MASTER_ADDR:MASTER_PORT) has WORLD_SIZE=2 "
                           "(set by rank 0";
   EXPECT_TRUE(has(errors[1], why)) << errors[1];
   EXPECT_TRUE(has(errors[0], "rank 0: rank 1 could not join: " + why)) << errors[0];
@@ -475,9 +486,13 @@ TEST(Rendezvous, ASecondProcessForOneRankIsRefusedNamingTheSlot) {
   const bool second_lost = errors[1] == "no error";
   const std::string& lost = second_lost ? errors[2] : errors[1];
   EXPECT_EQ(second_lost ? errors[1] : errors[2], "no error") << "one rank 1 joins";
-  EXPECT_TRUE(has(lost, "rank 1: another process already joined the job at the TCP store at "
-                        "127.0.0.1:" + std::to_string(port) + " (MASTER_ADDR:MASTER_PORT) as "
-                        "rank 1 (key 'ctxpar/gloo///0/1')")) << lost;
+  EXPECT_TRUE(has(lost,
+                  "rank 1: another process already joined the job at the TCP store at "
+                  "127.0.0.1:" +
+                      std::to_string(port) +
+                      " (MASTER_ADDR:MASTER_PORT) as "
+                      "rank 1 (key 'ctxpar/gloo///0/1')"))
+      << lost;
 }
 
 // Item 9: MASTER_ADDR that does not resolve was retried for the whole timeout, and reported
@@ -492,11 +507,13 @@ TEST(Rendezvous, AnUnresolvableMasterAddrFailsAtOnceWithTheResolversError) {
   const auto start = Clock::now();
   const auto errors = rendezvous({by_hand(1, 2, 29500, name), by_hand(0, 2, 29500, name)});
   EXPECT_LT(Clock::now() - start, seconds(10)) << "the timeout is 20 s";
-  EXPECT_TRUE(has(errors[0], "MASTER_ADDR '" + name + "' cannot be resolved (" +
-                                 gai_strerror(gai) + ")")) << errors[0];
+  EXPECT_TRUE(
+      has(errors[0], "MASTER_ADDR '" + name + "' cannot be resolved (" + gai_strerror(gai) + ")"))
+      << errors[0];
   EXPECT_TRUE(has(errors[1], "rank 0 cannot host the TCP store at MASTER_ADDR=" + name +
                                  " MASTER_PORT=29500: MASTER_ADDR cannot be resolved (" +
-                                 gai_strerror(gai) + ")")) << errors[1];
+                                 gai_strerror(gai) + ")"))
+      << errors[1];
 }
 
 size_t count(const std::string& text, const std::string& part) {
@@ -515,10 +532,13 @@ TEST(Rendezvous, ALoneRankSaysOnceWhatItWaitsForWhereAndHowLong) {
   auto errors = rendezvous({by_hand(1, 2, closed.port)}, milliseconds(700), milliseconds(150));
   std::string said = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(count(said, "ctxpar: rank 1 waiting for rank 0's TCP store at " + where +
-                            " for up to 0.7 s\n"), 1u) << said;
+                            " for up to 0.7 s\n"),
+            1u)
+      << said;
   EXPECT_EQ(count(said, "ctxpar:"), 1u) << said;
-  EXPECT_TRUE(has(errors[0], "rank 1: cannot connect to rank 0's TCP store at " + where +
-                                 " within 0.7 s")) << errors[0];
+  EXPECT_TRUE(
+      has(errors[0], "rank 1: cannot connect to rank 0's TCP store at " + where + " within 0.7 s"))
+      << errors[0];
 
   const int port = free_port();
   where = "127.0.0.1:" + std::to_string(port) + " (MASTER_ADDR:MASTER_PORT)";
@@ -527,7 +547,9 @@ TEST(Rendezvous, ALoneRankSaysOnceWhatItWaitsForWhereAndHowLong) {
   said = ::testing::internal::GetCapturedStderr();
   const std::string what = "rank 1 of WORLD_SIZE=2 to join (its address, key 'ctxpar/gloo///0/1')";
   EXPECT_EQ(count(said, "ctxpar: rank 0 waiting for " + what + " in the TCP store at " + where +
-                            " for up to 0.7 s\n"), 1u) << said;
+                            " for up to 0.7 s\n"),
+            1u)
+      << said;
   EXPECT_EQ(count(said, "ctxpar:"), 1u) << said;
   EXPECT_TRUE(has(errors[0], "rank 0: waited 0.7 s for " + what)) << errors[0];
 }
@@ -550,7 +572,8 @@ TEST(Rendezvous, WorldSizeFromTheEnvironmentIsBounded) {
   const std::string e = ctxpar::test::error_text([] { read_torchrun_env(); });
   for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) unsetenv(v);
   EXPECT_TRUE(has(e, "WORLD_SIZE must be a whole number in [1, " + std::to_string(kMaxGlooRanks) +
-                         "] (kMaxGlooRanks: the gloo transport's bound), got '50000'")) << e;
+                         "] (kMaxGlooRanks: the gloo transport's bound), got '50000'"))
+      << e;
 }
 
 }  // namespace

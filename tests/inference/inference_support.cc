@@ -57,13 +57,15 @@ Tensor rows_of(const Tensor& full, const std::vector<int64_t>& indices) {
 namespace {
 
 // Writes rows [1, m, H, D] / [1, H, m] of a call's result into the whole-sequence tensors.
-void put_rows(const Tensor& out, const Tensor& lse, const std::vector<int64_t>& at, Tensor& full_out,
-              Tensor& full_lse) {
+void put_rows(const Tensor& out, const Tensor& lse, const std::vector<int64_t>& at,
+              Tensor& full_out, Tensor& full_lse) {
   const int64_t h = out.dim(2), d = out.dim(3), n = full_out.dim(1);
   for (size_t i = 0; i < at.size(); ++i) {
-    std::memcpy(full_out.ptr<float>() + at[i] * h * d, out.ptr<float>() + i * h * d, size_t(h * d) * 4);
+    std::memcpy(full_out.ptr<float>() + at[i] * h * d, out.ptr<float>() + i * h * d,
+                size_t(h * d) * 4);
     for (int64_t hi = 0; hi < h; ++hi)
-      full_lse.ptr<float>()[hi * n + at[i]] = lse.ptr<float>()[hi * int64_t(at.size()) + int64_t(i)];
+      full_lse.ptr<float>()[hi * n + at[i]] =
+          lse.ptr<float>()[hi * int64_t(at.size()) + int64_t(i)];
   }
 }
 
@@ -126,7 +128,8 @@ std::vector<RankResult> run_on_threads(const Scenario& s, int ranks) {
   std::vector<RankResult> results(static_cast<size_t>(ranks));
   ThreadsOptions opt;
   opt.timeout = std::chrono::seconds(getenv("CTXPAR_TEST_QUICK") ? 5 : 60);
-  run_threads(ranks, [&](Communicator& comm) { results[comm.rank()] = run_rank(comm, s); }, opt);
+  run_threads(
+      ranks, [&](Communicator& comm) { results[comm.rank()] = run_rank(comm, s); }, opt);
   return results;
 }
 
@@ -164,19 +167,21 @@ std::string check_accuracy(const Scenario& s, int64_t b, const Combined& c, int6
   const auto ref = reference::attention_f64(s.q[b], tok, s.k[b], s.v[b], tok, s.mask);
   const auto naive = reference::attention_naive_f32(s.q[b], tok, s.k[b], s.v[b], tok, s.mask);
   const size_t n = size_t(s.length(b)), hd = size_t(s.hq * s.d);
-  std::vector<float> naive_o(naive.o.begin(), naive.o.end()), naive_l(naive.lse.begin(), naive.lse.end());
+  std::vector<float> naive_o(naive.o.begin(), naive.o.end()),
+      naive_l(naive.lse.begin(), naive.lse.end());
   auto ref_max = [](const std::vector<double>& r) {
     double m = 0;
-    for (double x : r) if (std::isfinite(x)) m = std::max(m, std::abs(x));
+    for (double x : r)
+      if (std::isfinite(x)) m = std::max(m, std::abs(x));
     return m;
   };
   // out [1, N, Hq, D]: token = (i / (Hq D)) % N; lse [1, Hq, N]: token = i % N
   const double eo = max_err(c.out.ptr<float>(), ref.o, size_t(from), n, n, hd);
   const double el = max_err(c.lse.ptr<float>(), ref.lse, size_t(from), n, n, 1);
-  const double to = reference::accuracy_tolerance(max_err(naive_o.data(), ref.o, 0, n, n, hd),
-                                                  ref_max(ref.o));
-  const double tl = reference::accuracy_tolerance(max_err(naive_l.data(), ref.lse, 0, n, n, 1),
-                                                  ref_max(ref.lse));
+  const double to =
+      reference::accuracy_tolerance(max_err(naive_o.data(), ref.o, 0, n, n, hd), ref_max(ref.o));
+  const double tl =
+      reference::accuracy_tolerance(max_err(naive_l.data(), ref.lse, 0, n, n, 1), ref_max(ref.lse));
   std::string why;
   if (!(eo <= to)) why += "out error " + std::to_string(eo) + " > " + std::to_string(to) + "; ";
   if (!(el <= tl)) why += "lse error " + std::to_string(el) + " > " + std::to_string(tl) + "; ";

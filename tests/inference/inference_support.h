@@ -12,7 +12,7 @@ namespace ctxpar::testing {
 
 struct Scenario {
   int64_t hq = 4, hkv = 2, d = 16, block = 16;
-  DType dtype = DType::f32;              // q, k, v storage and the cache's
+  DType dtype = DType::f32;  // q, k, v storage and the cache's
   Mask mask = Mask::causal_mask();
   std::vector<int64_t> prefill = {100};  // per sequence: tokens prefilled
   int64_t chunk = 0;                     // prefill in chunks of this many tokens (0: one call)
@@ -35,7 +35,7 @@ struct Scenario {
 // rows it computed (prefill: its own rows; decode: every row), others zero.
 struct RankResult {
   std::vector<Tensor> out, lse;
-  std::vector<PrefillMode> modes;       // each prefill call's
+  std::vector<PrefillMode> modes;  // each prefill call's
   std::vector<InferenceStats> prefill_stats;
   uint64_t prefill_bytes_predicted = 0;  // this rank's share is not predicted: all ranks together
   Bf16Products bf16_products = Bf16Products::automatic;  // as the ranks agreed (the cache's)

@@ -45,7 +45,8 @@ TEST(KvCachePlacement, BlockRoundRobinSharesStayWithinOneBlock) {
   for (int p : {1, 2, 3, 4})
     for (int64_t block : {1, 16, 64}) {
       const int64_t cycle = block * p;
-      for (int64_t n : {int64_t(0), int64_t(1), block - 1, block, cycle + 5, 7 * cycle + block + 3}) {
+      for (int64_t n :
+           {int64_t(0), int64_t(1), block - 1, block, cycle + 5, 7 * cycle + block + 3}) {
         int64_t sum = 0, lo = INT64_MAX, hi = 0;
         for (int r = 0; r < p; ++r) {
           int64_t count = 0;
@@ -106,8 +107,8 @@ TEST(Inference, EveryPathMatchesTheReference) {
     s.decode_tokens = 2;
     s.build();
     for (int p : {1, 2, 3, 4})
-      expect_accurate(s, p, std::string(c.mask) + " " + prefill_mode_name(c.mode) + " " +
-                                dtype_name(c.dtype));
+      expect_accurate(
+          s, p, std::string(c.mask) + " " + prefill_mode_name(c.mode) + " " + dtype_name(c.dtype));
   }
 }
 
@@ -140,7 +141,8 @@ TEST(Inference, DecodeOverShardsOfSeveralChunksIsAccurateAndCutIndependent) {
     EXPECT_EQ(check_accuracy(a, 0, c, 2600), "") << "P=" << p;
     const int64_t n = a.length(0), hd = a.hq * a.d;
     EXPECT_EQ(std::memcmp(ra[0].out[0].ptr<float>() + (n - 1) * hd,
-                          rb[0].out[0].ptr<float>() + (n - 1) * hd, size_t(hd) * 4), 0)
+                          rb[0].out[0].ptr<float>() + (n - 1) * hd, size_t(hd) * 4),
+              0)
         << "P=" << p;
   }
 }
@@ -164,11 +166,13 @@ TEST(Inference, DecodeDoesNotDependOnHowMuchWasPrefilled) {
         const int64_t n = a.length(seq), hd = a.hq * a.d;
         ASSERT_EQ(n, b.length(seq));
         EXPECT_EQ(std::memcmp(ra[0].out[seq].ptr<float>() + (n - 2) * hd,
-                              rb[0].out[seq].ptr<float>() + (n - 2) * hd, size_t(2 * hd) * 4), 0)
+                              rb[0].out[seq].ptr<float>() + (n - 2) * hd, size_t(2 * hd) * 4),
+                  0)
             << "P=" << p << " " << mask << " sequence " << seq;
         for (int64_t h = 0; h < a.hq; ++h)
           EXPECT_EQ(std::memcmp(ra[0].lse[seq].ptr<float>() + h * n + n - 2,
-                                rb[0].lse[seq].ptr<float>() + h * n + n - 2, 8), 0);
+                                rb[0].lse[seq].ptr<float>() + h * n + n - 2, 8),
+                    0);
       }
     }
 }
@@ -187,8 +191,10 @@ TEST(Inference, SimDeviceGivesTheCpuBits) {
       const auto a = run_on_threads(s, p), b = run_on_threads(sim, p);
       for (int r = 0; r < p; ++r)
         for (int64_t seq = 0; seq < 2; ++seq) {
-          EXPECT_TRUE(same_bits(a[r].out[seq], b[r].out[seq])) << prefill_mode_name(mode) << " P=" << p;
-          EXPECT_TRUE(same_bits(a[r].lse[seq], b[r].lse[seq])) << prefill_mode_name(mode) << " P=" << p;
+          EXPECT_TRUE(same_bits(a[r].out[seq], b[r].out[seq]))
+              << prefill_mode_name(mode) << " P=" << p;
+          EXPECT_TRUE(same_bits(a[r].lse[seq], b[r].lse[seq]))
+              << prefill_mode_name(mode) << " P=" << p;
         }
     }
   }

@@ -35,16 +35,18 @@ std::vector<std::string> errors_of(int p, const std::function<void(Communicator&
   ThreadsOptions opt;
   opt.timeout = std::chrono::seconds(20);
   try {
-    run_threads(p, [&](Communicator& comm) {
-      try {
-        fn(comm);
-      } catch (const Error& e) {
-        errors[comm.rank()] = e.what();
-        throw;
-      }
-    }, opt);
-  } catch (const Error&) {
-  }
+    run_threads(
+        p,
+        [&](Communicator& comm) {
+          try {
+            fn(comm);
+          } catch (const Error& e) {
+            errors[comm.rank()] = e.what();
+            throw;
+          }
+        },
+        opt);
+  } catch (const Error&) {}
   return errors;
 }
 
@@ -127,8 +129,7 @@ TEST(Prefill, ARanksBadArgumentsStopEveryRank) {
     const int64_t tl = int64_t(cache.placement(0, 100, comm.rank()).size()) +
                        (comm.rank() == 1 ? 1 : 0);  // rank 1 gives one row too many
     Tensor q(DType::f32, {1, tl, 4, 16}), k(DType::f32, {1, tl, 2, 16}),
-        v(DType::f32, {1, tl, 2, 16}), out(DType::f32, {1, tl, 4, 16}),
-        lse(DType::f32, {1, 4, tl});
+        v(DType::f32, {1, tl, 2, 16}), out(DType::f32, {1, tl, 4, 16}), lse(DType::f32, {1, 4, tl});
     prefill(cache, 0, 100, q, k, v, out, lse);
   });
   for (int r : {0, 1, 2})
@@ -142,8 +143,8 @@ TEST(Decode, BadArgumentsNameTheArgument) {
     KvCacheOptions o = small_options();
     o.sequences = 2;
     KvCache cache(comm, o);
-    Tensor q(DType::f32, {2, 1, 4, 16}), k(DType::f32, {2, 1, 2, 16}), out(DType::f32, {2, 1, 4, 16}),
-        lse(DType::f32, {2, 4, 1}), bad(DType::f32, {1, 1, 2, 16});
+    Tensor q(DType::f32, {2, 1, 4, 16}), k(DType::f32, {2, 1, 2, 16}),
+        out(DType::f32, {2, 1, 4, 16}), lse(DType::f32, {2, 4, 1}), bad(DType::f32, {1, 1, 2, 16});
     try {
       decode(cache, q, bad, k, out, lse);
       ADD_FAILURE() << "k_new of one sequence accepted for two";
@@ -190,15 +191,15 @@ TEST(Prefill, RanksThatDisagreeOnTheModeAreRefused) {
     KvCache cache(comm, small_options());
     const int64_t tl = int64_t(cache.placement(0, 50, comm.rank()).size());
     Tensor q(DType::f32, {1, tl, 4, 16}), k(DType::f32, {1, tl, 2, 16}),
-        v(DType::f32, {1, tl, 2, 16}), out(DType::f32, {1, tl, 4, 16}),
-        lse(DType::f32, {1, 4, tl});
+        v(DType::f32, {1, tl, 2, 16}), out(DType::f32, {1, tl, 4, 16}), lse(DType::f32, {1, 4, tl});
     prefill(cache, 0, 50, q, k, v, out, lse,
             comm.rank() == 1 ? PrefillMode::pass_q : PrefillMode::pass_kv);
   });
   for (const std::string& e : errors)
     EXPECT_NE(e.find("prefill: the ranks were called with different arguments: mode is pass-kv "
                      "on rank 0 but pass-q on rank 1"),
-              std::string::npos) << e;
+              std::string::npos)
+        << e;
 }
 
 // Round five: the bf16 tier (KvCacheOptions::kernel.bf16_tier) is agreed by the first prefill or
@@ -285,9 +286,10 @@ TEST(Decode, RanksWhoseCachesDifferAreRefused) {
     // A misuse: append_local with a different count on each rank (nothing checks it there).
     const int64_t count = comm.rank() == 0 ? 40 : 41;
     const std::vector<int64_t> mine = cache.placement(0, count, comm.rank());
-    cache.append_local(0, count, rows_of(kv_rows(count, 1), mine), rows_of(kv_rows(count, 2), mine));
-    Tensor q(DType::f32, {1, 1, 4, 16}), k(DType::f32, {1, 1, 2, 16}), out(DType::f32, {1, 1, 4, 16}),
-        lse(DType::f32, {1, 4, 1});
+    cache.append_local(0, count, rows_of(kv_rows(count, 1), mine),
+                       rows_of(kv_rows(count, 2), mine));
+    Tensor q(DType::f32, {1, 1, 4, 16}), k(DType::f32, {1, 1, 2, 16}),
+        out(DType::f32, {1, 1, 4, 16}), lse(DType::f32, {1, 4, 1});
     decode(cache, q, k, k, out, lse);
   });
   for (const std::string& e : errors)
@@ -312,7 +314,8 @@ TEST(KvCacheFinite, NonFiniteKeysAndValuesAreRefusedWhereTheyEnter) {
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("v: non-finite value (inf) in sequence 1, token 73, "
                                            "kv head 1, dim 5"),
-                std::string::npos) << e.what();
+                std::string::npos)
+          << e.what();
     }
     EXPECT_EQ(cache.tokens(1), 40);
     // append_local names the token's index in the sequence, not the row of this rank.
@@ -328,7 +331,8 @@ TEST(KvCacheFinite, NonFiniteKeysAndValuesAreRefusedWhereTheyEnter) {
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("k: non-finite value (nan) in sequence 1, token " +
                                            std::to_string(mine[3]) + ", kv head 0"),
-                std::string::npos) << e.what();
+                std::string::npos)
+          << e.what();
     }
     // decode: the new token's key, the same on every rank: every rank refuses.
     Tensor q(DType::f32, {2, 1, 4, 16}), kn(DType::f32, {2, 1, 2, 16}),
@@ -338,7 +342,8 @@ TEST(KvCacheFinite, NonFiniteKeysAndValuesAreRefusedWhereTheyEnter) {
   });
   for (const std::string& e : errors)
     EXPECT_NE(e.find("k_new: non-finite value (nan) in sequence 1, token 40, kv head 0, dim 7"),
-              std::string::npos) << e;
+              std::string::npos)
+        << e;
 }
 
 // ---- A refused call changes nothing ------------------------------------------------------
@@ -384,28 +389,32 @@ void expect_same_decode(KvCache& a, KvCache& b, uint64_t seed) {
 TEST(KvCacheRefusal, DecodeWithANonFiniteQueryStoresNothing) {
   ThreadsOptions opt;
   opt.timeout = std::chrono::seconds(20);
-  run_threads(2, [](Communicator& comm) {
-    KvCacheOptions o = small_options();
-    o.sequences = 2;
-    KvCache refused(comm, o), twin(comm, o);
-    for (KvCache* c : {&refused, &twin}) {
-      c->append(0, kv_rows(40, 1), kv_rows(40, 2));
-      c->append(1, kv_rows(25, 3), kv_rows(25, 4));
-    }
-    Tensor q = normal({2, 1, 4, 16}, 5);
-    q.ptr<float>()[(1 * 4 + 3) * 16 + 2] = std::nanf("");  // sequence 1, head 3, dim 2
-    Tensor out(DType::f32, {2, 1, 4, 16}), lse(DType::f32, {2, 4, 1});
-    try {
-      decode(refused, q, normal({2, 1, 2, 16}, 6), normal({2, 1, 2, 16}, 7), out, lse);
-      ADD_FAILURE() << "a NaN query was attended";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("q: non-finite value (nan) in sequence 1, token 25, "
-                                           "head 3, dim 2"),
-                std::string::npos) << e.what();
-    }
-    expect_same_cache(refused, twin);
-    expect_same_decode(refused, twin, 8);
-  }, opt);
+  run_threads(
+      2,
+      [](Communicator& comm) {
+        KvCacheOptions o = small_options();
+        o.sequences = 2;
+        KvCache refused(comm, o), twin(comm, o);
+        for (KvCache* c : {&refused, &twin}) {
+          c->append(0, kv_rows(40, 1), kv_rows(40, 2));
+          c->append(1, kv_rows(25, 3), kv_rows(25, 4));
+        }
+        Tensor q = normal({2, 1, 4, 16}, 5);
+        q.ptr<float>()[(1 * 4 + 3) * 16 + 2] = std::nanf("");  // sequence 1, head 3, dim 2
+        Tensor out(DType::f32, {2, 1, 4, 16}), lse(DType::f32, {2, 4, 1});
+        try {
+          decode(refused, q, normal({2, 1, 2, 16}, 6), normal({2, 1, 2, 16}, 7), out, lse);
+          ADD_FAILURE() << "a NaN query was attended";
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("q: non-finite value (nan) in sequence 1, token 25, "
+                                               "head 3, dim 2"),
+                    std::string::npos)
+              << e.what();
+        }
+        expect_same_cache(refused, twin);
+        expect_same_decode(refused, twin, 8);
+      },
+      opt);
 }
 
 // A NaN in one rank's own rows (a key: pass-KV; a query: pass-Q): that rank refused alone,
@@ -418,35 +427,38 @@ TEST(KvCacheRefusal, PrefillRefusedOnOneRankStoresAndSendsNothing) {
     std::vector<std::string> errors(2);
     ThreadsOptions opt;
     opt.timeout = std::chrono::seconds(20);
-    run_threads(2, [&](Communicator& comm) {
-      KvCache refused(comm, small_options()), twin(comm, small_options());
-      const Tensor q = normal({1, 70, 4, 16}, 1), k = kv_rows(70, 2), v = kv_rows(70, 3);
-      // Prefills tokens [first, first + count) of q, k, v: this rank's rows of them.
-      auto call = [&](KvCache& c, int64_t first, int64_t count, const Tensor& qs,
-                      const Tensor& ks) {
-        std::vector<int64_t> mine = c.placement(first, count, comm.rank());
-        const int64_t tl = int64_t(mine.size());
-        Tensor out(DType::f32, {1, tl, 4, 16}), lse(DType::f32, {1, 4, tl});
-        prefill(c, 0, count, rows_of(qs, mine), rows_of(ks, mine), rows_of(v, mine), out, lse,
-                mode);
-        return std::pair{out, lse};
-      };
-      call(refused, 0, 40, q, k);
-      call(twin, 0, 40, q, k);
-      Tensor bad = Tensor::copy_of(key ? k : q);  // token 50: block 3 (48..63), rank 1's
-      bad.ptr<float>()[(50 * bad.dim(2) + 1) * 16 + 3] = std::nanf("");
-      try {
-        call(refused, 40, 30, key ? q : bad, key ? bad : k);
-        ADD_FAILURE() << "a NaN was prefilled";
-      } catch (const Error& e) {
-        errors[comm.rank()] = e.what();
-      }
-      expect_same_cache(refused, twin);
-      const auto [out_a, lse_a] = call(refused, 40, 30, q, k);
-      const auto [out_b, lse_b] = call(twin, 40, 30, q, k);
-      EXPECT_TRUE(same_bits(out_a, out_b) && same_bits(lse_a, lse_b));
-      expect_same_decode(refused, twin, 9);
-    }, opt);
+    run_threads(
+        2,
+        [&](Communicator& comm) {
+          KvCache refused(comm, small_options()), twin(comm, small_options());
+          const Tensor q = normal({1, 70, 4, 16}, 1), k = kv_rows(70, 2), v = kv_rows(70, 3);
+          // Prefills tokens [first, first + count) of q, k, v: this rank's rows of them.
+          auto call = [&](KvCache& c, int64_t first, int64_t count, const Tensor& qs,
+                          const Tensor& ks) {
+            std::vector<int64_t> mine = c.placement(first, count, comm.rank());
+            const int64_t tl = int64_t(mine.size());
+            Tensor out(DType::f32, {1, tl, 4, 16}), lse(DType::f32, {1, 4, tl});
+            prefill(c, 0, count, rows_of(qs, mine), rows_of(ks, mine), rows_of(v, mine), out, lse,
+                    mode);
+            return std::pair{out, lse};
+          };
+          call(refused, 0, 40, q, k);
+          call(twin, 0, 40, q, k);
+          Tensor bad = Tensor::copy_of(key ? k : q);  // token 50: block 3 (48..63), rank 1's
+          bad.ptr<float>()[(50 * bad.dim(2) + 1) * 16 + 3] = std::nanf("");
+          try {
+            call(refused, 40, 30, key ? q : bad, key ? bad : k);
+            ADD_FAILURE() << "a NaN was prefilled";
+          } catch (const Error& e) {
+            errors[comm.rank()] = e.what();
+          }
+          expect_same_cache(refused, twin);
+          const auto [out_a, lse_a] = call(refused, 40, 30, q, k);
+          const auto [out_b, lse_b] = call(twin, 40, 30, q, k);
+          EXPECT_TRUE(same_bits(out_a, out_b) && same_bits(lse_a, lse_b));
+          expect_same_decode(refused, twin, 9);
+        },
+        opt);
     const std::string want =
         std::string("prefill: invalid arguments on rank 1 (of 2): ") +
         (key ? "k: non-finite value (nan) in sequence 0, token 50, kv head 1, dim 3"
@@ -459,8 +471,8 @@ TEST(KvCacheRefusal, PrefillRefusedOnOneRankStoresAndSendsNothing) {
 // window made a token's attention depend on how the sequence was cut into prefill calls.
 TEST(KvCacheRefusal, MasksThatSeeLaterTokensAreRefusedBeforeTheCacheExists) {
   run_threads(1, [](Communicator& comm) {
-    for (const char* text : {"none", "causal+window:4,2", "window:-1,5", "window:3,-1",
-                             "documents"}) {
+    for (const char* text :
+         {"none", "causal+window:4,2", "window:-1,5", "window:3,-1", "documents"}) {
       KvCacheOptions o = small_options();
       o.mask = parse_mask(text);
       try {
@@ -468,9 +480,10 @@ TEST(KvCacheRefusal, MasksThatSeeLaterTokensAreRefusedBeforeTheCacheExists) {
         ADD_FAILURE() << text << " accepted";
       } catch (const Error& e) {
         EXPECT_NE(std::string(e.what()).find(std::string("KvCacheOptions::mask ") + text),
-                  std::string::npos) << e.what();
-        EXPECT_NE(std::string(e.what()).find("use causal or causal+window:L,0"),
-                  std::string::npos) << e.what();
+                  std::string::npos)
+            << e.what();
+        EXPECT_NE(std::string(e.what()).find("use causal or causal+window:L,0"), std::string::npos)
+            << e.what();
       }
     }
     // Accepted: no later key visible ("window:30,0" without causal is run against the fp64
@@ -496,7 +509,8 @@ TEST(KvCacheRefusal, SequencesBeyondTheBatchRangeAreRefusedBeforeAllocating) {
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("KvCacheOptions::sequences must be in [1, 1048576], "
                                            "got 1048577"),
-                std::string::npos) << e.what();
+                std::string::npos)
+          << e.what();
     }
     o = small_options();
     o.kv_heads = kMaxHeads + 1;
@@ -533,8 +547,8 @@ TEST(KvCacheRefusal, AStridedHeadDimGetsTheOneRulesTextFromEveryLayer) {
     EXPECT_NE(s.find(want), std::string::npos) << "strategy: " << s;
   });
   ForwardState state(1, 4, 2, 16);
-  const std::string e = error_of(
-      [&] { attention_forward_block(q, tokens, k, v, tokens, Mask{}, state); });
+  const std::string e =
+      error_of([&] { attention_forward_block(q, tokens, k, v, tokens, Mask{}, state); });
   EXPECT_NE(e.find(want), std::string::npos) << "kernel: " << e;
 }
 
@@ -546,8 +560,8 @@ TEST(KvCacheRefusal, ABf16LseGetsTheOneRulesTextFromDecodeAndTheStrategies) {
     cache.append(0, kv_rows(8, 1), kv_rows(8, 2));
     Tensor out(DType::f32, {1, 1, 4, 16}), lse(DType::bf16, {1, 4, 1});
     try {
-      decode(cache, normal({1, 1, 4, 16}, 3), normal({1, 1, 2, 16}, 4),
-             normal({1, 1, 2, 16}, 5), out, lse);
+      decode(cache, normal({1, 1, 4, 16}, 3), normal({1, 1, 2, 16}, 4), normal({1, 1, 2, 16}, 5),
+             out, lse);
       ADD_FAILURE() << "decode took a bf16 lse";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << "decode: " << e.what();

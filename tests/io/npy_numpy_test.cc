@@ -21,8 +21,7 @@ namespace fs = std::filesystem;
 constexpr const char* kPython = "/usr/bin/python3";
 
 bool have_numpy() {
-  static const bool ok =
-      std::system("/usr/bin/python3 -c 'import numpy' >/dev/null 2>&1") == 0;
+  static const bool ok = std::system("/usr/bin/python3 -c 'import numpy' >/dev/null 2>&1") == 0;
   return ok;
 }
 
@@ -55,7 +54,8 @@ class NpyNumpy : public ::testing::Test {
   }
   template <typename T>
   void write_bin(const std::string& name, const T* p, size_t n) {
-    std::ofstream(path(name), std::ios::binary).write(reinterpret_cast<const char*>(p), n * sizeof(T));
+    std::ofstream(path(name), std::ios::binary)
+        .write(reinterpret_cast<const char*>(p), n * sizeof(T));
   }
   fs::path dir_;
 };
@@ -168,7 +168,8 @@ allh.astype(np.float32).tofile(D + '/allh.bin')
   for (size_t i = 0; i < want.size(); ++i) {
     float got = h.ptr<float>()[i];
     bool same = std::isnan(want[i]) ? std::isnan(got) : std::memcmp(&got, &want[i], 4) == 0;
-    if (!same && ++mismatches < 5) ADD_FAILURE() << "f16 pattern " << i << ": " << got << " vs " << want[i];
+    if (!same && ++mismatches < 5)
+      ADD_FAILURE() << "f16 pattern " << i << ": " << got << " vs " << want[i];
   }
   EXPECT_EQ(mismatches, 0);
 }
@@ -209,7 +210,8 @@ np.save(D + '/big.npy', np.ones((2, 2), dtype='>f4'))
     read_npy(path("fortran.npy"));
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("fortran.npy: Fortran-order"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("fortran.npy: Fortran-order"), std::string::npos)
+        << e.what();
   }
   EXPECT_EQ(read_npy(path("fortran1d.npy")).ptr<float>()[4], 4.0f);
   EXPECT_THROW(
@@ -217,7 +219,8 @@ np.save(D + '/big.npy', np.ones((2, 2), dtype='>f4'))
         try {
           read_npy(path("f64.npy"));
         } catch (const Error& e) {
-          EXPECT_NE(std::string(e.what()).find("unsupported dtype '<f8'"), std::string::npos) << e.what();
+          EXPECT_NE(std::string(e.what()).find("unsupported dtype '<f8'"), std::string::npos)
+              << e.what();
           throw;
         }
       },

@@ -65,10 +65,10 @@ TEST(NpyRows, EachRanksRowsAreTheLayoutsShardOfTheWholeFile) {
   fill_normal(bhtd.view(), 12);
   write_npy(path, bhtd.view());
   const Layout zigzag(LayoutKind::zigzag, T, 4);
-  EXPECT_TRUE(same_bytes(read_npy_rows(path, 2, zigzag.positions(3)),
-                         zigzag.shard(read_npy(path), 3, 2)));
-  EXPECT_THROW(read_npy_rows(path, 2, std::vector<int64_t>{5, 3}), Error);   // not increasing
-  EXPECT_THROW(read_npy_rows(path, 2, std::vector<int64_t>{T}), Error);      // out of range
+  EXPECT_TRUE(
+      same_bytes(read_npy_rows(path, 2, zigzag.positions(3)), zigzag.shard(read_npy(path), 3, 2)));
+  EXPECT_THROW(read_npy_rows(path, 2, std::vector<int64_t>{5, 3}), Error);  // not increasing
+  EXPECT_THROW(read_npy_rows(path, 2, std::vector<int64_t>{T}), Error);     // out of range
   fs::remove_all(dir);
 }
 
@@ -86,7 +86,8 @@ TEST(NpyRows, FifoIsRefusedAtOnceNamingTheFile) {
       ADD_FAILURE() << "no error";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(fifo + ": not a regular file (a FIFO)"),
-                std::string::npos) << e.what();
+                std::string::npos)
+          << e.what();
     }
     EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
   }
@@ -100,7 +101,8 @@ TEST(NpyRows, AnEmptyResultReturnsAtOnce) {
   const fs::path dir = fresh_dir("npy_rows_empty");
   const std::string path = (dir / "e.npy").string();
   {
-    const std::string dict = "{'descr': '<f4', 'fortran_order': False, 'shape': (1099511627776, 0), }";
+    const std::string dict =
+        "{'descr': '<f4', 'fortran_order': False, 'shape': (1099511627776, 0), }";
     std::string header = dict;
     while ((10 + header.size() + 1) % 64 != 0) header += ' ';
     header += '\n';
@@ -134,8 +136,8 @@ TEST(NpyRows, AnEmptyResultReturnsAtOnce) {
   }
   int status = 0;
   ASSERT_EQ(::waitpid(child, &status, 0), child);
-  ASSERT_FALSE(WIFSIGNALED(status)) << "signal " << WTERMSIG(status)
-                                    << " (SIGALRM: still walking empty rows after 60 s)";
+  ASSERT_FALSE(WIFSIGNALED(status))
+      << "signal " << WTERMSIG(status) << " (SIGALRM: still walking empty rows after 60 s)";
   EXPECT_EQ(WEXITSTATUS(status), 0);
   fs::remove_all(dir);
 }

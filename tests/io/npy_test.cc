@@ -22,7 +22,8 @@ std::vector<uint8_t> image(const std::string& dict, size_t data_bytes, int major
   while ((prefix + h.size() + 1) % 64) h += ' ';
   h += '\n';
   std::vector<uint8_t> out = {0x93, 'N', 'U', 'M', 'P', 'Y', static_cast<uint8_t>(major), 0};
-  for (size_t i = 0; i < (major == 1 ? 2u : 4u); ++i) out.push_back(static_cast<uint8_t>(h.size() >> (8 * i)));
+  for (size_t i = 0; i < (major == 1 ? 2u : 4u); ++i)
+    out.push_back(static_cast<uint8_t>(h.size() >> (8 * i)));
   out.insert(out.end(), h.begin(), h.end());
   for (size_t i = 0; i < data_bytes; ++i) out.push_back(static_cast<uint8_t>(i));
   return out;
@@ -54,14 +55,18 @@ TEST(Npy, HandMadeImageParses) {
   EXPECT_EQ(t.ptr<float>()[5], want);
   // Python-literal variants NumPy would also accept: double quotes, no spaces, keys reordered,
   // 1-tuple, Python 2 long suffix.
-  EXPECT_EQ(parse_npy(image("{\"shape\":(6,),\"fortran_order\":False,\"descr\":\"<f4\"}", 24)).shape(),
-            (Shape{6}));
-  EXPECT_EQ(parse_npy(image("{'descr': '<i4', 'fortran_order': False, 'shape': (3L, 2L)}", 24)).shape(),
-            (Shape{3, 2}));
+  EXPECT_EQ(
+      parse_npy(image("{\"shape\":(6,),\"fortran_order\":False,\"descr\":\"<f4\"}", 24)).shape(),
+      (Shape{6}));
+  EXPECT_EQ(
+      parse_npy(image("{'descr': '<i4', 'fortran_order': False, 'shape': (3L, 2L)}", 24)).shape(),
+      (Shape{3, 2}));
   EXPECT_EQ(parse_npy(image(kGood, 24, 2)).shape(), (Shape{2, 3}));
   EXPECT_EQ(parse_npy(image(kGood, 24, 3)).shape(), (Shape{2, 3}));
   // Zero-size arrays are arrays.
-  EXPECT_EQ(parse_npy(image("{'descr': '<f4', 'fortran_order': False, 'shape': (0, 4), }", 0)).numel(), 0);
+  EXPECT_EQ(
+      parse_npy(image("{'descr': '<f4', 'fortran_order': False, 'shape': (0, 4), }", 0)).numel(),
+      0);
 }
 
 TEST(Npy, RoundTripInMemoryEveryDtype) {
@@ -86,7 +91,8 @@ TEST(Npy, RoundTripInMemoryEveryDtype) {
   ASSERT_EQ(i2.dtype(), DType::i64);
   EXPECT_EQ(std::memcmp(i2.data(), i.data(), i.bytes()), 0);
   // Every header we write keeps the data 64-byte aligned, as NumPy does.
-  EXPECT_EQ(parse_npy_header(npy_bytes(i.view()), npy_bytes(i.view()).size(), "x").data_offset % 64, 0u);
+  EXPECT_EQ(parse_npy_header(npy_bytes(i.view()), npy_bytes(i.view()).size(), "x").data_offset % 64,
+            0u);
 }
 
 TEST(Npy, MalformedImagesGiveOneLineErrors) {
@@ -115,32 +121,49 @@ TEST(Npy, MalformedImagesGiveOneLineErrors) {
   expect_bad(image(kGood, 0), "truncated data");
   expect_bad(image(kGood, 28), "24 bytes but the file has 28");
   // Dtypes.
-  expect_bad(image("{'descr': '<f8', 'fortran_order': False, 'shape': (2, 3), }", 48), "unsupported dtype '<f8'");
-  expect_bad(image("{'descr': '|b1', 'fortran_order': False, 'shape': (2, 3), }", 6), "unsupported dtype");
-  expect_bad(image("{'descr': '>f4', 'fortran_order': False, 'shape': (2, 3), }", 24), "big-endian");
-  expect_bad(image("{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (2, 3), }", 24), "structured");
+  expect_bad(image("{'descr': '<f8', 'fortran_order': False, 'shape': (2, 3), }", 48),
+             "unsupported dtype '<f8'");
+  expect_bad(image("{'descr': '|b1', 'fortran_order': False, 'shape': (2, 3), }", 6),
+             "unsupported dtype");
+  expect_bad(image("{'descr': '>f4', 'fortran_order': False, 'shape': (2, 3), }", 24),
+             "big-endian");
+  expect_bad(image("{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (2, 3), }", 24),
+             "structured");
   // Order.
-  expect_bad(image("{'descr': '<f4', 'fortran_order': True, 'shape': (2, 3), }", 24), "Fortran-order");
+  expect_bad(image("{'descr': '<f4', 'fortran_order': True, 'shape': (2, 3), }", 24),
+             "Fortran-order");
   // Garbage dicts.
   expect_bad(image("garbage", 24), "bad header at byte 10: expected '{'");
   expect_bad(image("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), ", 24), "bad header");
-  expect_bad(image("{'descr': '<f4', 'fortran_order': Nope, 'shape': (2, 3), }", 24), "True or False");
-  expect_bad(image("{'descr': '<f4', 'fortran_order': False, 'shape': [2, 3], }", 24), "expected '('");
+  expect_bad(image("{'descr': '<f4', 'fortran_order': Nope, 'shape': (2, 3), }", 24),
+             "True or False");
+  expect_bad(image("{'descr': '<f4', 'fortran_order': False, 'shape': [2, 3], }", 24),
+             "expected '('");
   expect_bad(image("{'descr': '<f4', 'fortran_order': False, 'shape': (2 3), }", 24), "in shape");
-  expect_bad(image("{'descr': '<f4', 'fortran_order': False, 'shape': (2, x), }", 24), "whole number");
+  expect_bad(image("{'descr': '<f4', 'fortran_order': False, 'shape': (2, x), }", 24),
+             "whole number");
   expect_bad(image("{'descr': '<f4', 'fortran_order': False}", 24), "missing key 'shape'");
-  expect_bad(image("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), 'x': 1}", 24), "unexpected key 'x'");
-  expect_bad(image("{'descr': '<f4', 'descr': '<f4', 'fortran_order': False, 'shape': (2, 3)}", 24), "twice");
+  expect_bad(image("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), 'x': 1}", 24),
+             "unexpected key 'x'");
+  expect_bad(image("{'descr': '<f4', 'descr': '<f4', 'fortran_order': False, 'shape': (2, 3)}", 24),
+             "twice");
   expect_bad(image("{'descr': '<f4, 'fortran_order': False, 'shape': (2, 3), }", 24), "bad header");
-  expect_bad(image("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), } junk", 24), "after the header");
-  expect_bad(image("{'descr': '<f\xc3\xa4', 'fortran_order': False, 'shape': (2, 3), }", 24), "non-ASCII");
+  expect_bad(image("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), } junk", 24),
+             "after the header");
+  expect_bad(image("{'descr': '<f\xc3\xa4', 'fortran_order': False, 'shape': (2, 3), }", 24),
+             "non-ASCII");
   // Shapes.
   expect_bad(image("{'descr': '<f4', 'fortran_order': False, 'shape': (2, -3), }", 24), "negative");
   expect_bad(image("{'descr': '<f4', 'fortran_order': False, 'shape': (), }", 4), "0-d");
-  expect_bad(image("{'descr': '<f4', 'fortran_order': False, 'shape': (1, 1, 1, 1, 24), }", 96), "at most 4");
-  expect_bad(image("{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999999999999,), }", 24), "2^40");
-  expect_bad(image("{'descr': '<f4', 'fortran_order': False, 'shape': (1099511627776, 1099511627776), }", 24),
-             "absurd");
+  expect_bad(image("{'descr': '<f4', 'fortran_order': False, 'shape': (1, 1, 1, 1, 24), }", 96),
+             "at most 4");
+  expect_bad(
+      image("{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999999999999,), }", 24),
+      "2^40");
+  expect_bad(
+      image("{'descr': '<f4', 'fortran_order': False, 'shape': (1099511627776, 1099511627776), }",
+            24),
+      "absurd");
   // A huge but representable shape on a small file: refused before any allocation.
   expect_bad(image("{'descr': '<f4', 'fortran_order': False, 'shape': (1000000, 1000000), }", 24),
              "truncated data");
@@ -153,19 +176,20 @@ TEST(Npy, MalformedImagesGiveOneLineErrors) {
 TEST(Npy, ZeroDimensionDoesNotUnboundTheOthers) {
   for (const char* shape : {"(0, 4294967296, 4294967296)", "(4294967296, 0, 4294967296)",
                             "(4294967296, 4294967296, 0)", "(1099511627776, 1099511627776, 0, 1)"})
-    expect_bad(image(std::string("{'descr': '<f4', 'fortran_order': False, 'shape': ") + shape +
-                         ", }",
-                     0),
-               "absurd");
+    expect_bad(
+        image(std::string("{'descr': '<f4', 'fortran_order': False, 'shape': ") + shape + ", }", 0),
+        "absurd");
   // Empty arrays whose other dimensions fit are still read (as empty tensors).
-  EXPECT_EQ(parse_npy(image("{'descr': '<f4', 'fortran_order': False, 'shape': (0, 1099511627776), }", 0))
-                .shape(),
-            (Shape{0, int64_t{1} << 40}));
+  EXPECT_EQ(
+      parse_npy(image("{'descr': '<f4', 'fortran_order': False, 'shape': (0, 1099511627776), }", 0))
+          .shape(),
+      (Shape{0, int64_t{1} << 40}));
   // The bound counts the fp32 the data is read into: an fp16 header that fits in 2-byte
   // elements but not in 4-byte ones was accepted, and its fp32 rewrite refused (the fuzzer's
   // round trip; fuzz/corpus/npy/zero_dim_fp16_rewrite).
-  expect_bad(image("{'descr': '<f2', 'fortran_order': False, 'shape': (0, 42949, 7296, 4294967296), }", 0),
-             "absurd");
+  expect_bad(
+      image("{'descr': '<f2', 'fortran_order': False, 'shape': (0, 42949, 7296, 4294967296), }", 0),
+      "absurd");
 }
 
 TEST(Npy, FilesAndAtomicWrites) {
@@ -187,7 +211,8 @@ TEST(Npy, FilesAndAtomicWrites) {
   auto bytes = npy_bytes(a.view());
   bytes.resize(bytes.size() - 1);
   std::ofstream((dir / "cut.npy").string(), std::ios::binary)
-      .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+      .write(reinterpret_cast<const char*>(bytes.data()),
+             static_cast<std::streamsize>(bytes.size()));
   try {
     read_npy((dir / "cut.npy").string());
     ADD_FAILURE() << "no error";

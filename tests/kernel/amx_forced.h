@@ -12,9 +12,9 @@
 #include "kernel/amx_probe.h"
 #include "kernel/problem.h"
 
-#define CTXPAR_SKIP_WITHOUT_AMX()                                                      \
-  do {                                                                                \
-    if (!::ctxpar::kernel::amx_unusable_why().empty())                                \
+#define CTXPAR_SKIP_WITHOUT_AMX()                                                           \
+  do {                                                                                      \
+    if (!::ctxpar::kernel::amx_unusable_why().empty())                                      \
       GTEST_SKIP() << "AMX-BF16 not usable here: " << ::ctxpar::kernel::amx_unusable_why(); \
   } while (false)
 

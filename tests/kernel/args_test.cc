@@ -22,7 +22,8 @@ void expect_error(const std::function<void()>& f, const std::string& must_contai
 
 struct Args {
   int64_t B = 1, Tq = 5, Tk = 6, Hq = 4, Hkv = 2, D = 16;
-  Tensor q{DType::f32, {B, Tq, Hq, D}}, k{DType::f32, {B, Tk, Hkv, D}}, v{DType::f32, {B, Tk, Hkv, D}};
+  Tensor q{DType::f32, {B, Tq, Hq, D}}, k{DType::f32, {B, Tk, Hkv, D}},
+      v{DType::f32, {B, Tk, Hkv, D}};
   std::vector<int64_t> qp{0, 1, 2, 3, 4}, kp{0, 1, 2, 3, 4, 5};
   std::vector<int32_t> qd{0, 0, 0, 1, 1}, kd{0, 0, 1, 1, 1, 1};
   ForwardState state{B, Tq, Hq, D};
@@ -38,18 +39,22 @@ TEST(Args, ForwardRejectsBadShapesAndTypes) {
   expect_error([&] { attention_forward_block(a.q, a.qt(), k3, k3, a.kt(), m, a.state); },
                "Hq % Hkv");
   Tensor kd(DType::f32, {1, 6, 2, 32});
-  expect_error([&] { attention_forward_block(a.q, a.qt(), kd, kd, a.kt(), m, a.state); }, "k: head dim");
+  expect_error([&] { attention_forward_block(a.q, a.qt(), kd, kd, a.kt(), m, a.state); },
+               "k: head dim");
   Tensor v7(DType::f32, {1, 7, 2, 16});
   expect_error([&] { attention_forward_block(a.q, a.qt(), a.k, v7, a.kt(), m, a.state); }, "v:");
   Tensor kb(DType::f32, {2, 6, 2, 16});
-  expect_error([&] { attention_forward_block(a.q, a.qt(), kb, kb, a.kt(), m, a.state); }, "k: batch");
+  expect_error([&] { attention_forward_block(a.q, a.qt(), kb, kb, a.kt(), m, a.state); },
+               "k: batch");
   Tensor qi(DType::i32, {1, 5, 4, 16});
-  expect_error([&] { attention_forward_block(qi, a.qt(), a.k, a.v, a.kt(), m, a.state); }, "q: expected dtype");
+  expect_error([&] { attention_forward_block(qi, a.qt(), a.k, a.v, a.kt(), m, a.state); },
+               "q: expected dtype");
   Tensor q8(DType::f32, {1, 5, 4, 8}), k8(DType::f32, {1, 6, 2, 8});
   ForwardState s8(1, 5, 4, 8);
   expect_error([&] { attention_forward_block(q8, a.qt(), k8, k8, a.kt(), m, s8); }, "16..256");
   Tensor q3(DType::f32, {5, 4, 16});
-  expect_error([&] { attention_forward_block(q3, a.qt(), a.k, a.v, a.kt(), m, a.state); }, "4 dimensions");
+  expect_error([&] { attention_forward_block(q3, a.qt(), a.k, a.v, a.kt(), m, a.state); },
+               "4 dimensions");
   // A view whose last dim is strided.
   Tensor wide(DType::f32, {1, 5, 4, 32});
   TensorView strided(wide.data(), DType::f32, {1, 5, 4, 16}, {640, 128, 32, 2});
@@ -62,26 +67,36 @@ TEST(Args, ForwardRejectsBadShapesAndTypes) {
 TEST(Args, ForwardRejectsBadTokens) {
   Args a;
   std::vector<int64_t> short_pos{0, 1, 2};
-  expect_error([&] { attention_forward_block(a.q, Tokens{short_pos, {}}, a.k, a.v, a.kt(), Mask{}, a.state); },
-               "q_tokens.positions");
-  expect_error([&] { attention_forward_block(a.q, a.qt(), a.k, a.v, Tokens{short_pos, {}}, Mask{}, a.state); },
-               "k_tokens.positions");
+  expect_error(
+      [&] {
+        attention_forward_block(a.q, Tokens{short_pos, {}}, a.k, a.v, a.kt(), Mask{}, a.state);
+      },
+      "q_tokens.positions");
+  expect_error(
+      [&] {
+        attention_forward_block(a.q, a.qt(), a.k, a.v, Tokens{short_pos, {}}, Mask{}, a.state);
+      },
+      "k_tokens.positions");
   Mask docs;
   docs.documents = true;
-  expect_error([&] { attention_forward_block(a.q, Tokens{a.qp, {}}, a.k, a.v, a.kt(), docs, a.state); },
-               "q_tokens.documents");
+  expect_error(
+      [&] {
+        attention_forward_block(a.q, Tokens{a.qp, {}}, a.k, a.v, a.kt(), docs, a.state);
+      },
+      "q_tokens.documents");
   KernelConfig bad;
   bad.threads = 0;
-  expect_error([&] { attention_forward_block(a.q, a.qt(), a.k, a.v, a.kt(), Mask{}, a.state, bad); },
-               "config.threads");
+  expect_error(
+      [&] { attention_forward_block(a.q, a.qt(), a.k, a.v, a.kt(), Mask{}, a.state, bad); },
+      "config.threads");
   // The L1 size the K panels are sized for: 0 (this machine's) or a cache's size in bytes.
   for (const int64_t l1d : {int64_t{-1}, int64_t{512}, (int64_t{1} << 30) + 1}) {
     KernelConfig cache;
     cache.l1d_bytes = l1d;
     expect_error(
         [&] { attention_forward_block(a.q, a.qt(), a.k, a.v, a.kt(), Mask{}, a.state, cache); },
-                 "config.l1d_bytes: expected 0 (this machine's) or 1024 to 2^30 bytes, got " +
-                     std::to_string(l1d));
+        "config.l1d_bytes: expected 0 (this machine's) or 1024 to 2^30 bytes, got " +
+            std::to_string(l1d));
   }
   for (const int64_t l1d : {int64_t{1024}, int64_t{1} << 30}) {
     KernelConfig cache;
@@ -93,23 +108,42 @@ TEST(Args, ForwardRejectsBadTokens) {
 TEST(Args, BackwardAndFinalizeRejectBadShapes) {
   Args a;
   Tensor o(DType::f32, {1, 5, 4, 16}), lse(DType::f32, {1, 4, 5}), delta(DType::f32, {1, 4, 5});
-  Tensor dq(DType::f32, {1, 5, 4, 16}), dk(DType::f32, {1, 6, 2, 16}), dv(DType::f32, {1, 6, 2, 16});
+  Tensor dq(DType::f32, {1, 5, 4, 16}), dk(DType::f32, {1, 6, 2, 16}),
+      dv(DType::f32, {1, 6, 2, 16});
   const Mask m;
-  EXPECT_NO_THROW(attention_backward_block(a.q, a.qt(), a.k, a.v, a.kt(), m, o, lse, delta, dq, dk, dv));
+  EXPECT_NO_THROW(
+      attention_backward_block(a.q, a.qt(), a.k, a.v, a.kt(), m, o, lse, delta, dq, dk, dv));
   Tensor lse_bad(DType::f32, {1, 5, 4});
-  expect_error([&] { attention_backward_block(a.q, a.qt(), a.k, a.v, a.kt(), m, o, lse_bad, delta, dq, dk, dv); },
-               "lse: expected shape");
+  expect_error(
+      [&] {
+        attention_backward_block(a.q, a.qt(), a.k, a.v, a.kt(), m, o, lse_bad, delta, dq, dk, dv);
+      },
+      "lse: expected shape");
   Tensor dq_bf(DType::bf16, {1, 5, 4, 16});
-  expect_error([&] { attention_backward_block(a.q, a.qt(), a.k, a.v, a.kt(), m, o, lse, delta, dq_bf, dk, dv); },
-               "dq: expected dtype fp32");
-  expect_error([&] { attention_backward_block(a.q, a.qt(), a.k, a.v, a.kt(), m, o, lse, delta, dq, dq, dv); },
-               "dk: expected shape");
-  expect_error([&] { attention_backward_block(a.q, a.qt(), a.k, a.v, a.kt(), m, dk, lse, delta, dq, dk, dv); },
-               "dout: expected shape");
+  expect_error(
+      [&] {
+        attention_backward_block(a.q, a.qt(), a.k, a.v, a.kt(), m, o, lse, delta, dq_bf, dk, dv);
+      },
+      "dq: expected dtype fp32");
+  expect_error(
+      [&] {
+        attention_backward_block(a.q, a.qt(), a.k, a.v, a.kt(), m, o, lse, delta, dq, dq, dv);
+      },
+      "dk: expected shape");
+  expect_error(
+      [&] {
+        attention_backward_block(a.q, a.qt(), a.k, a.v, a.kt(), m, dk, lse, delta, dq, dk, dv);
+      },
+      "dout: expected shape");
   expect_error([&] { attention_forward_finalize(a.state, dk, lse); }, "out: expected shape");
   expect_error([&] { attention_forward_finalize(a.state, o, lse_bad); }, "lse: expected shape");
   expect_error([&] { attention_backward_delta(o, dq_bf, lse_bad); }, "delta: expected shape");
-  expect_error([&] { Tensor k5(DType::f32, {1, 6, 5, 16}); reference::attention_f64(a.q, a.qt(), k5, k5, a.kt(), m); }, "k:");
+  expect_error(
+      [&] {
+        Tensor k5(DType::f32, {1, 6, 5, 16});
+        reference::attention_f64(a.q, a.qt(), k5, k5, a.kt(), m);
+      },
+      "k:");
 }
 
 }  // namespace
@@ -139,9 +173,9 @@ TEST(Args, NonFiniteInputsAreRejected) {
            delta(DType::f32, {1, 4, 5}), dq(DType::f32, {1, 5, 4, 16}),
            dk(DType::f32, {1, 6, 2, 16}), dv(DType::f32, {1, 6, 2, 16});
     dout.view().set(-std::numeric_limits<float>::infinity(), 0, 0, 0, 0);
-    expect_error([&] {
-      attention_backward_block(q, a.qt(), k, v, a.kt(), m, dout, lse, delta, dq, dk, dv);
-    }, "dout: non-finite value (-inf)");
+    expect_error(
+        [&] { attention_backward_block(q, a.qt(), k, v, a.kt(), m, dout, lse, delta, dq, dk, dv); },
+        "dout: non-finite value (-inf)");
   }
 }
 

@@ -46,7 +46,8 @@ TEST(AsanRegions, ExactOperandsPassAndMultiply) {
     for (int64_t j = 0; j < n; ++j) {
       double want = 0;
       for (int64_t x = 0; x < k; ++x)
-        want += (static_cast<double>((i * k + x) % 7) - 3) * (static_cast<double>((x * n + j) % 5) - 2);
+        want +=
+            (static_cast<double>((i * k + x) % 7) - 3) * (static_cast<double>((x * n + j) % 5) - 2);
       ASSERT_EQ(c[i * n + j], want) << "C[" << i << "][" << j << "]";
     }
 }

@@ -47,14 +47,16 @@ TEST(Bf16Products, ForcedChoiceIsWhatKernelCallsTake) {
   }
   if (want == "on" && cpu_has_bf16()) {
     EXPECT_EQ(kernel::bf16_products_on(KernelConfig{}),
-              avx512 ? kernel::kBf16Dot : kernel::kBf16Fp32) << t.chosen;
+              avx512 ? kernel::kBf16Dot : kernel::kBf16Fp32)
+        << t.chosen;
     if (!avx512) {
       EXPECT_NE(t.products.find("not applied"), std::string::npos) << t.products;
     }
   }
   if (want == "amx" && kernel::amx_unusable_why().empty()) {
     EXPECT_EQ(kernel::bf16_products_on(KernelConfig{}),
-              avx512 ? kernel::kBf16Amx : kernel::kBf16Fp32) << t.chosen;
+              avx512 ? kernel::kBf16Amx : kernel::kBf16Fp32)
+        << t.chosen;
   }
   if (!cpu_has_bf16() && want != "amx") {
     EXPECT_EQ(kernel::bf16_products().level, kernel::kBf16Fp32);
@@ -81,14 +83,15 @@ std::string check_scores(bool amx, int64_t d, int64_t m) {
     for (int64_t j = 0; j < kKernelTile; ++j) {
       double exact = 0, bound = 0;
       for (int64_t x = 0; j < 50 && x < d; ++x) {
-        const double p = double(widen(q.ptr<uint16_t>()[i * d + x])) *
-                         widen(k.ptr<uint16_t>()[j * d + x]);
+        const double p =
+            double(widen(q.ptr<uint16_t>()[i * d + x])) * widen(k.ptr<uint16_t>()[j * d + x]);
         exact += p, bound += std::fabs(p);
       }
-      if (!(std::fabs(c[i * kKernelTile + j] - mul * exact) <= mul * (d * 0x1.0p-24 * bound) + 1e-30))
-        return "D " + std::to_string(d) + " m " + std::to_string(m) + ": row " +
-               std::to_string(i) + " col " + std::to_string(j) + " = " +
-               std::to_string(c[i * kKernelTile + j]) + ", exact " + std::to_string(mul * exact);
+      if (!(std::fabs(c[i * kKernelTile + j] - mul * exact) <=
+            mul * (d * 0x1.0p-24 * bound) + 1e-30))
+        return "D " + std::to_string(d) + " m " + std::to_string(m) + ": row " + std::to_string(i) +
+               " col " + std::to_string(j) + " = " + std::to_string(c[i * kKernelTile + j]) +
+               ", exact " + std::to_string(mul * exact);
     }
   return "";
 }
@@ -222,8 +225,8 @@ TEST(Bf16Products, GemmDotIsTheExactPairProducts) {
         std::vector<uint32_t> a(m * lda, 0u), b(npairs * ldb, 0u);
         for (int64_t r = 0; r < m; ++r)
           for (int64_t p = 0; p < npairs; ++p)
-            a[r * lda + p] =
-                bf(av[r * 2 * npairs + 2 * p]) | bf(av[r * 2 * npairs + 2 * p + 1]) << 16;
+            a[r * lda + p] = bf(av[r * 2 * npairs + 2 * p]) | bf(av[r * 2 * npairs + 2 * p + 1])
+                                                                  << 16;
         for (int64_t p = 0; p < npairs; ++p)
           for (int64_t c = 0; c < n; ++c)
             b[p * ldb + c] = bf(bv[2 * p * n + c]) | bf(bv[(2 * p + 1) * n + c]) << 16;

@@ -49,17 +49,17 @@ void check_tiers(const std::vector<Case>& cases, int threads,
       const double naive = max_err(n.naive, n.ref), ref_max = max_abs(n.ref);
       const double e_exact = max_err(n.exact, n.ref), e_fast = max_err(n.fast, n.ref);
       const double tol = reference::accuracy_tolerance(naive, ref_max, kFastTierFloor);
-      std::printf("%s: exact %.3g fast %.3g (fast / (2^-8 max(1,|ref|)) = %.3f)\n", n.what,
-                  e_exact, e_fast, e_fast / (0x1.0p-8 * std::max(1.0, ref_max)));
+      std::printf("%s: exact %.3g fast %.3g (fast / (2^-8 max(1,|ref|)) = %.3f)\n", n.what, e_exact,
+                  e_fast, e_fast / (0x1.0p-8 * std::max(1.0, ref_max)));
       EXPECT_LE(e_fast, tol) << n.what;
       EXPECT_LT(e_exact, e_fast) << n.what << ": the exact tier must be the more accurate";
       EXPECT_LE(e_exact, reference::accuracy_tolerance(naive, ref_max)) << n.what;
     }
     // The LSE does not see the rounding (l sums the fp32 P): both tiers give the same bits.
     EXPECT_EQ(max_err(exact.lse, std::vector<double>(exact.lse.ptr<float>(),
-                                                      exact.lse.ptr<float>() + exact.lse.numel())),
+                                                     exact.lse.ptr<float>() + exact.lse.numel())),
               max_err(fast.lse, std::vector<double>(exact.lse.ptr<float>(),
-                                                     exact.lse.ptr<float>() + exact.lse.numel())));
+                                                    exact.lse.ptr<float>() + exact.lse.numel())));
   }
 }
 

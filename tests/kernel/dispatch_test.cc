@@ -35,8 +35,8 @@ TEST(Dispatch, ChosenTargetIsTheRequestedOrTheBest) {
   // The kernel's vector width is the chosen target's.
   const int lanes = kernel::simd_lanes();
   const int want_lanes = t.chosen == "avx512" || t.chosen == "avx512_dl" ? 16
-                         : t.chosen == "avx2"                           ? 8
-                                                                        : 4;  // sse4, ssse3
+                         : t.chosen == "avx2"                            ? 8
+                                                                         : 4;  // sse4, ssse3
   EXPECT_EQ(lanes, want_lanes) << t.chosen;
   EXPECT_EQ(std::string(kernel::simd_target_name()), t.chosen);
 }
@@ -73,7 +73,8 @@ TEST(Bf16Products, RuleOnEveryOutcomeAndOverrides) {
   EXPECT_EQ(decide_bf16_products("off", true, 100, 48, "", 1400).level, fp32);
   EXPECT_EQ(decide_bf16_products("on", true, 100, 48, "", 1400).level, dot);
   EXPECT_EQ(decide_bf16_products("amx", true, 100, 300, "", 0).level, amx);
-  const kernel::Bf16Choice refused = decide_bf16_products("amx", true, 0, 0, "this CPU has no AMX-BF16");
+  const kernel::Bf16Choice refused =
+      decide_bf16_products("amx", true, 0, 0, "this CPU has no AMX-BF16");
   EXPECT_EQ(refused.level, fp32);
   EXPECT_NE(refused.error.find("CTXPAR_BF16_PRODUCTS=amx: AMX-BF16 is not usable here (this CPU "
                                "has no AMX-BF16)"),
@@ -128,7 +129,8 @@ TEST(Bf16Products, ThisCpusChoiceIsReported) {
   if ((e == nullptr || *e == '\0') && c.reason.find("measured") != std::string::npos) {
     EXPECT_GT(c.fma_gflops, 0);
     EXPECT_GT(c.dot_gflops, 0);
-    const bool amx = c.amx_gflops >= kernel::kAmxPays * c.fma_gflops && c.amx_gflops >= c.dot_gflops;
+    const bool amx =
+        c.amx_gflops >= kernel::kAmxPays * c.fma_gflops && c.amx_gflops >= c.dot_gflops;
     EXPECT_EQ(c.level, amx                                                ? kernel::kBf16Amx
                        : c.dot_gflops >= kernel::kBf16Pays * c.fma_gflops ? kernel::kBf16Dot
                                                                           : kernel::kBf16Fp32);

@@ -106,13 +106,14 @@ Case positions(int64_t q_offset, int64_t q_stride, int64_t k_offset, int64_t k_s
 }
 
 TEST(ExtremePositions, WholeInt64RangeWithWindows) {
-  const std::vector<Mask> masks = {Mask::causal_mask(), window(20, 0, true), window(30, 30, false),
-                                   window(kMax, 0, false), window(0, kMax, false),
-                                   window(kMax, kMax, true), window(1LL << 62, 5, false)};
+  const std::vector<Mask> masks = {Mask::causal_mask(),        window(20, 0, true),
+                                   window(30, 30, false),      window(kMax, 0, false),
+                                   window(0, kMax, false),     window(kMax, kMax, true),
+                                   window(1LL << 62, 5, false)};
   std::vector<Case> cases;
   for (const Mask& m : masks) {
-    cases.push_back(positions(kMax - 100, 1, kMax - 150, 1, m));  // near INT64_MAX
-    cases.push_back(positions(kMin + 40, 1, kMin, 1, m));         // near INT64_MIN
+    cases.push_back(positions(kMax - 100, 1, kMax - 150, 1, m));   // near INT64_MAX
+    cases.push_back(positions(kMin + 40, 1, kMin, 1, m));          // near INT64_MIN
     cases.push_back(positions(1LL << 62, 1, -(1LL << 62), 1, m));  // +-2^62: distance 2^63
     cases.push_back(positions(-(1LL << 62), 1, 1LL << 62, 1, m));
     cases.push_back(positions(kMin, 1LL << 57, kMin + 5, 1LL << 57, m));  // spans the range
@@ -125,7 +126,8 @@ TEST(ExtremePositions, WholeInt64RangeWithWindows) {
     const std::string err = check_case(c, true);
     EXPECT_TRUE(err.empty()) << err;
     const Inputs in = make_inputs(c);
-    const auto ref = reference::attention_f64(in.q, in.q_tokens(), in.k, in.v, in.k_tokens(), c.mask);
+    const auto ref =
+        reference::attention_f64(in.q, in.q_tokens(), in.k, in.v, in.k_tokens(), c.mask);
     for (double l : ref.lse) rows_seen += std::isfinite(l);
   }
   EXPECT_GT(rows_seen, 0) << "the cases must not all be fully masked";
@@ -140,17 +142,18 @@ TEST(ExtremePositions, SpanningPositionsWrapModulo2To64) {
   ASSERT_EQ(in.q_pos.size(), 70u);
   ASSERT_EQ(in.k_pos.size(), 130u);
   EXPECT_EQ(in.q_pos[0], kMin);
-  EXPECT_EQ(in.q_pos[63], kMin + 63 * (1LL << 57));     // = 2^63 - 2^57 + 1: no wrap yet
-  EXPECT_EQ(in.q_pos[64], 1);                          // kMin + 2^63
+  EXPECT_EQ(in.q_pos[63], kMin + 63 * (1LL << 57));  // = 2^63 - 2^57 + 1: no wrap yet
+  EXPECT_EQ(in.q_pos[64], 1);                        // kMin + 2^63
   EXPECT_EQ(in.q_pos[69], 1 + 5 * (1LL << 57));
-  EXPECT_EQ(in.k_pos[64], 6);                          // kMin + 5 + 2^63
+  EXPECT_EQ(in.k_pos[64], 6);  // kMin + 5 + 2^63
   EXPECT_EQ(in.k_pos[127], 6 + 63 * (1LL << 57));
-  EXPECT_EQ(in.k_pos[128], kMin + 5);                  // kMin + 5 + 2^64
+  EXPECT_EQ(in.k_pos[128], kMin + 5);  // kMin + 5 + 2^64
   EXPECT_EQ(in.k_pos[129], kMin + 5 + (1LL << 57));
 }
 
 TEST(ExtremePositions, MaskRulesAgreeWithExactArithmetic) {
-  const std::vector<int64_t> at = {kMin, kMin + 1, kMin + 2, -(1LL << 62), -1, 0, 1, 1LL << 62, kMax - 1, kMax};
+  const std::vector<int64_t> at = {kMin, kMin + 1, kMin + 2,  -(1LL << 62), -1,
+                                   0,    1,        1LL << 62, kMax - 1,     kMax};
   const std::vector<int64_t> bounds = {-1, 0, 1, 1LL << 62, kMax};
   for (int64_t l : bounds)
     for (int64_t r : bounds)
@@ -159,7 +162,8 @@ TEST(ExtremePositions, MaskRulesAgreeWithExactArithmetic) {
         for (int64_t q : at)
           for (int64_t k : at) {
             const __int128 diff = static_cast<__int128>(q) - k;
-            const bool want = !(causal && diff < 0) && !(l >= 0 && diff > l) && !(r >= 0 && -diff > r);
+            const bool want =
+                !(causal && diff < 0) && !(l >= 0 && diff > l) && !(r >= 0 && -diff > r);
             ASSERT_EQ(m.visible(q, k), want) << m.describe() << " q=" << q << " k=" << k;
             ASSERT_EQ(m.tile_masked(q, q, k, k), !want) << m.describe() << " q=" << q << " k=" << k;
             ASSERT_EQ(m.tile_full(q, q, k, k), want) << m.describe() << " q=" << q << " k=" << k;

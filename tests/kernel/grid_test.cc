@@ -46,7 +46,8 @@ TEST(Grid, Lengths) {
 
 TEST(Grid, HeadDims) {
   std::vector<Case> cases;
-  for (int64_t d : {16, 64, 80, 128, 256}) cases.push_back(make(65, 63, 1, 1, d, Mask::causal_mask()));
+  for (int64_t d : {16, 64, 80, 128, 256})
+    cases.push_back(make(65, 63, 1, 1, d, Mask::causal_mask()));
   cases.push_back(make(130, 130, 1, 1, 256, window(40, 10), DType::bf16));
   // Head dims that are not a multiple of the vector width (zero padding in the packed tiles).
   cases.push_back(make(70, 67, 2, 1, 20, Mask::causal_mask()));
@@ -56,10 +57,10 @@ TEST(Grid, HeadDims) {
 
 TEST(Grid, GroupedQueryHeads) {
   std::vector<Case> cases;
-  cases.push_back(make(63, 70, 4, 4, 64, Mask::causal_mask()));   // GQA ratio 1
-  cases.push_back(make(63, 70, 4, 1, 80, {}, DType::bf16));       // ratio 4
-  cases.push_back(make(65, 65, 8, 1, 16, Mask::causal_mask()));   // ratio 8 (MQA)
-  cases.push_back(make(40, 33, 8, 2, 32, window(7, 7)));           // ratio 4, two kv heads
+  cases.push_back(make(63, 70, 4, 4, 64, Mask::causal_mask()));  // GQA ratio 1
+  cases.push_back(make(63, 70, 4, 1, 80, {}, DType::bf16));      // ratio 4
+  cases.push_back(make(65, 65, 8, 1, 16, Mask::causal_mask()));  // ratio 8 (MQA)
+  cases.push_back(make(40, 33, 8, 2, 32, window(7, 7)));         // ratio 4, two kv heads
   Case b = make(30, 45, 4, 2, 16, Mask::causal_mask());
   b.batch = 3;
   cases.push_back(b);
@@ -68,9 +69,16 @@ TEST(Grid, GroupedQueryHeads) {
 
 TEST(Grid, MaskKindsAndCombinations) {
   std::vector<Case> cases;
-  const Mask masks[] = {Mask{}, Mask::causal_mask(), window(20, 0), window(9, 13),
-                        window(-1, 5), window(17, -1, true), documents(false), documents(true),
-                        window(25, 3, false, true), window(30, 0, true, true)};
+  const Mask masks[] = {Mask{},
+                        Mask::causal_mask(),
+                        window(20, 0),
+                        window(9, 13),
+                        window(-1, 5),
+                        window(17, -1, true),
+                        documents(false),
+                        documents(true),
+                        window(25, 3, false, true),
+                        window(30, 0, true, true)};
   int i = 0;
   for (const Mask& m : masks) {
     Case c = make(130, 130, 2, 1, 32, m, i % 2 ? DType::bf16 : DType::f32);

@@ -33,7 +33,8 @@ std::string Case::name() const {
   s << "B" << batch << " Tq" << tq << " Tk" << tk << " Hq" << hq << " Hkv" << hkv << " D" << d
     << " " << dtype_name(dtype) << " mask=" << mask.describe() << " qpos=" << q_offset << "+"
     << q_stride << "i kpos=" << k_offset << "+" << k_stride << "j doc_len=" << doc_len
-    << (shuffle ? " shuffled" : "") << (qk_scale != 1 ? " qk_scale=" + std::to_string(qk_scale) : "")
+    << (shuffle ? " shuffled" : "")
+    << (qk_scale != 1 ? " qk_scale=" + std::to_string(qk_scale) : "")
     << (qk_common != 0 ? " qk_common=" + std::to_string(qk_common) : "") << " threads=" << threads
     << (products != Bf16Products::automatic
             ? std::string(" products=") + bf16_products_name(products)
@@ -157,9 +158,9 @@ double max_err(const Tensor& t, const std::vector<double>& ref) {
 
 References references_of(const Inputs& in, const Mask& mask, bool backward) {
   const TensorView dout = backward ? in.dout.view() : TensorView();
-  return {reference::attention_f64(in.q, in.q_tokens(), in.k, in.v, in.k_tokens(), mask, dout),
-          reference::attention_naive_f32(in.q, in.q_tokens(), in.k, in.v, in.k_tokens(), mask,
-                                         dout)};
+  return {
+      reference::attention_f64(in.q, in.q_tokens(), in.k, in.v, in.k_tokens(), mask, dout),
+      reference::attention_naive_f32(in.q, in.q_tokens(), in.k, in.v, in.k_tokens(), mask, dout)};
 }
 
 std::string rule_violations(const Outputs& fast, const References& refs, bool backward) {

@@ -81,8 +81,10 @@ TEST(Layout, ResultsDoNotDependOnTheL1Size) {
       EXPECT_EQ(violations, "") << c.name();
       for (int64_t bytes : {4096, 32768, 49152}) {
         const Outputs f = run_fast(in, c.mask, 2, true, 1, {}, with_l1d(bytes));
-        for (auto [x, y, what] : {std::tuple{&f.o, &base.o, "o"}, {&f.lse, &base.lse, "lse"},
-                                  {&f.dq, &base.dq, "dq"}, {&f.dk, &base.dk, "dk"},
+        for (auto [x, y, what] : {std::tuple{&f.o, &base.o, "o"},
+                                  {&f.lse, &base.lse, "lse"},
+                                  {&f.dq, &base.dq, "dq"},
+                                  {&f.dk, &base.dk, "dk"},
                                   {&f.dv, &base.dv, "dv"}})
           EXPECT_TRUE(same_bits(*x, *y)) << what << ", L1 " << bytes << " bytes, " << c.name();
       }

@@ -70,7 +70,8 @@ double max_err_rows(const Tensor& got, const std::vector<double>& ref) {
 }
 
 TEST(LongSum, FirstKeyTileGradientsWithinFixedUlps) {
-  if (kernel::use_scalar_path()) GTEST_SKIP() << "the readable scalar path sums in one running order";
+  if (kernel::use_scalar_path())
+    GTEST_SKIP() << "the readable scalar path sums in one running order";
   Case c;
   c.tq = c.tk = 8192;
   c.hq = c.hkv = 1;
@@ -85,9 +86,10 @@ TEST(LongSum, FirstKeyTileGradientsWithinFixedUlps) {
   // bound depends on the block, not on T); one running sum over the 8192 rows did not.
   const double dk_err = max_err_rows(fast.dk, ref.dk), dv_err = max_err_rows(fast.dv, ref.dv);
   const double dk_rule = 0x1.0p-20 * max_abs(ref.dk), dv_rule = 0x1.0p-20 * max_abs(ref.dv);
-  std::printf("T=%lld dk: err %.3g rule %.3g (max|ref| %.3g); dv: err %.3g rule %.3g (max|ref| %.3g)\n",
-              static_cast<long long>(c.tq), dk_err, dk_rule, max_abs(ref.dk), dv_err, dv_rule,
-              max_abs(ref.dv));
+  std::printf(
+      "T=%lld dk: err %.3g rule %.3g (max|ref| %.3g); dv: err %.3g rule %.3g (max|ref| %.3g)\n",
+      static_cast<long long>(c.tq), dk_err, dk_rule, max_abs(ref.dk), dv_err, dv_rule,
+      max_abs(ref.dv));
   EXPECT_LE(dk_err, dk_rule);
   EXPECT_LE(dv_err, dv_rule);
 }

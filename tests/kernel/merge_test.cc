@@ -38,9 +38,10 @@ TEST(Merge, MatchesDirectSoftmaxAndHandlesMaskedRows) {
     const double eb = lb[i] == -kInf ? 0 : std::exp(double(lb[i]) - 80);
     want_lse[i] = ea + eb == 0 ? -INFINITY : 80 + std::log(ea + eb);
     for (int64_t c = 0; c < D; ++c)
-      want_o[i * D + c] = ea + eb == 0 ? 0
-                          : (ea * oa.ptr<float>()[i * D + c] + eb * ob.ptr<float>()[i * D + c]) /
-                                (ea + eb);
+      want_o[i * D + c] =
+          ea + eb == 0
+              ? 0
+              : (ea * oa.ptr<float>()[i * D + c] + eb * ob.ptr<float>()[i * D + c]) / (ea + eb);
   }
   merge(oa, lsea, ob, lseb);
   for (int64_t i = 0; i < T; ++i) {

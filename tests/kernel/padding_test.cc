@@ -134,10 +134,10 @@ TEST(Padding, ReferenceLeavesPaddingOut) {
     c.tq = 20, c.tk = 30, c.hq = 2, c.hkv = 2, c.d = 16, c.mask = mask;
     const Inputs real = make_inputs(c);
     const Padded p = pad(real, 4, 5, 3);
-    const auto ref = reference::attention_f64(real.q, real.q_tokens(), real.k, real.v,
-                                              real.k_tokens(), mask);
-    const auto padded = reference::attention_f64(p.in.q, p.in.q_tokens(), p.in.k, p.in.v,
-                                                 p.in.k_tokens(), mask);
+    const auto ref =
+        reference::attention_f64(real.q, real.q_tokens(), real.k, real.v, real.k_tokens(), mask);
+    const auto padded =
+        reference::attention_f64(p.in.q, p.in.q_tokens(), p.in.k, p.in.v, p.in.k_tokens(), mask);
     const int64_t hd = c.hq * c.d;
     for (size_t i = 0; i < p.q_keep.size(); ++i) {
       const int64_t r = p.q_keep[i];

@@ -22,8 +22,8 @@ TEST(Properties, BlocksInAnyOrderEqualOneCall) {
   const References refs = references_of(in, c.mask, true);
   for (std::vector<int> order : {std::vector<int>{0}, {0, 1, 2}, {2, 0, 1}, {1, 2, 0}}) {
     const Outputs blocks = run_fast(in, c.mask, 1, true, static_cast<int>(order.size()), order);
-    EXPECT_EQ(rule_violations(blocks, refs, true), "") << order.size() << " blocks, first "
-                                                       << order[0];
+    EXPECT_EQ(rule_violations(blocks, refs, true), "")
+        << order.size() << " blocks, first " << order[0];
   }
 }
 
@@ -37,7 +37,8 @@ TEST(Properties, GradientsMatchFiniteDifferences) {
   auto loss = [&]() {
     const Outputs f = run_fast(in, c.mask, 1, false);
     double s = 0;
-    for (int64_t i = 0; i < f.o.numel(); ++i) s += double(f.o.ptr<float>()[i]) * in.dout.ptr<float>()[i];
+    for (int64_t i = 0; i < f.o.numel(); ++i)
+      s += double(f.o.ptr<float>()[i]) * in.dout.ptr<float>()[i];
     return s;
   };
   const float eps = 1e-2f;
@@ -73,8 +74,10 @@ TEST(Properties, FullyMaskedRowsAreZeroWithoutNaN) {
       for (int64_t i = 0; i < c.tq; ++i) {
         const bool empty = i < 5;
         const float lse = f.lse.ptr<float>()[h * c.tq + i];
-        if (empty) EXPECT_EQ(lse, -INFINITY) << "row " << i;
-        else EXPECT_TRUE(std::isfinite(lse)) << "row " << i;
+        if (empty)
+          EXPECT_EQ(lse, -INFINITY) << "row " << i;
+        else
+          EXPECT_TRUE(std::isfinite(lse)) << "row " << i;
         for (int64_t x = 0; x < c.d; ++x) {
           const float o = f.o.ptr<float>()[(i * 2 + h) * c.d + x];
           const float dq = f.dq.ptr<float>()[(i * 2 + h) * c.d + x];
@@ -108,8 +111,8 @@ TEST(Properties, BitwiseDeterministicForAThreadCount) {
   for (int threads : {1, 2}) {
     const Outputs a = run_fast(in, c.mask, threads, true, 2);
     const Outputs b = run_fast(in, c.mask, threads, true, 2);
-    for (auto [x, y] : {std::pair{&a.o, &b.o}, {&a.lse, &b.lse}, {&a.dq, &b.dq}, {&a.dk, &b.dk},
-                        {&a.dv, &b.dv}})
+    for (auto [x, y] :
+         {std::pair{&a.o, &b.o}, {&a.lse, &b.lse}, {&a.dq, &b.dq}, {&a.dk, &b.dk}, {&a.dv, &b.dv}})
       EXPECT_EQ(0, std::memcmp(x->data(), y->data(), x->bytes())) << "threads " << threads;
   }
 }

@@ -40,7 +40,8 @@ TEST(TileProgress, CalledOncePerComputedTileAndChangesNoBit) {
     EXPECT_EQ(calls.load(), 0) << "the hook was called after it was removed";
     ASSERT_GT(plain.fwd.tiles_skipped, 0) << "the case should skip some tiles";
     EXPECT_EQ(forward_calls, hooked.fwd.tiles_computed) << "threads " << threads;
-    EXPECT_EQ(all_calls, both.fwd.tiles_computed + both.bwd.tiles_computed) << "threads " << threads;
+    EXPECT_EQ(all_calls, both.fwd.tiles_computed + both.bwd.tiles_computed)
+        << "threads " << threads;
     for (const auto& [name, a, b] :
          {std::tuple{"o", &plain.o, &both.o}, std::tuple{"lse", &plain.lse, &both.lse},
           std::tuple{"dq", &plain.dq, &both.dq}, std::tuple{"dk", &plain.dk, &both.dk},

@@ -13,12 +13,14 @@ namespace {
 // The owner of token t by each layout's definition in DESIGN.md.
 int owner_by_definition(LayoutKind kind, int64_t t, int64_t tokens, int p) {
   switch (kind) {
-    case LayoutKind::contiguous: return static_cast<int>(t / (tokens / p));
+    case LayoutKind::contiguous:
+      return static_cast<int>(t / (tokens / p));
     case LayoutKind::zigzag: {
       int64_t chunk = t / (tokens / (2 * p));
       return static_cast<int>(chunk < p ? chunk : 2 * p - 1 - chunk);
     }
-    case LayoutKind::striped: return static_cast<int>(t % p);
+    case LayoutKind::striped:
+      return static_cast<int>(t % p);
   }
   return -1;
 }
@@ -116,8 +118,8 @@ TEST(Layout, PadsAnyLengthToItsGranule) {
       for (int64_t t : {1, 5, 23, 24, 25}) {
         const int64_t g = kind == LayoutKind::zigzag ? 2 * p : p;
         const int64_t tp = (t + g - 1) / g * g;
-        const std::string what = std::string(layout_name(kind)) + " P=" + std::to_string(p) +
-                                 " T=" + std::to_string(t);
+        const std::string what =
+            std::string(layout_name(kind)) + " P=" + std::to_string(p) + " T=" + std::to_string(t);
         Layout layout(kind, t, p);
         ASSERT_EQ(layout.tokens(), t) << what;
         ASSERT_EQ(layout.padded_tokens(), tp) << what;

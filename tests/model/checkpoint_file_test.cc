@@ -131,23 +131,33 @@ TEST_F(CheckpointFile, GoodFileLoadsWithItsChecksum) {
 
 // The 192 invalid reads valgrind found: a range shorter than dtype x shape was memcpy'd whole.
 TEST_F(CheckpointFile, RangeShorterThanTheShapeIsRefused) {
-  expect_refused(edited([](json& h) { h["final_norm"]["data_offsets"][1] = h["final_norm"]["data_offsets"][0].get<uint64_t>() + 64; }),
+  expect_refused(edited([](json& h) {
+                   h["final_norm"]["data_offsets"][1] =
+                       h["final_norm"]["data_offsets"][0].get<uint64_t>() + 64;
+                 }),
                  "hold 64 bytes, its dtype F32 and shape [32] need 128");
 }
 
 TEST_F(CheckpointFile, ZeroLengthRangeIsRefused) {  // segfaulted (exit 139)
-  expect_refused(edited([](json& h) { h["layers.0.wq"]["data_offsets"][1] = h["layers.0.wq"]["data_offsets"][0]; }),
+  expect_refused(edited([](json& h) {
+                   h["layers.0.wq"]["data_offsets"][1] = h["layers.0.wq"]["data_offsets"][0];
+                 }),
                  "tensor layers.0.wq: data_offsets");
 }
 
 TEST_F(CheckpointFile, RangeEndingBeforeItBeginsIsRefused) {
-  expect_refused(edited([](json& h) { h["embed"]["data_offsets"] = {100, 4}; }), "end before they begin");
+  expect_refused(edited([](json& h) {
+                   h["embed"]["data_offsets"] = {100, 4};
+                 }),
+                 "end before they begin");
 }
 
 TEST_F(CheckpointFile, OverlappingRangesAreRefused) {
   // Two [32] tensors read from the same bytes: each range is the right size, together they
   // leave a hole elsewhere.
-  expect_refused(edited([](json& h) { h["layers.0.mlp_norm"]["data_offsets"] = h["layers.0.attn_norm"]["data_offsets"]; }),
+  expect_refused(edited([](json& h) {
+                   h["layers.0.mlp_norm"]["data_offsets"] = h["layers.0.attn_norm"]["data_offsets"];
+                 }),
                  "overlap");
 }
 
@@ -161,12 +171,16 @@ TEST_F(CheckpointFile, RangePastTheEndOfTheFileIsRefused) {
 }
 
 TEST_F(CheckpointFile, ShapeWhoseByteCountOverflowsIsRefused) {
-  expect_refused(edited([](json& h) { h["final_norm"]["shape"] = {uint64_t(1) << 62, 8}; }), "overflows 64 bits");
+  expect_refused(edited([](json& h) {
+                   h["final_norm"]["shape"] = {uint64_t(1) << 62, 8};
+                 }),
+                 "overflows 64 bits");
 }
 
 TEST_F(CheckpointFile, WrongJsonTypesAreRefused) {
   expect_refused(edited([](json& h) { h["final_norm"]["shape"] = "32"; }), "shape must be a list");
-  expect_refused(edited([](json& h) { h["final_norm"]["shape"] = {-32}; }), "non-negative integers");
+  expect_refused(edited([](json& h) { h["final_norm"]["shape"] = {-32}; }),
+                 "non-negative integers");
   expect_refused(edited([](json& h) { h["final_norm"]["dtype"] = 4; }), "dtype must be a string");
   expect_refused(edited([](json& h) { h["final_norm"]["dtype"] = "F31"; }), "unknown dtype");
   expect_refused(edited([](json& h) { h["final_norm"]["data_offsets"] = {0}; }), "[begin, end]");
@@ -281,9 +295,11 @@ TEST_F(CheckpointFile, StepThatIsNotANonNegativeIntegerIsRefused) {
 
 TEST_F(CheckpointFile, NonFiniteWeightsAndMomentsAreRefusedNamingTheTensor) {
   const size_t wq = offset_of("layers.0.wq");
-  expect_refused(resaved([&] { weights_[wq + 5] = NAN; }), "tensor layers.0.wq holds nan at index 5");
+  expect_refused(resaved([&] { weights_[wq + 5] = NAN; }),
+                 "tensor layers.0.wq holds nan at index 5");
   weights_[wq + 5] = 0.0f;
-  expect_refused(resaved([&] { adam_.m[3] = INFINITY; }), "tensor adam.m.embed holds inf at index 3");
+  expect_refused(resaved([&] { adam_.m[3] = INFINITY; }),
+                 "tensor adam.m.embed holds inf at index 3");
   adam_.m[3] = 0.0f;
   expect_refused(resaved([&] { adam_.v[wq + 2] = NAN; }), "tensor adam.v.layers.0.wq holds nan");
 }

@@ -58,7 +58,10 @@ TEST(Layers, LinearBackwardMatchesFiniteDifferences) {
   const int64_t n = 5, in = 7, out = 3;
   auto x = randn(n * in, 1), w = randn(out * in, 2), r = randn(n * out, 3);
   std::vector<float> y(n * out);
-  auto f = [&]() { linear_forward(x.data(), w.data(), y.data(), n, in, out); return dot(y, r); };
+  auto f = [&]() {
+    linear_forward(x.data(), w.data(), y.data(), n, in, out);
+    return dot(y, r);
+  };
   std::vector<float> dx(n * in, 0.5f), dw(out * in, 0.0f);
   linear_backward(r.data(), x.data(), w.data(), dx.data(), dw.data(), n, in, out, false);
   expect_fd(x, dx, f, "dx");
@@ -75,7 +78,10 @@ TEST(Layers, RmsNormBackwardMatchesFiniteDifferences) {
   const int64_t n = 4, c = 9;
   auto x = randn(n * c, 4), w = randn(c, 5), r = randn(n * c, 6);
   std::vector<float> y(n * c), rstd(n);
-  auto f = [&]() { rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), n, c, 1e-5f); return dot(y, r); };
+  auto f = [&]() {
+    rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), n, c, 1e-5f);
+    return dot(y, r);
+  };
   f();
   std::vector<float> dx(n * c, 0.0f), dw(c, 0.0f);
   rmsnorm_backward(r.data(), x.data(), w.data(), rstd.data(), dx.data(), dw.data(), n, c);
@@ -90,7 +96,11 @@ TEST(Layers, RopeUsesGlobalPositionsAndInverseIsItsBackward) {
   auto table = rope_table(pos, d, 10000.0);
   auto x = randn(b * t * h * d, 7), r = randn(b * t * h * d, 8);
   std::vector<float> y;
-  auto f = [&]() { y = x; rope_apply(y.data(), table, b, h, d, false); return dot(y, r); };
+  auto f = [&]() {
+    y = x;
+    rope_apply(y.data(), table, b, h, d, false);
+    return dot(y, r);
+  };
   std::vector<float> dx = r;
   rope_apply(dx.data(), table, b, h, d, true);
   expect_fd(x, dx, f, "dx");
@@ -114,7 +124,10 @@ TEST(Layers, SwiGluBackwardMatchesFiniteDifferences) {
   const int64_t count = 30;
   auto h1 = randn(count, 11, 2.0f), h3 = randn(count, 12), r = randn(count, 13);
   std::vector<float> g(count);
-  auto f = [&]() { swiglu_forward(h1.data(), h3.data(), g.data(), count); return dot(g, r); };
+  auto f = [&]() {
+    swiglu_forward(h1.data(), h3.data(), g.data(), count);
+    return dot(g, r);
+  };
   std::vector<float> dh1(count), dh3(count);
   swiglu_backward(r.data(), h1.data(), h3.data(), dh1.data(), dh3.data(), count);
   expect_fd(h1, dh1, f, "dh1", 1e-3f);
@@ -128,7 +141,10 @@ TEST(Layers, EmbeddingAndCrossEntropyMatchFiniteDifferences) {
   const std::vector<uint8_t> weight = {1, 0, 1, 1, 0, 1};
   auto table = randn(v * c, 14), r = randn(n * c, 15);
   std::vector<float> x(n * c);
-  auto f = [&]() { embedding_forward(tokens.data(), table.data(), x.data(), n, c); return dot(x, r); };
+  auto f = [&]() {
+    embedding_forward(tokens.data(), table.data(), x.data(), n, c);
+    return dot(x, r);
+  };
   std::vector<float> dtable(v * c, 0.0f);
   embedding_backward(tokens.data(), r.data(), dtable.data(), n, c);
   expect_fd(table, dtable, f, "dtable");
@@ -138,10 +154,12 @@ TEST(Layers, EmbeddingAndCrossEntropyMatchFiniteDifferences) {
   auto logits = randn(n * v, 16, 3.0f);
   auto loss = [&]() {
     std::vector<float> z = logits;
-    return cross_entropy_forward_backward(z.data(), labels.data(), weight.data(), n, v, global).loss;
+    return cross_entropy_forward_backward(z.data(), labels.data(), weight.data(), n, v, global)
+        .loss;
   };
   std::vector<float> dz = logits;
-  LossSums s = cross_entropy_forward_backward(dz.data(), labels.data(), weight.data(), n, v, global);
+  LossSums s =
+      cross_entropy_forward_backward(dz.data(), labels.data(), weight.data(), n, v, global);
   EXPECT_EQ(s.counted, 4);
   // Independent loss in double.
   double want = 0;

@@ -59,10 +59,25 @@ class TrainCli : public test::TempDirTest {
 
   pid_t start(const std::vector<std::string>& args) {
     const char* build = std::getenv("CTXPAR_BUILD_DIR");
-    std::vector<std::string> full = {std::string(build ? build : ".") + "/ctxpar", "train",
-                                     "--seq", "64", "--ranks", "1", "--layers", "1", "--dim",
-                                     "32", "--heads", "2", "--kv-heads", "1", "--hidden", "32",
-                                     "--steps", "2", "--quiet"};
+    std::vector<std::string> full = {std::string(build ? build : ".") + "/ctxpar",
+                                     "train",
+                                     "--seq",
+                                     "64",
+                                     "--ranks",
+                                     "1",
+                                     "--layers",
+                                     "1",
+                                     "--dim",
+                                     "32",
+                                     "--heads",
+                                     "2",
+                                     "--kv-heads",
+                                     "1",
+                                     "--hidden",
+                                     "32",
+                                     "--steps",
+                                     "2",
+                                     "--quiet"};
     full.insert(full.end(), args.begin(), args.end());
     std::vector<char*> argv;
     for (auto& a : full) argv.push_back(a.data());
@@ -118,7 +133,7 @@ class TrainCli : public test::TempDirTest {
   std::chrono::steady_clock::time_point t0_;
   rlim_t address_space_ = 0;  // > 0: RLIMIT_AS of the child instead of the override
   std::string memory_override_ = "2147483648";  // CTXPAR_MEMORY_LIMIT_BYTES: 2 GiB
-  rlim_t file_size_cap_ = 0;  // bytes any file of the run may hold (0: no cap)
+  rlim_t file_size_cap_ = 0;                    // bytes any file of the run may hold (0: no cap)
 };
 
 // The two payloads of the fault matrix: each once ran `touch PWNED` through the shell that
@@ -217,8 +232,9 @@ TEST_F(TrainCli, OutputPathsAreCheckedBeforeTheFirstStep) {
       {{"--dump-grads", "missing/g.safetensors"}, "--dump-grads missing/g.safetensors cannot"},
       {{"--log", "missing/r.jsonl"}, "--log missing/r.jsonl cannot be written"},
       {{"--plot", "missing/r.png"}, "--plot missing/r.png cannot be written"},
-      {{"--save", "/proc/ck.safetensors"}, "--save /proc/ck.safetensors cannot be written: no "
-                                           "file can be created in /proc"},
+      {{"--save", "/proc/ck.safetensors"},
+       "--save /proc/ck.safetensors cannot be written: no "
+       "file can be created in /proc"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.message);
@@ -248,8 +264,10 @@ TEST_F(TrainCli, ResumePastStepsSaysNothingWasTrained) {
   for (const char* steps : {"2", "1"}) {
     const Result r = train({"--resume", "ck.safetensors", "--steps", steps, "--log", "run.jsonl"});
     EXPECT_EQ(r.exit_code, 0) << r.err;
-    EXPECT_NE(r.out.find("is already at step 2 >= --steps " + std::string(steps) +
-                         ": nothing to train"), std::string::npos) << r.out;
+    EXPECT_NE(
+        r.out.find("is already at step 2 >= --steps " + std::string(steps) + ": nothing to train"),
+        std::string::npos)
+        << r.out;
     EXPECT_EQ(r.out.find("loss"), std::string::npos) << r.out;
   }
   const Result loud = train({"--resume", "ck.safetensors", "--steps", "2", "--log", "run.jsonl"});
@@ -284,7 +302,9 @@ TEST_F(TrainCli, ModelTooBigForThisMachineIsRefusedBeforeAllocating) {
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("this run needs about"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("but CTXPAR_MEMORY_LIMIT_BYTES leaves 2.0 GiB; raise or unset "
-                       "CTXPAR_MEMORY_LIMIT_BYTES"), std::string::npos) << r.err;
+                       "CTXPAR_MEMORY_LIMIT_BYTES"),
+            std::string::npos)
+      << r.err;
   EXPECT_NE(r.err.find("lower --layers"), std::string::npos) << r.err;
   EXPECT_LT(r.seconds, 20.0) << "took " << r.seconds << " s: it allocated before refusing";
   // A model that fits the machine but not the override is refused too.
@@ -312,7 +332,8 @@ TEST_F(TrainCli, BadMemoryOverrideIsRefusedNamingTheVariable) {
   const Result r = train({});
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("CTXPAR_MEMORY_LIMIT_BYTES must be a positive number of bytes, got 'lots'"),
-            std::string::npos) << r.err;
+            std::string::npos)
+      << r.err;
 }
 
 // /dev/zero never ends and a FIFO blocks: both refused before a byte is read.
@@ -322,8 +343,7 @@ TEST_F(TrainCli, DataThatIsNotARegularFileIsRefused) {
   for (const std::string& data : {std::string("/dev/zero"), fifo, dir_.string()}) {
     const Result r = train({"--data", data});
     EXPECT_EQ(r.exit_code, 2) << data << ": " << r.err;
-    EXPECT_NE(r.err.find("--data " + data + " is not a regular file"), std::string::npos)
-        << r.err;
+    EXPECT_NE(r.err.find("--data " + data + " is not a regular file"), std::string::npos) << r.err;
     EXPECT_LT(r.seconds, 20.0) << data << " took " << r.seconds << " s";
   }
 }

@@ -102,7 +102,9 @@ TEST(TrainMemory, TooBigARunIsRefusedWithTheFigureAndWhatToLower) {
   } catch (const Error& e) {
     const std::string m = e.what();
     EXPECT_NE(m.find("but the machine's available memory (MemAvailable in /proc/meminfo) leaves "
-                     "16.0 GiB; free memory on this machine"), std::string::npos) << m;
+                     "16.0 GiB; free memory on this machine"),
+              std::string::npos)
+        << m;
     EXPECT_NE(m.find("(4 rank(s) on this machine,"), std::string::npos) << m;
     EXPECT_NE(m.find("lower ModelConfig::layers"), std::string::npos) << m;
     EXPECT_EQ(m.find("--"), std::string::npos) << "a library message names no command flag: " << m;

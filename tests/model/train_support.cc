@@ -48,9 +48,9 @@ std::string train_error(const TrainConfig& c, int ranks) {
 }
 
 void TempDirTest::SetUp() {
-  dir_ = fs::temp_directory_path() /
-         ("ctxpar_model_" + std::to_string(::getpid()) + "_" +
-          ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  dir_ =
+      fs::temp_directory_path() / ("ctxpar_model_" + std::to_string(::getpid()) + "_" +
+                                   ::testing::UnitTest::GetInstance()->current_test_info()->name());
   fs::remove_all(dir_);
   fs::create_directories(dir_);
 }

@@ -15,7 +15,6 @@
 //  - activation memory per rank falls with P.
 #include <gtest/gtest.h>
 
-
 #include <unistd.h>
 
 #include <cmath>
@@ -32,7 +31,7 @@
 namespace ctxpar {
 namespace {
 
-constexpr double kLossRel = 1e-4;   // see the rule at the top
+constexpr double kLossRel = 1e-4;  // see the rule at the top
 constexpr float kWeightAbs = 5e-4f;
 
 TrainConfig tiny_config() {
@@ -102,12 +101,15 @@ TEST(Transformer, GradientMatchesFiniteDifferences) {
     net.forward_backward(w.data(), g.data(), tokens.data(), labels.data(), weight.data(), 20.0);
     std::vector<float> scratch(w.size());
     auto loss = [&]() {
-      return net.forward_backward(w.data(), scratch.data(), tokens.data(), labels.data(),
-                                  weight.data(), 20.0).loss;
+      return net
+          .forward_backward(w.data(), scratch.data(), tokens.data(), labels.data(), weight.data(),
+                            20.0)
+          .loss;
     };
     for (const auto& p : infos) {
       double gmax = 0;
-      for (size_t i = p.offset; i < p.offset + p.numel; ++i) gmax = std::max(gmax, double(std::fabs(g[i])));
+      for (size_t i = p.offset; i < p.offset + p.numel; ++i)
+        gmax = std::max(gmax, double(std::fabs(g[i])));
       const size_t stride = std::max<size_t>(1, p.numel / 7);
       for (size_t i = p.offset; i < p.offset + p.numel; i += stride) {
         const float keep = w[i], eps = 1e-3f;
@@ -116,7 +118,8 @@ TEST(Transformer, GradientMatchesFiniteDifferences) {
         w[i] = keep - eps;
         const double down = loss();
         w[i] = keep;
-        EXPECT_NEAR((up - down) / (2 * eps), g[i], 3e-3 * gmax + 3e-5) << p.name << " [" << i - p.offset << "]";
+        EXPECT_NEAR((up - down) / (2 * eps), g[i], 3e-3 * gmax + 3e-5)
+            << p.name << " [" << i - p.offset << "]";
       }
     }
   });
@@ -176,19 +179,20 @@ TEST_P(ContextParallel, SameLossesAndWeightsAsOneRank) {
   EXPECT_LT(single.losses.back(), single.losses.front());
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Strategies, ContextParallel,
-    ::testing::Values(CpCase{2, StrategyKind::ring, LayoutKind::zigzag},
-                      CpCase{4, StrategyKind::ring, LayoutKind::contiguous},
-                      CpCase{4, StrategyKind::ring, LayoutKind::zigzag},
-                      CpCase{2, StrategyKind::allgather, LayoutKind::contiguous},
-                      CpCase{4, StrategyKind::allgather, LayoutKind::zigzag},
-                      CpCase{2, StrategyKind::ulysses, LayoutKind::striped},
-                      CpCase{4, StrategyKind::hybrid, LayoutKind::zigzag, 2}),
-    [](const auto& info) {
-      return std::string(strategy_name(info.param.strategy)) + "_" +
-             layout_name(info.param.layout) + "_cp" + std::to_string(info.param.cp);
-    });
+INSTANTIATE_TEST_SUITE_P(Strategies, ContextParallel,
+                         ::testing::Values(CpCase{2, StrategyKind::ring, LayoutKind::zigzag},
+                                           CpCase{4, StrategyKind::ring, LayoutKind::contiguous},
+                                           CpCase{4, StrategyKind::ring, LayoutKind::zigzag},
+                                           CpCase{2, StrategyKind::allgather,
+                                                  LayoutKind::contiguous},
+                                           CpCase{4, StrategyKind::allgather, LayoutKind::zigzag},
+                                           CpCase{2, StrategyKind::ulysses, LayoutKind::striped},
+                                           CpCase{4, StrategyKind::hybrid, LayoutKind::zigzag, 2}),
+                         [](const auto& info) {
+                           return std::string(strategy_name(info.param.strategy)) + "_" +
+                                  layout_name(info.param.layout) + "_cp" +
+                                  std::to_string(info.param.cp);
+                         });
 
 TEST(Mesh, DataTimesContextEqualsDataParallelAlone) {
   TrainConfig c = tiny_config();
@@ -238,7 +242,8 @@ TEST(Train, LibraryMessagesNameFieldsNotFlags) {
   c.dp = 3;
   const std::string mesh = message_of([&] { run(c, 2); });
   EXPECT_NE(mesh.find("TrainConfig::dp x TrainConfig::cp must equal the number of ranks"),
-            std::string::npos) << mesh;
+            std::string::npos)
+      << mesh;
   c = tiny_config();
   c.model.head_dim = 8;
   const std::string model = message_of([&] { c.model.validate(); });
@@ -266,7 +271,8 @@ uint64_t bytes_read_by_this_process() {
 // held). Measured by the kernel's count of bytes read, independent of the loader.
 TEST(Train, DataFileIsNotLoadedWholeByEveryRank) {
   const std::string path = (std::filesystem::temp_directory_path() /
-                            ("ctxpar_data_share_" + std::to_string(::getpid()) + ".txt")).string();
+                            ("ctxpar_data_share_" + std::to_string(::getpid()) + ".txt"))
+                               .string();
   {
     std::ofstream out(path, std::ios::binary);
     std::string chunk(1 << 20, 'x');

@@ -85,7 +85,8 @@ std::vector<Case> cases(int P) {
 ctxpar::TransportKind transport() { return ctxpar::launcher_transport(); }
 
 ctxpar::Communicator& world() {
-  return transport() == ctxpar::TransportKind::mpi ? ctxpar::mpi_world() : ctxpar::cli::gloo_world(60);
+  return transport() == ctxpar::TransportKind::mpi ? ctxpar::mpi_world()
+                                                   : ctxpar::cli::gloo_world(60);
 }
 
 int compare_with_threads() {
@@ -101,17 +102,22 @@ int compare_with_threads() {
     ctxpar::cli::AttentionResult thr = ctxpar::cli::run_attention_job(threads_job);
     std::string bad;
     const std::pair<const char*, std::pair<const Tensor*, const Tensor*>> fields[] = {
-        {"out", {&mpi.out, &thr.out}}, {"lse", {&mpi.lse, &thr.lse}}, {"dq", {&mpi.dq, &thr.dq}},
-        {"dk", {&mpi.dk, &thr.dk}},    {"dv", {&mpi.dv, &thr.dv}}};
+        {"out", {&mpi.out, &thr.out}},
+        {"lse", {&mpi.lse, &thr.lse}},
+        {"dq", {&mpi.dq, &thr.dq}},
+        {"dk", {&mpi.dk, &thr.dk}},
+        {"dv", {&mpi.dv, &thr.dv}}};
     for (const auto& [name, pair] : fields) {
-      if (pair.first->empty()) bad += std::string(" ") + name + " missing";
-      else if (all_zero(*pair.first)) bad += std::string(" ") + name + " all zero";
-      else if (!same_bytes(*pair.first, *pair.second)) bad += std::string(" ") + name;
+      if (pair.first->empty())
+        bad += std::string(" ") + name + " missing";
+      else if (all_zero(*pair.first))
+        bad += std::string(" ") + name + " all zero";
+      else if (!same_bytes(*pair.first, *pair.second))
+        bad += std::string(" ") + name;
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::printf("%s P=%d %-32s %s%s (%.2f s)\n", bad.empty() ? "PASS" : "FAIL", P,
-                c.name.c_str(), bad.empty() ? "bitwise equal to threads" : "differs:",
-                bad.c_str(), s);
+    std::printf("%s P=%d %-32s %s%s (%.2f s)\n", bad.empty() ? "PASS" : "FAIL", P, c.name.c_str(),
+                bad.empty() ? "bitwise equal to threads" : "differs:", bad.c_str(), s);
     failures += !bad.empty();
   }
   std::fflush(stdout);
@@ -137,8 +143,10 @@ int fault() {
     ring->forward(q, k, v, ctxpar::Tokens{pos, {}}, out, lse);
     std::this_thread::sleep_for(std::chrono::seconds(200));  // never reached on a correct abort
   };
-  if (transport() == ctxpar::TransportKind::mpi) ctxpar::run_mpi(body);
-  else ctxpar::run_gloo(world(), body);
+  if (transport() == ctxpar::TransportKind::mpi)
+    ctxpar::run_mpi(body);
+  else
+    ctxpar::run_gloo(world(), body);
   std::printf("rank %d: fault run returned; the job was not ended\n", world().rank());
   return 1;
 }
@@ -147,7 +155,8 @@ int fault() {
 
 int main(int argc, char** argv) {
   if (!ctxpar::launched_by_mpi() && !ctxpar::launched_by_torchrun()) {
-    std::fprintf(stderr, "test_mpi: run me under mpirun -n 2 (or 4), or torchrun --no-python "
+    std::fprintf(stderr,
+                 "test_mpi: run me under mpirun -n 2 (or 4), or torchrun --no-python "
                  "--nproc-per-node 2 (or 4)\n");
     return 2;
   }

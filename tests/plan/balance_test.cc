@@ -68,8 +68,8 @@ TEST(Balance, RankPairsMatchBruteForceForEveryPair) {
             const RankPairs pairs(kind, T, P, causal, tile);
             for (int q = 0; q < P; ++q)
               for (int k = 0; k < P; ++k) {
-                const double want = causal ? brute_pairs(layout, q, k, tile)
-                                           : double(T / P) * double(T / P);
+                const double want =
+                    causal ? brute_pairs(layout, q, k, tile) : double(T / P) * double(T / P);
                 ASSERT_EQ(pairs(q, k), want) << layout_name(kind) << " P=" << P << " T=" << T
                                              << " tile " << tile << " q=" << q << " k=" << k;
               }

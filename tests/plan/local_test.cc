@@ -42,27 +42,32 @@ std::pair<double, double> run_ring(int P, int64_t T, int64_t D, const SimulatedL
   const Layout layout(LayoutKind::zigzag, T, P);
   ThreadsOptions to;
   to.link = link;
-  run_threads(P, [&](Communicator& comm) {
-    StrategyOptions o;
-    o.mask = Mask::causal_mask();
-    auto ring = Strategy::create(comm, o);
-    const int64_t n = T / P;
-    Tensor q(DType::f32, {1, n, 1, D}), k(DType::f32, {1, n, 1, D}), v(DType::f32, {1, n, 1, D});
-    Tensor out(DType::f32, {1, n, 1, D}), dout(DType::f32, {1, n, 1, D});
-    Tensor dq(DType::f32, {1, n, 1, D}), dk(DType::f32, {1, n, 1, D}), dv(DType::f32, {1, n, 1, D});
-    Tensor lse(DType::f32, {1, 1, n});
-    const auto pos = layout.positions(comm.rank());
-    const Tokens tokens{pos, {}};
-    using Clock = std::chrono::steady_clock;
-    comm.barrier();
-    auto t0 = Clock::now();
-    ring->forward(q, k, v, tokens, out, lse);
-    fwd[comm.rank()] = std::chrono::duration<double>(Clock::now() - t0).count();
-    comm.barrier();
-    t0 = Clock::now();
-    ring->backward(q, k, v, tokens, out, lse, dout, dq, dk, dv);
-    bwd[comm.rank()] = std::chrono::duration<double>(Clock::now() - t0).count();
-  }, to);
+  run_threads(
+      P,
+      [&](Communicator& comm) {
+        StrategyOptions o;
+        o.mask = Mask::causal_mask();
+        auto ring = Strategy::create(comm, o);
+        const int64_t n = T / P;
+        Tensor q(DType::f32, {1, n, 1, D}), k(DType::f32, {1, n, 1, D}),
+            v(DType::f32, {1, n, 1, D});
+        Tensor out(DType::f32, {1, n, 1, D}), dout(DType::f32, {1, n, 1, D});
+        Tensor dq(DType::f32, {1, n, 1, D}), dk(DType::f32, {1, n, 1, D}),
+            dv(DType::f32, {1, n, 1, D});
+        Tensor lse(DType::f32, {1, 1, n});
+        const auto pos = layout.positions(comm.rank());
+        const Tokens tokens{pos, {}};
+        using Clock = std::chrono::steady_clock;
+        comm.barrier();
+        auto t0 = Clock::now();
+        ring->forward(q, k, v, tokens, out, lse);
+        fwd[comm.rank()] = std::chrono::duration<double>(Clock::now() - t0).count();
+        comm.barrier();
+        t0 = Clock::now();
+        ring->backward(q, k, v, tokens, out, lse, dout, dq, dk, dv);
+        bwd[comm.rank()] = std::chrono::duration<double>(Clock::now() - t0).count();
+      },
+      to);
   return {*std::max_element(fwd.begin(), fwd.end()), *std::max_element(bwd.begin(), bwd.end())};
 }
 

@@ -18,7 +18,8 @@ TEST(MinBlock, RingAttentionTable2) {
     const char* hardware;
     bool inter;
     double paper_tokens, paper_sequence;
-  } cases[] = {{"a100-nvlink", false, 1.0e3, 6.2e3}, {"a100-infiniband", true, 24.5e3, 149.5e3},
+  } cases[] = {{"a100-nvlink", false, 1.0e3, 6.2e3},
+               {"a100-infiniband", true, 24.5e3, 149.5e3},
                {"tpu-v4", false, 1.0e3, 6.2e3}};
   for (const auto& c : cases) {
     HardwareSpec h = hardware_preset(c.hardware);

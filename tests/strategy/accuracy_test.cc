@@ -20,8 +20,8 @@ struct Heads {
 // MHA with 24 heads lets Ulysses split over every P in {1, 2, 3, 4, 8}; GQA 8/2 (batch 2) splits
 // KV heads for P = 2 and replicates them for P = 4, 8 (P = 3 is invalid for Ulysses: Hq % P).
 const Heads kHeads[] = {{1, 24, 24, 16, "MHA"}, {2, 8, 2, 32, "GQA"}};
-const char* const kMasks[] = {"none",      "causal",           "window:8,4",
-                              "documents", "causal+window:6,-1", "causal+documents"};
+const char* const kMasks[] = {
+    "none", "causal", "window:8,4", "documents", "causal+window:6,-1", "causal+documents"};
 const int kRanks[] = {1, 2, 3, 4, 8};
 const LayoutKind kLayouts[] = {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped};
 
@@ -35,10 +35,14 @@ bool valid_for(StrategyKind kind, const Heads& h, int p, int u) {
 // Hybrid's Ulysses degree for P: a real mix where P allows it.
 int hybrid_degree(int p, int mask_index) {
   switch (p) {
-    case 2: return mask_index % 2 ? 2 : 1;
-    case 3: return mask_index % 2 ? 3 : 1;
-    case 4: return 2;
-    case 8: return mask_index % 2 ? 4 : 2;
+    case 2:
+      return mask_index % 2 ? 2 : 1;
+    case 3:
+      return mask_index % 2 ? 3 : 1;
+    case 4:
+      return 2;
+    case 8:
+      return mask_index % 2 ? 4 : 2;
   }
   return 1;
 }
@@ -108,8 +112,8 @@ TEST(Accuracy, AnyLengthEveryStrategyLayoutMask) {
     pr.build();
     const References& refs = references_of(pr);
     const Errors bound = bounds_of(refs);
-    for (StrategyKind kind : {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses,
-                              StrategyKind::hybrid})
+    for (StrategyKind kind :
+         {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses, StrategyKind::hybrid})
       for (int p : {2, 3, 4})
         for (LayoutKind lk : kLayouts) {
           StrategyOptions opt;
@@ -141,8 +145,8 @@ TEST(Accuracy, Bf16StorageEveryStrategy) {
   pr.build();
   const References& refs = references_of(pr);
   const Errors bound = bounds_of(refs);
-  for (StrategyKind kind : {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses,
-                            StrategyKind::hybrid}) {
+  for (StrategyKind kind :
+       {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses, StrategyKind::hybrid}) {
     StrategyOptions opt;
     opt.kind = kind;
     opt.mask = pr.mask;
@@ -170,8 +174,8 @@ TEST(Accuracy, Bf16OutputsAndGradients) {
   const References& refs = references_of(pr);
   const Errors bound = bounds_of(refs);
   const double r = std::ldexp(1.0, -8);
-  for (StrategyKind kind : {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses,
-                            StrategyKind::hybrid}) {
+  for (StrategyKind kind :
+       {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses, StrategyKind::hybrid}) {
     StrategyOptions opt;
     opt.kind = kind;
     opt.mask = pr.mask;
@@ -210,9 +214,9 @@ TEST(Accuracy, UlyssesReplicatesKvHeadsThatDoNotSplit) {
       opt.mask = pr.mask;
       opt.ulysses_degree = c.u;
       const Errors e = errors_of(run_sharded(pr, c.p, LayoutKind::zigzag, opt), refs);
-      const std::string where = std::string(strategy_name(c.kind)) + " Hq=" +
-                                std::to_string(c.hq) + " Hkv=" + std::to_string(c.hkv) +
-                                " P=" + std::to_string(c.p) + " mask=" + mask;
+      const std::string where = std::string(strategy_name(c.kind)) + " Hq=" + std::to_string(c.hq) +
+                                " Hkv=" + std::to_string(c.hkv) + " P=" + std::to_string(c.p) +
+                                " mask=" + mask;
       EXPECT_LE(e.o, bound.o) << where;
       EXPECT_LE(e.lse, bound.lse) << where;
       EXPECT_LE(e.dq, bound.dq) << where;
@@ -231,8 +235,8 @@ TEST(Accuracy, KernelThreadsInsideRanks) {
   pr.build();
   const References& refs = references_of(pr);
   const Errors bound = bounds_of(refs);
-  for (StrategyKind kind : {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses,
-                            StrategyKind::hybrid}) {
+  for (StrategyKind kind :
+       {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses, StrategyKind::hybrid}) {
     StrategyOptions opt;
     opt.kind = kind;
     opt.mask = pr.mask;
@@ -252,16 +256,16 @@ TEST(Accuracy, BitwiseDeterministic) {
   pr.hkv = 2;
   pr.mask = parse_mask("causal+documents");
   pr.build();
-  for (StrategyKind kind : {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses,
-                            StrategyKind::hybrid}) {
+  for (StrategyKind kind :
+       {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses, StrategyKind::hybrid}) {
     StrategyOptions opt;
     opt.kind = kind;
     opt.mask = pr.mask;
     opt.ulysses_degree = kind == StrategyKind::hybrid ? 2 : 0;
     const RunResult a = run_sharded(pr, 4, LayoutKind::striped, opt);
     const RunResult b = run_sharded(pr, 4, LayoutKind::striped, opt);
-    for (auto [x, y] : {std::pair{&a.o, &b.o}, {&a.lse, &b.lse}, {&a.dq, &b.dq}, {&a.dk, &b.dk},
-                        {&a.dv, &b.dv}})
+    for (auto [x, y] :
+         {std::pair{&a.o, &b.o}, {&a.lse, &b.lse}, {&a.dq, &b.dq}, {&a.dk, &b.dk}, {&a.dv, &b.dv}})
       EXPECT_EQ(std::memcmp(x->data(), y->data(), x->bytes()), 0) << strategy_name(kind);
   }
 }

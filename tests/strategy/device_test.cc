@@ -18,9 +18,10 @@ struct Case {
 };
 
 bool same_bits(const RunResult& a, const RunResult& b) {
-  for (auto [x, y] : {std::pair{&a.o, &b.o}, {&a.lse, &b.lse}, {&a.dq, &b.dq}, {&a.dk, &b.dk},
-                      {&a.dv, &b.dv}})
-    if (x->bytes() != y->bytes() || std::memcmp(x->data(), y->data(), x->bytes()) != 0) return false;
+  for (auto [x, y] :
+       {std::pair{&a.o, &b.o}, {&a.lse, &b.lse}, {&a.dq, &b.dq}, {&a.dk, &b.dk}, {&a.dv, &b.dv}})
+    if (x->bytes() != y->bytes() || std::memcmp(x->data(), y->data(), x->bytes()) != 0)
+      return false;
   return true;
 }
 
@@ -34,8 +35,8 @@ TEST(Device, SimBitwiseEqualsCpuEveryStrategyLayoutMaskP) {
   pr.build();
   uint64_t seed = 1;
   for (int p = 1; p <= 4; ++p) {
-    std::vector<Case> cases = {{StrategyKind::ring, 0}, {StrategyKind::allgather, 0},
-                               {StrategyKind::ulysses, 0}};
+    std::vector<Case> cases = {
+        {StrategyKind::ring, 0}, {StrategyKind::allgather, 0}, {StrategyKind::ulysses, 0}};
     for (int u = 1; u < p; ++u)
       if (p % u == 0) cases.push_back({StrategyKind::hybrid, u});
     for (const Case& c : cases)
@@ -51,8 +52,8 @@ TEST(Device, SimBitwiseEqualsCpuEveryStrategyLayoutMaskP) {
           opt.device.sim_max_delay_us = 50;
           const RunResult sim = run_sharded(pr, p, layout, opt);
           EXPECT_TRUE(same_bits(cpu, sim))
-              << strategy_name(c.kind) << " u=" << c.u << " P=" << p << " "
-              << layout_name(layout) << " " << mask << " sim seed " << opt.device.sim_seed;
+              << strategy_name(c.kind) << " u=" << c.u << " P=" << p << " " << layout_name(layout)
+              << " " << mask << " sim seed " << opt.device.sim_seed;
         }
   }
 }

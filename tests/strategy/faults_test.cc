@@ -56,8 +56,10 @@ TEST(Faults, InvalidArgumentsOnOneRankFailEveryRank) {
             Tensor bad_lse(DType::f32, {1, 4, 5});  // rank 2 passes a wrong lse
             const TensorView lse = comm.rank() == 2 ? bad_lse.view() : x.lse.view();
             Tokens tok{x.positions, {}};
-            if (!backward) s->forward(x.q, x.k, x.v, tok, x.o, lse);
-            else s->backward(x.q, x.k, x.v, tok, x.o, lse, x.dout, x.dq, x.dk, x.dv);
+            if (!backward)
+              s->forward(x.q, x.k, x.v, tok, x.o, lse);
+            else
+              s->backward(x.q, x.k, x.v, tok, x.o, lse, x.dout, x.dq, x.dk, x.dv);
           },
           &seconds);
       for (int r = 0; r < 4; ++r) {
@@ -104,16 +106,18 @@ TEST(Faults, NonFiniteInputNamesItsGlobalToken) {
           Tensor dq(DType::f32, {2, tl, hq, d}), dk(DType::f32, {2, tl, hkv, d});
           Tensor dv(DType::f32, {2, tl, hkv, d});
           const Tokens tok{pos, {}};
-          if (!backward) s->forward(q, k, v, tok, o, lse);
-          else s->backward(q, k, v, tok, o, lse, dout, dq, dk, dv);
+          if (!backward)
+            s->forward(q, k, v, tok, o, lse);
+          else
+            s->backward(q, k, v, tok, o, lse, dout, dq, dk, dv);
         });
         const std::string want = std::string(name) + ": non-finite value (" +
                                  (poison == INFINITY ? "inf" : "nan") +
                                  ") at token position 200, batch 1, head 1, dim 3";
         for (int r = 0; r < p; ++r)
           EXPECT_NE(errors[r].find(want), std::string::npos)
-              << strategy_name(kind) << " " << layout_name(layout_kind) << " rank " << r
-              << ": '" << errors[r] << "'";
+              << strategy_name(kind) << " " << layout_name(layout_kind) << " rank " << r << ": '"
+              << errors[r] << "'";
       }
 }
 
@@ -208,7 +212,9 @@ class FailingComm final : public Communicator {
     return inner_.irecv(bytes, peer, tag);
   }
   void allgather(const void* s, void* r, size_t b) override { inner_.allgather(s, r, b); }
-  void reduce_scatter(const float* s, float* r, size_t c) override { inner_.reduce_scatter(s, r, c); }
+  void reduce_scatter(const float* s, float* r, size_t c) override {
+    inner_.reduce_scatter(s, r, c);
+  }
   void alltoall(const void* s, void* r, size_t b) override { inner_.alltoall(s, r, b); }
   void allreduce(float* b, size_t c) override { inner_.allreduce(b, c); }
   void allreduce(double* b, size_t c) override { inner_.allreduce(b, c); }
@@ -238,8 +244,10 @@ TEST(Faults, RankFailingMidRingFailsTheGroupPromptly) {
             auto s = Strategy::create(failing, opt);
             Shard x = make_shard(4, comm.rank());
             Tokens tok{x.positions, {}};
-            if (!backward) s->forward(x.q, x.k, x.v, tok, x.o, x.lse);
-            else s->backward(x.q, x.k, x.v, tok, x.o, x.lse, x.dout, x.dq, x.dk, x.dv);
+            if (!backward)
+              s->forward(x.q, x.k, x.v, tok, x.o, x.lse);
+            else
+              s->backward(x.q, x.k, x.v, tok, x.o, x.lse, x.dout, x.dq, x.dk, x.dv);
           },
           &seconds);
       EXPECT_NE(errors[1].find("injected failure"), std::string::npos) << errors[1];

@@ -14,8 +14,10 @@ struct Kind {
   StrategyKind kind;
   int u;
 };
-const Kind kKinds[] = {{StrategyKind::ring, 0}, {StrategyKind::allgather, 0},
-                       {StrategyKind::ulysses, 0}, {StrategyKind::hybrid, 2}};
+const Kind kKinds[] = {{StrategyKind::ring, 0},
+                       {StrategyKind::allgather, 0},
+                       {StrategyKind::ulysses, 0},
+                       {StrategyKind::hybrid, 2}};
 
 StrategyOptions options_of(const Kind& k) {
   StrategyOptions o;
@@ -65,8 +67,9 @@ TEST(Frame, ADisagreeingFieldIsNamedForEveryStrategy) {
       Strategy::create(comm, o);
     });
     for (const std::string& e : create_errors)
-      expect_ends_with(e, differs(k, "create", "mask is causal+window:128,0 on rank 0 but "
-                                               "causal+window:64,0 on rank 1"));
+      expect_ends_with(e, differs(k, "create",
+                                  "mask is causal+window:128,0 on rank 0 but "
+                                  "causal+window:64,0 on rank 1"));
     auto groups_errors = errors_on_ranks(2, [&](Communicator& comm) {
       StrategyOptions o = options_of(k);
       o.ulysses_groups = comm.rank() == 0 ? 2 : 0;
@@ -80,8 +83,9 @@ TEST(Frame, ADisagreeingFieldIsNamedForEveryStrategy) {
       Strategy::create(comm, o);
     });
     for (const std::string& e : tier_errors)
-      expect_ends_with(e, differs(k, "create", "kernel bf16 tier is exact on rank 0 but fast on "
-                                               "rank 1"));
+      expect_ends_with(e, differs(k, "create",
+                                  "kernel bf16 tier is exact on rank 0 but fast on "
+                                  "rank 1"));
 
     for (bool backward : {false, true}) {
       auto errors = errors_on_ranks(4, [&](Communicator& comm) {
@@ -95,8 +99,10 @@ TEST(Frame, ADisagreeingFieldIsNamedForEveryStrategy) {
         const Layout layout(LayoutKind::zigzag, tl * 4, 4);
         const std::vector<int64_t> positions = layout.positions(comm.rank());
         const Tokens tokens{positions, {}};
-        if (backward) s->backward(q, k, v, tokens, o, lse, dout, dq, dk, dv);
-        else s->forward(q, k, v, tokens, o, lse);
+        if (backward)
+          s->backward(q, k, v, tokens, o, lse, dout, dq, dk, dv);
+        else
+          s->forward(q, k, v, tokens, o, lse);
       });
       for (const std::string& e : errors)
         expect_ends_with(e, differs(k, backward ? "backward" : "forward",
@@ -136,8 +142,10 @@ TEST(Frame, CreateTakesTheCallersDevice) {
         s->forward(q, kk, v, Tokens{positions, {}}, o, lse);
         if (own_device) EXPECT_GT(given->counters().flops, 0);
         if (r == 0) {
-          if (!own_device) outs[0] = std::move(o);
-          else outs[1] = std::move(o);
+          if (!own_device)
+            outs[0] = std::move(o);
+          else
+            outs[1] = std::move(o);
         }
       });
     EXPECT_EQ(std::memcmp(outs[0].data(), outs[1].data(), outs[0].bytes()), 0)

@@ -26,26 +26,33 @@ struct Case {
 std::string describe(const Case& c, LayoutKind layout, bool documents, AttentionPass pass) {
   return detail::concat(strategy_name(c.kind), " P=", c.ranks, " T=", c.tokens, " Hq=", c.hq,
                         " Hkv=", c.hkv, " ", dtype_name(c.dtype), " u=", c.ulysses_degree,
-                        " head_groups=", c.head_groups, " ulysses_groups=", c.ulysses_groups,
-                        " ", layout_name(layout), documents ? " documents" : "",
+                        " head_groups=", c.head_groups, " ulysses_groups=", c.ulysses_groups, " ",
+                        layout_name(layout), documents ? " documents" : "",
                         pass == AttentionPass::backward ? " backward" : " forward");
 }
 
 TEST(MemoryModel, EqualsEveryStrategysMeasuredPeak) {
   const std::vector<Case> cases = {
-      {StrategyKind::ring, 1}, {StrategyKind::ring, 2}, {StrategyKind::ring, 3},
-      {StrategyKind::ring, 4}, {StrategyKind::ring, 4, 128, 4, 2, DType::bf16},
+      {StrategyKind::ring, 1},
+      {StrategyKind::ring, 2},
+      {StrategyKind::ring, 3},
+      {StrategyKind::ring, 4},
+      {StrategyKind::ring, 4, 128, 4, 2, DType::bf16},
       {StrategyKind::ring, 2, 2048, 2, 1},  // two pieces on the last hop (Tl = 1024)
-      {StrategyKind::allgather, 1}, {StrategyKind::allgather, 2}, {StrategyKind::allgather, 4},
+      {StrategyKind::allgather, 1},
+      {StrategyKind::allgather, 2},
+      {StrategyKind::allgather, 4},
       {StrategyKind::allgather, 3, 96, 4, 4, DType::f32, 0, 1},
       {StrategyKind::allgather, 4, 128, 8, 4, DType::bf16, 0, 4},  // four head groups
-      {StrategyKind::ulysses, 2}, {StrategyKind::ulysses, 4},
-      {StrategyKind::ulysses, 2, 128, 8, 8},                         // four pipeline groups
-      {StrategyKind::ulysses, 2, 128, 8, 4, DType::bf16, 0, 0, 2},   // two
-      {StrategyKind::ulysses, 4, 128, 8, 2},                         // replicated KV heads
-      {StrategyKind::hybrid, 2}, {StrategyKind::hybrid, 4, 128, 4, 2, DType::f32, 2},
-      {StrategyKind::hybrid, 8, 256, 4, 4, DType::f32, 2},           // a ring of four
-      {StrategyKind::hybrid, 6, 96, 4, 2, DType::bf16, 2, 0, 2},     // a ring of three
+      {StrategyKind::ulysses, 2},
+      {StrategyKind::ulysses, 4},
+      {StrategyKind::ulysses, 2, 128, 8, 8},                        // four pipeline groups
+      {StrategyKind::ulysses, 2, 128, 8, 4, DType::bf16, 0, 0, 2},  // two
+      {StrategyKind::ulysses, 4, 128, 8, 2},                        // replicated KV heads
+      {StrategyKind::hybrid, 2},
+      {StrategyKind::hybrid, 4, 128, 4, 2, DType::f32, 2},
+      {StrategyKind::hybrid, 8, 256, 4, 4, DType::f32, 2},        // a ring of four
+      {StrategyKind::hybrid, 6, 96, 4, 2, DType::bf16, 2, 0, 2},  // a ring of three
   };
   for (const Case& c : cases)
     for (LayoutKind layout : {LayoutKind::zigzag, LayoutKind::contiguous})
@@ -88,8 +95,8 @@ TEST(MemoryModel, IsTheOneThePlannerUses) {
   in.seq = 131072;
   in.cp = 8;
   in.tp = 1;
-  for (StrategyKind kind : {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses,
-                            StrategyKind::hybrid}) {
+  for (StrategyKind kind :
+       {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses, StrategyKind::hybrid}) {
     in.strategy = kind;
     StrategyOptions opt;
     opt.kind = kind;

@@ -13,8 +13,7 @@ using namespace ctxpar::testing;
 namespace {
 
 bool same_bits(const TensorView& a, const Tensor& b) {
-  return a.shape() == b.view().shape() &&
-         std::memcmp(a.data(), b.data(), b.bytes()) == 0;
+  return a.shape() == b.view().shape() && std::memcmp(a.data(), b.data(), b.bytes()) == 0;
 }
 
 // `mine`: this rank's KernelConfig::bf16_products; `lowest`, where given: the level the ranks
@@ -90,16 +89,16 @@ int main() {
     const Bf16Products low = kernel::bf16_products_of_level(top - 1);
     const Bf16Products mine = world.rank() % 2 ? kernel::bf16_products_of_level(top) : low;
     for (int split = 0; split <= (can_split ? 1 : 0); ++split) {
-      for (StrategyKind kind : {StrategyKind::ring, StrategyKind::allgather,
-                                StrategyKind::ulysses, StrategyKind::hybrid})
+      for (StrategyKind kind : {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses,
+                                StrategyKind::hybrid})
         for (LayoutKind lk : {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped}) {
           if (!split) {
             failures += check(world, kind, lk, "causal", 8, 2, DType::f32);
             runs += 1;
           }
-          failures += check(world, kind, lk, "window:9,3+documents", 4, 4, DType::bf16,
-                            split ? mine : Bf16Products::automatic,
-                            split ? low : Bf16Products::automatic);
+          failures +=
+              check(world, kind, lk, "window:9,3+documents", 4, 4, DType::bf16,
+                    split ? mine : Bf16Products::automatic, split ? low : Bf16Products::automatic);
           runs += 1;
         }
       if (split && world.rank() == 0)
@@ -107,10 +106,11 @@ int main() {
     }
     world.allreduce(&failures, 1);
     if (world.rank() == 0)
-      std::printf("strategy mpi (P = %d): %g of %g runs x %d ranks differ from the threads "
-                  "transport%s\n",
-                  world.size(), failures, runs, world.size(),
-                  can_split ? "" : " (no split pass: this CPU has no bf16 products to choose)");
+      std::printf(
+          "strategy mpi (P = %d): %g of %g runs x %d ranks differ from the threads "
+          "transport%s\n",
+          world.size(), failures, runs, world.size(),
+          can_split ? "" : " (no split pass: this CPU has no bf16 products to choose)");
     status = failures == 0 ? 0 : 1;
   });
   return status;

@@ -16,7 +16,6 @@ namespace {
 const StrategyKind kAll[] = {StrategyKind::ring, StrategyKind::allgather, StrategyKind::ulysses,
                              StrategyKind::hybrid};
 
-
 constexpr int kRanks = 4;
 constexpr int64_t kT = 256, kHq = 4, kHkv = 2, kD = 16;
 
@@ -76,7 +75,8 @@ TEST(Overflow, ScoresBeyondFp32NameTheGlobalTokenAndHeadOnEveryRank) {
       const std::string what = std::string(strategy_name(kind)) + " forward: non-finite output";
       for (int r = 0; r < kRanks; ++r) {
         const std::string& e = errors[r];
-        EXPECT_NE(e.find(what), std::string::npos) << layout_name(layout) << " rank " << r << ": " << e;
+        EXPECT_NE(e.find(what), std::string::npos)
+            << layout_name(layout) << " rank " << r << ": " << e;
         EXPECT_NE(e.find("lse = inf at token position 200, batch 1, head 1"), std::string::npos)
             << strategy_name(kind) << " " << layout_name(layout) << " rank " << r << ": " << e;
         EXPECT_NE(e.find("beyond the fp32 range"), std::string::npos) << e;
@@ -103,13 +103,16 @@ TEST(Overflow, HugeScaleNamesTheFirstTokenOfTheGroup) {
 // dO . v overflows; every rank fails the backward naming the first bad gradient row.
 TEST(Overflow, GradientsBeyondFp32FailTheBackwardOnEveryRank) {
   Overflow in(false);
-  for (int64_t d = 0; d < kD; ++d) in.full[3].ptr<float>()[in.full[3].view().offset(0, 100, 2, d)] = 3e38f;
+  for (int64_t d = 0; d < kD; ++d)
+    in.full[3].ptr<float>()[in.full[3].view().offset(0, 100, 2, d)] = 3e38f;
   for (StrategyKind kind : kAll) {
     const auto errors = run(in, kind, LayoutKind::zigzag, true);
     for (int r = 0; r < kRanks; ++r) {
       EXPECT_NE(errors[r].find(std::string(strategy_name(kind)) + " backward: non-finite output"),
-                std::string::npos) << "rank " << r << ": " << errors[r];
-      EXPECT_NE(errors[r].find("at token position 0, batch 0, head 1"), std::string::npos) << strategy_name(kind) << " rank " << r << ": " << errors[r];
+                std::string::npos)
+          << "rank " << r << ": " << errors[r];
+      EXPECT_NE(errors[r].find("at token position 0, batch 0, head 1"), std::string::npos)
+          << strategy_name(kind) << " rank " << r << ": " << errors[r];
     }
   }
 }
@@ -137,7 +140,8 @@ TEST(Overflow, FiniteResultsAndFullyMaskedRowsPass) {
       opt.ulysses_degree = kind == StrategyKind::hybrid ? 2 : 0;
       auto s = Strategy::create(comm, opt);
       const int r = comm.rank();
-      Tensor q = layout.shard(full[0], r), k = layout.shard(full[1], r), v = layout.shard(full[2], r);
+      Tensor q = layout.shard(full[0], r), k = layout.shard(full[1], r),
+             v = layout.shard(full[2], r);
       const std::vector<int64_t> pos = layout.token_positions(r);
       const int64_t tl = pos.size();
       Tensor o(DType::f32, {1, tl, kHq, kD}), lse(DType::f32, {1, kHq, tl});
@@ -146,7 +150,8 @@ TEST(Overflow, FiniteResultsAndFullyMaskedRowsPass) {
       s->forward(q, k, v, Tokens{pos, {}}, o, lse);
       s->backward(q, k, v, Tokens{pos, {}}, o, lse, o, dq, dk, dv);
     });
-    for (int r = 0; r < kRanks; ++r) EXPECT_EQ(errors[r], "") << strategy_name(kind) << " rank " << r;
+    for (int r = 0; r < kRanks; ++r)
+      EXPECT_EQ(errors[r], "") << strategy_name(kind) << " rank " << r;
   }
 }
 

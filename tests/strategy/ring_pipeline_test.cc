@@ -99,8 +99,8 @@ TEST(RingPipeline, MultiPieceBackwardMatchesReference) {
       for (LayoutKind layout : {LayoutKind::contiguous, LayoutKind::zigzag}) {
         const RunResult cpu = run_sharded(pr, p, layout, opt);
         const Errors e = errors_of(cpu, refs);
-        const std::string where = std::string(mask) + " P=" + std::to_string(p) + " " +
-                                  layout_name(layout);
+        const std::string where =
+            std::string(mask) + " P=" + std::to_string(p) + " " + layout_name(layout);
         EXPECT_LE(e.dq, bound.dq) << where;
         EXPECT_LE(e.dk, bound.dk) << where;
         EXPECT_LE(e.dv, bound.dv) << where;
@@ -111,7 +111,8 @@ TEST(RingPipeline, MultiPieceBackwardMatchesReference) {
         sim.device.sim_seed = uint64_t(p) * 10 + (layout == LayoutKind::zigzag);
         sim.device.sim_max_delay_us = 50;
         const RunResult on_sim = run_sharded(pr, p, layout, sim);
-        for (auto [x, y] : {std::pair{&cpu.dq, &on_sim.dq}, {&cpu.dk, &on_sim.dk}, {&cpu.dv, &on_sim.dv}})
+        for (auto [x, y] :
+             {std::pair{&cpu.dq, &on_sim.dq}, {&cpu.dk, &on_sim.dk}, {&cpu.dv, &on_sim.dv}})
           EXPECT_EQ(std::memcmp(x->data(), y->data(), x->bytes()), 0) << where << ": sim != cpu";
       }
   }

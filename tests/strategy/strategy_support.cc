@@ -67,8 +67,8 @@ const References& references_of(const Problem& pr) {
   static std::map<Key, References> cache;
   std::lock_guard<std::mutex> lock(mu);
   // dout is fp32 in the problem; ranks holding it as bf16 see it rounded, as the reference must.
-  Key key{pr.batch, pr.tokens, pr.hq, pr.hkv, pr.d, int(pr.dtype) * 8 + int(pr.out_dtype), pr.seed,
-          pr.mask.describe()};
+  Key key{pr.batch, pr.tokens,         pr.hq, pr.hkv, pr.d, int(pr.dtype) * 8 + int(pr.out_dtype),
+          pr.seed,  pr.mask.describe()};
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   References& r = cache[key];
@@ -159,8 +159,7 @@ std::vector<std::string> errors_on_ranks(int p, const std::function<void(Communi
           }
         },
         opt);
-  } catch (const Error&) {
-  }
+  } catch (const Error&) {}
   if (seconds)
     *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return errors;

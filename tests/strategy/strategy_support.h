@@ -20,7 +20,7 @@ struct Problem {
   Mask mask;
   uint64_t seed = 1;
   // Filled by build():
-  Tensor q, k, v, dout;          // [B, T, H, D] whole sequence
+  Tensor q, k, v, dout;            // [B, T, H, D] whole sequence
   std::vector<int64_t> positions;  // 0..T-1
   std::vector<int32_t> documents;  // a few documents of uneven length
   void build();

@@ -26,12 +26,16 @@ class ScopedEnv {
  public:
   ScopedEnv(const char* name, const char* value) : name_(name) {
     if (const char* old = std::getenv(name)) old_ = old, had_ = true;
-    if (value) setenv(name, value, 1);
-    else unsetenv(name);
+    if (value)
+      setenv(name, value, 1);
+    else
+      unsetenv(name);
   }
   ~ScopedEnv() {
-    if (had_) setenv(name_, old_.c_str(), 1);
-    else unsetenv(name_);
+    if (had_)
+      setenv(name_, old_.c_str(), 1);
+    else
+      unsetenv(name_);
   }
 
  private:
@@ -99,12 +103,11 @@ TEST(Ulysses, HeadGroupsGiveTheUnpipelinedBits) {
           // and no more memory than G = 1 (groups' buffers are 1/G; 45-80 % of it here).
           if (c.kind == StrategyKind::ulysses) {
             EXPECT_EQ(one.forward_stats[r].bytes_sent, piped.forward_stats[r].bytes_sent) << where;
-            EXPECT_EQ(one.backward_stats[r].bytes_sent, piped.backward_stats[r].bytes_sent) << where;
+            EXPECT_EQ(one.backward_stats[r].bytes_sent, piped.backward_stats[r].bytes_sent)
+                << where;
           }
-          EXPECT_LE(piped.forward_stats[r].peak_bytes, one.forward_stats[r].peak_bytes)
-              << where;
-          EXPECT_LE(piped.backward_stats[r].peak_bytes, one.backward_stats[r].peak_bytes)
-              << where;
+          EXPECT_LE(piped.forward_stats[r].peak_bytes, one.forward_stats[r].peak_bytes) << where;
+          EXPECT_LE(piped.backward_stats[r].peak_bytes, one.backward_stats[r].peak_bytes) << where;
         }
       }
 }
@@ -192,7 +195,8 @@ TEST(Ulysses, CpuAlltoallIsPostedAndPendingOnesKeepApart) {
             }
           }
     });
-    EXPECT_TRUE(seen) << device_name(kind) << ": rank 0's all-to-all did not return before "
+    EXPECT_TRUE(seen) << device_name(kind)
+                      << ": rank 0's all-to-all did not return before "
                          "rank 1 called its own (it blocked)";
   }
 }

@@ -76,14 +76,15 @@ uint64_t expected_bytes(const Case& c, bool backward) {
                                      groups * tl * (8 + (pr.mask.documents ? 4 : 0)));
       return gather + (backward ? (c.p - 1) * grad_block(pr, tl, pr.hkv) : 0);
     }
-    case StrategyKind::ulysses: return ulysses_bytes(pr, c.p, tl, backward);
+    case StrategyKind::ulysses:
+      return ulysses_bytes(pr, c.p, tl, backward);
     case StrategyKind::hybrid: {
       const int u = c.opt.ulysses_degree, rings = c.p / u;
       const int64_t hq = pr.hq / u, rep = pr.hq / pr.hkv;
       const int64_t hk = pr.hkv % u == 0 ? pr.hkv / u : rep % hq == 0 ? 1 : hq;
-      return ulysses_bytes(pr, u, tl, backward) +
-             (backward ? ring_backward_bytes(pr, rings, u * tl, hk)
-                       : ring_forward_bytes(pr, rings, u * tl, hk));
+      return ulysses_bytes(pr, u, tl, backward) + (backward
+                                                       ? ring_backward_bytes(pr, rings, u * tl, hk)
+                                                       : ring_forward_bytes(pr, rings, u * tl, hk));
     }
   }
   return 0;
@@ -92,14 +93,15 @@ uint64_t expected_bytes(const Case& c, bool backward) {
 void check_volume(const Case& c) {
   const RunResult res = run_sharded(c.pr, c.p, LayoutKind::zigzag, c.opt);
   for (int r = 0; r < c.p; ++r) {
-    const std::string where = std::string(strategy_name(c.opt.kind)) + " P=" +
-                              std::to_string(c.p) + " u=" + std::to_string(c.opt.ulysses_degree) +
-                              " " + dtype_name(c.pr.dtype) + " mask=" + c.pr.mask.describe() +
-                              " rank " + std::to_string(r);
+    const std::string where = std::string(strategy_name(c.opt.kind)) + " P=" + std::to_string(c.p) +
+                              " u=" + std::to_string(c.opt.ulysses_degree) + " " +
+                              dtype_name(c.pr.dtype) + " mask=" + c.pr.mask.describe() + " rank " +
+                              std::to_string(r);
     EXPECT_EQ(res.forward_stats[r].bytes_sent, expected_bytes(c, false)) << where << " forward";
     EXPECT_EQ(res.forward_stats[r].bytes_received, expected_bytes(c, false)) << where << " forward";
     EXPECT_EQ(res.backward_stats[r].bytes_sent, expected_bytes(c, true)) << where << " backward";
-    EXPECT_EQ(res.backward_stats[r].bytes_received, expected_bytes(c, true)) << where << " backward";
+    EXPECT_EQ(res.backward_stats[r].bytes_received, expected_bytes(c, true))
+        << where << " backward";
     EXPECT_GT(res.forward_stats[r].attention_flops, 0) << where;
     EXPECT_GT(res.forward_stats[r].peak_bytes, 0u) << where;
     EXPECT_GE(res.forward_stats[r].wall_seconds, res.forward_stats[r].busy_seconds) << where;
@@ -133,7 +135,8 @@ TEST(Volume, AllGatherUlyssesHybridMatchTheirFormulas) {
       if (p != 3) check_volume(make_case(StrategyKind::ulysses, p, DType::bf16, docs));
     }
   for (auto [p, u] : {std::pair{2, 2}, {4, 2}, {8, 2}, {8, 4}, {3, 1}})
-    for (bool docs : {false, true}) check_volume(make_case(StrategyKind::hybrid, p, DType::f32, docs, u));
+    for (bool docs : {false, true})
+      check_volume(make_case(StrategyKind::hybrid, p, DType::f32, docs, u));
 }
 
 // Ring holds its state and two K/V blocks (the one computed on, the one arriving) whatever P:
@@ -154,7 +157,8 @@ TEST(Volume, RingPeakBytesDoNotGrowWithP) {
     RunResult res = run_sharded(pr, p, LayoutKind::zigzag, opt, backward);
     size_t m = 0;
     for (int r = 0; r < p; ++r)
-      m = std::max(m, backward ? res.backward_stats[r].peak_bytes : res.forward_stats[r].peak_bytes);
+      m = std::max(m,
+                   backward ? res.backward_stats[r].peak_bytes : res.forward_stats[r].peak_bytes);
     return m;
   };
   const size_t block = 2 * 16 * 2 * 16 * 4 + 16 * 8;  // K + V + positions of 16 tokens

@@ -58,7 +58,8 @@ struct ErrorAcc {
   }
   // -inf LSE rows (fully masked) must agree exactly; a NaN is never within tolerance.
   static double diff(double a, double b) {
-    if (std::isinf(a) || std::isinf(b)) return a == b ? 0.0 : std::numeric_limits<double>::infinity();
+    if (std::isinf(a) || std::isinf(b))
+      return a == b ? 0.0 : std::numeric_limits<double>::infinity();
     if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<double>::infinity();
     return std::fabs(a - b);
   }
@@ -82,8 +83,8 @@ QuantityCheck finish(const std::string& name, const ErrorAcc& e, double floor_re
 template <typename R>
 void key_row_grads(const float* q, const float* k, const float* v, const float* dout,
                    const float* out, const float* lse, const Tokens& tok, const Mask& mask,
-                   int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t b, int64_t j,
-                   int64_t hk, R* dk, R* dv) {
+                   int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t b, int64_t j, int64_t hk,
+                   R* dk, R* dv) {
   const R scale = static_cast<R>(1.0 / std::sqrt(static_cast<double>(D)));
   const int64_t group = Hq / Hkv;
   const bool docs = !tok.documents.empty();
@@ -172,11 +173,11 @@ std::vector<int64_t> compare_sampled_key_grads(const CheckInputs& in, int64_t co
   parallel_for(nk * B * Hkv, threads, [&](int64_t x) {
     const int64_t hk = x % Hkv, b = (x / Hkv) % B, j = key_rows[x / (Hkv * B)];
     key_row_grads<double>(q.ptr<float>(), k.ptr<float>(), v.ptr<float>(), dout.ptr<float>(),
-                          out.ptr<float>(), lse.ptr<float>(), in.tokens, in.mask, T, Hq, Hkv,
-                          D, b, j, hk, &r64[x * 2 * D], &r64[x * 2 * D + D]);
+                          out.ptr<float>(), lse.ptr<float>(), in.tokens, in.mask, T, Hq, Hkv, D, b,
+                          j, hk, &r64[x * 2 * D], &r64[x * 2 * D + D]);
     key_row_grads<float>(q.ptr<float>(), k.ptr<float>(), v.ptr<float>(), dout.ptr<float>(),
-                         out.ptr<float>(), lse.ptr<float>(), in.tokens, in.mask, T, Hq, Hkv,
-                         D, b, j, hk, &r32[x * 2 * D], &r32[x * 2 * D + D]);
+                         out.ptr<float>(), lse.ptr<float>(), in.tokens, in.mask, T, Hq, Hkv, D, b,
+                         j, hk, &r32[x * 2 * D], &r32[x * 2 * D + D]);
   });
   for (int64_t x = 0; x < nk * B * Hkv; ++x) {
     const int64_t hk = x % Hkv, b = (x / Hkv) % B, j = key_rows[x / (Hkv * B)];
@@ -268,7 +269,8 @@ void record_checks(const CheckInputs& in, const ErrorAcc& e_out, const ErrorAcc&
   for (const auto& c : result.checks) {
     result.check_passed = result.check_passed && c.passed;
     double ratio = c.tolerance > 0 ? c.max_abs_err / c.tolerance : c.max_abs_err;
-    if (ratio > worst) worst = ratio, result.max_abs_err = c.max_abs_err, result.tolerance = c.tolerance;
+    if (ratio > worst)
+      worst = ratio, result.max_abs_err = c.max_abs_err, result.tolerance = c.tolerance;
   }
 }
 

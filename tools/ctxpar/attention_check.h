@@ -25,7 +25,7 @@ struct CheckInputs {
   // the check first proves the labels an order-preserving bijection of these ids.
   std::span<const int64_t> document_ids;
   Mask mask;
-  DType dtype = DType::f32;  // storage type of q, k, v, out, dout
+  DType dtype = DType::f32;              // storage type of q, k, v, out, dout
   Bf16Tier bf16_tier = Bf16Tier::exact;  // fast (bf16 only): the fast tier's floor, 2^-7
 };
 

@@ -41,7 +41,8 @@ void refuse_foreign_launcher(const char* command);
 
 // --transport: "auto" (launcher_transport(): mpi under mpirun, gloo under torchrun, else
 // threads) or the name of one of `allowed`; a UsageError listing them otherwise.
-TransportKind transport_option(const std::string& given, std::initializer_list<TransportKind> allowed);
+TransportKind transport_option(const std::string& given,
+                               std::initializer_list<TransportKind> allowed);
 
 // Under mpirun, MPI first (unless --transport threads): from there on a rank's error ends
 // every rank at once (main.cc), where a rank that exits before MPI_Init, on a bad option,
@@ -70,9 +71,9 @@ void run_rank_threads(int ranks, const std::function<void(Communicator&)>& fn,
 // A user's .npy input, read by each rank for its own token rows only (read_npy_rows): memory
 // and bytes read per rank are those of its shard, T/P of the file.
 struct InputFile {
-  std::string path;            // empty: not given
-  bool heads_first = false;    // the file is [B, H, T, D] (--layout-in bhtd), else [B, T, H, D]
-  Shape shape;                 // [B, T, H, D] as the header says (after --layout-in)
+  std::string path;          // empty: not given
+  bool heads_first = false;  // the file is [B, H, T, D] (--layout-in bhtd), else [B, T, H, D]
+  Shape shape;               // [B, T, H, D] as the header says (after --layout-in)
   bool given() const { return !path.empty(); }
 };
 
@@ -88,15 +89,15 @@ struct AttentionJob {
   int ulysses_groups = 0;  // StrategyOptions::ulysses_groups (CTXPAR_ULYSSES_GROUPS)
   LayoutKind layout = LayoutKind::contiguous;
   TransportKind transport = TransportKind::threads;
-  DeviceOptions device;               // --device cpu | sim, --sim-seed
-  int threads = 1;                    // OpenMP threads per rank
+  DeviceOptions device;  // --device cpu | sim, --sim-seed
+  int threads = 1;       // OpenMP threads per rank
   bool backward = false;
   bool check = false;
   uint64_t seed = 0;
-  int repeats = 1;                    // timed repetitions; the figures are of the fastest
-  SimulatedLink link;                 // threads transport only
+  int repeats = 1;     // timed repetitions; the figures are of the fastest
+  SimulatedLink link;  // threads transport only
   double timeout_seconds = 300;
-  bool keep_outputs = false;          // fill AttentionResult's full tensors (on the root)
+  bool keep_outputs = false;  // fill AttentionResult's full tensors (on the root)
   // --check cost budget: B * Hq * rows * T * D multiply-adds of the fp64 reference. Above it,
   // a sample of evenly spaced query rows (and key rows for dK, dV) is checked instead.
   double check_budget = 3e8;
@@ -113,13 +114,13 @@ struct AttentionJob {
   // which keeps equality and order, so tiles are still skipped by id ranges.
   std::vector<int32_t> documents;
   std::vector<int64_t> document_ids;  // the user's --documents ids as given (for --check)
-  std::vector<int64_t> positions;  // per token (empty: 0..T-1)
+  std::vector<int64_t> positions;     // per token (empty: 0..T-1)
 };
 
 struct RankReport {
   int rank = 0;
   int64_t tokens = 0;
-  double attention_flops = 0;     // forward + backward FLOPs actually computed
+  double attention_flops = 0;  // forward + backward FLOPs actually computed
   double busy_seconds = 0;
   double wall_seconds = 0;
   double comm_wait_seconds = 0;
@@ -147,21 +148,21 @@ struct QuantityCheck {
 };
 
 struct AttentionResult {
-  bool is_root = true;            // false on MPI ranks other than 0 (they print nothing)
+  bool is_root = true;  // false on MPI ranks other than 0 (they print nothing)
   std::vector<RankReport> ranks;
-  std::string cudnn_version;      // --device cuda: cuDNN in use (rank 0's process), or
-  std::string cudnn_off_reason;   // why it is off
+  std::string cudnn_version;     // --device cuda: cuDNN in use (rank 0's process), or
+  std::string cudnn_off_reason;  // why it is off
   double forward_seconds = 0, backward_seconds = 0;  // wall, slowest rank
-  double single_rank_bytes = 0;   // memory one rank would need for the whole problem
-  double scores_bytes = 0;        // a materialised fp32 score matrix B*Hq*T*T (no flash kernel)
+  double single_rank_bytes = 0;  // memory one rank would need for the whole problem
+  double scores_bytes = 0;       // a materialised fp32 score matrix B*Hq*T*T (no flash kernel)
   bool checked = false, check_passed = false;
   double max_abs_err = 0, tolerance = 0;  // of the quantity closest to its tolerance
   std::vector<QuantityCheck> checks;
-  bool check_sampled = false;     // only some rows were checked (T too large for full fp64)
+  bool check_sampled = false;  // only some rows were checked (T too large for full fp64)
   std::vector<int64_t> check_query_rows, check_key_rows;  // token indices (when sampled)
   std::string check_note;
-  double check_seconds = 0;       // wall time of the check itself
-  Tensor out, lse, dq, dk, dv;    // full, unsharded, original order (keep_outputs, root only)
+  double check_seconds = 0;     // wall time of the check itself
+  Tensor out, lse, dq, dk, dv;  // full, unsharded, original order (keep_outputs, root only)
 };
 
 // Label of each id = its rank among the distinct ids: equal ids get equal labels, and

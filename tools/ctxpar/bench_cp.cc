@@ -59,12 +59,15 @@ void print_table(const std::vector<json>& rows, bool backward) {
     std::printf(" %9.1f %8.2f %11.1f %8.1f%% %7.1f%% %6s\n", num(r, "forward_gflops_per_second"),
                 num(r, "load_balance"), peak / (1 << 20), single > 0 ? 100 * peak / single : 0.0,
                 wall > 0 ? 100 * wait / wall : 0.0,
-                !r.contains("check_passed") ? "-" : r["check_passed"].get<bool>() ? "pass" : "FAIL");
+                !r.contains("check_passed")     ? "-"
+                : r["check_passed"].get<bool>() ? "pass"
+                                                : "FAIL");
   }
-  std::printf("\nGFLOP/s: forward attention FLOPs computed / wall time of the slowest rank. "
-              "balance: busiest rank's FLOPs / mean (1.00 is even).\nMiB/rank: largest rank's "
-              "shards + strategy buffers; vs 1 rank: that, as a share of what one rank would need "
-              "alone. exposed: time ranks waited for communication.\n");
+  std::printf(
+      "\nGFLOP/s: forward attention FLOPs computed / wall time of the slowest rank. "
+      "balance: busiest rank's FLOPs / mean (1.00 is even).\nMiB/rank: largest rank's "
+      "shards + strategy buffers; vs 1 rank: that, as a share of what one rank would need "
+      "alone. exposed: time ranks waited for communication.\n");
 }
 
 // ---- the sweep --------------------------------------------------------------------------
@@ -124,21 +127,22 @@ Options bench_cp_options() {
       .flag("no-plots", "write results.json and results.csv only")
       .add("python", "/usr/bin/python3", "Python with matplotlib, for the plots")
       .add("plot-script", "", "plot script (default: scripts/plot_cp.py of this source tree)")
-      .example("ctxpar bench cp --seq 4096,16384,65536 --ranks 1,2,4,8 --strategy "
-               "ring,allgather,ulysses --layout contiguous,zigzag,striped --mask causal --out cp")
+      .example(
+          "ctxpar bench cp --seq 4096,16384,65536 --ranks 1,2,4,8 --strategy "
+          "ring,allgather,ulysses --layout contiguous,zigzag,striped --mask causal --out cp")
       .example("ctxpar bench cp --seq 2048 --ranks 4 --backward --link-gbps 25 --out slow-link");
   return opts;
 }
 
 Sweep sweep_from_options(const Options& opts) {
   Sweep w;
-  w.seqs = parse_list(opts, "seq", [](const std::string& s) {
-    return whole_number_in("seq", s, 1, kMaxTokens);
-  });
+  w.seqs = parse_list(
+      opts, "seq", [](const std::string& s) { return whole_number_in("seq", s, 1, kMaxTokens); });
   w.ranks = parse_list(opts, "ranks", [](const std::string& s) {
     return static_cast<int>(whole_number_in("ranks", s, 1, kMaxThreadsRanks, kThreadsRanksNote));
   });
-  w.strategies = parse_list(opts, "strategy", [](const std::string& s) { return parse_strategy(s); });
+  w.strategies =
+      parse_list(opts, "strategy", [](const std::string& s) { return parse_strategy(s); });
   w.layouts = parse_list(opts, "layout", [](const std::string& s) { return parse_layout(s); });
 
   AttentionJob& base = w.base;
@@ -150,8 +154,9 @@ Sweep sweep_from_options(const Options& opts) {
     throw UsageError(e.what());
   }
   if (base.mask.documents)
-    throw UsageError("--mask documents is not swept (lengths depend on --seq); use ctxpar "
-                     "attention --mask documents:... for packed sequences");
+    throw UsageError(
+        "--mask documents is not swept (lengths depend on --seq); use ctxpar "
+        "attention --mask documents:... for packed sequences");
   read_job_shape(opts, base);
   base.backward = opts.on("backward");
   base.check = opts.on("check");
@@ -193,8 +198,11 @@ SweepPlan plan_sweep(const Sweep& w) {
             plan.runs.push_back(c);
           } catch (const Error& e) {
             notes.push_back("skip " + c.name() + ": " + e.what());
-            plan.skipped.push_back({{"seq", T}, {"num_ranks", P}, {"strategy", strategy_name(s)},
-                                    {"layout", layout_name(c.layout)}, {"reason", e.what()}});
+            plan.skipped.push_back({{"seq", T},
+                                    {"num_ranks", P},
+                                    {"strategy", strategy_name(s)},
+                                    {"layout", layout_name(c.layout)},
+                                    {"reason", e.what()}});
           }
         }
   if (p1_note && w.layouts.size() > 1)
@@ -207,12 +215,20 @@ SweepPlan plan_sweep(const Sweep& w) {
 // results.json's "sweep": what was asked for.
 json sweep_record(const Options& opts, const Sweep& w) {
   const AttentionJob& base = w.base;
-  json sweep = {{"seq", w.seqs}, {"ranks", w.ranks}, {"mask", opts.str("mask")},
-                {"batch", base.batch}, {"heads", base.heads}, {"kv_heads", base.kv_heads},
-                {"head_dim", base.head_dim}, {"dtype", opts.str("dtype")},
+  json sweep = {{"seq", w.seqs},
+                {"ranks", w.ranks},
+                {"mask", opts.str("mask")},
+                {"batch", base.batch},
+                {"heads", base.heads},
+                {"kv_heads", base.kv_heads},
+                {"head_dim", base.head_dim},
+                {"dtype", opts.str("dtype")},
                 {"bf16_tier", bf16_tier_name(base.bf16_tier)},
-                {"threads", base.threads}, {"backward", base.backward}, {"check", base.check},
-                {"repeats", base.repeats}, {"transport", "threads"}};
+                {"threads", base.threads},
+                {"backward", base.backward},
+                {"check", base.check},
+                {"repeats", base.repeats},
+                {"transport", "threads"}};
   std::vector<std::string> names;
   for (auto s : w.strategies) names.push_back(strategy_name(s));
   sweep["strategy"] = names;
@@ -234,7 +250,9 @@ int run_sweep(const Options& opts, const Sweep& w, SweepPlan plan, const fs::pat
   {
     Progress bar("bench cp", static_cast<int64_t>(plan.runs.size()));
     // A run's cost grows as T^2 (attention) whatever P: the ETA weighs runs by it.
-    auto work = [&](const Combo& c) { return static_cast<double>(c.seq) * static_cast<double>(c.seq); };
+    auto work = [&](const Combo& c) {
+      return static_cast<double>(c.seq) * static_cast<double>(c.seq);
+    };
     double total_work = 0;
     for (const Combo& c : plan.runs) total_work += work(c);
     bar.set_work(total_work);
@@ -253,9 +271,11 @@ int run_sweep(const Options& opts, const Sweep& w, SweepPlan plan, const fs::pat
       } catch (const std::exception& e) {
         // One failed run (e.g. out of memory at the largest size) does not lose the sweep.
         bar.print("failed " + c.name() + ": " + e.what());
-        skipped.push_back({{"seq", c.seq}, {"num_ranks", c.ranks},
+        skipped.push_back({{"seq", c.seq},
+                           {"num_ranks", c.ranks},
                            {"strategy", strategy_name(c.strategy)},
-                           {"layout", layout_name(c.layout)}, {"reason", std::string("failed: ") + e.what()}});
+                           {"layout", layout_name(c.layout)},
+                           {"reason", std::string("failed: ") + e.what()}});
       }
       write_results(dir, sweep, rows, skipped, false, false);
       bar.advance_work(work(c));
@@ -268,7 +288,8 @@ int run_sweep(const Options& opts, const Sweep& w, SweepPlan plan, const fs::pat
                  plan.runs.size(), dir.c_str());
   if (!rows.empty()) print_table(rows, w.base.backward);
   std::fflush(stdout);  // the table before the plot script's messages, also through a pipe
-  std::fprintf(stderr, "wrote %s and %s\n", (dir / "results.json").c_str(), (dir / "results.csv").c_str());
+  std::fprintf(stderr, "wrote %s and %s\n", (dir / "results.json").c_str(),
+               (dir / "results.csv").c_str());
   if (!rows.empty() && !opts.on("no-plots")) draw_plots(opts, dir);
   if (stopped) return 130;
   return failed_check ? 1 : 0;
@@ -280,8 +301,9 @@ int bench_cp(int argc, char** argv) {
   Options opts = bench_cp_options();
   if (!opts.parse(argc, argv)) return 0;
   if (launched_by_mpi())
-    throw UsageError("bench cp sweeps P on the threads transport inside one process; run it "
-                     "without mpirun (for MPI timings: mpirun -n P ctxpar attention ...)");
+    throw UsageError(
+        "bench cp sweeps P on the threads transport inside one process; run it "
+        "without mpirun (for MPI timings: mpirun -n P ctxpar attention ...)");
   if (const ForeignLauncher l = foreign_launcher(); l.ranks > 0)
     throw UsageError("started by " + l.name + " as " + std::to_string(l.ranks) +
                      " processes, each of which would run the whole sweep: bench cp sweeps P on "

@@ -25,7 +25,8 @@ using nlohmann::json;
 
 // One CSV column per figure: objects and arrays of objects flatten to dotted names
 // ("ranks.3.peak_bytes"); an array of plain values stays one cell, space-separated.
-void flatten(const json& j, const std::string& prefix, std::vector<std::pair<std::string, std::string>>& out) {
+void flatten(const json& j, const std::string& prefix,
+             std::vector<std::pair<std::string, std::string>>& out) {
   auto cell = [](const json& v) -> std::string {
     if (v.is_string()) return v.get<std::string>();
     if (v.is_null()) return "";
@@ -34,7 +35,8 @@ void flatten(const json& j, const std::string& prefix, std::vector<std::pair<std
   if (j.is_object()) {
     for (auto it = j.begin(); it != j.end(); ++it)
       flatten(it.value(), prefix.empty() ? it.key() : prefix + '.' + it.key(), out);
-  } else if (j.is_array() && std::any_of(j.begin(), j.end(), [](const json& v) { return v.is_structured(); })) {
+  } else if (j.is_array() &&
+             std::any_of(j.begin(), j.end(), [](const json& v) { return v.is_structured(); })) {
     for (size_t i = 0; i < j.size(); ++i) flatten(j[i], prefix + '.' + std::to_string(i), out);
   } else if (j.is_array()) {
     std::string s;
@@ -92,7 +94,6 @@ std::string to_csv(const std::vector<json>& rows) {
   return out;
 }
 
-
 // ---- plots ------------------------------------------------------------------------------
 
 // scripts/plot_cp.py: --plot-script, $CTXPAR_PLOT_SCRIPT, the source tree this binary was
@@ -100,7 +101,8 @@ std::string to_csv(const std::vector<json>& rows) {
 std::string find_plot_script(const std::string& given) {
   if (!given.empty()) return given;
   if (const char* env = std::getenv("CTXPAR_PLOT_SCRIPT")) return env;
-  std::vector<fs::path> candidates = {fs::path(__FILE__).parent_path() / "../../scripts/plot_cp.py"};
+  std::vector<fs::path> candidates = {fs::path(__FILE__).parent_path() /
+                                      "../../scripts/plot_cp.py"};
   std::error_code ec;
   fs::path exe = fs::read_symlink("/proc/self/exe", ec);
   if (!ec) {
@@ -118,9 +120,13 @@ int run_plot_script(const std::string& python, const std::string& script, const 
   std::string results = (dir / "results.json").string(), out = dir.string();
   // -I (isolated): neither the working folder, the script's folder, PYTHONPATH nor the user's
   // site-packages is searched, so a json.py planted beside the results is never imported.
-  std::vector<char*> argv = {const_cast<char*>(python.c_str()), const_cast<char*>("-I"),
-                             const_cast<char*>(script.c_str()), results.data(),
-                             const_cast<char*>("--out"), out.data(), nullptr};
+  std::vector<char*> argv = {const_cast<char*>(python.c_str()),
+                             const_cast<char*>("-I"),
+                             const_cast<char*>(script.c_str()),
+                             results.data(),
+                             const_cast<char*>("--out"),
+                             out.data(),
+                             nullptr};
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, STDERR_FILENO, STDOUT_FILENO);  // keep stdout for the table
@@ -129,8 +135,7 @@ int run_plot_script(const std::string& python, const std::string& script, const 
   posix_spawn_file_actions_destroy(&fa);
   if (rc != 0) return 127;
   int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
@@ -152,23 +157,29 @@ void draw_plots(const Options& opts, const fs::path& dir) {
   const std::string python = opts.str("python");
   const std::string script = find_plot_script(opts.str("plot-script"));
   if (script.empty()) {
-    std::fprintf(stderr, "plots skipped: scripts/plot_cp.py not found (give --plot-script PATH); "
-                         "results.json and results.csv are written\n");
+    std::fprintf(stderr,
+                 "plots skipped: scripts/plot_cp.py not found (give --plot-script PATH); "
+                 "results.json and results.csv are written\n");
     return;
   }
   if (access(python.c_str(), X_OK) != 0) {
-    std::fprintf(stderr, "plots skipped: %s not found (apt-get install python3-matplotlib); "
-                         "results.json and results.csv are written\n", python.c_str());
+    std::fprintf(stderr,
+                 "plots skipped: %s not found (apt-get install python3-matplotlib); "
+                 "results.json and results.csv are written\n",
+                 python.c_str());
     return;
   }
   const int rc = run_plot_script(python, script, dir);
   if (rc == 3)  // plot_cp.py's code for "matplotlib is missing"
-    std::fprintf(stderr, "plots skipped: %s has no matplotlib (apt-get install "
-                         "python3-matplotlib); results.json and results.csv are written\n",
+    std::fprintf(stderr,
+                 "plots skipped: %s has no matplotlib (apt-get install "
+                 "python3-matplotlib); results.json and results.csv are written\n",
                  python.c_str());
   else if (rc != 0)
-    std::fprintf(stderr, "plots failed: %s %s exited with %d; results.json and results.csv are "
-                         "written\n", python.c_str(), script.c_str(), rc);
+    std::fprintf(stderr,
+                 "plots failed: %s %s exited with %d; results.json and results.csv are "
+                 "written\n",
+                 python.c_str(), script.c_str(), rc);
 }
 
 }  // namespace ctxpar::cli

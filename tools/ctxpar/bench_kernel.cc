@@ -29,7 +29,8 @@ void time_once(Best& best, int threads, const std::function<void()>& run) {
   const double c0 = kernel::process_cpu_seconds();
   const auto t0 = std::chrono::steady_clock::now();
   run();
-  best.wall = std::min(best.wall, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  best.wall = std::min(
+      best.wall, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   best.cpu = std::min(best.cpu, (kernel::process_cpu_seconds() - c0) / threads);
 }
 
@@ -73,7 +74,8 @@ KernelBench kernel_bench_from_options(const Options& o) {
   kb.repeats = o.i32("repeats", 1, kMaxRepeats);
   const DType dtype = kb.dtype = parse_dtype(o.str("dtype"));
   kb.tier = bf16_tier_option(o);
-  CTXPAR_CHECK(t >= 1 && hq >= 1 && b >= 1 && threads >= 1, "bench kernel: --seq, --heads, --batch "
+  CTXPAR_CHECK(t >= 1 && hq >= 1 && b >= 1 && threads >= 1,
+               "bench kernel: --seq, --heads, --batch "
                "and --threads must be >= 1");
   kb.backward = !o.on("no-backward");
   // Every option is checked before anything is allocated (--kv-heads 65536 was refused only
@@ -87,8 +89,8 @@ KernelBench kernel_bench_from_options(const Options& o) {
     // Before allocating: q, k, v, dO, O in the dtype; lse, delta, the state's m and l in fp32;
     // the fp32 accumulator, dQ, dK, dV.
     const double B = double(b), T = double(t), D = double(d), es = double(dtype_size(dtype));
-    const double need = B * T * D * ((3.0 * hq + 2.0 * hkv) * es + (2.0 * hq + 2.0 * hkv) * 4) +
-                        4 * B * hq * T * 4;
+    const double need =
+        B * T * D * ((3.0 * hq + 2.0 * hkv) * es + (2.0 * hq + 2.0 * hkv) * 4) + 4 * B * hq * T * 4;
     const MemoryLimit limit = memory_limit();
     CTXPAR_CHECK(!limit.known() || need <= limit.bytes, "bench kernel: this run ",
                  limit.shortfall(need), ", or lower --seq, --heads, --head-dim or --batch");
@@ -116,7 +118,8 @@ nlohmann::json run_kernel_bench(const KernelBench& kb) {
   cfg.bf16_tier = tier;
   ForwardState state(b, t, hq, d);
   Tensor out(dtype, {b, t, hq, d}), lse(DType::f32, {b, hq, t}), delta(DType::f32, {b, hq, t});
-  Tensor dq(DType::f32, {b, t, hq, d}), dk(DType::f32, {b, t, hkv, d}), dv(DType::f32, {b, t, hkv, d});
+  Tensor dq(DType::f32, {b, t, hq, d}), dk(DType::f32, {b, t, hkv, d}),
+      dv(DType::f32, {b, t, hkv, d});
 
   const double full = attention_flops(b, hq, t, t, d);
   auto forward = [&](const Mask& mask) {
@@ -178,9 +181,10 @@ void print_kernel_bench(const KernelBench& kb, const nlohmann::json& j) {
   const bool backward = kb.backward;
   kernel::Peak peak;
   peak.gflops = j["peak_gflops"], peak.cpu_gflops = j["peak_gflops_cpu"];
-  std::printf("kernel T=%lld Hq=%lld Hkv=%lld D=%lld B=%lld %s, %d thread(s), SIMD %s x%d, best of %d\n",
-              (long long)t, (long long)hq, (long long)hkv, (long long)d, (long long)b,
-              dtype_name(dtype), threads, kernel::simd_target_name(), kernel::simd_lanes(), repeats);
+  std::printf(
+      "kernel T=%lld Hq=%lld Hkv=%lld D=%lld B=%lld %s, %d thread(s), SIMD %s x%d, best of %d\n",
+      (long long)t, (long long)hq, (long long)hkv, (long long)d, (long long)b, dtype_name(dtype),
+      threads, kernel::simd_target_name(), kernel::simd_lanes(), repeats);
   std::printf("                    GFLOP/s (wall)  of peak   GFLOP/s (cpu)  of peak\n");
   auto line = [&](const char* what, const char* key, bool ratio) {
     const double w = j[std::string(key) + "_gflops"], c = j[std::string(key) + "_gflops_cpu"];

@@ -61,13 +61,16 @@ Options attention_options() {
       .add("layout-in", "bthd", "axis order of the .npy tensors: bthd | bhtd (PyTorch SDPA)")
       .add("documents", "", "document id per token, .npy int32/int64 [T] (packed sequences)")
       .add("positions", "", "position id per token, .npy int32/int64 [T] (default 0..T-1)")
-      .add("out", "", "write out.npy, lse.npy (and dq, dk, dv .npy) to this folder, replacing "
+      .add("out", "",
+           "write out.npy, lse.npy (and dq, dk, dv .npy) to this folder, replacing "
            "it as a whole (a new, empty, or earlier --out folder)");
-  o.example("ctxpar attention --seq 64K --heads 2 --head-dim 64 --ranks 4 --strategy ring "
-            "--layout zigzag --mask causal --backward --check");
+  o.example(
+      "ctxpar attention --seq 64K --heads 2 --head-dim 64 --ranks 4 --strategy ring "
+      "--layout zigzag --mask causal --backward --check");
   o.example("mpirun -n 4 ctxpar attention --seq 16K --strategy ulysses --mask causal --check");
-  o.example("ctxpar attention --q q.npy --k k.npy --v v.npy --layout-in bhtd --ranks 2 "
-            "--mask causal --out results/");
+  o.example(
+      "ctxpar attention --q q.npy --k k.npy --v v.npy --layout-in bhtd --ranks 2 "
+      "--mask causal --out results/");
   return o;
 }
 
@@ -138,8 +141,8 @@ AttentionJob job_from(const Options& o) {
     // The files decide the problem's shape; a conflicting explicit option is a mistake.
     auto take = [&](const char* name, int64_t& field, int64_t value) {
       if (o.given(name) && o.i64(name) != value)
-        throw UsageError(std::string("--") + name + " " + o.str(name) + " disagrees with --q/--k (" +
-                         std::to_string(value) + "); drop it");
+        throw UsageError(std::string("--") + name + " " + o.str(name) +
+                         " disagrees with --q/--k (" + std::to_string(value) + "); drop it");
       field = value;
     };
     take("batch", job.batch, job.q_file.shape[0]);
@@ -174,11 +177,11 @@ void print_table(const AttentionJob& job, const AttentionResult& r) {
               job.mask.describe().c_str(), count_str(job.seq).c_str(),
               static_cast<long long>(job.batch), static_cast<long long>(job.heads),
               static_cast<long long>(hkv), static_cast<long long>(job.head_dim),
-              dtype_label(job.dtype, job.bf16_tier),
-              job.backward ? ", forward + backward" : "");
+              dtype_label(job.dtype, job.bf16_tier), job.backward ? ", forward + backward" : "");
   std::string how = strategy_name(job.strategy);
   if (job.strategy == StrategyKind::hybrid)
-    how += " (ulysses groups of " + std::to_string(job.ulysses_degree ? job.ulysses_degree : job.ranks) + ")";
+    how += " (ulysses groups of " +
+           std::to_string(job.ulysses_degree ? job.ulysses_degree : job.ranks) + ")";
   std::printf("%s over %d ranks, %s layout, %s transport, %d thread%s per rank\n\n", how.c_str(),
               job.ranks, layout_name(job.layout), transport_name(job.transport), job.threads,
               job.threads == 1 ? "" : "s");
@@ -209,10 +212,11 @@ void print_table(const AttentionJob& job, const AttentionResult& r) {
   if (!r.ranks.empty() && flops > 0)
     std::printf("load balance: busiest rank does %.2fx the mean work\n",
                 max_flops / (flops / r.ranks.size()));
-  std::printf("memory: %s on the busiest rank; one rank alone would need %s "
-              "(%s more with a materialised fp32 score matrix)\n",
-              bytes_text(peak).c_str(), bytes_text(r.single_rank_bytes).c_str(),
-              bytes_text(r.scores_bytes).c_str());
+  std::printf(
+      "memory: %s on the busiest rank; one rank alone would need %s "
+      "(%s more with a materialised fp32 score matrix)\n",
+      bytes_text(peak).c_str(), bytes_text(r.single_rank_bytes).c_str(),
+      bytes_text(r.scores_bytes).c_str());
   if (!r.checked) return;
   std::printf("check: %s  max |err| %.3g, tolerance %.3g  (", r.check_passed ? "PASSED" : "FAILED",
               r.max_abs_err, r.tolerance);
@@ -248,23 +252,38 @@ Signature signature_of(const Options& o, const AttentionJob& job) {
   auto file = [](const InputFile& f) {
     return f.given() ? f.path + " " + shape_str(f.shape) + ", " + file_fingerprint(f.path) : "";
   };
-  auto ints = [](const auto& v) { return v.empty() ? std::string() : hash_hex(v.data(), v.size() * sizeof v[0]); };
+  auto ints = [](const auto& v) {
+    return v.empty() ? std::string() : hash_hex(v.data(), v.size() * sizeof v[0]);
+  };
   std::string lengths;
   for (int64_t l : job.document_lengths) lengths += num(l) + ",";
   // Files first: they decide the shape, so a file on one rank only is named as the cause.
-  return {{"q", file(job.q_file)}, {"k", file(job.k_file)}, {"v", file(job.v_file)},
-          {"do", file(job.dout_file)}, {"layout-in", o.str("layout-in")},
-          {"seq", num(job.seq)}, {"batch", num(job.batch)}, {"heads", num(job.heads)},
+  return {{"q", file(job.q_file)},
+          {"k", file(job.k_file)},
+          {"v", file(job.v_file)},
+          {"do", file(job.dout_file)},
+          {"layout-in", o.str("layout-in")},
+          {"seq", num(job.seq)},
+          {"batch", num(job.batch)},
+          {"heads", num(job.heads)},
           {"kv-heads", num(job.kv_heads ? job.kv_heads : job.heads)},
           {"head-dim", num(job.head_dim)},
-          {"mask", job.mask.describe() + " " + lengths}, {"dtype", dtype_name(job.dtype)},
+          {"mask", job.mask.describe() + " " + lengths},
+          {"dtype", dtype_name(job.dtype)},
           {"bf16-tier", bf16_tier_name(job.bf16_tier)},
-          {"ranks", num(job.ranks)}, {"strategy", strategy_name(job.strategy)},
-          {"ulysses-degree", num(job.ulysses_degree)}, {"layout", layout_name(job.layout)},
-          {"transport", transport_name(job.transport)}, {"seed", num(job.seed)}, {"repeats", num(job.repeats)},
-          {"backward", job.backward ? "on" : "off"}, {"check", job.check ? "on" : "off"},
-          {"check-budget", o.str("check-budget")}, {"out", o.given("out") ? "given" : ""},
-          {"json", o.on("json") ? "on" : "off"}, {"documents", ints(job.document_ids)},
+          {"ranks", num(job.ranks)},
+          {"strategy", strategy_name(job.strategy)},
+          {"ulysses-degree", num(job.ulysses_degree)},
+          {"layout", layout_name(job.layout)},
+          {"transport", transport_name(job.transport)},
+          {"seed", num(job.seed)},
+          {"repeats", num(job.repeats)},
+          {"backward", job.backward ? "on" : "off"},
+          {"check", job.check ? "on" : "off"},
+          {"check-budget", o.str("check-budget")},
+          {"out", o.given("out") ? "given" : ""},
+          {"json", o.on("json") ? "on" : "off"},
+          {"documents", ints(job.document_ids)},
           {"positions", ints(job.positions)}};
 }
 
@@ -294,7 +313,7 @@ int cmd_attention(int argc, char** argv) {
   // Before computing: an --out that cannot be written fails now, not after the run.
   std::unique_ptr<OutFolder> out_folder;
   const bool writes_out =
-      o.given("out") && (under_mpi   ? mpi_world().rank() == 0
+      o.given("out") && (under_mpi        ? mpi_world().rank() == 0
                          : under_torchrun ? gloo_world(job.timeout_seconds).rank() == 0
                                           : true);
   if (writes_out) out_folder = std::make_unique<OutFolder>(o.str("out"));
@@ -306,11 +325,13 @@ int cmd_attention(int argc, char** argv) {
   // Rough relative cost of each step, so the ETA follows the work: backward is 2.5 forwards,
   // drawing the inputs and the sampled check are a fraction of one.
   auto weight = [](const std::string& step) {
-    return step.rfind("backward", 0) == 0 ? 2.5 : step.rfind("forward", 0) == 0 ? 1.0
-           : step == "check" ? 0.5 : 0.05;
+    return step.rfind("backward", 0) == 0  ? 2.5
+           : step.rfind("forward", 0) == 0 ? 1.0
+           : step == "check"               ? 0.5
+                                           : 0.05;
   };
-  const double total_work = 0.05 + job.repeats * (1.0 + (job.backward ? 2.5 : 0.0)) +
-                            (job.check ? 0.5 : 0.0);
+  const double total_work =
+      0.05 + job.repeats * (1.0 + (job.backward ? 2.5 : 0.0)) + (job.check ? 0.5 : 0.0);
   std::unique_ptr<Progress> bar;
   std::string current;
   job.on_step = [&](const std::string& step) {

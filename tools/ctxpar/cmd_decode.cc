@@ -28,7 +28,6 @@ namespace {
 
 using namespace decode_cli;
 
-
 // Rows of a random tensor [1, n, H, D] at `indices`, each token's row drawn from its own seed
 // (token_seed, as `ctxpar attention` draws): the values depend on neither P nor --block, and a
 // rank draws only its own rows (drawing whole blocks costs the block size, whatever the context).
@@ -49,10 +48,9 @@ Tensor context_rows(const DecodeConfig& c, const std::string& npy, const std::ve
   const NpyHeader h = read_npy_header(npy);
   const int token_dim = h.shape.size() == 4 ? 1 : 0;
   const Tensor t = read_npy_rows(npy, token_dim, rows, o.dtype);  // contiguous
-  return Tensor::copy_of(TensorView(t.data(), t.dtype(),
-                                    {1, int64_t(rows.size()), o.kv_heads, o.head_dim}));
+  return Tensor::copy_of(
+      TensorView(t.data(), t.dtype(), {1, int64_t(rows.size()), o.kv_heads, o.head_dim}));
 }
-
 
 void run_rank(Communicator& comm, const DecodeConfig& c, Report& report) {
   KvCache cache(comm, c.cache);
@@ -70,7 +68,8 @@ void run_rank(Communicator& comm, const DecodeConfig& c, Report& report) {
     for (int64_t at = 0; at < c.context[s]; at += chunk) {
       const int64_t t = std::min(chunk, c.context[s] - at);
       const std::vector<int64_t> rows = cache.placement(at, t, me);
-      const Tensor k = context_rows(c, c.k_npy, rows, s, 1), v = context_rows(c, c.v_npy, rows, s, 2);
+      const Tensor k = context_rows(c, c.k_npy, rows, s, 1),
+                   v = context_rows(c, c.v_npy, rows, s, 2);
       if (!c.attend) {
         cache.append_local(s, t, k, v);
         continue;
@@ -148,8 +147,9 @@ Options decode_options() {
       .add("bf16-tier", "exact", kBf16TierHelp)
       .add("mask", "causal", "causal | causal+window:L,0 (keys at or before the query)")
       .add("block", "64", "placement block: tokens each rank takes in turn")
-      .add("prefill", "auto", "attend (prefill attention) | fill (store the K/V only) | auto "
-                              "(attend up to 32K tokens per sequence)")
+      .add("prefill", "auto",
+           "attend (prefill attention) | fill (store the K/V only) | auto "
+           "(attend up to 32K tokens per sequence)")
       .add("prefill-mode", "auto", "attend: auto | pass-kv | pass-q (auto: fewer bytes)")
       .add("chunk", "0", "attend: prefill in chunks of this many tokens (0: all at once)")
       .add("k-npy", "", "keys of the context, .npy [C, Hkv, D] or [1, C, Hkv, D] (with --v-npy)")
@@ -159,11 +159,13 @@ Options decode_options() {
       .add_device()
       .add("seed", "1", "seed of the random context, queries and decoded tokens")
       .flag("json", "one JSON object on stdout")
-      .flag("plan", "run nothing: predict decode's per-token time, bytes and memory per rank "
-                    "and prefill's (--chunk tokens onto the rest) in both modes with the "
-                    "crossover, from rates measured here (about a second)")
+      .flag("plan",
+            "run nothing: predict decode's per-token time, bytes and memory per rank "
+            "and prefill's (--chunk tokens onto the rest) in both modes with the "
+            "crossover, from rates measured here (about a second)")
       .example("ctxpar decode --context 1M --ranks 8 --tokens 64 --prefill fill")
-      .example("ctxpar decode --context 8192 --ranks 2 --tokens 16 --prefill-mode pass-q --chunk 1024")
+      .example(
+          "ctxpar decode --context 8192 --ranks 2 --tokens 16 --prefill-mode pass-q --chunk 1024")
       .example("mpirun -n 4 ctxpar decode --context 256K --tokens 32 --prefill fill")
       .example("torchrun --no-python --nproc-per-node 2 ctxpar decode --context 64K --tokens 8")
       .example("ctxpar decode --plan --context 131072 --chunk 4096 --ranks 2");
@@ -207,8 +209,9 @@ void check_context_files(const DecodeConfig& c, int64_t longest) {
     }
     const bool rank3 = h.shape.size() == 3, rank4 = h.shape.size() == 4 && h.shape[0] == 1;
     const int64_t tokens = rank3 ? h.shape[0] : rank4 ? h.shape[1] : 0;
-    const Shape tail = rank3 ? Shape{h.shape[1], h.shape[2]}
-                             : rank4 ? Shape{h.shape[2], h.shape[3]} : Shape{};
+    const Shape tail = rank3   ? Shape{h.shape[1], h.shape[2]}
+                       : rank4 ? Shape{h.shape[2], h.shape[3]}
+                               : Shape{};
     if (!(rank3 || rank4) || tail != Shape({k.kv_heads, k.head_dim}) || tokens < longest)
       throw UsageError(std::string("--") + option + " " + path + ": expected shape [C, " +
                        std::to_string(k.kv_heads) + ", " + std::to_string(k.head_dim) +
@@ -237,8 +240,9 @@ DecodeConfig decode_from_options(const Options& o) {
   k.mask = parse_mask(o.str("mask"));
   check_cache_mask(k.mask, "--mask");  // the library's rule, KvCache's and ctxpar.KVCache's
   if (k.mask.documents)
-    throw UsageError("--mask with documents is not offered by the command (the library takes "
-                     "document ids: ctxpar/inference.h)");
+    throw UsageError(
+        "--mask with documents is not offered by the command (the library takes "
+        "document ids: ctxpar/inference.h)");
   k.block = o.i64("block", 1, int64_t{1} << 30);
   k.max_bytes_per_rank = o.num("max-cache-bytes", 0, 1e18);
   k.kernel.threads = threads_option(o);
@@ -268,11 +272,12 @@ int run_decode(const Options& o, const DecodeConfig& c, TransportKind transport)
   const bool one_per_process = transport_traits(transport).one_rank_per_process;
   auto world = [&]() -> Communicator& { return process_world(transport, 120); };
   const KvCacheOptions& k = c.cache;
-  const int ranks = one_per_process ? world().size()
-                                    : o.i32("ranks", 1, kMaxThreadsRanks, kThreadsRanksNote);
+  const int ranks =
+      one_per_process ? world().size() : o.i32("ranks", 1, kMaxThreadsRanks, kThreadsRanksNote);
   if (one_per_process && k.device.kind != DeviceKind::cpu)
-    throw UsageError("--device sim runs on the threads transport only; use --device cpu under "
-                     "mpirun or torchrun");
+    throw UsageError(
+        "--device sim runs on the threads transport only; use --device cpu under "
+        "mpirun or torchrun");
 
   // Every process parsed its own command line (an MPMD mpirun line, or torchrun's copies):
   // before anything else, --plan included, refuse ranks that differ, naming the option (a rank
@@ -318,9 +323,10 @@ int cmd_decode(int argc, char** argv) {
   using enum TransportKind;
   const TransportKind transport = transport_option(o.str("transport"), {threads, mpi, gloo});
   if (transport == gloo && !torchrun_job())
-    throw UsageError("--transport gloo needs the job started by torchrun, e.g. torchrun "
-                     "--nproc-per-node 2 --no-python ctxpar decode ...; or use --transport "
-                     "threads");
+    throw UsageError(
+        "--transport gloo needs the job started by torchrun, e.g. torchrun "
+        "--nproc-per-node 2 --no-python ctxpar decode ...; or use --transport "
+        "threads");
   // Joined first: from here on a rank's error ends every rank at once (mpirun), or within
   // seconds naming it (gloo), instead of leaving the others waiting to be joined.
   if (transport_traits(transport).one_rank_per_process) process_world(transport, 120);

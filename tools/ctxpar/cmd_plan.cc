@@ -89,22 +89,27 @@ HardwareSpec hardware_from(const Options& o, const PlanInput& in) {
     lo.kv_heads = std::max<int64_t>(1, in.model.kv_heads / in.tp);
     lo.head_dim = in.model.head_dim;
     lo.dtype = in.dtype;
-    if (o.given("link-gbps")) lo.link.gbytes_per_second = pair_of(o, "link-gbps", kMaxLinkGbps).first;
-    if (o.given("latency-us")) lo.link.latency_us = pair_of(o, "latency-us", kMaxLinkLatencyUs).first;
-    lo.message_bytes = 2.0 * lo.batch * lo.block_tokens * lo.kv_heads * lo.head_dim *
-                       dtype_size(in.dtype);
+    if (o.given("link-gbps"))
+      lo.link.gbytes_per_second = pair_of(o, "link-gbps", kMaxLinkGbps).first;
+    if (o.given("latency-us"))
+      lo.link.latency_us = pair_of(o, "latency-us", kMaxLinkLatencyUs).first;
+    lo.message_bytes =
+        2.0 * lo.batch * lo.block_tokens * lo.kv_heads * lo.head_dim * dtype_size(in.dtype);
     lo.ranks = in.cp;
     lo.layout = in.layout;
     lo.causal = in.causal;
     if (launched_by_mpi()) {
       if (o.given("link-gbps") || o.given("latency-us"))
-        throw UsageError("--link-gbps and --latency-us set the threads transport's simulated "
-                         "link; under mpirun --hardware local measures the MPI link instead");
+        throw UsageError(
+            "--link-gbps and --latency-us set the threads transport's simulated "
+            "link; under mpirun --hardware local measures the MPI link instead");
       lo.comm = &mpi_world();
       if (lo.comm->size() != in.cp)
-        throw UsageError("--hardware local under mpirun measures one rank per process: mpirun "
-                         "started " + std::to_string(lo.comm->size()) + " processes but --cp is " +
-                         std::to_string(in.cp) + "; use mpirun -n " + std::to_string(in.cp));
+        throw UsageError(
+            "--hardware local under mpirun measures one rank per process: mpirun "
+            "started " +
+            std::to_string(lo.comm->size()) + " processes but --cp is " + std::to_string(in.cp) +
+            "; use mpirun -n " + std::to_string(in.cp));
     }
     h = local_hardware(measure_local(lo), in.cp);
   } else if (o.given("hardware") || !o.given("flops")) {
@@ -154,7 +159,8 @@ Options plan_options() {
       .add("dp", "1", "data-parallel degree")
       .add("cp", "auto", "context-parallel degree (auto: the smallest power of two that fits)")
       .add("tp", "1", "tensor-parallel degree (sequence-parallel activations)")
-      .add("pp", "1", "pipeline stages (ceil(layers / pp) layers a device; 1F1B: pp micro-batches in flight)")
+      .add("pp", "1",
+           "pipeline stages (ceil(layers / pp) layers a device; 1F1B: pp micro-batches in flight)")
       .add("zero", "3", "ZeRO stage over dp x cp: 0 replicated, 1 optimizer, 2 +grads, 3 +weights")
       .add("strategy", "ring", "ring | allgather | ulysses | hybrid")
       .add("ulysses-degree", "0", "hybrid: ranks per Ulysses group (0: largest within a node)")
@@ -162,11 +168,13 @@ Options plan_options() {
       .add("mask", "causal", "causal | none")
       .add("dtype", "bf16", "bf16 | fp32 (weights, activations and transfers)")
       .flag("recompute", "full activation recomputation (keep only each layer's input)")
-      .add("hardware", "h100", "hardware preset: " + join(hardware_preset_names()) +
-                                   " (local under mpirun -n cp: the MPI link is measured)")
+      .add("hardware", "h100",
+           "hardware preset: " + join(hardware_preset_names()) +
+               " (local under mpirun -n cp: the MPI link is measured)")
       .add("flops", "", "peak dense TFLOP/s per device (overrides the preset)")
-      .add("efficiency", "", "fraction of peak the kernels reach (presets: 1, as the Ring "
-                             "Attention paper assumes)")
+      .add("efficiency", "",
+           "fraction of peak the kernels reach (presets: 1, as the Ring "
+           "Attention paper assumes)")
       .add("mem-gb", "", "device memory in GB")
       .add("link-gbps", "", "link GB/s per device, one direction: INTRA[,INTER]")
       .add("latency-us", "", "link latency in microseconds: INTRA[,INTER]")
@@ -176,8 +184,9 @@ Options plan_options() {
       .flag("json", "print every figure as JSON")
       .example("ctxpar plan --model lwm-7b --video-hours 1")
       .example("ctxpar plan --model llama3-70b --seq 1M --cp 16 --tp 8 --hardware h100 --compare")
-      .example("ctxpar plan --hardware local --layers 1 --hidden 512 --heads 4 --ffn 1024 "
-               "--vocab 1000 --seq 8192 --cp 4 --link-gbps 1 --json");
+      .example(
+          "ctxpar plan --hardware local --layers 1 --hidden 512 --heads 4 --ffn 1024 "
+          "--vocab 1000 --seq 8192 --cp 4 --link-gbps 1 --json");
   return o;
 }
 
@@ -231,17 +240,20 @@ PlanInput plan_from_options(const Options& o) {
   if (o.str("hardware") == "local" && !o.given("tile")) in.tile = static_cast<int>(kKernelTile);
   const bool local = o.str("hardware") == "local";
   if (auto_cp) {
-    if (local) throw UsageError("--hardware local needs an explicit --cp (the ranks share this machine)");
+    if (local)
+      throw UsageError("--hardware local needs an explicit --cp (the ranks share this machine)");
     in.hardware = hardware_from(o, in);
     Plan probe = make_plan(in, false);
     const int fit = in.recompute == Recompute::full ? probe.cp_to_fit_recompute : probe.cp_to_fit;
     in.cp = fit > 0 ? fit : 8;
     if (in.cp > kMaxPlanCp)
-      throw Error(detail::concat(
-          "--seq ", in.seq, " needs cp ", in.cp, " to fit in memory (with full recompute: ",
-          probe.cp_to_fit_recompute, "), more than the ", kMaxPlanCp, " ranks whose ring the plan "
-          "simulates (", kPlanCpNote, "); add --recompute or --tp, or give --cp ", kMaxPlanCp,
-          " to see that plan (it will show what does not fit)"));
+      throw Error(detail::concat("--seq ", in.seq, " needs cp ", in.cp,
+                                 " to fit in memory (with full recompute: ",
+                                 probe.cp_to_fit_recompute, "), more than the ", kMaxPlanCp,
+                                 " ranks whose ring the plan "
+                                 "simulates (",
+                                 kPlanCpNote, "); add --recompute or --tp, or give --cp ",
+                                 kMaxPlanCp, " to see that plan (it will show what does not fit)"));
   }
   in.hardware = hardware_from(o, in);
   return in;

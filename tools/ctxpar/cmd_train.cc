@@ -61,17 +61,20 @@ void plot_loss(const std::string& log_path, const std::string& png_path) {
   std::string temp;
   const int fd = open_temp_beside(png_path, &temp);
   if (fd < 0) {
-    std::fprintf(stderr, "ctxpar train: cannot create the plot beside %s: %s\n",
-                 png_path.c_str(), std::strerror(errno));
+    std::fprintf(stderr, "ctxpar train: cannot create the plot beside %s: %s\n", png_path.c_str(),
+                 std::strerror(errno));
     return;
   }
   match_umask(fd);
   const std::string fd_text = std::to_string(fd);
   // python3 -I -c SCRIPT A B: sys.argv is ['-c', A, B]; nothing after -c SCRIPT is an option.
-  std::vector<char*> argv = {const_cast<char*>(python), const_cast<char*>("-I"),
-                             const_cast<char*>("-c"), const_cast<char*>(script),
+  std::vector<char*> argv = {const_cast<char*>(python),
+                             const_cast<char*>("-I"),
+                             const_cast<char*>("-c"),
+                             const_cast<char*>(script),
                              const_cast<char*>(log_path.c_str()),
-                             const_cast<char*>(fd_text.c_str()), nullptr};
+                             const_cast<char*>(fd_text.c_str()),
+                             nullptr};
   std::fflush(stdout);  // our lines before Python's, when stdout is a file
   pid_t pid = -1;
   const int spawned = posix_spawn(&pid, python, nullptr, nullptr, argv.data(), environ);
@@ -82,12 +85,13 @@ void plot_loss(const std::string& log_path, const std::string& png_path) {
     return;
   }
   int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     ::unlink(temp.c_str());
-    std::fprintf(stderr, "ctxpar train: plotting failed (see above; needs matplotlib under "
-                 "%s)\n", python);
+    std::fprintf(stderr,
+                 "ctxpar train: plotting failed (see above; needs matplotlib under "
+                 "%s)\n",
+                 python);
     return;
   }
   // Checked again: the target may have become a link or a device during the run.
@@ -108,9 +112,9 @@ void check_output_paths(const std::vector<std::pair<const char*, std::string>>& 
     if (path.empty()) continue;
     const std::string problem = output_path_problem(path);
     if (!problem.empty())
-      throw UsageError(detail::concat("--", option, " ", path, " ", problem,
-                                      std::string(option) == "plot" ? " (--no-plot: no loss curve)"
-                                                                    : ""));
+      throw UsageError(
+          detail::concat("--", option, " ", path, " ", problem,
+                         std::string(option) == "plot" ? " (--no-plot: no loss curve)" : ""));
   }
 }
 
@@ -133,17 +137,30 @@ Signature train_signature(const TrainConfig& c) {
     return std::string(s, std::to_chars(s, s + sizeof s, v).ptr);
   };
   auto file = [](const std::string& p) { return p.empty() ? "" : p + ", " + file_fingerprint(p); };
-  return {{"data", file(c.data_path)}, {"resume", file(c.resume_path)},
-          {"seq", num(c.seq)}, {"steps", num(c.steps)}, {"batch", num(c.batch)},
-          {"seed", num(c.seed)}, {"dp", num(c.dp)}, {"cp", num(c.cp)},
-          {"strategy", strategy_name(c.strategy)}, {"ulysses-degree", num(c.ulysses_degree)},
-          {"layout", layout_name(c.layout)}, {"threads", num(c.threads)},
+  return {{"data", file(c.data_path)},
+          {"resume", file(c.resume_path)},
+          {"seq", num(c.seq)},
+          {"steps", num(c.steps)},
+          {"batch", num(c.batch)},
+          {"seed", num(c.seed)},
+          {"dp", num(c.dp)},
+          {"cp", num(c.cp)},
+          {"strategy", strategy_name(c.strategy)},
+          {"ulysses-degree", num(c.ulysses_degree)},
+          {"layout", layout_name(c.layout)},
+          {"threads", num(c.threads)},
           {"layers", num(c.model.layers)},
-          {"dim", num(c.model.dim)}, {"heads", num(c.model.heads)},
-          {"kv-heads", num(c.model.kv_heads)}, {"head-dim", num(c.model.head_dim)},
-          {"hidden", num(c.model.hidden)}, {"lr", real(c.lr)}, {"min-lr", real(c.min_lr)},
-          {"warmup", num(c.warmup)}, {"weight-decay", real(c.weight_decay)},
-          {"clip", real(c.clip)}, {"copy-len", num(c.copy_len)},
+          {"dim", num(c.model.dim)},
+          {"heads", num(c.model.heads)},
+          {"kv-heads", num(c.model.kv_heads)},
+          {"head-dim", num(c.model.head_dim)},
+          {"hidden", num(c.model.hidden)},
+          {"lr", real(c.lr)},
+          {"min-lr", real(c.min_lr)},
+          {"warmup", num(c.warmup)},
+          {"weight-decay", real(c.weight_decay)},
+          {"clip", real(c.clip)},
+          {"copy-len", num(c.copy_len)},
           {"dump-grads", c.dump_path.empty() ? "" : "given"}};
 }
 
@@ -154,14 +171,22 @@ namespace {
 // The library's train messages name TrainConfig / ModelConfig fields; the command's user
 // knows them by their flags. One table, both directions' only home.
 constexpr std::pair<const char*, const char*> kTrainFlags[] = {
-    {"TrainConfig::log_path", "--log"},        {"TrainConfig::data_path", "--data"},
-    {"TrainConfig::save_path", "--save"},      {"TrainConfig::resume_path", "--resume"},
-    {"TrainConfig::dump_path", "--dump-grads"}, {"TrainConfig::copy_len", "--copy-len"},
-    {"TrainConfig::seq", "--seq"},             {"TrainConfig::batch", "--batch"},
-    {"TrainConfig::steps", "--steps"},         {"TrainConfig::dp", "--dp"},
-    {"TrainConfig::cp", "--cp"},               {"ModelConfig::layers", "--layers"},
-    {"ModelConfig::dim", "--dim"},             {"ModelConfig::hidden", "--hidden"},
-    {"ModelConfig::heads", "--heads"},         {"ModelConfig::kv_heads", "--kv-heads"},
+    {"TrainConfig::log_path", "--log"},
+    {"TrainConfig::data_path", "--data"},
+    {"TrainConfig::save_path", "--save"},
+    {"TrainConfig::resume_path", "--resume"},
+    {"TrainConfig::dump_path", "--dump-grads"},
+    {"TrainConfig::copy_len", "--copy-len"},
+    {"TrainConfig::seq", "--seq"},
+    {"TrainConfig::batch", "--batch"},
+    {"TrainConfig::steps", "--steps"},
+    {"TrainConfig::dp", "--dp"},
+    {"TrainConfig::cp", "--cp"},
+    {"ModelConfig::layers", "--layers"},
+    {"ModelConfig::dim", "--dim"},
+    {"ModelConfig::hidden", "--hidden"},
+    {"ModelConfig::heads", "--heads"},
+    {"ModelConfig::kv_heads", "--kv-heads"},
     {"ModelConfig::head_dim", "--head-dim"},
 };
 
@@ -211,11 +236,12 @@ struct TrainRun {
 };
 
 Options train_options() {
-  Options o("train",
-            "Train a byte-level decoder-only transformer whose attention is split across ranks\n"
-            "(context parallelism). Without --data it trains on a built-in long-range task: L\n"
-            "distinct bytes, random filler, then the same L bytes again; the loss counts only\n"
-            "the copy, which lies more than T/2 tokens back (chance: loss log 128, accuracy 1/128).");
+  Options o(
+      "train",
+      "Train a byte-level decoder-only transformer whose attention is split across ranks\n"
+      "(context parallelism). Without --data it trains on a built-in long-range task: L\n"
+      "distinct bytes, random filler, then the same L bytes again; the loss counts only\n"
+      "the copy, which lies more than T/2 tokens back (chance: loss log 128, accuracy 1/128).");
   o.add("seq", "8192", "tokens per sequence T (64K / 1M suffixes accepted)")
       .add("steps", "300", "optimizer steps")
       .add("batch", "1", "sequences per data group per step")
@@ -298,14 +324,16 @@ TrainRun train_from_options(const Options& o) {
   const TransportKind transport = run.transport =
       transport_option(o.str("transport"), {threads, mpi, gloo});
   if (transport == gloo && !torchrun_job())
-    throw UsageError("--transport gloo needs the job started by torchrun, e.g. torchrun "
-                     "--nproc-per-node 4 --no-python ctxpar train ...; or use --transport threads");
+    throw UsageError(
+        "--transport gloo needs the job started by torchrun, e.g. torchrun "
+        "--nproc-per-node 4 --no-python ctxpar train ...; or use --transport threads");
   // One rank per process (mpirun's or torchrun's): the world communicator.
   const bool one_per_process = transport_traits(transport).one_rank_per_process;
   auto world = [&]() -> Communicator& { return process_world(transport, 120); };
   if (one_per_process && c.device.kind != DeviceKind::cpu)
-    throw UsageError("--device sim runs on the threads transport only; use --device cpu under "
-                     "mpirun or torchrun");
+    throw UsageError(
+        "--device sim runs on the threads transport only; use --device cpu under "
+        "mpirun or torchrun");
   const int ranks = run.ranks =
       one_per_process ? world().size() : o.i32("ranks", 1, kMaxThreadsRanks, kThreadsRanksNote);
   if (ranks < 1) throw UsageError("--ranks must be >= 1");
@@ -332,8 +360,10 @@ TrainRun train_from_options(const Options& o) {
     png += ".png";
   }
   if (!one_per_process || world().rank() == 0)  // rank 0 writes them
-    check_output_paths({{"save", c.save_path}, {"log", c.log_path},
-                        {"plot", c.log_path.empty() ? "" : png}, {"dump-grads", c.dump_path}});
+    check_output_paths({{"save", c.save_path},
+                        {"log", c.log_path},
+                        {"plot", c.log_path.empty() ? "" : png},
+                        {"dump-grads", c.dump_path}});
   run.quiet = o.on("quiet");
   return run;
 }
@@ -372,8 +402,7 @@ int run_train(const TrainRun& run) {
   if (!quiet)
     std::printf("ctxpar train: T=%lld, %d ranks (dp %d x cp %d, %s, %s, %s), model %s, %s\n",
                 (long long)c.seq, run.ranks, c.dp, c.cp, strategy_name(c.strategy),
-                layout_name(c.layout), transport_name(run.transport),
-                c.model.describe().c_str(),
+                layout_name(c.layout), transport_name(run.transport), c.model.describe().c_str(),
                 c.data_path.empty() ? "built-in copy task" : c.data_path.c_str());
   LaunchOptions launch_options;
   launch_options.gloo = gloo_options(120);
@@ -383,17 +412,20 @@ int run_train(const TrainRun& run) {
   if (first_step > c.steps) {
     // Nothing was trained, so there is no loss to report and nothing new to save or plot.
     if (leader)
-      std::printf("ctxpar train: checkpoint %s is already at step %lld >= --steps %lld: nothing "
-                  "to train (raise --steps above %lld to continue)\n", c.resume_path.c_str(),
-                  (long long)(first_step - 1), (long long)c.steps, (long long)(first_step - 1));
+      std::printf(
+          "ctxpar train: checkpoint %s is already at step %lld >= --steps %lld: nothing "
+          "to train (raise --steps above %lld to continue)\n",
+          c.resume_path.c_str(), (long long)(first_step - 1), (long long)c.steps,
+          (long long)(first_step - 1));
     return 0;
   }
   if (leader && !quiet)
-    std::printf("done: final loss %.4f (log 256 = %.4f), long-range accuracy %.3f, %.0f tok/s "
-                "mean (after step 1), peak %s/rank\n",
-                last.loss, std::log(256.0), last.accuracy,
-                counted_steps ? sum_tps / double(counted_steps) : last.tokens_per_second,
-                bytes_text(double(last.peak_bytes_max)).c_str());
+    std::printf(
+        "done: final loss %.4f (log 256 = %.4f), long-range accuracy %.3f, %.0f tok/s "
+        "mean (after step 1), peak %s/rank\n",
+        last.loss, std::log(256.0), last.accuracy,
+        counted_steps ? sum_tps / double(counted_steps) : last.tokens_per_second,
+        bytes_text(double(last.peak_bytes_max)).c_str());
   if (leader && !run.png.empty() && !c.log_path.empty()) plot_loss(c.log_path, run.png);
   return 0;
 }

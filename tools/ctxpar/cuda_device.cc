@@ -35,9 +35,10 @@ void check_cuda_device() {
   const cuda::DeviceProbe p = cuda::probe_devices();
   if (p.count == 0) throw Error("--device cuda: " + cuda::no_device_message(p));
 #else
-  throw Error("--device cuda: this ctxpar was built without CUDA (CTXPAR_CUDA=OFF, or no nvcc "
-              "at configure time); rebuild with -DCTXPAR_CUDA=ON where the CUDA toolkit is "
-              "installed, or use --device cpu");
+  throw Error(
+      "--device cuda: this ctxpar was built without CUDA (CTXPAR_CUDA=OFF, or no nvcc "
+      "at configure time); rebuild with -DCTXPAR_CUDA=ON where the CUDA toolkit is "
+      "installed, or use --device cpu");
 #endif
 }
 
@@ -47,8 +48,10 @@ void check_gpu_transport(TransportKind transport, const std::string& device) {
   const std::string opt = std::string("--transport ") + transport_name(transport);
   if (device != "cuda")
     throw Error(opt + (nccl ? " moves GPU memory between processes" : " runs P ranks on one GPU") +
-                " and needs --device cuda (got --device " + device + "); add --device cuda, or "
-                "use " + (nccl ? "--transport threads, mpi or gloo" : "--transport threads") +
+                " and needs --device cuda (got --device " + device +
+                "); add --device cuda, or "
+                "use " +
+                (nccl ? "--transport threads, mpi or gloo" : "--transport threads") +
                 " with --device cpu");
   if (!nccl && recording_cuda()) return;
 #ifdef CTXPAR_HAVE_CUDA
@@ -58,18 +61,21 @@ void check_gpu_transport(TransportKind transport, const std::string& device) {
                 " (with --device cpu: --transport threads" + (nccl ? ", mpi or gloo)" : ")"));
   if (!nccl) return;
   if (!launched_by_mpi() && !launched_by_torchrun())
-    throw Error(opt + " runs one rank per GPU, one process each: start it with mpirun -n P or "
+    throw Error(opt +
+                " runs one rank per GPU, one process each: start it with mpirun -n P or "
                 "torchrun --nproc-per-node P --no-python ctxpar ...; for P ranks on one GPU use "
                 "--transport loopback");
 #ifdef CTXPAR_HAVE_NCCL
   cuda::load_nccl();  // throws, saying what it looked for, where NCCL is missing
 #else
-  throw Error(opt + ": this ctxpar was built without NCCL's headers (nccl.h not found at "
+  throw Error(opt +
+              ": this ctxpar was built without NCCL's headers (nccl.h not found at "
               "configure time); install NCCL's development files and reconfigure, or use "
               "--transport mpi or gloo");
 #endif
 #else
-  throw Error(opt + ": this ctxpar was built without CUDA (CTXPAR_CUDA=OFF, or no nvcc at "
+  throw Error(opt +
+              ": this ctxpar was built without CUDA (CTXPAR_CUDA=OFF, or no nvcc at "
               "configure time); rebuild with -DCTXPAR_CUDA=ON where the CUDA toolkit is "
               "installed, or use --device cpu with --transport threads");
 #endif

@@ -22,12 +22,12 @@ struct DecodeConfig {
 };
 
 struct Report {
-  std::vector<double> step_seconds;     // rank 0's decode() wall time per step
+  std::vector<double> step_seconds;  // rank 0's decode() wall time per step
   double prefill_seconds = 0, merge_seconds = 0;
   uint64_t prefill_bytes = 0, decode_bytes = 0;  // all ranks together
-  std::vector<uint64_t> cache_bytes;    // per rank, at the end
-  std::vector<double> cpu_seconds;      // per rank: decode's CPU time (its thread), all steps
-  std::string prefill_mode;  // the modes the prefill calls ran ("pass-kv+pass-q"), or "fill"
+  std::vector<uint64_t> cache_bytes;             // per rank, at the end
+  std::vector<double> cpu_seconds;  // per rank: decode's CPU time (its thread), all steps
+  std::string prefill_mode;         // the modes the prefill calls ran ("pass-kv+pass-q"), or "fill"
   // FNV-1a of every step's out and lse, which are bitwise the same on every rank and transport
   // for the same P (docs/inference.md, "Decode"): `--json`'s way to compare two runs' answers.
   uint64_t outputs_hash = kFnv1a64Offset;

@@ -66,10 +66,10 @@ DecodeMemory decode_memory(const DecodeConfig& c, int ranks, int ranks_here) {
   const double drawing = rows * (c.attend ? hq : hkv) * d * 4;
   if (c.attend) {
     call += rows * hq * d * s + rows * hq * (d + 1) * 4;  // q; out, lse
-    const double pass_kv = 2 * shard                        // its shard packed, one arriving
-                           + rows * hq * (d + 2) * 4;       // the kernel's running state
-    const double pass_q = 2 * rows * (hq * d * s + 8)       // q blocks: its own, one arriving
-                          + p * rows * hq * (d + 2) * 4     // a state per block it serves
+    const double pass_kv = 2 * shard                      // its shard packed, one arriving
+                           + rows * hq * (d + 2) * 4;     // the kernel's running state
+    const double pass_q = 2 * rows * (hq * d * s + 8)     // q blocks: its own, one arriving
+                          + p * rows * hq * (d + 2) * 4   // a state per block it serves
                           + (2 * p - 1) * rows * hq * (d + 1) * 4;  // partials: made, received
     // The modes the calls run: auto's choice moves from pass-KV to pass-Q as the cache grows,
     // so the first and the last call of the longest sequence say which it takes.
@@ -80,14 +80,15 @@ DecodeMemory decode_memory(const DecodeConfig& c, int ranks, int ranks_here) {
     PrefillShape last = first;
     last.new_tokens = longest - (longest - 1) / t * t, last.cached = longest - last.new_tokens;
     for (const PrefillShape& sh : {first, last})
-      during = std::max(during, choose_prefill(sh, c.mode) == PrefillMode::pass_q ? pass_q : pass_kv);
+      during =
+          std::max(during, choose_prefill(sh, c.mode) == PrefillMode::pass_q ? pass_q : pass_kv);
   }
   call += std::max(drawing, during);
   m.prefill = ranks_here * call;
   const double step = b * (hq + 2 * hkv) * d * (4 + s)  // q, k_new, v_new drawn, then in --dtype
-                      + b * hq * d * s                   // q packed by KV head
-                      + b * hq * (d + 1) * 4 * (p + 2)   // out, lse; the P partials; its own
-                      + b * hq * (d + 2) * 4;            // the kernel's running state
+                      + b * hq * d * s                  // q packed by KV head
+                      + b * hq * (d + 1) * 4 * (p + 2)  // out, lse; the P partials; its own
+                      + b * hq * (d + 2) * 4;           // the kernel's running state
   m.decode = ranks_here * step;
   return m;
 }
@@ -110,40 +111,40 @@ void print(const DecodeConfig& c, int ranks, const std::string& transport, const
     cpu += buf;
   }
   if (c.json) {
-    std::printf("{\"command\": \"decode\", \"transport\": \"%s\", \"ranks\": %d, \"sequences\": %lld, "
-                "\"context_tokens\": %lld, \"decoded_tokens\": %lld, \"heads\": %lld, "
-                "\"kv_heads\": %lld, \"head_dim\": %lld, \"dtype\": \"%s\", "
-                "\"bf16_tier\": \"%s\", \"block\": %lld, \"prefill\": \"%s\", "
-                "\"prefill_seconds\": %.6g, \"prefill_bytes\": %llu, "
-                "\"token_seconds_mean\": %.6g, \"token_seconds_median\": %.6g, "
-                "\"merge_seconds_mean\": %.6g, \"decode_bytes_per_token\": %.6g, "
-                "\"cache_bytes_per_rank_max\": %llu, \"cache_bytes_per_rank_min\": %llu, "
-                "\"cpu_seconds_per_token\": [%s], \"outputs_hash\": \"%016llx\"}\n",
-                transport.c_str(), ranks, (long long)c.cache.sequences, (long long)total,
-                (long long)c.tokens, (long long)c.hq, (long long)c.cache.kv_heads,
-                (long long)c.cache.head_dim, dtype_name(c.cache.dtype),
-                bf16_tier_name(c.cache.kernel.bf16_tier), (long long)c.cache.block,
-                r.prefill_mode.c_str(), r.prefill_seconds, (unsigned long long)r.prefill_bytes,
-                mean, median(r.step_seconds),
-                r.step_seconds.empty() ? 0 : r.merge_seconds / double(r.step_seconds.size()),
-                c.tokens ? double(r.decode_bytes) / double(c.tokens) : 0.0,
-                (unsigned long long)cmax, (unsigned long long)cmin, cpu.c_str(),
-                (unsigned long long)r.outputs_hash);
+    std::printf(
+        "{\"command\": \"decode\", \"transport\": \"%s\", \"ranks\": %d, \"sequences\": %lld, "
+        "\"context_tokens\": %lld, \"decoded_tokens\": %lld, \"heads\": %lld, "
+        "\"kv_heads\": %lld, \"head_dim\": %lld, \"dtype\": \"%s\", "
+        "\"bf16_tier\": \"%s\", \"block\": %lld, \"prefill\": \"%s\", "
+        "\"prefill_seconds\": %.6g, \"prefill_bytes\": %llu, "
+        "\"token_seconds_mean\": %.6g, \"token_seconds_median\": %.6g, "
+        "\"merge_seconds_mean\": %.6g, \"decode_bytes_per_token\": %.6g, "
+        "\"cache_bytes_per_rank_max\": %llu, \"cache_bytes_per_rank_min\": %llu, "
+        "\"cpu_seconds_per_token\": [%s], \"outputs_hash\": \"%016llx\"}\n",
+        transport.c_str(), ranks, (long long)c.cache.sequences, (long long)total,
+        (long long)c.tokens, (long long)c.hq, (long long)c.cache.kv_heads,
+        (long long)c.cache.head_dim, dtype_name(c.cache.dtype),
+        bf16_tier_name(c.cache.kernel.bf16_tier), (long long)c.cache.block, r.prefill_mode.c_str(),
+        r.prefill_seconds, (unsigned long long)r.prefill_bytes, mean, median(r.step_seconds),
+        r.step_seconds.empty() ? 0 : r.merge_seconds / double(r.step_seconds.size()),
+        c.tokens ? double(r.decode_bytes) / double(c.tokens) : 0.0, (unsigned long long)cmax,
+        (unsigned long long)cmin, cpu.c_str(), (unsigned long long)r.outputs_hash);
     return;
   }
-  std::printf("ctxpar decode: %lld sequence(s), context %lld tokens, %d ranks (%s), Hq %lld, "
-              "Hkv %lld, D %lld, %s, block %lld\n",
-              (long long)c.cache.sequences, (long long)total, ranks, transport.c_str(),
-              (long long)c.hq, (long long)c.cache.kv_heads, (long long)c.cache.head_dim,
-              dtype_label(c.cache.dtype, c.cache.kernel.bf16_tier),
-              (long long)c.cache.block);
+  std::printf(
+      "ctxpar decode: %lld sequence(s), context %lld tokens, %d ranks (%s), Hq %lld, "
+      "Hkv %lld, D %lld, %s, block %lld\n",
+      (long long)c.cache.sequences, (long long)total, ranks, transport.c_str(), (long long)c.hq,
+      (long long)c.cache.kv_heads, (long long)c.cache.head_dim,
+      dtype_label(c.cache.dtype, c.cache.kernel.bf16_tier), (long long)c.cache.block);
   std::printf("prefill (%s): %.3f s, %s moved\n", r.prefill_mode.c_str(), r.prefill_seconds,
               bytes_text(double(r.prefill_bytes)).c_str());
-  std::printf("decode: %lld tokens, %.3f ms per token (median %.3f ms; merge %.3f ms), %s moved "
-              "per token\n",
-              (long long)c.tokens, mean * 1e3, median(r.step_seconds) * 1e3,
-              r.step_seconds.empty() ? 0 : r.merge_seconds / double(r.step_seconds.size()) * 1e3,
-              bytes_text(c.tokens ? double(r.decode_bytes) / double(c.tokens) : 0).c_str());
+  std::printf(
+      "decode: %lld tokens, %.3f ms per token (median %.3f ms; merge %.3f ms), %s moved "
+      "per token\n",
+      (long long)c.tokens, mean * 1e3, median(r.step_seconds) * 1e3,
+      r.step_seconds.empty() ? 0 : r.merge_seconds / double(r.step_seconds.size()) * 1e3,
+      bytes_text(c.tokens ? double(r.decode_bytes) / double(c.tokens) : 0).c_str());
   std::printf("KV cache per rank: %s (max) .. %s (min)\n", bytes_text(double(cmax)).c_str(),
               bytes_text(double(cmin)).c_str());
   std::printf("decode CPU time per token, per rank (s): %s\n", cpu.c_str());
@@ -164,46 +165,48 @@ void print_plan(const DecodeConfig& c, int ranks) {
   const auto [tmin, tmax] = std::minmax_element(d.tokens_per_rank.begin(), d.tokens_per_rank.end());
   const auto [bmin, bmax] = std::minmax_element(d.cache_bytes.begin(), d.cache_bytes.end());
   if (c.json) {
-    std::printf("{\"command\": \"decode --plan\", \"ranks\": %d, \"rates\": {"
-                "\"decode_seconds_per_token_head\": %.6g, \"attention_flops\": %.6g, "
-                "\"link_bytes_per_second\": %.6g, \"message_seconds\": %.6g}, "
-                "\"decode_seconds_per_token\": %.6g, \"decode_kernel_seconds\": %.6g, "
-                "\"decode_merge_seconds\": %.6g, \"decode_bytes_per_token\": %llu, "
-                "\"cache_bytes_per_rank_max\": %llu, \"cache_bytes_per_rank_min\": %llu, "
-                "\"prefill_new_tokens\": %lld, \"prefill_cached\": %lld, "
-                "\"pass_kv_bytes\": %llu, \"pass_q_bytes\": %llu, \"pass_kv_seconds\": %.6g, "
-                "\"pass_q_seconds\": %.6g, \"auto\": \"%s\", \"crossover_bytes\": %lld, "
-                "\"crossover_seconds\": %lld}\n",
-                ranks, rates.decode_seconds_per_token_head, rates.attention_flops,
-                rates.link_bytes_per_second, rates.message_seconds, d.seconds, d.kernel_seconds,
-                d.merge_seconds, (unsigned long long)d.bytes_per_call,
-                (unsigned long long)*bmax, (unsigned long long)*bmin,
-                (long long)sh.new_tokens, (long long)sh.cached,
-                (unsigned long long)p.bytes.pass_kv, (unsigned long long)p.bytes.pass_q,
-                p.pass_kv_seconds, p.pass_q_seconds, prefill_mode_name(p.chosen),
-                (long long)p.crossover_bytes, (long long)p.crossover_seconds);
+    std::printf(
+        "{\"command\": \"decode --plan\", \"ranks\": %d, \"rates\": {"
+        "\"decode_seconds_per_token_head\": %.6g, \"attention_flops\": %.6g, "
+        "\"link_bytes_per_second\": %.6g, \"message_seconds\": %.6g}, "
+        "\"decode_seconds_per_token\": %.6g, \"decode_kernel_seconds\": %.6g, "
+        "\"decode_merge_seconds\": %.6g, \"decode_bytes_per_token\": %llu, "
+        "\"cache_bytes_per_rank_max\": %llu, \"cache_bytes_per_rank_min\": %llu, "
+        "\"prefill_new_tokens\": %lld, \"prefill_cached\": %lld, "
+        "\"pass_kv_bytes\": %llu, \"pass_q_bytes\": %llu, \"pass_kv_seconds\": %.6g, "
+        "\"pass_q_seconds\": %.6g, \"auto\": \"%s\", \"crossover_bytes\": %lld, "
+        "\"crossover_seconds\": %lld}\n",
+        ranks, rates.decode_seconds_per_token_head, rates.attention_flops,
+        rates.link_bytes_per_second, rates.message_seconds, d.seconds, d.kernel_seconds,
+        d.merge_seconds, (unsigned long long)d.bytes_per_call, (unsigned long long)*bmax,
+        (unsigned long long)*bmin, (long long)sh.new_tokens, (long long)sh.cached,
+        (unsigned long long)p.bytes.pass_kv, (unsigned long long)p.bytes.pass_q, p.pass_kv_seconds,
+        p.pass_q_seconds, prefill_mode_name(p.chosen), (long long)p.crossover_bytes,
+        (long long)p.crossover_seconds);
     return;
   }
-  std::printf("ctxpar decode --plan: %d ranks; rates measured here: decode %.3g ns per cached "
-              "token and KV head, attention %.3g GFLOP/s, link %.3g GB/s, %.3g us per message\n",
-              ranks, rates.decode_seconds_per_token_head * 1e9, rates.attention_flops * 1e-9,
-              rates.link_bytes_per_second * 1e-9, rates.message_seconds * 1e6);
-  std::printf("decode: %.3f ms per token (attention %.3f ms on the fullest rank + merge %.3f "
-              "ms), %s moved per token (all ranks); cache per rank %s .. %s (%lld .. %lld "
-              "tokens)\n",
-              d.seconds * 1e3, d.kernel_seconds * 1e3, d.merge_seconds * 1e3,
-              bytes_text(double(d.bytes_per_call)).c_str(), bytes_text(double(*bmax)).c_str(),
-              bytes_text(double(*bmin)).c_str(), (long long)*tmax, (long long)*tmin);
-  std::printf("prefill of %lld tokens onto %lld cached: pass-kv %s, %.3f s; pass-q %s, %.3f s; "
-              "auto picks %s\n",
-              (long long)sh.new_tokens, (long long)sh.cached,
-              bytes_text(double(p.bytes.pass_kv)).c_str(), p.pass_kv_seconds,
-              bytes_text(double(p.bytes.pass_q)).c_str(), p.pass_q_seconds,
-              prefill_mode_name(p.chosen));
-  std::printf("crossover for %lld new tokens: pass-q moves fewer bytes from %lld cached tokens "
-              "on, takes less time from %lld on (-1: never)\n",
-              (long long)sh.new_tokens, (long long)p.crossover_bytes,
-              (long long)p.crossover_seconds);
+  std::printf(
+      "ctxpar decode --plan: %d ranks; rates measured here: decode %.3g ns per cached "
+      "token and KV head, attention %.3g GFLOP/s, link %.3g GB/s, %.3g us per message\n",
+      ranks, rates.decode_seconds_per_token_head * 1e9, rates.attention_flops * 1e-9,
+      rates.link_bytes_per_second * 1e-9, rates.message_seconds * 1e6);
+  std::printf(
+      "decode: %.3f ms per token (attention %.3f ms on the fullest rank + merge %.3f "
+      "ms), %s moved per token (all ranks); cache per rank %s .. %s (%lld .. %lld "
+      "tokens)\n",
+      d.seconds * 1e3, d.kernel_seconds * 1e3, d.merge_seconds * 1e3,
+      bytes_text(double(d.bytes_per_call)).c_str(), bytes_text(double(*bmax)).c_str(),
+      bytes_text(double(*bmin)).c_str(), (long long)*tmax, (long long)*tmin);
+  std::printf(
+      "prefill of %lld tokens onto %lld cached: pass-kv %s, %.3f s; pass-q %s, %.3f s; "
+      "auto picks %s\n",
+      (long long)sh.new_tokens, (long long)sh.cached, bytes_text(double(p.bytes.pass_kv)).c_str(),
+      p.pass_kv_seconds, bytes_text(double(p.bytes.pass_q)).c_str(), p.pass_q_seconds,
+      prefill_mode_name(p.chosen));
+  std::printf(
+      "crossover for %lld new tokens: pass-q moves fewer bytes from %lld cached tokens "
+      "on, takes less time from %lld on (-1: never)\n",
+      (long long)sh.new_tokens, (long long)p.crossover_bytes, (long long)p.crossover_seconds);
 }
 
 // Refuses (exit 2) a run that needs more than --max-cache-bytes or this process's memory limit,

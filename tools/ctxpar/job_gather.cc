@@ -12,8 +12,13 @@ constexpr int kStatFields = 9;
 constexpr size_t kRankFields = 7;  // tokens, shard and input bytes, the four cuDNN counts
 
 void pack_stats(const StrategyStats& s, double wall, double cpu, double* out) {
-  const double v[kStatFields] = {cpu, wall, s.attention_flops, s.busy_seconds, s.wall_seconds,
-                                 s.comm_wait_seconds, static_cast<double>(s.bytes_sent),
+  const double v[kStatFields] = {cpu,
+                                 wall,
+                                 s.attention_flops,
+                                 s.busy_seconds,
+                                 s.wall_seconds,
+                                 s.comm_wait_seconds,
+                                 static_cast<double>(s.bytes_sent),
                                  static_cast<double>(s.bytes_received),
                                  static_cast<double>(s.peak_bytes)};
   std::copy(v, v + kStatFields, out);
@@ -73,7 +78,7 @@ void gather_to_root(Communicator& comm, const AttentionJob& job, RankData& mine,
   }
   if (!tensors) return;
   auto fields = [](RankData& rd) {
-    return std::vector<Tensor*>{&rd.q, &rd.k, &rd.v, &rd.out, &rd.lse,
+    return std::vector<Tensor*>{&rd.q,    &rd.k,  &rd.v,  &rd.out, &rd.lse,
                                 &rd.dout, &rd.dq, &rd.dk, &rd.dv};
   };
   if (comm.rank() != 0) {

@@ -11,7 +11,9 @@ namespace ctxpar::cli::job {
 
 using Clock = std::chrono::steady_clock;
 
-inline int64_t kv_heads_of(const AttentionJob& job) { return job.kv_heads ? job.kv_heads : job.heads; }
+inline int64_t kv_heads_of(const AttentionJob& job) {
+  return job.kv_heads ? job.kv_heads : job.heads;
+}
 
 // One rank's tensors and measurements. Under threads, rank r's thread fills all_data[r].
 struct RankData {

@@ -121,8 +121,8 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
 #endif
   const Layout layout(job.layout, job.seq, job.ranks);
   const std::vector<int64_t> index = layout.positions(r);
-  rd.tokens = std::count_if(index.begin(), index.end(),
-                            [&](int64_t t) { return !layout.is_padding(t); });
+  rd.tokens =
+      std::count_if(index.begin(), index.end(), [&](int64_t t) { return !layout.is_padding(t); });
   rd.positions = layout.token_positions(r, seq.positions);
   if (!seq.documents.empty()) rd.documents = layout.shard(seq.documents, r);
   make_shards(job, layout, r, index, rd);

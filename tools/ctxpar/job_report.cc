@@ -31,21 +31,21 @@ nlohmann::json rank_json(const RankReport& r, bool cuda) {
                       {"input_bytes_read", r.input_bytes_read}};
   if (cuda)
     j["cudnn"] = {{"blocks", r.cudnn_blocks},
-                 {"calls", r.cudnn_calls},
-                 {"fallback_blocks", r.fallback_blocks},
-                 {"refused_blocks", r.cudnn_refused_blocks}};
+                  {"calls", r.cudnn_calls},
+                  {"fallback_blocks", r.fallback_blocks},
+                  {"refused_blocks", r.cudnn_refused_blocks}};
   return j;
 }
 
 // cuDNN's version, or why it is off (CTXPAR_CUDNN, no libcudnn, too old, no GPU); where
 // the attention blocks went, over every rank, forward and backward, all repeats.
 nlohmann::json cudnn_json(const AttentionResult& result) {
-  nlohmann::json c = {{"used", !result.cudnn_version.empty()},
-                      {"version", result.cudnn_version.empty() ? nlohmann::json(nullptr)
-                                                               : nlohmann::json(result.cudnn_version)},
-                      {"off_reason", result.cudnn_off_reason.empty()
-                                         ? nlohmann::json(nullptr)
-                                         : nlohmann::json(result.cudnn_off_reason)}};
+  nlohmann::json c = {
+      {"used", !result.cudnn_version.empty()},
+      {"version", result.cudnn_version.empty() ? nlohmann::json(nullptr)
+                                               : nlohmann::json(result.cudnn_version)},
+      {"off_reason", result.cudnn_off_reason.empty() ? nlohmann::json(nullptr)
+                                                     : nlohmann::json(result.cudnn_off_reason)}};
   int64_t blocks = 0, calls = 0, fallback = 0, refused = 0;
   for (const auto& r : result.ranks)
     blocks += r.cudnn_blocks, calls += r.cudnn_calls, fallback += r.fallback_blocks,

@@ -32,11 +32,14 @@ void refuse_foreign_launcher(const char* command) {
   const ForeignLauncher l = foreign_launcher();
   if (l.ranks == 0) return;
   throw UsageError(detail::concat(
-      "started by ", l.name, " as ", l.ranks, " separate processes without MPI: each would run "
-      "the whole job alone. Launch it with mpirun -n ", l.ranks, " ctxpar ", command,
+      "started by ", l.name, " as ", l.ranks,
+      " separate processes without MPI: each would run "
+      "the whole job alone. Launch it with mpirun -n ",
+      l.ranks, " ctxpar ", command,
       " ... (or srun --mpi=pmix with an MPI build), or as one process with --ranks ", l.ranks,
       l.name.rfind("torchrun", 0) == 0 ? " (ctxpar attention, train and decode run under "
-                                         "torchrun, on the gloo transport)" : ""));
+                                         "torchrun, on the gloo transport)"
+                                       : ""));
 }
 
 TransportKind transport_option(const std::string& given,
@@ -51,8 +54,7 @@ TransportKind transport_option(const std::string& given,
 }
 
 void join_mpi_first(const std::string& transport_option) {
-  if (launched_by_mpi() && transport_option != transport_name(TransportKind::threads))
-    mpi_world();
+  if (launched_by_mpi() && transport_option != transport_name(TransportKind::threads)) mpi_world();
 }
 
 GlooOptions gloo_options(double timeout_seconds) {
@@ -75,10 +77,13 @@ void launch_ranks(TransportKind kind, int ranks, const std::function<void(Commun
                   const LaunchOptions& options) {
   std::atomic<bool> started{false};
   try {
-    launch(kind, ranks, [&](Communicator& comm) {
-      started = true;
-      fn(comm);
-    }, options);
+    launch(
+        kind, ranks,
+        [&](Communicator& comm) {
+          started = true;
+          fn(comm);
+        },
+        options);
   } catch (const Error& e) {
     if (started) throw RankFailure(e.what());
     throw;
@@ -107,7 +112,8 @@ void run_over_nccl(Communicator& host, const AttentionJob& job,
   body(*comm);
 #else
   (void)host, (void)body;
-  throw Error(detail::concat("--transport ", transport_name(job.transport), ": this ctxpar was "
+  throw Error(detail::concat("--transport ", transport_name(job.transport),
+                             ": this ctxpar was "
                              "built without NCCL (docs/cuda.md)"));
 #endif
 }
@@ -145,10 +151,13 @@ void run_loopback(int P, const AttentionJob& job, const SequenceTokens& seq,
 #ifdef CTXPAR_FAULT_HOOKS
   if (recording_devices) on_one_gpu.device.registry = recording_devices;
 #endif
-  run_rank_threads(P, [&](Communicator& host) {
-    cuda::LoopbackComm comm(host, world);
-    run_rank(comm, on_one_gpu, seq, all[comm.rank()]);
-  }, options);
+  run_rank_threads(
+      P,
+      [&](Communicator& host) {
+        cuda::LoopbackComm comm(host, world);
+        run_rank(comm, on_one_gpu, seq, all[comm.rank()]);
+      },
+      options);
 }
 
 // Runs the job's ranks on its transport; `all` gets every rank's data on the root (this
@@ -183,8 +192,8 @@ bool run_ranks(const AttentionJob& job, const SequenceTokens& seq, std::vector<R
   if (job.transport == TransportKind::loopback) {
     run_loopback(P, job, seq, all, options);
   } else {
-    run_rank_threads(P, [&](Communicator& comm) { run_rank(comm, job, seq, all[comm.rank()]); },
-                     options);
+    run_rank_threads(
+        P, [&](Communicator& comm) { run_rank(comm, job, seq, all[comm.rank()]); }, options);
   }
   return true;
 }
@@ -226,7 +235,8 @@ RankReport rank_report(const AttentionJob& job, const RankData& rd, int p, int f
 void set_single_rank_bytes(const AttentionJob& job, AttentionResult& result) {
   const double B = static_cast<double>(job.batch), T = static_cast<double>(job.seq);
   const double Hq = static_cast<double>(job.heads), Hkv = static_cast<double>(kv_heads_of(job));
-  const double D = static_cast<double>(job.head_dim), es = static_cast<double>(dtype_size(job.dtype));
+  const double D = static_cast<double>(job.head_dim),
+               es = static_cast<double>(dtype_size(job.dtype));
   double single = B * T * (2 * Hq + 2 * Hkv) * D * es + B * Hq * T * 4 + B * T * Hq * D * 4 +
                   2 * B * Hq * T * 4;
   if (job.backward) single += B * T * Hq * D * (es + 4) + 2 * B * T * Hkv * D * 4 + B * Hq * T * 4;

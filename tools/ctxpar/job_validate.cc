@@ -50,8 +50,8 @@ void validate_ulysses(const AttentionJob& job) {
       throw Error(detail::concat(
           strategy_name(job.strategy), " splits heads across ", u, " ranks: needs --heads (", Hq,
           ") divisible by ", u, " (--kv-heads that do not split are replicated); use --heads ",
-          (Hq + u - 1) / u * u,
-          ", or --strategy ring, or --strategy hybrid --ulysses-degree ", best));
+          (Hq + u - 1) / u * u, ", or --strategy ring, or --strategy hybrid --ulysses-degree ",
+          best));
     }
   }
 }
@@ -64,21 +64,26 @@ void validate_transport(const AttentionJob& job) {
   const bool gpu_transport = transport_traits(job.transport).needs_gpu;
   CTXPAR_CHECK(gpu_transport || job.device.kind == DeviceKind::cpu ||
                    job.transport == TransportKind::threads,
-               "--device ", device_name(job.device.kind), " runs on the threads transport only "
+               "--device ", device_name(job.device.kind),
+               " runs on the threads transport only "
                "(its streams' worker threads use the communicator); use --device cpu under mpirun "
                "or torchrun");
   if (job.transport == TransportKind::gloo) {
-    CTXPAR_CHECK(gloo_available(), "--transport gloo: this ctxpar was built without the gloo "
+    CTXPAR_CHECK(gloo_available(),
+                 "--transport gloo: this ctxpar was built without the gloo "
                  "transport (reconfigure with -DCTXPAR_GLOO=ON; needs libgloo-dev)");
-    CTXPAR_CHECK(launched_by_torchrun(), "--transport gloo needs the job started by torchrun "
+    CTXPAR_CHECK(launched_by_torchrun(),
+                 "--transport gloo needs the job started by torchrun "
                  "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), e.g. torchrun --nproc-per-node ",
                  P, " --no-python ctxpar attention ...; or use --transport threads");
     CTXPAR_CHECK(job.link.gbytes_per_second == 0 && job.link.latency_us == 0,
                  "--link-gbps / --link-latency-us simulate a link on the threads transport only");
   }
   if (job.transport == TransportKind::mpi) {
-    CTXPAR_CHECK(launched_by_mpi(), "--transport mpi needs the job started by mpirun, e.g. "
-                 "mpirun -n ", P, " ctxpar attention ...; or use --transport threads");
+    CTXPAR_CHECK(launched_by_mpi(),
+                 "--transport mpi needs the job started by mpirun, e.g. "
+                 "mpirun -n ",
+                 P, " ctxpar attention ...; or use --transport threads");
     CTXPAR_CHECK(job.link.gbytes_per_second == 0 && job.link.latency_us == 0,
                  "--link-gbps / --link-latency-us simulate a link on the threads transport only");
   }
@@ -98,12 +103,13 @@ void validate_tokens(const AttentionJob& job) {
       for (int64_t len : job.document_lengths) {
         CTXPAR_CHECK(len >= 1, "--mask documents: every length must be >= 1, got ", len);
         // Checked: 2 x INT64_MAX + 514 wrapped to 512 and passed as --seq 512.
-        CTXPAR_CHECK(!__builtin_add_overflow(sum, len, &sum), "--mask documents: the lengths "
-                     "add up to more than ", INT64_MAX, " but --seq is ", T,
-                     "; they must cover the sequence exactly");
+        CTXPAR_CHECK(!__builtin_add_overflow(sum, len, &sum),
+                     "--mask documents: the lengths "
+                     "add up to more than ",
+                     INT64_MAX, " but --seq is ", T, "; they must cover the sequence exactly");
       }
-      CTXPAR_CHECK(sum == T, "--mask documents: the lengths add up to ", sum,
-                   " but --seq is ", T, "; they must cover the sequence exactly");
+      CTXPAR_CHECK(sum == T, "--mask documents: the lengths add up to ", sum, " but --seq is ", T,
+                   "; they must cover the sequence exactly");
     }
   }
   CTXPAR_CHECK(job.documents.empty() || static_cast<int64_t>(job.documents.size()) == T,
@@ -125,8 +131,10 @@ void validate_inputs(const AttentionJob& job) {
     const InputFile& file;
     int64_t heads;
   };
-  const Input inputs[] = {{"--q", job.q, job.q_file, Hq}, {"--k", job.k, job.k_file, Hkv},
-                          {"--v", job.v, job.v_file, Hkv}, {"--do", job.dout, job.dout_file, Hq}};
+  const Input inputs[] = {{"--q", job.q, job.q_file, Hq},
+                          {"--k", job.k, job.k_file, Hkv},
+                          {"--v", job.v, job.v_file, Hkv},
+                          {"--do", job.dout, job.dout_file, Hq}};
   for (const Input& in : inputs) {
     if (in.tensor.empty() && !in.file.given()) continue;
     const Shape want{job.batch, T, in.heads, job.head_dim};
@@ -156,8 +164,10 @@ void validate(const AttentionJob& job) {
   CTXPAR_CHECK(P >= 1, "--ranks must be >= 1, got ", P);
   CTXPAR_CHECK(job.threads >= 1, "--threads must be >= 1, got ", job.threads);
   CTXPAR_CHECK(job.repeats >= 1, "--repeats must be >= 1, got ", job.repeats);
-  CTXPAR_CHECK(job.timeout_seconds >= 1e-3, "--timeout must be at least 0.001 seconds (waits are "
-               "counted in milliseconds), got ", job.timeout_seconds);
+  CTXPAR_CHECK(job.timeout_seconds >= 1e-3,
+               "--timeout must be at least 0.001 seconds (waits are "
+               "counted in milliseconds), got ",
+               job.timeout_seconds);
 
   // Any --seq works: the layout pads it to its granule (docs/layouts.md, "Padding").
   validate_ulysses(job);

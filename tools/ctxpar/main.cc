@@ -119,7 +119,8 @@ int main(int argc, char** argv) {
     } catch (const ctxpar::cli::UsageError& e) {
       // `bench` has subcommands of its own: point at the one that was asked for.
       std::string full = c.name;
-      if (!std::strcmp(c.name, "bench") && argc > 2 && argv[2][0] != '-') full += std::string(" ") + argv[2];
+      if (!std::strcmp(c.name, "bench") && argc > 2 && argv[2][0] != '-')
+        full += std::string(" ") + argv[2];
       std::fprintf(stderr, "ctxpar %s: %s\n(ctxpar %s --help lists every option)\n", full.c_str(),
                    e.what(), full.c_str());
       return end_job(2);

@@ -31,9 +31,9 @@ double strategy_bytes(const AttentionJob& job) {
   dims.head_dim = job.head_dim;
   dims.dtype = dims.out_dtype = job.dtype;
   const double forward = attention_buffer_bytes(options, dims, job.ranks, AttentionPass::forward);
-  return job.backward
-             ? std::max(forward, attention_buffer_bytes(options, dims, job.ranks, AttentionPass::backward))
-             : forward;
+  return job.backward ? std::max(forward, attention_buffer_bytes(options, dims, job.ranks,
+                                                                 AttentionPass::backward))
+                      : forward;
 }
 
 }  // namespace
@@ -81,8 +81,8 @@ void check_memory(const AttentionJob& job) {
   const MemoryEstimate m = estimate_memory(job);
   if (m.total_bytes <= limit.bytes) return;
   std::string parts = detail::concat(m.ranks_here, " rank", m.ranks_here > 1 ? "s" : "",
-                                     " x (shards ", bytes_text(m.shard_bytes), " + strategy buffers ",
-                                     bytes_text(m.strategy_bytes), ")");
+                                     " x (shards ", bytes_text(m.shard_bytes),
+                                     " + strategy buffers ", bytes_text(m.strategy_bytes), ")");
   if (m.gather_bytes > 0) parts += "; --check/--out gather " + bytes_text(m.gather_bytes);
   if (m.check_bytes > 0) parts += "; --check reference " + bytes_text(m.check_bytes);
   throw Error(detail::concat(

@@ -13,7 +13,6 @@
 
 namespace ctxpar::cli {
 
-
 Options::Options(std::string command, std::string summary)
     : command_(std::move(command)), summary_(std::move(summary)) {}
 
@@ -141,15 +140,17 @@ bool parse_whole_number(const std::string& text, int64_t& value) {
   if (end == text.c_str() || errno == ERANGE) return false;
   // 64K / 1M suffixes: sequence lengths are often written that way.
   long long scale = 1;
-  if ((*end == 'K' || *end == 'k') && end[1] == '\0') scale = 1024, ++end;
-  else if ((*end == 'M' || *end == 'm') && end[1] == '\0') scale = 1024 * 1024, ++end;
+  if ((*end == 'K' || *end == 'k') && end[1] == '\0')
+    scale = 1024, ++end;
+  else if ((*end == 'M' || *end == 'm') && end[1] == '\0')
+    scale = 1024 * 1024, ++end;
   if (*end != '\0' || __builtin_mul_overflow(v, scale, &v)) return false;
   value = v;
   return true;
 }
 
-int64_t whole_number_in(const std::string& option, const std::string& text, int64_t lo,
-                        int64_t hi, const std::string& note) {
+int64_t whole_number_in(const std::string& option, const std::string& text, int64_t lo, int64_t hi,
+                        const std::string& note) {
   const std::string range = range_text(std::to_string(lo), std::to_string(hi), note);
   int64_t v = 0;
   if (!parse_whole_number(text, v)) {
@@ -157,16 +158,20 @@ int64_t whole_number_in(const std::string& option, const std::string& text, int6
     // [+-]digits[K|M].
     const size_t i = (text[0] == '+' || text[0] == '-') ? 1 : 0;
     const size_t end = text.find_first_not_of("0123456789", i);
-    const bool digits = end > i && i < text.size() && (end == std::string::npos ||
-                                    (end + 1 == text.size() && std::strchr("KkMm", text[end])));
+    const bool digits =
+        end > i && i < text.size() &&
+        (end == std::string::npos || (end + 1 == text.size() && std::strchr("KkMm", text[end])));
     throw UsageError("--" + option + (digits ? " must be in " : " expects a whole number in ") +
-                     range + (digits ? "" : " (64K, 1M suffixes accepted)") + ", got '" + text + "'");
+                     range + (digits ? "" : " (64K, 1M suffixes accepted)") + ", got '" + text +
+                     "'");
   }
-  if (v < lo || v > hi) throw UsageError("--" + option + " must be in " + range + ", got '" + text + "'");
+  if (v < lo || v > hi)
+    throw UsageError("--" + option + " must be in " + range + ", got '" + text + "'");
   return v;
 }
 
-int64_t Options::i64(const std::string& name, int64_t lo, int64_t hi, const std::string& note) const {
+int64_t Options::i64(const std::string& name, int64_t lo, int64_t hi,
+                     const std::string& note) const {
   return whole_number_in(name, str(name), lo, hi, note);
 }
 
@@ -182,8 +187,8 @@ double Options::num(const std::string& name, double lo, double hi, const std::st
   const std::string s = str(name);
   double v = 0;
   if (!parse_finite(s, v) || v < lo || v > hi)
-    throw UsageError("--" + name + " must be a number in " + range_text(number_text(lo), number_text(hi), note) +
-                     ", got '" + s + "'");
+    throw UsageError("--" + name + " must be a number in " +
+                     range_text(number_text(lo), number_text(hi), note) + ", got '" + s + "'");
   return v;
 }
 
@@ -215,8 +220,10 @@ std::vector<int64_t> Options::list_i64(const std::string& name) const {
   for (const auto& item : list(name)) {
     int64_t v = 0;
     if (!parse_whole_number(item, v))
-      throw UsageError("--" + name + " expects comma-separated whole numbers (each within 64 "
-                       "bits), got '" + item + "'");
+      throw UsageError("--" + name +
+                       " expects comma-separated whole numbers (each within 64 "
+                       "bits), got '" +
+                       item + "'");
     out.push_back(v);
   }
   return out;
@@ -229,8 +236,10 @@ std::string Options::help() const {
     const Spec& s = specs_.at(n);
     std::string left = "  --" + n + (s.is_flag ? "" : " VALUE");
     out << left;
-    if (left.size() < 28) out << std::string(28 - left.size(), ' ');
-    else out << "\n" << std::string(28, ' ');
+    if (left.size() < 28)
+      out << std::string(28 - left.size(), ' ');
+    else
+      out << "\n" << std::string(28, ' ');
     out << s.help;
     if (!s.is_flag && !s.default_value.empty()) out << " (default: " << s.default_value << ")";
     out << "\n";
@@ -309,7 +318,8 @@ const char* const kBf16TierHelp =
 Bf16Tier bf16_tier_option(const Options& o) {
   const std::string tier = o.str("bf16-tier");
   if (const std::optional<Bf16Tier> t = parse_bf16_tier(tier)) return *t;
-  throw UsageError("--bf16-tier " + tier + ": expected exact or fast (fast rounds P and dS to "
+  throw UsageError("--bf16-tier " + tier +
+                   ": expected exact or fast (fast rounds P and dS to "
                    "bf16 as GPU flash attention does; it applies to --dtype bf16 only)");
 }
 

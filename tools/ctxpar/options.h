@@ -26,7 +26,7 @@ class UsageError : public Error {
 // The ranges the Python package shares are the library's (ctxpar/limits.h): kMaxTokens
 // (--seq), kMaxHeads (--heads, --kv-heads), kMaxBatch (--batch), kMaxThreads (--threads),
 // kMaxProcesses (MPI ranks, plan parallel degrees), kMinTimeout / kMaxTimeout (--timeout).
-constexpr int kMaxRepeats = 1000000;                // --repeats
+constexpr int kMaxRepeats = 1000000;                       // --repeats
 constexpr double kMinLinkGbps = 1e-6, kMaxLinkGbps = 1e6;  // --link-gbps: 1 kB/s .. 1 PB/s
 constexpr double kMaxLinkLatencyUs = 1e7;                  // --link-latency-us: 10 s
 constexpr int64_t kMaxSeed = INT64_MAX;                    // --seed: [0, 2^63 - 1]
@@ -42,8 +42,8 @@ bool parse_whole_number(const std::string& text, int64_t& value);
 std::string number_text(double v);
 // The same as a command's usage check: a whole number in [lo, hi], else a UsageError naming
 // --option and the range (`note` is added after the range, e.g. why the limit is there).
-int64_t whole_number_in(const std::string& option, const std::string& text, int64_t lo,
-                        int64_t hi, const std::string& note = "");
+int64_t whole_number_in(const std::string& option, const std::string& text, int64_t lo, int64_t hi,
+                        const std::string& note = "");
 
 class Options;
 struct AttentionJob;

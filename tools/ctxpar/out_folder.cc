@@ -48,7 +48,8 @@ std::string temp_prefix(const std::string& name) { return "." + name + ".ctxpar-
 
 std::string new_folder_beside(const std::string& parent, const std::string& name) {
   std::string tmpl = (fs::path(parent) / (temp_prefix(name) + std::to_string(getpid()) + "-" +
-                                          this_host() + ".XXXXXX")).string();
+                                          this_host() + ".XXXXXX"))
+                         .string();
   if (!mkdtemp(tmpl.data()))
     throw Error("--out: cannot create a folder in " + parent + ": " + std::strerror(errno));
   // mkdtemp makes 0700; the results folder gets the mode any folder the user makes gets.
@@ -67,7 +68,8 @@ void remove_stale_temps(const std::string& parent, const std::string& name) {
     std::string rest = entry.path().filename().string();
     if (rest.rfind(prefix, 0) != 0) continue;
     rest = rest.substr(prefix.size());
-    if (rest.size() > 4 && rest.compare(rest.size() - 4, 4, ".old") == 0) rest.resize(rest.size() - 4);
+    if (rest.size() > 4 && rest.compare(rest.size() - 4, 4, ".old") == 0)
+      rest.resize(rest.size() - 4);
     const size_t dash = rest.find('-'), dot = rest.rfind('.');
     if (dash == std::string::npos || dot == std::string::npos || dot < dash || dash == 0) continue;
     const std::string pid_text = rest.substr(0, dash);
@@ -113,7 +115,8 @@ OutFolder::OutFolder(std::string dir) : dir_(std::move(dir)) {
     // the link stays). A link to nothing or to a file is refused.
     const fs::path target = fs::canonical(dir_, ec);
     if (ec || !fs::is_directory(fs::status(target, ec)))
-      throw UsageError("--out " + dir_ + " is a symbolic link to no folder; give a folder, or a "
+      throw UsageError("--out " + dir_ +
+                       " is a symbolic link to no folder; give a folder, or a "
                        "link to an existing folder");
     dir_ = target.string();
   }

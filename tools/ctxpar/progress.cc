@@ -25,7 +25,8 @@ extern "C" void on_sigint(int) {
     std::signal(SIGINT, SIG_DFL);
     std::raise(SIGINT);
   }
-  static const char kMsg[] = "\ninterrupted: stopping after the current item (Ctrl-C again to abort)\n";
+  static const char kMsg[] =
+      "\ninterrupted: stopping after the current item (Ctrl-C again to abort)\n";
   ssize_t ignored = write(STDERR_FILENO, kMsg, sizeof kMsg - 1);
   (void)ignored;
 }
@@ -76,8 +77,9 @@ Progress::Progress(std::string label, int64_t total, FILE* out, ProgressOptions 
     mode_ = out_ && isatty(fileno(out_)) ? ProgressOptions::Mode::terminal
                                          : ProgressOptions::Mode::plain;
   if (!out_) mode_ = ProgressOptions::Mode::quiet;
-  width_ = options.width > 0 ? options.width
-           : mode_ == ProgressOptions::Mode::terminal ? terminal_width(out_) : 100;
+  width_ = options.width > 0                          ? options.width
+           : mode_ == ProgressOptions::Mode::terminal ? terminal_width(out_)
+                                                      : 100;
   start_ = last_print_ = Clock::now();
 }
 
@@ -145,12 +147,15 @@ std::string Progress::line_locked(int width) const {
   // ETA from the mean time per finished unit: of work when the caller has a cost model
   // (set_work), else of items.
   const bool by_work = work_total_ > 0;
-  double frac = by_work ? work_done_ / work_total_
-                        : total_ > 0 ? static_cast<double>(done) / static_cast<double>(total_) : 0;
+  double frac = by_work      ? work_done_ / work_total_
+                : total_ > 0 ? static_cast<double>(done) / static_cast<double>(total_)
+                             : 0;
   frac = std::clamp(frac, 0.0, 1.0);
   std::string eta = "--:--";
-  if (done >= total_ && total_ > 0) eta = "0:00";
-  else if (frac > 0) eta = format_duration(elapsed / frac * (1 - frac));
+  if (done >= total_ && total_ > 0)
+    eta = "0:00";
+  else if (frac > 0)
+    eta = format_duration(elapsed / frac * (1 - frac));
   char figures[160];
   std::snprintf(figures, sizeof figures, "%lld/%lld %3d%%  elapsed %s  eta %s",
                 static_cast<long long>(done), static_cast<long long>(total_),

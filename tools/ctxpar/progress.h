@@ -38,10 +38,10 @@ void clear_interrupt();
 // ---- Progress bar -----------------------------------------------------------------------
 struct ProgressOptions {
   enum class Mode { automatic, terminal, plain, quiet };
-  Mode mode = Mode::automatic;   // automatic: terminal if `out` is a TTY, else plain
-  double plain_interval_s = 5;   // plain mode: at most one line per this many seconds
+  Mode mode = Mode::automatic;     // automatic: terminal if `out` is a TTY, else plain
+  double plain_interval_s = 5;     // plain mode: at most one line per this many seconds
   double redraw_interval_s = 0.1;  // terminal mode: at most this often
-  int width = 0;                 // terminal columns; 0: ask the terminal ($COLUMNS, then 80)
+  int width = 0;                   // terminal columns; 0: ask the terminal ($COLUMNS, then 80)
 };
 
 class Progress {

@@ -45,11 +45,12 @@ std::string file_fingerprint(const std::string& path) {
 void agree_on_options(Communicator& comm, const Signature& mine, const std::string& command) {
   const Agreement a = agree_across_ranks(comm, mine);
   if (a.agreed()) return;
-  throw UsageError(detail::concat(
-      "the ranks were started with different options: --", a.field, " is ", a.value0,
-      " on rank 0 but ", a.value, " on rank ", a.rank, "; every rank must get the same options "
-      "(on an MPMD line 'mpirun -n 1 ctxpar ", command, " ... : -n 1 ctxpar ", command,
-      " ...', repeat them all)"));
+  throw UsageError(detail::concat("the ranks were started with different options: --", a.field,
+                                  " is ", a.value0, " on rank 0 but ", a.value, " on rank ", a.rank,
+                                  "; every rank must get the same options "
+                                  "(on an MPMD line 'mpirun -n 1 ctxpar ",
+                                  command, " ... : -n 1 ctxpar ", command,
+                                  " ...', repeat them all)"));
 }
 
 }  // namespace ctxpar::cli

@@ -34,7 +34,9 @@ class DeviceArray {
   DeviceArray(const DeviceArray&) = delete;
   ~DeviceArray() { cudaFree(ptr_); }
   template <class T>
-  T* as() const { return static_cast<T*>(ptr_); }
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
   void download(const Tensor& t) const {
     CTXPAR_CUDA_CHECK(cudaMemcpy(t.data(), ptr_, t.bytes(), cudaMemcpyDeviceToHost));
   }
@@ -105,13 +107,16 @@ bool run_case(const Case& c) {
   const Mask mask = parse_mask(c.mask);
   const Tokens qt{qp, qd}, kt{kp, kd};
   const int64_t half = c.tk / 2;
-  const Tokens kt0{std::span<const int64_t>(kp).subspan(0, half), std::span<const int32_t>(kd).subspan(0, half)};
-  const Tokens kt1{std::span<const int64_t>(kp).subspan(half), std::span<const int32_t>(kd).subspan(half)};
+  const Tokens kt0{std::span<const int64_t>(kp).subspan(0, half),
+                   std::span<const int32_t>(kd).subspan(0, half)};
+  const Tokens kt1{std::span<const int64_t>(kp).subspan(half),
+                   std::span<const int32_t>(kd).subspan(half)};
 
   // The host run of the tile math: two K/V blocks into one state, then the backward per block.
   ForwardState hs(b, c.tq, c.hq, c.d);
   forward_host<T>(q, qt, k.view().slice(1, 0, half), v.view().slice(1, 0, half), kt0, mask, hs);
-  forward_host<T>(q, qt, k.view().slice(1, half, c.tk), v.view().slice(1, half, c.tk), kt1, mask, hs);
+  forward_host<T>(q, qt, k.view().slice(1, half, c.tk), v.view().slice(1, half, c.tk), kt1, mask,
+                  hs);
   Tensor ho(DType::f32, {b, c.tq, c.hq, c.d}), hl(DType::f32, {b, c.hq, c.tq});
   finalize_host<float>(hs, ho, hl);
   Tensor hdelta(DType::f32, {b, c.hq, c.tq});
@@ -124,8 +129,10 @@ bool run_case(const Case& c) {
       dkp(kp.size() * 8, kp.data()), dqd(qd.size() * 4, qd.data()), dkd(kd.size() * 4, kd.data());
   const int64_t qtiles = (c.tq + kTile - 1) / kTile, ktiles = (c.tk + kTile - 1) / kTile;
   DeviceArray dqt(qtiles * sizeof(TileRange)), dkt(ktiles * sizeof(TileRange));
-  launch_tile_ranges(dqp.as<int64_t>(), dqd.as<int32_t>(), c.tq, mask.documents, dqt.as<TileRange>(), 0);
-  launch_tile_ranges(dkp.as<int64_t>(), dkd.as<int32_t>(), c.tk, mask.documents, dkt.as<TileRange>(), 0);
+  launch_tile_ranges(dqp.as<int64_t>(), dqd.as<int32_t>(), c.tq, mask.documents,
+                     dqt.as<TileRange>(), 0);
+  launch_tile_ranges(dkp.as<int64_t>(), dkd.as<int32_t>(), c.tk, mask.documents,
+                     dkt.as<TileRange>(), 0);
   auto problem = [&](int64_t k0, int64_t k1) {
     Problem<T> p;
     const int64_t ks = c.hkv * c.d, qs = c.hq * c.d;
@@ -142,9 +149,10 @@ bool run_case(const Case& c) {
   };
   // Tile ranges of a key block start at its first key: K/V blocks of the ring each have their own.
   DeviceArray dkt0(ktiles * sizeof(TileRange)), dkt1(ktiles * sizeof(TileRange));
-  launch_tile_ranges(dkp.as<int64_t>(), dkd.as<int32_t>(), half, mask.documents, dkt0.as<TileRange>(), 0);
-  launch_tile_ranges(dkp.as<int64_t>() + half, dkd.as<int32_t>() + half, c.tk - half, mask.documents,
-                     dkt1.as<TileRange>(), 0);
+  launch_tile_ranges(dkp.as<int64_t>(), dkd.as<int32_t>(), half, mask.documents,
+                     dkt0.as<TileRange>(), 0);
+  launch_tile_ranges(dkp.as<int64_t>() + half, dkd.as<int32_t>() + half, c.tk - half,
+                     mask.documents, dkt1.as<TileRange>(), 0);
   Tensor m0(DType::f32, {b, c.hq, c.tq});
   for (int64_t i = 0; i < m0.numel(); ++i) m0.ptr<float>()[i] = -INFINITY;
   DeviceArray acc(size_t(b * c.tq * c.hq * c.d) * 4), m(m0), l(m0.bytes());
@@ -162,8 +170,10 @@ bool run_case(const Case& c) {
   Problem<T> pb = problem(0, c.tk);
   pb.k_tiles = dkt.as<TileRange>();
   const int64_t qs = c.hq * c.d, ks = c.hkv * c.d;
-  const BackwardRows rows{{gl.as<float>(), c.hq * c.tq, c.tq, 1}, {gdelta.as<float>(), c.hq * c.tq, c.tq, 1},
-                          {gdq.as<float>(), c.tq * qs, qs, c.d}, {gdk.as<float>(), c.tk * ks, ks, c.d},
+  const BackwardRows rows{{gl.as<float>(), c.hq * c.tq, c.tq, 1},
+                          {gdelta.as<float>(), c.hq * c.tq, c.tq, 1},
+                          {gdq.as<float>(), c.tq * qs, qs, c.d},
+                          {gdk.as<float>(), c.tk * ks, ks, c.d},
                           {gdv.as<float>(), c.tk * ks, ks, c.d}};
   launch_backward(pb, rows, 0);
   CTXPAR_CUDA_CHECK(cudaDeviceSynchronize());
@@ -183,12 +193,11 @@ bool run_case(const Case& c) {
     for (size_t i = 0; i < ref.size(); ++i)
       if (std::isfinite(naive[i]) && std::isfinite(ref[i]))
         naive_err = std::max(naive_err, std::fabs(naive[i] - ref[i]));
-    const double bound = reference::accuracy_tolerance(
-        naive_err, max_abs(ref));
+    const double bound = reference::accuracy_tolerance(naive_err, max_abs(ref));
     const bool pass = err <= bound && vs_host <= 1e-4 * std::max(1.0, max_abs(ref));
     ok = ok && pass;
-    std::printf("  %-4s %-3s |gpu-host| %.3g  |gpu-ref64| %.3g (bound %.3g)\n", pass ? "ok" : "FAIL",
-                what, vs_host, err, bound);
+    std::printf("  %-4s %-3s |gpu-host| %.3g  |gpu-ref64| %.3g (bound %.3g)\n",
+                pass ? "ok" : "FAIL", what, vs_host, err, bound);
   };
   std::printf("%s\n", c.name);
   report("o", o, ho, r64.o, n32.o);
@@ -209,7 +218,8 @@ bool run_elementwise() {
   for (int64_t r = 0; r < b * h * t; r += 7) lb.ptr<float>()[r] = -INFINITY;
   DeviceArray goa(oa), gob(ob), gla(la), glb(lb), gbf(size_t(oa.numel()) * 2);
   launch_merge(goa.as<float>(), gla.as<float>(), gob.as<float>(), glb.as<float>(), b, t, h, d, 0);
-  launch_copy<float, Bf16>({goa.as<const float>(), t * h * d, h * d, d}, gbf.as<Bf16>(), b, t, h, d, 0);
+  launch_copy<float, Bf16>({goa.as<const float>(), t * h * d, h * d, d}, gbf.as<Bf16>(), b, t, h, d,
+                           0);
   CTXPAR_CUDA_CHECK(cudaDeviceSynchronize());
   merge_host(oa, la, ob, lb);
   Tensor go(DType::f32, oa.shape()), gl(DType::f32, la.shape()), bf(DType::bf16, oa.shape());
@@ -217,7 +227,8 @@ bool run_elementwise() {
   Tensor want_bf = Tensor::copy_of(go, DType::bf16);
   const double dm = std::max(max_diff(go, oa), max_diff(gl, la));
   const bool cast_ok = std::memcmp(bf.data(), want_bf.data(), bf.bytes()) == 0;
-  std::printf("merge: |gpu-host| %.3g; fp32 -> bf16 copy: %s\n", dm, cast_ok ? "bitwise" : "DIFFERS");
+  std::printf("merge: |gpu-host| %.3g; fp32 -> bf16 copy: %s\n", dm,
+              cast_ok ? "bitwise" : "DIFFERS");
   return dm <= 1e-5 && cast_ok;
 }
 
@@ -244,7 +255,8 @@ int main() {
   bool ok = true;
   try {
     for (const cuda::Case& c : cases)
-      ok = (c.dtype == DType::bf16 ? cuda::run_case<cuda::Bf16>(c) : cuda::run_case<float>(c)) && ok;
+      ok =
+          (c.dtype == DType::bf16 ? cuda::run_case<cuda::Bf16>(c) : cuda::run_case<float>(c)) && ok;
     ok = cuda::run_elementwise() && ok;
   } catch (const std::exception& e) {
     std::printf("ctxpar-cuda-check: failed: %s\n", e.what());

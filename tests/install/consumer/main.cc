@@ -9,7 +9,8 @@ int main() {
   std::vector<int64_t> pos(8);
   std::iota(pos.begin(), pos.end(), 0);
   ctxpar::ForwardState state(1, 8, 2, 16);
-  ctxpar::attention_forward_block(q, {pos, {}}, q, q, {pos, {}}, ctxpar::Mask::causal_mask(), state);
+  ctxpar::attention_forward_block(q, {pos, {}}, q, q, {pos, {}}, ctxpar::Mask::causal_mask(),
+                                  state);
   ctxpar::attention_forward_finalize(state, out, lse);
   std::printf("consumer ok: lse[0] = %.6f\n", lse.ptr<float>()[0]);
   return lse.ptr<float>()[0] == lse.ptr<float>()[0] ? 0 : 1;  // not NaN
