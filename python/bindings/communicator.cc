@@ -65,6 +65,29 @@ void allgather(const PyCommunicator& self, const nb::ndarray<nb::ro>& send, cons
   comm.allgather(s, r, bytes);
 }
 
+// Note [A rank thread's Python state]: each rank runs on a thread of the library's, which has no
+// Python state until it takes the GIL (PyGILState_Ensure makes one, counter 1). Left to
+// PyGILState_Release, the state is cleared after its counter has dropped to 0, so an object
+// whose deallocation takes the GIL itself (a torch tensor view in a threading.local: pybind11's
+// gil_scoped_acquire inside torch) counts 0 -> 1 -> 0 and deletes the thread's state under the
+// clear (SIGSEGV in tstate_delete_common). As CPython's own threads do, the state is cleared
+// while the counter still holds it, then released.
+class RankThreadGil {
+ public:
+  RankThreadGil()
+      : fresh_(PyGILState_GetThisThreadState() == nullptr), state_(PyGILState_Ensure()) {}
+  ~RankThreadGil() {
+    if (fresh_) PyThreadState_Clear(PyThreadState_Get());
+    PyGILState_Release(state_);
+  }
+  RankThreadGil(const RankThreadGil&) = delete;
+  RankThreadGil& operator=(const RankThreadGil&) = delete;
+
+ private:
+  bool fresh_;
+  PyGILState_STATE state_;
+};
+
 // Runs fn(comm) on `ranks` threads. A Python exception on a rank makes every other rank's
 // communication fail promptly (run_threads' rule); the first one raised is re-raised here, so
 // an assertion in a test reads as itself.
@@ -82,7 +105,7 @@ void run_threads_py(int ranks, nb::callable fn, double timeout_s) {
           TransportKind::threads, ranks,
           [&](Communicator& comm) {
             auto alive = std::make_shared<std::atomic<bool>>(true);
-            nb::gil_scoped_acquire acquire;
+            RankThreadGil gil;
             try {
               fn(PyCommunicator(&comm, alive));
               alive->store(false);

@@ -4,6 +4,8 @@ self-overlapping outputs, mismatched buffer dims and scale=0 are refused; ranks 
 cp_attention's arguments; and a context_parallel block gives its leaves whole gradients back.
 Ranks are threads here (ctxpar.run_threads); test_mpi.py runs the same agreement under mpirun."""
 import math
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -281,3 +283,18 @@ def test_context_parallel_gives_leaves_their_whole_gradient_back():
         check_close("dq", grads[0], ref[2], naive[2])
         check_close("dk", grads[1] - late, ref[3], naive[3])
         check_close("dv", grads[2], ref[4], naive[4])
+
+
+def test_a_rank_thread_ends_cleanly_with_a_tensor_view_in_a_thread_local():
+    # A threading.local holding a torch view on a rank thread killed the process (SIGSEGV) when
+    # the rank ended: its Python state was cleared after PyGILState_Release had dropped the
+    # counter to 0 (Note [A rank thread's Python state]). In a child process: a crash ends it only.
+    code = ("import threading, torch, ctxpar\n"
+            "loc = threading.local()\n"
+            "def rank(c):\n"
+            "    loc.t = torch.arange(16)[None].expand(2, 16)[:, :8]\n"
+            "for _ in range(3):\n"
+            "    ctxpar.run_threads(2, rank)\n"
+            "print('ended')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout.strip()) == (0, "ended"), r.stderr[-2000:]
