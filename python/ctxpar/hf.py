@@ -27,24 +27,16 @@ from .torch import cp_attention
 NAME = "ctxpar"
 IGNORE_INDEX = -100  # transformers' ignore_index for labels
 
-# This thread's Context, by thread id. Not a threading.local: ranks that run as threads
-# (ctxpar.run_threads) end with their Python thread state, and a threading.local's contents
-# (a Communicator, tensors) destroyed during that teardown crashed the interpreter.
-_contexts = {}
-_contexts_lock = threading.Lock()
+# This thread's Context: ranks that run as threads (ctxpar.run_threads) each have their own.
+_local = threading.local()
 
 
 def _get():
-    with _contexts_lock:
-        return _contexts.get(threading.get_ident())
+    return getattr(_local, "ctx", None)
 
 
 def _set(ctx):
-    with _contexts_lock:
-        if ctx is None:
-            _contexts.pop(threading.get_ident(), None)
-        else:
-            _contexts[threading.get_ident()] = ctx
+    _local.ctx = ctx
 
 
 class Context:
