@@ -23,12 +23,51 @@ inline constexpr int64_t kInt64Max = 9223372036854775807LL;
 // no gradient). No real token may have this position.
 inline constexpr int64_t kPaddingPosition = kInt64Min;
 
+// One slice of a general mask (MagiAttention's AttnSlice): queries at positions [q_lo, q_hi) see
+// keys at positions [k_lo, k_hi), all of them (full) or causally aligned at the bottom-right
+// corner of the slice, as flash-attention aligns unequal lengths (causal): query q sees key k iff
+// k - k_hi <= q - q_hi. A mask of slices is their union: a key is visible iff some slice shows
+// it. Documents, windows, prefix trees, sinks and block-sparse patterns are all unions of slices.
+// Bounds: 0 <= lo < hi <= kMaxSlicePosition (parse_mask checks), so no arithmetic here overflows.
+struct MaskSlice {
+  int64_t q_lo = 0, q_hi = 0, k_lo = 0, k_hi = 0;
+  int32_t causal = 0;  // 1: bottom-right causal, 0: full
+  int32_t unused = 0;
+  // The last key position query q (inside [q_lo, q_hi)) sees; < k_lo when it sees none.
+  CTXPAR_HD int64_t key_hi(int64_t q) const {
+    const int64_t last = k_hi - 1;
+    if (!causal) return last;
+    const int64_t diag = q + (k_hi - q_hi);
+    return diag < last ? diag : last;
+  }
+  CTXPAR_HD bool shows(int64_t q, int64_t k) const {
+    return q >= q_lo && q < q_hi && k >= k_lo && k <= key_hi(q);
+  }
+  // Some pair of the rectangle [qa, qb] x [ka, kb] (inclusive) is shown.
+  CTXPAR_HD bool touches(int64_t qa, int64_t qb, int64_t ka, int64_t kb) const {
+    const int64_t ql = qa > q_lo ? qa : q_lo, qh = qb < q_hi - 1 ? qb : q_hi - 1;
+    if (ql > qh) return false;
+    const int64_t kl = ka > k_lo ? ka : k_lo, top = key_hi(qh), kh = kb < top ? kb : top;
+    return kl <= kh;
+  }
+  // Every pair of the rectangle is shown.
+  CTXPAR_HD bool covers(int64_t qa, int64_t qb, int64_t ka, int64_t kb) const {
+    return qa >= q_lo && qb < q_hi && ka >= k_lo && kb <= key_hi(qa);
+  }
+};
+inline constexpr int64_t kMaxSlicePosition = int64_t{1} << 62;
+
 // Key j is visible to query i iff every enabled rule allows it (mask.h).
 struct MaskRules {
   bool causal = false;
   int64_t window_left = -1;   // < 0: unbounded
   int64_t window_right = -1;  // < 0: unbounded
   bool documents = false;     // use the tokens' document ids
+  // A slice mask (MaskSlice): when `sliced`, a pair must also be shown by one of the
+  // `slice_count` slices at `slices` (memory the owner keeps: Mask holds it on the host).
+  bool sliced = false;
+  int32_t slice_count = 0;
+  const MaskSlice* slices = nullptr;
 
   // a - b and a + b for b >= 0, saturated at the ends of int64, so that every rule below is
   // exact over the whole range of positions (pos_q - L would overflow near INT64_MIN).
@@ -49,7 +88,13 @@ struct MaskRules {
   }
   CTXPAR_HD bool visible(int64_t pos_q, int64_t pos_k, int32_t doc_q = 0, int32_t doc_k = 0) const {
     if (pos_q == kPaddingPosition || pos_k == kPaddingPosition) return false;
-    return pos_k >= key_lo(pos_q) && pos_k <= key_hi(pos_q) && (!documents || doc_q == doc_k);
+    return pos_k >= key_lo(pos_q) && pos_k <= key_hi(pos_q) && (!documents || doc_q == doc_k) &&
+           (!sliced || sliced_shows(pos_q, pos_k));
+  }
+  CTXPAR_HD bool sliced_shows(int64_t pos_q, int64_t pos_k) const {
+    for (int32_t i = 0; i < slice_count; ++i)
+      if (slices[i].shows(pos_q, pos_k)) return true;
+    return false;
   }
   // True when no (q, k) pair with q positions in [q_lo, q_hi], k positions in [k_lo, k_hi] and
   // document ids in the given ranges can be visible: the whole tile may be skipped. Key ranges
@@ -58,14 +103,22 @@ struct MaskRules {
                              int32_t dq_lo = 0, int32_t dq_hi = 0, int32_t dk_lo = 0,
                              int32_t dk_hi = 0) const {
     if (k_hi < key_lo(q_lo) || k_lo > key_hi(q_hi)) return true;
-    return documents && (dq_hi < dk_lo || dk_hi < dq_lo);
+    if (documents && (dq_hi < dk_lo || dk_hi < dq_lo)) return true;
+    if (!sliced) return false;
+    for (int32_t i = 0; i < slice_count; ++i)
+      if (slices[i].touches(q_lo, q_hi, k_lo, k_hi)) return false;
+    return true;
   }
   // True when every pair of the tile is visible (no per-element masking needed).
   CTXPAR_HD bool tile_full(int64_t q_lo, int64_t q_hi, int64_t k_lo, int64_t k_hi,
                            int32_t dq_lo = 0, int32_t dq_hi = 0, int32_t dk_lo = 0,
                            int32_t dk_hi = 0) const {
     if (k_lo < key_lo(q_hi) || k_hi > key_hi(q_lo)) return false;
-    return !documents || (dq_lo == dq_hi && dk_lo == dk_hi && dq_lo == dk_lo);
+    if (documents && !(dq_lo == dq_hi && dk_lo == dk_hi && dq_lo == dk_lo)) return false;
+    if (!sliced) return true;
+    for (int32_t i = 0; i < slice_count; ++i)
+      if (slices[i].covers(q_lo, q_hi, k_lo, k_hi)) return true;
+    return false;  // several slices may cover it together: partial is still exact
   }
 };
 

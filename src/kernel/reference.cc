@@ -23,6 +23,14 @@ bool visible_exact(const Mask& m, const Tokens& qt, int64_t i, const Tokens& kt,
   if (m.window_left >= 0 && diff > m.window_left) return false;
   if (m.window_right >= 0 && -diff > m.window_right) return false;
   if (m.documents && qt.documents[i] != kt.documents[j]) return false;
+  if (m.sliced) {  // the slices' definition (k - k_hi <= q - q_hi), not MaskSlice's key_hi
+    const __int128 pq = qt.positions[i], pk = kt.positions[j];
+    for (const MaskSlice& s : m.slice_list())
+      if (pq >= s.q_lo && pq < s.q_hi && pk >= s.k_lo && pk < s.k_hi &&
+          (!s.causal || pk - s.k_hi <= pq - s.q_hi))
+        return true;
+    return false;
+  }
   return true;
 }
 

@@ -218,6 +218,45 @@ inline void pack_rows(const TensorView& t, int64_t b, int64_t h, int64_t j0, int
   }
 }
 
+// The slices of a slice mask that touch one tile (mask_tile below), and the masking of a score
+// row by their union.
+struct SliceFilter {
+  std::vector<MaskSlice> touching;
+  void select(const Mask& mask, const Tokens& q_tokens, int64_t i0, int64_t rows, const int64_t* kp,
+              int64_t cols) {
+    int64_t qa = kInt64Max, qb = kInt64Min, ka = kInt64Max, kb = kInt64Min;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t p = q_tokens.positions[i0 + r];
+      if (p != kPaddingPosition) qa = std::min(qa, p), qb = std::max(qb, p);
+    }
+    for (int64_t c = 0; c < cols; ++c)
+      if (kp[c] != kPaddingPosition) ka = std::min(ka, kp[c]), kb = std::max(kb, kp[c]);
+    if (qa > qb || ka > kb) return;
+    for (const MaskSlice& s : mask.slice_list())
+      if (s.touches(qa, qb, ka, kb)) touching.push_back(s);
+  }
+  // Hides every column of score row `sr` (query position pq) that no touching slice shows.
+  void apply(int64_t pq, const int64_t* kp, int64_t cols, float* sr) const {
+    int64_t lo[kTile], hi[kTile];
+    int n = 0;
+    for (const MaskSlice& s : touching)
+      if (pq >= s.q_lo && pq < s.q_hi && n < kTile) lo[n] = s.k_lo, hi[n] = s.key_hi(pq), ++n;
+    if (n == kTile) {  // more slices on one row than a tile has keys: column by column
+      for (int64_t c = 0; c < cols; ++c) {
+        bool shown = false;
+        for (const MaskSlice& s : touching) shown = shown || s.shows(pq, kp[c]);
+        sr[c] = shown ? sr[c] : kNegInf;
+      }
+      return;
+    }
+    for (int64_t c = 0; c < cols; ++c) {
+      bool shown = false;
+      for (int i = 0; i < n; ++i) shown = shown || (kp[c] >= lo[i] && kp[c] <= hi[i]);
+      sr[c] = shown ? sr[c] : kNegInf;
+    }
+  }
+};
+
 // Sets the masked scores of a rows x kTile score tile (row stride kTile) to -inf: columns at
 // or beyond `cols`, and when `partial`, every (i0 + r, j0 + c) pair the mask hides. The loop
 // is branch-free over the columns so the compiler vectorises it (the diagonal tiles of a
@@ -227,6 +266,10 @@ inline void mask_tile(float* s, int64_t rows, int64_t cols, bool partial, const 
   const int64_t* kp = k_tokens.positions.data() + j0;
   const int32_t* kd = mask.documents ? k_tokens.documents.data() + j0 : nullptr;
   const bool docs = mask.documents;
+  // A slice mask: the slices that touch this tile (most touch none), then per row the union of
+  // their key intervals (mask_rules.h's MaskSlice).
+  SliceFilter sf;
+  if (partial && mask.sliced) sf.select(mask, q_tokens, i0, rows, kp, cols);
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = s + r * kTile;
     if (partial) {
@@ -244,6 +287,7 @@ inline void mask_tile(float* s, int64_t rows, int64_t cols, bool partial, const 
         if (docs) seen = seen && kd[c] == dq;
         sr[c] = seen ? sr[c] : kNegInf;
       }
+      if (mask.sliced) sf.apply(pq, kp, cols, sr);
     }
     for (int64_t c = cols; c < kTile; ++c) sr[c] = kNegInf;
   }

@@ -27,7 +27,7 @@
 #include "ctxpar/error.h"
 #include "ctxpar/hash.h"
 #include "ctxpar/npy.h"
-#include "io/untrusted_json.h"
+#include "core/untrusted_json.h"
 #include "model/training.h"
 
 namespace ctxpar::model {

@@ -23,6 +23,7 @@ struct RankPositions {
         return rank * local() + i;
       case LayoutKind::striped:
         return rank + static_cast<int64_t>(ranks) * i;
+      case LayoutKind::balanced:  // under a causal mask: head-tail pairs, modelled as zigzag
       case LayoutKind::zigzag: {
         const int64_t chunk = seq / (2 * ranks);
         return i < chunk ? rank * chunk + i : (2 * ranks - 1 - rank) * chunk + (i - chunk);
@@ -78,6 +79,7 @@ double visible_pairs(LayoutKind layout, int64_t seq, int ranks, int q_rank, int 
     case LayoutKind::striped:
       // Query r + P*i sees key s + P*j iff j <= i (s <= r) or j < i (s > r).
       return k_rank <= q_rank ? n * (n + 1) / 2 : n * (n - 1) / 2;
+    case LayoutKind::balanced:  // modelled as zigzag (RankPositions)
     case LayoutKind::zigzag: {
       const double c = n / 2;
       const double qa[2] = {static_cast<double>(q(0)), static_cast<double>(q(seq / (2 * ranks)))};

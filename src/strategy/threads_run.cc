@@ -15,7 +15,8 @@ Shape local_shape(const TensorView& whole, int token_dim, int64_t local) {
 void run_whole_on_threads(int ranks, LayoutKind layout_kind, const StrategyOptions& options,
                           const WholeAttention& w, bool forward, bool backward,
                           ThreadsRunStats* stats, const ThreadsOptions& threads) {
-  const Layout layout(layout_kind, w.q.dim(1), ranks);
+  const Layout layout(layout_kind, w.q.dim(1), ranks,
+                      {options.mask, w.tokens.documents, w.tokens.positions});
   const int64_t tl = layout.local_tokens();
   auto dtype_of = [&](const TensorView& whole) { return w.shard_dtype.value_or(whole.dtype()); };
   const std::vector<int64_t> positions(w.tokens.positions.begin(), w.tokens.positions.end());

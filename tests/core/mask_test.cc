@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <utility>
 #include <vector>
@@ -124,6 +125,78 @@ TEST(Mask, TileVerdictsAgreeWithElements) {
               ++checked;
             }
   EXPECT_GT(checked, 1000);
+}
+
+}  // namespace
+}  // namespace ctxpar
+
+namespace ctxpar {
+namespace {
+
+std::string error_of(const std::string& text) {
+  try {
+    parse_mask(text);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::string write_file(const std::string& name, const std::string& text) {
+  const std::string path = ::testing::TempDir() + name;
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  std::fputs(text.c_str(), f);
+  std::fclose(f);
+  return path;
+}
+
+TEST(MaskSlices, PrefixTreeIsItsSlices) {
+  const Mask m = parse_mask("prefix-tree:4,2,3");
+  ASSERT_TRUE(m.sliced);
+  EXPECT_EQ(mask_length_total("prefix-tree:4,2,3"), 9);
+  // By the definition: prompt causal; each response sees the whole prompt and itself causally.
+  auto seen = [](int64_t q, int64_t k) {
+    const int64_t part_q = q < 4 ? 0 : q < 6 ? 1 : 2, part_k = k < 4 ? 0 : k < 6 ? 1 : 2;
+    if (part_k == 0) return part_q == 0 ? k <= q : true;
+    return part_q == part_k && k <= q;
+  };
+  for (int64_t q = 0; q < 9; ++q)
+    for (int64_t k = 0; k < 9; ++k) EXPECT_EQ(m.visible(q, k), seen(q, k)) << q << "," << k;
+}
+
+TEST(MaskSlices, SliceFileIsReadAndCheckedAndDescribedByItsContent) {
+  const std::string ok = write_file(
+      "ok.json",
+      R"([{"q": [0, 8], "k": [0, 8], "type": "causal"}, {"q": [8, 16], "k": [0, 4], "type": "full"}])");
+  const Mask m = parse_mask("slices:" + ok);
+  ASSERT_EQ(m.slice_list().size(), 2u);
+  EXPECT_TRUE(m.visible(9, 3));
+  EXPECT_FALSE(m.visible(9, 4));
+  EXPECT_FALSE(m.visible(3, 4));
+  const std::string other = write_file(
+      "other.json",
+      R"([{"q": [0, 8], "k": [0, 8], "type": "causal"}, {"q": [8, 16], "k": [0, 5], "type": "full"}])");
+  EXPECT_NE(m.describe(), parse_mask("slices:" + other).describe());  // agreement sees the content
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"[]", "non-empty list of slices"},
+      {R"([{"q": [0, 8], "k": [0, 8]}])", "\"type\": \"full\" or \"causal\""},
+      {R"([{"q": [0, 8], "k": [0, 8], "type": "diagonal"}])", "\"type\": \"full\" or \"causal\""},
+      {R"([{"q": [8, 8], "k": [0, 8], "type": "full"}])", "not two non-empty ranges"},
+      {R"([{"q": [-1, 8], "k": [0, 8], "type": "full"}])", "not two non-empty ranges"},
+      {R"([{"q": [0, 8], "k": [0, 8], "type": "full", "w": 1}])", "unknown field \"w\""},
+      {R"([{"q": [0], "k": [0, 8], "type": "full"}])", "needs \"q\": [start, end]"},
+      {R"([{"q": [0, 8], "k": [0, 8], "type": "full")", "malformed"},
+  };
+  for (const auto& [text, what] : bad) {
+    const std::string e = error_of("slices:" + write_file("bad.json", text));
+    EXPECT_NE(e.find(what), std::string::npos) << text << " -> " << e;
+  }
+  EXPECT_NE(error_of("slices:/nonexistent/m.json").find("cannot open the slice file"),
+            std::string::npos);
+  EXPECT_NE(error_of("prefix-tree:8").find("a prompt and at least one response"),
+            std::string::npos);
+  EXPECT_NE(error_of("prefix-tree:8,0").find("prefix-tree length '0'"), std::string::npos);
+  EXPECT_NE(error_of("prefix-tree:4,4+slices:" + ok).find("given twice"), std::string::npos);
 }
 
 }  // namespace

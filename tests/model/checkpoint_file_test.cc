@@ -10,7 +10,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "io/untrusted_json.h"
+#include "core/untrusted_json.h"
 #include "model/params.h"
 #include "model/train_support.h"
 #include "model/training.h"

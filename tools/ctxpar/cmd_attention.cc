@@ -32,14 +32,15 @@ Options attention_options() {
   o.add("seq", "4096", "sequence length T (64K, 1M suffixes accepted)")
       .add_job_shape()
       .add("mask", "none",
-           "none | causal | window:L,R | documents:len1,len2,... | rules joined by '+', "
-           "e.g. causal+documents:300,724")
+           "none | causal | window:L,R | documents:len1,len2,... | prefix-tree:P,R1,R2,... | "
+           "slices:FILE.json | rules joined by '+', e.g. causal+documents:300,724")
       .add("ranks", "1", "ranks P (under mpirun: the number of processes)")
       .add("strategy", "ring", "ring | allgather | ulysses | hybrid")
       .add("ulysses-degree", "0", "hybrid: ranks per Ulysses group u, must divide P (0 = P)")
-      .add("layout", "zigzag",
-           "how tokens map to ranks: zigzag (balanced under a causal mask) | contiguous | "
-           "striped; any T (padded to the layout's granule: P, or 2P for zigzag)")
+      .add("layout", "auto",
+           "how tokens map to ranks: auto (balanced for document and slice masks, else zigzag) | "
+           "zigzag (balanced under a causal mask) | balanced (by the mask's work) | contiguous | "
+           "striped; any T (padded to the layout's granule: P, 2P for zigzag, 64P for balanced)")
       .add_device()
       .add("transport", "auto",
            "threads | mpi | gloo | nccl | loopback (auto: mpi under mpirun, gloo under "
@@ -106,7 +107,10 @@ AttentionJob job_from(const Options& o) {
   job.dtype = parse_dtype(o.str("dtype"));
   job.strategy = parse_strategy(o.str("strategy"));
   job.ulysses_degree = o.i32("ulysses-degree", 0, kMaxProcesses);
-  job.layout = parse_layout(o.str("layout"));
+  job.layout = choose_layout(o.str("layout"), job.mask);
+  if (const int64_t total = mask_length_total(o.str("mask")); job.mask.sliced && total > 0)
+    CTXPAR_CHECK(total == job.seq, "--mask ", o.str("mask"), ": the prefix tree has ", total,
+                 " tokens but --seq is ", job.seq, "; they must be equal");
   using enum TransportKind;
   job.transport = transport_option(o.str("transport"), {threads, mpi, gloo, nccl, loopback});
   check_gpu_transport(job.transport, o.str("device"));

@@ -35,6 +35,9 @@ struct SequenceTokens {
 };
 
 SequenceTokens sequence_tokens(const AttentionJob& job);
+// The job's layout over the whole sequence (the balanced layout balances the job's mask over
+// `seq`'s positions and documents).
+Layout job_layout(const AttentionJob& job, const SequenceTokens& seq);
 
 // One rank's part (job_rank.cc): shard or draw its inputs, run the strategy forward (and
 // backward) job.repeats times, time each call.

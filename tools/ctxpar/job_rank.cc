@@ -106,6 +106,10 @@ SequenceTokens sequence_tokens(const AttentionJob& job) {
   return s;
 }
 
+Layout job_layout(const AttentionJob& job, const SequenceTokens& seq) {
+  return Layout(job.layout, job.seq, job.ranks, {job.mask, seq.documents, seq.positions});
+}
+
 void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens& seq,
               RankData& rd) {
   const int r = comm.rank();
@@ -119,7 +123,7 @@ void run_rank(Communicator& comm, const AttentionJob& job, const SequenceTokens&
   if (const char* fault = std::getenv("CTXPAR_FAULT_RANK"); fault && std::atoi(fault) == r)
     throw Error(detail::concat("injected fault (CTXPAR_FAULT_RANK=", fault, ")"));
 #endif
-  const Layout layout(job.layout, job.seq, job.ranks);
+  const Layout layout = job_layout(job, seq);
   const std::vector<int64_t> index = layout.positions(r);
   rd.tokens =
       std::count_if(index.begin(), index.end(), [&](int64_t t) { return !layout.is_padding(t); });

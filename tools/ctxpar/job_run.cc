@@ -248,8 +248,7 @@ void set_single_rank_bytes(const AttentionJob& job, AttentionResult& result) {
 // the fp64 reference; frees the shards before the reference runs.
 void unshard_and_check(const AttentionJob& job, const SequenceTokens& seq,
                        std::vector<RankData>& all, AttentionResult& result) {
-  const int P = job.ranks;
-  const Layout layout(job.layout, job.seq, P);
+  const Layout layout = job_layout(job, seq);
   result.out = unshard_field(layout, all, &RankData::out, 1);
   result.lse = unshard_field(layout, all, &RankData::lse, 2);
   result.dq = unshard_field(layout, all, &RankData::dq, 1);

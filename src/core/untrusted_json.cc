@@ -1,4 +1,4 @@
-#include "io/untrusted_json.h"
+#include "core/untrusted_json.h"
 
 #include <algorithm>
 #include <exception>

@@ -1,0 +1,171 @@
+#include "layout/balance.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "ctxpar/error.h"
+
+namespace ctxpar {
+
+namespace {
+
+// Whole pieces hold at most a quarter of a rank's work and chunks: larger ones left the fillers
+// too little room to even the ranks out (busiest / mean 1.3-1.6 with halves on packed
+// long-tailed documents), smaller ones cut more short documents (tests/layout/balanced_test.cc).
+constexpr int kWholeDivisor = 4;
+
+// The position / document range of chunk i (mask_rules.h's TileRange), padding left out.
+TileRange chunk_range(const BalanceInput& b, int64_t tokens, int64_t c, int64_t i) {
+  TileRange r;
+  r.pos_lo = kInt64Max, r.pos_hi = kInt64Min;
+  r.doc_lo = std::numeric_limits<int32_t>::max(), r.doc_hi = std::numeric_limits<int32_t>::min();
+  int64_t real = 0;
+  for (int64_t t = i * c; t < (i + 1) * c && t < tokens; ++t, ++real) {
+    const int64_t p = b.positions.empty() ? t : b.positions[size_t(t)];
+    r.pos_lo = std::min(r.pos_lo, p), r.pos_hi = std::max(r.pos_hi, p);
+    if (b.mask.documents) {
+      const int32_t d = b.documents[size_t(t)];
+      r.doc_lo = std::min(r.doc_lo, d), r.doc_hi = std::max(r.doc_hi, d);
+    }
+  }
+  r.padding = real == 0 ? TileRange::all : real < c ? TileRange::some : TileRange::none;
+  if (!b.mask.documents) r.doc_lo = r.doc_hi = 0;
+  return r;
+}
+
+}  // namespace
+
+ChunkCosts chunk_costs(const BalanceInput& b, int64_t tokens, int64_t padded, int64_t c) {
+  CTXPAR_CHECK(b.positions.empty() || int64_t(b.positions.size()) == tokens, "balanced layout: ",
+               b.positions.size(), " positions for T = ", tokens, " tokens");
+  CTXPAR_CHECK(!b.mask.documents || int64_t(b.documents.size()) == tokens,
+               "balanced layout: the mask uses documents and needs one document id per token (T = ",
+               tokens, "), got ", b.documents.size());
+  const int64_t n = (padded + c - 1) / c;  // the last chunk may be short (rank_work's layouts)
+  std::vector<TileRange> ranges(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) ranges[size_t(i)] = chunk_range(b, tokens, c, i);
+  ChunkCosts out;
+  out.size = c;
+  out.work.assign(size_t(n), 0.0);
+  out.first.assign(size_t(n), n);
+  out.last.assign(size_t(n), -1);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      if (classify(b.mask, ranges[size_t(i)], ranges[size_t(j)]) == TileKind::skip) continue;
+      out.work[size_t(i)] += double(c) * double(c);
+      out.first[size_t(i)] = std::min(out.first[size_t(i)], j);
+      out.last[size_t(i)] = j;
+    }
+  return out;
+}
+
+std::vector<int32_t> balance_chunks(const ChunkCosts& costs, int ranks) {
+  const int64_t n = int64_t(costs.work.size());
+  CTXPAR_CHECK(ranks >= 1 && n % ranks == 0, "balanced layout: ", n, " chunks over ", ranks,
+               " ranks");
+  const int64_t share = n / ranks;  // chunks per rank
+  double total = 0;
+  for (double w : costs.work) total += w;
+  const double target = total / ranks;
+
+  // Groups: runs of chunks that see back to the same first key chunk, i.e. one document (or
+  // prefix tree, or any mask's connected run) each, a chunk shared by two documents going with
+  // the earlier one. A group with at most 1/kWholeDivisor of a rank's work and chunks is short:
+  // runs of short groups become whole pieces of up to that size (a cut between two pieces splits
+  // the one document that straddles that chunk boundary). A longer group is split head-tail into pairs
+  // of chunks (i, n-1-i: equal work under a causal mask), the fine-grained fillers that even
+  // out what the whole pieces leave.
+  struct Piece {
+    std::vector<int64_t> chunks;
+    double work = 0;
+  };
+  const double cap_work = target / kWholeDivisor;
+  const int64_t cap_chunks = std::max<int64_t>(1, share / kWholeDivisor);
+  std::vector<Piece> whole, fillers;
+  Piece run;  // the short groups not yet closed into a piece
+  auto close_run = [&] {
+    if (!run.chunks.empty()) whole.push_back(std::move(run));
+    run = {};
+  };
+  for (int64_t b = 0; b < n;) {
+    int64_t e = b + 1;
+    while (e < n && costs.first[size_t(e)] == costs.first[size_t(b)]) ++e;
+    double w = 0;
+    for (int64_t i = b; i < e; ++i) w += costs.work[size_t(i)];
+    if (w <= cap_work && e - b <= cap_chunks) {
+      if (run.work + w > cap_work || int64_t(run.chunks.size()) + (e - b) > cap_chunks) close_run();
+      for (int64_t i = b; i < e; ++i) run.chunks.push_back(i);
+      run.work += w;
+    } else {
+      close_run();
+      for (int64_t lo = b, hi = e - 1; lo <= hi; ++lo, --hi) {
+        Piece pair{{lo}, costs.work[size_t(lo)]};
+        if (hi != lo) pair.chunks.push_back(hi), pair.work += costs.work[size_t(hi)];
+        fillers.push_back(std::move(pair));
+      }
+    }
+    b = e;
+  }
+  close_run();
+  auto by_work = [](const Piece& a, const Piece& b) { return a.work > b.work; };
+  std::stable_sort(fillers.begin(), fillers.end(), by_work);
+
+  std::vector<int32_t> owner(size_t(n), -1);
+  std::vector<double> load(size_t(ranks), 0.0);
+  std::vector<int64_t> room(size_t(ranks), share);
+  auto put = [&](const std::vector<int64_t>& chunks, double work, int r) {
+    for (int64_t i : chunks) owner[size_t(i)] = r;
+    load[size_t(r)] += work, room[size_t(r)] -= int64_t(chunks.size());
+  };
+  // The least loaded rank with room for `size` chunks (ties: the lowest rank); -1 if none.
+  auto least_loaded = [&](int64_t size) {
+    int best = -1;
+    for (int r = 0; r < ranks; ++r)
+      if (room[size_t(r)] >= size && (best < 0 || load[size_t(r)] < load[size_t(best)])) best = r;
+    return best;
+  };
+
+  // Whole pieces first. Fillers will take every chunk of room left, bringing about `density`
+  // work a chunk, so a rank ends near load + room * density: whole pieces are placed to even out
+  // that projection (a piece of many cheap tokens lowers it, a dense one raises it), largest
+  // effect first. Without fillers, largest work first on the least loaded rank.
+  double filler_work = 0;
+  int64_t filler_chunks = 0;
+  for (const Piece& f : fillers) filler_work += f.work, filler_chunks += int64_t(f.chunks.size());
+  const double density = filler_chunks > 0 ? filler_work / double(filler_chunks) : 0;
+  auto effect = [&](const Piece& p) { return p.work - double(p.chunks.size()) * density; };
+  std::stable_sort(whole.begin(), whole.end(), [&](const Piece& a, const Piece& b) {
+    return filler_chunks > 0 ? std::abs(effect(a)) > std::abs(effect(b)) : a.work > b.work;
+  });
+  std::vector<Piece> split;  // whole pieces that found no room, placed chunk by chunk below
+  for (Piece& p : whole) {
+    const int64_t size = int64_t(p.chunks.size());
+    int best = -1;
+    double best_proj = 0;
+    const bool raises = effect(p) >= 0;  // to the lowest projection, else to the highest
+    for (int r = 0; r < ranks; ++r) {
+      if (room[size_t(r)] < size) continue;
+      const double proj = load[size_t(r)] + double(room[size_t(r)]) * density;
+      if (best < 0 || (raises ? proj < best_proj : proj > best_proj)) best = r, best_proj = proj;
+    }
+    if (filler_chunks == 0) best = least_loaded(size);
+    if (best >= 0)
+      put(p.chunks, p.work, best);
+    else
+      split.push_back(std::move(p));
+  }
+  for (const Piece& f : fillers) {
+    const int r = least_loaded(int64_t(f.chunks.size()));
+    if (r >= 0) {
+      put(f.chunks, f.work, r);
+    } else {
+      split.push_back(f);
+    }
+  }
+  for (const Piece& p : split)
+    for (int64_t i : p.chunks) put({i}, costs.work[size_t(i)], least_loaded(1));  // room for one
+  return owner;
+}
+
+}  // namespace ctxpar

@@ -1,0 +1,141 @@
+// The balanced layout: a partition like every layout (each token once, equal shares, increasing
+// local order, permutation and inverse), deterministic, its work model checked by brute force,
+// and its balance on packed long-tailed documents and on a prefix tree.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "ctxpar/layout.h"
+
+namespace ctxpar {
+namespace {
+
+// Packed documents of long-tailed lengths: log-normal (median 1,000 tokens, sigma 1.5, within
+// [32, 32,768]), the shape reported for web and code corpora (many short documents, a few that
+// hold most of the tokens); the last one cut to fill T.
+std::vector<int64_t> long_tailed(int64_t tokens, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::lognormal_distribution<double> len(std::log(1000.0), 1.5);
+  std::vector<int64_t> out;
+  int64_t sum = 0;
+  while (sum < tokens) {
+    const int64_t l = std::min(tokens - sum, std::clamp<int64_t>(int64_t(len(rng)), 32, 32768));
+    out.push_back(l), sum += l;
+  }
+  return out;
+}
+
+std::vector<int32_t> ids_of(const std::vector<int64_t>& lengths) {
+  std::vector<int32_t> ids;
+  for (size_t d = 0; d < lengths.size(); ++d) ids.insert(ids.end(), lengths[d], int32_t(d));
+  return ids;
+}
+
+double busiest_over_mean(const std::vector<double>& w) {
+  const double mean = std::accumulate(w.begin(), w.end(), 0.0) / double(w.size());
+  return *std::max_element(w.begin(), w.end()) / mean;
+}
+
+TEST(Balanced, IsAPartitionWithItsPermutation) {
+  for (int p : {1, 2, 3, 4}) {
+    for (int64_t t : {5, 45, 300, 1000}) {
+      const std::vector<int64_t> lengths = long_tailed(t, uint64_t(t + p));
+      const std::vector<int32_t> ids = ids_of(lengths);
+      const Layout l(LayoutKind::balanced, t, p, {parse_mask("causal+documents"), ids, {}});
+      EXPECT_EQ(l.padded_tokens() % (balanced_chunk(t, p) * p), 0);
+      std::vector<int> seen(static_cast<size_t>(l.padded_tokens()), 0);
+      for (int r = 0; r < p; ++r) {
+        const std::vector<int64_t> pos = l.positions(r);
+        ASSERT_EQ(int64_t(pos.size()), l.local_tokens());
+        EXPECT_TRUE(std::is_sorted(pos.begin(), pos.end()));
+        for (size_t i = 0; i < pos.size(); ++i) {
+          ++seen[size_t(pos[i])];
+          EXPECT_EQ(l.owner(pos[i]), r);
+          EXPECT_EQ(l.local_index(pos[i]), int64_t(i));
+        }
+      }
+      for (int n : seen) EXPECT_EQ(n, 1);
+      const std::vector<int64_t> perm = l.permutation(), inv = l.inverse_permutation();
+      for (size_t slot = 0; slot < perm.size(); ++slot) EXPECT_EQ(inv[size_t(perm[slot])], int64_t(slot));
+      // Per-token arrays round-trip through shard / unshard.
+      std::vector<int64_t> full(static_cast<size_t>(t));
+      std::iota(full.begin(), full.end(), 100);
+      std::vector<std::vector<int64_t>> shards;
+      for (int r = 0; r < p; ++r) shards.push_back(l.shard(full, r, int64_t(-1)));
+      EXPECT_EQ(l.unshard(shards), full);
+    }
+  }
+}
+
+TEST(Balanced, SameInputSameAssignment) {
+  const std::vector<int32_t> ids = ids_of(long_tailed(8192, 3));
+  const BalanceInput in{parse_mask("causal+documents"), ids, {}};
+  EXPECT_EQ(Layout(LayoutKind::balanced, 8192, 4, in).permutation(),
+            Layout(LayoutKind::balanced, 8192, 4, in).permutation());
+}
+
+// rank_work against its definition: c * c for every (query chunk, key chunk) pair in which some
+// pair of tokens is visible, summed over the rank's query chunks (Mask::visible, brute force).
+TEST(Balanced, WorkModelMatchesBruteForce) {
+  const int64_t t = 300;
+  const int p = 3;
+  const std::vector<int32_t> ids = ids_of({120, 7, 50, 123});
+  for (const char* text : {"causal+documents", "documents", "causal", "prefix-tree:100,100,100"}) {
+    const Mask m = parse_mask(text);
+    const BalanceInput in{m, m.documents ? std::span<const int32_t>(ids) : std::span<const int32_t>{}, {}};
+    const Layout l(LayoutKind::balanced, t, p, in);
+    const int64_t c = balanced_chunk(t, p), n = l.padded_tokens() / c;
+    std::vector<double> want(static_cast<size_t>(p), 0.0);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        bool any = false;
+        for (int64_t a = i * c; a < (i + 1) * c && a < t && !any; ++a)
+          for (int64_t b = j * c; b < (j + 1) * c && b < t && !any; ++b)
+            any = m.visible(a, b, m.documents ? ids[size_t(a)] : 0, m.documents ? ids[size_t(b)] : 0);
+        if (any) want[size_t(l.owner(i * c))] += double(c * c);
+      }
+    EXPECT_EQ(l.rank_work(in), want) << text;
+  }
+}
+
+TEST(Balanced, EvensLongTailedDocumentsAndKeepsShortOnesWhole) {
+  for (auto [t, p] : {std::pair<int64_t, int>{65536, 4}, {65536, 8}, {131072, 8}}) {
+    const std::vector<int64_t> lengths = long_tailed(t, 5);
+    const std::vector<int32_t> ids = ids_of(lengths);
+    const BalanceInput in{parse_mask("causal+documents"), ids, {}};
+    const Layout l(LayoutKind::balanced, t, p, in);
+    const double balanced = busiest_over_mean(l.rank_work(in));
+    const double zigzag = busiest_over_mean(Layout(LayoutKind::zigzag, t, p).rank_work(in));
+    EXPECT_LE(balanced, 1.05) << "T " << t << " P " << p << " (zigzag " << zigzag << ")";
+    // Short documents (up to 1,024 tokens) mostly stay on one rank: they need no K/V from
+    // elsewhere. Chunks are 64 tokens and documents do not start at chunk boundaries, so a cut
+    // between two whole pieces splits the one document across it: two thirds or more stay whole.
+    int64_t short_docs = 0, whole = 0, start = 0;
+    for (int64_t len : lengths) {
+      if (len <= 1024) {
+        ++short_docs;
+        bool one = true;
+        for (int64_t x = start; x < start + len; ++x) one = one && l.owner(x) == l.owner(start);
+        whole += one;
+      }
+      start += len;
+    }
+    EXPECT_GE(short_docs, 20);
+    EXPECT_GE(double(whole), 0.66 * double(short_docs)) << "T " << t << " P " << p;
+  }
+}
+
+TEST(Balanced, EvensAPrefixTree) {
+  // An 8K prompt and eight 2K responses.
+  const Mask m = parse_mask("prefix-tree:8192,2048,2048,2048,2048,2048,2048,2048,2048");
+  for (int p : {4, 8}) {
+    const BalanceInput in{m, {}, {}};
+    EXPECT_LE(busiest_over_mean(Layout(LayoutKind::balanced, 24576, p, in).rank_work(in)), 1.05);
+  }
+}
+
+}  // namespace
+}  // namespace ctxpar
