@@ -37,8 +37,8 @@ TileRange chunk_range(const BalanceInput& b, int64_t tokens, int64_t c, int64_t 
 }  // namespace
 
 ChunkCosts chunk_costs(const BalanceInput& b, int64_t tokens, int64_t padded, int64_t c) {
-  CTXPAR_CHECK(b.positions.empty() || int64_t(b.positions.size()) == tokens, "balanced layout: ",
-               b.positions.size(), " positions for T = ", tokens, " tokens");
+  CTXPAR_CHECK(b.positions.empty() || int64_t(b.positions.size()) == tokens,
+               "balanced layout: ", b.positions.size(), " positions for T = ", tokens, " tokens");
   CTXPAR_CHECK(!b.mask.documents || int64_t(b.documents.size()) == tokens,
                "balanced layout: the mask uses documents and needs one document id per token (T = ",
                tokens, "), got ", b.documents.size());

@@ -78,7 +78,9 @@ TEST(Slices, KernelMatchesReference) {
   add(200, 200, sliced(prefix_tree_slices(80, {40, 50, 30})));  // a prompt and three responses
   // Attention sinks: the first 4 tokens seen by all, plus a causal window of 32 as slices.
   std::vector<MaskSlice> sink{{0, 150, 0, 4, 0}};
-  for (int64_t s = 0; s < 150; s += 32) sink.push_back({s, std::min<int64_t>(s + 32, 150), s > 32 ? s - 32 : 0, std::min<int64_t>(s + 32, 150), 1});
+  for (int64_t s = 0; s < 150; s += 32)
+    sink.push_back({s, std::min<int64_t>(s + 32, 150), s > 32 ? s - 32 : 0,
+                    std::min<int64_t>(s + 32, 150), 1});
   add(150, 150, sliced(sink));
   add(130, 90, sliced(random_slices(130, 6, 3)));
   add(97, 97, sliced(random_slices(97, 3, 4), true));  // AND with the causal rule

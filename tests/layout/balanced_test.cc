@@ -59,7 +59,8 @@ TEST(Balanced, IsAPartitionWithItsPermutation) {
       }
       for (int n : seen) EXPECT_EQ(n, 1);
       const std::vector<int64_t> perm = l.permutation(), inv = l.inverse_permutation();
-      for (size_t slot = 0; slot < perm.size(); ++slot) EXPECT_EQ(inv[size_t(perm[slot])], int64_t(slot));
+      for (size_t slot = 0; slot < perm.size(); ++slot)
+        EXPECT_EQ(inv[size_t(perm[slot])], int64_t(slot));
       // Per-token arrays round-trip through shard / unshard.
       std::vector<int64_t> full(static_cast<size_t>(t));
       std::iota(full.begin(), full.end(), 100);
@@ -85,7 +86,8 @@ TEST(Balanced, WorkModelMatchesBruteForce) {
   const std::vector<int32_t> ids = ids_of({120, 7, 50, 123});
   for (const char* text : {"causal+documents", "documents", "causal", "prefix-tree:100,100,100"}) {
     const Mask m = parse_mask(text);
-    const BalanceInput in{m, m.documents ? std::span<const int32_t>(ids) : std::span<const int32_t>{}, {}};
+    const BalanceInput in{
+        m, m.documents ? std::span<const int32_t>(ids) : std::span<const int32_t>{}, {}};
     const Layout l(LayoutKind::balanced, t, p, in);
     const int64_t c = balanced_chunk(t, p), n = l.padded_tokens() / c;
     std::vector<double> want(static_cast<size_t>(p), 0.0);
@@ -94,7 +96,8 @@ TEST(Balanced, WorkModelMatchesBruteForce) {
         bool any = false;
         for (int64_t a = i * c; a < (i + 1) * c && a < t && !any; ++a)
           for (int64_t b = j * c; b < (j + 1) * c && b < t && !any; ++b)
-            any = m.visible(a, b, m.documents ? ids[size_t(a)] : 0, m.documents ? ids[size_t(b)] : 0);
+            any =
+                m.visible(a, b, m.documents ? ids[size_t(a)] : 0, m.documents ? ids[size_t(b)] : 0);
         if (any) want[size_t(l.owner(i * c))] += double(c * c);
       }
     EXPECT_EQ(l.rank_work(in), want) << text;

@@ -49,8 +49,8 @@ TEST(Slices, EveryStrategyAndLayoutMatchesReference) {
           opt.ulysses_degree = kind == StrategyKind::hybrid ? 2 : 0;
           const Errors e = errors_of(run_sharded(pr, p, lk, opt), refs);
           ++runs;
-          const std::string where = std::string(strategy_name(kind)) + " mask=" +
-                                    pr.mask.describe() + " P=" + std::to_string(p) +
+          const std::string where = std::string(strategy_name(kind)) +
+                                    " mask=" + pr.mask.describe() + " P=" + std::to_string(p) +
                                     " layout=" + layout_name(lk);
           EXPECT_LE(e.o, bound.o) << where;
           EXPECT_LE(e.lse, bound.lse) << where;
