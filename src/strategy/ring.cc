@@ -21,7 +21,7 @@
 namespace ctxpar::strategy {
 namespace {
 
-constexpr int kGradTag = 16384;  // dK/dV messages: kGradTag + step; K/V messages: step
+constexpr int kGradTag = kRingGradTag;  // dK/dV messages: kGradTag + step; K/V: step
 
 KvPacking packing_of(const TensorView& k, bool documents) {
   return {k.dim(0), k.dim(1), k.dim(2), k.dim(3), k.dtype(), documents};

@@ -22,7 +22,7 @@
 namespace ctxpar::strategy {
 namespace {
 
-constexpr int kGradTag = 16384;  // dK/dV going home: kGradTag + step; K/V messages: step
+constexpr int kGradTag = kRingGradTag;  // dK/dV going home: kGradTag + step; K/V: step
 
 struct Run {
   int64_t r0, r1;  // rows [r0, r1) of a rank's block

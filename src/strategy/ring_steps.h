@@ -12,6 +12,10 @@
 
 namespace ctxpar::strategy {
 
+// Message tags of the ring strategy's exchanges on one communicator: K/V blocks at step s
+// are tagged s, the fp32 dK/dV going back kRingGradTag + s (ring.cc, ring_needed.cc).
+inline constexpr int kRingGradTag = 16384;
+
 // A K/V block: what rotates in the ring (and what all-gather gathers): the keys and values
 // [B, T, Hkv, D] of T tokens, with those tokens' positions (and document ids).
 struct KvBlock {
