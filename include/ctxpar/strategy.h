@@ -30,6 +30,17 @@ StrategyKind parse_strategy(const std::string& name);  // throws listing the val
 
 constexpr int kMaxUlyssesGroups = 1024;  // StrategyOptions::ulysses_groups
 
+// How the ring moves K/V (docs/ring.md, "Moving only what is needed"). ring: every block goes
+// around the whole ring (P-1 hops). needed: at step s each rank sends rank r+s directly only
+// the 64-row key tiles that some query tile of r+s can see (mask_rules.h's classify on tile
+// summaries the ranks all-gather once per call), and a step with nothing to carry moves
+// nothing. automatic ("auto"): needed for the ring when the mask restricts by documents,
+// otherwise ring (plain, causal and window runs keep their bits). Only the ring strategy has
+// the needed exchange: all-gather, Ulysses and hybrid move every token (auto keeps them so).
+enum class Exchange { automatic, ring, needed };
+const char* exchange_name(Exchange e);             // "auto", "ring", "needed"
+Exchange parse_exchange(const std::string& name);  // throws listing the valid names
+
 struct StrategyOptions {
   StrategyKind kind = StrategyKind::ring;
   int ulysses_degree = 0;  // hybrid: ranks per Ulysses group u (must divide P); 0 = P
@@ -42,7 +53,12 @@ struct StrategyOptions {
   Mask mask;
   KernelConfig kernel;
   DeviceOptions device;  // each rank makes its own device of this kind (default: cpu)
+  Exchange exchange = Exchange::automatic;  // ring only: what K/V moves (Exchange above)
 };
+
+// The exchange `options` runs: options.exchange with `automatic` resolved (ring + a mask that
+// restricts by documents: needed; anything else: ring). Strategy::create resolves it once.
+Exchange exchange_of(const StrategyOptions& options);
 
 // What one rank did in the last call.
 struct StrategyStats {

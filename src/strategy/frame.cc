@@ -65,6 +65,12 @@ std::unique_ptr<Strategy> Strategy::create(Communicator& comm, const StrategyOpt
     error = detail::concat("ulysses_groups: expected 0 (the default) or 1..", kMaxUlyssesGroups,
                            " (the most head groups Ulysses pipelines its all-to-alls over), got ",
                            options.ulysses_groups);
+  else if (options.exchange == Exchange::needed && options.kind != StrategyKind::ring)
+    error = detail::concat(
+        "exchange = needed: only the ring strategy sends each rank only the "
+        "K/V it needs (",
+        strategy_name(options.kind), " moves every token); use exchange = auto or ring with ",
+        strategy_name(options.kind), ", or strategy = ring");
   else if (options.kernel.threads < 1)
     error = detail::concat("kernel.threads: expected >= 1, got ", options.kernel.threads);
   else
@@ -72,6 +78,7 @@ std::unique_ptr<Strategy> Strategy::create(Communicator& comm, const StrategyOpt
   require_agreement(comm, std::string(strategy_name(options.kind)) + " create",
                     strategy::signature_of(strategy::Dims{}, options), error);
   StrategyOptions agreed = options;
+  agreed.exchange = exchange_of(options);             // the same on every rank: the options agree
   device::agree_kernel_choices(comm, agreed.kernel);  // before hybrid splits: the whole job
   switch (agreed.kind) {
     case StrategyKind::ring:

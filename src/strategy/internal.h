@@ -114,6 +114,11 @@ void ring_forward(Communicator& comm, Call& call, const ForwardArgs& a);
 // Ring backward on `comm`: dk, dv get the gradient of this rank's K/V, summed over every
 // rank's queries.
 void ring_backward(Communicator& comm, Call& call, const GradArgs& a);
+// The same under Exchange::needed (src/strategy/ring_needed.cc): each rank receives only the
+// K/V rows its queries can see, straight from their owner; the dK/dV of those rows go back to
+// it. The ring strategy's own; hybrid's ring keeps ring_forward / ring_backward.
+void ring_needed_forward(Communicator& comm, Call& call, const ForwardArgs& a);
+void ring_needed_backward(Communicator& comm, Call& call, const GradArgs& a);
 
 // Ulysses around an inner computation on the whole (group) sequence for Hq/P heads. The inner
 // receives the sequence of all ranks of `comm`, sorted by global position.

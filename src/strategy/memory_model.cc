@@ -70,6 +70,20 @@ double ring_backward(const Sizes& z, int R, int64_t t, double hk) {
   return std::max(2 * pk + (R == 3 ? 3 : 4) * g, pk + 5 * g);
 }
 
+// The ring's needed exchange (ring_needed.cc) when every tile is needed, its most: the rows
+// received and computed on, those packed for the next peer and those arriving (three blocks
+// from P = 3 on); backward adds `own`, the local part, the gradients coming home for this step
+// and those of the previous step not yet added. Fewer tiles needed hold less.
+double ring_needed(const Sizes& z, int R, double t, double hq, double hk, AttentionPass pass) {
+  const double pk = z.pack(t, hk), g = z.grad(t, hk);
+  if (pass == AttentionPass::forward) return z.state(t, hq) + (R > 2 ? 3 : R == 2 ? 2 : 0) * pk;
+  const double bwd = R == 1   ? g
+                     : R == 2 ? std::max(2 * pk + g, pk + 3 * g)
+                     : R == 3 ? std::max(3 * pk + 3 * g, pk + 4 * g)
+                              : 3 * pk + 4 * g;
+  return z.rows(t, hq) + bwd;
+}
+
 // allgather: every peer's block of one head group and this rank's packed copies for them,
 // two groups at once (the next one's exchange is posted before this one computes); backward
 // adds each group's reduce-scatter (the P parts this rank sums, the P - 1 it sent), kept one
@@ -150,6 +164,8 @@ double attention_buffer_bytes(const StrategyOptions& options, const AttentionDim
   const int64_t tl = dims.seq / P;
   switch (options.kind) {
     case StrategyKind::ring:
+      if (exchange_of(options) == Exchange::needed)
+        return ring_needed(z, P, double(tl), double(dims.heads), double(dims.kv_heads), pass);
       return pass == AttentionPass::forward
                  ? ring_forward(z, P, double(tl), double(dims.heads), double(dims.kv_heads))
                  : z.rows(double(tl), double(dims.heads)) +

@@ -21,7 +21,7 @@
 namespace ctxpar::strategy {
 namespace {
 
-constexpr int kGradTag = 16384;  // dK/dV messages: kGradTag + step; K/V messages: step
+constexpr int kGradTag = kRingGradTag;  // dK/dV messages: kGradTag + step; K/V: step
 
 KvPacking packing_of(const TensorView& k, bool documents) {
   return {k.dim(0), k.dim(1), k.dim(2), k.dim(3), k.dtype(), documents};
@@ -213,12 +213,17 @@ class RingStrategy final : public Strategy {
       : Strategy(comm, options, std::move(device)) {}
 
  protected:
-  void run_forward(const ForwardArgs& a, Call& call) override { ring_forward(comm_, call, a); }
+  // options_.exchange is resolved (Strategy::create): ring or needed.
+  bool needed() const { return options_.exchange == Exchange::needed; }
+
+  void run_forward(const ForwardArgs& a, Call& call) override {
+    needed() ? ring_needed_forward(comm_, call, a) : ring_forward(comm_, call, a);
+  }
 
   void run_backward(const BackwardArgs& a, Call& call) override {
     const BackwardRows rows(call, a);
-    ring_backward(comm_, call,
-                  {a.q, a.k, a.v, a.tokens, a.dout, a.lse, rows.delta, rows.dq32, a.dk, a.dv});
+    const GradArgs g{a.q, a.k, a.v, a.tokens, a.dout, a.lse, rows.delta, rows.dq32, a.dk, a.dv};
+    needed() ? ring_needed_backward(comm_, call, g) : ring_backward(comm_, call, g);
     call.dev->copy(kComputeStream, rows.dq32, a.dq);
   }
 };

@@ -27,12 +27,13 @@ Tokens KvPacking::tokens_of(const DeviceBuffer& b) const {
   return t;
 }
 
-RingHop::RingHop(Device& dev, Communicator& comm, DeviceBuffer* send, size_t in_bytes, int tag)
+RingHop::RingHop(Device& dev, Communicator& comm, DeviceBuffer* send, size_t in_bytes, int tag,
+                 int distance)
     : dev_(dev) {
-  const int p = comm.size(), me = comm.rank();
+  const int p = comm.size(), me = comm.rank(), d = (distance % p + p) % p;
   dev.wait(kCommStream, dev.record(kComputeStream));
-  if (in_bytes > 0) incoming_ = dev.recv(kCommStream, comm, in_bytes, (me + p - 1) % p, tag);
-  if (send) dev.send(kCommStream, comm, *send, (me + 1) % p, tag);
+  if (in_bytes > 0) incoming_ = dev.recv(kCommStream, comm, in_bytes, (me + p - d) % p, tag);
+  if (send) dev.send(kCommStream, comm, *send, (me + d) % p, tag);
   arrived_ = dev.record(kCommStream);
 }
 

@@ -12,6 +12,10 @@
 
 namespace ctxpar::strategy {
 
+// Message tags of the ring strategy's exchanges on one communicator: K/V blocks at step s
+// are tagged s, the fp32 dK/dV going back kRingGradTag + s (ring.cc, ring_needed.cc).
+inline constexpr int kRingGradTag = 16384;
+
 // A K/V block: what rotates in the ring (and what all-gather gathers): the keys and values
 // [B, T, Hkv, D] of T tokens, with those tokens' positions (and document ids).
 struct KvBlock {
@@ -53,10 +57,13 @@ inline TensorView flat_f32(const DeviceBuffer& b) {
 // rank to rank (prefill's shares differ by up to a placement block). The sent block stays
 // readable: the caller keeps it while it computes on it (a lent block's memory lives until
 // both the sender and the receiver let go of it, so a peer that unwinds from a failure cannot
-// free it under this rank's compute).
+// free it under this rank's compute). `distance` d generalises the hop: send to rank r+d,
+// receive from rank r-d (mod P; the needed exchange's step s is d = s, its gradients going
+// home d = -s).
 class RingHop {
  public:
-  RingHop(Device& dev, Communicator& comm, DeviceBuffer* send, size_t in_bytes, int tag);
+  RingHop(Device& dev, Communicator& comm, DeviceBuffer* send, size_t in_bytes, int tag,
+          int distance = 1);
   DeviceBuffer wait();
 
  private:

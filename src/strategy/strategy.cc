@@ -36,6 +36,33 @@ StrategyKind parse_strategy(const std::string& name) {
   throw Error("unknown strategy '" + name + "': use ring, allgather, ulysses or hybrid");
 }
 
+const char* exchange_name(Exchange e) {
+  switch (e) {
+    case Exchange::automatic:
+      return "auto";
+    case Exchange::ring:
+      return "ring";
+    case Exchange::needed:
+      return "needed";
+  }
+  return "?";
+}
+
+Exchange parse_exchange(const std::string& name) {
+  if (name == "auto") return Exchange::automatic;
+  if (name == "ring") return Exchange::ring;
+  if (name == "needed") return Exchange::needed;
+  throw Error("unknown exchange '" + name + "': use auto, ring or needed");
+}
+
+Exchange exchange_of(const StrategyOptions& options) {
+  if (options.exchange != Exchange::automatic) return options.exchange;
+  // A mask that restricts by documents leaves most of a rank's keys invisible to most peers;
+  // a general slice mask joins this test when mask_rules.h has one.
+  const bool sparse = options.mask.documents;
+  return options.kind == StrategyKind::ring && sparse ? Exchange::needed : Exchange::ring;
+}
+
 std::string ulysses_heads_rule(int64_t hq, int ranks) {
   // KV heads that do not split over the ranks are replicated (see ulysses.cc, HeadSplit), so
   // only the query heads must divide.
@@ -149,6 +176,7 @@ Signature signature_of(const Dims& dims, const StrategyOptions& options) {
           {"ulysses_degree", num(options.ulysses_degree)},
           {"head_groups", num(options.head_groups)},
           {"ulysses_groups", num(options.ulysses_groups)},
+          {"exchange", exchange_name(options.exchange)},
           {"mask", options.mask.describe()},
           {"kernel scale", scale},
           {"kernel bf16 tier", bf16_tier_name(options.kernel.bf16_tier)},

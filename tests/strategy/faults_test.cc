@@ -232,7 +232,10 @@ class FailingComm final : public Communicator {
 };
 
 TEST(Faults, RankFailingMidRingFailsTheGroupPromptly) {
-  for (StrategyKind kind : {StrategyKind::ring, StrategyKind::allgather})
+  // The ring's needed exchange too: its direct messages and the gradients going home.
+  for (auto [kind, exchange] : {std::pair{StrategyKind::ring, Exchange::ring},
+                                {StrategyKind::ring, Exchange::needed},
+                                {StrategyKind::allgather, Exchange::automatic}})
     for (bool backward : {false, true}) {
       double seconds = 0;
       auto errors = errors_on_ranks(
@@ -241,6 +244,7 @@ TEST(Faults, RankFailingMidRingFailsTheGroupPromptly) {
             FailingComm failing(comm, comm.rank() == 1 ? 2 : 1 << 30);
             StrategyOptions opt;
             opt.kind = kind;
+            opt.exchange = exchange;
             auto s = Strategy::create(failing, opt);
             Shard x = make_shard(4, comm.rank());
             Tokens tok{x.positions, {}};
@@ -253,8 +257,8 @@ TEST(Faults, RankFailingMidRingFailsTheGroupPromptly) {
       EXPECT_NE(errors[1].find("injected failure"), std::string::npos) << errors[1];
       for (int r = 0; r < 4; ++r)
         EXPECT_NE(errors[r].find("injected failure"), std::string::npos)
-            << strategy_name(kind) << " rank " << r << " did not fail naming the cause: '"
-            << errors[r] << "'";
+            << strategy_name(kind) << " " << exchange_name(exchange) << " rank " << r
+            << " did not fail naming the cause: '" << errors[r] << "'";
       EXPECT_LT(seconds, 4.0) << "the group must fail promptly, not at the timeout";
     }
 }

@@ -29,6 +29,9 @@ Case make_case(StrategyKind kind, int p, DType dtype, bool documents, int u = 0,
   c.opt.mask = c.pr.mask;
   c.opt.ulysses_degree = u;
   c.opt.head_groups = groups;
+  // The formulas are the whole-block ring's (auto would move only what is needed under a
+  // documents mask: needed_test.cc counts those bytes).
+  c.opt.exchange = Exchange::ring;
   return c;
 }
 

@@ -87,6 +87,7 @@ struct AttentionJob {
   StrategyKind strategy = StrategyKind::ring;
   int ulysses_degree = 0;
   int ulysses_groups = 0;  // StrategyOptions::ulysses_groups (CTXPAR_ULYSSES_GROUPS)
+  Exchange exchange = Exchange::automatic;  // --exchange: what the ring moves
   LayoutKind layout = LayoutKind::contiguous;
   TransportKind transport = TransportKind::threads;
   DeviceOptions device;  // --device cpu | sim, --sim-seed

@@ -37,6 +37,10 @@ Options attention_options() {
       .add("ranks", "1", "ranks P (under mpirun: the number of processes)")
       .add("strategy", "ring", "ring | allgather | ulysses | hybrid")
       .add("ulysses-degree", "0", "hybrid: ranks per Ulysses group u, must divide P (0 = P)")
+      .add("exchange", "auto",
+           "ring: needed (each rank sends a peer only the K/V tiles the peer's queries can "
+           "see) | ring (every block around the ring) | auto (needed under a documents or "
+           "slice mask)")
       .add("layout", "auto",
            "how tokens map to ranks: auto (balanced for document and slice masks, else zigzag) | "
            "zigzag (balanced under a causal mask) | balanced (by the mask's work) | contiguous | "
@@ -107,6 +111,7 @@ AttentionJob job_from(const Options& o) {
   job.dtype = parse_dtype(o.str("dtype"));
   job.strategy = parse_strategy(o.str("strategy"));
   job.ulysses_degree = o.i32("ulysses-degree", 0, kMaxProcesses);
+  job.exchange = parse_exchange(o.str("exchange"));
   job.layout = choose_layout(o.str("layout"), job.mask);
   if (const int64_t total = mask_length_total(o.str("mask")); job.mask.sliced && total > 0)
     CTXPAR_CHECK(total == job.seq, "--mask ", o.str("mask"), ": the prefix tree has ", total,
@@ -186,6 +191,7 @@ void print_table(const AttentionJob& job, const AttentionResult& r) {
   if (job.strategy == StrategyKind::hybrid)
     how += " (ulysses groups of " +
            std::to_string(job.ulysses_degree ? job.ulysses_degree : job.ranks) + ")";
+  if (exchange_of(strategy_options(job)) == Exchange::needed) how += " (needed K/V only)";
   std::printf("%s over %d ranks, %s layout, %s transport, %d thread%s per rank\n\n", how.c_str(),
               job.ranks, layout_name(job.layout), transport_name(job.transport), job.threads,
               job.threads == 1 ? "" : "s");
@@ -278,6 +284,7 @@ Signature signature_of(const Options& o, const AttentionJob& job) {
           {"ranks", num(job.ranks)},
           {"strategy", strategy_name(job.strategy)},
           {"ulysses-degree", num(job.ulysses_degree)},
+          {"exchange", exchange_name(job.exchange)},
           {"layout", layout_name(job.layout)},
           {"transport", transport_name(job.transport)},
           {"seed", num(job.seed)},

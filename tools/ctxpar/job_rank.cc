@@ -171,6 +171,7 @@ StrategyOptions strategy_options(const AttentionJob& job) {
   options.kind = job.strategy;
   options.ulysses_degree = job.ulysses_degree;
   options.ulysses_groups = job.ulysses_groups;
+  options.exchange = job.exchange;
   options.mask = job.mask;
   options.kernel.threads = job.threads;
   options.kernel.bf16_tier = job.bf16_tier;

@@ -91,6 +91,7 @@ nlohmann::json to_json(const AttentionJob& job, const AttentionResult& result) {
   j["ulysses_degree"] = job.strategy == StrategyKind::hybrid
                             ? (job.ulysses_degree ? job.ulysses_degree : job.ranks)
                             : (job.strategy == StrategyKind::ulysses ? job.ranks : 1);
+  j["exchange"] = exchange_name(exchange_of(strategy_options(job)));  // auto resolved
   j["layout"] = layout_name(job.layout);
   j["transport"] = transport_name(job.transport);
   j["device"] = device_name(job.device.kind);
