@@ -77,8 +77,7 @@ int main(int argc, char** argv) {
     s[i] = 1.0f / static_cast<float>(i + 1), dp[i] = 0.5f - s[i];
   std::vector<float> dv(kT * ldv, 0.0f), dk(kT * ldv, 0.0f), dq(kT * ldv, 0.0f);
   for (const int nsplit : {3, 1}) {
-    const int64_t split = kT * 4 * kHalf;  // one part of a block's A (4 query tiles deep)
-    std::vector<uint32_t> a(3 * split, 0x3f803f80u);
+    std::vector<uint32_t> a(4 * 3 * kT * kHalf, 0x3f803f80u);  // 4 tiles' A, 3 parts each
     const double scores = micros(repeats, [&] {
       bf16::scores(kT, np, q.data(), ldq, key.data(), s.data(), 0.5f, true);
       bf16::scores(kT, np, q.data(), ldq, key.data(), dp.data(), 1.0f, true);
@@ -109,13 +108,16 @@ int main(int argc, char** argv) {
     // Per tile pair: a quarter of dV's and dK's 128-pair call, half of dQ's 64-pair call.
     const uint32_t* chunks[4];
     for (int i = 0; i < 4; ++i) chunks[i] = vnni.data() + i * kHalf * ldv;
+    // A as the kernel lays it out now: each tile's parts one after the other (8 KiB a part).
     const double deep = micros(repeats / 4, [&] {
                           for (float* c : {dv.data(), dk.data()})
-                            bf16::gemm_amx_chunks(kT, kD, 4, kHalf, a.data(), 4 * kHalf, chunks,
-                                                  ldv, c, ldv, true, nsplit, split);
+                            bf16::gemm_amx_chunks(kT, kD, 4, kHalf, a.data(), kHalf,
+                                                  nsplit * kT * kHalf, chunks, ldv, c, ldv, true,
+                                                  nsplit, kT * kHalf);
                           for (int h = 0; h < 2; ++h)
-                            bf16::gemm_amx_chunks(kT, kD, 2, kHalf, a.data(), 2 * kHalf, chunks,
-                                                  ldv, dq.data(), ldv, true, nsplit, split);
+                            bf16::gemm_amx_chunks(kT, kD, 2, kHalf, a.data(), kHalf,
+                                                  nsplit * kT * kHalf, chunks, ldv, dq.data(), ldv,
+                                                  true, nsplit, kT * kHalf);
                         }) / 4;
     const double flops = 3.0 * 2 * kT * kD * kT * nsplit;
     std::printf("%s tier (%d part%s), us a tile pair: S + dP %.2f, transposes %.2f (loop %.2f), "
