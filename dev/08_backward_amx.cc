@@ -9,8 +9,12 @@
 //     C loaded and stored for every tile pair;
 //   - the same products deeper per C load (what the kernel does now, Note [Deeper tile products]
 //     in simd_backward_products.h): dV and dK over a block's 4 query tiles (128 pairs, B from
-//     4 separate query tiles' pair-rows), dQ over a pass's 2 key tiles (64 pairs).
-// Prints microseconds a tile pair per phase and the products' GFLOP/s.
+//     4 separate query tiles' pair-rows), dQ over a pass's 2 key tiles (64 pairs);
+//   - a candidate for the exact tier (gemm3_1x2 below: A's 3 parts in 3 tiles of their own), checked
+//     bitwise equal: 6.25 against 6.85 us here, but no gain end to end (exact backward 138-149
+//     GFLOP/s either way, alternating), so not wired.
+// Prints microseconds a tile pair per phase and the products' GFLOP/s. The shared build machine
+// gives two modes (some runs about 1.7x slower across the board): compare lines of one run.
 //   ./build/dev/lab_08_backward_amx [repeats]
 // Exits 0 with a note where AMX-BF16 is not usable.
 #undef HWY_TARGET_INCLUDE
@@ -33,6 +37,8 @@ void Transpose(const float* in, float* out) {
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
+#include <immintrin.h>
+
 #include "kernel/amx_probe.h"
 #include "kernel/simd_bf16.h"
 #include "lab_common.h"
@@ -44,6 +50,46 @@ HWY_EXPORT(Transpose);
 namespace {
 
 using lab::cpu_seconds;
+
+// Candidate for the exact tier: C blocks of 16 rows x 32 columns (2 tiles) with A's 3 parts in 3
+// tiles of their own, so no A tile is reloaded within a step while a tdpbf16ps may still read it
+// (7 of 8 tiles). Same order of additions per C element as gemm_amx (p, then the parts).
+__attribute__((target("amx-tile,amx-bf16"))) void gemm3_1x2(int64_t m, int64_t n,
+                                                           int64_t nchunks, int64_t chunk_pairs,
+                                                           const uint32_t* a, int64_t lda,
+                                                           int64_t a_chunk,
+                                                           const uint32_t* const* b, int64_t ldb,
+                                                           float* c, int64_t ldc, int64_t split) {
+  ctxpar::kernel::TileConfig cfg;
+  for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+  _tile_loadconfig(&cfg);
+  const int64_t npairs = nchunks * chunk_pairs;
+  for (int64_t r = 0; r < m; r += 16)
+    for (int64_t col = 0; col < n; col += 32) {
+      float* cp = c + r * ldc + col;
+      _tile_loadd(0, cp, ldc * 4);
+      _tile_loadd(1, cp + 16, ldc * 4);
+      for (int64_t p = 0; p < npairs; p += 16) {
+        const int64_t chunk = p / chunk_pairs, pc = p % chunk_pairs;
+        const uint32_t* bp = b[chunk] + pc * ldb + col;
+        const uint32_t* ap = a + chunk * a_chunk + r * lda + pc;
+        _tile_loadd(6, bp, ldb * 4);
+        _tile_loadd(7, bp + 16, ldb * 4);
+        _tile_loadd(2, ap, lda * 4);
+        _tile_loadd(3, ap + split, lda * 4);
+        _tile_loadd(4, ap + 2 * split, lda * 4);
+        _tile_dpbf16ps(0, 2, 6);
+        _tile_dpbf16ps(1, 2, 7);
+        _tile_dpbf16ps(0, 3, 6);
+        _tile_dpbf16ps(1, 3, 7);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      _tile_stored(0, cp, ldc * 4);
+      _tile_stored(1, cp + 16, ldc * 4);
+    }
+  _tile_release();
+}
 
 // Microseconds a call of f, best of 3 runs of `calls`.
 template <class F>
@@ -119,6 +165,25 @@ int main(int argc, char** argv) {
                                                   nsplit * kT * kHalf, chunks, ldv, dq.data(), ldv,
                                                   true, nsplit, kT * kHalf);
                         }) / 4;
+    double cand = 0;
+    if (nsplit == 3) {
+      std::vector<float> ref = dv, got = dv;
+      bf16::gemm_amx_chunks(kT, kD, 4, kHalf, a.data(), kHalf, nsplit * kT * kHalf, chunks, ldv,
+                            ref.data(), ldv, true, nsplit, kT * kHalf);
+      gemm3_1x2(kT, kD, 4, kHalf, a.data(), kHalf, nsplit * kT * kHalf, chunks, ldv, got.data(),
+                ldv, kT * kHalf);
+      if (std::memcmp(ref.data(), got.data(), ref.size() * sizeof(float)) != 0)
+        return std::printf("gemm3_1x2 differs from gemm_amx_chunks\n"), 1;
+      cand = micros(repeats / 4, [&] {
+               for (float* c : {dv.data(), dk.data()})
+                 gemm3_1x2(kT, kD, 4, kHalf, a.data(), kHalf, nsplit * kT * kHalf, chunks, ldv, c,
+                           ldv, kT * kHalf);
+               for (int h = 0; h < 2; ++h)
+                 gemm3_1x2(kT, kD, 2, kHalf, a.data(), kHalf, nsplit * kT * kHalf, chunks, ldv,
+                           dq.data(), ldv, kT * kHalf);
+             }) / 4;
+      std::printf("candidate 1 x 2 blocks, parts in 3 tiles: %.2f us a tile pair\n", cand);
+    }
     const double flops = 3.0 * 2 * kT * kD * kT * nsplit;
     std::printf("%s tier (%d part%s), us a tile pair: S + dP %.2f, transposes %.2f (loop %.2f), "
                 "round_to_pairs %.2f; dV + dK + dQ %.2f (%.0f GFLOP/s) -> deeper %.2f (%.0f "
