@@ -110,12 +110,14 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void scores_amx(int64_t m, 
 // or B: they add exact zeros to rows of the task's own tiles (padding rows and columns). One
 // code path serves every transport, so threads, MPI and the simulator still get the same bits.
 
-// C rows [0, 16 R) x columns [0, 16 N) (+)= A B, R, N in {1, 2}: A rows lda words apart, B
-// pair-rows ldb words apart, C rows ldc floats apart.
+// C rows [0, 16 R) x columns [0, 16 N) (+)= A B, R, N in {1, 2}, in chunks of chunk_pairs pairs:
+// A's chunk i at a + i a_chunk (rows lda words apart), B's at b[i] + col (pair-rows ldb words
+// apart), C rows ldc floats apart.
 template <int R, int N>
 __attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void gemm_block(
-    int64_t npairs, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, float* c,
-    int64_t ldc, bool accumulate, int nsplit, int64_t split_words) {
+    int64_t npairs, int64_t chunk_pairs, const uint32_t* a, int64_t lda, int64_t a_chunk,
+    const uint32_t* const* b, int64_t col, int64_t ldb, float* c, int64_t ldc, bool accumulate, int nsplit,
+    int64_t split_words) {
   if (accumulate) {
     _tile_loadd(0, c, ldc * 4);
     if constexpr (N == 2) _tile_loadd(1, c + 16, ldc * 4);
@@ -128,10 +130,12 @@ __attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void gemm_blo
     if constexpr (R == 2 && N == 2) _tile_zero(3);
   }
   for (int64_t p = 0; p < npairs; p += 16) {
-    _tile_loadd(6, b + p * ldb, ldb * 4);
-    if constexpr (N == 2) _tile_loadd(7, b + p * ldb + 16, ldb * 4);
+    const int64_t chunk = p / chunk_pairs, pc = p % chunk_pairs;
+    const uint32_t* bp = b[chunk] + pc * ldb + col;
+    _tile_loadd(6, bp, ldb * 4);
+    if constexpr (N == 2) _tile_loadd(7, bp + 16, ldb * 4);
     for (int sp = 0; sp < nsplit; ++sp) {  // each part of A against the same B tiles
-      const uint32_t* as = a + sp * split_words + p;
+      const uint32_t* as = a + chunk * a_chunk + sp * split_words + pc;
       _tile_loadd(4, as, lda * 4);
       if constexpr (R == 2) _tile_loadd(5, as + 16 * lda, lda * 4);
       _tile_dpbf16ps(0, 4, 6);
@@ -146,30 +150,39 @@ __attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void gemm_blo
   if constexpr (R == 2 && N == 2) _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
 }
 
-__attribute__((target("amx-tile,amx-bf16"))) void gemm_amx(int64_t m, int64_t n, int64_t npairs,
-                                                           const uint32_t* a, int64_t lda,
-                                                           const uint32_t* b, int64_t ldb, float* c,
-                                                           int64_t ldc, bool accumulate, int nsplit,
-                                                           int64_t split_words) {
+__attribute__((target("amx-tile,amx-bf16"))) void gemm_amx_chunks(
+    int64_t m, int64_t n, int64_t nchunks, int64_t chunk_pairs, const uint32_t* a, int64_t lda,
+    int64_t a_chunk, const uint32_t* const* b, int64_t ldb, float* c, int64_t ldc, bool accumulate,
+    int nsplit, int64_t split_words) {
   load_tiles();
+  const int64_t npairs = nchunks * chunk_pairs;
   for (int64_t r = 0; r < m; r += 32) {
     const bool r2 = m - r >= 32;
     for (int64_t col = 0; col < n; col += 32) {
       const bool n2 = n - col >= 32;
       const uint32_t* ap = a + r * lda;
-      const uint32_t* bp = b + col;
       float* cp = c + r * ldc + col;
       if (r2 && n2)
-        gemm_block<2, 2>(npairs, ap, lda, bp, ldb, cp, ldc, accumulate, nsplit, split_words);
+        gemm_block<2, 2>(npairs, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc, accumulate,
+                         nsplit, split_words);
       else if (r2)
-        gemm_block<2, 1>(npairs, ap, lda, bp, ldb, cp, ldc, accumulate, nsplit, split_words);
+        gemm_block<2, 1>(npairs, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc, accumulate,
+                         nsplit, split_words);
       else if (n2)
-        gemm_block<1, 2>(npairs, ap, lda, bp, ldb, cp, ldc, accumulate, nsplit, split_words);
+        gemm_block<1, 2>(npairs, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc, accumulate,
+                         nsplit, split_words);
       else
-        gemm_block<1, 1>(npairs, ap, lda, bp, ldb, cp, ldc, accumulate, nsplit, split_words);
+        gemm_block<1, 1>(npairs, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc, accumulate,
+                         nsplit, split_words);
     }
   }
   _tile_release();
+}
+
+void gemm_amx(int64_t m, int64_t n, int64_t npairs, const uint32_t* a, int64_t lda,
+              const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate, int nsplit,
+              int64_t split_words) {
+  gemm_amx_chunks(m, n, 1, npairs, a, lda, 0, &b, ldb, c, ldc, accumulate, nsplit, split_words);
 }
 
 __attribute__((target("avx512f,avx512vl,avx512bw,avx512bf16"))) void round_to_pairs(
@@ -241,6 +254,8 @@ __attribute__((target("amx-tile,amx-bf16"))) float dot_pairs_amx(const uint32_t*
 }
 #else
 void scores_amx(int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*, float*, float) {}
+void gemm_amx_chunks(int64_t, int64_t, int64_t, int64_t, const uint32_t*, int64_t, int64_t,
+                     const uint32_t* const*, int64_t, float*, int64_t, bool, int, int64_t) {}
 void gemm_amx(int64_t, int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*, int64_t, float*,
               int64_t, bool, int, int64_t) {}
 void round_to_pairs(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t, int, int64_t) {}

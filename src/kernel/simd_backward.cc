@@ -125,9 +125,11 @@ class BackwardWorker {
       const int nkeys = kt0 + sh_.chunks < sh_.nkt ? 2 : 1;
       for (int u = 0; u < nkeys; ++u) keys_[u].start(kt0 + u * sh_.chunks, p_.tk);
       for (int64_t g = 0; g < p_.group; ++g)
-        for (int64_t qi = 0; qi < sh_.nqt; ++qi)
+        for (int64_t qi = 0; qi < sh_.nqt; ++qi) {
           for (int u = 0; u < nkeys; ++u) tile_pair(g, qi, u);
-      for (int u = 0; u < nkeys; ++u) add_key_tile(keys_[u]);
+          grads_.end_query_tile((g * sh_.nqt + qi) * kTile, dq_acc_);
+        }
+      for (int u = 0; u < nkeys; ++u) add_key_tile(keys_[u], u);
     }
   }
 
@@ -174,8 +176,9 @@ class BackwardWorker {
   }
 
   // The key tile's dK and dV added to the caller's, once.
-  void add_key_tile(KeyTile& t) {
+  void add_key_tile(KeyTile& t, int u) {
     if (!t.packed) return;
+    grads_.end_key_tile(t, u);
     t.flush();
     const float dk_mul = grads_.dk_mul();
     const int64_t ld = sh_.ld;

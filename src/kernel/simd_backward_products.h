@@ -147,6 +147,8 @@ class Fp32Gradients {
     if (++t.in_block == kDkvBlock) t.flush();
     gemm_rows(mrows, dp, t.cols, dpm, kTile, k_rows_[u].data(), ld, dq_acc + off * ld, ld, true);
   }
+  void end_query_tile(int64_t, float*) {}  // every product is done in accumulate
+  void end_key_tile(KeyTile&, int) {}
 
  private:
   const Problem& p_;
@@ -161,6 +163,16 @@ class Fp32Gradients {
 // bf16 parts (the exact tier, AMX) or rounded to one (the fast tier, AMX or vdpbf16ps), Q, dO
 // and K as VNNI pair-rows (unscaled Q: dK needs no 1 / scale). They write columns up to d
 // rounded to 16, which the accumulators' rows hold.
+//
+// Note [Deeper tile products]: a tile product of 64 rows x 32 pairs loads its C tiles and stores
+// them for only 2 steps of 16 pairs, and those loads and stores stall the tiles (dev/08: the fast
+// tier's dV + dK + dQ 4.3 -> 2.6 us a tile pair when deeper). So the products wait: dV and dK for
+// the query tiles of a block (Note [Blocked dK / dV]: up to kDkvBlock, their P^T and dS^T pairs
+// side by side) run as one product from a zeroed C when the block is full or the key tile ends;
+// dQ for the pass's key tiles (Note [Two key tiles a pass]) runs when the query tile ends.
+// A tile's C is fp32 between tdpbf16ps steps whether it stays in the tile or goes through memory,
+// and each element still adds its pairs (and parts) in the order of the one-tile products, so
+// the bits are those of one product a tile pair.
 class PairGradients {
  public:
   PairGradients(const Problem& p, const BackwardShape& sh)
@@ -168,13 +180,15 @@ class PairGradients {
         sh_(sh),
         n16_(round_up(sh.d, 16)),
         ldv_(bf16::vnni_words(sh.d)),
-        nsplit_(bf16::amx_parts(p.round_p)),
-        split_words_(kTile * kHalf) {
+        nsplit_(bf16::amx_parts(p.round_p)) {
     const int64_t v_block = p.group * sh.nqt * kHalf * ldv_;  // one task's Q (or dO) pair-rows
     qvnni_ = bf16::buffer(bf16::Buffer::q_vnni, v_block);
     dovnni_ = bf16::buffer(bf16::Buffer::do_vnni, v_block);
-    for (std::vector<uint32_t>* x : {&ptp_, &dstp_, &dsp_}) x->resize(nsplit_ * split_words_);
-    for (std::vector<uint32_t>& r : k_vnni_) r.resize(kHalf * ldv_);
+    for (int u = 0; u < 2; ++u) {
+      for (std::vector<uint32_t>* x : {&ptp_[u], &dstp_[u]}) x->resize(kDkvBlock * chunk_words());
+      k_vnni_[u].resize(kHalf * ldv_);
+    }
+    dsp_.resize(2 * chunk_words());
   }
   // Whether these products serve a call: both score sides bf16, a pair path for its
   // products and tier, and the rows wide enough for their columns.
@@ -193,39 +207,72 @@ class PairGradients {
   void pack_key(const TensorView& k, int64_t b, int64_t hk, const KeyTile& t, int u) {
     bf16::pack_vnni(k, b, hk, t.j0, t.cols, sh_.d, ldv_, k_vnni_[u].data(), kTile);
   }
-  // As Fp32Gradients::accumulate, over all 64 rows: those past the tile's are zero in P, dS.
+  // P^T, dS^T and dS as pairs beside the block's and the pass's others (Note [Deeper tile
+  // products]), over all 64 rows: those past the tile's are zero in P, dS.
   void accumulate(KeyTile& t, int u, float* s, float* dpm, float* pt, float* dst, int64_t off,
-                  int64_t, float* dq_acc) {
+                  int64_t, float*) {
     transpose_tile(s, pt);
     transpose_tile(dpm, dst);
-    const bool fresh = t.in_block == 0;
-    const int64_t ld = sh_.ld, voff = off / 2 * ldv_;
-    pairs(pt, ptp_);
-    pairs(dst, dstp_);
-    pairs(dpm, dsp_);
-    product(ptp_, dovnni_ + voff, t.dv.data(), !fresh);
-    product(dstp_, qvnni_ + voff, t.dk.data(), !fresh);
-    if (++t.in_block == kDkvBlock) t.flush();
-    product(dsp_, k_vnni_[u].data(), dq_acc + off * ld, true);
+    const int64_t i = t.in_block, voff = off / 2 * ldv_;
+    pairs(pt, ptp_[u].data() + i * chunk_words());
+    pairs(dst, dstp_[u].data() + i * chunk_words());
+    do_chunks_[u][i] = dovnni_ + voff;
+    q_chunks_[u][i] = qvnni_ + voff;
+    if (++t.in_block == kDkvBlock) block_products(t, u);
+    pairs(dpm, dsp_.data() + pending_dq_ * chunk_words());
+    k_chunks_[pending_dq_++] = k_vnni_[u].data();
+  }
+  // The query tile's dQ over the pass's key tiles that saw it.
+  void end_query_tile(int64_t off, float* dq_acc) {
+    if (pending_dq_ == 0) return;
+    product(dsp_.data(), k_chunks_, pending_dq_, dq_acc + off * sh_.ld, true);
+    pending_dq_ = 0;
+  }
+  // The key tile's last block, if not full.
+  void end_key_tile(KeyTile& t, int u) {
+    if (t.in_block > 0) block_products(t, u);
   }
 
  private:
   static constexpr int64_t kHalf = kTile / 2;
-  void pairs(const float* from, std::vector<uint32_t>& to) const {
-    bf16::round_to_pairs(from, kTile, kTile, kHalf, to.data(), kHalf, nsplit_, split_words_);
+  static constexpr int64_t kPart = kTile * kHalf;  // one part of a 64 x 64 tile as pairs
+  // A tile's parts, one after the other; a product's A is its tiles' chunks one after the other
+  // (the parts of a chunk side by side in L1 as the one-tile products had them: side by side
+  // columns of 4 tiles, 3 parts each, made the exact tier 7-10 % slower).
+  int64_t chunk_words() const { return nsplit_ * kPart; }
+  // The block's dV and dK from zero, then the block into the key tile's compensated sum.
+  void block_products(KeyTile& t, int u) {
+    product(ptp_[u].data(), do_chunks_[u], t.in_block, t.dv.data(), false);
+    product(dstp_[u].data(), q_chunks_[u], t.in_block, t.dk.data(), false);
+    t.flush();
   }
-  void product(const std::vector<uint32_t>& a, const uint32_t* b, float* c, bool add) const {
-    bf16::gemm_pairs(kTile, n16_, kHalf, a.data(), kHalf, b, ldv_, c, sh_.ld, add, p_.amx, nsplit_,
-                     split_words_);
+  void pairs(const float* from, uint32_t* to) const {
+    bf16::round_to_pairs(from, kTile, kTile, kHalf, to, kHalf, nsplit_, kPart);
+  }
+  // C (+)= A B over nchunks chunks of 32 pairs: A's chunk i at a + i chunk_words(), B's at b[i].
+  // Through vdpbf16ps one chunk a call (its C stays in registers over a call anyway).
+  void product(const uint32_t* a, const uint32_t* const* b, int64_t nchunks, float* c,
+               bool add) const {
+    if (p_.amx) {
+      bf16::gemm_amx_chunks(kTile, n16_, nchunks, kHalf, a, kHalf, chunk_words(), b, ldv_, c,
+                            sh_.ld, add, nsplit_, kPart);
+      return;
+    }
+    for (int64_t i = 0; i < nchunks; ++i)
+      bf16::gemm_dot(kTile, n16_, kHalf, a + i * chunk_words(), kHalf, b[i], ldv_, c, sh_.ld,
+                     add || i > 0);
   }
   const Problem& p_;
   const BackwardShape& sh_;
   int64_t n16_, ldv_;
   int nsplit_;
-  int64_t split_words_;  // one part of a 64 x 64 P or dS tile, as pairs
   uint32_t* qvnni_;
   uint32_t* dovnni_;
-  std::vector<uint32_t> ptp_, dstp_, dsp_, k_vnni_[2];
+  std::vector<uint32_t> ptp_[2], dstp_[2], dsp_, k_vnni_[2];
+  const uint32_t* do_chunks_[2][kDkvBlock] = {};
+  const uint32_t* q_chunks_[2][kDkvBlock] = {};
+  const uint32_t* k_chunks_[2] = {};
+  int64_t pending_dq_ = 0;
 };
 
 }  // namespace ctxpar::kernel::HWY_NAMESPACE

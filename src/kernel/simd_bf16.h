@@ -84,6 +84,15 @@ inline int amx_parts(bool round_p) { return round_p ? 1 : 3; }
 void gemm_amx(int64_t m, int64_t n, int64_t npairs, const uint32_t* a, int64_t lda,
               const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate,
               int nsplit = 1, int64_t split_words = 0);
+// The same in nchunks chunks of chunk_pairs (a multiple of 16) pairs: A's chunk i at a + i a_chunk
+// (rows lda words apart, parts split_words apart), B's at b[i] (ldb words a pair-row); npairs =
+// nchunks chunk_pairs. The backward's deeper products (Note [Deeper tile products] in
+// simd_backward_products.h): one C load and store for several query tiles' (or key tiles')
+// products, each element adding its pairs (and parts) in the order successive calls of one
+// chunk each would.
+void gemm_amx_chunks(int64_t m, int64_t n, int64_t nchunks, int64_t chunk_pairs, const uint32_t* a,
+                     int64_t lda, int64_t a_chunk, const uint32_t* const* b, int64_t ldb, float* c,
+                     int64_t ldc, bool accumulate, int nsplit = 1, int64_t split_words = 0);
 
 // The same C[m][n] (+)= A B (nsplit 1) through vdpbf16ps (simd_bf16.cc): A's pair broadcast
 // against 16-column vectors of B's pair-rows, each C element adding its pairs in the order

@@ -249,6 +249,71 @@ TEST(Bf16Products, GemmDotIsTheExactPairProducts) {
       }
 }
 
+// gemm_amx_chunks (the backward's deeper tile products, Note [Deeper tile products]): B's
+// chunks in separate buffers, A's chunks a_chunk words apart, 1 and 3 parts, C zeroed or
+// accumulated. (1) Random bf16 values, where the order of the fp32 additions shows in the bits: C
+// equals, bit for bit, successive gemm_amx calls of one chunk each (what the backward made before,
+// so its results keep their bits). (2) Small integers, every sum exact in fp32: C equals the fp64
+// sum over every chunk, part and pair.
+TEST(AmxProducts, ChunkedProductAddsAsSuccessiveOneChunkProducts) {
+  CTXPAR_SKIP_WITHOUT_AMX();
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> value(-2.0f, 2.0f);
+  std::uniform_int_distribution<int> small(-8, 8);
+  auto bf = [](float f) {  // f's bf16 by truncation: any bf16 value will do
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return u >> 16;
+  };
+  for (const bool integers : {false, true})
+    for (const int nsplit : {1, 3})
+      for (const int64_t nchunks : {1, 2, 4})
+        for (const bool accumulate : {false, true}) {
+          const int64_t m = 48, n = 80, chunk_pairs = 32, lda = chunk_pairs + 16, ldb = n + 16;
+          const int64_t ldc = n + 5, split = m * lda, a_chunk = nsplit * split + 16;
+          auto draw = [&] {
+            const float f = integers ? static_cast<float>(small(rng)) : value(rng);
+            return bf(f) | bf(integers ? static_cast<float>(small(rng)) : value(rng)) << 16;
+          };
+          std::vector<uint32_t> a(nchunks * a_chunk);
+          for (uint32_t& w : a) w = draw();
+          std::vector<std::vector<uint32_t>> b(nchunks);
+          std::vector<const uint32_t*> bp;
+          for (std::vector<uint32_t>& chunk : b) {
+            chunk.resize(chunk_pairs * ldb);
+            for (uint32_t& w : chunk) w = draw();
+            bp.push_back(chunk.data());
+          }
+          std::vector<float> c0(m * ldc);
+          for (int64_t i = 0; i < m * ldc; ++i) c0[i] = static_cast<float>(i % 13) - 6;
+          std::vector<float> c = c0, successive = c0;
+          kernel::bf16::gemm_amx_chunks(m, n, nchunks, chunk_pairs, a.data(), lda, a_chunk,
+                                        bp.data(), ldb, c.data(), ldc, accumulate, nsplit, split);
+          for (int64_t i = 0; i < nchunks; ++i)
+            kernel::bf16::gemm_amx(m, n, chunk_pairs, a.data() + i * a_chunk, lda, bp[i], ldb,
+                                   successive.data(), ldc, accumulate || i > 0, nsplit, split);
+          const std::string where = std::string(integers ? "integers" : "random") +
+                                    ", parts " + std::to_string(nsplit) + ", chunks " +
+                                    std::to_string(nchunks) + (accumulate ? ", accumulated" : "");
+          EXPECT_EQ(std::memcmp(c.data(), successive.data(), c.size() * sizeof(float)), 0)
+              << where;
+          if (!integers) continue;
+          auto half = [](uint32_t w, int k) { return widen(static_cast<uint16_t>(w >> (16 * k))); };
+          for (int64_t r = 0; r < m; ++r)
+            for (int64_t col = 0; col < n; ++col) {
+              double want = accumulate ? c0[r * ldc + col] : 0.0;
+              for (int64_t i = 0; i < nchunks; ++i)
+                for (int sp = 0; sp < nsplit; ++sp)
+                  for (int64_t p = 0; p < chunk_pairs; ++p)
+                    for (int k = 0; k < 2; ++k)
+                      want += static_cast<double>(
+                                  half(a[i * a_chunk + sp * split + r * lda + p], k)) *
+                              half(b[i][p * ldb + col], k);
+              ASSERT_EQ(c[r * ldc + col], want) << where << " at " << r << "," << col;
+            }
+        }
+}
+
 using test::AmxForced;  // the AMX products for the test's kernel calls (amx_forced.h)
 
 // Forward and backward against the fp64 reference by the fp32 rule (bf16 inputs): causal,
