@@ -90,13 +90,20 @@ def run(comm, args, results):
     prompts = prompts_of(args)
     spread, memory = generate(comm, args, prompts)
     whole, whole_memory = generate(comm.split(comm.rank), args, prompts)  # one rank, all of it
+    compare(comm, results, "sequence", spread, whole,
+            f"ranks {comm.size} ({comm.transport}), {len(prompts)} prompts of "
+            f"{[len(p) for p in prompts]} tokens, {args.tokens} generated, "
+            f"KV cache on rank 0: {memory} B (whole: {whole_memory} B)")
+
+
+def compare(comm, results, name, spread, whole, header):
+    """Rank 0 prints the header and each sequence's tokens, spread and whole; results[rank]
+    says whether they are equal (serve.py shares it)."""
     if comm.rank == 0:
-        print(f"ranks {comm.size} ({comm.transport}), {len(prompts)} prompts of "
-              f"{[len(p) for p in prompts]} tokens, {args.tokens} generated, "
-              f"KV cache on rank 0: {memory} B (whole: {whole_memory} B)", flush=True)
+        print(header, flush=True)
         for s, (a, b) in enumerate(zip(spread, whole)):
-            print(f"sequence {s} spread: {a}", flush=True)
-            print(f"sequence {s} whole:  {b}", flush=True)
+            print(f"{name} {s} spread: {a}", flush=True)
+            print(f"{name} {s} whole:  {b}", flush=True)
     results[comm.rank] = spread == whole
 
 
@@ -104,17 +111,27 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompts", default="45,29", help="prompt lengths, comma-separated")
     p.add_argument("--tokens", type=int, default=12, help="tokens to generate per sequence")
+    model_arguments(p)
+    p.add_argument("--mode", default="auto", choices=["auto", "pass-kv", "pass-q"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    launch(run, p.parse_args())
+
+
+def model_arguments(p):
+    """The model's and the launch's options (serve.py shares them)."""
     p.add_argument("--vocab", type=int, default=32)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--block", type=int, default=8, help="the cache's placement block")
-    p.add_argument("--mode", default="auto", choices=["auto", "pass-kv", "pass-q"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
                    help="ranks as threads of this process (without a launcher)")
-    args = p.parse_args()
+
+
+def launch(run, args):
+    """run(comm, args, results) on each rank (one per process under mpirun / torchrun, else
+    --threads threads); exits 1 when a rank's result is False (its tokens differ)."""
     torch.set_num_threads(1)
     results = {}
     if ctxpar.launched_by() is not None:  # mpirun, torchrun: one rank per process
@@ -126,7 +143,6 @@ def main():
         print("same tokens as one rank with the whole cache" if ok else
               "DIFFERENT tokens from one rank with the whole cache", flush=True)
     sys.exit(0 if ok else 1)
-
 
 if __name__ == "__main__":
     main()

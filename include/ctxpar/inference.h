@@ -17,6 +17,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -30,7 +31,9 @@
 namespace ctxpar {
 
 struct KvCacheOptions {
-  int64_t sequences = 1;        // B: sequences held (each has its own length), 1..kMaxBatch
+  // Sequences live at construction (slots 0..sequences-1, each with its own length),
+  // 0..kMaxBatch; KvCache::add makes more (up to kMaxBatch slots), KvCache::free ends one.
+  int64_t sequences = 1;
   int64_t kv_heads = 1;         // Hkv, 1..kMaxHeads
   int64_t head_dim = 64;        // D (16..256)
   DType dtype = DType::f32;     // k, v storage: fp32 or bf16
@@ -47,6 +50,11 @@ struct KvCacheOptions {
   double max_bytes_per_rank = 0;    // bytes of the shards on one rank; 0: no limit
   // Also refuse growth beyond ctxpar::memory_limit() (memory.h) of this process.
   bool check_memory_limit = true;
+  // Decode and prefill also agree on a hash of the values of q and the new K/V, so that ranks
+  // passing different queries are refused instead of merged (costs a pass over the inputs).
+  // Unset: on in a debug build of the library (NDEBUG not defined), off in a release build.
+  // Not on the cuda device (it reads no input on the host; DeviceCaps::finite_checks).
+  std::optional<bool> hash_inputs;
 };
 
 // The one rule for a cache's mask (the KvCache constructor, ctxpar.KVCache and `ctxpar decode`
@@ -92,7 +100,30 @@ class KvCache {
   // Indices in [first, first + count) that rank r holds, increasing.
   std::vector<int64_t> placement(int64_t first, int64_t count, int rank) const;
 
-  int64_t tokens(int64_t seq) const;        // global length of sequence seq
+  // ---- slots: what a server needs (docs/inference.md, "A server's cache") --------------
+  // Slots 0..slots()-1, each live or free. None of these communicate: every rank must make
+  // the same calls, and the next prefill / decode refuses ranks whose slot tables differ
+  // (naming the field) before anything changes. A refused call changes nothing.
+  int64_t slots() const { return int64_t(shards_.size()); }
+  bool live(int64_t seq) const;                 // seq in range; false once freed
+  std::vector<int64_t> live_sequences() const;  // increasing
+  // A new empty sequence: the lowest free slot (a freed slot is reused), else a new slot (at
+  // most kMaxBatch). Returns its index.
+  int64_t add();
+  // Ends sequence seq and gives its memory back; the slot is free for add().
+  void free(int64_t seq);
+  // Empties sequence seq (length 0), keeping it live and its memory for reuse.
+  void reset(int64_t seq);
+  // Keeps the first n tokens of sequence seq (0 <= n <= tokens(seq)): rolls back rejected
+  // speculative tokens. The memory is kept for the tokens that replace them.
+  void truncate(int64_t seq, int64_t n);
+  // A new sequence (add()'s slot) holding a copy of the first n tokens of sequence seq (n < 0:
+  // all of them; else n <= tokens(seq)): many samples of one prompt, beam search. Each rank
+  // copies its own shard (no communication); checked against the limits like an append.
+  // A copy, not shared pages: docs/inference.md says why.
+  int64_t fork(int64_t seq, int64_t n = -1);
+
+  int64_t tokens(int64_t seq) const;        // global length of live sequence seq
   int64_t local_tokens(int64_t seq) const;  // held by this rank
   // This rank's shard of sequence seq: k, v [1, n_r, Hkv, D] and their tokens (valid until the
   // next call that appends).
@@ -101,7 +132,8 @@ class KvCache {
   Tokens local_token_ids(int64_t seq) const;
   // Bytes of this rank's shards now (capacity included: a shard grows in whole blocks, at most
   // 25% ahead of its tokens, unless reserved), and what rank r needs for `lengths` tokens per
-  // sequence in whole blocks (the arithmetic the limits use, the same on every rank).
+  // slot in whole blocks (the arithmetic the limits use, the same on every rank). reserve
+  // takes one length per slot (0 for a free one).
   size_t bytes() const;
   size_t bytes_for(const std::vector<int64_t>& lengths, int rank) const;
   // Sizes every shard for `lengths` tokens per sequence at once (whole blocks, no spare), so
@@ -139,7 +171,12 @@ class KvCache {
 size_t kv_cache_bytes(const KvCacheOptions& options, const std::vector<int64_t>& lengths, int ranks,
                       int rank);
 
-// Decode: Tn new tokens (usually 1) of every sequence at once, sequences of any lengths.
+// Decode: Tn new tokens (usually 1) of every live sequence (in slot order) at once, sequences
+// of any lengths; the overload with `seqs` decodes those (distinct, live) sequences only, in
+// that order: q [len(seqs), Tn, Hq, D] (continuous batching: any subset of the live ones).
+// The ranks agree, before anything changes, on the sequences, their lengths, the slot table,
+// the shapes (and with KvCacheOptions::hash_inputs the inputs' values), refusing with the
+// field named.
 // Appends their K/V (each on the rank the rule names), then every rank attends q over its
 // shards, and the P partial (O, LSE) pairs are all-gathered and merged in rank order 0..P-1
 // (merge(), kernel.h): out and lse are bitwise the same on every rank, and for given inputs
@@ -147,6 +184,9 @@ size_t kv_cache_bytes(const KvCacheOptions& options, const std::vector<int64_t>&
 // (row-major) when the mask uses documents. Collective.
 void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const TensorView& v_new,
             const TensorView& out, const TensorView& lse, std::span<const int32_t> documents = {});
+void decode(KvCache& cache, std::span<const int64_t> seqs, const TensorView& q,
+            const TensorView& k_new, const TensorView& v_new, const TensorView& out,
+            const TensorView& lse, std::span<const int32_t> documents = {});
 
 // Bytes that prefilling `new_tokens` after `cached` tokens of one sequence moves, all ranks
 // together, in each mode (exactly what the communicators count):
@@ -214,5 +254,17 @@ PrefillMode prefill(KvCache& cache, int64_t seq, int64_t new_tokens, const Tenso
                     const TensorView& k, const TensorView& v, const TensorView& out,
                     const TensorView& lse, PrefillMode mode = PrefillMode::automatic,
                     std::span<const int32_t> documents = {});
+
+// Several prompts of different lengths in one call: each request as the call above (its
+// sequence distinct and live). Every request is checked, and the ranks agree on all of them,
+// before any is stored or sent: one bad request refuses the whole call and changes nothing.
+// Returns each request's mode. Collective.
+struct PrefillRequest {
+  int64_t seq = 0, new_tokens = 0;
+  TensorView q, k, v, out, lse;
+  std::span<const int32_t> documents;
+};
+std::vector<PrefillMode> prefill(KvCache& cache, std::span<const PrefillRequest> requests,
+                                 PrefillMode mode = PrefillMode::automatic);
 
 }  // namespace ctxpar

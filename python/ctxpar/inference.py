@@ -8,6 +8,11 @@ docs/inference.md.
     out, lse = cache.prefill(q, k, v, seq=0)  # all T new tokens [1, T, H, D] on every rank
     out, lse = cache.decode(q_new, k_new, v_new)  # [B, Tn, H, D] for all B sequences
 
+A server's cache (docs/inference.md, "A server's cache"): add() a sequence per request (a freed
+slot is reused), prefill several prompts of any lengths in one call (lists, seq=[...]), decode
+any subset of the live sequences (seqs=[...]), free() a finished one; truncate() rolls back
+rejected draft tokens, fork() copies a prefix into a new sequence.
+
 Every rank makes the same calls with the same arguments (the tensors replicated, as a model
 whose activations are replicated has them); each keeps only its share of the K/V (block
 round-robin: token t lives on rank (t // block) % P), and the outputs come back whole on every
@@ -30,7 +35,8 @@ class KVCache:
     """B sequences' K/V spread over the ranks of `comm` (None: ctxpar.init()).
 
     kv_heads, head_dim: the cache's Hkv and D (queries may have any multiple of Hkv heads:
-    GQA). sequences: 1 .. 2^20 (the command's --batch range). dtype: storage, "float32" or
+    GQA). sequences: the sequences live at the start, 0 .. 2^20 (the command's --batch range);
+    add() makes more, free() ends one. dtype: storage, "float32" or
     "bfloat16". mask: "causal" (default), "causal+window:L,0", ("window", L, 0): a mask that
     hides every later token (ValueError for "none", a right bound above 0, ...: the cache holds
     only the tokens so far; docs/inference.md); documents=True adds the documents rule (then
@@ -41,12 +47,14 @@ class KVCache:
     "exact" (default) or "fast" (bfloat16 caches: P rounded to bfloat16 before P V in prefill
     and decode, as GPU flash attention; its own accuracy rule, docs/kernel.md "bf16 tiers");
     float32 caches ignore it; every rank must pass the same (else the first prefill / decode
-    raises ValueError naming it)."""
+    raises ValueError naming it). hash_inputs: decode also has the ranks agree on a hash of
+    q, k_new, v_new (ranks passing other queries are refused instead of merged; a pass over the
+    inputs); None: the library's build default (on in a debug build)."""
 
     def __init__(self, comm=None, *, kv_heads, head_dim, sequences=1, dtype="float32",
                  mask="causal", documents=False, block=64, threads=1, scale=None,
                  device="cpu", max_tokens_per_rank=0, max_bytes_per_rank=0,
-                 check_memory_limit=True, bf16_tier="exact"):
+                 check_memory_limit=True, bf16_tier="exact", hash_inputs=None):
         if comm is None:
             from . import init
             comm = init()
@@ -61,14 +69,55 @@ class KVCache:
         self.comm = comm
         self.mask = text
         self._cache = _ctxpar._KvCache(
-            comm, _whole("sequences", sequences, 1, _checks.MAX_BATCH),
+            comm, _whole("sequences", sequences, 0, _checks.MAX_BATCH),
             _whole("kv_heads", kv_heads, 1, _checks.MAX_HEADS),
             _whole("head_dim", head_dim, 1, 1 << 16), dtype, _whole("block", block, 1),
             text, _checks.threads(threads), _checks.scale(scale), str(device),
             _whole("max_tokens_per_rank", max_tokens_per_rank),
-            float(max_bytes_per_rank), bool(check_memory_limit), _checks.bf16_tier(bf16_tier))
-        self.sequences, self.kv_heads, self.head_dim = sequences, kv_heads, head_dim
+            float(max_bytes_per_rank), bool(check_memory_limit), _checks.bf16_tier(bf16_tier),
+            None if hash_inputs is None else bool(hash_inputs))
+        self.kv_heads, self.head_dim = kv_heads, head_dim
         self.dtype, self.block, self.bf16_tier = dtype, block, bf16_tier
+
+    # ---- slots: a server's requests come and go ---------------------------------------------
+    # None of these communicate: every rank makes the same calls (the next prefill / decode
+    # refuses ranks whose slot tables differ, naming the field). A refused call (ValueError)
+    # changes nothing.
+    @property
+    def sequences(self):
+        """Slots (live or free): indices are 0 .. sequences - 1."""
+        return self._cache.slots()
+
+    def live(self, seq):
+        """Whether slot seq holds a sequence (False once freed)."""
+        return self._cache.live(self._seq(seq))
+
+    @property
+    def live_sequences(self):
+        """The live sequences, increasing: what decode() without seqs decodes, in that order."""
+        return self._cache.live_sequences()
+
+    def add(self):
+        """A new empty sequence: the lowest free slot, else a new one. Returns its index."""
+        return self._cache.add()
+
+    def free(self, seq):
+        """Ends sequence seq and gives its memory back; add() reuses the slot."""
+        self._cache.free(self._seq(seq))
+
+    def reset(self, seq):
+        """Empties sequence seq (length 0), keeping it live and its memory."""
+        self._cache.reset(self._seq(seq))
+
+    def truncate(self, seq, n):
+        """Keeps the first n tokens of sequence seq (0 <= n <= tokens(seq)): rolls back
+        rejected speculative tokens."""
+        self._cache.truncate(self._seq(seq), _checks.whole("n", n, -(1 << 62), 1 << 62))
+
+    def fork(self, seq, n=None):
+        """A new sequence holding a copy of the first n tokens (None: all) of sequence seq;
+        returns its index (add()'s slot). Checked against the limits like an append."""
+        return self._cache.fork(self._seq(seq), -1 if n is None else _whole("n", n))
 
     # ---- sizes, placement, memory ----------------------------------------------------------
     @property
@@ -85,7 +134,9 @@ class KVCache:
 
     @property
     def lengths(self):
-        return [self._cache.tokens(s) for s in range(self.sequences)]
+        """Each slot's length, None for a free one."""
+        return [self._cache.tokens(s) if self._cache.live(s) else None
+                for s in range(self.sequences)]
 
     def local_tokens(self, seq=0):
         """Tokens of sequence seq this rank holds."""
@@ -112,8 +163,8 @@ class KVCache:
         return self._cache.token_bytes()
 
     def reserve(self, lengths):
-        """Sizes every shard for `lengths` tokens per sequence at once (checked like an
-        append), so that growing to them neither copies nor takes more memory."""
+        """Sizes every shard for `lengths` tokens per slot at once (0 for a free slot; checked
+        like an append), so that growing to them neither copies nor takes more memory."""
         self._cache.reserve(self._lengths(lengths))
 
     def rank_of(self, index):
@@ -153,15 +204,41 @@ class KVCache:
         [1, T, Hkv, D]: all T rows, the same on every rank. mode: "auto" (the one that moves
         fewer bytes), "pass-kv" or "pass-q" (forced); last_stats["mode"] says which ran.
         Returns out [1, T, Hq, D] (q's dtype) and lse [1, Hq, T] float32, whole on every
-        rank. Collective."""
-        t = Tensors({"q": q, "k": k, "v": v})
-        check_attention_shapes(t["q"], t["k"], t["v"])
-        _, T, Hq, D = t["q"].shape
-        out, lse = t.empty(t["q"].shape), t.empty((1, Hq, T), like_dtype=False)
-        self._cache.prefill(self._seq(seq), t["q"], t["k"], t["v"], out, lse, self._mode(mode),
-                            self._ids(document_ids))
-        out = t.restore(out)
-        return (out, lse) if return_lse else out
+        rank. Collective.
+
+        Several prompts of any lengths in one call: q, k, v (and document_ids) lists with one
+        [1, T_i, H, D] entry per sequence of the list seq; returns the lists of out and lse.
+        All are checked before any is stored: one bad prompt refuses the call."""
+        several = isinstance(seq, (list, tuple))
+        seqs = [self._seq(s) for s in seq] if several else [self._seq(seq)]
+        qs, ks, vs = (list(x) if several else [x] for x in (q, k, v))
+        ids = (list(document_ids) if several and document_ids is not None else
+               [document_ids] * len(seqs) if document_ids is None else [document_ids])
+        for name, xs in (("q", qs), ("k", ks), ("v", vs), ("document_ids", ids)):
+            if len(xs) != len(seqs):
+                raise ValueError(f"{name}: give one per sequence of seq ({len(seqs)}), got "
+                                 f"{len(xs)}")
+        ts, outs, lses = [], [], []
+        for i, (qi, ki, vi) in enumerate(zip(qs, ks, vs)):
+            t = Tensors({"q": qi, "k": ki, "v": vi})
+            check_attention_shapes(t["q"], t["k"], t["v"])
+            B, T, Hq, D = t["q"].shape
+            if B != 1:
+                where = f"q[{i}]" if several else "q"
+                raise ValueError(
+                    f"{where}: prefill takes one prompt [1, T, Hq, D] per sequence, got a batch "
+                    f"of {B}; for several prompts (of any lengths) pass lists q=[...], k=[...], "
+                    f"v=[...] and seq=[...] (one entry each)")
+            ts.append(t)
+            outs.append(t.empty(t["q"].shape))
+            lses.append(t.empty((1, Hq, T), like_dtype=False))
+        self._cache.prefill(seqs, [t["q"] for t in ts], [t["k"] for t in ts],
+                            [t["v"] for t in ts], outs, lses, self._mode(mode),
+                            [self._ids(x) for x in ids])
+        outs = [t.restore(o) for t, o in zip(ts, outs)]
+        if not several:
+            return (outs[0], lses[0]) if return_lse else outs[0]
+        return (outs, lses) if return_lse else outs
 
     def prefill_local(self, new_tokens, q, k, v, seq=0, mode="auto", document_ids=None):
         """prefill with only this rank's rows: q [1, Tl, Hq, D], k, v [1, Tl, Hkv, D] are the
@@ -176,31 +253,36 @@ class KVCache:
                                   self._ids(document_ids))
         return t.restore(out), lse
 
-    def decode(self, q, k_new, v_new, document_ids=None, return_lse=True):
-        """Tn new tokens of every sequence at once (sequences of any lengths): q [B, Tn, Hq,
-        D], k_new, v_new [B, Tn, Hkv, D], the same on every rank. Appends their K/V (each on
-        the rank the rule names), attends over the whole cache and merges the ranks' partials
-        in rank order: out [B, Tn, Hq, D] and lse [B, Hq, Tn] bitwise the same on every rank,
-        and the same whatever was prefilled before. document_ids: B * Tn ids (row-major) with
-        the documents rule. Collective."""
+    def decode(self, q, k_new, v_new, document_ids=None, return_lse=True, seqs=None):
+        """Tn new tokens of each of the sequences `seqs` at once (None: every live sequence,
+        in slot order; else any distinct live ones, in q's order: continuous batching),
+        sequences of any lengths: q [B, Tn, Hq, D], k_new, v_new [B, Tn, Hkv, D], B =
+        len(seqs), the same on every rank. Appends their K/V (each on the rank the rule names),
+        attends over the whole cache and merges the ranks' partials in rank order: out [B, Tn,
+        Hq, D] and lse [B, Hq, Tn] bitwise the same on every rank, and the same whatever was
+        prefilled before. document_ids: B * Tn ids (row-major) with the documents rule.
+        Collective."""
         t = Tensors({"q": q, "k_new": k_new, "v_new": v_new})
         check_attention_shapes(t["q"], t["k_new"], t["v_new"])
         B, Tn, Hq, D = t["q"].shape
         out, lse = t.empty(t["q"].shape), t.empty((B, Hq, Tn), like_dtype=False)
         ids = None if document_ids is None else int_array(
             _flat(document_ids), "document_ids", "int32")
-        self._cache.decode(t["q"], t["k_new"], t["v_new"], out, lse, ids)
+        if seqs is not None:
+            seqs = [_whole("seqs[]", s) for s in seqs]
+        self._cache.decode(t["q"], t["k_new"], t["v_new"], out, lse, ids, seqs)
         out = t.restore(out)
         return (out, lse) if return_lse else out
 
     # ---- checks -----------------------------------------------------------------------------
     def _seq(self, seq):
-        return _whole("seq", seq, 0, self.sequences - 1)
+        return _checks.whole("seq", seq, 0, max(self.sequences - 1, 0),
+                             "a slot of the cache; add() makes one")
 
     def _lengths(self, lengths):
         lengths = [int(n) for n in lengths]
         if len(lengths) != self.sequences:
-            raise ValueError(f"lengths: expected one length per sequence ({self.sequences}), "
+            raise ValueError(f"lengths: expected one length per slot ({self.sequences}), "
                              f"got {len(lengths)}")
         return [_whole(f"lengths[{i}]", n) for i, n in enumerate(lengths)]
 

@@ -14,20 +14,27 @@
 #include <cstring>
 
 #include "ctxpar/error.h"
-#include "ctxpar/hash.h"
 #include "inference/internal.h"
 
 namespace ctxpar {
 namespace {
 constexpr int64_t kDecodeChunk = 1024;  // Note [Decode streams the shard in chunks]
 
-// The call's checks, before anything is stored: shapes first, then every input's values (the
-// same rows on every rank: the same verdict).
-void check_decode_args(KvCache& cache, const TensorView& q, const TensorView& k_new,
-                       const TensorView& v_new, const TensorView& out, const TensorView& lse,
-                       std::span<const int32_t> documents) {
+// The call's checks, before anything is stored: the sequences, shapes, then every input's
+// values (the same rows on every rank: the same verdict).
+void check_decode_args(KvCache& cache, std::span<const int64_t> seqs, const TensorView& q,
+                       const TensorView& k_new, const TensorView& v_new, const TensorView& out,
+                       const TensorView& lse, std::span<const int32_t> documents) {
   const KvCacheOptions& o = cache.options();
-  const int64_t b = o.sequences, d = o.head_dim;
+  const int64_t b = int64_t(seqs.size()), d = o.head_dim;
+  CTXPAR_CHECK(b >= 1, "decode: no sequence to decode (seqs is empty, or no sequence is live: ",
+               "add() one)");
+  std::vector<bool> named(size_t(cache.slots()), false);
+  for (int64_t s : seqs) {
+    cache.tokens(s);  // in range and live
+    CTXPAR_CHECK(!named[size_t(s)], "seqs: sequence ", s, " is named twice; name each once");
+    named[size_t(s)] = true;
+  }
   CTXPAR_CHECK(q.ndim() == 4, "q: expected [B, Tn, Hq, D], got ", shape_str(q.shape()));
   const int64_t tn = q.dim(1), hq = q.dim(2);
   CTXPAR_CHECK(tn >= 1, "q: decode needs at least one new token per sequence (Tn >= 1)");
@@ -41,12 +48,40 @@ void check_decode_args(KvCache& cache, const TensorView& q, const TensorView& k_
   CTXPAR_CHECK(!o.mask.documents || int64_t(documents.size()) == b * tn, "documents: the mask ",
                "uses documents: give B * Tn = ", b * tn, " ids (row-major), got ",
                documents.size());
-  auto where = [&](int64_t s, int64_t t) {
-    return std::pair<int64_t, int64_t>{s, cache.tokens(s) + t};
+  auto where = [&](int64_t i, int64_t t) {
+    return std::pair<int64_t, int64_t>{seqs[i], cache.tokens(seqs[i]) + t};
   };
   check_rows_finite("q", q, cache.device(), where, false);
   check_rows_finite("k_new", k_new, cache.device(), where);
   check_rows_finite("v_new", v_new, cache.device(), where);
+}
+
+std::string joined(std::span<const int64_t> xs) {
+  std::string text;
+  for (int64_t x : xs) {
+    if (!text.empty()) text += ',';
+    text += std::to_string(x);
+  }
+  return text;
+}
+
+// What every rank must agree on before decode changes anything. Read without throwing: a
+// rank whose own arguments are bad still gives a signature (its error travels beside it).
+Signature decode_signature(const KvCache& cache, std::span<const int64_t> seqs, const TensorView& q,
+                           const TensorView& k_new, const TensorView& v_new) {
+  std::vector<int64_t> lengths;
+  for (int64_t s : seqs)
+    lengths.push_back(s >= 0 && s < cache.slots() && cache.live(s) ? cache.tokens(s) : -1);
+  const bool q4 = q.ndim() == 4;
+  Signature sig{{"seqs (the sequences decoded)", joined(seqs)},
+                {"lengths of the decoded sequences (KvCache::tokens)", joined(lengths)},
+                {"slot table (live slots and their lengths)", slot_table_hash(cache)},
+                {"new tokens per sequence (q.dim(1))", q4 ? std::to_string(q.dim(1)) : "?"},
+                {"query heads (q.dim(2))", q4 ? std::to_string(q.dim(2)) : "?"},
+                {"q dtype", dtype_name(q.dtype())}};
+  const std::string h = inputs_hash(cache, {q, k_new, v_new});
+  if (!h.empty()) sig.push_back({"q, k_new, v_new (a hash of their values)", h});
+  return sig;
 }
 
 // Note [Decode packs a KV head's query heads as rows]: one new token has Hq query rows
@@ -102,8 +137,7 @@ PackedQueries pack_queries(Device& dev, const HeadRows& hr, const TensorView& q,
 }
 
 // The P ranks' partial results, one message each: [O fp32 [B, Tn g, Hkv, D] | LSE [B, Hkv,
-// Tn g] | signature]; the signature (of Tn, Hq and the sequences' lengths) finds ranks whose
-// calls or caches differ, which would otherwise merge into a wrong answer without a word.
+// Tn g]]. Ranks whose calls or caches differ were refused before (decode_signature).
 struct Partials {
   HeadRows hr;
   PartialLayout layout;
@@ -112,7 +146,7 @@ struct Partials {
   Partials(Device& dev, const HeadRows& h, int p)
       : hr(h),
         layout{h.b, h.rows(), h.hkv, h.d},
-        part_bytes(layout.bytes() + 8),
+        part_bytes(layout.bytes()),
         parts(dev.alloc(part_bytes * size_t(p))) {}
   TensorView o(int r) const { return layout.o(parts, r * part_bytes); }
   TensorView lse(int r) const { return layout.lse(parts, r * part_bytes); }
@@ -120,15 +154,17 @@ struct Partials {
 
 // This rank's partial: each sequence's packed queries over its shard, into parts.o(me) and
 // parts.lse(me).
-void attend_shards(KvCache& cache, const PackedQueries& pq, const Partials& parts, int me) {
+void attend_shards(KvCache& cache, std::span<const int64_t> seqs, const PackedQueries& pq,
+                   const Partials& parts, int me) {
   Device& dev = cache.device();
   const KvCacheOptions& o = cache.options();
   const HeadRows& hr = parts.hr;
   std::vector<DeviceForwardState> states;
   states.reserve(size_t(hr.b));
-  for (int64_t s = 0; s < hr.b; ++s) {
+  for (int64_t i = 0; i < hr.b; ++i) {
+    const int64_t s = seqs[i];
     states.emplace_back(dev, 1, hr.rows(), hr.hkv, hr.d);
-    const Tokens qt = pq.tokens(s, hr.rows());
+    const Tokens qt = pq.tokens(i, hr.rows());
     // Note [Decode streams the shard in chunks]: the kernel packs the K/V it is given (K^T
     // and V tiles) before computing, which for a whole shard writes a copy of it and reads it
     // back from memory. Given kDecodeChunk tokens at a time, the packed chunk stays in the
@@ -143,40 +179,25 @@ void attend_shards(KvCache& cache, const PackedQueries& pq, const Partials& part
       Tokens ct;
       ct.positions = kt.positions.subspan(size_t(a), size_t(e - a));
       if (o.mask.documents) ct.documents = kt.documents.subspan(size_t(a), size_t(e - a));
-      dev.forward_block(kComputeStream, pq.q_g.slice(0, s, s + 1), qt, cache.k(s).slice(1, a, e),
+      dev.forward_block(kComputeStream, pq.q_g.slice(0, i, i + 1), qt, cache.k(s).slice(1, a, e),
                         cache.v(s).slice(1, a, e), ct, o.mask, states.back().get(), checked);
     }
-    dev.forward_finalize(kComputeStream, states.back().get(), parts.o(me).slice(0, s, s + 1),
-                         parts.lse(me).slice(0, s, s + 1), o.kernel);
+    dev.forward_finalize(kComputeStream, states.back().get(), parts.o(me).slice(0, i, i + 1),
+                         parts.lse(me).slice(0, i, i + 1), o.kernel);
   }
   dev.synchronize();
 }
 
-// All-gathers the partials (this rank's, signed), refuses ranks whose signature differs, and
-// merges them in rank order into parts.o(0), parts.lse(0): the same bits on every rank. On the
-// host, after the device is synchronised (the communicator's rule, device.h).
-void merge_partials(Communicator& comm, Partials& parts, int64_t tn, int64_t hq,
-                    const std::vector<int64_t>& lengths) {
+// All-gathers the partials and merges them in rank order into parts.o(0), parts.lse(0): the
+// same bits on every rank. On the host, after the device is synchronised (the communicator's
+// rule, device.h).
+void merge_partials(Communicator& comm, Partials& parts) {
   const int p = comm.size(), me = comm.rank();
   const size_t part_bytes = parts.part_bytes;
   // The all-gather's receive buffer holds this rank's own part at its place already.
   Buffer mine(part_bytes);
-  std::memcpy(mine.data(), parts.parts.data() + me * part_bytes, part_bytes - 8);
-  uint64_t signature = kFnv1a64Offset;  // over the call's shape (the project's one hash)
-  auto mix = [&](int64_t x) { signature = fnv1a64(&x, sizeof x, signature); };
-  mix(tn), mix(hq);
-  for (int64_t n : lengths) mix(n);
-  std::memcpy(mine.data() + part_bytes - 8, &signature, 8);
+  std::memcpy(mine.data(), parts.parts.data() + me * part_bytes, part_bytes);
   comm.allgather(mine.data(), parts.parts.data(), part_bytes);
-  for (int r = 0; r < p; ++r)
-    CTXPAR_CHECK(
-        std::memcmp(parts.parts.data() + r * part_bytes + part_bytes - 8, &signature, 8) == 0,
-        "decode: rank ", r,
-        " called with other shapes (Tn, Hq) or holds other "
-        "sequence lengths than rank ",
-        me,
-        "; every rank must make the same calls on "
-        "the same cache");
   for (int r = 1; r < p; ++r)  // rank order: the same bits on every rank
     merge(parts.o(0), parts.lse(0), parts.o(r), parts.lse(r));  // host memory
 }
@@ -203,36 +224,55 @@ void unpack(Device& dev, const Partials& parts, const TensorView& out, const Ten
 
 void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const TensorView& v_new,
             const TensorView& out, const TensorView& lse, std::span<const int32_t> documents) {
-  // q, out [B, Tn, Hq, D]; k_new, v_new [B, Tn, Hkv, D]; lse [B, Hq, Tn]
+  decode(cache, cache.live_sequences(), q, k_new, v_new, out, lse, documents);
+}
+
+void decode(KvCache& cache, std::span<const int64_t> seqs, const TensorView& q,
+            const TensorView& k_new, const TensorView& v_new, const TensorView& out,
+            const TensorView& lse, std::span<const int32_t> documents) {
+  // q, out [B, Tn, Hq, D]; k_new, v_new [B, Tn, Hkv, D]; lse [B, Hq, Tn]; B = len(seqs)
   // First, before any check that reads the options: a rank whose options differ would fail
   // those alone and leave the others waiting in the agreement.
   InferenceAccess::agree_kernels(cache, "decode");
-  check_decode_args(cache, q, k_new, v_new, out, lse, documents);
   const KvCacheOptions& o = cache.options();
-  const int64_t b = o.sequences, tn = q.dim(1), hq = q.dim(2);
-  InferenceStats& stats = InferenceAccess::stats(cache) = InferenceStats{};
-  strategy::CallRecord record(cache.device(), {&cache.comm()});
-  Device& dev = cache.device();
   Communicator& comm = cache.comm();
-  std::vector<int64_t> lengths(static_cast<size_t>(b)), positions(static_cast<size_t>(b * tn));
-  for (int64_t s = 0; s < b; ++s) {
-    lengths[s] = cache.tokens(s) + tn;
-    for (int64_t i = 0; i < tn; ++i) positions[s * tn + i] = cache.tokens(s) + i;
+  // Every check, the growth within the limits and this rank's memory included, goes into the
+  // verdict the ranks share before anything is stored: a rank that refused alone left the
+  // others waiting in the all-gather, and ranks with other shapes or lengths were found only
+  // after each had stored the new tokens.
+  std::string error;
+  std::vector<int64_t> capacities;
+  try {
+    check_decode_args(cache, seqs, q, k_new, v_new, out, lse, documents);
+    std::vector<int64_t> lengths = lengths_after(cache, seqs[0], 0);
+    for (int64_t s : seqs) lengths[s] += q.dim(1);
+    capacities = InferenceAccess::plan_growth(cache, lengths);
+  } catch (const Error& e) {
+    error = e.what();
   }
-  InferenceAccess::reserve(cache, lengths);
-  for (int64_t s = 0; s < b; ++s) {
+  require_agreement(comm, "decode", decode_signature(cache, seqs, q, k_new, v_new), error);
+
+  const int64_t b = int64_t(seqs.size()), tn = q.dim(1), hq = q.dim(2);
+  InferenceStats& stats = InferenceAccess::stats(cache) = InferenceStats{};
+  strategy::CallRecord record(cache.device(), {&comm});
+  Device& dev = cache.device();
+  std::vector<int64_t> positions(static_cast<size_t>(b * tn));
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t t = 0; t < tn; ++t) positions[i * tn + t] = cache.tokens(seqs[i]) + t;
+  InferenceAccess::grow(cache, capacities);
+  for (int64_t i = 0; i < b; ++i) {
     std::span<const int32_t> docs;
-    if (o.mask.documents) docs = documents.subspan(size_t(s * tn), size_t(tn));
-    InferenceAccess::append_rows(cache, s, k_new.slice(0, s, s + 1), v_new.slice(0, s, s + 1),
+    if (o.mask.documents) docs = documents.subspan(size_t(i * tn), size_t(tn));
+    InferenceAccess::append_rows(cache, seqs[i], k_new.slice(0, i, i + 1), v_new.slice(0, i, i + 1),
                                  docs);
   }
 
   const HeadRows hr{b, tn, o.kv_heads, hq / o.kv_heads, o.head_dim};
   const PackedQueries pq = pack_queries(dev, hr, q, positions, documents, o.mask.documents);
   Partials parts(dev, hr, comm.size());
-  attend_shards(cache, pq, parts, comm.rank());
+  attend_shards(cache, seqs, pq, parts, comm.rank());
   const double t_merge = strategy::now_seconds();
-  if (comm.size() > 1) merge_partials(comm, parts, tn, hq, lengths);
+  if (comm.size() > 1) merge_partials(comm, parts);
   unpack(dev, parts, out, lse);
   record_stats(stats, record.finish());
   stats.merge_seconds = strategy::now_seconds() - t_merge;

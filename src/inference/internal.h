@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <utility>
 #include <span>
 #include <string>
@@ -21,6 +22,7 @@ namespace ctxpar {
 // One sequence's share on this rank: k [1, capacity, Hkv, D] then v in `kv`; the first
 // `local` slots hold tokens, in increasing position (the placement rule keeps them so).
 struct KvCache::Shard {
+  bool live = true;      // false once freed (KvCache::free): the slot waits for add()
   int64_t length = 0;    // tokens of the whole sequence, all ranks
   int64_t capacity = 0;  // token slots in kv
   DeviceBuffer kv;
@@ -50,6 +52,9 @@ struct InferenceAccess {
   static void append_rows(KvCache& c, int64_t seq, const TensorView& k, const TensorView& v,
                           std::span<const int32_t> documents);
   static void set_length(KvCache& c, int64_t seq, int64_t n) { c.shards_[seq]->length = n; }
+  // The slot add() / fork() take: the lowest free one, else slots() (a new one). Throws, naming
+  // `what`, when every one of kMaxBatch slots is live.
+  static int64_t free_slot(const KvCache& c, const char* what);
   static InferenceStats& stats(KvCache& c) { return c.stats_; }
   // The first prefill or decode of a cache: the ranks agree, collectively, before their first
   // exchange, on the cache's options (refused, naming the field, where ranks differ: a block or
@@ -130,7 +135,14 @@ void check_new_kv(const KvCacheOptions& o, const Device& dev, const TensorView& 
                   const TensorView& v, int64_t rows, std::span<const int32_t> documents,
                   const char* whose,
                   const std::function<std::pair<int64_t, int64_t>(int64_t, int64_t)>& where);
-// Every sequence's length once sequence seq has `count` more tokens.
+// Every slot's length (0 for a free one) once sequence seq has `count` more tokens.
 std::vector<int64_t> lengths_after(const KvCache& cache, int64_t seq, int64_t count);
+// The slot table (each slot live or free, and its length) as one hash: what the ranks agree
+// on in every prefill and decode, since the slot calls do not communicate.
+std::string slot_table_hash(const KvCache& cache);
+// With KvCacheOptions::hash_inputs (resolved: its build default where unset): a hash of the
+// values of `inputs` for the ranks to agree on; "" when off or on a device whose data the host
+// does not read.
+std::string inputs_hash(const KvCache& cache, std::initializer_list<TensorView> inputs);
 
 }  // namespace ctxpar

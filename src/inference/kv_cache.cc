@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "ctxpar/error.h"
+#include "ctxpar/hash.h"
 #include "ctxpar/limits.h"
 #include "ctxpar/memory.h"
 #include "kernel/finite.h"
@@ -73,8 +74,8 @@ KvCache::KvCache(Communicator& comm, const KvCacheOptions& options)
     : comm_(comm), options_(options) {
   const KvCacheOptions& o = options;
   // Before anything is allocated (a shard per sequence: an absurd count would allocate for a long time, then fail).
-  CTXPAR_CHECK(o.sequences >= 1 && o.sequences <= kMaxBatch,
-               "KvCacheOptions::sequences must be in [1, ", kMaxBatch, "], got ", o.sequences);
+  CTXPAR_CHECK(o.sequences >= 0 && o.sequences <= kMaxBatch,
+               "KvCacheOptions::sequences must be in [0, ", kMaxBatch, "], got ", o.sequences);
   CTXPAR_CHECK(o.kv_heads >= 1 && o.kv_heads <= kMaxHeads,
                "KvCacheOptions::kv_heads must be in [1, ", kMaxHeads, "], got ", o.kv_heads);
   CTXPAR_CHECK(o.head_dim >= 16 && o.head_dim <= 256,
@@ -121,14 +122,103 @@ std::vector<int64_t> KvCache::placement(int64_t first, int64_t count, int rank) 
   return out;
 }
 
+bool KvCache::live(int64_t seq) const {
+  CTXPAR_CHECK(seq >= 0 && seq < slots(), "sequence ", seq, " out of range: the cache has ",
+               slots(), " slots (KvCacheOptions::sequences, then add())");
+  return shards_[seq]->live;
+}
+
+std::vector<int64_t> KvCache::live_sequences() const {
+  std::vector<int64_t> out;
+  for (int64_t s = 0; s < slots(); ++s)
+    if (shards_[s]->live) out.push_back(s);
+  return out;
+}
+
 int64_t KvCache::tokens(int64_t seq) const {
-  CTXPAR_CHECK(seq >= 0 && seq < options_.sequences, "sequence ", seq, " out of range: the cache ",
-               "holds ", options_.sequences, " (KvCacheOptions::sequences)");
+  CTXPAR_CHECK(live(seq), "sequence ", seq, " is free (freed, or never added): add() a ",
+               "sequence and use the index it returns");
   return shards_[seq]->length;
 }
 
+// ---- slots ---------------------------------------------------------------------------------
+// Not collective: each rank changes its own shards the same way (the placement rule depends on
+// the token index alone), and prefill / decode agree on slot_table_hash before they change
+// anything.
+
+int64_t InferenceAccess::free_slot(const KvCache& c, const char* what) {
+  for (int64_t s = 0; s < c.slots(); ++s)
+    if (!c.shards_[s]->live) return s;
+  CTXPAR_CHECK(c.slots() < kMaxBatch, what, ": every one of the ", kMaxBatch,
+               " slots is live (the most a cache holds); free() a finished sequence first");
+  return c.slots();
+}
+
+int64_t KvCache::add() {
+  const int64_t s = InferenceAccess::free_slot(*this, "add");
+  if (s == slots()) shards_.push_back(std::make_unique<Shard>());
+  shards_[s]->live = true;
+  return s;
+}
+
+void KvCache::free(int64_t seq) {
+  tokens(seq);             // checks: live
+  device_->synchronize();  // queued operations may still read the shard
+  *shards_[seq] = Shard{};
+  shards_[seq]->live = false;
+}
+
+void KvCache::reset(int64_t seq) { truncate(seq, 0); }
+
+void KvCache::truncate(int64_t seq, int64_t n) {
+  const int64_t length = tokens(seq);
+  CTXPAR_CHECK(n >= 0 && n <= length, "truncate: sequence ", seq, " has ", length,
+               " tokens; keep n in 0..", length, " of them, got ", n);
+  Shard& s = *shards_[seq];
+  // Positions increase, so the first held_by(n) of this rank's tokens are those below n.
+  const size_t keep = size_t(held_by(n, comm_.rank()));
+  s.positions.resize(keep);
+  if (options_.mask.documents) s.documents.resize(keep);
+  s.length = n;
+}
+
+int64_t KvCache::fork(int64_t seq, int64_t n) {
+  const int64_t length = tokens(seq);
+  if (n < 0) n = length;
+  CTXPAR_CHECK(n <= length, "fork: sequence ", seq, " has ", length,
+               " tokens; a fork keeps at most all of them (n <= ", length, ", or n < 0 for all), ",
+               "got ", n);
+  const int64_t to = InferenceAccess::free_slot(*this, "fork");
+  std::vector<int64_t> lengths = lengths_after(*this, seq, 0);
+  lengths.resize(size_t(std::max(slots(), to + 1)), 0);
+  lengths[to] = n;
+  const std::vector<int64_t> caps = InferenceAccess::plan_growth(*this, lengths, true);
+  // Checked: from here nothing refuses.
+  if (to == slots()) shards_.push_back(std::make_unique<Shard>());
+  shards_[to]->live = true;
+  std::vector<int64_t> grow_to(caps.size(), 0);
+  grow_to[to] = caps[to];
+  InferenceAccess::grow(*this, grow_to);
+  const Shard& from = *shards_[seq];
+  Shard& s = *shards_[to];
+  const int64_t m = held_by(n, comm_.rank());
+  if (m > 0) {
+    const Shape shape{1, s.capacity, options_.kv_heads, options_.head_dim};
+    device_->copy(kComputeStream, k(seq).slice(1, 0, m),
+                  s.kv.view(options_.dtype, shape).slice(1, 0, m));
+    device_->copy(kComputeStream, v(seq).slice(1, 0, m),
+                  s.kv.view(options_.dtype, shape, s.kv.size() / 2).slice(1, 0, m));
+  }
+  s.positions.assign(from.positions.begin(), from.positions.begin() + m);
+  if (options_.mask.documents)
+    s.documents.assign(from.documents.begin(), from.documents.begin() + m);
+  s.length = n;
+  device_->synchronize();
+  return to;
+}
+
 int64_t KvCache::local_tokens(int64_t seq) const {
-  tokens(seq);  // checks seq
+  tokens(seq);  // checks seq: live
   return int64_t(shards_[seq]->positions.size());
 }
 
@@ -198,9 +288,42 @@ void check_new_kv(const KvCacheOptions& o, const Device& dev, const TensorView& 
 
 std::vector<int64_t> lengths_after(const KvCache& cache, int64_t seq, int64_t count) {
   std::vector<int64_t> lengths;
-  for (int64_t s = 0; s < cache.options().sequences; ++s) lengths.push_back(cache.tokens(s));
+  for (int64_t s = 0; s < cache.slots(); ++s)
+    lengths.push_back(cache.live(s) ? cache.tokens(s) : 0);
   lengths[seq] += count;
   return lengths;
+}
+
+std::string slot_table_hash(const KvCache& cache) {
+  uint64_t h = kFnv1a64Offset;
+  for (int64_t s = 0; s < cache.slots(); ++s) {
+    const int64_t entry = cache.live(s) ? cache.tokens(s) : -1;
+    h = fnv1a64(&entry, sizeof entry, h);
+  }
+  char text[64];
+  std::snprintf(text, sizeof text, "%lld slots, %016llx", (long long)cache.slots(),
+                (unsigned long long)h);
+  return text;
+}
+
+std::string inputs_hash(const KvCache& cache, std::initializer_list<TensorView> inputs) {
+#ifdef NDEBUG
+  constexpr bool kBuildDefault = false;
+#else
+  constexpr bool kBuildDefault = true;
+#endif
+  KvCache& c = const_cast<KvCache&>(cache);
+  if (!cache.options().hash_inputs.value_or(kBuildDefault) || !c.device().caps().finite_checks)
+    return "";
+  uint64_t h = kFnv1a64Offset;
+  for (const TensorView& t : inputs) {
+    if (t.empty()) continue;
+    const Tensor dense = Tensor::copy_of(t);  // strided views hash by value, not by layout
+    h = fnv1a64(dense.data(), dense.bytes(), h);
+  }
+  char text[20];
+  std::snprintf(text, sizeof text, "%016llx", (unsigned long long)h);
+  return text;
 }
 
 void KvCache::append(int64_t seq, const TensorView& k, const TensorView& v,
@@ -261,11 +384,14 @@ int64_t capacity_for(int64_t n, int64_t block) {
 }
 
 void KvCache::reserve(const std::vector<int64_t>& lengths) {
-  CTXPAR_CHECK(int64_t(lengths.size()) == options_.sequences, "reserve: give one length per ",
-               "sequence (", options_.sequences, "), got ", lengths.size());
+  CTXPAR_CHECK(int64_t(lengths.size()) == slots(), "reserve: give one length per ", "slot (",
+               slots(), "), got ", lengths.size());
   std::vector<int64_t> at_least = lengths;
-  for (size_t s = 0; s < lengths.size(); ++s)
-    at_least[s] = std::max(lengths[s], tokens(int64_t(s)));
+  for (size_t s = 0; s < lengths.size(); ++s) {
+    CTXPAR_CHECK(live(int64_t(s)) || lengths[s] == 0, "reserve: slot ", s, " is free; give it ",
+                 "length 0 (add() a sequence to use it), got ", lengths[s]);
+    at_least[s] = live(int64_t(s)) ? std::max(lengths[s], tokens(int64_t(s))) : 0;
+  }
   InferenceAccess::reserve(*this, at_least, true);
 }
 
@@ -293,9 +419,10 @@ std::vector<int64_t> InferenceAccess::plan_growth(KvCache& c, const std::vector<
   size_t want = 0;
   for (size_t seq = 0; seq < lengths.size(); ++seq) {
     const int64_t n = c.held_by(lengths[seq], me);
-    caps.push_back(std::max(c.shards_[seq]->capacity,
-                            exact ? whole_blocks(n, o.block) : capacity_for(n, o.block)));
-    if (n <= c.shards_[seq]->capacity) caps.back() = c.shards_[seq]->capacity;
+    // A slot past the last (fork's new one) has nothing yet.
+    const int64_t now_cap = seq < c.shards_.size() ? c.shards_[seq]->capacity : 0;
+    caps.push_back(std::max(now_cap, exact ? whole_blocks(n, o.block) : capacity_for(n, o.block)));
+    if (n <= now_cap) caps.back() = now_cap;
     want += size_t(caps.back()) * c.token_bytes();
   }
   const size_t now = c.bytes();

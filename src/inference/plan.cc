@@ -107,7 +107,9 @@ DecodePlan plan_decode(const KvCacheOptions& o, int64_t hq, int64_t tn,
         std::max(plan.kernel_seconds, double(tokens) * double(o.kv_heads) * double(tn) *
                                           rates.decode_seconds_per_token_head);
   }
-  const uint64_t part = uint64_t(o.sequences * tn * hq * (o.head_dim + 1)) * 4 + 8;
+  // The partials only: the agreement before them (agreement.h: a fixed verdict per rank) is
+  // not in the call's counters, as for every collective call of the library.
+  const uint64_t part = uint64_t(o.sequences * tn * hq * (o.head_dim + 1)) * 4;
   plan.bytes_per_call = uint64_t(ranks) * uint64_t(ranks - 1) * part;
   if (ranks > 1) plan.merge_seconds = (ranks - 1) * link_seconds(rates, double(part));
   plan.seconds = plan.kernel_seconds + plan.merge_seconds;

@@ -171,70 +171,119 @@ PrefillMode choose_prefill(const PrefillShape& shape, PrefillMode forced) {
 PrefillMode prefill(KvCache& cache, int64_t seq, int64_t new_tokens, const TensorView& q,
                     const TensorView& k, const TensorView& v, const TensorView& out,
                     const TensorView& lse, PrefillMode mode, std::span<const int32_t> documents) {
-  // q, out [1, Tl, Hq, D]; k, v [1, Tl, Hkv, D]; lse [1, Hq, Tl]: this rank's Tl new rows
+  const PrefillRequest request{seq, new_tokens, q, k, v, out, lse, documents};
+  return prefill(cache, std::span(&request, 1), mode)[0];
+}
+
+std::vector<PrefillMode> prefill(KvCache& cache, std::span<const PrefillRequest> requests,
+                                 PrefillMode mode) {
+  // Per request: q, out [1, Tl, Hq, D]; k, v [1, Tl, Hkv, D]; lse [1, Hq, Tl]: this rank's Tl
+  // new rows of its sequence.
   // The options first: the checks below read them, so a rank whose options differ would be
   // refused for its tensors' shapes instead of the option that differs.
   InferenceAccess::agree_kernels(cache, "prefill");
   const KvCacheOptions& o = cache.options();
   Communicator& comm = cache.comm();
+  const size_t n = requests.size();
   // Every check, this rank's rows' values and its memory included, goes into the verdict the
   // ranks share before anything is stored or sent: a rank that refused alone once left its
   // ring messages queued (the next call took them for its own), and a NaN key stored before
   // the kernel refused it stayed in the cache, which decode trusts (Note [The cache checks
-  // K/V at the door]).
+  // K/V at the door]). With several requests, all are checked before any is stored: one bad
+  // prompt refuses the call and changes nothing.
   std::string error;
-  std::vector<int64_t> indices, capacities;
-  PrefillShape sh;
+  std::vector<std::vector<int64_t>> indices(n);
+  std::vector<int64_t> capacities;
+  std::vector<PrefillShape> shapes(n);
+  Signature sig{{"requests (prompts in the call)", std::to_string(n)},
+                {"slot table (live slots and their lengths)", slot_table_hash(cache)},
+                {"mode", prefill_mode_name(mode)}};
   try {
-    CTXPAR_CHECK(new_tokens >= 1, "prefill: new_tokens must be >= 1, got ", new_tokens);
-    sh.cached = cache.tokens(seq);
-    indices = cache.placement(sh.cached, new_tokens, comm.rank());
-    const int64_t tl = int64_t(indices.size());
-    CTXPAR_CHECK(q.ndim() == 4, "q: expected [1, Tl, Hq, D], got ", shape_str(q.shape()));
-    kernel::check_activation("q", q, true, {1, tl, q.dim(2), o.head_dim});
-    CTXPAR_CHECK(q.dim(2) % o.kv_heads == 0, "q: query heads (", q.dim(2), ") must be a ",
-                 "multiple of KvCacheOptions::kv_heads = ", o.kv_heads);
-    kernel::check_activation("out", out, true, {1, tl, q.dim(2), o.head_dim});
-    kernel::check_activation("lse", lse, false, {1, q.dim(2), tl}, "[B, H, T]");
-    auto where = [&](int64_t, int64_t t) { return std::pair<int64_t, int64_t>{seq, indices[t]}; };
-    check_rows_finite("q", q, cache.device(), where, false);
-    check_new_kv(o, cache.device(), k, v, tl, documents, "row of this rank", where);
-    capacities = InferenceAccess::plan_growth(cache, lengths_after(cache, seq, new_tokens));
-    sh.hq = q.dim(2);
-    sh.q_dtype = q.dtype();
+    CTXPAR_CHECK(n >= 1, "prefill: no request given (pass at least one prompt)");
+    std::vector<int64_t> lengths;
+    std::vector<bool> named;
+    for (size_t i = 0; i < n; ++i) {
+      const PrefillRequest& r = requests[i];
+      PrefillShape& sh = shapes[i];
+      // One prompt's errors name the request where there are several.
+      const std::string which = n > 1 ? detail::concat("request ", i, " (seq ", r.seq, "): ") : "";
+      try {
+        CTXPAR_CHECK(r.new_tokens >= 1, "prefill: new_tokens must be >= 1, got ", r.new_tokens);
+        sh.cached = cache.tokens(r.seq);  // in range and live
+        if (lengths.empty()) {
+          lengths = lengths_after(cache, r.seq, 0);
+          named.assign(lengths.size(), false);
+        }
+        CTXPAR_CHECK(!named[size_t(r.seq)], "prefill: sequence ", r.seq, " has two requests in ",
+                     "one call; give it one (all its new tokens), or make two calls");
+        named[size_t(r.seq)] = true;
+        lengths[size_t(r.seq)] += r.new_tokens;
+        indices[i] = cache.placement(sh.cached, r.new_tokens, comm.rank());
+        const int64_t tl = int64_t(indices[i].size());
+        const TensorView& q = r.q;
+        CTXPAR_CHECK(q.ndim() == 4, "q: expected [1, Tl, Hq, D], got ", shape_str(q.shape()));
+        kernel::check_activation("q", q, true, {1, tl, q.dim(2), o.head_dim});
+        CTXPAR_CHECK(q.dim(2) % o.kv_heads == 0, "q: query heads (", q.dim(2), ") must be a ",
+                     "multiple of KvCacheOptions::kv_heads = ", o.kv_heads);
+        kernel::check_activation("out", r.out, true, {1, tl, q.dim(2), o.head_dim});
+        kernel::check_activation("lse", r.lse, false, {1, q.dim(2), tl}, "[B, H, T]");
+        const std::vector<int64_t>& rows = indices[i];
+        auto where = [&](int64_t, int64_t t) {
+          return std::pair<int64_t, int64_t>{r.seq, rows[size_t(t)]};
+        };
+        check_rows_finite("q", q, cache.device(), where, false);
+        check_new_kv(o, cache.device(), r.k, r.v, tl, r.documents, "row of this rank", where);
+        sh.hq = q.dim(2);
+        sh.q_dtype = q.dtype();
+      } catch (const Error& e) {
+        throw Error(which + e.what());
+      }
+    }
+    capacities = InferenceAccess::plan_growth(cache, lengths);
   } catch (const Error& e) {
     error = e.what();
   }
-  sh.new_tokens = new_tokens;
-  sh.ranks = comm.size();
-  sh.hkv = o.kv_heads;
-  sh.head_dim = o.head_dim;
-  sh.block = o.block;
-  sh.kv_dtype = o.dtype;
-  sh.documents = o.mask.documents;
-  require_agreement(comm, "prefill",
-                    {{"seq", std::to_string(seq)},
-                     {"new_tokens", std::to_string(new_tokens)},
-                     {"cached tokens (KvCache::tokens(seq))", std::to_string(sh.cached)},
-                     {"query heads (q.dim(2))", std::to_string(sh.hq)},
-                     {"q dtype", dtype_name(sh.q_dtype)},
-                     {"mode", prefill_mode_name(mode)}},
-                    error);
+  for (size_t i = 0; i < n; ++i) {
+    const PrefillRequest& r = requests[i];
+    PrefillShape& sh = shapes[i];
+    sh.new_tokens = r.new_tokens;
+    sh.ranks = comm.size();
+    sh.hkv = o.kv_heads;
+    sh.head_dim = o.head_dim;
+    sh.block = o.block;
+    sh.kv_dtype = o.dtype;
+    sh.documents = o.mask.documents;
+    // Request 0's fields keep the names a single prompt's refusal has always had.
+    const std::string at = i == 0 ? "" : detail::concat(" of request ", i);
+    sig.push_back({"seq" + at, std::to_string(r.seq)});
+    sig.push_back({"new_tokens" + at, std::to_string(r.new_tokens)});
+    sig.push_back({"cached tokens (KvCache::tokens(seq))" + at, std::to_string(sh.cached)});
+    sig.push_back({"query heads (q.dim(2))" + at, std::to_string(sh.hq)});
+    sig.push_back({"q dtype" + at, dtype_name(sh.q_dtype)});
+  }
+  require_agreement(comm, "prefill", sig, error);
 
+  std::vector<PrefillMode> modes;
   InferenceStats& stats = InferenceAccess::stats(cache) = InferenceStats{};
   strategy::CallRecord record(cache.device(), {&comm});
-  const PrefillMode ran = choose_prefill(sh, mode);
-  stats.mode = ran;
   InferenceAccess::grow(cache, capacities);
-  if (!indices.empty()) InferenceAccess::store(cache, seq, indices, k, v, documents);
-  InferenceAccess::set_length(cache, seq, sh.cached + new_tokens);
-  Tokens q_tokens{indices, o.mask.documents ? documents : std::span<const int32_t>{}};
-  if (ran == PrefillMode::pass_q)
-    pass_q(cache, seq, sh, q, q_tokens, out, lse);
-  else
-    pass_kv(cache, seq, sh, q, q_tokens, out, lse);
+  for (size_t i = 0; i < n; ++i) {
+    const PrefillRequest& r = requests[i];
+    const PrefillShape& sh = shapes[i];
+    const PrefillMode ran = choose_prefill(sh, mode);
+    modes.push_back(ran);
+    if (!indices[i].empty())
+      InferenceAccess::store(cache, r.seq, indices[i], r.k, r.v, r.documents);
+    InferenceAccess::set_length(cache, r.seq, sh.cached + r.new_tokens);
+    Tokens q_tokens{indices[i], o.mask.documents ? r.documents : std::span<const int32_t>{}};
+    if (ran == PrefillMode::pass_q)
+      pass_q(cache, r.seq, sh, r.q, q_tokens, r.out, r.lse);
+    else
+      pass_kv(cache, r.seq, sh, r.q, q_tokens, r.out, r.lse);
+  }
+  stats.mode = modes.back();
   record_stats(stats, record.finish());
-  return ran;
+  return modes;
 }
 
 }  // namespace ctxpar

@@ -43,7 +43,7 @@ expect 2 '--bf16-tier bogus: expected exact or fast' -- "$ctxpar" decode --dtype
 expect 0 'with fp32 inputs the tier changes nothing' -- "$ctxpar" decode --help
 # --plan runs nothing and predicts (the 8 KiB per token and the exact prefill bytes are the
 # planner's arithmetic, which tests/inference/plan_test.cc checks against the counters).
-expect 0 '"decode_bytes_per_token": 8272, .*"pass_kv_bytes": 135266304, "pass_q_bytes": 33718272, "pass_kv_seconds": [0-9.e+-]*, "pass_q_seconds": [0-9.e+-]*, "auto": "pass-q", "crossover_bytes": 28577' -- \
+expect 0 '"decode_bytes_per_token": 8256, .*"pass_kv_bytes": 135266304, "pass_q_bytes": 33718272, "pass_kv_seconds": [0-9.e+-]*, "pass_q_seconds": [0-9.e+-]*, "auto": "pass-q", "crossover_bytes": 28577' -- \
   "$ctxpar" decode --plan --context 128K --chunk 4096 --ranks 2 --heads 8 --kv-heads 1 --head-dim 128 --json
 expect 0 'crossover for 4096 new tokens: pass-q moves fewer bytes from 28577 cached tokens' -- \
   "$ctxpar" decode --plan --context 1M --chunk 4096 --ranks 2 --heads 8 --kv-heads 1 --head-dim 128

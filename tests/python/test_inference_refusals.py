@@ -94,7 +94,7 @@ def test_sequences_beyond_the_batch_range_are_refused_before_allocating():
     # 10^9 sequences allocated a shard each for 22 s, then failed; the command's --batch range
     # (MAX_BATCH = 2^20, include/ctxpar/limits.h) is refused by the argument check.
     def fn(comm):
-        with pytest.raises(ValueError, match=r"sequences: must be in \[1, 1048576\], got 1048577"):
+        with pytest.raises(ValueError, match=r"sequences: must be in \[0, 1048576\], got 1048577"):
             ctxpar.KVCache(comm, kv_heads=1, head_dim=16, sequences=_checks.MAX_BATCH + 1)
         return True
 
