@@ -21,42 +21,164 @@ import torch.utils.checkpoint
 
 from . import _ctxpar
 from . import _checks
+from . import _masks
 from . import layout as _layout
 from ._agreement import agree, digest
-from ._arrays import Tensors, check_attention_shapes, sync_cuda
+from ._arrays import Tensors, check_attention_shapes, int_array, route_cuda, sync_cuda
 from ._attention import options
 
 
+def _run_forward(comm, args, q, k, v):
+    """The strategy's forward on one rank's shard: (out, lse, cuda_index)."""
+    t = Tensors({"q": q, "k": k, "v": v})
+    check_attention_shapes(q, k, v)
+    B, Tl, Hq, _ = q.shape
+    out = t.empty(q.shape)
+    lse = t.empty((B, Hq, Tl), like_dtype=False)
+    _ctxpar._local_forward(comm, t["q"], t["k"], t["v"], out, lse, args, t.launch())
+    return out, lse, t.cuda_index
+
+
+def _run_backward(comm, args, q, k, v, out, lse, dout, cuda_index):
+    """The strategy's backward (collective: every rank runs it): (dq, dk, dv)."""
+    # Upstream gradients may be broadcast views (stride 0) or of another dtype.
+    dout = dout.to(out.dtype)
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if cuda_index >= 0:  # dq, dk, dv on q's GPU; dout's device is checked in C++
+        sync_cuda(dq)
+    _ctxpar._local_backward(comm, q.detach(), k.detach(), v.detach(), out, lse, dout.detach(),
+                            dq, dk, dv, args, cuda_index)
+    return dq, dk, dv
+
+
 class _CPAttention(torch.autograd.Function):
-    """One rank's attention over the distributed sequence; backward is the strategy's
-    (collective too: every rank must run backward)."""
+    """One rank's attention over the distributed sequence, run eagerly; backward is the
+    strategy's (collective too: every rank must run backward)."""
 
     @staticmethod
     def forward(ctx, q, k, v, comm, args):
-        t = Tensors({"q": q, "k": k, "v": v})
-        check_attention_shapes(q, k, v)
-        B, Tl, Hq, _ = q.shape
-        out = t.empty(q.shape)
-        lse = t.empty((B, Hq, Tl), like_dtype=False)
-        _ctxpar._local_forward(comm, t["q"], t["k"], t["v"], out, lse, args, t.launch())
+        out, lse, cuda_index = _run_forward(comm, args, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.args, ctx.cuda_index = comm, args, t.cuda_index
+        ctx.comm, ctx.args, ctx.cuda_index = comm, args, cuda_index
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        # Upstream gradients may be broadcast views (stride 0) or of another dtype.
-        dout = dout.to(out.dtype)
-        if dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        if ctx.cuda_index >= 0:  # dq, dk, dv on q's GPU; dout's device is checked in C++
-            sync_cuda(dq)
-        _ctxpar._local_backward(ctx.comm, q.detach(), k.detach(), v.detach(), out, lse,
-                                dout.detach(), dq, dk, dv, ctx.args, ctx.cuda_index)
+        dq, dk, dv = _run_backward(ctx.comm, ctx.args, q, k, v, out, lse, dout, ctx.cuda_index)
         return dq, dk, dv, None, None
+
+
+# Note [cp_attention under torch.compile]
+# Dynamo cannot trace the communication (a C++ call that blocks on other ranks) nor the DLPack
+# exchange, so under torch.compile the attention is one opaque op, ctxpar::cp_attention (and
+# ctxpar::cp_attention_backward), with fake implementations for the shapes and an autograd
+# formula: the graph goes around it, unbroken, in every backend. An op's arguments are tensors
+# and plain values; the communicator is neither. It travels as a handle, an int key into
+# _ROUTES, which holds (comm, the C++ job arguments, the fields the ranks agree on). The handle is
+# made while Dynamo traces (_compiled_route, torch.compiler.assume_constant_result): the options
+# are checked then, once per compiled graph, and the int is a constant of the graph; Dynamo
+# guards on the communicator and the options, so another of either recompiles (a new handle)
+# rather than reusing a stale one. An int rather than a string: the key names the communicator
+# object itself, which no text can. The forward op runs the ranks' agreement on every call, as
+# the eager path does. A handle keeps its communicator referenced for the process's life (a
+# nanobind object cannot be weakly referenced); only compiled code makes handles, so eager calls
+# leave a communicator's lifetime to its owner. Options that are arrays (document_ids,
+# positions) would be baked into the graph as constants and reused for the next batch's
+# documents, silently wrong: with them cp_attention runs eagerly (one graph break, named).
+_ROUTES = {}
+_ROUTE_KEYS = {}
+_ROUTES_LOCK = threading.Lock()
+# torch.library.custom_op and torch.compiler arrived in torch 2.4 / 2.1: before them nothing
+# compiles, and cp_attention is the eager autograd Function alone.
+_CAN_COMPILE = (hasattr(torch.library, "custom_op")
+                and hasattr(getattr(torch, "compiler", None), "assume_constant_result"))
+
+
+def _compiling():
+    return _CAN_COMPILE and torch.compiler.is_compiling()
+
+
+def _agreement(o):
+    """The fields of options `o` every rank must share (threads is left out, as the command
+    leaves out --threads: it changes no answer)."""
+    return [("strategy", o["strategy"]), ("layout", o["layout"]), ("mask", o["mask"]),
+            ("scale", "None (1/sqrt(D))" if o["scale"] == 0.0 else repr(o["scale"])),
+            ("bf16_tier", o["bf16_tier"]),
+            ("ulysses_degree", str(o["ulysses_degree"])), ("head_groups", str(o["head_groups"])),
+            ("positions", digest(o["positions"])), ("document_ids", digest(o["documents"]))]
+
+
+if _CAN_COMPILE:
+    @torch.compiler.assume_constant_result
+    def _compiled_route(comm, strategy, layout, mask, ulysses_degree, head_groups, threads, scale,
+                        bf16_tier):
+        """The handle of (comm, options) for the ctxpar ops (Note [cp_attention under
+        torch.compile]); the same for the same pair, so a retrace makes the same graph."""
+        o = options(strategy, layout, mask, None, None, ulysses_degree, head_groups, threads, scale,
+                    bf16_tier)
+        fields = _agreement(o)
+        key = (id(comm), tuple(fields), o["threads"])
+        with _ROUTES_LOCK:
+            handle = _ROUTE_KEYS.get(key)
+            if handle is None:
+                handle = len(_ROUTES)
+                _ROUTES[handle] = (comm, _ctxpar._JobArgs(**o), fields)
+                _ROUTE_KEYS[key] = handle
+        return handle
+
+    def _route(handle):
+        with _ROUTES_LOCK:
+            route = _ROUTES.get(handle)
+        if route is None:
+            raise ValueError(f"route: {handle} is no handle of ctxpar's (they come from "
+                             "ctxpar.torch.cp_attention under torch.compile); call cp_attention")
+        return route
+
+    @torch.library.custom_op("ctxpar::cp_attention", mutates_args=())
+    def _op_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    route: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cp_attention's forward as one op for torch.compile: (out [B, Tl, Hq, D], lse [B, Hq, Tl])."""
+        comm, args, fields = _route(route)
+        agree(comm, "cp_attention", fields)
+        out, lse, _ = _run_forward(comm, args, q, k, v)
+        return out, lse
+
+    @_op_forward.register_fake
+    def _op_forward_fake(q, k, v, route):
+        check_attention_shapes(q, k, v)
+        B, Tl, Hq, _ = q.shape
+        dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+        return q.new_empty(q.shape, dtype=dtype), q.new_empty((B, Hq, Tl), dtype=torch.float32)
+
+    @torch.library.custom_op("ctxpar::cp_attention_backward", mutates_args=())
+    def _op_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, dout: torch.Tensor,
+                     route: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cp_attention's backward as one op: (dq, dk, dv)."""
+        comm, args, _ = _route(route)
+        return _run_backward(comm, args, q, k, v, out, lse, dout, route_cuda({"q": q}))
+
+    @_op_backward.register_fake
+    def _op_backward_fake(q, k, v, out, lse, dout, route):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def _op_setup_context(ctx, inputs, output):
+        q, k, v, route = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.route = route
+        ctx.mark_non_differentiable(lse)
+
+    def _op_backward_formula(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.ops.ctxpar.cp_attention_backward(q, k, v, out, lse, dout, ctx.route)
+        return dq, dk, dv, None
+
+    _op_forward.register_autograd(_op_backward_formula, setup_context=_op_setup_context)
 
 
 def _no_compile(what):
@@ -77,7 +199,18 @@ def _no_compile(what):
     return wrap
 
 
-@_no_compile("cp_attention runs")
+def _eager(q, k, v, comm, *opts):
+    """cp_attention on the autograd Function (opts: options()'s), the ranks' agreement first."""
+    o = options(*opts)
+    agree(comm, "cp_attention", _agreement(o))
+    return _CPAttention.apply(q, k, v, comm, _ctxpar._JobArgs(**o))
+
+
+# document_ids / positions are arrays a compiled graph would keep as constants for the next
+# batch (Note [cp_attention under torch.compile]).
+_eager_with_arrays = _no_compile("cp_attention with document_ids or positions runs")(_eager)
+
+
 def cp_attention(q_local, k_local, v_local, comm, layout="zigzag", causal=False, *, mask=None,
                  strategy="ring", document_ids=None, positions=None, return_lse=False,
                  ulysses_degree=0, head_groups=0, threads=1, scale=None, bf16_tier="exact"):
@@ -88,25 +221,27 @@ def cp_attention(q_local, k_local, v_local, comm, layout="zigzag", causal=False,
     mask overrides causal ("none" | "causal" | ("window", L, R) | mask text); document_ids and
     positions describe the whole sequence (T = Tl * comm.size entries). float16 is computed in
     float32 (differentiable casts). bf16_tier: "exact" or "fast" (bfloat16 inputs: P and dS
-    rounded to bfloat16, as GPU flash attention; docs/kernel.md, "bf16 tiers"). Returns out_local [B, Tl, Hq, D] (and lse [B, Hq, Tl])."""
+    rounded to bfloat16, as GPU flash attention; docs/kernel.md, "bf16 tiers"). Returns
+    out_local [B, Tl, Hq, D] (and lse [B, Hq, Tl]). Under torch.compile it is the op
+    ctxpar::cp_attention, no graph break (Note [cp_attention under torch.compile]), except with
+    document_ids or positions (one break: they run eagerly)."""
     if not isinstance(comm, _ctxpar.Communicator):
         raise TypeError(f"comm: expected a ctxpar.Communicator, got {type(comm).__name__}")
     mask = mask if mask is not None else ("causal" if causal else "none")
-    o = options(strategy, layout, mask, document_ids, positions, ulysses_degree, head_groups,
-                threads, scale, bf16_tier)
-    # threads is left out, as the command leaves out --threads: it changes no answer.
-    agree(comm, "cp_attention", [
-        ("strategy", o["strategy"]), ("layout", o["layout"]), ("mask", o["mask"]),
-        ("scale", "None (1/sqrt(D))" if o["scale"] == 0.0 else repr(o["scale"])),
-        ("bf16_tier", o["bf16_tier"]),
-        ("ulysses_degree", str(o["ulysses_degree"])), ("head_groups", str(o["head_groups"])),
-        ("positions", digest(o["positions"])), ("document_ids", digest(o["documents"]))])
-    args = _ctxpar._JobArgs(**o)
     half = [x.dtype == torch.float16 for x in (q_local, k_local, v_local)
             if isinstance(x, torch.Tensor)]
     if half and all(half):
         q_local, k_local, v_local = q_local.float(), k_local.float(), v_local.float()
-    out, lse = _CPAttention.apply(q_local, k_local, v_local, comm, args)
+    opts = (strategy, layout, mask, document_ids, positions, ulysses_degree, head_groups,
+            threads, scale, bf16_tier)
+    if not _compiling():
+        out, lse = _eager(q_local, k_local, v_local, comm, *opts)
+    elif document_ids is None and positions is None:
+        route = _compiled_route(comm, strategy, layout, mask, ulysses_degree, head_groups,
+                                threads, scale, bf16_tier)
+        out, lse = torch.ops.ctxpar.cp_attention(q_local, k_local, v_local, route)
+    else:
+        out, lse = _eager_with_arrays(q_local, k_local, v_local, comm, *opts)
     if half and all(half):
         out = out.half()
     return (out, lse) if return_lse else out
@@ -143,7 +278,7 @@ class _RouteAttention(torch.overrides.TorchFunctionMode):
     TorchFunctionMode sees the call itself, not the name (Note [Every attention of a block]).
     Modes are per thread, so ranks that run as threads are each routed through their own block.
 
-    route: (comm, layout, strategy, threads, bf16_tier); buffers: the block's
+    route: (comm, layout, strategy, threads, bf16_tier, document ids [T] or None); buffers: the block's
     (index, buffer, seq dim, shape before the block), whose dims the routed SDPA checks."""
 
     def __init__(self, route, buffers=()):
@@ -316,11 +451,7 @@ def _check_multi_head_attention(args, kwargs):
 def _routed_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                  scale=None, enable_gqa=False):
     """F.scaled_dot_product_attention's signature ([B, H, Tl, D]) on cp_attention."""
-    comm, layout, strategy, threads, bf16_tier = mode.route
-    if attn_mask is not None:
-        raise ValueError("attn_mask: not supported inside ctxpar's context_parallel (masks come "
-                         "from global positions); use is_causal=True, or "
-                         "ctxpar.torch.cp_attention(mask=...)")
+    comm, layout, strategy, threads, bf16_tier, documents = mode.route
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p: ctxpar computes exact attention; got {dropout_p} (the "
                          "modules' dropout=0.0, or .eval())")
@@ -334,13 +465,45 @@ def _routed_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_caus
         raise ValueError(f"enable_gqa=False but query has {query.shape[1]} heads and key "
                          f"{key.shape[1]} (torch's scaled_dot_product_attention refuses this "
                          "too); pass enable_gqa=True for grouped-query attention")
+    if attn_mask is not None:  # one that restates causal attention means it
+        _check_block_mask(attn_mask, query.shape[2], comm, layout, documents)
+        is_causal = True
+    if enable_gqa and key.shape[1] != query.shape[1]:
+        if query.shape[1] % key.shape[1]:
+            raise ValueError(f"enable_gqa=True: query's {query.shape[1]} heads are no multiple "
+                             f"of key's {key.shape[1]}")
+        # transformers' sdpa repeats the kv heads where it built a mask and passes enable_gqa
+        # where it did not: ranks with and without a mask must give cp_attention the same heads.
+        group = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
     mode.check_seq_dims(named)
     mode.route_recomputes()
     # [B, H, T, D] -> [B, T, H, D]: a strided view, no copy (last dim stays contiguous).
     out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), comm,
                        layout=layout, causal=is_causal, strategy=strategy, threads=threads,
-                       scale=scale, bf16_tier=bf16_tier)
+                       scale=scale, bf16_tier=bf16_tier, document_ids=documents)
     return out.transpose(1, 2)
+
+
+def _check_block_mask(mask, Tl, comm, layout, documents):
+    """attn_mask of a routed SDPA: accepted where it restates the block's causal attention
+    (within documents) -- as transformers builds it, reading the shard's position ids as packed
+    sequences, or exactly -- else refused, naming the first pair it changes."""
+    pos = torch.as_tensor(_layout.positions(Tl * comm.size, comm.size, comm.rank, layout))
+    ids, docs = pos, None
+    if documents is not None:  # position ids restart at each document's first token
+        every = torch.as_tensor(documents, dtype=torch.int64)
+        _, inverse = torch.unique(every, return_inverse=True)
+        first = torch.full((len(every),), len(every)).scatter_reduce(
+            0, inverse, torch.arange(len(every)), "amin")
+        docs, ids = every[pos], pos - first[inverse[pos]]
+    what = "causal attention" + (" within the block's documents" if docs is not None else "")
+    fix = ("ctxpar's context_parallel computes causal attention from global positions" +
+           (" and document_ids" if docs is not None else
+            " (packed documents: pass document_ids= to context_parallel)") +
+           "; drop the mask, or call ctxpar.torch.cp_attention with mask= / document_ids=")
+    _masks.check_restates("attn_mask", mask, [_masks.transformers_packed(ids),
+                                              _masks.visible(pos, docs)], pos, what, fix)
 
 
 def _check_buffers(comm, buffers, dims, layout):
@@ -431,7 +594,8 @@ def _hold(buffers):
 
 @contextlib.contextmanager
 def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=None,
-                     layout="zigzag", strategy="ring", threads=1, bf16_tier="exact"):
+                     layout="zigzag", strategy="ring", threads=1, bf16_tier="exact",
+                     document_ids=None):
     """Shards `buffers` in place along `buffer_seq_dims` (this rank's tokens in `layout`
     order) and, inside the block, runs torch's scaled_dot_product_attention on ctxpar (by a
     TorchFunctionMode: names bound before the block, nn.MultiheadAttention and the
@@ -442,7 +606,9 @@ def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=No
     inside the block are gathered from every rank (collective) into the full shape and added to
     the gradient it held before the block (on an exception the block's shard gradient is
     dropped). Buffers are leaves, each passed once and to one block at a time.
-    bf16_tier: cp_attention's ("exact" or "fast"). Needs torch >= 2.0
+    bf16_tier: cp_attention's ("exact" or "fast"). document_ids (T ints, the whole sequence):
+    attention inside each document, and the masks transformers builds from per-document
+    position ids accepted (docs/python.md). Needs torch >= 2.0
     (scaled_dot_product_attention)."""
     comm = _communicator(mesh)
     if _SDPA is None:
@@ -455,6 +621,11 @@ def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=No
     bf16_tier = _checks.bf16_tier(bf16_tier)
     buffers = list(buffers)
     dims = _check_buffers(comm, buffers, list(buffer_seq_dims), layout)
+    documents = int_array(document_ids, "document_ids", "int32")
+    if documents is not None and buffers and len(documents) != buffers[0].shape[dims[0]]:
+        raise ValueError(f"document_ids: {len(documents)} ids for a sequence of "
+                         f"{buffers[0].shape[dims[0]]} tokens (buffers[0] dim {dims[0]}); pass "
+                         "one id per token of the whole sequence")
     keep = _check_buffer_roles(buffers, no_restore_buffers)
     with _hold(buffers):
         originals = [b.data for b in buffers]
@@ -470,7 +641,8 @@ def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=No
                 if g is not None:
                     b.grad = None
                 b.data = s  # in place: the caller's tensor object now holds its shard
-            with _RouteAttention((comm, layout, strategy, threads, bf16_tier), checked):
+            with _RouteAttention((comm, layout, strategy, threads, bf16_tier, documents),
+                                 checked):
                 yield
             ok = True
         finally:

@@ -51,18 +51,21 @@ def test_cp_attention_gradients_match_fp64(ranks, layout, strategy):
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_cp_attention_in_a_compiled_function_runs_eagerly_and_equals_eager(backend):
+def test_cp_attention_with_document_ids_in_a_compiled_function_runs_eagerly(backend):
     # torch.compile traced into cp_attention and crashed in Dynamo (a DLDeviceType constant from
-    # the DLPack exchange). It is a graph break now: the attention runs eagerly, the code around
-    # it compiled, and the result and gradients are those of the uncompiled function, bit for bit.
+    # the DLPack exchange). Without arrays it is one op now (tests/python/test_compile.py); with
+    # document_ids, which a graph would keep as constants for the next batch, it is a graph
+    # break: the attention runs eagerly, the code around it compiled, and the result and
+    # gradients are those of the uncompiled function, bit for bit.
     torch.manual_seed(3)
     x0 = torch.randn(1, 32, 2, 16)
     w = torch.randn(16, 16) / 4
+    docs = [0] * 12 + [1] * 20
 
     def step(comm, x, compiled):
         def f(x):
             q = (x @ w).tanh()
-            return (cp_attention(q, x, x, comm, mask="causal") * 1.5).sum()
+            return (cp_attention(q, x, x, comm, mask="causal", document_ids=docs) * 1.5).sum()
         fn = torch.compile(f, backend=backend) if compiled else f
         x = cl.shard(x0, comm, seq_dim=1).clone().requires_grad_(True)
         loss = fn(x)
@@ -77,12 +80,13 @@ def test_cp_attention_in_a_compiled_function_runs_eagerly_and_equals_eager(backe
 
     def fullgraph(comm):
         x = cl.shard(x0, comm, seq_dim=1)
-        with pytest.raises(Exception, match="cp_attention runs eagerly"):
-            torch.compile(lambda x: cp_attention(x, x, x, comm), backend=backend,
-                          fullgraph=True)(x)
+        with pytest.raises(Exception, match="document_ids or positions runs eagerly"):
+            torch.compile(lambda x: cp_attention(x, x, x, comm, document_ids=docs),
+                          backend=backend, fullgraph=True)(x)
         return True
 
     assert all(run_ranks(2, fullgraph))
+
 
 def test_gradcheck_on_the_fp32_kernel():
     # On one rank: with P > 1 a rank's backward returns dK/dV summed over every rank's dout,
