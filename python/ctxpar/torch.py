@@ -594,7 +594,7 @@ def _hold(buffers):
 
 @contextlib.contextmanager
 def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=None,
-                     layout="zigzag", strategy="ring", threads=1, bf16_tier="exact",
+                     layout="zigzag", strategy=None, threads=1, bf16_tier="exact",
                      document_ids=None):
     """Shards `buffers` in place along `buffer_seq_dims` (this rank's tokens in `layout`
     order) and, inside the block, runs torch's scaled_dot_product_attention on ctxpar (by a
@@ -606,6 +606,7 @@ def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=No
     inside the block are gathered from every rank (collective) into the full shape and added to
     the gradient it held before the block (on an exception the block's shard gradient is
     dropped). Buffers are leaves, each passed once and to one block at a time.
+    strategy: None is set_rotate_method's choice (default "ring").
     bf16_tier: cp_attention's ("exact" or "fast"). document_ids (T ints, the whole sequence):
     attention inside each document, and the masks transformers builds from per-document
     position ids accepted (docs/python.md). Needs torch >= 2.0
@@ -616,7 +617,8 @@ def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=No
                            "scaled_dot_product_attention to route (torch >= 2.0 has); call "
                            "ctxpar.torch.cp_attention on the shards instead")
     layout = _checks.choice("layout", layout, _checks.LAYOUTS)
-    strategy = _checks.choice("strategy", strategy, _checks.STRATEGIES)
+    strategy = _checks.choice("strategy", _rotate[0] if strategy is None else strategy,
+                              _checks.STRATEGIES)
     threads = _checks.threads(threads)
     bf16_tier = _checks.bf16_tier(bf16_tier)
     buffers = list(buffers)
@@ -675,3 +677,37 @@ def _communicator(mesh):
         return from_mesh(mesh)
     raise TypeError(f"mesh: expected a torch DeviceMesh (1-D, e.g. mesh['cp']) or a "
                     f"ctxpar.Communicator, got {type(mesh).__name__}")
+
+
+# torch.distributed.tensor.experimental.set_rotate_method's names for how K/V shards move,
+# as ctxpar's strategies: torch's "alltoall" passes each rank's shard on to the next (ring
+# attention: ctxpar's ring), "allgather" gathers every shard first (ctxpar's allgather).
+_ROTATE_METHODS = {"alltoall": "ring", "allgather": "allgather"}
+_rotate = ["ring"]  # process-wide, as torch's
+
+
+def set_rotate_method(rotate_method):
+    """torch's set_rotate_method: the strategy of the context_parallel blocks begun after it that
+    name none, for the whole process (every rank must set the same). "alltoall" -> "ring",
+    "allgather" -> "allgather"; a block's strategy= (any of ctxpar's) overrides it."""
+    _rotate[0] = _ROTATE_METHODS[_checks.choice("rotate_method", rotate_method,
+                                                tuple(_ROTATE_METHODS))]
+
+
+def context_parallel_unshard(mesh, buffers, seq_dims, layout="zigzag"):
+    """torch's context_parallel_unshard: each of `buffers` (this rank's shard, tokens in
+    `layout` order along its seq dim) gathered from every rank into the whole tensor in global
+    order -- the layout's inverse. Collective; returns new tensors (on each shard's device), no
+    gradient. mesh: a 1-D DeviceMesh or a ctxpar.Communicator, as context_parallel's."""
+    comm = _communicator(mesh)
+    layout = _checks.choice("layout", layout, _checks.LAYOUTS)
+    buffers, seq_dims = list(buffers), list(seq_dims)
+    if len(buffers) != len(seq_dims):
+        raise ValueError(f"seq_dims: {len(seq_dims)} entries for {len(buffers)} buffers; pass "
+                         "one seq dim per buffer")
+    for i, b in enumerate(buffers):
+        if not isinstance(b, torch.Tensor) or b.ndim == 0:
+            got = "a 0-D tensor" if isinstance(b, torch.Tensor) else type(b).__name__
+            raise TypeError(f"buffers[{i}]: expected a torch tensor with a seq dim, got {got}")
+        seq_dims[i] = _checks.whole(f"seq_dims[{i}]", seq_dims[i], -b.ndim, b.ndim - 1)
+    return [_layout.unshard(b, comm, layout=layout, seq_dim=d) for b, d in zip(buffers, seq_dims)]
