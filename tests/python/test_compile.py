@@ -107,7 +107,7 @@ def test_compiled_model_is_one_graph_and_matches_fp64(backend):
 def test_ops_pass_opcheck():
     """The fake implementations, schema and autograd registration of ctxpar::cp_attention
     (torch.library.opcheck runs the op eagerly and under fake tensors and compares)."""
-    from ctxpar.torch import _compiled_route
+    from ctxpar._torch_ops import _compiled_route
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 8, 2, 16, requires_grad=True) for _ in range(3))
 
@@ -121,7 +121,7 @@ def test_ops_pass_opcheck():
 def test_a_route_is_made_once_and_a_stale_one_is_refused():
     """The same communicator and options give the same handle (a retrace makes the same graph);
     a number that is no handle is refused, naming cp_attention."""
-    from ctxpar.torch import _compiled_route
+    from ctxpar._torch_ops import _compiled_route
 
     def rank(comm):
         a = _compiled_route(comm, "ring", "zigzag", "causal", 0, 0, 1, None, "exact")
