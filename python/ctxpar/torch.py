@@ -24,7 +24,8 @@ from . import _checks
 from . import _masks
 from . import layout as _layout
 from ._arrays import int_array
-from ._torch_ops import _compiled_route, _compiling, _eager, _eager_with_arrays, _no_compile
+from . import _torch_ops
+from ._torch_ops import _compiling, _eager, _eager_with_arrays, _no_compile
 
 
 def cp_attention(q_local, k_local, v_local, comm, layout="zigzag", causal=False, *, mask=None,
@@ -53,8 +54,8 @@ def cp_attention(q_local, k_local, v_local, comm, layout="zigzag", causal=False,
     if not _compiling():
         out, lse = _eager(q_local, k_local, v_local, comm, *opts)
     elif document_ids is None and positions is None:
-        route = _compiled_route(comm, strategy, layout, mask, ulysses_degree, head_groups,
-                                threads, scale, bf16_tier)
+        route = _torch_ops._compiled_route(comm, strategy, layout, mask, ulysses_degree,
+                                           head_groups, threads, scale, bf16_tier)
         out, lse = torch.ops.ctxpar.cp_attention(q_local, k_local, v_local, route)
     else:
         out, lse = _eager_with_arrays(q_local, k_local, v_local, comm, *opts)
