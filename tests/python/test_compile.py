@@ -133,3 +133,19 @@ def test_a_route_is_made_once_and_a_stale_one_is_refused():
             torch.ops.ctxpar.cp_attention(q, q, q, -1)
 
     ctxpar.run_threads(1, rank)
+
+
+def test_a_bad_option_under_compile_is_named():
+    """The options are checked while Dynamo traces: a bad one stops the compile with
+    cp_attention's own message (Dynamo wraps the ValueError in its RuntimeError), before any
+    communication."""
+    def rank(comm):
+        x = torch.zeros(1, 8, 2, 16)
+        for option, needle in [({"strategy": "rng"}, "strategy: expected one of"),
+                               ({"layout": "zz"}, "layout: expected one of"),
+                               ({"threads": 0}, "threads")]:
+            fn = torch.compile(lambda x: cp_attention(x, x, x, comm, **option), backend="eager")
+            with pytest.raises((ValueError, RuntimeError), match=needle):
+                fn(x)
+
+    ctxpar.run_threads(1, rank)
