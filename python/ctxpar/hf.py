@@ -21,6 +21,7 @@ import torch
 
 from . import _checks
 from . import _ctxpar
+from . import _masks
 from . import layout as _layout
 from .torch import cp_attention
 
@@ -212,40 +213,22 @@ def _check_no_padding(attention_mask):
             "attention_mask")
 
 
-def _expected_visibility(ctx, Tl, device):
-    """[Tl, Tl] bool: this rank's queries and keys, causal on global positions, within a
-    document: what a mask HF built from the shard would say if it only restated the context."""
-    pos = torch.as_tensor(_layout.positions(Tl * ctx.comm.size, ctx.comm.size, ctx.comm.rank,
-                                            ctx.layout), device=device)
-    ok = pos[None, :] <= pos[:, None]
-    if ctx.document_ids is not None:
-        d = torch.as_tensor(ctx.document_ids[pos.cpu().numpy()], device=device)
-        ok &= d[:, None] == d[None, :]
-    return ok
-
-
 def _check_mask(ctx, attention_mask, causal, Tl):
     """None, or a 4-D mask [B, 1|H, Tl, Tl] that only restates causal + documents (bool, or
     additive with 0 where visible): ignored. Anything else is refused, naming it."""
     if attention_mask is None:
         return
-    m = attention_mask
-    if not isinstance(m, torch.Tensor) or m.ndim != 4 or tuple(m.shape[-2:]) != (Tl, Tl):
-        shape = tuple(m.shape) if hasattr(m, "shape") else type(m).__name__
-        raise ValueError(f"attention_mask: ctxpar's attention takes no mask of shape {shape} "
-                         "(its masks come from global positions and documents); drop it, and "
-                         "pass document_ids to ctxpar.hf.shard_batch for packed documents")
-    visible = m if m.dtype == torch.bool else m == 0
-    expected = _expected_visibility(ctx, Tl, m.device)
-    if not causal:
-        expected = torch.ones_like(expected) if ctx.document_ids is None else expected | \
-            expected.t()
-    if not bool((visible == expected).all()):
-        raise ValueError(
-            "attention_mask: it hides or shows tokens beyond causal attention within the "
-            "documents ctxpar knows (padding, or another packing); ctxpar's attention does not "
-            "read masks: pack without padding and pass document_ids (or cu_seqlens) to "
-            "ctxpar.hf.shard_batch")
+    pos = torch.as_tensor(_layout.positions(Tl * ctx.comm.size, ctx.comm.size, ctx.comm.rank,
+                                            ctx.layout))
+    docs = None if ctx.document_ids is None else torch.as_tensor(ctx.document_ids[pos.numpy()])
+    expected = _masks.visible(pos if causal else torch.zeros_like(pos), docs)
+    what = ("causal attention" if causal else "attention") + (
+        " within the documents ctxpar knows" if docs is not None else "")
+    _masks.check_restates(
+        "attention_mask", attention_mask, [expected], pos, what,
+        "ctxpar's attention reads no mask (its masks come from global positions and "
+        "documents): pack without padding and pass document_ids (or cu_seqlens) to "
+        "ctxpar.hf.shard_batch, and drop the mask")
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,

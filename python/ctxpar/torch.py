@@ -21,63 +21,13 @@ import torch.utils.checkpoint
 
 from . import _ctxpar
 from . import _checks
+from . import _masks
 from . import layout as _layout
-from ._agreement import agree, digest
-from ._arrays import Tensors, check_attention_shapes, sync_cuda
-from ._attention import options
+from ._arrays import int_array
+from . import _torch_ops
+from ._torch_ops import _compiling, _eager, _eager_with_arrays, _no_compile
 
 
-class _CPAttention(torch.autograd.Function):
-    """One rank's attention over the distributed sequence; backward is the strategy's
-    (collective too: every rank must run backward)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, comm, args):
-        t = Tensors({"q": q, "k": k, "v": v})
-        check_attention_shapes(q, k, v)
-        B, Tl, Hq, _ = q.shape
-        out = t.empty(q.shape)
-        lse = t.empty((B, Hq, Tl), like_dtype=False)
-        _ctxpar._local_forward(comm, t["q"], t["k"], t["v"], out, lse, args, t.launch())
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.args, ctx.cuda_index = comm, args, t.cuda_index
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        # Upstream gradients may be broadcast views (stride 0) or of another dtype.
-        dout = dout.to(out.dtype)
-        if dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        if ctx.cuda_index >= 0:  # dq, dk, dv on q's GPU; dout's device is checked in C++
-            sync_cuda(dq)
-        _ctxpar._local_backward(ctx.comm, q.detach(), k.detach(), v.detach(), out, lse,
-                                dout.detach(), dq, dk, dv, ctx.args, ctx.cuda_index)
-        return dq, dk, dv, None, None
-
-
-def _no_compile(what):
-    """A decorator: the function runs eagerly under torch.compile. Dynamo breaks the graph at it,
-    with a reason that names `what` ("cp_attention runs") (fullgraph=True stops there), instead of tracing into the
-    communication and the DLPack exchange (Dynamo cannot build a constant of a DLDeviceType)."""
-    def wrap(fn):
-        disable = getattr(getattr(torch, "compiler", None), "disable", None)
-        if disable is None:  # torch < 2.1: nothing compiles
-            return fn
-        reason = (f"ctxpar's {what} eagerly (its communication is not traceable): the "
-                  "compiled function breaks its graph there; with fullgraph=True compile the "
-                  "parts around the attention instead")
-        try:
-            return disable(fn, reason=reason)
-        except TypeError:  # a torch.compiler.disable without reason=
-            return disable(fn)
-    return wrap
-
-
-@_no_compile("cp_attention runs")
 def cp_attention(q_local, k_local, v_local, comm, layout="zigzag", causal=False, *, mask=None,
                  strategy="ring", document_ids=None, positions=None, return_lse=False,
                  ulysses_degree=0, head_groups=0, threads=1, scale=None, bf16_tier="exact"):
@@ -88,25 +38,27 @@ def cp_attention(q_local, k_local, v_local, comm, layout="zigzag", causal=False,
     mask overrides causal ("none" | "causal" | ("window", L, R) | mask text); document_ids and
     positions describe the whole sequence (T = Tl * comm.size entries). float16 is computed in
     float32 (differentiable casts). bf16_tier: "exact" or "fast" (bfloat16 inputs: P and dS
-    rounded to bfloat16, as GPU flash attention; docs/kernel.md, "bf16 tiers"). Returns out_local [B, Tl, Hq, D] (and lse [B, Hq, Tl])."""
+    rounded to bfloat16, as GPU flash attention; docs/kernel.md, "bf16 tiers"). Returns
+    out_local [B, Tl, Hq, D] (and lse [B, Hq, Tl]). Under torch.compile it is the op
+    ctxpar::cp_attention, no graph break (Note [cp_attention under torch.compile]), except with
+    document_ids or positions (one break: they run eagerly)."""
     if not isinstance(comm, _ctxpar.Communicator):
         raise TypeError(f"comm: expected a ctxpar.Communicator, got {type(comm).__name__}")
     mask = mask if mask is not None else ("causal" if causal else "none")
-    o = options(strategy, layout, mask, document_ids, positions, ulysses_degree, head_groups,
-                threads, scale, bf16_tier)
-    # threads is left out, as the command leaves out --threads: it changes no answer.
-    agree(comm, "cp_attention", [
-        ("strategy", o["strategy"]), ("layout", o["layout"]), ("mask", o["mask"]),
-        ("scale", "None (1/sqrt(D))" if o["scale"] == 0.0 else repr(o["scale"])),
-        ("bf16_tier", o["bf16_tier"]),
-        ("ulysses_degree", str(o["ulysses_degree"])), ("head_groups", str(o["head_groups"])),
-        ("positions", digest(o["positions"])), ("document_ids", digest(o["documents"]))])
-    args = _ctxpar._JobArgs(**o)
     half = [x.dtype == torch.float16 for x in (q_local, k_local, v_local)
             if isinstance(x, torch.Tensor)]
     if half and all(half):
         q_local, k_local, v_local = q_local.float(), k_local.float(), v_local.float()
-    out, lse = _CPAttention.apply(q_local, k_local, v_local, comm, args)
+    opts = (strategy, layout, mask, document_ids, positions, ulysses_degree, head_groups,
+            threads, scale, bf16_tier)
+    if not _compiling():
+        out, lse = _eager(q_local, k_local, v_local, comm, *opts)
+    elif document_ids is None and positions is None:
+        route = _torch_ops._compiled_route(comm, strategy, layout, mask, ulysses_degree,
+                                           head_groups, threads, scale, bf16_tier)
+        out, lse = torch.ops.ctxpar.cp_attention(q_local, k_local, v_local, route)
+    else:
+        out, lse = _eager_with_arrays(q_local, k_local, v_local, comm, *opts)
     if half and all(half):
         out = out.half()
     return (out, lse) if return_lse else out
@@ -131,8 +83,10 @@ def cp_attention(q_local, k_local, v_local, comm, layout="zigzag", causal=False,
 # the block began are not the block's (their recompute re-enters the block itself). A torch whose
 # checkpoint keeps that function elsewhere gets a refusal, never an SDPA on the shard.
 #
-# torch.compile: the routed SDPA and cp_attention are torch.compiler.disable'd, so Dynamo breaks
-# the graph there and runs them eagerly; the rest of a compiled function stays compiled.
+# torch.compile: the routed SDPA is torch.compiler.disable'd (the mode's handler reads frames
+# and swaps checkpoint functions, which Dynamo cannot trace), so Dynamo breaks the graph there
+# and runs it eagerly; the rest of a compiled function stays compiled. cp_attention called
+# directly is one op instead (Note [cp_attention under torch.compile]).
 
 
 class _RouteAttention(torch.overrides.TorchFunctionMode):
@@ -143,8 +97,9 @@ class _RouteAttention(torch.overrides.TorchFunctionMode):
     TorchFunctionMode sees the call itself, not the name (Note [Every attention of a block]).
     Modes are per thread, so ranks that run as threads are each routed through their own block.
 
-    route: (comm, layout, strategy, threads, bf16_tier); buffers: the block's
-    (index, buffer, seq dim, shape before the block), whose dims the routed SDPA checks."""
+    route: (comm, layout, strategy, threads, bf16_tier, document ids [T] or None); buffers: the
+    block's (index, buffer, seq dim, shape before the block), whose dims the routed SDPA
+    checks."""
 
     def __init__(self, route, buffers=()):
         super().__init__()
@@ -316,11 +271,7 @@ def _check_multi_head_attention(args, kwargs):
 def _routed_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                  scale=None, enable_gqa=False):
     """F.scaled_dot_product_attention's signature ([B, H, Tl, D]) on cp_attention."""
-    comm, layout, strategy, threads, bf16_tier = mode.route
-    if attn_mask is not None:
-        raise ValueError("attn_mask: not supported inside ctxpar's context_parallel (masks come "
-                         "from global positions); use is_causal=True, or "
-                         "ctxpar.torch.cp_attention(mask=...)")
+    comm, layout, strategy, threads, bf16_tier, documents = mode.route
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p: ctxpar computes exact attention; got {dropout_p} (the "
                          "modules' dropout=0.0, or .eval())")
@@ -334,13 +285,45 @@ def _routed_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_caus
         raise ValueError(f"enable_gqa=False but query has {query.shape[1]} heads and key "
                          f"{key.shape[1]} (torch's scaled_dot_product_attention refuses this "
                          "too); pass enable_gqa=True for grouped-query attention")
+    if attn_mask is not None:  # one that restates causal attention means it
+        _check_block_mask(attn_mask, query.shape[2], comm, layout, documents)
+        is_causal = True
+    if enable_gqa and key.shape[1] != query.shape[1]:
+        if query.shape[1] % key.shape[1]:
+            raise ValueError(f"enable_gqa=True: query's {query.shape[1]} heads are no multiple "
+                             f"of key's {key.shape[1]}")
+        # transformers' sdpa repeats the kv heads where it built a mask and passes enable_gqa
+        # where it did not: ranks with and without a mask must give cp_attention the same heads.
+        group = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
     mode.check_seq_dims(named)
     mode.route_recomputes()
     # [B, H, T, D] -> [B, T, H, D]: a strided view, no copy (last dim stays contiguous).
     out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), comm,
                        layout=layout, causal=is_causal, strategy=strategy, threads=threads,
-                       scale=scale, bf16_tier=bf16_tier)
+                       scale=scale, bf16_tier=bf16_tier, document_ids=documents)
     return out.transpose(1, 2)
+
+
+def _check_block_mask(mask, Tl, comm, layout, documents):
+    """attn_mask of a routed SDPA: accepted where it restates the block's causal attention
+    (within documents) -- as transformers builds it, reading the shard's position ids as packed
+    sequences, or exactly -- else refused, naming the first pair it changes."""
+    pos = torch.as_tensor(_layout.positions(Tl * comm.size, comm.size, comm.rank, layout))
+    ids, docs = pos, None
+    if documents is not None:  # position ids restart at each document's first token
+        every = torch.as_tensor(documents, dtype=torch.int64)
+        _, inverse = torch.unique(every, return_inverse=True)
+        first = torch.full((len(every),), len(every)).scatter_reduce(
+            0, inverse, torch.arange(len(every)), "amin")
+        docs, ids = every[pos], pos - first[inverse[pos]]
+    what = "causal attention" + (" within the block's documents" if docs is not None else "")
+    fix = ("ctxpar's context_parallel computes causal attention from global positions" +
+           (" and document_ids" if docs is not None else
+            " (packed documents: pass document_ids= to context_parallel)") +
+           "; drop the mask, or call ctxpar.torch.cp_attention with mask= / document_ids=")
+    _masks.check_restates("attn_mask", mask, [_masks.transformers_packed(ids),
+                                              _masks.visible(pos, docs)], pos, what, fix)
 
 
 def _check_buffers(comm, buffers, dims, layout):
@@ -431,7 +414,8 @@ def _hold(buffers):
 
 @contextlib.contextmanager
 def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=None,
-                     layout="zigzag", strategy="ring", threads=1, bf16_tier="exact"):
+                     layout="zigzag", strategy=None, threads=1, bf16_tier="exact",
+                     document_ids=None):
     """Shards `buffers` in place along `buffer_seq_dims` (this rank's tokens in `layout`
     order) and, inside the block, runs torch's scaled_dot_product_attention on ctxpar (by a
     TorchFunctionMode: names bound before the block, nn.MultiheadAttention and the
@@ -442,7 +426,10 @@ def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=No
     inside the block are gathered from every rank (collective) into the full shape and added to
     the gradient it held before the block (on an exception the block's shard gradient is
     dropped). Buffers are leaves, each passed once and to one block at a time.
-    bf16_tier: cp_attention's ("exact" or "fast"). Needs torch >= 2.0
+    strategy: None is set_rotate_method's choice (default "ring").
+    bf16_tier: cp_attention's ("exact" or "fast"). document_ids (T ints, the whole sequence):
+    attention inside each document, and the masks transformers builds from per-document
+    position ids accepted (docs/python.md). Needs torch >= 2.0
     (scaled_dot_product_attention)."""
     comm = _communicator(mesh)
     if _SDPA is None:
@@ -450,11 +437,17 @@ def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=No
                            "scaled_dot_product_attention to route (torch >= 2.0 has); call "
                            "ctxpar.torch.cp_attention on the shards instead")
     layout = _checks.choice("layout", layout, _checks.LAYOUTS)
-    strategy = _checks.choice("strategy", strategy, _checks.STRATEGIES)
+    strategy = _checks.choice("strategy", _rotate[0] if strategy is None else strategy,
+                              _checks.STRATEGIES)
     threads = _checks.threads(threads)
     bf16_tier = _checks.bf16_tier(bf16_tier)
     buffers = list(buffers)
     dims = _check_buffers(comm, buffers, list(buffer_seq_dims), layout)
+    documents = int_array(document_ids, "document_ids", "int32")
+    if documents is not None and buffers and len(documents) != buffers[0].shape[dims[0]]:
+        raise ValueError(f"document_ids: {len(documents)} ids for a sequence of "
+                         f"{buffers[0].shape[dims[0]]} tokens (buffers[0] dim {dims[0]}); pass "
+                         "one id per token of the whole sequence")
     keep = _check_buffer_roles(buffers, no_restore_buffers)
     with _hold(buffers):
         originals = [b.data for b in buffers]
@@ -470,7 +463,8 @@ def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=No
                 if g is not None:
                     b.grad = None
                 b.data = s  # in place: the caller's tensor object now holds its shard
-            with _RouteAttention((comm, layout, strategy, threads, bf16_tier), checked):
+            with _RouteAttention((comm, layout, strategy, threads, bf16_tier, documents),
+                                 checked):
                 yield
             ok = True
         finally:
@@ -503,3 +497,37 @@ def _communicator(mesh):
         return from_mesh(mesh)
     raise TypeError(f"mesh: expected a torch DeviceMesh (1-D, e.g. mesh['cp']) or a "
                     f"ctxpar.Communicator, got {type(mesh).__name__}")
+
+
+# torch.distributed.tensor.experimental.set_rotate_method's names for how K/V shards move,
+# as ctxpar's strategies: torch's "alltoall" passes each rank's shard on to the next (ring
+# attention: ctxpar's ring), "allgather" gathers every shard first (ctxpar's allgather).
+_ROTATE_METHODS = {"alltoall": "ring", "allgather": "allgather"}
+_rotate = ["ring"]  # process-wide, as torch's
+
+
+def set_rotate_method(rotate_method):
+    """torch's set_rotate_method: the strategy of the context_parallel blocks begun after it that
+    name none, for the whole process (every rank must set the same). "alltoall" -> "ring",
+    "allgather" -> "allgather"; a block's strategy= (any of ctxpar's) overrides it."""
+    _rotate[0] = _ROTATE_METHODS[_checks.choice("rotate_method", rotate_method,
+                                                tuple(_ROTATE_METHODS))]
+
+
+def context_parallel_unshard(mesh, buffers, seq_dims, layout="zigzag"):
+    """torch's context_parallel_unshard: each of `buffers` (this rank's shard, tokens in
+    `layout` order along its seq dim) gathered from every rank into the whole tensor in global
+    order -- the layout's inverse. Collective; returns new tensors (on each shard's device), no
+    gradient. mesh: a 1-D DeviceMesh or a ctxpar.Communicator, as context_parallel's."""
+    comm = _communicator(mesh)
+    layout = _checks.choice("layout", layout, _checks.LAYOUTS)
+    buffers, seq_dims = list(buffers), list(seq_dims)
+    if len(buffers) != len(seq_dims):
+        raise ValueError(f"seq_dims: {len(seq_dims)} entries for {len(buffers)} buffers; pass "
+                         "one seq dim per buffer")
+    for i, b in enumerate(buffers):
+        if not isinstance(b, torch.Tensor) or b.ndim == 0:
+            got = "a 0-D tensor" if isinstance(b, torch.Tensor) else type(b).__name__
+            raise TypeError(f"buffers[{i}]: expected a torch tensor with a seq dim, got {got}")
+        seq_dims[i] = _checks.whole(f"seq_dims[{i}]", seq_dims[i], -b.ndim, b.ndim - 1)
+    return [_layout.unshard(b, comm, layout=layout, seq_dim=d) for b, d in zip(buffers, seq_dims)]

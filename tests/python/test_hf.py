@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
@@ -101,18 +102,25 @@ def loss_of_shard_batch(model, b, comm, layout):
     return loss
 
 
-def loss_in_block(model, b, comm, layout):
+def loss_in_block(model, b, comm, layout, ones_mask=True):
     """transformers' own "sdpa" inside ctxpar.torch.context_parallel: the block shards the
-    whole inputs in place; the all-ones attention_mask keeps transformers from reading the
-    shard's global positions as packed documents (it would build a mask the block refuses)."""
+    whole inputs in place. ones_mask: pass an all-ones attention_mask (transformers then builds
+    no mask); without it transformers reads the shard's position ids as packed sequences and
+    builds a 4-D mask the block reads back (the documents of b passed to the block)."""
     x = whole_inputs(b)
     x["labels"] = x["shift_labels"] = x["shift_labels"].clone()
-    x["attention_mask"] = torch.ones_like(x["input_ids"])
-    buffers = [x["input_ids"], x["position_ids"], x["labels"], x["attention_mask"]]
-    with context_parallel(comm, buffers=buffers, buffer_seq_dims=[1] * 4, layout=layout):
+    if ones_mask:
+        x["attention_mask"] = torch.ones_like(x["input_ids"])
+    names = [n for n in ("input_ids", "position_ids", "labels", "attention_mask") if n in x]
+    with context_parallel(comm, buffers=[x[n] for n in names], buffer_seq_dims=[1] * len(names),
+                          layout=layout, document_ids=b.get("document_ids")):
         loss = model(**x, use_cache=False).loss
         loss.backward()
     return loss
+
+
+def loss_in_block_without_mask(model, b, comm, layout):
+    return loss_in_block(model, b, comm, layout, ones_mask=False)
 
 
 def train_cp(model, data, ranks, layout="zigzag", step=loss_of_shard_batch):
@@ -140,7 +148,7 @@ def train_cp(model, data, ranks, layout="zigzag", step=loss_of_shard_batch):
 
 
 def check_training(family, ranks, documents=False, checkpointing=None, layout="zigzag",
-                   dtype=torch.float32, steps=STEPS, block=False):
+                   dtype=torch.float32, steps=STEPS, block=False, step=None):
     """ctxpar in `dtype` against fp64 "eager", with "eager" in `dtype` as the naive run.
     block: transformers' "sdpa" inside context_parallel instead of attn_implementation="ctxpar"."""
     base = models(family)
@@ -148,7 +156,8 @@ def check_training(family, ranks, documents=False, checkpointing=None, layout="z
     ref = train_whole(with_attention(base, "eager", torch.float64), data)
     naive = train_whole(with_attention(base, "eager", dtype), data)
     ours = train_cp(with_attention(base, "sdpa" if block else "ctxpar", dtype, checkpointing),
-                    data, ranks, layout, loss_in_block if block else loss_of_shard_batch)
+                    data, ranks, layout,
+                    step or (loss_in_block if block else loss_of_shard_batch))
     for step, ((lo, go), (lr, gr), (ln, gn)) in enumerate(zip(ours, ref, naive)):
         check_close(f"{dtype} loss step {step}", lo, lr, ln)
         check_close(f"{dtype} gradients step {step}", go, gr, gn)
@@ -346,19 +355,60 @@ def test_sdpa_inside_context_parallel_block(use_reentrant):
     check_training("llama", 2, checkpointing=use_reentrant, block=True)
 
 
-def test_sdpa_block_refuses_the_mask_transformers_builds_from_positions():
-    """Without attention_mask (and without a cache) transformers reads a zigzag shard's global
-    positions as packed documents and builds a mask hiding the other chunk: the block refuses
-    it, naming attn_mask, rather than attending within chunks. Only rank 0's positions jump
-    (0..7, 24..31), so rank 1 gets no mask and fails naming rank 0."""
+@pytest.mark.parametrize("documents, use_reentrant", [(False, None), (True, False)])
+def test_sdpa_in_block_accepts_the_mask_transformers_builds(documents, use_reentrant):
+    """No attention_mask and no cache (use_cache=False; gradient checkpointing): transformers
+    reads the shard's position ids as packed sequences and builds a 4-D mask (kv heads
+    repeated) on the ranks whose positions jump, none on the others. The block reads it back as
+    causal attention (within the documents passed to it) and trains equal to one process.
+    Before, the block refused every attn_mask."""
+    check_training("llama", 2, documents=documents, checkpointing=use_reentrant, steps=1,
+                   block=True, step=loss_in_block_without_mask)
+
+
+def test_sdpa_block_refuses_a_mask_that_adds_documents_it_does_not_know():
+    """Per-document position ids but no document_ids for the block: transformers' mask hides
+    the documents' earlier tokens, which the block's causal attention shows; refused on each
+    rank, naming a pair it hides and document_ids."""
     model = with_attention(models("llama"), "sdpa", torch.float32)
-    x = whole_inputs(batches(False)[0])
+    x = whole_inputs(batches(True)[0])
+    errors = {}
 
     def rank(comm):
         ids, pos = x["input_ids"].clone(), x["position_ids"].clone()
         with context_parallel(comm, buffers=[ids, pos], buffer_seq_dims=[1, 1]):
-            with pytest.raises(ValueError if comm.rank == 0 else ctxpar.Error,
-                               match="attn_mask" if comm.rank == 0 else "rank 0"):
+            with pytest.raises(ValueError, match="attn_mask: the mask hides key") as e:
                 model(input_ids=ids, position_ids=pos, use_cache=False)
+        errors[comm.rank] = str(e.value)
 
     ctxpar.run_threads(2, rank)
+    assert all("document_ids" in e for e in errors.values())
+
+
+def test_sdpa_block_names_the_pair_a_mask_adds():
+    """A mask built here by transformers' rule from the zigzag shard's positions, read back
+    as causal (the output equals is_causal=True's); one pair more hidden (or shown) is refused,
+    naming its global positions."""
+    Tl, P = 8, 2
+    q, k, v = (torch.randn(1, 2, Tl * P, 16) for _ in range(3))
+    seen = {}
+
+    def rank(comm):
+        pos = torch.as_tensor(ctxpar.layout.positions(Tl * P, P, comm.rank))
+        jump = torch.cat([torch.tensor([True]), pos[1:] != pos[:-1] + 1]).cumsum(0)
+        mask = (pos[None, :] <= pos[:, None]) & (jump[None, :] == jump[:, None])
+        qs, ks, vs = (t.clone() for t in (q, k, v))  # the block shards them
+        with context_parallel(comm, buffers=[qs, ks, vs], buffer_seq_dims=[2, 2, 2]):
+            causal = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+            masked = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[None, None])
+            more = mask.clone()
+            more[Tl - 1, Tl - 2] = False  # the last query no longer sees its predecessor
+            with pytest.raises(ValueError) as e:
+                F.scaled_dot_product_attention(qs, ks, vs, attn_mask=more[None, None])
+        seen[comm.rank] = (torch.equal(causal, masked), str(e.value), pos)
+
+    ctxpar.run_threads(2, rank)
+    for same, message, pos in seen.values():
+        assert same
+        assert (f"hides key {int(pos[Tl - 2])} from query {int(pos[Tl - 1])} (global positions) "
+                "that causal attention shows") in message, message

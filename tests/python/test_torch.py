@@ -51,18 +51,21 @@ def test_cp_attention_gradients_match_fp64(ranks, layout, strategy):
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_cp_attention_in_a_compiled_function_runs_eagerly_and_equals_eager(backend):
+def test_cp_attention_with_document_ids_in_a_compiled_function_runs_eagerly(backend):
     # torch.compile traced into cp_attention and crashed in Dynamo (a DLDeviceType constant from
-    # the DLPack exchange). It is a graph break now: the attention runs eagerly, the code around
-    # it compiled, and the result and gradients are those of the uncompiled function, bit for bit.
+    # the DLPack exchange). Without arrays it is one op now (tests/python/test_compile.py); with
+    # document_ids, which a graph would keep as constants for the next batch, it is a graph
+    # break: the attention runs eagerly, the code around it compiled, and the result and
+    # gradients are those of the uncompiled function, bit for bit.
     torch.manual_seed(3)
     x0 = torch.randn(1, 32, 2, 16)
     w = torch.randn(16, 16) / 4
+    docs = [0] * 12 + [1] * 20
 
     def step(comm, x, compiled):
         def f(x):
             q = (x @ w).tanh()
-            return (cp_attention(q, x, x, comm, mask="causal") * 1.5).sum()
+            return (cp_attention(q, x, x, comm, mask="causal", document_ids=docs) * 1.5).sum()
         fn = torch.compile(f, backend=backend) if compiled else f
         x = cl.shard(x0, comm, seq_dim=1).clone().requires_grad_(True)
         loss = fn(x)
@@ -77,12 +80,13 @@ def test_cp_attention_in_a_compiled_function_runs_eagerly_and_equals_eager(backe
 
     def fullgraph(comm):
         x = cl.shard(x0, comm, seq_dim=1)
-        with pytest.raises(Exception, match="cp_attention runs eagerly"):
-            torch.compile(lambda x: cp_attention(x, x, x, comm), backend=backend,
-                          fullgraph=True)(x)
+        with pytest.raises(Exception, match="document_ids or positions runs eagerly"):
+            torch.compile(lambda x: cp_attention(x, x, x, comm, document_ids=docs),
+                          backend=backend, fullgraph=True)(x)
         return True
 
     assert all(run_ranks(2, fullgraph))
+
 
 def test_gradcheck_on_the_fp32_kernel():
     # On one rank: with P > 1 a rank's backward returns dK/dV summed over every rank's dout,
@@ -283,3 +287,80 @@ def test_blocks_on_threads_that_overlap_route_each_thread_through_its_own_block(
 
     assert run_ranks(2, rank) == [False, True]
     assert F.scaled_dot_product_attention is sdpa_before
+
+
+@pytest.mark.parametrize("ranks, layout", [(2, "zigzag"), (4, "striped"), (3, "contiguous")])
+def test_context_parallel_unshard_is_the_layouts_inverse(ranks, layout):
+    """torch's context_parallel_unshard: the block's shards (seq dims 1 and 2) gathered back
+    equal the whole tensors, bit for bit, in global order; bfloat16 too."""
+    from ctxpar.torch import context_parallel_unshard
+    torch.manual_seed(0)
+    a = torch.randn(2, 12 * ranks, 3)
+    b = torch.randn(1, 2, 12 * ranks, 4).to(torch.bfloat16)
+
+    def rank(comm):
+        x, y = a.clone(), b.clone()
+        with context_parallel(comm, buffers=[x, y], buffer_seq_dims=[1, 2], layout=layout):
+            shards = [x.clone(), y.clone()]
+        return context_parallel_unshard(comm, shards, [1, -2], layout=layout)
+
+    for x, y in run_ranks(ranks, rank):
+        assert torch.equal(x, a) and torch.equal(y, b)
+
+
+def test_context_parallel_unshard_bad_arguments():
+    from ctxpar.torch import context_parallel_unshard
+
+    def rank(comm):
+        x = torch.zeros(1, 4)
+        for args, err, needle in [(([x], [1, 1]), ValueError, "seq_dims: 2 entries for 1"),
+                                  (([x], [2]), ValueError, "seq_dims\\[0\\]"),
+                                  (([x.numpy()], [1]), TypeError, "buffers\\[0\\]"),
+                                  ((["x"], [0]), TypeError, "buffers\\[0\\]")]:
+            with pytest.raises(err, match=needle):
+                context_parallel_unshard(comm, *args)
+        with pytest.raises(ValueError, match="layout"):
+            context_parallel_unshard(comm, [x], [1], layout="ring")
+        return True
+
+    assert all(run_ranks(2, rank))
+
+
+def test_set_rotate_method_picks_the_blocks_strategy():
+    """torch's names: "allgather" -> ctxpar's allgather, "alltoall" -> ring, for blocks that
+    name no strategy (a block's strategy= wins); the block's attention equals the fp64
+    reference either way. A name torch does not have is refused and changes nothing."""
+    import ctxpar.torch as ct
+    q, k, v, dout = problem(B=1, T=T, Hq=2, Hkv=2)
+    ok = visible(T, "causal")
+    ref, naive = reference(q, k, v, dout, ok), reference(q, k, v, dout, ok, dtype=torch.float32)
+    used = []
+    real = ct.cp_attention
+
+    def spy(*args, **kwargs):
+        used.append(kwargs["strategy"])
+        return real(*args, **kwargs)
+
+    def run(strategy=None):
+        def rank(comm):
+            qs, ks, vs = (torch.from_numpy(x).transpose(1, 2).clone() for x in (q, k, v))
+            with context_parallel(comm, buffers=[qs, ks, vs], buffer_seq_dims=[2, 2, 2],
+                                  strategy=strategy):
+                out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+            return cl.unshard(out, comm, seq_dim=2).transpose(1, 2)
+        return run_ranks(2, rank)[0]
+
+    try:
+        ct.cp_attention = spy
+        ct.set_rotate_method("allgather")
+        check_close("allgather out", run(), ref[0], naive[0])
+        with pytest.raises(ValueError, match="rotate_method: expected one of alltoall, allgather"):
+            ct.set_rotate_method("ulysses")
+        check_close("allgather still", run(), ref[0], naive[0])
+        check_close("a block's own strategy", run("ulysses"), ref[0], naive[0])
+        ct.set_rotate_method("alltoall")
+        check_close("alltoall out", run(), ref[0], naive[0])
+    finally:
+        ct.cp_attention = real
+        ct.set_rotate_method("alltoall")
+    assert used == ["allgather"] * 4 + ["ulysses"] * 2 + ["ring"] * 2
