@@ -475,6 +475,14 @@ std::unique_ptr<Communicator> make_gloo_communicator(std::shared_ptr<GlooWorld> 
 
 }  // namespace comm_detail
 
+int gloo_failed_rank(const Communicator& comm) {
+  auto* g = dynamic_cast<const comm_detail::GlooCommunicator*>(&comm);
+  if (g == nullptr) return -1;
+  comm_detail::GlooWorld& w = const_cast<comm_detail::GlooCommunicator*>(g)->world();
+  std::lock_guard lock(w.mu);
+  return w.failed_rank;
+}
+
 void run_gloo(Communicator& comm, const std::function<void(Communicator&)>& fn) {
   std::string error;
   try {

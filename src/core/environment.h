@@ -47,7 +47,9 @@ struct Torchrun {
 Torchrun torchrun();
 
 // The address the gloo transport listens on and publishes (GlooOptions::hostname_or_interface):
-// CTXPAR_GLOO_IFNAME (an interface) when set, else CTXPAR_GLOO_HOST, else "" (automatic).
+// CTXPAR_GLOO_IFNAME (an interface) when set, else CTXPAR_GLOO_HOST, else torch's
+// GLOO_SOCKET_IFNAME (its first interface; one this host lacks throws Error naming it), else
+// "" (automatic).
 std::string gloo_interface();
 
 // The MPI transport's settings as set (nullopt: unset), checked where they are used
