@@ -229,12 +229,13 @@ def exit_on_uncaught_exception(rank, launcher_name):
 # torchrun's elastic agent names as root cause the failure with the earliest timestamp, in
 # whole seconds, ties to the lowest rank, and reads each worker's message from the file at
 # TORCHELASTIC_ERROR_FILE (which torch's @record decorator writes). A rank stopped by another
-# rank's failure (its peer's abort message, or its connection closed) fails too, within the
-# same second: the agent named rank 0 whichever rank had failed. So each failing rank writes its
-# error file (torch's format; extraInfo.first_failed_rank names the rank that failed first),
-# and under the agent a stopped rank waits before it exits: the agent, which polls every 0.1 s
-# by default, sees the first failure alone and ends the others (SIGTERM), which it does not
-# count as failures.
+# rank's failure (its peer's abort message, or its connection closed) fails too, often within
+# the same second, and then the agent names rank 0 whichever rank failed (the issue saw it;
+# where the agent ended rank 0 first it named the right rank, with error_file <N/A> and no
+# message). So each failing rank writes its error file (torch's format;
+# extraInfo.first_failed_rank names the rank that failed first), and under the agent a stopped
+# rank waits before it exits: the agent, which polls every 0.1 s by default, sees the first
+# failure alone and ends the others (SIGTERM), which it does not count as failures.
 _STOPPED_RANK_GRACE_S = 5.0
 
 
