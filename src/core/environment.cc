@@ -85,6 +85,7 @@ Torchrun torchrun() {
   t.master_addr = text("MASTER_ADDR"), t.master_port = text("MASTER_PORT");
   t.use_agent_store = text("TORCHELASTIC_USE_AGENT_STORE");
   t.run_id = text("TORCHELASTIC_RUN_ID"), t.restart_count = text("TORCHELASTIC_RESTART_COUNT");
+  t.error_file = text("TORCHELASTIC_ERROR_FILE");
   return t;
 }
 

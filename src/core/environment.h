@@ -43,6 +43,7 @@ struct Torchrun {
   std::string master_addr, master_port;      // MASTER_ADDR, MASTER_PORT
   std::string use_agent_store;               // TORCHELASTIC_USE_AGENT_STORE
   std::string run_id, restart_count;         // TORCHELASTIC_RUN_ID, _RESTART_COUNT
+  std::string error_file;                    // TORCHELASTIC_ERROR_FILE: run_gloo's report
 };
 Torchrun torchrun();
 
