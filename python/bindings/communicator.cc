@@ -15,11 +15,23 @@
 namespace ctxpar::python {
 
 Communicator& PyCommunicator::get() const {
+  if (closed_)
+    throw nb::value_error(
+        "communicator: closed (by close(), or by ctxpar at the interpreter's exit); make a new "
+        "one (Communicator.from_torch, ctxpar.init)");
   if (alive_ && !alive_->load())
     throw nb::value_error(
         "communicator: its run_threads block has ended; use a communicator only inside the "
         "function run_threads called");
   return *comm_;
+}
+
+void PyCommunicator::close() {
+  std::shared_ptr<Communicator> owned = std::move(owned_);
+  closed_ = true;
+  comm_ = nullptr;
+  nb::gil_scoped_release release;  // the transport's threads are joined without the GIL
+  owned.reset();
 }
 
 namespace {
@@ -151,6 +163,10 @@ void bind_communicator(nb::module_& m) {
              c.get().set_timeout(std::chrono::milliseconds(
                  std::max<int64_t>(1, static_cast<int64_t>(seconds * 1000))));
            })
+      .def("close", &PyCommunicator::close,
+           "Lets go of this communicator now (a gloo one: its threads joined, its sockets "
+           "closed); any later use raises ValueError. Not collective; idempotent.")
+      .def_prop_ro("closed", [](const PyCommunicator& c) { return c.closed(); })
       .def("barrier",
            [](const PyCommunicator& c) {
              Communicator& comm = c.get();

@@ -24,13 +24,19 @@ class PyCommunicator {
                           std::shared_ptr<std::atomic<bool>> alive = nullptr)
       : comm_(owned.get()), owned_(std::move(owned)), alive_(std::move(alive)) {}
   const std::shared_ptr<std::atomic<bool>>& alive() const { return alive_; }
-  // Raises ValueError when used after its run_threads block ended.
+  // Raises ValueError when used after its run_threads block ended, or after close().
   Communicator& get() const;
+  // Lets go of an owned communicator now (its transport's threads joined, its sockets closed,
+  // unless a split still shares them): ctxpar's exit hook closes the communicators it made
+  // before the interpreter finalises (Note [Closing at exit], python/ctxpar/_distributed.py).
+  void close();
+  bool closed() const { return closed_; }
 
  private:
   Communicator* comm_;
   std::shared_ptr<Communicator> owned_;
   std::shared_ptr<std::atomic<bool>> alive_;
+  bool closed_ = false;
 };
 
 void bind_communicator(nb::module_& m);

@@ -63,6 +63,8 @@ void bind_gloo(nb::module_& m) {
           },
           nb::arg("addresses"), nb::arg("timeout_ms"));
   m.def("_gloo_available", &gloo_available);
+  m.def("_gloo_failed_rank",
+        [](const PyCommunicator& c) { return c.closed() ? -1 : gloo_failed_rank(c.get()); });
   m.def("_gloo_from_torchrun_env", [](int64_t timeout_ms) {
     std::unique_ptr<Communicator> comm;
     {

@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "comm/gloo_world.h"
+#include "core/environment.h"
 #include "ctxpar/gloo.h"
 
 namespace ctxpar {
@@ -475,6 +476,58 @@ std::unique_ptr<Communicator> make_gloo_communicator(std::shared_ptr<GlooWorld> 
 
 }  // namespace comm_detail
 
+namespace {
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (const char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char u[8];
+      std::snprintf(u, sizeof(u), "\\u%04x", static_cast<unsigned>(c));
+      out += u;
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+// Note [The error file names the rank that failed first] (python/ctxpar/_distributed.py): the
+// failing rank writes torchrun's error file in torch's @record format; a rank stopped by
+// another's failure waits under the agent, so that the agent sees the first failure alone.
+constexpr std::chrono::seconds kStoppedRankGrace{5};
+
+void report_to_torchrun(const std::string& error, int first_failed) {
+  const environment::Torchrun t = environment::torchrun();
+  if (!t.error_file.empty()) {
+    const std::string json =
+        detail::concat("{\"message\": {\"message\": ", json_string("ctxpar::Error: " + error),
+                       ", \"extraInfo\": {\"py_callstack\": \"\", \"timestamp\": \"",
+                       std::chrono::duration_cast<std::chrono::seconds>(
+                           std::chrono::system_clock::now().time_since_epoch())
+                           .count(),
+                       "\", \"first_failed_rank\": \"", first_failed, "\"}}}\n");
+    if (std::FILE* f = std::fopen(t.error_file.c_str(), "w")) {
+      std::fputs(json.c_str(), f);
+      std::fclose(f);
+    } else {
+      std::fprintf(stderr, "ctxpar: could not write the error file %s (TORCHELASTIC_ERROR_FILE)\n",
+                   t.error_file.c_str());
+    }
+  }
+}
+}  // namespace
+
+int gloo_failed_rank(const Communicator& comm) {
+  auto* g = dynamic_cast<const comm_detail::GlooCommunicator*>(&comm);
+  if (g == nullptr) return -1;
+  comm_detail::GlooWorld& w = const_cast<comm_detail::GlooCommunicator*>(g)->world();
+  std::lock_guard lock(w.mu);
+  return w.failed_rank;
+}
+
 void run_gloo(Communicator& comm, const std::function<void(Communicator&)>& fn) {
   std::string error;
   try {
@@ -486,14 +539,15 @@ void run_gloo(Communicator& comm, const std::function<void(Communicator&)>& fn) 
     error = "unknown exception (not derived from std::exception)";
   }
   if (error.empty()) error = "exception without a message";
-  int me = comm.rank();
+  int me = comm.rank(), first_failed = me;
   if (auto* g = dynamic_cast<comm_detail::GlooCommunicator*>(&comm)) {
     comm_detail::GlooWorld& w = g->world();
-    me = g->world_rank();
+    me = first_failed = g->world_rank();
     bool first = false;
     {
       std::lock_guard lock(w.mu);
       first = w.failed_rank < 0;
+      if (!first) first_failed = w.failed_rank;
     }
     // A rank stopped by another's failure does not repeat it: the others heard it already.
     if (first) {
@@ -503,6 +557,9 @@ void run_gloo(Communicator& comm, const std::function<void(Communicator&)>& fn) 
   }
   std::fprintf(stderr, "ctxpar: rank %d failed: %s\n", me, error.c_str());
   std::fflush(nullptr);
+  report_to_torchrun(error, first_failed);
+  if (first_failed != me && !environment::torchrun().run_id.empty())
+    std::this_thread::sleep_for(kStoppedRankGrace);
   std::_Exit(1);
 }
 

@@ -33,6 +33,7 @@ GlooBootstrap::~GlooBootstrap() = default;
 std::string GlooBootstrap::address() const { no_gloo(); }
 std::unique_ptr<Communicator> GlooBootstrap::connect(const std::vector<std::string>&) { no_gloo(); }
 std::unique_ptr<Communicator> gloo_from_torchrun_env(const GlooOptions&) { no_gloo(); }
+int gloo_failed_rank(const Communicator&) { return -1; }
 void run_gloo(Communicator& comm, const std::function<void(Communicator&)>& fn) { fn(comm); }
 #endif
 

@@ -1,9 +1,12 @@
 // The one reader of the environment in src/ outside the kernel (environment.h).
 #include "core/environment.h"
 
+#include <net/if.h>
+
 #include <cstdlib>
 #include <initializer_list>
 
+#include "ctxpar/error.h"
 #include "ctxpar/memory.h"
 
 namespace ctxpar::environment {
@@ -82,13 +85,30 @@ Torchrun torchrun() {
   t.master_addr = text("MASTER_ADDR"), t.master_port = text("MASTER_PORT");
   t.use_agent_store = text("TORCHELASTIC_USE_AGENT_STORE");
   t.run_id = text("TORCHELASTIC_RUN_ID"), t.restart_count = text("TORCHELASTIC_RESTART_COUNT");
+  t.error_file = text("TORCHELASTIC_ERROR_FILE");
   return t;
 }
 
 std::string gloo_interface() {
   for (const char* name : {"CTXPAR_GLOO_IFNAME", "CTXPAR_GLOO_HOST"})
     if (std::string v = text(name); !v.empty()) return v;
-  return "";
+  // torch's variable, as torch reads it: network interfaces, comma-separated (torch makes a
+  // gloo device per name; ctxpar's transport has one device, on the first). Only an interface:
+  // a name that is not one is refused here, where the variable's name is still known (as a
+  // host name it would fail later naming neither).
+  std::string ifname = text("GLOO_SOCKET_IFNAME");
+  ifname = ifname.substr(0, ifname.find(','));
+  if (ifname.empty() || if_nametoindex(ifname.c_str()) != 0) return ifname;
+  std::string have;
+  if (struct if_nameindex* all = if_nameindex()) {
+    for (struct if_nameindex* i = all; i->if_index != 0; ++i)
+      have += detail::concat(have.empty() ? "" : ", ", i->if_name);
+    if_freenameindex(all);
+  }
+  throw Error(detail::concat("GLOO_SOCKET_IFNAME=", text("GLOO_SOCKET_IFNAME"),
+                             ": this host has no network interface '", ifname,
+                             "' (it has: ", have.empty() ? "none listed" : have,
+                             "); set GLOO_SOCKET_IFNAME to one of them, or unset it"));
 }
 
 Mpi mpi() {

@@ -43,11 +43,14 @@ struct Torchrun {
   std::string master_addr, master_port;      // MASTER_ADDR, MASTER_PORT
   std::string use_agent_store;               // TORCHELASTIC_USE_AGENT_STORE
   std::string run_id, restart_count;         // TORCHELASTIC_RUN_ID, _RESTART_COUNT
+  std::string error_file;                    // TORCHELASTIC_ERROR_FILE: run_gloo's report
 };
 Torchrun torchrun();
 
 // The address the gloo transport listens on and publishes (GlooOptions::hostname_or_interface):
-// CTXPAR_GLOO_IFNAME (an interface) when set, else CTXPAR_GLOO_HOST, else "" (automatic).
+// CTXPAR_GLOO_IFNAME (an interface) when set, else CTXPAR_GLOO_HOST, else torch's
+// GLOO_SOCKET_IFNAME (its first interface; one this host lacks throws Error naming it), else
+// "" (automatic).
 std::string gloo_interface();
 
 // The MPI transport's settings as set (nullopt: unset), checked where they are used

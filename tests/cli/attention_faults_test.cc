@@ -214,6 +214,16 @@ TEST(CliAttentionFaults, GlooAddressVariablesReachTheTransport) {
     EXPECT_NE(r.err.find("cannot listen on host 'no-such-host.invalid'"), std::string::npos)
         << command << ": " << r.err;
   }
+  // torch's GLOO_SOCKET_IFNAME (after ctxpar's own): an interface this host lacks is refused
+  // naming the variable (issue 38: it was ignored).
+  const CommandResult r = run_shell(
+      "env -u CTXPAR_GLOO_IFNAME -u CTXPAR_GLOO_HOST GLOO_SOCKET_IFNAME=ctxpar-no-if0 RANK=0 "
+      "WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+      std::to_string(ctxpar::test::free_port()) + " " + ctxpar_path() + " " + kSmall);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("GLOO_SOCKET_IFNAME=ctxpar-no-if0: this host has no network interface"),
+            std::string::npos)
+      << r.err;
 }
 
 TEST(CliAttentionFaults, ThreadsDefaultToOmpNumThreads) {

@@ -53,13 +53,15 @@ needs_hiding = pytest.mark.skipif(not can_hide(), reason="unshare -m unavailable
                                   "checks the extension")
 
 
-def hidden(cmd, tmp_path, env=None, timeout=240):
-    """Runs cmd in a private mount namespace where every libmpi file is an empty file."""
+def hidden(cmd, tmp_path, env=None, timeout=240, files=None):
+    """Runs cmd in a private mount namespace where every libmpi file (or every one of `files`)
+    is an empty file."""
     empty = tmp_path / "empty.so"
     empty.write_bytes(b"")
     script = 'for f in "$@"; do case $f in --) shift; break;; esac; ' \
              'mount --bind "$0" "$f" || exit 97; shift; done; exec "$@"'
-    argv = ["unshare", "-m", "sh", "-c", script, str(empty), *libmpi_files(), "--", *cmd]
+    files = libmpi_files() if files is None else files
+    argv = ["unshare", "-m", "sh", "-c", script, str(empty), *files, "--", *cmd]
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ if env is None else env, OMP_NUM_THREADS="1"))
 

@@ -4,6 +4,7 @@ context_parallel takes a DeviceMesh and routes an SDPA bound before the block, a
 raises ends the job within seconds (torchrun_case.py is the worker); under srun without MPI,
 or torchrun's variables in part, ctxpar.init() refuses instead of a world of one."""
 import os
+import re
 import subprocess
 import sys
 import time
@@ -87,6 +88,12 @@ def test_a_raising_rank_ends_the_torchrun_job_within_seconds_naming_it():
     assert "attention returned" not in run.stdout
     raised = float(run.stdout.split("rank 1 raises at ")[1].split()[0])
     assert ended - raised < 10, f"{ended - raised:.1f} s after the raise"
+    # torchrun's summary names rank 1, from the error file it wrote (rank 0, stopped by it,
+    # fails later or is ended by torchrun): Note [The error file names the rank that failed
+    # first]. Before, no error file, and the root cause was rank 0.
+    root = run.stderr.split("Root Cause (first observed failure):")[1]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)", root), root
+    assert "error_file: <N/A>" not in root and "RuntimeError: rank 1 gave up" in root, root
 
 
 def init_with(env_vars):
