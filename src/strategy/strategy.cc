@@ -57,9 +57,9 @@ Exchange parse_exchange(const std::string& name) {
 
 Exchange exchange_of(const StrategyOptions& options) {
   if (options.exchange != Exchange::automatic) return options.exchange;
-  // A mask that restricts by documents leaves most of a rank's keys invisible to most peers;
-  // a general slice mask joins this test when mask_rules.h has one.
-  const bool sparse = options.mask.documents;
+  // A mask that restricts by documents or slices leaves most of a rank's keys invisible to
+  // most peers.
+  const bool sparse = options.mask.documents || options.mask.sliced;
   return options.kind == StrategyKind::ring && sparse ? Exchange::needed : Exchange::ring;
 }
 
