@@ -54,12 +54,11 @@ using lab::cpu_seconds;
 // Candidate for the exact tier: C blocks of 16 rows x 32 columns (2 tiles) with A's 3 parts in 3
 // tiles of their own, so no A tile is reloaded within a step while a tdpbf16ps may still read it
 // (7 of 8 tiles). Same order of additions per C element as gemm_amx (p, then the parts).
-__attribute__((target("amx-tile,amx-bf16"))) void gemm3_1x2(int64_t m, int64_t n,
-                                                           int64_t nchunks, int64_t chunk_pairs,
-                                                           const uint32_t* a, int64_t lda,
-                                                           int64_t a_chunk,
-                                                           const uint32_t* const* b, int64_t ldb,
-                                                           float* c, int64_t ldc, int64_t split) {
+__attribute__((target("amx-tile,amx-bf16"))) void gemm3_1x2(int64_t m, int64_t n, int64_t nchunks,
+                                                            int64_t chunk_pairs, const uint32_t* a,
+                                                            int64_t lda, int64_t a_chunk,
+                                                            const uint32_t* const* b, int64_t ldb,
+                                                            float* c, int64_t ldc, int64_t split) {
   ctxpar::kernel::TileConfig cfg;
   for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
   _tile_loadconfig(&cfg);
@@ -130,7 +129,8 @@ int main(int argc, char** argv) {
     });
     const double loop = micros(repeats, [&] {
       for (int64_t i = 0; i < kT; ++i)
-        for (int64_t j = 0; j < kT; ++j) st[j * kT + i] = s[i * kT + j], dst[j * kT + i] = dp[i * kT + j];
+        for (int64_t j = 0; j < kT; ++j)
+          st[j * kT + i] = s[i * kT + j], dst[j * kT + i] = dp[i * kT + j];
     });
     const std::vector<float> st_loop = st;
     const double transposes = micros(repeats, [&] {
@@ -155,16 +155,17 @@ int main(int argc, char** argv) {
     const uint32_t* chunks[4];
     for (int i = 0; i < 4; ++i) chunks[i] = vnni.data() + i * kHalf * ldv;
     // A as the kernel lays it out now: each tile's parts one after the other (8 KiB a part).
-    const double deep = micros(repeats / 4, [&] {
-                          for (float* c : {dv.data(), dk.data()})
-                            bf16::gemm_amx_chunks(kT, kD, 4, kHalf, a.data(), kHalf,
-                                                  nsplit * kT * kHalf, chunks, ldv, c, ldv, true,
-                                                  nsplit, kT * kHalf);
-                          for (int h = 0; h < 2; ++h)
-                            bf16::gemm_amx_chunks(kT, kD, 2, kHalf, a.data(), kHalf,
-                                                  nsplit * kT * kHalf, chunks, ldv, dq.data(), ldv,
-                                                  true, nsplit, kT * kHalf);
-                        }) / 4;
+    const double deep =
+        micros(repeats / 4,
+               [&] {
+                 for (float* c : {dv.data(), dk.data()})
+                   bf16::gemm_amx_chunks(kT, kD, 4, kHalf, a.data(), kHalf, nsplit * kT * kHalf,
+                                         chunks, ldv, c, ldv, true, nsplit, kT * kHalf);
+                 for (int h = 0; h < 2; ++h)
+                   bf16::gemm_amx_chunks(kT, kD, 2, kHalf, a.data(), kHalf, nsplit * kT * kHalf,
+                                         chunks, ldv, dq.data(), ldv, true, nsplit, kT * kHalf);
+               }) /
+        4;
     double cand = 0;
     if (nsplit == 3) {
       std::vector<float> ref = dv, got = dv;
@@ -174,22 +175,25 @@ int main(int argc, char** argv) {
                 ldv, kT * kHalf);
       if (std::memcmp(ref.data(), got.data(), ref.size() * sizeof(float)) != 0)
         return std::printf("gemm3_1x2 differs from gemm_amx_chunks\n"), 1;
-      cand = micros(repeats / 4, [&] {
-               for (float* c : {dv.data(), dk.data()})
-                 gemm3_1x2(kT, kD, 4, kHalf, a.data(), kHalf, nsplit * kT * kHalf, chunks, ldv, c,
-                           ldv, kT * kHalf);
-               for (int h = 0; h < 2; ++h)
-                 gemm3_1x2(kT, kD, 2, kHalf, a.data(), kHalf, nsplit * kT * kHalf, chunks, ldv,
-                           dq.data(), ldv, kT * kHalf);
-             }) / 4;
+      cand = micros(repeats / 4,
+                    [&] {
+                      for (float* c : {dv.data(), dk.data()})
+                        gemm3_1x2(kT, kD, 4, kHalf, a.data(), kHalf, nsplit * kT * kHalf, chunks,
+                                  ldv, c, ldv, kT * kHalf);
+                      for (int h = 0; h < 2; ++h)
+                        gemm3_1x2(kT, kD, 2, kHalf, a.data(), kHalf, nsplit * kT * kHalf, chunks,
+                                  ldv, dq.data(), ldv, kT * kHalf);
+                    }) /
+             4;
       std::printf("candidate 1 x 2 blocks, parts in 3 tiles: %.2f us a tile pair\n", cand);
     }
     const double flops = 3.0 * 2 * kT * kD * kT * nsplit;
-    std::printf("%s tier (%d part%s), us a tile pair: S + dP %.2f, transposes %.2f (loop %.2f), "
-                "round_to_pairs %.2f; dV + dK + dQ %.2f (%.0f GFLOP/s) -> deeper %.2f (%.0f "
-                "GFLOP/s)\n",
-                nsplit == 3 ? "exact" : "fast", nsplit, nsplit == 1 ? "" : "s", scores, transposes, loop,
-                rounds, shallow, flops / shallow / 1e3, deep, flops / deep / 1e3);
+    std::printf(
+        "%s tier (%d part%s), us a tile pair: S + dP %.2f, transposes %.2f (loop %.2f), "
+        "round_to_pairs %.2f; dV + dK + dQ %.2f (%.0f GFLOP/s) -> deeper %.2f (%.0f "
+        "GFLOP/s)\n",
+        nsplit == 3 ? "exact" : "fast", nsplit, nsplit == 1 ? "" : "s", scores, transposes, loop,
+        rounds, shallow, flops / shallow / 1e3, deep, flops / deep / 1e3);
   }
   return 0;
 }

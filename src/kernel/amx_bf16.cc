@@ -116,8 +116,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void scores_amx(int64_t m, 
 template <int R, int N>
 __attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void gemm_block(
     int64_t npairs, int64_t chunk_pairs, const uint32_t* a, int64_t lda, int64_t a_chunk,
-    const uint32_t* const* b, int64_t col, int64_t ldb, float* c, int64_t ldc, bool accumulate, int nsplit,
-    int64_t split_words) {
+    const uint32_t* const* b, int64_t col, int64_t ldb, float* c, int64_t ldc, bool accumulate,
+    int nsplit, int64_t split_words) {
   if (accumulate) {
     _tile_loadd(0, c, ldc * 4);
     if constexpr (N == 2) _tile_loadd(1, c + 16, ldc * 4);

@@ -399,7 +399,8 @@ HWY_INLINE void transpose_16x16(const float* HWY_RESTRICT in, float* HWY_RESTRIC
 }
 inline void transpose_tile(const float* HWY_RESTRICT in, float* HWY_RESTRICT out) {
   for (int64_t i = 0; i < kTile; i += 16)
-    for (int64_t j = 0; j < kTile; j += 16) transpose_16x16(in + i * kTile + j, out + j * kTile + i);
+    for (int64_t j = 0; j < kTile; j += 16)
+      transpose_16x16(in + i * kTile + j, out + j * kTile + i);
 }
 #else
 inline void transpose_tile(const float* in, float* out) {

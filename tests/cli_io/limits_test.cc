@@ -355,7 +355,9 @@ TEST(MemoryLimits, EstimateBoundsTheMeasuredPeak) {
       {"ulysses", 4, "--dtype bf16"},
       {"hybrid", 4, "--ulysses-degree 2"},
       {"hybrid", 8, "--ulysses-degree 4 --kv-heads 2"},
-      {"ring", 4, "", "causal+documents:1000,1048"},
+      // The ring's whole blocks: the needed exchange (auto under documents) holds what its
+      // peers need, which its model bounds from above (tests/strategy/needed_test.cc).
+      {"ring", 4, "--exchange ring", "causal+documents:1000,1048"},
   };
   for (const Config& c : configs)
     for (const char* pass : {"", "--backward"}) {
@@ -379,6 +381,8 @@ TEST(MemoryLimits, EstimateBoundsTheMeasuredPeak) {
       job.ulysses_degree = c.strategy == std::string("hybrid") ? j["ulysses_degree"].get<int>() : 0;
       job.dtype = j["dtype"] == "bf16" ? DType::bf16 : DType::f32;
       job.mask = parse_mask(c.mask);
+      if (std::string(c.extra).find("--exchange ring") != std::string::npos)
+        job.exchange = Exchange::ring;
       job.backward = pass[0] != '\0';
       const MemoryEstimate m = estimate_memory(job);
       const double estimate = m.shard_bytes + m.strategy_bytes;

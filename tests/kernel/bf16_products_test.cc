@@ -292,11 +292,10 @@ TEST(AmxProducts, ChunkedProductAddsAsSuccessiveOneChunkProducts) {
           for (int64_t i = 0; i < nchunks; ++i)
             kernel::bf16::gemm_amx(m, n, chunk_pairs, a.data() + i * a_chunk, lda, bp[i], ldb,
                                    successive.data(), ldc, accumulate || i > 0, nsplit, split);
-          const std::string where = std::string(integers ? "integers" : "random") +
-                                    ", parts " + std::to_string(nsplit) + ", chunks " +
-                                    std::to_string(nchunks) + (accumulate ? ", accumulated" : "");
-          EXPECT_EQ(std::memcmp(c.data(), successive.data(), c.size() * sizeof(float)), 0)
-              << where;
+          const std::string where = std::string(integers ? "integers" : "random") + ", parts " +
+                                    std::to_string(nsplit) + ", chunks " + std::to_string(nchunks) +
+                                    (accumulate ? ", accumulated" : "");
+          EXPECT_EQ(std::memcmp(c.data(), successive.data(), c.size() * sizeof(float)), 0) << where;
           if (!integers) continue;
           auto half = [](uint32_t w, int k) { return widen(static_cast<uint16_t>(w >> (16 * k))); };
           for (int64_t r = 0; r < m; ++r)
@@ -306,9 +305,9 @@ TEST(AmxProducts, ChunkedProductAddsAsSuccessiveOneChunkProducts) {
                 for (int sp = 0; sp < nsplit; ++sp)
                   for (int64_t p = 0; p < chunk_pairs; ++p)
                     for (int k = 0; k < 2; ++k)
-                      want += static_cast<double>(
-                                  half(a[i * a_chunk + sp * split + r * lda + p], k)) *
-                              half(b[i][p * ldb + col], k);
+                      want +=
+                          static_cast<double>(half(a[i * a_chunk + sp * split + r * lda + p], k)) *
+                          half(b[i][p * ldb + col], k);
               ASSERT_EQ(c[r * ldc + col], want) << where << " at " << r << "," << col;
             }
         }
