@@ -57,6 +57,7 @@ struct Mask : MaskRules {
 //   prefix-tree:P,R1,...  tokens [0, P) a prompt (causal), then responses of R1, R2, ... tokens,
 //                         each seeing the whole prompt and itself causally (RL, best-of-n)
 //   slices:FILE.json      [{"q": [start, end), "k": [start, end), "type": "full" | "causal"}, ...]
+//   slices:[...]          the same list inline (Python's mask= list of slices)
 Mask parse_mask(const std::string& text);
 // The slices of a prefix tree (prompt tokens, then each response's): prompt x prompt causal;
 // per response, response x prompt full and response x response causal.

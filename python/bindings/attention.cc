@@ -84,16 +84,26 @@ RankTokens rank_tokens(const Job& job, const Layout& layout, int rank) {
   return t;
 }
 
+// The layout's granule as a rule of P (layout_granule).
+const char* granule_rule(LayoutKind kind) {
+  return kind == LayoutKind::zigzag     ? "2P"
+         : kind == LayoutKind::balanced ? "CP (C its chunk)"
+                                        : "P";
+}
+
 // Per-process shards hold Tl tokens each, so T = Tl * P must be a whole number of the layout's
-// units: there is no room for padding in shards the caller already cut.
-Layout shard_layout(LayoutKind kind, int64_t local_tokens, int ranks) {
-  Layout layout(kind, local_tokens * ranks, ranks);
+// units: there is no room for padding in shards the caller already cut. The balanced layout
+// balances the job's mask over its positions and document ids, as ctxpar.layout.positions(...,
+// mask=, document_ids=) does for the caller's sharding.
+Layout shard_layout(const Job& job, int64_t local_tokens, int ranks) {
+  const int64_t tokens = local_tokens * ranks;
+  const Layout layout(job.layout, tokens, ranks, {job.strategy.mask, job.documents, job.positions});
   if (layout.padding() != 0)
     throw nb::value_error(
         detail::concat(
             "q: ", local_tokens, " tokens per rank x ", ranks, " ranks cannot be cut by the ",
-            layout_name(kind), " layout (it needs T % ", kind == LayoutKind::zigzag ? "2P" : "P",
-            " == 0, a multiple of ", layout_granule(kind, ranks),
+            layout_name(job.layout), " layout (it needs T % ", granule_rule(job.layout),
+            " == 0, a multiple of ", layout_granule(job.layout, ranks, tokens),
             ": an even number of tokens per rank); pad the sequence, or use ctxpar.attention "
             "on whole tensors, which pads internally")
             .c_str());
@@ -184,7 +194,7 @@ void local_forward(const PyCommunicator& c, const ReadArray& q, const ReadArray&
   const TensorView ov = view_of(out, "out", 4, cuda_index), lv = view_of(lse, "lse", 3, cuda_index);
   const Job job = args.make(qv.dim(1) * comm.size());
   nb::gil_scoped_release release;
-  const Layout layout = shard_layout(job.layout, qv.dim(1), comm.size());
+  const Layout layout = shard_layout(job, qv.dim(1), comm.size());
   const RankTokens tokens = rank_tokens(job, layout, comm.rank());
   auto strategy = rank_strategy(comm, job.strategy, cuda_index, {qv, kv, vv, ov, lv});
   strategy->forward(qv, kv, vv, tokens.view(), ov, lv);
@@ -204,7 +214,7 @@ void local_backward(const PyCommunicator& c, const ReadArray& q, const ReadArray
                    dvv = view_of(dv, "dv", 4, ci);
   const Job job = args.make(qv.dim(1) * comm.size());
   nb::gil_scoped_release release;
-  const Layout layout = shard_layout(job.layout, qv.dim(1), comm.size());
+  const Layout layout = shard_layout(job, qv.dim(1), comm.size());
   const RankTokens tokens = rank_tokens(job, layout, comm.rank());
   auto strategy = rank_strategy(comm, job.strategy, ci, {qv, kv, vv, ov, lv, gv, dqv, dkv, dvv});
   strategy->backward(qv, kv, vv, tokens.view(), ov, lv, gv, dqv, dkv, dvv);
@@ -237,22 +247,33 @@ nb::tuple reference_forward(const ReadArray& q, const ReadArray& k, const ReadAr
                         numpy_of(std::move(r.lse), {qv.dim(0), qv.dim(2), qv.dim(1)}));
 }
 
+// Rank `rank`'s global token indices, or (rank = -1) the permutation of all ranks' (rank 0's
+// indices, then rank 1's, ...). `mask`, `documents`, `positions`: what the balanced layout
+// balances (the other layouts ignore them).
 std::vector<int64_t> layout_positions(const std::string& layout, int64_t tokens, int ranks,
-                                      int rank) {
+                                      int rank, const std::string& mask,
+                                      const std::optional<ReadArray>& documents,
+                                      const std::optional<ReadArray>& positions) {
   const LayoutKind kind = parse_named("layout", layout, parse_layout);
-  if (rank < 0 || rank >= ranks)
+  if (rank < -1 || rank >= ranks)
     throw nb::value_error(
         detail::concat("rank: ", rank, " is out of range [0, ", ranks, ")").c_str());
-  const Layout l(kind, tokens, ranks);
+  Mask m = parse_named("mask", mask, parse_mask);
+  const std::vector<int32_t> docs = int_vector<int32_t>(documents, "document_ids", tokens);
+  const std::vector<int64_t> pos = int_vector<int64_t>(positions, "positions", tokens);
+  if (!docs.empty()) m.documents = true;
+  if (m.documents && docs.empty())
+    throw nb::value_error("mask: the documents rule needs document_ids= (one id per token)");
+  const Layout l(kind, tokens, ranks, {m, docs, pos});
   if (l.padding() != 0)
     throw nb::value_error(
-        detail::concat("tokens: ", tokens, " tokens cannot be cut into ", ranks,
-                       " equal shards by the ", layout, " layout (it needs T % ",
-                       kind == LayoutKind::zigzag ? "2P" : "P", " == 0); pad the sequence to ",
-                       l.padded_tokens(),
-                       ", or use ctxpar.attention on whole tensors, which pads internally")
+        detail::concat(
+            "tokens: ", tokens, " tokens cannot be cut into ", ranks, " equal shards by the ",
+            layout, " layout (it needs T % ", granule_rule(kind), " == 0, a multiple of ",
+            layout_granule(kind, ranks, tokens), "); pad the sequence to ", l.padded_tokens(),
+            ", or use ctxpar.attention on whole tensors, which pads internally")
             .c_str());
-  return l.positions(rank);
+  return rank < 0 ? l.permutation() : l.positions(rank);
 }
 
 // Why the cuda device cannot take this process's CUDA tensors ("" when it can): ctxpar.attention
@@ -330,12 +351,13 @@ void bind_attention(nb::module_& m) {
       nb::arg("naive_error"), nb::arg("ref_max"), nb::arg("floor_rel") = reference::kAccuracyFloor);
   m.def(
       "_layout_granule",
-      [](const std::string& layout, int ranks) {
-        return layout_granule(parse_layout(layout), ranks);
+      [](const std::string& layout, int ranks, int64_t tokens) {
+        return layout_granule(parse_layout(layout), ranks, tokens);
       },
-      nb::arg("layout"), nb::arg("ranks"));
+      nb::arg("layout"), nb::arg("ranks"), nb::arg("tokens") = 0);
   m.def("_layout_positions", &layout_positions, nb::arg("layout"), nb::arg("tokens"),
-        nb::arg("ranks"), nb::arg("rank"));
+        nb::arg("ranks"), nb::arg("rank"), nb::arg("mask") = "none",
+        nb::arg("documents").none() = nb::none(), nb::arg("positions").none() = nb::none());
 }
 
 }  // namespace ctxpar::python

@@ -9,7 +9,7 @@ from . import _checks
 from . import _ctxpar
 from . import _distributed
 from ._ctxpar import Communicator, Error, __version__, launched_by_mpi
-from ._attention import attention, attention_backward
+from ._attention import attention, attention_backward, document_ids_from_cu_seqlens
 from .inference import KVCache
 from . import layout
 from . import testing

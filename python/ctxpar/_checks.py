@@ -21,7 +21,7 @@ THREADS_RANKS_NOTE = ("every rank is a thread of this process and the per-pair s
                       "ranks^2; for more ranks run one process per rank under mpirun")
 
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
-LAYOUTS = ("contiguous", "zigzag", "striped")
+LAYOUTS = ("contiguous", "zigzag", "striped", "balanced")
 # KernelConfig::bf16_tier (docs/kernel.md, "bf16 tiers"): exact (the default) or fast (P and dS
 # rounded to bf16, as GPU flash attention); float32 inputs ignore it.
 BF16_TIERS = ("exact", "fast")

@@ -98,7 +98,8 @@ constexpr const char* kGrammar =
     "the grammar is RULE or RULE+RULE+... with each rule at most once, RULE one of none, causal, "
     "window:L,R (whole numbers >= -1, -1 = unbounded), documents, documents:LEN,LEN,... "
     "(whole numbers >= 1), prefix-tree:PROMPT,R1,R2,... (whole numbers >= 1), slices:FILE.json "
-    "(a list of {\"q\": [s, e], \"k\": [s, e], \"type\": \"full\"|\"causal\"}); no spaces, "
+    "or slices:[...] (a JSON list of {\"q\": [s, e], \"k\": [s, e], \"type\": "
+    "\"full\"|\"causal\"}); no spaces, "
     "e.g. causal+window:256,0 or causal+documents:300,724 or prefix-tree:8192,2048,2048";
 
 // A comma-separated list of whole numbers >= 1 (documents:..., prefix-tree:...).
@@ -197,8 +198,11 @@ Mask parse(const std::string& text, std::vector<int64_t>* lengths, int64_t* tota
       m.set_slices(prefix_tree_slices(list[0], {list.begin() + 1, list.end()}));
     } else if (part.rfind("slices:", 0) == 0) {
       once(seen_slices, "prefix-tree / slices");
-      const std::string path = part.substr(7);
-      m.set_slices(parse_slices_json(read_slice_file(path, text), "slice file '" + path + "'"));
+      const std::string path = part.substr(7);  // a file, or the list itself ("slices:[...]")
+      if (!path.empty() && path[0] == '[')
+        m.set_slices(parse_slices_json(path, "mask '" + text + "'"));
+      else
+        m.set_slices(parse_slices_json(read_slice_file(path, text), "slice file '" + path + "'"));
     } else if (part.rfind("window:", 0) == 0) {
       once(seen_window, "window");
       std::string args = part.substr(7);
