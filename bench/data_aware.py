@@ -100,28 +100,38 @@ def main():
         cols = [f"{c} [{t.sum() / tiles[-1].sum():.2f}]" for c, t in zip(cols, tiles)]
         print(f"| {tokens} | {ranks} | {len(lens)} | " + " | ".join(cols) + " |")
 
-    print("\n## Bytes and time (in-process transport, forward + backward, H 8 / KV 1, D 64)\n")
-    print("| T | P | layout + exchange | bytes sent (all ranks) | ÷ striped ring | fwd + bwd s |"
-          " ÷ best ring | balance (FLOPs) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n## Bytes moved, forward + backward, all ranks (H 1, D 16: bytes scale with H x D)\n")
+    print("| T | P | striped ring | zigzag ring | balanced + needed | ÷ striped ring |")
+    print("|---|---|---|---|---|---|")
     for tokens, ranks in shapes:
         mask = "causal+documents:" + ",".join(map(str, batches[(tokens, ranks)]))
-        rows = {}
-        for name, extra in (("striped ring", ["--layout", "striped", "--exchange", "ring"]),
-                            ("zigzag ring", ["--layout", "zigzag", "--exchange", "ring"]),
-                            ("balanced needed", ["--layout", "balanced", "--exchange", "needed"])):
-            j = run(o.ctxpar, ["--seq", str(tokens), "--ranks", str(ranks), "--heads", "8",
-                               "--kv-heads", "1", "--head-dim", "64", "--mask", mask,
-                               "--backward", *extra])
-            sent = sum(r["bytes_sent"] for r in j["ranks"])
-            flops = [r["attention_flops"] for r in j["ranks"]]
-            rows[name] = (sent, j["forward_seconds"] + j["backward_seconds"],
-                          max(flops) / (sum(flops) / len(flops)))
-        best = min(rows["striped ring"][1], rows["zigzag ring"][1])
-        for name, (sent, secs, bal) in rows.items():
-            print(f"| {tokens} | {ranks} | {name} | {sent / 2**20:.1f} MiB | "
-                  f"{sent / rows['striped ring'][0]:.2f} | {secs:.2f} | {best / secs:.2f}x |"
-                  f" {bal:.2f} |")
+        sent = []
+        for layout, exchange in (("striped", "ring"), ("zigzag", "ring"), ("balanced", "needed")):
+            j = run(o.ctxpar, ["--seq", str(tokens), "--ranks", str(ranks), "--heads", "1",
+                               "--head-dim", "16", "--mask", mask, "--backward", "--layout",
+                               layout, "--exchange", exchange])
+            sent.append(sum(r["bytes_sent"] for r in j["ranks"]))
+        print(f"| {tokens} | {ranks} | " + " | ".join(f"{b / 2**20:.1f} MiB" for b in sent) +
+              f" | {sent[2] / sent[0]:.2f} |")
+
+    tokens, ranks = shapes[0]
+    print(f"\n## Time, in-process transport (T {tokens}, P {ranks}, H 8 / KV 1, D 64, fwd + bwd)\n")
+    print("| layout + exchange | fwd + bwd s | best ring ÷ this | balance (FLOPs) |")
+    print("|---|---|---|---|")
+    mask = "causal+documents:" + ",".join(map(str, batches[(tokens, ranks)]))
+    rows = {}
+    for name, extra in (("striped ring", ["--layout", "striped", "--exchange", "ring"]),
+                        ("zigzag ring", ["--layout", "zigzag", "--exchange", "ring"]),
+                        ("balanced needed", ["--layout", "balanced", "--exchange", "needed"])):
+        j = run(o.ctxpar, ["--seq", str(tokens), "--ranks", str(ranks), "--heads", "8",
+                           "--kv-heads", "1", "--head-dim", "64", "--mask", mask, "--backward",
+                           *extra])
+        flops = [r["attention_flops"] for r in j["ranks"]]
+        rows[name] = (j["forward_seconds"] + j["backward_seconds"],
+                      max(flops) / (sum(flops) / len(flops)))
+    best = min(rows["striped ring"][0], rows["zigzag ring"][0])
+    for name, (secs, bal) in rows.items():
+        print(f"| {name} | {secs:.2f} | {best / secs:.2f}x | {bal:.2f} |")
 
     print("\n## Prefix tree: an 8K prompt and eight 2K responses (P = 4, fwd + bwd)\n")
     tree = run(o.ctxpar, ["--seq", "24576", "--ranks", "4", "--heads", "8", "--kv-heads", "1",

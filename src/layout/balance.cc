@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 
 #include "ctxpar/error.h"
 
@@ -100,10 +101,20 @@ std::vector<int32_t> balance_chunks(const ChunkCosts& costs, int ranks) {
       run.work += w;
     } else {
       close_run();
-      for (int64_t lo = b, hi = e - 1; lo <= hi; ++lo, --hi) {
-        Piece pair{{lo}, costs.work[size_t(lo)]};
-        if (hi != lo) pair.chunks.push_back(hi), pair.work += costs.work[size_t(hi)];
-        fillers.push_back(std::move(pair));
+      // k head-tail pieces of about half a rank's work each (and at most half its chunks): run j
+      // of 2k equal runs with run 2k-1-j. Few ranks share a long document, so few need its K/V
+      // (pairs of single chunks spread every long document over every rank: each then needed
+      // the K/V of all of it).
+      const int64_t len = e - b;
+      int64_t k = std::max<int64_t>(int64_t(std::ceil(w / std::max(cap_work * 2, 1e-300))),
+                                    (len + cap_chunks * 2 - 1) / (cap_chunks * 2));
+      k = std::clamp<int64_t>(k, 1, std::max<int64_t>(1, len / 2));
+      for (int64_t j = 0; j < k; ++j) {
+        Piece piece;
+        for (int64_t run : {j, 2 * k - 1 - j})
+          for (int64_t i = b + len * run / (2 * k); i < b + len * (run + 1) / (2 * k); ++i)
+            piece.chunks.push_back(i), piece.work += costs.work[size_t(i)];
+        fillers.push_back(std::move(piece));
       }
     }
     b = e;
@@ -194,6 +205,45 @@ std::vector<int32_t> balance_chunks(const ChunkCosts& costs, int ranks) {
   }
   for (size_t x = 0; x < placed.size(); ++x)
     for (int64_t i : placed[x].chunks) owner[size_t(i)] = at[x];
+  // Then the same with single chunks, the finest grain, but a chunk only moves to a rank that
+  // already holds part of its document (group: the first key chunk it sees), whose K/V that
+  // rank fetches anyway (a late chunk of a long document moved to a rank without it made that
+  // rank fetch the whole document: 0.41 -> 0.55 of the striped ring's bytes).
+  std::vector<int32_t> held(size_t(n) * size_t(ranks), 0);  // chunks of group g on rank r
+  auto group = [&](int64_t i) { return std::min<int64_t>(costs.first[size_t(i)], i); };
+  for (int64_t i = 0; i < n; ++i)
+    ++held[size_t(group(i)) * size_t(ranks) + size_t(owner[size_t(i)])];
+  auto has = [&](int64_t i, int r) {
+    return held[size_t(group(i)) * size_t(ranks) + size_t(r)] > 0;
+  };
+  // Pass 0 keeps to those ranks and stops within 1 %; where that is not enough, pass 1 moves
+  // any chunk until the busiest rank is within 3 %.
+  for (int pass = 0; pass < 2; ++pass)
+    for (int iter = 0; iter < kMaxSwaps; ++iter) {
+      const int a = int(std::max_element(load.begin(), load.end()) - load.begin());
+      const int b = int(std::min_element(load.begin(), load.end()) - load.begin());
+      if (load[size_t(a)] <= target * (pass == 0 ? 1.01 : 1.03))
+        break;  // even enough: keep documents whole
+      double best = load[size_t(a)];
+      int64_t bx = -1, by = -1;
+      for (int64_t x = 0; x < n; ++x) {
+        if (owner[size_t(x)] != a || (pass == 0 && !has(x, b))) continue;
+        for (int64_t y = 0; y < n; ++y) {
+          if (owner[size_t(y)] != b || (pass == 0 && !has(y, a))) continue;
+          const double d = costs.work[size_t(x)] - costs.work[size_t(y)];
+          const double worse = std::max(load[size_t(a)] - d, load[size_t(b)] + d);
+          if (d > 0 && worse < best) best = worse, bx = x, by = y;
+        }
+      }
+      if (bx < 0) break;
+      const double d = costs.work[size_t(bx)] - costs.work[size_t(by)];
+      load[size_t(a)] -= d, load[size_t(b)] += d;
+      owner[size_t(bx)] = b, owner[size_t(by)] = a;
+      for (auto [i, from, to] : {std::tuple{bx, a, b}, std::tuple{by, b, a}}) {
+        --held[size_t(group(i)) * size_t(ranks) + size_t(from)];
+        ++held[size_t(group(i)) * size_t(ranks) + size_t(to)];
+      }
+    }
   return owner;
 }
 

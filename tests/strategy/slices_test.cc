@@ -62,5 +62,16 @@ TEST(Slices, EveryStrategyAndLayoutMatchesReference) {
   EXPECT_EQ(runs, 3 * 4 * 2 * 3);
 }
 
+// Ranks whose slice lists differ (same count, one bound off) are refused on every rank naming
+// the mask: its description carries a hash of the list, which the ranks agree.
+TEST(Slices, RanksWithOtherSlicesAreRefused) {
+  const std::vector<std::string> errors = errors_on_ranks(2, [&](Communicator& comm) {
+    StrategyOptions opt;
+    opt.mask = with_slices({{0, 8, 0, 8, 1}, {8, 16, 0, comm.rank() == 0 ? 4 : 5, 0}}, false);
+    Strategy::create(comm, opt);
+  });
+  for (const std::string& e : errors) EXPECT_NE(e.find("mask"), std::string::npos) << e;
+}
+
 }  // namespace
 }  // namespace ctxpar::testing
