@@ -18,9 +18,17 @@ from ._arrays import framework
 LAYOUTS = _checks.LAYOUTS
 
 
-def _balance(mask, document_ids, cu_seqlens):
+def _balance(mask, document_ids, cu_seqlens, layout="balanced"):
     from ._attention import document_ids_from_cu_seqlens, mask_text
     from ._arrays import int_array
+    if layout == "balanced" and (isinstance(mask, str) and mask == "none") and \
+            document_ids is None and cu_seqlens is None:
+        # Sharded without the mask, the tokens would land where the attention (which balances
+        # the mask it is given) does not look for them: a silently wrong result.
+        raise ValueError("layout: 'balanced' assigns tokens by the mask's work: pass the mask= "
+                         "and document_ids= (or cu_seqlens=) you pass to the attention, the same "
+                         "on every rank (context_parallel and ctxpar.hf shard with the fixed "
+                         "layouts: zigzag, striped, contiguous)")
     if cu_seqlens is not None:
         if document_ids is not None:
             raise ValueError("cu_seqlens: pass cu_seqlens or document_ids, not both")
@@ -37,7 +45,8 @@ def positions(tokens, ranks, rank, layout="zigzag", *, mask="none", document_ids
     ranks = _checks.whole("ranks", ranks, 1, _checks.MAX_PROCESSES)
     rank = _checks.whole("rank", rank, 0, ranks - 1)
     return np.asarray(_ctxpar._layout_positions(layout, tokens, ranks, rank,
-                                                **_balance(mask, document_ids, cu_seqlens)),
+                                                **_balance(mask, document_ids, cu_seqlens,
+                                                           layout)),
                       dtype=np.int64)
 
 
@@ -50,7 +59,8 @@ def permutation(tokens, ranks, layout="zigzag", *, mask="none", document_ids=Non
     tokens = _checks.whole("tokens", tokens, 1, _checks.MAX_TOKENS)
     ranks = _checks.whole("ranks", ranks, 1, _checks.MAX_PROCESSES)
     perm = np.asarray(_ctxpar._layout_positions(layout, tokens, ranks, -1,
-                                                **_balance(mask, document_ids, cu_seqlens)),
+                                                **_balance(mask, document_ids, cu_seqlens,
+                                                           layout)),
                       dtype=np.int64)
     return perm, np.argsort(perm, kind="stable")
 

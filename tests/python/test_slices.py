@@ -109,3 +109,13 @@ def test_bad_slices_and_cu_seqlens_are_named(bad, what):
     q, k, v, _ = problem(T=T)
     with pytest.raises(ValueError, match=what):
         ctxpar.attention(q, k, v, ranks=2, **bad)
+
+
+def test_balanced_sharding_without_the_mask_is_refused():
+    # The attention balances the mask it is given; a shard made without it would put tokens
+    # where the attention does not look for them.
+    with pytest.raises(ValueError, match="pass the mask= and document_ids="):
+        cl.positions(256, 4, 0, "balanced")
+    with pytest.raises(ValueError, match="pass the mask= and document_ids="):
+        cl.shard(np.zeros((1, 256, 2, 16), np.float32), rank=0, ranks=4, layout="balanced")
+    assert len(cl.positions(256, 4, 0, "balanced", mask="causal")) == 64
