@@ -8,6 +8,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <mutex>
 #include <numeric>
 #include <string>
 
@@ -95,9 +96,37 @@ const char* granule_rule(LayoutKind kind) {
 // units: there is no room for padding in shards the caller already cut. The balanced layout
 // balances the job's mask over its positions and document ids, as ctxpar.layout.positions(...,
 // mask=, document_ids=) does for the caller's sharding.
+// The balanced layout's solver is O((T / 64)^2): cp_attention calls it every layer, forward and
+// backward, with the same batch, so the last layout is kept (one per thread: each thread rank
+// of run_threads keeps its own) with what the solver read: document ids and positions compared
+// whole, the mask by its description (a slice list by its hash).
+Layout balanced_layout(const Job& job, int64_t tokens, int ranks) {
+  struct Last {
+    std::vector<int32_t> documents;
+    std::vector<int64_t> positions;
+    std::string mask;
+    int64_t tokens = 0;
+    int ranks = 0;
+    std::optional<Layout> layout;
+  };
+  thread_local Last last;
+  const std::string mask = job.strategy.mask.describe();
+  if (!last.layout || last.tokens != tokens || last.ranks != ranks || last.mask != mask ||
+      last.documents != job.documents || last.positions != job.positions)
+    last = {job.documents,
+            job.positions,
+            mask,
+            tokens,
+            ranks,
+            Layout(LayoutKind::balanced, tokens, ranks,
+                   {job.strategy.mask, job.documents, job.positions})};
+  return *last.layout;
+}
+
 Layout shard_layout(const Job& job, int64_t local_tokens, int ranks) {
   const int64_t tokens = local_tokens * ranks;
-  const Layout layout(job.layout, tokens, ranks, {job.strategy.mask, job.documents, job.positions});
+  const Layout layout = job.layout == LayoutKind::balanced ? balanced_layout(job, tokens, ranks)
+                                                           : Layout(job.layout, tokens, ranks);
   if (layout.padding() != 0)
     throw nb::value_error(
         detail::concat(
