@@ -8,7 +8,8 @@
 // Properties checked on every input:
 //   - nothing crashes, overflows (UBSan: signed overflow in the length sum) or throws anything
 //     but ctxpar::Error (UsageError is one);
-//   - an accepted mask prints (Mask::describe) as a text that parses back to the same mask;
+//   - an accepted mask prints (Mask::describe) as a text that parses back to the same mask
+//     (a slice list prints as a digest, slices:N@HASH, which is refused by name);
 //   - every length the documents parser returns is >= 1;
 //   - a job that validates has lengths that add up to exactly --seq.
 #include "cmd_attention.cc"  // NOLINT: the command's parsers live in its unnamed namespace
@@ -38,11 +39,28 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     fuzz::check_message("mask_fuzz", e.what());
     return 0;
   }
+  // A slice mask prints its list as a digest (slices:N@HASH, last in describe()): that part
+  // must be refused by name, the rest must parse back; the same text must give the same list.
+  std::string printed = m.describe();
+  if (m.sliced) {
+    const size_t cut = printed.rfind("slices:");
+    const std::string digest = printed.substr(cut);
+    try {
+      (void)parse_mask(digest);
+      fuzz::fail("mask_fuzz", "a slice digest was accepted as a mask", digest);
+    } catch (const Error& e) {
+      if (std::string(e.what()).find("digest") == std::string::npos)
+        fuzz::fail("mask_fuzz", "a slice digest was refused without saying it is one", e.what());
+    }
+    printed = cut == 0 ? "none" : printed.substr(0, cut - 1);
+    if (parse_mask(text).describe() != m.describe())
+      fuzz::fail("mask_fuzz", "the same slice mask text gave another slice list", text);
+  }
   Mask again;
   try {
-    again = parse_mask(m.describe());
+    again = parse_mask(printed);
   } catch (const Error& e) {
-    fuzz::fail("mask_fuzz", "describe() of an accepted mask does not parse", m.describe());
+    fuzz::fail("mask_fuzz", "describe() of an accepted mask does not parse", printed);
   }
   if (!same(m, again)) fuzz::fail("mask_fuzz", "describe() round trip changed the mask", text);
 

@@ -199,6 +199,16 @@ Mask parse(const std::string& text, std::vector<int64_t>* lengths, int64_t* tota
     } else if (part.rfind("slices:", 0) == 0) {
       once(seen_slices, "prefix-tree / slices");
       const std::string path = part.substr(7);  // a file, or the list itself ("slices:[...]")
+      // "slices:N@HASH" is what describe() prints for a slice mask (reports, agreement): a
+      // digest of the list, not the list. Said as such, not as a missing file named "3@4922...".
+      const size_t at = path.find('@');
+      CTXPAR_CHECK(!(at != std::string::npos && at > 0 && path.size() - at - 1 == 16 &&
+                     path.find_first_not_of("0123456789") == at &&
+                     path.find_first_not_of("0123456789abcdef", at + 1) == std::string::npos),
+                   "mask '", text, "': '", part,
+                   "' is the digest a report prints for a slice mask (count@FNV-1a hash), not the "
+                   "slices; give the slices themselves: slices:FILE.json or slices:[{\"q\": "
+                   "[s, e], \"k\": [s, e], \"type\": \"causal\"}, ...]");
       if (!path.empty() && path[0] == '[')
         m.set_slices(parse_slices_json(path, "mask '" + text + "'"));
       else

@@ -197,6 +197,10 @@ TEST(MaskSlices, SliceFileIsReadAndCheckedAndDescribedByItsContent) {
             std::string::npos);
   EXPECT_NE(error_of("prefix-tree:8,0").find("prefix-tree length '0'"), std::string::npos);
   EXPECT_NE(error_of("prefix-tree:4,4+slices:" + ok).find("given twice"), std::string::npos);
+  // describe() prints the list as a digest (reports, agreement); fed back, it is refused by name.
+  const std::string printed = parse_mask("causal+prefix-tree:4,2,2").describe();
+  ASSERT_EQ(printed.rfind("causal+slices:5@", 0), 0u) << printed;
+  EXPECT_NE(error_of(printed).find("is the digest a report prints"), std::string::npos);
 }
 
 }  // namespace
