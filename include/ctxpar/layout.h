@@ -83,6 +83,11 @@ class Layout {
   // The attention work (visible kernel tiles of C x C tokens) of each rank's queries under the
   // mask the layout was balanced for (for every layout: the plan and the report compare them).
   std::vector<double> rank_work(const BalanceInput& balance) const;
+  // The K/V rows each rank receives from the others under the needed exchange
+  // (Exchange::needed): every `tile`-row tile of a peer's local block that some `tile`-row tile
+  // of this rank's queries does not skip (classify), whole, padding rows included, as the
+  // exchange sends them; a ring moves (P - 1) * local_tokens() rows. The planner's bytes.
+  std::vector<int64_t> needed_rows(const BalanceInput& balance, int64_t tile = 64) const;
 
   // Rank r's share of a tensor whose dim `token_dim` is the global token axis with T entries
   // (e.g. [B, T, H, D] with token_dim 1, or labels [B, T]); contiguous result with

@@ -19,11 +19,21 @@ constexpr int kMaxSwaps = 256;
 
 // The position / document range of chunk i (mask_rules.h's TileRange), padding left out.
 TileRange chunk_range(const BalanceInput& b, int64_t tokens, int64_t c, int64_t i) {
+  std::vector<int64_t> index(static_cast<size_t>(c));
+  for (int64_t t = 0; t < c; ++t) index[size_t(t)] = i * c + t;
+  return tokens_range(b, tokens, index);
+}
+
+}  // namespace
+
+TileRange tokens_range(const BalanceInput& b, int64_t tokens, std::span<const int64_t> index) {
   TileRange r;
   r.pos_lo = kInt64Max, r.pos_hi = kInt64Min;
   r.doc_lo = std::numeric_limits<int32_t>::max(), r.doc_hi = std::numeric_limits<int32_t>::min();
   int64_t real = 0;
-  for (int64_t t = i * c; t < (i + 1) * c && t < tokens; ++t, ++real) {
+  for (int64_t t : index) {
+    if (t >= tokens) continue;  // padding
+    ++real;
     const int64_t p = b.positions.empty() ? t : b.positions[size_t(t)];
     r.pos_lo = std::min(r.pos_lo, p), r.pos_hi = std::max(r.pos_hi, p);
     if (b.mask.documents) {
@@ -31,14 +41,15 @@ TileRange chunk_range(const BalanceInput& b, int64_t tokens, int64_t c, int64_t 
       r.doc_lo = std::min(r.doc_lo, d), r.doc_hi = std::max(r.doc_hi, d);
     }
   }
-  r.padding = real == 0 ? TileRange::all : real < c ? TileRange::some : TileRange::none;
+  r.padding = real == 0                      ? TileRange::all
+              : real < int64_t(index.size()) ? TileRange::some
+                                             : TileRange::none;
   if (!b.mask.documents) r.doc_lo = r.doc_hi = 0;
   return r;
 }
 
-}  // namespace
-
-ChunkCosts chunk_costs(const BalanceInput& b, int64_t tokens, int64_t padded, int64_t c) {
+std::vector<TileRange> chunk_ranges(const BalanceInput& b, int64_t tokens, int64_t padded,
+                                    int64_t c) {
   CTXPAR_CHECK(b.positions.empty() || int64_t(b.positions.size()) == tokens,
                "balanced layout: ", b.positions.size(), " positions for T = ", tokens, " tokens");
   CTXPAR_CHECK(!b.mask.documents || int64_t(b.documents.size()) == tokens,
@@ -47,6 +58,12 @@ ChunkCosts chunk_costs(const BalanceInput& b, int64_t tokens, int64_t padded, in
   const int64_t n = (padded + c - 1) / c;  // the last chunk may be short (rank_work's layouts)
   std::vector<TileRange> ranges(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) ranges[size_t(i)] = chunk_range(b, tokens, c, i);
+  return ranges;
+}
+
+ChunkCosts chunk_costs(const BalanceInput& b, int64_t tokens, int64_t padded, int64_t c) {
+  const std::vector<TileRange> ranges = chunk_ranges(b, tokens, padded, c);
+  const int64_t n = int64_t(ranges.size());
   ChunkCosts out;
   out.size = c;
   out.work.assign(size_t(n), 0.0);

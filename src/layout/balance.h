@@ -3,6 +3,7 @@
 // assignment from the same input.
 #pragma once
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "ctxpar/layout.h"
@@ -18,6 +19,13 @@ struct ChunkCosts {
   std::vector<int64_t> first, last;
 };
 ChunkCosts chunk_costs(const BalanceInput& balance, int64_t tokens, int64_t padded, int64_t c);
+// The position / document range of the tokens with these global indices (indices >= tokens are
+// padding): mask_rules.h's TileRange, what classify reads.
+TileRange tokens_range(const BalanceInput& balance, int64_t tokens, std::span<const int64_t> index);
+// The position / document range of each chunk of c tokens (mask_rules.h's TileRange; tokens at
+// or past `tokens` are padding), checking the input's lengths.
+std::vector<TileRange> chunk_ranges(const BalanceInput& balance, int64_t tokens, int64_t padded,
+                                    int64_t c);
 
 // The owner rank of each chunk: every rank gets the same number of chunks, the busiest rank's
 // work as low as a greedy solver finds (balance.cc says how: whole pieces of short documents,

@@ -189,6 +189,35 @@ std::vector<int64_t> Layout::token_positions(int rank, std::span<const int64_t> 
   return out;
 }
 
+std::vector<int64_t> Layout::needed_rows(const BalanceInput& balance, int64_t tile) const {
+  CTXPAR_CHECK(tile >= 1, "layout: needed_rows tile ", tile, " < 1");
+  (void)chunk_ranges(balance, tokens_, padded_, padded_);  // checks the input's lengths
+  const int64_t local = local_tokens(), nt = (local + tile - 1) / tile;
+  const size_t p = size_t(ranks_);
+  std::vector<TileRange> tiles(p * size_t(nt));  // rank r's local tile i at r * nt + i
+  for (int r = 0; r < ranks_; ++r) {
+    const std::vector<int64_t> index = positions(r);
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t b = i * tile, e = std::min(local, b + tile);
+      tiles[size_t(r) * size_t(nt) + size_t(i)] =
+          tokens_range(balance, tokens_, std::span(index).subspan(size_t(b), size_t(e - b)));
+    }
+  }
+  std::vector<int64_t> out(p, 0);
+  for (size_t r = 0; r < p; ++r)
+    for (size_t s = 0; s < p; ++s) {
+      if (s == r) continue;
+      for (int64_t k = 0; k < nt; ++k) {
+        bool seen = false;
+        for (int64_t q = 0; q < nt && !seen; ++q)
+          seen = classify(balance.mask, tiles[r * size_t(nt) + size_t(q)],
+                          tiles[s * size_t(nt) + size_t(k)]) != TileKind::skip;
+        if (seen) out[r] += std::min(local, (k + 1) * tile) - k * tile;
+      }
+    }
+  return out;
+}
+
 int Layout::owner(int64_t t) const {
   CTXPAR_CHECK(t >= 0 && t < padded_, "layout: token ", t, " out of range [0, ", padded_, ")");
   switch (kind_) {

@@ -153,5 +153,39 @@ TEST(CliOutputs, BadEnvironmentVariableExits2) {
   }
 }
 
+// ctxpar plan --documents: per layout, the balance of the packed-documents mask and the K/V a
+// rank receives by ring and by the needed exchange (figures checked in tests/layout), as a table
+// and as JSON; bad lengths exit 2 naming the option.
+TEST(CliOutputs, PlanDocumentsComparesLayouts) {
+  const std::string args = "plan --seq 16K --cp 4 --documents lognormal:1000,1.5,1 ";
+  const CommandResult t = run_ctxpar(args);
+  ASSERT_EQ(t.exit_code, 0) << t.err;
+  EXPECT_NE(t.out.find("needed/ring"), std::string::npos) << t.out;
+  const CommandResult j = run_ctxpar(args + "--json");
+  ASSERT_EQ(j.exit_code, 0) << j.err;
+  const nlohmann::json d = parse_json(j)["documents"];
+  int64_t sum = 0;
+  for (int64_t l : d["lengths"]) sum += l;
+  EXPECT_EQ(sum, 16384);
+  const nlohmann::json& l = d["layouts"];
+  for (const char* name : {"contiguous", "zigzag", "striped", "balanced"}) {
+    ASSERT_TRUE(l.contains(name)) << name;
+    EXPECT_LE(l[name]["needed_bytes_received"].get<double>(),
+              l[name]["ring_bytes_received"].get<double>())
+        << name;
+  }
+  EXPECT_LE(l["balanced"]["busiest_over_mean_work"].get<double>(), 1.05);
+  EXPECT_LT(l["balanced"]["busiest_over_mean_work"].get<double>(),
+            l["zigzag"]["busiest_over_mean_work"].get<double>());
+  for (const auto& [bad, what] : std::vector<std::pair<std::string, std::string>>{
+           {"1000,2000", "add up to 3000 but --seq is 16384"},
+           {"0,16384", "--documents: mask 'documents:0,16384': document length '0'"},
+           {"lognormal:1,2", "lognormal:MEDIAN,SIGMA,SEED expects"}}) {
+    const CommandResult r = run_ctxpar("plan --seq 16K --cp 4 --documents " + bad);
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.err;
+    EXPECT_NE(r.err.find(what), std::string::npos) << r.err;
+  }
+}
+
 }  // namespace
 }  // namespace ctxpar::test

@@ -104,6 +104,54 @@ TEST(Balanced, WorkModelMatchesBruteForce) {
   }
 }
 
+// What the needed exchange brings each rank (the planner's bytes): every tile of a peer's local
+// block that some tile of this rank's queries can see, against a count element by element with
+// Mask::visible (no classify), for every layout.
+TEST(Balanced, NeededRowsMatchAnElementCount) {
+  const int64_t t = 300;
+  const int p = 3;
+  const std::vector<int32_t> ids = ids_of({120, 7, 50, 123});
+  for (const char* text : {"causal+documents", "causal", "prefix-tree:100,100,100"}) {
+    const Mask m = parse_mask(text);
+    const BalanceInput in{
+        m, m.documents ? std::span<const int32_t>(ids) : std::span<const int32_t>{}, {}};
+    for (LayoutKind kind :
+         {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped, LayoutKind::balanced})
+      for (int64_t tile : {16, 64}) {
+        const Layout l(kind, t, p, in);
+        const int64_t local = l.local_tokens();
+        std::vector<int64_t> want(static_cast<size_t>(p), 0);
+        for (int r = 0; r < p; ++r)
+          for (int s = 0; s < p; ++s) {
+            if (s == r) continue;
+            const std::vector<int64_t> qs = l.positions(r), ks = l.positions(s);
+            for (int64_t k0 = 0; k0 < local; k0 += tile) {
+              const int64_t k1 = std::min(local, k0 + tile);
+              bool any = false;
+              for (int64_t a : qs)
+                for (int64_t i = k0; i < k1 && !any && a < t; ++i) {
+                  const int64_t b = ks[size_t(i)];
+                  any = b < t && m.visible(a, b, m.documents ? ids[size_t(a)] : 0,
+                                           m.documents ? ids[size_t(b)] : 0);
+                }
+              if (any) want[size_t(r)] += k1 - k0;
+            }
+          }
+        // The exchange decides by tile summaries (position and document ranges): exact where
+        // a tile's tokens are contiguous (the contiguous layout), never less than the element
+        // count, never more than the ring's (P - 1) Tl.
+        const std::vector<int64_t> got = l.needed_rows(in, tile);
+        const std::string where =
+            std::string(text) + " " + layout_name(kind) + " " + std::to_string(tile);
+        if (kind == LayoutKind::contiguous) EXPECT_EQ(got, want) << where;
+        for (int r = 0; r < p; ++r) {
+          EXPECT_GE(got[size_t(r)], want[size_t(r)]) << where;
+          EXPECT_LE(got[size_t(r)], (p - 1) * local) << where;
+        }
+      }
+  }
+}
+
 TEST(Balanced, EvensLongTailedDocumentsAndKeepsShortOnesWhole) {
   for (auto [t, p] : {std::pair<int64_t, int>{65536, 4}, {65536, 8}, {131072, 8}}) {
     const std::vector<int64_t> lengths = long_tailed(t, 5);

@@ -7,7 +7,14 @@
 #include <cstdlib>
 #include <iostream>
 
+#include <numeric>
+#include <random>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
 #include "commands.h"
+#include "ctxpar/layout.h"
 #include "ctxpar/plan.h"
 #include "options.h"
 
@@ -180,9 +187,14 @@ Options plan_options() {
       .add("latency-us", "", "link latency in microseconds: INTRA[,INTER]")
       .add("devices-per-node", "", "devices sharing the intra-node link")
       .add("tile", "0", "kernel tile edge for masked-tile skipping (0: exact pairs; local: 64)")
+      .add("documents", "",
+           "packed documents (causal within each): LEN,LEN,... adding up to --seq, or "
+           "lognormal:MEDIAN,SIGMA,SEED (lengths drawn until --seq is full); prints each "
+           "layout's balance and the K/V a rank receives, ring against the needed exchange")
       .flag("compare", "estimate and rank ring, allgather, ulysses and hybrid")
       .flag("json", "print every figure as JSON")
       .example("ctxpar plan --model lwm-7b --video-hours 1")
+      .example("ctxpar plan --seq 128K --cp 8 --documents lognormal:1000,1.5,1")
       .example("ctxpar plan --model llama3-70b --seq 1M --cp 16 --tp 8 --hardware h100 --compare")
       .example(
           "ctxpar plan --hardware local --layers 1 --hidden 512 --heads 4 --ffn 1024 "
@@ -259,6 +271,112 @@ PlanInput plan_from_options(const Options& o) {
   return in;
 }
 
+// --documents: LEN,LEN,... (adding up to seq) or lognormal:MEDIAN,SIGMA,SEED.
+std::vector<int64_t> document_lengths(const Options& o, int64_t seq) {
+  const std::string text = o.str("documents");
+  std::vector<int64_t> out;
+  if (text.rfind("lognormal:", 0) == 0) {
+    std::vector<std::string> parts;
+    std::stringstream in(text.substr(10));
+    for (std::string p; std::getline(in, p, ',');) parts.push_back(p);
+    auto num = [&](size_t i, double lo, double hi) {
+      char* end = nullptr;
+      const double v = i < parts.size() ? std::strtod(parts[i].c_str(), &end) : NAN;
+      if (i >= parts.size() || parts[i].empty() || *end != '\0' || !(v >= lo && v <= hi))
+        throw UsageError(
+            "--documents lognormal:MEDIAN,SIGMA,SEED expects a median in [1, 1e9], "
+            "a sigma in [0, 10] and a seed in [0, 1e15], got '" +
+            text + "'");
+      return v;
+    };
+    if (parts.size() != 3) num(3, 0, 0);  // names the grammar
+    const double median = num(0, 1, 1e9), sigma = num(1, 0, 10);
+    std::mt19937_64 rng(static_cast<uint64_t>(num(2, 0, 1e15)));
+    std::lognormal_distribution<double> len(std::log(median), sigma);
+    for (int64_t sum = 0; sum < seq;) {
+      const int64_t l =
+          std::min(seq - sum, std::max<int64_t>(1, int64_t(std::min(len(rng), 1e15))));
+      out.push_back(l), sum += l;
+    }
+    return out;
+  }
+  // LEN,LEN,...: the --mask documents:LEN,... parser (src/core/mask.cc), one home for the rule.
+  try {
+    out = parse_document_lengths("documents:" + text);
+  } catch (const Error& e) {
+    throw UsageError(std::string("--documents: ") + e.what());
+  }
+  const int64_t sum = std::accumulate(out.begin(), out.end(), int64_t{0});
+  if (sum != seq)
+    throw UsageError(detail::concat("--documents: the lengths add up to ", sum, " but --seq is ",
+                                    seq, "; they must cover the sequence"));
+  return out;
+}
+
+// The data-aware figures: per layout, the busiest rank's attention work over the mean (kernel
+// tiles of the causal + documents mask, Layout::rank_work) and the K/V bytes the busiest
+// receiver takes in a layer's forward, by a ring and by the needed exchange (Layout::needed_rows:
+// the 64-row tiles the exchange sends, K and V; 8-12 bytes of token ids a row travel beside them).
+struct DocumentsRow {
+  LayoutKind layout;
+  double busiest_over_mean, ring_bytes, needed_bytes;
+};
+
+std::vector<DocumentsRow> documents_rows(const PlanInput& in, const std::vector<int64_t>& lengths) {
+  std::vector<int32_t> ids;
+  for (size_t d = 0; d < lengths.size(); ++d) ids.insert(ids.end(), lengths[d], int32_t(d));
+  Mask mask = Mask::causal_mask();
+  mask.documents = true;
+  const BalanceInput balance{mask, ids, {}};
+  const double per_row =
+      2.0 * double(in.model.kv_heads * in.model.head_dim) * double(dtype_size(in.dtype));
+  std::vector<DocumentsRow> rows;
+  for (LayoutKind kind :
+       {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped, LayoutKind::balanced}) {
+    const Layout l(kind, in.seq, in.cp, balance);
+    const std::vector<double> work = l.rank_work(balance);
+    const double mean = std::accumulate(work.begin(), work.end(), 0.0) / double(work.size());
+    const std::vector<int64_t> needed = l.needed_rows(balance);
+    rows.push_back({kind, mean > 0 ? *std::max_element(work.begin(), work.end()) / mean : 1.0,
+                    double(in.cp - 1) * double(l.local_tokens()) * per_row,
+                    double(*std::max_element(needed.begin(), needed.end())) * per_row});
+  }
+  return rows;
+}
+
+std::string documents_table(const PlanInput& in, const std::vector<int64_t>& lengths,
+                            const std::vector<DocumentsRow>& rows) {
+  std::ostringstream out;
+  out << "\npacked documents: " << lengths.size() << " (largest "
+      << *std::max_element(lengths.begin(), lengths.end()) << " tokens), causal within each; cp "
+      << in.cp << "; K/V the busiest receiver takes, one layer's forward:\n";
+  char line[256];
+  std::snprintf(line, sizeof line, "  %-11s %14s %16s %16s %10s\n", "layout", "busiest/mean",
+                "ring (MB)", "needed (MB)", "needed/ring");
+  out << line;
+  for (const DocumentsRow& r : rows) {
+    std::snprintf(line, sizeof line, "  %-11s %14.3f %16.1f %16.1f %10.2f\n", layout_name(r.layout),
+                  r.busiest_over_mean, r.ring_bytes / 1e6, r.needed_bytes / 1e6,
+                  r.ring_bytes > 0 ? r.needed_bytes / r.ring_bytes : 0.0);
+    out << line;
+  }
+  return out.str();
+}
+
+// The same figures as JSON, added to plan_json's object.
+std::string with_documents(const std::string& plan, const std::vector<int64_t>& lengths,
+                           const std::vector<DocumentsRow>& rows) {
+  nlohmann::json j = nlohmann::json::parse(plan);
+  nlohmann::json d;
+  d["lengths"] = lengths;
+  for (const DocumentsRow& r : rows)
+    d["layouts"][layout_name(r.layout)] = {{"busiest_over_mean_work", r.busiest_over_mean},
+                                           {"ring_bytes_received", r.ring_bytes},
+                                           {"needed_bytes_received", r.needed_bytes}};
+  j["documents"] = d;
+  return j.dump(2);
+}
+
 }  // namespace
 
 int cmd_plan(int argc, char** argv) {
@@ -268,10 +386,17 @@ int cmd_plan(int argc, char** argv) {
   const bool local = o.str("hardware") == "local";
   const Plan plan = make_plan(in, o.on("compare"));
   if (local && launched_by_mpi() && mpi_world().rank() != 0) return 0;  // rank 0 prints
+  const std::vector<int64_t> lengths =
+      o.given("documents") ? document_lengths(o, in.seq) : std::vector<int64_t>{};
+  const std::vector<DocumentsRow> rows =
+      lengths.empty() ? std::vector<DocumentsRow>{} : documents_rows(in, lengths);
   if (o.on("json")) {
-    std::cout << plan_json(plan) << "\n";
+    std::cout << (lengths.empty() ? plan_json(plan)
+                                  : with_documents(plan_json(plan), lengths, rows))
+              << "\n";
   } else {
     std::cout << plan_table(plan);
+    if (!lengths.empty()) std::cout << documents_table(in, lengths, rows);
   }
   return 0;
 }
