@@ -88,6 +88,10 @@ struct RecordingCudaApi::Impl {
                         " still reads (op " + std::to_string(r.last) + ")");
   }
   // Enqueues operation `op` on stream s: checks its uses against the clocks and notes them.
+  static bool kernel(const char* name) {
+    return std::strcmp(name, "forward") == 0 || std::strcmp(name, "backward") == 0 ||
+           std::strcmp(name, "tile_ranges") == 0;
+  }
   void op(const char* name, StreamHandle sh, std::initializer_list<Use> uses,
           const void* ptr = nullptr, size_t bytes = 0) {
     maybe_fail(name);
@@ -97,7 +101,14 @@ struct RecordingCudaApi::Impl {
     for (const Use& u : uses) {
       if (!u.p) continue;
       const device::RaceChecker::Verdict v = races.check(s, u.p, u.write);
-      if (!v.allocation) continue;  // host memory: the host's own business
+      if (!v.allocation) {
+        // Host memory: the host's own business for copies, but a kernel cannot read it (a
+        // pointer into a host structure, e.g. a mask's slice list, would fault on a GPU).
+        if (kernel(name))
+          violations.push_back(std::string("kernel '") + name + "' on stream " + std::to_string(s) +
+                               " reads memory that is not a device allocation");
+        continue;
+      }
       report(name, s, u.write, v);
       races.note(s, seq, name, u.p, u.write);
     }
@@ -306,6 +317,7 @@ void RecordingCudaApi::forward_t(const Problem<T>& p, const DeviceState& st, Str
              {p.k_tiles, false},
              {p.mask.documents ? p.q_doc : nullptr, false},
              {p.mask.documents ? p.k_doc : nullptr, false},
+             {p.mask.sliced ? p.mask.slices : nullptr, false},
              {st.acc, true}});
   if (p.tk == 0) return;
   float qrow[kMaxHeadDim];
@@ -368,6 +380,7 @@ void RecordingCudaApi::backward_t(const Problem<T>& p, const BackwardRows& r, St
              {p.k_tiles, false},
              {p.mask.documents ? p.q_doc : nullptr, false},
              {p.mask.documents ? p.k_doc : nullptr, false},
+             {p.mask.sliced ? p.mask.slices : nullptr, false},
              {r.lse.ptr, false},
              {r.delta.ptr, false},
              {r.dq.ptr, true},

@@ -51,7 +51,8 @@ bool CudaDevice::cudnn_refused(const CudnnRefused& r) {
 bool CudaDevice::cudnn_forward(Stream s, Scope& sc, const TensorView& q, const Tokens& qt,
                                const TensorView& k, const TensorView& v, const Tokens& kt,
                                const Mask& mask, const DeviceState& st, float scale) {
-  if (!cudnn_ || q.dtype() != DType::bf16) return false;
+  // cuDNN's masks are bands per fused call (fused_calls.h): a slice mask takes the exact kernel.
+  if (!cudnn_ || q.dtype() != DType::bf16 || mask.sliced) return false;
   const SdpaShape shape = shape_of(q, k, scale);
   if (!cudnn_->supports(shape)) return false;
   const int64_t b = q.dim(0), tq = q.dim(1), hq = q.dim(2), d = q.dim(3);
@@ -95,7 +96,8 @@ bool CudaDevice::cudnn_backward(Stream s, Scope& sc, const TensorView& q, const 
                                 const Mask& mask, const TensorView& dout, const TensorView& lse,
                                 const TensorView& delta, const TensorView& dq, const TensorView& dk,
                                 const TensorView& dv, float scale) {
-  if (!cudnn_ || q.dtype() != DType::bf16) return false;
+  // cuDNN's masks are bands per fused call (fused_calls.h): a slice mask takes the exact kernel.
+  if (!cudnn_ || q.dtype() != DType::bf16 || mask.sliced) return false;
   const SdpaShape shape = shape_of(q, k, scale);
   if (!cudnn_->supports(shape)) return false;
   // cuDNN's backward takes O (it forms delta itself): backward_delta's, found by delta.

@@ -35,10 +35,8 @@ void check_block(const TensorView& q, const Tokens& qt, const TensorView& k, con
     CTXPAR_CHECK(
         int64_t(qt.documents.size()) == q.dim(1) && int64_t(kt.documents.size()) == k.dim(1),
         "cuda device: the mask uses documents: one document id per token needed");
-  // The slice rules compile for the GPU (mask_rules.h) but the slice list is host memory: not
-  // uploaded yet, so refused rather than read from the wrong address space.
-  CTXPAR_CHECK(!mask.sliced, "cuda device: slice masks (", mask.describe(),
-               ") run on the cpu device only for now; use --device cpu");
+  CTXPAR_CHECK(!mask.sliced || (mask.slices != nullptr && mask.slice_count > 0),
+               "cuda device: a slice mask (", mask.describe(), ") without its slice list");
 }
 
 kernel::Problem sizes(const TensorView& q, const TensorView& k) {
@@ -85,12 +83,18 @@ Problem<T> CudaDevice::problem(Scope& sc, const TensorView& q, const Tokens& qt,
   p.tk = k.dim(1), p.hkv = k.dim(2), p.group = p.hq / p.hkv;
   p.scale = scale;
   p.mask = mask;
+  // The slice list is host memory (Mask keeps it): the kernel reads a device copy
+  // (mask_rules.h's rules run on the GPU as they are).
+  if (mask.sliced)
+    p.mask.slices = static_cast<const MaskSlice*>(
+        sc.on_device(mask.slices, mask.slice_count, sizeof(MaskSlice)));
   p.q_pos = sc.positions(qt, p.tq), p.k_pos = sc.positions(kt, p.tk);
   p.q_doc = sc.documents(qt, p.tq, mask.documents),
   p.k_doc = sc.documents(kt, p.tk, mask.documents);
   p.q_tiles = sc.tiles(p.q_pos, p.q_doc, p.tq, mask.documents);
   p.k_tiles = sc.tiles(p.k_pos, p.k_doc, p.tk, mask.documents);
-  before(sc.stream(), {p.q_pos, p.k_pos, p.q_doc, p.k_doc});
+  before(sc.stream(),
+         {p.q_pos, p.k_pos, p.q_doc, p.k_doc, p.mask.sliced ? p.mask.slices : nullptr});
   ++fallback_blocks_;
   return p;
 }

@@ -87,6 +87,8 @@ std::vector<Run> split_runs(const Tokens& tokens, bool documents) {
 }
 
 std::vector<Call> decompose(const Tokens& q_tokens, const Tokens& k_tokens, const Mask& mask) {
+  CTXPAR_CHECK(!mask.sliced, "fused decompose: a slice mask (", mask.describe(),
+               ") is not a union of bands per document; run it through the tile kernel");
   const std::vector<Run> qr = split_runs(q_tokens, mask.documents);
   const std::vector<Run> kr = split_runs(k_tokens, mask.documents);
   std::vector<Call> calls;

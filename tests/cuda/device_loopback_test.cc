@@ -72,7 +72,8 @@ TEST(CudaLoopback, BitwiseTheCpuDeviceEveryStrategyLayoutMask) {
     pr.tokens = 48;
     pr.dtype = dtype;
     pr.build();
-    for (const char* mask : {"none", "causal", "window:7,3", "causal+documents"})
+    for (const char* mask :
+         {"none", "causal", "window:7,3", "causal+documents", "prefix-tree:16,16,16"})
       for (int p : {2, 4})
         for (StrategyKind kind : {StrategyKind::ring, StrategyKind::allgather,
                                   StrategyKind::ulysses, StrategyKind::hybrid})
