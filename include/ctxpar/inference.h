@@ -30,6 +30,17 @@
 
 namespace ctxpar {
 
+// How decode merges the ranks' partial results (docs/inference.md, "The merge across ranks"):
+//   allgather  every rank gathers all P partials and merges them in rank order (one collective)
+//   chain      rank r merges the partial of ranks 0..r-1 with its own and passes it on; the last
+//              rank sends the result to all (2 (P-1) latencies, rank order: allgather's bits)
+//   tree       recursive doubling (Tree Attention's allreduce form): log2 P rounds of pairwise
+//              exchange, each pair merging lower rank first (other bits than rank order, the
+//              same on every rank and run)
+enum class DecodeMerge { allgather, chain, tree };
+const char* decode_merge_name(DecodeMerge m);
+DecodeMerge parse_decode_merge(const std::string& name);  // "allgather" | "chain" | "tree"
+
 struct KvCacheOptions {
   // Sequences live at construction (slots 0..sequences-1, each with its own length),
   // 0..kMaxBatch; KvCache::add makes more (up to kMaxBatch slots), KvCache::free ends one.
@@ -55,6 +66,8 @@ struct KvCacheOptions {
   // Unset: on in a debug build of the library (NDEBUG not defined), off in a release build.
   // Not on the cuda device (it reads no input on the host; DeviceCaps::finite_checks).
   std::optional<bool> hash_inputs;
+  // How decode merges the ranks' partials (the same on every rank: agreed).
+  DecodeMerge merge = DecodeMerge::allgather;
 };
 
 // The one rule for a cache's mask (the KvCache constructor, ctxpar.KVCache and `ctxpar decode`
@@ -65,6 +78,18 @@ struct KvCacheOptions {
 // even under causal, which would hide the later keys it names. Throws Error naming `what` (the
 // option in the caller's words: "KvCacheOptions::mask", "--mask", "mask").
 void check_cache_mask(const Mask& mask, const char* what);
+
+// Times each DecodeMerge of decode's partials (options.sequences sequences of tn new tokens, hq
+// query heads) on comm: `reps` merges each, the slowest rank's mean. Collective; the picks are
+// the same on every rank. `fastest` is the faster of allgather and chain, which give the same
+// bits (what `ctxpar decode --merge auto` takes: a run's answer must not depend on a timing);
+// `fastest_any` may be the tree (other bits: taken only when asked for).
+struct DecodeMergeTimes {
+  double allgather = 0, chain = 0, tree = 0;  // seconds per merge
+  DecodeMerge fastest = DecodeMerge::allgather, fastest_any = DecodeMerge::allgather;
+};
+DecodeMergeTimes time_decode_merges(Communicator& comm, const KvCacheOptions& options, int64_t hq,
+                                    int64_t tn = 1, int reps = 50);
 
 enum class PrefillMode { automatic, pass_kv, pass_q };
 const char* prefill_mode_name(PrefillMode m);

@@ -40,7 +40,7 @@ std::unique_ptr<PyKvCache> make_cache(const PyCommunicator& comm, int64_t sequen
                                       std::optional<float> scale, const std::string& device,
                                       int64_t max_tokens_per_rank, double max_bytes_per_rank,
                                       bool check_memory_limit, const std::string& bf16_tier,
-                                      std::optional<bool> hash_inputs) {
+                                      std::optional<bool> hash_inputs, const std::string& merge) {
   KvCacheOptions o;
   o.sequences = sequences;
   o.kv_heads = kv_heads;
@@ -65,6 +65,11 @@ std::unique_ptr<PyKvCache> make_cache(const PyCommunicator& comm, int64_t sequen
   o.max_bytes_per_rank = max_bytes_per_rank;
   o.check_memory_limit = check_memory_limit;
   o.hash_inputs = hash_inputs;
+  try {
+    o.merge = parse_decode_merge(merge);
+  } catch (const Error& e) {
+    throw nb::value_error(detail::concat("merge: ", e.what()).c_str());
+  }
   auto c = std::make_unique<PyKvCache>(PyKvCache{comm, nullptr});
   c->cache = std::make_unique<KvCache>(comm.get(), o);
   return c;
@@ -276,7 +281,7 @@ void bind_inference(nb::module_& m) {
            nb::arg("threads"), nb::arg("scale").none(), nb::arg("device"),
            nb::arg("max_tokens_per_rank"), nb::arg("max_bytes_per_rank"),
            nb::arg("check_memory_limit"), nb::arg("bf16_tier") = "exact",
-           nb::arg("hash_inputs").none() = nb::none())
+           nb::arg("hash_inputs").none() = nb::none(), nb::arg("merge") = "allgather")
       .def("tokens", [](PyKvCache& c, int64_t s) { return c.get().tokens(s); })
       .def("local_tokens", [](PyKvCache& c, int64_t s) { return c.get().local_tokens(s); })
       .def("bytes", [](PyKvCache& c) { return c.get().bytes(); })

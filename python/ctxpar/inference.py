@@ -49,12 +49,15 @@ class KVCache:
     float32 caches ignore it; every rank must pass the same (else the first prefill / decode
     raises ValueError naming it). hash_inputs: decode also has the ranks agree on a hash of
     q, k_new, v_new (ranks passing other queries are refused instead of merged; a pass over the
-    inputs); None: the library's build default (on in a debug build)."""
+    inputs); None: the library's build default (on in a debug build). merge: how decode merges
+    the ranks' partials, "allgather" (default), "chain" (the same bits) or "tree" (log2 P rounds
+    of pairwise exchange, other bits); the same on every rank (docs/inference.md)."""
 
     def __init__(self, comm=None, *, kv_heads, head_dim, sequences=1, dtype="float32",
                  mask="causal", documents=False, block=64, threads=1, scale=None,
                  device="cpu", max_tokens_per_rank=0, max_bytes_per_rank=0,
-                 check_memory_limit=True, bf16_tier="exact", hash_inputs=None):
+                 check_memory_limit=True, bf16_tier="exact", hash_inputs=None,
+                 merge="allgather"):
         if comm is None:
             from . import init
             comm = init()
@@ -75,7 +78,7 @@ class KVCache:
             text, _checks.threads(threads), _checks.scale(scale), str(device),
             _whole("max_tokens_per_rank", max_tokens_per_rank),
             float(max_bytes_per_rank), bool(check_memory_limit), _checks.bf16_tier(bf16_tier),
-            None if hash_inputs is None else bool(hash_inputs))
+            None if hash_inputs is None else bool(hash_inputs), str(merge))
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.dtype, self.block, self.bf16_tier = dtype, block, bf16_tier
 

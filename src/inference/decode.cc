@@ -6,6 +6,8 @@
 //     (O_r, LSE_r) = attention(q, this rank's shard)          [B, Tn, Hq, D], [B, Hq, Tn]
 //   all-gather (O_r, LSE_r), r = 0..P-1
 //   O, LSE = merge(...merge(merge(O_0, O_1), O_2)..., O_{P-1})  rank order, on every rank
+//   (KvCacheOptions::merge: or passed along a chain in rank order, the same bits, or merged by
+//   recursive doubling, other bits)
 //
 // The merge order is fixed (not "whoever arrives first"), so out is bitwise the same on every
 // rank and run; each shard's tokens depend only on their indices, so out does not depend on how
@@ -188,18 +190,89 @@ void attend_shards(KvCache& cache, std::span<const int64_t> seqs, const PackedQu
   dev.synchronize();
 }
 
-// All-gathers the partials and merges them in rank order into parts.o(0), parts.lse(0): the
-// same bits on every rank. On the host, after the device is synchronised (the communicator's
-// rule, device.h).
-void merge_partials(Communicator& comm, Partials& parts) {
+// Tags of decode's point-to-point merges (DecodeMerge::chain / tree) on the cache's
+// communicator: a round's own tag, so a timeout names it.
+constexpr int kMergeTag = 7300;
+
+// Sends `bytes` from p to `peer` (a copy: the threads transport hands the buffer over).
+Request send_copy(Communicator& comm, const std::byte* p, size_t bytes, int peer, int tag) {
+  Buffer b(bytes);
+  std::memcpy(b.data(), p, bytes);
+  return comm.isend(std::move(b), peer, tag);
+}
+void recv_into(Communicator& comm, std::byte* p, size_t bytes, int peer, int tag) {
+  Request r = comm.irecv(bytes, peer, tag);
+  r.wait();
+  const Buffer b = r.take();
+  std::memcpy(p, b.data(), bytes);
+}
+
+// Merges the ranks' partials into parts.o(0), parts.lse(0) (DecodeMerge says how): the same bits
+// on every rank. On the host, after the device is synchronised (the communicator's rule,
+// device.h). Slot 0 holds the running result; slot 1 (P >= 2) what a peer sent.
+void merge_partials(Communicator& comm, Partials& parts, DecodeMerge how) {
   const int p = comm.size(), me = comm.rank();
   const size_t part_bytes = parts.part_bytes;
-  // The all-gather's receive buffer holds this rank's own part at its place already.
-  Buffer mine(part_bytes);
-  std::memcpy(mine.data(), parts.parts.data() + me * part_bytes, part_bytes);
-  comm.allgather(mine.data(), parts.parts.data(), part_bytes);
-  for (int r = 1; r < p; ++r)  // rank order: the same bits on every rank
-    merge(parts.o(0), parts.lse(0), parts.o(r), parts.lse(r));  // host memory
+  std::byte* slot0 = parts.parts.data();
+  std::byte* slot1 = slot0 + part_bytes;
+  if (how == DecodeMerge::allgather) {
+    // The all-gather's receive buffer holds this rank's own part at its place already.
+    Buffer mine(part_bytes);
+    std::memcpy(mine.data(), slot0 + me * part_bytes, part_bytes);
+    comm.allgather(mine.data(), slot0, part_bytes);
+    for (int r = 1; r < p; ++r)  // rank order: the same bits on every rank
+      merge(parts.o(0), parts.lse(0), parts.o(r), parts.lse(r));  // host memory
+    return;
+  }
+  if (me != 0) std::memcpy(slot0, slot0 + me * part_bytes, part_bytes);
+  if (how == DecodeMerge::chain) {
+    if (me > 0) {  // slot 0 <- merge(ranks 0..me-1), then mine after it: rank order
+      std::memcpy(slot1, slot0, part_bytes);
+      recv_into(comm, slot0, part_bytes, me - 1, kMergeTag);
+      merge(parts.o(0), parts.lse(0), parts.o(1), parts.lse(1));
+    }
+    if (me < p - 1) {
+      send_copy(comm, slot0, part_bytes, me + 1, kMergeTag).wait();
+      recv_into(comm, slot0, part_bytes, p - 1, kMergeTag + 1);
+    } else {
+      std::vector<Request> sends;
+      for (int r = 0; r < p - 1; ++r)
+        sends.push_back(send_copy(comm, slot0, part_bytes, r, kMergeTag + 1));
+      for (Request& r : sends) r.wait();
+    }
+    return;
+  }
+  // tree: the ranks past the largest power of two q <= P fold into rank r - q first, the q
+  // ranks exchange with r ^ b for b = 1, 2, ..., q / 2, and the folded ranks get the result back.
+  int q = 1;
+  while (q * 2 <= p) q *= 2;
+  int tag = kMergeTag + 2;
+  // One pairwise step: this rank and `peer` both end with merge(lower's, higher's).
+  auto pair = [&](int peer) {
+    Request s = send_copy(comm, slot0, part_bytes, peer, tag);
+    recv_into(comm, slot1, part_bytes, peer, tag);
+    s.wait();
+    if (me < peer) {
+      merge(parts.o(0), parts.lse(0), parts.o(1), parts.lse(1));
+    } else {
+      merge(parts.o(1), parts.lse(1), parts.o(0), parts.lse(0));
+      std::memcpy(slot0, slot1, part_bytes);
+    }
+  };
+  if (me >= q) {
+    send_copy(comm, slot0, part_bytes, me - q, tag).wait();
+    recv_into(comm, slot0, part_bytes, me - q, kMergeTag + 63);
+    return;
+  }
+  if (me + q < p) {
+    recv_into(comm, slot1, part_bytes, me + q, tag);
+    merge(parts.o(0), parts.lse(0), parts.o(1), parts.lse(1));
+  }
+  for (int b = 1; b < q; b *= 2) {
+    ++tag;
+    pair(me ^ b);
+  }
+  if (me + q < p) send_copy(comm, slot0, part_bytes, me + q, kMergeTag + 63).wait();
 }
 
 // The merged result (Note [Decode packs a KV head's query heads as rows]) into out, lse.
@@ -221,6 +294,37 @@ void unpack(Device& dev, const Partials& parts, const TensorView& out, const Ten
 }
 
 }  // namespace
+
+DecodeMergeTimes time_decode_merges(Communicator& comm, const KvCacheOptions& o, int64_t hq,
+                                    int64_t tn, int reps) {
+  CTXPAR_CHECK(reps >= 1 && tn >= 1 && o.sequences >= 1 && o.kv_heads >= 1 && hq >= 1 &&
+                   hq % o.kv_heads == 0,
+               "time_decode_merges: reps, tn, sequences >= 1 and kv_heads dividing hq");
+  DecodeMergeTimes t;
+  if (comm.size() == 1) return t;
+  const std::unique_ptr<Device> dev = make_device(DeviceOptions{}, comm.rank());
+  const HeadRows hr{o.sequences, tn, o.kv_heads, hq / o.kv_heads, o.head_dim};
+  Partials parts(*dev, hr, comm.size());
+  std::memset(parts.parts.data(), 0, parts.part_bytes * size_t(comm.size()));  // finite partials
+  const DecodeMerge kinds[] = {DecodeMerge::allgather, DecodeMerge::chain, DecodeMerge::tree};
+  double mine[3];
+  for (int i = 0; i < 3; ++i) {
+    merge_partials(comm, parts, kinds[i]);  // warm
+    comm.barrier();
+    const double t0 = strategy::now_seconds();
+    for (int r = 0; r < reps; ++r) merge_partials(comm, parts, kinds[i]);
+    mine[i] = (strategy::now_seconds() - t0) / reps;
+  }
+  std::vector<double> gathered(size_t(3 * comm.size()));
+  comm.allgather(mine, gathered.data(), sizeof mine);
+  double slowest[3] = {0, 0, 0};
+  for (int r = 0; r < comm.size(); ++r)
+    for (int i = 0; i < 3; ++i) slowest[i] = std::max(slowest[i], gathered[size_t(3 * r + i)]);
+  t.allgather = slowest[0], t.chain = slowest[1], t.tree = slowest[2];
+  t.fastest = slowest[1] < slowest[0] ? DecodeMerge::chain : DecodeMerge::allgather;
+  t.fastest_any = slowest[2] < std::min(slowest[0], slowest[1]) ? DecodeMerge::tree : t.fastest;
+  return t;
+}
 
 void decode(KvCache& cache, const TensorView& q, const TensorView& k_new, const TensorView& v_new,
             const TensorView& out, const TensorView& lse, std::span<const int32_t> documents) {
@@ -272,7 +376,7 @@ void decode(KvCache& cache, std::span<const int64_t> seqs, const TensorView& q,
   Partials parts(dev, hr, comm.size());
   attend_shards(cache, seqs, pq, parts, comm.rank());
   const double t_merge = strategy::now_seconds();
-  if (comm.size() > 1) merge_partials(comm, parts);
+  if (comm.size() > 1) merge_partials(comm, parts, o.merge);
   unpack(dev, parts, out, lse);
   record_stats(stats, record.finish());
   stats.merge_seconds = strategy::now_seconds() - t_merge;

@@ -38,6 +38,25 @@ PrefillMode parse_prefill_mode(const std::string& name) {
   throw Error("unknown prefill mode '" + name + "'; valid: auto, pass-kv, pass-q");
 }
 
+const char* decode_merge_name(DecodeMerge m) {
+  switch (m) {
+    case DecodeMerge::allgather:
+      return "allgather";
+    case DecodeMerge::chain:
+      return "chain";
+    case DecodeMerge::tree:
+      return "tree";
+  }
+  return "?";
+}
+
+DecodeMerge parse_decode_merge(const std::string& name) {
+  if (name == "allgather") return DecodeMerge::allgather;
+  if (name == "chain") return DecodeMerge::chain;
+  if (name == "tree") return DecodeMerge::tree;
+  throw Error("unknown decode merge '" + name + "'; valid: allgather, chain, tree");
+}
+
 void check_rows_finite(const char* what, const TensorView& t, const Device& dev,
                        const std::function<std::pair<int64_t, int64_t>(int64_t, int64_t)>& where,
                        bool kv) {

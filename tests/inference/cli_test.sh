@@ -93,6 +93,17 @@ expect 2 'started by srun \(SLURM_STEP_NUM_TASKS=2\) .* mpirun -n 2 ctxpar decod
   env SLURM_PROCID=0 SLURM_STEP_NUM_TASKS=2 "$ctxpar" decode --context 100 --tokens 1
 expect 2 'MASTER_ADDR is not set' -- \
   env WORLD_SIZE=2 RANK=0 LOCAL_RANK=0 "$ctxpar" decode --context 100 --tokens 1
+# The merges across ranks (KvCacheOptions::merge): chain gives allgather's bits (rank order), the
+# tree other bits; auto takes one of the two with allgather's bits, timed; a bad one exits 2.
+ag=$("$ctxpar" decode --context 500 --tokens 2 --ranks 5 --merge allgather --json | grep -o '"outputs_hash": "[0-9a-f]*"')
+expect 0 "\"merge\": \"chain\".*$ag" -- "$ctxpar" decode --context 500 --tokens 2 --ranks 5 --merge chain --json
+expect 0 "\"merge\": \"(allgather|chain)\", \"merge_seconds_measured\": \{\"allgather\": [0-9]\.[0-9e-]+, .*$ag" -- \
+  "$ctxpar" decode --context 500 --tokens 2 --ranks 5 --json
+expect 0 '"merge": "tree"' -- "$ctxpar" decode --context 500 --tokens 2 --ranks 5 --merge tree --json
+expect 2 '--merge: unknown decode merge .ring.; valid: allgather, chain, tree \(or auto\)' -- \
+  "$ctxpar" decode --merge ring
+expect 0 'merge of the partials, timed on 3 threads here: allgather [0-9.]+ us, chain [0-9.]+ us, tree [0-9.]+ us' -- \
+  "$ctxpar" decode --plan --context 500 --ranks 3
 if [[ -n $mpiexec ]]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
   expect 0 '"transport": "mpi", "ranks": 2' -- "$mpiexec" -n 2 --oversubscribe \
@@ -101,6 +112,10 @@ if [[ -n $mpiexec ]]; then
   hash=$("$ctxpar" decode --context 500 --tokens 2 --ranks 2 --json | grep -o '"outputs_hash": "[0-9a-f]*"')
   expect 0 "\"transport\": \"mpi\".*$hash" -- "$mpiexec" -n 2 --oversubscribe \
     --mca btl_vader_single_copy_mechanism none "$ctxpar" decode --context 500 --tokens 2 --json
+  # The tree over MPI, 3 ranks (one folds in): the threads' bits.
+  tree=$("$ctxpar" decode --context 500 --tokens 2 --ranks 3 --merge tree --json | grep -o '"outputs_hash": "[0-9a-f]*"')
+  expect 0 "\"transport\": \"mpi\".*\"merge\": \"tree\".*$tree" -- "$mpiexec" -n 3 --oversubscribe \
+    --mca btl_vader_single_copy_mechanism none "$ctxpar" decode --context 500 --tokens 2 --merge tree --json
   expect 0 '"transport": "mpi", .*"bf16_tier": "fast"' -- "$mpiexec" -n 2 --oversubscribe \
     --mca btl_vader_single_copy_mechanism none "$ctxpar" decode --context 500 --tokens 2 \
     --dtype bf16 --bf16-tier fast --json

@@ -34,6 +34,7 @@ KvCacheOptions Scenario::cache_options() const {
   o.head_dim = d;
   o.dtype = dtype;
   o.block = block;
+  o.merge = merge;
   o.mask = mask;
   o.device.kind = device;
   o.device.sim_max_delay_us = 20;

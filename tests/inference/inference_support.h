@@ -18,6 +18,7 @@ struct Scenario {
   int64_t chunk = 0;                     // prefill in chunks of this many tokens (0: one call)
   int64_t decode_steps = 3, decode_tokens = 1;
   PrefillMode mode = PrefillMode::automatic;
+  DecodeMerge merge = DecodeMerge::allgather;  // the cache's
   DeviceKind device = DeviceKind::cpu;
   Bf16Products bf16_products = Bf16Products::automatic;  // the cache's KernelConfig's
   uint64_t seed = 1;

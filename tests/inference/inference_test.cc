@@ -112,6 +112,38 @@ TEST(Inference, EveryPathMatchesTheReference) {
   }
 }
 
+// The merges across ranks (KvCacheOptions::merge): the chain keeps the all-gather's rank order,
+// so its bits; the tree (recursive doubling, folding the ranks past a power of two) merges in
+// another order: accurate, the same bits on every rank. P = 8 has three doubling rounds, 3, 5, 6
+// and 7 fold ranks in.
+TEST(Inference, DecodeMergesAcrossRanks) {
+  Scenario s;
+  s.prefill = {90, 37};
+  s.decode_steps = 2;
+  s.decode_tokens = 2;
+  s.build();
+  for (int p : {2, 3, 4, 5, 6, 7, 8}) {
+    const std::vector<RankResult> base = run_on_threads(s, p);
+    for (DecodeMerge m : {DecodeMerge::chain, DecodeMerge::tree}) {
+      Scenario t = s;
+      t.merge = m;
+      const std::vector<RankResult> rs = run_on_threads(t, p);
+      const std::string what = std::string(decode_merge_name(m)) + " P=" + std::to_string(p);
+      for (int64_t b = 0; b < s.sequences(); ++b) {
+        EXPECT_EQ(check_accuracy(t, b, combine(rs, t, b)), "") << what << " sequence " << b;
+        EXPECT_TRUE(ranks_agree(rs, b, s.prefill[b])) << what;
+        if (m == DecodeMerge::chain)
+          for (int r = 0; r < p; ++r)
+            EXPECT_TRUE(same_bits(rs[size_t(r)].out[b], base[size_t(r)].out[b]) &&
+                        same_bits(rs[size_t(r)].lse[b], base[size_t(r)].lse[b]))
+                << what << " rank " << r << " sequence " << b;
+      }
+    }
+  }
+  EXPECT_EQ(parse_decode_merge("tree"), DecodeMerge::tree);
+  EXPECT_THROW(parse_decode_merge("ring"), Error);
+}
+
 TEST(Inference, DefaultBlockAndLongerContext) {
   Scenario s;
   s.block = 64;

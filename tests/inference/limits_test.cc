@@ -252,7 +252,9 @@ TEST(KvCacheAgreement, RanksWithDifferentCacheOptionsAreRefusedNamingTheField) {
       {"kv_heads (KvCacheOptions::kv_heads) is 2 on rank 0 but 1 on rank 1",
        [](KvCacheOptions& o) { o.kv_heads = 1; }},
       {"head_dim (KvCacheOptions::head_dim) is 16 on rank 0 but 32 on rank 1",
-       [](KvCacheOptions& o) { o.head_dim = 32; }}};
+       [](KvCacheOptions& o) { o.head_dim = 32; }},
+      {"merge (KvCacheOptions::merge) is allgather on rank 0 but tree on rank 1",
+       [](KvCacheOptions& o) { o.merge = DecodeMerge::tree; }}};
   for (const bool prefill_first : {true, false})
     for (const auto& [want, edit] : cases) {
       const std::string call = prefill_first ? "prefill" : "decode";

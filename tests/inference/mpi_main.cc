@@ -1,5 +1,5 @@
-// Under `mpirun -n P`: prefill (both modes) and decode on the MPI transport give the same bits
-// as on P threads in this process (each process compares its own rank's rows). Exit 0 = equal.
+// Under `mpirun -n P`: prefill (both modes) and decode (every KvCacheOptions::merge) on the MPI
+// transport give the same bits as on P threads in this process (each process compares its own rank's rows). Exit 0 = equal.
 #include <cstdio>
 #include <cstring>
 
@@ -22,37 +22,43 @@ int main() {
   const Bf16Products low = kernel::bf16_products_of_level(top - 1);
   for (int split = 0; split <= (can_split ? 1 : 0); ++split)
     for (PrefillMode mode : {PrefillMode::pass_kv, PrefillMode::pass_q})
-      for (const char* mask : {"causal", "causal+documents"}) {
-        if (split && mask[6] != '\0') continue;  // the split pass: bf16 causal only
-        Scenario s;
-        s.dtype = split ? DType::bf16 : DType::f32;
-        s.mode = mode;
-        s.mask = parse_mask(mask);
-        s.prefill = {90, 41};
-        s.chunk = 40;
-        s.decode_steps = 3;
-        if (split) s.bf16_products = world.rank() % 2 ? kernel::bf16_products_of_level(top) : low;
-        s.build();
-        const RankResult mine = run_rank(world, s);
-        s.bf16_products = mine.bf16_products;
-        const std::vector<RankResult> threads = run_on_threads(s, world.size());
-        const RankResult& want = threads[world.rank()];
-        for (size_t b = 0; b < mine.out.size(); ++b)
-          if (std::memcmp(mine.out[b].data(), want.out[b].data(), want.out[b].bytes()) != 0 ||
-              std::memcmp(mine.lse[b].data(), want.lse[b].data(), want.lse[b].bytes()) != 0) {
-            std::fprintf(stderr, "rank %d: %s %s sequence %zu: MPI != threads\n", world.rank(),
-                         prefill_mode_name(mode), mask, b);
+      for (const char* mask : {"causal", "causal+documents"})
+        for (DecodeMerge merge : {DecodeMerge::allgather, DecodeMerge::chain, DecodeMerge::tree}) {
+          if (split && mask[6] != '\0') continue;  // the split pass: bf16 causal only
+          // The point-to-point merges: fp32 pass-KV causal only.
+          if (merge != DecodeMerge::allgather && (split || mode != PrefillMode::pass_kv || mask[6]))
+            continue;
+          Scenario s;
+          s.merge = merge;
+          s.dtype = split ? DType::bf16 : DType::f32;
+          s.mode = mode;
+          s.mask = parse_mask(mask);
+          s.prefill = {90, 41};
+          s.chunk = 40;
+          s.decode_steps = 3;
+          if (split) s.bf16_products = world.rank() % 2 ? kernel::bf16_products_of_level(top) : low;
+          s.build();
+          const RankResult mine = run_rank(world, s);
+          s.bf16_products = mine.bf16_products;
+          const std::vector<RankResult> threads = run_on_threads(s, world.size());
+          const RankResult& want = threads[world.rank()];
+          for (size_t b = 0; b < mine.out.size(); ++b)
+            if (std::memcmp(mine.out[b].data(), want.out[b].data(), want.out[b].bytes()) != 0 ||
+                std::memcmp(mine.lse[b].data(), want.lse[b].data(), want.lse[b].bytes()) != 0) {
+              std::fprintf(stderr, "rank %d: %s %s merge %s sequence %zu: MPI != threads\n",
+                           world.rank(), prefill_mode_name(mode), mask, decode_merge_name(merge),
+                           b);
+              ++failures;
+            }
+          if (split && mine.bf16_products != low) {
+            std::fprintf(stderr,
+                         "rank %d: ranks that disagreed on bf16 products agreed on %s, not "
+                         "the lowest (%s)\n",
+                         world.rank(), bf16_products_name(mine.bf16_products),
+                         bf16_products_name(low));
             ++failures;
           }
-        if (split && mine.bf16_products != low) {
-          std::fprintf(stderr,
-                       "rank %d: ranks that disagreed on bf16 products agreed on %s, not "
-                       "the lowest (%s)\n",
-                       world.rank(), bf16_products_name(mine.bf16_products),
-                       bf16_products_name(low));
-          ++failures;
         }
-      }
   if (world.rank() == 0 && failures == 0)
     std::printf("inference MPI == threads%s\n", can_split ? " (and with ranks that disagreed on "
                                                             "bf16 products)"

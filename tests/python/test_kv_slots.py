@@ -65,10 +65,11 @@ def decode(cache, truth, seqs, tn=1):
         assert cache.tokens(s) == len(truth.rows[s])
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_a_servers_calls_match_the_reference(ranks):
+@pytest.mark.parametrize("ranks,merge", [(1, "allgather"), (2, "allgather"), (3, "chain"),
+                                         (3, "tree")])
+def test_a_servers_calls_match_the_reference(ranks, merge):
     def fn(comm):
-        cache = ctxpar.KVCache(comm, kv_heads=2, head_dim=16, sequences=0, block=8)
+        cache = ctxpar.KVCache(comm, kv_heads=2, head_dim=16, sequences=0, block=8, merge=merge)
         truth = Truth()
         a, b = cache.add(), cache.add()
         prefill(cache, truth, [a, b], [19, 33])  # one call, two lengths
@@ -202,3 +203,9 @@ def test_serve_under_torchrun_2():
     run = torchrun(2, SERVE, *SMALL, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert_same_tokens(run.stdout, 2, "gloo")
+
+
+def test_a_merge_that_is_not_one_is_named():
+    with pytest.raises(ValueError, match="merge: unknown decode merge 'ring'; valid: allgather, "
+                                         "chain, tree"):
+        on_threads(1, lambda comm: ctxpar.KVCache(comm, kv_heads=1, head_dim=16, merge="ring"))

@@ -53,7 +53,13 @@ Tensor context_rows(const DecodeConfig& c, const std::string& npy, const std::ve
 }
 
 void run_rank(Communicator& comm, const DecodeConfig& c, Report& report) {
-  KvCache cache(comm, c.cache);
+  KvCacheOptions options = c.cache;
+  DecodeMergeTimes merge_times;
+  if (c.merge_auto && comm.size() > 1) {  // collective: the same pick on every rank
+    merge_times = time_decode_merges(comm, options, c.hq, 1, 20);
+    options.merge = merge_times.fastest;
+  }
+  KvCache cache(comm, options);
   const KvCacheOptions& o = c.cache;
   const int me = comm.rank();
   const int64_t nseq = o.sequences, d = o.head_dim;
@@ -117,6 +123,8 @@ void run_rank(Communicator& comm, const DecodeConfig& c, Report& report) {
   report.prefill_seconds = prefill_seconds;
   report.merge_seconds = merge;
   report.prefill_mode = mode;
+  report.merge = options.merge;
+  report.merge_times = merge_times;
   report.outputs_hash = outputs_hash;
   for (int r = 0; r < comm.size(); ++r) {
     report.prefill_bytes += all[4 * r];
@@ -151,6 +159,10 @@ Options decode_options() {
            "attend (prefill attention) | fill (store the K/V only) | auto "
            "(attend up to 32K tokens per sequence)")
       .add("prefill-mode", "auto", "attend: auto | pass-kv | pass-q (auto: fewer bytes)")
+      .add("merge", "auto",
+           "decode's merge across ranks: auto | allgather | chain | tree (auto: the faster of "
+           "allgather and chain, which give the same bits, timed on these ranks at the start; "
+           "tree: log2 P rounds, other bits)")
       .add("chunk", "0", "attend: prefill in chunks of this many tokens (0: all at once)")
       .add("k-npy", "", "keys of the context, .npy [C, Hkv, D] or [1, C, Hkv, D] (with --v-npy)")
       .add("v-npy", "", "values of the context, the same shape as --k-npy")
@@ -168,7 +180,8 @@ Options decode_options() {
           "ctxpar decode --context 8192 --ranks 2 --tokens 16 --prefill-mode pass-q --chunk 1024")
       .example("mpirun -n 4 ctxpar decode --context 256K --tokens 32 --prefill fill")
       .example("torchrun --no-python --nproc-per-node 2 ctxpar decode --context 64K --tokens 8")
-      .example("ctxpar decode --plan --context 131072 --chunk 4096 --ranks 2");
+      .example("ctxpar decode --plan --context 131072 --chunk 4096 --ranks 2")
+      .example("ctxpar decode --context 32K --ranks 8 --merge tree");
   return o;
 }
 
@@ -250,6 +263,12 @@ DecodeConfig decode_from_options(const Options& o) {
   c.seed = uint64_t(o.i64("seed", 0, kMaxSeed));
   c.chunk = o.i64("chunk", 0, kMaxTokens);
   c.json = o.on("json");
+  c.merge_auto = o.str("merge") == "auto";
+  try {
+    if (!c.merge_auto) k.merge = parse_decode_merge(o.str("merge"));
+  } catch (const Error& e) {
+    throw UsageError(std::string("--merge: ") + e.what() + " (or auto)");
+  }
   try {
     c.mode = parse_prefill_mode(o.str("prefill-mode"));
   } catch (const Error& e) {
@@ -284,9 +303,10 @@ int run_decode(const Options& o, const DecodeConfig& c, TransportKind transport)
   // alone with --plan returned while the others waited 120 s for it, naming nothing).
   if (one_per_process) {
     Signature sig;
-    for (const char* name : {"context", "lengths", "batch", "tokens", "heads", "kv-heads",
-                             "head-dim", "dtype", "bf16-tier", "mask", "block", "prefill",
-                             "prefill-mode", "chunk", "max-cache-bytes", "threads", "seed"})
+    for (const char* name :
+         {"context", "lengths", "batch", "tokens", "heads", "kv-heads", "head-dim", "dtype",
+          "bf16-tier", "mask", "block", "prefill", "prefill-mode", "merge", "chunk",
+          "max-cache-bytes", "threads", "seed"})
       sig.push_back({name, o.str(name)});
     sig.push_back({"plan", o.on("plan") ? "on" : "off"});
     sig.push_back({"json", o.on("json") ? "on" : "off"});

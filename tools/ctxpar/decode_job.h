@@ -16,6 +16,7 @@ struct DecodeConfig {
   KvCacheOptions cache;
   bool attend = true;
   PrefillMode mode = PrefillMode::automatic;
+  bool merge_auto = true;  // --merge auto: time the merges on the run's ranks, take the fastest
   uint64_t seed = 1;
   std::string k_npy, v_npy;
   bool json = false;
@@ -28,6 +29,8 @@ struct Report {
   std::vector<uint64_t> cache_bytes;             // per rank, at the end
   std::vector<double> cpu_seconds;  // per rank: decode's CPU time (its thread), all steps
   std::string prefill_mode;         // the modes the prefill calls ran ("pass-kv+pass-q"), or "fill"
+  DecodeMerge merge = DecodeMerge::allgather;  // the merge decode ran
+  DecodeMergeTimes merge_times;                // --merge auto: what it measured (else zeros)
   // FNV-1a of every step's out and lse, which are bitwise the same on every rank and transport
   // for the same P (docs/inference.md, "Decode"): `--json`'s way to compare two runs' answers.
   uint64_t outputs_hash = kFnv1a64Offset;

@@ -120,7 +120,9 @@ void print(const DecodeConfig& c, int ranks, const std::string& transport, const
         "\"token_seconds_mean\": %.6g, \"token_seconds_median\": %.6g, "
         "\"merge_seconds_mean\": %.6g, \"decode_bytes_per_token\": %.6g, "
         "\"cache_bytes_per_rank_max\": %llu, \"cache_bytes_per_rank_min\": %llu, "
-        "\"cpu_seconds_per_token\": [%s], \"outputs_hash\": \"%016llx\"}\n",
+        "\"cpu_seconds_per_token\": [%s], \"merge\": \"%s\", \"merge_seconds_measured\": "
+        "{\"allgather\": %.6g, \"chain\": %.6g, \"tree\": %.6g}, "
+        "\"outputs_hash\": \"%016llx\"}\n",
         transport.c_str(), ranks, (long long)c.cache.sequences, (long long)total,
         (long long)c.tokens, (long long)c.hq, (long long)c.cache.kv_heads,
         (long long)c.cache.head_dim, dtype_name(c.cache.dtype),
@@ -128,7 +130,8 @@ void print(const DecodeConfig& c, int ranks, const std::string& transport, const
         r.prefill_seconds, (unsigned long long)r.prefill_bytes, mean, median(r.step_seconds),
         r.step_seconds.empty() ? 0 : r.merge_seconds / double(r.step_seconds.size()),
         c.tokens ? double(r.decode_bytes) / double(c.tokens) : 0.0, (unsigned long long)cmax,
-        (unsigned long long)cmin, cpu.c_str(), (unsigned long long)r.outputs_hash);
+        (unsigned long long)cmin, cpu.c_str(), decode_merge_name(r.merge), r.merge_times.allgather,
+        r.merge_times.chain, r.merge_times.tree, (unsigned long long)r.outputs_hash);
     return;
   }
   std::printf(
@@ -145,6 +148,12 @@ void print(const DecodeConfig& c, int ranks, const std::string& transport, const
       (long long)c.tokens, mean * 1e3, median(r.step_seconds) * 1e3,
       r.step_seconds.empty() ? 0 : r.merge_seconds / double(r.step_seconds.size()) * 1e3,
       bytes_text(c.tokens ? double(r.decode_bytes) / double(c.tokens) : 0).c_str());
+  if (r.merge_times.allgather > 0)
+    std::printf("merge: %s (timed here: allgather %.1f us, chain %.1f us, tree %.1f us)\n",
+                decode_merge_name(r.merge), r.merge_times.allgather * 1e6,
+                r.merge_times.chain * 1e6, r.merge_times.tree * 1e6);
+  else
+    std::printf("merge: %s\n", decode_merge_name(r.merge));
   std::printf("KV cache per rank: %s (max) .. %s (min)\n", bytes_text(double(cmax)).c_str(),
               bytes_text(double(cmin)).c_str());
   std::printf("decode CPU time per token, per rank (s): %s\n", cpu.c_str());
@@ -155,6 +164,14 @@ void print_plan(const DecodeConfig& c, int ranks) {
   const KvCacheOptions& o = c.cache;
   const InferenceRates rates = measure_inference_rates(o, c.hq);
   const DecodePlan d = plan_decode(o, c.hq, 1, c.context, ranks, rates);
+  // The merges timed on `ranks` threads here (under mpirun / torchrun, run without --plan:
+  // --merge auto times them on the job's own ranks).
+  DecodeMergeTimes merges;
+  if (ranks > 1)
+    run_threads(ranks, [&](Communicator& comm) {
+      const DecodeMergeTimes t = time_decode_merges(comm, o, c.hq, 1, 20);
+      if (comm.rank() == 0) merges = t;
+    });
   const int64_t longest = *std::max_element(c.context.begin(), c.context.end());
   PrefillShape sh;
   sh.new_tokens = c.chunk > 0 ? std::min(c.chunk, longest) : longest;
@@ -175,14 +192,16 @@ void print_plan(const DecodeConfig& c, int ranks) {
         "\"prefill_new_tokens\": %lld, \"prefill_cached\": %lld, "
         "\"pass_kv_bytes\": %llu, \"pass_q_bytes\": %llu, \"pass_kv_seconds\": %.6g, "
         "\"pass_q_seconds\": %.6g, \"auto\": \"%s\", \"crossover_bytes\": %lld, "
-        "\"crossover_seconds\": %lld}\n",
+        "\"crossover_seconds\": %lld, \"merge_seconds_threads\": {\"allgather\": %.6g, "
+        "\"chain\": %.6g, \"tree\": %.6g}, \"merge_fastest\": \"%s\"}\n",
         ranks, rates.decode_seconds_per_token_head, rates.attention_flops,
         rates.link_bytes_per_second, rates.message_seconds, d.seconds, d.kernel_seconds,
         d.merge_seconds, (unsigned long long)d.bytes_per_call, (unsigned long long)*bmax,
         (unsigned long long)*bmin, (long long)sh.new_tokens, (long long)sh.cached,
         (unsigned long long)p.bytes.pass_kv, (unsigned long long)p.bytes.pass_q, p.pass_kv_seconds,
         p.pass_q_seconds, prefill_mode_name(p.chosen), (long long)p.crossover_bytes,
-        (long long)p.crossover_seconds);
+        (long long)p.crossover_seconds, merges.allgather, merges.chain, merges.tree,
+        decode_merge_name(merges.fastest_any));
     return;
   }
   std::printf(
@@ -203,6 +222,13 @@ void print_plan(const DecodeConfig& c, int ranks) {
       (long long)sh.new_tokens, (long long)sh.cached, bytes_text(double(p.bytes.pass_kv)).c_str(),
       p.pass_kv_seconds, bytes_text(double(p.bytes.pass_q)).c_str(), p.pass_q_seconds,
       prefill_mode_name(p.chosen));
+  if (ranks > 1)
+    std::printf(
+        "merge of the partials, timed on %d threads here: allgather %.1f us, chain %.1f us, "
+        "tree %.1f us; fastest %s; --merge auto takes the faster of allgather and chain "
+        "(the same bits), timed on the job's ranks (here: %s); the tree only when asked\n",
+        ranks, merges.allgather * 1e6, merges.chain * 1e6, merges.tree * 1e6,
+        decode_merge_name(merges.fastest_any), decode_merge_name(merges.fastest));
   std::printf(
       "crossover for %lld new tokens: pass-q moves fewer bytes from %lld cached tokens "
       "on, takes less time from %lld on (-1: never)\n",
