@@ -17,6 +17,8 @@ TrainConfig small_train_config();
 // Rank 0's step records.
 std::vector<StepRecord> run_train(const TrainConfig& c, int ranks,
                                   const std::function<void(const StepRecord&)>& on_step = {});
+// Rank 0's whole result (steps and final weights).
+TrainResult train_rank0(const TrainConfig& c, int ranks);
 // The ctxpar::Error message of the run ("" when it succeeds).
 std::string train_error(const TrainConfig& c, int ranks);
 
