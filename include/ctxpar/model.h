@@ -47,6 +47,13 @@ struct TrainConfig {
   int threads = 1;        // BLAS and kernel threads per rank
   std::string data_path;  // empty: the built-in long-range copy task
   int64_t copy_len = 0;   // built-in task: length of the copied block; 0 = min(128, T/4)
+  // With data_path: the token that ends a document (-1: none, one long stream). Each window
+  // of seq tokens is cut after every separator into packed documents: attention causal within
+  // a document, RoPE positions from 0 at each document start, and no loss across a boundary
+  // (the separator's own target, the next document's first token, is not predicted). Needs
+  // batch 1 (the documents mask is one per sequence; use dp for more sequences a step). The
+  // balanced layout needs it (packed_documents_rule below).
+  int separator = -1;
   // Optimiser: AdamW, global-norm clipping, linear warm-up then cosine decay to min_lr.
   double lr = 3e-3, min_lr = 1e-3, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double clip = 1.0;  // <= 0: no clipping
@@ -97,6 +104,12 @@ TrainMemory estimate_train_memory(const TrainConfig& config);
 // memory) need more than `limit` allows (memory_limit(), ctxpar/memory.h), with the figures,
 // the binding limit and the options to lower. An unknown limit: no check.
 void check_train_memory(const TrainConfig& config, int ranks_here, const MemoryLimit& limit);
+
+// The rules of packed documents that train() checks: TrainConfig::separator a token of the
+// vocabulary, with a data file, batch 1 and no gradient dump; the balanced layout only with
+// documents. "" when fine, else the reason (naming the fields): exported so that a caller (the
+// ctxpar command) refuses before it starts its ranks, in its own words.
+std::string packed_documents_rule(const TrainConfig& config);
 
 // OpenBLAS threads for the whole process (a global setting: call it before starting ranks).
 void set_blas_threads(int threads);

@@ -50,12 +50,67 @@ int open_data_file(const std::string& path, int64_t* size) {
   *size = int64_t(st.st_size);
   return fd;
 }
+// Packed documents in row b of the batch: a separator ends its document (the token after it
+// starts the next), and its target, the next document's first token, is not predicted.
+void cut_documents(Batch& batch, int64_t b, int separator) {
+  const int64_t t = batch.tokens;
+  batch.documents.resize(batch.batch * t);
+  batch.document_positions.resize(batch.batch * t);
+  int32_t document = 0;
+  int64_t start = 0;
+  for (int64_t p = 0; p < t; ++p) {
+    batch.documents[b * t + p] = document;
+    batch.document_positions[b * t + p] = p - start;
+    if (batch.inputs[b * t + p] == separator) {
+      batch.weight[b * t + p] = 0;
+      ++document;
+      start = p + 1;
+    }
+  }
+}
 }  // namespace
+
+}  // namespace ctxpar::model
+
+namespace ctxpar {
+
+std::string packed_documents_rule(const TrainConfig& config) {
+  if (config.separator == -1)
+    return config.layout != LayoutKind::balanced
+               ? ""
+               : "TrainConfig::layout balanced balances the work of packed documents and needs "
+                 "TrainConfig::separator (the token that ends a document in "
+                 "TrainConfig::data_path); without documents use zigzag, the causal mask's balance";
+  if (config.separator < 0 || config.separator >= config.model.vocab)
+    return detail::concat("TrainConfig::separator ", config.separator,
+                          " is not a token id: the vocabulary is 0..", config.model.vocab - 1,
+                          " (the bytes of the file); give the byte that ends a document, e.g. 10 "
+                          "for a newline or 0 for NUL");
+  if (config.data_path.empty())
+    return "TrainConfig::separator needs TrainConfig::data_path: the built-in task has no "
+           "documents; give the file of packed documents, or drop TrainConfig::separator";
+  if (config.batch != 1)
+    return detail::concat("TrainConfig::separator needs TrainConfig::batch 1, got ", config.batch,
+                          " (each sequence has its own documents, and attention takes one "
+                          "documents mask for all rows); for more sequences a step use "
+                          "TrainConfig::dp");
+  if (!config.dump_path.empty())
+    return "TrainConfig::dump_path writes a plain causal batch (what scripts/torch_check.py "
+           "checks) and cannot hold packed documents; drop TrainConfig::dump_path or "
+           "TrainConfig::separator";
+  return "";
+}
+
+}  // namespace ctxpar
+
+namespace ctxpar::model {
 
 DataSource::DataSource(const TrainConfig& config) : config_(config) {
   const int64_t t = config.seq;
   CTXPAR_CHECK(t >= 8, "train: TrainConfig::seq must be >= 8, got ", t);
   CTXPAR_CHECK(config.batch >= 1, "train: TrainConfig::batch must be >= 1, got ", config.batch);
+  const std::string packing = packed_documents_rule(config);
+  CTXPAR_CHECK(packing.empty(), "train: ", packing);
   if (!config.data_path.empty()) {
     int64_t size = 0;
     fd_ = open_data_file(config.data_path, &size);
@@ -126,8 +181,9 @@ Batch DataSource::batch(int64_t step, int group) const {
     for (int64_t p = 0; p < t; ++p) {
       out.inputs[b * t + p] = seq[p];
       out.labels[b * t + p] = seq[p + 1];
-      out.counted += out.weight[b * t + p];
     }
+    if (config_.separator >= 0) cut_documents(out, b, config_.separator);
+    for (int64_t p = 0; p < t; ++p) out.counted += out.weight[b * t + p];
   }
   return out;
 }

@@ -50,12 +50,13 @@ TrainMemory estimate_train_memory(const TrainConfig& config) {
   const double once = n * (6 * c + 1 + v + 3 * f + 2 * qw + 2 * kvw) + tl * m.head_dim;
   // The strategy's buffers at their peak, the larger of forward and backward: the runtime's
   // own model (ctxpar/strategy_memory.h) with the options the trainer gives the strategy
-  // (trainer.cc; fp32 under a causal mask).
+  // (trainer.cc; fp32 under a causal mask, with documents when packed).
   StrategyOptions options;
   options.kind = config.strategy;
   options.ulysses_degree = config.ulysses_degree;
   options.ulysses_groups = config.ulysses_groups;
   options.mask.causal = true;
+  options.mask.documents = config.separator >= 0;  // document ids travel with the K/V
   options.kernel.threads = config.threads;
   AttentionDims dims;
   dims.batch = config.batch;
@@ -68,7 +69,9 @@ TrainMemory estimate_train_memory(const TrainConfig& config) {
   out.activations = 4 * (double(m.layers) * per_block + once) + strategy;
   // The --data file is not held (each step reads its sequences: data.cc); --resume is read
   // whole while loading.
-  out.data = 3 * b * t + 3 * n + file_bytes(config.resume_path);
+  // Packed documents add a document id and a RoPE position (12 bytes) to each token.
+  const double token_bytes = config.separator >= 0 ? 15 : 3;
+  out.data = token_bytes * (b * t + n) + file_bytes(config.resume_path);
   return out;
 }
 

@@ -150,6 +150,7 @@ TrainResult train(Communicator& world, const TrainConfig& config,
   CTXPAR_CHECK(config.steps >= 1, "train: TrainConfig::steps must be >= 1, got ", config.steps);
   CTXPAR_CHECK(config.dump_path.empty() || config.dp == 1,
                "train: TrainConfig::dump_path needs TrainConfig::dp 1 (the dump holds one batch)");
+  const bool packed = config.separator >= 0;  // DataSource checks packed_documents_rule
   const Layout layout(config.layout, config.seq, config.cp);
   model::DataSource data(config);
   const int group = world.rank() / config.cp, crank = world.rank() % config.cp;
@@ -162,6 +163,7 @@ TrainResult train(Communicator& world, const TrainConfig& config,
   so.ulysses_degree = config.ulysses_degree;
   so.ulysses_groups = config.ulysses_groups;
   so.mask = Mask::causal_mask();
+  so.mask.documents = packed;
   so.kernel.threads = config.threads;
   so.device = config.device;
   std::unique_ptr<Strategy> strategy = Strategy::create(*cp_comm, so);
@@ -176,7 +178,7 @@ TrainResult train(Communicator& world, const TrainConfig& config,
 
   // Any --seq: the layout pads it to its granule; padding tokens (index >= seq) have no input,
   // no label and no loss weight, and attention neither sees them nor lets them see.
-  const std::vector<int64_t> index = layout.positions(crank);
+  std::vector<int64_t> index = layout.positions(crank);
   const int64_t tl = layout.local_tokens(), nb = config.batch;
   model::Transformer net(config.model, *strategy, layout.token_positions(crank), nb);
   std::vector<uint8_t> inputs(nb * tl), labels(nb * tl), weight(nb * tl);
@@ -189,6 +191,22 @@ TrainResult train(Communicator& world, const TrainConfig& config,
   for (int64_t step = first; step <= config.steps; ++step) {
     const auto t0 = Clock::now();
     const model::Batch batch = data.batch(step, group);
+    if (packed) {
+      // This window's documents place its tokens (the balanced layout solves for them; zigzag
+      // ignores them): every rank of the context group reads the same window and solves the
+      // same deterministic problem, so all hold the same layout. Padding: invisible position,
+      // RoPE angle 0 (rope.cc), document 0.
+      const Layout packing(config.layout, config.seq, config.cp, {so.mask, batch.documents, {}});
+      index = packing.positions(crank);
+      std::vector<int64_t> rope(tl, kPaddingPosition);
+      std::vector<int32_t> documents(tl, 0);
+      for (int64_t i = 0; i < tl; ++i)
+        if (!packing.is_padding(index[i])) {
+          rope[i] = batch.document_positions[index[i]];
+          documents[i] = batch.documents[index[i]];
+        }
+      net.set_tokens(packing.token_positions(crank), rope, std::move(documents));
+    }
     for (int64_t b = 0; b < nb; ++b)
       for (int64_t i = 0; i < tl; ++i) {
         const bool pad = layout.is_padding(index[i]);

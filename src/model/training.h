@@ -29,10 +29,15 @@ void adamw_update(std::vector<float>& weights, const std::vector<float>& grads, 
 
 // ---- data.cc --------------------------------------------------------------------------------
 // One data group's batch in global token order: tokens, labels (the next token) and the loss
-// weight (1 = counted), each [B, T].
+// weight (1 = counted), each [B, T]. With TrainConfig::separator, also each token's document
+// (ids from 0 in each sequence; the separator ends its document) and its position in it (RoPE
+// restarts at 0 at each document's start), each [B, T]; a separator's weight is 0 (its label
+// is the next document's first token).
 struct Batch {
   int64_t batch = 0, tokens = 0;
   std::vector<uint8_t> inputs, labels, weight;
+  std::vector<int32_t> documents;
+  std::vector<int64_t> document_positions;
   int64_t counted = 0;  // number of weight-1 tokens in the batch
 };
 // With --data, the file is opened once and each batch reads only its own sequences (T + 1

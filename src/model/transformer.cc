@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "ctxpar/error.h"
+
 namespace ctxpar::model {
 
 namespace {
@@ -69,6 +71,19 @@ Transformer::Transformer(const ModelConfig& config, Strategy& strategy,
   held_bytes_ += rope_.cos.capacity() * 8;
 }
 
+void Transformer::set_tokens(std::vector<int64_t> positions,
+                             const std::vector<int64_t>& rope_positions,
+                             std::vector<int32_t> documents) {
+  CTXPAR_CHECK(positions.size() == positions_.size() && rope_positions.size() == positions.size() &&
+                   documents.size() == positions.size(),
+               "Transformer::set_tokens: ", positions.size(), " positions, ", rope_positions.size(),
+               " RoPE positions and ", documents.size(), " document ids for ", positions_.size(),
+               " local tokens");
+  positions_ = std::move(positions);
+  documents_ = std::move(documents);
+  rope_ = rope_table(rope_positions, config_.head_dim, config_.rope_base);
+}
+
 LossSums Transformer::forward_backward(const float* weights, float* grads, const uint8_t* tokens,
                                        const uint8_t* labels, const uint8_t* weight,
                                        double global_count) {
@@ -78,6 +93,7 @@ LossSums Transformer::forward_backward(const float* weights, float* grads, const
   ModelParams g = bind_params(m, grads);
   Tokens toks;
   toks.positions = std::span<const int64_t>(positions_);
+  toks.documents = std::span<const int32_t>(documents_);
 
   // ---- forward ----
   embedding_forward(tokens, w.embed, x_.data(), n, c);

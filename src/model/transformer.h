@@ -42,6 +42,11 @@ class Transformer {
   // tokens, labels, weight [B, Tl] (local shard). Computes the loss and ADDS the gradient of
   // this rank's share of it into grads (flat, param order). global_count: counted tokens of
   // the whole data group's batch.
+  // Packed documents (the layout may change every step): the global positions the mask reads,
+  // the positions RoPE rotates by (from 0 at each document's start) and the document ids of
+  // the Tl local tokens.
+  void set_tokens(std::vector<int64_t> positions, const std::vector<int64_t>& rope_positions,
+                  std::vector<int32_t> documents);
   LossSums forward_backward(const float* weights, float* grads, const uint8_t* tokens,
                             const uint8_t* labels, const uint8_t* weight, double global_count);
   // Bytes of activations and scratch buffers held during a step, plus the largest peak the
@@ -52,6 +57,7 @@ class Transformer {
   ModelConfig config_;
   Strategy& strategy_;
   std::vector<int64_t> positions_;
+  std::vector<int32_t> documents_;  // empty: no documents mask
   RopeTable rope_;
   int64_t batch_, rows_;
   std::vector<BlockActs> acts_;

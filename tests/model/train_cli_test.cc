@@ -348,6 +348,59 @@ TEST_F(TrainCli, DataThatIsNotARegularFileIsRefused) {
   }
 }
 
+// --data with --separator: packed documents train on 2 ranks with the balanced layout (what
+// --layout auto picks then: the same bits as --layout balanced); bad separators and the
+// balanced layout without documents are refused before a step, naming the flag (exit 2).
+TEST_F(TrainCli, PackedDocumentsTrainBalancedAndBadSeparatorsAreRefused) {
+  {
+    std::ofstream docs(dir_ / "docs.txt", std::ios::binary);
+    for (int d = 0; d < 40; ++d)
+      docs << std::string(size_t(1 + d * 7 % 23), char('a' + d % 26)) << '\n';
+  }
+  const std::vector<std::string> packed = {"--data", "docs.txt", "--separator",
+                                           "10",     "--ranks",  "2"};
+  auto with = [&](std::vector<std::string> args, const std::vector<std::string>& more) {
+    args.insert(args.end(), more.begin(), more.end());
+    return args;
+  };
+  Result r = train(with(packed, {"--log", "auto.jsonl", "--no-plot"}));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  r = train(with(packed, {"--layout", "balanced", "--log", "balanced.jsonl", "--no-plot"}));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(lines_in(dir_ / "auto.jsonl"), 2u);
+  auto losses = [&](const char* log) {  // the losses, as JSON prints them (shortest exact text)
+    std::string out;
+    const std::string text = slurp(dir_ / log);
+    for (size_t at = text.find("\"loss\":"); at != std::string::npos;
+         at = text.find("\"loss\":", at + 1))
+      out += text.substr(at, text.find(',', at) - at) + " ";
+    return out;
+  };
+  const std::string auto_losses = losses("auto.jsonl");
+  EXPECT_EQ(std::count(auto_losses.begin(), auto_losses.end(), ' '), 2) << auto_losses;
+  EXPECT_EQ(auto_losses, losses("balanced.jsonl"));
+  const struct {
+    std::vector<std::string> args;
+    std::string message;
+  } cases[] = {
+      {with(packed, {"--separator", "256"}),
+       "--separator 256 is not a token id: the vocabulary is 0..255"},
+      {with(packed, {"--separator", "-1"}), "--separator must be"},
+      {{"--separator", "10"}, "--separator needs --data"},
+      {with(packed, {"--batch", "2"}), "--separator needs --batch 1, got 2"},
+      {{"--layout", "balanced"},
+       "--layout balanced balances the work of packed documents and "
+       "needs --separator"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.message);
+    r = train(with(c.args, {"--log", "refused.jsonl", "--no-plot"}));
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find(c.message), std::string::npos) << r.err;
+    EXPECT_FALSE(fs::exists(dir_ / "refused.jsonl")) << "a step ran before the refusal";
+  }
+}
+
 // A 200 kB header of 100000 nested brackets was a SIGSEGV (exit 139): the stack overflowed
 // printing it in an error message. Now a usage error naming the file, the depth and the limit.
 TEST_F(TrainCli, DeeplyNestedCheckpointHeaderIsRefusedNotASignal) {

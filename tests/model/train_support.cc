@@ -38,6 +38,17 @@ std::vector<StepRecord> run_train(const TrainConfig& c, int ranks,
   return out;
 }
 
+TrainResult train_rank0(const TrainConfig& c, int ranks) {
+  TrainResult out;
+  std::mutex mu;
+  run_threads(ranks, [&](Communicator& comm) {
+    TrainResult r = train(comm, c);
+    std::lock_guard<std::mutex> lock(mu);
+    if (comm.rank() == 0) out = std::move(r);
+  });
+  return out;
+}
+
 std::string train_error(const TrainConfig& c, int ranks) {
   try {
     run_train(c, ranks);

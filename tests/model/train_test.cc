@@ -27,12 +27,13 @@
 #include "model/params.h"
 #include "model/transformer.h"
 #include "error_text.h"
+#include "model/train_support.h"
 
 namespace ctxpar {
 namespace {
 
 constexpr double kLossRel = 1e-4;  // see the rule at the top
-constexpr float kWeightAbs = 5e-4f;
+using test::kWeightAbs;
 
 TrainConfig tiny_config() {
   TrainConfig c;

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -161,6 +162,7 @@ Signature train_signature(const TrainConfig& c) {
           {"weight-decay", real(c.weight_decay)},
           {"clip", real(c.clip)},
           {"copy-len", num(c.copy_len)},
+          {"separator", num(c.separator)},
           {"dump-grads", c.dump_path.empty() ? "" : "given"}};
 }
 
@@ -173,6 +175,8 @@ namespace {
 constexpr std::pair<const char*, const char*> kTrainFlags[] = {
     {"TrainConfig::log_path", "--log"},
     {"TrainConfig::data_path", "--data"},
+    {"TrainConfig::separator", "--separator"},
+    {"TrainConfig::layout", "--layout"},
     {"TrainConfig::save_path", "--save"},
     {"TrainConfig::resume_path", "--resume"},
     {"TrainConfig::dump_path", "--dump-grads"},
@@ -251,7 +255,9 @@ Options train_options() {
       .add("cp", "0", "ranks per context group (0: ranks / dp)")
       .add("strategy", "ring", "attention strategy: ring | allgather | ulysses | hybrid")
       .add("ulysses-degree", "0", "hybrid: ranks per Ulysses group (0 = all)")
-      .add("layout", "zigzag", "token layout: contiguous | zigzag | striped")
+      .add("layout", "auto",
+           "token layout: auto (balanced with --separator, else zigzag) | zigzag | balanced (by "
+           "the packed documents' work; needs --separator) | contiguous | striped")
       .add("threads", "1", "BLAS and kernel threads per rank (not given: OMP_NUM_THREADS when set)")
       .add_device()
       .add("transport", "auto",
@@ -268,6 +274,9 @@ Options train_options() {
       .add("weight-decay", "0.1", "AdamW decoupled weight decay")
       .add("clip", "1.0", "clip gradients to this global norm (0: off)")
       .add("data", "", "train on the bytes of this file instead of the built-in task")
+      .add("separator", "",
+           "--data holds packed documents, each ended by this byte (e.g. 10: one a line): "
+           "attention and RoPE positions per document, no loss across a boundary (--batch 1)")
       .add("copy-len", "0", "built-in task: copied block length (0: min(128, T/4))")
       .add("log", "", "JSON-lines log, one record per step")
       .add("plot", "", "PNG loss curve (default: the --log path with .png)")
@@ -280,7 +289,8 @@ Options train_options() {
       .example("ctxpar train --seq 8192 --ranks 4 --steps 300 --log train.jsonl")
       .example("ctxpar train --seq 16384 --ranks 2 --strategy allgather --layout contiguous")
       .example("mpirun -n 4 ctxpar train --seq 8192 --dp 2 --cp 2")
-      .example("ctxpar train --data book.txt --seq 2048 --save ck.safetensors --save-every 50");
+      .example("ctxpar train --data book.txt --seq 2048 --save ck.safetensors --save-every 50")
+      .example("ctxpar train --data lines.txt --separator 10 --seq 4096 --ranks 4");
   return o;
 }
 
@@ -298,7 +308,13 @@ TrainRun train_from_options(const Options& o) {
   c.ulysses_degree = o.i32("ulysses-degree", 0, kMaxProcesses);
   c.ulysses_groups = ulysses_groups_from_env();
   c.device = device_of(o);
-  c.layout = parse_layout(o.str("layout"));
+  if (o.given("separator"))
+    c.separator = o.i32("separator", 0, std::numeric_limits<int>::max(), "a token id");
+  // auto: balanced under packed documents, else zigzag (the runs without --separator keep
+  // their bits).
+  Mask mask = Mask::causal_mask();
+  mask.documents = c.separator >= 0;
+  c.layout = choose_layout(o.str("layout"), mask);
   c.threads = threads_option(o);
   c.model.layers = o.i32("layers", 1, 1 << 16);
   c.model.dim = o.i32("dim", 1, 1 << 20);
@@ -346,6 +362,7 @@ TrainRun train_from_options(const Options& o) {
   // One BLAS thread per rank unless told: ranks already fill the cores.
   set_blas_threads(c.threads);
   c.model.validate();
+  if (const std::string rule = packed_documents_rule(c); !rule.empty()) throw UsageError(rule);
   // Under mpirun every process parsed its own command line: refuse ranks that differ in an
   // option that changes the result or the schedule, within seconds and naming it.
   if (one_per_process) agree_on_options(world(), train_signature(c), "train");
@@ -400,10 +417,14 @@ int run_train(const TrainRun& run) {
     if (leader) first_step = result.first_step;
   };
   if (!quiet)
-    std::printf("ctxpar train: T=%lld, %d ranks (dp %d x cp %d, %s, %s, %s), model %s, %s\n",
-                (long long)c.seq, run.ranks, c.dp, c.cp, strategy_name(c.strategy),
-                layout_name(c.layout), transport_name(run.transport), c.model.describe().c_str(),
-                c.data_path.empty() ? "built-in copy task" : c.data_path.c_str());
+    std::printf(
+        "ctxpar train: T=%lld, %d ranks (dp %d x cp %d, %s, %s, %s), model %s, %s\n",
+        (long long)c.seq, run.ranks, c.dp, c.cp, strategy_name(c.strategy), layout_name(c.layout),
+        transport_name(run.transport), c.model.describe().c_str(),
+        c.data_path.empty() ? "built-in copy task"
+        : c.separator < 0
+            ? c.data_path.c_str()
+            : detail::concat(c.data_path, " (documents ended by byte ", c.separator, ")").c_str());
   LaunchOptions launch_options;
   launch_options.gloo = gloo_options(120);
   launch(run.transport, run.ranks, body, launch_options);
