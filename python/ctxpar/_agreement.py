@@ -38,6 +38,6 @@ def agree_after(comm, what, check, signature):
         made = check()
     except (TypeError, ValueError) as e:
         agree(comm, what, [], e)
-        raise  # agree raised e already; kept for readers
+        raise  # not reached: agree raises e itself
     agree(comm, what, signature(made))
     return made

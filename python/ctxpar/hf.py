@@ -218,7 +218,9 @@ def _checked_batch(batch, comm, layout):
 def context(comm, layout="zigzag", document_ids=None, position_ids=None):
     """This thread's CP context for the block (the previous one back after it): the model is
     called on this rank's share of a sequence whose documents are document_ids ([T]; None:
-    one), with position_ids its rank's global positions ([B, Tl] or [Tl]; None: not checked)."""
+    one), with position_ids its rank's global positions ([B, Tl] or [Tl]; None: not checked).
+    layout="balanced" needs document_ids (the shards made by ctxpar.layout.shard(x, comm,
+    "balanced", mask="causal", document_ids=...): causal attention within them)."""
     _check_comm(comm)
     layout = _checks.choice("layout", layout, _checks.LAYOUTS)
     documents = None if document_ids is None else _documents(document_ids, None,
