@@ -152,3 +152,20 @@ def test_attention_that_is_not_causal_is_refused_in_a_balanced_block():
         return True
 
     assert all(run_ranks(2, rank))
+
+
+def test_a_rank_with_another_layout_is_named_not_waited_for():
+    """Rank 0 balanced (agreeing on entry), rank 1 zigzag (agreeing in its first attention):
+    both raise a ValueError naming the layouts, within the threads' timeout."""
+    q = torch.randn(1, 2, T, 8)
+
+    def rank(comm):
+        buf = q.clone()
+        with pytest.raises(ValueError) as e:
+            with context_parallel(comm, buffers=[buf], buffer_seq_dims=[2], document_ids=DOCS,
+                                  layout="balanced" if comm.rank == 0 else "zigzag"):
+                F.scaled_dot_product_attention(buf, buf, buf, is_causal=True)
+        return str(e.value)
+
+    for message in run_ranks(2, rank):
+        assert "layout is balanced on rank 0 but zigzag on rank 1" in message, message
