@@ -70,19 +70,24 @@ def document_ids_from_cu_seqlens(cu_seqlens):
     return np.repeat(np.arange(cu.size - 1, dtype=np.int32), np.diff(cu).astype(np.int64))
 
 
+def documents(document_ids, cu_seqlens):
+    """The document ids (int32 [T], or None) of document_ids= or cu_seqlens= (one of them)."""
+    if cu_seqlens is not None:
+        if document_ids is not None:
+            raise ValueError("cu_seqlens: pass cu_seqlens or document_ids, not both")
+        document_ids = document_ids_from_cu_seqlens(cu_seqlens)
+    return int_array(document_ids, "document_ids", "int32")
+
+
 def options(strategy="ring", layout="zigzag", mask="none", document_ids=None, positions=None,
             ulysses_degree=0, head_groups=0, threads=1, scale=None, bf16_tier="exact",
             cu_seqlens=None):
     """The options every entry point shares, checked (ctxpar._checks), by the names of
     _ctxpar._JobArgs."""
-    if cu_seqlens is not None:
-        if document_ids is not None:
-            raise ValueError("cu_seqlens: pass cu_seqlens or document_ids, not both")
-        document_ids = document_ids_from_cu_seqlens(cu_seqlens)
     return dict(strategy=_checks.choice("strategy", strategy, _checks.STRATEGIES),
                 layout=_checks.choice("layout", layout, _checks.LAYOUTS), mask=mask_text(mask),
                 positions=int_array(positions, "positions", "int64"),
-                documents=int_array(document_ids, "document_ids", "int32"),
+                documents=documents(document_ids, cu_seqlens),
                 ulysses_degree=_checks.whole("ulysses_degree", ulysses_degree, 0,
                                              _checks.MAX_PROCESSES),
                 head_groups=_checks.whole("head_groups", head_groups, 0, _checks.MAX_HEADS),

@@ -23,6 +23,7 @@ from . import _checks
 from . import _ctxpar
 from . import _masks
 from . import layout as _layout
+from ._agreement import agree_after, digest
 from .torch import cp_attention
 
 NAME = "ctxpar"
@@ -40,14 +41,31 @@ def _set(ctx):
     _local.ctx = ctx
 
 
+# Where ctxpar.hf takes the documents the balanced layout balances (its refusal says so).
+_DOCUMENTS = ("pass document_ids ([T]) or cu_seqlens ([n + 1] offsets) in the batch given to "
+              "ctxpar.hf.shard_batch (hf.context: document_ids=)")
+
+
 class Context:
     """The sequence this thread's rank is training on: comm, layout, document ids of the whole
-    sequence (int32 [T], None: one document) and this rank's position_ids [B, Tl] or [Tl] (the
-    per-document positions the model must rotate by; None: not checked)."""
+    sequence (int32 [T], None: one document), this rank's position_ids [B, Tl] or [Tl] (the
+    per-document positions the model must rotate by; None: not checked) and this rank's global
+    token indices in the layout (None: found from the first attention's length, once)."""
 
-    def __init__(self, comm, layout, document_ids, position_ids):
+    def __init__(self, comm, layout, document_ids, position_ids, tokens=None):
         self.comm, self.layout = comm, layout
         self.document_ids, self.position_ids = document_ids, position_ids
+        self.tokens = tokens
+
+    def rank_tokens(self, Tl):
+        """This rank's Tl global token indices: the balanced layout is solved once per
+        context (causal attention within its documents, as cp_attention balances it)."""
+        if self.tokens is None or len(self.tokens) != Tl:
+            P = self.comm.size
+            self.tokens = _layout.positions(
+                Tl * P, P, self.comm.rank, self.layout,
+                **_layout.causal_documents(self.layout, self.document_ids, _DOCUMENTS))
+        return self.tokens
 
 
 def _current():
@@ -125,13 +143,41 @@ def shard_batch(batch, comm, layout="zigzag"):
     batch: a dict with input_ids [B, T]; optional labels [B, T] (default input_ids; tokens not
     to score hold -100, as transformers), position_ids [B, T] or [T] (default: 0.. per
     document), document_ids ([T], or [B, T] with equal rows) or cu_seqlens ([n + 1], offsets)
-    for packed documents. Collective only in that every rank must call it with the same batch.
+    for packed documents. Collective only in that every rank must call it with the same batch
+    (layout="balanced", which needs the documents and balances causal attention within them:
+    the ranks agree on the documents first, a collective).
     Returns {input_ids, position_ids, labels, shift_labels, num_items_in_batch}: [B, Tl] shards
     in `layout` order (ctxpar.layout.shard, cp_attention's order), labels shifted before
     sharding (token t predicts t + 1 of its own document), num_items_in_batch the global count
     of scored tokens (so each rank's loss is its share of the global mean)."""
     _check_comm(comm)
     layout = _checks.choice("layout", layout, _checks.LAYOUTS)
+    if layout == "balanced":
+        # The layout is the documents' own: ranks that shard by different documents would hold
+        # some tokens twice and others nowhere.
+        ids, labels, positions, documents, balance = agree_after(
+            comm, "ctxpar.hf.shard_batch", lambda: _checked_batch(batch, comm, layout),
+            lambda made: [("layout", layout), ("document_ids", digest(made[3]))])
+    else:
+        ids, labels, positions, documents, balance = _checked_batch(batch, comm, layout)
+    T = ids.shape[1]
+    shift = _shift_labels(labels, documents)
+    tokens = _layout.positions(T, comm.size, comm.rank, layout, **balance)  # solved once
+
+    def cut(x):
+        return _layout._take(x, tokens, 1)
+
+    local = {"input_ids": cut(ids), "position_ids": cut(positions), "shift_labels": cut(shift),
+             "num_items_in_batch": int((shift != IGNORE_INDEX).sum())}
+    # transformers computes a loss only when labels is passed; shift_labels is what it scores.
+    local["labels"] = local["shift_labels"]
+    _set(Context(comm, layout, documents, local["position_ids"], tokens))
+    return local
+
+
+def _checked_batch(batch, comm, layout):
+    """shard_batch's batch checked: (input_ids, labels, position_ids [B, T], document ids or
+    None, the layout's balance= of them)."""
     if not isinstance(batch, dict) or "input_ids" not in batch:
         raise TypeError("batch: expected a dict with input_ids [B, T] (and optional labels, "
                         "position_ids, document_ids or cu_seqlens)")
@@ -144,13 +190,14 @@ def shard_batch(batch, comm, layout="zigzag"):
     if ids.ndim != 2:
         raise ValueError(f"input_ids: expected [B, T], got shape {tuple(ids.shape)}")
     T = ids.shape[1]
-    unit = _ctxpar._layout_granule(layout, comm.size)
+    unit = _ctxpar._layout_granule(layout, comm.size, T)
     if T % unit:
         raise ValueError(f"input_ids: {T} tokens cannot be cut into {comm.size} equal shards by "
                          f"the {layout} layout (it needs T % {unit} == 0); pad or pack the "
                          f"sequence to {-(-T // unit) * unit} tokens")
     _check_no_padding(batch.get("attention_mask"))
     documents = _documents(batch.get("document_ids"), batch.get("cu_seqlens"), T)
+    balance = _layout.causal_documents(layout, documents, _DOCUMENTS)
     labels = ids if batch.get("labels") is None else torch.as_tensor(batch["labels"])
     if tuple(labels.shape) != tuple(ids.shape):
         raise ValueError(f"labels: expected the shape of input_ids {tuple(ids.shape)}, got "
@@ -164,28 +211,21 @@ def shard_batch(batch, comm, layout="zigzag"):
     if positions.ndim != 2 or positions.shape[1] != T:
         raise ValueError(f"position_ids: expected [B, T] or [T] with T = {T}, got shape "
                          f"{tuple(positions.shape)}")
-    shift = _shift_labels(labels, documents)
-
-    def cut(x):
-        return _layout.shard(x, comm, layout=layout, seq_dim=1)
-
-    local = {"input_ids": cut(ids), "position_ids": cut(positions), "shift_labels": cut(shift),
-             "num_items_in_batch": int((shift != IGNORE_INDEX).sum())}
-    # transformers computes a loss only when labels is passed; shift_labels is what it scores.
-    local["labels"] = local["shift_labels"]
-    _set(Context(comm, layout, documents, local["position_ids"]))
-    return local
+    return ids, labels, positions, documents, balance
 
 
 @contextlib.contextmanager
 def context(comm, layout="zigzag", document_ids=None, position_ids=None):
     """This thread's CP context for the block (the previous one back after it): the model is
     called on this rank's share of a sequence whose documents are document_ids ([T]; None:
-    one), with position_ids its rank's global positions ([B, Tl] or [Tl]; None: not checked)."""
+    one), with position_ids its rank's global positions ([B, Tl] or [Tl]; None: not checked).
+    layout="balanced" needs document_ids (the shards made by ctxpar.layout.shard(x, comm,
+    "balanced", mask="causal", document_ids=...): causal attention within them)."""
     _check_comm(comm)
     layout = _checks.choice("layout", layout, _checks.LAYOUTS)
     documents = None if document_ids is None else _documents(document_ids, None,
                                                              len(document_ids))
+    _layout.causal_documents(layout, documents, _DOCUMENTS)
     before = _get()
     ctx = Context(comm, layout, documents, position_ids)
     _set(ctx)
@@ -218,8 +258,7 @@ def _check_mask(ctx, attention_mask, causal, Tl):
     additive with 0 where visible): ignored. Anything else is refused, naming it."""
     if attention_mask is None:
         return
-    pos = torch.as_tensor(_layout.positions(Tl * ctx.comm.size, ctx.comm.size, ctx.comm.rank,
-                                            ctx.layout))
+    pos = torch.as_tensor(ctx.rank_tokens(Tl))
     docs = None if ctx.document_ids is None else torch.as_tensor(ctx.document_ids[pos.numpy()])
     expected = _masks.visible(pos if causal else torch.zeros_like(pos), docs)
     what = ("causal attention" if causal else "attention") + (
@@ -253,6 +292,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                          f"steps?); attn_implementation=\"{NAME}\" trains on a sharded sequence: "
                          "call the model with use_cache=False")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if ctx.layout == "balanced" and not causal:
+        raise ValueError(
+            f"is_causal=False ({type(module).__name__}): the CP context shards by the balanced "
+            "layout of causal attention within its documents, and attention without the causal "
+            "rule would need another layout of the tokens; use ctxpar.hf.shard_batch(..., "
+            "layout='zigzag') for a model that is not causal")
     _check_mask(ctx, attention_mask, causal, Tl)
     _check_positions(ctx, kwargs.get("position_ids"), Tl)
     out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),

@@ -19,21 +19,29 @@ LAYOUTS = _checks.LAYOUTS
 
 
 def _balance(mask, document_ids, cu_seqlens, layout="balanced"):
-    from ._attention import document_ids_from_cu_seqlens, mask_text
-    from ._arrays import int_array
+    from ._attention import documents, mask_text
     if layout == "balanced" and (isinstance(mask, str) and mask == "none") and \
             document_ids is None and cu_seqlens is None:
         # Sharded without the mask, the tokens would land where the attention (which balances
         # the mask it is given) does not look for them: a silently wrong result.
         raise ValueError("layout: 'balanced' assigns tokens by the mask's work: pass the mask= "
                          "and document_ids= (or cu_seqlens=) you pass to the attention, the same "
-                         "on every rank (context_parallel and ctxpar.hf shard with the fixed "
-                         "layouts: zigzag, striped, contiguous)")
-    if cu_seqlens is not None:
-        if document_ids is not None:
-            raise ValueError("cu_seqlens: pass cu_seqlens or document_ids, not both")
-        document_ids = document_ids_from_cu_seqlens(cu_seqlens)
-    return dict(mask=mask_text(mask), documents=int_array(document_ids, "document_ids", "int32"))
+                         "on every rank (context_parallel and ctxpar.hf take document_ids= or "
+                         "cu_seqlens= and balance causal attention within them)")
+    return dict(mask=mask_text(mask), documents=documents(document_ids, cu_seqlens))
+
+
+def causal_documents(layout, document_ids, how):
+    """The balance= of context_parallel's and ctxpar.hf's sharding, whose attention is causal
+    within the documents: {} for the fixed layouts; for the balanced layout the mask it
+    balances, refused without documents. how: where the caller passes them."""
+    if layout != "balanced":
+        return {}
+    if document_ids is None:
+        raise ValueError(f"layout: 'balanced' balances causal attention within packed "
+                         f"documents, and none were given: {how}. For one document keep the "
+                         "default layout='zigzag', which balances causal attention already")
+    return dict(mask="causal", document_ids=document_ids)
 
 
 def positions(tokens, ranks, rank, layout="zigzag", *, mask="none", document_ids=None,
@@ -102,9 +110,7 @@ def unshard_all(shards, layout="zigzag", seq_dim=1, **balance):
         if tuple(s.shape) != tuple(shards[0].shape):
             raise ValueError(f"shards[{r}]: shape {tuple(s.shape)} differs from shards[0]'s "
                              f"{tuple(shards[0].shape)}")
-    order = np.concatenate([positions(local * ranks, ranks, r, layout, **balance)
-                            for r in range(ranks)])
-    inverse = np.argsort(order, kind="stable")
+    _, inverse = permutation(local * ranks, ranks, layout, **balance)
     if framework(shards[0], "shards[0]") == "torch":
         import torch
         return _take(torch.cat(list(shards), dim=d), inverse, d)
@@ -113,6 +119,15 @@ def unshard_all(shards, layout="zigzag", seq_dim=1, **balance):
 
 def unshard(x_local, comm, layout="zigzag", seq_dim=1, **balance):
     """The full tensor on every rank, gathered from each rank's share (collective)."""
+    d = _seq_dim(x_local, seq_dim, "x_local")
+    _, inverse = permutation(x_local.shape[d] * comm.size, comm.size, layout, **balance)
+    return gather(x_local, comm, inverse, d)
+
+
+def gather(x_local, comm, inverse, seq_dim):
+    """unshard by a permutation's inverse already computed (context_parallel keeps its
+    layout's for the block's life): every rank's x_local, concatenated along seq_dim in rank
+    order, taken at `inverse` (collective)."""
     d = _seq_dim(x_local, seq_dim, "x_local")
     is_torch = framework(x_local, "x_local") == "torch"
     if is_torch:
@@ -124,7 +139,7 @@ def unshard(x_local, comm, layout="zigzag", seq_dim=1, **balance):
         local = np.ascontiguousarray(x_local)
     gathered = np.empty((comm.size,) + local.shape, dtype=local.dtype)
     comm.allgather(local, gathered)
-    full = np.ascontiguousarray(unshard_all(list(gathered), layout=layout, seq_dim=d, **balance))
+    full = np.ascontiguousarray(_take(np.concatenate(list(gathered), axis=d), inverse, d))
     if is_torch:
         out = torch.from_numpy(full)
         out = out.view(torch.bfloat16) if x_local.dtype == torch.bfloat16 else out

@@ -23,7 +23,8 @@ from . import _ctxpar
 from . import _checks
 from . import _masks
 from . import layout as _layout
-from ._arrays import int_array
+from ._agreement import agree_after, digest
+from ._attention import documents as _documents
 from . import _torch_ops
 from ._torch_ops import _compiling, _eager, _eager_with_arrays, _no_compile
 
@@ -97,9 +98,10 @@ class _RouteAttention(torch.overrides.TorchFunctionMode):
     TorchFunctionMode sees the call itself, not the name (Note [Every attention of a block]).
     Modes are per thread, so ranks that run as threads are each routed through their own block.
 
-    route: (comm, layout, strategy, threads, bf16_tier, document ids [T] or None); buffers: the
-    block's (index, buffer, seq dim, shape before the block), whose dims the routed SDPA
-    checks."""
+    route: (comm, layout, strategy, threads, bf16_tier, document ids [T] or None, this rank's
+    global token indices (the block's layout of its T tokens) or None without buffers);
+    buffers: the block's (index, buffer, seq dim, shape before the block), whose dims the
+    routed SDPA checks."""
 
     def __init__(self, route, buffers=()):
         super().__init__()
@@ -271,7 +273,7 @@ def _check_multi_head_attention(args, kwargs):
 def _routed_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                  scale=None, enable_gqa=False):
     """F.scaled_dot_product_attention's signature ([B, H, Tl, D]) on cp_attention."""
-    comm, layout, strategy, threads, bf16_tier, documents = mode.route
+    comm, layout, strategy, threads, bf16_tier, documents, positions = mode.route
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p: ctxpar computes exact attention; got {dropout_p} (the "
                          "modules' dropout=0.0, or .eval())")
@@ -286,8 +288,15 @@ def _routed_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_caus
                          f"{key.shape[1]} (torch's scaled_dot_product_attention refuses this "
                          "too); pass enable_gqa=True for grouped-query attention")
     if attn_mask is not None:  # one that restates causal attention means it
-        _check_block_mask(attn_mask, query.shape[2], comm, layout, documents)
+        _check_block_mask(attn_mask, query.shape[2], mode.route)
         is_causal = True
+    if layout == "balanced" and not is_causal:
+        raise ValueError(
+            "is_causal=False: this context_parallel block shards by the balanced layout of "
+            "causal attention within its documents, and attention without the causal rule "
+            "would need another layout of the tokens; pass is_causal=True (attention within "
+            "each document, causally), or use layout='zigzag' with document_ids= for "
+            "attention that is not causal")
     if enable_gqa and key.shape[1] != query.shape[1]:
         if query.shape[1] % key.shape[1]:
             raise ValueError(f"enable_gqa=True: query's {query.shape[1]} heads are no multiple "
@@ -305,11 +314,15 @@ def _routed_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_caus
     return out.transpose(1, 2)
 
 
-def _check_block_mask(mask, Tl, comm, layout, documents):
+def _check_block_mask(mask, Tl, route):
     """attn_mask of a routed SDPA: accepted where it restates the block's causal attention
     (within documents) -- as transformers builds it, reading the shard's position ids as packed
     sequences, or exactly -- else refused, naming the first pair it changes."""
-    pos = torch.as_tensor(_layout.positions(Tl * comm.size, comm.size, comm.rank, layout))
+    comm, layout, _, _, _, documents, positions = route
+    if positions is None or len(positions) != Tl:  # a fixed layout cuts any T
+        positions = _layout.positions(Tl * comm.size, comm.size, comm.rank, layout,
+                                      **_layout.causal_documents(layout, documents, _DOCUMENTS))
+    pos = torch.as_tensor(positions)
     ids, docs = pos, None
     if documents is not None:  # position ids restart at each document's first token
         every = torch.as_tensor(documents, dtype=torch.int64)
@@ -347,7 +360,7 @@ def _check_buffers(comm, buffers, dims, layout):
                 f"{tuple(buffers[0].shape)}); every buffer's seq dim must hold the same sequence "
                 "(is the dim right?)")
     P = comm.size
-    unit = _ctxpar._layout_granule(layout, P)
+    unit = _ctxpar._layout_granule(layout, P, T)
     if T % unit != 0:
         raise ValueError(f"buffers: the sequence of {T} tokens (buffers[0] dim {dims[0]}) cannot be "
                          f"cut into {P} equal shards by the {layout} layout (it needs T % {unit} "
@@ -412,10 +425,16 @@ def _hold(buffers):
                 _SHARDED.pop(id(b), None)
 
 
+# Where context_parallel and context_parallel_unshard take the documents the balanced layout
+# balances (the refusal without them says so).
+_DOCUMENTS = ("pass document_ids= (one id per token of the whole sequence) or cu_seqlens= "
+              "(flash_attn_varlen_func's offsets [0, l0, l0 + l1, ..., T])")
+
+
 @contextlib.contextmanager
 def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=None,
                      layout="zigzag", strategy=None, threads=1, bf16_tier="exact",
-                     document_ids=None):
+                     document_ids=None, cu_seqlens=None):
     """Shards `buffers` in place along `buffer_seq_dims` (this rank's tokens in `layout`
     order) and, inside the block, runs torch's scaled_dot_product_attention on ctxpar (by a
     TorchFunctionMode: names bound before the block, nn.MultiheadAttention and the
@@ -427,10 +446,12 @@ def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=No
     the gradient it held before the block (on an exception the block's shard gradient is
     dropped). Buffers are leaves, each passed once and to one block at a time.
     strategy: None is set_rotate_method's choice (default "ring").
-    bf16_tier: cp_attention's ("exact" or "fast"). document_ids (T ints, the whole sequence):
-    attention inside each document, and the masks transformers builds from per-document
-    position ids accepted (docs/python.md). Needs torch >= 2.0
-    (scaled_dot_product_attention)."""
+    bf16_tier: cp_attention's ("exact" or "fast"). document_ids (T ints, the whole sequence) or
+    cu_seqlens (flash_attn_varlen_func's offsets): attention inside each document, and the
+    masks transformers builds from per-document position ids accepted (docs/python.md).
+    layout="balanced" (with documents) shards by the balanced layout of causal attention within
+    them, solved once on entry, after the ranks agree on the documents (collective); SDPA
+    inside must then be causal. Needs torch >= 2.0 (scaled_dot_product_attention)."""
     comm = _communicator(mesh)
     if _SDPA is None:
         raise RuntimeError(f"context_parallel: torch {torch.__version__} has no "
@@ -441,30 +462,50 @@ def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=No
                               _checks.STRATEGIES)
     threads = _checks.threads(threads)
     bf16_tier = _checks.bf16_tier(bf16_tier)
-    buffers = list(buffers)
-    dims = _check_buffers(comm, buffers, list(buffer_seq_dims), layout)
-    documents = int_array(document_ids, "document_ids", "int32")
-    if documents is not None and buffers and len(documents) != buffers[0].shape[dims[0]]:
-        raise ValueError(f"document_ids: {len(documents)} ids for a sequence of "
-                         f"{buffers[0].shape[dims[0]]} tokens (buffers[0] dim {dims[0]}); pass "
-                         "one id per token of the whole sequence")
-    keep = _check_buffer_roles(buffers, no_restore_buffers)
+
+    def checked():
+        documents = _documents(document_ids, cu_seqlens)
+        balance = _layout.causal_documents(layout, documents, _DOCUMENTS)
+        bufs = list(buffers)
+        dims = _check_buffers(comm, bufs, list(buffer_seq_dims), layout)
+        if documents is not None and bufs and len(documents) != bufs[0].shape[dims[0]]:
+            raise ValueError(f"document_ids: {len(documents)} ids for a sequence of "
+                             f"{bufs[0].shape[dims[0]]} tokens (buffers[0] dim {dims[0]}); pass "
+                             "one id per token of the whole sequence")
+        return documents, balance, bufs, dims, _check_buffer_roles(bufs, no_restore_buffers)
+
+    if layout == "balanced":
+        # The layout is the documents' own: ranks that shard by different documents would hold
+        # some tokens twice and others nowhere. They agree before any buffer changes.
+        documents, balance, buffers, dims, keep = agree_after(
+            comm, "context_parallel", checked,
+            lambda made: [("layout", layout), ("document_ids", digest(made[0]))])
+    else:
+        documents, balance, buffers, dims, keep = checked()
+    tokens = buffers[0].shape[dims[0]] if buffers else (
+        None if documents is None else len(documents))
+    # The block's layout, solved once (the balanced solver is O((T/64)^2)): this rank's tokens
+    # for the shards and the routed masks, every rank's inverse for the gradients on exit.
+    perm = inverse = positions = None
+    if tokens is not None:
+        perm, inverse = _layout.permutation(tokens, comm.size, layout, **balance)
+        Tl = tokens // comm.size
+        positions = perm[comm.rank * Tl:(comm.rank + 1) * Tl]
     with _hold(buffers):
         originals = [b.data for b in buffers]
-        shards = [_layout.shard(b.data, comm, layout=layout, seq_dim=d)
-                  for b, d in zip(buffers, dims)]
+        shards = [_layout._take(b.data, positions, d) for b, d in zip(buffers, dims)]
         # Gradients from before the block (full shape) wait here; the block's start at None.
         grads_before = [b.grad if id(b) not in keep else None for b in buffers]
         checked = [(i, b, d, tuple(full.shape))
                    for i, (b, d, full) in enumerate(zip(buffers, dims, originals))]
+        route = (comm, layout, strategy, threads, bf16_tier, documents, positions)
         ok = False
         try:
             for b, s, g in zip(buffers, shards, grads_before):
                 if g is not None:
                     b.grad = None
                 b.data = s  # in place: the caller's tensor object now holds its shard
-            with _RouteAttention((comm, layout, strategy, threads, bf16_tier, documents),
-                                 checked):
+            with _RouteAttention(route, checked):
                 yield
             ok = True
         finally:
@@ -480,7 +521,7 @@ def context_parallel(mesh, buffers=(), buffer_seq_dims=(), no_restore_buffers=No
             # Every tensor is whole again before the (collective) gathers, which may raise.
             for b, g, d, before in zip(buffers, block_grads, dims, grads_before):
                 if ok and g is not None:
-                    whole = _layout.unshard(g, comm, layout=layout, seq_dim=d)
+                    whole = _layout.gather(g, comm, inverse, d)
                     b.grad = whole if before is None else before + whole
 
 
@@ -514,13 +555,16 @@ def set_rotate_method(rotate_method):
                                                 tuple(_ROTATE_METHODS))]
 
 
-def context_parallel_unshard(mesh, buffers, seq_dims, layout="zigzag"):
+def context_parallel_unshard(mesh, buffers, seq_dims, layout="zigzag", *, document_ids=None,
+                             cu_seqlens=None):
     """torch's context_parallel_unshard: each of `buffers` (this rank's shard, tokens in
     `layout` order along its seq dim) gathered from every rank into the whole tensor in global
     order -- the layout's inverse. Collective; returns new tensors (on each shard's device), no
-    gradient. mesh: a 1-D DeviceMesh or a ctxpar.Communicator, as context_parallel's."""
+    gradient. mesh: a 1-D DeviceMesh or a ctxpar.Communicator, as context_parallel's.
+    layout="balanced" needs the block's document_ids= or cu_seqlens= (its layout is theirs)."""
     comm = _communicator(mesh)
     layout = _checks.choice("layout", layout, _checks.LAYOUTS)
+    balance = _layout.causal_documents(layout, _documents(document_ids, cu_seqlens), _DOCUMENTS)
     buffers, seq_dims = list(buffers), list(seq_dims)
     if len(buffers) != len(seq_dims):
         raise ValueError(f"seq_dims: {len(seq_dims)} entries for {len(buffers)} buffers; pass "
@@ -530,4 +574,5 @@ def context_parallel_unshard(mesh, buffers, seq_dims, layout="zigzag"):
             got = "a 0-D tensor" if isinstance(b, torch.Tensor) else type(b).__name__
             raise TypeError(f"buffers[{i}]: expected a torch tensor with a seq dim, got {got}")
         seq_dims[i] = _checks.whole(f"seq_dims[{i}]", seq_dims[i], -b.ndim, b.ndim - 1)
-    return [_layout.unshard(b, comm, layout=layout, seq_dim=d) for b, d in zip(buffers, seq_dims)]
+    return [_layout.unshard(b, comm, layout=layout, seq_dim=d, **balance)
+            for b, d in zip(buffers, seq_dims)]

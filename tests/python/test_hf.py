@@ -174,6 +174,55 @@ def test_packed_documents(ranks, layout):
     check_training("llama", ranks, documents=True, layout=layout)
 
 
+@pytest.mark.parametrize("ranks, block, step", [
+    (2, False, None), (4, False, None), (2, True, None), (2, True, loss_in_block_without_mask)])
+def test_packed_documents_in_the_balanced_layout(ranks, block, step):
+    """layout="balanced" (its permutation of the packed documents is no fixed layout's:
+    checked) through ctxpar.hf.shard_batch, and through transformers' sdpa inside
+    context_parallel (with the 4-D mask transformers builds from the shard's position ids, read
+    back at the balanced positions): loss and gradients equal to one process with the
+    per-document mask, under the rule."""
+    docs = batches(True)[0]["document_ids"]
+    perm = ctxpar.layout.permutation(T, ranks, "balanced", mask="causal", document_ids=docs)[0]
+    for fixed in ("contiguous", "zigzag", "striped"):
+        assert not (perm == ctxpar.layout.permutation(T, ranks, fixed)[0]).all(), fixed
+    check_training("llama", ranks, documents=True, layout="balanced", block=block, step=step,
+                   steps=2)
+
+
+def test_balanced_layout_refusals():
+    """shard_batch / context with layout="balanced": refused without documents (saying what to
+    pass), on ranks given different documents (naming document_ids: each would shard by its
+    own layout), and for attention that is not causal (the layout balances causal work)."""
+    ids = torch.randint(VOCAB, (1, T))
+    docs = batches(True)[0]["document_ids"]
+    errors = {}
+
+    def rank(comm):
+        with pytest.raises(ValueError, match="balances causal attention within packed") as none:
+            hf.shard_batch({"input_ids": ids}, comm, layout="balanced")
+        with pytest.raises(ValueError, match="balances causal attention within packed"):
+            with hf.context(comm, layout="balanced"):
+                pass
+        mine = docs if comm.rank == 0 else torch.tensor([0] * 16 + [1] * 16)
+        with pytest.raises(ValueError) as differ:
+            hf.shard_batch({"input_ids": ids, "document_ids": mine}, comm, layout="balanced")
+        local = hf.shard_batch({"input_ids": ids, "cu_seqlens": [0, 5, 22, 32]}, comm,
+                               layout="balanced")
+        module = torch.nn.Module()
+        module.is_causal = False
+        q = torch.zeros(1, 2, T // comm.size, 8)
+        with pytest.raises(ValueError, match="is_causal=False"):
+            hf.attention_forward(module, q, q, q, None, position_ids=local["position_ids"])
+        errors[comm.rank] = (str(none.value), str(differ.value))
+
+    ctxpar.run_threads(2, rank, timeout_s=60)
+    assert errors[0][1] == errors[1][1]
+    assert errors[0][1].startswith("ctxpar.hf.shard_batch: the ranks were called with different "
+                                   "arguments: document_ids is"), errors[0][1]
+    assert "document_ids" in errors[0][0] and "cu_seqlens" in errors[0][0], errors[0][0]
+
+
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_gradient_checkpointing(use_reentrant):
     check_training("qwen2", 2, documents=True, checkpointing=use_reentrant)
@@ -319,18 +368,27 @@ def test_shard_batch_refuses_naming_the_argument(batch, needle):
     ctxpar.run_threads(2, rank)
 
 
-def test_context_block_equals_shard_batch():
+@pytest.mark.parametrize("layout, first", [("zigzag", 6), ("balanced", 10)])
+def test_context_block_equals_shard_batch(layout, first):
     """`with hf.context(comm, document_ids=...)` on shards made by hand gives shard_batch's
-    logits, and the previous context is back after the block."""
-    model, ids, docs, outs = two_documents()
+    logits, and the previous context is back after the block. Balanced: documents of 10 and 6
+    tokens, whose balanced layout is no fixed layout's (checked)."""
+    model, ids, _, outs = two_documents()
+    docs = torch.tensor([0] * first + [1] * (16 - first))
+    bal = dict(mask="causal", document_ids=docs)  # what the balanced layout balances
+    if layout == "balanced":
+        perm = ctxpar.layout.permutation(16, 2, layout, **bal)[0]
+        assert all(not (perm == ctxpar.layout.permutation(16, 2, f)[0]).all()
+                   for f in ("contiguous", "zigzag", "striped"))
 
     def rank(comm):
-        local = hf.shard_batch({"input_ids": ids, "document_ids": docs}, comm)
+        local = hf.shard_batch({"input_ids": ids, "document_ids": docs}, comm, layout=layout)
         before = model(**local, use_cache=False).logits
         hf.clear_context()
-        shard = ctxpar.layout.shard(ids, comm)
-        pos = ctxpar.layout.shard(torch.tensor(list(range(6)) + list(range(10)))[None], comm)
-        with hf.context(comm, document_ids=docs, position_ids=pos):
+        shard = ctxpar.layout.shard(ids, comm, layout, **bal)
+        pos = ctxpar.layout.shard(torch.tensor(list(range(first)) + list(range(16 - first)))[None],
+                                  comm, layout, **bal)
+        with hf.context(comm, layout=layout, document_ids=docs, position_ids=pos):
             inside = model(input_ids=shard, position_ids=pos, use_cache=False).logits
         with pytest.raises(RuntimeError, match="shard_batch"):
             model(input_ids=shard, position_ids=pos, use_cache=False)
