@@ -30,13 +30,15 @@ StrategyKind parse_strategy(const std::string& name);  // throws listing the val
 
 constexpr int kMaxUlyssesGroups = 1024;  // StrategyOptions::ulysses_groups
 
-// How the ring moves K/V (docs/ring.md, "Moving only what is needed"). ring: every block goes
-// around the whole ring (P-1 hops). needed: at step s each rank sends rank r+s directly only
-// the 64-row key tiles that some query tile of r+s can see (mask_rules.h's classify on tile
-// summaries the ranks all-gather once per call), and a step with nothing to carry moves
-// nothing. automatic ("auto"): needed for the ring when the mask restricts by documents,
-// otherwise ring (plain, causal and window runs keep their bits). Only the ring strategy has
-// the needed exchange: all-gather, Ulysses and hybrid move every token (auto keeps them so).
+// How the ring and the all-gather move K/V (docs/ring.md, "Moving only what is needed";
+// docs/allgather.md). ring: every block goes around the whole ring (P-1 hops), or all-gather
+// gathers every block. needed: each rank sends a peer directly only the 64-row key tiles that
+// some query tile of the peer can see (mask_rules.h's classify on tile summaries the ranks
+// all-gather once per call; the ring at step s to rank r+s, the all-gather to every peer at
+// once), and a pair with nothing to carry moves nothing. automatic ("auto"): needed for the
+// ring and the all-gather when the mask restricts by documents or slices, otherwise ring
+// (plain, causal and window runs keep their bits). Ulysses and hybrid move every token (auto
+// keeps them so; needed is refused for them).
 enum class Exchange { automatic, ring, needed };
 const char* exchange_name(Exchange e);             // "auto", "ring", "needed"
 Exchange parse_exchange(const std::string& name);  // throws listing the valid names
@@ -53,12 +55,15 @@ struct StrategyOptions {
   Mask mask;
   KernelConfig kernel;
   DeviceOptions device;  // each rank makes its own device of this kind (default: cpu)
-  Exchange exchange = Exchange::automatic;  // ring only: what K/V moves (Exchange above)
+  Exchange exchange = Exchange::automatic;  // ring, allgather: what K/V moves (Exchange above)
 };
 
-// The exchange `options` runs: options.exchange with `automatic` resolved (ring + a mask that
-// restricts by documents: needed; anything else: ring). Strategy::create resolves it once.
+// The exchange `options` runs: options.exchange with `automatic` resolved (ring or allgather +
+// a mask that restricts by documents or slices: needed; anything else: ring). Strategy::create
+// resolves it once.
 Exchange exchange_of(const StrategyOptions& options);
+// Whether `kind` has the needed exchange (ring, allgather); the others refuse it.
+bool has_needed_exchange(StrategyKind kind);
 
 // What one rank did in the last call.
 struct StrategyStats {

@@ -28,8 +28,8 @@ enum class AttentionPass { forward, backward };
 // groups and kernel threads of `options`, on `ranks` ranks. In double: a hostile shape must
 // not overflow the estimate. The count is deterministic (a buffer counts from its allocation
 // to its release by the host, whatever the streams do meanwhile), so the model is exact;
-// except for the ring's needed exchange (Exchange::needed), whose buffers hold the tiles the
-// mask needs: the model is its most, when every tile is needed.
+// except for the needed exchange (Exchange::needed) of the ring and the all-gather, whose
+// buffers hold the tiles the mask needs: the model is its most, when every tile is needed.
 double attention_buffer_bytes(const StrategyOptions& options, const AttentionDims& dims, int ranks,
                               AttentionPass pass);
 

@@ -65,12 +65,12 @@ std::unique_ptr<Strategy> Strategy::create(Communicator& comm, const StrategyOpt
     error = detail::concat("ulysses_groups: expected 0 (the default) or 1..", kMaxUlyssesGroups,
                            " (the most head groups Ulysses pipelines its all-to-alls over), got ",
                            options.ulysses_groups);
-  else if (options.exchange == Exchange::needed && options.kind != StrategyKind::ring)
+  else if (options.exchange == Exchange::needed && !has_needed_exchange(options.kind))
     error = detail::concat(
-        "exchange = needed: only the ring strategy sends each rank only the "
+        "exchange = needed: only the ring and allgather strategies send each rank only the "
         "K/V it needs (",
         strategy_name(options.kind), " moves every token); use exchange = auto or ring with ",
-        strategy_name(options.kind), ", or strategy = ring");
+        strategy_name(options.kind), ", or strategy = ring or allgather");
   else if (options.kernel.threads < 1)
     error = detail::concat("kernel.threads: expected >= 1, got ", options.kernel.threads);
   else

@@ -116,7 +116,8 @@ void ring_forward(Communicator& comm, Call& call, const ForwardArgs& a);
 void ring_backward(Communicator& comm, Call& call, const GradArgs& a);
 // The same under Exchange::needed (src/strategy/ring_needed.cc): each rank receives only the
 // K/V rows its queries can see, straight from their owner; the dK/dV of those rows go back to
-// it. The ring strategy's own; hybrid's ring keeps ring_forward / ring_backward.
+// it. The ring strategy's own; hybrid's ring keeps ring_forward / ring_backward. (The
+// all-gather's needed exchange: allgather.cc, on the same plan, strategy/needed.h.)
 void ring_needed_forward(Communicator& comm, Call& call, const ForwardArgs& a);
 void ring_needed_backward(Communicator& comm, Call& call, const GradArgs& a);
 

@@ -60,7 +60,11 @@ Exchange exchange_of(const StrategyOptions& options) {
   // A mask that restricts by documents or slices leaves most of a rank's keys invisible to
   // most peers.
   const bool sparse = options.mask.documents || options.mask.sliced;
-  return options.kind == StrategyKind::ring && sparse ? Exchange::needed : Exchange::ring;
+  return has_needed_exchange(options.kind) && sparse ? Exchange::needed : Exchange::ring;
+}
+
+bool has_needed_exchange(StrategyKind kind) {
+  return kind == StrategyKind::ring || kind == StrategyKind::allgather;
 }
 
 std::string ulysses_heads_rule(int64_t hq, int ranks) {

@@ -101,15 +101,16 @@ int main() {
                     split ? mine : Bf16Products::automatic, split ? low : Bf16Products::automatic);
           runs += 1;
         }
-      // The ring's needed exchange (auto under a documents mask) over several tiles per rank:
-      // its direct messages and the gradients going home. (T = 640: no padding, whose rows
-      // this comparison does not gather as the threads run does.)
+      // The needed exchange of the ring and the all-gather (auto under a documents mask) over
+      // several tiles per rank: their direct messages and the gradients going home. (T = 640:
+      // no padding, whose rows this comparison does not gather as the threads run does.)
       if (!split)
-        for (LayoutKind lk : {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped}) {
-          failures += check(world, StrategyKind::ring, lk, "causal+documents", 2, 1, DType::f32,
-                            Bf16Products::automatic, Bf16Products::automatic, 640);
-          runs += 1;
-        }
+        for (StrategyKind kind : {StrategyKind::ring, StrategyKind::allgather})
+          for (LayoutKind lk : {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped}) {
+            failures += check(world, kind, lk, "causal+documents", 2, 1, DType::f32,
+                              Bf16Products::automatic, Bf16Products::automatic, 640);
+            runs += 1;
+          }
       if (split && world.rank() == 0)
         std::printf("strategy mpi: bf16 runs with ranks that disagreed on bf16 products\n");
     }

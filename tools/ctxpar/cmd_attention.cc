@@ -38,9 +38,9 @@ Options attention_options() {
       .add("strategy", "ring", "ring | allgather | ulysses | hybrid")
       .add("ulysses-degree", "0", "hybrid: ranks per Ulysses group u, must divide P (0 = P)")
       .add("exchange", "auto",
-           "ring: needed (each rank sends a peer only the K/V tiles the peer's queries can "
-           "see) | ring (every block around the ring) | auto (needed under a documents or "
-           "slice mask)")
+           "ring, allgather: needed (each rank sends a peer only the K/V tiles the peer's "
+           "queries can see) | ring (every block around the ring, or all gathered) | auto "
+           "(needed under a documents or slice mask)")
       .add("layout", "auto",
            "how tokens map to ranks: auto (balanced for document and slice masks, else zigzag) | "
            "zigzag (balanced under a causal mask) | balanced (by the mask's work) | contiguous | "

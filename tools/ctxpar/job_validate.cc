@@ -35,9 +35,11 @@ void validate_ulysses(const AttentionJob& job) {
   CTXPAR_CHECK(job.ulysses_degree == 0 || job.strategy == StrategyKind::hybrid,
                "--ulysses-degree applies to --strategy hybrid only (ulysses uses all ", P,
                " ranks); drop it or use --strategy hybrid");
-  CTXPAR_CHECK(job.exchange != Exchange::needed || job.strategy == StrategyKind::ring,
-               "--exchange needed applies to --strategy ring only (", strategy_name(job.strategy),
-               " moves every token); drop it (or use --exchange auto), or use --strategy ring");
+  CTXPAR_CHECK(
+      job.exchange != Exchange::needed || has_needed_exchange(job.strategy),
+      "--exchange needed applies to --strategy ring or allgather only (",
+      strategy_name(job.strategy),
+      " moves every token); drop it (or use --exchange auto), or use --strategy ring or allgather");
   if (uses_ulysses) {
     const int64_t u = job.ulysses_degree ? job.ulysses_degree : P;
     std::string divisors;
