@@ -55,6 +55,11 @@ struct KvCacheOptions {
   // Unset: on in a debug build of the library (NDEBUG not defined), off in a release build.
   // Not on the cuda device (it reads no input on the host; DeviceCaps::finite_checks).
   std::optional<bool> hash_inputs;
+  // Decode's kernel: true reads the shard where it lies (docs/inference.md, "Decode reads the
+  // cache in place"), on the cpu and sim devices for a mask without documents; false, or
+  // elsewhere, the tile kernel's path (the reference the in-place kernel is measured and tested
+  // against). The same on every rank (the two round differently).
+  bool decode_in_place = true;
 };
 
 // The one rule for a cache's mask (the KvCache constructor, ctxpar.KVCache and `ctxpar decode`

@@ -77,6 +77,7 @@ struct InferenceAccess {
          {"mask (KvCacheOptions::mask)", o.mask.describe()},
          {"scale (KvCacheOptions::kernel.scale)", scale},
          {"bf16 tier (KvCacheOptions::kernel.bf16_tier)", bf16_tier_name(o.kernel.bf16_tier)},
+         {"decode_in_place (KvCacheOptions::decode_in_place)", o.decode_in_place ? "1" : "0"},
          {"max_tokens_per_rank (KvCacheOptions::max_tokens_per_rank)",
           std::to_string(o.max_tokens_per_rank)},
          {"max_bytes_per_rank (KvCacheOptions::max_bytes_per_rank)",
