@@ -118,3 +118,23 @@ TEST(DecodeInPlace, RanksThatChooseOtherKernelsAreRefused) {
     EXPECT_EQ(cache.tokens(0), 0) << "a refused call stored the new token";
   });
 }
+
+TEST(DecodeInPlace, EveryGroupSizeAndHeadDim) {
+  // The products' paths: g = 1 (one row per KV head), 3 (no blocked case), 8 (two of 4); D a
+  // multiple of every target's lanes or not (24: the vectors' scalar tail, V by axpy).
+  struct Shape {
+    int64_t hq, hkv, d;
+  };
+  for (const Shape& sh : {Shape{2, 2, 16}, Shape{3, 1, 16}, Shape{8, 1, 24}, Shape{4, 2, 48}})
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      Scenario s;
+      s.hq = sh.hq, s.hkv = sh.hkv, s.d = sh.d, s.block = 64, s.dtype = dtype;
+      s.prefill = {kernel::kDecodeSplit + 40};
+      s.decode_steps = 1;
+      s.decode_tokens = 3;  // an odd count of new keys: the scores' single-key tail
+      s.build();
+      const auto rs = run_on_threads(s, 1);
+      EXPECT_EQ(check_accuracy(s, 0, combine(rs, s, 0), s.prefill[0]), "")
+          << "Hq " << sh.hq << " Hkv " << sh.hkv << " D " << sh.d << " " << dtype_name(dtype);
+    }
+}
