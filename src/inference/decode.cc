@@ -209,6 +209,7 @@ void attend_in_place(KvCache& cache, std::span<const int64_t> seqs, const Tensor
     p.mask = o.mask;
     p.scale = o.kernel.scale;
     p.threads = o.kernel.threads;
+    p.round_p = o.dtype == DType::bf16 && o.kernel.bf16_tier == Bf16Tier::fast;
     p.out = parts.o(me).slice(0, i, i + 1);
     p.lse = parts.lse(me).slice(0, i, i + 1);
     kernel::decode_in_place(p);

@@ -26,6 +26,9 @@ struct DecodeShard {
   Mask mask;
   float scale = 0;  // 0: 1/sqrt(D), as KernelConfig::scale
   int threads = 1;
+  // The fast bf16 tier (KernelConfig::bf16_tier, for a bf16 cache): P rounded to bf16 before
+  // P V, l summed from the fp32 P -- the tile kernel's rule (docs/kernel.md, "bf16 tiers").
+  bool round_p = false;
   TensorView out, lse;
 };
 

@@ -163,6 +163,8 @@ void run_task(const DecodeShard& p, const DecodeTask& task, int64_t g, int64_t d
       hn::StoreU(exp2_neg(df, hn::Mul(hn::Sub(hn::LoadU(df, s + j), vm), vl)), df, s + j);
     float sum = 0;
     for (int64_t j = 0; j < nk; ++j) sum += s[j];
+    if (p.round_p)
+      for (int64_t j = 0; j < nk; ++j) s[j] = round_to_bf16(s[j]);
     m[r] = mx;
     l[r] = sum;
     std::fill(acc + r * d, acc + (r + 1) * d, 0.0f);
