@@ -2,6 +2,8 @@
 # The CPU measurement suite in one run: ctxpar's kernel against this machine's FMA peak,
 # ctxpar against PyTorch's CPU scaled_dot_product_attention (a pinned current torch from PyPI,
 # in its own venv), the ring P=2 against one rank with two threads, zigzag against contiguous.
+# decode_1t: one decoded token over a 128K fp32 cache against the read bandwidth of the same
+# thread (`ctxpar bench decode`, both measured in the same run).
 # Every figure is a ratio of runs taken in the same repetition; the repetitions alternate the
 # order of the runs (forward, then reversed) so that a slow drift of the machine falls on both
 # sides; the table gives the median and the spread over repetitions. Run it on a quiet machine:
@@ -104,13 +106,13 @@ fi
 
 # --- the runs ---------------------------------------------------------------------------------
 if [ "$QUICK" = 1 ]; then
-  KT=512 KH=2 KD=64 CT=2048 CH=2 CD=64
+  KT=512 KH=2 KD=64 CT=2048 CH=2 CD=64 DC=4K DS=64
 else
-  KT=4096 KH=8 KD=128 CT=16384 CH=4 CD=128
+  KT=4096 KH=8 KD=128 CT=16384 CH=4 CD=128 DC=128K DS=0
 fi
 RUNS=(kernel_1t torch_1t kernel_2t torch_2t kernel_bf16_1t torch_bf16_1t kernel_bf16_2t torch_bf16_2t
-      ring_p2_zigzag ring_p2_contiguous one_rank_2t)
-[ -e "$INFO/torch_skipped" ] && RUNS=(kernel_1t kernel_2t ring_p2_zigzag ring_p2_contiguous one_rank_2t)
+      ring_p2_zigzag ring_p2_contiguous one_rank_2t decode_1t)
+[ -e "$INFO/torch_skipped" ] && RUNS=(kernel_1t kernel_2t ring_p2_zigzag ring_p2_contiguous one_rank_2t decode_1t)
 [ -n "$GGML_BIN" ] && RUNS+=(ggml_1t ggml_2t ggml_f16_2t)
 # bf16 inputs with the exact bf16 products forced on (CTXPAR_BF16_PRODUCTS=on), beside
 # kernel_bf16_1t (what the probe chose: fp32 products on a CPU where vdpbf16ps is slower).
@@ -162,6 +164,8 @@ run() {  # run NAME: one measurement, its JSON kept only if it succeeded
     ring_p2_zigzag) attention --ranks 2 --threads 1 --layout zigzag ;;
     ring_p2_contiguous) attention --ranks 2 --threads 1 --layout contiguous ;;
     one_rank_2t) attention --ranks 1 --threads 2 ;;
+    decode_1t) "$CTXPAR" bench decode --context $DC --dtype fp32 --threads 1 --repeats 3 \
+      --stream-mib $DS --json ;;  # DS 0: 4x the last-level cache
     ggml_1t) ggml_fa 1 f32 ;;
     ggml_2t) ggml_fa 2 f32 ;;
     ggml_f16_2t) ggml_fa 2 f16 ;;

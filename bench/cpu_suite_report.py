@@ -160,6 +160,10 @@ def ratio_rows(meta):
             rows.append((f"vs_{run}", f"ctxpar / ggml flash attention speed, forward, {n} "
                          f"thread{'s' * (n > 1)}, ggml's K/V {kv}", goal,
                          lambda r, run=run, n=n: r[run]["fwd_seconds"] / r[f"kernel_{n}t"]["fwd_seconds"]))
+    if "decode_1t" in meta.get("runs", []):
+        rows.append(("decode_in_place_of_stream", "decode in place, bytes/s / read bandwidth, fp32 "
+                     "cache, 1 thread", 0.6,
+                     lambda r: r["decode_1t"]["rows"][0]["in_place_of_stream"]))
     rows += [
         ("ring_p2_zigzag_vs_one_rank_2t", "ring P=2 zigzag causal / one rank with 2 threads (speed)",
          0.95, lambda r: r["one_rank_2t"]["forward_seconds"] / r["ring_p2_zigzag"]["forward_seconds"]),

@@ -68,6 +68,11 @@ struct KvCacheOptions {
   std::optional<bool> hash_inputs;
   // How decode merges the ranks' partials (the same on every rank: agreed).
   DecodeMerge merge = DecodeMerge::allgather;
+  // Decode's kernel: true reads the shard where it lies (docs/inference.md, "Decode reads the
+  // cache in place"), on the cpu and sim devices for a mask without documents; false, or
+  // elsewhere, the tile kernel's path (the reference the in-place kernel is measured and tested
+  // against). The same on every rank (the two round differently).
+  bool decode_in_place = true;
 };
 
 // The one rule for a cache's mask (the KvCache constructor, ctxpar.KVCache and `ctxpar decode`

@@ -17,6 +17,7 @@
 
 #include "ctxpar/error.h"
 #include "inference/internal.h"
+#include "kernel/decode.h"
 
 namespace ctxpar {
 namespace {
@@ -188,6 +189,41 @@ void attend_shards(KvCache& cache, std::span<const int64_t> seqs, const PackedQu
                          parts.lse(me).slice(0, i, i + 1), o.kernel);
   }
   dev.synchronize();
+}
+
+// The same partials through the in-place kernel (kernel/decode.h): q read as it is, each
+// shard where it lies. Whether a call takes it: in_place().
+void attend_in_place(KvCache& cache, std::span<const int64_t> seqs, const TensorView& q,
+                     const std::vector<int64_t>& positions, const Partials& parts, int me) {
+  Device& dev = cache.device();
+  dev.synchronize();  // the host reads the shards: the new rows' copies are done (sim queues them)
+  const KvCacheOptions& o = cache.options();
+  const int64_t tn = parts.hr.tn;
+  const double t0 = strategy::now_seconds();
+  for (int64_t i = 0; i < parts.hr.b; ++i) {
+    const int64_t s = seqs[i];
+    kernel::DecodeShard p;
+    p.q = q.slice(0, i, i + 1);
+    p.q_positions = std::span<const int64_t>(positions).subspan(size_t(i * tn), size_t(tn));
+    p.k = cache.k(s);
+    p.v = cache.v(s);
+    p.k_positions = cache.local_token_ids(s).positions;
+    p.mask = o.mask;
+    p.scale = o.kernel.scale;
+    p.threads = o.kernel.threads;
+    p.round_p = o.dtype == DType::bf16 && o.kernel.bf16_tier == Bf16Tier::fast;
+    p.out = parts.o(me).slice(0, i, i + 1);
+    p.lse = parts.lse(me).slice(0, i, i + 1);
+    kernel::decode_in_place(p);
+  }
+  InferenceAccess::stats(cache).attention_seconds += strategy::now_seconds() - t0;
+}
+
+// Whether decode reads the shards in place: asked for, a mask of positions only (documents
+// take the tile kernel's per-key test), and a device whose memory the host reads.
+bool in_place(const KvCacheOptions& o) {
+  return o.decode_in_place && !o.mask.documents && !o.mask.sliced &&
+         o.device.kind != DeviceKind::cuda;
 }
 
 // Tags of decode's point-to-point merges (DecodeMerge::chain / tree) on the cache's
@@ -372,13 +408,19 @@ void decode(KvCache& cache, std::span<const int64_t> seqs, const TensorView& q,
   }
 
   const HeadRows hr{b, tn, o.kv_heads, hq / o.kv_heads, o.head_dim};
-  const PackedQueries pq = pack_queries(dev, hr, q, positions, documents, o.mask.documents);
   Partials parts(dev, hr, comm.size());
-  attend_shards(cache, seqs, pq, parts, comm.rank());
+  if (in_place(o)) {
+    attend_in_place(cache, seqs, q, positions, parts, comm.rank());
+  } else {
+    const PackedQueries pq = pack_queries(dev, hr, q, positions, documents, o.mask.documents);
+    attend_shards(cache, seqs, pq, parts, comm.rank());
+  }
   const double t_merge = strategy::now_seconds();
   if (comm.size() > 1) merge_partials(comm, parts, o.merge);
   unpack(dev, parts, out, lse);
+  const double in_place_seconds = stats.attention_seconds;
   record_stats(stats, record.finish());
+  stats.attention_seconds += in_place_seconds;
   stats.merge_seconds = strategy::now_seconds() - t_merge;
 }
 

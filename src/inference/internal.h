@@ -78,6 +78,7 @@ struct InferenceAccess {
          {"scale (KvCacheOptions::kernel.scale)", scale},
          {"bf16 tier (KvCacheOptions::kernel.bf16_tier)", bf16_tier_name(o.kernel.bf16_tier)},
          {"merge (KvCacheOptions::merge)", decode_merge_name(o.merge)},
+         {"decode_in_place (KvCacheOptions::decode_in_place)", o.decode_in_place ? "1" : "0"},
          {"max_tokens_per_rank (KvCacheOptions::max_tokens_per_rank)",
           std::to_string(o.max_tokens_per_rank)},
          {"max_bytes_per_rank (KvCacheOptions::max_bytes_per_rank)",

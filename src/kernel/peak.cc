@@ -9,6 +9,10 @@
 #include <algorithm>
 #include <chrono>
 #include <ctime>
+#include <memory>
+#include <utility>
+
+#include <unistd.h>
 
 #include "kernel/peak.h"
 #include "kernel/simd_tile.h"
@@ -48,6 +52,25 @@ HWY_NOINLINE float FmaChains(int64_t iterations, float seed) {
 
 int64_t Lanes() { return lanes(); }
 
+// The sum of n floats, 8 vectors a step in independent chains (the adds' latency is not what
+// is measured): the read loop of measure_read_bandwidth.
+HWY_NOINLINE float SumRead(const float* HWY_RESTRICT p, int64_t n) {
+  const DF d;
+  const int64_t l = lanes();
+  VF a0 = hn::Zero(d), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  int64_t i = 0;
+  for (; i + 8 * l <= n; i += 8 * l) {
+    a0 = hn::Add(a0, hn::LoadU(d, p + i)), a1 = hn::Add(a1, hn::LoadU(d, p + i + l));
+    a2 = hn::Add(a2, hn::LoadU(d, p + i + 2 * l)), a3 = hn::Add(a3, hn::LoadU(d, p + i + 3 * l));
+    a4 = hn::Add(a4, hn::LoadU(d, p + i + 4 * l)), a5 = hn::Add(a5, hn::LoadU(d, p + i + 5 * l));
+    a6 = hn::Add(a6, hn::LoadU(d, p + i + 6 * l)), a7 = hn::Add(a7, hn::LoadU(d, p + i + 7 * l));
+  }
+  float s = hn::GetLane(hn::SumOfLanes(
+      d, hn::Add(hn::Add(hn::Add(a0, a1), hn::Add(a2, a3)), hn::Add(hn::Add(a4, a5), hn::Add(a6, a7)))));
+  for (; i < n; ++i) s += p[i];
+  return s;
+}
+
 }  // namespace ctxpar::kernel::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
@@ -56,6 +79,7 @@ namespace ctxpar::kernel {
 
 HWY_EXPORT(FmaChains);
 HWY_EXPORT(Lanes);
+HWY_EXPORT(SumRead);
 
 namespace {
 float fma_chains(int64_t iterations, float seed) {
@@ -97,6 +121,44 @@ Peak measure_fma_peak(int threads, double seconds) {
     const double cpu = (process_cpu_seconds() - c0) / threads;
     best.gflops = std::max(best.gflops, flops_per_iter * iters * threads / s / 1e9);
     best.cpu_gflops = std::max(best.cpu_gflops, flops_per_iter * iters * threads / cpu / 1e9);
+  }
+  return best;
+}
+
+size_t read_bandwidth_bytes() {
+  const long llc = sysconf(_SC_LEVEL3_CACHE_SIZE), l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  const double last = double(std::max({llc, l2, 0L}));
+  return size_t(std::max(4 * last, 256.0 * (1 << 20)));
+}
+
+ReadBandwidth measure_read_bandwidth(int threads, size_t bytes, int repeats) {
+  select_simd_target();
+  const int64_t n = int64_t(bytes / sizeof(float));
+  std::unique_ptr<float[]> data(new float[size_t(n)]);
+  // Each thread touches first the part it reads (its pages then lie near it), as it reads.
+  auto part = [&](int t) {
+    return std::pair<int64_t, int64_t>{n * t / threads, n * (t + 1) / threads};
+  };
+#pragma omp parallel num_threads(threads)
+  {
+    const auto [a, e] = part(omp_get_thread_num());
+    std::fill(data.get() + a, data.get() + e, 1.0f);
+  }
+  ReadBandwidth best;
+  best.bytes = size_t(n) * sizeof(float);
+  for (int r = 0; r < repeats; ++r) {
+    const double c0 = process_cpu_seconds();
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads)
+    {
+      const auto [a, e] = part(omp_get_thread_num());
+      volatile float sink = HWY_DYNAMIC_DISPATCH(SumRead)(data.get() + a, e - a);
+      (void)sink;
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double cpu = (process_cpu_seconds() - c0) / threads;
+    best.bytes_per_second = std::max(best.bytes_per_second, double(best.bytes) / s);
+    best.cpu_bytes_per_second = std::max(best.cpu_bytes_per_second, double(best.bytes) / cpu);
   }
   return best;
 }

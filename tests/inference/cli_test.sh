@@ -41,6 +41,13 @@ expect 0 'D 64, bf16 \(fast tier\), block 64' -- "$ctxpar" decode --context 300 
   --dtype bf16 --bf16-tier fast
 expect 2 '--bf16-tier bogus: expected exact or fast' -- "$ctxpar" decode --dtype bf16 --bf16-tier bogus
 expect 0 'with fp32 inputs the tier changes nothing' -- "$ctxpar" decode --help
+# ctxpar bench decode: a tiny run reports both kernels against the read bandwidth; bad use exits 2.
+expect 0 '"in_place_of_stream":.*"in_place_over_tiles":.*"dtype":"bf16"' -- \
+  "$ctxpar" bench decode --context 1K --dtype fp32,bf16 --repeats 1 --stream-mib 1 --json
+expect 2 '--dtype: a cache is fp32 or bf16, got .i32.' -- "$ctxpar" bench decode --dtype i32
+expect 2 '--heads 8 must be a multiple of --kv-heads 3' -- "$ctxpar" bench decode --kv-heads 3
+expect 2 'or lower --context' -- "$ctxpar" bench decode --context 100M
+expect 2 '--context: each must be 1\.\.' -- "$ctxpar" bench decode --context 0
 # --plan runs nothing and predicts (the 8 KiB per token and the exact prefill bytes are the
 # planner's arithmetic, which tests/inference/plan_test.cc checks against the counters).
 expect 0 '"decode_bytes_per_token": 8256, .*"pass_kv_bytes": 135266304, "pass_q_bytes": 33718272, "pass_kv_seconds": [0-9.e+-]*, "pass_q_seconds": [0-9.e+-]*, "auto": "pass-q", "crossover_bytes": 28577' -- \

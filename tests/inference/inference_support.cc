@@ -39,6 +39,8 @@ KvCacheOptions Scenario::cache_options() const {
   o.device.kind = device;
   o.device.sim_max_delay_us = 20;
   o.kernel.bf16_products = bf16_products;
+  o.kernel.threads = threads;
+  o.decode_in_place = decode_in_place;
   return o;
 }
 

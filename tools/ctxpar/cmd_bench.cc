@@ -1,4 +1,5 @@
-// `ctxpar bench <what>`: kernel (bench_kernel.cc) and cp sweeps (bench_cp.cc).
+// `ctxpar bench <what>`: kernel (bench_kernel.cc), decode (bench_decode.cc) and cp sweeps
+// (bench_cp.cc).
 #include <cstdio>
 #include <cstring>
 
@@ -9,6 +10,7 @@ namespace ctxpar::cli {
 
 int bench_kernel(int argc, char** argv);
 int bench_cp(int argc, char** argv);
+int bench_decode(int argc, char** argv);
 
 namespace {
 const char* const kBenchUsage =
@@ -16,19 +18,22 @@ const char* const kBenchUsage =
     "options)\n\n"
     "benchmarks:\n"
     "  kernel     the attention kernel against this machine's FMA peak\n"
+    "  decode     decode's bytes/s per token against this machine's read bandwidth\n"
     "  cp         sweeps of strategies, layouts, lengths and ranks\n";
 }  // namespace
 
 int cmd_bench(int argc, char** argv) {
   if (argc >= 1 && !std::strcmp(argv[0], "kernel")) return bench_kernel(argc - 1, argv + 1);
   if (argc >= 1 && !std::strcmp(argv[0], "cp")) return bench_cp(argc - 1, argv + 1);
+  if (argc >= 1 && !std::strcmp(argv[0], "decode")) return bench_decode(argc - 1, argv + 1);
   if (argc >= 1 && (!std::strcmp(argv[0], "--help") || !std::strcmp(argv[0], "-h"))) {
     std::fputs(kBenchUsage, stdout);
     return 0;
   }
   throw UsageError(
       "which benchmark? 'ctxpar bench kernel --help' (the kernel against this machine's FMA "
-      "peak) or 'ctxpar bench cp --help' (sweeps of strategies, layouts, lengths and ranks)");
+      "peak), 'ctxpar bench decode --help' (decode against the memory bandwidth) or 'ctxpar "
+      "bench cp --help' (sweeps of strategies, layouts, lengths and ranks)");
 }
 
 }  // namespace ctxpar::cli

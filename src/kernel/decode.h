@@ -1,0 +1,42 @@
+// Private to the kernel and inference layers: decode's attention over a KV cache shard read in
+// place (src/kernel/simd_decode.cc; docs/inference.md, "Decode reads the cache in place").
+#pragma once
+#include <cstdint>
+#include <span>
+
+#include "ctxpar/mask.h"
+#include "ctxpar/tensor.h"
+
+namespace ctxpar::kernel {
+
+// One sequence's Tn new tokens against this rank's shard of it.
+//   q          [1, Tn, Hq, D] fp32 or bf16 (any strides; D contiguous)
+//   k, v       [1, n, Hkv, D] the cache's own rows, in increasing position (the shard as it
+//              lies: no copy is made), fp32 or bf16
+//   out        fp32 [1, Tn g, Hkv, D] (row t g + j: query head h g + j of token t, g = Hq / Hkv)
+//   lse        fp32 [1, Hkv, Tn g]
+// The mask may only hide keys by position through one range per query (causal, window: a
+// cache's masks without documents, check_cache_mask): the visible keys of a query are then a
+// run of the shard's rows, found by binary search, and nothing is tested per key.
+struct DecodeShard {
+  TensorView q;
+  std::span<const int64_t> q_positions;  // Tn
+  TensorView k, v;
+  std::span<const int64_t> k_positions;  // n, increasing
+  Mask mask;
+  float scale = 0;  // 0: 1/sqrt(D), as KernelConfig::scale
+  int threads = 1;
+  // The fast bf16 tier (KernelConfig::bf16_tier, for a bf16 cache): P rounded to bf16 before
+  // P V, l summed from the fp32 P -- the tile kernel's rule (docs/kernel.md, "bf16 tiers").
+  bool round_p = false;
+  TensorView out, lse;
+};
+
+// Keys a split of the context holds (Note [Decode splits the context in fixed blocks]).
+inline constexpr int64_t kDecodeSplit = 512;
+
+// out, lse of the softmax attention of each query row over its visible keys (O = 0, LSE =
+// -inf for a row that sees none), fp32 accumulation; bitwise the same for any `threads`.
+void decode_in_place(const DecodeShard& p);
+
+}  // namespace ctxpar::kernel

@@ -1,0 +1,319 @@
+// Decode's attention over a KV cache shard read in place (kernel/decode.h). One new token has
+// Hq query rows against the whole cache; the g = Hq / Hkv rows of a KV head share every K and V
+// row read. Decode is bound by that stream, so the kernel reads the cache's own rows where
+// they lie -- the tile kernel (simd_forward.cc) packs K transposed and V into tiles first,
+// which for one query row costs a copy of the shard per token -- and does nothing per key but
+// the g dot products, the exponentials and the g updates of O.
+//
+// Note [Decode splits the context in fixed blocks] (flash-decoding): the visible keys of a
+// token are cut at multiples of kDecodeSplit local rows; each (token, KV head, block) is one
+// task with its own online-softmax partial (m, l, acc) for the g rows, and the threads share
+// the tasks. The partials are then merged per row in block order, the one merge rule of
+// merge() (kernel.h). The blocks' bounds depend on local indices only, so the bits depend
+// neither on the thread count nor on how the tokens were cut into prefill and decode calls.
+//
+// Note [Scores in natural units, exponents in base 2] (simd_forward.cc) holds here too: S and
+// m are natural; only S - m is scaled by log2(e) for the exponential.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernel/simd_decode.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "ctxpar/error.h"
+#include "kernel/decode.h"
+#include "kernel/problem.h"
+#include "kernel/simd_tile.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace ctxpar::kernel::HWY_NAMESPACE {
+namespace {
+
+// One task: keys [j0, j1) of token t (one split of its context, `block` counting the
+// splits of every token) for KV heads [h0, h1).
+constexpr int64_t kVChunk = 16;  // keys of V read for all heads before the products
+
+struct DecodeTask {
+  int64_t t, block, j0, j1, h0, h1;
+};
+
+// Row j of head h of a [1, n, H, D] view, widened to fp32 in `buf` when it is bf16 (the fp32
+// cache is read where it lies).
+HWY_INLINE const float* row_f32(const TensorView& x, int64_t j, int64_t h, int64_t d,
+                                float* HWY_RESTRICT buf) {
+  const int64_t o = x.offset(0, j, h);
+  if (x.dtype() == DType::f32) return x.ptr<const float>() + o;
+  const uint16_t* src = x.ptr<const uint16_t>() + o;
+  const DF df;
+  const hn::RebindToUnsigned<DF> du32;
+  const hn::Rebind<uint16_t, DF> du16;
+  const int64_t n = lanes(), dv = d / n * n;
+  for (int64_t c = 0; c < dv; c += n)
+    hn::StoreU(hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(du16, src + c)))),
+               df, buf + c);
+  for (int64_t c = dv; c < d; ++c) buf[c] = bf16_to_f32(src[c]);
+  return buf;
+}
+
+// Asks for the rows of `count` keys from key j (KV heads [h0, h1)) ahead of their use: the
+// work between two rows is long enough that the hardware's prefetcher alone kept too few lines
+// in flight (measured, 128K context, one thread, alternating: fp32 30-31 ms a token with it,
+// 35 without; bf16 19-20 against 22).
+HWY_INLINE void prefetch_keys(const TensorView& x, int64_t j, int64_t count, int64_t h0,
+                              int64_t h1, int64_t d) {
+  if (count <= 0) return;
+  const int64_t es = int64_t(dtype_size(x.dtype()));
+  const std::byte* a = static_cast<const std::byte*>(x.data()) + x.offset(0, j, h0) * es;
+  const int64_t bytes = ((count - 1) * x.stride(1) + (h1 - h0) * d) * es;
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(a + o);
+}
+constexpr int64_t kPrefetchKeys = 16;  // how far ahead the scores' loop asks for K rows
+
+// Note [Decode's products share their loads]: the scores of G query rows against J keys at
+// once, J x G accumulators, so that each K vector loaded serves G rows and each query vector J
+// keys (one row at a time loaded two vectors per FMA: the loads, not the FMAs, bound it).
+// out[j * ldo + r] = scale * (q_r . k_j); q rows `d` apart.
+template <int G, int J>
+HWY_INLINE void dots(const float* HWY_RESTRICT q, const float* const* k, int64_t d, float scale,
+                     float* HWY_RESTRICT out, int64_t ldo) {
+  const DF df;
+  const int64_t n = lanes(), dv = d / n * n;
+  VF acc[J][G];
+  for (int j = 0; j < J; ++j)
+    for (int r = 0; r < G; ++r) acc[j][r] = hn::Zero(df);
+  for (int64_t c = 0; c < dv; c += n) {
+    VF kv[J];
+    for (int j = 0; j < J; ++j) kv[j] = hn::LoadU(df, k[j] + c);
+    for (int r = 0; r < G; ++r) {
+      const VF qv = hn::LoadU(df, q + r * d + c);
+      for (int j = 0; j < J; ++j) acc[j][r] = hn::MulAdd(qv, kv[j], acc[j][r]);
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int r = 0; r < G; ++r) {
+      float x = hn::GetLane(hn::SumOfLanes(df, acc[j][r]));
+      for (int64_t c = dv; c < d; ++c) x += q[r * d + c] * k[j][c];
+      out[r * ldo + j] = x * scale;
+    }
+}
+
+// The g rows' scores against keys k[0..J) (J = 2, or 1 for the last of an odd count), through
+// dots<G, J> where g is one of the G it is made for, else one row at a time.
+template <int J>
+HWY_INLINE void scores_of(int64_t g, const float* HWY_RESTRICT q, const float* const* k,
+                          int64_t d, float scale, float* HWY_RESTRICT out, int64_t ldo) {
+  switch (g) {
+    case 1: return dots<1, J>(q, k, d, scale, out, ldo);
+    case 2: return dots<2, J>(q, k, d, scale, out, ldo);
+    case 4: return dots<4, J>(q, k, d, scale, out, ldo);
+    case 8:  // two of 4: 2 x 8 accumulators would not stay in AVX2's 16 registers
+      dots<4, J>(q, k, d, scale, out, ldo);
+      return dots<4, J>(q + 4 * d, k, d, scale, out + 4 * ldo, ldo);
+    default:
+      for (int64_t r = 0; r < g; ++r) dots<1, J>(q + r * d, k, d, scale, out + r * ldo, ldo);
+  }
+}
+
+// acc[0..d) += p * v
+HWY_INLINE void axpy(float p, const float* HWY_RESTRICT v, float* HWY_RESTRICT acc, int64_t d) {
+  const DF df;
+  const int64_t n = lanes(), dv = d / n * n;
+  const VF vp = hn::Set(df, p);
+  for (int64_t c = 0; c < dv; c += n)
+    hn::StoreU(hn::MulAdd(vp, hn::LoadU(df, v + c), hn::LoadU(df, acc + c)), df, acc + c);
+  for (int64_t c = dv; c < d; ++c) acc[c] += p * v[c];
+}
+
+// The task's partials: for KV head h of [h0, h1) and row r of its g, into m[(h - h0) g + r],
+// l[...], acc[((h - h0) g + r) d ...]. qf: the token's Hq query rows, fp32. Note [Decode reads
+// a token's heads together]: the loops run over keys outside and heads inside, so a token's K
+// (then V) rows of all the task's heads -- contiguous in the cache -- are read as one stream.
+void run_task(const DecodeShard& p, const DecodeTask& task, int64_t g, int64_t d, float scale,
+              const float* HWY_RESTRICT qf, float* HWY_RESTRICT scores, float* HWY_RESTRICT buf,
+              float* HWY_RESTRICT vbuf,
+              float* HWY_RESTRICT m, float* HWY_RESTRICT l, float* HWY_RESTRICT acc) {
+  const int64_t nk = task.j1 - task.j0, rows = (task.h1 - task.h0) * g;
+  for (int64_t j = 0; j < nk; j += 2) {  // S = Q K^T: each K row read once for its g rows
+    const bool two = j + 1 < nk;
+    prefetch_keys(p.k, task.j0 + j + kPrefetchKeys, std::min<int64_t>(2, nk - j - kPrefetchKeys),
+                  task.h0, task.h1, d);
+    for (int64_t h = task.h0; h < task.h1; ++h) {
+      const float* k[2] = {row_f32(p.k, task.j0 + j, h, d, buf),
+                           two ? row_f32(p.k, task.j0 + j + 1, h, d, buf + d) : nullptr};
+      float* out = scores + (h - task.h0) * g * kDecodeSplit + j;
+      if (two)
+        scores_of<2>(g, qf + h * g * d, k, d, scale, out, kDecodeSplit);
+      else
+        scores_of<1>(g, qf + h * g * d, k, d, scale, out, kDecodeSplit);
+    }
+  }
+  const DF df;
+  const int64_t n = lanes();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * kDecodeSplit;
+    float mx = kNegInf;
+    for (int64_t j = 0; j < nk; ++j) mx = std::max(mx, s[j]);
+    const VF vm = hn::Set(df, mx), vl = hn::Set(df, kLog2e);
+    // The last vector may run past nk within the row (kDecodeSplit is a multiple of every
+    // target's lanes): those lanes are never read.
+    for (int64_t j = 0; j < nk; j += n)
+      hn::StoreU(exp2_neg(df, hn::Mul(hn::Sub(hn::LoadU(df, s + j), vm), vl)), df, s + j);
+    float sum = 0;
+    for (int64_t j = 0; j < nk; ++j) sum += s[j];
+    if (p.round_p)
+      for (int64_t j = 0; j < nk; ++j) s[j] = round_to_bf16(s[j]);
+    m[r] = mx;
+    l[r] = sum;
+    std::fill(acc + r * d, acc + (r + 1) * d, 0.0f);
+  }
+  // O += P V: the keys in chunks of kVChunk, all the task's heads of a chunk (contiguous in the
+  // cache) read once from memory; each head's g rows then through gemm_rows (simd_tile.h: P
+  // broadcast, V rows as vectors, the g x D accumulators in registers per chunk), whose FMAs
+  // run in key order as axpy's (the same bits). bf16 rows are widened into vbuf first.
+  const bool gemm = d % n == 0 && (g == 1 || g % 2 == 0);
+  const int64_t nh = task.h1 - task.h0;
+  for (int64_t x0 = 0; x0 < nk; x0 += kVChunk) {
+    const int64_t kk = std::min(kVChunk, nk - x0);
+    prefetch_keys(p.v, task.j0 + x0 + kVChunk, std::min(kVChunk, nk - x0 - kVChunk), task.h0,
+                  task.h1, d);  // the next chunk
+    const float* vrows = nullptr;
+    int64_t ldv = 0;
+    if (p.v.dtype() == DType::f32) {
+      vrows = p.v.ptr<const float>() + p.v.offset(0, task.j0 + x0, task.h0);
+      ldv = p.v.stride(1);
+    } else {
+      for (int64_t x = 0; x < kk; ++x)
+        for (int64_t h = 0; h < nh; ++h)
+          row_f32(p.v, task.j0 + x0 + x, task.h0 + h, d, vbuf + (x * nh + h) * d);
+      vrows = vbuf;
+      ldv = nh * d;
+    }
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* sp = scores + h * g * kDecodeSplit + x0;
+      float* ap = acc + h * g * d;
+      const float* vp = vrows + h * d;
+      if (gemm && g == 1)
+        row_block<1, HWY_MAX_BYTES >= 64 ? 4 : 2>(d, kk, sp, kDecodeSplit, vp, ldv, ap, d, true);
+      else if (gemm)
+        gemm_rows(g, d, kk, sp, kDecodeSplit, vp, ldv, ap, d, true);
+      else
+        for (int64_t x = 0; x < kk; ++x)
+          for (int64_t r = 0; r < g; ++r) axpy(sp[r * kDecodeSplit + x], vp + x * ldv, ap + r * d, d);
+    }
+  }
+}
+
+}  // namespace
+
+void DecodeInPlace(const DecodeShard& p) {
+  // Hkv from out: a rank holding none of the sequence may be handed an empty shard view.
+  const int64_t tn = p.q.dim(1), hq = p.q.dim(2), d = p.q.dim(3), hkv = p.out.dim(2);
+  const int64_t g = hq / hkv;
+  CTXPAR_CHECK(!p.mask.documents && !p.mask.sliced, "decode_in_place: the mask must hide keys ",
+               "by position only (documents and slices take the tile kernel)");
+  const float scale = p.scale > 0 ? p.scale : 1.0f / std::sqrt(static_cast<float>(d));  // checks.cc's
+  // The queries, fp32, [Tn, Hq, D] (head h g + r of token t: KV head h's row r).
+  std::vector<float> qf(size_t(tn * hq * d));
+  for (int64_t t = 0; t < tn; ++t)
+    for (int64_t h = 0; h < hq; ++h)
+      load_row(p.q, p.q.offset(0, t, h), d, qf.data() + (t * hq + h) * d);
+  // Each token's visible keys: a run [a, e) of the shard's rows (positions increase), cut
+  // into splits (Note [Decode splits the context in fixed blocks]).
+  struct Split {
+    int64_t t, j0, j1;
+  };
+  std::vector<Split> splits;
+  std::vector<int64_t> first_split(size_t(tn + 1));
+  const auto kp = p.k_positions;
+  for (int64_t t = 0; t < tn; ++t) {
+    first_split[t] = int64_t(splits.size());
+    const Mask::KeyRange kr = p.mask.key_range(p.q_positions[t]);
+    const int64_t a = std::lower_bound(kp.begin(), kp.end(), kr.lo) - kp.begin();
+    const int64_t e = std::upper_bound(kp.begin(), kp.end(), kr.hi) - kp.begin();
+    for (int64_t j0 = a / kDecodeSplit * kDecodeSplit; j0 < e; j0 += kDecodeSplit)
+      splits.push_back({t, std::max(a, j0), std::min(e, j0 + kDecodeSplit)});
+  }
+  first_split[tn] = int64_t(splits.size());
+  // The heads are split too only where the splits are fewer than the threads (a short
+  // context): each head's bits are the same whichever heads share its task.
+  const int64_t ns = int64_t(splits.size());
+  const int64_t groups = std::min<int64_t>(hkv, (p.threads + std::max<int64_t>(ns, 1) - 1) /
+                                                    std::max<int64_t>(ns, 1));
+  std::vector<DecodeTask> tasks;
+  for (int64_t i = 0; i < ns; ++i)
+    for (int64_t x = 0; x < groups; ++x)
+      tasks.push_back({splits[i].t, i, splits[i].j0, splits[i].j1, hkv * x / groups,
+                       hkv * (x + 1) / groups});
+  // Partials of split i, KV head h, row r: ml[((i hkv + h) g + r) 2 + {0: m, 1: l}], acc.
+  std::vector<float> ml(size_t(ns * hkv * g * 2)), accs(size_t(ns * hkv * g * d));
+  const int64_t nt = int64_t(tasks.size());
+#pragma omp parallel num_threads(p.threads)
+  {
+    std::vector<float> scores(size_t(hkv * g * kDecodeSplit), 0.0f), buf(size_t(2 * d), 0.0f),
+        vbuf(size_t(kVChunk * hkv * d), 0.0f),
+        m(size_t(hkv * g)), l(size_t(hkv * g));
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < nt; ++i) {
+      const DecodeTask& task = tasks[i];
+      const int64_t at = task.block * hkv + task.h0;  // the first head's partials
+      run_task(p, task, g, d, scale, qf.data() + task.t * hq * d, scores.data(), buf.data(),
+               vbuf.data(),
+               m.data(), l.data(), accs.data() + at * g * d);
+      for (int64_t r = 0; r < (task.h1 - task.h0) * g; ++r) {
+        ml[(at * g + r) * 2] = m[r];
+        ml[(at * g + r) * 2 + 1] = l[r];
+      }
+    }
+  }
+  // Merge each row's partials in split order, then O = acc / l, LSE = m + log(l) -- forward_finalize's rule, empty rows too.
+  float* out = p.out.ptr<float>();
+  float* lse = p.lse.ptr<float>();
+  for (int64_t t = 0; t < tn; ++t)
+    for (int64_t h = 0; h < hkv; ++h)
+      for (int64_t r = 0; r < g; ++r) {
+        float M = kNegInf, L = 0;
+        float* o = out + p.out.offset(0, t * g + r, h);
+        std::fill(o, o + d, 0.0f);
+        for (int64_t i = first_split[t]; i < first_split[t + 1]; ++i) {
+          const int64_t at = (i * hkv + h) * g + r;
+          const float mb = ml[at * 2], lb = ml[at * 2 + 1];
+          if (mb == kNegInf) continue;
+          const float* ab = accs.data() + at * d;
+          const float mn = std::max(M, mb);
+          const float sa = M == kNegInf ? 0.0f : std::exp2((M - mn) * kLog2e);
+          const float sb = std::exp2((mb - mn) * kLog2e);
+          L = L * sa + lb * sb;
+          for (int64_t c = 0; c < d; ++c) o[c] = o[c] * sa + ab[c] * sb;
+          M = mn;
+        }
+        float& lse_out = lse[p.lse.offset(0, h, t * g + r)];
+        if (M == kNegInf) {
+          lse_out = kNegInf;
+          continue;
+        }
+        const float inv = 1.0f / L;
+        for (int64_t c = 0; c < d; ++c) o[c] *= inv;
+        lse_out = L > 0 && M < std::numeric_limits<float>::infinity()
+                      ? M + std::log(L)
+                      : std::numeric_limits<float>::infinity();
+      }
+}
+
+}  // namespace ctxpar::kernel::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace ctxpar::kernel {
+
+HWY_EXPORT(DecodeInPlace);
+
+void decode_in_place(const DecodeShard& p) {
+  select_simd_target();
+  HWY_DYNAMIC_DISPATCH(DecodeInPlace)(p);
+}
+
+}  // namespace ctxpar::kernel
+#endif  // HWY_ONCE

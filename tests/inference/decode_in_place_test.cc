@@ -1,0 +1,140 @@
+// Decode's in-place kernel (kernel/decode.h, docs/inference.md "Decode reads the cache in
+// place") against the fp64 reference and beside the tile kernel's path it replaced (its
+// reference, KvCacheOptions::decode_in_place = false): shards longer than one split of the
+// context (kDecodeSplit), windows that start inside a split, GQA groups, fp32 and bf16 caches;
+// its bits for any thread count and on the sim device.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "ctxpar/error.h"
+#include "inference/inference_support.h"
+#include "kernel/decode.h"
+
+using namespace ctxpar;
+using namespace ctxpar::testing;
+
+namespace {
+
+// Decode rows [from, N) of sequence b, out and lse, of two runs' rank 0: the same bits.
+bool same_decode_bits(const RankResult& a, const RankResult& b, int64_t seq, int64_t from) {
+  const Tensor &oa = a.out[seq], &ob = b.out[seq], &la = a.lse[seq], &lb = b.lse[seq];
+  const int64_t n = oa.dim(1), h = oa.dim(2), hd = h * oa.dim(3);
+  if (std::memcmp(oa.ptr<float>() + from * hd, ob.ptr<float>() + from * hd,
+                  size_t((n - from) * hd) * 4) != 0)
+    return false;
+  for (int64_t i = 0; i < h; ++i)
+    if (std::memcmp(la.ptr<float>() + i * n + from, lb.ptr<float>() + i * n + from,
+                    size_t(n - from) * 4) != 0)
+      return false;
+  return true;
+}
+
+// A shard of more than one split on one rank (kDecodeSplit + 88 tokens), GQA g = 4.
+Scenario long_shard(const char* mask, DType dtype) {
+  Scenario s;
+  s.hq = 8, s.hkv = 2, s.d = 32, s.block = 64;
+  s.mask = parse_mask(mask);
+  s.dtype = dtype;
+  s.prefill = {kernel::kDecodeSplit + 88, 3};  // a long sequence and a short one, decoded together
+  s.decode_steps = 2;
+  s.decode_tokens = 2;  // two new tokens a step: the first must not see the second
+  s.build();
+  return s;
+}
+
+}  // namespace
+
+TEST(DecodeInPlace, MatchesTheReferenceAndTheTilePath) {
+  // window:300,0: a query's first visible key lies inside a split, not at its start.
+  for (const char* mask : {"causal", "causal+window:300,0"})
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      Scenario s = long_shard(mask, dtype);
+      Scenario tiles = s;
+      tiles.decode_in_place = false;
+      for (int p : {1, 2}) {
+        const auto fast = run_on_threads(s, p), ref = run_on_threads(tiles, p);
+        for (int64_t b = 0; b < s.sequences(); ++b) {
+          const std::string what = std::string(mask) + " " + dtype_name(dtype) +
+                                   " P=" + std::to_string(p) + " sequence " + std::to_string(b);
+          EXPECT_EQ(check_accuracy(s, b, combine(fast, s, b), s.prefill[b]), "") << what;
+          EXPECT_EQ(check_accuracy(s, b, combine(ref, s, b), s.prefill[b]), "") << what;
+          for (int r = 1; r < p; ++r)
+            EXPECT_TRUE(same_decode_bits(fast[0], fast[r], b, s.prefill[b])) << what;
+        }
+      }
+    }
+}
+
+TEST(DecodeInPlace, BitsDoNotDependOnTheThreadCount) {
+  // Note [Decode splits the context in fixed blocks]: the threads share the splits, whose
+  // bounds and merge order are the context's alone.
+  Scenario one = long_shard("causal", DType::f32);
+  const auto base = run_on_threads(one, 1);
+  for (int threads : {2, 3}) {
+    Scenario s = one;
+    s.threads = threads;
+    const auto got = run_on_threads(s, 1);
+    for (int64_t b = 0; b < s.sequences(); ++b)
+      EXPECT_TRUE(same_decode_bits(base[0], got[0], b, s.prefill[b]))
+          << threads << " threads, sequence " << b;
+  }
+}
+
+TEST(DecodeInPlace, SimDeviceGivesTheCpuBits) {
+  // The sim device queues the new rows' copies: the kernel reads the shard after they are done.
+  Scenario s;
+  s.prefill = {80, 50};
+  s.chunk = 30;
+  s.build();
+  Scenario sim = s;
+  sim.device = DeviceKind::sim;
+  for (int p : {1, 3}) {
+    const auto a = run_on_threads(s, p), b = run_on_threads(sim, p);
+    for (int64_t seq = 0; seq < 2; ++seq)
+      EXPECT_TRUE(same_decode_bits(a[0], b[0], seq, s.prefill[seq])) << "P=" << p;
+  }
+}
+
+TEST(DecodeInPlace, RanksThatChooseOtherKernelsAreRefused) {
+  // The two kernels round differently: a rank on the other one would merge other bits.
+  run_threads(2, [](Communicator& comm) {
+    Scenario s;
+    s.prefill = {10};
+    s.build();
+    KvCacheOptions o = s.cache_options();
+    o.decode_in_place = comm.rank() == 0;
+    KvCache cache(comm, o);
+    Tensor q(DType::f32, {1, 1, s.hq, s.d}), k(DType::f32, {1, 1, s.hkv, s.d}),
+        v(DType::f32, {1, 1, s.hkv, s.d}), out(DType::f32, {1, 1, s.hq, s.d}),
+        lse(DType::f32, {1, s.hq, 1});
+    try {
+      decode(cache, q, k, v, out, lse);
+      ADD_FAILURE() << "decode ran on ranks with different kernels";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("KvCacheOptions::decode_in_place"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(cache.tokens(0), 0) << "a refused call stored the new token";
+  });
+}
+
+TEST(DecodeInPlace, EveryGroupSizeAndHeadDim) {
+  // The products' paths: g = 1 (one row per KV head), 3 (no blocked case), 8 (two of 4); D a
+  // multiple of every target's lanes or not (24: the vectors' scalar tail, V by axpy).
+  struct Shape {
+    int64_t hq, hkv, d;
+  };
+  for (const Shape& sh : {Shape{2, 2, 16}, Shape{3, 1, 16}, Shape{8, 1, 24}, Shape{4, 2, 48}})
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      Scenario s;
+      s.hq = sh.hq, s.hkv = sh.hkv, s.d = sh.d, s.block = 64, s.dtype = dtype;
+      s.prefill = {kernel::kDecodeSplit + 40};
+      s.decode_steps = 1;
+      s.decode_tokens = 3;  // an odd count of new keys: the scores' single-key tail
+      s.build();
+      const auto rs = run_on_threads(s, 1);
+      EXPECT_EQ(check_accuracy(s, 0, combine(rs, s, 0), s.prefill[0]), "")
+          << "Hq " << sh.hq << " Hkv " << sh.hkv << " D " << sh.d << " " << dtype_name(dtype);
+    }
+}
