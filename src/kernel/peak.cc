@@ -65,8 +65,8 @@ HWY_NOINLINE float SumRead(const float* HWY_RESTRICT p, int64_t n) {
     a4 = hn::Add(a4, hn::LoadU(d, p + i + 4 * l)), a5 = hn::Add(a5, hn::LoadU(d, p + i + 5 * l));
     a6 = hn::Add(a6, hn::LoadU(d, p + i + 6 * l)), a7 = hn::Add(a7, hn::LoadU(d, p + i + 7 * l));
   }
-  float s = hn::GetLane(hn::SumOfLanes(
-      d, hn::Add(hn::Add(hn::Add(a0, a1), hn::Add(a2, a3)), hn::Add(hn::Add(a4, a5), hn::Add(a6, a7)))));
+  float s = hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(hn::Add(a0, a1), hn::Add(a2, a3)),
+                                                  hn::Add(hn::Add(a4, a5), hn::Add(a6, a7)))));
   for (; i < n; ++i) s += p[i];
   return s;
 }

@@ -62,8 +62,8 @@ HWY_INLINE const float* row_f32(const TensorView& x, int64_t j, int64_t h, int64
 // work between two rows is long enough that the hardware's prefetcher alone kept too few lines
 // in flight (measured, 128K context, one thread, alternating: fp32 30-31 ms a token with it,
 // 35 without; bf16 19-20 against 22).
-HWY_INLINE void prefetch_keys(const TensorView& x, int64_t j, int64_t count, int64_t h0,
-                              int64_t h1, int64_t d) {
+HWY_INLINE void prefetch_keys(const TensorView& x, int64_t j, int64_t count, int64_t h0, int64_t h1,
+                              int64_t d) {
   if (count <= 0) return;
   const int64_t es = int64_t(dtype_size(x.dtype()));
   const std::byte* a = static_cast<const std::byte*>(x.data()) + x.offset(0, j, h0) * es;
@@ -103,12 +103,15 @@ HWY_INLINE void dots(const float* HWY_RESTRICT q, const float* const* k, int64_t
 // The g rows' scores against keys k[0..J) (J = 2, or 1 for the last of an odd count), through
 // dots<G, J> where g is one of the G it is made for, else one row at a time.
 template <int J>
-HWY_INLINE void scores_of(int64_t g, const float* HWY_RESTRICT q, const float* const* k,
-                          int64_t d, float scale, float* HWY_RESTRICT out, int64_t ldo) {
+HWY_INLINE void scores_of(int64_t g, const float* HWY_RESTRICT q, const float* const* k, int64_t d,
+                          float scale, float* HWY_RESTRICT out, int64_t ldo) {
   switch (g) {
-    case 1: return dots<1, J>(q, k, d, scale, out, ldo);
-    case 2: return dots<2, J>(q, k, d, scale, out, ldo);
-    case 4: return dots<4, J>(q, k, d, scale, out, ldo);
+    case 1:
+      return dots<1, J>(q, k, d, scale, out, ldo);
+    case 2:
+      return dots<2, J>(q, k, d, scale, out, ldo);
+    case 4:
+      return dots<4, J>(q, k, d, scale, out, ldo);
     case 8:  // two of 4: 2 x 8 accumulators would not stay in AVX2's 16 registers
       dots<4, J>(q, k, d, scale, out, ldo);
       return dots<4, J>(q + 4 * d, k, d, scale, out + 4 * ldo, ldo);
@@ -133,8 +136,8 @@ HWY_INLINE void axpy(float p, const float* HWY_RESTRICT v, float* HWY_RESTRICT a
 // (then V) rows of all the task's heads -- contiguous in the cache -- are read as one stream.
 void run_task(const DecodeShard& p, const DecodeTask& task, int64_t g, int64_t d, float scale,
               const float* HWY_RESTRICT qf, float* HWY_RESTRICT scores, float* HWY_RESTRICT buf,
-              float* HWY_RESTRICT vbuf,
-              float* HWY_RESTRICT m, float* HWY_RESTRICT l, float* HWY_RESTRICT acc) {
+              float* HWY_RESTRICT vbuf, float* HWY_RESTRICT m, float* HWY_RESTRICT l,
+              float* HWY_RESTRICT acc) {
   const int64_t nk = task.j1 - task.j0, rows = (task.h1 - task.h0) * g;
   for (int64_t j = 0; j < nk; j += 2) {  // S = Q K^T: each K row read once for its g rows
     const bool two = j + 1 < nk;
@@ -201,7 +204,8 @@ void run_task(const DecodeShard& p, const DecodeTask& task, int64_t g, int64_t d
         gemm_rows(g, d, kk, sp, kDecodeSplit, vp, ldv, ap, d, true);
       else
         for (int64_t x = 0; x < kk; ++x)
-          for (int64_t r = 0; r < g; ++r) axpy(sp[r * kDecodeSplit + x], vp + x * ldv, ap + r * d, d);
+          for (int64_t r = 0; r < g; ++r)
+            axpy(sp[r * kDecodeSplit + x], vp + x * ldv, ap + r * d, d);
     }
   }
 }
@@ -214,7 +218,8 @@ void DecodeInPlace(const DecodeShard& p) {
   const int64_t g = hq / hkv;
   CTXPAR_CHECK(!p.mask.documents && !p.mask.sliced, "decode_in_place: the mask must hide keys ",
                "by position only (documents and slices take the tile kernel)");
-  const float scale = p.scale > 0 ? p.scale : 1.0f / std::sqrt(static_cast<float>(d));  // checks.cc's
+  const float scale =
+      p.scale > 0 ? p.scale : 1.0f / std::sqrt(static_cast<float>(d));  // checks.cc's
   // The queries, fp32, [Tn, Hq, D] (head h g + r of token t: KV head h's row r).
   std::vector<float> qf(size_t(tn * hq * d));
   for (int64_t t = 0; t < tn; ++t)
@@ -240,28 +245,26 @@ void DecodeInPlace(const DecodeShard& p) {
   // The heads are split too only where the splits are fewer than the threads (a short
   // context): each head's bits are the same whichever heads share its task.
   const int64_t ns = int64_t(splits.size());
-  const int64_t groups = std::min<int64_t>(hkv, (p.threads + std::max<int64_t>(ns, 1) - 1) /
-                                                    std::max<int64_t>(ns, 1));
+  const int64_t groups =
+      std::min<int64_t>(hkv, (p.threads + std::max<int64_t>(ns, 1) - 1) / std::max<int64_t>(ns, 1));
   std::vector<DecodeTask> tasks;
   for (int64_t i = 0; i < ns; ++i)
     for (int64_t x = 0; x < groups; ++x)
-      tasks.push_back({splits[i].t, i, splits[i].j0, splits[i].j1, hkv * x / groups,
-                       hkv * (x + 1) / groups});
+      tasks.push_back(
+          {splits[i].t, i, splits[i].j0, splits[i].j1, hkv * x / groups, hkv * (x + 1) / groups});
   // Partials of split i, KV head h, row r: ml[((i hkv + h) g + r) 2 + {0: m, 1: l}], acc.
   std::vector<float> ml(size_t(ns * hkv * g * 2)), accs(size_t(ns * hkv * g * d));
   const int64_t nt = int64_t(tasks.size());
 #pragma omp parallel num_threads(p.threads)
   {
     std::vector<float> scores(size_t(hkv * g * kDecodeSplit), 0.0f), buf(size_t(2 * d), 0.0f),
-        vbuf(size_t(kVChunk * hkv * d), 0.0f),
-        m(size_t(hkv * g)), l(size_t(hkv * g));
+        vbuf(size_t(kVChunk * hkv * d), 0.0f), m(size_t(hkv * g)), l(size_t(hkv * g));
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < nt; ++i) {
       const DecodeTask& task = tasks[i];
       const int64_t at = task.block * hkv + task.h0;  // the first head's partials
       run_task(p, task, g, d, scale, qf.data() + task.t * hq * d, scores.data(), buf.data(),
-               vbuf.data(),
-               m.data(), l.data(), accs.data() + at * g * d);
+               vbuf.data(), m.data(), l.data(), accs.data() + at * g * d);
       for (int64_t r = 0; r < (task.h1 - task.h0) * g; ++r) {
         ml[(at * g + r) * 2] = m[r];
         ml[(at * g + r) * 2 + 1] = l[r];

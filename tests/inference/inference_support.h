@@ -21,8 +21,8 @@ struct Scenario {
   DecodeMerge merge = DecodeMerge::allgather;  // the cache's
   DeviceKind device = DeviceKind::cpu;
   Bf16Products bf16_products = Bf16Products::automatic;  // the cache's KernelConfig's
-  bool decode_in_place = true;  // KvCacheOptions::decode_in_place
-  int threads = 1;              // the cache's KernelConfig::threads
+  bool decode_in_place = true;                           // KvCacheOptions::decode_in_place
+  int threads = 1;                                       // the cache's KernelConfig::threads
   uint64_t seed = 1;
   // Filled by build(): per sequence, the whole sequence [1, N, H, D] and its token ids.
   std::vector<Tensor> q, k, v;

@@ -147,7 +147,7 @@ void check_bytes(const Problem& pr, int p, bool expect_zero,
   const uint64_t groups = kind == StrategyKind::allgather ? allgather_head_groups(pr.hkv, 0) : 1;
   const uint64_t kv_row = 2 * pr.batch * pr.hkv * pr.d * dtype_size(pr.dtype) +
                           groups * (8 + (pr.mask.documents ? 4 : 0));  // k, v, position, document
-  const uint64_t grad_row = 2 * pr.batch * pr.hkv * pr.d * 4;  // fp32 dk, dv
+  const uint64_t grad_row = 2 * pr.batch * pr.hkv * pr.d * 4;          // fp32 dk, dv
   const uint64_t summaries = uint64_t(p - 1) * tiles * sizeof(TileRange);  // all-gathered
   for (int r = 0; r < p; ++r) {
     uint64_t out = 0, in = 0;  // rows this rank sends / receives

@@ -84,8 +84,8 @@ DecodeBench decode_bench_from_options(const Options& o) {
   co.kv_heads = b.hkv, co.head_dim = b.d, co.dtype = DType::f32;
   for (DType t : b.dtypes)
     if (t == DType::f32) co.dtype = t;
-  const double caches = double(kv_cache_bytes(co, {most + b.repeats + 2}, 1, 0)) *
-                        (b.reference ? 2 : 1);
+  const double caches =
+      double(kv_cache_bytes(co, {most + b.repeats + 2}, 1, 0)) * (b.reference ? 2 : 1);
   const double need = std::max(caches, double(b.stream_bytes));
   const MemoryLimit limit = memory_limit();
   CTXPAR_CHECK(!limit.known() || need <= limit.bytes, "bench decode: this run ",
@@ -179,15 +179,15 @@ void print_decode_bench(const DecodeBench& b, const nlohmann::json& j) {
   std::printf("decode Hq=%lld Hkv=%lld D=%lld, 1 token, %d thread(s), SIMD %s, median of %d\n",
               (long long)b.hq, (long long)b.hkv, (long long)b.d, b.threads,
               kernel::simd_target_name(), b.repeats);
-  std::printf("  dtype  context  STREAM GB/s | in place ms  GB/s  of STREAM | tiles ms  GB/s  "
-              "of STREAM | in place / tiles\n");
+  std::printf(
+      "  dtype  context  STREAM GB/s | in place ms  GB/s  of STREAM | tiles ms  GB/s  "
+      "of STREAM | in place / tiles\n");
   for (const nlohmann::json& r : j["rows"]) {
-    std::printf("  %-5s %8lld %12.2f | %11.2f %5.2f %9.2f", r["dtype"].get<std::string>().c_str(),
-                (long long)r["context"].get<int64_t>(),
-                r["stream_bytes_per_second"].get<double>() / 1e9,
-                r["in_place_seconds"].get<double>() * 1e3,
-                r["in_place_bytes_per_second"].get<double>() / 1e9,
-                r["in_place_of_stream"].get<double>());
+    std::printf(
+        "  %-5s %8lld %12.2f | %11.2f %5.2f %9.2f", r["dtype"].get<std::string>().c_str(),
+        (long long)r["context"].get<int64_t>(), r["stream_bytes_per_second"].get<double>() / 1e9,
+        r["in_place_seconds"].get<double>() * 1e3,
+        r["in_place_bytes_per_second"].get<double>() / 1e9, r["in_place_of_stream"].get<double>());
     if (r.contains("tiles_seconds"))
       std::printf(" | %8.2f %5.2f %9.2f | %.2f", r["tiles_seconds"].get<double>() * 1e3,
                   r["tiles_bytes_per_second"].get<double>() / 1e9,
