@@ -42,9 +42,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void config() {
 // The library's 2 x 2 block stream; mode 0: real addresses, 1: every load from `one`, 2: no
 // loads in the loop (A and B tiles loaded once).
 __attribute__((target("amx-tile,amx-bf16"))) void stream(int mode, const uint32_t* a,
-                                                        const uint32_t* const* b, int64_t ldb,
-                                                        const uint32_t* one, float* c,
-                                                        int64_t ldc) {
+                                                         const uint32_t* const* b, int64_t ldb,
+                                                         const uint32_t* one, float* c,
+                                                         int64_t ldc) {
   config();
   if (mode == 2) {
     _tile_loadd(4, one, 64);  // the tile macros are asm statements: one a statement
@@ -91,9 +91,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void stream(int mode, const uint32_
 // C 32 x 16 (tiles 0, 2); B alternates 6 / 7 by step, A 4, 5 / 1, 3 by part: the same additions
 // per C element in the same order (step, then part).
 __attribute__((target("amx-tile,amx-bf16"))) void double_buffered(const uint32_t* a,
-                                                                 const uint32_t* const* b,
-                                                                 int64_t ldb, float* c,
-                                                                 int64_t ldc) {
+                                                                  const uint32_t* const* b,
+                                                                  int64_t ldb, float* c,
+                                                                  int64_t ldc) {
   config();
   for (int64_t r = 0; r < kM; r += 32)
     for (int64_t col = 0; col < kN; col += 16) {
@@ -165,7 +165,12 @@ int main(int argc, char** argv) {
   const int64_t ldv = bf16::vnni_words(kN), ldc = ldv;
   std::vector<uint32_t> a(kChunks * kChunk), vnni(kChunks * kHalf * ldv), one(256);
   // Small integers as bf16 pairs (1..8, exact sums), distinct enough that a misplaced one shows.
-  auto bf = [](int v) { float f = static_cast<float>(v); uint32_t w; std::memcpy(&w, &f, 4); return w >> 16; };
+  auto bf = [](int v) {
+    float f = static_cast<float>(v);
+    uint32_t w;
+    std::memcpy(&w, &f, 4);
+    return w >> 16;
+  };
   for (size_t i = 0; i < a.size(); ++i) a[i] = bf(1 + i % 7) | bf(1 + i % 5) << 16;
   for (size_t i = 0; i < vnni.size(); ++i) vnni[i] = bf(1 + i % 3) | bf(1 + i % 8) << 16;
   for (uint32_t& w : one) w = 0x3f803f80u;
@@ -182,7 +187,10 @@ int main(int argc, char** argv) {
                             ldc, i > 0, kParts, kPart);
   };
   library(ref.data());
-  struct Check { const char* name; bool same; };
+  struct Check {
+    const char* name;
+    bool same;
+  };
   stream(0, a.data(), chunks, ldv, one.data(), got.data(), ldc);
   const Check c0{"same stream", std::memcmp(ref.data(), got.data(), ref.size() * 4) == 0};
   chunk_outer(got.data());
@@ -193,13 +201,19 @@ int main(int argc, char** argv) {
     if (!c.same) return std::printf("%s differs from gemm_amx_chunks\n", c.name), 1;
   const ctxpar::kernel::AmxProbe probe = ctxpar::kernel::probe_amx();
   std::printf("probe (4 chains, no loads): %.0f GFLOP/s\n", probe.gflops);
-  std::printf("dV-shaped exact product (64 x 128, 4 x 32 pairs, 3 parts), GFLOP/s of the parts' products:\n");
-  std::printf("  library gemm_amx_chunks      %6.0f\n", gflops(repeats, [&] { library(got.data()); }));
-  std::printf("  same stream, L1 source       %6.0f\n",
-              gflops(repeats, [&] { stream(1, a.data(), chunks, ldv, one.data(), got.data(), ldc); }));
-  std::printf("  same stream, no loads        %6.0f\n",
-              gflops(repeats, [&] { stream(2, a.data(), chunks, ldv, one.data(), got.data(), ldc); }));
-  std::printf("  chunk outer                  %6.0f\n", gflops(repeats, [&] { chunk_outer(got.data()); }));
+  std::printf(
+      "dV-shaped exact product (64 x 128, 4 x 32 pairs, 3 parts), GFLOP/s of the parts' "
+      "products:\n");
+  std::printf("  library gemm_amx_chunks      %6.0f\n",
+              gflops(repeats, [&] { library(got.data()); }));
+  std::printf("  same stream, L1 source       %6.0f\n", gflops(repeats, [&] {
+                stream(1, a.data(), chunks, ldv, one.data(), got.data(), ldc);
+              }));
+  std::printf("  same stream, no loads        %6.0f\n", gflops(repeats, [&] {
+                stream(2, a.data(), chunks, ldv, one.data(), got.data(), ldc);
+              }));
+  std::printf("  chunk outer                  %6.0f\n",
+              gflops(repeats, [&] { chunk_outer(got.data()); }));
   std::printf("  2 x 1 double-buffered        %6.0f\n",
               gflops(repeats, [&] { double_buffered(a.data(), chunks, ldv, got.data(), ldc); }));
   return 0;
