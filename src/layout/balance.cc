@@ -278,7 +278,8 @@ std::vector<int32_t> balance_chunks(const ChunkCosts& costs, int ranks) {
   for (int64_t i = 0; i < n; ++i) mine[size_t(owner[size_t(i)])].push_back(i);
   // Tiles first (what the kernel computes: they set the step time), then visible pairs, by swaps
   // of chunks of equal tiles (every rank's tiles stay as they are) in pass 0 only: pass 1 for
-  // pairs moved 0.48 -> 0.51 of the striped ring's bytes at T 64K, P 4, to gain <= 0.007 in pairs.
+  // pairs gained <= 0.007 in pairs but split more short documents (14 of 29 whole instead of 17,
+  // T 64K, P 8) and moved 0.09 -> 0.11 of the striped ring's bytes (T 128K, P 4).
   std::vector<double> pair_load(size_t(ranks), 0.0);
   for (int64_t i = 0; i < n; ++i) pair_load[size_t(owner[size_t(i)])] += costs.pairs[size_t(i)];
   for (bool by_pairs : {false, true})
