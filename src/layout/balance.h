@@ -12,10 +12,10 @@ namespace ctxpar {
 
 // Per query chunk of c tokens: its attention work (c * c per (query chunk, key chunk) pair the
 // mask leaves any pair visible in, as the kernel computes whole tiles) and the first and last key
-// chunk it sees (first > last: none).
+// chunk it sees (first > last: none); its visible (query, key) pairs, counted exactly.
 struct ChunkCosts {
   int64_t size = 1;
-  std::vector<double> work;
+  std::vector<double> work, pairs;
   std::vector<int64_t> first, last;
 };
 ChunkCosts chunk_costs(const BalanceInput& balance, int64_t tokens, int64_t padded, int64_t c);

@@ -9,6 +9,7 @@
 #include <random>
 
 #include "ctxpar/layout.h"
+#include "layout/balance.h"
 
 namespace ctxpar {
 namespace {
@@ -104,6 +105,29 @@ TEST(Balanced, WorkModelMatchesBruteForce) {
   }
 }
 
+// The solver's visible pairs per chunk (what it evens out after the tiles) against a count
+// element by element with Mask::visible, padding included (T = 300 pads to 384 at P = 3).
+TEST(Balanced, PairsMatchAnElementCount) {
+  const int64_t t = 300, c = balanced_chunk(t, 3),
+                padded = layout_padded_tokens(LayoutKind::balanced, t, 3);
+  const std::vector<int32_t> ids = ids_of({120, 7, 50, 123});
+  for (const char* text :
+       {"causal+documents", "documents", "causal+window:40,0", "prefix-tree:100,100,100"}) {
+    const Mask m = parse_mask(text);
+    const BalanceInput in{
+        m, m.documents ? std::span<const int32_t>(ids) : std::span<const int32_t>{}, {}};
+    const ChunkCosts costs = chunk_costs(in, t, padded, c);
+    for (int64_t i = 0; i < padded / c; ++i) {
+      double want = 0;
+      for (int64_t a = i * c; a < (i + 1) * c && a < t; ++a)
+        for (int64_t b = 0; b < t; ++b)
+          want +=
+              m.visible(a, b, m.documents ? ids[size_t(a)] : 0, m.documents ? ids[size_t(b)] : 0);
+      EXPECT_EQ(costs.pairs[size_t(i)], want) << text << " chunk " << i;
+    }
+  }
+}
+
 // What the needed exchange brings each rank (the planner's bytes): every tile of a peer's local
 // block that some tile of this rank's queries can see, against a count element by element with
 // Mask::visible (no classify), for every layout.
@@ -143,7 +167,9 @@ TEST(Balanced, NeededRowsMatchAnElementCount) {
         const std::vector<int64_t> got = l.needed_rows(in, tile);
         const std::string where =
             std::string(text) + " " + layout_name(kind) + " " + std::to_string(tile);
-        if (kind == LayoutKind::contiguous) EXPECT_EQ(got, want) << where;
+        if (kind == LayoutKind::contiguous) {
+          EXPECT_EQ(got, want) << where;
+        }
         for (int r = 0; r < p; ++r) {
           EXPECT_GE(got[size_t(r)], want[size_t(r)]) << where;
           EXPECT_LE(got[size_t(r)], (p - 1) * local) << where;
@@ -158,12 +184,25 @@ TEST(Balanced, EvensLongTailedDocumentsAndKeepsShortOnesWhole) {
     const std::vector<int32_t> ids = ids_of(lengths);
     const BalanceInput in{parse_mask("causal+documents"), ids, {}};
     const Layout l(LayoutKind::balanced, t, p, in);
-    const double balanced = busiest_over_mean(l.rank_work(in));
+    // Kernel tiles (rank_work, what sets the step time) within 0.5 % of the mean, visible pairs
+    // within 2 % (counted token by token: a query sees the keys of its document up to itself).
+    // Achieved on bench/data_aware.py's batches (24 of them, T 64K and 128K, P 4 and 8): tiles
+    // <= 1.0001, pairs <= 1.014; torch 2.15's per-document head-tail: tiles <= 1.024. The search
+    // that stopped at 1.01 / 1.03 left 1.009-1.029 in tiles.
+    const double tiles = busiest_over_mean(l.rank_work(in));
     const double zigzag = busiest_over_mean(Layout(LayoutKind::zigzag, t, p).rank_work(in));
-    EXPECT_LE(balanced, 1.05) << "T " << t << " P " << p << " (zigzag " << zigzag << ")";
+    EXPECT_LE(tiles, 1.005) << "T " << t << " P " << p << " (zigzag " << zigzag << ")";
+    std::vector<double> pairs(static_cast<size_t>(p), 0.0);
+    for (int64_t x = 0, start = 0; x < t; ++x) {
+      if (x > 0 && ids[size_t(x)] != ids[size_t(x - 1)]) start = x;
+      pairs[size_t(l.owner(x))] += double(x - start + 1);
+    }
+    EXPECT_LE(busiest_over_mean(pairs), 1.02) << "T " << t << " P " << p;
     // Short documents (up to 1,024 tokens) mostly stay on one rank: they need no K/V from
     // elsewhere. Chunks are 64 tokens and documents do not start at chunk boundaries, so a cut
-    // between two whole pieces splits the one document across it: two thirds or more stay whole.
+    // between two whole pieces splits the one document across it, and the last swaps (any chunk
+    // anywhere, where the cheaper ones leave the ranks uneven) split a few more: over half stay
+    // whole (17 of 29 at T 64K, P 8; the bytes below are what that buys).
     int64_t short_docs = 0, whole = 0, start = 0;
     for (int64_t len : lengths) {
       if (len <= 1024) {
@@ -175,7 +214,7 @@ TEST(Balanced, EvensLongTailedDocumentsAndKeepsShortOnesWhole) {
       start += len;
     }
     EXPECT_GE(short_docs, 20);
-    EXPECT_GE(double(whole), 0.6 * double(short_docs)) << "T " << t << " P " << p;
+    EXPECT_GE(double(whole), 0.55 * double(short_docs)) << "T " << t << " P " << p;
     // What that buys: the remote key chunks each rank's queries see (what the needed exchange
     // moves, by chunk), at most half of what a ring moves (every remote token to every rank).
     const int64_t c = balanced_chunk(t, p), n = l.padded_tokens() / c;
@@ -197,11 +236,12 @@ TEST(Balanced, EvensLongTailedDocumentsAndKeepsShortOnesWhole) {
 }
 
 TEST(Balanced, EvensAPrefixTree) {
-  // An 8K prompt and eight 2K responses.
+  // An 8K prompt and eight 2K responses: 1.000 in tiles at P = 4 and 8 (the search that stopped
+  // at 1.01 of the mean left 1.009 at one of them).
   const Mask m = parse_mask("prefix-tree:8192,2048,2048,2048,2048,2048,2048,2048,2048");
   for (int p : {4, 8}) {
     const BalanceInput in{m, {}, {}};
-    EXPECT_LE(busiest_over_mean(Layout(LayoutKind::balanced, 24576, p, in).rank_work(in)), 1.05);
+    EXPECT_LE(busiest_over_mean(Layout(LayoutKind::balanced, 24576, p, in).rank_work(in)), 1.005);
   }
 }
 
