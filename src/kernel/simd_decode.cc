@@ -22,6 +22,7 @@
 #include <cmath>
 #include <limits>
 #include <vector>
+#include <type_traits>
 
 #include "ctxpar/error.h"
 #include "kernel/decode.h"
@@ -40,44 +41,66 @@ struct DecodeTask {
   int64_t t, block, j0, j1, h0, h1;
 };
 
-// Row j of head h of a [1, n, H, D] view, widened to fp32 in `buf` when it is bf16 (the fp32
-// cache is read where it lies).
-HWY_INLINE const float* row_f32(const TensorView& x, int64_t j, int64_t h, int64_t d,
-                                float* HWY_RESTRICT buf) {
-  const int64_t o = x.offset(0, j, h);
-  if (x.dtype() == DType::f32) return x.ptr<const float>() + o;
-  const uint16_t* src = x.ptr<const uint16_t>() + o;
-  const DF df;
-  const hn::RebindToUnsigned<DF> du32;
-  const hn::Rebind<uint16_t, DF> du16;
-  const int64_t n = lanes(), dv = d / n * n;
-  for (int64_t c = 0; c < dv; c += n)
-    hn::StoreU(hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(du16, src + c)))),
-               df, buf + c);
-  for (int64_t c = dv; c < d; ++c) buf[c] = bf16_to_f32(src[c]);
-  return buf;
-}
-
 // Asks for the rows of `count` keys from key j (KV heads [h0, h1)) ahead of their use: the
 // work between two rows is long enough that the hardware's prefetcher alone kept too few lines
 // in flight (measured, 128K context, one thread, alternating: fp32 30-31 ms a token with it,
 // 35 without; bf16 19-20 against 22).
+// Level 3 asks for L1, 2 for L2 (__builtin_prefetch's locality).
+template <int Level = 3>
 HWY_INLINE void prefetch_keys(const TensorView& x, int64_t j, int64_t count, int64_t h0, int64_t h1,
                               int64_t d) {
   if (count <= 0) return;
   const int64_t es = int64_t(dtype_size(x.dtype()));
   const std::byte* a = static_cast<const std::byte*>(x.data()) + x.offset(0, j, h0) * es;
   const int64_t bytes = ((count - 1) * x.stride(1) + (h1 - h0) * d) * es;
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(a + o);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(a + o, 0, Level);
 }
 constexpr int64_t kPrefetchKeys = 16;  // how far ahead the scores' loop asks for K rows
 
+// K's elements as fp32 vectors: an fp32 row where it lies, a bf16 row widened in registers (a
+// bf16 value is the top half of its fp32).
+HWY_INLINE VF load_f32(DF df, const float* HWY_RESTRICT p) { return hn::LoadU(df, p); }
+HWY_INLINE VF load_f32(DF df, const uint16_t* HWY_RESTRICT p) {
+  const hn::RebindToUnsigned<DF> du32;
+  const hn::Rebind<uint16_t, DF> du16;
+  return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(du16, p))));
+}
+HWY_INLINE float to_f32(float x) { return x; }
+HWY_INLINE float to_f32(uint16_t x) { return bf16_to_f32(x); }
+
+// Halves v down to one 128-bit block, adding the halves.
+template <class D>
+HWY_INLINE auto fold_blocks(D d, hn::Vec<D> v) {
+  if constexpr (hn::MaxLanes(D()) <= 4) {
+    (void)d;
+    return v;
+  } else {
+    const hn::Half<D> dh;
+    return fold_blocks(dh, hn::Add(hn::LowerHalf(dh, v), hn::UpperHalf(dh, v)));
+  }
+}
+
+// The sums of the lanes of a, b, c, e in lanes 0..3 of one 128-bit vector: a transposing tree
+// (pairs of lanes, then pairs of pairs, then blocks), 13 operations on AVX-512 against 4 x 8 for
+// four SumOfLanes.
+HWY_INLINE hn::Vec<hn::Full128<float>> sums4(DF df, VF a, VF b, VF c, VF e) {
+  const hn::Repartition<uint64_t, DF> d64;
+  const VF ab = hn::Add(hn::InterleaveLower(df, a, b), hn::InterleaveUpper(df, a, b));
+  const VF ce = hn::Add(hn::InterleaveLower(df, c, e), hn::InterleaveUpper(df, c, e));
+  const auto ab64 = hn::BitCast(d64, ab), ce64 = hn::BitCast(d64, ce);
+  const VF x = hn::BitCast(df, hn::InterleaveLower(d64, ab64, ce64));
+  const VF y = hn::BitCast(df, hn::InterleaveUpper(d64, ab64, ce64));
+  return fold_blocks(df, hn::Add(x, y));
+}
+
 // Note [Decode's products share their loads]: the scores of G query rows against J keys at
 // once, J x G accumulators, so that each K vector loaded serves G rows and each query vector J
-// keys (one row at a time loaded two vectors per FMA: the loads, not the FMAs, bound it).
+// keys (one row at a time loaded two vectors per FMA: the loads, not the FMAs, bound it). A
+// bf16 K is widened in registers. The J x G sums of lanes go four at a time through sums4
+// where the vectors have four lanes or more.
 // out[j * ldo + r] = scale * (q_r . k_j); q rows `d` apart.
-template <int G, int J>
-HWY_INLINE void dots(const float* HWY_RESTRICT q, const float* const* k, int64_t d, float scale,
+template <int G, int J, typename T>
+HWY_INLINE void dots(const float* HWY_RESTRICT q, const T* const* k, int64_t d, float scale,
                      float* HWY_RESTRICT out, int64_t ldo) {
   const DF df;
   const int64_t n = lanes(), dv = d / n * n;
@@ -86,24 +109,35 @@ HWY_INLINE void dots(const float* HWY_RESTRICT q, const float* const* k, int64_t
     for (int r = 0; r < G; ++r) acc[j][r] = hn::Zero(df);
   for (int64_t c = 0; c < dv; c += n) {
     VF kv[J];
-    for (int j = 0; j < J; ++j) kv[j] = hn::LoadU(df, k[j] + c);
+    for (int j = 0; j < J; ++j) kv[j] = load_f32(df, k[j] + c);
     for (int r = 0; r < G; ++r) {
       const VF qv = hn::LoadU(df, q + r * d + c);
       for (int j = 0; j < J; ++j) acc[j][r] = hn::MulAdd(qv, kv[j], acc[j][r]);
     }
   }
+  float sums[J][G];
+  if constexpr (G % 4 == 0 && hn::MaxLanes(DF()) >= 4) {
+    const hn::Full128<float> d4;
+    for (int j = 0; j < J; ++j)
+      for (int r = 0; r < G; r += 4)
+        hn::StoreU(sums4(df, acc[j][r], acc[j][r + 1], acc[j][r + 2], acc[j][r + 3]), d4,
+                   &sums[j][r]);
+  } else {
+    for (int j = 0; j < J; ++j)
+      for (int r = 0; r < G; ++r) sums[j][r] = hn::GetLane(hn::SumOfLanes(df, acc[j][r]));
+  }
   for (int j = 0; j < J; ++j)
     for (int r = 0; r < G; ++r) {
-      float x = hn::GetLane(hn::SumOfLanes(df, acc[j][r]));
-      for (int64_t c = dv; c < d; ++c) x += q[r * d + c] * k[j][c];
+      float x = sums[j][r];
+      for (int64_t c = dv; c < d; ++c) x += q[r * d + c] * to_f32(k[j][c]);
       out[r * ldo + j] = x * scale;
     }
 }
 
 // The g rows' scores against keys k[0..J) (J = 2, or 1 for the last of an odd count), through
 // dots<G, J> where g is one of the G it is made for, else one row at a time.
-template <int J>
-HWY_INLINE void scores_of(int64_t g, const float* HWY_RESTRICT q, const float* const* k, int64_t d,
+template <int J, typename T>
+HWY_INLINE void scores_of(int64_t g, const float* HWY_RESTRICT q, const T* const* k, int64_t d,
                           float scale, float* HWY_RESTRICT out, int64_t ldo) {
   switch (g) {
     case 1:
@@ -120,6 +154,48 @@ HWY_INLINE void scores_of(int64_t g, const float* HWY_RESTRICT q, const float* c
   }
 }
 
+// O += P V for G rows over kk keys of a bf16 V read where it lies, widened in registers:
+// acc[r lda + c] += sum_x p[r ldp + x] v[x ldv + c], NC vectors of columns at a time, the G x NC
+// accumulators in registers over the keys. Each element is one MulAdd per key in key order,
+// as axpy's and gemm_rows' (the same bits as widening V into a buffer first).
+template <int G, int NC>
+HWY_INLINE void pv_bf16_cols(int64_t c0, int64_t kk, const float* HWY_RESTRICT p, int64_t ldp,
+                             const uint16_t* HWY_RESTRICT v, int64_t ldv, float* HWY_RESTRICT acc,
+                             int64_t lda) {
+  const DF df;
+  const int64_t n = lanes();
+  VF a[G][NC];
+  for (int r = 0; r < G; ++r)
+    for (int i = 0; i < NC; ++i) a[r][i] = hn::LoadU(df, acc + r * lda + c0 + i * n);
+  for (int64_t x = 0; x < kk; ++x) {
+    VF vv[NC];
+    for (int i = 0; i < NC; ++i) vv[i] = load_f32(df, v + x * ldv + c0 + i * n);
+    for (int r = 0; r < G; ++r) {
+      const VF pr = hn::Set(df, p[r * ldp + x]);
+      for (int i = 0; i < NC; ++i) a[r][i] = hn::MulAdd(pr, vv[i], a[r][i]);
+    }
+  }
+  for (int r = 0; r < G; ++r)
+    for (int i = 0; i < NC; ++i) hn::StoreU(a[r][i], df, acc + r * lda + c0 + i * n);
+}
+
+template <int G>
+HWY_INLINE void pv_bf16(int64_t d, int64_t kk, const float* HWY_RESTRICT p, int64_t ldp,
+                        const uint16_t* HWY_RESTRICT v, int64_t ldv, float* HWY_RESTRICT acc,
+                        int64_t lda) {
+  // Column blocks that keep G x NC accumulators, NC widened rows and a broadcast in registers
+  // (32 on AVX-512, 16 on AVX2).
+  constexpr int kMax = HWY_MAX_BYTES >= 64 ? (G <= 4 ? 4 : 2) : (G <= 2 ? 4 : 2);
+  const int64_t n = lanes(), nvec = d / n;
+  int64_t c = 0;
+  for (; c + kMax <= nvec; c += kMax) pv_bf16_cols<G, kMax>(c * n, kk, p, ldp, v, ldv, acc, lda);
+  for (; c < nvec; ++c) pv_bf16_cols<G, 1>(c * n, kk, p, ldp, v, ldv, acc, lda);
+  for (int64_t col = nvec * n; col < d; ++col)  // D not a multiple of the lanes
+    for (int r = 0; r < G; ++r)
+      for (int64_t x = 0; x < kk; ++x)
+        acc[r * lda + col] += p[r * ldp + x] * bf16_to_f32(v[x * ldv + col]);
+}
+
 // acc[0..d) += p * v
 HWY_INLINE void axpy(float p, const float* HWY_RESTRICT v, float* HWY_RESTRICT acc, int64_t d) {
   const DF df;
@@ -134,18 +210,23 @@ HWY_INLINE void axpy(float p, const float* HWY_RESTRICT v, float* HWY_RESTRICT a
 // l[...], acc[((h - h0) g + r) d ...]. qf: the token's Hq query rows, fp32. Note [Decode reads
 // a token's heads together]: the loops run over keys outside and heads inside, so a token's K
 // (then V) rows of all the task's heads -- contiguous in the cache -- are read as one stream.
+// KT: the cache's element (float, or uint16_t for bf16).
+template <typename KT>
 void run_task(const DecodeShard& p, const DecodeTask& task, int64_t g, int64_t d, float scale,
-              const float* HWY_RESTRICT qf, float* HWY_RESTRICT scores, float* HWY_RESTRICT buf,
-              float* HWY_RESTRICT vbuf, float* HWY_RESTRICT m, float* HWY_RESTRICT l,
-              float* HWY_RESTRICT acc) {
+              const float* HWY_RESTRICT qf, float* HWY_RESTRICT scores, float* HWY_RESTRICT m,
+              float* HWY_RESTRICT l, float* HWY_RESTRICT acc) {
   const int64_t nk = task.j1 - task.j0, rows = (task.h1 - task.h0) * g;
   for (int64_t j = 0; j < nk; j += 2) {  // S = Q K^T: each K row read once for its g rows
     const bool two = j + 1 < nk;
     prefetch_keys(p.k, task.j0 + j + kPrefetchKeys, std::min<int64_t>(2, nk - j - kPrefetchKeys),
                   task.h0, task.h1, d);
+    // The same keys' V rows into L2, for the P V pass after the split's scores: asked for here,
+    // spread over the pass, rather than a chunk's lines at once before its products.
+    prefetch_keys<2>(p.v, task.j0 + j, std::min<int64_t>(2, nk - j), task.h0, task.h1, d);
     for (int64_t h = task.h0; h < task.h1; ++h) {
-      const float* k[2] = {row_f32(p.k, task.j0 + j, h, d, buf),
-                           two ? row_f32(p.k, task.j0 + j + 1, h, d, buf + d) : nullptr};
+      const KT* base = p.k.ptr<const KT>();
+      const KT* k[2] = {base + p.k.offset(0, task.j0 + j, h),
+                        two ? base + p.k.offset(0, task.j0 + j + 1, h) : nullptr};
       float* out = scores + (h - task.h0) * g * kDecodeSplit + j;
       if (two)
         scores_of<2>(g, qf + h * g * d, k, d, scale, out, kDecodeSplit);
@@ -157,15 +238,25 @@ void run_task(const DecodeShard& p, const DecodeTask& task, int64_t g, int64_t d
   const int64_t n = lanes();
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * kDecodeSplit;
-    float mx = kNegInf;
-    for (int64_t j = 0; j < nk; ++j) mx = std::max(mx, s[j]);
+    // Max and sum by vectors, the last partial vector's keys one by one (a scalar max and sum
+    // over a split's 512 scores were two dependency chains of 512 steps a row: 12 % of decode's
+    // time in cache).
+    const int64_t nv = nk / n * n;
+    VF vmx = hn::Set(df, kNegInf);
+    for (int64_t j = 0; j < nv; j += n) vmx = hn::Max(vmx, hn::LoadU(df, s + j));
+    float mx = hn::GetLane(hn::MaxOfLanes(df, vmx));
+    for (int64_t j = nv; j < nk; ++j) mx = std::max(mx, s[j]);
     const VF vm = hn::Set(df, mx), vl = hn::Set(df, kLog2e);
     // The last vector may run past nk within the row (kDecodeSplit is a multiple of every
     // target's lanes): those lanes are never read.
-    for (int64_t j = 0; j < nk; j += n)
-      hn::StoreU(exp2_neg(df, hn::Mul(hn::Sub(hn::LoadU(df, s + j), vm), vl)), df, s + j);
-    float sum = 0;
-    for (int64_t j = 0; j < nk; ++j) sum += s[j];
+    VF vsum = hn::Zero(df);
+    for (int64_t j = 0; j < nk; j += n) {
+      const VF e = exp2_neg(df, hn::Mul(hn::Sub(hn::LoadU(df, s + j), vm), vl));
+      hn::StoreU(e, df, s + j);
+      if (j < nv) vsum = hn::Add(vsum, e);
+    }
+    float sum = hn::GetLane(hn::SumOfLanes(df, vsum));
+    for (int64_t j = nv; j < nk; ++j) sum += s[j];
     if (p.round_p)
       for (int64_t j = 0; j < nk; ++j) s[j] = round_to_bf16(s[j]);
     m[r] = mx;
@@ -175,25 +266,43 @@ void run_task(const DecodeShard& p, const DecodeTask& task, int64_t g, int64_t d
   // O += P V: the keys in chunks of kVChunk, all the task's heads of a chunk (contiguous in the
   // cache) read once from memory; each head's g rows then through gemm_rows (simd_tile.h: P
   // broadcast, V rows as vectors, the g x D accumulators in registers per chunk), whose FMAs
-  // run in key order as axpy's (the same bits). bf16 rows are widened into vbuf first.
+  // run in key order as axpy's (the same bits). A bf16 V goes through pv_bf16, which widens
+  // its rows in registers (widening them into a buffer first cost a fifth of decode's time).
   const bool gemm = d % n == 0 && (g == 1 || g % 2 == 0);
   const int64_t nh = task.h1 - task.h0;
   for (int64_t x0 = 0; x0 < nk; x0 += kVChunk) {
     const int64_t kk = std::min(kVChunk, nk - x0);
-    prefetch_keys(p.v, task.j0 + x0 + kVChunk, std::min(kVChunk, nk - x0 - kVChunk), task.h0,
-                  task.h1, d);  // the next chunk
-    const float* vrows = nullptr;
-    int64_t ldv = 0;
-    if (p.v.dtype() == DType::f32) {
-      vrows = p.v.ptr<const float>() + p.v.offset(0, task.j0 + x0, task.h0);
-      ldv = p.v.stride(1);
-    } else {
-      for (int64_t x = 0; x < kk; ++x)
-        for (int64_t h = 0; h < nh; ++h)
-          row_f32(p.v, task.j0 + x0 + x, task.h0 + h, d, vbuf + (x * nh + h) * d);
-      vrows = vbuf;
-      ldv = nh * d;
+    if constexpr (std::is_same_v<KT, uint16_t>) {
+      // bf16: widened in registers (pv_bf16), g rows at a time where g is 1, 2, 4 or 8.
+      const uint16_t* vrows = p.v.ptr<const uint16_t>() + p.v.offset(0, task.j0 + x0, task.h0);
+      const int64_t ldv = p.v.stride(1);
+      for (int64_t h = 0; h < nh; ++h) {
+        const float* sp = scores + h * g * kDecodeSplit + x0;
+        float* ap = acc + h * g * d;
+        const uint16_t* vp = vrows + h * d;
+        switch (g) {
+          case 1:
+            pv_bf16<1>(d, kk, sp, kDecodeSplit, vp, ldv, ap, d);
+            break;
+          case 2:
+            pv_bf16<2>(d, kk, sp, kDecodeSplit, vp, ldv, ap, d);
+            break;
+          case 4:
+            pv_bf16<4>(d, kk, sp, kDecodeSplit, vp, ldv, ap, d);
+            break;
+          case 8:
+            pv_bf16<4>(d, kk, sp, kDecodeSplit, vp, ldv, ap, d);
+            pv_bf16<4>(d, kk, sp + 4 * kDecodeSplit, kDecodeSplit, vp, ldv, ap + 4 * d, d);
+            break;
+          default:
+            for (int64_t r = 0; r < g; ++r)
+              pv_bf16<1>(d, kk, sp + r * kDecodeSplit, kDecodeSplit, vp, ldv, ap + r * d, d);
+        }
+      }
+      continue;
     }
+    const float* vrows = p.v.ptr<const float>() + p.v.offset(0, task.j0 + x0, task.h0);
+    const int64_t ldv = p.v.stride(1);
     for (int64_t h = 0; h < nh; ++h) {
       const float* sp = scores + h * g * kDecodeSplit + x0;
       float* ap = acc + h * g * d;
@@ -257,14 +366,18 @@ void DecodeInPlace(const DecodeShard& p) {
   const int64_t nt = int64_t(tasks.size());
 #pragma omp parallel num_threads(p.threads)
   {
-    std::vector<float> scores(size_t(hkv * g * kDecodeSplit), 0.0f), buf(size_t(2 * d), 0.0f),
-        vbuf(size_t(kVChunk * hkv * d), 0.0f), m(size_t(hkv * g)), l(size_t(hkv * g));
+    std::vector<float> scores(size_t(hkv * g * kDecodeSplit), 0.0f), m(size_t(hkv * g)),
+        l(size_t(hkv * g));
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < nt; ++i) {
       const DecodeTask& task = tasks[i];
       const int64_t at = task.block * hkv + task.h0;  // the first head's partials
-      run_task(p, task, g, d, scale, qf.data() + task.t * hq * d, scores.data(), buf.data(),
-               vbuf.data(), m.data(), l.data(), accs.data() + at * g * d);
+      if (p.k.dtype() == DType::f32)
+        run_task<float>(p, task, g, d, scale, qf.data() + task.t * hq * d, scores.data(), m.data(),
+                        l.data(), accs.data() + at * g * d);
+      else
+        run_task<uint16_t>(p, task, g, d, scale, qf.data() + task.t * hq * d, scores.data(),
+                           m.data(), l.data(), accs.data() + at * g * d);
       for (int64_t r = 0; r < (task.h1 - task.h0) * g; ++r) {
         ml[(at * g + r) * 2] = m[r];
         ml[(at * g + r) * 2 + 1] = l[r];

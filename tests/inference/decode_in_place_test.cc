@@ -121,11 +121,13 @@ TEST(DecodeInPlace, RanksThatChooseOtherKernelsAreRefused) {
 
 TEST(DecodeInPlace, EveryGroupSizeAndHeadDim) {
   // The products' paths: g = 1 (one row per KV head), 3 (no blocked case), 8 (two of 4); D a
-  // multiple of every target's lanes or not (24: the vectors' scalar tail, V by axpy).
+  // multiple of every target's lanes or not (24: the vectors' scalar tail, V by axpy); D 128
+  // and 80 take bf16 V's blocks of several column vectors (pv_bf16) and a single one after.
   struct Shape {
     int64_t hq, hkv, d;
   };
-  for (const Shape& sh : {Shape{2, 2, 16}, Shape{3, 1, 16}, Shape{8, 1, 24}, Shape{4, 2, 48}})
+  for (const Shape& sh : {Shape{2, 2, 16}, Shape{3, 1, 16}, Shape{8, 1, 24}, Shape{4, 2, 48},
+                          Shape{8, 2, 128}, Shape{4, 1, 80}})
     for (DType dtype : {DType::f32, DType::bf16}) {
       Scenario s;
       s.hq = sh.hq, s.hkv = sh.hkv, s.d = sh.d, s.block = 64, s.dtype = dtype;
