@@ -175,6 +175,7 @@ void attend_shards(KvCache& cache, std::span<const int64_t> seqs, const PackedQu
     // tokens alone (not on how they were prefilled).
     const int64_t n = cache.local_tokens(s);
     const Tokens kt = cache.local_token_ids(s);
+    const TensorView k = cache.k(s), v = cache.v(s);  // gathered from the pages, once
     KernelConfig checked = o.kernel;  // Note [The cache checks K/V at the door]
     checked.kv_checked = true;
     for (int64_t a = 0; a < n; a += kDecodeChunk) {
@@ -182,8 +183,8 @@ void attend_shards(KvCache& cache, std::span<const int64_t> seqs, const PackedQu
       Tokens ct;
       ct.positions = kt.positions.subspan(size_t(a), size_t(e - a));
       if (o.mask.documents) ct.documents = kt.documents.subspan(size_t(a), size_t(e - a));
-      dev.forward_block(kComputeStream, pq.q_g.slice(0, i, i + 1), qt, cache.k(s).slice(1, a, e),
-                        cache.v(s).slice(1, a, e), ct, o.mask, states.back().get(), checked);
+      dev.forward_block(kComputeStream, pq.q_g.slice(0, i, i + 1), qt, k.slice(1, a, e),
+                        v.slice(1, a, e), ct, o.mask, states.back().get(), checked);
     }
     dev.forward_finalize(kComputeStream, states.back().get(), parts.o(me).slice(0, i, i + 1),
                          parts.lse(me).slice(0, i, i + 1), o.kernel);
@@ -202,11 +203,13 @@ void attend_in_place(KvCache& cache, std::span<const int64_t> seqs, const Tensor
   const double t0 = strategy::now_seconds();
   for (int64_t i = 0; i < parts.hr.b; ++i) {
     const int64_t s = seqs[i];
+    const PageViews pages = InferenceAccess::local_pages(cache, s);  // read where they lie
     kernel::DecodeShard p;
     p.q = q.slice(0, i, i + 1);
     p.q_positions = std::span<const int64_t>(positions).subspan(size_t(i * tn), size_t(tn));
-    p.k = cache.k(s);
-    p.v = cache.v(s);
+    p.k_pages = pages.k;
+    p.v_pages = pages.v;
+    p.page_rows = o.block;
     p.k_positions = cache.local_token_ids(s).positions;
     p.mask = o.mask;
     p.scale = o.kernel.scale;
@@ -381,12 +384,12 @@ void decode(KvCache& cache, std::span<const int64_t> seqs, const TensorView& q,
   // others waiting in the all-gather, and ranks with other shapes or lengths were found only
   // after each had stored the new tokens.
   std::string error;
-  std::vector<int64_t> capacities;
+  std::vector<int64_t> planned;
   try {
     check_decode_args(cache, seqs, q, k_new, v_new, out, lse, documents);
     std::vector<int64_t> lengths = lengths_after(cache, seqs[0], 0);
     for (int64_t s : seqs) lengths[s] += q.dim(1);
-    capacities = InferenceAccess::plan_growth(cache, lengths);
+    planned = InferenceAccess::plan_growth(cache, lengths);
   } catch (const Error& e) {
     error = e.what();
   }
@@ -399,7 +402,7 @@ void decode(KvCache& cache, std::span<const int64_t> seqs, const TensorView& q,
   std::vector<int64_t> positions(static_cast<size_t>(b * tn));
   for (int64_t i = 0; i < b; ++i)
     for (int64_t t = 0; t < tn; ++t) positions[i * tn + t] = cache.tokens(seqs[i]) + t;
-  InferenceAccess::grow(cache, capacities);
+  InferenceAccess::grow(cache, planned);
   for (int64_t i = 0; i < b; ++i) {
     std::span<const int32_t> docs;
     if (o.mask.documents) docs = documents.subspan(size_t(i * tn), size_t(tn));
@@ -414,6 +417,7 @@ void decode(KvCache& cache, std::span<const int64_t> seqs, const TensorView& q,
   } else {
     const PackedQueries pq = pack_queries(dev, hr, q, positions, documents, o.mask.documents);
     attend_shards(cache, seqs, pq, parts, comm.rank());
+    InferenceAccess::drop_copies(cache);  // the pages gathered for the tile kernel
   }
   const double t_merge = strategy::now_seconds();
   if (comm.size() > 1) merge_partials(comm, parts, o.merge);

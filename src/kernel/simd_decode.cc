@@ -72,6 +72,15 @@ HWY_INLINE void prefetch_keys(const TensorView& x, int64_t j, int64_t count, int
 }
 constexpr int64_t kPrefetchKeys = 16;  // how far ahead the scores' loop asks for K rows
 
+// Row j of the shard where it lies: its page (DecodeShard::k_pages / v_pages) and the row in it.
+struct PageRow {
+  const TensorView* page;
+  int64_t row;
+};
+HWY_INLINE PageRow page_row(std::span<const TensorView> pages, int64_t page_rows, int64_t j) {
+  return {&pages[size_t(j / page_rows)], j % page_rows};
+}
+
 // Note [Decode's products share their loads]: the scores of G query rows against J keys at
 // once, J x G accumulators, so that each K vector loaded serves G rows and each query vector J
 // keys (one row at a time loaded two vectors per FMA: the loads, not the FMAs, bound it).
@@ -141,11 +150,15 @@ void run_task(const DecodeShard& p, const DecodeTask& task, int64_t g, int64_t d
   const int64_t nk = task.j1 - task.j0, rows = (task.h1 - task.h0) * g;
   for (int64_t j = 0; j < nk; j += 2) {  // S = Q K^T: each K row read once for its g rows
     const bool two = j + 1 < nk;
-    prefetch_keys(p.k, task.j0 + j + kPrefetchKeys, std::min<int64_t>(2, nk - j - kPrefetchKeys),
-                  task.h0, task.h1, d);
+    for (int64_t x = j + kPrefetchKeys; x < std::min(nk, j + kPrefetchKeys + 2); ++x) {
+      const PageRow ahead = page_row(p.k_pages, p.page_rows, task.j0 + x);
+      prefetch_keys(*ahead.page, ahead.row, 1, task.h0, task.h1, d);
+    }
+    const PageRow k0 = page_row(p.k_pages, p.page_rows, task.j0 + j);
+    const PageRow k1 = two ? page_row(p.k_pages, p.page_rows, task.j0 + j + 1) : k0;
     for (int64_t h = task.h0; h < task.h1; ++h) {
-      const float* k[2] = {row_f32(p.k, task.j0 + j, h, d, buf),
-                           two ? row_f32(p.k, task.j0 + j + 1, h, d, buf + d) : nullptr};
+      const float* k[2] = {row_f32(*k0.page, k0.row, h, d, buf),
+                           two ? row_f32(*k1.page, k1.row, h, d, buf + d) : nullptr};
       float* out = scores + (h - task.h0) * g * kDecodeSplit + j;
       if (two)
         scores_of<2>(g, qf + h * g * d, k, d, scale, out, kDecodeSplit);
@@ -175,22 +188,33 @@ void run_task(const DecodeShard& p, const DecodeTask& task, int64_t g, int64_t d
   // O += P V: the keys in chunks of kVChunk, all the task's heads of a chunk (contiguous in the
   // cache) read once from memory; each head's g rows then through gemm_rows (simd_tile.h: P
   // broadcast, V rows as vectors, the g x D accumulators in registers per chunk), whose FMAs
-  // run in key order as axpy's (the same bits). bf16 rows are widened into vbuf first.
+  // run in key order as axpy's (the same bits). bf16 rows are widened into vbuf first. A chunk
+  // also ends at its page's end (its rows one stride apart): the FMAs still run in key order
+  // from the stored accumulators, so the bits do not depend on the pages' size.
   const bool gemm = d % n == 0 && (g == 1 || g % 2 == 0);
   const int64_t nh = task.h1 - task.h0;
-  for (int64_t x0 = 0; x0 < nk; x0 += kVChunk) {
-    const int64_t kk = std::min(kVChunk, nk - x0);
-    prefetch_keys(p.v, task.j0 + x0 + kVChunk, std::min(kVChunk, nk - x0 - kVChunk), task.h0,
-                  task.h1, d);  // the next chunk
+  // Keys of V from key x of the task: at most kVChunk, within one page.
+  auto chunk_at = [&](int64_t x, PageRow& at) {
+    at = page_row(p.v_pages, p.page_rows, task.j0 + x);
+    return std::min({kVChunk, nk - x, p.page_rows - at.row});
+  };
+  for (int64_t x0 = 0, kk = 0; x0 < nk; x0 += kk) {
+    PageRow at{}, next{};
+    kk = chunk_at(x0, at);
+    if (x0 + kk < nk) {  // the next chunk
+      const int64_t count = chunk_at(x0 + kk, next);
+      prefetch_keys(*next.page, next.row, count, task.h0, task.h1, d);
+    }
+    const TensorView& pv = *at.page;
     const float* vrows = nullptr;
     int64_t ldv = 0;
-    if (p.v.dtype() == DType::f32) {
-      vrows = p.v.ptr<const float>() + p.v.offset(0, task.j0 + x0, task.h0);
-      ldv = p.v.stride(1);
+    if (pv.dtype() == DType::f32) {
+      vrows = pv.ptr<const float>() + pv.offset(0, at.row, task.h0);
+      ldv = pv.stride(1);
     } else {
       for (int64_t x = 0; x < kk; ++x)
         for (int64_t h = 0; h < nh; ++h)
-          row_f32(p.v, task.j0 + x0 + x, task.h0 + h, d, vbuf + (x * nh + h) * d);
+          row_f32(pv, at.row + x, task.h0 + h, d, vbuf + (x * nh + h) * d);
       vrows = vbuf;
       ldv = nh * d;
     }
