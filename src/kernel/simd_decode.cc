@@ -72,14 +72,16 @@ HWY_INLINE void prefetch_keys(const TensorView& x, int64_t j, int64_t count, int
 }
 constexpr int64_t kPrefetchKeys = 16;  // how far ahead the scores' loop asks for K rows
 
-// Row j of the shard where it lies: its page (DecodeShard::k_pages / v_pages) and the row in it.
+// Where a row of the shard lies: its page (DecodeShard::k_pages / v_pages) and the row in it,
+// stepped along the keys without a division per key.
 struct PageRow {
-  const TensorView* page;
-  int64_t row;
+  int64_t page, row;
+  PageRow plus(int64_t x, int64_t page_rows) const {
+    PageRow at{page, row + x};
+    for (; at.row >= page_rows; at.row -= page_rows) ++at.page;
+    return at;
+  }
 };
-HWY_INLINE PageRow page_row(std::span<const TensorView> pages, int64_t page_rows, int64_t j) {
-  return {&pages[size_t(j / page_rows)], j % page_rows};
-}
 
 // Note [Decode's products share their loads]: the scores of G query rows against J keys at
 // once, J x G accumulators, so that each K vector loaded serves G rows and each query vector J
@@ -148,23 +150,33 @@ void run_task(const DecodeShard& p, const DecodeTask& task, int64_t g, int64_t d
               float* HWY_RESTRICT vbuf, float* HWY_RESTRICT m, float* HWY_RESTRICT l,
               float* HWY_RESTRICT acc) {
   const int64_t nk = task.j1 - task.j0, rows = (task.h1 - task.h0) * g;
-  for (int64_t j = 0; j < nk; j += 2) {  // S = Q K^T: each K row read once for its g rows
-    const bool two = j + 1 < nk;
-    for (int64_t x = j + kPrefetchKeys; x < std::min(nk, j + kPrefetchKeys + 2); ++x) {
-      const PageRow ahead = page_row(p.k_pages, p.page_rows, task.j0 + x);
-      prefetch_keys(*ahead.page, ahead.row, 1, task.h0, task.h1, d);
+  const PageRow first{task.j0 / p.page_rows, task.j0 % p.page_rows};
+  // S = Q K^T: each K row read once for its g rows, two keys at a time within a page (each
+  // score is its own sum: how keys are paired does not change its bits).
+  PageRow key = first;  // key j's
+  for (int64_t j = 0; j < nk;) {
+    const TensorView& page = p.k_pages[size_t(key.page)];
+    const int64_t seg = std::min(nk - j, p.page_rows - key.row);  // the keys in this page
+    for (int64_t x = 0; x < seg; x += 2) {
+      const bool two = x + 1 < seg;
+      // Rows kPrefetchKeys ahead: in this page, or at the start of the next one.
+      const int64_t ahead = x + kPrefetchKeys, count = std::min<int64_t>(2, nk - j - ahead);
+      if (ahead < seg)
+        prefetch_keys(page, key.row + ahead, std::min(count, seg - ahead), task.h0, task.h1, d);
+      else if (count > 0 && ahead - seg + count <= p.page_rows)
+        prefetch_keys(p.k_pages[size_t(key.page + 1)], ahead - seg, count, task.h0, task.h1, d);
+      for (int64_t h = task.h0; h < task.h1; ++h) {
+        const float* k[2] = {row_f32(page, key.row + x, h, d, buf),
+                             two ? row_f32(page, key.row + x + 1, h, d, buf + d) : nullptr};
+        float* out = scores + (h - task.h0) * g * kDecodeSplit + j + x;
+        if (two)
+          scores_of<2>(g, qf + h * g * d, k, d, scale, out, kDecodeSplit);
+        else
+          scores_of<1>(g, qf + h * g * d, k, d, scale, out, kDecodeSplit);
+      }
     }
-    const PageRow k0 = page_row(p.k_pages, p.page_rows, task.j0 + j);
-    const PageRow k1 = two ? page_row(p.k_pages, p.page_rows, task.j0 + j + 1) : k0;
-    for (int64_t h = task.h0; h < task.h1; ++h) {
-      const float* k[2] = {row_f32(*k0.page, k0.row, h, d, buf),
-                           two ? row_f32(*k1.page, k1.row, h, d, buf + d) : nullptr};
-      float* out = scores + (h - task.h0) * g * kDecodeSplit + j;
-      if (two)
-        scores_of<2>(g, qf + h * g * d, k, d, scale, out, kDecodeSplit);
-      else
-        scores_of<1>(g, qf + h * g * d, k, d, scale, out, kDecodeSplit);
-    }
+    j += seg;
+    key = {key.page + 1, 0};
   }
   const DF df;
   const int64_t n = lanes();
@@ -193,19 +205,19 @@ void run_task(const DecodeShard& p, const DecodeTask& task, int64_t g, int64_t d
   // from the stored accumulators, so the bits do not depend on the pages' size.
   const bool gemm = d % n == 0 && (g == 1 || g % 2 == 0);
   const int64_t nh = task.h1 - task.h0;
-  // Keys of V from key x of the task: at most kVChunk, within one page.
-  auto chunk_at = [&](int64_t x, PageRow& at) {
-    at = page_row(p.v_pages, p.page_rows, task.j0 + x);
+  // Keys of V from key x (at `at`) of the task: at most kVChunk, within one page.
+  auto chunk_at = [&](int64_t x, const PageRow& at) {
     return std::min({kVChunk, nk - x, p.page_rows - at.row});
   };
-  for (int64_t x0 = 0, kk = 0; x0 < nk; x0 += kk) {
-    PageRow at{}, next{};
+  PageRow at = first;
+  for (int64_t x0 = 0, kk = 0; x0 < nk; x0 += kk, at = at.plus(kk, p.page_rows)) {
     kk = chunk_at(x0, at);
     if (x0 + kk < nk) {  // the next chunk
-      const int64_t count = chunk_at(x0 + kk, next);
-      prefetch_keys(*next.page, next.row, count, task.h0, task.h1, d);
+      const PageRow next = at.plus(kk, p.page_rows);
+      prefetch_keys(p.v_pages[size_t(next.page)], next.row, chunk_at(x0 + kk, next), task.h0,
+                    task.h1, d);
     }
-    const TensorView& pv = *at.page;
+    const TensorView& pv = p.v_pages[size_t(at.page)];
     const float* vrows = nullptr;
     int64_t ldv = 0;
     if (pv.dtype() == DType::f32) {
