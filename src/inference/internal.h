@@ -12,6 +12,7 @@
 
 #include "ctxpar/agreement.h"
 #include "ctxpar/clock.h"
+#include "ctxpar/hash.h"
 #include "ctxpar/inference.h"
 #include "device/kernel_agreement.h"
 #include "kernel/problem.h"
@@ -34,8 +35,9 @@ struct KvCache::Shard {
   bool live = true;      // false once freed (KvCache::free): the slot waits for add()
   int64_t length = 0;    // tokens of the whole sequence, all ranks
   // Page id of global block b (every rank's blocks: the same table on every rank); at least
-  // the blocks of `length`, more after reserve().
+  // the blocks of `length`, more after reserve(). Its hash kept (slot_table_hash, every call).
   std::vector<int64_t> pages;
+  uint64_t table_hash = kFnv1a64Offset;
   // This rank's tokens, in increasing position (the placement rule keeps them so), per
   // sequence (a fork copies its prefix's: 8 or 12 bytes a token on the host, no K/V row).
   std::vector<int64_t> positions;
@@ -74,9 +76,9 @@ struct InferenceAccess {
   static void drop_pages(KvCache& c, int64_t seq, int64_t keep);
   // A new page of global block `block` (refcount 1; its memory on the rank that holds it).
   static int64_t new_page(KvCache& c, int64_t block);
-  static const std::vector<int64_t>& block_table(const KvCache& c, int64_t seq) {
-    return c.shards_[seq]->pages;
-  }
+  static uint64_t table_hash(const KvCache& c, int64_t seq) { return c.shards_[seq]->table_hash; }
+  // After a change of the block table: its hash again.
+  static void table_changed(KvCache::Shard& s);
   static PageViews local_pages(const KvCache& c, int64_t seq);
   // k()/v(): this rank's rows of sequence seq gathered from its pages into Shard::copy (once
   // per change of the sequence); `v`: the values, else the keys.

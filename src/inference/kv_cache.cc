@@ -239,6 +239,7 @@ int64_t KvCache::fork(int64_t seq, int64_t n) {
   s = Shard{};
   s.pages.assign(from.pages.begin(), from.pages.begin() + blocks_of(n, options_.block));
   for (int64_t id : s.pages) ++pages_[size_t(id)].refs;
+  InferenceAccess::table_changed(s);
   const size_t m = size_t(held_by(n, comm_.rank()));
   s.positions.assign(from.positions.begin(), from.positions.begin() + m);
   if (options_.mask.documents) s.documents.assign(from.documents.begin(), from.documents.begin() + m);
@@ -263,9 +264,9 @@ PageViews InferenceAccess::local_pages(const KvCache& c, int64_t seq) {
   // This rank's i-th block is global block i P + me (block round-robin).
   for (int64_t i = 0, at = 0; at < n; ++i, at += o.block) {
     const DeviceBuffer& kv = c.pages_[size_t(s.pages[size_t(i * p + me)])].kv;
-    const int64_t rows = std::min(o.block, n - at);
-    views.k.push_back(page_rows(o, kv, false).slice(1, 0, rows));
-    views.v.push_back(page_rows(o, kv, true).slice(1, 0, rows));
+    const Shape shape{1, std::min(o.block, n - at), o.kv_heads, o.head_dim};
+    views.k.push_back(kv.view(o.dtype, shape));  // rows of `block` apart: page_rows' layout
+    views.v.push_back(kv.view(o.dtype, shape, kv.size() / 2));
   }
   return views;
 }
@@ -362,10 +363,8 @@ std::string slot_table_hash(const KvCache& cache) {
   for (int64_t s = 0; s < cache.slots(); ++s) {
     const int64_t entry = cache.live(s) ? cache.tokens(s) : -1;
     h = fnv1a64(&entry, sizeof entry, h);
-    const std::vector<int64_t>& pages = InferenceAccess::block_table(cache, s);
-    const int64_t count = int64_t(pages.size());
-    tables = fnv1a64(&count, sizeof count, tables);
-    if (count > 0) tables = fnv1a64(pages.data(), pages.size() * sizeof pages[0], tables);
+    const uint64_t table = InferenceAccess::table_hash(cache, s);
+    tables = fnv1a64(&table, sizeof table, tables);
   }
   char text[96];
   std::snprintf(text, sizeof text, "%lld slots, lengths %016llx, block tables %016llx",
@@ -537,6 +536,8 @@ void InferenceAccess::grow(KvCache& c, const std::vector<int64_t>& lengths) {
   for (size_t seq = 0; seq < lengths.size() && seq < c.shards_.size(); ++seq) {
     KvCache::Shard& s = *c.shards_[seq];
     if (!s.live || lengths[seq] <= s.length) continue;
+    const size_t had = s.pages.size();
+    bool copied = false;
     for (int64_t b = s.length / block; b < blocks_of(lengths[seq], block); ++b) {
       if (b == int64_t(s.pages.size())) {
         s.pages.push_back(new_page(c, b));
@@ -544,6 +545,7 @@ void InferenceAccess::grow(KvCache& c, const std::vector<int64_t>& lengths) {
       }
       const int64_t shared = s.pages[size_t(b)];
       if (c.pages_[size_t(shared)].refs == 1) continue;
+      copied = true;
       const int64_t id = new_page(c, b);  // copy-on-write: this sequence writes into block b
       const KvCache::Page &from = c.pages_[size_t(shared)], &to = c.pages_[size_t(id)];
       if (!to.kv.empty())
@@ -552,7 +554,12 @@ void InferenceAccess::grow(KvCache& c, const std::vector<int64_t>& lengths) {
       --c.pages_[size_t(shared)].refs;
       s.pages[size_t(b)] = id;
     }
+    if (copied || s.pages.size() != had) table_changed(s);
   }
+}
+
+void InferenceAccess::table_changed(KvCache::Shard& s) {
+  s.table_hash = fnv1a64(s.pages.data(), s.pages.size() * sizeof s.pages[0]);
 }
 
 void InferenceAccess::drop_pages(KvCache& c, int64_t seq, int64_t keep) {
@@ -566,6 +573,7 @@ void InferenceAccess::drop_pages(KvCache& c, int64_t seq, int64_t keep) {
     c.free_pages_.push_back(s.pages[b]);
   }
   s.pages.resize(size_t(keep));
+  table_changed(s);
   s.gathered = false;
 }
 
