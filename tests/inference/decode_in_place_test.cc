@@ -70,8 +70,8 @@ TEST(DecodeInPlace, MatchesTheReferenceAndTheTilePath) {
 // "Paged storage"), its V chunks cut at the pages' ends. On one rank the block changes nothing
 // else, so every page size must give the bits of one page holding the whole shard (the
 // contiguous rows the kernel read before pages), and those are within the accuracy rule. Block
-// 37 is odd (the scores' pairs of keys break at its ends) and no multiple of the V chunk (16) nor of the
-// split (512); g = 4, 3 and 1 take gemm_rows, axpy and row_block.
+// 37 is odd (the scores' pairs of keys break at its ends) and no multiple of the V chunk (16)
+// nor of the split (512); g = 4, 3 and 1 take gemm_rows, axpy and row_block.
 TEST(DecodeInPlace, PagesOfAnySizeGiveTheOnePageBits) {
   for (DType dtype : {DType::f32, DType::bf16})
     for (int64_t hq : {8, 6, 2}) {
