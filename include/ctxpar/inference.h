@@ -141,9 +141,10 @@ class KvCache {
   // A new empty sequence: the lowest free slot (a freed slot is reused), else a new slot (at
   // most kMaxBatch). Returns its index.
   int64_t add();
-  // Ends sequence seq and gives its memory back; the slot is free for add().
+  // Ends sequence seq and gives its pages back (a page a fork still holds stays for it); the
+  // slot is free for add().
   void free(int64_t seq);
-  // Empties sequence seq (length 0), keeping it live and its memory for reuse.
+  // Empties sequence seq (length 0), keeping it live; its pages are given back.
   void reset(int64_t seq);
   // Keeps the first n tokens of sequence seq (0 <= n <= tokens(seq)): rolls back rejected
   // speculative tokens. Drops the pages past the block of token n (docs/inference.md, "Paged
