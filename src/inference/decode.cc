@@ -164,6 +164,7 @@ void attend_shards(KvCache& cache, std::span<const int64_t> seqs, const PackedQu
   const HeadRows& hr = parts.hr;
   std::vector<DeviceForwardState> states;
   states.reserve(size_t(hr.b));
+  DeviceBuffer scratch;  // one chunk of K/V rows gathered from the pages
   for (int64_t i = 0; i < hr.b; ++i) {
     const int64_t s = seqs[i];
     states.emplace_back(dev, 1, hr.rows(), hr.hkv, hr.d);
@@ -175,7 +176,6 @@ void attend_shards(KvCache& cache, std::span<const int64_t> seqs, const PackedQu
     // tokens alone (not on how they were prefilled).
     const int64_t n = cache.local_tokens(s);
     const Tokens kt = cache.local_token_ids(s);
-    const TensorView k = cache.k(s), v = cache.v(s);  // gathered from the pages, once
     KernelConfig checked = o.kernel;  // Note [The cache checks K/V at the door]
     checked.kv_checked = true;
     for (int64_t a = 0; a < n; a += kDecodeChunk) {
@@ -183,8 +183,11 @@ void attend_shards(KvCache& cache, std::span<const int64_t> seqs, const PackedQu
       Tokens ct;
       ct.positions = kt.positions.subspan(size_t(a), size_t(e - a));
       if (o.mask.documents) ct.documents = kt.documents.subspan(size_t(a), size_t(e - a));
-      dev.forward_block(kComputeStream, pq.q_g.slice(0, i, i + 1), qt, k.slice(1, a, e),
-                        v.slice(1, a, e), ct, o.mask, states.back().get(), checked);
+      // The chunk's rows from their pages into one scratch chunk (stream-ordered: the next
+      // chunk's copies follow this chunk's kernel), the same rows as a contiguous shard's.
+      const auto [k, v] = InferenceAccess::local_rows(cache, s, a, e, scratch);
+      dev.forward_block(kComputeStream, pq.q_g.slice(0, i, i + 1), qt, k, v, ct, o.mask,
+                        states.back().get(), checked);
     }
     dev.forward_finalize(kComputeStream, states.back().get(), parts.o(me).slice(0, i, i + 1),
                          parts.lse(me).slice(0, i, i + 1), o.kernel);
@@ -417,7 +420,6 @@ void decode(KvCache& cache, std::span<const int64_t> seqs, const TensorView& q,
   } else {
     const PackedQueries pq = pack_queries(dev, hr, q, positions, documents, o.mask.documents);
     attend_shards(cache, seqs, pq, parts, comm.rank());
-    InferenceAccess::drop_copies(cache);  // the pages gathered for the tile kernel
   }
   const double t_merge = strategy::now_seconds();
   if (comm.size() > 1) merge_partials(comm, parts, o.merge);

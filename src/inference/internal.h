@@ -42,8 +42,10 @@ struct KvCache::Shard {
   // sequence (a fork copies its prefix's: 8 or 12 bytes a token on the host, no K/V row).
   std::vector<int64_t> positions;
   std::vector<int32_t> documents;  // only with a documents mask
-  // k()/v()'s gathered copy of this rank's rows [k | v], valid while `gathered` is true.
+  // k()/v(): this rank's rows, in their page or gathered into `copy` (local_rows), valid
+  // while `gathered` is true.
   mutable DeviceBuffer copy;
+  mutable std::pair<TensorView, TensorView> rows;
   mutable bool gathered = false;
 };
 
@@ -80,10 +82,15 @@ struct InferenceAccess {
   // After a change of the block table: its hash again.
   static void table_changed(KvCache::Shard& s);
   static PageViews local_pages(const KvCache& c, int64_t seq);
-  // k()/v(): this rank's rows of sequence seq gathered from its pages into Shard::copy (once
+  // This rank's rows [a, e) of sequence seq (a < e <= local_tokens) as k, v [1, e - a, Hkv,
+  // D]: the page itself where they lie in one, else gathered into `scratch` (made or grown
+  // here; stream-ordered copies): what a kernel that takes contiguous rows is given.
+  static std::pair<TensorView, TensorView> local_rows(const KvCache& c, int64_t seq, int64_t a,
+                                                      int64_t e, DeviceBuffer& scratch);
+  // k()/v(): all of this rank's rows of sequence seq through local_rows into Shard::copy (once
   // per change of the sequence); `v`: the values, else the keys.
   static TensorView gathered(const KvCache& c, int64_t seq, bool v);
-  // Gives the gathered copies back (decode's tile path and prefill, at the end of their call).
+  // Gives the gathered copies back (prefill, at the end of its call).
   static void drop_copies(KvCache& c);
   // Stores rows of sequence seq: `indices` (increasing, all this rank's, following the ones it
   // holds) with k, v [1, m, Hkv, D] and m document ids (documents mask), into their pages

@@ -271,31 +271,49 @@ PageViews InferenceAccess::local_pages(const KvCache& c, int64_t seq) {
   return views;
 }
 
+std::pair<TensorView, TensorView> InferenceAccess::local_rows(const KvCache& c, int64_t seq,
+                                                              int64_t a, int64_t e,
+                                                              DeviceBuffer& scratch) {
+  const KvCacheOptions& o = c.options_;
+  const KvCache::Shard& s = *c.shards_[seq];
+  const int64_t p = c.ranks(), me = c.comm_.rank(), block = o.block;
+  // This rank's i-th block is global block i P + me (block round-robin).
+  auto page = [&](int64_t i) -> const DeviceBuffer& {
+    return c.pages_[size_t(s.pages[size_t(i * p + me)])].kv;
+  };
+  if (a / block == (e - 1) / block) {  // one page: read where it lies
+    const DeviceBuffer& kv = page(a / block);
+    const int64_t r0 = a % block, r1 = r0 + (e - a);
+    return {page_rows(o, kv, false).slice(1, r0, r1), page_rows(o, kv, true).slice(1, r0, r1)};
+  }
+  Device& dev = *c.device_;
+  const Shape shape{1, e - a, o.kv_heads, o.head_dim};
+  const size_t half = size_t((e - a) * o.kv_heads * o.head_dim) * dtype_size(o.dtype);
+  if (scratch.size() < 2 * half) {
+    if (!scratch.empty()) dev.synchronize();  // queued operations may still read it
+    // Whole blocks: a sequence read after each appended token gets a new buffer once a block.
+    scratch = dev.alloc(2 * size_t(blocks_of(e - a, block) * block) * (half / size_t(e - a)));
+  }
+  const TensorView k = scratch.view(o.dtype, shape), v = scratch.view(o.dtype, shape, half);
+  for (int64_t t = a; t < e;) {
+    const int64_t r0 = t % block, r1 = std::min(block, r0 + (e - t)), at = t - a;
+    const DeviceBuffer& kv = page(t / block);
+    dev.copy(kComputeStream, page_rows(o, kv, false).slice(1, r0, r1), k.slice(1, at, at + r1 - r0));
+    dev.copy(kComputeStream, page_rows(o, kv, true).slice(1, r0, r1), v.slice(1, at, at + r1 - r0));
+    t += r1 - r0;
+  }
+  return {k, v};
+}
+
 TensorView InferenceAccess::gathered(const KvCache& c, int64_t seq, bool v) {
   const int64_t n = c.local_tokens(seq);  // checks seq: live
   if (n == 0) return TensorView();
-  const KvCacheOptions& o = c.options_;
   const KvCache::Shard& s = *c.shards_[seq];
-  const Shape shape{1, n, o.kv_heads, o.head_dim};
-  const size_t half = size_t(n * o.kv_heads * o.head_dim) * dtype_size(o.dtype);
-  Device& dev = *c.device_;
   if (!s.gathered) {
-    if (s.copy.size() < 2 * half) {
-      dev.synchronize();  // queued operations may still read the old copy
-      // Whole blocks: a sequence read after each appended token is given a new buffer once a block.
-      s.copy = dev.alloc(2 * size_t(blocks_of(n, o.block) * o.block) * (half / size_t(n)));
-    }
-    const PageViews pages = local_pages(c, seq);
-    int64_t at = 0;
-    for (size_t i = 0; i < pages.k.size(); ++i) {
-      const int64_t rows = pages.k[i].dim(1);
-      dev.copy(kComputeStream, pages.k[i], s.copy.view(o.dtype, shape).slice(1, at, at + rows));
-      dev.copy(kComputeStream, pages.v[i], s.copy.view(o.dtype, shape, half).slice(1, at, at + rows));
-      at += rows;
-    }
+    s.rows = local_rows(c, seq, 0, n, s.copy);
     s.gathered = true;
   }
-  return s.copy.view(o.dtype, shape, v ? half : 0);
+  return v ? s.rows.second : s.rows.first;
 }
 
 void InferenceAccess::drop_copies(KvCache& c) {

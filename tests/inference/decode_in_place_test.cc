@@ -93,6 +93,15 @@ TEST(DecodeInPlace, PagesOfAnySizeGiveTheOnePageBits) {
         }
       }
     }
+  // The tile kernel's path gathers each chunk's rows from the pages: the one-page bits too.
+  Scenario one = long_shard("causal", DType::f32);
+  one.decode_in_place = false;
+  one.block = 1 << 12;
+  Scenario paged = one;
+  paged.block = 37;
+  const auto base = run_on_threads(one, 1), got = run_on_threads(paged, 1);
+  for (int64_t b = 0; b < one.sequences(); ++b)
+    EXPECT_TRUE(same_decode_bits(base[0], got[0], b, one.prefill[b])) << "tile path, sequence " << b;
 }
 
 TEST(DecodeInPlace, BitsDoNotDependOnTheThreadCount) {
