@@ -56,9 +56,10 @@ struct KvCacheOptions {
   DeviceOptions device;  // each rank makes its own device of this kind
   // Limits per rank; a call that would pass one is refused before anything changes, with an
   // Error naming the field (every rank computes every rank's share, so all refuse together).
-  // Bytes count whole blocks of tokens (kv_cache_bytes), not the spare room of growth.
+  // Bytes count the pages (whole blocks of tokens, kv_cache_bytes), a page shared by forks
+  // once; tokens count every sequence's own (what decode reads), shared or not.
   int64_t max_tokens_per_rank = 0;  // tokens of all sequences on one rank; 0: no limit
-  double max_bytes_per_rank = 0;    // bytes of the shards on one rank; 0: no limit
+  double max_bytes_per_rank = 0;    // bytes of the pages on one rank; 0: no limit
   // Also refuse growth beyond ctxpar::memory_limit() (memory.h) of this process.
   bool check_memory_limit = true;
   // Decode and prefill also agree on a hash of the values of q and the new K/V, so that ranks
@@ -140,34 +141,39 @@ class KvCache {
   // A new empty sequence: the lowest free slot (a freed slot is reused), else a new slot (at
   // most kMaxBatch). Returns its index.
   int64_t add();
-  // Ends sequence seq and gives its memory back; the slot is free for add().
+  // Ends sequence seq and gives its pages back (a page a fork still holds stays for it); the
+  // slot is free for add().
   void free(int64_t seq);
-  // Empties sequence seq (length 0), keeping it live and its memory for reuse.
+  // Empties sequence seq (length 0), keeping it live; its pages are given back.
   void reset(int64_t seq);
   // Keeps the first n tokens of sequence seq (0 <= n <= tokens(seq)): rolls back rejected
-  // speculative tokens. The memory is kept for the tokens that replace them.
+  // speculative tokens. Drops the pages past the block of token n (docs/inference.md, "Paged
+  // storage"); a page still shared with another sequence stays for it.
   void truncate(int64_t seq, int64_t n);
-  // A new sequence (add()'s slot) holding a copy of the first n tokens of sequence seq (n < 0:
-  // all of them; else n <= tokens(seq)): many samples of one prompt, beam search. Each rank
-  // copies its own shard (no communication); checked against the limits like an append.
-  // A copy, not shared pages: docs/inference.md says why.
+  // A new sequence (add()'s slot) holding the first n tokens of sequence seq (n < 0: all of
+  // them; else n <= tokens(seq)): many samples of one prompt, beam search. Shares the pages of
+  // those tokens copy-on-write: no K/V row is copied (O(pages), no communication), and a page
+  // is copied only when one of its sequences writes into it while another still holds it.
+  // Checked against the limits like an append (shared pages count once).
   int64_t fork(int64_t seq, int64_t n = -1);
 
   int64_t tokens(int64_t seq) const;        // global length of live sequence seq
   int64_t local_tokens(int64_t seq) const;  // held by this rank
   // This rank's shard of sequence seq: k, v [1, n_r, Hkv, D] and their tokens (valid until the
-  // next call that appends).
+  // next call that changes the sequence). The rows lie in pages: k and v gather them into one
+  // copy on demand (kept until the sequence changes; decode's in-place kernel reads the pages).
   TensorView k(int64_t seq) const;
   TensorView v(int64_t seq) const;
   Tokens local_token_ids(int64_t seq) const;
-  // Bytes of this rank's shards now (capacity included: a shard grows in whole blocks, at most
-  // 25% ahead of its tokens, unless reserved), and what rank r needs for `lengths` tokens per
-  // slot in whole blocks (the arithmetic the limits use, the same on every rank). reserve
-  // takes one length per slot (0 for a free one).
+  // Bytes of this rank's pages now (one page per placement block, a page shared by forks
+  // counted once; reserved pages included), and what rank r needs for `lengths` tokens per
+  // slot in whole blocks without sharing (the arithmetic the limits use, the same on every
+  // rank). reserve takes one length per slot (0 for a free one).
   size_t bytes() const;
   size_t bytes_for(const std::vector<int64_t>& lengths, int rank) const;
-  // Sizes every shard for `lengths` tokens per sequence at once (whole blocks, no spare), so
-  // that appending up to them neither copies nor takes more memory. Checked like an append.
+  // Makes the pages for `lengths` tokens per sequence at once (and copies now the shared pages
+  // an append up to them would write into), so that appending up to them takes no more memory.
+  // Checked like an append.
   void reserve(const std::vector<int64_t>& lengths);
   size_t token_bytes() const;  // one token's k + v + position (+ document id)
 
@@ -188,10 +194,15 @@ class KvCache {
  private:
   friend struct InferenceAccess;
   struct Shard;
+  struct Page;
   Communicator& comm_;
   KvCacheOptions options_;
   std::unique_ptr<Device> device_;
   std::vector<std::unique_ptr<Shard>> shards_;  // one per sequence
+  // Every rank's pages by id (the same ids on every rank; the memory on the holding rank only)
+  // and the free ids, reused last-freed first (docs/inference.md, "Paged storage").
+  std::vector<Page> pages_;
+  std::vector<int64_t> free_pages_;
   InferenceStats stats_;
   bool kernels_agreed_ = false;  // the first prefill / decode agreed the kernel choices
 };

@@ -11,7 +11,8 @@ docs/inference.md.
 A server's cache (docs/inference.md, "A server's cache"): add() a sequence per request (a freed
 slot is reused), prefill several prompts of any lengths in one call (lists, seq=[...]), decode
 any subset of the live sequences (seqs=[...]), free() a finished one; truncate() rolls back
-rejected draft tokens, fork() copies a prefix into a new sequence.
+rejected draft tokens, fork() starts a new sequence from a prefix, sharing its pages
+copy-on-write (no row copied; docs/inference.md, "Paged storage").
 
 Every rank makes the same calls with the same arguments (the tensors replicated, as a model
 whose activations are replicated has them); each keeps only its share of the K/V (block
@@ -41,9 +42,10 @@ class KVCache:
     hides every later token (ValueError for "none", a right bound above 0, ...: the cache holds
     only the tokens so far; docs/inference.md); documents=True adds the documents rule (then
     every call takes document_ids, one per new token). block: the placement block (tokens).
-    max_tokens_per_rank / max_bytes_per_rank: limits per rank (0: none), checked for every
-    rank before a call changes anything (ValueError naming the field); check_memory_limit:
-    also refuse growth past this process's memory limit. device: "cpu" or "sim". bf16_tier:
+    max_tokens_per_rank / max_bytes_per_rank: limits per rank (0: none; bytes count a page
+    shared by forks once), checked for every rank before a call changes anything (ValueError
+    naming the field); check_memory_limit: also refuse growth past this process's memory
+    limit. device: "cpu" or "sim". bf16_tier:
     "exact" (default) or "fast" (bfloat16 caches: P rounded to bfloat16 before P V in prefill
     and decode, as GPU flash attention; its own accuracy rule, docs/kernel.md "bf16 tiers");
     float32 caches ignore it; every rank must pass the same (else the first prefill / decode
@@ -109,17 +111,21 @@ class KVCache:
         self._cache.free(self._seq(seq))
 
     def reset(self, seq):
-        """Empties sequence seq (length 0), keeping it live and its memory."""
+        """Empties sequence seq (length 0), keeping it live; its pages are given back."""
         self._cache.reset(self._seq(seq))
 
     def truncate(self, seq, n):
         """Keeps the first n tokens of sequence seq (0 <= n <= tokens(seq)): rolls back
-        rejected speculative tokens."""
+        rejected speculative tokens. The pages past token n's block are given back (a page a
+        fork still holds stays for it)."""
         self._cache.truncate(self._seq(seq), _checks.whole("n", n, -(1 << 62), 1 << 62))
 
     def fork(self, seq, n=None):
-        """A new sequence holding a copy of the first n tokens (None: all) of sequence seq;
-        returns its index (add()'s slot). Checked against the limits like an append."""
+        """A new sequence holding the first n tokens (None: all) of sequence seq; returns its
+        index (add()'s slot). It shares their pages with seq (no K/V row is copied; a page is
+        copied when one of its sequences writes into it while another holds it), so n
+        samples of a prompt hold the prompt once. Checked against the limits like an append
+        (max_tokens_per_rank counts the fork's tokens; max_bytes_per_rank a shared page once)."""
         return self._cache.fork(self._seq(seq), -1 if n is None else _whole("n", n))
 
     # ---- sizes, placement, memory ----------------------------------------------------------
@@ -151,12 +157,13 @@ class KVCache:
 
     @property
     def nbytes(self):
-        """Bytes of this rank's shards now (whole blocks, spare room of growth included)."""
+        """Bytes of this rank's pages now (one per placement block it holds; a page shared by
+        forks once; reserved pages included)."""
         return self._cache.bytes()
 
     def bytes_for(self, lengths, rank=None):
         """Bytes rank `rank` (default this one) needs for `lengths` tokens per sequence, in
-        whole blocks: the arithmetic the limits use."""
+        whole blocks (pages), no page shared: the arithmetic the limits use."""
         return self._cache.bytes_for(self._lengths(lengths), self.rank if rank is None else
                                      _whole("rank", rank, 0, self.ranks - 1))
 
@@ -166,8 +173,8 @@ class KVCache:
         return self._cache.token_bytes()
 
     def reserve(self, lengths):
-        """Sizes every shard for `lengths` tokens per slot at once (0 for a free slot; checked
-        like an append), so that growing to them neither copies nor takes more memory."""
+        """Makes the pages for `lengths` tokens per slot at once (0 for a free slot; checked
+        like an append), so that growing to them takes no more memory."""
         self._cache.reserve(self._lengths(lengths))
 
     def rank_of(self, index):

@@ -164,6 +164,7 @@ void attend_shards(KvCache& cache, std::span<const int64_t> seqs, const PackedQu
   const HeadRows& hr = parts.hr;
   std::vector<DeviceForwardState> states;
   states.reserve(size_t(hr.b));
+  DeviceBuffer scratch;  // one chunk of K/V rows gathered from the pages
   for (int64_t i = 0; i < hr.b; ++i) {
     const int64_t s = seqs[i];
     states.emplace_back(dev, 1, hr.rows(), hr.hkv, hr.d);
@@ -182,8 +183,11 @@ void attend_shards(KvCache& cache, std::span<const int64_t> seqs, const PackedQu
       Tokens ct;
       ct.positions = kt.positions.subspan(size_t(a), size_t(e - a));
       if (o.mask.documents) ct.documents = kt.documents.subspan(size_t(a), size_t(e - a));
-      dev.forward_block(kComputeStream, pq.q_g.slice(0, i, i + 1), qt, cache.k(s).slice(1, a, e),
-                        cache.v(s).slice(1, a, e), ct, o.mask, states.back().get(), checked);
+      // The chunk's rows from their pages into one scratch chunk (stream-ordered: the next
+      // chunk's copies follow this chunk's kernel), the same rows as a contiguous shard's.
+      const auto [k, v] = InferenceAccess::local_rows(cache, s, a, e, scratch);
+      dev.forward_block(kComputeStream, pq.q_g.slice(0, i, i + 1), qt, k, v, ct, o.mask,
+                        states.back().get(), checked);
     }
     dev.forward_finalize(kComputeStream, states.back().get(), parts.o(me).slice(0, i, i + 1),
                          parts.lse(me).slice(0, i, i + 1), o.kernel);
@@ -202,11 +206,13 @@ void attend_in_place(KvCache& cache, std::span<const int64_t> seqs, const Tensor
   const double t0 = strategy::now_seconds();
   for (int64_t i = 0; i < parts.hr.b; ++i) {
     const int64_t s = seqs[i];
+    const PageViews pages = InferenceAccess::local_pages(cache, s);  // read where they lie
     kernel::DecodeShard p;
     p.q = q.slice(0, i, i + 1);
     p.q_positions = std::span<const int64_t>(positions).subspan(size_t(i * tn), size_t(tn));
-    p.k = cache.k(s);
-    p.v = cache.v(s);
+    p.k_pages = pages.k;
+    p.v_pages = pages.v;
+    p.page_rows = o.block;
     p.k_positions = cache.local_token_ids(s).positions;
     p.mask = o.mask;
     p.scale = o.kernel.scale;
@@ -381,12 +387,12 @@ void decode(KvCache& cache, std::span<const int64_t> seqs, const TensorView& q,
   // others waiting in the all-gather, and ranks with other shapes or lengths were found only
   // after each had stored the new tokens.
   std::string error;
-  std::vector<int64_t> capacities;
+  std::vector<int64_t> planned;
   try {
     check_decode_args(cache, seqs, q, k_new, v_new, out, lse, documents);
     std::vector<int64_t> lengths = lengths_after(cache, seqs[0], 0);
     for (int64_t s : seqs) lengths[s] += q.dim(1);
-    capacities = InferenceAccess::plan_growth(cache, lengths);
+    planned = InferenceAccess::plan_growth(cache, lengths);
   } catch (const Error& e) {
     error = e.what();
   }
@@ -399,7 +405,7 @@ void decode(KvCache& cache, std::span<const int64_t> seqs, const TensorView& q,
   std::vector<int64_t> positions(static_cast<size_t>(b * tn));
   for (int64_t i = 0; i < b; ++i)
     for (int64_t t = 0; t < tn; ++t) positions[i * tn + t] = cache.tokens(seqs[i]) + t;
-  InferenceAccess::grow(cache, capacities);
+  InferenceAccess::grow(cache, planned);
   for (int64_t i = 0; i < b; ++i) {
     std::span<const int32_t> docs;
     if (o.mask.documents) docs = documents.subspan(size_t(i * tn), size_t(tn));

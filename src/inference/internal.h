@@ -12,6 +12,7 @@
 
 #include "ctxpar/agreement.h"
 #include "ctxpar/clock.h"
+#include "ctxpar/hash.h"
 #include "ctxpar/inference.h"
 #include "device/kernel_agreement.h"
 #include "kernel/problem.h"
@@ -19,32 +20,81 @@
 
 namespace ctxpar {
 
-// One sequence's share on this rank: k [1, capacity, Hkv, D] then v in `kv`; the first
-// `local` slots hold tokens, in increasing position (the placement rule keeps them so).
+// One placement block of one sequence (or of several: forks share it copy-on-write): its
+// rows k [1, block, Hkv, D] then v in `kv`, row t mod block of token t. Every rank has every
+// page's id and refcount (the slot calls are the same on every rank); only the rank that holds
+// the block, block mod P, has its memory.
+struct KvCache::Page {
+  int64_t refs = 0;   // block-table entries that name it, all sequences (0: the id is free)
+  int64_t block = 0;  // the global block index it holds
+  DeviceBuffer kv;    // empty on the other ranks
+};
+
+// One sequence: its block table, and this rank's tokens.
 struct KvCache::Shard {
   bool live = true;      // false once freed (KvCache::free): the slot waits for add()
   int64_t length = 0;    // tokens of the whole sequence, all ranks
-  int64_t capacity = 0;  // token slots in kv
-  DeviceBuffer kv;
-  std::vector<int64_t> positions;  // reserved to capacity: never moves while ops are queued
+  // Page id of global block b (every rank's blocks: the same table on every rank); at least
+  // the blocks of `length`, more after reserve(). Its hash kept (slot_table_hash, every call).
+  std::vector<int64_t> pages;
+  uint64_t table_hash = kFnv1a64Offset;
+  // This rank's tokens, in increasing position (the placement rule keeps them so), per
+  // sequence (a fork copies its prefix's: 8 or 12 bytes a token on the host, no K/V row).
+  std::vector<int64_t> positions;
   std::vector<int32_t> documents;  // only with a documents mask
+  // k()/v(): this rank's rows, in their page or gathered into `copy` (local_rows), valid
+  // while `gathered` is true.
+  mutable DeviceBuffer copy;
+  mutable std::pair<TensorView, TensorView> rows;
+  mutable bool gathered = false;
+};
+
+// This rank's pages of a sequence in order, each a view of its tokens' rows [1, rows, Hkv, D]
+// (every page `block` rows but the last).
+struct PageViews {
+  std::vector<TensorView> k, v;
 };
 
 struct InferenceAccess {
-  // Makes room for the sequences to reach `lengths` (one per sequence): plan_growth, then grow.
-  // `exact`: to the whole blocks needed (KvCache::reserve); else by the growth rule.
-  static void reserve(KvCache& c, const std::vector<int64_t>& lengths, bool exact = false) {
-    grow(c, plan_growth(c, lengths, exact));
+  // Makes the pages for the sequences to reach `lengths` (one per slot): plan_growth, then grow.
+  static void reserve(KvCache& c, const std::vector<int64_t>& lengths) {
+    grow(c, plan_growth(c, lengths));
   }
-  // The token slots each of this rank's shards needs for `lengths`, changing nothing: checks
-  // every rank's share against the limits (the same verdict on every rank), then this rank's
-  // memory_limit() (its own verdict: prefill agrees it with the others before any change).
-  static std::vector<int64_t> plan_growth(KvCache& c, const std::vector<int64_t>& lengths,
-                                          bool exact = false);
-  // Grows this rank's buffers to `capacities` (plan_growth's; stream-ordered copies).
-  static void grow(KvCache& c, const std::vector<int64_t>& capacities);
+  // Checks that the sequences may reach `lengths`, changing nothing: every rank's tokens and
+  // pages against the limits (the same verdict on every rank), then this rank's new pages
+  // against memory_limit() (its own verdict: prefill agrees it with the others before any
+  // change). Returns `lengths`, for grow.
+  static std::vector<int64_t> plan_growth(KvCache& c, const std::vector<int64_t>& lengths);
+  // The limits' check for `lengths` when rank r adds added[r] pages; throws naming the field.
+  static void check_limits(KvCache& c, const std::vector<int64_t>& lengths,
+                           const std::vector<int64_t>& added);
+  // Pages each rank adds for the sequences to reach `lengths`: one for each block written that
+  // has none, and a copy of each shared page written into (grow's order: exact).
+  static std::vector<int64_t> added_pages(const KvCache& c, const std::vector<int64_t>& lengths);
+  // Makes every page the writes up to `lengths` need, exclusive to its sequence (copy-on-write;
+  // stream-ordered copies). Every rank the same ids.
+  static void grow(KvCache& c, const std::vector<int64_t>& lengths);
+  // Drops sequence seq's pages from block `keep` on (a page another sequence holds stays).
+  static void drop_pages(KvCache& c, int64_t seq, int64_t keep);
+  // A new page of global block `block` (refcount 1; its memory on the rank that holds it).
+  static int64_t new_page(KvCache& c, int64_t block);
+  static uint64_t table_hash(const KvCache& c, int64_t seq) { return c.shards_[seq]->table_hash; }
+  // After a change of the block table: its hash again.
+  static void table_changed(KvCache::Shard& s);
+  static PageViews local_pages(const KvCache& c, int64_t seq);
+  // This rank's rows [a, e) of sequence seq (a < e <= local_tokens) as k, v [1, e - a, Hkv,
+  // D]: the page itself where they lie in one, else gathered into `scratch` (made or grown
+  // here; stream-ordered copies): what a kernel that takes contiguous rows is given.
+  static std::pair<TensorView, TensorView> local_rows(const KvCache& c, int64_t seq, int64_t a,
+                                                      int64_t e, DeviceBuffer& scratch);
+  // k()/v(): all of this rank's rows of sequence seq through local_rows into Shard::copy (once
+  // per change of the sequence); `v`: the values, else the keys.
+  static TensorView gathered(const KvCache& c, int64_t seq, bool v);
+  // Gives the gathered copies back (prefill, at the end of its call).
+  static void drop_copies(KvCache& c);
   // Stores rows of sequence seq: `indices` (increasing, all this rank's, following the ones it
-  // holds) with k, v [1, m, Hkv, D] and m document ids (documents mask). Enqueued copies.
+  // holds) with k, v [1, m, Hkv, D] and m document ids (documents mask), into their pages
+  // (grow made them exclusive). Enqueued copies.
   static void store(KvCache& c, int64_t seq, std::span<const int64_t> indices, const TensorView& k,
                     const TensorView& v, std::span<const int32_t> documents);
   // Stores the rows of the `count` = k.dim(1) new tokens of sequence seq (k, v [1, count, Hkv,
@@ -92,8 +142,6 @@ struct InferenceAccess {
 // Tokens among the first n of a sequence that `rank` of `ranks` holds (block round-robin).
 int64_t placement_held_by(int64_t n, int rank, int ranks, int64_t block);
 
-// Token slots a shard of n tokens takes: whole blocks, doubling (0 for n = 0).
-int64_t capacity_for(int64_t n, int64_t block);
 
 // A partial attention result as it travels, to be merged with the other ranks':
 // [O fp32 [B, rows, H, D] | LSE fp32 [B, H, rows]], from byte `at` of a buffer. Pass-Q's
@@ -139,8 +187,9 @@ void check_new_kv(const KvCacheOptions& o, const Device& dev, const TensorView& 
                   const std::function<std::pair<int64_t, int64_t>(int64_t, int64_t)>& where);
 // Every slot's length (0 for a free one) once sequence seq has `count` more tokens.
 std::vector<int64_t> lengths_after(const KvCache& cache, int64_t seq, int64_t count);
-// The slot table (each slot live or free, and its length) as one hash: what the ranks agree
-// on in every prefill and decode, since the slot calls do not communicate.
+// The slot table (each slot live or free, its length and its block table) as hashes: what
+// the ranks agree on in every prefill and decode, since the slot calls do not communicate
+// (ranks that forked differently hold other block tables).
 std::string slot_table_hash(const KvCache& cache);
 // With KvCacheOptions::hash_inputs (resolved: its build default where unset): a hash of the
 // values of `inputs` for the ranks to agree on; "" when off or on a device whose data the host

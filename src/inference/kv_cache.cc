@@ -6,9 +6,12 @@
 //     t:     0 .. 63 | 64 .. 127 | 128 .. 191 | 192 .. 255 | 256 .. 319 | ...   (block 64, P = 2)
 //     rank:      0   |     1     |      0     |      1     |      0     | ...
 //
-// A shard's buffer grows by doubling (whole blocks), never moving a token to another rank.
+// Each block of a sequence is one page (docs/inference.md, "Paged storage"): a rank's share
+// is whole blocks, so a page lives on one rank; a sequence's block table names its pages, and
+// forks share them copy-on-write. Nothing grows by copying: pages come one at a time.
 #include <algorithm>
 #include <cstring>
+#include <unordered_map>
 
 #include "ctxpar/error.h"
 #include "ctxpar/hash.h"
@@ -18,6 +21,18 @@
 #include "inference/internal.h"
 
 namespace ctxpar {
+namespace {
+size_t bytes_per_token(const KvCacheOptions& o) {
+  return 2 * size_t(o.kv_heads * o.head_dim) * dtype_size(o.dtype) + 8 + (o.mask.documents ? 4 : 0);
+}
+// What the limits count for a page: its block of tokens (bytes_per_token each).
+size_t page_bytes(const KvCacheOptions& o) { return size_t(o.block) * bytes_per_token(o); }
+int64_t blocks_of(int64_t n, int64_t block) { return (n + block - 1) / block; }
+// A page's keys (values: the second half) [1, block, Hkv, D].
+TensorView page_rows(const KvCacheOptions& o, const DeviceBuffer& kv, bool values) {
+  return kv.view(o.dtype, {1, o.block, o.kv_heads, o.head_dim}, values ? kv.size() / 2 : 0);
+}
+}  // namespace
 
 const char* prefill_mode_name(PrefillMode m) {
   switch (m) {
@@ -121,6 +136,7 @@ KvCache::~KvCache() {
   } catch (...) {  // an error in flight already says what went wrong
   }
   shards_.clear();
+  pages_.clear();  // before the device that made them
 }
 
 int KvCache::rank_of(int64_t index) const { return int((index / options_.block) % comm_.size()); }
@@ -183,6 +199,7 @@ int64_t KvCache::add() {
 void KvCache::free(int64_t seq) {
   tokens(seq);             // checks: live
   device_->synchronize();  // queued operations may still read the shard
+  InferenceAccess::drop_pages(*this, seq, 0);
   *shards_[seq] = Shard{};
   shards_[seq]->live = false;
 }
@@ -194,11 +211,13 @@ void KvCache::truncate(int64_t seq, int64_t n) {
   CTXPAR_CHECK(n >= 0 && n <= length, "truncate: sequence ", seq, " has ", length,
                " tokens; keep n in 0..", length, " of them, got ", n);
   Shard& s = *shards_[seq];
+  InferenceAccess::drop_pages(*this, seq, blocks_of(n, options_.block));
   // Positions increase, so the first held_by(n) of this rank's tokens are those below n.
   const size_t keep = size_t(held_by(n, comm_.rank()));
   s.positions.resize(keep);
   if (options_.mask.documents) s.documents.resize(keep);
   s.length = n;
+  s.gathered = false;
 }
 
 int64_t KvCache::fork(int64_t seq, int64_t n) {
@@ -211,28 +230,20 @@ int64_t KvCache::fork(int64_t seq, int64_t n) {
   std::vector<int64_t> lengths = lengths_after(*this, seq, 0);
   lengths.resize(size_t(std::max(slots(), to + 1)), 0);
   lengths[to] = n;
-  const std::vector<int64_t> caps = InferenceAccess::plan_growth(*this, lengths, true);
+  // The fork's pages are the parent's: tokens grow, pages do not (on any rank).
+  InferenceAccess::check_limits(*this, lengths, std::vector<int64_t>(size_t(ranks()), 0));
   // Checked: from here nothing refuses.
   if (to == slots()) shards_.push_back(std::make_unique<Shard>());
-  shards_[to]->live = true;
-  std::vector<int64_t> grow_to(caps.size(), 0);
-  grow_to[to] = caps[to];
-  InferenceAccess::grow(*this, grow_to);
   const Shard& from = *shards_[seq];
   Shard& s = *shards_[to];
-  const int64_t m = held_by(n, comm_.rank());
-  if (m > 0) {
-    const Shape shape{1, s.capacity, options_.kv_heads, options_.head_dim};
-    device_->copy(kComputeStream, k(seq).slice(1, 0, m),
-                  s.kv.view(options_.dtype, shape).slice(1, 0, m));
-    device_->copy(kComputeStream, v(seq).slice(1, 0, m),
-                  s.kv.view(options_.dtype, shape, s.kv.size() / 2).slice(1, 0, m));
-  }
+  s = Shard{};
+  s.pages.assign(from.pages.begin(), from.pages.begin() + blocks_of(n, options_.block));
+  for (int64_t id : s.pages) ++pages_[size_t(id)].refs;
+  InferenceAccess::table_changed(s);
+  const size_t m = size_t(held_by(n, comm_.rank()));
   s.positions.assign(from.positions.begin(), from.positions.begin() + m);
-  if (options_.mask.documents)
-    s.documents.assign(from.documents.begin(), from.documents.begin() + m);
+  if (options_.mask.documents) s.documents.assign(from.documents.begin(), from.documents.begin() + m);
   s.length = n;
-  device_->synchronize();
   return to;
 }
 
@@ -241,20 +252,79 @@ int64_t KvCache::local_tokens(int64_t seq) const {
   return int64_t(shards_[seq]->positions.size());
 }
 
-TensorView KvCache::k(int64_t seq) const {
-  const Shard& s = *shards_[seq];
-  const int64_t n = local_tokens(seq);
-  if (s.kv.empty()) return TensorView();
-  return s.kv.view(options_.dtype, {1, s.capacity, options_.kv_heads, options_.head_dim})
-      .slice(1, 0, n);
+TensorView KvCache::k(int64_t seq) const { return InferenceAccess::gathered(*this, seq, false); }
+
+TensorView KvCache::v(int64_t seq) const { return InferenceAccess::gathered(*this, seq, true); }
+
+PageViews InferenceAccess::local_pages(const KvCache& c, int64_t seq) {
+  const KvCacheOptions& o = c.options_;
+  const KvCache::Shard& s = *c.shards_[seq];
+  const int64_t n = int64_t(s.positions.size()), p = c.ranks(), me = c.comm_.rank();
+  PageViews views;
+  // This rank's i-th block is global block i P + me (block round-robin).
+  for (int64_t i = 0, at = 0; at < n; ++i, at += o.block) {
+    const DeviceBuffer& kv = c.pages_[size_t(s.pages[size_t(i * p + me)])].kv;
+    const Shape shape{1, std::min(o.block, n - at), o.kv_heads, o.head_dim};
+    views.k.push_back(kv.view(o.dtype, shape));  // rows of `block` apart: page_rows' layout
+    views.v.push_back(kv.view(o.dtype, shape, kv.size() / 2));
+  }
+  return views;
 }
 
-TensorView KvCache::v(int64_t seq) const {
-  const Shard& s = *shards_[seq];
-  const int64_t n = local_tokens(seq);
-  if (s.kv.empty()) return TensorView();
-  const Shape shape{1, s.capacity, options_.kv_heads, options_.head_dim};
-  return s.kv.view(options_.dtype, shape, s.kv.size() / 2).slice(1, 0, n);
+std::pair<TensorView, TensorView> InferenceAccess::local_rows(const KvCache& c, int64_t seq,
+                                                              int64_t a, int64_t e,
+                                                              DeviceBuffer& scratch) {
+  const KvCacheOptions& o = c.options_;
+  const KvCache::Shard& s = *c.shards_[seq];
+  const int64_t p = c.ranks(), me = c.comm_.rank(), block = o.block;
+  // This rank's i-th block is global block i P + me (block round-robin).
+  auto page = [&](int64_t i) -> const DeviceBuffer& {
+    return c.pages_[size_t(s.pages[size_t(i * p + me)])].kv;
+  };
+  if (a / block == (e - 1) / block) {  // one page: read where it lies
+    const DeviceBuffer& kv = page(a / block);
+    const int64_t r0 = a % block, r1 = r0 + (e - a);
+    return {page_rows(o, kv, false).slice(1, r0, r1), page_rows(o, kv, true).slice(1, r0, r1)};
+  }
+  Device& dev = *c.device_;
+  const Shape shape{1, e - a, o.kv_heads, o.head_dim};
+  const size_t half = size_t((e - a) * o.kv_heads * o.head_dim) * dtype_size(o.dtype);
+  if (scratch.size() < 2 * half) {
+    if (!scratch.empty()) dev.synchronize();  // queued operations may still read it
+    // Whole blocks: a sequence read after each appended token gets a new buffer once a block.
+    scratch = dev.alloc(2 * size_t(blocks_of(e - a, block) * block) * (half / size_t(e - a)));
+  }
+  const TensorView k = scratch.view(o.dtype, shape), v = scratch.view(o.dtype, shape, half);
+  for (int64_t t = a; t < e;) {
+    const int64_t r0 = t % block, r1 = std::min(block, r0 + (e - t)), at = t - a;
+    const DeviceBuffer& kv = page(t / block);
+    dev.copy(kComputeStream, page_rows(o, kv, false).slice(1, r0, r1), k.slice(1, at, at + r1 - r0));
+    dev.copy(kComputeStream, page_rows(o, kv, true).slice(1, r0, r1), v.slice(1, at, at + r1 - r0));
+    t += r1 - r0;
+  }
+  return {k, v};
+}
+
+TensorView InferenceAccess::gathered(const KvCache& c, int64_t seq, bool v) {
+  const int64_t n = c.local_tokens(seq);  // checks seq: live
+  if (n == 0) return TensorView();
+  const KvCache::Shard& s = *c.shards_[seq];
+  if (!s.gathered) {
+    s.rows = local_rows(c, seq, 0, n, s.copy);
+    s.gathered = true;
+  }
+  return v ? s.rows.second : s.rows.first;
+}
+
+void InferenceAccess::drop_copies(KvCache& c) {
+  bool synchronized = false;
+  for (auto& s : c.shards_) {
+    if (s->copy.empty()) continue;
+    if (!synchronized) c.device_->synchronize();  // queued operations may still read them
+    synchronized = true;
+    s->copy = DeviceBuffer();
+    s->gathered = false;
+  }
 }
 
 Tokens KvCache::local_token_ids(int64_t seq) const {
@@ -266,19 +336,12 @@ Tokens KvCache::local_token_ids(int64_t seq) const {
   return t;
 }
 
-namespace {
-size_t bytes_per_token(const KvCacheOptions& o) {
-  return 2 * size_t(o.kv_heads * o.head_dim) * dtype_size(o.dtype) + 8 + (o.mask.documents ? 4 : 0);
-}
-int64_t whole_blocks(int64_t n, int64_t block) { return (n + block - 1) / block * block; }
-}  // namespace
-
 size_t KvCache::token_bytes() const { return bytes_per_token(options_); }
 
 size_t KvCache::bytes() const {
-  size_t total = 0;
-  for (const auto& s : shards_) total += size_t(s->capacity) * token_bytes();
-  return total;
+  size_t pages = 0;
+  for (const Page& p : pages_) pages += p.refs > 0 && !p.kv.empty();
+  return pages * page_bytes(options_);
 }
 
 size_t KvCache::bytes_for(const std::vector<int64_t>& lengths, int rank) const {
@@ -289,8 +352,8 @@ size_t kv_cache_bytes(const KvCacheOptions& o, const std::vector<int64_t>& lengt
                       int rank) {
   size_t total = 0;
   for (int64_t n : lengths)
-    total += size_t(whole_blocks(placement_held_by(n, rank, ranks, o.block), o.block));
-  return total * bytes_per_token(o);
+    total += size_t(blocks_of(placement_held_by(n, rank, ranks, o.block), o.block));
+  return total * page_bytes(o);
 }
 
 void check_new_kv(const KvCacheOptions& o, const Device& dev, const TensorView& k,
@@ -314,14 +377,16 @@ std::vector<int64_t> lengths_after(const KvCache& cache, int64_t seq, int64_t co
 }
 
 std::string slot_table_hash(const KvCache& cache) {
-  uint64_t h = kFnv1a64Offset;
+  uint64_t h = kFnv1a64Offset, tables = kFnv1a64Offset;
   for (int64_t s = 0; s < cache.slots(); ++s) {
     const int64_t entry = cache.live(s) ? cache.tokens(s) : -1;
     h = fnv1a64(&entry, sizeof entry, h);
+    const uint64_t table = InferenceAccess::table_hash(cache, s);
+    tables = fnv1a64(&table, sizeof table, tables);
   }
-  char text[64];
-  std::snprintf(text, sizeof text, "%lld slots, %016llx", (long long)cache.slots(),
-                (unsigned long long)h);
+  char text[96];
+  std::snprintf(text, sizeof text, "%lld slots, lengths %016llx, block tables %016llx",
+                (long long)cache.slots(), (unsigned long long)h, (unsigned long long)tables);
   return text;
 }
 
@@ -388,19 +453,7 @@ void InferenceAccess::append_rows(KvCache& c, int64_t seq, const TensorView& k, 
   set_length(c, seq, n + count);
 }
 
-// ---- growth within the limits -----------------------------------------------------------
-
-int64_t capacity_for(int64_t n, int64_t block) {
-  // Whole blocks, in steps of a quarter of the largest power of two below: at most 25% unused
-  // (a million-token shard doubled would leave up to half of it empty), and a shard that grows
-  // token by token is copied O(log n) times.
-  const int64_t blocks = (n + block - 1) / block;
-  if (blocks <= 4) return blocks * block;
-  int64_t pow2 = 1;
-  while (pow2 * 2 <= blocks) pow2 *= 2;
-  const int64_t step = pow2 / 4;
-  return (blocks + step - 1) / step * step * block;
-}
+// ---- pages within the limits ---------------------------------------------------------------
 
 void KvCache::reserve(const std::vector<int64_t>& lengths) {
   CTXPAR_CHECK(int64_t(lengths.size()) == slots(), "reserve: give one length per ", "slot (",
@@ -411,14 +464,24 @@ void KvCache::reserve(const std::vector<int64_t>& lengths) {
                  "length 0 (add() a sequence to use it), got ", lengths[s]);
     at_least[s] = live(int64_t(s)) ? std::max(lengths[s], tokens(int64_t(s))) : 0;
   }
-  InferenceAccess::reserve(*this, at_least, true);
+  InferenceAccess::reserve(*this, at_least);
 }
 
-std::vector<int64_t> InferenceAccess::plan_growth(KvCache& c, const std::vector<int64_t>& lengths,
-                                                  bool exact) {
+std::vector<int64_t> InferenceAccess::plan_growth(KvCache& c, const std::vector<int64_t>& lengths) {
+  check_limits(c, lengths, added_pages(c, lengths));
+  return lengths;
+}
+
+void InferenceAccess::check_limits(KvCache& c, const std::vector<int64_t>& lengths,
+                                   const std::vector<int64_t>& added) {
   const KvCacheOptions& o = c.options_;
+  const int p = c.comm_.size(), me = c.comm_.rank();
+  std::vector<int64_t> pages(size_t(p), 0);  // every rank's now, a shared page once
+  for (const KvCache::Page& page : c.pages_)
+    if (page.refs > 0) ++pages[size_t(page.block % p)];
+  const size_t page = page_bytes(o);
   // Every rank's share, so that every rank refuses together, before any change.
-  for (int r = 0; r < c.comm_.size(); ++r) {
+  for (int r = 0; r < p; ++r) {
     int64_t held = 0;
     for (int64_t n : lengths) held += c.held_by(n, r);
     CTXPAR_CHECK(o.max_tokens_per_rank == 0 || held <= o.max_tokens_per_rank, "KV cache: rank ", r,
@@ -426,71 +489,137 @@ std::vector<int64_t> InferenceAccess::plan_growth(KvCache& c, const std::vector<
                  " tokens, over KvCacheOptions::max_tokens_per_rank = ", o.max_tokens_per_rank,
                  "; raise it, or spread the cache over more ranks (each "
                  "holds about 1/P of the tokens)");
-    const size_t bytes = c.bytes_for(lengths, r);
+    const size_t bytes = size_t(pages[size_t(r)] + added[size_t(r)]) * page;
     CTXPAR_CHECK(o.max_bytes_per_rank == 0 || double(bytes) <= o.max_bytes_per_rank,
-                 "KV cache: rank ", r, " would hold ", bytes, " bytes (", held, " tokens), over ",
-                 "KvCacheOptions::max_bytes_per_rank = ", o.max_bytes_per_rank,
-                 "; raise it, or "
-                 "spread the cache over more ranks");
+                 "KV cache: rank ", r, " would hold ", bytes, " bytes (", held, " tokens, ",
+                 pages[size_t(r)] + added[size_t(r)], " pages of ", o.block,
+                 ", a page shared by forks once), over KvCacheOptions::max_bytes_per_rank = ",
+                 o.max_bytes_per_rank, "; raise it, or spread the cache over more ranks");
   }
-  const int me = c.comm_.rank();
-  std::vector<int64_t> caps;
-  size_t want = 0;
-  for (size_t seq = 0; seq < lengths.size(); ++seq) {
-    const int64_t n = c.held_by(lengths[seq], me);
-    // A slot past the last (fork's new one) has nothing yet.
-    const int64_t now_cap = seq < c.shards_.size() ? c.shards_[seq]->capacity : 0;
-    caps.push_back(std::max(now_cap, exact ? whole_blocks(n, o.block) : capacity_for(n, o.block)));
-    if (n <= now_cap) caps.back() = now_cap;
-    want += size_t(caps.back()) * c.token_bytes();
-  }
-  const size_t now = c.bytes();
-  if (want > now && o.check_memory_limit) {
+  const size_t want = size_t(added[size_t(me)]) * page;
+  if (want > 0 && o.check_memory_limit) {
     const MemoryLimit limit = memory_limit();
-    CTXPAR_CHECK(!limit.known() || double(want - now) <= limit.bytes, "KV cache: rank ", me,
-                 " cannot grow its shard to ", want,
-                 " bytes: ", limit.shortfall(double(want - now)),
+    CTXPAR_CHECK(!limit.known() || double(want) <= limit.bytes, "KV cache: rank ", me,
+                 " cannot grow its shard to ", size_t(pages[size_t(me)]) * page + want,
+                 " bytes: ", limit.shortfall(double(want)),
                  " (or turn KvCacheOptions::check_memory_limit off at your own risk)");
   }
-  return caps;
 }
 
-void InferenceAccess::grow(KvCache& c, const std::vector<int64_t>& caps) {
-  const KvCacheOptions& o = c.options_;
-  Device& dev = *c.device_;
-  for (size_t seq = 0; seq < caps.size(); ++seq) {
-    KvCache::Shard& s = *c.shards_[seq];
-    const int64_t cap = caps[seq];
-    if (cap <= s.capacity) continue;
-    const Shape shape{1, cap, o.kv_heads, o.head_dim};
-    DeviceBuffer kv = dev.alloc(2 * size_t(cap * o.kv_heads * o.head_dim) * dtype_size(o.dtype));
-    const int64_t held = c.local_tokens(int64_t(seq));
-    if (held > 0) {
-      dev.copy(kComputeStream, c.k(seq), kv.view(o.dtype, shape).slice(1, 0, held));
-      dev.copy(kComputeStream, c.v(seq), kv.view(o.dtype, shape, kv.size() / 2).slice(1, 0, held));
+// added_pages and grow walk the same writes in the same order: the blocks [n / block,
+// blocks_of(length)) of each sequence growing from n tokens, each either new or (copy-on-write)
+// a copy of a page another sequence still holds.
+std::vector<int64_t> InferenceAccess::added_pages(const KvCache& c,
+                                                  const std::vector<int64_t>& lengths) {
+  const int64_t block = c.options_.block, p = c.comm_.size();
+  std::vector<int64_t> added(size_t(p), 0);
+  std::unordered_map<int64_t, int64_t> refs;  // the refcounts grow would leave, where it changes one
+  for (size_t seq = 0; seq < lengths.size() && seq < c.shards_.size(); ++seq) {
+    const KvCache::Shard& s = *c.shards_[seq];
+    if (!s.live || lengths[seq] <= s.length) continue;
+    for (int64_t b = s.length / block; b < blocks_of(lengths[seq], block); ++b) {
+      if (b < int64_t(s.pages.size())) {
+        const int64_t id = s.pages[size_t(b)];
+        int64_t& r = refs.try_emplace(id, c.pages_[size_t(id)].refs).first->second;
+        if (r == 1) continue;  // its own
+        --r;
+      }
+      ++added[size_t(b % p)];
     }
-    // Earlier operations may read the old positions: the vectors move only after they ran.
-    dev.synchronize();
-    s.kv = std::move(kv);
-    s.capacity = cap;
-    s.positions.reserve(size_t(cap));
-    if (o.mask.documents) s.documents.reserve(size_t(cap));
   }
+  return added;
+}
+
+int64_t InferenceAccess::new_page(KvCache& c, int64_t block) {
+  int64_t id = int64_t(c.pages_.size());
+  if (c.free_pages_.empty()) {
+    c.pages_.emplace_back();
+  } else {
+    id = c.free_pages_.back();
+    c.free_pages_.pop_back();
+  }
+  KvCache::Page& page = c.pages_[size_t(id)];
+  page.refs = 1;
+  page.block = block;
+  if (block % c.comm_.size() == c.comm_.rank()) {
+    const KvCacheOptions& o = c.options_;
+    page.kv = c.device_->alloc(2 * size_t(o.block * o.kv_heads * o.head_dim) * dtype_size(o.dtype));
+  }
+  return id;
+}
+
+void InferenceAccess::grow(KvCache& c, const std::vector<int64_t>& lengths) {
+  const KvCacheOptions& o = c.options_;
+  const int64_t block = o.block;
+  for (size_t seq = 0; seq < lengths.size() && seq < c.shards_.size(); ++seq) {
+    KvCache::Shard& s = *c.shards_[seq];
+    if (!s.live || lengths[seq] <= s.length) continue;
+    const size_t had = s.pages.size();
+    bool copied = false;
+    for (int64_t b = s.length / block; b < blocks_of(lengths[seq], block); ++b) {
+      if (b == int64_t(s.pages.size())) {
+        s.pages.push_back(new_page(c, b));
+        continue;
+      }
+      const int64_t shared = s.pages[size_t(b)];
+      if (c.pages_[size_t(shared)].refs == 1) continue;
+      copied = true;
+      const int64_t id = new_page(c, b);  // copy-on-write: this sequence writes into block b
+      const KvCache::Page &from = c.pages_[size_t(shared)], &to = c.pages_[size_t(id)];
+      if (!to.kv.empty())
+        c.device_->copy(kComputeStream, from.kv.view(o.dtype, {1, 2 * block, o.kv_heads, o.head_dim}),
+                        to.kv.view(o.dtype, {1, 2 * block, o.kv_heads, o.head_dim}));
+      --c.pages_[size_t(shared)].refs;
+      s.pages[size_t(b)] = id;
+    }
+    if (copied || s.pages.size() != had) table_changed(s);
+  }
+}
+
+void InferenceAccess::table_changed(KvCache::Shard& s) {
+  s.table_hash = fnv1a64(s.pages.data(), s.pages.size() * sizeof s.pages[0]);
+}
+
+void InferenceAccess::drop_pages(KvCache& c, int64_t seq, int64_t keep) {
+  KvCache::Shard& s = *c.shards_[seq];
+  if (keep >= int64_t(s.pages.size())) return;
+  c.device_->synchronize();  // queued operations may still read the pages
+  for (size_t b = size_t(keep); b < s.pages.size(); ++b) {
+    KvCache::Page& page = c.pages_[size_t(s.pages[b])];
+    if (--page.refs > 0) continue;  // another sequence still holds it
+    page.kv = DeviceBuffer();
+    c.free_pages_.push_back(s.pages[b]);
+  }
+  s.pages.resize(size_t(keep));
+  table_changed(s);
+  s.gathered = false;
 }
 
 void InferenceAccess::store(KvCache& c, int64_t seq, std::span<const int64_t> indices,
                             const TensorView& k, const TensorView& v,
                             std::span<const int32_t> documents) {
   KvCache::Shard& s = *c.shards_[seq];
-  const int64_t at = int64_t(s.positions.size()), m = int64_t(indices.size());
-  CTXPAR_CHECK(at + m <= s.capacity, "KV cache: store past the reserved capacity (internal)");
   const KvCacheOptions& o = c.options_;
-  const Shape shape{1, s.capacity, o.kv_heads, o.head_dim};
   Device& dev = *c.device_;
-  dev.copy(kComputeStream, k, s.kv.view(o.dtype, shape).slice(1, at, at + m));
-  dev.copy(kComputeStream, v, s.kv.view(o.dtype, shape, s.kv.size() / 2).slice(1, at, at + m));
+  // Each run of consecutive indices within one block goes to its page in one copy.
+  for (size_t i = 0; i < indices.size();) {
+    const int64_t b = indices[i] / o.block, r0 = indices[i] % o.block;
+    size_t j = i + 1;
+    while (j < indices.size() && indices[j] == indices[j - 1] + 1 && indices[j] / o.block == b) ++j;
+    const KvCache::Page* page =
+        b < int64_t(s.pages.size()) ? &c.pages_[size_t(s.pages[size_t(b)])] : nullptr;
+    CTXPAR_CHECK(page && page->refs == 1 && !page->kv.empty(),
+                 "KV cache: store into a page grow() did not make (internal)");
+    const int64_t r1 = r0 + int64_t(j - i);
+    dev.copy(kComputeStream, k.slice(1, int64_t(i), int64_t(j)),
+             page_rows(o, page->kv, false).slice(1, r0, r1));
+    dev.copy(kComputeStream, v.slice(1, int64_t(i), int64_t(j)),
+             page_rows(o, page->kv, true).slice(1, r0, r1));
+    i = j;
+  }
   s.positions.insert(s.positions.end(), indices.begin(), indices.end());
   if (o.mask.documents) s.documents.insert(s.documents.end(), documents.begin(), documents.end());
+  s.gathered = false;
 }
 
 }  // namespace ctxpar

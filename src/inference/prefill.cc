@@ -193,7 +193,7 @@ std::vector<PrefillMode> prefill(KvCache& cache, std::span<const PrefillRequest>
   // prompt refuses the call and changes nothing.
   std::string error;
   std::vector<std::vector<int64_t>> indices(n);
-  std::vector<int64_t> capacities;
+  std::vector<int64_t> planned;
   std::vector<PrefillShape> shapes(n);
   Signature sig{{"requests (prompts in the call)", std::to_string(n)},
                 {"slot table (live slots and their lengths)", slot_table_hash(cache)},
@@ -239,7 +239,7 @@ std::vector<PrefillMode> prefill(KvCache& cache, std::span<const PrefillRequest>
         throw Error(which + e.what());
       }
     }
-    capacities = InferenceAccess::plan_growth(cache, lengths);
+    planned = InferenceAccess::plan_growth(cache, lengths);
   } catch (const Error& e) {
     error = e.what();
   }
@@ -266,7 +266,7 @@ std::vector<PrefillMode> prefill(KvCache& cache, std::span<const PrefillRequest>
   std::vector<PrefillMode> modes;
   InferenceStats& stats = InferenceAccess::stats(cache) = InferenceStats{};
   strategy::CallRecord record(cache.device(), {&comm});
-  InferenceAccess::grow(cache, capacities);
+  InferenceAccess::grow(cache, planned);
   for (size_t i = 0; i < n; ++i) {
     const PrefillRequest& r = requests[i];
     const PrefillShape& sh = shapes[i];
@@ -281,6 +281,7 @@ std::vector<PrefillMode> prefill(KvCache& cache, std::span<const PrefillRequest>
     else
       pass_kv(cache, r.seq, sh, r.q, q_tokens, r.out, r.lse);
   }
+  InferenceAccess::drop_copies(cache);  // the pages gathered for the kernel
   stats.mode = modes.back();
   record_stats(stats, record.finish());
   return modes;

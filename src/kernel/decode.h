@@ -11,8 +11,10 @@ namespace ctxpar::kernel {
 
 // One sequence's Tn new tokens against this rank's shard of it.
 //   q          [1, Tn, Hq, D] fp32 or bf16 (any strides; D contiguous)
-//   k, v       [1, n, Hkv, D] the cache's own rows, in increasing position (the shard as it
-//              lies: no copy is made), fp32 or bf16
+//   k, v       the shard's n rows in increasing position, as the cache's pages hold them (read
+//              where they lie: no copy is made), fp32 or bf16: k_pages[i], v_pages[i] [1, rows_i,
+//              Hkv, D] hold rows [i page_rows, i page_rows + rows_i), every rows_i = page_rows
+//              but the last's. Row j is row j mod page_rows of page j / page_rows.
 //   out        fp32 [1, Tn g, Hkv, D] (row t g + j: query head h g + j of token t, g = Hq / Hkv)
 //   lse        fp32 [1, Hkv, Tn g]
 // The mask may only hide keys by position through one range per query (causal, window: a
@@ -21,7 +23,8 @@ namespace ctxpar::kernel {
 struct DecodeShard {
   TensorView q;
   std::span<const int64_t> q_positions;  // Tn
-  TensorView k, v;
+  std::span<const TensorView> k_pages, v_pages;
+  int64_t page_rows = 1;
   std::span<const int64_t> k_positions;  // n, increasing
   Mask mask;
   float scale = 0;  // 0: 1/sqrt(D), as KernelConfig::scale
@@ -36,7 +39,8 @@ struct DecodeShard {
 inline constexpr int64_t kDecodeSplit = 512;
 
 // out, lse of the softmax attention of each query row over its visible keys (O = 0, LSE =
-// -inf for a row that sees none), fp32 accumulation; bitwise the same for any `threads`.
+// -inf for a row that sees none), fp32 accumulation; bitwise the same for any `threads` and
+// any page_rows (the products run in key order whatever the pages' bounds).
 void decode_in_place(const DecodeShard& p);
 
 }  // namespace ctxpar::kernel

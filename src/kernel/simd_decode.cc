@@ -57,6 +57,17 @@ HWY_INLINE void prefetch_keys(const TensorView& x, int64_t j, int64_t count, int
 }
 constexpr int64_t kPrefetchKeys = 16;  // how far ahead the scores' loop asks for K rows
 
+// Where a row of the shard lies: its page (DecodeShard::k_pages / v_pages) and the row in it,
+// stepped along the keys without a division per key.
+struct PageRow {
+  int64_t page, row;
+  PageRow plus(int64_t x, int64_t page_rows) const {
+    PageRow at{page, row + x};
+    for (; at.row >= page_rows; at.row -= page_rows) ++at.page;
+    return at;
+  }
+};
+
 // K's elements as fp32 vectors: an fp32 row where it lies, a bf16 row widened in registers (a
 // bf16 value is the top half of its fp32).
 HWY_INLINE VF load_f32(DF df, const float* HWY_RESTRICT p) { return hn::LoadU(df, p); }
@@ -216,23 +227,38 @@ void run_task(const DecodeShard& p, const DecodeTask& task, int64_t g, int64_t d
               const float* HWY_RESTRICT qf, float* HWY_RESTRICT scores, float* HWY_RESTRICT m,
               float* HWY_RESTRICT l, float* HWY_RESTRICT acc) {
   const int64_t nk = task.j1 - task.j0, rows = (task.h1 - task.h0) * g;
-  for (int64_t j = 0; j < nk; j += 2) {  // S = Q K^T: each K row read once for its g rows
-    const bool two = j + 1 < nk;
-    prefetch_keys(p.k, task.j0 + j + kPrefetchKeys, std::min<int64_t>(2, nk - j - kPrefetchKeys),
-                  task.h0, task.h1, d);
-    // The same keys' V rows into L2, for the P V pass after the split's scores: asked for here,
-    // spread over the pass, rather than a chunk's lines at once before its products.
-    prefetch_keys<2>(p.v, task.j0 + j, std::min<int64_t>(2, nk - j), task.h0, task.h1, d);
-    for (int64_t h = task.h0; h < task.h1; ++h) {
-      const KT* base = p.k.ptr<const KT>();
-      const KT* k[2] = {base + p.k.offset(0, task.j0 + j, h),
-                        two ? base + p.k.offset(0, task.j0 + j + 1, h) : nullptr};
-      float* out = scores + (h - task.h0) * g * kDecodeSplit + j;
-      if (two)
-        scores_of<2>(g, qf + h * g * d, k, d, scale, out, kDecodeSplit);
-      else
-        scores_of<1>(g, qf + h * g * d, k, d, scale, out, kDecodeSplit);
+  const PageRow first{task.j0 / p.page_rows, task.j0 % p.page_rows};
+  // S = Q K^T: each K row read once for its g rows, two keys at a time within a page (each
+  // score is its own sum: how keys are paired does not change its bits).
+  PageRow key = first;  // key j's
+  for (int64_t j = 0; j < nk;) {
+    const TensorView& page = p.k_pages[size_t(key.page)];
+    const TensorView& vpage = p.v_pages[size_t(key.page)];
+    const int64_t seg = std::min(nk - j, p.page_rows - key.row);  // the keys in this page
+    for (int64_t x = 0; x < seg; x += 2) {
+      const bool two = x + 1 < seg;
+      // Rows kPrefetchKeys ahead: in this page, or at the start of the next one.
+      const int64_t ahead = x + kPrefetchKeys, count = std::min<int64_t>(2, nk - j - ahead);
+      if (ahead < seg)
+        prefetch_keys(page, key.row + ahead, std::min(count, seg - ahead), task.h0, task.h1, d);
+      else if (count > 0 && ahead - seg + count <= p.page_rows)
+        prefetch_keys(p.k_pages[size_t(key.page + 1)], ahead - seg, count, task.h0, task.h1, d);
+      // The same keys' V rows into L2, for the P V pass after the split's scores: asked for
+      // here, spread over the pass, rather than a chunk's lines at once before its products.
+      prefetch_keys<2>(vpage, key.row + x, std::min<int64_t>(2, seg - x), task.h0, task.h1, d);
+      const KT* base = page.ptr<const KT>();
+      for (int64_t h = task.h0; h < task.h1; ++h) {
+        const KT* k[2] = {base + page.offset(0, key.row + x, h),
+                          two ? base + page.offset(0, key.row + x + 1, h) : nullptr};
+        float* out = scores + (h - task.h0) * g * kDecodeSplit + j + x;
+        if (two)
+          scores_of<2>(g, qf + h * g * d, k, d, scale, out, kDecodeSplit);
+        else
+          scores_of<1>(g, qf + h * g * d, k, d, scale, out, kDecodeSplit);
+      }
     }
+    j += seg;
+    key = {key.page + 1, 0};
   }
   const DF df;
   const int64_t n = lanes();
@@ -267,15 +293,23 @@ void run_task(const DecodeShard& p, const DecodeTask& task, int64_t g, int64_t d
   // cache) read once from memory; each head's g rows then through gemm_rows (simd_tile.h: P
   // broadcast, V rows as vectors, the g x D accumulators in registers per chunk), whose FMAs
   // run in key order as axpy's (the same bits). A bf16 V goes through pv_bf16, which widens
-  // its rows in registers (widening them into a buffer first cost a fifth of decode's time).
+  // its rows in registers (widening them into a buffer first cost a fifth of decode's time). A
+  // chunk also ends at its page's end (its rows one stride apart): the FMAs still run in key
+  // order from the stored accumulators, so the bits do not depend on the pages' size.
   const bool gemm = d % n == 0 && (g == 1 || g % 2 == 0);
   const int64_t nh = task.h1 - task.h0;
-  for (int64_t x0 = 0; x0 < nk; x0 += kVChunk) {
-    const int64_t kk = std::min(kVChunk, nk - x0);
+  // Keys of V from key x (at `at`) of the task: at most kVChunk, within one page.
+  auto chunk_at = [&](int64_t x, const PageRow& at) {
+    return std::min({kVChunk, nk - x, p.page_rows - at.row});
+  };
+  PageRow at = first;
+  for (int64_t x0 = 0, kk = 0; x0 < nk; x0 += kk, at = at.plus(kk, p.page_rows)) {
+    kk = chunk_at(x0, at);
+    const TensorView& pv = p.v_pages[size_t(at.page)];
     if constexpr (std::is_same_v<KT, uint16_t>) {
       // bf16: widened in registers (pv_bf16), g rows at a time where g is 1, 2, 4 or 8.
-      const uint16_t* vrows = p.v.ptr<const uint16_t>() + p.v.offset(0, task.j0 + x0, task.h0);
-      const int64_t ldv = p.v.stride(1);
+      const uint16_t* vrows = pv.ptr<const uint16_t>() + pv.offset(0, at.row, task.h0);
+      const int64_t ldv = pv.stride(1);
       for (int64_t h = 0; h < nh; ++h) {
         const float* sp = scores + h * g * kDecodeSplit + x0;
         float* ap = acc + h * g * d;
@@ -301,8 +335,8 @@ void run_task(const DecodeShard& p, const DecodeTask& task, int64_t g, int64_t d
       }
       continue;
     }
-    const float* vrows = p.v.ptr<const float>() + p.v.offset(0, task.j0 + x0, task.h0);
-    const int64_t ldv = p.v.stride(1);
+    const float* vrows = pv.ptr<const float>() + pv.offset(0, at.row, task.h0);
+    const int64_t ldv = pv.stride(1);
     for (int64_t h = 0; h < nh; ++h) {
       const float* sp = scores + h * g * kDecodeSplit + x0;
       float* ap = acc + h * g * d;
@@ -364,6 +398,8 @@ void DecodeInPlace(const DecodeShard& p) {
   // Partials of split i, KV head h, row r: ml[((i hkv + h) g + r) 2 + {0: m, 1: l}], acc.
   std::vector<float> ml(size_t(ns * hkv * g * 2)), accs(size_t(ns * hkv * g * d));
   const int64_t nt = int64_t(tasks.size());
+  // The cache's element type (no page: no task reads one).
+  const bool f32 = p.k_pages.empty() || p.k_pages[0].dtype() == DType::f32;
 #pragma omp parallel num_threads(p.threads)
   {
     std::vector<float> scores(size_t(hkv * g * kDecodeSplit), 0.0f), m(size_t(hkv * g)),
@@ -372,7 +408,7 @@ void DecodeInPlace(const DecodeShard& p) {
     for (int64_t i = 0; i < nt; ++i) {
       const DecodeTask& task = tasks[i];
       const int64_t at = task.block * hkv + task.h0;  // the first head's partials
-      if (p.k.dtype() == DType::f32)
+      if (f32)
         run_task<float>(p, task, g, d, scale, qf.data() + task.t * hq * d, scores.data(), m.data(),
                         l.data(), accs.data() + at * g * d);
       else

@@ -30,10 +30,10 @@ bool same_decode_bits(const RankResult& a, const RankResult& b, int64_t seq, int
   return true;
 }
 
-// A shard of more than one split on one rank (kDecodeSplit + 88 tokens), GQA g = 4.
-Scenario long_shard(const char* mask, DType dtype) {
+// A shard of more than one split on one rank (kDecodeSplit + 88 tokens), GQA g = 4 (or hq / hkv).
+Scenario long_shard(const char* mask, DType dtype, int64_t hq = 8, int64_t hkv = 2) {
   Scenario s;
-  s.hq = 8, s.hkv = 2, s.d = 32, s.block = 64;
+  s.hq = hq, s.hkv = hkv, s.d = 32, s.block = 64;
   s.mask = parse_mask(mask);
   s.dtype = dtype;
   s.prefill = {kernel::kDecodeSplit + 88, 3};  // a long sequence and a short one, decoded together
@@ -64,6 +64,44 @@ TEST(DecodeInPlace, MatchesTheReferenceAndTheTilePath) {
         }
       }
     }
+}
+
+// The kernel reads each page where it lies (one page per placement block, docs/inference.md
+// "Paged storage"), its V chunks cut at the pages' ends. On one rank the block changes nothing
+// else, so every page size must give the bits of one page holding the whole shard (the
+// contiguous rows the kernel read before pages), and those are within the accuracy rule. Block
+// 37 is odd (the scores' pairs of keys break at its ends) and no multiple of the V chunk (16)
+// nor of the split (512); g = 4, 3 and 1 take gemm_rows, axpy and row_block.
+TEST(DecodeInPlace, PagesOfAnySizeGiveTheOnePageBits) {
+  for (DType dtype : {DType::f32, DType::bf16})
+    for (int64_t hq : {8, 6, 2}) {
+      Scenario one = long_shard("causal", dtype, hq, 2);
+      one.block = 1 << 12;  // one page: the whole shard
+      const auto base = run_on_threads(one, 1);
+      for (int64_t block : {16, 37, 64}) {
+        Scenario s = one;
+        s.block = block;
+        s.threads = block == 37 ? 2 : 1;
+        const auto got = run_on_threads(s, 1);
+        for (int64_t b = 0; b < s.sequences(); ++b) {
+          const std::string what = std::string(dtype_name(dtype)) + " hq=" + std::to_string(hq) +
+                                   " block " + std::to_string(block) + " sequence " +
+                                   std::to_string(b);
+          EXPECT_TRUE(same_decode_bits(base[0], got[0], b, s.prefill[b])) << what;
+          if (block == 37)
+            EXPECT_EQ(check_accuracy(s, b, combine(got, s, b), s.prefill[b]), "") << what;
+        }
+      }
+    }
+  // The tile kernel's path gathers each chunk's rows from the pages: the one-page bits too.
+  Scenario one = long_shard("causal", DType::f32);
+  one.decode_in_place = false;
+  one.block = 1 << 12;
+  Scenario paged = one;
+  paged.block = 37;
+  const auto base = run_on_threads(one, 1), got = run_on_threads(paged, 1);
+  for (int64_t b = 0; b < one.sequences(); ++b)
+    EXPECT_TRUE(same_decode_bits(base[0], got[0], b, one.prefill[b])) << "tile path, sequence " << b;
 }
 
 TEST(DecodeInPlace, BitsDoNotDependOnTheThreadCount) {

@@ -103,6 +103,9 @@ RankResult run_rank(Communicator& comm, const Scenario& s) {
       put_rows(out, lse, mine, r.out[b], r.lse[b]);
     }
   }
+  std::vector<int64_t> decoded = cache.live_sequences();
+  if (s.fork)
+    for (int64_t& b : decoded) b = cache.fork(b);
   const int64_t tn = s.decode_tokens;
   for (int64_t step = 0; step < s.decode_steps; ++step) {
     Tensor q(s.dtype, {nseq, tn, s.hq, s.d}), k(s.dtype, {nseq, tn, s.hkv, s.d}),
@@ -118,7 +121,7 @@ RankResult run_rank(Communicator& comm, const Scenario& s) {
         for (int64_t i : at[b]) docs.push_back(s.documents[b][i]);
     }
     Tensor out(DType::f32, {nseq, tn, s.hq, s.d}), lse(DType::f32, {nseq, s.hq, tn});
-    decode(cache, q, k, v, out, lse, docs);
+    decode(cache, decoded, q, k, v, out, lse, docs);
     for (int64_t b = 0; b < nseq; ++b)
       put_rows(Tensor::copy_of(out.view().slice(0, b, b + 1)),
                Tensor::copy_of(lse.view().slice(0, b, b + 1)), at[b], r.out[b], r.lse[b]);

@@ -23,6 +23,9 @@ struct Scenario {
   Bf16Products bf16_products = Bf16Products::automatic;  // the cache's KernelConfig's
   bool decode_in_place = true;                           // KvCacheOptions::decode_in_place
   int threads = 1;                                       // the cache's KernelConfig::threads
+  // Decode forks of the prefilled sequences (KvCache::fork: their pages shared with the
+  // parents, copied on the first write into a shared one), not the sequences themselves.
+  bool fork = false;
   uint64_t seed = 1;
   // Filled by build(): per sequence, the whole sequence [1, N, H, D] and its token ids.
   std::vector<Tensor> q, k, v;

@@ -209,6 +209,29 @@ TEST(Inference, DecodeDoesNotDependOnHowMuchWasPrefilled) {
     }
 }
 
+// Decode of forks (KvCache::fork: the parents' pages shared, the partly filled last one copied
+// on the first write): the bits of decoding the parents themselves, within the accuracy rule,
+// on P = 1..3 (the MPI twin: mpi_main.cc).
+TEST(Inference, ForksDecodeWithTheirParentsBits) {
+  Scenario s;
+  s.prefill = {90, 41};  // blocks of 16: both end inside a shared page
+  s.chunk = 40;
+  s.build();
+  Scenario forked = s;
+  forked.fork = true;
+  for (int p : {1, 2, 3}) {
+    const auto want = run_on_threads(s, p), got = run_on_threads(forked, p);
+    for (int64_t b = 0; b < s.sequences(); ++b) {
+      const std::string what = "P=" + std::to_string(p) + " sequence " + std::to_string(b);
+      for (int r = 0; r < p; ++r) {
+        EXPECT_TRUE(same_bits(got[r].out[b], want[r].out[b])) << what << " rank " << r;
+        EXPECT_TRUE(same_bits(got[r].lse[b], want[r].lse[b])) << what << " rank " << r;
+      }
+      EXPECT_EQ(check_accuracy(forked, b, combine(got, forked, b), s.prefill[b]), "") << what;
+    }
+  }
+}
+
 TEST(Inference, SimDeviceGivesTheCpuBits) {
   for (PrefillMode mode : {PrefillMode::pass_kv, PrefillMode::pass_q}) {
     Scenario s;

@@ -157,16 +157,6 @@ TEST(Decode, BadArgumentsNameTheArgument) {
   });
 }
 
-TEST(KvCacheGrowth, WholeBlocksAtMostAQuarterAhead) {
-  for (int64_t block : {1, 16, 64})
-    for (int64_t n = 1; n < 20000; n += 1 + n / 50) {
-      const int64_t cap = capacity_for(n, block), need = (n + block - 1) / block * block;
-      EXPECT_GE(cap, need);
-      EXPECT_EQ(cap % block, 0);
-      EXPECT_LE(cap - need, need / 4) << "n=" << n << " block=" << block;
-    }
-}
-
 TEST(KvCacheGrowth, ReservedAndAppendedLocallyEqualsAppendedWhole) {
   run_threads(2, [](Communicator& comm) {
     KvCacheOptions o = small_options();

@@ -98,6 +98,29 @@ def test_a_servers_calls_match_the_reference(ranks, merge):
     assert on_threads(ranks, fn) == [4] * ranks
 
 
+def test_forks_share_their_parents_pages():
+    """fork() shares the prefix's pages copy-on-write (docs/inference.md, "Paged storage"):
+    8 forks take no memory, and their first tokens copy only the page they write into (block
+    3 of 8 tokens: tokens 24..31), on the rank that holds it; the parent keeps its rows."""
+    def fn(comm):
+        cache = ctxpar.KVCache(comm, kv_heads=2, head_dim=16, sequences=0, block=8)
+        truth = Truth()
+        a = cache.add()
+        prefill(cache, truth, [a], [30])
+        before = cache.nbytes
+        forks = [cache.fork(a) for _ in range(8)]
+        grown = [cache.nbytes - before]
+        for f in forks:
+            truth.rows[f] = list(truth.rows[a])
+        decode(cache, truth, forks)  # each against its own whole sequence's reference
+        grown.append(cache.nbytes - before)
+        decode(cache, truth, [a])  # the parent: its rows as they were
+        page = 8 * cache.token_bytes
+        return grown == [0, 8 * page if cache.rank == 3 % cache.ranks else 0]
+
+    assert on_threads(2, fn) == [True, True]
+
+
 def snapshot(cache):
     live = cache.live_sequences
     return (cache.sequences, cache.lengths, cache.nbytes,
