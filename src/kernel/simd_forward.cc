@@ -223,7 +223,6 @@ class ForwardWorker {
     }
     if (first < 0) return false;
     const int64_t j0 = kt * kTile, cols = std::min(p_.tk, j0 + kTile) - j0;
-    const int64_t pk = (b_ * p_.hkv + hk_) * sh_.nkt + kt;
     // Rows [r0, r0 + mrows): the computed tiles' rows; any beyond `rows` are zero padding.
     const int64_t r0 = first * kTile, r1 = std::min(rows_, (last + 1) * kTile);
     const int64_t mrows = round_up(r1 - r0, 4);
@@ -243,9 +242,9 @@ class ForwardWorker {
       softmax_row(sr, m_[r], lv_.data() + r * nl_, acc_.data() + r * sh_.ld, sh_.dp);
     }
     if (sh_.pairs_pv)
-      values_pairs(pk, r0, mrows);
+      values_pairs(pk(kt), r0, mrows);
     else
-      values_fp32(pk, r0, mrows, cols);
+      values_fp32(pk(kt), r0, mrows, cols);
     // The MPI transport's progress calls, if installed (tile_progress.h): one a tile.
     for (int64_t u = first; u <= last; ++u) tile_progress();
     return true;
@@ -278,8 +277,10 @@ class ForwardWorker {
       const int64_t r0 = st.first * kTile, r1 = std::min(rows_, (st.last + 1) * kTile);
       const int64_t mrows = round_up(r1 - r0, 4);
       float* sb = s_.data() + g * block;
-      vtiles_[g] = kv_.vvnni + ((b_ * p_.hkv + hk_) * sh_.nkt + st.kt) * kHalf * sh_.ldv;
-      scores(st.kt, sb + r0 * kTile, r0, mrows);
+      vtiles_[g] = kv_.vvnni + pk(st.kt) * kHalf * sh_.ldv;
+      // Q K^T unscaled: the softmax applies the scale (softmax_row<true>, same bits).
+      bf16::scores(mrows, sh_.np, qpairs_.data() + r0 * sh_.ldw, sh_.ldw,
+                   kv_.kpairs + pk(st.kt) * sh_.np * kTile, sb + r0 * kTile, 1.0f, true);
       for (int64_t u = st.first; u <= st.last; ++u) {
         const int64_t u0 = u * kTile, urows = std::min(rows_, u0 + kTile) - u0;
         if (st.kinds[u] == TileKind::partial || cols < kTile)
@@ -296,7 +297,8 @@ class ForwardWorker {
         for (int64_t g = 0; g < n; ++g) std::fill_n(sr + g * block, kTile, 0.0f);
         continue;
       }
-      softmax_row(sr, m_[r], lv_.data() + r * nl_, acc_.data() + r * sh_.ld, sh_.dp, n, block);
+      softmax_row<true>(sr, m_[r], lv_.data() + r * nl_, acc_.data() + r * sh_.ld, sh_.dp, n, block,
+                        p_.scale);
     }
     // P's pairs: tile g's parts side by side at g a_chunk (as the backward's chunks).
     uint32_t* pp = ppairs_.data();
@@ -315,14 +317,16 @@ class ForwardWorker {
   // FMAs of the pre-scaled Q.
   // into s (rows kTile floats apart), key tile kt of the task's kv head.
   void scores(int64_t kt, float* s, int64_t r0, int64_t mrows) {
-    const int64_t pk = (b_ * p_.hkv + hk_) * sh_.nkt + kt;
     if (p_.bf16_scores)
       bf16::scores(mrows, sh_.np, qpairs_.data() + r0 * sh_.ldw, sh_.ldw,
-                   kv_.kpairs + pk * sh_.np * kTile, s, p_.scale, p_.amx);
+                   kv_.kpairs + pk(kt) * sh_.np * kTile, s, p_.scale, p_.amx);
     else
       gemm_rows(mrows, kTile, sh_.d, qt_.data() + r0 * sh_.ld, sh_.ld,
-                kv_.kpack + pk * sh_.d * kTile, kTile, s, kTile, false, sh_.k_panel);
+                kv_.kpack + pk(kt) * sh_.d * kTile, kTile, s, kTile, false, sh_.k_panel);
   }
+
+  // Key tile kt of the task's kv head among the packed tiles.
+  int64_t pk(int64_t kt) const { return (b_ * p_.hkv + hk_) * sh_.nkt + kt; }
 
   // O += P V in fp32 FMAs; the fast bf16 tier rounds P for it (l summed the fp32 P).
   void values_fp32(int64_t pk, int64_t r0, int64_t mrows, int64_t cols) {
