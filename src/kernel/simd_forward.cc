@@ -52,18 +52,19 @@ constexpr int64_t kRows = kSub * kTile;
 constexpr int64_t kHalf = kTile / 2;
 
 // Note [Key steps]: with AMX pair products (both bf16 tiers), one online-softmax step takes up
-// to kStepTiles consecutive key tiles (a fixed grid of steps: tiles [s kStepTiles, (s + 1)
-// kStepTiles)). Their scores go to side-by-side 64-key blocks of S (only the tiles some query
-// tile of the task computes, in key order, each with its own skip / full / partial
-// classification per query tile, and masked exactly as one tile a step is); then one max and one
-// rescale a row for the step, and O += P V as one tile product over the step's keys
-// (bf16::gemm_amx_chunks, one chunk a key tile), so each 32 x 32 block of O stays in AMX tiles for
-// 2 x (tiles) steps of 16 pairs instead of 2 (one tile a step ran the tiles far below their rate:
-// docs/kernel.md, "Round three: the forward"). A query tile that skips a key tile of the step
-// gets -inf scores there (P = 0: exact zero products). The sums change order (a row's max is the
-// step's, not the tile's), so the bits of both bf16 tiers differ from one tile a step, within
-// their accuracy rules; the fp32 path and vdpbf16ps's fast tier keep one tile a step (their bits
-// unchanged). dev/10_forward_steps.cc measured the step.
+// to kStepTiles consecutive key tiles (a fixed grid: tiles [i kStepTiles, (i + 1) kStepTiles)).
+// The step's scores go to side-by-side 64-key blocks of S (only the tiles some query tile of the
+// task computes, in key order, each with its own skip / full / partial classification per query
+// tile, masked exactly as with one tile a step); then one max and one rescale a row for the
+// step, and O += P V as one tile product over the step's keys (bf16::gemm_amx_chunks, one chunk a
+// key tile), so each 32 x 32 block of O stays in AMX tiles for 2 x (tiles) steps of 16 pairs
+// instead of 2. A query tile that skips a key tile of the step gets -inf scores there (P = 0:
+// exact zero products). The sums change order (a row's max is the step's, not the tile's), so
+// the bits of both bf16 tiers differ from one tile a step, within their accuracy rules; the fp32
+// path and vdpbf16ps's fast tier keep one tile a step, bit for bit. Both tiers take the same
+// step: l sums the fp32 P in the step's order, and the tiers' LSE must stay the same bits (the
+// exact tier ran 2-3 % faster with 2 tiles a step, the fast one 5 % slower: lab 10). Measured:
+// docs/kernel.md, "Round three: the forward" (dev/10_forward_steps.cc).
 constexpr int64_t kStepTiles = 4;
 
 // The sizes a call works with, and its product paths: its tiles (ld the row stride of V, Q

@@ -106,7 +106,7 @@ TEST_F(AmxForced, BothTiersThroughAmxWithinTheirRules) {
 }
 
 // Note [Key steps] (simd_forward.cc): the AMX forward takes several key tiles an online-softmax
-// step. Steps of 1 (the one-tile path), 2, 3 and 8 tiles, both tiers, against fp64 by each
+// step. Steps of 1 (the one-tile path), 2, 3, 4 and 8 tiles, both tiers, against fp64 by each
 // tier's rule (the exact tier by the fp32 one), on the pair-product cases (steps holding key
 // tiles that a query tile of the task skips or sees partially: window, causal documents, ragged
 // ends) and a long sliding window whose tasks skip the early tiles of later steps.
@@ -131,7 +131,7 @@ TEST_F(AmxForced, KeyStepsWithinTheTiersRules) {
       const double tol = tier == Bf16Tier::fast
                              ? reference::accuracy_tolerance(naive, ref_max, kFastTierFloor)
                              : reference::accuracy_tolerance(naive, ref_max);
-      for (const int64_t step : {1, 2, 3, 8}) {
+      for (const int64_t step : {1, 2, 3, 4, 8}) {
         ForwardState state(in.q.dim(0), in.q.dim(1), in.q.dim(2), in.q.dim(3));
         kernel::forward_simd_steps(p, in.q, in.q_tokens(), in.k, in.v, in.k_tokens(), k.mask,
                                    state.view(), step);
