@@ -421,8 +421,8 @@ KernelStats forward_simd_steps(const Problem& p, const TensorView& q, const Toke
                                const TensorView& k, const TensorView& v, const Tokens& k_tokens,
                                const Mask& mask, const ForwardStateView& state,
                                int64_t step_tiles) {
-  CTXPAR_CHECK(step_tiles >= 1, "step_tiles: expected at least 1 key tile a step, got ",
-               step_tiles);
+  CTXPAR_CHECK(step_tiles >= 1, "step_tiles: expected at least 1 key tile a step, got ", step_tiles,
+               " (give 1 for the one-tile-a-step path)");
   return HWY_DYNAMIC_DISPATCH(ForwardSimd)(p, q, q_tokens, k, v, k_tokens, mask, state, step_tiles);
 }
 

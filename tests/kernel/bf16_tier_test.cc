@@ -147,6 +147,21 @@ TEST_F(AmxForced, KeyStepsWithinTheTiersRules) {
       }
     }
   }
+  // A step of no tiles is refused before anything is written (the state stays "nothing seen").
+  const Inputs in = make_inputs(cases.front());
+  kernel::Problem p = kernel::check_forward_args(in.q, in.q_tokens(), in.k, in.v, in.k_tokens(),
+                                                 cases.front().mask, KernelConfig{});
+  ForwardState state(in.q.dim(0), in.q.dim(1), in.q.dim(2), in.q.dim(3));
+  try {
+    kernel::forward_simd_steps(p, in.q, in.q_tokens(), in.k, in.v, in.k_tokens(),
+                               cases.front().mask, state.view(), 0);
+    ADD_FAILURE() << "a step of 0 tiles was not refused";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("step_tiles: expected at least 1"), std::string::npos)
+        << e.what();
+  }
+  const float* m = state.m().ptr<float>();
+  for (int64_t i = 0; i < state.m().numel(); ++i) ASSERT_EQ(m[i], kernel::kNegInf) << i;
 }
 
 // The fast tier's P V, dV, dK and dQ through vdpbf16ps (Note [The fast tier through vdpbf16ps]
