@@ -292,21 +292,25 @@ class ForwardWorker {
       std::fill(sb + lo * kTile, sb + r0 * kTile, kNegInf);
       std::fill(sb + std::min(r0 + mrows, lo + m16) * kTile, sb + (lo + m16) * kTile, kNegInf);
     }
-    for (int64_t r = lo; r < lo + m16; ++r) {
-      float* sr = s_.data() + r * kTile;
-      if (r >= rows_) {  // padding rows: P = 0 keeps their (unused) acc at 0
-        for (int64_t g = 0; g < n; ++g) std::fill_n(sr + g * block, kTile, 0.0f);
-        continue;
-      }
-      softmax_row<true>(sr, m_[r], lv_.data() + r * nl_, acc_.data() + r * sh_.ld, sh_.dp, n, block,
-                        p_.scale);
-    }
-    // P's pairs: tile g's parts side by side at g a_chunk (as the backward's chunks).
+    // P's pairs: tile g's parts side by side at g a_chunk (as the backward's chunks), 16 rows
+    // at a time right after their softmax, while their P is still in L1.
     uint32_t* pp = ppairs_.data();
     const int64_t a_chunk = sh_.nsplit * split_words_;
-    for (int64_t g = 0; g < n; ++g)
-      bf16::round_to_pairs(s_.data() + g * block + lo * kTile, kTile, m16, kHalf, pp + g * a_chunk,
-                           kHalf, sh_.nsplit, split_words_);
+    for (int64_t r16 = lo; r16 < lo + m16; r16 += 16) {
+      for (int64_t r = r16; r < r16 + 16; ++r) {
+        float* sr = s_.data() + r * kTile;
+        if (r >= rows_) {  // padding rows: P = 0 keeps their (unused) acc at 0
+          for (int64_t g = 0; g < n; ++g) std::fill_n(sr + g * block, kTile, 0.0f);
+          continue;
+        }
+        softmax_row<true>(sr, m_[r], lv_.data() + r * nl_, acc_.data() + r * sh_.ld, sh_.dp, n,
+                          block, p_.scale);
+      }
+      for (int64_t g = 0; g < n; ++g)
+        bf16::round_to_pairs(s_.data() + g * block + r16 * kTile, kTile, 16, kHalf,
+                             pp + g * a_chunk + (r16 - lo) * kHalf, kHalf, sh_.nsplit,
+                             split_words_);
+    }
     bf16::gemm_amx_chunks(m16, sh_.n16, n, kHalf, pp, kHalf, a_chunk, vtiles_.data(), sh_.ldv,
                           acc_.data() + lo * sh_.ld, sh_.ld, true, sh_.nsplit, split_words_);
     for (int64_t g = 0; g < n; ++g)
