@@ -62,9 +62,9 @@ constexpr int64_t kHalf = kTile / 2;
 // exact zero products). The sums change order (a row's max is the step's, not the tile's), so
 // the bits of both bf16 tiers differ from one tile a step, within their accuracy rules; the fp32
 // path and vdpbf16ps's fast tier keep one tile a step, bit for bit. Both tiers take the same
-// step: l sums the fp32 P in the step's order, and the tiers' LSE must stay the same bits (the
-// exact tier ran 2-3 % faster with 2 tiles a step, the fast one 5 % slower: lab 10). Measured:
-// docs/kernel.md, "Round three: the forward" (dev/10_forward_steps.cc).
+// step: l sums the fp32 P in the step's order, and the tiers' LSE must stay the same bits (2
+// tiles a step ran 3-7 % faster for the exact tier and 3-5 % slower for the fast one: lab 10).
+// Measured: docs/kernel.md, "Round three: the forward" (dev/10_forward_steps.cc).
 constexpr int64_t kStepTiles = 4;
 
 // The sizes a call works with, and its product paths: its tiles (ld the row stride of V, Q
