@@ -202,6 +202,12 @@ KernelStats backward_scalar(const Problem& p, const TensorView& q, const Tokens&
 KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                          const TensorView& k, const TensorView& v, const Tokens& k_tokens,
                          const Mask& mask, const ForwardStateView& state);
+// forward_simd with step_tiles (>= 1, else ctxpar::Error) key tiles an online-softmax step where
+// the products take AMX pairs (simd_forward.cc, Note [Key steps]; elsewhere one tile a step):
+// 1 is the one-tile-a-step path kept as the reference; lab 10 and the kernel tests compare them.
+KernelStats forward_simd_steps(const Problem& p, const TensorView& q, const Tokens& q_tokens,
+                               const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                               const Mask& mask, const ForwardStateView& state, int64_t step_tiles);
 KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                           const TensorView& k, const TensorView& v, const Tokens& k_tokens,
                           const Mask& mask, const TensorView& dout, const TensorView& lse,

@@ -20,6 +20,7 @@
 
 #include <vector>
 
+#include "ctxpar/error.h"
 #include "kernel/problem.h"
 #include "kernel/simd_bf16.h"
 #include "kernel/simd_tile.h"
@@ -50,6 +51,22 @@ constexpr int64_t kSub = 2;
 constexpr int64_t kRows = kSub * kTile;
 constexpr int64_t kHalf = kTile / 2;
 
+// Note [Key steps]: with AMX pair products (both bf16 tiers), one online-softmax step takes up
+// to kStepTiles consecutive key tiles (a fixed grid: tiles [i kStepTiles, (i + 1) kStepTiles)).
+// The step's scores go to side-by-side 64-key blocks of S (only the tiles some query tile of the
+// task computes, in key order, each with its own skip / full / partial classification per query
+// tile, masked exactly as with one tile a step); then one max and one rescale a row for the
+// step, and O += P V as one tile product over the step's keys (bf16::gemm_amx_chunks, one chunk a
+// key tile), so each 32 x 32 block of O stays in AMX tiles for 2 x (tiles) steps of 16 pairs
+// instead of 2. A query tile that skips a key tile of the step gets -inf scores there (P = 0:
+// exact zero products). The sums change order (a row's max is the step's, not the tile's), so
+// the bits of both bf16 tiers differ from one tile a step, within their accuracy rules; the fp32
+// path and vdpbf16ps's fast tier keep one tile a step, bit for bit. Both tiers take the same
+// step: l sums the fp32 P in the step's order, and the tiers' LSE must stay the same bits (2
+// tiles a step ran 3-7 % faster for the exact tier and 3-5 % slower for the fast one: lab 10).
+// Measured: docs/kernel.md, "Round three: the forward" (dev/10_forward_steps.cc).
+constexpr int64_t kStepTiles = 4;
+
 // The sizes a call works with, and its product paths: its tiles (ld the row stride of V, Q
 // and acc tiles, Note [Padded rows]; S = Q K^T streams K^T in L1 panels of k_panel rows) and
 // its tasks.
@@ -66,9 +83,10 @@ struct ForwardShape : CallTiles {
   bool pairs_pv = false;
   int64_t n16 = 0, ldv = 0;
   int nsplit = 0;
+  int64_t step_tiles = 1;  // key tiles an online-softmax step (Note [Key steps])
 };
 
-ForwardShape forward_shape(const ForwardArgs& a) {
+ForwardShape forward_shape(const ForwardArgs& a, int64_t step_tiles) {
   const Problem& p = a.p;
   ForwardShape sh;
   static_cast<CallTiles&>(sh) = call_tiles(p, a.q_tokens, a.k_tokens, a.mask);
@@ -79,6 +97,7 @@ ForwardShape forward_shape(const ForwardArgs& a) {
   sh.pairs_pv = bf16::pair_products(p.bf16_scores, p.amx, p.round_p) &&
                 a.v.dtype() == DType::bf16 && sh.n16 <= sh.ld;
   sh.nsplit = bf16::amx_parts(p.round_p);
+  if (sh.pairs_pv && p.amx) sh.step_tiles = step_tiles > 0 ? step_tiles : kStepTiles;
   return sh;
 }
 
@@ -137,12 +156,14 @@ class ForwardWorker {
         nl_(lanes()),
         split_words_(kRows * kHalf),
         qt_(kRows * sh.ld),
-        s_(kRows * kTile),
+        s_(kRows * kTile * sh.step_tiles),
         acc_(kRows * sh.ld),
         m_(kRows),
         lv_(kRows * nl_),
         qpairs_(a.p.bf16_scores ? kRows * sh.ldw : 0),
-        ppairs_(sh.pairs_pv ? sh.nsplit * split_words_ : 0) {}
+        ppairs_(sh.pairs_pv ? sh.nsplit * split_words_ * sh.step_tiles : 0),
+        steps_(sh.step_tiles),
+        vtiles_(sh.step_tiles) {}
 
   void run(int64_t task) {
     const int64_t qp = task % sh_.npairs, h = (task / sh_.npairs) % p_.hq;
@@ -155,7 +176,11 @@ class ForwardWorker {
       pack_rows(a_.q, b_, h_, i0_, rows_, sh_.d, sh_.ld, qt_.data(), p_.scale, kRows);
     load_state();
     bool touched = false;
-    for (int64_t kt = 0; kt < sh_.nkt; ++kt) touched = key_tile(kt) || touched;
+    if (sh_.step_tiles > 1)
+      for (int64_t kt = 0; kt < sh_.nkt; kt += sh_.step_tiles)
+        touched = key_step(kt, std::min(sh_.nkt, kt + sh_.step_tiles)) || touched;
+    else
+      for (int64_t kt = 0; kt < sh_.nkt; ++kt) touched = key_tile(kt) || touched;
     if (touched) store_state();  // else the rows are unchanged (same bits)
   }
 
@@ -199,11 +224,10 @@ class ForwardWorker {
     }
     if (first < 0) return false;
     const int64_t j0 = kt * kTile, cols = std::min(p_.tk, j0 + kTile) - j0;
-    const int64_t pk = (b_ * p_.hkv + hk_) * sh_.nkt + kt;
     // Rows [r0, r0 + mrows): the computed tiles' rows; any beyond `rows` are zero padding.
     const int64_t r0 = first * kTile, r1 = std::min(rows_, (last + 1) * kTile);
     const int64_t mrows = round_up(r1 - r0, 4);
-    scores(pk, r0, mrows);
+    scores(kt, s_.data() + r0 * kTile, r0, mrows);
     for (int64_t u = first; u <= last; ++u) {
       const int64_t u0 = u * kTile, urows = std::min(rows_, u0 + kTile) - u0;
       if (kinds[u] == TileKind::partial || cols < kTile)
@@ -219,25 +243,95 @@ class ForwardWorker {
       softmax_row(sr, m_[r], lv_.data() + r * nl_, acc_.data() + r * sh_.ld, sh_.dp);
     }
     if (sh_.pairs_pv)
-      values_pairs(pk, r0, mrows);
+      values_pairs(pk(kt), r0, mrows);
     else
-      values_fp32(pk, r0, mrows, cols);
+      values_fp32(pk(kt), r0, mrows, cols);
     // The MPI transport's progress calls, if installed (tile_progress.h): one a tile.
     for (int64_t u = first; u <= last; ++u) tile_progress();
     return true;
   }
 
+  // Key tiles [kt0, kt1) as one online-softmax step (Note [Key steps]); false where no query tile
+  // of the task sees any of them.
+  bool key_step(int64_t kt0, int64_t kt1) {
+    int64_t n = 0, lo = kRows, hi = 0;  // the step's computed tiles; rows [lo, hi) see one
+    for (int64_t kt = kt0; kt < kt1; ++kt) {
+      Step& st = steps_[n];
+      st.kt = kt, st.first = -1, st.last = -1;
+      for (int64_t u = 0; u < nsub_; ++u) {
+        st.kinds[u] = classify(a_.mask, sh_.qr, q0_ + u, sh_.kr, kt);
+        if (st.kinds[u] == TileKind::skip) continue;
+        if (st.first < 0) st.first = u;
+        st.last = u;
+      }
+      if (st.first < 0) continue;
+      lo = std::min(lo, st.first * kTile),
+      hi = std::max(hi, std::min(rows_, (st.last + 1) * kTile));
+      ++n;
+    }
+    if (n == 0) return false;
+    // The step's rows [lo, lo + m16): 16-row tiles; rows from `rows` on are zero padding.
+    const int64_t m16 = round_up(hi - lo, 16), block = kRows * kTile;
+    for (int64_t g = 0; g < n; ++g) {
+      const Step& st = steps_[g];
+      const int64_t j0 = st.kt * kTile, cols = std::min(p_.tk, j0 + kTile) - j0;
+      const int64_t r0 = st.first * kTile, r1 = std::min(rows_, (st.last + 1) * kTile);
+      const int64_t mrows = round_up(r1 - r0, 4);
+      float* sb = s_.data() + g * block;
+      vtiles_[g] = kv_.vvnni + pk(st.kt) * kHalf * sh_.ldv;
+      // Q K^T unscaled: the softmax applies the scale (softmax_row<true>, same bits).
+      bf16::scores(mrows, sh_.np, qpairs_.data() + r0 * sh_.ldw, sh_.ldw,
+                   kv_.kpairs + pk(st.kt) * sh_.np * kTile, sb + r0 * kTile, 1.0f, true);
+      for (int64_t u = st.first; u <= st.last; ++u) {
+        const int64_t u0 = u * kTile, urows = std::min(rows_, u0 + kTile) - u0;
+        if (st.kinds[u] == TileKind::partial || cols < kTile)
+          mask_tile(sb + u0 * kTile, urows, cols, st.kinds[u] == TileKind::partial, a_.mask,
+                    a_.q_tokens, i0_ + u0, a_.k_tokens, j0);
+      }
+      // The step's rows this tile does not compute (a skipped query tile): nothing seen.
+      std::fill(sb + lo * kTile, sb + r0 * kTile, kNegInf);
+      std::fill(sb + std::min(r0 + mrows, lo + m16) * kTile, sb + (lo + m16) * kTile, kNegInf);
+    }
+    // P's pairs: tile g's parts side by side at g a_chunk (as the backward's chunks), 16 rows
+    // at a time right after their softmax, while their P is still in L1.
+    uint32_t* pp = ppairs_.data();
+    const int64_t a_chunk = sh_.nsplit * split_words_;
+    for (int64_t r16 = lo; r16 < lo + m16; r16 += 16) {
+      for (int64_t r = r16; r < r16 + 16; ++r) {
+        float* sr = s_.data() + r * kTile;
+        if (r >= rows_) {  // padding rows: P = 0 keeps their (unused) acc at 0
+          for (int64_t g = 0; g < n; ++g) std::fill_n(sr + g * block, kTile, 0.0f);
+          continue;
+        }
+        softmax_row<true>(sr, m_[r], lv_.data() + r * nl_, acc_.data() + r * sh_.ld, sh_.dp, n,
+                          block, p_.scale);
+      }
+      for (int64_t g = 0; g < n; ++g)
+        bf16::round_to_pairs(s_.data() + g * block + r16 * kTile, kTile, 16, kHalf,
+                             pp + g * a_chunk + (r16 - lo) * kHalf, kHalf, sh_.nsplit,
+                             split_words_);
+    }
+    bf16::gemm_amx_chunks(m16, sh_.n16, n, kHalf, pp, kHalf, a_chunk, vtiles_.data(), sh_.ldv,
+                          acc_.data() + lo * sh_.ld, sh_.ld, true, sh_.nsplit, split_words_);
+    for (int64_t g = 0; g < n; ++g)
+      for (int64_t u = steps_[g].first; u <= steps_[g].last; ++u) tile_progress();
+    return true;
+  }
+
   // S = scale (Q K^T) for rows [r0, r0 + mrows): exact bf16 products (simd_bf16.h), or fp32
   // FMAs of the pre-scaled Q.
-  void scores(int64_t pk, int64_t r0, int64_t mrows) {
+  // into s (rows kTile floats apart), key tile kt of the task's kv head.
+  void scores(int64_t kt, float* s, int64_t r0, int64_t mrows) {
     if (p_.bf16_scores)
       bf16::scores(mrows, sh_.np, qpairs_.data() + r0 * sh_.ldw, sh_.ldw,
-                   kv_.kpairs + pk * sh_.np * kTile, s_.data() + r0 * kTile, p_.scale, p_.amx);
+                   kv_.kpairs + pk(kt) * sh_.np * kTile, s, p_.scale, p_.amx);
     else
       gemm_rows(mrows, kTile, sh_.d, qt_.data() + r0 * sh_.ld, sh_.ld,
-                kv_.kpack + pk * sh_.d * kTile, kTile, s_.data() + r0 * kTile, kTile, false,
-                sh_.k_panel);
+                kv_.kpack + pk(kt) * sh_.d * kTile, kTile, s, kTile, false, sh_.k_panel);
   }
+
+  // Key tile kt of the task's kv head among the packed tiles.
+  int64_t pk(int64_t kt) const { return (b_ * p_.hkv + hk_) * sh_.nkt + kt; }
 
   // O += P V in fp32 FMAs; the fast bf16 tier rounds P for it (l summed the fp32 P).
   void values_fp32(int64_t pk, int64_t r0, int64_t mrows, int64_t cols) {
@@ -267,6 +361,13 @@ class ForwardWorker {
   std::vector<float> qt_, s_, acc_, m_, lv_;
   std::vector<uint32_t> qpairs_;  // Q as bf16 pairs, unscaled
   std::vector<uint32_t> ppairs_;  // P's parts as pairs
+  // A key step's computed tiles (Note [Key steps]): each one's classification per query tile.
+  struct Step {
+    int64_t kt = 0, first = -1, last = -1;
+    TileKind kinds[kSub];
+  };
+  std::vector<Step> steps_;
+  std::vector<const uint32_t*> vtiles_;  // their V pair-rows
   int64_t b_ = 0, h_ = 0, hk_ = 0, q0_ = 0, nsub_ = 0, i0_ = 0, rows_ = 0;
 };
 
@@ -274,9 +375,9 @@ class ForwardWorker {
 
 KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                         const TensorView& k, const TensorView& v, const Tokens& k_tokens,
-                        const Mask& mask, const ForwardStateView& state) {
+                        const Mask& mask, const ForwardStateView& state, int64_t step_tiles) {
   const ForwardArgs a{p, q, k, v, q_tokens, k_tokens, mask, state};
-  const ForwardShape sh = forward_shape(a);
+  const ForwardShape sh = forward_shape(a, step_tiles);
   const PackedKv kv = pack_kv(a, sh);
 #pragma omp parallel num_threads(p.threads)
   {
@@ -317,7 +418,16 @@ HWY_EXPORT(NativeFma);
 KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                          const TensorView& k, const TensorView& v, const Tokens& k_tokens,
                          const Mask& mask, const ForwardStateView& state) {
-  return HWY_DYNAMIC_DISPATCH(ForwardSimd)(p, q, q_tokens, k, v, k_tokens, mask, state);
+  return HWY_DYNAMIC_DISPATCH(ForwardSimd)(p, q, q_tokens, k, v, k_tokens, mask, state, 0);
+}
+
+KernelStats forward_simd_steps(const Problem& p, const TensorView& q, const Tokens& q_tokens,
+                               const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                               const Mask& mask, const ForwardStateView& state,
+                               int64_t step_tiles) {
+  CTXPAR_CHECK(step_tiles >= 1, "step_tiles: expected at least 1 key tile a step, got ", step_tiles,
+               " (give 1 for the one-tile-a-step path)");
+  return HWY_DYNAMIC_DISPATCH(ForwardSimd)(p, q, q_tokens, k, v, k_tokens, mask, state, step_tiles);
 }
 
 bool simd_fused_multiply_add() {

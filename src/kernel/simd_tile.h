@@ -296,19 +296,30 @@ inline void mask_tile(float* s, int64_t rows, int64_t cols, bool partial, const 
   }
 }
 
-// One row of the forward's online softmax over a 64-key score tile (simd_forward.cc, Note
-// [Scores in natural units, exponents in base 2]): `sr` (kTile scores) becomes P; the row's
-// running max `m`, its lane-wise sums `lv` (one vector) and its accumulator `acc` (dp floats)
-// are rescaled when the max grows. A row that has seen nothing yet gets P = 0, state unchanged.
+// One row of the forward's online softmax over `blocks` 64-key score tiles (simd_forward.cc,
+// Note [Scores in natural units, exponents in base 2]; more than one: Note [Key steps] there),
+// tile i's kTile scores at sr + i stride: they become P; the row's running max `m`, its
+// lane-wise sums `lv` (one vector) and its accumulator `acc` (dp floats) are rescaled when the
+// max grows. A row that has seen nothing yet gets P = 0, state unchanged. One tile takes the
+// same operations in the same order whatever `stride` is. kScaled: the scores are mul times
+// the values in `sr`, each product rounded once to fp32 as a separate pass storing them would
+// (mul > 0, so the max of the products is the product of the max: m and P keep their bits and
+// the pass over S is saved).
+template <bool kScaled = false>
 HWY_INLINE void softmax_row(float* HWY_RESTRICT sr, float& m, float* HWY_RESTRICT lv,
-                            float* HWY_RESTRICT acc, int64_t dp) {
+                            float* HWY_RESTRICT acc, int64_t dp, int64_t blocks = 1,
+                            int64_t stride = 0, float mul = 1.0f) {
   const DF df;
   const int64_t nl = lanes();
   VF vmax = hn::LoadU(df, sr);
-  for (int64_t c = nl; c < kTile; c += nl) vmax = hn::Max(vmax, hn::LoadU(df, sr + c));
-  const float m_new = std::max(m, hn::GetLane(hn::MaxOfLanes(df, vmax)));
+  for (int64_t i = 0; i < blocks; ++i)
+    for (int64_t c = i == 0 ? nl : 0; c < kTile; c += nl)
+      vmax = hn::Max(vmax, hn::LoadU(df, sr + i * stride + c));
+  float row_max = hn::GetLane(hn::MaxOfLanes(df, vmax));
+  if constexpr (kScaled) row_max *= mul;
+  const float m_new = std::max(m, row_max);
   if (m_new == kNegInf) {  // nothing visible to this row yet
-    std::fill(sr, sr + kTile, 0.0f);
+    for (int64_t i = 0; i < blocks; ++i) std::fill_n(sr + i * stride, kTile, 0.0f);
     return;
   }
   if (m_new > m) {  // the max grew: rescale (m = -inf gives alpha = 0, l = acc = 0)
@@ -318,13 +329,17 @@ HWY_INLINE void softmax_row(float* HWY_RESTRICT sr, float& m, float* HWY_RESTRIC
       hn::StoreU(hn::Mul(va, hn::LoadU(df, acc + c)), df, acc + c);
     m = m_new;
   }
-  const VF vm = hn::Set(df, m_new), vlog2e = hn::Set(df, kLog2e);
+  const VF vm = hn::Set(df, m_new), vlog2e = hn::Set(df, kLog2e), vmul = hn::Set(df, mul);
   VF vsum = hn::Zero(df);
-  for (int64_t c = 0; c < kTile; c += nl) {
-    const VF e = exp2_neg(df, hn::Mul(hn::Sub(hn::LoadU(df, sr + c), vm), vlog2e));
-    vsum = hn::Add(vsum, e);
-    hn::StoreU(e, df, sr + c);
-  }
+  for (int64_t i = 0; i < blocks; ++i)
+    for (int64_t c = 0; c < kTile; c += nl) {
+      float* e_at = sr + i * stride + c;
+      VF x = hn::LoadU(df, e_at);
+      if constexpr (kScaled) x = hn::Mul(x, vmul);
+      const VF e = exp2_neg(df, hn::Mul(hn::Sub(x, vm), vlog2e));
+      vsum = hn::Add(vsum, e);
+      hn::StoreU(e, df, e_at);
+    }
   hn::StoreU(hn::Add(vsum, hn::LoadU(df, lv)), df, lv);
 }
 

@@ -105,6 +105,65 @@ TEST_F(AmxForced, BothTiersThroughAmxWithinTheirRules) {
   check_tiers(pair_product_cases(), 2, kProducts);
 }
 
+// Note [Key steps] (simd_forward.cc): the AMX forward takes several key tiles an online-softmax
+// step. Steps of 1 (the one-tile path), 2, 3, 4 and 8 tiles, both tiers, against fp64 by each
+// tier's rule (the exact tier by the fp32 one), on the pair-product cases (steps holding key
+// tiles that a query tile of the task skips or sees partially: window, causal documents, ragged
+// ends) and a long sliding window whose tasks skip the early tiles of later steps.
+TEST_F(AmxForced, KeyStepsWithinTheTiersRules) {
+  if (kernel::use_scalar_path()) GTEST_SKIP() << "the scalar path has one tier (exact)";
+  std::vector<Case> cases = pair_product_cases();
+  Case c;
+  c.dtype = DType::bf16, c.tq = c.tk = 700, c.hq = 2, c.hkv = 1, c.d = 64, c.seed = 40;
+  c.mask.window_left = 150, c.mask.window_right = 20;
+  cases.push_back(c);
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.name());
+    const Inputs in = make_inputs(k);
+    const References refs = references_of(in, k.mask, false);
+    const double naive = max_err(refs.naive32.o, refs.ref64.o), ref_max = max_abs(refs.ref64.o);
+    for (const Bf16Tier tier : {Bf16Tier::exact, Bf16Tier::fast}) {
+      KernelConfig config;
+      config.bf16_products = kProducts, config.bf16_tier = tier, config.threads = 2;
+      kernel::Problem p = kernel::check_forward_args(in.q, in.q_tokens(), in.k, in.v, in.k_tokens(),
+                                                     k.mask, config);
+      p.bf16_scores = p.amx = true, p.round_p = tier == Bf16Tier::fast;
+      const double tol = tier == Bf16Tier::fast
+                             ? reference::accuracy_tolerance(naive, ref_max, kFastTierFloor)
+                             : reference::accuracy_tolerance(naive, ref_max);
+      for (const int64_t step : {1, 2, 3, 4, 8}) {
+        ForwardState state(in.q.dim(0), in.q.dim(1), in.q.dim(2), in.q.dim(3));
+        kernel::forward_simd_steps(p, in.q, in.q_tokens(), in.k, in.v, in.k_tokens(), k.mask,
+                                   state.view(), step);
+        Tensor o(DType::f32, in.q.shape()),
+            lse(DType::f32, {in.q.dim(0), in.q.dim(2), in.q.dim(1)});
+        attention_forward_finalize(state, o, lse, config);
+        EXPECT_LE(max_err(o, refs.ref64.o), tol)
+            << (tier == Bf16Tier::fast ? "fast" : "exact") << " tier, " << step << " tiles a step";
+        EXPECT_LE(max_err(lse, refs.ref64.lse),
+                  reference::accuracy_tolerance(max_err(refs.naive32.lse, refs.ref64.lse),
+                                                max_abs(refs.ref64.lse)))
+            << step << " tiles a step";
+      }
+    }
+  }
+  // A step of no tiles is refused before anything is written (the state stays "nothing seen").
+  const Inputs in = make_inputs(cases.front());
+  kernel::Problem p = kernel::check_forward_args(in.q, in.q_tokens(), in.k, in.v, in.k_tokens(),
+                                                 cases.front().mask, KernelConfig{});
+  ForwardState state(in.q.dim(0), in.q.dim(1), in.q.dim(2), in.q.dim(3));
+  try {
+    kernel::forward_simd_steps(p, in.q, in.q_tokens(), in.k, in.v, in.k_tokens(),
+                               cases.front().mask, state.view(), 0);
+    ADD_FAILURE() << "a step of 0 tiles was not refused";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("step_tiles: expected at least 1"), std::string::npos)
+        << e.what();
+  }
+  const float* m = state.m().ptr<float>();
+  for (int64_t i = 0; i < state.m().numel(); ++i) ASSERT_EQ(m[i], kernel::kNegInf) << i;
+}
+
 // The fast tier's P V, dV, dK and dQ through vdpbf16ps (Note [The fast tier through vdpbf16ps]
 // in simd_bf16.cc), the exact tier's fp32 ones beside it, vdpbf16ps forced, 2 threads. Skips,
 // saying why, on a CPU without AVX512_BF16.
