@@ -32,8 +32,8 @@ struct KvCache::Page {
 
 // One sequence: its block table, and this rank's tokens.
 struct KvCache::Shard {
-  bool live = true;      // false once freed (KvCache::free): the slot waits for add()
-  int64_t length = 0;    // tokens of the whole sequence, all ranks
+  bool live = true;    // false once freed (KvCache::free): the slot waits for add()
+  int64_t length = 0;  // tokens of the whole sequence, all ranks
   // Page id of global block b (every rank's blocks: the same table on every rank); at least
   // the blocks of `length`, more after reserve(). Its hash kept (slot_table_hash, every call).
   std::vector<int64_t> pages;
@@ -141,7 +141,6 @@ struct InferenceAccess {
 
 // Tokens among the first n of a sequence that `rank` of `ranks` holds (block round-robin).
 int64_t placement_held_by(int64_t n, int rank, int ranks, int64_t block);
-
 
 // A partial attention result as it travels, to be merged with the other ranks':
 // [O fp32 [B, rows, H, D] | LSE fp32 [B, H, rows]], from byte `at` of a buffer. Pass-Q's

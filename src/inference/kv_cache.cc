@@ -242,7 +242,8 @@ int64_t KvCache::fork(int64_t seq, int64_t n) {
   InferenceAccess::table_changed(s);
   const size_t m = size_t(held_by(n, comm_.rank()));
   s.positions.assign(from.positions.begin(), from.positions.begin() + m);
-  if (options_.mask.documents) s.documents.assign(from.documents.begin(), from.documents.begin() + m);
+  if (options_.mask.documents)
+    s.documents.assign(from.documents.begin(), from.documents.begin() + m);
   s.length = n;
   return to;
 }
@@ -298,7 +299,8 @@ std::pair<TensorView, TensorView> InferenceAccess::local_rows(const KvCache& c, 
   for (int64_t t = a; t < e;) {
     const int64_t r0 = t % block, r1 = std::min(block, r0 + (e - t)), at = t - a;
     const DeviceBuffer& kv = page(t / block);
-    dev.copy(kComputeStream, page_rows(o, kv, false).slice(1, r0, r1), k.slice(1, at, at + r1 - r0));
+    dev.copy(kComputeStream, page_rows(o, kv, false).slice(1, r0, r1),
+             k.slice(1, at, at + r1 - r0));
     dev.copy(kComputeStream, page_rows(o, kv, true).slice(1, r0, r1), v.slice(1, at, at + r1 - r0));
     t += r1 - r0;
   }
@@ -513,7 +515,8 @@ std::vector<int64_t> InferenceAccess::added_pages(const KvCache& c,
                                                   const std::vector<int64_t>& lengths) {
   const int64_t block = c.options_.block, p = c.comm_.size();
   std::vector<int64_t> added(size_t(p), 0);
-  std::unordered_map<int64_t, int64_t> refs;  // the refcounts grow would leave, where it changes one
+  std::unordered_map<int64_t, int64_t>
+      refs;  // the refcounts grow would leave, where it changes one
   for (size_t seq = 0; seq < lengths.size() && seq < c.shards_.size(); ++seq) {
     const KvCache::Shard& s = *c.shards_[seq];
     if (!s.live || lengths[seq] <= s.length) continue;
@@ -567,7 +570,8 @@ void InferenceAccess::grow(KvCache& c, const std::vector<int64_t>& lengths) {
       const int64_t id = new_page(c, b);  // copy-on-write: this sequence writes into block b
       const KvCache::Page &from = c.pages_[size_t(shared)], &to = c.pages_[size_t(id)];
       if (!to.kv.empty())
-        c.device_->copy(kComputeStream, from.kv.view(o.dtype, {1, 2 * block, o.kv_heads, o.head_dim}),
+        c.device_->copy(kComputeStream,
+                        from.kv.view(o.dtype, {1, 2 * block, o.kv_heads, o.head_dim}),
                         to.kv.view(o.dtype, {1, 2 * block, o.kv_heads, o.head_dim}));
       --c.pages_[size_t(shared)].refs;
       s.pages[size_t(b)] = id;

@@ -101,7 +101,8 @@ TEST(DecodeInPlace, PagesOfAnySizeGiveTheOnePageBits) {
   paged.block = 37;
   const auto base = run_on_threads(one, 1), got = run_on_threads(paged, 1);
   for (int64_t b = 0; b < one.sequences(); ++b)
-    EXPECT_TRUE(same_decode_bits(base[0], got[0], b, one.prefill[b])) << "tile path, sequence " << b;
+    EXPECT_TRUE(same_decode_bits(base[0], got[0], b, one.prefill[b]))
+        << "tile path, sequence " << b;
 }
 
 TEST(DecodeInPlace, BitsDoNotDependOnTheThreadCount) {

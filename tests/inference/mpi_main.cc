@@ -54,9 +54,8 @@ int main() {
           s.decode_steps = 3;
           if (split) s.bf16_products = world.rank() % 2 ? kernel::bf16_products_of_level(top) : low;
           s.build();
-          const RankResult mine =
-              compare(s, std::string(prefill_mode_name(mode)) + " " + mask + " merge " +
-                             decode_merge_name(merge));
+          const RankResult mine = compare(s, std::string(prefill_mode_name(mode)) + " " + mask +
+                                                 " merge " + decode_merge_name(merge));
           if (split && mine.bf16_products != low) {
             std::fprintf(stderr,
                          "rank %d: ranks that disagreed on bf16 products agreed on %s, not "

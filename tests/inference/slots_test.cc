@@ -566,8 +566,10 @@ TEST(KvCachePages, AWriteIntoASharedPageCopiesItFirst) {
       const Tokens mine = cache.local_token_ids(c);
       Rows held;
       for (int64_t t : mine.positions) held.push_back(s.truth[c][size_t(t)]);
-      EXPECT_TRUE(same_bits(cache.k(c), held.empty() ? TensorView() : rows_of(pool.k, held).view()));
-      EXPECT_TRUE(same_bits(cache.v(c), held.empty() ? TensorView() : rows_of(pool.v, held).view()));
+      EXPECT_TRUE(
+          same_bits(cache.k(c), held.empty() ? TensorView() : rows_of(pool.k, held).view()));
+      EXPECT_TRUE(
+          same_bits(cache.v(c), held.empty() ? TensorView() : rows_of(pool.v, held).view()));
       const Tensor kc = Tensor::copy_of(cache.k(c));
       cache.free(0);
       EXPECT_TRUE(same_bits(cache.k(c), kc.view()));
@@ -590,7 +592,11 @@ TEST(KvCachePages, LimitsCountASharedPageOnce) {
     for (int i = 0; i < 8; ++i) EXPECT_EQ(c.fork(0), i + 1);
   };
   const auto errors = refused_everywhere(
-      2, prompt_and_forks, [](Communicator&, KvCache& c) { decode_of(c, {0, 1, 2}); }, o);
+      2, prompt_and_forks,
+      [](Communicator&, KvCache& c) {
+        decode_of(c, {0, 1, 2});
+      },
+      o);
   expect_all_contain(errors, "KV cache: rank 0 would hold " + std::to_string(5 * page) + " bytes");
   expect_all_contain(errors, "over KvCacheOptions::max_bytes_per_rank");
   run_threads(2, [&](Communicator& comm) {  // one copy fits: 3 pages on rank 0
@@ -604,17 +610,18 @@ TEST(KvCachePages, LimitsCountASharedPageOnce) {
 // A fork on rank 0 and a copy of the same rows on rank 1: the same lengths, other block tables
 // (the copy's own pages). The next decode is refused on every rank, naming them.
 TEST(KvCachePages, RanksWhoseBlockTablesDifferAreRefused) {
-  expect_all_contain(refused_everywhere(
-                         2,
-                         [](Communicator& comm, KvCache& c) {
-                           three_sequences(comm, c);
-                           if (comm.rank() == 0) {
-                             EXPECT_EQ(c.fork(0), 3);
-                           } else {
-                             EXPECT_EQ(c.add(), 3);
-                             c.append(3, normal({1, 30, kHkv, kD}, 1), normal({1, 30, kHkv, kD}, 2));
-                           }
-                         },
-                         [](Communicator&, KvCache& c) { decode_of(c, {0}); }),
-                     "block tables");
+  expect_all_contain(
+      refused_everywhere(
+          2,
+          [](Communicator& comm, KvCache& c) {
+            three_sequences(comm, c);
+            if (comm.rank() == 0) {
+              EXPECT_EQ(c.fork(0), 3);
+            } else {
+              EXPECT_EQ(c.add(), 3);
+              c.append(3, normal({1, 30, kHkv, kD}, 1), normal({1, 30, kHkv, kD}, 2));
+            }
+          },
+          [](Communicator&, KvCache& c) { decode_of(c, {0}); }),
+      "block tables");
 }
