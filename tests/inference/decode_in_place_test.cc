@@ -287,5 +287,14 @@ TEST(DecodeInPlace, KernelRefusesAKeysDocumentApartBeforeAnyWork) {
     EXPECT_EQ(kernel::decode_in_place(p), runs);
     EXPECT_EQ(lse.ptr<float>()[0] == 7.0f, !runs) << (runs ? "one run" : "two runs");
     EXPECT_EQ(out.ptr<float>()[0] == 7.0f, !runs) << (runs ? "one run" : "two runs");
+    if (!runs) continue;
+    p.k_documents = {};  // no id per key: refused, naming the counts
+    try {
+      (void)kernel::decode_in_place(p);
+      ADD_FAILURE() << "a documents mask without the keys' ids was taken";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("per key (10); got 1 and 0"), std::string::npos)
+          << e.what();
+    }
   }
 }
