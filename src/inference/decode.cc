@@ -14,6 +14,7 @@
 // the earlier tokens were cut into prefill and decode calls either.
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 #include "ctxpar/error.h"
 #include "inference/internal.h"
@@ -155,17 +156,17 @@ struct Partials {
   TensorView lse(int r) const { return layout.lse(parts, r * part_bytes); }
 };
 
-// This rank's partial: each sequence's packed queries over its shard, into parts.o(me) and
-// parts.lse(me).
-void attend_shards(KvCache& cache, std::span<const int64_t> seqs, const PackedQueries& pq,
-                   const Partials& parts, int me) {
+// This rank's partial of the sequences seqs[i], i in `which` (the others' are left alone): each
+// one's packed queries over its shard, into parts.o(me) and parts.lse(me).
+void attend_shards(KvCache& cache, std::span<const int64_t> seqs, std::span<const int64_t> which,
+                   const PackedQueries& pq, const Partials& parts, int me) {
   Device& dev = cache.device();
   const KvCacheOptions& o = cache.options();
   const HeadRows& hr = parts.hr;
   std::vector<DeviceForwardState> states;
-  states.reserve(size_t(hr.b));
+  states.reserve(which.size());
   DeviceBuffer scratch;  // one chunk of K/V rows gathered from the pages
-  for (int64_t i = 0; i < hr.b; ++i) {
+  for (const int64_t i : which) {
     const int64_t s = seqs[i];
     states.emplace_back(dev, 1, hr.rows(), hr.hkv, hr.d);
     const Tokens qt = pq.tokens(i, hr.rows());
@@ -196,40 +197,59 @@ void attend_shards(KvCache& cache, std::span<const int64_t> seqs, const PackedQu
 }
 
 // The same partials through the in-place kernel (kernel/decode.h): q read as it is, each
-// shard where it lies. Whether a call takes it: in_place().
-void attend_in_place(KvCache& cache, std::span<const int64_t> seqs, const TensorView& q,
-                     const std::vector<int64_t>& positions, const Partials& parts, int me) {
+// shard where it lies. Whether a call takes it: in_place(). Returns the indices i of the
+// sequences the kernel refused (with documents, a query whose document's keys are not one run
+// of the shard): the caller computes their partials on the tile path.
+//
+// Note [Each rank picks its documents' path]: that choice is this rank's, per sequence, from its
+// own shard, and needs no agreement. Every rank merges the same P partials (merge_partials), so
+// out and lse are the same bits on every rank whichever kernel made each partial; and the choice
+// is a function of the sequence's token ids on this rank and of the call's queries, which the
+// placement fixes by token index, so a run's bits are reproducible, do not depend on the other
+// sequences of the call nor on how the tokens were prefilled. (The option decode_in_place is
+// agreed: it is not data, and ranks that differ in it would give bits no single setting gives.)
+std::vector<int64_t> attend_in_place(KvCache& cache, std::span<const int64_t> seqs,
+                                     const TensorView& q, const std::vector<int64_t>& positions,
+                                     std::span<const int32_t> documents, const Partials& parts,
+                                     int me) {
   Device& dev = cache.device();
   dev.synchronize();  // the host reads the shards: the new rows' copies are done (sim queues them)
   const KvCacheOptions& o = cache.options();
   const int64_t tn = parts.hr.tn;
   const double t0 = strategy::now_seconds();
+  std::vector<int64_t> refused;
   for (int64_t i = 0; i < parts.hr.b; ++i) {
     const int64_t s = seqs[i];
     const PageViews pages = InferenceAccess::local_pages(cache, s);  // read where they lie
+    const Tokens kt = cache.local_token_ids(s);
     kernel::DecodeShard p;
     p.q = q.slice(0, i, i + 1);
     p.q_positions = std::span<const int64_t>(positions).subspan(size_t(i * tn), size_t(tn));
+    if (o.mask.documents) {
+      p.q_documents = documents.subspan(size_t(i * tn), size_t(tn));
+      p.k_documents = kt.documents;
+    }
     p.k_pages = pages.k;
     p.v_pages = pages.v;
     p.page_rows = o.block;
-    p.k_positions = cache.local_token_ids(s).positions;
+    p.k_positions = kt.positions;
     p.mask = o.mask;
     p.scale = o.kernel.scale;
     p.threads = o.kernel.threads;
     p.round_p = o.dtype == DType::bf16 && o.kernel.bf16_tier == Bf16Tier::fast;
     p.out = parts.o(me).slice(0, i, i + 1);
     p.lse = parts.lse(me).slice(0, i, i + 1);
-    kernel::decode_in_place(p);
+    if (!kernel::decode_in_place(p)) refused.push_back(i);
   }
   InferenceAccess::stats(cache).attention_seconds += strategy::now_seconds() - t0;
+  return refused;
 }
 
-// Whether decode reads the shards in place: asked for, a mask of positions only (documents
-// take the tile kernel's per-key test), and a device whose memory the host reads.
+// Whether decode reads the shards in place: asked for, a mask of one key range per query (with
+// documents, per sequence where their keys are runs: attend_in_place), and a device whose
+// memory the host reads.
 bool in_place(const KvCacheOptions& o) {
-  return o.decode_in_place && !o.mask.documents && !o.mask.sliced &&
-         o.device.kind != DeviceKind::cuda;
+  return o.decode_in_place && !o.mask.sliced && o.device.kind != DeviceKind::cuda;
 }
 
 // Tags of decode's point-to-point merges (DecodeMerge::chain / tree) on the cache's
@@ -415,11 +435,12 @@ void decode(KvCache& cache, std::span<const int64_t> seqs, const TensorView& q,
 
   const HeadRows hr{b, tn, o.kv_heads, hq / o.kv_heads, o.head_dim};
   Partials parts(dev, hr, comm.size());
-  if (in_place(o)) {
-    attend_in_place(cache, seqs, q, positions, parts, comm.rank());
-  } else {
+  std::vector<int64_t> tiles(static_cast<size_t>(b));  // the sequences the tile path computes
+  std::iota(tiles.begin(), tiles.end(), int64_t(0));
+  if (in_place(o)) tiles = attend_in_place(cache, seqs, q, positions, documents, parts, comm.rank());
+  if (!tiles.empty()) {
     const PackedQueries pq = pack_queries(dev, hr, q, positions, documents, o.mask.documents);
-    attend_shards(cache, seqs, pq, parts, comm.rank());
+    attend_shards(cache, seqs, tiles, pq, parts, comm.rank());
   }
   const double t_merge = strategy::now_seconds();
   if (comm.size() > 1) merge_partials(comm, parts, o.merge);

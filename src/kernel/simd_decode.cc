@@ -353,14 +353,46 @@ void run_task(const DecodeShard& p, const DecodeTask& task, int64_t g, int64_t d
   }
 }
 
+// The rows of [a, e) whose document is dq, as one run [a, e); false where they are not one run
+// (the id is used again apart from it). Scanned from the end: the query's document is usually
+// the last one appended, so the first loop stops at once and the run ends at e.
+bool document_run(std::span<const int32_t> docs, int32_t dq, int64_t& a, int64_t& e) {
+  const int32_t* d = docs.data();
+  int64_t hi = e;
+  while (hi > a && d[hi - 1] != dq) --hi;
+  int64_t lo = hi;
+  while (lo > a && d[lo - 1] == dq) --lo;
+  bool apart = false;  // no early exit: the compiler vectorises the test
+  for (int64_t j = a; j < lo; ++j) apart |= d[j] == dq;
+  if (apart) return false;
+  a = lo, e = hi;  // lo == hi: no key of the document (O = 0, LSE = -inf)
+  return true;
+}
+
 }  // namespace
 
-void DecodeInPlace(const DecodeShard& p) {
+bool DecodeInPlace(const DecodeShard& p) {
   // Hkv from out: a rank holding none of the sequence may be handed an empty shard view.
   const int64_t tn = p.q.dim(1), hq = p.q.dim(2), d = p.q.dim(3), hkv = p.out.dim(2);
   const int64_t g = hq / hkv;
-  CTXPAR_CHECK(!p.mask.documents && !p.mask.sliced, "decode_in_place: the mask must hide keys ",
-               "by position only (documents and slices take the tile kernel)");
+  const auto kp = p.k_positions;
+  CTXPAR_CHECK(!p.mask.sliced, "decode_in_place: the mask must hide keys by position through ",
+               "one range per query (slices take the tile kernel)");
+  CTXPAR_CHECK(!p.mask.documents || (int64_t(p.q_documents.size()) == tn &&
+                                     p.k_documents.size() == kp.size()),
+               "decode_in_place: a documents mask needs a document id per query (", tn,
+               ") and per key (", kp.size(), "); got ", p.q_documents.size(), " and ",
+               p.k_documents.size());
+  // Each token's visible keys: a run [a, e) of the shard's rows (positions increase; with
+  // documents, the rows of its document within it), decided for every token before any work.
+  std::vector<int64_t> runs(size_t(2 * tn));
+  for (int64_t t = 0; t < tn; ++t) {
+    const Mask::KeyRange kr = p.mask.key_range(p.q_positions[t]);
+    int64_t a = std::lower_bound(kp.begin(), kp.end(), kr.lo) - kp.begin();
+    int64_t e = std::upper_bound(kp.begin(), kp.end(), kr.hi) - kp.begin();
+    if (p.mask.documents && !document_run(p.k_documents, p.q_documents[t], a, e)) return false;
+    runs[2 * t] = a, runs[2 * t + 1] = e;
+  }
   const float scale =
       p.scale > 0 ? p.scale : 1.0f / std::sqrt(static_cast<float>(d));  // checks.cc's
   // The queries, fp32, [Tn, Hq, D] (head h g + r of token t: KV head h's row r).
@@ -368,19 +400,15 @@ void DecodeInPlace(const DecodeShard& p) {
   for (int64_t t = 0; t < tn; ++t)
     for (int64_t h = 0; h < hq; ++h)
       load_row(p.q, p.q.offset(0, t, h), d, qf.data() + (t * hq + h) * d);
-  // Each token's visible keys: a run [a, e) of the shard's rows (positions increase), cut
-  // into splits (Note [Decode splits the context in fixed blocks]).
+  // Each run cut into splits (Note [Decode splits the context in fixed blocks]).
   struct Split {
     int64_t t, j0, j1;
   };
   std::vector<Split> splits;
   std::vector<int64_t> first_split(size_t(tn + 1));
-  const auto kp = p.k_positions;
   for (int64_t t = 0; t < tn; ++t) {
     first_split[t] = int64_t(splits.size());
-    const Mask::KeyRange kr = p.mask.key_range(p.q_positions[t]);
-    const int64_t a = std::lower_bound(kp.begin(), kp.end(), kr.lo) - kp.begin();
-    const int64_t e = std::upper_bound(kp.begin(), kp.end(), kr.hi) - kp.begin();
+    const int64_t a = runs[2 * t], e = runs[2 * t + 1];
     for (int64_t j0 = a / kDecodeSplit * kDecodeSplit; j0 < e; j0 += kDecodeSplit)
       splits.push_back({t, std::max(a, j0), std::min(e, j0 + kDecodeSplit)});
   }
@@ -452,6 +480,7 @@ void DecodeInPlace(const DecodeShard& p) {
                       ? M + std::log(L)
                       : std::numeric_limits<float>::infinity();
       }
+  return true;
 }
 
 }  // namespace ctxpar::kernel::HWY_NAMESPACE
@@ -462,9 +491,9 @@ namespace ctxpar::kernel {
 
 HWY_EXPORT(DecodeInPlace);
 
-void decode_in_place(const DecodeShard& p) {
+bool decode_in_place(const DecodeShard& p) {
   select_simd_target();
-  HWY_DYNAMIC_DISPATCH(DecodeInPlace)(p);
+  return HWY_DYNAMIC_DISPATCH(DecodeInPlace)(p);
 }
 
 }  // namespace ctxpar::kernel

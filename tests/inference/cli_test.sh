@@ -48,6 +48,16 @@ expect 2 '--dtype: a cache is fp32 or bf16, got .i32.' -- "$ctxpar" bench decode
 expect 2 '--heads 8 must be a multiple of --kv-heads 3' -- "$ctxpar" bench decode --kv-heads 3
 expect 2 'or lower --context' -- "$ctxpar" bench decode --context 100M
 expect 2 '--context: each must be 1\.\.' -- "$ctxpar" bench decode --context 0
+# --mask: a documents cache (the decoded token continues the last document: it sees 125 keys,
+# 900..1024, of 2 KiB each); a documents mask without lengths, or lengths past the context,
+# exits 2 naming --mask.
+expect 0 '"mask":"causal\+documents".*"cache_bytes_per_token":256000\.0,' -- \
+  "$ctxpar" bench decode --context 1K --mask causal+documents:900,24 --dtype fp32 --repeats 1 \
+  --stream-mib 1 --json
+expect 2 '--mask: documents need their lengths, summing to at most the smallest --context \(0 given\)' -- \
+  "$ctxpar" bench decode --mask causal+documents
+expect 2 '--mask: documents need their lengths, .*\(2000 given\)' -- \
+  "$ctxpar" bench decode --context 1K --mask causal+documents:1000,1000
 # --plan runs nothing and predicts (the 8 KiB per token and the exact prefill bytes are the
 # planner's arithmetic, which tests/inference/plan_test.cc checks against the counters).
 expect 0 '"decode_bytes_per_token": 8256, .*"pass_kv_bytes": 135266304, "pass_q_bytes": 33718272, "pass_kv_seconds": [0-9.e+-]*, "pass_q_seconds": [0-9.e+-]*, "auto": "pass-q", "crossover_bytes": 28577' -- \

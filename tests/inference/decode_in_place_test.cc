@@ -179,3 +179,123 @@ TEST(DecodeInPlace, EveryGroupSizeAndHeadDim) {
           << "Hq " << sh.hq << " Hkv " << sh.hkv << " D " << sh.d << " " << dtype_name(dtype);
     }
 }
+
+namespace {
+
+// Sequence b's document ids: id `ids[i]` on positions [starts[i], starts[i + 1]) (the last to
+// the end), in place of build()'s.
+void set_documents(Scenario& s, int64_t b, std::vector<int64_t> starts, std::vector<int32_t> ids) {
+  starts.push_back(s.length(b));
+  for (size_t i = 0; i + 1 < starts.size(); ++i)
+    for (int64_t t = starts[i]; t < std::min(starts[i + 1], s.length(b)); ++t)
+      s.documents[size_t(b)][size_t(t)] = ids[i];
+}
+
+// Documents appended one after another, then one whose id is used again apart (a second run
+// of document 5): three sequences decoded in one call, block 64.
+//   0: [0, 100) 0, [100, 130) 1 (over the page end at 128), [130, 604) 2: its decoded tokens'
+//      document starts inside a split and spans the split at 512 and pages;
+//   1: 3 tokens prefilled, decode tokens start documents 1 and 2 (a query whose document is
+//      its own first key);
+//   2: [0, 80) 5, [80, 160) 6, [160, 204) 5 -- document 5's keys are two runs: the tile path
+//      (but for a window of 100, which leaves one).
+Scenario documents_scenario(const char* mask, DType dtype) {
+  Scenario s;
+  s.hq = 8, s.hkv = 2, s.d = 32, s.block = 64;
+  s.mask = parse_mask(mask);
+  s.dtype = dtype;
+  s.prefill = {kernel::kDecodeSplit + 88, 3, 200};
+  s.decode_steps = 2;
+  s.decode_tokens = 2;
+  s.build();
+  set_documents(s, 0, {0, 100, 130}, {0, 1, 2});
+  set_documents(s, 1, {0, 3, 5}, {0, 1, 2});
+  set_documents(s, 2, {0, 80, 160}, {5, 6, 5});
+  return s;
+}
+
+}  // namespace
+
+TEST(DecodeInPlace, DocumentsMatchTheReference) {
+  // window:100,0+documents: the run by position is cut again by the document (fp32, P = 1
+  // and 3 only: the test's time).
+  for (const char* mask : {"causal+documents", "causal+window:100,0+documents"})
+    for (DType dtype : {DType::f32, DType::bf16})
+      for (int p : {1, 2, 3}) {
+        if (std::string(mask).find("window") != std::string::npos &&
+            (dtype == DType::bf16 || p == 2))
+          continue;
+        const Scenario s = documents_scenario(mask, dtype);
+        const auto rs = run_on_threads(s, p);
+        for (int64_t b = 0; b < s.sequences(); ++b) {
+          const std::string what = std::string(mask) + " " + dtype_name(dtype) +
+                                   " P=" + std::to_string(p) + " sequence " + std::to_string(b);
+          EXPECT_EQ(check_accuracy(s, b, combine(rs, s, b), s.prefill[b]), "") << what;
+          for (int r = 1; r < p; ++r)  // Note [Each rank picks its documents' path]
+            EXPECT_TRUE(same_decode_bits(rs[0], rs[r], b, s.prefill[b])) << what;
+        }
+      }
+}
+
+TEST(DecodeInPlace, DocumentsSeenAsRunsTakeTheKernelOthersTheTilePath) {
+  // On one rank, sequence 2 (document 5's keys in two runs) gets the tile path's bits, and
+  // sequences 0 and 1 the kernel's, whatever the thread count: the choice is per sequence.
+  Scenario s = documents_scenario("causal+documents", DType::f32);
+  Scenario tiles = s;
+  tiles.decode_in_place = false;
+  const auto ref = run_on_threads(tiles, 1);
+  EXPECT_TRUE(same_decode_bits(ref[0], run_on_threads(s, 1)[0], 2, s.prefill[2]));
+  s.threads = 3;
+  const auto got = run_on_threads(s, 1);
+  EXPECT_TRUE(same_decode_bits(ref[0], got[0], 2, s.prefill[2]));
+  // Sequence 0 alone in a call (its own kernel bits whatever else the call holds).
+  Scenario alone = s;
+  alone.prefill = {s.prefill[0]};
+  alone.build();
+  alone.documents[0] = s.documents[0];
+  EXPECT_TRUE(same_decode_bits(got[0], run_on_threads(alone, 1)[0], 0, s.prefill[0]));
+  // One document over the whole of sequence 0: the causal mask's kernel bits (its run is the
+  // whole shard), not the tile path's.
+  Scenario causal = alone;
+  causal.mask = parse_mask("causal");
+  std::fill(alone.documents[0].begin(), alone.documents[0].end(), 3);
+  EXPECT_TRUE(same_decode_bits(run_on_threads(causal, 1)[0], run_on_threads(alone, 1)[0], 0,
+                               s.prefill[0]));
+}
+
+TEST(DecodeInPlace, KernelRefusesAKeysDocumentApartBeforeAnyWork) {
+  // The kernel itself: one query at position 9 over keys 0..9 of documents
+  // {0 x4, 1 x3, 0 x3} -- document 0 is two runs: false, out and lse untouched; {0 x4, 1 x6}:
+  // true, the query's row gets an answer.
+  const int64_t n = 10, d = 16;
+  Tensor q(DType::f32, {1, 1, 2, d}), k(DType::f32, {1, n, 1, d}), v(DType::f32, {1, n, 1, d});
+  fill_normal(q, 1), fill_normal(k, 2), fill_normal(v, 3);
+  std::vector<int64_t> kpos(n), qpos = {n - 1};
+  for (int64_t j = 0; j < n; ++j) kpos[size_t(j)] = j;
+  const TensorView kp[] = {k.view()}, vp[] = {v.view()};
+  for (const bool runs : {false, true}) {
+    std::vector<int32_t> kdoc = {0, 0, 0, 0, 1, 1, 1, 0, 0, 0}, qdoc = {0};
+    if (runs) std::fill(kdoc.begin() + 4, kdoc.end(), 1), qdoc = {1};
+    Tensor out(DType::f32, {1, 2, 1, d}), lse(DType::f32, {1, 1, 2});
+    std::fill(out.ptr<float>(), out.ptr<float>() + 2 * d, 7.0f);
+    std::fill(lse.ptr<float>(), lse.ptr<float>() + 2, 7.0f);
+    kernel::DecodeShard p;
+    p.q = q.view(), p.q_positions = qpos, p.q_documents = qdoc;
+    p.k_pages = kp, p.v_pages = vp, p.page_rows = n;
+    p.k_positions = kpos, p.k_documents = kdoc;
+    p.mask = parse_mask("causal+documents");
+    p.out = out.view(), p.lse = lse.view();
+    EXPECT_EQ(kernel::decode_in_place(p), runs);
+    EXPECT_EQ(lse.ptr<float>()[0] == 7.0f, !runs) << (runs ? "one run" : "two runs");
+    EXPECT_EQ(out.ptr<float>()[0] == 7.0f, !runs) << (runs ? "one run" : "two runs");
+    if (!runs) continue;
+    p.k_documents = {};  // no id per key: refused, naming the counts
+    try {
+      (void)kernel::decode_in_place(p);
+      ADD_FAILURE() << "a documents mask without the keys' ids was taken";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("per key (10); got 1 and 0"), std::string::npos)
+          << e.what();
+    }
+  }
+}

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -29,6 +30,8 @@ struct DecodeBench {
   int threads = 1, repeats = 5;
   size_t stream_bytes = 0;
   bool reference = true;
+  Mask mask = Mask::causal_mask();
+  std::vector<int64_t> documents;  // with documents: their lengths (the last one continues)
 };
 
 Options bench_decode_options() {
@@ -46,9 +49,14 @@ Options bench_decode_options() {
       .add("threads", "1", "OpenMP threads (not given: OMP_NUM_THREADS when set)")
       .add("repeats", "5", "decoded tokens timed per kernel (alternating); the median counts")
       .add("stream-mib", "0", "MiB the bandwidth sum reads (0: 4x the last-level cache, >= 256)")
+      .add("mask", "causal",
+           "the cache's: causal | causal+window:L,0 | causal+documents:LEN,LEN,... (packed "
+           "documents of these lengths from the first token; the last one continues to the "
+           "context's end and takes the decoded tokens)")
       .flag("no-reference", "time the in-place kernel only")
       .flag("json", "print one JSON object instead of text");
   o.example("ctxpar bench decode --context 32K,128K,1M --dtype fp32,bf16 --threads 2 --json");
+  o.example("ctxpar bench decode --context 32K --mask causal+documents:4096,4096,4096,4096,4096,4096,4096,4096");
   return o;
 }
 
@@ -77,6 +85,17 @@ DecodeBench decode_bench_from_options(const Options& o) {
   const int64_t mib = o.i64("stream-mib", 0, int64_t{1} << 30);
   b.stream_bytes = mib > 0 ? size_t(mib) << 20 : kernel::read_bandwidth_bytes();
   b.reference = !o.on("no-reference");
+  b.mask = parse_mask(o.str("mask"));
+  check_cache_mask(b.mask, "--mask");  // the library's rule, KvCache's
+  if (b.mask.documents) {
+    b.documents = parse_document_lengths(o.str("mask"));
+    int64_t sum = 0;
+    for (int64_t n : b.documents) sum += n;
+    if (b.documents.empty() || sum > *std::min_element(b.contexts.begin(), b.contexts.end()))
+      throw UsageError(detail::concat(
+          "--mask: documents need their lengths, summing to at most the smallest --context (",
+          sum, " given), e.g. causal+documents:4096,4096"));
+  }
   // The largest moment: the caches of the largest context (two with the reference), or the
   // bandwidth array, whichever is larger (they are never held together).
   const int64_t most = *std::max_element(b.contexts.begin(), b.contexts.end());
@@ -100,6 +119,18 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
+// The context's document ids (--mask with documents): document i over its length, the last
+// to the end. Empty without documents.
+std::vector<int32_t> document_ids(const DecodeBench& b, int64_t context) {
+  std::vector<int32_t> ids;
+  if (!b.mask.documents) return ids;
+  ids.assign(size_t(context), int32_t(b.documents.size() - 1));
+  int64_t at = 0;
+  for (size_t i = 0; i < b.documents.size(); ++i)
+    for (int64_t t = 0; t < b.documents[i]; ++t) ids[size_t(at++)] = int32_t(i);
+  return ids;
+}
+
 // One sequence of `context` tokens. The rows' values do not change the time: one random chunk
 // is appended over and over (drawing a million rows of normals took longer than the run).
 std::unique_ptr<KvCache> filled_cache(Communicator& comm, const DecodeBench& b, DType dtype,
@@ -108,14 +139,18 @@ std::unique_ptr<KvCache> filled_cache(Communicator& comm, const DecodeBench& b, 
   o.kv_heads = b.hkv, o.head_dim = b.d, o.dtype = dtype;
   o.kernel.threads = b.threads;
   o.decode_in_place = in_place;
+  o.mask = b.mask;
   auto cache = std::make_unique<KvCache>(comm, o);
   cache->reserve({context + b.repeats + 2});
   const int64_t chunk = std::min<int64_t>(context, 4096);
   Tensor k(dtype, {1, chunk, b.hkv, b.d}), v(dtype, {1, chunk, b.hkv, b.d});
   fill_normal(k, 11), fill_normal(v, 12);
+  const std::vector<int32_t> ids = document_ids(b, context);
   for (int64_t at = 0; at < context; at += chunk) {
     const int64_t n = std::min(chunk, context - at);
-    cache->append(0, k.view().slice(1, 0, n), v.view().slice(1, 0, n));
+    std::span<const int32_t> docs;
+    if (b.mask.documents) docs = std::span<const int32_t>(ids).subspan(size_t(at), size_t(n));
+    cache->append(0, k.view().slice(1, 0, n), v.view().slice(1, 0, n), docs);
   }
   return cache;
 }
@@ -134,9 +169,13 @@ nlohmann::json run_decode_bench(const DecodeBench& b) {
             vn(dtype, {1, 1, b.hkv, b.d}), out(dtype, {1, 1, b.hq, b.d}),
             lse(DType::f32, {1, b.hq, 1});
         fill_normal(q, 1), fill_normal(kn, 2), fill_normal(vn, 3);
+        // A decoded token continues the last document.
+        const int32_t last = int32_t(std::max<size_t>(b.documents.size(), 1) - 1);
+        std::span<const int32_t> doc;
+        if (b.mask.documents) doc = std::span<const int32_t>(&last, 1);
         auto timed = [&](KvCache& c) {
           const double t0 = now_seconds();
-          decode(c, q, kn, vn, out, lse);
+          decode(c, q, kn, vn, out, lse, doc);
           return now_seconds() - t0;
         };
         timed(*fast);  // warm-up: the kernels' agreement, first touch of the scratch
@@ -146,8 +185,17 @@ nlohmann::json run_decode_bench(const DecodeBench& b) {
           tf.push_back(timed(*fast));
           if (ref) tr.push_back(timed(*ref));
         }
-        // The cache read per token: K and V of every cached token (the middle of the repeats').
-        const double bytes = double(context + 1 + b.repeats / 2) * double(b.hkv * b.d) * 2 *
+        // The cache read per token: K and V of the keys the middle repeat's token sees (every
+        // cached token under causal; its window, its document's).
+        const int64_t pos = context + b.repeats / 2;
+        const Mask::KeyRange kr = b.mask.key_range(pos);
+        int64_t lo = std::max<int64_t>(kr.lo, 0);
+        if (b.mask.documents) {
+          int64_t last_start = 0;
+          for (size_t i = 0; i + 1 < b.documents.size(); ++i) last_start += b.documents[i];
+          lo = std::max(lo, last_start);
+        }
+        const double bytes = double(std::min(kr.hi, pos) - lo + 1) * double(b.hkv * b.d) * 2 *
                              double(dtype_size(dtype));
         nlohmann::json j;
         j["dtype"] = dtype_name(dtype), j["context"] = context;
@@ -171,14 +219,16 @@ nlohmann::json run_decode_bench(const DecodeBench& b) {
   nlohmann::json j;
   j["heads"] = b.hq, j["kv_heads"] = b.hkv, j["head_dim"] = b.d, j["threads"] = b.threads;
   j["repeats"] = b.repeats, j["simd_target"] = kernel::simd_target_name();
+  j["mask"] = b.mask.describe();
   j["rows"] = rows;
   return j;
 }
 
 void print_decode_bench(const DecodeBench& b, const nlohmann::json& j) {
-  std::printf("decode Hq=%lld Hkv=%lld D=%lld, 1 token, %d thread(s), SIMD %s, median of %d\n",
-              (long long)b.hq, (long long)b.hkv, (long long)b.d, b.threads,
-              kernel::simd_target_name(), b.repeats);
+  std::printf(
+      "decode Hq=%lld Hkv=%lld D=%lld, mask %s, 1 token, %d thread(s), SIMD %s, median of %d\n",
+      (long long)b.hq, (long long)b.hkv, (long long)b.d, b.mask.describe().c_str(), b.threads,
+      kernel::simd_target_name(), b.repeats);
   std::printf(
       "  dtype  context  STREAM GB/s | in place ms  GB/s  of STREAM | tiles ms  GB/s  "
       "of STREAM | in place / tiles\n");
