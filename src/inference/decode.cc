@@ -437,7 +437,8 @@ void decode(KvCache& cache, std::span<const int64_t> seqs, const TensorView& q,
   Partials parts(dev, hr, comm.size());
   std::vector<int64_t> tiles(static_cast<size_t>(b));  // the sequences the tile path computes
   std::iota(tiles.begin(), tiles.end(), int64_t(0));
-  if (in_place(o)) tiles = attend_in_place(cache, seqs, q, positions, documents, parts, comm.rank());
+  if (in_place(o))
+    tiles = attend_in_place(cache, seqs, q, positions, documents, parts, comm.rank());
   if (!tiles.empty()) {
     const PackedQueries pq = pack_queries(dev, hr, q, positions, documents, o.mask.documents);
     attend_shards(cache, seqs, tiles, pq, parts, comm.rank());

@@ -378,8 +378,8 @@ bool DecodeInPlace(const DecodeShard& p) {
   const auto kp = p.k_positions;
   CTXPAR_CHECK(!p.mask.sliced, "decode_in_place: the mask must hide keys by position through ",
                "one range per query (slices take the tile kernel)");
-  CTXPAR_CHECK(!p.mask.documents || (int64_t(p.q_documents.size()) == tn &&
-                                     p.k_documents.size() == kp.size()),
+  CTXPAR_CHECK(!p.mask.documents ||
+                   (int64_t(p.q_documents.size()) == tn && p.k_documents.size() == kp.size()),
                "decode_in_place: a documents mask needs a document id per query (", tn,
                ") and per key (", kp.size(), "); got ", p.q_documents.size(), " and ",
                p.k_documents.size());

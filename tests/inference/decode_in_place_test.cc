@@ -259,8 +259,8 @@ TEST(DecodeInPlace, DocumentsSeenAsRunsTakeTheKernelOthersTheTilePath) {
   Scenario causal = alone;
   causal.mask = parse_mask("causal");
   std::fill(alone.documents[0].begin(), alone.documents[0].end(), 3);
-  EXPECT_TRUE(same_decode_bits(run_on_threads(causal, 1)[0], run_on_threads(alone, 1)[0], 0,
-                               s.prefill[0]));
+  EXPECT_TRUE(
+      same_decode_bits(run_on_threads(causal, 1)[0], run_on_threads(alone, 1)[0], 0, s.prefill[0]));
 }
 
 TEST(DecodeInPlace, KernelRefusesAKeysDocumentApartBeforeAnyWork) {

@@ -56,7 +56,9 @@ Options bench_decode_options() {
       .flag("no-reference", "time the in-place kernel only")
       .flag("json", "print one JSON object instead of text");
   o.example("ctxpar bench decode --context 32K,128K,1M --dtype fp32,bf16 --threads 2 --json");
-  o.example("ctxpar bench decode --context 32K --mask causal+documents:4096,4096,4096,4096,4096,4096,4096,4096");
+  o.example(
+      "ctxpar bench decode --context 32K --mask "
+      "causal+documents:4096,4096,4096,4096,4096,4096,4096,4096");
   return o;
 }
 
@@ -93,8 +95,8 @@ DecodeBench decode_bench_from_options(const Options& o) {
     for (int64_t n : b.documents) sum += n;
     if (b.documents.empty() || sum > *std::min_element(b.contexts.begin(), b.contexts.end()))
       throw UsageError(detail::concat(
-          "--mask: documents need their lengths, summing to at most the smallest --context (",
-          sum, " given), e.g. causal+documents:4096,4096"));
+          "--mask: documents need their lengths, summing to at most the smallest --context (", sum,
+          " given), e.g. causal+documents:4096,4096"));
   }
   // The largest moment: the caches of the largest context (two with the reference), or the
   // bandwidth array, whichever is larger (they are never held together).
