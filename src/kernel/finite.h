@@ -26,6 +26,9 @@ struct NonFinite {
 };
 // t is 4-d, fp32 or bf16, last dim contiguous (checked by the caller). Scans in memory order.
 NonFinite find_non_finite(const TensorView& t);
+// Whether any of the n elements of t's data from element `offset` on (fp32 or bf16, one run in
+// memory) is a NaN or an Inf: the vector scan (simd_finite.cc) find_non_finite runs first.
+bool any_non_finite(const TensorView& t, int64_t offset, int64_t n);
 
 // "non-finite value (nan)": the common start of both layers' messages, and what to do.
 extern const char* const kNonFiniteHint;

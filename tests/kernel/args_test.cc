@@ -6,6 +6,7 @@
 
 #include "ctxpar/kernel.h"
 #include "ctxpar/reference.h"
+#include "kernel/finite.h"
 
 namespace ctxpar {
 namespace {
@@ -176,6 +177,38 @@ TEST(Args, NonFiniteInputsAreRejected) {
     expect_error(
         [&] { attention_backward_block(q, a.qt(), k, v, a.kt(), m, dout, lse, delta, dq, dk, dv); },
         "dout: non-finite value (-inf)");
+  }
+}
+
+// find_non_finite tests a tensor that is one run in memory by vectors first, then row by row
+// (simd_finite.cc): a bad element anywhere -- the first, the vectors' tail, the last -- is found
+// at its indices, fp32 and bf16; in a view that is not one run (a slice of the tokens), only
+// elements inside the view count.
+TEST(Args, NonFiniteFoundWhereverItIs) {
+  const float bad[] = {std::numeric_limits<float>::quiet_NaN(),
+                       std::numeric_limits<float>::infinity(),
+                       -std::numeric_limits<float>::infinity()};
+  for (DType dt : {DType::f32, DType::bf16}) {
+    Tensor t(dt, {2, 7, 3, 19});  // 798 elements: no multiple of any target's lanes
+    fill_normal(t.view(), 7);
+    EXPECT_FALSE(kernel::find_non_finite(t.view()).found()) << dtype_name(dt);
+    const int64_t at[][4] = {{0, 0, 0, 0}, {1, 6, 2, 18}, {1, 6, 2, 5}, {0, 3, 1, 7}, {1, 0, 0, 0}};
+    int k = 0;
+    for (const auto& i : at) {
+      const float x = bad[k++ % 3];
+      t.view().set(x, i[0], i[1], i[2], i[3]);
+      const kernel::NonFinite f = kernel::find_non_finite(t.view());
+      EXPECT_TRUE(f.found() && f.b == i[0] && f.t == i[1] && f.h == i[2] && f.d == i[3])
+          << dtype_name(dt) << " at " << i[0] << "," << i[1] << "," << i[2] << "," << i[3]
+          << ": found " << f.b << "," << f.t << "," << f.h << "," << f.d;
+      // A view of tokens 1..5: the element is seen iff its token is inside, at its index there.
+      const kernel::NonFinite g = kernel::find_non_finite(t.view().slice(1, 1, 6));
+      if (i[1] >= 1 && i[1] < 6)
+        EXPECT_TRUE(g.found() && g.b == i[0] && g.t == i[1] - 1 && g.d == i[3]) << dtype_name(dt);
+      else
+        EXPECT_FALSE(g.found()) << dtype_name(dt) << " token " << i[1] << " is outside the view";
+      t.view().set(1.0f, i[0], i[1], i[2], i[3]);
+    }
   }
 }
 
