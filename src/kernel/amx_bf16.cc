@@ -70,8 +70,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void scores_amx(int64_t m, 
                                                                      float mul) {
   load_tiles();
   // A remainder of fewer than 32 rows is copied into zeroed rows, its C written here first.
-  thread_local std::vector<uint32_t> a_tail;
-  thread_local std::vector<float> c_tail;
+  thread_local LineVector<uint32_t> a_tail;
+  thread_local LineVector<float> c_tail;
   const __m512 vm = _mm512_set1_ps(mul);
   for (int64_t r = 0; r < m; r += 32) {
     const int64_t rows = std::min<int64_t>(32, m - r);
@@ -115,7 +115,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void scores_amx(int64_t m, 
 // apart), C rows ldc floats apart.
 template <int R, int N>
 __attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void gemm_block(
-    int64_t npairs, int64_t chunk_pairs, const uint32_t* a, int64_t lda, int64_t a_chunk,
+    int64_t nchunks, int64_t chunk_pairs, const uint32_t* a, int64_t lda, int64_t a_chunk,
     const uint32_t* const* b, int64_t col, int64_t ldb, float* c, int64_t ldc, bool accumulate,
     int nsplit, int64_t split_words) {
   if (accumulate) {
@@ -129,19 +129,23 @@ __attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void gemm_blo
     if constexpr (R == 2) _tile_zero(2);
     if constexpr (R == 2 && N == 2) _tile_zero(3);
   }
-  for (int64_t p = 0; p < npairs; p += 16) {
-    const int64_t chunk = p / chunk_pairs, pc = p % chunk_pairs;
-    const uint32_t* bp = b[chunk] + pc * ldb + col;
-    _tile_loadd(6, bp, ldb * 4);
-    if constexpr (N == 2) _tile_loadd(7, bp + 16, ldb * 4);
-    for (int sp = 0; sp < nsplit; ++sp) {  // each part of A against the same B tiles
-      const uint32_t* as = a + chunk * a_chunk + sp * split_words + pc;
-      _tile_loadd(4, as, lda * 4);
-      if constexpr (R == 2) _tile_loadd(5, as + 16 * lda, lda * 4);
-      _tile_dpbf16ps(0, 4, 6);
-      if constexpr (N == 2) _tile_dpbf16ps(1, 4, 7);
-      if constexpr (R == 2) _tile_dpbf16ps(2, 5, 6);
-      if constexpr (R == 2 && N == 2) _tile_dpbf16ps(3, 5, 7);
+  // Chunk by chunk, 16 pairs a step (a division a step to find the chunk cost 15 % at 4 chunks).
+  for (int64_t chunk = 0; chunk < nchunks; ++chunk) {
+    for (int64_t pc = 0; pc < chunk_pairs; pc += 16) {
+      const uint32_t* bp = b[chunk] + pc * ldb + col;
+      _tile_loadd(6, bp, ldb * 4);
+      if constexpr (N == 2) _tile_loadd(7, bp + 16, ldb * 4);
+      // Each part of A against the same B tiles; the second A tile is loaded after the first's
+      // products are issued, so its load overlaps them (+2-4 % on the exact backward).
+      for (int sp = 0; sp < nsplit; ++sp) {
+        const uint32_t* as = a + chunk * a_chunk + sp * split_words + pc;
+        _tile_loadd(4, as, lda * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        if constexpr (N == 2) _tile_dpbf16ps(1, 4, 7);
+        if constexpr (R == 2) _tile_loadd(5, as + 16 * lda, lda * 4);
+        if constexpr (R == 2) _tile_dpbf16ps(2, 5, 6);
+        if constexpr (R == 2 && N == 2) _tile_dpbf16ps(3, 5, 7);
+      }
     }
   }
   _tile_stored(0, c, ldc * 4);
@@ -155,7 +159,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void gemm_amx_chunks(
     int64_t a_chunk, const uint32_t* const* b, int64_t ldb, float* c, int64_t ldc, bool accumulate,
     int nsplit, int64_t split_words) {
   load_tiles();
-  const int64_t npairs = nchunks * chunk_pairs;
   for (int64_t r = 0; r < m; r += 32) {
     const bool r2 = m - r >= 32;
     for (int64_t col = 0; col < n; col += 32) {
@@ -163,16 +166,16 @@ __attribute__((target("amx-tile,amx-bf16"))) void gemm_amx_chunks(
       const uint32_t* ap = a + r * lda;
       float* cp = c + r * ldc + col;
       if (r2 && n2)
-        gemm_block<2, 2>(npairs, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc, accumulate,
+        gemm_block<2, 2>(nchunks, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc, accumulate,
                          nsplit, split_words);
       else if (r2)
-        gemm_block<2, 1>(npairs, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc, accumulate,
+        gemm_block<2, 1>(nchunks, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc, accumulate,
                          nsplit, split_words);
       else if (n2)
-        gemm_block<1, 2>(npairs, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc, accumulate,
+        gemm_block<1, 2>(nchunks, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc, accumulate,
                          nsplit, split_words);
       else
-        gemm_block<1, 1>(npairs, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc, accumulate,
+        gemm_block<1, 1>(nchunks, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc, accumulate,
                          nsplit, split_words);
     }
   }

@@ -199,8 +199,8 @@ class BackwardWorker {
   Gradients grads_;
   ScoreProducts scores_, dps_;
   KeyTile keys_[2];
-  std::vector<float> lse_rows_, dlt_, row_;
-  std::vector<float> s_, dpm_, pt_, dst_;  // kTile x kTile: S / P, dP / scale dS, transposes
+  LineVector<float> lse_rows_, dlt_, row_;
+  LineVector<float> s_, dpm_, pt_, dst_;  // kTile x kTile: S / P, dP / scale dS, transposes
   int64_t b_ = 0, hk_ = 0;
   float* dq_acc_ = nullptr;
 };

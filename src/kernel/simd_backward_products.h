@@ -37,11 +37,11 @@ struct BackwardShape : CallTiles {
 // block partials (Note [Blocked dK / dV]); *_sum, *_comp the compensated sum of the blocks;
 // in_block the query tiles in the current block.
 struct KeyTile {
-  std::vector<float> dk, dv, dk_sum, dv_sum, dk_comp, dv_comp;
+  LineVector<float> dk, dv, dk_sum, dv_sum, dk_comp, dv_comp;
   int64_t kt = 0, j0 = 0, cols = 0, in_block = 0;
   bool packed = false;
   explicit KeyTile(int64_t ld) {
-    for (std::vector<float>* x : {&dk, &dv, &dk_sum, &dv_sum, &dk_comp, &dv_comp})
+    for (LineVector<float>* x : {&dk, &dv, &dk_sum, &dv_sum, &dk_comp, &dv_comp})
       x->resize(kTile * ld);
   }
   void start(int64_t tile, int64_t tk) {
@@ -103,8 +103,8 @@ class ScoreProducts {
   bool pairs_;
   float scale_;
   uint32_t* rows_;
-  std::vector<float> key_pack_[2];
-  std::vector<uint32_t> key_pairs_[2];
+  LineVector<float> key_pack_[2];
+  LineVector<uint32_t> key_pairs_[2];
 };
 
 // The gradient products in fp32 FMAs: dV += P^T dO, dK += (scale dS)^T Qs (times 1 / scale at
@@ -117,7 +117,7 @@ class Fp32Gradients {
         sh_(sh),
         qpack_(scratch(Scratch::q_pack, sh.q_block)),
         dopack_(scratch(Scratch::do_pack, sh.q_block)) {
-    for (std::vector<float>& r : k_rows_) r.resize(kTile * sh.ld);
+    for (LineVector<float>& r : k_rows_) r.resize(kTile * sh.ld);
   }
   float dk_mul() const { return 1.0f / p_.scale; }
   const float* qs(int64_t off) const { return qpack_ + off * sh_.ld; }
@@ -155,7 +155,7 @@ class Fp32Gradients {
   const BackwardShape& sh_;
   float* qpack_;
   float* dopack_;
-  std::vector<float> k_rows_[2];
+  LineVector<float> k_rows_[2];
 };
 
 // The gradient products as bf16 pair products (Note [P V, dV, dK, dQ through AMX] in
@@ -185,7 +185,7 @@ class PairGradients {
     qvnni_ = bf16::buffer(bf16::Buffer::q_vnni, v_block);
     dovnni_ = bf16::buffer(bf16::Buffer::do_vnni, v_block);
     for (int u = 0; u < 2; ++u) {
-      for (std::vector<uint32_t>* x : {&ptp_[u], &dstp_[u]}) x->resize(kDkvBlock * chunk_words());
+      for (LineVector<uint32_t>* x : {&ptp_[u], &dstp_[u]}) x->resize(kDkvBlock * chunk_words());
       k_vnni_[u].resize(kHalf * ldv_);
     }
     dsp_.resize(2 * chunk_words());
@@ -268,7 +268,7 @@ class PairGradients {
   int nsplit_;
   uint32_t* qvnni_;
   uint32_t* dovnni_;
-  std::vector<uint32_t> ptp_[2], dstp_[2], dsp_, k_vnni_[2];
+  LineVector<uint32_t> ptp_[2], dstp_[2], dsp_, k_vnni_[2];
   const uint32_t* do_chunks_[2][kDkvBlock] = {};
   const uint32_t* q_chunks_[2][kDkvBlock] = {};
   const uint32_t* k_chunks_[2] = {};

@@ -19,8 +19,8 @@ constexpr int64_t kCols = kKernelTile;  // 64 columns: 4 vectors of 16 fp32 lane
 }  // namespace
 
 uint32_t* buffer(Buffer slot, size_t words) {
-  thread_local std::vector<uint32_t> buffers[static_cast<int>(Buffer::count)];
-  std::vector<uint32_t>& b = buffers[static_cast<int>(slot)];
+  thread_local LineVector<uint32_t> buffers[static_cast<int>(Buffer::count)];
+  LineVector<uint32_t>& b = buffers[static_cast<int>(slot)];
   if (b.size() < words) b.resize(words);
   return b.data();
 }
@@ -166,7 +166,7 @@ __attribute__((target("avx512f,avx512bf16"))) float dot_pairs(const uint32_t* x,
 float delta_dot(const float* o, const float* g, int64_t d, bool amx) {
   bool exact = true;
   const int64_t n = stored_pairs(d, amx);
-  thread_local std::vector<uint32_t> x, y;  // O and dO as pairs, zero-padded
+  thread_local LineVector<uint32_t> x, y;  // O and dO as pairs, zero-padded
   x.assign(n, 0u), y.assign(n, 0u);
   for (int64_t c = 0; c < d && exact; c += 2) {
     x[c / 2] = bits16(o[c], exact) | (c + 1 < d ? uint32_t{bits16(o[c + 1], exact)} << 16 : 0u);

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "ctxpar/tensor.h"
+#include "kernel/lines.h"
 
 namespace ctxpar::kernel::bf16 {
 

@@ -358,9 +358,9 @@ class ForwardWorker {
   const ForwardShape& sh_;
   const PackedKv& kv_;
   int64_t nl_, split_words_;
-  std::vector<float> qt_, s_, acc_, m_, lv_;
-  std::vector<uint32_t> qpairs_;  // Q as bf16 pairs, unscaled
-  std::vector<uint32_t> ppairs_;  // P's parts as pairs
+  LineVector<float> qt_, s_, acc_, m_, lv_;
+  LineVector<uint32_t> qpairs_;  // Q as bf16 pairs, unscaled
+  LineVector<uint32_t> ppairs_;  // P's parts as pairs
   // A key step's computed tiles (Note [Key steps]): each one's classification per query tile.
   struct Step {
     int64_t kt = 0, first = -1, last = -1;

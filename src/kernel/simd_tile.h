@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "kernel/asan_regions.h"
+#include "kernel/lines.h"
 #include "kernel/problem.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -349,8 +350,8 @@ HWY_INLINE void softmax_row(float* HWY_RESTRICT sr, float& m, float* HWY_RESTRIC
 // OpenMP workers persist). Contents are undefined: callers fill what they read.
 enum class Scratch { k_pack, v_pack, dq_partial, q_pack, do_pack, count };
 inline float* scratch(Scratch slot, size_t n) {
-  thread_local std::vector<float> buffers[static_cast<int>(Scratch::count)];
-  std::vector<float>& b = buffers[static_cast<int>(slot)];
+  thread_local LineVector<float> buffers[static_cast<int>(Scratch::count)];
+  LineVector<float>& b = buffers[static_cast<int>(slot)];
   if (b.size() < n) b.resize(n);
   return b.data();
 }

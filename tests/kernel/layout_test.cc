@@ -12,14 +12,19 @@
 //     their bits, under masks whose tiles are skipped, partial or full in every combination;
 //   - likewise a key row's dK / dV do not depend on which key tile shares its backward pass
 //     (simd_backward.cc, Note [Two key tiles a pass]): the backward of the keys without the
-//     first tile, given the same LSE and delta, reproduces the other rows bitwise.
+//     first tile, given the same LSE and delta, reproduces the other rows bitwise;
+//   - the kernel's own buffers start on a 64-byte line (Note [Buffers on cache lines],
+//     kernel/lines.h): a tile row off a line touches two lines, and the AMX products ran at a
+//     third of their speed; the alignment itself changes no bit (the grids above).
 // Runs for every SIMD target the ctest entries force (CTXPAR_SIMD).
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <string>
 
+#include "kernel/lines.h"
 #include "kernel/problem.h"
+#include "kernel/simd_bf16.h"
 #include "kernel/kernel_support.h"
 
 namespace ctxpar {
@@ -169,6 +174,26 @@ TEST(Layout, KeyRowsDoNotDependOnTheirPassNeighbours) {
       EXPECT_TRUE(tail_equal(full.dv, dv, from, 1))
           << "dv, " << c.mask.describe() << ", threads " << threads;
     }
+  }
+}
+
+TEST(Layout, KernelBuffersStartOnALine) {
+  // Sizes a std::vector serves from the heap's small chunks and from mmap, growing in place.
+  kernel::LineVector<float> grown;
+  for (size_t n : {size_t{1}, size_t{3}, size_t{17}, size_t{1000}, size_t{1} << 18}) {
+    kernel::LineVector<float> f(n);
+    kernel::LineVector<uint32_t> w(n + 1);
+    grown.resize(grown.size() + n);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(f.data()) % kernel::kLine, 0u) << n;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(w.data()) % kernel::kLine, 0u) << n;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(grown.data()) % kernel::kLine, 0u) << n;
+    // The per-thread pack buffers of the bf16 products, grown to n words.
+    for (int slot = 0; slot < static_cast<int>(kernel::bf16::Buffer::count); ++slot)
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(
+                    kernel::bf16::buffer(static_cast<kernel::bf16::Buffer>(slot), n)) %
+                    kernel::kLine,
+                0u)
+          << n << " words, buffer " << slot;
   }
 }
 
