@@ -22,9 +22,9 @@ struct LineAllocator {
   template <class U>
   LineAllocator(const LineAllocator<U>&) noexcept {}  // NOLINT: rebinding, as std::allocator
   T* allocate(std::size_t n) {
-    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{kLine}));
+    return static_cast<T*>(::operator new (n * sizeof(T), std::align_val_t{kLine}));
   }
-  void deallocate(T* p, std::size_t) noexcept { ::operator delete(p, std::align_val_t{kLine}); }
+  void deallocate(T* p, std::size_t) noexcept { ::operator delete (p, std::align_val_t{kLine}); }
   template <class U>
   bool operator==(const LineAllocator<U>&) const noexcept {
     return true;

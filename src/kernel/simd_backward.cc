@@ -99,7 +99,7 @@ class BackwardWorker {
         grads_(a.p, sh),
         scores_(a.p, sh, a.p.bf16_scores, bf16::Buffer::q_rows, a.p.scale),
         dps_(a.p, sh, a.p.bf16_dp, bf16::Buffer::do_rows, 1.0f),
-        keys_{KeyTile(sh.ld), KeyTile(sh.ld)},
+        keys_(kPassTiles, KeyTile(sh.ld)),
         lse_rows_(p_.group * sh.nqt * kTile),
         dlt_(lse_rows_.size()),
         row_(sh.d),
@@ -116,13 +116,18 @@ class BackwardWorker {
     pack_queries();
     // Chunks take every chunks-th key tile: under a causal mask early key tiles see more
     // query tiles, so contiguous ranges would give the first chunk most of the work.
-    // Note [Two key tiles a pass]: the task walks its key tiles two at a time, and each query
-    // tile's packed Q and dO rows serve both before the next query tile is read: half the
-    // passes over the group's Q and dO. Every element's additions keep their order (dK / dV
-    // per key tile over query tiles as before; a dQ row gets key tile c, then c + chunks,
-    // ...), so the bits are those of one tile a pass.
-    for (int64_t kt0 = chunk; kt0 < sh_.nkt; kt0 += 2 * sh_.chunks) {
-      const int nkeys = kt0 + sh_.chunks < sh_.nkt ? 2 : 1;
+    // Note [Key tiles a pass]: the task walks its key tiles a few at a time (pass_tiles: 4,
+    // or 2 for the exact bf16 tier's pair products), and each query tile's packed Q and dO rows
+    // serve them all before the next query tile is read, and its dQ rows are read and written
+    // once for them all (the one-part tile products of dQ loaded and stored their C for every
+    // 2 key tiles: 4 a pass made the fast tier's backward +6 %; the exact tier's 3 parts of
+    // P^T, dS^T, dS for 4 key tiles crowd the L2: -5 %). Every element's additions keep their
+    // order (dK / dV per key tile over query tiles as before; a dQ row gets key tile c, then
+    // c + chunks, ...), so the bits are those of one tile a pass.
+    const int pass = Gradients::pass_tiles(p_);
+    for (int64_t kt0 = chunk; kt0 < sh_.nkt; kt0 += pass * sh_.chunks) {
+      int nkeys = 1;
+      while (nkeys < pass && kt0 + nkeys * sh_.chunks < sh_.nkt) ++nkeys;
       for (int u = 0; u < nkeys; ++u) keys_[u].start(kt0 + u * sh_.chunks, p_.tk);
       for (int64_t g = 0; g < p_.group; ++g)
         for (int64_t qi = 0; qi < sh_.nqt; ++qi) {
@@ -198,7 +203,7 @@ class BackwardWorker {
   float* dq_partial_;
   Gradients grads_;
   ScoreProducts scores_, dps_;
-  KeyTile keys_[2];
+  std::vector<KeyTile> keys_;
   LineVector<float> lse_rows_, dlt_, row_;
   LineVector<float> s_, dpm_, pt_, dst_;  // kTile x kTile: S / P, dP / scale dS, transposes
   int64_t b_ = 0, hk_ = 0;

@@ -33,9 +33,13 @@ struct BackwardShape : CallTiles {
   int64_t np = 0, ldw = 0, w_block = 0;
 };
 
-// A key tile of the task's pass (Note [Two key tiles a pass]) and its dK / dV: dk / dv the
+// The most key tiles a pass of the backward takes (Note [Key tiles a pass] in simd_backward.cc).
+inline constexpr int kPassTiles = 4;
+
+// A key tile of the task's pass (Note [Key tiles a pass]) and its dK / dV: dk / dv the
 // block partials (Note [Blocked dK / dV]); *_sum, *_comp the compensated sum of the blocks;
 // in_block the query tiles in the current block.
+
 struct KeyTile {
   LineVector<float> dk, dv, dk_sum, dv_sum, dk_comp, dv_comp;
   int64_t kt = 0, j0 = 0, cols = 0, in_block = 0;
@@ -72,7 +76,7 @@ class ScoreProducts {
         pairs_(pairs),
         scale_(scale),
         rows_(pairs ? bf16::buffer(rows, sh.w_block) : nullptr) {
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < kPassTiles; ++u) {
       key_pack_[u].resize(sh.d * kTile);
       key_pairs_[u].resize(pairs ? sh.np * kTile : 0);
     }
@@ -103,8 +107,8 @@ class ScoreProducts {
   bool pairs_;
   float scale_;
   uint32_t* rows_;
-  LineVector<float> key_pack_[2];
-  LineVector<uint32_t> key_pairs_[2];
+  LineVector<float> key_pack_[kPassTiles];
+  LineVector<uint32_t> key_pairs_[kPassTiles];
 };
 
 // The gradient products in fp32 FMAs: dV += P^T dO, dK += (scale dS)^T Qs (times 1 / scale at
@@ -119,6 +123,7 @@ class Fp32Gradients {
         dopack_(scratch(Scratch::do_pack, sh.q_block)) {
     for (LineVector<float>& r : k_rows_) r.resize(kTile * sh.ld);
   }
+  static int pass_tiles(const Problem&) { return kPassTiles; }
   float dk_mul() const { return 1.0f / p_.scale; }
   const float* qs(int64_t off) const { return qpack_ + off * sh_.ld; }
   const float* dot(int64_t off) const { return dopack_ + off * sh_.ld; }
@@ -155,7 +160,7 @@ class Fp32Gradients {
   const BackwardShape& sh_;
   float* qpack_;
   float* dopack_;
-  LineVector<float> k_rows_[2];
+  LineVector<float> k_rows_[kPassTiles];
 };
 
 // The gradient products as bf16 pair products (Note [P V, dV, dK, dQ through AMX] in
@@ -169,7 +174,7 @@ class Fp32Gradients {
 // tier's dV + dK + dQ 4.3 -> 2.6 us a tile pair when deeper). So the products wait: dV and dK for
 // the query tiles of a block (Note [Blocked dK / dV]: up to kDkvBlock, their P^T and dS^T pairs
 // side by side) run as one product from a zeroed C when the block is full or the key tile ends;
-// dQ for the pass's key tiles (Note [Two key tiles a pass]) runs when the query tile ends.
+// dQ for the pass's key tiles (Note [Key tiles a pass]) runs when the query tile ends.
 // A tile's C is fp32 between tdpbf16ps steps whether it stays in the tile or goes through memory,
 // and each element still adds its pairs (and parts) in the order of the one-tile products, so
 // the bits are those of one product a tile pair.
@@ -184,17 +189,21 @@ class PairGradients {
     const int64_t v_block = p.group * sh.nqt * kHalf * ldv_;  // one task's Q (or dO) pair-rows
     qvnni_ = bf16::buffer(bf16::Buffer::q_vnni, v_block);
     dovnni_ = bf16::buffer(bf16::Buffer::do_vnni, v_block);
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < kPassTiles; ++u) {
       for (LineVector<uint32_t>* x : {&ptp_[u], &dstp_[u]}) x->resize(kDkvBlock * chunk_words());
       k_vnni_[u].resize(kHalf * ldv_);
     }
-    dsp_.resize(2 * chunk_words());
+    dsp_.resize(kPassTiles * chunk_words());
   }
   // Whether these products serve a call: both score sides bf16, a pair path for its
   // products and tier, and the rows wide enough for their columns.
   static bool serve(const Problem& p, const BackwardShape& sh) {
     return bf16::pair_products(p.bf16_scores && p.bf16_dp, p.amx, p.round_p) &&
            round_up(sh.d, 16) <= sh.ld;
+  }
+  // The exact tier's 3 parts of P^T, dS^T and dS a key tile fill the L2 at 4 tiles a pass.
+  static int pass_tiles(const Problem& p) {
+    return bf16::amx_parts(p.round_p) > 1 ? 2 : kPassTiles;
   }
   float dk_mul() const { return 1.0f; }
   const float* qs(int64_t) const { return nullptr; }  // the score products are pairs too
@@ -268,10 +277,10 @@ class PairGradients {
   int nsplit_;
   uint32_t* qvnni_;
   uint32_t* dovnni_;
-  LineVector<uint32_t> ptp_[2], dstp_[2], dsp_, k_vnni_[2];
-  const uint32_t* do_chunks_[2][kDkvBlock] = {};
-  const uint32_t* q_chunks_[2][kDkvBlock] = {};
-  const uint32_t* k_chunks_[2] = {};
+  LineVector<uint32_t> ptp_[kPassTiles], dstp_[kPassTiles], dsp_, k_vnni_[kPassTiles];
+  const uint32_t* do_chunks_[kPassTiles][kDkvBlock] = {};
+  const uint32_t* q_chunks_[kPassTiles][kDkvBlock] = {};
+  const uint32_t* k_chunks_[kPassTiles] = {};
   int64_t pending_dq_ = 0;
 };
 

@@ -11,7 +11,7 @@
 //     query tile pairs every later tile with another neighbour, and the remaining rows keep
 //     their bits, under masks whose tiles are skipped, partial or full in every combination;
 //   - likewise a key row's dK / dV do not depend on which key tile shares its backward pass
-//     (simd_backward.cc, Note [Two key tiles a pass]): the backward of the keys without the
+//     (simd_backward.cc, Note [Key tiles a pass]): the backward of the keys without the
 //     first tile, given the same LSE and delta, reproduces the other rows bitwise;
 //   - the kernel's own buffers start on a 64-byte line (Note [Buffers on cache lines],
 //     kernel/lines.h): a tile row off a line touches two lines, and the AMX products ran at a
