@@ -40,6 +40,10 @@ void pack_rows(const TensorView& t, int64_t b, int64_t h, int64_t i0, int64_t ro
 // stored_pairs(d, amx) pairs.
 void pack_tile(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t cols, int64_t d,
                uint32_t* out, bool amx = false);
+// The same word by word: the reference the vector path is checked against (Note [Packing by
+// vectors] in simd_bf16.cc).
+void pack_tile_words(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t cols, int64_t d,
+                     uint32_t* out, bool amx = false);
 
 // C[m][64] = mul * (A B): A m rows of pairs (stride lda words), B a packed key tile of
 // `npairs` pairs; m a multiple of 2. Each C element sums its pairs in the order p = 0, 1, ...
@@ -66,6 +70,8 @@ inline int64_t vnni_words(int64_t d) {
 // copied, never rounded.
 void pack_vnni(const TensorView& t, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t d,
                int64_t ldb, uint32_t* out, int64_t tile_rows);
+void pack_vnni_words(const TensorView& t, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t d,
+                     int64_t ldb, uint32_t* out, int64_t tile_rows);  // the reference
 // rows rows of 2 npairs fp32 values (ldx floats a row) as bf16 pairs rounded to nearest even
 // (vcvtne2ps2bf16: a subnormal comes out 0), ldw words a row. nsplit > 1: also what each part left,
 // rounded the same way, as part 2, 3, ... (split_words apart): x = part 1 + part 2 + part 3 exactly

@@ -96,6 +96,36 @@ std::string check_scores(bool amx, int64_t d, int64_t m) {
   return "";
 }
 
+// Note [Packing by vectors] (simd_bf16.cc): the AVX-512 packers write the words of the loops
+// they replace (pack_tile_words, pack_vnni_words: word [p][c] = (x[c][2p], x[c][2p + 1]); word
+// [r / 2][c] = (x[r][c], x[r + 1][c])), zeros included, for odd and even D, ragged tiles and
+// a strided head of a [B, T, H, D] tensor, into buffers that held garbage.
+TEST(Bf16Products, PackingByVectorsWritesTheLoopsWords) {
+  __builtin_cpu_init();
+  if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")))
+    GTEST_SKIP() << "no AVX-512BW: pack_tile and pack_vnni are the word loops themselves here";
+  std::mt19937 gen(29);
+  for (int64_t d : {1, 3, 16, 37, 64, 80, 128, 130}) {
+    Tensor x(DType::bf16, {2, 150, 3, d});
+    for (int64_t i = 0; i < x.numel(); ++i) x.ptr<uint16_t>()[i] = static_cast<uint16_t>(gen());
+    for (bool amx : {false, true})
+      for (int64_t cols : {1, 15, 16, 17, 50, 64}) {
+        const int64_t words = kernel::bf16::stored_pairs(d, amx) * kKernelTile;
+        std::vector<uint32_t> got(words, 0xdeadbeefu), want(words, 0x12345678u);
+        kernel::bf16::pack_tile(x, 1, 2, 83, cols, d, got.data(), amx);
+        kernel::bf16::pack_tile_words(x, 1, 2, 83, cols, d, want.data(), amx);
+        EXPECT_EQ(got, want) << "pack_tile D " << d << " cols " << cols << " amx " << amx;
+      }
+    const int64_t ldb = kernel::bf16::vnni_words(d);
+    for (int64_t rows : {1, 2, 31, 33, 63, 64}) {
+      std::vector<uint32_t> got(32 * ldb, 0xdeadbeefu), want(32 * ldb, 0x12345678u);
+      kernel::bf16::pack_vnni(x, 1, 1, 77, rows, d, ldb, got.data(), kKernelTile);
+      kernel::bf16::pack_vnni_words(x, 1, 1, 77, rows, d, ldb, want.data(), kKernelTile);
+      EXPECT_EQ(got, want) << "pack_vnni D " << d << " rows " << rows;
+    }
+  }
+}
+
 TEST(Bf16Products, ScoresAreExactProductsSummedInFp32) {
   if (!cpu_has_bf16()) GTEST_SKIP() << "this CPU has no AVX512_BF16";
   EXPECT_EQ(check_scores(false, 101, 10), "");  // D odd: a zero half pair
