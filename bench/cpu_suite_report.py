@@ -48,7 +48,12 @@ def machine_and_build(info):
     meta.update(
         date=read_text(os.path.join(info, "date")),
         cpu_model=lscpu_field(lscpu, "Model name"), cpus=lscpu_field(lscpu, "CPU(s)"),
-        cpu_flags=" ".join(f for f in ("avx512f", "avx2", "fma") if f in flags) or "none of avx512f avx2 fma",
+        # Family and model tell the kinds apart where the name does not (Zen 3 / 4 / 5 are
+        # family 25 / 25 / 26; this project's Xeon guests are model 207 and 167, see
+        # docs/BENCHMARKS.md), and the bf16 flags say which bf16 rows can run.
+        cpu_family=lscpu_field(lscpu, "CPU family"), cpu_model_number=lscpu_field(lscpu, "Model"),
+        cpu_flags=" ".join(f for f in ("avx512f", "avx2", "fma", "avx512_bf16", "amx_bf16")
+                           if f in flags) or "none of avx512f avx2 fma",
         loadavg_start=read_text(os.path.join(info, "loadavg_start")),
         loadavg_end=read_text(os.path.join(info, "loadavg_end")),
         git_commit=read_text(os.path.join(info, "git_commit")).replace("\n", " "),
@@ -242,7 +247,8 @@ def main():
     m = meta
     print(f"ctxpar CPU suite, {m['date']}, {len(reps)} alternating repetition(s)"
           f"{', QUICK shapes: not the issue figures' if m['quick'] else ''}")
-    print(f"machine: {m['cpu_model']}; flags: {m['cpu_flags']}; {m['cpus']} CPU(s); "
+    print(f"machine: {m['cpu_model']} (family {m['cpu_family']} model {m['cpu_model_number']}); "
+          f"flags: {m['cpu_flags']}; {m['cpus']} CPU(s); "
           f"load average at start {m['loadavg_start']}, at end {m.get('loadavg_end', '?')}")
     print(f"ctxpar: {m['ctxpar_version']}, SIMD chosen: {m['ctxpar_simd']}, commit {m['git_commit']}")
     if m.get("torch_skipped"):

@@ -37,6 +37,9 @@ if grep -qw avx512_bf16 /proc/cpuinfo; then
     [[ $line =~ [0-9]+\.[0-9]{3} ]] || fail "row '$row' has no figure: $line"
   done
 fi
+# The CPU named by family and model too (the kinds this project meets share a model name).
+fam=$(LC_ALL=C lscpu | sed -n 's/^CPU family: *//p') mod=$(LC_ALL=C lscpu | sed -n 's/^Model: *//p')
+grep -qF "(family $fam model $mod)" "$TMP/out.txt" || fail "the machine line does not say family $fam model $mod"
 grep -q "torch: SKIPPED: --no-torch given" "$TMP/out.txt" || fail "torch was not reported as skipped"
 python3 - "$TMP/q/summary.json" <<'PY' || fail "summary.json"
 import json, sys
