@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <vector>
 
@@ -78,9 +79,10 @@ __attribute__((target("avx512f,avx512bw"))) void pack_vnni_interleave(const uint
   // Word j of the low (high) 16: value j (16 + j) of row a, then of row b (index 32 + ...).
   alignas(64) uint16_t lo_idx[32], hi_idx[32];
   for (uint16_t j = 0; j < 16; ++j) {
-    lo_idx[2 * j] = j, lo_idx[2 * j + 1] = static_cast<uint16_t>(32 + j);
-    hi_idx[2 * j] = static_cast<uint16_t>(16 + j),
-               hi_idx[2 * j + 1] = static_cast<uint16_t>(48 + j);
+    lo_idx[2 * j] = j;
+    lo_idx[2 * j + 1] = static_cast<uint16_t>(32 + j);
+    hi_idx[2 * j] = static_cast<uint16_t>(16 + j);
+    hi_idx[2 * j + 1] = static_cast<uint16_t>(48 + j);
   }
   const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
   for (int64_t r = 0; r < rows; r += 2) {
@@ -119,7 +121,8 @@ void pack_tile_words(const TensorView& t, int64_t b, int64_t h, int64_t j0, int6
 void pack_tile(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t cols, int64_t d,
                uint32_t* out, bool amx) {
 #if defined(__x86_64__)
-  if (avx512bw() && cols > 0) {
+  // The gather's 32-bit indices: 15 row strides must fit (a view of a huge tensor takes the loop).
+  if (avx512bw() && cols > 0 && t.stride(1) > 0 && t.stride(1) <= INT32_MAX / 16) {
     const int64_t np = pairs(d);
     std::fill(out, out + stored_pairs(d, amx) * kCols, 0u);
     const uint16_t* src = t.ptr<const uint16_t>() + t.offset(b, j0, h);
