@@ -35,10 +35,7 @@ double gflops(double flops_per_call, long calls, F&& f) {
 int main(int argc, char** argv) {
   namespace bf16 = ctxpar::kernel::bf16;
   const long repeats = argc > 1 ? std::atol(argv[1]) : 20000;
-  if (!ctxpar::kernel::amx_unusable_why().empty()) {
-    std::printf("AMX-BF16 not usable here: %s\n", ctxpar::kernel::amx_unusable_why().c_str());
-    return 0;
-  }
+  if (!lab::amx_usable_or_say_why()) return 0;
   const ctxpar::kernel::AmxProbe probe = ctxpar::kernel::probe_amx();
   std::printf("probe (4 chains, no loads): %.0f GFLOP/s\n", probe.gflops);
   std::vector<uint32_t> a(3 * 128 * 128, 0x3f803f80u), b(128 * 160, 0x3f803f80u);

@@ -108,10 +108,7 @@ double micros(long calls, F&& f) {
 int main(int argc, char** argv) {
   namespace bf16 = ctxpar::kernel::bf16;
   const long repeats = argc > 1 ? std::atol(argv[1]) : 4000;
-  if (!ctxpar::kernel::amx_unusable_why().empty()) {
-    std::printf("AMX-BF16 not usable here: %s\n", ctxpar::kernel::amx_unusable_why().c_str());
-    return 0;
-  }
+  if (!lab::amx_usable_or_say_why()) return 0;
   constexpr int64_t kT = 64, kD = 128, kHalf = 32;
   const int64_t ldv = bf16::vnni_words(kD), ldq = bf16::row_words(kD, true);
   const int64_t np = bf16::stored_pairs(kD, true);

@@ -158,10 +158,7 @@ double gflops(long calls, F&& f) {
 int main(int argc, char** argv) {
   namespace bf16 = ctxpar::kernel::bf16;
   const long repeats = argc > 1 ? std::atol(argv[1]) : 2000;
-  if (!ctxpar::kernel::amx_unusable_why().empty()) {
-    std::printf("AMX-BF16 not usable here: %s\n", ctxpar::kernel::amx_unusable_why().c_str());
-    return 0;
-  }
+  if (!lab::amx_usable_or_say_why()) return 0;
   const int64_t ldv = bf16::vnni_words(kN), ldc = ldv;
   std::vector<uint32_t> a(kChunks * kChunk), vnni(kChunks * kHalf * ldv), one(256);
   // Small integers as bf16 pairs (1..8, exact sums), distinct enough that a misplaced one shows.

@@ -41,10 +41,7 @@ int main(int argc, char** argv) {
                  "usage: lab_10_forward_steps [T >= 64] [H >= 1] [D 16..256] [repeats >= 1]\n");
     return 2;
   }
-  if (!kernel::amx_unusable_why().empty()) {
-    std::printf("AMX-BF16 not usable here: %s\n", kernel::amx_unusable_why().c_str());
-    return 0;
-  }
+  if (!lab::amx_usable_or_say_why()) return 0;
   Tensor q(DType::bf16, {1, t, h, d}), k(DType::bf16, {1, t, h, d}), v(DType::bf16, {1, t, h, d});
   fill_normal(q, 1), fill_normal(k, 2), fill_normal(v, 3);
   std::vector<int64_t> pos(t);

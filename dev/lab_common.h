@@ -8,12 +8,21 @@
 #include <cstdlib>
 #include <ctime>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "ctxpar/reference.h"
 #include "ctxpar/tensor.h"
+#include "kernel/amx_probe.h"
 
 namespace lab {
+
+// Whether AMX-BF16 tiles can run here; where not, says why (the AMX labs then exit 0).
+inline bool amx_usable_or_say_why() {
+  const std::string why = ctxpar::kernel::amx_unusable_why();
+  if (!why.empty()) std::printf("AMX-BF16 not usable here: %s\n", why.c_str());
+  return why.empty();
+}
 
 struct Problem {
   int64_t t = 1024, h = 2, d = 128;
