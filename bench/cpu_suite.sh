@@ -13,7 +13,8 @@
 #
 # Options: --build DIR (default build), --out DIR (default bench-cpu-suite; must not hold a run),
 # --repeats N (alternating repetitions, default 5), --inner N (each run is the best of N, as
-# `bench kernel --repeats N`; default 1), --quick, --torch-python PY (an interpreter that already
+# `bench kernel --repeats N`, timed after its one untimed warm-up call at the same shape, as
+# torch_sdpa.py warms torch up; default 1), --quick, --torch-python PY (an interpreter that already
 # has torch: no venv, no pip), --venv DIR (default .venv-torch), --torch-version V (default
 # 2.15.0), --no-torch, --ggml BIN (also time ggml's CPU flash attention, forward, 1 and 2 threads,
 # K/V fp32 and fp16, with BIN built from bench/ggml_fa.cc against your own ggml checkout; see

@@ -31,6 +31,25 @@ TEST(CliOutputs, EveryHelpExits0) {
   EXPECT_NE(r.out.find("cp"), std::string::npos) << r.out;
 }
 
+// bench kernel times after --warmup untimed calls (default 1, as bench/torch_sdpa.py warms
+// torch up), and says how many in its JSON and its text.
+TEST(CliOutputs, BenchKernelSaysItsWarmup) {
+  const std::string small = "bench kernel --seq 64 --heads 1 --head-dim 16 --repeats 1 ";
+  for (const int warmup : {-1, 0, 2}) {
+    SCOPED_TRACE(warmup);
+    const std::string given = warmup < 0 ? "" : "--warmup " + std::to_string(warmup) + " ";
+    const CommandResult j = run_ctxpar(small + given + "--json");
+    ASSERT_EQ(j.exit_code, 0) << j.err;
+    const nlohmann::json out = nlohmann::json::parse(j.out);
+    EXPECT_EQ(out["warmup"], warmup < 0 ? 1 : warmup);
+    EXPECT_GT(out["fwd_gflops"].get<double>(), 0.0);
+    const CommandResult t = run_ctxpar(small + given);
+    ASSERT_EQ(t.exit_code, 0) << t.err;
+    const std::string says = "after " + std::to_string(warmup < 0 ? 1 : warmup) + " warm-up call";
+    EXPECT_NE(t.out.find(says), std::string::npos) << t.out;
+  }
+}
+
 // Progress is drawn only on a terminal (or with --progress): `--json 2>&1` is one JSON object,
 // also for a problem big enough that progress lines used to go to a log.
 TEST(CliOutputs, JsonWithStderrMergedIsJson) {

@@ -144,6 +144,7 @@ TEST(NumberRanges, EverySubcommandChecksItsNumbers) {
       {"bench cp --link-gbps 1e-300 --dry-run", "--link-gbps must be 0 or a number in"},
       {"bench kernel --threads 4294967297", "--threads must be in [1, 1024]"},
       {"bench kernel --seq 18014398509481985K", "--seq must be in [1, 1099511627776]"},
+      {"bench kernel --warmup -1", "--warmup must be in [0, 1000000]"},
       {"train --ranks 4294967298", "--ranks must be in [1, 1024]"},
       {"train --layers 4294967298", "--layers must be in [1, 65536]"},
       {"train --lr nan", "--lr must be a number in [0, 10]"},

@@ -2,7 +2,10 @@
 // machine's FMA peak for the same thread count, measured in the same run. The machines here
 // are shared and noisy, so: each repeat measures the peak and every kernel figure again, the
 // best of each over the repeats counts, and every figure is also given by CPU time (process
-// CPU seconds / threads), which time stolen by other processes does not inflate.
+// CPU seconds / threads), which time stolen by other processes does not inflate. Before
+// timing, --warmup untimed forward and backward calls (default 1) touch what the kernel keeps
+// between calls (its per-thread packed K / V and scratch, Note [Buffers on cache lines]), as
+// every training step after the first finds them, and as bench/torch_sdpa.py warms torch up.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -37,7 +40,7 @@ void time_once(Best& best, int threads, const std::function<void()>& run) {
 // The measurement `ctxpar bench kernel` makes: the shape, dtype and tier, threads, repeats.
 struct KernelBench {
   int64_t t = 0, hq = 0, hkv = 0, d = 0, b = 0;
-  int threads = 1, repeats = 1;
+  int threads = 1, repeats = 1, warmup = 1;
   DType dtype = DType::f32;
   Bf16Tier tier = Bf16Tier::exact;
   bool backward = true;
@@ -58,6 +61,9 @@ Options bench_kernel_options() {
       .add("bf16-tier", "exact", kBf16TierHelp)
       .add("threads", "1", "OpenMP threads (not given: OMP_NUM_THREADS when set)")
       .add("repeats", "3", "repetitions of every measurement (peak included); the best counts")
+      .add("warmup", "1",
+           "untimed forward (+ backward) calls at the same shape before timing (0: none, so "
+           "the first timed call also pays the first touch of the kernel's buffers)")
       .flag("no-backward", "skip the backward measurements")
       .flag("json", "print one JSON object instead of text");
   o.example("ctxpar bench kernel --seq 4096 --heads 8 --head-dim 128 --threads 1 --json");
@@ -72,6 +78,7 @@ KernelBench kernel_bench_from_options(const Options& o) {
   const int64_t kv = o.i64("kv-heads", 0, kMaxHeads), hkv = kb.hkv = kv > 0 ? kv : hq;
   const int threads = kb.threads = threads_option(o);
   kb.repeats = o.i32("repeats", 1, kMaxRepeats);
+  kb.warmup = o.i32("warmup", 0, kMaxRepeats);
   const DType dtype = kb.dtype = parse_dtype(o.str("dtype"));
   kb.tier = bf16_tier_option(o);
   CTXPAR_CHECK(t >= 1 && hq >= 1 && b >= 1 && threads >= 1,
@@ -135,6 +142,10 @@ nlohmann::json run_kernel_bench(const KernelBench& kb) {
   const Mask none, causal = Mask::causal_mask();
   kernel::Peak peak;
   Best fwd, bwd, cfwd, cbwd;
+  for (int w = 0; w < kb.warmup; ++w) {
+    forward(none);
+    if (backward) run_backward(none);
+  }
   for (int r = 0; r < repeats; ++r) {
     const kernel::Peak pk = kernel::measure_fma_peak(threads, 0.1);
     peak.gflops = std::max(peak.gflops, pk.gflops);
@@ -148,7 +159,7 @@ nlohmann::json run_kernel_bench(const KernelBench& kb) {
   nlohmann::json j;
   j["seq"] = t, j["heads"] = hq, j["kv_heads"] = hkv, j["head_dim"] = d, j["batch"] = b;
   j["dtype"] = dtype_name(dtype), j["bf16_tier"] = bf16_tier_name(tier);
-  j["threads"] = threads, j["repeats"] = repeats;
+  j["threads"] = threads, j["repeats"] = repeats, j["warmup"] = kb.warmup;
   j["simd_target"] = kernel::simd_target_name(), j["simd_lanes"] = kernel::simd_lanes();
   auto put = [&](const char* name, double flops, const Best& s) {
     const std::string n = name;
@@ -182,9 +193,10 @@ void print_kernel_bench(const KernelBench& kb, const nlohmann::json& j) {
   kernel::Peak peak;
   peak.gflops = j["peak_gflops"], peak.cpu_gflops = j["peak_gflops_cpu"];
   std::printf(
-      "kernel T=%lld Hq=%lld Hkv=%lld D=%lld B=%lld %s, %d thread(s), SIMD %s x%d, best of %d\n",
+      "kernel T=%lld Hq=%lld Hkv=%lld D=%lld B=%lld %s, %d thread(s), SIMD %s x%d, best of %d "
+      "after %d warm-up call(s)\n",
       (long long)t, (long long)hq, (long long)hkv, (long long)d, (long long)b, dtype_name(dtype),
-      threads, kernel::simd_target_name(), kernel::simd_lanes(), repeats);
+      threads, kernel::simd_target_name(), kernel::simd_lanes(), repeats, kb.warmup);
   std::printf("                    GFLOP/s (wall)  of peak   GFLOP/s (cpu)  of peak\n");
   auto line = [&](const char* what, const char* key, bool ratio) {
     const double w = j[std::string(key) + "_gflops"], c = j[std::string(key) + "_gflops_cpu"];
