@@ -33,14 +33,11 @@ constexpr int kNumSteps = sizeof(kSteps) / sizeof(kSteps[0]);
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int64_t t = argc > 1 ? std::atoll(argv[1]) : 4096, h = argc > 2 ? std::atoll(argv[2]) : 8,
-                d = argc > 3 ? std::atoll(argv[3]) : 128;
-  const int repeats = argc > 4 ? std::atoi(argv[4]) : 3;
-  if (t < 64 || h < 1 || d < 16 || d > 256 || repeats < 1) {
-    std::fprintf(stderr,
-                 "usage: lab_10_forward_steps [T >= 64] [H >= 1] [D 16..256] [repeats >= 1]\n");
-    return 2;
-  }
+  lab::ForwardShapeArgs args;
+  args.repeats = 3;
+  if (!lab::forward_shape_args(argc, argv, "lab_10_forward_steps", 64, args)) return 2;
+  const int64_t t = args.t, h = args.h, d = args.d;
+  const int repeats = args.repeats;
   if (!lab::amx_usable_or_say_why()) return 0;
   Tensor q(DType::bf16, {1, t, h, d}), k(DType::bf16, {1, t, h, d}), v(DType::bf16, {1, t, h, d});
   fill_normal(q, 1), fill_normal(k, 2), fill_normal(v, 3);

@@ -17,6 +17,24 @@
 
 namespace lab {
 
+// The [T] [H] [D] [repeats] arguments of a lab that times the library's forward (defaults
+// 4096, 8, 128, `repeats`); false (usage printed) where one is out of range.
+struct ForwardShapeArgs {
+  int64_t t = 4096, h = 8, d = 128;
+  int repeats = 3;
+};
+inline bool forward_shape_args(int argc, char** argv, const char* name, int64_t min_t,
+                               ForwardShapeArgs& a) {
+  if (argc > 1) a.t = std::atoll(argv[1]);
+  if (argc > 2) a.h = std::atoll(argv[2]);
+  if (argc > 3) a.d = std::atoll(argv[3]);
+  if (argc > 4) a.repeats = std::atoi(argv[4]);
+  if (a.t >= min_t && a.h >= 1 && a.d >= 16 && a.d <= 256 && a.repeats >= 1) return true;
+  std::fprintf(stderr, "usage: %s [T >= %lld] [H >= 1] [D 16..256] [repeats >= 1]\n", name,
+               static_cast<long long>(min_t));
+  return false;
+}
+
 // Whether AMX-BF16 tiles can run here; where not, says why (the AMX labs then exit 0).
 inline bool amx_usable_or_say_why() {
   const std::string why = ctxpar::kernel::amx_unusable_why();

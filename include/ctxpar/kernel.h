@@ -146,6 +146,15 @@ void attention_forward_finalize(const ForwardState& state, const TensorView& out
 void attention_forward_finalize(const ForwardStateView& state, const TensorView& out,
                                 const TensorView& lse, const KernelConfig& config = {});
 
+// The whole forward of q against one K/V block that is all it sees: O and LSE exactly as
+// attention_forward_block on a fresh ForwardState then attention_forward_finalize write them (the
+// same bits), without the state (its acc is as big as an fp32 O) and its passes over memory:
+// each task writes its rows' O and LSE (docs/kernel.md, "The whole forward in one call").
+KernelStats attention_forward(const TensorView& q, const Tokens& q_tokens, const TensorView& k,
+                              const TensorView& v, const Tokens& k_tokens, const Mask& mask,
+                              const TensorView& out, const TensorView& lse,
+                              const KernelConfig& config = {});
+
 // delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d]  (fp32), the FA2 row term.
 void attention_backward_delta(const TensorView& out, const TensorView& dout,
                               const TensorView& delta, const KernelConfig& config = {});

@@ -2,10 +2,12 @@
 // the readable scalar one with CTXPAR_SIMD=scalar or CTXPAR_KERNEL=scalar, for debugging and
 // for the lab; see dispatch.cc).
 // Also the cheap per-row steps: ForwardState, finalize and the backward delta.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "ctxpar/kernel.h"
 #include "kernel/problem.h"
@@ -40,6 +42,26 @@ void attention_forward_finalize(const ForwardState& state, const TensorView& out
                                 const TensorView& lse, const KernelConfig& config) {
   attention_forward_finalize(state.view(), out, lse, config);
 }
+
+namespace kernel {
+float finalize_row(const float* acc, float m, float l, int64_t d, float* row, const TensorView& out,
+                   int64_t off) {
+  float lse = kNegInf;
+  if (m == kNegInf) {  // no visible key: O = 0, LSE = -inf
+    std::fill_n(row, d, 0.0f);
+  } else {
+    const float inv = 1.0f / l;
+    for (int64_t c = 0; c < d; ++c) row[c] = acc[c] * inv;
+    // A score beyond the fp32 range (max +inf) or a NaN in the sums: LSE = +inf says so
+    // (the strategies then fail naming the row); -inf would pass for a masked row.
+    lse = l > 0 && m < std::numeric_limits<float>::infinity()
+              ? m + std::log(l)
+              : std::numeric_limits<float>::infinity();
+  }
+  store_row(out, off, d, row);
+  return lse;
+}
+}  // namespace kernel
 
 namespace {
 // Whether a product of a and b takes exact bf16 products (kernel/simd_bf16.h): both bf16, and
@@ -110,23 +132,35 @@ void attention_forward_finalize(const ForwardStateView& state, const TensorView&
     for (int64_t r = 0; r < b * t * h; ++r) {
       const int64_t hi = r % h, ti = (r / h) % t, bi = r / (h * t);
       const int64_t stat = (bi * h + hi) * t + ti;
-      const float li = l[stat], mi = m[stat];
-      float& lse_out = lse.ptr<float>()[lse.offset(bi, hi, ti)];
-      if (mi == kNegInf) {  // no visible key: O = 0, LSE = -inf
-        std::fill(row.begin(), row.end(), 0.0f);
-        lse_out = kNegInf;
-      } else {
-        const float inv = 1.0f / li;
-        for (int64_t c = 0; c < d; ++c) row[c] = acc[r * d + c] * inv;
-        // A score beyond the fp32 range (max +inf) or a NaN in the sums: LSE = +inf says so
-        // (the strategies then fail naming the row); -inf would pass for a masked row.
-        lse_out = li > 0 && mi < std::numeric_limits<float>::infinity()
-                      ? mi + std::log(li)
-                      : std::numeric_limits<float>::infinity();
-      }
-      kernel::store_row(out, out.offset(bi, ti, hi), d, row.data());
+      lse.ptr<float>()[lse.offset(bi, hi, ti)] = kernel::finalize_row(
+          acc + r * d, m[stat], l[stat], d, row.data(), out, out.offset(bi, ti, hi));
     }
   }
+}
+
+KernelStats attention_forward(const TensorView& q, const Tokens& q_tokens, const TensorView& k,
+                              const TensorView& v, const Tokens& k_tokens, const Mask& mask,
+                              const TensorView& out, const TensorView& lse,
+                              const KernelConfig& config) {
+  kernel::Problem p = kernel::check_forward_args(q, q_tokens, k, v, k_tokens, mask, config);
+  kernel::check_activation("out", out, true);
+  CTXPAR_CHECK(out.shape() == q.shape(),
+               "out: expected q's shape [B, Tq, Hq, D] = ", shape_str(q.shape()), ", got ",
+               shape_str(out.shape()));
+  kernel::check_rows_f32("lse", lse, p.batch, p.hq, p.tq);
+  // The scalar path, and nothing to compute (an empty K/V block still writes O = 0 and
+  // LSE = -inf): through a state, as the definition.
+  if (kernel::use_scalar_path() || p.tq == 0 || p.tk == 0 || p.batch == 0) {
+    ForwardState state(p.batch, p.tq, p.hq, p.d);
+    const KernelStats stats =
+        attention_forward_block(q, q_tokens, k, v, k_tokens, mask, state, config);
+    attention_forward_finalize(state, out, lse, config);
+    return stats;
+  }
+  p.bf16_scores = both_bf16(q, k, config);
+  p.amx = p.bf16_scores && amx_products(config);
+  p.round_p = config.bf16_tier == Bf16Tier::fast && q.dtype() == DType::bf16;
+  return kernel::forward_simd_whole(p, q, q_tokens, k, v, k_tokens, mask, out, lse);
 }
 
 void attention_backward_delta(const TensorView& out, const TensorView& dout,

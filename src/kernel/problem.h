@@ -189,6 +189,13 @@ int64_t parse_kernel_l1d(const char* text);
 // `l1d_bytes` (0: kernel_l1d_bytes()) each; 0 (one pass, no panels) when the whole B fits.
 int64_t kernel_k_panel(int64_t n, int64_t k, int64_t l1d_bytes);
 
+// One row of attention_forward_finalize (api.cc), its one home: O = acc / l (d values, through
+// `row`, d floats of scratch) into out at element offset `off` in out's dtype; returns the LSE,
+// m + log(l). A row that saw no visible key (m = -inf): O = 0, LSE = -inf; a score beyond the
+// fp32 range or a NaN in the sums: LSE = +inf.
+float finalize_row(const float* acc, float m, float l, int64_t d, float* row, const TensorView& out,
+                   int64_t off);
+
 // The two implementations behind the public calls (see api.cc for the choice).
 KernelStats forward_scalar(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                            const TensorView& k, const TensorView& v, const Tokens& k_tokens,
@@ -208,6 +215,11 @@ KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_
 KernelStats forward_simd_steps(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                                const TensorView& k, const TensorView& v, const Tokens& k_tokens,
                                const Mask& mask, const ForwardStateView& state, int64_t step_tiles);
+// Note [The whole forward in one call] (simd_forward.cc): forward_simd on a fresh state followed
+// by the finalize, without the state: out and lse written by the tasks, bit for bit.
+KernelStats forward_simd_whole(const Problem& p, const TensorView& q, const Tokens& q_tokens,
+                               const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                               const Mask& mask, const TensorView& out, const TensorView& lse);
 KernelStats backward_simd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                           const TensorView& k, const TensorView& v, const Tokens& k_tokens,
                           const Mask& mask, const TensorView& dout, const TensorView& lse,

@@ -31,13 +31,15 @@ namespace ctxpar::kernel::HWY_NAMESPACE {
 namespace {
 
 // One forward call's arguments: q [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; state.acc
-// [B, Tq, Hq, D], state.m / l [B, Hq, Tq].
+// [B, Tq, Hq, D], state.m / l [B, Hq, Tq]. Or, for the whole forward in one call (Note [The
+// whole forward in one call]), no state but out [B, Tq, Hq, D] and lse [B, Hq, Tq].
 struct ForwardArgs {
   const Problem& p;
   const TensorView &q, &k, &v;
   const Tokens &q_tokens, &k_tokens;
   const Mask& mask;
-  const ForwardStateView& state;
+  const ForwardStateView* state;
+  const TensorView *out = nullptr, *lse = nullptr;
 };
 
 // Note [Two query tiles a task]: a task takes kSub = 2 consecutive 64-row query tiles, so
@@ -162,6 +164,7 @@ class ForwardWorker {
         lv_(kRows * nl_),
         qpairs_(a.p.bf16_scores ? kRows * sh.ldw : 0),
         ppairs_(sh.pairs_pv ? sh.nsplit * split_words_ * sh.step_tiles : 0),
+        row_(sh.d),
         steps_(sh.step_tiles),
         vtiles_(sh.step_tiles) {}
 
@@ -174,39 +177,68 @@ class ForwardWorker {
       bf16::pack_rows(a_.q, b_, h_, i0_, rows_, sh_.d, sh_.ldw, qpairs_.data(), kRows);
     else
       pack_rows(a_.q, b_, h_, i0_, rows_, sh_.d, sh_.ld, qt_.data(), p_.scale, kRows);
-    load_state();
+    if (a_.state)
+      load_state();
+    else
+      fresh_state();
     bool touched = false;
     if (sh_.step_tiles > 1)
       for (int64_t kt = 0; kt < sh_.nkt; kt += sh_.step_tiles)
         touched = key_step(kt, std::min(sh_.nkt, kt + sh_.step_tiles)) || touched;
     else
       for (int64_t kt = 0; kt < sh_.nkt; ++kt) touched = key_tile(kt) || touched;
-    if (touched) store_state();  // else the rows are unchanged (same bits)
+    if (!a_.state)
+      finalize();
+    else if (touched)
+      store_state();  // else the rows are unchanged (same bits)
   }
 
  private:
   float* stat_ptr(const TensorView& t) const { return t.ptr<float>(); }
+  const ForwardStateView& state() const { return *a_.state; }
   int64_t stat(int64_t r) const { return (b_ * p_.hq + h_) * p_.tq + i0_ + r; }
   float* acc_row(int64_t r) const {
-    return a_.state.acc().ptr<float>() + ((b_ * p_.tq + i0_ + r) * p_.hq + h_) * sh_.d;
+    return state().acc().ptr<float>() + ((b_ * p_.tq + i0_ + r) * p_.hq + h_) * sh_.d;
   }
 
   void load_state() {
     std::fill(acc_.begin(), acc_.end(), 0.0f);
     for (int64_t r = 0; r < rows_; ++r) {
-      m_[r] = stat_ptr(a_.state.m())[stat(r)];
+      m_[r] = stat_ptr(state().m())[stat(r)];
       // Row sums kept as one vector per row (lanes summed once per task, not once per tile).
       std::fill_n(lv_.data() + r * nl_, nl_, 0.0f);
-      lv_[r * nl_] = stat_ptr(a_.state.l())[stat(r)];
+      lv_[r * nl_] = stat_ptr(state().l())[stat(r)];
       std::copy_n(acc_row(r), sh_.d, acc_.data() + r * sh_.ld);
+    }
+  }
+
+  // Note [The whole forward in one call]: the rows start as a fresh ForwardState's (m = -inf,
+  // l = 0, acc = 0: the values load_state would read after reset()) and end through the
+  // finalize's own row step (finalize_row, api.cc) instead of into a state: the same
+  // operations on the same values, so O and LSE keep the bits of block + finalize; what is
+  // saved is the state's memory (its acc is an fp32 O) and four passes over it (reset, load,
+  // store, finalize's read).
+  void fresh_state() {
+    std::fill(acc_.begin(), acc_.end(), 0.0f);
+    std::fill_n(m_.data(), rows_, kNegInf);
+    std::fill_n(lv_.data(), rows_ * nl_, 0.0f);
+  }
+
+  void finalize() {
+    const DF df;
+    for (int64_t r = 0; r < rows_; ++r) {
+      const float l = hn::GetLane(hn::SumOfLanes(df, hn::LoadU(df, lv_.data() + r * nl_)));
+      a_.lse->ptr<float>()[a_.lse->offset(b_, h_, i0_ + r)] =
+          finalize_row(acc_.data() + r * sh_.ld, m_[r], l, sh_.d, row_.data(), *a_.out,
+                       a_.out->offset(b_, i0_ + r, h_));
     }
   }
 
   void store_state() {
     const DF df;
     for (int64_t r = 0; r < rows_; ++r) {
-      stat_ptr(a_.state.m())[stat(r)] = m_[r];
-      stat_ptr(a_.state.l())[stat(r)] =
+      stat_ptr(state().m())[stat(r)] = m_[r];
+      stat_ptr(state().l())[stat(r)] =
           hn::GetLane(hn::SumOfLanes(df, hn::LoadU(df, lv_.data() + r * nl_)));
       std::copy_n(acc_.data() + r * sh_.ld, sh_.d, acc_row(r));
     }
@@ -361,6 +393,7 @@ class ForwardWorker {
   LineVector<float> qt_, s_, acc_, m_, lv_;
   LineVector<uint32_t> qpairs_;  // Q as bf16 pairs, unscaled
   LineVector<uint32_t> ppairs_;  // P's parts as pairs
+  std::vector<float> row_;       // finalize_row's scratch
   // A key step's computed tiles (Note [Key steps]): each one's classification per query tile.
   struct Step {
     int64_t kt = 0, first = -1, last = -1;
@@ -371,12 +404,9 @@ class ForwardWorker {
   int64_t b_ = 0, h_ = 0, hk_ = 0, q0_ = 0, nsub_ = 0, i0_ = 0, rows_ = 0;
 };
 
-}  // namespace
-
-KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
-                        const TensorView& k, const TensorView& v, const Tokens& k_tokens,
-                        const Mask& mask, const ForwardStateView& state, int64_t step_tiles) {
-  const ForwardArgs a{p, q, k, v, q_tokens, k_tokens, mask, state};
+// One forward call: K / V packed, then the tasks.
+KernelStats run_forward(const ForwardArgs& a, int64_t step_tiles) {
+  const Problem& p = a.p;
   const ForwardShape sh = forward_shape(a, step_tiles);
   const PackedKv kv = pack_kv(a, sh);
 #pragma omp parallel num_threads(p.threads)
@@ -387,7 +417,21 @@ KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_t
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < sh.tasks; ++task) worker.run(task);
   }
-  return count_tiles(p, mask, sh.qr, sh.kr, 1.0);
+  return count_tiles(p, a.mask, sh.qr, sh.kr, 1.0);
+}
+
+}  // namespace
+
+KernelStats ForwardSimd(const Problem& p, const TensorView& q, const Tokens& q_tokens,
+                        const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                        const Mask& mask, const ForwardStateView& state, int64_t step_tiles) {
+  return run_forward({p, q, k, v, q_tokens, k_tokens, mask, &state}, step_tiles);
+}
+
+KernelStats ForwardSimdWhole(const Problem& p, const TensorView& q, const Tokens& q_tokens,
+                             const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                             const Mask& mask, const TensorView& out, const TensorView& lse) {
+  return run_forward({p, q, k, v, q_tokens, k_tokens, mask, nullptr, &out, &lse}, 0);
 }
 
 // The target's vector exp2 over n values (n any), for its accuracy test.
@@ -412,6 +456,7 @@ HWY_AFTER_NAMESPACE();
 namespace ctxpar::kernel {
 
 HWY_EXPORT(ForwardSimd);
+HWY_EXPORT(ForwardSimdWhole);
 HWY_EXPORT(Exp2Neg);
 HWY_EXPORT(NativeFma);
 
@@ -419,6 +464,12 @@ KernelStats forward_simd(const Problem& p, const TensorView& q, const Tokens& q_
                          const TensorView& k, const TensorView& v, const Tokens& k_tokens,
                          const Mask& mask, const ForwardStateView& state) {
   return HWY_DYNAMIC_DISPATCH(ForwardSimd)(p, q, q_tokens, k, v, k_tokens, mask, state, 0);
+}
+
+KernelStats forward_simd_whole(const Problem& p, const TensorView& q, const Tokens& q_tokens,
+                               const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                               const Mask& mask, const TensorView& out, const TensorView& lse) {
+  return HWY_DYNAMIC_DISPATCH(ForwardSimdWhole)(p, q, q_tokens, k, v, k_tokens, mask, out, lse);
 }
 
 KernelStats forward_simd_steps(const Problem& p, const TensorView& q, const Tokens& q_tokens,

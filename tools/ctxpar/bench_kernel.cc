@@ -93,11 +93,10 @@ KernelBench kernel_bench_from_options(const Options& o) {
                                     " (grouped-query attention); e.g. --kv-heads ",
                                     std::gcd(hq, hkv)));
   {
-    // Before allocating: q, k, v, dO, O in the dtype; lse, delta, the state's m and l in fp32;
-    // the fp32 accumulator, dQ, dK, dV.
+    // Before allocating: q, k, v, dO, O in the dtype; lse, delta in fp32; dQ, dK, dV (fp32).
     const double B = double(b), T = double(t), D = double(d), es = double(dtype_size(dtype));
     const double need =
-        B * T * D * ((3.0 * hq + 2.0 * hkv) * es + (2.0 * hq + 2.0 * hkv) * 4) + 4 * B * hq * T * 4;
+        B * T * D * ((3.0 * hq + 2.0 * hkv) * es + (1.0 * hq + 2.0 * hkv) * 4) + 2 * B * hq * T * 4;
     const MemoryLimit limit = memory_limit();
     CTXPAR_CHECK(!limit.known() || need <= limit.bytes, "bench kernel: this run ",
                  limit.shortfall(need), ", or lower --seq, --heads, --head-dim or --batch");
@@ -123,16 +122,15 @@ nlohmann::json run_kernel_bench(const KernelBench& kb) {
   KernelConfig cfg;
   cfg.threads = threads;
   cfg.bf16_tier = tier;
-  ForwardState state(b, t, hq, d);
   Tensor out(dtype, {b, t, hq, d}), lse(DType::f32, {b, hq, t}), delta(DType::f32, {b, hq, t});
   Tensor dq(DType::f32, {b, t, hq, d}), dk(DType::f32, {b, t, hkv, d}),
       dv(DType::f32, {b, t, hkv, d});
 
   const double full = attention_flops(b, hq, t, t, d);
+  // The whole forward of one block (attention_forward: the bits of a fresh state's block and
+  // finalize, without the state), as torch's SDPA forward is one call.
   auto forward = [&](const Mask& mask) {
-    state.reset();
-    attention_forward_block(q, tokens, k, v, tokens, mask, state, cfg);
-    attention_forward_finalize(state, out, lse, cfg);
+    attention_forward(q, tokens, k, v, tokens, mask, out, lse, cfg);
   };
   auto run_backward = [&](const Mask& mask) {
     dq.fill_zero(), dk.fill_zero(), dv.fill_zero();
