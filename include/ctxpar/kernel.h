@@ -149,7 +149,8 @@ void attention_forward_finalize(const ForwardStateView& state, const TensorView&
 // The whole forward of q against one K/V block that is all it sees: O and LSE exactly as
 // attention_forward_block on a fresh ForwardState then attention_forward_finalize write them (the
 // same bits), without the state (its acc is as big as an fp32 O) and its passes over memory:
-// each task writes its rows' O and LSE (docs/kernel.md, "The whole forward in one call").
+// each task writes its rows' O and LSE (docs/kernel.md, "The whole forward in one call"). out
+// and lse must not share memory with q, k, v or each other (refused, naming both).
 KernelStats attention_forward(const TensorView& q, const Tokens& q_tokens, const TensorView& k,
                               const TensorView& v, const Tokens& k_tokens, const Mask& mask,
                               const TensorView& out, const TensorView& lse,

@@ -148,6 +148,12 @@ KernelStats attention_forward(const TensorView& q, const Tokens& q_tokens, const
                "out: expected q's shape [B, Tq, Hq, D] = ", shape_str(q.shape()), ", got ",
                shape_str(out.shape()));
   kernel::check_rows_f32("lse", lse, p.batch, p.hq, p.tq);
+  for (const auto& [name, in] :
+       {std::pair<const char*, const TensorView&>{"q", q}, {"k", k}, {"v", v}, {"lse", lse}})
+    kernel::check_apart("out", out, name, in);
+  for (const auto& [name, in] :
+       {std::pair<const char*, const TensorView&>{"q", q}, {"k", k}, {"v", v}})
+    kernel::check_apart("lse", lse, name, in);
   // The scalar path, and nothing to compute (an empty K/V block still writes O = 0 and
   // LSE = -inf): through a state, as the definition.
   if (kernel::use_scalar_path() || p.tq == 0 || p.tk == 0 || p.batch == 0) {

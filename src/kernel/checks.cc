@@ -1,6 +1,7 @@
 // Argument checks of the kernel calls. Every check names the argument and what was expected,
 // so a strategy author can act on the message without reading this file.
 #include <cmath>
+#include <utility>
 
 #include "kernel/finite.h"
 #include "kernel/problem.h"
@@ -33,6 +34,30 @@ void check_activation(const char* name, const TensorView& t, bool allow_bf16, co
                       const char* what) {
   const std::string e = activation_verdict(name, t, allow_bf16, want, what);
   if (!e.empty()) throw Error(e);
+}
+
+namespace {
+// [first byte, one past the last byte] of a view's elements.
+std::pair<const char*, const char*> byte_span(const TensorView& t) {
+  const int64_t es = dtype_size(t.dtype());
+  int64_t lo = 0, hi = 0;
+  for (int i = 0; i < t.ndim(); ++i) {
+    const int64_t reach = t.stride(i) * (t.dim(i) - 1);
+    (reach < 0 ? lo : hi) += reach;
+  }
+  const char* base = static_cast<const char*>(t.data());
+  return {base + lo * es, base + (hi + 1) * es};
+}
+}  // namespace
+
+void check_apart(const char* out_name, const TensorView& out, const char* in_name,
+                 const TensorView& in) {
+  if (out.numel() == 0 || in.numel() == 0) return;
+  const auto [a0, a1] = byte_span(out);
+  const auto [b0, b1] = byte_span(in);
+  CTXPAR_CHECK(a1 <= b0 || b1 <= a0, out_name, ": its memory overlaps ", in_name,
+               "'s (the call writes ", out_name, " while it may still read ", in_name, "); give ",
+               out_name, " memory of its own");
 }
 
 void check_rows_f32(const char* name, const TensorView& t, int64_t b, int64_t h, int64_t tokens) {

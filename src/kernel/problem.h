@@ -50,6 +50,10 @@ void check_rows_f32(const char* name, const TensorView& t, int64_t b, int64_t h,
 // Throws activation_verdict's message (kernel/finite.h) unless it is "".
 void check_activation(const char* name, const TensorView& t, bool allow_bf16,
                       const Shape& want = {}, const char* what = "[B, T, H, D]");
+// Throws unless the memory `out` spans (first to last element, any strides) is apart from
+// `in`'s: "<out_name>: its memory overlaps <in_name>'s ...". An empty view overlaps nothing.
+void check_apart(const char* out_name, const TensorView& out, const char* in_name,
+                 const TensorView& in);
 // Throws naming the first NaN / Inf element of a [B, T, H, D] tensor.
 void check_finite(const char* name, const TensorView& t);
 

@@ -114,7 +114,7 @@ TEST(ForwardWhole, NoKeysAndBadOutputs) {
   Case ok;
   const Inputs good = make_inputs(ok);
   Tensor lse(DType::f32, {1, 2, 7}), small(DType::f32, {1, 6, 2, 16}), bad_lse(DType::f32, {1, 7});
-  auto refused = [&](const Tensor& o, const Tensor& l) {
+  auto refused = [&](const TensorView& o, const TensorView& l) {
     try {
       attention_forward(good.q, good.q_tokens(), good.k, good.v, good.k_tokens(), Mask::none(), o,
                         l);
@@ -128,6 +128,15 @@ TEST(ForwardWhole, NoKeysAndBadOutputs) {
       << refused(small, lse);
   EXPECT_NE(refused(Tensor(DType::f32, {1, 7, 2, 16}), bad_lse).find("lse"), std::string::npos)
       << refused(Tensor(DType::f32, {1, 7, 2, 16}), bad_lse);
+  // Outputs in the inputs' memory (the tasks write O while others still read q) are refused,
+  // naming both; apart, the same call runs.
+  const std::string in_q = refused(good.q, lse);
+  EXPECT_NE(in_q.find("out: its memory overlaps q's"), std::string::npos) << in_q;
+  const TensorView k_as_lse(good.k.view().data(), DType::f32, {1, 2, 7}, {14, 7, 1});
+  Tensor o(DType::f32, {1, 7, 2, 16});
+  const std::string lse_in_k = refused(o, k_as_lse);
+  EXPECT_NE(lse_in_k.find("lse: its memory overlaps k's"), std::string::npos) << lse_in_k;
+  EXPECT_EQ(refused(o, lse), "");
 }
 
 }  // namespace
