@@ -188,6 +188,10 @@ struct DeviceCaps {
   // the KV cache's door). False where the device reads no input data on the host (cuda: its
   // kernels do not check finiteness, docs/cuda.md).
   bool finite_checks = true;
+  // op::Forward runs here (attention_forward of kernel.h: one block's O and LSE without a
+  // state); else a caller absorbs the block into a state and finalizes it (forward_whole below
+  // chooses).
+  bool whole_forward = false;
 };
 
 class Device {
@@ -258,6 +262,12 @@ class Device {
                         const TensorView& lse, const KernelConfig& config) {
     run(s, {op::ForwardFinalize{state, out, lse, config}});
   }
+  // The forward of q against the one K/V block it sees, into out and lse: op::Forward where
+  // caps().whole_forward, else a fresh state in device memory, the block and its finalize (the
+  // same bits either way).
+  void forward_whole(Stream s, const TensorView& q, const Tokens& q_tokens, const TensorView& k,
+                     const TensorView& v, const Tokens& k_tokens, const Mask& mask,
+                     const TensorView& out, const TensorView& lse, const KernelConfig& config);
   void backward_delta(Stream s, const TensorView& out, const TensorView& dout,
                       const TensorView& delta, const KernelConfig& config) {
     run(s, {op::BackwardDelta{out, dout, delta, config}});

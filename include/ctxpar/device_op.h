@@ -36,6 +36,18 @@ struct ForwardFinalize {
   TensorView out, lse;
   KernelConfig config;
 };
+// attention_forward of kernel.h: the whole forward of q against the one K/V block it sees,
+// O and LSE without a state. Only where the device's caps().whole_forward says so.
+struct Forward {
+  static constexpr const char* kName = "forward";
+  TensorView q;
+  Tokens q_tokens;
+  TensorView k, v;
+  Tokens k_tokens;
+  Mask mask;
+  TensorView out, lse;
+  KernelConfig config;
+};
 // attention_backward_delta of kernel.h.
 struct BackwardDelta {
   static constexpr const char* kName = "backward_delta";
@@ -104,9 +116,9 @@ namespace ctxpar {
 // One kernel operation. A device runs it by visiting `args` (each device has one overload per
 // argument struct, so a missing one does not compile).
 struct Op {
-  std::variant<op::ForwardReset, op::ForwardBlock, op::ForwardFinalize, op::BackwardDelta,
-               op::BackwardBlock, op::Merge, op::Add, op::Copy, op::FillZero, op::PackKv,
-               op::ScatterTokens, op::GatherTokens>
+  std::variant<op::ForwardReset, op::ForwardBlock, op::ForwardFinalize, op::Forward,
+               op::BackwardDelta, op::BackwardBlock, op::Merge, op::Add, op::Copy, op::FillZero,
+               op::PackKv, op::ScatterTokens, op::GatherTokens>
       args;
   // The operation's name, as errors and logs say it ("forward_block").
   const char* name() const {

@@ -152,6 +152,15 @@ void CudaDevice::enqueue(Stream s, const op::ForwardFinalize& a) {
   sc.finish();
 }
 
+// Not offered (caps().whole_forward is false): Device::forward_whole runs a block into a state
+// and its finalize here instead.
+template <>
+void CudaDevice::enqueue(Stream, const op::Forward&) {
+  throw Error(
+      "forward: the cuda device runs a block into a state and its finalize, not the whole "
+      "forward in one operation (caps().whole_forward is false; call Device::forward_whole)");
+}
+
 template <>
 void CudaDevice::enqueue(Stream s, const op::BackwardDelta& a) {
   const TensorView &out = a.out, &dout = a.dout, &delta = a.delta;

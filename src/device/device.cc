@@ -127,4 +127,17 @@ DeviceForwardState::DeviceForwardState(Device& device, int64_t batch, int64_t tq
   device.forward_reset(s, view_);
 }
 
+void Device::forward_whole(Stream s, const TensorView& q, const Tokens& q_tokens,
+                           const TensorView& k, const TensorView& v, const Tokens& k_tokens,
+                           const Mask& mask, const TensorView& out, const TensorView& lse,
+                           const KernelConfig& config) {
+  if (caps().whole_forward) {
+    run(s, {op::Forward{q, q_tokens, k, v, k_tokens, mask, out, lse, config}});
+    return;
+  }
+  DeviceForwardState state(*this, q.dim(0), q.dim(1), q.dim(2), q.dim(3), s);
+  forward_block(s, q, q_tokens, k, v, k_tokens, mask, state.get(), config);
+  forward_finalize(s, state.get(), out, lse, config);
+}
+
 }  // namespace ctxpar

@@ -45,6 +45,16 @@ void HostDevice::enqueue(Stream s, const op::ForwardFinalize& a) {
 }
 
 template <>
+void HostDevice::enqueue(Stream s, const op::Forward& a) {
+  submit(s, a.kName, {a.q, a.k, a.v}, {a.out, a.lse}, [=, this] {
+    busy([&] {
+      return attention_forward(a.q, a.q_tokens, a.k, a.v, a.k_tokens, a.mask, a.out, a.lse,
+                               a.config);
+    });
+  });
+}
+
+template <>
 void HostDevice::enqueue(Stream s, const op::BackwardDelta& a) {
   submit(s, a.kName, {a.out, a.dout}, {a.delta}, [=, this] {
     busy([&] {

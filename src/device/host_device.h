@@ -14,6 +14,8 @@ namespace ctxpar::device {
 class HostDevice : public Device {
  public:
   void run(Stream s, const Op& op) final;
+  // The kernel of kernel.h runs here: attention_forward too.
+  DeviceCaps caps() const override { return {.whole_forward = true}; }
 
  protected:
   // One operation's host work, bound by value to its arguments, without a heap allocation:

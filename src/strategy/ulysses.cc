@@ -405,11 +405,9 @@ class UlyssesStrategy final : public Strategy {
   void run_forward(const ForwardArgs& a, Call& call) override {
     ulysses_forward(
         comm_, call, a,
-        [&](const ForwardArgs& f) {
-          DeviceForwardState state(*call.dev, f.q.dim(0), f.q.dim(1), f.q.dim(2), f.q.dim(3));
-          call.dev->forward_block(kComputeStream, f.q, f.tokens, f.k, f.v, f.tokens, call.mask,
-                                  state.get(), call.kernel);
-          call.dev->forward_finalize(kComputeStream, state.get(), f.out, f.lse, call.kernel);
+        [&](const ForwardArgs& f) {  // one block: all the keys of the group's heads
+          call.dev->forward_whole(kComputeStream, f.q, f.tokens, f.k, f.v, f.tokens, call.mask,
+                                  f.out, f.lse, call.kernel);
         },
         groups_limit(options_, kUlyssesDefaultGroups));
   }
