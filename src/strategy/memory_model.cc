@@ -129,8 +129,9 @@ double ulysses(const StrategyOptions& o, const Sizes& z, const AttentionDims& d,
     const double back = 2.0 * u * B * tld * gq * (D * eo + 4);
     const double whole = B * td * D * (gq + 2 * gk) * es + B * td * gq * (D * eo + 4);
     // ulysses: the state where the device runs the block and its finalize (cuda); the host
-    // devices run the whole forward without one (Device::forward_whole), but the state is never
-    // the peak either way: it is at most the group's incoming K/V and Q (`in`) it replaces.
+    // devices run the whole forward without one (Device::forward_whole). Either way the peak
+    // is the same where the group's incoming Q, K, V (`in`) outweigh the state (bf16: D gk >=
+    // gq; fp32 always), which the model test's shapes check on the cpu device.
     const double inner = ring ? ring_forward(z, int(R), td, gq, gk) : z.state(td, gq);
     for (int g = 0; g < G; ++g) {
       const double next = g + 1 < G ? in : 0, returning = g > 0 ? back : 0;
