@@ -141,6 +141,8 @@ struct InferenceAccess {
 
 // Tokens among the first n of a sequence that `rank` of `ranks` holds (block round-robin).
 int64_t placement_held_by(int64_t n, int rank, int ranks, int64_t block);
+// Blocks of `block` tokens that n tokens take (the last one in part).
+inline int64_t blocks_of(int64_t n, int64_t block) { return (n + block - 1) / block; }
 
 // A partial attention result as it travels, to be merged with the other ranks':
 // [O fp32 [B, rows, H, D] | LSE fp32 [B, H, rows]], from byte `at` of a buffer. Pass-Q's
