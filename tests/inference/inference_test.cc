@@ -132,11 +132,13 @@ TEST(Inference, DecodeMergesAcrossRanks) {
       for (int64_t b = 0; b < s.sequences(); ++b) {
         EXPECT_EQ(check_accuracy(t, b, combine(rs, t, b)), "") << what << " sequence " << b;
         EXPECT_TRUE(ranks_agree(rs, b, s.prefill[b])) << what;
-        if (m == DecodeMerge::chain)
-          for (int r = 0; r < p; ++r)
+        if (m == DecodeMerge::chain) {
+          for (int r = 0; r < p; ++r) {
             EXPECT_TRUE(same_bits(rs[size_t(r)].out[b], base[size_t(r)].out[b]) &&
                         same_bits(rs[size_t(r)].lse[b], base[size_t(r)].lse[b]))
                 << what << " rank " << r << " sequence " << b;
+          }
+        }
       }
     }
   }

@@ -34,7 +34,9 @@ std::vector<Tensor> forked_or_copied(Communicator& comm, const Pool& pool, bool 
     if (!fork) cache.append(c, rows_of(pool.k, prefix), rows_of(pool.v, prefix));
     s.truth[c] = prefix;
   }
-  if (fork) EXPECT_EQ(cache.bytes(), before) << "a fork takes no page";
+  if (fork) {
+    EXPECT_EQ(cache.bytes(), before) << "a fork takes no page";
+  }
   std::vector<Tensor> outputs;
   for (int step = 0; step < 2; ++step) {
     auto [out, lse] = s.decode_step({0, 1, 2});
