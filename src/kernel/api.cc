@@ -76,6 +76,18 @@ bool amx_products(const KernelConfig& config) {
   return kernel::bf16_products_on(config) == kernel::kBf16Amx;
 }
 
+// check_forward_args' Problem with the product paths `config` takes for these inputs: exact bf16
+// products (and whether through AMX tiles), and the fast tier's rounding of P and dS.
+kernel::Problem forward_problem(const TensorView& q, const Tokens& q_tokens, const TensorView& k,
+                                const TensorView& v, const Tokens& k_tokens, const Mask& mask,
+                                const KernelConfig& config) {
+  kernel::Problem p = kernel::check_forward_args(q, q_tokens, k, v, k_tokens, mask, config);
+  p.bf16_scores = both_bf16(q, k, config);
+  p.amx = p.bf16_scores && amx_products(config);
+  p.round_p = config.bf16_tier == Bf16Tier::fast && q.dtype() == DType::bf16;
+  return p;
+}
+
 // A state given as views must be laid out as a ForwardState's own tensors.
 void check_state_memory(const ForwardStateView& state) {
   const int64_t b = state.acc().dim(0), t = state.acc().dim(1), h = state.acc().dim(2);
@@ -93,10 +105,7 @@ KernelStats attention_forward_block(const TensorView& q, const Tokens& q_tokens,
                                     const TensorView& k, const TensorView& v,
                                     const Tokens& k_tokens, const Mask& mask,
                                     const ForwardStateView& state, const KernelConfig& config) {
-  kernel::Problem p = kernel::check_forward_args(q, q_tokens, k, v, k_tokens, mask, config);
-  p.bf16_scores = both_bf16(q, k, config);
-  p.amx = p.bf16_scores && amx_products(config);
-  p.round_p = config.bf16_tier == Bf16Tier::fast && q.dtype() == DType::bf16;
+  const kernel::Problem p = forward_problem(q, q_tokens, k, v, k_tokens, mask, config);
   const TensorView& acc = state.acc();
   CTXPAR_CHECK(!acc.empty() && acc.ndim() == 4 && acc.dim(0) == p.batch && acc.dim(1) == p.tq &&
                    acc.dim(2) == p.hq && acc.dim(3) == p.d,
@@ -142,7 +151,7 @@ KernelStats attention_forward(const TensorView& q, const Tokens& q_tokens, const
                               const TensorView& v, const Tokens& k_tokens, const Mask& mask,
                               const TensorView& out, const TensorView& lse,
                               const KernelConfig& config) {
-  kernel::Problem p = kernel::check_forward_args(q, q_tokens, k, v, k_tokens, mask, config);
+  const kernel::Problem p = forward_problem(q, q_tokens, k, v, k_tokens, mask, config);
   kernel::check_activation("out", out, true);
   CTXPAR_CHECK(out.shape() == q.shape(),
                "out: expected q's shape [B, Tq, Hq, D] = ", shape_str(q.shape()), ", got ",
@@ -154,18 +163,17 @@ KernelStats attention_forward(const TensorView& q, const Tokens& q_tokens, const
   for (const auto& [name, in] :
        {std::pair<const char*, const TensorView&>{"q", q}, {"k", k}, {"v", v}})
     kernel::check_apart("lse", lse, name, in);
-  // The scalar path, and nothing to compute (an empty K/V block still writes O = 0 and
-  // LSE = -inf): through a state, as the definition.
-  if (kernel::use_scalar_path() || p.tq == 0 || p.tk == 0 || p.batch == 0) {
+  // Nothing to compute (an empty K/V block still writes O = 0 and LSE = -inf), and the scalar
+  // path: through a fresh state and its finalize, the definition.
+  const bool empty = p.tq == 0 || p.tk == 0 || p.batch == 0;
+  if (empty || kernel::use_scalar_path()) {
     ForwardState state(p.batch, p.tq, p.hq, p.d);
     const KernelStats stats =
-        attention_forward_block(q, q_tokens, k, v, k_tokens, mask, state, config);
+        empty ? KernelStats{}
+              : kernel::forward_scalar(p, q, q_tokens, k, v, k_tokens, mask, state.view());
     attention_forward_finalize(state, out, lse, config);
     return stats;
   }
-  p.bf16_scores = both_bf16(q, k, config);
-  p.amx = p.bf16_scores && amx_products(config);
-  p.round_p = config.bf16_tier == Bf16Tier::fast && q.dtype() == DType::bf16;
   return kernel::forward_simd_whole(p, q, q_tokens, k, v, k_tokens, mask, out, lse);
 }
 

@@ -218,6 +218,12 @@ class ForwardWorker {
   // operations on the same values, so O and LSE keep the bits of block + finalize; what is
   // saved is the state's memory (its acc is an fp32 O) and four passes over it (reset, load,
   // store, finalize's read).
+  // Row r's l: its lane-wise sums added once.
+  float row_sum(int64_t r) const {
+    const DF df;
+    return hn::GetLane(hn::SumOfLanes(df, hn::LoadU(df, lv_.data() + r * nl_)));
+  }
+
   void fresh_state() {
     std::fill(acc_.begin(), acc_.end(), 0.0f);
     std::fill_n(m_.data(), rows_, kNegInf);
@@ -225,21 +231,17 @@ class ForwardWorker {
   }
 
   void finalize() {
-    const DF df;
     for (int64_t r = 0; r < rows_; ++r) {
-      const float l = hn::GetLane(hn::SumOfLanes(df, hn::LoadU(df, lv_.data() + r * nl_)));
       a_.lse->ptr<float>()[a_.lse->offset(b_, h_, i0_ + r)] =
-          finalize_row(acc_.data() + r * sh_.ld, m_[r], l, sh_.d, row_.data(), *a_.out,
+          finalize_row(acc_.data() + r * sh_.ld, m_[r], row_sum(r), sh_.d, row_.data(), *a_.out,
                        a_.out->offset(b_, i0_ + r, h_));
     }
   }
 
   void store_state() {
-    const DF df;
     for (int64_t r = 0; r < rows_; ++r) {
       stat_ptr(state().m())[stat(r)] = m_[r];
-      stat_ptr(state().l())[stat(r)] =
-          hn::GetLane(hn::SumOfLanes(df, hn::LoadU(df, lv_.data() + r * nl_)));
+      stat_ptr(state().l())[stat(r)] = row_sum(r);
       std::copy_n(acc_.data() + r * sh_.ld, sh_.d, acc_row(r));
     }
   }
