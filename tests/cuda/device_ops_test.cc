@@ -144,6 +144,41 @@ TEST(CudaDeviceOps, BusyTimeFromEventPairs) {
   EXPECT_EQ(dev.counters().flops, 4.0 * 64 * 256 * 256 * 2);
 }
 
+// The cuda device does not offer op::Forward (caps().whole_forward is false): forward_whole
+// makes a state, runs the block and its finalize (the same bits as doing so by hand), and an
+// op::Forward enqueued anyway is refused naming the call to use.
+TEST(CudaDeviceOps, WholeForwardIsTheStateBlockAndFinalize) {
+  cuda::CudaDevice dev(std::make_unique<cuda::RecordingCudaApi>(), 0);
+  EXPECT_FALSE(dev.caps().whole_forward);
+  const int64_t t = 96;
+  Tensor q(DType::f32, {1, t, 2, 32}), k(DType::f32, {1, t, 2, 32}), v(DType::f32, {1, t, 2, 32});
+  fill_normal(q, 1), fill_normal(k, 2), fill_normal(v, 3);
+  std::vector<int64_t> pos(t);
+  std::iota(pos.begin(), pos.end(), 0);
+  const Tokens tokens{pos, {}};
+  const Mask causal = Mask::causal_mask();
+  Tensor o1(DType::f32, {1, t, 2, 32}), o2(DType::f32, {1, t, 2, 32});
+  Tensor l1(DType::f32, {1, 2, t}), l2(DType::f32, {1, 2, t});
+  {
+    DeviceForwardState st(dev, 1, t, 2, 32);
+    dev.forward_block(kComputeStream, q, tokens, k, v, tokens, causal, st.get(), {});
+    dev.forward_finalize(kComputeStream, st.get(), o1, l1, {});
+  }
+  dev.forward_whole(kComputeStream, q, tokens, k, v, tokens, causal, o2, l2, {});
+  dev.synchronize();
+  // Written by both (not two untouched buffers): row 0 sees key 0 alone, so O = v's row 0.
+  EXPECT_EQ(o1.ptr<float>()[3], v.ptr<float>()[3]);
+  EXPECT_EQ(std::memcmp(o1.ptr<float>(), o2.ptr<float>(), o1.bytes()), 0);
+  EXPECT_EQ(std::memcmp(l1.ptr<float>(), l2.ptr<float>(), l1.bytes()), 0);
+  try {
+    dev.run(kComputeStream, {op::Forward{q, tokens, k, v, tokens, causal, o2, l2, {}}});
+    ADD_FAILURE() << "op::Forward ran on the cuda device";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("call Device::forward_whole"), std::string::npos)
+        << e.what();
+  }
+}
+
 // Leaving the lazy wait out is seen: a comm-stream write of memory allocated on the compute
 // stream with no ordering (written directly against the API, as a broken device would).
 TEST(CudaDeviceOps, TheCheckerSeesAnUnorderedUse) {
