@@ -41,34 +41,40 @@ constexpr float kLog2e = 1.4426950408889634f;
 inline int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// 2^t for t <= 0 (t = -inf gives 0). Range reduction t = n + f, |f| <= 1/2, then the degree-7
-// Taylor polynomial of 2^f (relative error < 1e-8, below fp32 rounding) times 2^n.
+// 2^t for t <= 0; exactly 0 for t < -126 (-inf included). Range reduction t = n + f with
+// n = floor(t), f in [0, 1), then 2^f by the minimax polynomial 1 + f q(f) of degree 6 (relative
+// error 2e-9 in exact arithmetic, 6.4e-8 evaluated in fp32, as the degree-7 Taylor polynomial on
+// [-1/2, 1/2] it replaced, with one FMA fewer; p(0) = 1 exactly, so P = 1 at the row's max),
+// times 2^n. dev/13_exp2.cc fitted and timed it (issue 40). Every target takes the same f, the
+// same polynomial and gives 0 below -126, so their bits agree (where MulAdd is fused).
 HWY_INLINE VF exp2_poly(DF d, VF f) {
-  VF p = hn::Set(d, 1.5252733804059841e-5f);
-  p = hn::MulAdd(p, f, hn::Set(d, 1.5403530393381606e-4f));
-  p = hn::MulAdd(p, f, hn::Set(d, 1.3333558146428443e-3f));
-  p = hn::MulAdd(p, f, hn::Set(d, 9.6181291076284772e-3f));
-  p = hn::MulAdd(p, f, hn::Set(d, 5.5504108664821580e-2f));
-  p = hn::MulAdd(p, f, hn::Set(d, 2.4022650695910071e-1f));
-  p = hn::MulAdd(p, f, hn::Set(d, 6.9314718055994531e-1f));
+  VF p = hn::Set(d, 2.1612927957903594e-4f);
+  p = hn::MulAdd(p, f, hn::Set(d, 1.2467842316254973e-3f));
+  p = hn::MulAdd(p, f, hn::Set(d, 9.675451554358006e-3f));
+  p = hn::MulAdd(p, f, hn::Set(d, 5.5485282093286514e-2f));
+  p = hn::MulAdd(p, f, hn::Set(d, 2.402293086051941e-1f));
+  p = hn::MulAdd(p, f, hn::Set(d, 6.931470632553101e-1f));
   return hn::MulAdd(p, f, hn::Set(d, 1.0f));
 }
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-// AVX-512: vscalefps does 2^n (and the underflow to 0) in one instruction. Clamping at -150
-// maps -inf to 2^-150, which rounds to exactly 0.
+// AVX-512: vreduceps gives f = t - floor(t) in one instruction (exact), and vscalefps scales
+// by 2^floor(t) itself. Lanes with t < -126 are zeroed by the scaling's mask instead of
+// underflowing: a result below 2^-126 (a denormal, or 0 by underflow) takes a microcode assist,
+// ~35x a vector's time here, and the masked scores of a causal or document tile (-inf, which
+// the old clamp at -150 turned into an underflow) are a quarter to a half of a diagonal tile's
+// (lab 13). The other targets give 0 there too, so the bits agree with them everywhere.
 HWY_INLINE VF exp2_neg(DF d, VF t) {
-  t = hn::Max(t, hn::Set(d, -150.0f));
-  const __m512 n = _mm512_roundscale_ps(t.raw, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const VF p = exp2_poly(d, hn::Sub(t, VF{n}));
-  return VF{_mm512_scalef_ps(p.raw, n)};
+  const __m512 f = _mm512_reduce_ps(t.raw, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __mmask16 normal = _mm512_cmp_ps_mask(t.raw, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+  return VF{_mm512_maskz_scalef_ps(normal, exp2_poly(d, VF{f}).raw, t.raw)};
 }
 #else
 // Elsewhere: 2^n built in the exponent bits. Clamping at -127 makes n + 127 = 0 for anything
-// below about -126.5 (and -inf): exponent bits 0 with a zero mantissa, exactly 0.
+// below -126 (and -inf): exponent bits 0 with a zero mantissa, exactly 0 (no denormal).
 HWY_INLINE VF exp2_neg(DF d, VF t) {
   const hn::RebindToSigned<DF> di;
   t = hn::Max(t, hn::Set(d, -127.0f));
-  const VF n = hn::Round(t);
+  const VF n = hn::Floor(t);
   const VF p = exp2_poly(d, hn::Sub(t, n));
   const auto bits = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
   return hn::Mul(p, hn::BitCast(d, bits));
