@@ -49,8 +49,15 @@ struct ForwardArgs {
 // classified on its own, and the rows of a skipped one are left out of the products (with two
 // tiles the computed ones are always adjacent). A row's result never depends on its
 // neighbours, so the bits, the tile counts and tile_progress() calls are those of 64-row tasks.
-constexpr int64_t kSub = 2;
-constexpr int64_t kRows = kSub * kTile;
+// Note [Gaps in a task]: with more than two tiles a slice mask (any block mask) can show a key
+// tile to query tiles 0 and 2 of a task but not 1. The computed rows are those of [first, last];
+// a skipped tile between gets -inf scores, so P = 0 and its rows' state keeps its bits (m does
+// not grow, l and acc add exact zeros), as if left out. Slices.KernelMatchesReference has one.
+// The exact tier through AMX takes 4 tiles a task instead (ForwardShape::sub): its P V is 3 tile
+// products over the same V tiles, and 256 query rows read each step's V a third as often per
+// product (+4 % on its forward, where the fast tier lost 1-4 % and fp32 gained nothing: docs/kernel.md, "Round
+// six"). kMaxSub bounds both.
+constexpr int64_t kSub = 2, kMaxSub = 4;
 constexpr int64_t kHalf = kTile / 2;
 
 // Note [Key steps]: with AMX pair products (both bf16 tiers), one online-softmax step takes up
@@ -86,20 +93,23 @@ struct ForwardShape : CallTiles {
   int64_t n16 = 0, ldv = 0;
   int nsplit = 0;
   int64_t step_tiles = 1;  // key tiles an online-softmax step (Note [Key steps])
+  // Query tiles and rows a task (Note [Two query tiles a task]).
+  int64_t sub = kSub, rows = kSub * kTile;
 };
 
 ForwardShape forward_shape(const ForwardArgs& a, int64_t step_tiles) {
   const Problem& p = a.p;
   ForwardShape sh;
   static_cast<CallTiles&>(sh) = call_tiles(p, a.q_tokens, a.k_tokens, a.mask);
-  sh.npairs = (sh.nqt + kSub - 1) / kSub;
-  sh.tasks = p.batch * p.hq * sh.npairs;
   sh.np = bf16::stored_pairs(sh.d, p.amx), sh.ldw = bf16::row_words(sh.d, p.amx);
   sh.n16 = round_up(sh.d, 16), sh.ldv = bf16::vnni_words(sh.d);
   sh.pairs_pv = bf16::pair_products(p.bf16_scores, p.amx, p.round_p) &&
                 a.v.dtype() == DType::bf16 && sh.n16 <= sh.ld;
   sh.nsplit = bf16::amx_parts(p.round_p);
   if (sh.pairs_pv && p.amx) sh.step_tiles = step_tiles > 0 ? step_tiles : kStepTiles;
+  if (sh.pairs_pv && p.amx && sh.nsplit > 1) sh.sub = kMaxSub, sh.rows = kMaxSub * kTile;
+  sh.npairs = (sh.nqt + sh.sub - 1) / sh.sub;
+  sh.tasks = p.batch * p.hq * sh.npairs;
   return sh;
 }
 
@@ -156,13 +166,13 @@ class ForwardWorker {
         sh_(sh),
         kv_(kv),
         nl_(lanes()),
-        split_words_(kRows * kHalf),
-        qt_(kRows * sh.ld),
-        s_(kRows * kTile * sh.step_tiles),
-        acc_(kRows * sh.ld),
-        m_(kRows),
-        lv_(kRows * nl_),
-        qpairs_(a.p.bf16_scores ? kRows * sh.ldw : 0),
+        split_words_(sh.rows * kHalf),
+        qt_(sh.rows * sh.ld),
+        s_(sh.rows * kTile * sh.step_tiles),
+        acc_(sh.rows * sh.ld),
+        m_(sh.rows),
+        lv_(sh.rows * nl_),
+        qpairs_(a.p.bf16_scores ? sh.rows * sh.ldw : 0),
         ppairs_(sh.pairs_pv ? sh.nsplit * split_words_ * sh.step_tiles : 0),
         row_(sh.d),
         steps_(sh.step_tiles),
@@ -171,12 +181,12 @@ class ForwardWorker {
   void run(int64_t task) {
     const int64_t qp = task % sh_.npairs, h = (task / sh_.npairs) % p_.hq;
     b_ = task / (sh_.npairs * p_.hq), h_ = h, hk_ = h / p_.group;
-    q0_ = qp * kSub, nsub_ = std::min(kSub, sh_.nqt - q0_);
+    q0_ = qp * sh_.sub, nsub_ = std::min(sh_.sub, sh_.nqt - q0_);
     i0_ = q0_ * kTile, rows_ = std::min(p_.tq, i0_ + nsub_ * kTile) - i0_;
     if (p_.bf16_scores)
-      bf16::pack_rows(a_.q, b_, h_, i0_, rows_, sh_.d, sh_.ldw, qpairs_.data(), kRows);
+      bf16::pack_rows(a_.q, b_, h_, i0_, rows_, sh_.d, sh_.ldw, qpairs_.data(), sh_.rows);
     else
-      pack_rows(a_.q, b_, h_, i0_, rows_, sh_.d, sh_.ld, qt_.data(), p_.scale, kRows);
+      pack_rows(a_.q, b_, h_, i0_, rows_, sh_.d, sh_.ld, qt_.data(), p_.scale, sh_.rows);
     if (a_.state)
       load_state();
     else
@@ -248,7 +258,7 @@ class ForwardWorker {
 
   // Key tile kt absorbed by the task's query tiles that see it; false where none does.
   bool key_tile(int64_t kt) {
-    TileKind kinds[kSub];
+    TileKind kinds[kMaxSub];
     int64_t first = -1, last = -1;  // the computed query tiles of this task: [first, last]
     for (int64_t u = 0; u < nsub_; ++u) {
       kinds[u] = classify(a_.mask, sh_.qr, q0_ + u, sh_.kr, kt);
@@ -264,7 +274,9 @@ class ForwardWorker {
     scores(kt, s_.data() + r0 * kTile, r0, mrows);
     for (int64_t u = first; u <= last; ++u) {
       const int64_t u0 = u * kTile, urows = std::min(rows_, u0 + kTile) - u0;
-      if (kinds[u] == TileKind::partial || cols < kTile)
+      if (kinds[u] == TileKind::skip)
+        std::fill_n(s_.data() + u0 * kTile, urows * kTile, kNegInf);  // Note [Gaps in a task]
+      else if (kinds[u] == TileKind::partial || cols < kTile)
         mask_tile(s_.data() + u0 * kTile, urows, cols, kinds[u] == TileKind::partial, a_.mask,
                   a_.q_tokens, i0_ + u0, a_.k_tokens, j0);
     }
@@ -281,14 +293,14 @@ class ForwardWorker {
     else
       values_fp32(pk(kt), r0, mrows, cols);
     // The MPI transport's progress calls, if installed (tile_progress.h): one a tile.
-    for (int64_t u = first; u <= last; ++u) tile_progress();
+    progress(kinds, first, last);
     return true;
   }
 
   // Key tiles [kt0, kt1) as one online-softmax step (Note [Key steps]); false where no query tile
   // of the task sees any of them.
   bool key_step(int64_t kt0, int64_t kt1) {
-    int64_t n = 0, lo = kRows, hi = 0;  // the step's computed tiles; rows [lo, hi) see one
+    int64_t n = 0, lo = sh_.rows, hi = 0;  // the step's computed tiles; rows [lo, hi) see one
     for (int64_t kt = kt0; kt < kt1; ++kt) {
       Step& st = steps_[n];
       st.kt = kt, st.first = -1, st.last = -1;
@@ -305,7 +317,7 @@ class ForwardWorker {
     }
     if (n == 0) return false;
     // The step's rows [lo, lo + m16): 16-row tiles; rows from `rows` on are zero padding.
-    const int64_t m16 = round_up(hi - lo, 16), block = kRows * kTile;
+    const int64_t m16 = round_up(hi - lo, 16), block = sh_.rows * kTile;
     for (int64_t g = 0; g < n; ++g) {
       const Step& st = steps_[g];
       const int64_t j0 = st.kt * kTile, cols = std::min(p_.tk, j0 + kTile) - j0;
@@ -318,7 +330,9 @@ class ForwardWorker {
                    kv_.kpairs + pk(st.kt) * sh_.np * kTile, sb + r0 * kTile, 1.0f, true);
       for (int64_t u = st.first; u <= st.last; ++u) {
         const int64_t u0 = u * kTile, urows = std::min(rows_, u0 + kTile) - u0;
-        if (st.kinds[u] == TileKind::partial || cols < kTile)
+        if (st.kinds[u] == TileKind::skip)
+          std::fill_n(sb + u0 * kTile, urows * kTile, kNegInf);  // a gap: Note [Gaps in a task]
+        else if (st.kinds[u] == TileKind::partial || cols < kTile)
           mask_tile(sb + u0 * kTile, urows, cols, st.kinds[u] == TileKind::partial, a_.mask,
                     a_.q_tokens, i0_ + u0, a_.k_tokens, j0);
       }
@@ -347,9 +361,14 @@ class ForwardWorker {
     }
     bf16::gemm_amx_chunks(m16, sh_.n16, n, kHalf, pp, kHalf, a_chunk, vtiles_.data(), sh_.ldv,
                           acc_.data() + lo * sh_.ld, sh_.ld, true, sh_.nsplit, split_words_);
-    for (int64_t g = 0; g < n; ++g)
-      for (int64_t u = steps_[g].first; u <= steps_[g].last; ++u) tile_progress();
+    for (int64_t g = 0; g < n; ++g) progress(steps_[g].kinds, steps_[g].first, steps_[g].last);
     return true;
+  }
+
+  // One tile_progress() a computed (query tile, key tile) pair, as 64-row tasks make them.
+  static void progress(const TileKind* kinds, int64_t first, int64_t last) {
+    for (int64_t u = first; u <= last; ++u)
+      if (kinds[u] != TileKind::skip) tile_progress();
   }
 
   // S = scale (Q K^T) for rows [r0, r0 + mrows): exact bf16 products (simd_bf16.h), or fp32
@@ -399,7 +418,7 @@ class ForwardWorker {
   // A key step's computed tiles (Note [Key steps]): each one's classification per query tile.
   struct Step {
     int64_t kt = 0, first = -1, last = -1;
-    TileKind kinds[kSub];
+    TileKind kinds[kMaxSub];
   };
   std::vector<Step> steps_;
   std::vector<const uint32_t*> vtiles_;  // their V pair-rows

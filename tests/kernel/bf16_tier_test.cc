@@ -109,7 +109,8 @@ TEST_F(AmxForced, BothTiersThroughAmxWithinTheirRules) {
 // step. Steps of 1 (the one-tile path), 2, 3, 4 and 8 tiles, both tiers, against fp64 by each
 // tier's rule (the exact tier by the fp32 one), on the pair-product cases (steps holding key
 // tiles that a query tile of the task skips or sees partially: window, causal documents, ragged
-// ends) and a long sliding window whose tasks skip the early tiles of later steps.
+// ends), a long sliding window whose tasks skip the early tiles of later steps, and a slice mask
+// with a skipped query tile between two computed ones.
 TEST_F(AmxForced, KeyStepsWithinTheTiersRules) {
   if (kernel::use_scalar_path()) GTEST_SKIP() << "the scalar path has one tier (exact)";
   std::vector<Case> cases = pair_product_cases();
@@ -117,6 +118,11 @@ TEST_F(AmxForced, KeyStepsWithinTheTiersRules) {
   c.dtype = DType::bf16, c.tq = c.tk = 700, c.hq = 2, c.hkv = 1, c.d = 64, c.seed = 40;
   c.mask.window_left = 150, c.mask.window_right = 20;
   cases.push_back(c);
+  // A gap in a task (Note [Gaps in a task]): key tile 3 shown to query tiles 0 and 2, not 1.
+  Case gap = c;
+  gap.tq = gap.tk = 256, gap.seed = 41, gap.mask = Mask{};
+  gap.mask.set_slices({{0, 256, 0, 192, 0}, {0, 64, 192, 256, 0}, {128, 192, 192, 256, 0}});
+  cases.push_back(gap);
   for (const Case& k : cases) {
     SCOPED_TRACE(k.name());
     const Inputs in = make_inputs(k);
