@@ -49,14 +49,14 @@ struct ForwardArgs {
 // classified on its own, and the rows of a skipped one are left out of the products (with two
 // tiles the computed ones are always adjacent). A row's result never depends on its
 // neighbours, so the bits, the tile counts and tile_progress() calls are those of 64-row tasks.
+// The exact tier through AMX takes 4 tiles a task instead (ForwardShape::sub): its P V is 3 tile
+// products over the same V tiles, and 256 query rows read each step's V half as often per
+// product (+4 % on its forward, where the fast tier lost 1-4 % and fp32 gained nothing:
+// docs/kernel.md, "Round six"). kMaxSub bounds both.
 // Note [Gaps in a task]: with more than two tiles a slice mask (any block mask) can show a key
 // tile to query tiles 0 and 2 of a task but not 1. The computed rows are those of [first, last];
 // a skipped tile between gets -inf scores, so P = 0 and its rows' state keeps its bits (m does
 // not grow, l and acc add exact zeros), as if left out. Slices.KernelMatchesReference has one.
-// The exact tier through AMX takes 4 tiles a task instead (ForwardShape::sub): its P V is 3 tile
-// products over the same V tiles, and 256 query rows read each step's V a third as often per
-// product (+4 % on its forward, where the fast tier lost 1-4 % and fp32 gained nothing: docs/kernel.md, "Round
-// six"). kMaxSub bounds both.
 constexpr int64_t kSub = 2, kMaxSub = 4;
 constexpr int64_t kHalf = kTile / 2;
 
