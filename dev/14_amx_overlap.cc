@@ -44,6 +44,15 @@ LAB_AMX __m512 exp2_neg(__m512 t) {  // the library's form (simd_tile.h)
   return _mm512_maskz_scalef_ps(normal, p, t);
 }
 
+// C (tile 0) += A B with A, B chunk k of the operands loaded into tiles kA, kB (the tile
+// instructions take their tile numbers as immediates).
+template <int kA, int kB>
+__attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void load_and_multiply(int k) {
+  _tile_loadd(kA, a_tiles[k], 64);
+  _tile_loadd(kB, b_tiles[k], 64);
+  _tile_dpbf16ps(0, kA, kB);
+}
+
 enum Work { kTiles = 1, kSoftmax = 2, kNoLoads = 4 };
 
 LAB_AMX double run(int work, long n) {
@@ -58,18 +67,10 @@ LAB_AMX double run(int work, long n) {
       _tile_dpbf16ps(3, 7, 6);
     } else if (work & kTiles) {
       _tile_zero(0);
-      _tile_loadd(1, a_tiles[0], 64);
-      _tile_loadd(2, b_tiles[0], 64);
-      _tile_dpbf16ps(0, 1, 2);
-      _tile_loadd(3, a_tiles[1], 64);
-      _tile_loadd(4, b_tiles[1], 64);
-      _tile_dpbf16ps(0, 3, 4);
-      _tile_loadd(5, a_tiles[2], 64);
-      _tile_loadd(6, b_tiles[2], 64);
-      _tile_dpbf16ps(0, 5, 6);
-      _tile_loadd(1, a_tiles[3], 64);
-      _tile_loadd(2, b_tiles[3], 64);
-      _tile_dpbf16ps(0, 1, 2);
+      load_and_multiply<1, 2>(0);
+      load_and_multiply<3, 4>(1);
+      load_and_multiply<5, 6>(2);
+      load_and_multiply<1, 2>(3);
       _tile_stored(0, c_tile, 64);
     }
     if (work & kSoftmax)
