@@ -44,14 +44,12 @@ LAB_AMX __m512 exp2_neg(__m512 t) {  // the library's form (simd_tile.h)
   return _mm512_maskz_scalef_ps(normal, p, t);
 }
 
-// C (tile 0) += A B with A, B chunk k of the operands loaded into tiles kA, kB (the tile
-// instructions take their tile numbers as immediates).
-template <int kA, int kB>
-__attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void load_and_multiply(int k) {
-  _tile_loadd(kA, a_tiles[k], 64);
-  _tile_loadd(kB, b_tiles[k], 64);
-  _tile_dpbf16ps(0, kA, kB);
-}
+// C (tile 0) += A B with A, B chunk k of the operands loaded into tiles ta, tb (a macro: the
+// tile instructions take their tile numbers as literal register names).
+#define LAB_LOAD_AND_MULTIPLY(ta, tb, k) \
+  _tile_loadd(ta, a_tiles[k], 64);       \
+  _tile_loadd(tb, b_tiles[k], 64);       \
+  _tile_dpbf16ps(0, ta, tb)
 
 enum Work { kTiles = 1, kSoftmax = 2, kNoLoads = 4 };
 
@@ -67,10 +65,10 @@ LAB_AMX double run(int work, long n) {
       _tile_dpbf16ps(3, 7, 6);
     } else if (work & kTiles) {
       _tile_zero(0);
-      load_and_multiply<1, 2>(0);
-      load_and_multiply<3, 4>(1);
-      load_and_multiply<5, 6>(2);
-      load_and_multiply<1, 2>(3);
+      LAB_LOAD_AND_MULTIPLY(1, 2, 0);
+      LAB_LOAD_AND_MULTIPLY(3, 4, 1);
+      LAB_LOAD_AND_MULTIPLY(5, 6, 2);
+      LAB_LOAD_AND_MULTIPLY(1, 2, 3);
       _tile_stored(0, c_tile, 64);
     }
     if (work & kSoftmax)
