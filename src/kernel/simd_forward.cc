@@ -49,10 +49,12 @@ struct ForwardArgs {
 // classified on its own, and the rows of a skipped one are left out of the products (with two
 // tiles the computed ones are always adjacent). A row's result never depends on its
 // neighbours, so the bits, the tile counts and tile_progress() calls are those of 64-row tasks.
-// The exact tier through AMX takes 4 tiles a task instead (ForwardShape::sub): its P V is 3 tile
-// products over the same V tiles, and 256 query rows read each step's V half as often per
-// product (+4 % on its forward, where the fast tier lost 1-4 % and fp32 gained nothing:
-// docs/kernel.md, "Round six"). kMaxSub bounds both.
+// fp32 products and the exact bf16 tier through AMX take 4 tiles a task instead
+// (ForwardShape::sub): 256 query rows read each key tile half as often per product; the exact
+// tier's P V is 3 tile products over the same V tiles. Forward +4-5 % for both (fp32 also with 2
+// threads; AVX2 within the noise), where the AMX fast tier lost 1-4 %, so it and the vdpbf16ps
+// products (unmeasured: no such CPU here) keep 2 (docs/kernel.md, "Round six"). kMaxSub bounds
+// both.
 // Note [Gaps in a task]: with more than two tiles a slice mask (any block mask) can show a key
 // tile to query tiles 0 and 2 of a task but not 1. The computed rows are those of [first, last];
 // a skipped tile between gets -inf scores, so P = 0 and its rows' state keeps its bits (m does
@@ -107,7 +109,8 @@ ForwardShape forward_shape(const ForwardArgs& a, int64_t step_tiles) {
                 a.v.dtype() == DType::bf16 && sh.n16 <= sh.ld;
   sh.nsplit = bf16::amx_parts(p.round_p);
   if (sh.pairs_pv && p.amx) sh.step_tiles = step_tiles > 0 ? step_tiles : kStepTiles;
-  if (sh.pairs_pv && p.amx && sh.nsplit > 1) sh.sub = kMaxSub, sh.rows = kMaxSub * kTile;
+  if (!p.bf16_scores || (sh.pairs_pv && p.amx && sh.nsplit > 1))  // Note [Two query tiles a task]
+    sh.sub = kMaxSub, sh.rows = kMaxSub * kTile;
   sh.npairs = (sh.nqt + sh.sub - 1) / sh.sub;
   sh.tasks = p.batch * p.hq * sh.npairs;
   return sh;

@@ -90,12 +90,13 @@ TEST(Slices, KernelMatchesReference) {
   shuffled->shuffle = true;
   Case* threads = add(190, 190, sliced(random_slices(190, 8, 6)));
   threads->threads = 2, threads->dtype = DType::bf16;
-  // Key tile 3 shown to query tiles 0 and 2 but not 1: a task of 4 query tiles (the exact bf16
-  // tier through AMX, Note [Two query tiles a task]) has a skipped tile between two computed
-  // ones, whose rows must see nothing of it.
+  // Key tile 3 shown to query tiles 0 and 2 but not 1: a task of 4 query tiles (fp32 and the
+  // exact bf16 tier through AMX, Note [Two query tiles a task]) has a skipped tile between two
+  // computed ones, whose rows must see nothing of it.
   Case* gap =
       add(256, 256, sliced({{0, 256, 0, 192, 0}, {0, 64, 192, 256, 0}, {128, 192, 192, 256, 0}}));
   gap->dtype = DType::bf16;
+  add(256, 256, gap->mask);  // the same in fp32 (4 query tiles a task too)
   for (const Case& c : cases) {
     const std::string err = check_case(c, true);
     EXPECT_TRUE(err.empty()) << c.mask.describe() << ": " << err;
