@@ -1,6 +1,6 @@
 // The fast forward: K/V of the block packed once per call (K transposed, V row-major, fp32,
-// zero-padded to 64-key tiles) and shared by every query tile; per (batch, query head, two
-// query tiles) task the scores S = Q K^T and the update O += P V run through the
+// zero-padded to 64-key tiles) and shared by every query tile; per (batch, query head, two or
+// four query tiles: Note [Two query tiles a task]) task the scores S = Q K^T and the update O += P V run through the
 // register-blocked micro-kernel of simd_tile.h, with the online softmax in base 2 in between.
 //
 // Note [Scores in natural units, exponents in base 2]: Q is packed pre-multiplied by the
@@ -96,7 +96,8 @@ struct ForwardShape : CallTiles {
   int nsplit = 0;
   int64_t step_tiles = 1;  // key tiles an online-softmax step (Note [Key steps])
   // Query tiles and rows a task (Note [Two query tiles a task]).
-  int64_t sub = kSub, rows = kSub * kTile;
+  int64_t sub = kSub;
+  int64_t rows() const { return sub * kTile; }
 };
 
 ForwardShape forward_shape(const ForwardArgs& a, int64_t step_tiles) {
@@ -110,7 +111,7 @@ ForwardShape forward_shape(const ForwardArgs& a, int64_t step_tiles) {
   sh.nsplit = bf16::amx_parts(p.round_p);
   if (sh.pairs_pv && p.amx) sh.step_tiles = step_tiles > 0 ? step_tiles : kStepTiles;
   if (!p.bf16_scores || (sh.pairs_pv && p.amx && sh.nsplit > 1))  // Note [Two query tiles a task]
-    sh.sub = kMaxSub, sh.rows = kMaxSub * kTile;
+    sh.sub = kMaxSub;
   sh.npairs = (sh.nqt + sh.sub - 1) / sh.sub;
   sh.tasks = p.batch * p.hq * sh.npairs;
   return sh;
@@ -169,13 +170,13 @@ class ForwardWorker {
         sh_(sh),
         kv_(kv),
         nl_(lanes()),
-        split_words_(sh.rows * kHalf),
-        qt_(sh.rows * sh.ld),
-        s_(sh.rows * kTile * sh.step_tiles),
-        acc_(sh.rows * sh.ld),
-        m_(sh.rows),
-        lv_(sh.rows * nl_),
-        qpairs_(a.p.bf16_scores ? sh.rows * sh.ldw : 0),
+        split_words_(sh.rows() * kHalf),
+        qt_(sh.rows() * sh.ld),
+        s_(sh.rows() * kTile * sh.step_tiles),
+        acc_(sh.rows() * sh.ld),
+        m_(sh.rows()),
+        lv_(sh.rows() * nl_),
+        qpairs_(a.p.bf16_scores ? sh.rows() * sh.ldw : 0),
         ppairs_(sh.pairs_pv ? sh.nsplit * split_words_ * sh.step_tiles : 0),
         row_(sh.d),
         steps_(sh.step_tiles),
@@ -187,9 +188,9 @@ class ForwardWorker {
     q0_ = qp * sh_.sub, nsub_ = std::min(sh_.sub, sh_.nqt - q0_);
     i0_ = q0_ * kTile, rows_ = std::min(p_.tq, i0_ + nsub_ * kTile) - i0_;
     if (p_.bf16_scores)
-      bf16::pack_rows(a_.q, b_, h_, i0_, rows_, sh_.d, sh_.ldw, qpairs_.data(), sh_.rows);
+      bf16::pack_rows(a_.q, b_, h_, i0_, rows_, sh_.d, sh_.ldw, qpairs_.data(), sh_.rows());
     else
-      pack_rows(a_.q, b_, h_, i0_, rows_, sh_.d, sh_.ld, qt_.data(), p_.scale, sh_.rows);
+      pack_rows(a_.q, b_, h_, i0_, rows_, sh_.d, sh_.ld, qt_.data(), p_.scale, sh_.rows());
     if (a_.state)
       load_state();
     else
@@ -275,14 +276,7 @@ class ForwardWorker {
     const int64_t r0 = first * kTile, r1 = std::min(rows_, (last + 1) * kTile);
     const int64_t mrows = round_up(r1 - r0, 4);
     scores(kt, s_.data() + r0 * kTile, r0, mrows);
-    for (int64_t u = first; u <= last; ++u) {
-      const int64_t u0 = u * kTile, urows = std::min(rows_, u0 + kTile) - u0;
-      if (kinds[u] == TileKind::skip)
-        std::fill_n(s_.data() + u0 * kTile, urows * kTile, kNegInf);  // Note [Gaps in a task]
-      else if (kinds[u] == TileKind::partial || cols < kTile)
-        mask_tile(s_.data() + u0 * kTile, urows, cols, kinds[u] == TileKind::partial, a_.mask,
-                  a_.q_tokens, i0_ + u0, a_.k_tokens, j0);
-    }
+    mask_rows(s_.data(), kinds, first, last, j0, cols);
     for (int64_t r = r0; r < r0 + mrows; ++r) {
       float* sr = s_.data() + r * kTile;
       if (r >= rows_) {  // padding rows: P = 0 keeps their (unused) acc at 0
@@ -303,7 +297,7 @@ class ForwardWorker {
   // Key tiles [kt0, kt1) as one online-softmax step (Note [Key steps]); false where no query tile
   // of the task sees any of them.
   bool key_step(int64_t kt0, int64_t kt1) {
-    int64_t n = 0, lo = sh_.rows, hi = 0;  // the step's computed tiles; rows [lo, hi) see one
+    int64_t n = 0, lo = sh_.rows(), hi = 0;  // the step's computed tiles; rows [lo, hi) see one
     for (int64_t kt = kt0; kt < kt1; ++kt) {
       Step& st = steps_[n];
       st.kt = kt, st.first = -1, st.last = -1;
@@ -320,7 +314,7 @@ class ForwardWorker {
     }
     if (n == 0) return false;
     // The step's rows [lo, lo + m16): 16-row tiles; rows from `rows` on are zero padding.
-    const int64_t m16 = round_up(hi - lo, 16), block = sh_.rows * kTile;
+    const int64_t m16 = round_up(hi - lo, 16), block = sh_.rows() * kTile;
     for (int64_t g = 0; g < n; ++g) {
       const Step& st = steps_[g];
       const int64_t j0 = st.kt * kTile, cols = std::min(p_.tk, j0 + kTile) - j0;
@@ -331,14 +325,7 @@ class ForwardWorker {
       // Q K^T unscaled: the softmax applies the scale (softmax_row<true>, same bits).
       bf16::scores(mrows, sh_.np, qpairs_.data() + r0 * sh_.ldw, sh_.ldw,
                    kv_.kpairs + pk(st.kt) * sh_.np * kTile, sb + r0 * kTile, 1.0f, true);
-      for (int64_t u = st.first; u <= st.last; ++u) {
-        const int64_t u0 = u * kTile, urows = std::min(rows_, u0 + kTile) - u0;
-        if (st.kinds[u] == TileKind::skip)
-          std::fill_n(sb + u0 * kTile, urows * kTile, kNegInf);  // a gap: Note [Gaps in a task]
-        else if (st.kinds[u] == TileKind::partial || cols < kTile)
-          mask_tile(sb + u0 * kTile, urows, cols, st.kinds[u] == TileKind::partial, a_.mask,
-                    a_.q_tokens, i0_ + u0, a_.k_tokens, j0);
-      }
+      mask_rows(sb, st.kinds, st.first, st.last, j0, cols);
       // The step's rows this tile does not compute (a skipped query tile): nothing seen.
       std::fill(sb + lo * kTile, sb + r0 * kTile, kNegInf);
       std::fill(sb + std::min(r0 + mrows, lo + m16) * kTile, sb + (lo + m16) * kTile, kNegInf);
@@ -366,6 +353,21 @@ class ForwardWorker {
                           acc_.data() + lo * sh_.ld, sh_.ld, true, sh_.nsplit, split_words_);
     for (int64_t g = 0; g < n; ++g) progress(steps_[g].kinds, steps_[g].first, steps_[g].last);
     return true;
+  }
+
+  // The scores of key tile j0 / kTile (cols keys) in s (row r at s + r kTile) for the task's
+  // query tiles [first, last]: partial tiles and ragged ends masked, a skipped tile between
+  // computed ones all -inf (Note [Gaps in a task]).
+  void mask_rows(float* s, const TileKind* kinds, int64_t first, int64_t last, int64_t j0,
+                 int64_t cols) const {
+    for (int64_t u = first; u <= last; ++u) {
+      const int64_t u0 = u * kTile, urows = std::min(rows_, u0 + kTile) - u0;
+      if (kinds[u] == TileKind::skip)
+        std::fill_n(s + u0 * kTile, urows * kTile, kNegInf);
+      else if (kinds[u] == TileKind::partial || cols < kTile)
+        mask_tile(s + u0 * kTile, urows, cols, kinds[u] == TileKind::partial, a_.mask, a_.q_tokens,
+                  i0_ + u0, a_.k_tokens, j0);
+    }
   }
 
   // One tile_progress() a computed (query tile, key tile) pair, as 64-row tasks make them.
