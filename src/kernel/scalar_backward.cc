@@ -8,18 +8,14 @@
 
 namespace ctxpar::kernel {
 
-namespace {
-constexpr int64_t kTile = kKernelTile;
-}
-
 KernelStats backward_scalar(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                             const TensorView& k, const TensorView& v, const Tokens& k_tokens,
                             const Mask& mask, const TensorView& dout, const TensorView& lse,
                             const TensorView& delta, const TensorView& dq, const TensorView& dk,
                             const TensorView& dv) {
   // q, dout, dq [B, Tq, Hq, D]; k, v, dk, dv [B, Tk, Hkv, D]; lse, delta [B, Hq, Tq].
-  const TileRanges qr = tile_ranges(q_tokens, p.tq, kTile, mask.documents);
-  const TileRanges kr = tile_ranges(k_tokens, p.tk, kTile, mask.documents);
+  const TileRanges qr = tile_ranges(q_tokens, p.tq, kKernelTile, mask.documents);
+  const TileRanges kr = tile_ranges(k_tokens, p.tk, kKernelTile, mask.documents);
   const int64_t d = p.d;
   const int64_t tasks = p.batch * p.hkv;
 
@@ -34,16 +30,16 @@ KernelStats backward_scalar(const Problem& p, const TensorView& q, const Tokens&
           for (int64_t kt = 0; kt < kr.count(); ++kt) {
             const TileKind kind = classify(mask, qr, qt, kr, kt);
             if (kind == TileKind::skip) continue;
-            const int64_t i1 = std::min(p.tq, (qt + 1) * kTile);
-            const int64_t j1 = std::min(p.tk, (kt + 1) * kTile);
-            for (int64_t i = qt * kTile; i < i1; ++i) {
+            const int64_t i1 = std::min(p.tq, (qt + 1) * kKernelTile);
+            const int64_t j1 = std::min(p.tk, (kt + 1) * kKernelTile);
+            for (int64_t i = qt * kKernelTile; i < i1; ++i) {
               const float lse_i = lse.ptr<const float>()[lse.offset(b, h, i)];
               if (lse_i == kNegInf) continue;  // row saw no key anywhere: P = 0
               const float delta_i = delta.ptr<const float>()[delta.offset(b, h, i)];
               load_row(q, q.offset(b, i, h), d, qrow.data());
               load_row(dout, dout.offset(b, i, h), d, dorow.data());
               float* dq_i = dq.ptr<float>() + dq.offset(b, i, h);
-              for (int64_t j = kt * kTile; j < j1; ++j) {
+              for (int64_t j = kt * kKernelTile; j < j1; ++j) {
                 if (kind == TileKind::partial && !visible(mask, q_tokens, i, k_tokens, j)) continue;
                 load_row(k, k.offset(b, j, hk), d, krow.data());
                 load_row(v, v.offset(b, j, hk), d, vrow.data());

@@ -8,16 +8,12 @@
 
 namespace ctxpar::kernel {
 
-namespace {
-constexpr int64_t kTile = kKernelTile;
-}
-
 KernelStats forward_scalar(const Problem& p, const TensorView& q, const Tokens& q_tokens,
                            const TensorView& k, const TensorView& v, const Tokens& k_tokens,
                            const Mask& mask, const ForwardStateView& state) {
   // q [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; state.acc [B, Tq, Hq, D], state.m/l [B, Hq, Tq].
-  const TileRanges qr = tile_ranges(q_tokens, p.tq, kTile, mask.documents);
-  const TileRanges kr = tile_ranges(k_tokens, p.tk, kTile, mask.documents);
+  const TileRanges qr = tile_ranges(q_tokens, p.tq, kKernelTile, mask.documents);
+  const TileRanges kr = tile_ranges(k_tokens, p.tk, kKernelTile, mask.documents);
   const int64_t d = p.d;
   float* acc = state.acc().ptr<float>();
   float* m = state.m().ptr<float>();
@@ -26,16 +22,16 @@ KernelStats forward_scalar(const Problem& p, const TensorView& q, const Tokens& 
 
 #pragma omp parallel num_threads(p.threads)
   {
-    std::vector<float> qrow(d), krow(d), vrow(d), s(kTile);
+    std::vector<float> qrow(d), krow(d), vrow(d), s(kKernelTile);
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t qt = task % qr.count(), h = (task / qr.count()) % p.hq;
       const int64_t b = task / (qr.count() * p.hq), hk = h / p.group;
-      const int64_t i0 = qt * kTile, i1 = std::min(p.tq, i0 + kTile);
+      const int64_t i0 = qt * kKernelTile, i1 = std::min(p.tq, i0 + kKernelTile);
       for (int64_t kt = 0; kt < kr.count(); ++kt) {
         const TileKind kind = classify(mask, qr, qt, kr, kt);
         if (kind == TileKind::skip) continue;
-        const int64_t j0 = kt * kTile, j1 = std::min(p.tk, j0 + kTile);
+        const int64_t j0 = kt * kKernelTile, j1 = std::min(p.tk, j0 + kKernelTile);
         for (int64_t i = i0; i < i1; ++i) {
           load_row(q, q.offset(b, i, h), d, qrow.data());
           float row_max = kNegInf;

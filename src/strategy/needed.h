@@ -36,10 +36,6 @@ class NeededPlan {
   std::vector<int64_t> from_rows_;
 };
 
-// The travelling block of `rows` K/V rows shaped as k (heads, dtype), with token ids.
-inline KvPacking packing_of(const TensorView& k, int64_t rows, bool documents) {
-  return {k.dim(0), rows, k.dim(2), k.dim(3), k.dtype(), documents};
-}
 // fp32 [dk | dv] rows, the layout of the gradients going home (no tokens).
 inline KvPacking grad_of(const TensorView& k, int64_t rows) {
   return {k.dim(0), rows, k.dim(2), k.dim(3), DType::f32, false};

@@ -21,12 +21,6 @@
 namespace ctxpar::strategy {
 namespace {
 
-constexpr int kGradTag = kRingGradTag;  // dK/dV messages: kGradTag + step; K/V: step
-
-KvPacking packing_of(const TensorView& k, bool documents) {
-  return {k.dim(0), k.dim(1), k.dim(2), k.dim(3), k.dtype(), documents};
-}
-
 // Note [Pipelined last hop]: after the last step every accumulator still has one hop to go
 // home, and no compute is left to hide it behind. Sent whole, that hop was fully exposed (1/3
 // of all the bytes a rank moves in forward + backward at P = 2, measured over a shaped TCP
@@ -130,7 +124,8 @@ class RingBackward {
                   const KvBlock kv = s == 0 ? mine : pack_.block(b);
                   if (s > 0 && s == p - 1) return last_step(s, kv);
                   compute(s, kv, into_of(s), 0, grad_.tokens);
-                  if (s > 0) grad_hop_.emplace(dev_, comm_, &acc_, grad_bytes_, kGradTag + s + 1);
+                  if (s > 0)
+                    grad_hop_.emplace(dev_, comm_, &acc_, grad_bytes_, kRingGradTag + s + 1);
                 }});
     dev_.copy(kComputeStream, grad_.k(own_), a_.dk);
     dev_.copy(kComputeStream, grad_.v(own_), a_.dv);
@@ -166,7 +161,7 @@ class RingBackward {
   // The last step: computes only, and sends the accumulator home piece by piece.
   void last_step(int s, const KvBlock& kv) {
     const int p = comm_.size(), pieces = int(cuts_.size()) - 1;
-    auto piece_tag = [&](int c) { return kGradTag + p + 1 + c; };  // after the grad ring's tags
+    auto piece_tag = [&](int c) { return kRingGradTag + p + 1 + c; };  // after the grad ring's tags
     const DeviceBuffer& into = into_of(s);
     std::vector<DeviceBuffer> home;  // the pieces of our own block's accumulator
     dev_.wait(kCommStream, dev_.record(kComputeStream));  // receives first: they may arrive

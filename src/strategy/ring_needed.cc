@@ -21,8 +21,6 @@
 namespace ctxpar::strategy {
 namespace {
 
-constexpr int kGradTag = kRingGradTag;  // dK/dV going home: kGradTag + step; K/V: step
-
 // The peers of step s: this rank sends to r+s and receives from r-s.
 int to_peer(const Communicator& comm, int s) { return (comm.rank() + s) % comm.size(); }
 int from_peer(const Communicator& comm, int s) {
@@ -95,7 +93,7 @@ class NeededBackward {
     std::optional<RingHop> hop;
     if (kv || back > 0)
       hop.emplace(dev_, comm_, kv ? &part : nullptr,
-                  back > 0 ? 2 * grad_of(a_.k, back).kv_bytes() : 0, kGradTag + s, -s);
+                  back > 0 ? 2 * grad_of(a_.k, back).kv_bytes() : 0, kRingGradTag + s, -s);
     add_home();
     if (hop) pending_.emplace(std::move(*hop)), pending_step_ = s;
   }

@@ -44,6 +44,15 @@ struct KvPacking {
   KvBlock block(const DeviceBuffer& b) const { return {k(b), v(b), tokens_of(b)}; }
 };
 
+// The travelling block of `rows` K/V rows shaped as k (heads, dtype), with token ids; all of
+// k's rows by default.
+inline KvPacking packing_of(const TensorView& k, int64_t rows, bool documents) {
+  return {k.dim(0), rows, k.dim(2), k.dim(3), k.dtype(), documents};
+}
+inline KvPacking packing_of(const TensorView& k, bool documents) {
+  return packing_of(k, k.dim(1), documents);
+}
+
 // A whole buffer as one flat fp32 tensor (for add / fill_zero).
 inline TensorView flat_f32(const DeviceBuffer& b) {
   return b.view(DType::f32, {int64_t(b.size() / 4)});

@@ -25,15 +25,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-const char* kSmall = "attention --seq 64 --heads 2 --head-dim 16 --mask causal ";
-
 // ids 0 and 2^32 are two documents; truncated to int32 they were one (and --check agreed,
 // reading the same truncated ids).
 TEST(CliAttentionFaults, Int64DocumentIdsStayDistinct) {
@@ -48,8 +39,8 @@ TEST(CliAttentionFaults, Int64DocumentIdsStayDistinct) {
   write_npy(dir + "/one.npy", std::span<const int64_t>(halves(7, 7)));
   for (const char* name : {"wide", "small", "one"}) {
     CommandResult r =
-        run_ctxpar(std::string(kSmall) + "--ranks 2 --layout zigzag --check --json" +
-                   " --documents " + dir + "/" + name + ".npy --out " + dir + "/" + name);
+        run_ctxpar(kSmallAttention + "--ranks 2 --layout zigzag --check --json" + " --documents " +
+                   dir + "/" + name + ".npy --out " + dir + "/" + name);
     ASSERT_EQ(r.exit_code, 0) << name << ": " << r.err << r.out;
     EXPECT_TRUE(parse_json(r)["check_passed"].get<bool>()) << r.out;
   }
@@ -77,10 +68,10 @@ std::set<std::string> names(const std::map<std::string, std::string>& files) {
 // A forward-only run into the folder of a backward run: the old dq, dk, dv must go too.
 TEST(CliAttentionFaults, OutIsReplacedAsAWholeSet) {
   const std::string dir = temp_dir("out_set"), out = dir + "/res";
-  ASSERT_EQ(run_ctxpar(std::string(kSmall) + "--backward --out " + out).exit_code, 0);
+  ASSERT_EQ(run_ctxpar(kSmallAttention + "--backward --out " + out).exit_code, 0);
   EXPECT_EQ(names(folder_files(out)), (std::set<std::string>{".ctxpar-out", "out.npy", "lse.npy",
                                                              "dq.npy", "dk.npy", "dv.npy"}));
-  CommandResult r = run_ctxpar(std::string(kSmall) + "--seed 3 --out " + out);
+  CommandResult r = run_ctxpar(kSmallAttention + "--seed 3 --out " + out);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(names(folder_files(out)), (std::set<std::string>{".ctxpar-out", "out.npy", "lse.npy"}));
   // Nothing else beside it: the new set's temporary folder became `res`, the old one is gone.
@@ -92,22 +83,22 @@ TEST(CliAttentionFaults, OutIsReplacedAsAWholeSet) {
 // the folder holds the old set or the new one, each complete, never a mix.
 TEST(CliAttentionFaults, OutKilledDuringTheWriteIsTheOldSetOrTheNew) {
   const std::string dir = temp_dir("out_kill"), out = dir + "/res", fresh = dir + "/fresh";
-  ASSERT_EQ(run_ctxpar(std::string(kSmall) + "--backward --out " + out).exit_code, 0);
+  ASSERT_EQ(run_ctxpar(kSmallAttention + "--backward --out " + out).exit_code, 0);
   const auto old_set = folder_files(out);
-  ASSERT_EQ(run_ctxpar(std::string(kSmall) + "--seed 5 --out " + fresh).exit_code, 0);
+  ASSERT_EQ(run_ctxpar(kSmallAttention + "--seed 5 --out " + fresh).exit_code, 0);
   const auto new_set = folder_files(fresh);
 
-  CommandResult r = run_shell("CTXPAR_OUT_FAULT=before-swap " + fault_ctxpar_path() + " " + kSmall +
-                              "--seed 5 --out " + out);
+  CommandResult r = run_shell("CTXPAR_OUT_FAULT=before-swap " + fault_ctxpar_path() + " " +
+                              kSmallAttention + "--seed 5 --out " + out);
   EXPECT_EQ(r.exit_code, 128 + 9) << r.err;  // killed
   EXPECT_EQ(folder_files(out), old_set);
 
-  r = run_shell("CTXPAR_OUT_FAULT=after-swap " + fault_ctxpar_path() + " " + kSmall +
+  r = run_shell("CTXPAR_OUT_FAULT=after-swap " + fault_ctxpar_path() + " " + kSmallAttention +
                 "--seed 5 --out " + out);
   EXPECT_EQ(r.exit_code, 128 + 9) << r.err;
   EXPECT_EQ(folder_files(out), new_set);
   // The next run replaces the set again, killed or not before.
-  ASSERT_EQ(run_ctxpar(std::string(kSmall) + "--backward --out " + out).exit_code, 0);
+  ASSERT_EQ(run_ctxpar(kSmallAttention + "--backward --out " + out).exit_code, 0);
   EXPECT_EQ(folder_files(out), old_set);
   fs::remove_all(dir);
 }
@@ -115,7 +106,7 @@ TEST(CliAttentionFaults, OutKilledDuringTheWriteIsTheOldSetOrTheNew) {
 TEST(CliAttentionFaults, OutThatCannotBeWrittenFailsBeforeComputing) {
   // CTXPAR_FAULT_RANK=0 would fail the run itself (exit 1, "injected fault"): exit 2 naming
   // --out shows the folder was refused before any computing.
-  CommandResult r = run_shell("CTXPAR_FAULT_RANK=0 " + fault_ctxpar_path() + " " + kSmall +
+  CommandResult r = run_shell("CTXPAR_FAULT_RANK=0 " + fault_ctxpar_path() + " " + kSmallAttention +
                               "--out /proc/ctxpar_out");
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("--out /proc/ctxpar_out: cannot write in /proc"), std::string::npos)
@@ -125,7 +116,8 @@ TEST(CliAttentionFaults, OutThatCannotBeWrittenFailsBeforeComputing) {
   // A folder of the user's own files is not replaced (that would delete them).
   const std::string dir = temp_dir("out_foreign");
   std::ofstream(dir + "/notes.txt") << "mine";
-  r = run_shell("CTXPAR_FAULT_RANK=0 " + fault_ctxpar_path() + " " + kSmall + "--out " + dir);
+  r = run_shell("CTXPAR_FAULT_RANK=0 " + fault_ctxpar_path() + " " + kSmallAttention + "--out " +
+                dir);
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("holds files that ctxpar did not write"), std::string::npos) << r.err;
   EXPECT_EQ(file_bytes(dir + "/notes.txt"), "mine");
@@ -152,10 +144,10 @@ TEST(CliAttentionFaults, FifoAsInputIsRefusedAtOnce) {
 // as under MPI (tests in attention_mpi_test.cc).
 TEST(CliAttentionFaults, FailingRankExits1AndBadUsageExits2) {
   CommandResult r =
-      run_shell("CTXPAR_FAULT_RANK=1 " + fault_ctxpar_path() + " " + kSmall + "--ranks 2");
+      run_shell("CTXPAR_FAULT_RANK=1 " + fault_ctxpar_path() + " " + kSmallAttention + "--ranks 2");
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("rank 1 failed: injected fault"), std::string::npos) << r.err;
-  r = run_ctxpar(std::string(kSmall) + "--head-dim 8");
+  r = run_ctxpar(kSmallAttention + "--head-dim 8");
   EXPECT_EQ(r.exit_code, 2) << r.err;
 }
 
@@ -163,13 +155,14 @@ TEST(CliAttentionFaults, FailingRankExits1AndBadUsageExits2) {
 // copies run over gloo, but only with its whole environment (tests/cli/torchrun_test.sh).
 TEST(CliAttentionFaults, LauncherWithoutMpiIsRefusedWithHowToLaunch) {
   CommandResult tr = run_shell(std::string("env WORLD_SIZE=2 RANK=1 LOCAL_RANK=1 ") +
-                               ctxpar_path() + " " + kSmall);
+                               ctxpar_path() + " " + kSmallAttention);
   EXPECT_EQ(tr.exit_code, 2) << tr.err;
   EXPECT_NE(tr.err.find("MASTER_ADDR is not set"), std::string::npos) << tr.err;
   EXPECT_NE(tr.err.find("torchrun --nproc-per-node N"), std::string::npos) << tr.err;
   for (const char* env :
        {"SLURM_PROCID=1 SLURM_STEP_NUM_TASKS=2", "SLURM_PROCID=0 SLURM_NTASKS=2 SLURM_STEP_ID=0"}) {
-    CommandResult r = run_shell(std::string("env ") + env + " " + ctxpar_path() + " " + kSmall);
+    CommandResult r =
+        run_shell(std::string("env ") + env + " " + ctxpar_path() + " " + kSmallAttention);
     EXPECT_EQ(r.exit_code, 2) << env << ": " << r.err;
     EXPECT_NE(r.err.find("mpirun -n 2 ctxpar attention"), std::string::npos)
         << env << ": " << r.err;
@@ -195,7 +188,8 @@ TEST(CliAttentionFaults, LauncherWithoutMpiIsRefusedWithHowToLaunch) {
   EXPECT_TRUE(t.out.empty()) << t.out;
   // One process: a batch script (SLURM_NTASKS without a step), a torchrun of one.
   for (const char* env : {"SLURM_PROCID=0 SLURM_NTASKS=4", "WORLD_SIZE=1 RANK=0"}) {
-    CommandResult r = run_shell(std::string("env ") + env + " " + ctxpar_path() + " " + kSmall);
+    CommandResult r =
+        run_shell(std::string("env ") + env + " " + ctxpar_path() + " " + kSmallAttention);
     EXPECT_EQ(r.exit_code, 0) << env << ": " << r.err;
   }
 }
@@ -204,7 +198,7 @@ TEST(CliAttentionFaults, LauncherWithoutMpiIsRefusedWithHowToLaunch) {
 // passes them to the gloo transport (GlooOptions::hostname_or_interface). A torchrun job of one
 // rank told to listen on a host that does not resolve is refused, naming it, by each command.
 TEST(CliAttentionFaults, GlooAddressVariablesReachTheTransport) {
-  for (const std::string& command : {std::string(kSmall), std::string("train --seq 64 --steps 1"),
+  for (const std::string& command : {kSmallAttention, std::string("train --seq 64 --steps 1"),
                                      std::string("decode --context 64 --tokens 1")}) {
     const std::string env = "env RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
                             std::to_string(ctxpar::test::free_port()) +
@@ -219,7 +213,7 @@ TEST(CliAttentionFaults, GlooAddressVariablesReachTheTransport) {
   const CommandResult r = run_shell(
       "env -u CTXPAR_GLOO_IFNAME -u CTXPAR_GLOO_HOST GLOO_SOCKET_IFNAME=ctxpar-no-if0 RANK=0 "
       "WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
-      std::to_string(ctxpar::test::free_port()) + " " + ctxpar_path() + " " + kSmall);
+      std::to_string(ctxpar::test::free_port()) + " " + ctxpar_path() + " " + kSmallAttention);
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("GLOO_SOCKET_IFNAME=ctxpar-no-if0: this host has no network interface"),
             std::string::npos)
@@ -229,7 +223,7 @@ TEST(CliAttentionFaults, GlooAddressVariablesReachTheTransport) {
 TEST(CliAttentionFaults, ThreadsDefaultToOmpNumThreads) {
   auto threads = [](const std::string& env, const std::string& args) {
     CommandResult r =
-        run_shell("env " + env + " " + ctxpar_path() + " " + kSmall + "--json " + args);
+        run_shell("env " + env + " " + ctxpar_path() + " " + kSmallAttention + "--json " + args);
     EXPECT_EQ(r.exit_code, 0) << r.err;
     return r.exit_code == 0 ? parse_json(r)["threads"].get<int>() : -1;
   };
@@ -237,7 +231,7 @@ TEST(CliAttentionFaults, ThreadsDefaultToOmpNumThreads) {
   EXPECT_EQ(threads("OMP_NUM_THREADS=2,1", ""), 2);
   EXPECT_EQ(threads("OMP_NUM_THREADS=3", "--threads 2"), 2);
   EXPECT_EQ(threads("-u OMP_NUM_THREADS", ""), 1);
-  CommandResult r = run_shell("env OMP_NUM_THREADS=many " + ctxpar_path() + " " + kSmall);
+  CommandResult r = run_shell("env OMP_NUM_THREADS=many " + ctxpar_path() + " " + kSmallAttention);
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("OMP_NUM_THREADS='many'"), std::string::npos) << r.err;
   // bench kernel reads the same default (bench cp and train too: threads_option).

@@ -24,7 +24,7 @@ class CliMpi : public MpiCommandTest {
   std::string ctxpar(const std::string& args) { return ctxpar_path() + " attention " + args; }
 };
 
-const std::string kSmall = "--seq 64 --heads 2 --head-dim 16 --mask causal";
+const std::string kSmallShape = "--seq 64 --heads 2 --head-dim 16 --mask causal";
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -53,8 +53,8 @@ TEST_F(CliMpi, RanksWithDifferentOptionsAreRefusedNamingTheOption) {
   };
   for (const Case& c : cases) {
     const auto t0 = std::chrono::steady_clock::now();
-    CommandResult r = run_shell(mpirun("-n 1 " + ctxpar(kSmall + " " + c.rank0) + " : -n 1 " +
-                                       ctxpar(kSmall + " " + c.rank1)));
+    CommandResult r = run_shell(mpirun("-n 1 " + ctxpar(kSmallShape + " " + c.rank0) + " : -n 1 " +
+                                       ctxpar(kSmallShape + " " + c.rank1)));
     EXPECT_EQ(r.exit_code, 2) << c.rank0 << " | " << c.rank1 << "\n" << r.err << r.out;
     EXPECT_NE(r.err.find(c.says), std::string::npos) << c.says << "\n" << r.err;
     EXPECT_LT(seconds_since(t0), 30.0) << "refused, but not at once";
@@ -64,7 +64,7 @@ TEST_F(CliMpi, RanksWithDifferentOptionsAreRefusedNamingTheOption) {
   // command reads the variable into StrategyOptions::ulysses_groups; the library names that.
   {
     const auto t0 = std::chrono::steady_clock::now();
-    const std::string uly = kSmall + " --strategy ulysses --heads 4";
+    const std::string uly = kSmallShape + " --strategy ulysses --heads 4";
     CommandResult e = run_shell(
         mpirun("-n 1 -x CTXPAR_ULYSSES_GROUPS=1 " + ctxpar(uly) + " : -n 1 " + ctxpar(uly)));
     EXPECT_NE(e.exit_code, 0) << e.err;
@@ -73,8 +73,8 @@ TEST_F(CliMpi, RanksWithDifferentOptionsAreRefusedNamingTheOption) {
     EXPECT_LT(seconds_since(t0), 30.0) << "refused, but not at once";
   }
   // --threads does not change the answer (bitwise): ranks may differ in it.
-  CommandResult r = run_shell(mpirun("-n 1 " + ctxpar(kSmall + " --threads 2 --check") +
-                                     " : -n 1 " + ctxpar(kSmall + " --threads 1 --check")));
+  CommandResult r = run_shell(mpirun("-n 1 " + ctxpar(kSmallShape + " --threads 2 --check") +
+                                     " : -n 1 " + ctxpar(kSmallShape + " --threads 1 --check")));
   EXPECT_EQ(r.exit_code, 0) << r.err;
   fs::remove_all(dir);
 }
@@ -82,10 +82,10 @@ TEST_F(CliMpi, RanksWithDifferentOptionsAreRefusedNamingTheOption) {
 // Exit status as on the threads transport: 1 a rank failed at run time, 2 bad usage.
 TEST_F(CliMpi, FailingRankExits1AndBadUsageExits2) {
   CommandResult r = run_shell(
-      mpirun("-n 2 -x CTXPAR_FAULT_RANK=1 " + fault_ctxpar_path() + " attention " + kSmall));
+      mpirun("-n 2 -x CTXPAR_FAULT_RANK=1 " + fault_ctxpar_path() + " attention " + kSmallShape));
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("rank 1 failed: injected fault"), std::string::npos) << r.err;
-  r = run_shell(mpirun("-n 2 " + ctxpar(kSmall + " --head-dim 8")));
+  r = run_shell(mpirun("-n 2 " + ctxpar(kSmallShape + " --head-dim 8")));
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("--head-dim must be in [16, 256]"), std::string::npos) << r.err;
 }
@@ -123,17 +123,10 @@ TEST_F(CliMpi, OverflowingScoresFailEveryRankNamingTokenAndHead) {
 TEST_F(CliMpi, ProgramThatNeverStartsMpiEndsTheJob) {
   const auto t0 = std::chrono::steady_clock::now();
   CommandResult r = run_shell(
-      mpirun("-n 1 -x CTXPAR_MPI_INIT_TIMEOUT=3 " + ctxpar(kSmall) + " : -n 1 /bin/true", 60));
+      mpirun("-n 1 -x CTXPAR_MPI_INIT_TIMEOUT=3 " + ctxpar(kSmallShape) + " : -n 1 /bin/true", 60));
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("MPI_Init has not returned after 3 s"), std::string::npos) << r.err;
   EXPECT_LT(seconds_since(t0), 30.0);
-}
-
-std::string file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
 }
 
 // Each rank reads its own rows of --q/--k/--v/--do: T/P of each file (plus its header), and

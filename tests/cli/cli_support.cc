@@ -9,6 +9,8 @@
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+#include <system_error>
+#include <vector>
 
 namespace ctxpar::test {
 namespace fs = std::filesystem;
@@ -25,22 +27,39 @@ std::string fault_ctxpar_path() {
   return std::string(dir) + "/ctxpar-faults";
 }
 
+namespace {
+// The folders temp_dir made, removed when the test program that made them ends (a child it
+// forked leaves them alone); CTXPAR_KEEP_TEMP=1 keeps them to look at.
+struct TempDirs {
+  pid_t owner = ::getpid();
+  std::vector<fs::path> made;
+  ~TempDirs() {
+    if (::getpid() != owner || std::getenv("CTXPAR_KEEP_TEMP")) return;
+    std::error_code ec;
+    for (const fs::path& p : made) fs::remove_all(p, ec);
+  }
+};
+TempDirs& temp_dirs() {
+  static TempDirs dirs;
+  return dirs;
+}
+}  // namespace
+
 std::string temp_dir(const std::string& name) {
   fs::path p =
       fs::temp_directory_path() / ("ctxpar_cli_" + std::to_string(::getpid()) + "_" + name);
   fs::remove_all(p);
   fs::create_directories(p);
+  temp_dirs().made.push_back(p);
   return p.string();
 }
 
-namespace {
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
 }
-}  // namespace
 
 CommandResult run_shell(const std::string& command) {
   static int counter = 0;
@@ -52,8 +71,8 @@ CommandResult run_shell(const std::string& command) {
   const int status = std::system(line.c_str());
   CommandResult r;
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  r.out = slurp(out);
-  r.err = slurp(err);
+  r.out = file_bytes(out);
+  r.err = file_bytes(err);
   fs::remove(out);
   fs::remove(err);
   return r;

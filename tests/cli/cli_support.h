@@ -22,8 +22,14 @@ std::string ctxpar_path();
 // The test build of the command (tools/ctxpar/CMakeLists.txt): the same sources with the fault
 // hooks CTXPAR_FAULT_RANK and CTXPAR_OUT_FAULT compiled in; the release `ctxpar` has none.
 std::string fault_ctxpar_path();
-// A fresh empty folder under the test's temporary directory.
+// A fresh empty folder under the test's temporary directory, removed when the test program
+// ends (CTXPAR_KEEP_TEMP=1 keeps it).
 std::string temp_dir(const std::string& name);
+// The whole of a file, as bytes ("" when it cannot be read).
+std::string file_bytes(const std::string& path);
+// The command line of a small causal attention run; tests append their flags.
+inline const std::string kSmallAttention =
+    "attention --seq 64 --heads 2 --head-dim 16 --mask causal ";
 // Parses stdout as the one JSON object of --json; fails the test (throws) if it is not.
 nlohmann::json parse_json(const CommandResult& r);
 

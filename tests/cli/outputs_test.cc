@@ -16,8 +16,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const std::string kSmall = "attention --seq 64 --heads 2 --head-dim 16 --mask causal ";
-
 // Every command's and subcommand's --help prints its help on stdout and exits 0.
 TEST(CliOutputs, EveryHelpExits0) {
   for (const char* command : {"attention", "train", "plan", "bench", "bench kernel", "bench cp"}) {
@@ -61,7 +59,7 @@ TEST(CliOutputs, JsonWithStderrMergedIsJson) {
   ASSERT_EQ(r.exit_code, 0) << r.out;
   EXPECT_TRUE(nlohmann::json::accept(r.out)) << r.out.substr(0, 300);
   // --progress asks for the lines anyway (stderr).
-  const CommandResult p = run_ctxpar(kSmall + "--json --progress");
+  const CommandResult p = run_ctxpar(kSmallAttention + "--json --progress");
   ASSERT_EQ(p.exit_code, 0) << p.err;
   EXPECT_NE(p.err.find("attention: "), std::string::npos) << p.err;
   EXPECT_TRUE(nlohmann::json::accept(p.out)) << p.out;
@@ -72,17 +70,17 @@ TEST(CliOutputs, OutThroughALinkReachesItsTarget) {
   const std::string dir = temp_dir("out_link");
   fs::create_directories(dir + "/target");
   fs::create_directory_symlink("target", dir + "/link");
-  const CommandResult r = run_ctxpar(kSmall + "--out " + dir + "/link");
+  const CommandResult r = run_ctxpar(kSmallAttention + "--out " + dir + "/link");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_TRUE(fs::is_symlink(dir + "/link")) << "the link was replaced by a folder";
   EXPECT_TRUE(fs::exists(dir + "/target/out.npy"));
   // Again, into the previous output through the link.
-  ASSERT_EQ(run_ctxpar(kSmall + "--seed 4 --out " + dir + "/link").exit_code, 0);
+  ASSERT_EQ(run_ctxpar(kSmallAttention + "--seed 4 --out " + dir + "/link").exit_code, 0);
   EXPECT_TRUE(fs::is_symlink(dir + "/link"));
   EXPECT_TRUE(fs::exists(dir + "/target/lse.npy"));
   // A link to nothing is refused by name, before the run.
   fs::create_directory_symlink("nowhere", dir + "/dangling");
-  const CommandResult d = run_ctxpar(kSmall + "--out " + dir + "/dangling");
+  const CommandResult d = run_ctxpar(kSmallAttention + "--out " + dir + "/dangling");
   EXPECT_EQ(d.exit_code, 2) << d.err;
   EXPECT_NE(d.err.find("--out " + dir + "/dangling is a symbolic link to no folder"),
             std::string::npos)
@@ -96,8 +94,8 @@ TEST(CliOutputs, OutFolderHonoursTheUmask) {
   for (const auto& [mask, mode] : {std::pair{"022", 0755}, std::pair{"077", 0700}}) {
     SCOPED_TRACE(mask);
     const std::string out = dir + "/res" + mask;
-    ASSERT_EQ(run_shell(std::string("umask ") + mask + "; " + ctxpar_path() + " " + kSmall +
-                        "--out " + out)
+    ASSERT_EQ(run_shell(std::string("umask ") + mask + "; " + ctxpar_path() + " " +
+                        kSmallAttention + "--out " + out)
                   .exit_code,
               0);
     struct stat st = {};
@@ -111,8 +109,8 @@ TEST(CliOutputs, OutFolderHonoursTheUmask) {
 // removes it (ours by name, its pid dead), and nothing else.
 TEST(CliOutputs, HiddenFoldersOfKilledRunsAreRemoved) {
   const std::string dir = temp_dir("out_stale"), out = dir + "/res";
-  CommandResult r = run_shell("CTXPAR_OUT_FAULT=before-swap " + fault_ctxpar_path() + " " + kSmall +
-                              "--out " + out);
+  CommandResult r = run_shell("CTXPAR_OUT_FAULT=before-swap " + fault_ctxpar_path() + " " +
+                              kSmallAttention + "--out " + out);
   ASSERT_EQ(r.exit_code, 128 + 9) << r.err;
   auto hidden = [&] {
     int n = 0;
@@ -128,7 +126,7 @@ TEST(CliOutputs, HiddenFoldersOfKilledRunsAreRemoved) {
       dir + "/.res.ctxpar-new." + std::to_string(getpid()) + "-" + host + ".abcdef";
   fs::create_directories(live);
   fs::create_directories(dir + "/.other.ctxpar-new.1-" + host + ".abcdef");  // another --out's
-  r = run_ctxpar(kSmall + "--out " + out);
+  r = run_ctxpar(kSmallAttention + "--out " + out);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(hidden(), 1) << "the killed run's folder is still there";
   EXPECT_TRUE(fs::exists(live));
@@ -141,10 +139,10 @@ TEST(CliOutputs, HiddenFoldersOfKilledRunsAreRemoved) {
 TEST(CliOutputs, ReleaseBinaryHasNoFaultHooks) {
   const std::string dir = temp_dir("no_hooks");
   CommandResult r = run_shell("CTXPAR_FAULT_RANK=0 CTXPAR_OUT_FAULT=before-swap " + ctxpar_path() +
-                              " " + kSmall + "--ranks 2 --out " + dir + "/res");
+                              " " + kSmallAttention + "--ranks 2 --out " + dir + "/res");
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_TRUE(fs::exists(dir + "/res/out.npy"));
-  r = run_shell("CTXPAR_FAULT_RANK=0 " + fault_ctxpar_path() + " " + kSmall + "--ranks 2");
+  r = run_shell("CTXPAR_FAULT_RANK=0 " + fault_ctxpar_path() + " " + kSmallAttention + "--ranks 2");
   EXPECT_EQ(r.exit_code, 1) << r.err;  // the test build does fail on purpose
   fs::remove_all(dir);
 }
@@ -165,8 +163,8 @@ TEST(CliOutputs, BadEnvironmentVariableExits2) {
   };
   for (const auto& [env, message] : bad) {
     SCOPED_TRACE(env);
-    const CommandResult r = run_shell(std::string(env) + " " + ctxpar_path() + " " + kSmall +
-                                      "--strategy ulysses --ranks 2");
+    const CommandResult r = run_shell(std::string(env) + " " + ctxpar_path() + " " +
+                                      kSmallAttention + "--strategy ulysses --ranks 2");
     EXPECT_EQ(r.exit_code, 2) << r.err;
     EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
   }

@@ -18,6 +18,7 @@
 #include "strategy/strategy_support.h"
 #ifdef CTXPAR_CUDA_HEADERS
 #include "cuda/fake_cudnn.h"
+#include "same_bits.h"
 #endif
 
 namespace ctxpar::testing {
@@ -106,10 +107,6 @@ struct Block {
                        delta, dq, dk, dv, {});
   }
 };
-
-bool same_bits(const Tensor& a, const Tensor& b) {
-  return a.bytes() == b.bytes() && std::memcmp(a.data(), b.data(), a.bytes()) == 0;
-}
 
 // A kernel launch that fails: its error is the one thrown; the device then synchronizes
 // without reading the half-made timing pair, and ends destroying each event and stream once,
@@ -267,9 +264,9 @@ TEST(CudaDeviceCudnn, ARefusedGraphFallsBackToTheExactKernelCounted) {
     dev.synchronize();
     EXPECT_EQ(dev.fallback_blocks(), 1);
   }
-  EXPECT_TRUE(same_bits(refused.dq, fallback.dq));
-  EXPECT_TRUE(same_bits(refused.dk, fallback.dk));
-  EXPECT_TRUE(same_bits(refused.dv, fallback.dv));
+  EXPECT_TRUE(test::same_bits(refused.dq, fallback.dq));
+  EXPECT_TRUE(test::same_bits(refused.dk, fallback.dk));
+  EXPECT_TRUE(test::same_bits(refused.dv, fallback.dv));
   EXPECT_EQ(joined(api->violations()), "");
   EXPECT_EQ(api->live_events(), 0u);
   EXPECT_EQ(api->live_allocations(), 0u);

@@ -10,6 +10,7 @@
 
 #include "ctxpar/device.h"
 #include "forwarding_device.h"
+#include "same_bits.h"
 
 namespace ctxpar {
 namespace {
@@ -33,11 +34,6 @@ class Recording final : public testing::ForwardingDevice {
  private:
   bool whole_;
 };
-
-bool same_bits(const Tensor& a, const Tensor& b) {
-  return a.bytes() == b.bytes() &&
-         std::memcmp(a.view().ptr<char>(), b.view().ptr<char>(), a.bytes()) == 0;
-}
 
 TEST(DeviceForwardWhole, HostDevicesRunItAsOneOperationWithTheBitsOfTheState) {
   const int64_t t = 100, h = 2, d = 32;
@@ -63,8 +59,8 @@ TEST(DeviceForwardWhole, HostDevicesRunItAsOneOperationWithTheBitsOfTheState) {
       Tensor out(DType::bf16, {1, t, h, d}), lse(DType::f32, {1, h, t});
       dev.forward_whole(kComputeStream, q, tokens, k, v, tokens, causal, out, lse, {});
       dev.synchronize();
-      EXPECT_TRUE(same_bits(out, want_o));
-      EXPECT_TRUE(same_bits(lse, want_lse));
+      EXPECT_TRUE(test::same_bits(out, want_o));
+      EXPECT_TRUE(test::same_bits(lse, want_lse));
       const std::vector<std::string> ops =
           whole ? std::vector<std::string>{"forward"}
                 : std::vector<std::string>{"forward_reset", "forward_block", "forward_finalize"};

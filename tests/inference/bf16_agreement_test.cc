@@ -9,21 +9,18 @@
 
 #include "inference/inference_support.h"
 #include "kernel/amx_forced.h"
+#include "same_bits.h"
 
 using namespace ctxpar;
 using namespace ctxpar::testing;
 
 namespace {
 
-bool same_bits(const Tensor& a, const Tensor& b) {
-  return a.bytes() == b.bytes() && std::memcmp(a.data(), b.data(), a.bytes()) == 0;
-}
-
 // Every rank's output and LSE of every sequence equal, bitwise.
 bool same_results(const std::vector<RankResult>& x, const std::vector<RankResult>& y) {
   for (size_t r = 0; r < x.size(); ++r)
     for (size_t b = 0; b < x[r].out.size(); ++b)
-      if (!same_bits(x[r].out[b], y[r].out[b]) || !same_bits(x[r].lse[b], y[r].lse[b]))
+      if (!test::same_bits(x[r].out[b], y[r].out[b]) || !test::same_bits(x[r].lse[b], y[r].lse[b]))
         return false;
   return true;
 }

@@ -8,16 +8,12 @@
 #include "ctxpar/error.h"
 #include "inference/inference_support.h"
 #include "inference/internal.h"
+#include "same_bits.h"
 
 using namespace ctxpar;
 using namespace ctxpar::testing;
 
 namespace {
-
-bool same_bits(const Tensor& a, const Tensor& b) {
-  return a.shape() == b.shape() && a.dtype() == b.dtype() &&
-         std::memcmp(a.data(), b.data(), a.bytes()) == 0;
-}
 
 // Decode rows [from, N) of sequence b of every rank equal rank 0's, bitwise.
 bool ranks_agree(const std::vector<RankResult>& rs, int64_t b, int64_t from) {
@@ -134,8 +130,8 @@ TEST(Inference, DecodeMergesAcrossRanks) {
         EXPECT_TRUE(ranks_agree(rs, b, s.prefill[b])) << what;
         if (m == DecodeMerge::chain) {
           for (int r = 0; r < p; ++r) {
-            EXPECT_TRUE(same_bits(rs[size_t(r)].out[b], base[size_t(r)].out[b]) &&
-                        same_bits(rs[size_t(r)].lse[b], base[size_t(r)].lse[b]))
+            EXPECT_TRUE(test::same_bits(rs[size_t(r)].out[b], base[size_t(r)].out[b]) &&
+                        test::same_bits(rs[size_t(r)].lse[b], base[size_t(r)].lse[b]))
                 << what << " rank " << r << " sequence " << b;
           }
         }
@@ -226,8 +222,8 @@ TEST(Inference, ForksDecodeWithTheirParentsBits) {
     for (int64_t b = 0; b < s.sequences(); ++b) {
       const std::string what = "P=" + std::to_string(p) + " sequence " + std::to_string(b);
       for (int r = 0; r < p; ++r) {
-        EXPECT_TRUE(same_bits(got[r].out[b], want[r].out[b])) << what << " rank " << r;
-        EXPECT_TRUE(same_bits(got[r].lse[b], want[r].lse[b])) << what << " rank " << r;
+        EXPECT_TRUE(test::same_bits(got[r].out[b], want[r].out[b])) << what << " rank " << r;
+        EXPECT_TRUE(test::same_bits(got[r].lse[b], want[r].lse[b])) << what << " rank " << r;
       }
       EXPECT_EQ(check_accuracy(forked, b, combine(got, forked, b), s.prefill[b]), "") << what;
     }
@@ -248,9 +244,9 @@ TEST(Inference, SimDeviceGivesTheCpuBits) {
       const auto a = run_on_threads(s, p), b = run_on_threads(sim, p);
       for (int r = 0; r < p; ++r)
         for (int64_t seq = 0; seq < 2; ++seq) {
-          EXPECT_TRUE(same_bits(a[r].out[seq], b[r].out[seq]))
+          EXPECT_TRUE(test::same_bits(a[r].out[seq], b[r].out[seq]))
               << prefill_mode_name(mode) << " P=" << p;
-          EXPECT_TRUE(same_bits(a[r].lse[seq], b[r].lse[seq]))
+          EXPECT_TRUE(test::same_bits(a[r].lse[seq], b[r].lse[seq]))
               << prefill_mode_name(mode) << " P=" << p;
         }
     }

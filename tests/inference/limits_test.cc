@@ -14,6 +14,8 @@
 #include "ctxpar/strategy.h"
 #include "inference/inference_support.h"
 #include "inference/internal.h"
+#include "inference/slots_support.h"
+#include "same_bits.h"
 
 using namespace ctxpar;
 using namespace ctxpar::testing;
@@ -352,21 +354,12 @@ TEST(KvCacheFinite, NonFiniteKeysAndValuesAreRefusedWhereTheyEnter) {
 
 namespace {
 
-Tensor normal(Shape shape, uint64_t seed) {
-  Tensor t(DType::f32, shape);
-  fill_normal(t, seed);
-  return t;
-}
-
-bool same_bits(const Tensor& a, const Tensor& b) {
-  return a.shape() == b.shape() && std::memcmp(a.data(), b.data(), a.bytes()) == 0;
-}
-
 void expect_same_cache(const KvCache& a, const KvCache& b) {
   for (int64_t s = 0; s < a.options().sequences; ++s) {
     EXPECT_EQ(a.tokens(s), b.tokens(s)) << "sequence " << s;
     ASSERT_EQ(a.local_tokens(s), b.local_tokens(s)) << "sequence " << s;
-    EXPECT_TRUE(same_bits(Tensor::copy_of(a.k(s)), Tensor::copy_of(b.k(s)))) << "sequence " << s;
+    EXPECT_TRUE(test::same_bits(Tensor::copy_of(a.k(s)), Tensor::copy_of(b.k(s))))
+        << "sequence " << s;
   }
 }
 
@@ -379,7 +372,7 @@ void expect_same_decode(KvCache& a, KvCache& b, uint64_t seed) {
   Tensor out_b(DType::f32, {n, 1, 4, 16}), lse_b(DType::f32, {n, 4, 1});
   decode(a, q, k, v, out_a, lse_a);
   decode(b, q, k, v, out_b, lse_b);
-  EXPECT_TRUE(same_bits(out_a, out_b) && same_bits(lse_a, lse_b));
+  EXPECT_TRUE(test::same_bits(out_a, out_b) && test::same_bits(lse_a, lse_b));
 }
 
 }  // namespace
@@ -455,7 +448,7 @@ TEST(KvCacheRefusal, PrefillRefusedOnOneRankStoresAndSendsNothing) {
           expect_same_cache(refused, twin);
           const auto [out_a, lse_a] = call(refused, 40, 30, q, k);
           const auto [out_b, lse_b] = call(twin, 40, 30, q, k);
-          EXPECT_TRUE(same_bits(out_a, out_b) && same_bits(lse_a, lse_b));
+          EXPECT_TRUE(test::same_bits(out_a, out_b) && test::same_bits(lse_a, lse_b));
           expect_same_decode(refused, twin, 9);
         },
         opt);

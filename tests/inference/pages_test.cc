@@ -7,17 +7,12 @@
 
 #include "inference/inference_support.h"
 #include "inference/slots_support.h"
+#include "same_bits.h"
 
 using namespace ctxpar;
 using namespace ctxpar::testing;
 
 namespace {
-
-bool same_bits(const TensorView& a, const TensorView& b) {
-  if (a.empty() || b.empty()) return a.empty() && b.empty();
-  const Tensor x = Tensor::copy_of(a), y = Tensor::copy_of(b);
-  return x.shape() == y.shape() && std::memcmp(x.data(), y.data(), x.bytes()) == 0;
-}
 
 // Sequence 0 holds a 70-token prompt; sequences 1 and 2 all of it and its first 40 tokens:
 // forks (pages shared), or copies appended afresh (what fork made before pages). Then the
@@ -56,7 +51,8 @@ TEST(KvCachePages, ForksDecodeAsCopiesWouldWithoutCopying) {
       const std::vector<Tensor> forked = forked_or_copied(comm, pool, true),
                                 copied = forked_or_copied(comm, pool, false);
       for (size_t i = 0; i < forked.size(); ++i)
-        EXPECT_TRUE(same_bits(forked[i], copied[i])) << "output " << i << ", rank " << comm.rank();
+        EXPECT_TRUE(test::same_bits(forked[i], copied[i]))
+            << "output " << i << ", rank " << comm.rank();
     });
   }
 }
@@ -105,19 +101,19 @@ TEST(KvCachePages, AWriteIntoASharedPageCopiesItFirst) {
       cache.append(c, rows_of(pool.k, added), rows_of(pool.v, added));
       s.truth[c].insert(s.truth[c].end(), added.begin(), added.end());
       EXPECT_EQ(cache.bytes(), shared + (comm.rank() == 2 % p ? page : 0));
-      EXPECT_TRUE(same_bits(cache.k(0), k0)) << "rank " << comm.rank();
-      EXPECT_TRUE(same_bits(cache.v(0), v0)) << "rank " << comm.rank();
+      EXPECT_TRUE(test::same_bits(cache.k(0), k0)) << "rank " << comm.rank();
+      EXPECT_TRUE(test::same_bits(cache.v(0), v0)) << "rank " << comm.rank();
       // The fork holds its own rows: the truth's, at this rank's positions.
       const Tokens mine = cache.local_token_ids(c);
       Rows held;
       for (int64_t t : mine.positions) held.push_back(s.truth[c][size_t(t)]);
       EXPECT_TRUE(
-          same_bits(cache.k(c), held.empty() ? TensorView() : rows_of(pool.k, held).view()));
+          test::same_bits(cache.k(c), held.empty() ? TensorView() : rows_of(pool.k, held).view()));
       EXPECT_TRUE(
-          same_bits(cache.v(c), held.empty() ? TensorView() : rows_of(pool.v, held).view()));
+          test::same_bits(cache.v(c), held.empty() ? TensorView() : rows_of(pool.v, held).view()));
       const Tensor kc = Tensor::copy_of(cache.k(c));
       cache.free(0);
-      EXPECT_TRUE(same_bits(cache.k(c), kc.view()));
+      EXPECT_TRUE(test::same_bits(cache.k(c), kc.view()));
       s.truth.erase(0);
       s.decode_step({c});
       s.decode_step({c});

@@ -92,12 +92,6 @@ constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
 constexpr int64_t kMin = std::numeric_limits<int64_t>::min() + 1;
 static_assert(kMin - 1 == kPaddingPosition);
 
-Mask window(int64_t l, int64_t r, bool causal) {
-  Mask m;
-  m.window_left = l, m.window_right = r, m.causal = causal;
-  return m;
-}
-
 Case positions(int64_t q_offset, int64_t q_stride, int64_t k_offset, int64_t k_stride, Mask m) {
   Case c;
   c.tq = 70, c.tk = 130, c.hq = 2, c.hkv = 1, c.d = 16, c.mask = m;

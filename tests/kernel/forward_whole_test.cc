@@ -12,14 +12,10 @@
 
 #include "ctxpar/kernel.h"
 #include "kernel_support.h"
+#include "same_bits.h"
 
 namespace ctxpar::test {
 namespace {
-
-bool same_bits(const Tensor& a, const Tensor& b) {
-  return a.shape() == b.shape() && a.dtype() == b.dtype() &&
-         std::memcmp(a.view().ptr<char>(), b.view().ptr<char>(), a.bytes()) == 0;
-}
 
 struct Whole {
   Tensor o, lse;
@@ -79,8 +75,8 @@ TEST(ForwardWhole, TheBitsOfBlockThenFinalize) {
                          dtype_name(out_dtype));
             const Whole want = by_state(in, c.mask, out_dtype, cfg);
             const Whole got = in_one_call(in, c.mask, out_dtype, cfg);
-            EXPECT_TRUE(same_bits(got.o, want.o));
-            EXPECT_TRUE(same_bits(got.lse, want.lse));
+            EXPECT_TRUE(test::same_bits(got.o, want.o));
+            EXPECT_TRUE(test::same_bits(got.lse, want.lse));
             ++checked;
           }
         }

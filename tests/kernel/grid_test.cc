@@ -10,11 +10,6 @@
 namespace ctxpar::test {
 namespace {
 
-Mask window(int64_t l, int64_t r, bool causal = false, bool documents = false) {
-  Mask m;
-  m.window_left = l, m.window_right = r, m.causal = causal, m.documents = documents;
-  return m;
-}
 Mask documents(bool causal) {
   Mask m;
   m.documents = true, m.causal = causal;

@@ -69,4 +69,12 @@ std::string rule_violations(const Outputs& fast, const References& refs, bool ba
 // Returns a description of the first violation, or "" when all pass.
 std::string check_case(const Case& c, bool backward);
 
+// A sliding window [q - l, q + r] (Mask's window_left / window_right), causal or over
+// documents where asked.
+inline Mask window(int64_t l, int64_t r, bool causal = false, bool documents = false) {
+  Mask m;
+  m.window_left = l, m.window_right = r, m.causal = causal, m.documents = documents;
+  return m;
+}
+
 }  // namespace ctxpar::test

@@ -26,6 +26,7 @@
 #include "kernel/problem.h"
 #include "kernel/simd_bf16.h"
 #include "kernel/kernel_support.h"
+#include "same_bits.h"
 
 namespace ctxpar {
 namespace {
@@ -40,10 +41,6 @@ KernelConfig with_l1d(int64_t bytes) {
   KernelConfig c;
   c.l1d_bytes = bytes;
   return c;
-}
-
-bool same_bits(const Tensor& a, const Tensor& b) {
-  return a.bytes() == b.bytes() && std::memcmp(a.data(), b.data(), a.bytes()) == 0;
 }
 
 TEST(Layout, PanelRowsFollowTheL1Size) {
@@ -91,7 +88,8 @@ TEST(Layout, ResultsDoNotDependOnTheL1Size) {
                                   {&f.dq, &base.dq, "dq"},
                                   {&f.dk, &base.dk, "dk"},
                                   {&f.dv, &base.dv, "dv"}})
-          EXPECT_TRUE(same_bits(*x, *y)) << what << ", L1 " << bytes << " bytes, " << c.name();
+          EXPECT_TRUE(test::same_bits(*x, *y))
+              << what << ", L1 " << bytes << " bytes, " << c.name();
       }
     }
   }
@@ -111,7 +109,7 @@ Inputs drop_query_rows(const Inputs& in, int64_t from) {
 // Whether the full run's tensor, from token `from` on along its token dim `dim` (1 for
 // [B, T, ...], 2 for LSE [B, H, T]), equals the sliced run's tensor bitwise.
 bool tail_equal(const Tensor& full, const Tensor& part, int64_t from, int dim) {
-  return same_bits(Tensor::copy_of(full.view().slice(dim, from, full.dim(dim))), part);
+  return test::same_bits(Tensor::copy_of(full.view().slice(dim, from, full.dim(dim))), part);
 }
 
 TEST(Layout, QueryRowsDoNotDependOnTheirTaskNeighbours) {

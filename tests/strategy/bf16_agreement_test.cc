@@ -11,13 +11,10 @@
 
 #include "kernel/amx_forced.h"
 #include "strategy/strategy_support.h"
+#include "same_bits.h"
 
 namespace ctxpar::testing {
 namespace {
-
-bool same_bits(const Tensor& a, const Tensor& b) {
-  return a.bytes() == b.bytes() && std::memcmp(a.data(), b.data(), a.bytes()) == 0;
-}
 
 TEST(Bf16Agreement, AnAgreementOnOneCommunicatorLeavesTheNextStrategysBitsAlone) {
   const test::TopProducts levels = test::top_products();
@@ -52,8 +49,8 @@ TEST(Bf16Agreement, AnAgreementOnOneCommunicatorLeavesTheNextStrategysBitsAlone)
                                {&after.dq, &before.dq, &lower.dq, "dq"},
                                {&after.dk, &before.dk, &lower.dk, "dk"},
                                {&after.dv, &before.dv, &lower.dv, "dv"}}) {
-    EXPECT_TRUE(same_bits(*a, *b)) << what << ": a later strategy's bits changed";
-    all_same_as_lower = all_same_as_lower && same_bits(*l, *b);
+    EXPECT_TRUE(test::same_bits(*a, *b)) << what << ": a later strategy's bits changed";
+    all_same_as_lower = all_same_as_lower && test::same_bits(*l, *b);
   }
   // The two levels give other bits on these inputs, so the comparison above can fail.
   EXPECT_FALSE(all_same_as_lower) << bf16_products_name(high) << " and " << bf16_products_name(low);

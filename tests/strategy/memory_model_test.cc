@@ -15,7 +15,7 @@
 namespace ctxpar::testing {
 namespace {
 
-struct Case {
+struct MemoryCase {
   StrategyKind kind;
   int ranks;
   int64_t tokens = 128, hq = 4, hkv = 2;
@@ -23,7 +23,7 @@ struct Case {
   int ulysses_degree = 0, head_groups = 0, ulysses_groups = 0;
 };
 
-std::string describe(const Case& c, LayoutKind layout, bool documents, AttentionPass pass) {
+std::string describe(const MemoryCase& c, LayoutKind layout, bool documents, AttentionPass pass) {
   return detail::concat(strategy_name(c.kind), " P=", c.ranks, " T=", c.tokens, " Hq=", c.hq,
                         " Hkv=", c.hkv, " ", dtype_name(c.dtype), " u=", c.ulysses_degree,
                         " head_groups=", c.head_groups, " ulysses_groups=", c.ulysses_groups, " ",
@@ -32,7 +32,7 @@ std::string describe(const Case& c, LayoutKind layout, bool documents, Attention
 }
 
 TEST(MemoryModel, EqualsEveryStrategysMeasuredPeak) {
-  const std::vector<Case> cases = {
+  const std::vector<MemoryCase> cases = {
       {StrategyKind::ring, 1},
       {StrategyKind::ring, 2},
       {StrategyKind::ring, 3},
@@ -54,7 +54,7 @@ TEST(MemoryModel, EqualsEveryStrategysMeasuredPeak) {
       {StrategyKind::hybrid, 8, 256, 4, 4, DType::f32, 2},        // a ring of four
       {StrategyKind::hybrid, 6, 96, 4, 2, DType::bf16, 2, 0, 2},  // a ring of three
   };
-  for (const Case& c : cases)
+  for (const MemoryCase& c : cases)
     for (LayoutKind layout : {LayoutKind::zigzag, LayoutKind::contiguous})
       for (bool documents : {false, true}) {
         Problem pr;

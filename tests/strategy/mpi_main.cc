@@ -6,15 +6,12 @@
 
 #include "kernel/problem.h"
 #include "strategy/strategy_support.h"
+#include "same_bits.h"
 
 using namespace ctxpar;
 using namespace ctxpar::testing;
 
 namespace {
-
-bool same_bits(const TensorView& a, const Tensor& b) {
-  return a.shape() == b.view().shape() && std::memcmp(a.data(), b.data(), b.bytes()) == 0;
-}
 
 // `mine`: this rank's KernelConfig::bf16_products; `lowest`, where given: the level the ranks
 // must agree on. The P-thread run takes the level the MPI ranks agreed on.
@@ -61,10 +58,11 @@ int check(Communicator& world, StrategyKind kind, LayoutKind lk, const char* mas
   if (!lowest_agreed)
     std::fprintf(stderr, "rank %d: %s agreed on bf16 products %s, not the lowest (%s)\n", r,
                  strategy_name(kind), bf16_products_name(agreed), bf16_products_name(lowest));
-  const bool ok = lowest_agreed && same_bits(o, layout.shard(t.o, r)) &&
-                  same_bits(lse, layout.shard(t.lse, r, 2)) &&
-                  same_bits(dq, layout.shard(t.dq, r)) && same_bits(dk, layout.shard(t.dk, r)) &&
-                  same_bits(dv, layout.shard(t.dv, r));
+  const bool ok = lowest_agreed && test::same_bits(o, layout.shard(t.o, r)) &&
+                  test::same_bits(lse, layout.shard(t.lse, r, 2)) &&
+                  test::same_bits(dq, layout.shard(t.dq, r)) &&
+                  test::same_bits(dk, layout.shard(t.dk, r)) &&
+                  test::same_bits(dv, layout.shard(t.dv, r));
   if (!ok)
     std::fprintf(stderr, "rank %d: %s %s mask=%s Hq=%lld Hkv=%lld %s: MPI != threads\n", r,
                  strategy_name(kind), layout_name(lk), mask, (long long)hq, (long long)hkv,

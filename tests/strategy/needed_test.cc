@@ -11,6 +11,7 @@
 
 #include "ctxpar/layout.h"
 #include "strategy/strategy_support.h"
+#include "same_bits.h"
 
 namespace ctxpar::testing {
 namespace {
@@ -42,10 +43,6 @@ StrategyOptions needed_options(const Problem& pr, StrategyKind kind = StrategyKi
   opt.mask = pr.mask;
   opt.exchange = Exchange::needed;
   return opt;
-}
-
-bool same_bits(const Tensor& a, const Tensor& b) {
-  return a.bytes() == b.bytes() && std::memcmp(a.data(), b.data(), a.bytes()) == 0;
 }
 
 void expect_within(const Errors& e, const Errors& bound, const std::string& where) {
@@ -105,11 +102,11 @@ TEST(Needed, TheSameBitsOnEveryRunAndTiming) {
     opt.device.sim_max_delay_us = 50;
     const RunResult c = run_sharded(pr, 4, LayoutKind::striped, opt);
     for (const RunResult* r : {&b, &c}) {
-      EXPECT_TRUE(same_bits(a.o, r->o)) << strategy_name(kind);
-      EXPECT_TRUE(same_bits(a.lse, r->lse)) << strategy_name(kind);
-      EXPECT_TRUE(same_bits(a.dq, r->dq)) << strategy_name(kind);
-      EXPECT_TRUE(same_bits(a.dk, r->dk)) << strategy_name(kind);
-      EXPECT_TRUE(same_bits(a.dv, r->dv)) << strategy_name(kind);
+      EXPECT_TRUE(test::same_bits(a.o, r->o)) << strategy_name(kind);
+      EXPECT_TRUE(test::same_bits(a.lse, r->lse)) << strategy_name(kind);
+      EXPECT_TRUE(test::same_bits(a.dq, r->dq)) << strategy_name(kind);
+      EXPECT_TRUE(test::same_bits(a.dk, r->dk)) << strategy_name(kind);
+      EXPECT_TRUE(test::same_bits(a.dv, r->dv)) << strategy_name(kind);
     }
   }
 }

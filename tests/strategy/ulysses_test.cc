@@ -16,6 +16,7 @@
 #include "ctxpar/device.h"
 #include "strategy/internal.h"
 #include "strategy/strategy_support.h"
+#include "same_bits.h"
 
 namespace ctxpar::testing {
 namespace {
@@ -43,10 +44,6 @@ class ScopedEnv {
   std::string old_;
   bool had_ = false;
 };
-
-bool same_bits(const Tensor& a, const Tensor& b) {
-  return a.bytes() == b.bytes() && std::memcmp(a.data(), b.data(), a.bytes()) == 0;
-}
 
 struct GroupCase {
   StrategyKind kind;
@@ -93,11 +90,11 @@ TEST(Ulysses, HeadGroupsGiveTheUnpipelinedBits) {
         opt.ulysses_groups = c.kind == StrategyKind::hybrid ? 4 : 0;
         piped = run_sharded(pr, c.p, LayoutKind::zigzag, opt);
         const std::string where = std::string(c.what) + ", " + device_name(device) + ", " + mask;
-        EXPECT_TRUE(same_bits(one.o, piped.o)) << where;
-        EXPECT_TRUE(same_bits(one.lse, piped.lse)) << where;
-        EXPECT_TRUE(same_bits(one.dq, piped.dq)) << where;
-        EXPECT_TRUE(same_bits(one.dk, piped.dk)) << where;
-        EXPECT_TRUE(same_bits(one.dv, piped.dv)) << where;
+        EXPECT_TRUE(test::same_bits(one.o, piped.o)) << where;
+        EXPECT_TRUE(test::same_bits(one.lse, piped.lse)) << where;
+        EXPECT_TRUE(test::same_bits(one.dq, piped.dq)) << where;
+        EXPECT_TRUE(test::same_bits(one.dk, piped.dk)) << where;
+        EXPECT_TRUE(test::same_bits(one.dv, piped.dv)) << where;
         for (int r = 0; r < c.p; ++r) {
           // Same bytes (Ulysses; hybrid's ring sends its token ids once per group),
           // and no more memory than G = 1 (groups' buffers are 1/G; 45-80 % of it here).
@@ -140,8 +137,8 @@ TEST(Ulysses, LibraryIgnoresTheGroupsVariable) {
   const RunResult plain = run_sharded(pr, 2, LayoutKind::zigzag, opt);
   ScopedEnv env("CTXPAR_ULYSSES_GROUPS", "x");
   const RunResult with_env = run_sharded(pr, 2, LayoutKind::zigzag, opt);
-  EXPECT_TRUE(same_bits(plain.o, with_env.o));
-  EXPECT_TRUE(same_bits(plain.dq, with_env.dq));
+  EXPECT_TRUE(test::same_bits(plain.o, with_env.o));
+  EXPECT_TRUE(test::same_bits(plain.dq, with_env.dq));
 }
 
 // The cpu device's all-to-all is posted, not run: rank 0's call returns before rank 1 has
