@@ -41,14 +41,19 @@ asan_stage() {
   # that runs the tests (AVX-512 or AVX2 here), not five times: a third of the build, and the
   # attention runs of the cli and strategy entries are not slowed by a 4-wide SSE4 kernel at -O1
   # (docs/sanitizers.md has the timings; the normal suite tests every target: kernel_*).
-  local flags="-O2 -g -fno-omit-frame-pointer -fsanitize=address,undefined"
+  local flags="-O2 -g1 -fno-omit-frame-pointer -fsanitize=address,undefined"
   flags+=" -fno-sanitize-recover=undefined -DHWY_COMPILE_ONLY_STATIC=1"
+  # CMAKE_UNITY_BUILD: eight sources a translation unit, so each header is parsed and each
+  # inline function instrumented once per eight (the Highway kernels stay alone:
+  # src/CMakeLists.txt); the normal build compiles every file alone, so a file that leans on
+  # another's includes still fails there (docs/sanitizers.md has the timings).
   # CTXPAR_CUDA=OFF: the CUDA parts cannot run here, and the cuDNN frontend's one translation
   # unit costs minutes to compile a second time; the normal suite builds and tests them
   # (ctest -L cuda, CliCuda.* with and without CUDA: tests/cli/cuda_device_test.cc).
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER="$cxx" \
     -DCMAKE_BUILD_TYPE=None -DCMAKE_CXX_FLAGS="$flags" \
     -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" \
+    -DCMAKE_UNITY_BUILD=ON -DCMAKE_UNITY_BUILD_BATCH_SIZE=8 \
     -DCTXPAR_ARCH=native -DCTXPAR_CUDA=OFF -DCTXPAR_DEV=OFF -DCTXPAR_FUZZERS=OFF -DCTXPAR_TEST_TIMEOUT_SCALE=4 >/dev/null
   local targets=(ctxpar_cli test_strategy test_strategy_mpi test_comm test_comm_mpi test_device
                  test_kernel test_io test_cli test_cli_io test_mpi test_inference test_inference_mpi)
