@@ -71,18 +71,6 @@ class PackedTraining : public test::TempDirTest {
   std::string bytes_;
 };
 
-// Rank 0's losses and final weights.
-struct RunOut {
-  std::vector<double> losses;
-  std::vector<float> weights;
-};
-RunOut run(const TrainConfig& c, int ranks) {
-  const TrainResult r = test::train_rank0(c, ranks);
-  RunOut out{{}, r.weights};
-  for (const auto& s : r.steps) out.losses.push_back(s.loss);
-  return out;
-}
-
 void expect_same_weights(const std::vector<float>& ours, const std::vector<float>& ref,
                          const std::string& what) {
   ASSERT_EQ(ours.size(), ref.size()) << what;
@@ -96,7 +84,7 @@ void expect_same_weights(const std::vector<float>& ours, const std::vector<float
 // kSeq + 1 bytes (the first window: DataSource reads window i at step i + 1).
 TEST_F(PackedTraining, OneRankLossIsTheMeanOverDocumentsRunAlone) {
   const TrainConfig c = config(1);
-  const RunOut packed = run(c, 1);
+  const test::TrainRun packed = test::train_run(c, 1);
   ASSERT_EQ(packed.losses.size(), 1u);
 
   std::vector<float> weights;
@@ -173,7 +161,7 @@ struct PackedCase {
 
 TEST_F(PackedTraining, ContextParallelGivesTheOneRankLossesAndWeights) {
   const TrainConfig c = config(3);
-  const RunOut single = run(c, 1);
+  const test::TrainRun single = test::train_run(c, 1);
   ASSERT_EQ(single.losses.size(), 3u);
   for (const PackedCase pc : {PackedCase{2, StrategyKind::ring, LayoutKind::balanced},
                               PackedCase{3, StrategyKind::ring, LayoutKind::balanced},
@@ -185,7 +173,7 @@ TEST_F(PackedTraining, ContextParallelGivesTheOneRankLossesAndWeights) {
     m.layout = pc.layout;
     const std::string what = std::string(strategy_name(pc.strategy)) + " " +
                              layout_name(pc.layout) + " cp " + std::to_string(pc.cp);
-    const RunOut multi = run(m, pc.cp);
+    const test::TrainRun multi = test::train_run(m, pc.cp);
     ASSERT_EQ(multi.losses.size(), single.losses.size()) << what;
     for (size_t s = 0; s < single.losses.size(); ++s)
       EXPECT_LE(std::fabs(multi.losses[s] - single.losses[s]),

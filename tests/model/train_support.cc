@@ -49,6 +49,13 @@ TrainResult train_rank0(const TrainConfig& c, int ranks) {
   return out;
 }
 
+TrainRun train_run(const TrainConfig& c, int ranks) {
+  const TrainResult r = train_rank0(c, ranks);
+  TrainRun out{{}, r.weights, r.steps.empty() ? 0 : r.steps.back().peak_bytes_max};
+  for (const auto& s : r.steps) out.losses.push_back(s.loss);
+  return out;
+}
+
 std::string train_error(const TrainConfig& c, int ranks) {
   try {
     run_train(c, ranks);

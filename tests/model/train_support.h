@@ -25,6 +25,13 @@ std::vector<StepRecord> run_train(const TrainConfig& c, int ranks,
                                   const std::function<void(const StepRecord&)>& on_step = {});
 // Rank 0's whole result (steps and final weights).
 TrainResult train_rank0(const TrainConfig& c, int ranks);
+// Rank 0's losses, final weights and last step's peak bytes (the most of any rank).
+struct TrainRun {
+  std::vector<double> losses;
+  std::vector<float> weights;
+  size_t peak = 0;
+};
+TrainRun train_run(const TrainConfig& c, int ranks);
 // The ctxpar::Error message of the run ("" when it succeeds).
 std::string train_error(const TrainConfig& c, int ranks);
 

@@ -52,26 +52,6 @@ TrainConfig tiny_config() {
   return c;
 }
 
-struct RunOut {
-  std::vector<double> losses;
-  std::vector<float> weights;
-  size_t peak = 0;
-};
-
-RunOut run(TrainConfig c, int ranks) {
-  RunOut out;
-  std::mutex mu;
-  run_threads(ranks, [&](Communicator& comm) {
-    TrainResult r = train(comm, c);
-    if (comm.rank() != 0) return;
-    std::lock_guard<std::mutex> lock(mu);
-    for (const auto& s : r.steps) out.losses.push_back(s.loss);
-    out.weights = r.weights;
-    out.peak = r.steps.back().peak_bytes_max;
-  });
-  return out;
-}
-
 TEST(Transformer, GradientMatchesFiniteDifferences) {
   ModelConfig m;
   m.layers = 1;
@@ -141,7 +121,7 @@ TEST(ContextParallelAnyLength, PaddedSequenceSameLossesAsOneRank) {
   c.seq = 61;
   c.copy_len = 12;
   c.steps = 8;
-  const RunOut single = run(c, 1);
+  const test::TrainRun single = test::train_run(c, 1);
   for (CpCase cs : {CpCase{4, StrategyKind::ring, LayoutKind::zigzag},
                     CpCase{3, StrategyKind::allgather, LayoutKind::striped},
                     CpCase{2, StrategyKind::ulysses, LayoutKind::contiguous}}) {
@@ -149,7 +129,7 @@ TEST(ContextParallelAnyLength, PaddedSequenceSameLossesAsOneRank) {
     m.cp = cs.cp;
     m.strategy = cs.strategy;
     m.layout = cs.layout;
-    const RunOut multi = run(m, cs.cp);
+    const test::TrainRun multi = test::train_run(m, cs.cp);
     ASSERT_EQ(multi.losses.size(), single.losses.size());
     for (size_t s = 0; s < single.losses.size(); ++s)
       EXPECT_LE(std::fabs(multi.losses[s] - single.losses[s]), 1e-4 * std::fabs(single.losses[s]))
@@ -160,14 +140,14 @@ TEST(ContextParallelAnyLength, PaddedSequenceSameLossesAsOneRank) {
 class ContextParallel : public ::testing::TestWithParam<CpCase> {};
 
 TEST_P(ContextParallel, SameLossesAndWeightsAsOneRank) {
-  static RunOut single = run(tiny_config(), 1);
+  static test::TrainRun single = test::train_run(tiny_config(), 1);
   const CpCase cs = GetParam();
   TrainConfig c = tiny_config();
   c.cp = cs.cp;
   c.strategy = cs.strategy;
   c.layout = cs.layout;
   c.ulysses_degree = cs.ulysses_degree;
-  RunOut multi = run(c, cs.cp);
+  test::TrainRun multi = test::train_run(c, cs.cp);
   ASSERT_EQ(multi.losses.size(), single.losses.size());
   for (size_t s = 0; s < single.losses.size(); ++s)
     EXPECT_LE(std::fabs(multi.losses[s] - single.losses[s]), kLossRel * std::fabs(single.losses[s]))
@@ -200,15 +180,15 @@ TEST(Mesh, DataTimesContextEqualsDataParallelAlone) {
   c.steps = 6;
   c.dp = 2;
   c.cp = 1;
-  RunOut dp_only = run(c, 2);
+  test::TrainRun dp_only = test::train_run(c, 2);
   c.cp = 2;
-  RunOut mesh = run(c, 4);
+  test::TrainRun mesh = test::train_run(c, 4);
   for (size_t s = 0; s < dp_only.losses.size(); ++s)
     EXPECT_LE(std::fabs(mesh.losses[s] - dp_only.losses[s]), kLossRel * dp_only.losses[s]) << s;
   // Two data groups see different batches: not the single-group loss.
   c.dp = 1;
   c.cp = 1;
-  RunOut one = run(c, 1);
+  test::TrainRun one = test::train_run(c, 1);
   EXPECT_NE(one.losses[0], dp_only.losses[0]);
 }
 
@@ -219,7 +199,7 @@ TEST(Memory, ActivationBytesPerRankFallWithP) {
   size_t prev = 0;
   for (int p : {1, 2, 4}) {
     c.cp = p;
-    RunOut r = run(c, p);
+    test::TrainRun r = test::train_run(c, p);
     if (prev) {
       // Halving T/P halves everything the model holds; the strategy's buffers fall too.
       EXPECT_LT(double(r.peak), 0.6 * double(prev)) << "P = " << p;
@@ -232,7 +212,7 @@ TEST(Train, BadMeshIsRefusedOnEveryRank) {
   TrainConfig c = tiny_config();
   c.dp = 3;
   c.cp = 1;
-  EXPECT_THROW(run(c, 2), Error);
+  EXPECT_THROW(test::train_run(c, 2), Error);
 }
 
 // The library names its fields, not the command's flags (`ctxpar train` translates them back:
@@ -241,7 +221,7 @@ TEST(Train, LibraryMessagesNameFieldsNotFlags) {
   const auto message_of = test::error_text;
   TrainConfig c = tiny_config();
   c.dp = 3;
-  const std::string mesh = message_of([&] { run(c, 2); });
+  const std::string mesh = message_of([&] { test::train_run(c, 2); });
   EXPECT_NE(mesh.find("TrainConfig::dp x TrainConfig::cp must equal the number of ranks"),
             std::string::npos)
       << mesh;
@@ -251,7 +231,7 @@ TEST(Train, LibraryMessagesNameFieldsNotFlags) {
   EXPECT_NE(model.find("ModelConfig::head_dim must be even"), std::string::npos) << model;
   c = tiny_config();
   c.seq = 4;
-  const std::string seq = message_of([&] { run(c, 1); });
+  const std::string seq = message_of([&] { test::train_run(c, 1); });
   EXPECT_NE(seq.find("TrainConfig::seq must be >= 8"), std::string::npos) << seq;
   for (const std::string& m : {mesh, model, seq})
     EXPECT_EQ(m.find("--"), std::string::npos) << "names a command flag: " << m;
@@ -285,7 +265,7 @@ TEST(Train, DataFileIsNotLoadedWholeByEveryRank) {
   c.steps = 3;
   c.cp = 4;
   const uint64_t before = bytes_read_by_this_process();
-  const RunOut out = run(c, 4);
+  const test::TrainRun out = test::train_run(c, 4);
   const uint64_t read = bytes_read_by_this_process() - before;
   std::filesystem::remove(path);
   ASSERT_EQ(out.losses.size(), 3u);
