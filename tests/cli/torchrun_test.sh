@@ -17,7 +17,8 @@ if [ -z "$torchrun" ] || [ ! -x "$torchrun" ]; then
        "configure with -DCTXPAR_TORCHRUN=/path/to/torchrun, or set CTXPAR_TORCHRUN" >&2
   exit 1
 fi
-rm -rf "$work" && mkdir -p "$work"
+rm -rf "$work" && mkdir -p "$work/tmp"
+export TMPDIR="$work/tmp"  # torchrun's agent leaves its torchelastic_* folders behind: here
 args=(attention --seq $((64 * n)) --heads 4 --kv-heads 2 --head-dim 32 --mask causal
       --layout zigzag --strategy ring --backward --timeout 60)
 fail() { echo "FAIL: $*" >&2; exit 1; }

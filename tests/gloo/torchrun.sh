@@ -21,4 +21,10 @@ if [ "$1" = --python ]; then
 fi
 n=$1
 shift
-exec timeout 170 "$t" --no-python --standalone --nproc-per-node "$n" "$@"
+# torchrun's agent leaves its torchelastic_* folders in TMPDIR: a folder of this run's own,
+# removed after it.
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/ctxpar_torchrun.XXXXXX")
+TMPDIR=$tmp timeout 170 "$t" --no-python --standalone --nproc-per-node "$n" "$@"
+rc=$?
+rm -rf "$tmp"
+exit $rc

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -29,10 +30,12 @@ def mpirun(ranks, script, *args, timeout=180):
 
 def torchrun(ranks, script, *args, timeout=240):
     """`torchrun --standalone --nproc-per-node ranks script args` (gloo, a free port), one
-    OpenMP thread per worker."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(ranks), script, *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    OpenMP thread per worker. The agent's temporary folders (torchelastic_*, which it leaves
+    behind) go to a TMPDIR of the call's own, removed when it returns."""
+    with tempfile.TemporaryDirectory(prefix="ctxpar_torchrun_") as tmp:
+        env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=tmp)
+        cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(ranks), script, *args]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def problem(B=2, T=32, Hq=4, Hkv=2, D=16, seed=0, dtype=np.float32):

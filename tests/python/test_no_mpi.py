@@ -109,7 +109,8 @@ def test_a_torchrun_job_over_gloo_runs_with_libmpi_hidden(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     run = hidden([TORCHRUN, "--standalone", "--nproc-per-node", "2",
-                  os.path.join(HERE, "torchrun_case.py"), "torch", str(out)], tmp_path)
+                  os.path.join(HERE, "torchrun_case.py"), "torch", str(out)], tmp_path,
+                 env=dict(os.environ, TMPDIR=str(tmp_path)))  # torchelastic_* folders there
     assert run.returncode == 0, run.stdout + run.stderr
     world = run_ranks(2, attention_on)
     for r in range(2):
