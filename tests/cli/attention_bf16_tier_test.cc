@@ -68,8 +68,9 @@ TEST(CliBf16Tier, FastTierPassesItsCheckAndDiffersFromExact) {
     const nlohmann::json fast = run_into(args + " --bf16-tier fast", dir + "/fast", "fast");
     EXPECT_TRUE(fast["check_passed"].get<bool>()) << fast["check"].dump();
     for (const auto& q : fast["check"]["quantities"])
-      if (q["name"] == "out" || q["name"] == "dq" || q["name"] == "dk" || q["name"] == "dv")
+      if (q["name"] == "out" || q["name"] == "dq" || q["name"] == "dk" || q["name"] == "dv") {
         EXPECT_GE(q["tolerance"].get<double>(), 0x1.0p-7) << q.dump();  // the fast tier's floor
+      }
     run_into(args + " --bf16-tier exact", dir + "/exact", "exact");
     run_into(args, dir + "/default", "exact");
     const std::string differ = differing_outputs(dir + "/fast", dir + "/exact");

@@ -117,11 +117,13 @@ TEST(Mask, TileVerdictsAgreeWithElements) {
                   any |= v;
                   all &= v;
                 }
-              if (m.tile_masked(qlo, qhi, klo, khi, doc(qlo), doc(qhi), doc(klo), doc(khi)))
+              if (m.tile_masked(qlo, qhi, klo, khi, doc(qlo), doc(qhi), doc(klo), doc(khi))) {
                 EXPECT_FALSE(any) << m.describe() << " q[" << qlo << "," << qhi << "] k[" << klo
                                   << "," << khi << "]";
-              if (m.tile_full(qlo, qhi, klo, khi, doc(qlo), doc(qhi), doc(klo), doc(khi)))
+              }
+              if (m.tile_full(qlo, qhi, klo, khi, doc(qlo), doc(qhi), doc(klo), doc(khi))) {
                 EXPECT_TRUE(all) << m.describe();
+              }
               ++checked;
             }
   EXPECT_GT(checked, 1000);

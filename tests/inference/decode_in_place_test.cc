@@ -88,8 +88,9 @@ TEST(DecodeInPlace, PagesOfAnySizeGiveTheOnePageBits) {
                                    " block " + std::to_string(block) + " sequence " +
                                    std::to_string(b);
           EXPECT_TRUE(same_decode_bits(base[0], got[0], b, s.prefill[b])) << what;
-          if (block == 37)
+          if (block == 37) {
             EXPECT_EQ(check_accuracy(s, b, combine(got, s, b), s.prefill[b]), "") << what;
+          }
         }
       }
     }

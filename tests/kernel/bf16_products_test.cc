@@ -177,7 +177,7 @@ TEST(AmxProducts, DeltaAddsAsTheBackwardsDp) {
 TEST(Bf16Products, OneHotRowsWithinTheRule) {
   for (const float qk : {1000.0f, 22360.0f})
     for (const int64_t d : {16, 37, 80})
-      for (const Mask m : {Mask::none(), Mask::causal_mask()}) {
+      for (const Mask& m : {Mask::none(), Mask::causal_mask()}) {
         test::Case c;
         c.tq = 70, c.tk = 130, c.hq = 2, c.hkv = 1, c.d = d, c.mask = m, c.dtype = DType::bf16;
         c.q_offset = 60, c.qk_scale = qk;

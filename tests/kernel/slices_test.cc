@@ -61,9 +61,15 @@ TEST(Slices, TileClassificationIsSound) {
     for (int64_t a = q.pos_lo; a <= q.pos_hi; ++a)
       for (int64_t b = k.pos_lo; b <= k.pos_hi; ++b) seen += m.visible(a, b), ++total;
     const TileKind kind = classify(m, q, k);
-    if (kind == TileKind::skip) EXPECT_EQ(seen, 0) << m.describe();
-    if (kind == TileKind::full) EXPECT_EQ(seen, total) << m.describe();
-    if (seen == 0) EXPECT_NE(kind, TileKind::full);
+    if (kind == TileKind::skip) {
+      EXPECT_EQ(seen, 0) << m.describe();
+    }
+    if (kind == TileKind::full) {
+      EXPECT_EQ(seen, total) << m.describe();
+    }
+    if (seen == 0) {
+      EXPECT_NE(kind, TileKind::full);
+    }
   }
 }
 

@@ -123,8 +123,9 @@ TEST(Plan, CompareRanksStrategies) {
   const Plan p = make_plan(in, true);
   ASSERT_EQ(p.compare.size(), 4u);
   for (size_t i = 1; i < p.compare.size(); ++i)
-    if (p.compare[i].valid)
+    if (p.compare[i].valid) {
       EXPECT_LE(p.compare[i - 1].attention_seconds, p.compare[i].attention_seconds);
+    }
   double ring = 0, hybrid = 0;
   for (const auto& e : p.compare) {
     if (e.strategy == StrategyKind::ring) ring = e.attention_seconds;

@@ -140,7 +140,9 @@ TEST(Frame, CreateTakesTheCallersDevice) {
         Tensor o(DType::f32, q.shape()), lse(DType::f32, {pr.batch, pr.hq, q.dim(1)});
         const std::vector<int64_t> positions = layout.positions(r);
         s->forward(q, kk, v, Tokens{positions, {}}, o, lse);
-        if (own_device) EXPECT_GT(given->counters().flops, 0);
+        if (own_device) {
+          EXPECT_GT(given->counters().flops, 0);
+        }
         if (r == 0) {
           if (!own_device)
             outs[0] = std::move(o);

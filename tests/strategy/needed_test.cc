@@ -152,7 +152,9 @@ void check_bytes(const Problem& pr, int p, bool expect_zero,
       if (o != r) out += needed_rows(pr, layout, r, o), in += needed_rows(pr, layout, o, r);
     const std::string where =
         detail::concat(strategy_name(kind), " P=", p, " rank ", r, " mask=", pr.mask.describe());
-    if (expect_zero) EXPECT_EQ(out + in, 0u) << where;
+    if (expect_zero) {
+      EXPECT_EQ(out + in, 0u) << where;
+    }
     EXPECT_EQ(res.forward_stats[r].bytes_sent, summaries + out * kv_row) << where;
     EXPECT_EQ(res.forward_stats[r].bytes_received, summaries + in * kv_row) << where;
     EXPECT_EQ(res.backward_stats[r].bytes_sent, summaries + out * kv_row + in * grad_row) << where;
