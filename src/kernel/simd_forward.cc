@@ -1,7 +1,8 @@
 // The fast forward: K/V of the block packed once per call (K transposed, V row-major, fp32,
 // zero-padded to 64-key tiles) and shared by every query tile; per (batch, query head, two or
-// four query tiles: Note [Two query tiles a task]) task the scores S = Q K^T and the update O += P V run through the
-// register-blocked micro-kernel of simd_tile.h, with the online softmax in base 2 in between.
+// four query tiles: Note [Two query tiles a task]) task the scores S = Q K^T and the update
+// O += P V run through the register-blocked micro-kernel of simd_tile.h, with the online
+// softmax in base 2 in between.
 //
 // Note [Scores in natural units, exponents in base 2]: Q is packed pre-multiplied by the
 // softmax scale, so S and the running max m are in natural units, exactly as the state, the
