@@ -1,5 +1,6 @@
 // Argument checks of the kernel calls. Every check names the argument and what was expected,
 // so a strategy author can act on the message without reading this file.
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -73,15 +74,31 @@ const char* const kNonFiniteHint =
     "attention would silently treat the row as masked; find where the NaN/Inf comes from "
     "(inputs, a diverging step, an uninitialised buffer)";
 
-NonFinite find_non_finite(const TensorView& t) {
+NonFinite find_non_finite(const TensorView& t, int threads) {
   // One pass over the block costs O(T H D) against the O(Tq Tk H D) of the attention it guards;
   // a row is re-read element by element only when its vector test (any_non_finite) fails. A
   // tensor that is one run in memory is tested whole first: most are, and most are finite.
+  // That test takes the call's threads (in equal chunks, from kParallelScan elements on): on
+  // one thread it was 2.4 % of the fp32 forward, so about 5 % of its time on two (docs/
+  // kernel.md, "Round seven").
   const int64_t b = t.dim(0), n = t.dim(1), h = t.dim(2), d = t.dim(3);
-  if (b * n * h * d == 0) return {};
+  const int64_t total = b * n * h * d;
+  if (total == 0) return {};
   const bool one_run =
       t.stride(3) == 1 && t.stride(2) == d && t.stride(1) == h * d && t.stride(0) == n * h * d;
-  if (one_run && !any_non_finite(t, t.offset(0, 0, 0, 0), b * n * h * d)) return {};
+  if (one_run) {
+    const int64_t start = t.offset(0, 0, 0, 0);
+    const int64_t chunks = total >= kParallelScan ? std::max(1, threads) : 1;
+    bool bad = false;
+#pragma omp parallel for num_threads(static_cast <int>(chunks)) schedule(static) \
+    reduction(||                                                                 \
+              : bad) if (chunks > 1)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t lo = total * c / chunks, hi = total * (c + 1) / chunks;
+      bad = bad || any_non_finite(t, start + lo, hi - lo);
+    }
+    if (!bad) return {};
+  }
   for (int64_t ib = 0; ib < b; ++ib)
     for (int64_t it = 0; it < n; ++it)
       for (int64_t ih = 0; ih < h; ++ih) {
@@ -94,10 +111,10 @@ NonFinite find_non_finite(const TensorView& t) {
   return {};
 }
 
-void check_finite(const char* name, const TensorView& t) {
+void check_finite(const char* name, const TensorView& t, int threads) {
   // A NaN or Inf input would not fail loudly: the running max drops NaN, so a poisoned row
   // comes out as "fully masked" (O = 0, LSE = -inf) -- a silently wrong answer.
-  const NonFinite f = find_non_finite(t);
+  const NonFinite f = find_non_finite(t, threads);
   CTXPAR_CHECK(!f.found(), name, ": non-finite value (", f.value, ") at [", f.b, ", ", f.t, ", ",
                f.h, ", ", f.d, "]: ", kNonFiniteHint);
 }
@@ -149,10 +166,10 @@ Problem check_forward_args(const TensorView& q, const Tokens& q_tokens, const Te
                "config.l1d_bytes: expected 0 (this machine's) or 1024 to 2^30 bytes, got ",
                config.l1d_bytes);
   p.l1d_bytes = config.l1d_bytes;
-  check_finite("q", q);
+  check_finite("q", q, p.threads);
   if (!config.kv_checked) {
-    check_finite("k", k);
-    check_finite("v", v);
+    check_finite("k", k, p.threads);
+    check_finite("v", v, p.threads);
   }
   return p;
 }
@@ -165,7 +182,7 @@ Problem check_backward_args(const TensorView& q, const Tokens& q_tokens, const T
   Problem p = check_forward_args(q, q_tokens, k, v, k_tokens, mask, config);
   check_activation("dout", dout, true);
   check_same("dout", dout, q.shape(), "q's [B, Tq, Hq, D]");
-  check_finite("dout", dout);
+  check_finite("dout", dout, p.threads);
   check_rows_f32("lse", lse, p.batch, p.hq, p.tq);
   check_rows_f32("delta", delta, p.batch, p.hq, p.tq);
   check_activation("dq", dq, false);

@@ -24,8 +24,11 @@ struct NonFinite {
   float value = 0;
   bool found() const { return b >= 0; }
 };
-// t is 4-d, fp32 or bf16, last dim contiguous (checked by the caller). Scans in memory order.
-NonFinite find_non_finite(const TensorView& t);
+// t is 4-d, fp32 or bf16, last dim contiguous (checked by the caller). Scans in memory order;
+// a tensor that is one run in memory, of kParallelScan elements or more, is first tested by
+// `threads` OpenMP threads in equal chunks (the finding is the same: the first in memory order).
+inline constexpr int64_t kParallelScan = int64_t{1} << 20;
+NonFinite find_non_finite(const TensorView& t, int threads = 1);
 // Whether any of the n elements of t's data from element `offset` on (fp32 or bf16, one run in
 // memory) is a NaN or an Inf: the vector scan (simd_finite.cc) find_non_finite runs first.
 bool any_non_finite(const TensorView& t, int64_t offset, int64_t n);

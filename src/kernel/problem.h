@@ -54,8 +54,9 @@ void check_activation(const char* name, const TensorView& t, bool allow_bf16,
 // `in`'s: "<out_name>: its memory overlaps <in_name>'s ...". An empty view overlaps nothing.
 void check_apart(const char* out_name, const TensorView& out, const char* in_name,
                  const TensorView& in);
-// Throws naming the first NaN / Inf element of a [B, T, H, D] tensor.
-void check_finite(const char* name, const TensorView& t);
+// Throws naming the first NaN / Inf element of a [B, T, H, D] tensor (scanned with `threads`
+// threads: find_non_finite).
+void check_finite(const char* name, const TensorView& t, int threads = 1);
 
 // The position / document range of each tile of `tile` consecutive tokens. Positions need not
 // be sorted, so a range is the min and max over the tile.

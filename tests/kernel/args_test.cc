@@ -1,6 +1,8 @@
 // Bad arguments throw ctxpar::Error whose message names the argument and the expectation.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <functional>
 #include <limits>
 
@@ -208,6 +210,48 @@ TEST(Args, NonFiniteFoundWhereverItIs) {
       else
         EXPECT_FALSE(g.found()) << dtype_name(dt) << " token " << i[1] << " is outside the view";
       t.view().set(1.0f, i[0], i[1], i[2], i[3]);
+    }
+  }
+}
+
+// From kParallelScan elements on, a tensor that is one run is tested by the call's threads in
+// equal chunks: a bad element in any chunk, at a chunk's edge, or in two chunks at once is found
+// where one thread finds it (the first in memory order), and a finite tensor passes.
+TEST(Args, NonFiniteFoundByAnyNumberOfThreads) {
+  for (DType dt : {DType::f32, DType::bf16}) {
+    const int64_t b = 1, n = 1031, h = 8, d = 128;  // 1,055,744 elements: over kParallelScan
+    ASSERT_GE(b * n * h * d, kernel::kParallelScan);
+    Tensor t(dt, {b, n, h, d});
+    fill_normal(t.view(), 11);
+    for (int threads : {1, 2, 3, 8})
+      EXPECT_FALSE(kernel::find_non_finite(t.view(), threads).found());
+    const int64_t total = b * n * h * d;
+    // Element indices: the first, the last, the edges of 2 and 3 equal chunks, a middle one.
+    const int64_t at[] = {0,         total - 1,         total / 2 - 1,  total / 2,
+                          total / 3, 2 * total / 3 - 1, total / 2 + 777};
+    for (int64_t e : at) {
+      const int64_t i3 = e % d, i2 = (e / d) % h, i1 = e / (d * h);
+      t.view().set(std::numeric_limits<float>::quiet_NaN(), 0, i1, i2, i3);
+      const auto expect_first = [&](const char* what) {
+        for (int threads : {1, 2, 3, 8}) {
+          const kernel::NonFinite f = kernel::find_non_finite(t.view(), threads);
+          EXPECT_TRUE(f.found() && f.b == 0 && f.t == i1 && f.h == i2 && f.d == i3 &&
+                      std::isnan(f.value))
+              << dtype_name(dt) << " element " << e << what << ", " << threads << " threads: found "
+              << f.t << "," << f.h << "," << f.d;
+        }
+      };
+      expect_first(" alone");
+      // A second bad element later in memory (another chunk): the first is still the finding.
+      const int64_t later = std::min(total - 1, e + total / 3);
+      const bool two = later != e;
+      if (two) {
+        t.view().set(std::numeric_limits<float>::infinity(), 0, later / (d * h), (later / d) % h,
+                     later % d);
+        expect_first(" and a later one");
+      }
+      t.view().set(1.0f, 0, i1, i2, i3);
+      if (two) t.view().set(1.0f, 0, later / (d * h), (later / d) % h, later % d);
     }
   }
 }
