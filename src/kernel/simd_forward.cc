@@ -247,6 +247,8 @@ class ForwardWorker {
 
   void finalize() {
     for (int64_t r = 0; r < rows_; ++r) {
+      if (r + kRowsAhead < rows_)  // Note [Rows ahead]
+        prefetch_row(*a_.out, a_.out->offset(b_, i0_ + r + kRowsAhead, h_), sh_.d, true);
       a_.lse->ptr<float>()[a_.lse->offset(b_, h_, i0_ + r)] =
           finalize_row(acc_.data() + r * sh_.ld, m_[r], row_sum(r), sh_.d, row_.data(), *a_.out,
                        a_.out->offset(b_, i0_ + r, h_));

@@ -213,6 +213,7 @@ inline void pack_transposed(const TensorView& t, int64_t b, int64_t h, int64_t j
                             int64_t d, float* out, float* row) {
   std::fill(out, out + d * kTile, 0.0f);
   for (int64_t j = 0; j < cols; ++j) {
+    if (j + kRowsAhead < cols) prefetch_row(t, t.offset(b, j0 + j + kRowsAhead, h), d);
     load_row(t, t.offset(b, j0 + j, h), d, row);
     for (int64_t c = 0; c < d; ++c) out[c * kTile + j] = row[c];
   }
@@ -222,6 +223,7 @@ inline void pack_rows(const TensorView& t, int64_t b, int64_t h, int64_t j0, int
                       int64_t tile_rows = kTile) {
   std::fill(out, out + tile_rows * ld, 0.0f);
   for (int64_t j = 0; j < rows; ++j) {
+    if (j + kRowsAhead < rows) prefetch_row(t, t.offset(b, j0 + j + kRowsAhead, h), d);
     load_row(t, t.offset(b, j0 + j, h), d, out + j * ld);
     if (mul != 1.0f)
       for (int64_t c = 0; c < d; ++c) out[j * ld + c] *= mul;
