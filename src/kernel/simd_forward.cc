@@ -463,15 +463,20 @@ KernelStats ForwardSimdWhole(const Problem& p, const TensorView& q, const Tokens
   return run_forward({p, q, k, v, q_tokens, k_tokens, mask, nullptr, &out, &lse}, 0);
 }
 
-// The target's vector exp2 over n values (n any), for its accuracy test.
+// The target's vector exp2 over n values (n any), for its accuracy and cost tests: whole
+// vectors in place, the tail through a padded vector (no allocation: the cost test times it).
 void Exp2Neg(const float* in, float* out, int64_t n) {
   const DF df;
   const int64_t nl = lanes();
-  std::vector<float> a(round_up(n, nl), 0.0f), b(a.size());
-  std::copy_n(in, n, a.data());
-  for (int64_t i = 0; i < static_cast<int64_t>(a.size()); i += nl)
-    hn::StoreU(exp2_neg(df, hn::LoadU(df, a.data() + i)), df, b.data() + i);
-  std::copy_n(b.data(), n, out);
+  int64_t i = 0;
+  for (; i + nl <= n; i += nl) hn::StoreU(exp2_neg(df, hn::LoadU(df, in + i)), df, out + i);
+  if (i < n) {
+    constexpr int64_t kMaxLanes = 64;  // more than any x86 target's floats a vector
+    HWY_ALIGN float a[kMaxLanes] = {}, b[kMaxLanes];
+    std::copy_n(in + i, n - i, a);
+    hn::Store(exp2_neg(df, hn::Load(df, a)), df, b);
+    std::copy_n(b, n - i, out + i);
+  }
 }
 
 // Whether the target's MulAdd is one fused operation (AVX2, AVX-512) or a multiply then an
