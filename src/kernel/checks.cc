@@ -78,9 +78,9 @@ NonFinite find_non_finite(const TensorView& t, int threads) {
   // One pass over the block costs O(T H D) against the O(Tq Tk H D) of the attention it guards;
   // a row is re-read element by element only when its vector test (any_non_finite) fails. A
   // tensor that is one run in memory is tested whole first: most are, and most are finite.
-  // That test takes the call's threads (in equal chunks, from kParallelScan elements on): on
-  // one thread it was 2.4 % of the fp32 forward, so about 5 % of its time on two (docs/
-  // kernel.md, "Round seven").
+  // That test takes the call's threads, in equal chunks, from kParallelScan elements on: with
+  // two threads one of them had waited while the other scanned (1.5 % of an fp32 forward's CPU
+  // samples; docs/kernel.md, "Argument checks").
   const int64_t b = t.dim(0), n = t.dim(1), h = t.dim(2), d = t.dim(3);
   const int64_t total = b * n * h * d;
   if (total == 0) return {};
@@ -89,15 +89,14 @@ NonFinite find_non_finite(const TensorView& t, int threads) {
   if (one_run) {
     const int64_t start = t.offset(0, 0, 0, 0);
     const int64_t chunks = total >= kParallelScan ? std::max(1, threads) : 1;
-    bool bad = false;
-#pragma omp parallel for num_threads(static_cast <int>(chunks)) schedule(static) \
-    reduction(||                                                                 \
-              : bad) if (chunks > 1)
+    const int team = static_cast<int>(chunks);
+    int bad = 0;  // chunks with a bad element
+#pragma omp parallel for num_threads(team) reduction(+ : bad) if (chunks > 1)
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t lo = total * c / chunks, hi = total * (c + 1) / chunks;
-      bad = bad || any_non_finite(t, start + lo, hi - lo);
+      bad += any_non_finite(t, start + lo, hi - lo);
     }
-    if (!bad) return {};
+    if (bad == 0) return {};
   }
   for (int64_t ib = 0; ib < b; ++ib)
     for (int64_t it = 0; it < n; ++it)

@@ -111,17 +111,12 @@ inline void load_row(const TensorView& t, int64_t off, int64_t n, float* out) {
 // row. The packers ask for the row kRowsAhead ahead while they copy this one. Only the speed
 // depends on it: no value moves.
 inline constexpr int64_t kRowsAhead = 8;
-inline void prefetch_row(const TensorView& t, int64_t off, int64_t n, bool write = false) {
-  const char* p = t.dtype() == DType::f32
-                      ? reinterpret_cast<const char*>(t.ptr<const float>() + off)
-                      : reinterpret_cast<const char*>(t.ptr<const uint16_t>() + off);
-  const int64_t bytes = n * (t.dtype() == DType::f32 ? 4 : 2);
-  for (int64_t i = 0; i < bytes; i += 64) {
-    if (write)
-      __builtin_prefetch(p + i, 1, 3);
-    else
-      __builtin_prefetch(p + i, 0, 3);
-  }
+template <bool kWrite = false>
+inline void prefetch_row(const TensorView& t, int64_t off, int64_t n) {
+  const size_t size = dtype_size(t.dtype());
+  const char* p = static_cast<const char*>(t.data()) + static_cast<size_t>(off) * size;
+  for (size_t i = 0; i < static_cast<size_t>(n) * size; i += 64)
+    __builtin_prefetch(p + i, kWrite, 3);
 }
 // Rounds n fp32 values to bf16 values (nearest even), in place: the fast bf16 tier's P and dS.
 inline void round_bf16(float* x, int64_t n) {

@@ -248,7 +248,7 @@ class ForwardWorker {
   void finalize() {
     for (int64_t r = 0; r < rows_; ++r) {
       if (r + kRowsAhead < rows_)  // Note [Rows ahead]
-        prefetch_row(*a_.out, a_.out->offset(b_, i0_ + r + kRowsAhead, h_), sh_.d, true);
+        prefetch_row<true>(*a_.out, a_.out->offset(b_, i0_ + r + kRowsAhead, h_), sh_.d);
       a_.lse->ptr<float>()[a_.lse->offset(b_, h_, i0_ + r)] =
           finalize_row(acc_.data() + r * sh_.ld, m_[r], row_sum(r), sh_.d, row_.data(), *a_.out,
                        a_.out->offset(b_, i0_ + r, h_));
@@ -471,8 +471,7 @@ void Exp2Neg(const float* in, float* out, int64_t n) {
   int64_t i = 0;
   for (; i + nl <= n; i += nl) hn::StoreU(exp2_neg(df, hn::LoadU(df, in + i)), df, out + i);
   if (i < n) {
-    constexpr int64_t kMaxLanes = 64;  // more than any x86 target's floats a vector
-    HWY_ALIGN float a[kMaxLanes] = {}, b[kMaxLanes];
+    HWY_ALIGN float a[hn::MaxLanes(DF())] = {}, b[hn::MaxLanes(DF())];
     std::copy_n(in + i, n - i, a);
     hn::Store(exp2_neg(df, hn::Load(df, a)), df, b);
     std::copy_n(b, n - i, out + i);
