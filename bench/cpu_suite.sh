@@ -121,6 +121,9 @@ RUNS=(kernel_1t torch_1t kernel_2t torch_2t kernel_bf16_1t torch_bf16_1t kernel_
 # (off); and through AMX-BF16 tiles (CTXPAR_BF16_PRODUCTS=amx) where the CPU has them.
 grep -qw avx512_bf16 /proc/cpuinfo && RUNS+=(kernel_bf16dot_1t kernel_bf16dotfast_1t kernel_bf16fp32_1t)
 grep -qw amx_bf16 /proc/cpuinfo && RUNS+=(kernel_bf16amx_1t kernel_bf16amxfast_1t)
+# fp32 inputs through AMX tiles on three bf16 parts (opt-in: CTXPAR_FP32_PRODUCTS=parts), beside
+# kernel_1t / kernel_2t (fp32 FMAs) and torch's fp32 rows, where the CPU has AMX-BF16.
+grep -qw amx_bf16 /proc/cpuinfo && RUNS+=(kernel_fp32parts_1t kernel_fp32parts_2t)
 python3 - "$INFO/config.json" "$REPEATS" "$INNER" "$QUICK" "$TORCH_PIN" "$TORCH_PY" \
   "$KT" "$KH" "$KD" "$CT" "$CH" "$CD" "$GGML_BIN" "${RUNS[@]}" <<'PY' || die "cannot write $INFO/config.json"
 import json, sys
@@ -160,6 +163,8 @@ run() {  # run NAME: one measurement, its JSON kept only if it succeeded
     kernel_bf16amx_1t) CTXPAR_BF16_PRODUCTS=amx kernel 1 bf16 ;;
     kernel_bf16amxfast_1t) CTXPAR_BF16_PRODUCTS=amx kernel 1 bf16 fast ;;
     kernel_bf16fp32_1t) CTXPAR_BF16_PRODUCTS=off kernel 1 bf16 ;;
+    kernel_fp32parts_1t) CTXPAR_FP32_PRODUCTS=parts kernel 1 ;;
+    kernel_fp32parts_2t) CTXPAR_FP32_PRODUCTS=parts kernel 2 ;;
     torch_bf16_1t) torch_sdpa 1 bf16 ;;
     torch_bf16_2t) torch_sdpa 2 bf16 ;;
     ring_p2_zigzag) attention --ranks 2 --threads 1 --layout zigzag ;;

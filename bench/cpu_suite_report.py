@@ -159,6 +159,23 @@ def ratio_rows(meta):
                                  f"torch SDPA bf16 speed, {word}, non-causal, 1 thread", 1.5,
                                  lambda r, pas=pas, run=run:
                                  r["torch_bf16_1t"][pas + "_seconds"] / r[run][pas + "_seconds"]))
+    # fp32 through AMX tiles on three bf16 parts (opt-in; the runs exist on AMX CPUs): against
+    # fp32 FMAs (kernel_{n}t) and against torch's fp32 SDPA, by the 1.2 x goal.
+    for n in (1, 2):
+        run = f"kernel_fp32parts_{n}t"
+        if run not in meta.get("runs", []):
+            continue
+        threads = f"{n} thread{'s' * (n > 1)}"
+        for mask, prefix in (("non-causal", ""), ("causal", "causal_")):
+            for pas, word in (("fwd", "forward"), ("bwd", "backward")):
+                key = prefix + pas + "_seconds"
+                rows.append((f"fp32parts_vs_fma_{prefix}{pas}_{n}t", f"fp32 parts (AMX) / fp32 "
+                             f"FMAs speed, {word}, {mask}, {threads}", None,
+                             lambda r, n=n, key=key, run=run: r[f"kernel_{n}t"][key] / r[run][key]))
+                if meta.get("torch_skipped") is None:
+                    rows.append((f"fp32parts_vs_torch_{prefix}{pas}_{n}t", f"fp32 parts (AMX) / "
+                                 f"torch SDPA speed, {word}, {mask}, {threads}", 1.2,
+                                 lambda r, n=n, key=key, run=run: r[f"torch_{n}t"][key] / r[run][key]))
     if meta.get("ggml_binary"):
         for run, n, kv, goal in (("ggml_1t", 1, "fp32", None), ("ggml_2t", 2, "fp32", 1.5),
                                  ("ggml_f16_2t", 2, "fp16", None)):
@@ -235,7 +252,8 @@ def main():
     absolute = {name: medians(reps, name, kernel_fields + ["forward_seconds"])
                 for name in ("kernel_1t", "kernel_2t", "torch_1t", "torch_2t", "kernel_bf16_1t",
                              "kernel_bf16_2t", "kernel_bf16dot_1t", "kernel_bf16dotfast_1t", "kernel_bf16amx_1t",
-                             "kernel_bf16amxfast_1t", "kernel_bf16fp32_1t", "torch_bf16_1t", "torch_bf16_2t", "ring_p2_zigzag",
+                             "kernel_bf16amxfast_1t", "kernel_bf16fp32_1t", "kernel_fp32parts_1t",
+                             "kernel_fp32parts_2t", "torch_bf16_1t", "torch_bf16_2t", "ring_p2_zigzag",
                              "ring_p2_contiguous", "one_rank_2t", "ggml_1t", "ggml_2t", "ggml_f16_2t")}
     failed = sorted({f"rep{i + 1}/{n}" for i, r in enumerate(reps) for n in meta["runs"]
                      if n not in r and not (n.startswith("torch") and meta.get("torch_skipped"))})

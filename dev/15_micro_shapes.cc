@@ -33,23 +33,7 @@
 #include "kernel/lines.h"
 #include "kernel/problem.h"
 #include "kernel/simd_tile.h"
-
-#ifndef LAB_15_MICRO_SHAPES_ONCE  // defined once, not per target
-#define LAB_15_MICRO_SHAPES_ONCE
-namespace lab {
-struct Figure {
-  std::string name;
-  double flops = 0;
-  std::vector<double> seconds;  // one a repetition
-  double max_err = 0;           // against fp64 on the checked entries
-};
-inline double cpu_seconds() {
-  timespec t;
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
-  return t.tv_sec + 1e-9 * t.tv_nsec;
-}
-}  // namespace lab
-#endif
+#include "lab_common.h"  // Figure, product_error, print_figures
 
 HWY_BEFORE_NAMESPACE();
 namespace lab::HWY_NAMESPACE {
@@ -66,22 +50,6 @@ HWY_NOINLINE void blocks(int64_t m, int64_t n, int64_t k, const float* a, int64_
   for (int64_t j = 0; j + w <= n; j += w)
     for (int64_t r = 0; r + R <= m; r += R)
       micro<R, C>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc, true);
-}
-
-// Largest |C - fp64| / (2^-23 sum |a b|) over the first rows x 16 entries of C = A B.
-double check(int64_t rows, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
-             const float* c, int64_t ldc) {
-  double worst = 0;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < 16; ++j) {
-      double s = 0, mag = 0;
-      for (int64_t x = 0; x < k; ++x) {
-        s += static_cast<double>(a[r * lda + x]) * b[x * ldb + j];
-        mag += std::fabs(static_cast<double>(a[r * lda + x]) * b[x * ldb + j]);
-      }
-      worst = std::max(worst, std::fabs(c[r * ldc + j] - s) / (mag * 0x1p-23));
-    }
-  return worst;
 }
 
 std::vector<Figure> Run(int repeats) {
@@ -128,8 +96,9 @@ std::vector<Figure> Run(int repeats) {
       // One call checked from C = 0, then the timed calls on the same buffers.
       std::fill(small_c.begin(), small_c.end(), 0.0f);
       s.fn(s.r, s.cv * nl, 64, small_a.data(), 64, small_b.data(), 8 * nl, small_c.data(), 8 * nl);
-      out[f].max_err = std::max(out[f].max_err, check(s.r, 64, small_a.data(), 64, small_b.data(),
-                                                      8 * nl, small_c.data(), 8 * nl));
+      out[f].max_err =
+          std::max(out[f].max_err, product_error(s.r, 64, small_a.data(), 64, small_b.data(),
+                                                 8 * nl, small_c.data(), 8 * nl));
       const double t0 = cpu_seconds();
       for (int64_t i = 0; i < kReps; ++i)
         s.fn(s.r, s.cv * nl, 64, small_a.data(), 64, small_b.data(), 8 * nl, small_c.data(),
@@ -150,15 +119,15 @@ std::vector<Figure> Run(int repeats) {
       }
       out[f].seconds.push_back(cpu_seconds() - t0);
       const int64_t last = (nkt - 1) * d * kTile;
-      out[f].max_err = std::max(out[f].max_err,
-                                check(4, d, a.data(), ld, b.data() + last, kTile, p.data(), kTile));
+      out[f].max_err = std::max(out[f].max_err, product_error(4, d, a.data(), ld, b.data() + last,
+                                                              kTile, p.data(), kTile));
     }
     for (int64_t step = 1; step <= 2; ++step, ++f) {
       const int64_t k = step * kTile;
       std::fill(c.begin(), c.end(), 0.0f);  // one call checked from 0, then the timed ones
       gemm_rows(rows, d, k, p.data(), k, v.data(), ld, c.data(), ld, true);
       out[f].max_err =
-          std::max(out[f].max_err, check(4, k, p.data(), k, v.data(), ld, c.data(), ld));
+          std::max(out[f].max_err, product_error(4, k, p.data(), k, v.data(), ld, c.data(), ld));
       double t0 = 0;
       for (int pass = 0; pass < 2; ++pass) {
         t0 = cpu_seconds();
@@ -194,18 +163,9 @@ int main(int argc, char** argv) {
   std::printf("lab_15_micro_shapes: SIMD %s, one thread, median of %d by CPU time\n",
               ctxpar::kernel::simd_target_name(), repeats);
   std::printf("  FMA peak (register-only chains)   %7.1f GFLOP/s\n", peak);
-  bool ok = true;
-  for (lab::Figure f : figs) {
-    std::sort(f.seconds.begin(), f.seconds.end());
-    const double s = f.seconds[f.seconds.size() / 2], g = f.flops / s / 1e9;
-    std::printf("  %-32s %7.1f GFLOP/s  %5.1f %% of peak", f.name.c_str(), g, 100 * g / peak);
-    std::printf("   (error %.3f x 2^-23 sum |a b|)", f.max_err);
-    std::printf("\n");
-    // A sum of k <= 128 fp32 products: within k / 2 units of 2^-23 sum |a b| (the naive sum's
-    // bound), which a wrong loop (a product missing or doubled) exceeds by orders of magnitude.
-    ok = ok && f.max_err <= 64.0;
-  }
-  if (!ok) std::printf("a product is wrong (error over its bound)\n");
+  // A sum of k <= 128 fp32 products: within k / 2 units of 2^-23 sum |a b| (the naive sum's
+  // bound), which a wrong loop (a product missing or doubled) exceeds by orders of magnitude.
+  const bool ok = lab::print_figures(figs, peak, [](const lab::Figure&) { return 64.0; });
   return ok ? 0 : 1;
 }
 #endif  // HWY_ONCE

@@ -2,6 +2,7 @@
 // the check against the library's fp64 reference. Each lab_NN program is one version of the
 // non-causal attention forward, fp32, [T, H, D] with B = 1 and Hq = Hkv.
 #pragma once
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -86,6 +87,48 @@ inline int report(const char* name, const Problem& p, const std::function<void()
       "%-12s T=%lld H=%lld D=%lld  %8.2f GFLOP/s (CPU time, best of 3)  max|o - ref64| = %.2e\n",
       name, (long long)p.t, (long long)p.h, (long long)p.d, p.flops() / best / 1e9, err);
   return err < 1e-4 ? 0 : 1;
+}
+
+// A timed figure of a lab that measures products (labs 15, 16): its FLOPs a timing, one timing a
+// repetition (by CPU time), its worst error against fp64 on the checked entries.
+struct Figure {
+  std::string name;
+  double flops = 0;
+  std::vector<double> seconds;
+  double max_err = 0;
+};
+
+// Largest |C - fp64| / (2^-23 sum |a b|) over rows x 16 entries of C = A B: A's element (r, x) at
+// a[r lda + x], B's (x, j) at b[x ldb + j]. The naive fp32 sum's bound is k / 2 of these units.
+inline double product_error(int64_t rows, int64_t k, const float* a, int64_t lda, const float* b,
+                            int64_t ldb, const float* c, int64_t ldc) {
+  double worst = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < 16; ++j) {
+      double s = 0, mag = 0;
+      for (int64_t x = 0; x < k; ++x) {
+        s += static_cast<double>(a[r * lda + x]) * b[x * ldb + j];
+        mag += std::fabs(static_cast<double>(a[r * lda + x]) * b[x * ldb + j]);
+      }
+      worst = std::max(worst, std::fabs(c[r * ldc + j] - s) / (mag * 0x1p-23));
+    }
+  return worst;
+}
+
+// Each figure's median GFLOP/s, its share of `peak` and its error, a line each; false where an
+// error is over bound(figure).
+template <class Bound>
+bool print_figures(std::vector<Figure> figs, double peak, Bound&& bound) {
+  bool ok = true;
+  for (Figure& f : figs) {
+    std::sort(f.seconds.begin(), f.seconds.end());
+    const double s = f.seconds[f.seconds.size() / 2], g = f.flops / s / 1e9;
+    std::printf("  %-32s %7.1f GFLOP/s  %5.1f %% of peak   (error %.3f x 2^-23 sum |a b|)\n",
+                f.name.c_str(), g, 100 * g / peak, f.max_err);
+    ok = ok && f.max_err <= bound(f);
+  }
+  if (!ok) std::printf("a product is wrong (error over its bound)\n");
+  return ok;
 }
 
 }  // namespace lab

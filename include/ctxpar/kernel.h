@@ -57,11 +57,35 @@ enum class Bf16Products : uint8_t { automatic, fp32, dot, amx };
 // "automatic" | "fp32" | "dot" | "amx", for errors and reports.
 const char* bf16_products_name(Bf16Products products);
 
+// Which products fp32 inputs take for S = Q K^T (forward and backward) and the forward's P V
+// (docs/kernel.md, "fp32 products"). fma: fp32 fused multiply-adds. parts (opt-in, AMX-BF16
+// CPUs): each fp32 value as the sum of three bf16 parts and the six part products that carry a
+// product, through AMX tiles (as TPUs make fp32 matrix products): 1.2-1.4x the forward's speed
+// here with the same error against fp64, except that the tiles flush subnormal parts (values
+// below about 2^-102 keep fewer than 24 bits). Refused, naming why, where AMX-BF16 is not usable
+// or the SIMD target is below avx512. automatic: CTXPAR_FP32_PRODUCTS (fma | parts) where set,
+// else fma. bf16 inputs and the scalar path ignore it.
+enum class Fp32Products : uint8_t { automatic, fma, parts };
+// "automatic" | "fma" | "parts": the names the command and errors use; parse_fp32_products
+// gives nullopt for any other text.
+inline const char* fp32_products_name(Fp32Products products) {
+  return products == Fp32Products::parts ? "parts"
+         : products == Fp32Products::fma ? "fma"
+                                         : "automatic";
+}
+inline std::optional<Fp32Products> parse_fp32_products(std::string_view name) {
+  if (name == "automatic") return Fp32Products::automatic;
+  if (name == "fma") return Fp32Products::fma;
+  if (name == "parts") return Fp32Products::parts;
+  return std::nullopt;
+}
+
 struct KernelConfig {
   int threads = 1;     // OpenMP threads inside this rank (over batch, head, query tile)
   float scale = 0.0f;  // softmax scale; 0 means 1/sqrt(D)
   Bf16Tier bf16_tier = Bf16Tier::exact;
   Bf16Products bf16_products = Bf16Products::automatic;
+  Fp32Products fp32_products = Fp32Products::automatic;
   // The L1 data cache size the fast path sizes its K panels for (docs/kernel.md, Note [K
   // panels]), 1024 to 2^30 bytes; 0: this machine's (CTXPAR_KERNEL_L1D, else what the C
   // library reports). Only the speed depends on it, never a bit of the results.
@@ -202,6 +226,7 @@ struct KernelEnvironment {
   std::string simd;           // CTXPAR_SIMD: a target name, or scalar; "" for the best
   std::string kernel;         // CTXPAR_KERNEL: scalar selects the readable scalar path
   std::string bf16_products;  // CTXPAR_BF16_PRODUCTS: on | dot | amx | off | auto
+  std::string fp32_products;  // CTXPAR_FP32_PRODUCTS: fma | parts
   std::string l1d;            // CTXPAR_KERNEL_L1D: the L1 data cache size in bytes
   bool operator==(const KernelEnvironment&) const = default;
 };

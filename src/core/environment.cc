@@ -128,6 +128,7 @@ KernelEnvironment kernel() {
   env.simd = text("CTXPAR_SIMD");
   env.kernel = text("CTXPAR_KERNEL");
   env.bf16_products = text("CTXPAR_BF16_PRODUCTS");
+  env.fp32_products = text("CTXPAR_FP32_PRODUCTS");
   env.l1d = text("CTXPAR_KERNEL_L1D");
   return env;
 }

@@ -76,7 +76,7 @@ struct Cuda {
 Cuda cuda();
 
 // The kernel's variables as set ("" where unset): CTXPAR_SIMD, CTXPAR_KERNEL,
-// CTXPAR_BF16_PRODUCTS and CTXPAR_KERNEL_L1D. The command, the Python module and the test
+// CTXPAR_BF16_PRODUCTS, CTXPAR_FP32_PRODUCTS and CTXPAR_KERNEL_L1D. The command, the Python module and the test
 // programs install them once, before any kernel call (set_kernel_environment, ctxpar/kernel.h).
 KernelEnvironment kernel();
 

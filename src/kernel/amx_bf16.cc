@@ -113,11 +113,13 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void scores_amx(int64_t m, 
 // C rows [0, 16 R) x columns [0, 16 N) (+)= A B, R, N in {1, 2}, in chunks of chunk_pairs pairs:
 // A's chunk i at a + i a_chunk (rows lda words apart), B's at b[i] + col (pair-rows ldb words
 // apart), C rows ldc floats apart.
-template <int R, int N>
+// BP: B's parts (1, or 3 for fp32 operands: Note [fp32 through three bf16 parts]), b_part words
+// apart; B's part j takes A's parts [0, nsplit - j) (BP 3), every part of A with BP 1.
+template <int R, int N, int BP>
 __attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void gemm_block(
     int64_t nchunks, int64_t chunk_pairs, const uint32_t* a, int64_t lda, int64_t a_chunk,
     const uint32_t* const* b, int64_t col, int64_t ldb, float* c, int64_t ldc, bool accumulate,
-    int nsplit, int64_t split_words) {
+    int nsplit, int64_t split_words, int64_t b_part) {
   if (accumulate) {
     _tile_loadd(0, c, ldc * 4);
     if constexpr (N == 2) _tile_loadd(1, c + 16, ldc * 4);
@@ -131,22 +133,24 @@ __attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void gemm_blo
   }
   // Chunk by chunk, 16 pairs a step (a division a step to find the chunk cost 15 % at 4 chunks).
   for (int64_t chunk = 0; chunk < nchunks; ++chunk) {
-    for (int64_t pc = 0; pc < chunk_pairs; pc += 16) {
-      const uint32_t* bp = b[chunk] + pc * ldb + col;
-      _tile_loadd(6, bp, ldb * 4);
-      if constexpr (N == 2) _tile_loadd(7, bp + 16, ldb * 4);
-      // Each part of A against the same B tiles; the second A tile is loaded after the first's
-      // products are issued, so its load overlaps them (+2-4 % on the exact backward).
-      for (int sp = 0; sp < nsplit; ++sp) {
-        const uint32_t* as = a + chunk * a_chunk + sp * split_words + pc;
-        _tile_loadd(4, as, lda * 4);
-        _tile_dpbf16ps(0, 4, 6);
-        if constexpr (N == 2) _tile_dpbf16ps(1, 4, 7);
-        if constexpr (R == 2) _tile_loadd(5, as + 16 * lda, lda * 4);
-        if constexpr (R == 2) _tile_dpbf16ps(2, 5, 6);
-        if constexpr (R == 2 && N == 2) _tile_dpbf16ps(3, 5, 7);
+    for (int64_t pc = 0; pc < chunk_pairs; pc += 16)
+      for (int j = 0; j < BP; ++j) {
+        const uint32_t* bp = b[chunk] + j * b_part + pc * ldb + col;
+        _tile_loadd(6, bp, ldb * 4);
+        if constexpr (N == 2) _tile_loadd(7, bp + 16, ldb * 4);
+        // Each part of A against the same B tiles; the second A tile is loaded after the first's
+        // products are issued, so its load overlaps them (+2-4 % on the exact backward).
+        const int parts = BP == 1 ? nsplit : nsplit - j;
+        for (int sp = 0; sp < parts; ++sp) {
+          const uint32_t* as = a + chunk * a_chunk + sp * split_words + pc;
+          _tile_loadd(4, as, lda * 4);
+          _tile_dpbf16ps(0, 4, 6);
+          if constexpr (N == 2) _tile_dpbf16ps(1, 4, 7);
+          if constexpr (R == 2) _tile_loadd(5, as + 16 * lda, lda * 4);
+          if constexpr (R == 2) _tile_dpbf16ps(2, 5, 6);
+          if constexpr (R == 2 && N == 2) _tile_dpbf16ps(3, 5, 7);
+        }
       }
-    }
   }
   _tile_stored(0, c, ldc * 4);
   if constexpr (N == 2) _tile_stored(1, c + 16, ldc * 4);
@@ -154,11 +158,12 @@ __attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void gemm_blo
   if constexpr (R == 2 && N == 2) _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
 }
 
-__attribute__((target("amx-tile,amx-bf16"))) void gemm_amx_chunks(
+namespace {
+template <int BP>
+__attribute__((target("amx-tile,amx-bf16"))) void gemm_chunks(
     int64_t m, int64_t n, int64_t nchunks, int64_t chunk_pairs, const uint32_t* a, int64_t lda,
     int64_t a_chunk, const uint32_t* const* b, int64_t ldb, float* c, int64_t ldc, bool accumulate,
-    int nsplit, int64_t split_words) {
-  load_tiles();
+    int nsplit, int64_t split_words, int64_t b_part) {
   for (int64_t r = 0; r < m; r += 32) {
     const bool r2 = m - r >= 32;
     for (int64_t col = 0; col < n; col += 32) {
@@ -166,19 +171,33 @@ __attribute__((target("amx-tile,amx-bf16"))) void gemm_amx_chunks(
       const uint32_t* ap = a + r * lda;
       float* cp = c + r * ldc + col;
       if (r2 && n2)
-        gemm_block<2, 2>(nchunks, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc, accumulate,
-                         nsplit, split_words);
+        gemm_block<2, 2, BP>(nchunks, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc,
+                             accumulate, nsplit, split_words, b_part);
       else if (r2)
-        gemm_block<2, 1>(nchunks, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc, accumulate,
-                         nsplit, split_words);
+        gemm_block<2, 1, BP>(nchunks, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc,
+                             accumulate, nsplit, split_words, b_part);
       else if (n2)
-        gemm_block<1, 2>(nchunks, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc, accumulate,
-                         nsplit, split_words);
+        gemm_block<1, 2, BP>(nchunks, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc,
+                             accumulate, nsplit, split_words, b_part);
       else
-        gemm_block<1, 1>(nchunks, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc, accumulate,
-                         nsplit, split_words);
+        gemm_block<1, 1, BP>(nchunks, chunk_pairs, ap, lda, a_chunk, b, col, ldb, cp, ldc,
+                             accumulate, nsplit, split_words, b_part);
     }
   }
+}
+}  // namespace
+
+__attribute__((target("amx-tile,amx-bf16"))) void gemm_amx_chunks(
+    int64_t m, int64_t n, int64_t nchunks, int64_t chunk_pairs, const uint32_t* a, int64_t lda,
+    int64_t a_chunk, const uint32_t* const* b, int64_t ldb, float* c, int64_t ldc, bool accumulate,
+    int nsplit, int64_t split_words, int b_parts, int64_t b_part) {
+  load_tiles();
+  if (b_parts == 3)
+    gemm_chunks<3>(m, n, nchunks, chunk_pairs, a, lda, a_chunk, b, ldb, c, ldc, accumulate, nsplit,
+                   split_words, b_part);
+  else
+    gemm_chunks<1>(m, n, nchunks, chunk_pairs, a, lda, a_chunk, b, ldb, c, ldc, accumulate, nsplit,
+                   split_words, 0);
   _tile_release();
 }
 
@@ -236,6 +255,51 @@ __attribute__((target("avx512f,avx512vl,avx512bw,avx512bf16"))) void round_to_pa
   }
 }
 
+// Note [fp32 through three bf16 parts] (KernelConfig::fp32_products = parts: the forward's S and
+// P V, the backward's S): an fp32 value x is the sum of three bf16 values h + m + l
+// (round_to_pairs' split: h = x rounded to nearest even, m = (x - h) rounded, l = (x - h - m)
+// rounded; each subtraction exact), so a product of fp32 operands a b is the sum of nine exact
+// products of parts. The six with i + j < 3 (h h, h m, m h, h l, m m, l h) carry it: the three
+// left out add up to at most about 2^-23 |a b| (each part at most 2^-8 of the one before), the
+// size of the fp32 rounding of the sum itself. The tiles add the parts' products in fp32 as they
+// add any pairs (tdpbf16ps), in a fixed order (gemm_block with BP 3), so threads, ranks and the
+// backward's recomputed S get the forward's bits. dev/16_fp32_bf16x3.cc measures S and P V at
+// 0.47 and 0.38 x 2^-23 sum |a b| from fp64 against the FMA products' 0.50 and 0.68, at 1.6 x
+// their speed on this AMX CPU (TPUs emulate fp32 matrix products the same way). What differs
+// from fp32 FMAs: bf16 tiles flush subnormals, so a part below 2^-126 is 0 (values below about
+// 2^-102 keep fewer than 24 bits; a product of parts below 2^-126 adds 0): docs/kernel.md,
+// "fp32 products".
+__attribute__((target("avx512f,avx512vl,avx512bw,avx512bf16"))) void split_vnni(
+    const float* src, int64_t ld, int64_t rows, int64_t d, int64_t ldb, uint32_t* out,
+    int64_t part_words) {
+  // Word c of a pair-row: bf16 value c (row 2i) in the low half, 16 + c (row 2i + 1) in the high.
+  alignas(64) static constexpr uint16_t kInterleave[32] = {
+      0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t r = 0; r < rows; r += 2) {
+    const float* a = src + r * ld;
+    const float* b = r + 1 < rows ? a + ld : nullptr;
+    uint32_t* dst = out + r / 2 * ldb;
+    for (int64_t c = 0; c < d; c += 16) {
+      const int64_t n = std::min<int64_t>(16, d - c);
+      const __mmask16 m = n == 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+      __m512 x0 = _mm512_maskz_loadu_ps(m, a + c);
+      __m512 x1 = b ? _mm512_maskz_loadu_ps(m, b + c) : _mm512_setzero_ps();
+      for (int i = 0; i < 3; ++i) {
+        const __m512i w =
+            _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+        _mm512_mask_storeu_epi32(dst + i * part_words + c, m, w);
+        // What this part left, exact in fp32 (low halves: row 2i's part; high: row 2i + 1's).
+        // (The zero-masked shift: GCC 12 warns of its own undefined source in the plain one.)
+        x0 = _mm512_sub_ps(x0, _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xffff, w, 16)));
+        x1 = _mm512_sub_ps(x1, _mm512_castsi512_ps(_mm512_and_si512(w, high)));
+      }
+    }
+  }
+}
+
 // One C element of a tile product (A row 0 = x, B column 0 = y; the rest zero), accumulated
 // over npairs / 16 steps from a zeroed tile exactly as block() accumulates every element.
 __attribute__((target("amx-tile,amx-bf16"))) float dot_pairs_amx(const uint32_t* x,
@@ -258,7 +322,9 @@ __attribute__((target("amx-tile,amx-bf16"))) float dot_pairs_amx(const uint32_t*
 #else
 void scores_amx(int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*, float*, float) {}
 void gemm_amx_chunks(int64_t, int64_t, int64_t, int64_t, const uint32_t*, int64_t, int64_t,
-                     const uint32_t* const*, int64_t, float*, int64_t, bool, int, int64_t) {}
+                     const uint32_t* const*, int64_t, float*, int64_t, bool, int, int64_t, int,
+                     int64_t) {}
+void split_vnni(const float*, int64_t, int64_t, int64_t, int64_t, uint32_t*, int64_t) {}
 void gemm_amx(int64_t, int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*, int64_t, float*,
               int64_t, bool, int, int64_t) {}
 void round_to_pairs(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t, int, int64_t) {}

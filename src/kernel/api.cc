@@ -76,6 +76,20 @@ bool amx_products(const KernelConfig& config) {
   return kernel::bf16_products_on(config) == kernel::kBf16Amx;
 }
 
+// KernelConfig::fp32_products = parts with fp32 q, k, v on the SIMD path: S (and the forward's
+// P V) through AMX on three bf16 parts (Note [fp32 through three bf16 parts], amx_bf16.cc), in
+// the forward and in the backward's recomputed S alike; refused (naming why) where this machine
+// cannot take it.
+void take_fp32_parts(kernel::Problem& p, const TensorView& q, const TensorView& k,
+                     const TensorView& v, const KernelConfig& config) {
+  if (kernel::fp32_products_of(config) != Fp32Products::parts || q.dtype() != DType::f32 ||
+      k.dtype() != DType::f32 || v.dtype() != DType::f32 || kernel::use_scalar_path())
+    return;
+  const std::string refused = kernel::fp32_parts_refusal();
+  CTXPAR_CHECK(refused.empty(), refused);
+  p.fp32_parts = p.amx = true;
+}
+
 // check_forward_args' Problem with the product paths `config` takes for these inputs: exact bf16
 // products (and whether through AMX tiles), and the fast tier's rounding of P and dS.
 kernel::Problem forward_problem(const TensorView& q, const Tokens& q_tokens, const TensorView& k,
@@ -85,6 +99,7 @@ kernel::Problem forward_problem(const TensorView& q, const Tokens& q_tokens, con
   p.bf16_scores = both_bf16(q, k, config);
   p.amx = p.bf16_scores && amx_products(config);
   p.round_p = config.bf16_tier == Bf16Tier::fast && q.dtype() == DType::bf16;
+  take_fp32_parts(p, q, k, v, config);
   return p;
 }
 
@@ -229,6 +244,7 @@ KernelStats attention_backward_block(const TensorView& q, const Tokens& q_tokens
   p.bf16_scores = both_bf16(q, k, config), p.bf16_dp = both_bf16(dout, v, config);
   p.amx = (p.bf16_scores || p.bf16_dp) && amx_products(config);
   p.round_p = config.bf16_tier == Bf16Tier::fast && q.dtype() == DType::bf16;
+  take_fp32_parts(p, q, k, v, config);  // S as the forward made it (Note [P at most one])
   if (p.tq == 0 || p.tk == 0 || p.batch == 0) return {};
   if (kernel::use_scalar_path())
     return kernel::backward_scalar(p, q, q_tokens, k, v, k_tokens, mask, dout, lse, delta, dq, dk,

@@ -14,8 +14,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <string>
 
+#include "kernel/amx_probe.h"
+#include "kernel/peak.h"
 #include "kernel/problem.h"
 
 namespace ctxpar {
@@ -135,6 +138,29 @@ int bf16_products_on(const KernelConfig& config) {
   return avx512_target(choice()) ? bf16_products_level(config.bf16_products) : kBf16Fp32;
 }
 
+Fp32Products fp32_products_of(const KernelConfig& config) {
+  if (config.fp32_products != Fp32Products::automatic) return config.fp32_products;
+  const std::string& want = kernel_environment().fp32_products;  // CTXPAR_FP32_PRODUCTS
+  if (want.empty()) return Fp32Products::fma;
+  const std::optional<Fp32Products> p = parse_fp32_products(want);
+  CTXPAR_CHECK(p && *p != Fp32Products::automatic, "CTXPAR_FP32_PRODUCTS=", want,
+               ": expected fma (fp32 FMAs) or parts (AMX tiles on three bf16 parts of each value, "
+               "docs/kernel.md \"fp32 products\"), or unset it");
+  return *p;
+}
+
+std::string fp32_parts_refusal() {
+  const std::string why = amx_unusable_why();
+  if (!why.empty())
+    return "KernelConfig::fp32_products = parts needs AMX-BF16 tiles, which this machine cannot "
+           "use (" +
+           why + "); take fma";
+  if (!avx512_target(choice()))
+    return std::string("KernelConfig::fp32_products = parts needs an avx512 SIMD target, and ") +
+           simd_target_name() + " is in use (CTXPAR_SIMD); take fma or unset CTXPAR_SIMD";
+  return "";
+}
+
 int64_t parse_kernel_l1d(const char* text) {
   char* end = nullptr;
   errno = 0;
@@ -184,6 +210,19 @@ SimdTargets simd_targets() {
     t.products += "; not applied: the SIMD target in use (" + t.chosen +
                   ") is not an avx512 one, products stay fp32";
   if (t.error.empty()) t.error = bf16.error;
+  // CTXPAR_FP32_PRODUCTS: a bad value, or parts where this machine cannot take them, is an
+  // error before any kernel call (the command exits 2 naming it; the kernel tests skip).
+  try {
+    if (kernel::fp32_products_of({}) == Fp32Products::parts) {
+      const std::string refused = kernel::fp32_parts_refusal();
+      if (t.error.empty() && !refused.empty()) t.error = "CTXPAR_FP32_PRODUCTS=parts: " + refused;
+      t.products +=
+          "; fp32 inputs: S and P V through AMX tiles on three bf16 parts "
+          "(CTXPAR_FP32_PRODUCTS=parts)";
+    }
+  } catch (const Error& e) {
+    if (t.error.empty()) t.error = e.what();
+  }
   return t;
 }
 

@@ -32,6 +32,10 @@ struct Problem {
   // KernelConfig::bf16_tier fast with bf16 q (api.cc): P and dS rounded to bf16 before the
   // P V, dV, dQ and dK products (the SIMD path; the scalar path ignores it).
   bool round_p = false;
+  // KernelConfig::fp32_products parts with fp32 q, k, v (the forward; api.cc): S and P V through
+  // AMX tiles on three bf16 parts of each operand (Note [fp32 through three bf16 parts],
+  // amx_bf16.cc). amx is then true too.
+  bool fp32_parts = false;
 };
 
 // Checks q [B, Tq, Hq, D], k, v [B, Tk, Hkv, D], the tokens and the mask's needs; throws
@@ -188,6 +192,12 @@ std::string bf16_products_refusal(Bf16Products products);  // on this machine
 // target in use is an avx512 one, else 0 (CTXPAR_SIMD=avx2 or scalar keeps fp32 products).
 // Throws ctxpar::Error on a bad CTXPAR_BF16_PRODUCTS or a refused KernelConfig::bf16_products.
 int bf16_products_on(const KernelConfig& config);
+// KernelConfig::fp32_products with automatic resolved: CTXPAR_FP32_PRODUCTS (fma | parts) where
+// set, else fma; throws ctxpar::Error naming the variable for any other value.
+Fp32Products fp32_products_of(const KernelConfig& config);
+// "" where this machine can take KernelConfig::fp32_products = parts (AMX-BF16 usable and an
+// avx512 SIMD target chosen), else why not, naming the setting.
+std::string fp32_parts_refusal();
 // Whether the chosen target's multiply-add is fused (AVX2, AVX-512: yes; SSE4, SSSE3: no).
 bool simd_fused_multiply_add();
 // The chosen target's vector exp2 (2^t, t <= 0) over n values, for its accuracy test.

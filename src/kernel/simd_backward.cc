@@ -97,7 +97,7 @@ class BackwardWorker {
         sh_(sh),
         dq_partial_(dq_partial),
         grads_(a.p, sh),
-        scores_(a.p, sh, a.p.bf16_scores, bf16::Buffer::q_rows, a.p.scale),
+        scores_(a.p, sh, a.p.bf16_scores, bf16::Buffer::q_rows, a.p.scale, a.p.fp32_parts),
         dps_(a.p, sh, a.p.bf16_dp, bf16::Buffer::do_rows, 1.0f),
         keys_(kPassTiles, KeyTile(sh.ld)),
         lse_rows_(p_.group * sh.nqt * kTile),

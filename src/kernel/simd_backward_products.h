@@ -67,25 +67,39 @@ struct KeyTile {
 // One side of the score products, S = scale (Q K^T) or dP = dO V^T: exact bf16 products
 // (vdpbf16ps or AMX tiles, simd_bf16.h) of the rows as bf16 pairs where both operands are
 // bf16, else fp32 FMAs of the gradient products' packed fp32 rows with K^T (V^T) packed here.
+// `parts` (S where the forward took fp32 parts, Problem::fp32_parts): the rows and key tiles as
+// three bf16 parts and the forward's six part products through AMX (Note [fp32 through three
+// bf16 parts] in amx_bf16.cc), then times scale, so S has the bits the forward rounded it to
+// (Note [P at most one]: the backward's P = exp(S - LSE) must see the forward's S; dP and the
+// gradient products stay fp32 FMAs, which the tiles did not make faster here: docs/kernel.md).
 class ScoreProducts {
  public:
   ScoreProducts(const Problem& p, const BackwardShape& sh, bool pairs, bf16::Buffer rows,
-                float scale)
+                float scale, bool parts = false)
       : p_(p),
         sh_(sh),
-        pairs_(pairs),
+        pairs_(pairs || parts),
+        parts_(parts ? 3 : 1),
         scale_(scale),
-        rows_(pairs ? bf16::buffer(rows, sh.w_block) : nullptr) {
+        rows_(pairs_ ? bf16::buffer(rows, sh.w_block * parts_) : nullptr) {
     for (int u = 0; u < kPassTiles; ++u) {
       key_pack_[u].resize(sh.d * kTile);
-      key_pairs_[u].resize(pairs ? sh.np * kTile : 0);
+      key_pairs_[u].resize(pairs_ ? sh.np * kTile * parts_ : 0);
     }
+    if (parts) tmp_.resize(kTile * 2 * sh.np), words_.resize(3 * kTile * sh.np);
   }
   void pack_rows(const TensorView& x, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t off) {
-    if (pairs_) bf16::pack_rows(x, b, h, i0, rows, sh_.d, sh_.ldw, rows_ + off * sh_.ldw, kTile);
+    if (parts_ == 3)
+      bf16::split_rows(x, b, h, i0, rows, sh_.d, sh_.np, sh_.ldw, rows_ + off * sh_.ldw, kTile,
+                       sh_.w_block, tmp_.data());
+    else if (pairs_)
+      bf16::pack_rows(x, b, h, i0, rows, sh_.d, sh_.ldw, rows_ + off * sh_.ldw, kTile);
   }
   void pack_key(const TensorView& x, int64_t b, int64_t hk, const KeyTile& t, int u, float* row) {
-    if (pairs_)
+    if (parts_ == 3)
+      bf16::split_key_tile(x, b, hk, t.j0, t.cols, sh_.d, sh_.np, tmp_.data(), words_.data(),
+                           key_pairs_[u].data());
+    else if (pairs_)
       bf16::pack_tile(x, b, hk, t.j0, t.cols, sh_.d, key_pairs_[u].data(), p_.amx);
     else
       pack_transposed(x, b, hk, t.j0, t.cols, sh_.d, key_pack_[u].data(), row);
@@ -93,7 +107,12 @@ class ScoreProducts {
   // The products of query rows [off, off + mrows) with key tile u into out [kTile][kTile];
   // `fp32_rows`: the same rows packed in fp32, for the fp32 products.
   void product(int u, int64_t mrows, int64_t off, const float* fp32_rows, float* out) const {
-    if (pairs_)
+    if (parts_ == 3) {  // as the forward's key step (rows to 16: padding rows of zero pairs)
+      const uint32_t* kp = key_pairs_[u].data();
+      bf16::gemm_amx_chunks(round_up(mrows, 16), kTile, 1, sh_.np, rows_ + off * sh_.ldw, sh_.ldw,
+                            0, &kp, kTile, out, kTile, false, 3, sh_.w_block, 3, sh_.np * kTile);
+      bf16::scale_values(out, mrows * kTile, scale_);
+    } else if (pairs_)
       bf16::scores(mrows, sh_.np, rows_ + off * sh_.ldw, sh_.ldw, key_pairs_[u].data(), out, scale_,
                    p_.amx);
     else
@@ -105,10 +124,13 @@ class ScoreProducts {
   const Problem& p_;
   const BackwardShape& sh_;
   bool pairs_;
+  int parts_;
   float scale_;
   uint32_t* rows_;
   LineVector<float> key_pack_[kPassTiles];
   LineVector<uint32_t> key_pairs_[kPassTiles];
+  LineVector<float> tmp_;       // parts: rows widened before the split
+  LineVector<uint32_t> words_;  // parts: a key tile's pairs before the transpose
 };
 
 // The gradient products in fp32 FMAs: dV += P^T dO, dK += (scale dS)^T Qs (times 1 / scale at

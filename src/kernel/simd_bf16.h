@@ -97,9 +97,33 @@ void gemm_amx(int64_t m, int64_t n, int64_t npairs, const uint32_t* a, int64_t l
 // simd_backward_products.h): one C load and store for several query tiles' (or key tiles')
 // products, each element adding its pairs (and parts) in the order successive calls of one
 // chunk each would.
+// b_parts 3 (Note [fp32 through three bf16 parts] in amx_bf16.cc): B is the sum of 3 parts too,
+// b_part words apart, and C adds the 6 products of A's part i and B's part j with i + j < 3
+// (nsplit 3): for each 16 pairs, B's part 0 against A's parts 0, 1, 2, part 1 against 0, 1, part 2
+// against 0.
 void gemm_amx_chunks(int64_t m, int64_t n, int64_t nchunks, int64_t chunk_pairs, const uint32_t* a,
                      int64_t lda, int64_t a_chunk, const uint32_t* const* b, int64_t ldb, float* c,
-                     int64_t ldc, bool accumulate, int nsplit = 1, int64_t split_words = 0);
+                     int64_t ldc, bool accumulate, int nsplit = 1, int64_t split_words = 0,
+                     int b_parts = 1, int64_t b_part = 0);
+// fp32 rows [0, rows) (ld floats apart from src), d values a row, as 3 parts of VNNI pair-rows
+// (round_to_pairs' split of each value: part i what parts 0..i-1 left, rounded to nearest even,
+// subnormal parts flushed): word c of pair-row r / 2 of part i holds row 2i's part (low half)
+// and row 2i + 1's (high half, zero past rows); part_words apart, ldb words a pair-row. Columns
+// past d and pair-rows past rows / 2 are left as they are (the caller zeroes them).
+void split_vnni(const float* src, int64_t ld, int64_t rows, int64_t d, int64_t ldb, uint32_t* out,
+                int64_t part_words);
+// fp32 rows [j0, j0 + rows) of one (batch, head) of t (any dtype, widened) as 3 bf16 parts of
+// pairs (round_to_pairs' split), ldw words a row, parts part_words apart, rows up to tile_rows
+// zero; np pairs a row (pairs past d zero); tmp holds tile_rows x 2 np floats.
+void split_rows(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t rows, int64_t d,
+                int64_t np, int64_t ldw, uint32_t* out, int64_t tile_rows, int64_t part_words,
+                float* tmp);
+// Keys [j0, j0 + cols) of t as 3 parts of a key tile of pairs (part i at out + i np 64: word
+// [p][c] = key c's pair p), keys past cols zero; tmp 64 x 2 np floats, words 3 x 64 x np.
+void split_key_tile(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t cols, int64_t d,
+                    int64_t np, float* tmp, uint32_t* words, uint32_t* out);
+// x[i] *= mul for i < n, each product rounded once (scores_amx's scaling pass).
+void scale_values(float* x, int64_t n, float mul);
 
 // The same C[m][n] (+)= A B (nsplit 1) through vdpbf16ps (simd_bf16.cc): A's pair broadcast
 // against 16-column vectors of B's pair-rows, each C element adding its pairs in the order

@@ -95,6 +95,9 @@ struct ForwardShape : CallTiles {
   bool pairs_pv = false;
   int64_t n16 = 0, ldv = 0;
   int nsplit = 0;
+  // fp32 operands through AMX as three bf16 parts (Note [fp32 through three bf16 parts] in
+  // amx_bf16.cc): Q's pairs, K's tiles and V's pair-rows each 3 parts; else 1.
+  int parts = 1;
   int64_t step_tiles = 1;  // key tiles an online-softmax step (Note [Key steps])
   // Query tiles and rows a task (Note [Two query tiles a task]).
   int64_t sub = kSub;
@@ -107,9 +110,11 @@ ForwardShape forward_shape(const ForwardArgs& a, int64_t step_tiles) {
   static_cast<CallTiles&>(sh) = call_tiles(p, a.q_tokens, a.k_tokens, a.mask);
   sh.np = bf16::stored_pairs(sh.d, p.amx), sh.ldw = bf16::row_words(sh.d, p.amx);
   sh.n16 = round_up(sh.d, 16), sh.ldv = bf16::vnni_words(sh.d);
-  sh.pairs_pv = bf16::pair_products(p.bf16_scores, p.amx, p.round_p) &&
-                a.v.dtype() == DType::bf16 && sh.n16 <= sh.ld;
+  sh.pairs_pv = (p.fp32_parts || (bf16::pair_products(p.bf16_scores, p.amx, p.round_p) &&
+                                  a.v.dtype() == DType::bf16)) &&
+                sh.n16 <= sh.ld;
   sh.nsplit = bf16::amx_parts(p.round_p);
+  if (p.fp32_parts) sh.parts = 3;
   if (sh.pairs_pv && p.amx) sh.step_tiles = step_tiles > 0 ? step_tiles : kStepTiles;
   if (!p.bf16_scores || (sh.pairs_pv && p.amx && sh.nsplit > 1))  // Note [Two query tiles a task]
     sh.sub = kMaxSub;
@@ -128,26 +133,49 @@ struct PackedKv {
   uint32_t* vvnni = nullptr;
 };
 
+// Key tile [j0, j0 + cols) of (b, hk) in 3 parts (Note [fp32 through three bf16 parts]): K as
+// tiles of pairs (bf16::split_key_tile) and V as VNNI pair-rows (part i at vparts + i kHalf ldv);
+// tmp 64 x 2 np floats, words 3 x 64 x np.
+void split_kv_tile(const ForwardArgs& a, const ForwardShape& sh, int64_t b, int64_t hk, int64_t j0,
+                   int64_t cols, float* tmp, uint32_t* words, uint32_t* kparts, uint32_t* vparts) {
+  const int64_t np = sh.np, d = sh.d;
+  bf16::split_key_tile(a.k, b, hk, j0, cols, d, np, tmp, words, kparts);
+  std::fill(tmp, tmp + kTile * 2 * np, 0.0f);
+  for (int64_t j = 0; j < cols; ++j) {
+    if (j + kRowsAhead < cols) prefetch_row(a.v, a.v.offset(b, j0 + j + kRowsAhead, hk), d);
+    load_row(a.v, a.v.offset(b, j0 + j, hk), d, tmp + j * 2 * np);
+  }
+  std::fill_n(vparts, 3 * kHalf * sh.ldv, 0u);
+  bf16::split_vnni(tmp, 2 * np, kTile, d, sh.ldv, vparts, kHalf * sh.ldv);
+}
+
 // Allocated on the calling thread (its scratch), packed by all.
 PackedKv pack_kv(const ForwardArgs& a, const ForwardShape& sh) {
   const Problem& p = a.p;
   const int64_t tiles = p.batch * p.hkv * sh.nkt, d = sh.d;
   PackedKv kv;
-  if (p.bf16_scores)
-    kv.kpairs = bf16::buffer(bf16::Buffer::k_tiles, tiles * sh.np * kTile);
+  if (p.bf16_scores || p.fp32_parts)
+    kv.kpairs = bf16::buffer(bf16::Buffer::k_tiles, tiles * sh.np * kTile * sh.parts);
   else
     kv.kpack = scratch(Scratch::k_pack, tiles * d * kTile);
   if (sh.pairs_pv)
-    kv.vvnni = bf16::buffer(bf16::Buffer::v_vnni, tiles * kHalf * sh.ldv);
+    kv.vvnni = bf16::buffer(bf16::Buffer::v_vnni, tiles * kHalf * sh.ldv * sh.parts);
   else
     kv.vpack = scratch(Scratch::v_pack, tiles * kTile * sh.ld);
 #pragma omp parallel num_threads(p.threads)
   {
     std::vector<float> row(d);
+    LineVector<float> rows(p.fp32_parts ? kTile * 2 * sh.np : 0);
+    LineVector<uint32_t> words(p.fp32_parts ? 3 * kTile * sh.np : 0);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t kt = t % sh.nkt, hk = (t / sh.nkt) % p.hkv, b = t / (sh.nkt * p.hkv);
       const int64_t j0 = kt * kTile, cols = std::min(p.tk, (kt + 1) * kTile) - j0;
+      if (p.fp32_parts) {
+        split_kv_tile(a, sh, b, hk, j0, cols, rows.data(), words.data(),
+                      kv.kpairs + t * sh.np * kTile * 3, kv.vvnni + t * kHalf * sh.ldv * 3);
+        continue;
+      }
       if (p.bf16_scores)
         bf16::pack_tile(a.k, b, hk, j0, cols, d, kv.kpairs + t * sh.np * kTile, p.amx);
       else
@@ -177,7 +205,8 @@ class ForwardWorker {
         acc_(sh.rows() * sh.ld),
         m_(sh.rows()),
         lv_(sh.rows() * nl_),
-        qpairs_(a.p.bf16_scores ? sh.rows() * sh.ldw : 0),
+        qpairs_(a.p.bf16_scores || a.p.fp32_parts ? sh.rows() * sh.ldw * sh.parts : 0),
+        qrows_(a.p.fp32_parts ? sh.rows() * 2 * sh.np : 0),
         ppairs_(sh.pairs_pv ? sh.nsplit * split_words_ * sh.step_tiles : 0),
         row_(sh.d),
         steps_(sh.step_tiles),
@@ -188,7 +217,10 @@ class ForwardWorker {
     b_ = task / (sh_.npairs * p_.hq), h_ = h, hk_ = h / p_.group;
     q0_ = qp * sh_.sub, nsub_ = std::min(sh_.sub, sh_.nqt - q0_);
     i0_ = q0_ * kTile, rows_ = std::min(p_.tq, i0_ + nsub_ * kTile) - i0_;
-    if (p_.bf16_scores)
+    if (p_.fp32_parts)
+      bf16::split_rows(a_.q, b_, h_, i0_, rows_, sh_.d, sh_.np, sh_.ldw, qpairs_.data(), sh_.rows(),
+                       sh_.rows() * sh_.ldw, qrows_.data());
+    else if (p_.bf16_scores)
       bf16::pack_rows(a_.q, b_, h_, i0_, rows_, sh_.d, sh_.ldw, qpairs_.data(), sh_.rows());
     else
       pack_rows(a_.q, b_, h_, i0_, rows_, sh_.d, sh_.ld, qt_.data(), p_.scale, sh_.rows());
@@ -324,10 +356,16 @@ class ForwardWorker {
       const int64_t r0 = st.first * kTile, r1 = std::min(rows_, (st.last + 1) * kTile);
       const int64_t mrows = round_up(r1 - r0, 4);
       float* sb = s_.data() + g * block;
-      vtiles_[g] = kv_.vvnni + pk(st.kt) * kHalf * sh_.ldv;
+      vtiles_[g] = kv_.vvnni + pk(st.kt) * kHalf * sh_.ldv * sh_.parts;
       // Q K^T unscaled: the softmax applies the scale (softmax_row<true>, same bits).
-      bf16::scores(mrows, sh_.np, qpairs_.data() + r0 * sh_.ldw, sh_.ldw,
-                   kv_.kpairs + pk(st.kt) * sh_.np * kTile, sb + r0 * kTile, 1.0f, true);
+      const uint32_t* ktile = kv_.kpairs + pk(st.kt) * sh_.np * kTile * sh_.parts;
+      if (sh_.parts == 3)  // rows to a multiple of 16: padding rows of zero pairs, S rows of rows()
+        bf16::gemm_amx_chunks(round_up(mrows, 16), kTile, 1, sh_.np, qpairs_.data() + r0 * sh_.ldw,
+                              sh_.ldw, 0, &ktile, kTile, sb + r0 * kTile, kTile, false, 3,
+                              sh_.rows() * sh_.ldw, 3, sh_.np * kTile);
+      else
+        bf16::scores(mrows, sh_.np, qpairs_.data() + r0 * sh_.ldw, sh_.ldw, ktile, sb + r0 * kTile,
+                     1.0f, true);
       mask_rows(sb, st.kinds, st.first, st.last, j0, cols);
       // The step's rows this tile does not compute (a skipped query tile): nothing seen.
       std::fill(sb + lo * kTile, sb + r0 * kTile, kNegInf);
@@ -353,7 +391,8 @@ class ForwardWorker {
                              split_words_);
     }
     bf16::gemm_amx_chunks(m16, sh_.n16, n, kHalf, pp, kHalf, a_chunk, vtiles_.data(), sh_.ldv,
-                          acc_.data() + lo * sh_.ld, sh_.ld, true, sh_.nsplit, split_words_);
+                          acc_.data() + lo * sh_.ld, sh_.ld, true, sh_.nsplit, split_words_,
+                          sh_.parts, kHalf * sh_.ldv);
     for (int64_t g = 0; g < n; ++g) progress(steps_[g].kinds, steps_[g].first, steps_[g].last);
     return true;
   }
@@ -420,7 +459,8 @@ class ForwardWorker {
   const PackedKv& kv_;
   int64_t nl_, split_words_;
   LineVector<float> qt_, s_, acc_, m_, lv_;
-  LineVector<uint32_t> qpairs_;  // Q as bf16 pairs, unscaled
+  LineVector<uint32_t> qpairs_;  // Q as bf16 pairs (3 parts for fp32 parts), unscaled
+  LineVector<float> qrows_;      // fp32 parts: Q's rows widened, before the split
   LineVector<uint32_t> ppairs_;  // P's parts as pairs
   std::vector<float> row_;       // finalize_row's scratch
   // A key step's computed tiles (Note [Key steps]): each one's classification per query tile.

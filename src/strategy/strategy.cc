@@ -10,6 +10,7 @@
 
 #include "ctxpar/hash.h"
 #include "kernel/finite.h"
+#include "kernel/problem.h"  // fp32_products_of
 #include "strategy/internal.h"
 
 namespace ctxpar {
@@ -184,6 +185,8 @@ Signature signature_of(const Dims& dims, const StrategyOptions& options) {
           {"mask", options.mask.describe()},
           {"kernel scale", scale},
           {"kernel bf16 tier", bf16_tier_name(options.kernel.bf16_tier)},
+          // Resolved (CTXPAR_FP32_PRODUCTS where automatic): the ranks' own environments.
+          {"kernel fp32 products", fp32_products_name(kernel::fp32_products_of(options.kernel))},
           {"batch B", num(dims.batch)},
           {"local tokens Tl", num(dims.tokens)},
           {"query heads Hq", num(dims.hq)},

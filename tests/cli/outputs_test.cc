@@ -153,6 +153,7 @@ TEST(CliOutputs, BadEnvironmentVariableExits2) {
   const std::pair<const char*, const char*> bad[] = {
       {"CTXPAR_SIMD=bogus", "CTXPAR_SIMD=bogus"},
       {"CTXPAR_BF16_PRODUCTS=bogus", "CTXPAR_BF16_PRODUCTS=bogus: expected on, off or auto"},
+      {"CTXPAR_FP32_PRODUCTS=bogus", "CTXPAR_FP32_PRODUCTS=bogus: expected fma"},
       {"CTXPAR_ULYSSES_GROUPS=0", "CTXPAR_ULYSSES_GROUPS must be an integer in [1, 1024]"},
       {"CTXPAR_MEMORY_LIMIT_BYTES=abc", "CTXPAR_MEMORY_LIMIT_BYTES must be"},
 #ifdef CTXPAR_HAVE_MPI

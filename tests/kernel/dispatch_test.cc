@@ -142,21 +142,22 @@ TEST(Bf16Products, ThisCpusChoiceIsReported) {
 // were made from, so a different one afterwards is refused, and the same one again is not.
 TEST(KernelEnvironment, ReadAtTheEdgeAndKeptOnceUsed) {
   const char* names[] = {"CTXPAR_SIMD", "CTXPAR_KERNEL", "CTXPAR_BF16_PRODUCTS",
-                         "CTXPAR_KERNEL_L1D"};
+                         "CTXPAR_KERNEL_L1D", "CTXPAR_FP32_PRODUCTS"};
   const KernelEnvironment installed = environment::kernel();
-  std::string saved[4];
-  for (int i = 0; i < 4; ++i) {
+  std::string saved[5];
+  for (int i = 0; i < 5; ++i) {
     const char* v = std::getenv(names[i]);
     saved[i] = v != nullptr ? v : "";
     setenv(names[i], ("value " + std::to_string(i)).c_str(), 1);
   }
   const KernelEnvironment read = environment::kernel();
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < 5; ++i)
     saved[i].empty() ? unsetenv(names[i]) : setenv(names[i], saved[i].c_str(), 1);
   EXPECT_EQ(read.simd, "value 0");
   EXPECT_EQ(read.kernel, "value 1");
   EXPECT_EQ(read.bf16_products, "value 2");
   EXPECT_EQ(read.l1d, "value 3");
+  EXPECT_EQ(read.fp32_products, "value 4");
   EXPECT_TRUE(environment::kernel() == installed);
 
   (void)simd_targets();  // the choices are made

@@ -1,5 +1,5 @@
 // The test programs' edge: the kernel's environment variables (CTXPAR_SIMD, CTXPAR_KERNEL,
-// CTXPAR_BF16_PRODUCTS, CTXPAR_KERNEL_L1D, which ctest entries set) read and installed before
+// CTXPAR_BF16_PRODUCTS, CTXPAR_FP32_PRODUCTS, CTXPAR_KERNEL_L1D, which ctest entries set) read and installed before
 // any test runs, as the command and the Python package install them.
 #include "core/environment.h"
 

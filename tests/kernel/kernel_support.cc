@@ -17,6 +17,8 @@ class SimdTargetEnvironment : public ::testing::Environment {
  public:
   void SetUp() override {
     const SimdTargets t = simd_targets();
+    // (Also CTXPAR_FP32_PRODUCTS=parts, the kernel_fp32_parts entry, where this machine
+    // refuses it: simd_targets().error says why.)
     if (!t.error.empty()) {
       std::printf("kernel tests skipped: %s\n", t.error.c_str());
       GTEST_SKIP() << t.error;
@@ -38,7 +40,8 @@ std::string Case::name() const {
     << (qk_common != 0 ? " qk_common=" + std::to_string(qk_common) : "") << " threads=" << threads
     << (products != Bf16Products::automatic
             ? std::string(" products=") + bf16_products_name(products)
-            : "");
+            : "")
+    << (fp32 != Fp32Products::automatic ? std::string(" fp32=") + fp32_products_name(fp32) : "");
   return s.str();
 }
 
@@ -187,6 +190,7 @@ std::string check_case(const Case& c, bool backward) {
   const Inputs in = make_inputs(c);
   KernelConfig config;
   config.bf16_products = c.products;
+  config.fp32_products = c.fp32;
   const std::string fail = rule_violations(run_fast(in, c.mask, c.threads, backward, 1, {}, config),
                                            references_of(in, c.mask, backward), backward);
   return fail.empty() ? "" : c.name() + ": " + fail;

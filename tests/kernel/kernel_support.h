@@ -24,6 +24,7 @@ struct Case {
   bool shuffle = false;  // permute the tokens' positions (unsorted, as after a Ulysses all-to-all)
   int threads = 1;
   Bf16Products products = Bf16Products::automatic;  // KernelConfig::bf16_products
+  Fp32Products fp32 = Fp32Products::automatic;      // KernelConfig::fp32_products
   uint64_t seed = 1;
   std::string name() const;
 };

@@ -76,25 +76,18 @@ def test_cpu_suite_report_prints_cpu_ratios_beside_wall(tmp_path):
     assert "n/a" in row and "(rank threads)" in row, row
 
 
-def test_cpu_suite_report_has_both_bf16_product_kinds_and_tiers(tmp_path):
-    """On an AVX512_BF16 CPU (Zen 5's rows are the goal) the suite runs vdpbf16ps in
-    both tiers beside fp32 products forced, and on an AMX CPU the tiles too; the report's ratios
-    are fp32-products seconds over each run's, and torch's bf16 seconds over each run's (goal
-    1.5), per repetition."""
+def _kernel_suite(tmp_path, runs, seconds, flags):
+    """A suite directory of one repetition: `runs`, each kernel-like run's four passes taking
+    seconds[name]; the report run over it; its figures and stdout."""
     info, raw = tmp_path / "info", tmp_path / "raw"
     info.mkdir()
-    runs = ["kernel_1t", "kernel_bf16dot_1t", "kernel_bf16dotfast_1t", "kernel_bf16fp32_1t",
-            "kernel_bf16amx_1t", "kernel_bf16amxfast_1t", "torch_bf16_1t"]
     shape = {"seq": 64, "heads": 1, "head_dim": 16}
     (info / "config.json").write_text(json.dumps(dict(
         repeats=1, inner=1, quick=True, torch_pin="2.15.0", torch_python="x",
         kernel_shape=shape, cp_shape=shape, ggml_binary=None, runs=runs)))
-    (info / "lscpu.txt").write_text("Model name: Test CPU\nCPU(s): 2\nFlags: avx512f avx512_bf16\n")
+    (info / "lscpu.txt").write_text(f"Model name: Test CPU\nCPU(s): 2\nFlags: {flags}\n")
     (info / "torch.json").write_text(json.dumps(
         {"torch_version": "2.15.0", "cpu_capability": "AVX512", "python": "3.11"}))
-    seconds = {"kernel_bf16fp32_1t": 6.0, "kernel_bf16dot_1t": 4.0, "kernel_bf16dotfast_1t": 3.0,
-               "kernel_bf16amx_1t": 5.0, "kernel_bf16amxfast_1t": 2.0, "torch_bf16_1t": 4.5,
-               "kernel_1t": 6.0}
     d = raw / "rep1"
     d.mkdir(parents=True)
     for name, s in seconds.items():
@@ -104,7 +97,20 @@ def test_cpu_suite_report_has_both_bf16_product_kinds_and_tiers(tmp_path):
     run = subprocess.run([sys.executable, REPORT, str(tmp_path)], capture_output=True, text=True,
                          timeout=60)
     assert run.returncode == 0, run.stdout + run.stderr
-    fig = json.loads((tmp_path / "summary.json").read_text())["figures"]
+    return json.loads((tmp_path / "summary.json").read_text())["figures"], run.stdout
+
+
+def test_cpu_suite_report_has_both_bf16_product_kinds_and_tiers(tmp_path):
+    """On an AVX512_BF16 CPU (Zen 5's rows are the goal) the suite runs vdpbf16ps in
+    both tiers beside fp32 products forced, and on an AMX CPU the tiles too; the report's ratios
+    are fp32-products seconds over each run's, and torch's bf16 seconds over each run's (goal
+    1.5), per repetition."""
+    runs = ["kernel_1t", "kernel_bf16dot_1t", "kernel_bf16dotfast_1t", "kernel_bf16fp32_1t",
+            "kernel_bf16amx_1t", "kernel_bf16amxfast_1t", "torch_bf16_1t"]
+    seconds = {"kernel_bf16fp32_1t": 6.0, "kernel_bf16dot_1t": 4.0, "kernel_bf16dotfast_1t": 3.0,
+               "kernel_bf16amx_1t": 5.0, "kernel_bf16amxfast_1t": 2.0, "torch_bf16_1t": 4.5,
+               "kernel_1t": 6.0}
+    fig, _ = _kernel_suite(tmp_path, runs, seconds, "avx512f avx512_bf16")
     for products, exact, fast in (("dot", 4.0, 3.0), ("amx", 5.0, 2.0)):
         for pas in ("fwd", "bwd", "causal_fwd", "causal_bwd"):
             assert fig[f"bf16{products}_vs_fp32_products_{pas}"]["values"] == [6.0 / exact]
@@ -114,3 +120,20 @@ def test_cpu_suite_report_has_both_bf16_product_kinds_and_tiers(tmp_path):
             assert fig[f"bf16{products}_vs_torch_bf16_{pas}"]["values"] == [4.5 / exact]
             assert fig[f"bf16{products}fast_vs_torch_bf16_{pas}"]["values"] == [4.5 / fast]
             assert fig[f"bf16{products}fast_vs_torch_bf16_{pas}"]["goal"] == 1.5
+
+
+def test_cpu_suite_report_has_the_fp32_parts_rows(tmp_path):
+    """On an AMX CPU the suite runs fp32 through three bf16 parts (CTXPAR_FP32_PRODUCTS=parts)
+    at 1 and 2 threads; the report's ratios are fp32 FMAs' seconds and torch's fp32 seconds
+    (goal 1.2) over each parts run's, per repetition."""
+    runs = ["kernel_1t", "kernel_2t", "torch_1t", "torch_2t", "kernel_fp32parts_1t",
+            "kernel_fp32parts_2t"]
+    seconds = {"kernel_1t": 6.0, "kernel_2t": 3.0, "torch_1t": 6.6, "torch_2t": 3.5,
+               "kernel_fp32parts_1t": 4.0, "kernel_fp32parts_2t": 2.5}
+    fig, out = _kernel_suite(tmp_path, runs, seconds, "avx512f amx_bf16")
+    for n, fma, torch, parts in ((1, 6.0, 6.6, 4.0), (2, 3.0, 3.5, 2.5)):
+        for pas in ("fwd", "bwd", "causal_fwd", "causal_bwd"):
+            assert fig[f"fp32parts_vs_fma_{pas}_{n}t"]["values"] == [fma / parts]
+            assert fig[f"fp32parts_vs_torch_{pas}_{n}t"]["values"] == [torch / parts]
+            assert fig[f"fp32parts_vs_torch_{pas}_{n}t"]["goal"] == 1.2
+    assert "fp32 parts (AMX) / torch SDPA speed, forward, non-causal, 1 thread" in out

@@ -43,6 +43,7 @@ struct KernelBench {
   int threads = 1, repeats = 1, warmup = 1;
   DType dtype = DType::f32;
   Bf16Tier tier = Bf16Tier::exact;
+  Fp32Products fp32_products = Fp32Products::automatic;
   bool backward = true;
 };
 
@@ -59,6 +60,10 @@ Options bench_kernel_options() {
       .add("batch", "1", "batch size B")
       .add("dtype", "fp32", "storage type of q, k, v, o, do: fp32 | bf16")
       .add("bf16-tier", "exact", kBf16TierHelp)
+      .add("fp32-products", "automatic",
+           "--dtype fp32: fma (fp32 FMAs) | parts (S and the forward's P V through AMX-BF16 "
+           "tiles on three bf16 parts of each value: KernelConfig::fp32_products, docs/kernel.md "
+           "\"fp32 products\") | automatic (CTXPAR_FP32_PRODUCTS, else fma)")
       .add("threads", "1", "OpenMP threads (not given: OMP_NUM_THREADS when set)")
       .add("repeats", "3", "repetitions of every measurement (peak included); the best counts")
       .add("warmup", "1",
@@ -81,6 +86,11 @@ KernelBench kernel_bench_from_options(const Options& o) {
   kb.warmup = o.i32("warmup", 0, kMaxRepeats);
   const DType dtype = kb.dtype = parse_dtype(o.str("dtype"));
   kb.tier = bf16_tier_option(o);
+  const std::optional<Fp32Products> fp = parse_fp32_products(o.str("fp32-products"));
+  if (!fp)
+    throw UsageError("--fp32-products " + o.str("fp32-products") +
+                     ": expected fma, parts or automatic");
+  kb.fp32_products = *fp;
   CTXPAR_CHECK(t >= 1 && hq >= 1 && b >= 1 && threads >= 1,
                "bench kernel: --seq, --heads, --batch "
                "and --threads must be >= 1");
@@ -122,6 +132,7 @@ nlohmann::json run_kernel_bench(const KernelBench& kb) {
   KernelConfig cfg;
   cfg.threads = threads;
   cfg.bf16_tier = tier;
+  cfg.fp32_products = kb.fp32_products;
   Tensor out(dtype, {b, t, hq, d}), lse(DType::f32, {b, hq, t}), delta(DType::f32, {b, hq, t});
   Tensor dq(DType::f32, {b, t, hq, d}), dk(DType::f32, {b, t, hkv, d}),
       dv(DType::f32, {b, t, hkv, d});
@@ -157,6 +168,7 @@ nlohmann::json run_kernel_bench(const KernelBench& kb) {
   nlohmann::json j;
   j["seq"] = t, j["heads"] = hq, j["kv_heads"] = hkv, j["head_dim"] = d, j["batch"] = b;
   j["dtype"] = dtype_name(dtype), j["bf16_tier"] = bf16_tier_name(tier);
+  j["fp32_products"] = fp32_products_name(kb.fp32_products);
   j["threads"] = threads, j["repeats"] = repeats, j["warmup"] = kb.warmup;
   j["simd_target"] = kernel::simd_target_name(), j["simd_lanes"] = kernel::simd_lanes();
   auto put = [&](const char* name, double flops, const Best& s) {
