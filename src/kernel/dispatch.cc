@@ -18,7 +18,6 @@
 #include <string>
 
 #include "kernel/amx_probe.h"
-#include "kernel/peak.h"
 #include "kernel/problem.h"
 
 namespace ctxpar {
@@ -155,9 +154,16 @@ std::string fp32_parts_refusal() {
     return "KernelConfig::fp32_products = parts needs AMX-BF16 tiles, which this machine cannot "
            "use (" +
            why + "); take fma";
-  if (!avx512_target(choice()))
-    return std::string("KernelConfig::fp32_products = parts needs an avx512 SIMD target, and ") +
-           simd_target_name() + " is in use (CTXPAR_SIMD); take fma or unset CTXPAR_SIMD";
+  const Choice& c = choice();
+  if (!avx512_target(c)) {
+    // The chosen target's name from the choice itself: simd_target_name() is made by
+    // simd_targets(), which calls this (a static initialised inside its own initialiser hangs).
+    std::string name = c.scalar ? "scalar" : "none";
+    for (const Named& n : kNames)
+      if (n.target == c.chosen && !c.scalar) name = n.name;
+    return "KernelConfig::fp32_products = parts needs an avx512 SIMD target, and " + name +
+           " is in use (CTXPAR_SIMD); take fma or unset CTXPAR_SIMD";
+  }
   return "";
 }
 
