@@ -219,7 +219,7 @@ SimdTargets simd_targets() {
   // CTXPAR_FP32_PRODUCTS: a bad value, or parts where this machine cannot take them, is an
   // error before any kernel call (the command exits 2 naming it; the kernel tests skip).
   try {
-    if (kernel::fp32_products_of({}) == Fp32Products::parts) {
+    if (kernel::fp32_products_of({}) == Fp32Products::parts && !c.scalar) {  // scalar: ignored
       const std::string refused = kernel::fp32_parts_refusal();
       if (t.error.empty() && !refused.empty()) t.error = "CTXPAR_FP32_PRODUCTS=parts: " + refused;
       t.products +=
