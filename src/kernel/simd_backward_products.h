@@ -89,17 +89,18 @@ class ScoreProducts {
     if (parts) tmp_.resize(kTile * 2 * sh.np), words_.resize(3 * kTile * sh.np);
   }
   void pack_rows(const TensorView& x, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t off) {
-    if (parts_ == 3)
-      bf16::split_rows(x, b, h, i0, rows, sh_.d, sh_.np, sh_.ldw, rows_ + off * sh_.ldw, kTile,
-                       sh_.w_block, tmp_.data());
-    else if (pairs_)
+    if (parts_ == 3) {  // widened (zero past d and rows), then its 3 parts as pairs
+      kernel::HWY_NAMESPACE::pack_rows(x, b, h, i0, rows, sh_.d, 2 * sh_.np, tmp_.data());
+      bf16::round_to_pairs(tmp_.data(), 2 * sh_.np, kTile, sh_.np, rows_ + off * sh_.ldw, sh_.ldw,
+                           3, sh_.w_block);
+    } else if (pairs_)
       bf16::pack_rows(x, b, h, i0, rows, sh_.d, sh_.ldw, rows_ + off * sh_.ldw, kTile);
   }
   void pack_key(const TensorView& x, int64_t b, int64_t hk, const KeyTile& t, int u, float* row) {
-    if (parts_ == 3)
-      bf16::split_key_tile(x, b, hk, t.j0, t.cols, sh_.d, sh_.np, tmp_.data(), words_.data(),
-                           key_pairs_[u].data());
-    else if (pairs_)
+    if (parts_ == 3) {
+      kernel::HWY_NAMESPACE::pack_rows(x, b, hk, t.j0, t.cols, sh_.d, 2 * sh_.np, tmp_.data());
+      bf16::split_key_tile(tmp_.data(), sh_.np, words_.data(), key_pairs_[u].data());
+    } else if (pairs_)
       bf16::pack_tile(x, b, hk, t.j0, t.cols, sh_.d, key_pairs_[u].data(), p_.amx);
     else
       pack_transposed(x, b, hk, t.j0, t.cols, sh_.d, key_pack_[u].data(), row);

@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "ctxpar/kernel.h"
-#include "kernel/problem.h"  // load_row, prefetch_row
 
 namespace ctxpar::kernel::bf16 {
 
@@ -160,21 +159,8 @@ void pack_vnni(const TensorView& t, int64_t b, int64_t h, int64_t i0, int64_t ro
   pack_vnni_words(t, b, h, i0, rows, d, ldb, out, tile_rows);
 }
 
-void split_rows(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t rows, int64_t d,
-                int64_t np, int64_t ldw, uint32_t* out, int64_t tile_rows, int64_t part_words,
-                float* tmp) {
-  std::fill(tmp, tmp + tile_rows * 2 * np, 0.0f);
-  for (int64_t j = 0; j < rows; ++j) {
-    if (j + kRowsAhead < rows) prefetch_row(t, t.offset(b, j0 + j + kRowsAhead, h), d);
-    load_row(t, t.offset(b, j0 + j, h), d, tmp + j * 2 * np);
-  }
-  for (int i = 0; i < 3; ++i) std::fill_n(out + i * part_words, tile_rows * ldw, 0u);
-  round_to_pairs(tmp, 2 * np, tile_rows, np, out, ldw, 3, part_words);
-}
-
-void split_key_tile(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t cols, int64_t d,
-                    int64_t np, float* tmp, uint32_t* words, uint32_t* out) {
-  split_rows(t, b, h, j0, cols, d, np, np, words, kCols, kCols * np, tmp);
+void split_key_tile(const float* rows, int64_t np, uint32_t* words, uint32_t* out) {
+  round_to_pairs(rows, 2 * np, kCols, np, words, np, 3, kCols * np);
   for (int i = 0; i < 3; ++i)  // [c][p] -> [p][c]
     for (int64_t c = 0; c < kCols; ++c)
       for (int64_t p = 0; p < np; ++p)

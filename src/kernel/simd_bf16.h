@@ -112,16 +112,10 @@ void gemm_amx_chunks(int64_t m, int64_t n, int64_t nchunks, int64_t chunk_pairs,
 // past d and pair-rows past rows / 2 are left as they are (the caller zeroes them).
 void split_vnni(const float* src, int64_t ld, int64_t rows, int64_t d, int64_t ldb, uint32_t* out,
                 int64_t part_words);
-// fp32 rows [j0, j0 + rows) of one (batch, head) of t (any dtype, widened) as 3 bf16 parts of
-// pairs (round_to_pairs' split), ldw words a row, parts part_words apart, rows up to tile_rows
-// zero; np pairs a row (pairs past d zero); tmp holds tile_rows x 2 np floats.
-void split_rows(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t rows, int64_t d,
-                int64_t np, int64_t ldw, uint32_t* out, int64_t tile_rows, int64_t part_words,
-                float* tmp);
-// Keys [j0, j0 + cols) of t as 3 parts of a key tile of pairs (part i at out + i np 64: word
-// [p][c] = key c's pair p), keys past cols zero; tmp 64 x 2 np floats, words 3 x 64 x np.
-void split_key_tile(const TensorView& t, int64_t b, int64_t h, int64_t j0, int64_t cols, int64_t d,
-                    int64_t np, float* tmp, uint32_t* words, uint32_t* out);
+// A key tile's 64 fp32 rows (2 np floats a row, zero past d and past its keys) as 3 parts of a
+// key tile of pairs (round_to_pairs' split; part i at out + i np 64: word [p][c] = key c's pair
+// p); words holds 3 x 64 x np. (Q's rows take round_to_pairs itself: 3 parts, rows of pairs.)
+void split_key_tile(const float* rows, int64_t np, uint32_t* words, uint32_t* out);
 // x[i] *= mul for i < n, each product rounded once (scores_amx's scaling pass).
 void scale_values(float* x, int64_t n, float mul);
 

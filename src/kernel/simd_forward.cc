@@ -139,13 +139,10 @@ struct PackedKv {
 void split_kv_tile(const ForwardArgs& a, const ForwardShape& sh, int64_t b, int64_t hk, int64_t j0,
                    int64_t cols, float* tmp, uint32_t* words, uint32_t* kparts, uint32_t* vparts) {
   const int64_t np = sh.np, d = sh.d;
-  bf16::split_key_tile(a.k, b, hk, j0, cols, d, np, tmp, words, kparts);
-  std::fill(tmp, tmp + kTile * 2 * np, 0.0f);
-  for (int64_t j = 0; j < cols; ++j) {
-    if (j + kRowsAhead < cols) prefetch_row(a.v, a.v.offset(b, j0 + j + kRowsAhead, hk), d);
-    load_row(a.v, a.v.offset(b, j0 + j, hk), d, tmp + j * 2 * np);
-  }
-  std::fill_n(vparts, 3 * kHalf * sh.ldv, 0u);
+  pack_rows(a.k, b, hk, j0, cols, d, 2 * np, tmp);  // the rows widened, zero past d and cols
+  bf16::split_key_tile(tmp, np, words, kparts);
+  pack_rows(a.v, b, hk, j0, cols, d, 2 * np, tmp);
+  std::fill_n(vparts, 3 * kHalf * sh.ldv, 0u);  // the columns past d
   bf16::split_vnni(tmp, 2 * np, kTile, d, sh.ldv, vparts, kHalf * sh.ldv);
 }
 
@@ -217,10 +214,11 @@ class ForwardWorker {
     b_ = task / (sh_.npairs * p_.hq), h_ = h, hk_ = h / p_.group;
     q0_ = qp * sh_.sub, nsub_ = std::min(sh_.sub, sh_.nqt - q0_);
     i0_ = q0_ * kTile, rows_ = std::min(p_.tq, i0_ + nsub_ * kTile) - i0_;
-    if (p_.fp32_parts)
-      bf16::split_rows(a_.q, b_, h_, i0_, rows_, sh_.d, sh_.np, sh_.ldw, qpairs_.data(), sh_.rows(),
-                       sh_.rows() * sh_.ldw, qrows_.data());
-    else if (p_.bf16_scores)
+    if (p_.fp32_parts) {  // widened (zero past d and rows_), then its 3 parts as pairs
+      pack_rows(a_.q, b_, h_, i0_, rows_, sh_.d, 2 * sh_.np, qrows_.data(), 1.0f, sh_.rows());
+      bf16::round_to_pairs(qrows_.data(), 2 * sh_.np, sh_.rows(), sh_.np, qpairs_.data(), sh_.ldw,
+                           3, sh_.rows() * sh_.ldw);
+    } else if (p_.bf16_scores)
       bf16::pack_rows(a_.q, b_, h_, i0_, rows_, sh_.d, sh_.ldw, qpairs_.data(), sh_.rows());
     else
       pack_rows(a_.q, b_, h_, i0_, rows_, sh_.d, sh_.ld, qt_.data(), p_.scale, sh_.rows());
