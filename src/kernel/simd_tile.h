@@ -83,7 +83,8 @@ HWY_INLINE VF exp2_neg(DF d, VF t) {
 
 // R rows x C vectors of C: acc over k of A[r][k] * B[k][c]. A row stride lda, B row stride ldb
 // (floats, B rows 64-byte friendly), C row stride ldc. accumulate = false overwrites C.
-template <int R, int C>
+// AT: A given transposed (A[r][k] at a[k lda + r]), as the backward's P and dS for dV and dK.
+template <int R, int C, bool AT = false>
 CTXPAR_REGION_CHECKED HWY_INLINE void micro(const float* HWY_RESTRICT a, int64_t lda,
                                             const float* HWY_RESTRICT b, int64_t ldb, int64_t k,
                                             float* HWY_RESTRICT c, int64_t ldc, bool accumulate) {
@@ -97,7 +98,7 @@ CTXPAR_REGION_CHECKED HWY_INLINE void micro(const float* HWY_RESTRICT a, int64_t
     VF bv[C];
     for (int j = 0; j < C; ++j) bv[j] = hn::LoadU(d, b + x * ldb + j * n);
     for (int r = 0; r < R; ++r) {
-      const VF av = hn::Set(d, a[r * lda + x]);
+      const VF av = hn::Set(d, AT ? a[x * lda + r] : a[r * lda + x]);
       for (int j = 0; j < C; ++j) acc[r][j] = hn::MulAdd(av, bv[j], acc[r][j]);
     }
   }
@@ -115,6 +116,34 @@ CTXPAR_REGION_CHECKED HWY_INLINE void row_block(int64_t n, int64_t k, const floa
   for (; j + kC * nl <= n; j += kC * nl)
     micro<R, kC>(a, lda, b + j, ldb, k, c + j, ldc, accumulate);
   for (; j < n; j += nl) micro<R, 1>(a, lda, b + j, ldb, k, c + j, ldc, accumulate);
+}
+
+// The register blocks of C[M x N] (+)= A B without K panels: columns in kC-vector strips, each
+// strip's rows 6 (then 4, 2) at a time. AT: A given transposed (row r of A is column r at a + r).
+template <bool AT>
+CTXPAR_REGION_CHECKED HWY_INLINE void gemm_blocks(int64_t m, int64_t n, int64_t k, const float* a,
+                                                  int64_t lda, const float* b, int64_t ldb,
+                                                  float* c, int64_t ldc, bool accumulate) {
+  const int64_t nl = lanes(), ar = AT ? 1 : lda;  // A's row step
+  constexpr int kC = HWY_MAX_BYTES >= 64 ? 4 : 2;
+  constexpr int kR = 6;
+  int64_t j = 0;
+  for (; j + kC * nl <= n; j += kC * nl) {
+    int64_t r = 0;
+    for (; r + kR <= m; r += kR)
+      micro<kR, kC, AT>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+    for (; r + 4 <= m; r += 4)
+      micro<4, kC, AT>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+    for (; r < m; r += 2)
+      micro<2, kC, AT>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+  }
+  for (; j < n; j += nl) {
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4)
+      micro<4, 1, AT>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+    for (; r < m; r += 2)
+      micro<2, 1, AT>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+  }
 }
 
 // C[M x N] (+)= A[M x K] B[K x N]; M a multiple of 2, N a multiple of the lane count.
@@ -135,14 +164,13 @@ CTXPAR_REGION_CHECKED HWY_INLINE void row_block(int64_t n, int64_t k, const floa
 CTXPAR_REGION_CHECKED inline void gemm_rows(int64_t m, int64_t n, int64_t k, const float* a,
                                             int64_t lda, const float* b, int64_t ldb, float* c,
                                             int64_t ldc, bool accumulate, int64_t k_panel = 0) {
-  const int64_t nl = lanes();
-  const int64_t mr = round_up(m, 2), nr = round_up(n, nl);
+  const int64_t mr = round_up(m, 2), nr = round_up(n, lanes());
   check_rows(a, mr, k * 4, lda * 4, false);
   check_rows(b, k, nr * 4, ldb * 4, false);
   check_rows(c, mr, nr * 4, ldc * 4, true);
-  constexpr int kC = HWY_MAX_BYTES >= 64 ? 4 : 2;
-  constexpr int kR = 6;
   if (k_panel > 0 && k_panel < k) {
+    constexpr int kC = HWY_MAX_BYTES >= 64 ? 4 : 2;
+    constexpr int kR = 6;
     for (int64_t k0 = 0; k0 < k; k0 += k_panel) {
       const int64_t kk = std::min(k_panel, k - k0);
       const bool acc = accumulate || k0 > 0;
@@ -158,23 +186,21 @@ CTXPAR_REGION_CHECKED inline void gemm_rows(int64_t m, int64_t n, int64_t k, con
     }
     return;
   }
-  int64_t j = 0;
-  for (; j + kC * nl <= n; j += kC * nl) {
-    int64_t r = 0;
-    for (; r + kR <= m; r += kR)
-      micro<kR, kC>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
-    for (; r + 4 <= m; r += 4)
-      micro<4, kC>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
-    for (; r < m; r += 2)
-      micro<2, kC>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
-  }
-  for (; j < n; j += nl) {
-    int64_t r = 0;
-    for (; r + 4 <= m; r += 4)
-      micro<4, 1>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
-    for (; r < m; r += 2)
-      micro<2, 1>(a + r * lda, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
-  }
+  gemm_blocks<false>(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
+}
+
+// C[M x N] (+)= A B with A given transposed: A[r][x] at at[x lda + r] (k rows of lda floats, M
+// of them used), as gemm_rows makes it otherwise (the same FMAs in the same order, so the same
+// bits as gemm_rows on the transposed copy): the backward's dV += P^T dO and dK += dS^T Qs read
+// P and dS where softmax_gradient left them, with no transposed copies.
+CTXPAR_REGION_CHECKED inline void gemm_rows_at(int64_t m, int64_t n, int64_t k, const float* at,
+                                               int64_t lda, const float* b, int64_t ldb, float* c,
+                                               int64_t ldc, bool accumulate) {
+  const int64_t mr = round_up(m, 2), nr = round_up(n, lanes());
+  check_rows(at, k, mr * 4, lda * 4, false);
+  check_rows(b, k, nr * 4, ldb * 4, false);
+  check_rows(c, mr, nr * 4, ldc * 4, true);
+  gemm_blocks<true>(m, n, k, at, lda, b, ldb, c, ldc, accumulate);
 }
 
 // Note [Padded rows]: the row stride of the packed [rows][dp] buffers (Q, dO, V, K rows, the
