@@ -61,6 +61,9 @@ BackwardShape backward_shape(const BackwardArgs& a) {
 
 // P = 2^(min(S - lse, 0) log2(e)) over s, and scale dS = scale P (dP - delta) over dpm, rows
 // [0, kTile) of a tile with `rows` real rows; padding and fully masked rows give 0.
+// kUnscaled: s holds Q K^T (the fp32 parts' products, ScoreProducts::unscaled), and S is its
+// product with the scale, rounded once as the forward's softmax_row<true> rounds it.
+template <bool kUnscaled>
 void softmax_gradient(const Problem& p, float* s, float* dpm, int64_t rows, const float* lse_rows,
                       const float* dlt) {
   const DF df;
@@ -77,7 +80,9 @@ void softmax_gradient(const Problem& p, float* s, float* dpm, int64_t rows, cons
     const VF vscale = hn::Set(df, p.scale), vlog2e = hn::Set(df, kLog2e);
     for (int64_t c = 0; c < kTile; c += nl) {
       // Note [P at most one]: the exponent is clamped at 0.
-      const VF e = hn::Min(hn::Sub(hn::LoadU(df, sr + c), vl), hn::Zero(df));
+      VF sv = hn::LoadU(df, sr + c);
+      if constexpr (kUnscaled) sv = hn::Mul(sv, vscale);
+      const VF e = hn::Min(hn::Sub(sv, vl), hn::Zero(df));
       const VF pv = exp2_neg(df, hn::Mul(e, vlog2e));
       const VF ds = hn::Mul(pv, hn::Sub(hn::LoadU(df, dr + c), vd));
       hn::StoreU(pv, df, sr + c);                   // s <- P
@@ -175,7 +180,12 @@ class BackwardWorker {
     if (kind == TileKind::partial || t.cols < kTile)
       mask_tile(s_.data(), rows, t.cols, kind == TileKind::partial, a_.mask, a_.q_tokens, i0,
                 a_.k_tokens, t.j0);
-    softmax_gradient(p_, s_.data(), dpm_.data(), rows, lse_rows_.data() + off, dlt_.data() + off);
+    if (scores_.unscaled())
+      softmax_gradient<true>(p_, s_.data(), dpm_.data(), rows, lse_rows_.data() + off,
+                             dlt_.data() + off);
+    else
+      softmax_gradient<false>(p_, s_.data(), dpm_.data(), rows, lse_rows_.data() + off,
+                              dlt_.data() + off);
     grads_.accumulate(t, u, s_.data(), dpm_.data(), pt_.data(), dst_.data(), off, mrows, dq_acc_);
     tile_progress();  // the MPI transport's progress calls, if installed
   }

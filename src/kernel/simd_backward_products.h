@@ -69,9 +69,12 @@ struct KeyTile {
 // bf16, else fp32 FMAs of the gradient products' packed fp32 rows with K^T (V^T) packed here.
 // `parts` (S where the forward took fp32 parts, Problem::fp32_parts): the rows and key tiles as
 // three bf16 parts and the forward's six part products through AMX (Note [fp32 through three
-// bf16 parts] in amx_bf16.cc), then times scale, so S has the bits the forward rounded it to
-// (Note [P at most one]: the backward's P = exp(S - LSE) must see the forward's S; dP and the
-// gradient products stay fp32 FMAs, which the tiles did not make faster here: docs/kernel.md).
+// bf16 parts] in amx_bf16.cc). Q K^T comes out unscaled (unscaled()): softmax_gradient<true>
+// multiplies by the scale as the forward's softmax does, so S has the bits the forward rounded
+// it to (Note [P at most one]: the backward's P = exp(S - LSE) must see the forward's S). dP and
+// the gradient products stay fp32 FMAs: the tiles did not make them faster here, and dP through
+// the parts no longer cancels against delta (rowsum dO o O, FMAs) where P is one-hot, which put
+// dQ and dK 10x over the fp32 rule at extreme logits (docs/kernel.md).
 class ScoreProducts {
  public:
   ScoreProducts(const Problem& p, const BackwardShape& sh, bool pairs, bf16::Buffer rows,
@@ -105,6 +108,8 @@ class ScoreProducts {
     else
       pack_transposed(x, b, hk, t.j0, t.cols, sh_.d, key_pack_[u].data(), row);
   }
+  // Whether product() leaves the scale to the caller (the parts' S: softmax_gradient<true>).
+  bool unscaled() const { return parts_ == 3 && scale_ != 1.0f; }
   // The products of query rows [off, off + mrows) with key tile u into out [kTile][kTile];
   // `fp32_rows`: the same rows packed in fp32, for the fp32 products.
   void product(int u, int64_t mrows, int64_t off, const float* fp32_rows, float* out) const {
@@ -112,7 +117,6 @@ class ScoreProducts {
       const uint32_t* kp = key_pairs_[u].data();
       bf16::gemm_amx_chunks(round_up(mrows, 16), kTile, 1, sh_.np, rows_ + off * sh_.ldw, sh_.ldw,
                             0, &kp, kTile, out, kTile, false, 3, sh_.w_block, 3, sh_.np * kTile);
-      bf16::scale_values(out, mrows * kTile, scale_);
     } else if (pairs_)
       bf16::scores(mrows, sh_.np, rows_ + off * sh_.ldw, sh_.ldw, key_pairs_[u].data(), out, scale_,
                    p_.amx);

@@ -167,10 +167,6 @@ void split_key_tile(const float* rows, int64_t np, uint32_t* words, uint32_t* ou
         out[(i * np + p) * kCols + c] = words[(i * kCols + c) * np + p];
 }
 
-void scale_values(float* x, int64_t n, float mul) {
-  for (int64_t i = 0; i < n; ++i) x[i] *= mul;
-}
-
 #if defined(__x86_64__)
 // Note [The fast tier through vdpbf16ps]: where the probe chose vdpbf16ps for the exact
 // products (a CPU whose bf16 dot products beat its fp32 FMAs, e.g. AVX512_BF16 at 2 x the FMA

@@ -116,8 +116,6 @@ void split_vnni(const float* src, int64_t ld, int64_t rows, int64_t d, int64_t l
 // key tile of pairs (round_to_pairs' split; part i at out + i np 64: word [p][c] = key c's pair
 // p); words holds 3 x 64 x np. (Q's rows take round_to_pairs itself: 3 parts, rows of pairs.)
 void split_key_tile(const float* rows, int64_t np, uint32_t* words, uint32_t* out);
-// x[i] *= mul for i < n, each product rounded once (scores_amx's scaling pass).
-void scale_values(float* x, int64_t n, float mul);
 
 // The same C[m][n] (+)= A B (nsplit 1) through vdpbf16ps (simd_bf16.cc): A's pair broadcast
 // against 16-column vectors of B's pair-rows, each C element adding its pairs in the order
