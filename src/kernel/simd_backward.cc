@@ -215,7 +215,8 @@ class BackwardWorker {
   ScoreProducts scores_, dps_;
   std::vector<KeyTile> keys_;
   LineVector<float> lse_rows_, dlt_, row_;
-  LineVector<float> s_, dpm_, pt_, dst_;  // kTile x kTile: S / P, dP / scale dS, transposes
+  // kTile x kTile: S / P, dP / scale dS, and their transposes for PairGradients' pairs
+  LineVector<float> s_, dpm_, pt_, dst_;
   int64_t b_ = 0, hk_ = 0;
   float* dq_acc_ = nullptr;
 };
