@@ -165,6 +165,9 @@ class Fp32Gradients {
   }
   // s holds P, dpm scale dS (kTile x kTile); dV and dK read them transposed where they are
   // (gemm_rows_at: the transposed copies cost 3-4 % of the backward, and their 32 KiB of L1).
+  // A block's last tile adds its products to the partial and the partial to the compensated sum
+  // in one pass (gemm_rows_at_compensated: the partial never stored and read back, +2 %); a
+  // key tile's last block, if not full, is flushed by add_key_tile as before. Same bits.
   void accumulate(KeyTile& t, int u, float* s, float* dpm, float*, float*, int64_t off,
                   int64_t mrows, float* dq_acc) {
     if (p_.round_p) {  // the fast bf16 tier: P for dV, scale dS for dQ and dK
@@ -173,9 +176,17 @@ class Fp32Gradients {
     }
     const bool fresh = t.in_block == 0;  // a block's first tile overwrites its partials
     const int64_t ld = sh_.ld, dp = sh_.dp;
-    gemm_rows_at(kTile, dp, mrows, s, kTile, dot(off), ld, t.dv.data(), ld, !fresh);
-    gemm_rows_at(kTile, dp, mrows, dpm, kTile, qs(off), ld, t.dk.data(), ld, !fresh);
-    if (++t.in_block == kDkvBlock) t.flush();
+    if (t.in_block + 1 == kDkvBlock) {  // the block's last tile: its flush in the same pass
+      gemm_rows_at_compensated(kTile, dp, mrows, s, kTile, dot(off), ld, t.dv.data(), ld,
+                               t.dv_sum.data(), t.dv_comp.data());
+      gemm_rows_at_compensated(kTile, dp, mrows, dpm, kTile, qs(off), ld, t.dk.data(), ld,
+                               t.dk_sum.data(), t.dk_comp.data());
+      t.in_block = 0;
+    } else {
+      gemm_rows_at(kTile, dp, mrows, s, kTile, dot(off), ld, t.dv.data(), ld, !fresh);
+      gemm_rows_at(kTile, dp, mrows, dpm, kTile, qs(off), ld, t.dk.data(), ld, !fresh);
+      ++t.in_block;
+    }
     gemm_rows(mrows, dp, t.cols, dpm, kTile, k_rows_[u].data(), ld, dq_acc + off * ld, ld, true);
   }
   void end_query_tile(int64_t, float*) {}  // every product is done in accumulate

@@ -84,10 +84,12 @@ HWY_INLINE VF exp2_neg(DF d, VF t) {
 // R rows x C vectors of C: acc over k of A[r][k] * B[k][c]. A row stride lda, B row stride ldb
 // (floats, B rows 64-byte friendly), C row stride ldc. accumulate = false overwrites C.
 // AT: A given transposed (A[r][k] at a[k lda + r]), as the backward's P and dS for dV and dK.
-template <int R, int C, bool AT = false>
+template <int R, int C, bool AT = false, bool KS = false>
 CTXPAR_REGION_CHECKED HWY_INLINE void micro(const float* HWY_RESTRICT a, int64_t lda,
                                             const float* HWY_RESTRICT b, int64_t ldb, int64_t k,
-                                            float* HWY_RESTRICT c, int64_t ldc, bool accumulate) {
+                                            float* HWY_RESTRICT c, int64_t ldc, bool accumulate,
+                                            float* HWY_RESTRICT sum = nullptr,
+                                            float* HWY_RESTRICT comp = nullptr) {
   const DF d;
   const int64_t n = lanes();
   VF acc[R][C];
@@ -102,8 +104,20 @@ CTXPAR_REGION_CHECKED HWY_INLINE void micro(const float* HWY_RESTRICT a, int64_t
       for (int j = 0; j < C; ++j) acc[r][j] = hn::MulAdd(av, bv[j], acc[r][j]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < C; ++j) hn::StoreU(acc[r][j], d, c + r * ldc + j * n);
+  if constexpr (KS) {
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < C; ++j) {
+        const int64_t o = r * ldc + j * n;
+        const VF sv = hn::LoadU(d, sum + o);
+        const VF y = hn::Sub(acc[r][j], hn::LoadU(d, comp + o));
+        const VF t = hn::Add(sv, y);
+        hn::StoreU(hn::Sub(hn::Sub(t, sv), y), d, comp + o);
+        hn::StoreU(t, d, sum + o);
+      }
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < C; ++j) hn::StoreU(acc[r][j], d, c + r * ldc + j * n);
+  }
 }
 
 // R rows of C against all N columns: micro-kernels of kC vectors, then single vectors.
@@ -120,10 +134,11 @@ CTXPAR_REGION_CHECKED HWY_INLINE void row_block(int64_t n, int64_t k, const floa
 
 // The register blocks of C[M x N] (+)= A B without K panels: columns in kC-vector strips, each
 // strip's rows 6 (then 4, 2) at a time. AT: A given transposed (row r of A is column r at a + r).
-template <bool AT>
+template <bool AT, bool KS = false>
 CTXPAR_REGION_CHECKED HWY_INLINE void gemm_blocks(int64_t m, int64_t n, int64_t k, const float* a,
                                                   int64_t lda, const float* b, int64_t ldb,
-                                                  float* c, int64_t ldc, bool accumulate) {
+                                                  float* c, int64_t ldc, bool accumulate,
+                                                  float* sum = nullptr, float* comp = nullptr) {
   const int64_t nl = lanes(), ar = AT ? 1 : lda;  // A's row step
   constexpr int kC = HWY_MAX_BYTES >= 64 ? 4 : 2;
   constexpr int kR = 6;
@@ -131,18 +146,23 @@ CTXPAR_REGION_CHECKED HWY_INLINE void gemm_blocks(int64_t m, int64_t n, int64_t 
   for (; j + kC * nl <= n; j += kC * nl) {
     int64_t r = 0;
     for (; r + kR <= m; r += kR)
-      micro<kR, kC, AT>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+      micro<kR, kC, AT, KS>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate,
+                            KS ? sum + r * ldc + j : nullptr, KS ? comp + r * ldc + j : nullptr);
     for (; r + 4 <= m; r += 4)
-      micro<4, kC, AT>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+      micro<4, kC, AT, KS>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate,
+                           KS ? sum + r * ldc + j : nullptr, KS ? comp + r * ldc + j : nullptr);
     for (; r < m; r += 2)
-      micro<2, kC, AT>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+      micro<2, kC, AT, KS>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate,
+                           KS ? sum + r * ldc + j : nullptr, KS ? comp + r * ldc + j : nullptr);
   }
   for (; j < n; j += nl) {
     int64_t r = 0;
     for (; r + 4 <= m; r += 4)
-      micro<4, 1, AT>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+      micro<4, 1, AT, KS>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate,
+                          KS ? sum + r * ldc + j : nullptr, KS ? comp + r * ldc + j : nullptr);
     for (; r < m; r += 2)
-      micro<2, 1, AT>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate);
+      micro<2, 1, AT, KS>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate,
+                          KS ? sum + r * ldc + j : nullptr, KS ? comp + r * ldc + j : nullptr);
   }
 }
 
@@ -201,6 +221,22 @@ CTXPAR_REGION_CHECKED inline void gemm_rows_at(int64_t m, int64_t n, int64_t k, 
   check_rows(b, k, nr * 4, ldb * 4, false);
   check_rows(c, mr, nr * 4, ldc * 4, true);
   gemm_blocks<true>(m, n, k, at, lda, b, ldb, c, ldc, accumulate);
+}
+
+// C's partial (accumulated) + A B with A given transposed, added to (sum, comp) by Kahan's step
+// (add_compensated's, element by element) instead of stored in C: the last tile of a dK / dV
+// block and the block's flush in one pass.
+CTXPAR_REGION_CHECKED inline void gemm_rows_at_compensated(int64_t m, int64_t n, int64_t k,
+                                                           const float* at, int64_t lda,
+                                                           const float* b, int64_t ldb, float* c,
+                                                           int64_t ldc, float* sum, float* comp) {
+  const int64_t mr = round_up(m, 2), nr = round_up(n, lanes());
+  check_rows(at, k, mr * 4, lda * 4, false);
+  check_rows(b, k, nr * 4, ldb * 4, false);
+  check_rows(c, mr, nr * 4, ldc * 4, false);
+  check_rows(sum, mr, nr * 4, ldc * 4, true);
+  check_rows(comp, mr, nr * 4, ldc * 4, true);
+  gemm_blocks<true, true>(m, n, k, at, lda, b, ldb, c, ldc, true, sum, comp);
 }
 
 // Note [Padded rows]: the row stride of the packed [rows][dp] buffers (Q, dO, V, K rows, the
@@ -400,7 +436,8 @@ inline float* scratch(Scratch slot, size_t n) {
 // `comp` holds what the running sum lost (with its sign flipped). The error is that of one
 // block's running sum (kDkvBlock x 64 rows) plus a few ulps, whatever the number of blocks;
 // the compensated addition costs one pass over the tile per block, not per query tile (an
-// earlier form compensated every query tile's product and cost 4 % of the backward). Block
+// earlier form compensated every query tile's product and cost 4 % of the backward; the fp32
+// products make that pass in the block's last product itself, gemm_rows_at_compensated). Block
 // boundaries count the query tiles a key tile sees, in the task's fixed order, so the order of
 // every addition is the same for any thread count (threads = MPI = sim, bit for bit).
 // (-ffp-contract=off and no -ffast-math: the compiler may not fold comp to 0.)

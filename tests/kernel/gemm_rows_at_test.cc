@@ -68,6 +68,37 @@ TEST(GemmRowsAt, SameBitsAsGemmRowsOnTheTransposedCopyAndWithinTheFp32Bound) {
   EXPECT_EQ(cases, 5 * 3 * 3 * 2);
 }
 
+// gemm_rows_at_compensated: a dK / dV block's last tile and the block's flush in one pass, with
+// the bits of gemm_rows_at into the partial followed by add_compensated (sum and comp start
+// non-zero, as after earlier blocks; C, the partial, must be left as it was).
+TEST(GemmRowsAt, CompensatedIsTheProductThenTheFlush) {
+  const int64_t nl = simd::lanes();
+  for (int64_t m : {4, 10, 64})
+    for (int64_t n : {nl, 8 * nl})
+      for (int64_t k : {3, 64}) {
+        const int64_t lda_t = m + 1, ld = n + nl;
+        LineVector<float> at(k * lda_t), b(k * ld), part(m * ld), sum(m * ld), comp(m * ld);
+        fill(at, static_cast<uint64_t>(m + n + k)), fill(b, static_cast<uint64_t>(n * k));
+        fill(part, 11), fill(sum, 12), fill(comp, 13);
+        for (float& x : comp) x *= 0x1p-24f;  // what earlier additions lost: ulps of the sum
+        LineVector<float> p1(part.begin(), part.end()), s1(sum.begin(), sum.end()),
+            c1(comp.begin(), comp.end());
+        simd::gemm_rows_at(m, n, k, at.data(), lda_t, b.data(), ld, p1.data(), ld, true);
+        for (int64_t r = 0; r < m; ++r)
+          simd::add_compensated(n, p1.data() + r * ld, s1.data() + r * ld, c1.data() + r * ld);
+        LineVector<float> p2(part.begin(), part.end()), s2(sum.begin(), sum.end()),
+            c2(comp.begin(), comp.end());
+        simd::gemm_rows_at_compensated(m, n, k, at.data(), lda_t, b.data(), ld, p2.data(), ld,
+                                       s2.data(), c2.data());
+        ASSERT_EQ(std::memcmp(s1.data(), s2.data(), s1.size() * sizeof(float)), 0)
+            << "sum, m " << m << " n " << n << " k " << k;
+        ASSERT_EQ(std::memcmp(c1.data(), c2.data(), c1.size() * sizeof(float)), 0)
+            << "comp, m " << m << " n " << n << " k " << k;
+        ASSERT_EQ(std::memcmp(part.data(), p2.data(), part.size() * sizeof(float)), 0)
+            << "the partial was written, m " << m << " n " << n << " k " << k;
+      }
+}
+
 // Columns past m in each row of the transposed A and rows past k are never read: NaN there must
 // not reach C (the backward's P and dS tiles hold 64 columns whatever the key tile's width).
 TEST(GemmRowsAt, ReadsOnlyItsRegion) {
