@@ -161,10 +161,18 @@ void pack_vnni(const TensorView& t, int64_t b, int64_t h, int64_t i0, int64_t ro
 
 void split_key_tile(const float* rows, int64_t np, uint32_t* words, uint32_t* out) {
   round_to_pairs(rows, 2 * np, kCols, np, words, np, 3, kCols * np);
-  for (int i = 0; i < 3; ++i)  // [c][p] -> [p][c]
+  for (int i = 0; i < 3; ++i) {  // [c][p] -> [p][c]: a key tile's pairs, as pack_tile makes them
+    const uint32_t* w = words + i * kCols * np;
+    uint32_t* o = out + i * np * kCols;
+#if defined(__x86_64__)
+    if (avx512bw()) {  // the parts' CPUs (AMX) all have it
+      pack_tile_gather(reinterpret_cast<const uint16_t*>(w), 2 * np, kCols, np, o);
+      continue;
+    }
+#endif
     for (int64_t c = 0; c < kCols; ++c)
-      for (int64_t p = 0; p < np; ++p)
-        out[(i * np + p) * kCols + c] = words[(i * kCols + c) * np + p];
+      for (int64_t p = 0; p < np; ++p) o[p * kCols + c] = w[c * np + p];
+  }
 }
 
 #if defined(__x86_64__)

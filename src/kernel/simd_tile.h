@@ -81,6 +81,17 @@ HWY_INLINE VF exp2_neg(DF d, VF t) {
 }
 #endif
 
+// Kahan's step of Note [Blocked dK / dV] for one vector of a block partial: sum and comp in
+// memory, y = part - comp; t = sum + y; comp = (t - sum) - y; sum = t (add_compensated, and the
+// epilogue of micro<..., KS>, which must give the same bits).
+HWY_INLINE void kahan_step(DF d, VF part, float* HWY_RESTRICT sum, float* HWY_RESTRICT comp) {
+  const VF s = hn::LoadU(d, sum);
+  const VF y = hn::Sub(part, hn::LoadU(d, comp));
+  const VF t = hn::Add(s, y);
+  hn::StoreU(hn::Sub(hn::Sub(t, s), y), d, comp);
+  hn::StoreU(t, d, sum);
+}
+
 // R rows x C vectors of C: acc over k of A[r][k] * B[k][c]. A row stride lda, B row stride ldb
 // (floats, B rows 64-byte friendly), C row stride ldc. accumulate = false overwrites C.
 // AT: A given transposed (A[r][k] at a[k lda + r]), as the backward's P and dS for dV and dK.
@@ -108,11 +119,7 @@ CTXPAR_REGION_CHECKED HWY_INLINE void micro(const float* HWY_RESTRICT a, int64_t
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < C; ++j) {
         const int64_t o = r * ldc + j * n;
-        const VF sv = hn::LoadU(d, sum + o);
-        const VF y = hn::Sub(acc[r][j], hn::LoadU(d, comp + o));
-        const VF t = hn::Add(sv, y);
-        hn::StoreU(hn::Sub(hn::Sub(t, sv), y), d, comp + o);
-        hn::StoreU(t, d, sum + o);
+        kahan_step(d, acc[r][j], sum + o, comp + o);
       }
   } else {
     for (int r = 0; r < R; ++r)
@@ -224,7 +231,7 @@ CTXPAR_REGION_CHECKED inline void gemm_rows_at(int64_t m, int64_t n, int64_t k, 
 }
 
 // C's partial (accumulated) + A B with A given transposed, added to (sum, comp) by Kahan's step
-// (add_compensated's, element by element) instead of stored in C: the last tile of a dK / dV
+// (kahan_step, as add_compensated) instead of stored in C: the last tile of a dK / dV
 // block and the block's flush in one pass.
 CTXPAR_REGION_CHECKED inline void gemm_rows_at_compensated(int64_t m, int64_t n, int64_t k,
                                                            const float* at, int64_t lda,
@@ -446,13 +453,7 @@ inline void add_compensated(int64_t n, const float* HWY_RESTRICT part, float* HW
                             float* HWY_RESTRICT comp) {
   const DF d;
   const int64_t nl = lanes();
-  for (int64_t x = 0; x < n; x += nl) {
-    const VF s = hn::LoadU(d, sum + x);
-    const VF y = hn::Sub(hn::LoadU(d, part + x), hn::LoadU(d, comp + x));
-    const VF t = hn::Add(s, y);
-    hn::StoreU(hn::Sub(hn::Sub(t, s), y), d, comp + x);
-    hn::StoreU(t, d, sum + x);
-  }
+  for (int64_t x = 0; x < n; x += nl) kahan_step(d, hn::LoadU(d, part + x), sum + x, comp + x);
 }
 
 // 64 x 64 transpose (for P^T and dS^T in the backward). On AVX-512 in 16 x 16 blocks through
