@@ -5,15 +5,18 @@
 // dV and dQ shapes, random values, one thread, an AMX-BF16 guest): 570-640 GFLOP/s one part
 // and 840-960 three parts off a line, 1660-2090 and 1590-2290 on lines. End to end (docs/
 // kernel.md, "Round four"): bf16 +40-60 %, fp32 +5-7 %. Alignment moves no value: every
-// result keeps its bits (scripts/bitwise_grid.sh).
+// result keeps its bits (scripts/bitwise_grid.sh). From 2 MiB a buffer starts on a huge page
+// and asks for huge pages, as a tensor's storage does (Note [Huge pages for large buffers],
+// core/pages.h, the one home of both).
 #pragma once
 #include <cstddef>
-#include <new>
 #include <vector>
+
+#include "core/pages.h"
 
 namespace ctxpar::kernel {
 
-inline constexpr std::size_t kLine = 64;
+inline constexpr std::size_t kLine = kLineBytes;
 
 template <class T>
 struct LineAllocator {
@@ -21,17 +24,15 @@ struct LineAllocator {
   LineAllocator() = default;
   template <class U>
   LineAllocator(const LineAllocator<U>&) noexcept {}  // NOLINT: rebinding, as std::allocator
-  T* allocate(std::size_t n) {
-    return static_cast<T*>(::operator new (n * sizeof(T), std::align_val_t{kLine}));
-  }
-  void deallocate(T* p, std::size_t) noexcept { ::operator delete (p, std::align_val_t{kLine}); }
+  T* allocate(std::size_t n) { return static_cast<T*>(allocate_buffer(n * sizeof(T))); }
+  void deallocate(T* p, std::size_t n) noexcept { free_buffer(p, n * sizeof(T)); }
   template <class U>
   bool operator==(const LineAllocator<U>&) const noexcept {
     return true;
   }
 };
 
-// A std::vector whose data starts on a cache line.
+// A std::vector whose data starts on a cache line (on a huge page from 2 MiB).
 template <class T>
 using LineVector = std::vector<T, LineAllocator<T>>;
 
