@@ -106,7 +106,6 @@ class Tensor {
 
  private:
   struct Free {
-    size_t bytes;  // as allocated (src/core/pages.h)
     void operator()(std::byte* p) const;
   };
   std::shared_ptr<std::byte> buf_;

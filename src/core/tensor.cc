@@ -1,7 +1,5 @@
 #include "ctxpar/tensor.h"
 
-#include "core/pages.h"
-
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -151,7 +149,7 @@ TensorView TensorView::slice(int d, int64_t begin, int64_t end) const {
   return v;
 }
 
-void Tensor::Free::operator()(std::byte* p) const { free_buffer(p, bytes); }
+void Tensor::Free::operator()(std::byte* p) const { std::free(p); }
 
 Tensor::Tensor(DType dtype, const Shape& shape) : dtype_(dtype), shape_(shape) {
   CTXPAR_CHECK(shape.size() <= kMaxDims, "tensor rank ", shape.size(), " exceeds ", kMaxDims);
@@ -159,14 +157,11 @@ Tensor::Tensor(DType dtype, const Shape& shape) : dtype_(dtype), shape_(shape) {
   size_t n = bytes();
   size_t alloc = (n + 63) / 64 * 64;
   if (alloc == 0) alloc = 64;
-  std::byte* p = nullptr;
-  try {
-    p = static_cast<std::byte*>(allocate_buffer(alloc));
-  } catch (const std::bad_alloc&) {}
+  auto* p = static_cast<std::byte*>(std::aligned_alloc(64, alloc));
   CTXPAR_CHECK(p != nullptr, "out of memory allocating ", alloc, " bytes for tensor ",
                shape_str(shape));
   std::memset(p, 0, alloc);
-  buf_ = std::shared_ptr<std::byte>(p, Free{alloc});
+  buf_ = std::shared_ptr<std::byte>(p, Free{});
 }
 
 int64_t Tensor::numel() const {

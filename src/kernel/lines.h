@@ -6,8 +6,7 @@
 // and 840-960 three parts off a line, 1660-2090 and 1590-2290 on lines. End to end (docs/
 // kernel.md, "Round four"): bf16 +40-60 %, fp32 +5-7 %. Alignment moves no value: every
 // result keeps its bits (scripts/bitwise_grid.sh). From 2 MiB a buffer starts on a huge page
-// and asks for huge pages, as a tensor's storage does (Note [Huge pages for large buffers],
-// core/pages.h, the one home of both).
+// and asks for huge pages (Note [Huge pages for large buffers], core/pages.h).
 #pragma once
 #include <cstddef>
 #include <vector>

@@ -60,12 +60,15 @@ TEST(Pages, LargeBuffersAskForHugePages) {
   ASSERT_FALSE(flags.empty()) << "no mapping in /proc/self/smaps holds the buffer";
   EXPECT_NE(flags.find(" hg "), std::string::npos) << "VmFlags:" << flags;
   free_buffer(p, bytes);
+}
 
-  // A tensor's storage takes the same allocator.
+TEST(Pages, TensorsDoNotAsk) {
+  // A tensor's storage stays on 4 KiB pages: a fresh huge page costs far more to touch first
+  // on a guest, and the strategies allocate tensors a call (the Note).
   Tensor t(DType::f32, {1, 1024, 8, 128});  // 4 MiB
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data()) % kHugePage, 0u);
-  EXPECT_NE(vm_flags(t.data()).find(" hg "), std::string::npos);
-  EXPECT_EQ(t.ptr<float>()[t.numel() - 1], 0.0f);  // zero-filled as before
+  const std::string flags = vm_flags(t.data());
+  ASSERT_FALSE(flags.empty());
+  EXPECT_EQ(flags.find(" hg "), std::string::npos) << "VmFlags:" << flags;
 }
 
 }  // namespace
