@@ -53,6 +53,8 @@ TEST(Pages, LargeBuffersAskForHugePages) {
 #ifndef __linux__
   GTEST_SKIP() << "madvise(MADV_HUGEPAGE) is Linux's";
 #endif
+  if (!std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled"))
+    GTEST_SKIP() << "this kernel has no transparent huge pages to ask for";
   const size_t bytes = 2 * kHugePage + 12345;
   void* p = allocate_buffer(bytes);
   std::memset(p, 0, bytes);
