@@ -10,11 +10,10 @@
 // cost about 7 ms a MiB to touch first (160 MiB: 1.0-1.3 s, against 0.1 s on 4 KiB pages,
 // after 3 s idle), and tensors are allocated a call (threads_run.cc's outputs; the device
 // layer's buffers are comm/buffer.cc's), so a training step that frees and allocates them
-// would pay it again; the scratch pays it once a thread. Smaller buffers
-// keep a 64-byte line (Note [Buffers on cache lines] in kernel/lines.h). No value moves.
+// would pay it again; the scratch pays it once a thread. Smaller buffers keep a 64-byte line
+// (Note [Buffers on cache lines] in kernel/lines.h). No value moves.
 #pragma once
 #include <cstddef>
-#include <cstdint>
 #include <new>
 #ifdef __linux__
 #include <sys/mman.h>

@@ -15,8 +15,6 @@
 
 namespace ctxpar::kernel {
 
-inline constexpr std::size_t kLine = kLineBytes;
-
 template <class T>
 struct LineAllocator {
   using value_type = T;

@@ -22,6 +22,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "kernel/asan_regions.h"
@@ -149,27 +150,29 @@ CTXPAR_REGION_CHECKED HWY_INLINE void gemm_blocks(int64_t m, int64_t n, int64_t 
   const int64_t nl = lanes(), ar = AT ? 1 : lda;  // A's row step
   constexpr int kC = HWY_MAX_BYTES >= 64 ? 4 : 2;
   constexpr int kR = 6;
+  // The R x C block at row r, column j (KS: its sum and comp where C's would be).
+  auto block = [&](auto rows, auto cols, int64_t r, int64_t j) {
+    const int64_t o = r * ldc + j;
+    micro<decltype(rows)::value, decltype(cols)::value, AT, KS>(
+        a + r * ar, lda, b + j, ldb, k, c + o, ldc, accumulate, KS ? sum + o : nullptr,
+        KS ? comp + o : nullptr);
+  };
+  using R6 = std::integral_constant<int, kR>;
+  using R4 = std::integral_constant<int, 4>;
+  using R2 = std::integral_constant<int, 2>;
+  using C4 = std::integral_constant<int, kC>;
+  using C1 = std::integral_constant<int, 1>;
   int64_t j = 0;
   for (; j + kC * nl <= n; j += kC * nl) {
     int64_t r = 0;
-    for (; r + kR <= m; r += kR)
-      micro<kR, kC, AT, KS>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate,
-                            KS ? sum + r * ldc + j : nullptr, KS ? comp + r * ldc + j : nullptr);
-    for (; r + 4 <= m; r += 4)
-      micro<4, kC, AT, KS>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate,
-                           KS ? sum + r * ldc + j : nullptr, KS ? comp + r * ldc + j : nullptr);
-    for (; r < m; r += 2)
-      micro<2, kC, AT, KS>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate,
-                           KS ? sum + r * ldc + j : nullptr, KS ? comp + r * ldc + j : nullptr);
+    for (; r + kR <= m; r += kR) block(R6{}, C4{}, r, j);
+    for (; r + 4 <= m; r += 4) block(R4{}, C4{}, r, j);
+    for (; r < m; r += 2) block(R2{}, C4{}, r, j);
   }
   for (; j < n; j += nl) {
     int64_t r = 0;
-    for (; r + 4 <= m; r += 4)
-      micro<4, 1, AT, KS>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate,
-                          KS ? sum + r * ldc + j : nullptr, KS ? comp + r * ldc + j : nullptr);
-    for (; r < m; r += 2)
-      micro<2, 1, AT, KS>(a + r * ar, lda, b + j, ldb, k, c + r * ldc + j, ldc, accumulate,
-                          KS ? sum + r * ldc + j : nullptr, KS ? comp + r * ldc + j : nullptr);
+    for (; r + 4 <= m; r += 4) block(R4{}, C1{}, r, j);
+    for (; r < m; r += 2) block(R2{}, C1{}, r, j);
   }
 }
 

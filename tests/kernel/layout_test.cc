@@ -182,14 +182,14 @@ TEST(Layout, KernelBuffersStartOnALine) {
     kernel::LineVector<float> f(n);
     kernel::LineVector<uint32_t> w(n + 1);
     grown.resize(grown.size() + n);
-    EXPECT_EQ(reinterpret_cast<uintptr_t>(f.data()) % kernel::kLine, 0u) << n;
-    EXPECT_EQ(reinterpret_cast<uintptr_t>(w.data()) % kernel::kLine, 0u) << n;
-    EXPECT_EQ(reinterpret_cast<uintptr_t>(grown.data()) % kernel::kLine, 0u) << n;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(f.data()) % kLineBytes, 0u) << n;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(w.data()) % kLineBytes, 0u) << n;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(grown.data()) % kLineBytes, 0u) << n;
     // The per-thread pack buffers of the bf16 products, grown to n words.
     for (int slot = 0; slot < static_cast<int>(kernel::bf16::Buffer::count); ++slot)
       EXPECT_EQ(reinterpret_cast<uintptr_t>(
                     kernel::bf16::buffer(static_cast<kernel::bf16::Buffer>(slot), n)) %
-                    kernel::kLine,
+                    kLineBytes,
                 0u)
           << n << " words, buffer " << slot;
   }
