@@ -92,7 +92,7 @@ def _kernel_suite(tmp_path, runs, seconds, flags):
     d.mkdir(parents=True)
     for name, s in seconds.items():
         body = {k + "_seconds": s for k in ("fwd", "bwd", "causal_fwd", "causal_bwd")}
-        body.update(fwd_peak_ratio=0.8, bwd_peak_ratio=0.7)
+        body.update(fwd_peak_ratio=0.8, bwd_peak_ratio=0.7, peak_gflops=200.0)
         (d / f"{name}.json").write_text(json.dumps(body))
     run = subprocess.run([sys.executable, REPORT, str(tmp_path)], capture_output=True, text=True,
                          timeout=60)
@@ -120,6 +120,9 @@ def test_cpu_suite_report_has_both_bf16_product_kinds_and_tiers(tmp_path):
             assert fig[f"bf16{products}_vs_torch_bf16_{pas}"]["values"] == [4.5 / exact]
             assert fig[f"bf16{products}fast_vs_torch_bf16_{pas}"]["values"] == [4.5 / fast]
             assert fig[f"bf16{products}fast_vs_torch_bf16_{pas}"]["goal"] == 1.5
+        # Issue 40: the exact tier's backward at torch's speed; its forward has no goal.
+        assert fig[f"bf16{products}_vs_torch_bf16_bwd"]["goal"] == 1.0
+        assert fig[f"bf16{products}_vs_torch_bf16_fwd"]["goal"] is None
 
 
 def test_cpu_suite_report_has_the_fp32_parts_rows(tmp_path):
@@ -137,3 +140,8 @@ def test_cpu_suite_report_has_the_fp32_parts_rows(tmp_path):
             assert fig[f"fp32parts_vs_torch_{pas}_{n}t"]["values"] == [torch / parts]
             assert fig[f"fp32parts_vs_torch_{pas}_{n}t"]["goal"] == 1.2
     assert "fp32 parts (AMX) / torch SDPA speed, forward, non-causal, 1 thread" in out
+    # Issue 40's kernel goal, and the peak's range over the repetitions (here one).
+    assert fig["kernel_fwd_peak_1t"]["goal"] == fig["kernel_bwd_peak_1t"]["goal"] == 0.80
+    assert fig["kernel_fwd_peak_1t"]["median_meets_goal"]
+    assert not fig["kernel_bwd_peak_1t"]["median_meets_goal"]  # 0.7
+    assert "one-thread FMA peak over the repetitions: 200 - 200 GFLOP/s" in out
