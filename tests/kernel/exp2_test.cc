@@ -40,7 +40,11 @@ TEST(Exp2, AccurateAndZeroForMaskedScores) {
 // unmasked pass is the measure). Timed by this thread's CPU time, the three inputs alternating,
 // best of 9 rounds each: by wall time, with the inputs timed one after another, a burst of
 // other processes (an oversubscribed MPI test beside it in `ctest -j2`) once landed on all five
-// repetitions of one input and failed it at 2.3x.
+// repetitions of one input and failed it at 2.3x. Thread CPU time on a KVM guest still counts
+// what the host takes from the vCPU: one cold CI run on X2/207a (kernel_ssse3 beside
+// kernel_sse4) had the -140 input's best of 9 at 3x, and the same binary gave 1.0x in five runs
+// alone. A slow path is a property of the instructions and shows in every measurement, so the
+// test measures again, up to 3 times, and fails only if every measurement is over the bound.
 TEST(Exp2, MaskedScoresCostNoMoreThanVisibleOnes) {
   const int64_t n = 1 << 16;
   std::vector<float> visible(n), masked(n, -INFINITY), below(n, -140.0f), out(n);
@@ -56,16 +60,20 @@ TEST(Exp2, MaskedScoresCostNoMoreThanVisibleOnes) {
     return thread_seconds() - t0;
   };
   seconds(visible), seconds(masked), seconds(below);  // pages touched
-  double t_visible = 1e300, t_masked = 1e300, t_below = 1e300;
-  for (int round = 0; round < 9; ++round) {
-    t_visible = std::min(t_visible, seconds(visible));
-    t_masked = std::min(t_masked, seconds(masked));
-    t_below = std::min(t_below, seconds(below));
+  double t_visible = 0, t_masked = 0, t_below = 0;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    t_visible = t_masked = t_below = 1e300;
+    for (int round = 0; round < 9; ++round) {
+      t_visible = std::min(t_visible, seconds(visible));
+      t_masked = std::min(t_masked, seconds(masked));
+      t_below = std::min(t_below, seconds(below));
+    }
+    std::printf("exp2 over 2^16 values: visible %.3g s, -inf %.3g s, -140 %.3g s\n", t_visible,
+                t_masked, t_below);
+    if (t_masked < 2.0 * t_visible && t_below < 2.0 * t_visible) break;
   }
-  std::printf("exp2 over 2^16 values: visible %.3g s, -inf %.3g s, -140 %.3g s\n", t_visible,
-              t_masked, t_below);
-  EXPECT_LT(t_masked, 2.0 * t_visible) << "2^-inf takes a slow path";
-  EXPECT_LT(t_below, 2.0 * t_visible) << "2^-140 takes a slow path";
+  EXPECT_LT(t_masked, 2.0 * t_visible) << "2^-inf takes a slow path (3 measurements)";
+  EXPECT_LT(t_below, 2.0 * t_visible) << "2^-140 takes a slow path (3 measurements)";
 }
 
 }  // namespace
