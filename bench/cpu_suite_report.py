@@ -272,8 +272,9 @@ def main():
                              "ring_p2_contiguous", "one_rank_2t", "ggml_1t", "ggml_2t", "ggml_f16_2t")}
     failed = sorted({f"rep{i + 1}/{n}" for i, r in enumerate(reps) for n in meta["runs"]
                      if n not in r and not (n.startswith("torch") and meta.get("torch_skipped"))})
+    span = peak_range(reps)
     summary = dict(meta=meta, figures=figs, medians_of_absolute_figures=absolute,
-                   fma_peak_1t_range=peak_range(reps),
+                   fma_peak_1t_range=span,
                    failed_runs=failed)
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -285,7 +286,6 @@ def main():
           f"flags: {m['cpu_flags']}; {m['cpus']} CPU(s); "
           f"load average at start {m['loadavg_start']}, at end {m.get('loadavg_end', '?')}")
     print(f"ctxpar: {m['ctxpar_version']}, SIMD chosen: {m['ctxpar_simd']}, commit {m['git_commit']}")
-    span = peak_range(reps)
     if span:  # a busy host moves the peak itself: ratios to it are taken within each run
         print(f"one-thread FMA peak over the repetitions: {span[0]:.0f} - {span[1]:.0f} GFLOP/s "
               f"({100 * (span[1] - span[0]) / span[1]:.0f} % apart: the host's load)")
