@@ -59,24 +59,22 @@ __attribute__((target("amx-tile,amx-bf16"))) void gemm3_1x2(int64_t m, int64_t n
                                                             int64_t lda, int64_t a_chunk,
                                                             const uint32_t* const* b, int64_t ldb,
                                                             float* c, int64_t ldc, int64_t split) {
-  ctxpar::kernel::TileConfig cfg;
-  for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-  _tile_loadconfig(&cfg);
+  ctxpar::kernel::load_tile_config(ctxpar::kernel::kTiles16x64);
   const int64_t npairs = nchunks * chunk_pairs;
   for (int64_t r = 0; r < m; r += 16)
     for (int64_t col = 0; col < n; col += 32) {
       float* cp = c + r * ldc + col;
-      _tile_loadd(0, cp, ldc * 4);
-      _tile_loadd(1, cp + 16, ldc * 4);
+      CTXPAR_TILE_LOAD(0, cp, ldc * 4);
+      CTXPAR_TILE_LOAD(1, cp + 16, ldc * 4);
       for (int64_t p = 0; p < npairs; p += 16) {
         const int64_t chunk = p / chunk_pairs, pc = p % chunk_pairs;
         const uint32_t* bp = b[chunk] + pc * ldb + col;
         const uint32_t* ap = a + chunk * a_chunk + r * lda + pc;
-        _tile_loadd(6, bp, ldb * 4);
-        _tile_loadd(7, bp + 16, ldb * 4);
-        _tile_loadd(2, ap, lda * 4);
-        _tile_loadd(3, ap + split, lda * 4);
-        _tile_loadd(4, ap + 2 * split, lda * 4);
+        CTXPAR_TILE_LOAD(6, bp, ldb * 4);
+        CTXPAR_TILE_LOAD(7, bp + 16, ldb * 4);
+        CTXPAR_TILE_LOAD(2, ap, lda * 4);
+        CTXPAR_TILE_LOAD(3, ap + split, lda * 4);
+        CTXPAR_TILE_LOAD(4, ap + 2 * split, lda * 4);
         _tile_dpbf16ps(0, 2, 6);
         _tile_dpbf16ps(1, 2, 7);
         _tile_dpbf16ps(0, 3, 6);
@@ -84,8 +82,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void gemm3_1x2(int64_t m, int64_t n
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
       }
-      _tile_stored(0, cp, ldc * 4);
-      _tile_stored(1, cp + 16, ldc * 4);
+      CTXPAR_TILE_STORE(0, cp, ldc * 4);
+      CTXPAR_TILE_STORE(1, cp + 16, ldc * 4);
     }
   _tile_release();
 }

@@ -34,9 +34,7 @@ constexpr int64_t kM = 64, kN = 128, kChunks = 4, kHalf = 32, kParts = 3;
 constexpr int64_t kPart = kM * kHalf, kChunk = kParts * kPart;  // words
 
 __attribute__((target("amx-tile,amx-bf16"))) void config() {
-  ctxpar::kernel::TileConfig cfg;
-  for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-  _tile_loadconfig(&cfg);
+  ctxpar::kernel::load_tile_config(ctxpar::kernel::kTiles16x64);
 }
 
 // The library's 2 x 2 block stream; mode 0: real addresses, 1: every load from `one`, 2: no
@@ -47,10 +45,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void stream(int mode, const uint32_
                                                          int64_t ldc) {
   config();
   if (mode == 2) {
-    _tile_loadd(4, one, 64);  // the tile macros are asm statements: one a statement
-    _tile_loadd(5, one, 64);
-    _tile_loadd(6, one, 64);
-    _tile_loadd(7, one, 64);
+    CTXPAR_TILE_LOAD(4, one, 64);  // the tile macros are asm statements: one a statement
+    CTXPAR_TILE_LOAD(5, one, 64);
+    CTXPAR_TILE_LOAD(6, one, 64);
+    CTXPAR_TILE_LOAD(7, one, 64);
   }
   for (int64_t r = 0; r < kM; r += 32)
     for (int64_t col = 0; col < kN; col += 32) {
@@ -63,15 +61,15 @@ __attribute__((target("amx-tile,amx-bf16"))) void stream(int mode, const uint32_
         const uint32_t* bp = mode == 1 ? one : b[ch] + pc * ldb + col;
         const int64_t sb = mode == 1 ? 64 : ldb * 4;
         if (mode != 2) {
-          _tile_loadd(6, bp, sb);
-          _tile_loadd(7, bp + (mode == 1 ? 0 : 16), sb);
+          CTXPAR_TILE_LOAD(6, bp, sb);
+          CTXPAR_TILE_LOAD(7, bp + (mode == 1 ? 0 : 16), sb);
         }
         for (int sp = 0; sp < kParts; ++sp) {
           const uint32_t* as = mode == 1 ? one : a + ch * kChunk + sp * kPart + r * kHalf + pc;
           const int64_t sa = mode == 1 ? 64 : kHalf * 4;
           if (mode != 2) {
-            _tile_loadd(4, as, sa);
-            _tile_loadd(5, as + (mode == 1 ? 0 : 16 * kHalf), sa);
+            CTXPAR_TILE_LOAD(4, as, sa);
+            CTXPAR_TILE_LOAD(5, as + (mode == 1 ? 0 : 16 * kHalf), sa);
           }
           _tile_dpbf16ps(0, 4, 6);
           _tile_dpbf16ps(1, 4, 7);
@@ -80,10 +78,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void stream(int mode, const uint32_
         }
       }
       float* cp = c + r * ldc + col;
-      _tile_stored(0, cp, ldc * 4);
-      _tile_stored(1, cp + 16, ldc * 4);
-      _tile_stored(2, cp + 16 * ldc, ldc * 4);
-      _tile_stored(3, cp + 16 * ldc + 16, ldc * 4);
+      CTXPAR_TILE_STORE(0, cp, ldc * 4);
+      CTXPAR_TILE_STORE(1, cp + 16, ldc * 4);
+      CTXPAR_TILE_STORE(2, cp + 16 * ldc, ldc * 4);
+      CTXPAR_TILE_STORE(3, cp + 16 * ldc + 16, ldc * 4);
     }
   _tile_release();
 }
@@ -105,16 +103,16 @@ __attribute__((target("amx-tile,amx-bf16"))) void double_buffered(const uint32_t
           const int64_t pp = p + 16 * half, ch = pp / kHalf, pc = pp % kHalf;
           const uint32_t* bp = b[ch] + pc * ldb + col;
           if (half == 0) {
-            _tile_loadd(6, bp, ldb * 4);
+            CTXPAR_TILE_LOAD(6, bp, ldb * 4);
           } else {
-            _tile_loadd(7, bp, ldb * 4);
+            CTXPAR_TILE_LOAD(7, bp, ldb * 4);
           }
           for (int sp = 0; sp < kParts; ++sp, ab ^= 1) {
             const uint32_t* as = a + ch * kChunk + sp * kPart + r * kHalf + pc;
             // the macros take tile numbers as literals: a branch per combination
             if (ab == 0) {
-              _tile_loadd(4, as, kHalf * 4);
-              _tile_loadd(5, as + 16 * kHalf, kHalf * 4);
+              CTXPAR_TILE_LOAD(4, as, kHalf * 4);
+              CTXPAR_TILE_LOAD(5, as + 16 * kHalf, kHalf * 4);
               if (half == 0) {
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_dpbf16ps(2, 5, 6);
@@ -123,8 +121,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void double_buffered(const uint32_t
                 _tile_dpbf16ps(2, 5, 7);
               }
             } else {
-              _tile_loadd(1, as, kHalf * 4);
-              _tile_loadd(3, as + 16 * kHalf, kHalf * 4);
+              CTXPAR_TILE_LOAD(1, as, kHalf * 4);
+              CTXPAR_TILE_LOAD(3, as + 16 * kHalf, kHalf * 4);
               if (half == 0) {
                 _tile_dpbf16ps(0, 1, 6);
                 _tile_dpbf16ps(2, 3, 6);
@@ -135,8 +133,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void double_buffered(const uint32_t
             }
           }
         }
-      _tile_stored(0, c + r * ldc + col, ldc * 4);
-      _tile_stored(2, c + (r + 16) * ldc + col, ldc * 4);
+      CTXPAR_TILE_STORE(0, c + r * ldc + col, ldc * 4);
+      CTXPAR_TILE_STORE(2, c + (r + 16) * ldc + col, ldc * 4);
     }
   _tile_release();
 }

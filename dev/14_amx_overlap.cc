@@ -47,8 +47,8 @@ LAB_AMX __m512 exp2_neg(__m512 t) {  // the library's form (simd_tile.h)
 // C (tile 0) += A B with A, B chunk k of the operands loaded into tiles ta, tb (a macro: the
 // tile instructions take their tile numbers as literal register names).
 #define LAB_LOAD_AND_MULTIPLY(ta, tb, k) \
-  _tile_loadd(ta, a_tiles[k], 64);       \
-  _tile_loadd(tb, b_tiles[k], 64);       \
+  CTXPAR_TILE_LOAD(ta, a_tiles[k], 64);  \
+  CTXPAR_TILE_LOAD(tb, b_tiles[k], 64);  \
   _tile_dpbf16ps(0, ta, tb)
 
 enum Work { kTiles = 1, kSoftmax = 2, kNoLoads = 4 };
@@ -69,7 +69,7 @@ LAB_AMX double run(int work, long n) {
       LAB_LOAD_AND_MULTIPLY(3, 4, 1);
       LAB_LOAD_AND_MULTIPLY(5, 6, 2);
       LAB_LOAD_AND_MULTIPLY(1, 2, 3);
-      _tile_stored(0, c_tile, 64);
+      CTXPAR_TILE_STORE(0, c_tile, 64);
     }
     if (work & kSoftmax)
       for (int c = 0; c < 256; c += 16) {
@@ -85,17 +85,12 @@ LAB_AMX double run(int work, long n) {
   return s;
 }
 
-LAB_AMX void start_tiles() {
-  ctxpar::kernel::TileConfig cfg;
-  for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-  asm volatile("" : : "r"(&cfg) : "memory");  // gcc drops the stores otherwise (ldtilecfg reads it)
-  _tile_loadconfig(&cfg);
-}
+LAB_AMX void start_tiles() { ctxpar::kernel::load_tile_config(ctxpar::kernel::kTiles16x64); }
 LAB_AMX void load_operands() {  // tiles 4-7 for the "no loads" chains
-  _tile_loadd(4, a_tiles[0], 64);
-  _tile_loadd(5, b_tiles[0], 64);
-  _tile_loadd(6, b_tiles[1], 64);
-  _tile_loadd(7, a_tiles[1], 64);
+  CTXPAR_TILE_LOAD(4, a_tiles[0], 64);
+  CTXPAR_TILE_LOAD(5, b_tiles[0], 64);
+  CTXPAR_TILE_LOAD(6, b_tiles[1], 64);
+  CTXPAR_TILE_LOAD(7, a_tiles[1], 64);
 }
 LAB_AMX void release_tiles() { _tile_release(); }
 

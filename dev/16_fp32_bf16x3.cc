@@ -76,10 +76,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void x3_block(int64_t npairs, const
                                                            int64_t b_part, float* c, int64_t ldc,
                                                            bool accumulate, int terms) {
   if (accumulate) {
-    _tile_loadd(0, c, ldc * 4);
-    _tile_loadd(1, c + 16, ldc * 4);
-    _tile_loadd(2, c + 16 * ldc, ldc * 4);
-    _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+    CTXPAR_TILE_LOAD(0, c, ldc * 4);
+    CTXPAR_TILE_LOAD(1, c + 16, ldc * 4);
+    CTXPAR_TILE_LOAD(2, c + 16 * ldc, ldc * 4);
+    CTXPAR_TILE_LOAD(3, c + 16 * ldc + 16, ldc * 4);
   } else {
     _tile_zero(0);
     _tile_zero(1);
@@ -89,23 +89,23 @@ __attribute__((target("amx-tile,amx-bf16"))) void x3_block(int64_t npairs, const
   for (int64_t p = 0; p < npairs; p += 16)
     for (int j = 0; j < 3; ++j) {
       const uint32_t* bp = b + j * b_part + p * ldb;
-      _tile_loadd(6, bp, ldb * 4);
-      _tile_loadd(7, bp + 16, ldb * 4);
+      CTXPAR_TILE_LOAD(6, bp, ldb * 4);
+      CTXPAR_TILE_LOAD(7, bp + 16, ldb * 4);
       const int parts = terms == 9 ? 3 : 3 - j;
       for (int i = 0; i < parts; ++i) {
         const uint32_t* ap = a + i * a_part + p;
-        _tile_loadd(4, ap, lda * 4);
+        CTXPAR_TILE_LOAD(4, ap, lda * 4);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, ap + 16 * lda, lda * 4);
+        CTXPAR_TILE_LOAD(5, ap + 16 * lda, lda * 4);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
       }
     }
-  _tile_stored(0, c, ldc * 4);
-  _tile_stored(1, c + 16, ldc * 4);
-  _tile_stored(2, c + 16 * ldc, ldc * 4);
-  _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+  CTXPAR_TILE_STORE(0, c, ldc * 4);
+  CTXPAR_TILE_STORE(1, c + 16, ldc * 4);
+  CTXPAR_TILE_STORE(2, c + 16 * ldc, ldc * 4);
+  CTXPAR_TILE_STORE(3, c + 16 * ldc + 16, ldc * 4);
 }
 
 // C (m x n; both multiples of 32) (+)= the x3 product, 32 x 32 blocks, rows outer.
@@ -114,9 +114,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void x3_gemm(int64_t m, int64_t n, 
                                                           int64_t a_part, const uint32_t* b,
                                                           int64_t ldb, int64_t b_part, float* c,
                                                           int64_t ldc, bool accumulate, int terms) {
-  ctxpar::kernel::TileConfig cfg;
-  for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-  _tile_loadconfig(&cfg);
+  ctxpar::kernel::load_tile_config(ctxpar::kernel::kTiles16x64);
   for (int64_t r = 0; r < m; r += 32)
     for (int64_t col = 0; col < n; col += 32)
       x3_block(npairs, a + r * lda, lda, a_part, b + col, ldb, b_part, c + r * ldc + col, ldc,

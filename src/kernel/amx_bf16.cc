@@ -30,11 +30,7 @@ constexpr int64_t kCols = kKernelTile;  // 64 key columns a packed tile
 #if defined(__x86_64__) && defined(__linux__)
 namespace {
 
-__attribute__((target("amx-tile,amx-bf16"))) void load_tiles() {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-  _tile_loadconfig(&cfg);
-}
+void load_tiles() { load_tile_config(kTiles16x64); }
 
 // C rows [0, 32) x columns [0, 32) (c0: rows 0-15, c1: rows 16-31, ldc floats a row) = A (a0:
 // rows 0-15, a1: rows 16-31, lda words a row) times the 32 key columns at b; npairs a multiple
@@ -47,19 +43,19 @@ __attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void block(
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t p = 0; p < npairs; p += 16) {
-    _tile_loadd(4, a0 + p, lda * 4);
-    _tile_loadd(5, a1 + p, lda * 4);
-    _tile_loadd(6, b + p * kCols, kCols * 4);
-    _tile_loadd(7, b + p * kCols + 16, kCols * 4);
+    CTXPAR_TILE_LOAD(4, a0 + p, lda * 4);
+    CTXPAR_TILE_LOAD(5, a1 + p, lda * 4);
+    CTXPAR_TILE_LOAD(6, b + p * kCols, kCols * 4);
+    CTXPAR_TILE_LOAD(7, b + p * kCols + 16, kCols * 4);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
-  _tile_stored(0, c0, ldc * 4);
-  _tile_stored(1, c0 + 16, ldc * 4);
-  _tile_stored(2, c1, ldc * 4);
-  _tile_stored(3, c1 + 16, ldc * 4);
+  CTXPAR_TILE_STORE(0, c0, ldc * 4);
+  CTXPAR_TILE_STORE(1, c0 + 16, ldc * 4);
+  CTXPAR_TILE_STORE(2, c1, ldc * 4);
+  CTXPAR_TILE_STORE(3, c1 + 16, ldc * 4);
 }
 
 }  // namespace
@@ -121,10 +117,10 @@ __attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void gemm_blo
     const uint32_t* const* b, int64_t col, int64_t ldb, float* c, int64_t ldc, bool accumulate,
     int nsplit, int64_t split_words, int64_t b_part) {
   if (accumulate) {
-    _tile_loadd(0, c, ldc * 4);
-    if constexpr (N == 2) _tile_loadd(1, c + 16, ldc * 4);
-    if constexpr (R == 2) _tile_loadd(2, c + 16 * ldc, ldc * 4);
-    if constexpr (R == 2 && N == 2) _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+    CTXPAR_TILE_LOAD(0, c, ldc * 4);
+    if constexpr (N == 2) CTXPAR_TILE_LOAD(1, c + 16, ldc * 4);
+    if constexpr (R == 2) CTXPAR_TILE_LOAD(2, c + 16 * ldc, ldc * 4);
+    if constexpr (R == 2 && N == 2) CTXPAR_TILE_LOAD(3, c + 16 * ldc + 16, ldc * 4);
   } else {
     _tile_zero(0);
     if constexpr (N == 2) _tile_zero(1);
@@ -136,26 +132,26 @@ __attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void gemm_blo
     for (int64_t pc = 0; pc < chunk_pairs; pc += 16)
       for (int j = 0; j < BP; ++j) {
         const uint32_t* bp = b[chunk] + j * b_part + pc * ldb + col;
-        _tile_loadd(6, bp, ldb * 4);
-        if constexpr (N == 2) _tile_loadd(7, bp + 16, ldb * 4);
+        CTXPAR_TILE_LOAD(6, bp, ldb * 4);
+        if constexpr (N == 2) CTXPAR_TILE_LOAD(7, bp + 16, ldb * 4);
         // Each part of A against the same B tiles; the second A tile is loaded after the first's
         // products are issued, so its load overlaps them (+2-4 % on the exact backward).
         const int parts = BP == 1 ? nsplit : nsplit - j;
         for (int sp = 0; sp < parts; ++sp) {
           const uint32_t* as = a + chunk * a_chunk + sp * split_words + pc;
-          _tile_loadd(4, as, lda * 4);
+          CTXPAR_TILE_LOAD(4, as, lda * 4);
           _tile_dpbf16ps(0, 4, 6);
           if constexpr (N == 2) _tile_dpbf16ps(1, 4, 7);
-          if constexpr (R == 2) _tile_loadd(5, as + 16 * lda, lda * 4);
+          if constexpr (R == 2) CTXPAR_TILE_LOAD(5, as + 16 * lda, lda * 4);
           if constexpr (R == 2) _tile_dpbf16ps(2, 5, 6);
           if constexpr (R == 2 && N == 2) _tile_dpbf16ps(3, 5, 7);
         }
       }
   }
-  _tile_stored(0, c, ldc * 4);
-  if constexpr (N == 2) _tile_stored(1, c + 16, ldc * 4);
-  if constexpr (R == 2) _tile_stored(2, c + 16 * ldc, ldc * 4);
-  if constexpr (R == 2 && N == 2) _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+  CTXPAR_TILE_STORE(0, c, ldc * 4);
+  if constexpr (N == 2) CTXPAR_TILE_STORE(1, c + 16, ldc * 4);
+  if constexpr (R == 2) CTXPAR_TILE_STORE(2, c + 16 * ldc, ldc * 4);
+  if constexpr (R == 2 && N == 2) CTXPAR_TILE_STORE(3, c + 16 * ldc + 16, ldc * 4);
 }
 
 namespace {
@@ -311,11 +307,11 @@ __attribute__((target("amx-tile,amx-bf16"))) float dot_pairs_amx(const uint32_t*
   _tile_zero(0);
   for (int64_t p = 0; p < npairs; p += 16) {
     for (int i = 0; i < 16; ++i) at[i] = x[p + i], bt[i * 16] = y[p + i];
-    _tile_loadd(4, at, 64);
-    _tile_loadd(6, bt, 64);
+    CTXPAR_TILE_LOAD(4, at, 64);
+    CTXPAR_TILE_LOAD(6, bt, 64);
     _tile_dpbf16ps(0, 4, 6);
   }
-  _tile_stored(0, ct, 64);
+  CTXPAR_TILE_STORE(0, ct, 64);
   _tile_release();
   return ct[0];
 }

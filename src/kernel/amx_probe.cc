@@ -26,9 +26,7 @@ namespace {
 // 4 independent 16 x 16 fp32 accumulators, each += A (16 x 32 bf16) B (32 x 16 bf16 pairs)
 // per step: 4 * 16 * 16 * 32 multiply-adds. Returns the seconds `steps` took.
 __attribute__((target("amx-tile,amx-bf16"), noinline)) double tile_chains(long steps) {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-  _tile_loadconfig(&cfg);
+  load_tile_config(kTiles16x64);
   alignas(64) static uint16_t a[16 * 32], b[16 * 32];
   alignas(64) static float c[16 * 16];
   for (int i = 0; i < 16 * 32; ++i) a[i] = 0x3f80, b[i] = 0x33d6;  // 1 and 1e-7
@@ -36,10 +34,10 @@ __attribute__((target("amx-tile,amx-bf16"), noinline)) double tile_chains(long s
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  _tile_loadd(4, a, 64);
-  _tile_loadd(5, b, 64);
-  _tile_loadd(6, a, 64);
-  _tile_loadd(7, b, 64);
+  CTXPAR_TILE_LOAD(4, a, 64);
+  CTXPAR_TILE_LOAD(5, b, 64);
+  CTXPAR_TILE_LOAD(6, a, 64);
+  CTXPAR_TILE_LOAD(7, b, 64);
   const double t0 = thread_cpu_seconds();
   for (long i = 0; i < steps; ++i) {
     _tile_dpbf16ps(0, 4, 5);
@@ -48,7 +46,7 @@ __attribute__((target("amx-tile,amx-bf16"), noinline)) double tile_chains(long s
     _tile_dpbf16ps(3, 6, 7);
   }
   const double s = thread_cpu_seconds() - t0;
-  _tile_stored(0, c, 64);
+  CTXPAR_TILE_STORE(0, c, 64);
   _tile_release();
   volatile float sink = c[0];
   (void)sink;
