@@ -49,7 +49,7 @@ HWY_INLINE void softmax_rows(float* s, int64_t rows, float* m, float* lv, float*
                              int64_t dp) {
   const int64_t nl = lanes();
   for (int64_t r = 0; r < rows; ++r)
-    softmax_row(s + r * kTile, m[r], lv + r * nl, acc + r * ld, dp);
+    softmax_row<false>(s + r * kTile, m[r], lv + r * nl, acc + r * ld, dp, nullptr);
 }
 
 Phases Run(const float* q, const float* k, const float* v, int64_t t, int64_t d, int64_t qrows,
@@ -141,8 +141,8 @@ Phases Run(const float* q, const float* k, const float* v, int64_t t, int64_t d,
                           kp.data() + (kt + g) * d * kTile, kTile, s.data() + g * kTile, w, false,
                           k_panel);
               for (int64_t r = 0; r < qrows; ++r)
-                softmax_row(s.data() + r * w, m[r], lv.data() + r * nl, acc.data() + r * ld, dp, 2,
-                            kTile);
+                softmax_row<false>(s.data() + r * w, m[r], lv.data() + r * nl, acc.data() + r * ld,
+                                   dp, nullptr, 2, kTile);
               gemm_rows(qrows, dp, w, s.data(), w, vp.data() + kt * kTile * ld, ld, acc.data(), ld,
                         true);
             }

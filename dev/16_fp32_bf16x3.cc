@@ -258,7 +258,8 @@ std::vector<Figure> Run(int repeats) {
           gemm_rows(rows, kTile, d, q.data(), ld, kt.data() + t * d * kTile, kTile, s.data(), kTile,
                     false, k_panel);
         for (int64_t r = 0; r < rows; ++r)
-          softmax_row(s.data() + r * kTile, m[r], lv.data() + r * nl, o.data() + r * ld, d);
+          softmax_row<false>(s.data() + r * kTile, m[r], lv.data() + r * nl, o.data() + r * ld, d,
+                             nullptr);
         if (x3) {
           ctxpar::kernel::bf16::round_to_pairs(s.data(), kTile, rows, kpairs, pl3.data(), kpairs, 3,
                                                rows * kpairs);

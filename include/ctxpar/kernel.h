@@ -126,9 +126,10 @@ class ForwardStateView {
   TensorView acc_, m_, l_;
 };
 
-// Running online-softmax state of one Q block [B, Tq, Hq, D]: fp32 running max m and sum l
-// ([B, Hq, Tq]) and unnormalised output acc ([B, Tq, Hq, D]). Absorbs K/V blocks in any
-// order; finalise() turns it into O and LSE.
+// Running online-softmax state of one Q block [B, Tq, Hq, D]: fp32 base m (the running max, or
+// up to 8 ln 2 below it where the bf16 AMX path keeps a base: docs/kernel.md, Note [Online
+// softmax]) and sum l = sum exp(s - m) ([B, Hq, Tq]), and unnormalised output acc ([B, Tq, Hq,
+// D]). Absorbs K/V blocks in any order; finalise() turns it into O and LSE.
 class ForwardState {
  public:
   ForwardState() = default;

@@ -53,9 +53,11 @@ float finalize_row(const float* acc, float m, float l, int64_t d, float* row, co
     const float inv = 1.0f / l;
     for (int64_t c = 0; c < d; ++c) row[c] = acc[c] * inv;
     // A score beyond the fp32 range (max +inf) or a NaN in the sums: LSE = +inf says so
-    // (the strategies then fail naming the row); -inf would pass for a masked row.
+    // (the strategies then fail naming the row); -inf would pass for a masked row. In double,
+    // rounded once: m is a row's base (Note [A row's base], simd_tile.h), up to 8 ln 2 below
+    // its max, so log l is up to 5.5 + log T, whose own fp32 rounding would add to the LSE's.
     lse = l > 0 && m < std::numeric_limits<float>::infinity()
-              ? m + std::log(l)
+              ? static_cast<float>(static_cast<double>(m) + std::log(static_cast<double>(l)))
               : std::numeric_limits<float>::infinity();
   }
   store_row(out, off, d, row);

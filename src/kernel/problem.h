@@ -200,8 +200,9 @@ Fp32Products fp32_products_of(const KernelConfig& config);
 std::string fp32_parts_refusal();
 // Whether the chosen target's multiply-add is fused (AVX2, AVX-512: yes; SSE4, SSSE3: no).
 bool simd_fused_multiply_add();
-// The chosen target's vector exp2 (2^t, t <= 0) over n values, for its accuracy test.
-void exp2_neg_simd(const float* in, float* out, int64_t n);
+// The chosen target's vector exp2 (2^t, t <= 0; capped: exp2_capped, 2^t for t <= 12 and more
+// than 2^12 above, simd_tile.h) over n values, for its accuracy test.
+void exp2_neg_simd(const float* in, float* out, int64_t n, bool capped = false);
 
 // The L1 data cache size the fast path sizes its K panels for (simd_tile.h, Note [K panels]),
 // where KernelConfig::l1d_bytes leaves it to this machine: CTXPAR_KERNEL_L1D (bytes) when set,

@@ -12,7 +12,8 @@
 // score must come out as the same fp32 number there (for a one-hot row LSE == max S, so P = 1
 // exactly). Scores converted to log2 units and back differed from LSE by an ulp of |S| -- at
 // |S| ~ 5e8 that is 2^(+-64). Rescaling is lazy: a row's acc and l are multiplied by
-// alpha = exp(m_old - m_new) only when its max actually grew.
+// alpha = exp(m_old - m_new) only when its max actually grew, and on the AMX path's key steps
+// only when it outgrew the row's base (Note [A row's base] in simd_tile.h).
 // Compiled once per SIMD target (hwy/foreach_target.h re-includes this file); forward_simd at
 // the bottom dispatches to the chosen one.
 #undef HWY_TARGET_INCLUDE
@@ -199,6 +200,7 @@ class ForwardWorker {
         split_words_(sh.rows() * kHalf),
         qt_(sh.rows() * sh.ld),
         s_(sh.rows() * kTile * sh.step_tiles),
+        keep_(kTile * sh.step_tiles),
         acc_(sh.rows() * sh.ld),
         m_(sh.rows()),
         lv_(sh.rows() * nl_),
@@ -316,7 +318,8 @@ class ForwardWorker {
         std::fill(sr, sr + kTile, 0.0f);
         continue;
       }
-      softmax_row(sr, m_[r], lv_.data() + r * nl_, acc_.data() + r * sh_.ld, sh_.dp);
+      softmax_row<false>(sr, m_[r], lv_.data() + r * nl_, acc_.data() + r * sh_.ld, sh_.dp,
+                         nullptr);
     }
     if (sh_.pairs_pv)
       values_pairs(pk(kt), r0, mrows);
@@ -380,8 +383,8 @@ class ForwardWorker {
           for (int64_t g = 0; g < n; ++g) std::fill_n(sr + g * block, kTile, 0.0f);
           continue;
         }
-        softmax_row<true>(sr, m_[r], lv_.data() + r * nl_, acc_.data() + r * sh_.ld, sh_.dp, n,
-                          block, p_.scale);
+        softmax_row<true, true>(sr, m_[r], lv_.data() + r * nl_, acc_.data() + r * sh_.ld, sh_.dp,
+                                keep_.data(), n, block, p_.scale);
       }
       for (int64_t g = 0; g < n; ++g)
         bf16::round_to_pairs(s_.data() + g * block + r16 * kTile, kTile, 16, kHalf,
@@ -456,7 +459,7 @@ class ForwardWorker {
   const ForwardShape& sh_;
   const PackedKv& kv_;
   int64_t nl_, split_words_;
-  LineVector<float> qt_, s_, acc_, m_, lv_;
+  LineVector<float> qt_, s_, keep_, acc_, m_, lv_;  // keep_: Note [A row's base]
   LineVector<uint32_t> qpairs_;  // Q as bf16 pairs (3 parts for fp32 parts), unscaled
   LineVector<float> qrows_;      // fp32 parts: Q's rows widened, before the split
   LineVector<uint32_t> ppairs_;  // P's parts as pairs
@@ -501,17 +504,19 @@ KernelStats ForwardSimdWhole(const Problem& p, const TensorView& q, const Tokens
   return run_forward({p, q, k, v, q_tokens, k_tokens, mask, nullptr, &out, &lse}, 0);
 }
 
-// The target's vector exp2 over n values (n any), for its accuracy and cost tests: whole
-// vectors in place, the tail through a padded vector (no allocation: the cost test times it).
-void Exp2Neg(const float* in, float* out, int64_t n) {
+// The target's vector exp2 (exp2_capped where capped, else exp2_neg) over n values (n any), for
+// its accuracy and cost tests: whole vectors in place, the tail through a padded vector (no
+// allocation: the cost test times it).
+void Exp2Neg(const float* in, float* out, int64_t n, bool capped) {
   const DF df;
   const int64_t nl = lanes();
+  const auto exp2 = [&](VF t) { return capped ? exp2_capped(df, t) : exp2_neg(df, t); };
   int64_t i = 0;
-  for (; i + nl <= n; i += nl) hn::StoreU(exp2_neg(df, hn::LoadU(df, in + i)), df, out + i);
+  for (; i + nl <= n; i += nl) hn::StoreU(exp2(hn::LoadU(df, in + i)), df, out + i);
   if (i < n) {
     HWY_ALIGN float a[hn::MaxLanes(DF())] = {}, b[hn::MaxLanes(DF())];
     std::copy_n(in + i, n - i, a);
-    hn::Store(exp2_neg(df, hn::Load(df, a)), df, b);
+    hn::Store(exp2(hn::Load(df, a)), df, b);
     std::copy_n(b, n - i, out + i);
   }
 }
@@ -557,9 +562,9 @@ bool simd_fused_multiply_add() {
   return HWY_DYNAMIC_DISPATCH(NativeFma)();
 }
 
-void exp2_neg_simd(const float* in, float* out, int64_t n) {
+void exp2_neg_simd(const float* in, float* out, int64_t n, bool capped) {
   select_simd_target();
-  HWY_DYNAMIC_DISPATCH(Exp2Neg)(in, out, n);
+  HWY_DYNAMIC_DISPATCH(Exp2Neg)(in, out, n, capped);
 }
 
 }  // namespace ctxpar::kernel

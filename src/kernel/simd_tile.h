@@ -42,7 +42,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 inline int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// 2^t for t <= 0; exactly 0 for t < -126 (-inf included). Range reduction t = n + f with
+// 2^t for t <= 0 (and up to 127 on AVX-512; exp2_capped below for t above 0); exactly 0 for
+// t < -126 (-inf included). Range reduction t = n + f with
 // n = floor(t), f in [0, 1), then 2^f by the minimax polynomial 1 + f q(f) of degree 6 (relative
 // error 2e-9 in exact arithmetic, 6.4e-8 evaluated in fp32, as the degree-7 Taylor polynomial on
 // [-1/2, 1/2] it replaced, with one FMA fewer; p(0) = 1 exactly, so P = 1 at the row's max),
@@ -81,6 +82,18 @@ HWY_INLINE VF exp2_neg(DF d, VF t) {
   return hn::Mul(p, hn::BitCast(d, bits));
 }
 #endif
+
+// 2^t for t <= 12, and some value above 2^12 for t above 12 (+inf included): the forward's
+// softmax takes scores above its row's base, where any P above 2^12 only moves the base (Note
+// [A row's base]). AVX-512 gives 2^t itself (inf past 127); elsewhere t is clamped at 13, or the
+// exponent bits of 2^n would overflow into the sign. Both give the same bits up to 12.
+HWY_INLINE VF exp2_capped(DF d, VF t) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  return exp2_neg(d, t);
+#else
+  return exp2_neg(d, hn::Min(t, hn::Set(d, 13.0f)));
+#endif
+}
 
 // Kahan's step of Note [Blocked dK / dV] for one vector of a block partial: sum and comp in
 // memory, y = part - comp; t = sum + y; comp = (t - sum) - y; sum = t (add_compensated, and the
@@ -377,50 +390,98 @@ inline void mask_tile(float* s, int64_t rows, int64_t cols, bool partial, const 
   }
 }
 
+// Note [A row's base]: a row's exponentials are taken against its base m, not its running max:
+// the base is set to the max at the row's first visible step, and moved to the max again only
+// where a later step's P outgrow it, as FlashAttention-4 rescales lazily. Most steps then need
+// no pass over the scores before their exponentials (the separate max pass cost the bf16 fast
+// forward 11-17 %: docs/kernel.md, "Round twelve"): the exponentials against the base are
+// summed lane by lane as before, and where no lane's sum of the step exceeds kBaseSlack (2^8)
+// that is all. Each lane sums a P of every 16th key, so then every P <= 2^8; and a P above 2^8
+// (a score more than 8 ln 2 = 5.5 above the base, or +inf) always moves the base. Where the base
+// moves, the row is done again as a first step is, from `keep` (the scores the exponent pass
+// copied: one L1-resident row): its max, the rescale of l and acc, its exponentials against the
+// new base, so with the same bits as if that step had been the row's first at that base. So
+// P <= 2^8 and l >= 1 (the base's own score gave P = 1 when it was set, and l is rescaled with
+// it). The finalize's LSE = m + log l (in double: log l is up to 5.5 + log T) and a merge's
+// rescale take any base; exp(S - LSE) in the backward is unchanged. What it costs: the bound on
+// acc is 2^8 T max |V| (it was T max |V|; fp32's range for |V| < 3e32 at T = 4096, and a
+// non-finite O is an error: docs/faults.md), and a row's largest P, whose exponent t was about
+// 0, now has t up to 8, whose fp32 rounding (|t| 2^-24) adds up to 8 ulps to that P's error:
+// the kernel tests' errors against fp64 moved within their rules (docs/kernel.md). Only the AMX
+// path's key steps take it (Note [Key steps], simd_forward.cc: softmax_row<kLazy = true>); the
+// fp32 path's one-tile steps keep the max first, and their bits (there the copy to `keep` cost
+// more than a max pass over 4 vectors in L1: -2 %).
+constexpr float kBaseSlack = 256.0f;
+
 // One row of the forward's online softmax over `blocks` 64-key score tiles (simd_forward.cc,
 // Note [Scores in natural units, exponents in base 2]; more than one: Note [Key steps] there),
-// tile i's kTile scores at sr + i stride: they become P; the row's running max `m`, its
-// lane-wise sums `lv` (one vector) and its accumulator `acc` (dp floats) are rescaled when the
-// max grows. A row that has seen nothing yet gets P = 0, state unchanged. One tile takes the
-// same operations in the same order whatever `stride` is. kScaled: the scores are mul times
-// the values in `sr`, each product rounded once to fp32 as a separate pass storing them would
-// (mul > 0, so the max of the products is the product of the max: m and P keep their bits and
-// the pass over S is saved).
-template <bool kScaled = false>
+// tile i's kTile scores at sr + i stride: they become P; the row's base `m` (Note [A row's
+// base]), its lane-wise sums `lv` (one vector) and its accumulator `acc` (dp floats) are
+// rescaled when the base moves. kLazy: the base stays within its slack (`keep`: blocks x kTile
+// floats of scratch); else the base is the running max, found first at every step (`keep`
+// unused). A row that has seen nothing yet gets P = 0, state unchanged. One
+// tile takes the same operations in the same order whatever `stride` is. kScaled: the scores
+// are mul times the values in `sr`, each product rounded once to fp32 as a separate pass storing
+// them would (mul > 0, so the max of the products is the product of the max: m and P keep their
+// bits and the pass over S is saved).
+template <bool kLazy, bool kScaled = false>
 HWY_INLINE void softmax_row(float* HWY_RESTRICT sr, float& m, float* HWY_RESTRICT lv,
-                            float* HWY_RESTRICT acc, int64_t dp, int64_t blocks = 1,
-                            int64_t stride = 0, float mul = 1.0f) {
+                            float* HWY_RESTRICT acc, int64_t dp, float* HWY_RESTRICT keep,
+                            int64_t blocks = 1, int64_t stride = 0, float mul = 1.0f) {
   const DF df;
   const int64_t nl = lanes();
-  VF vmax = hn::LoadU(df, sr);
+  const VF vlog2e = hn::Set(df, kLog2e), vmul = hn::Set(df, mul);
+  // P = 2^((x - base) log2 e) of the scores x at src (tile i at src + i src_stride, times mul
+  // where kMul; copied to keep where kKeep) into sr; returns their lane-wise sums.
+  const auto exponentials = [&](const float* src, int64_t src_stride, auto mul_tag, auto keep_tag,
+                                float base) {
+    constexpr bool kMul = decltype(mul_tag)::value, kKeep = decltype(keep_tag)::value;
+    const VF vm = hn::Set(df, base);
+    VF vsum = hn::Zero(df);
+    for (int64_t i = 0; i < blocks; ++i)
+      for (int64_t c = 0; c < kTile; c += nl) {
+        VF x = hn::LoadU(df, src + i * src_stride + c);
+        if constexpr (kMul) x = hn::Mul(x, vmul);
+        if constexpr (kKeep) hn::StoreU(x, df, keep + i * kTile + c);
+        const VF t = hn::Mul(hn::Sub(x, vm), vlog2e);  // above 0 only against a base
+        const VF e = kKeep ? exp2_capped(df, t) : exp2_neg(df, t);
+        vsum = hn::Add(vsum, e);
+        hn::StoreU(e, df, sr + i * stride + c);
+      }
+    return vsum;
+  };
+  const float* src = sr;  // the scores a max pass and new base read
+  int64_t src_stride = stride;
+  bool scaled = kScaled;
+  if (kLazy && m != kNegInf) {  // against the base (a NaN lane sum keeps it: its LSE is NaN)
+    const VF vsum = exponentials(sr, stride, std::bool_constant<kScaled>{}, std::true_type{}, m);
+    if (!(hn::GetLane(hn::MaxOfLanes(df, vsum)) > kBaseSlack)) {
+      hn::StoreU(hn::Add(vsum, hn::LoadU(df, lv)), df, lv);
+      return;
+    }
+    src = keep, src_stride = kTile, scaled = false;  // the scores, already times mul
+  }
+  VF vmax = hn::LoadU(df, src);
   for (int64_t i = 0; i < blocks; ++i)
     for (int64_t c = i == 0 ? nl : 0; c < kTile; c += nl)
-      vmax = hn::Max(vmax, hn::LoadU(df, sr + i * stride + c));
+      vmax = hn::Max(vmax, hn::LoadU(df, src + i * src_stride + c));
   float row_max = hn::GetLane(hn::MaxOfLanes(df, vmax));
-  if constexpr (kScaled) row_max *= mul;
+  if (scaled) row_max *= mul;
   const float m_new = std::max(m, row_max);
   if (m_new == kNegInf) {  // nothing visible to this row yet
     for (int64_t i = 0; i < blocks; ++i) std::fill_n(sr + i * stride, kTile, 0.0f);
     return;
   }
-  if (m_new > m) {  // the max grew: rescale (m = -inf gives alpha = 0, l = acc = 0)
+  if (m_new > m) {  // the base moves: rescale (m = -inf gives alpha = 0, l = acc = 0)
     const VF va = hn::Set(df, std::exp2((m - m_new) * kLog2e));
     hn::StoreU(hn::Mul(va, hn::LoadU(df, lv)), df, lv);
     for (int64_t c = 0; c < dp; c += nl)
       hn::StoreU(hn::Mul(va, hn::LoadU(df, acc + c)), df, acc + c);
     m = m_new;
   }
-  const VF vm = hn::Set(df, m_new), vlog2e = hn::Set(df, kLog2e), vmul = hn::Set(df, mul);
-  VF vsum = hn::Zero(df);
-  for (int64_t i = 0; i < blocks; ++i)
-    for (int64_t c = 0; c < kTile; c += nl) {
-      float* e_at = sr + i * stride + c;
-      VF x = hn::LoadU(df, e_at);
-      if constexpr (kScaled) x = hn::Mul(x, vmul);
-      const VF e = exp2_neg(df, hn::Mul(hn::Sub(x, vm), vlog2e));
-      vsum = hn::Add(vsum, e);
-      hn::StoreU(e, df, e_at);
-    }
+  const VF vsum = scaled
+                      ? exponentials(src, src_stride, std::true_type{}, std::false_type{}, m_new)
+                      : exponentials(src, src_stride, std::false_type{}, std::false_type{}, m_new);
   hn::StoreU(hn::Add(vsum, hn::LoadU(df, lv)), df, lv);
 }
 

@@ -34,6 +34,31 @@ TEST(Exp2, AccurateAndZeroForMaskedScores) {
   EXPECT_EQ(out[std::find(in.begin(), in.end(), 0.0f) - in.begin()], 1.0f);  // P = 1 at the max
 }
 
+// The forward's softmax takes scores above its row's base (Note [A row's base], simd_tile.h):
+// exp2_capped must give 2^t up to t = 12 with the bits of the t <= 0 form there (every target
+// the same: the accuracy bound of exp2_neg), and more than 2^12 for any t above 12 up to +inf,
+// which is what moves the base. Without the cap, the targets that build 2^n in the exponent
+// bits wrapped t >= 128 into the sign (the LSE came out inf on every AVX2 / SSE target for
+// logits ~ 1e4).
+TEST(Exp2, CappedAboveZeroAccurateToTwelveAndLargeBeyond) {
+  std::vector<float> in, out, neg;
+  for (double t = -30; t <= 12; t += 0.0137) in.push_back(static_cast<float>(t));
+  for (float t : {12.0f, 12.001f, 13.0f, 13.5f, 100.0f, 127.0f, 128.0f, 1000.0f, 1e30f, INFINITY})
+    in.push_back(t);
+  out.resize(in.size()), neg.resize(in.size());
+  exp2_neg_simd(in.data(), out.data(), static_cast<int64_t>(in.size()), true);
+  exp2_neg_simd(in.data(), neg.data(), static_cast<int64_t>(in.size()), false);
+  for (size_t i = 0; i < in.size(); ++i) {
+    const double exact = std::exp2(static_cast<double>(in[i]));
+    if (in[i] <= 12.0f) {
+      EXPECT_LE(std::fabs(out[i] - exact), 3e-7 * exact) << "t = " << in[i];
+      if (in[i] <= 0.0f) EXPECT_EQ(out[i], neg[i]) << "t = " << in[i];  // the same bits
+    } else {
+      EXPECT_GT(out[i], 4096.0f) << "t = " << in[i];  // NaN fails too
+    }
+  }
+}
+
 // A result below 2^-126 takes a microcode assist on Intel CPUs (lab 13: ~35x a vector's time),
 // and the scores a mask hides are -inf: a causal step's skipped tiles once paid it for every
 // one. Masked scores must cost about what visible ones do; calibrated in the same run (the

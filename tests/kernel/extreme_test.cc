@@ -50,6 +50,26 @@ TEST(ExtremeLogits, OffsetLogitsBackwardWithinTheRule) {
       }
 }
 
+// Logits rising along the keys (Note [A row's base], simd_tile.h): a row's max grows at every
+// key step, by a little (its base stays, P up to 2^8 against it) or by more than the slack
+// (the base moves at many or every step, the step done again from its kept scores), one key
+// tile a step (fp32) and four (bf16 through AMX), under no mask and causal, 1 and 2 threads.
+// O and the LSE within the rule; a wrong base, a lost rescale or a P outgrowing fp32 would not
+// be. The backward too where K stays moderate: with K ~ 900 (rise 1.5) its dq error is
+// |K| times that of delta = rowsum(dO O), 2.25 x the naive one with the max-first softmax
+// already (within the rule only by its floor), so that case checks the forward alone.
+TEST(ExtremeLogits, RisingLogitsMoveTheBaseWithinTheRule) {
+  for (DType dtype : {DType::f32, DType::bf16})
+    for (float rise : {0.002f, 0.02f, 0.3f, 1.5f})  // logits up 0.016 / 0.16 / 2.4 / 12 a key tile
+      for (Mask m : {Mask::none(), Mask::causal_mask()})
+        for (int threads : {1, 2}) {
+          Case c = logits(1, 64, m, dtype);
+          c.tk = 600, c.q_offset = 530, c.k_rise = rise, c.threads = threads;
+          const std::string err = check_case(c, rise < 1.0f);
+          EXPECT_TRUE(err.empty()) << err;
+        }
+}
+
 TEST(ExtremeLogits, HugeLogitsGivePAtMostOne) {
   // |s| ~ 5e8: the fp32 ulp of a score is 32 or more, so any difference between the forward's
   // and the backward's rounding of S used to give P = 2^(tens), dq ~ 1e7. Softmax is one-hot

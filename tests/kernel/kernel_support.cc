@@ -37,7 +37,8 @@ std::string Case::name() const {
     << q_stride << "i kpos=" << k_offset << "+" << k_stride << "j doc_len=" << doc_len
     << (shuffle ? " shuffled" : "")
     << (qk_scale != 1 ? " qk_scale=" + std::to_string(qk_scale) : "")
-    << (qk_common != 0 ? " qk_common=" + std::to_string(qk_common) : "") << " threads=" << threads
+    << (qk_common != 0 ? " qk_common=" + std::to_string(qk_common) : "")
+    << (k_rise != 0 ? " k_rise=" + std::to_string(k_rise) : "") << " threads=" << threads
     << (products != Bf16Products::automatic
             ? std::string(" products=") + bf16_products_name(products)
             : "")
@@ -47,15 +48,23 @@ std::string Case::name() const {
 
 Inputs make_inputs(const Case& c) {
   Inputs in;
-  auto make = [&](int64_t t, int64_t h, uint64_t seed, float mul = 1, float common = 0) {
+  // rise: element 1 of token i's every head is rise(i) (k_rise; d >= 2).
+  auto make = [&](int64_t t, int64_t h, uint64_t seed, float mul = 1, float common = 0,
+                  float (*rise)(const Case&, int64_t) = nullptr) {
     Tensor f(DType::f32, {c.batch, t, h, c.d});
     fill_normal(f.view(), seed, mul);
     if (common != 0)
       for (int64_t i = 0; i < f.numel(); i += c.d) f.ptr<float>()[i] = common;
+    if (rise != nullptr)
+      for (int64_t i = 0; i < f.numel(); i += c.d) f.ptr<float>()[i + 1] = rise(c, i / c.d / h % t);
     return Tensor::copy_of(f.view(), c.dtype);
   };
-  in.q = make(c.tq, c.hq, c.seed * 4 + 0, c.qk_scale, c.qk_common);
-  in.k = make(c.tk, c.hkv, c.seed * 4 + 1, c.qk_scale, c.qk_common);
+  const bool rising = c.k_rise != 0;
+  in.q = make(c.tq, c.hq, c.seed * 4 + 0, c.qk_scale, c.qk_common,
+              rising ? +[](const Case&, int64_t) { return 1.0f; } : nullptr);
+  in.k = make(c.tk, c.hkv, c.seed * 4 + 1, c.qk_scale, c.qk_common,
+              rising ? +[](const Case& cs, int64_t j) { return cs.k_rise * static_cast<float>(j); }
+                     : nullptr);
   in.v = make(c.tk, c.hkv, c.seed * 4 + 2);
   in.dout = make(c.tq, c.hq, c.seed * 4 + 3);
   // offset + stride * i wraps on purpose for the extreme cases (stride 2^57, i >= 64 walks the

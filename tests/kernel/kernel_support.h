@@ -21,6 +21,7 @@ struct Case {
   int64_t q_offset = 0, q_stride = 1, k_offset = 0, k_stride = 1, doc_len = 0;
   float qk_scale = 1;    // q and k are multiplied by it: logits spread by its square
   float qk_common = 0;   // q[..., 0] = k[..., 0] = it: every logit offset by qk_common^2 * scale
+  float k_rise = 0;      // q[..., 1] = 1, k[j, ..., 1] = k_rise * j: logits rise along the keys
   bool shuffle = false;  // permute the tokens' positions (unsorted, as after a Ulysses all-to-all)
   int threads = 1;
   Bf16Products products = Bf16Products::automatic;  // KernelConfig::bf16_products
