@@ -84,9 +84,9 @@ HWY_INLINE VF exp2_neg(DF d, VF t) {
 #endif
 
 // 2^t for t <= 12, and some value above 2^12 for t above 12 (+inf included): the forward's
-// softmax takes scores above its row's base, where any P above 2^12 only moves the base (Note
-// [A row's base]). AVX-512 gives 2^t itself (inf past 127); elsewhere t is clamped at 13, or the
-// exponent bits of 2^n would overflow into the sign. Both give the same bits up to 12.
+// softmax takes scores above its row's base, where any P above kBaseSlack (2^8) only moves the
+// base (Note [A row's base]). AVX-512 gives 2^t itself (inf past 127); elsewhere t is clamped at
+// 13, or the exponent bits of 2^n would overflow into the sign. Both give the same bits up to 12.
 HWY_INLINE VF exp2_capped(DF d, VF t) {
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
   return exp2_neg(d, t);
