@@ -117,17 +117,6 @@ __attribute__((noinline)) void scalar_spin(long n) {
   for (long i = 0; i < n; ++i) asm volatile("");
 }
 
-template <class F>
-double best_seconds(int repeats, F&& f) {
-  double best = 1e300;
-  for (int i = 0; i < repeats; ++i) {
-    const double t0 = lab::cpu_seconds();
-    f();
-    best = std::min(best, lab::cpu_seconds() - t0);
-  }
-  return best;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -197,14 +186,14 @@ int main(int argc, char** argv) {
 
   std::printf("3. g tile units then 4 g vector units, repeated, CPU time / (each alone):\n  ");
   const long units = 4096;
-  const double t_tiles = best_seconds(repeats, [&] {
+  const double t_tiles = lab::best_cpu_seconds(repeats, [&] {
     for (long i = 0; i < units; ++i) tile_unit<0, true>();
   });
-  const double t_vec = best_seconds(repeats, [&] {
+  const double t_vec = lab::best_cpu_seconds(repeats, [&] {
     for (long i = 0; i < 4 * units; ++i) sink = vector_unit();
   });
   for (long g : {1L, 4L, 16L, 64L, 256L}) {
-    const double t = best_seconds(repeats, [&] {
+    const double t = lab::best_cpu_seconds(repeats, [&] {
       for (long i = 0; i < units; i += g) {
         for (long j = 0; j < g; ++j) tile_unit<0, true>();
         for (long j = 0; j < 4 * g; ++j) sink = vector_unit();

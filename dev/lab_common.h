@@ -66,16 +66,23 @@ inline double cpu_seconds() {
   return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
+// The best of `repeats` calls of `f` by CPU time, in seconds.
+template <class F>
+double best_cpu_seconds(int repeats, F&& f) {
+  double best = 1e300;
+  for (int r = 0; r < repeats; ++r) {
+    const double c0 = cpu_seconds();
+    f();
+    best = std::min(best, cpu_seconds() - c0);
+  }
+  return best;
+}
+
 // Times `run` (best of 3 by CPU time), checks `o` ([T, H, D]) against the fp64 reference on
 // the first 64 query rows, prints one line, returns 0 when the error is below 1e-4.
 inline int report(const char* name, const Problem& p, const std::function<void()>& run,
                   const std::vector<float>& o) {
-  double best = 1e300;
-  for (int r = 0; r < 3; ++r) {
-    const double c0 = cpu_seconds();
-    run();
-    best = std::min(best, cpu_seconds() - c0);
-  }
+  const double best = best_cpu_seconds(3, run);
   const int64_t rows = std::min<int64_t>(64, p.t);
   ctxpar::TensorView q_rows = p.q.view().slice(1, 0, rows);
   std::vector<int64_t> qpos(p.pos.begin(), p.pos.begin() + rows);

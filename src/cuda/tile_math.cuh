@@ -195,7 +195,7 @@ CTXPAR_HD void finalize_row(const float* acc, float m, float l, int64_t d, T* ou
   }
   const float inv = 1.0f / l;
   for (int64_t c = 0; c < d; ++c) store_f32(out + c, acc[c] * inv);
-  // In double, rounded once, as the CPU's finalize_row (kernel/api.cc) and with its bits.
+  // The device copy of kernel::row_lse (kernel/problem.h): in double, rounded once, its bits.
   *lse = l > 0 && m < INFINITY
              ? static_cast<float>(static_cast<double>(m) + log(static_cast<double>(l)))
              : INFINITY;

@@ -44,24 +44,23 @@ void attention_forward_finalize(const ForwardState& state, const TensorView& out
 }
 
 namespace kernel {
+float row_lse(float m, float l) {
+  if (m == kNegInf) return kNegInf;
+  return l > 0 && m < std::numeric_limits<float>::infinity()
+             ? static_cast<float>(static_cast<double>(m) + std::log(static_cast<double>(l)))
+             : std::numeric_limits<float>::infinity();
+}
+
 float finalize_row(const float* acc, float m, float l, int64_t d, float* row, const TensorView& out,
                    int64_t off) {
-  float lse = kNegInf;
-  if (m == kNegInf) {  // no visible key: O = 0, LSE = -inf
+  if (m == kNegInf) {  // no visible key: O = 0
     std::fill_n(row, d, 0.0f);
   } else {
     const float inv = 1.0f / l;
     for (int64_t c = 0; c < d; ++c) row[c] = acc[c] * inv;
-    // A score beyond the fp32 range (max +inf) or a NaN in the sums: LSE = +inf says so
-    // (the strategies then fail naming the row); -inf would pass for a masked row. In double,
-    // rounded once: m is a row's base (Note [A row's base], simd_tile.h), up to 8 ln 2 below
-    // its max, so log l is up to 5.5 + log T, whose own fp32 rounding would add to the LSE's.
-    lse = l > 0 && m < std::numeric_limits<float>::infinity()
-              ? static_cast<float>(static_cast<double>(m) + std::log(static_cast<double>(l)))
-              : std::numeric_limits<float>::infinity();
   }
   store_row(out, off, d, row);
-  return lse;
+  return row_lse(m, l);
 }
 }  // namespace kernel
 

@@ -218,10 +218,16 @@ int64_t parse_kernel_l1d(const char* text);
 // `l1d_bytes` (0: kernel_l1d_bytes()) each; 0 (one pass, no panels) when the whole B fits.
 int64_t kernel_k_panel(int64_t n, int64_t k, int64_t l1d_bytes);
 
+// A finished row's LSE from its online-softmax state (api.cc), the rule's one home (the
+// forward's finalize and decode's): m + log(l) in double, rounded once (m may be a row's base,
+// up to 8 ln 2 below its max: Note [A row's base], simd_tile.h). A row that saw no visible key
+// (m = -inf): -inf; a score beyond the fp32 range (m = +inf) or a NaN in the sums: +inf, never
+// -inf, which would read as a masked row. The cuda tile math keeps a device copy (tile_math.cuh).
+float row_lse(float m, float l);
+
 // One row of attention_forward_finalize (api.cc), its one home: O = acc / l (d values, through
-// `row`, d floats of scratch) into out at element offset `off` in out's dtype; returns the LSE,
-// m + log(l). A row that saw no visible key (m = -inf): O = 0, LSE = -inf; a score beyond the
-// fp32 range or a NaN in the sums: LSE = +inf.
+// `row`, d floats of scratch) into out at element offset `off` in out's dtype; returns
+// row_lse(m, l). A row that saw no visible key (m = -inf): O = 0.
 float finalize_row(const float* acc, float m, float l, int64_t d, float* row, const TensorView& out,
                    int64_t off);
 

@@ -469,16 +469,10 @@ bool DecodeInPlace(const DecodeShard& p) {
           for (int64_t c = 0; c < d; ++c) o[c] = o[c] * sa + ab[c] * sb;
           M = mn;
         }
-        float& lse_out = lse[p.lse.offset(0, h, t * g + r)];
-        if (M == kNegInf) {
-          lse_out = kNegInf;
-          continue;
-        }
+        lse[p.lse.offset(0, h, t * g + r)] = row_lse(M, L);
+        if (M == kNegInf) continue;
         const float inv = 1.0f / L;
         for (int64_t c = 0; c < d; ++c) o[c] *= inv;
-        lse_out = L > 0 && M < std::numeric_limits<float>::infinity()
-                      ? M + std::log(L)
-                      : std::numeric_limits<float>::infinity();
       }
   return true;
 }
