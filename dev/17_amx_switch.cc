@@ -10,6 +10,10 @@
 //      two tile units timed one by one (TSC cycles): the first pays for the gap.
 //   3. The two interleaved at a granularity g (g tile units, then 4 g vector units, repeated)
 //      against each alone: the cost of a switch, amortised over g.
+//   4. The tile unit kept busy through the vector work (one tdpbf16ps after each vector unit):
+//      the first tile unit after, and what the vector units pay for it; the core's clock after
+//      tile work (TSC cycles a dependent add, right after and after a gap), and one vector unit
+//      right after tile work against right after vector work.
 // Results are checked (every C element is the sum it must be); exits 1 if not, 0 with a note
 // where AMX-BF16 is not usable.
 //   ./build/dev/lab_17_amx_switch [repeats]
@@ -113,6 +117,20 @@ LAB_AMX float vector_unit() {
 
 LAB_AMX void release() { _tile_release(); }
 
+// One tdpbf16ps on tiles already loaded (C 3 += A 4 B 6): tile work too small to cost, to keep
+// the tile unit from idling while vector work runs (part 4).
+LAB_AMX void keep_busy() { _tile_dpbf16ps(3, 4, 6); }
+
+// TSC cycles of n dependent adds (one core cycle each): the core's clock against the TSC's.
+__attribute__((noinline)) double clock_probe(long n) {
+  long x = 0;
+  const uint64_t a = __rdtsc();
+  for (long i = 0; i < n; ++i) asm volatile("add %1, %0" : "+r"(x) : "r"(i));
+  const uint64_t b = __rdtsc();
+  sink = static_cast<float>(x);
+  return static_cast<double>(b - a) / static_cast<double>(n);
+}
+
 __attribute__((noinline)) void scalar_spin(long n) {
   for (long i = 0; i < n; ++i) asm volatile("");
 }
@@ -202,6 +220,91 @@ int main(int argc, char** argv) {
     std::printf(" g %ld: %.2f", g, t / (t_tiles + t_vec));
   }
   std::printf("  (tiles alone %.1f ms, vectors alone %.1f ms)\n", 1e3 * t_tiles, 1e3 * t_vec);
+
+  // 4. The tile unit kept busy: one tdpbf16ps after each vector unit. Does the first tile unit
+  // after K vector units still pay for waking up, and what do the vector units pay for it?
+  std::printf(
+      "4. one tdpbf16ps after each vector unit, K = 1, 4, 16, 64: the first / second tile "
+      "unit after them (TSC cycles):");
+  for (int k : {1, 4, 16, 64})
+    after([&] {
+      for (int i = 0; i < k; ++i) {
+        sink = vector_unit();
+        keep_busy();
+      }
+    });
+  const double t_vec_busy = lab::best_cpu_seconds(repeats, [&] {
+    for (long i = 0; i < 4 * units; ++i) {
+      sink = vector_unit();
+      keep_busy();
+    }
+  });
+  std::printf("\n   vector units alone %.1f ms, each followed by one tdpbf16ps %.1f ms (%.2fx)\n",
+              1e3 * t_vec, 1e3 * t_vec_busy, t_vec_busy / t_vec);
+  // The core's clock right after each kind of work: TSC cycles a dependent add (mean of 500
+  // probes of 2,000 adds, each after 16 units of the work).
+  std::printf(
+      "   TSC cycles a dependent add right after 16 units of: a scalar loop, vector work, "
+      "vector work with one tdpbf16ps a unit, tile work:");
+  const auto probe_after = [&](auto&& work) {
+    double sum = 0, sum_long = 0;
+    for (int t = 0; t < 500; ++t) {
+      work();
+      sum += clock_probe(2000);
+      work();
+      sum_long += clock_probe(50000);
+    }
+    std::printf(" %.3f (%.3f)", sum / 500, sum_long / 500);
+  };
+  probe_after([&] { scalar_spin(16 * 3000); });
+  probe_after([&] {
+    for (int i = 0; i < 16; ++i) sink = vector_unit();
+  });
+  probe_after([&] {
+    for (int i = 0; i < 16; ++i) {
+      sink = vector_unit();
+      keep_busy();
+    }
+  });
+  probe_after([&] {
+    for (int i = 0; i < 16; ++i) tile_unit<0, true>();
+  });
+  // How long the clock stays where tile work left it: 16 tile units, a scalar loop of N
+  // iterations, then the probe.
+  const uint64_t s0 = __rdtsc();
+  scalar_spin(1000000);
+  const double spin_tsc = static_cast<double>(__rdtsc() - s0) / 1e6;
+  std::printf(
+      "\n   the same after 16 tile units and a scalar loop of N = 1e3, 1e4, 1e5, 1e6 "
+      "(%.2f TSC cycles an iteration):",
+      spin_tsc);
+  for (long spin : {1000L, 10000L, 100000L, 1000000L})
+    probe_after([&] {
+      for (int i = 0; i < 16; ++i) tile_unit<0, true>();
+      scalar_spin(spin);
+    });
+  // What the softmax's vector work pays for following tile work: one vector unit timed right
+  // after 16 vector units and right after 16 tile units (TSC cycles, mean of 500).
+  const auto vector_after = [&](auto&& work) {
+    double sum = 0;
+    for (int t = 0; t < 500; ++t) {
+      work();
+      const uint64_t a = __rdtsc();
+      sink = vector_unit();
+      sum += static_cast<double>(__rdtsc() - a);
+    }
+    return sum / 500;
+  };
+  const double v_after_v = vector_after([&] {
+    for (int i = 0; i < 16; ++i) sink = vector_unit();
+  });
+  const double v_after_t = vector_after([&] {
+    for (int i = 0; i < 16; ++i) tile_unit<0, true>();
+  });
+  std::printf(
+      "\n   one vector unit right after 16 vector units %.0f, after 16 tile units %.0f TSC "
+      "cycles (%.2fx)\n",
+      v_after_v, v_after_t, v_after_t / v_after_v);
   release();
   return 0;
 }
