@@ -6,7 +6,13 @@
 # thread (`ctxpar bench decode`, both measured in the same run).
 # Every figure is a ratio of runs taken in the same repetition; the repetitions alternate the
 # order of the runs (forward, then reversed) so that a slow drift of the machine falls on both
-# sides; the table gives the median and the spread over repetitions. Run it on a quiet machine:
+# sides; the table gives the median and the spread over repetitions. Under it, for fp32, what
+# 1.2 x torch needs of this CPU's FMA peak (1.2 x torch's share) beside ctxpar's share: where the
+# need is above what FMA products reach here, the goal is out of reach of FMAs on this CPU kind.
+# Each torch run is bracketed by the FMA peak (`ctxpar bench kernel --peak-only`), as each
+# ctxpar run measures its own, and every ctxpar / torch ratio is given again with each side
+# divided by its peak: the host's clock moves the peak itself, and that cancels.
+# Run it on a quiet machine:
 #
 #   bash bench/cpu_suite.sh --out bench-cpu-suite            # ~5 minutes on 2 cores, + the torch install
 #   bash bench/cpu_suite.sh --quick --repeats 1 --out /tmp/q  # small shapes: proves it runs, no figures
@@ -139,9 +145,19 @@ kernel() {  # kernel THREADS [DTYPE [BF16_TIER]]
   "$CTXPAR" bench kernel --seq $KT --heads $KH --head-dim $KD --threads "$1" --dtype "${2:-fp32}" \
     --bf16-tier "${3:-exact}" --repeats "$INNER" --json
 }
-torch_sdpa() {  # torch_sdpa THREADS [DTYPE]
-  OMP_NUM_THREADS=$1 MKL_NUM_THREADS=$1 "$TORCH_PY" "$ROOT/bench/torch_sdpa.py" --seq $KT \
-    --heads $KH --head-dim $KD --threads "$1" --dtype "${2:-fp32}" --repeats "$INNER"
+peak() {  # peak THREADS: the FMA peak alone, as each kernel run measures it in its own process
+  "$CTXPAR" bench kernel --peak-only --threads "$1" --repeats 1 --json
+}
+torch_sdpa() {  # torch_sdpa THREADS [DTYPE]: its JSON with the FMA peak right before and after
+  local before after result
+  before=$(peak "$1") || return 1
+  result=$(OMP_NUM_THREADS=$1 MKL_NUM_THREADS=$1 "$TORCH_PY" "$ROOT/bench/torch_sdpa.py" --seq $KT \
+    --heads $KH --head-dim $KD --threads "$1" --dtype "${2:-fp32}" --repeats "$INNER") || return 1
+  after=$(peak "$1") || return 1
+  python3 -c 'import json, sys
+r = json.loads(sys.argv[1])
+r["peak_gflops_before"], r["peak_gflops_after"] = (json.loads(a)["peak_gflops"] for a in sys.argv[2:])
+print(json.dumps(r))' "$result" "$before" "$after"
 }
 ggml_fa() {  # ggml_fa THREADS KV: bench/ggml_fa.cc's binary, same kernel shape
   OMP_NUM_THREADS=$1 "$GGML_BIN" --seq $KT --heads $KH --head-dim $KD --threads "$1" --kv "$2" --repeats "$INNER"

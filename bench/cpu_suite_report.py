@@ -97,6 +97,17 @@ def cpu_ratio(slow, fast):
     return lambda r: rank_cpu_seconds(r[slow]) / rank_cpu_seconds(r[fast])
 
 
+def torch_peak(run):
+    """The FMA peak beside a torch run: the mean of the two cpu_suite.sh measured right before
+    and after it (a KeyError, so no figure, for a run without them)."""
+    return (run["peak_gflops_before"] + run["peak_gflops_after"]) / 2
+
+
+def at_peak(kernel, torch, gflops):
+    """ctxpar's GFLOP/s over torch's, each divided by the FMA peak measured beside it."""
+    return (kernel[gflops] / kernel["peak_gflops"]) / (torch[gflops] / torch_peak(torch))
+
+
 KERNEL_PEAK_GOAL = 0.80
 BF16_VS_TORCH_GOALS = {("exact", "fwd"): None, ("exact", "bwd"): 1.0, ("fast", "fwd"): 1.5,
                        ("fast", "bwd"): 1.5}
@@ -123,20 +134,46 @@ def ratio_rows(meta):
         ("kernel_bwd_peak_2t", "ctxpar backward / two-thread FMA peak", None,
          lambda r: r["kernel_2t"]["bwd_peak_ratio"]),
     ]
+    # Where a 1.2 x goal lies against the FMA peak (issue 40: "where a kind cannot reach it, say
+    # why with a measurement"): torch's fp32 SDPA and ctxpar's kernel as shares of the FMA peak
+    # each ctxpar run measured (wall GFLOP/s over wall peak; causal FLOPs halved on both sides),
+    # so the goal needs 1.2 x torch's share on this CPU: the block under the table.
+    for n, which in ((1, "one"), (2, "two")):
+        for mask, prefix in (("non-causal", ""), ("causal", "causal_")):
+            for pas, word in (("fwd", "forward"), ("bwd", "backward")):
+                gf = prefix + pas + "_gflops"
+                if prefix:  # the non-causal ctxpar shares are the rows above
+                    rows.append((f"kernel_{prefix}{pas}_peak_{n}t", f"ctxpar {word}, causal / "
+                                 f"{which}-thread FMA peak", None,
+                                 lambda r, n=n, gf=gf:
+                                 r[f"kernel_{n}t"][gf] / r[f"kernel_{n}t"]["peak_gflops"]))
+                if meta.get("torch_skipped") is None:
+                    rows.append((f"torch_{prefix}{pas}_peak_{n}t", f"torch SDPA fp32 {word}, {mask} "
+                                 f"/ {which}-thread FMA peak", None,
+                                 lambda r, n=n, gf=gf: r[f"torch_{n}t"][gf] / torch_peak(r[f"torch_{n}t"])))
     if meta.get("torch_skipped") is None:
         # fp32 (the 1.2x goal), then bf16 storage on both sides (what a PyTorch trainer
         # feeds: ctxpar widens to fp32 and computes in fp32, torch runs its own bf16 kernel; no
         # goal). Run names: kernel_{n}t / torch_{n}t, kernel_bf16_{n}t / torch_bf16_{n}t.
+        # Each ratio twice: of the seconds, and with each side's GFLOP/s set against the FMA
+        # peak measured beside it (the kernel run's own; the mean of those right before and
+        # after the torch run): the host's clock moved the peak by 20 % within a run here, and a
+        # ratio of two runs minutes apart carries that drift; the second does not (the footnote).
         for dtype, tag, label, goal in (("fp32", "", "", 1.2), ("bf16", "bf16_", "bf16: ", None)):
             for n in (1, 2):
+                threads = f"{n} thread{'s' * (n > 1)}"
                 for mask, prefix in (("non-causal", ""), ("causal", "causal_")):
                     for pas, word in (("fwd", "forward"), ("bwd", "backward")):
-                        key = prefix + pas + "_seconds"
+                        key, gf = prefix + pas + "_seconds", prefix + pas + "_gflops"
                         rows.append((f"vs_torch_{tag}{prefix}{pas}_{n}t",
-                                     f"{label}ctxpar / torch SDPA speed, {word}, {mask}, "
-                                     f"{n} thread{'s' * (n > 1)}", goal,
-                                     lambda r, n=n, key=key, tag=tag:
+                                     f"{label}ctxpar / torch SDPA speed, {word}, {mask}, {threads}",
+                                     goal, lambda r, n=n, key=key, tag=tag:
                                      r[f"torch_{tag}{n}t"][key] / r[f"kernel_{tag}{n}t"][key]))
+                        rows.append((f"vs_torch_at_peak_{tag}{prefix}{pas}_{n}t",
+                                     f"{label}ctxpar / torch SDPA, each / its FMA peak, {word}, "
+                                     f"{mask}, {threads}", goal,
+                                     lambda r, n=n, gf=gf, tag=tag: at_peak(
+                                         r[f"kernel_{tag}{n}t"], r[f"torch_{tag}{n}t"], gf)))
     # Exact bf16 products forced on against the default bf16 run (same bf16 inputs;
     # the probe's choice) and against torch's bf16 SDPA; the run exists on AVX512_BF16 CPUs.
     if "kernel_bf16dot_1t" in meta.get("runs", []):
@@ -174,6 +211,11 @@ def ratio_rows(meta):
                                  BF16_VS_TORCH_GOALS[tier, pas],
                                  lambda r, pas=pas, run=run:
                                  r["torch_bf16_1t"][pas + "_seconds"] / r[run][pas + "_seconds"]))
+                    rows.append((f"{run[7:-3]}_vs_torch_bf16_at_peak_{pas}", f"{name}, {tier} bf16 "
+                                 f"tier / torch SDPA bf16, each / its FMA peak, {word}, non-causal, "
+                                 f"1 thread", BF16_VS_TORCH_GOALS[tier, pas],
+                                 lambda r, pas=pas, run=run:
+                                 at_peak(r[run], r["torch_bf16_1t"], pas + "_gflops")))
     # fp32 through AMX tiles on three bf16 parts (opt-in; the runs exist on AMX CPUs): against
     # fp32 FMAs (kernel_{n}t) and against torch's fp32 SDPA, by the issue's 1.2 x goal.
     for n in (1, 2):
@@ -244,6 +286,24 @@ def figures(meta, reps):
     return out
 
 
+def fp32_goal_needs(figs):
+    """{threads: {pass: {needs: 1.2 x torch's median share of the FMA peak, ctxpar: ctxpar's}}}
+    where the suite has both medians."""
+    out = {}
+    for n in (1, 2):
+        row = {}
+        for prefix, mask in (("", ""), ("causal_", "causal ")):
+            for pas, word in (("fwd", "forward"), ("bwd", "backward")):
+                torch = figs.get(f"torch_{prefix}{pas}_peak_{n}t", {})
+                ours = figs.get(f"kernel_{prefix}{pas}_peak_{n}t" if prefix else
+                                f"kernel_{pas}_peak_{n}t", {})
+                if torch.get("values") and ours.get("values"):
+                    row[mask + word] = dict(needs=1.2 * torch["median"], ctxpar=ours["median"])
+        if row:
+            out[n] = row
+    return out
+
+
 def medians(reps, run, fields):
     """Median over repetitions of the underlying absolute figures (context, not evidence)."""
     out = {}
@@ -274,7 +334,7 @@ def main():
                      if n not in r and not (n.startswith("torch") and meta.get("torch_skipped"))})
     span = peak_range(reps)
     summary = dict(meta=meta, figures=figs, medians_of_absolute_figures=absolute,
-                   fma_peak_1t_range=span,
+                   fma_peak_1t_range=span, fp32_goal_needs=fp32_goal_needs(figs),
                    failed_runs=failed)
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -325,6 +385,16 @@ def main():
         print(line.rstrip())
     if m.get("torch_skipped"):
         print(f"{'ctxpar / torch SDPA (16 rows, fp32 and bf16)':<{w}}  {'n/a':>7}  {'(SKIPPED)':>15}  {'1.20':>6}")
+    needs = fp32_goal_needs(figs)
+    if needs:
+        print()
+        print("fp32 against the FMA peak (medians): 1.2 x torch needs 1.2 x torch's share of the peak; "
+              "ctxpar's share now in brackets")
+        for n, row in needs.items():
+            print(f"  {n} thread{'s' * (n > 1)}: " + ", ".join(
+                f"{what} {v['needs']:.2f} ({v['ctxpar']:.2f})" for what, v in row.items()))
+        print("  (the FMA products' own share on this CPU, the ceiling of any FMA forward: "
+              "./build/dev/lab_15_micro_shapes 7 and lab_04_phases, docs/kernel.md round eleven)")
     if not m.get("ggml_binary"):
         print(f"{'ctxpar / ggml CPU flash attention, forward, 2 threads':<{w}}  {'n/a':>7}  "
               f"{'(no --ggml)':>15}  {'1.50':>6}")
@@ -333,6 +403,10 @@ def main():
           "zigzag) is faster.")
     print("by CPU: the same ratio of the slowest rank's CPU seconds (the ring rows; every rank one "
           "thread); where it and the wall ratio differ, other processes took wall time: trust CPU.")
+    print("each / its FMA peak: both sides' GFLOP/s divided by the FMA peak measured in the same "
+          "minute (ctxpar's run measures its own; `ctxpar bench kernel --peak-only` right before and "
+          "after each torch run), so that the host's clock, which moves the peak itself, cancels; "
+          "where the host is quiet the two forms agree.")
     if m.get("ggml_binary"):
         g = next((r[k] for r in reps for k in ("ggml_1t", "ggml_2t") if k in r), {})
         print(f"ggml: {g.get('ggml_version', '?')} (commit {g.get('ggml_commit', '?')}), binary "

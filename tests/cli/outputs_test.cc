@@ -48,6 +48,22 @@ TEST(CliOutputs, BenchKernelSaysItsWarmup) {
   }
 }
 
+// bench kernel --peak-only measures the FMA peak alone (bench/cpu_suite.sh's figure beside each
+// torch run): the peak in its JSON and its text, and no kernel timed.
+TEST(CliOutputs, BenchKernelPeakOnlyTimesNoKernel) {
+  const CommandResult j = run_ctxpar("bench kernel --peak-only --threads 1 --repeats 1 --json");
+  ASSERT_EQ(j.exit_code, 0) << j.err;
+  const nlohmann::json out = nlohmann::json::parse(j.out);
+  EXPECT_GT(out["peak_gflops"].get<double>(), 0.0);
+  EXPECT_GT(out["peak_gflops_cpu"].get<double>(), 0.0);
+  EXPECT_EQ(out["threads"], 1);
+  EXPECT_FALSE(out.contains("fwd_gflops")) << j.out;
+  const CommandResult t = run_ctxpar("bench kernel --peak-only --threads 1 --repeats 1");
+  ASSERT_EQ(t.exit_code, 0) << t.err;
+  EXPECT_NE(t.out.find("FMA peak, 1 thread(s)"), std::string::npos) << t.out;
+  EXPECT_EQ(t.out.find("forward"), std::string::npos) << t.out;
+}
+
 // Progress is drawn only on a terminal (or with --progress): `--json 2>&1` is one JSON object,
 // also for a problem big enough that progress lines used to go to a log.
 TEST(CliOutputs, JsonWithStderrMergedIsJson) {

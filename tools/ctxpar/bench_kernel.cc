@@ -37,6 +37,13 @@ void time_once(Best& best, int threads, const std::function<void()>& run) {
   best.cpu = std::min(best.cpu, (kernel::process_cpu_seconds() - c0) / threads);
 }
 
+// One FMA peak measurement (0.1 s runs), kept where it beats `best`: every repeat's.
+void measure_peak_into(kernel::Peak& best, int threads) {
+  const kernel::Peak pk = kernel::measure_fma_peak(threads, 0.1);
+  best.gflops = std::max(best.gflops, pk.gflops);
+  best.cpu_gflops = std::max(best.cpu_gflops, pk.cpu_gflops);
+}
+
 // The measurement `ctxpar bench kernel` makes: the shape, dtype and tier, threads, repeats.
 struct KernelBench {
   int64_t t = 0, hq = 0, hkv = 0, d = 0, b = 0;
@@ -70,6 +77,10 @@ Options bench_kernel_options() {
            "untimed forward (+ backward) calls at the same shape before timing (0: none, so "
            "the first timed call also pays the first touch of the kernel's buffers)")
       .flag("no-backward", "skip the backward measurements")
+      .flag("peak-only",
+            "measure the FMA peak alone (--threads, best of --repeats) and time no kernel: what "
+            "bench/cpu_suite.sh measures right before and after each torch run, so that both "
+            "sides of a ratio can be set against the host's speed at their own moment")
       .flag("json", "print one JSON object instead of text");
   o.example("ctxpar bench kernel --seq 4096 --heads 8 --head-dim 128 --threads 1 --json");
   return o;
@@ -156,9 +167,7 @@ nlohmann::json run_kernel_bench(const KernelBench& kb) {
     if (backward) run_backward(none);
   }
   for (int r = 0; r < repeats; ++r) {
-    const kernel::Peak pk = kernel::measure_fma_peak(threads, 0.1);
-    peak.gflops = std::max(peak.gflops, pk.gflops);
-    peak.cpu_gflops = std::max(peak.cpu_gflops, pk.cpu_gflops);
+    measure_peak_into(peak, threads);
     time_once(fwd, threads, [&] { forward(none); });
     if (backward) time_once(bwd, threads, [&] { run_backward(none); });
     time_once(cfwd, threads, [&] { forward(causal); });
@@ -233,6 +242,22 @@ int bench_kernel(int argc, char** argv) {
   Options o = bench_kernel_options();
   if (!o.parse(argc, argv)) return 0;
   const KernelBench kb = kernel_bench_from_options(o);
+  if (o.on("peak-only")) {  // the same measurement as each repeat of run_kernel_bench makes
+    kernel::Peak peak;
+    for (int r = 0; r < kb.repeats; ++r) measure_peak_into(peak, kb.threads);
+    nlohmann::json j;
+    j["threads"] = kb.threads, j["repeats"] = kb.repeats;
+    j["simd_target"] = kernel::simd_target_name(), j["simd_lanes"] = kernel::simd_lanes();
+    j["peak_gflops"] = peak.gflops, j["peak_gflops_cpu"] = peak.cpu_gflops;
+    if (o.on("json"))
+      std::printf("%s\n", j.dump().c_str());
+    else
+      std::printf(
+          "FMA peak, %d thread(s), SIMD %s x%d, best of %d: %.1f GFLOP/s (wall), %.1f (cpu)\n",
+          kb.threads, kernel::simd_target_name(), kernel::simd_lanes(), kb.repeats, peak.gflops,
+          peak.cpu_gflops);
+    return 0;
+  }
   const nlohmann::json j = run_kernel_bench(kb);
   if (o.on("json")) {
     std::printf("%s\n", j.dump().c_str());
