@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# bench/cpu_suite.sh at --quick shapes, one repetition, no torch: every run it makes succeeds,
-# the report prints every ratio with a number, the ggml rows appear when --ggml names a binary
-# (here a stand-in that prints ggml_fa's JSON with a fixed time: this tests the suite's
-# plumbing, not ggml), and usage errors exit 2 naming the option.
+# bench/cpu_suite.sh at --quick shapes, one repetition, no torch (then a stand-in torch): every
+# run it makes succeeds, the report prints every ratio with a number, the ggml rows appear when
+# --ggml names a binary (here a stand-in that prints ggml_fa's JSON with a fixed time: this tests
+# the suite's plumbing, not ggml), and usage errors exit 2 naming the option.
 # Usage: cpu_suite_test.sh SOURCE_DIR BUILD_DIR
 set -uo pipefail
 SRC=$1 BUILD=$2
@@ -50,6 +50,38 @@ assert c["repetitions"] == 1 and c["median"] > 0, c
 f = s["figures"]["vs_ggml_2t"]
 k = s["medians_of_absolute_figures"]["kernel_2t"]["fwd_seconds"]
 assert abs(f["median"] - 0.5 / k) < 1e-9 * f["median"], (f, k)  # the stand-in's 0.5 s / ctxpar's
+PY
+
+# With torch: a stand-in interpreter for bench/torch_sdpa.py (its --info, then its JSON with fixed
+# times; this tests the suite's plumbing, not torch): each torch run is bracketed by the FMA peak
+# (`ctxpar bench kernel --peak-only`), and the report gives every ratio against each side's own
+# peak and what fp32's 1.2 x torch needs of the peak.
+cat > "$TMP/fake_python" <<'FAKE'
+#!/usr/bin/env bash
+# Stands in for `PY -c 'import torch'` and `PY bench/torch_sdpa.py ...`: --info, or a run's JSON
+# (1 s a pass).
+[ "$1" = -c ] && exit 0
+[[ " $* " == *" --info "* ]] && { echo '{"torch_version": "2.15.0", "cpu_capability": "AVX512", "python": "3.11"}'; exit 0; }
+[[ " $* " == *" --threads "* && " $* " == *" --dtype "* ]] || { echo "bad arguments: $*" >&2; exit 2; }
+echo '{"fwd_seconds": 1.0, "bwd_seconds": 1.0, "causal_fwd_seconds": 1.0, "causal_bwd_seconds": 1.0, "fwd_gflops": 2.0, "bwd_gflops": 5.0, "causal_fwd_gflops": 1.0, "causal_bwd_gflops": 2.5}'
+FAKE
+chmod +x "$TMP/fake_python"
+bash "$SRC/bench/cpu_suite.sh" --build "$BUILD" --quick --repeats 1 --torch-python "$TMP/fake_python" \
+  --out "$TMP/t" > "$TMP/out_t.txt" 2> "$TMP/err_t.txt" || { cat "$TMP/out_t.txt" "$TMP/err_t.txt"; fail "the suite with a stand-in torch failed"; }
+for row in "ctxpar / torch SDPA, each / its FMA peak, forward, non-causal, 1 thread" \
+           "torch SDPA fp32 backward, causal / two-thread FMA peak" "ctxpar forward, causal / one-thread FMA peak"; do
+  line=$(grep -F "$row" "$TMP/out_t.txt") || fail "no row '$row'"
+  [[ $line =~ [0-9]+\.[0-9]{3} ]] || fail "row '$row' has no figure: $line"
+done
+grep -qE "^  1 thread: forward [0-9.]+ \([0-9.]+\)" "$TMP/out_t.txt" || fail "no fp32 needs line for 1 thread"
+python3 - "$TMP/t" <<'PY' || fail "the torch runs' peaks"
+import json, os, sys
+for name in ("torch_1t", "torch_2t", "torch_bf16_1t", "torch_bf16_2t"):
+    r = json.load(open(os.path.join(sys.argv[1], "raw", "rep1", name + ".json")))
+    assert r["peak_gflops_before"] > 0 and r["peak_gflops_after"] > 0, (name, r)
+    assert r["fwd_seconds"] == 1.0, (name, r)  # torch_sdpa.py's own JSON kept
+f = json.load(open(os.path.join(sys.argv[1], "summary.json")))["figures"]["vs_torch_at_peak_fwd_1t"]
+assert f["repetitions"] == 1 and f["median"] > 0, f
 PY
 
 expect_usage() {  # expect_usage TEXT ARGS...: exit 2 and TEXT in the message
