@@ -136,8 +136,9 @@ def ratio_rows(meta):
     ]
     # Where a 1.2 x goal lies against the FMA peak (issue 40: "where a kind cannot reach it, say
     # why with a measurement"): torch's fp32 SDPA and ctxpar's kernel as shares of the FMA peak
-    # each ctxpar run measured (wall GFLOP/s over wall peak; causal FLOPs halved on both sides),
-    # so the goal needs 1.2 x torch's share on this CPU: the block under the table.
+    # measured beside each (the kernel run's own; torch_peak), wall GFLOP/s over the wall peak,
+    # causal FLOPs halved on both sides; the goal needs 1.2 x torch's share on this CPU: the
+    # block under the table.
     for n, which in ((1, "one"), (2, "two")):
         for mask, prefix in (("non-causal", ""), ("causal", "causal_")):
             for pas, word in (("fwd", "forward"), ("bwd", "backward")):
