@@ -131,11 +131,8 @@ bool accurate(double& worst) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int repeats = argc > 1 ? std::atoi(argv[1]) : 7;
-  if (repeats < 1) {
-    std::fprintf(stderr, "usage: lab_13_exp2 [repeats >= 1]\n");
-    return 2;
-  }
+  int repeats = 0;
+  if (!lab::repeats_arg(argc, argv, "lab_13_exp2", 7, repeats)) return 2;
   if (!__builtin_cpu_supports("avx512dq")) {
     std::printf("AVX-512 DQ absent here: vreduceps and vscalefps need it; nothing to time\n");
     return 0;

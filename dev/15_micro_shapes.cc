@@ -151,11 +151,8 @@ HWY_EXPORT(Run);
 }  // namespace lab
 
 int main(int argc, char** argv) {
-  const int repeats = argc > 1 ? std::atoi(argv[1]) : 5;
-  if (repeats < 1) {
-    std::fprintf(stderr, "usage: lab_15_micro_shapes [repeats >= 1]\n");
-    return 2;
-  }
+  int repeats = 0;
+  if (!lab::repeats_arg(argc, argv, "lab_15_micro_shapes", 5, repeats)) return 2;
   ctxpar::set_kernel_environment(ctxpar::environment::kernel());  // CTXPAR_SIMD
   ctxpar::kernel::select_simd_target();
   const double peak = ctxpar::kernel::measure_fma_peak(1).cpu_gflops;

@@ -302,11 +302,8 @@ HWY_EXPORT(Run);
 }  // namespace lab
 
 int main(int argc, char** argv) {
-  const int repeats = argc > 1 ? std::atoi(argv[1]) : 5;
-  if (repeats < 1) {
-    std::fprintf(stderr, "usage: lab_16_fp32_bf16x3 [repeats >= 1]\n");
-    return 2;
-  }
+  int repeats = 0;
+  if (!lab::repeats_arg(argc, argv, "lab_16_fp32_bf16x3", 5, repeats)) return 2;
   if (!lab::amx_usable_or_say_why()) return 0;
   ctxpar::set_kernel_environment(ctxpar::environment::kernel());  // CTXPAR_SIMD
   ctxpar::kernel::select_simd_target();

@@ -138,11 +138,8 @@ __attribute__((noinline)) void scalar_spin(long n) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int repeats = argc > 1 ? std::atoi(argv[1]) : 5;
-  if (repeats < 1) {
-    std::fprintf(stderr, "usage: lab_17_amx_switch [repeats >= 1]\n");
-    return 2;
-  }
+  int repeats = 0;
+  if (!lab::repeats_arg(argc, argv, "lab_17_amx_switch", 5, repeats)) return 2;
   if (!lab::amx_usable_or_say_why()) return 0;
   for (uint32_t& w : q_pairs) w = 0x3f803f80u;  // a pair of bf16 ones
   for (uint32_t& w : k_pairs) w = 0x3f803f80u;

@@ -36,6 +36,15 @@ inline bool forward_shape_args(int argc, char** argv, const char* name, int64_t 
   return false;
 }
 
+// The one [repeats] argument of a lab (`fallback` where absent); false (usage printed, naming
+// the lab) where it is below 1.
+inline bool repeats_arg(int argc, char** argv, const char* name, int fallback, int& repeats) {
+  repeats = argc > 1 ? std::atoi(argv[1]) : fallback;
+  if (repeats >= 1) return true;
+  std::fprintf(stderr, "usage: %s [repeats >= 1]\n", name);
+  return false;
+}
+
 // Whether AMX-BF16 tiles can run here; where not, says why (the AMX labs then exit 0).
 inline bool amx_usable_or_say_why() {
   const std::string why = ctxpar::kernel::amx_unusable_why();
