@@ -333,9 +333,9 @@ def main():
                              "ring_p2_contiguous", "one_rank_2t", "ggml_1t", "ggml_2t", "ggml_f16_2t")}
     failed = sorted({f"rep{i + 1}/{n}" for i, r in enumerate(reps) for n in meta["runs"]
                      if n not in r and not (n.startswith("torch") and meta.get("torch_skipped"))})
-    span = peak_range(reps)
+    span, needs = peak_range(reps), fp32_goal_needs(figs)
     summary = dict(meta=meta, figures=figs, medians_of_absolute_figures=absolute,
-                   fma_peak_1t_range=span, fp32_goal_needs=fp32_goal_needs(figs),
+                   fma_peak_1t_range=span, fp32_goal_needs=needs,
                    failed_runs=failed)
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -386,7 +386,6 @@ def main():
         print(line.rstrip())
     if m.get("torch_skipped"):
         print(f"{'ctxpar / torch SDPA (16 rows, fp32 and bf16)':<{w}}  {'n/a':>7}  {'(SKIPPED)':>15}  {'1.20':>6}")
-    needs = fp32_goal_needs(figs)
     if needs:
         print()
         print("fp32 against the FMA peak (medians): 1.2 x torch needs 1.2 x torch's share of the peak; "
