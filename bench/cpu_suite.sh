@@ -117,7 +117,10 @@ if [ "$QUICK" = 1 ]; then
 else
   KT=4096 KH=8 KD=128 CT=16384 CH=4 CD=128 DC=128K DS=0
 fi
+# torch_bthd_*: torch's SDPA on [B, T, H, D] storage (the transposed views a model's projections
+# hand it, and the memory ctxpar's kernel reads here) beside torch_* on its own [B, H, T, D].
 RUNS=(kernel_1t torch_1t kernel_2t torch_2t kernel_bf16_1t torch_bf16_1t kernel_bf16_2t torch_bf16_2t
+      torch_bthd_1t torch_bthd_2t torch_bthd_bf16_1t
       ring_p2_zigzag ring_p2_contiguous one_rank_2t decode_1t)
 [ -e "$INFO/torch_skipped" ] && RUNS=(kernel_1t kernel_2t ring_p2_zigzag ring_p2_contiguous one_rank_2t decode_1t)
 [ -n "$GGML_BIN" ] && RUNS+=(ggml_1t ggml_2t ggml_f16_2t)
@@ -148,11 +151,12 @@ kernel() {  # kernel THREADS [DTYPE [BF16_TIER]]
 peak() {  # peak THREADS: the FMA peak alone, as each kernel run measures it in its own process
   "$CTXPAR" bench kernel --peak-only --threads "$1" --repeats 1 --json
 }
-torch_sdpa() {  # torch_sdpa THREADS [DTYPE]: its JSON with the FMA peak right before and after
+torch_sdpa() {  # torch_sdpa THREADS [DTYPE [MEMORY]]: its JSON with the FMA peak right before and after
   local before after result
   before=$(peak "$1") || return 1
   result=$(OMP_NUM_THREADS=$1 MKL_NUM_THREADS=$1 "$TORCH_PY" "$ROOT/bench/torch_sdpa.py" --seq $KT \
-    --heads $KH --head-dim $KD --threads "$1" --dtype "${2:-fp32}" --repeats "$INNER") || return 1
+    --heads $KH --head-dim $KD --threads "$1" --dtype "${2:-fp32}" --memory "${3:-bhtd}" \
+    --repeats "$INNER") || return 1
   after=$(peak "$1") || return 1
   python3 -c 'import json, sys
 r = json.loads(sys.argv[1])
@@ -183,6 +187,9 @@ run() {  # run NAME: one measurement, its JSON kept only if it succeeded
     kernel_fp32parts_2t) CTXPAR_FP32_PRODUCTS=parts kernel 2 ;;
     torch_bf16_1t) torch_sdpa 1 bf16 ;;
     torch_bf16_2t) torch_sdpa 2 bf16 ;;
+    torch_bthd_1t) torch_sdpa 1 fp32 bthd ;;
+    torch_bthd_2t) torch_sdpa 2 fp32 bthd ;;
+    torch_bthd_bf16_1t) torch_sdpa 1 bf16 bthd ;;
     ring_p2_zigzag) attention --ranks 2 --threads 1 --layout zigzag ;;
     ring_p2_contiguous) attention --ranks 2 --threads 1 --layout contiguous ;;
     one_rank_2t) attention --ranks 1 --threads 2 ;;

@@ -175,6 +175,30 @@ def ratio_rows(meta):
                                      f"{mask}, {threads}", goal,
                                      lambda r, n=n, gf=gf, tag=tag: at_peak(
                                          r[f"kernel_{tag}{n}t"], r[f"torch_{tag}{n}t"], gf)))
+    # The same ratios with torch on [B, T, H, D] storage (torch_bthd_*: the transposed views a
+    # model's projections hand SDPA), the memory ctxpar's kernel reads in its own runs: the
+    # rows above give torch its own [B, H, T, D] layout. Both sides then read the same bytes in
+    # the same places; the goals stay on the rows above.
+    if meta.get("torch_skipped") is None and "torch_bthd_1t" in meta.get("runs", []):
+        pairs = [(f"kernel_{n}t", f"torch_bthd_{n}t", "", f"{n}t",
+                  f"{n} thread{'s' * (n > 1)}") for n in (1, 2)]
+        pairs.append(("kernel_bf16_1t", "torch_bthd_bf16_1t", "bf16: ", "bf16_1t", "1 thread"))
+        for run, torch_run, label, tag, threads in pairs:
+            for mask, prefix in (("non-causal", ""), ("causal", "causal_")):
+                for pas, word in (("fwd", "forward"), ("bwd", "backward")):
+                    key = prefix + pas + "_seconds"
+                    rows.append((f"vs_torch_bthd_{prefix}{pas}_{tag}", f"{label}ctxpar / torch "
+                                 f"SDPA speed, both on [B,T,H,D] memory, {word}, {mask}, {threads}",
+                                 None, lambda r, run=run, torch_run=torch_run, key=key:
+                                 r[torch_run][key] / r[run][key]))
+        for run, what in (("kernel_bf16amx_1t", "AMX, exact bf16 tier"),
+                          ("kernel_bf16amxfast_1t", "AMX, fast bf16 tier")):
+            if run in meta.get("runs", []):
+                for pas, word in (("fwd", "forward"), ("bwd", "backward")):
+                    rows.append((f"{run[7:-3]}_vs_torch_bthd_bf16_{pas}", f"{what} / torch SDPA "
+                                 f"bf16 speed, both on [B,T,H,D] memory, {word}, non-causal, "
+                                 f"1 thread", None, lambda r, run=run, pas=pas:
+                                 r["torch_bthd_bf16_1t"][pas + "_seconds"] / r[run][pas + "_seconds"]))
     # Exact bf16 products forced on against the default bf16 run (same bf16 inputs;
     # the probe's choice) and against torch's bf16 SDPA; the run exists on AVX512_BF16 CPUs.
     if "kernel_bf16dot_1t" in meta.get("runs", []):
@@ -329,7 +353,8 @@ def main():
                 for name in ("kernel_1t", "kernel_2t", "torch_1t", "torch_2t", "kernel_bf16_1t",
                              "kernel_bf16_2t", "kernel_bf16dot_1t", "kernel_bf16dotfast_1t", "kernel_bf16amx_1t",
                              "kernel_bf16amxfast_1t", "kernel_bf16fp32_1t", "kernel_fp32parts_1t",
-                             "kernel_fp32parts_2t", "torch_bf16_1t", "torch_bf16_2t", "ring_p2_zigzag",
+                             "kernel_fp32parts_2t", "torch_bf16_1t", "torch_bf16_2t", "torch_bthd_1t",
+                             "torch_bthd_2t", "torch_bthd_bf16_1t", "ring_p2_zigzag",
                              "ring_p2_contiguous", "one_rank_2t", "ggml_1t", "ggml_2t", "ggml_f16_2t")}
     failed = sorted({f"rep{i + 1}/{n}" for i, r in enumerate(reps) for n in meta["runs"]
                      if n not in r and not (n.startswith("torch") and meta.get("torch_skipped"))})
@@ -357,14 +382,15 @@ def main():
         pin = "pinned" if m["torch_is_pinned_version"] else "NOT the pinned"
         print(f"torch: {t['torch_version']} ({pin} {m['torch_pin']}), "
               f"cpu capability {t['cpu_capability']}, python {t['python']}, {m['torch_python']}")
-        be = sorted({b for r in reps for k in ("torch_1t", "torch_2t", "torch_bf16_1t", "torch_bf16_2t")
+        be = sorted({b for r in reps for k in ("torch_1t", "torch_2t", "torch_bf16_1t", "torch_bf16_2t",
+                                               "torch_bthd_1t", "torch_bthd_2t", "torch_bthd_bf16_1t")
                      if k in r
                      for b in r[k].get("backend", []) + r[k].get("causal_backend", [])})
         print(f"torch kernels seen: {', '.join(be) or '?'}")
     k, c = m["kernel_shape"], m["cp_shape"]
     print(f"kernel rows: T={k['seq']} H={k['heads']} D={k['head_dim']} B=1, fp32 (and bf16 storage where "
           f"the row says bf16) (ctxpar [B,T,H,D], "
-          f"torch [B,H,T,D]); ring rows: causal T={c['seq']} H={c['heads']} D={c['head_dim']}, "
+          f"torch [B,H,T,D], or [B,T,H,D] memory where the row says so); ring rows: causal T={c['seq']} H={c['heads']} D={c['head_dim']}, "
           f"forward wall; inner best of {m['inner']}")
     print()
     w = max(len(f["label"]) for f in figs.values())

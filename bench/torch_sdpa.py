@@ -14,8 +14,11 @@ at --warmup-seq tokens (same B, H, D) starts torch's thread pool and dispatch, a
 profiler records which aten kernels ran (`backend`: on the CPU, the flash kernel
 aten::_scaled_dot_product_flash_attention_for_cpu, else the materialising math path).
 
-Layout: torch's [B, H, T, D], contiguous (what SDPA expects); ctxpar's kernel takes
-[B, T, H, D]. Same numbers of elements and the same FLOPs; each side gets its own layout.
+Layout: by default torch's [B, H, T, D], contiguous (a head's rows side by side, SDPA's own
+layout); ctxpar's kernel takes [B, T, H, D]. Same numbers of elements and the same FLOPs; each
+side gets its own layout. --memory bthd gives torch [B, H, T, D] views of [B, T, H, D] storage
+instead (`x.transpose(1, 2)`): what a model's projections hand SDPA (`q_proj(x).view(B, T, H,
+D).transpose(1, 2)`), and the memory ctxpar's kernel reads in `ctxpar bench kernel`.
 Needs torch >= 2.0 (the public F.scaled_dot_product_attention) and nothing else.
 """
 import argparse
@@ -44,6 +47,9 @@ def parse_args(argv):
                    help="tokens of the warm-up forward + backward (at most --seq)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
                    help="q, k, v, dout and the gradients in fp32 or bfloat16 (torch's own bf16 path)")
+    p.add_argument("--memory", default="bhtd", choices=("bhtd", "bthd"),
+                   help="the storage behind q, k, v and dout: bhtd ([B, H, T, D] contiguous) or "
+                   "bthd ([B, T, H, D] contiguous, passed as its [B, H, T, D] transpose: a model's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--info", action="store_true",
                    help="print torch's version and CPU capability only, time nothing")
@@ -93,10 +99,15 @@ def main(argv=None):
 
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
 
+    def tensor(t):
+        """[B, H, T, D], on the --memory storage (random normal, then the dtype)."""
+        if a.memory == "bhtd":
+            return torch.randn((a.batch, a.heads, t, a.head_dim), generator=gen).to(dtype)
+        return torch.randn((a.batch, t, a.heads, a.head_dim), generator=gen).to(dtype).transpose(1, 2)
+
     def inputs(t):
-        shape = (a.batch, a.heads, t, a.head_dim)
-        q, k, v = (torch.randn(shape, generator=gen).to(dtype).requires_grad_() for _ in range(3))
-        return q, k, v, torch.randn(shape, generator=gen).to(dtype)
+        q, k, v = (tensor(t).requires_grad_() for _ in range(3))
+        return q, k, v, tensor(t)
 
     def step(q, k, v, dout, causal):
         """(forward s, backward s) of one training step; only the two calls are timed."""
@@ -117,7 +128,8 @@ def main(argv=None):
     q, k, v, dout = inputs(a.seq)
     result = dict(versions(torch), threads=torch.get_num_threads(), batch=a.batch, seq=a.seq,
                   heads=a.heads, head_dim=a.head_dim, dtype=a.dtype, repeats=a.repeats,
-                  layout="[B, H, T, D] contiguous", seed=a.seed, warmup_seq=min(a.warmup_seq, a.seq),
+                  layout=("[B, H, T, D] contiguous" if a.memory == "bhtd" else
+                          "[B, H, T, D] views of [B, T, H, D] storage"), memory=a.memory, seed=a.seed, warmup_seq=min(a.warmup_seq, a.seq),
                   omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
     for m in a.masks:
         causal = m == "causal"

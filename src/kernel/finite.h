@@ -24,9 +24,11 @@ struct NonFinite {
   float value = 0;
   bool found() const { return b >= 0; }
 };
-// t is 4-d, fp32 or bf16, last dim contiguous (checked by the caller). Scans in memory order;
-// a tensor that is one run in memory, of kParallelScan elements or more, is first tested by
-// `threads` OpenMP threads in equal chunks (the finding is the same: the first in memory order).
+// t is 4-d, fp32 or bf16, last dim contiguous (checked by the caller). The finding is the first
+// bad element in index order (b, t, h, d). A tensor that is one run in memory (its dimensions in
+// any order: a [B, T, H, D] view of [B, H, T, D] storage too) is first tested whole by vectors,
+// from kParallelScan elements on by `threads` OpenMP threads in equal chunks, and row by row
+// only where that finds something (the same finding).
 inline constexpr int64_t kParallelScan = int64_t{1} << 20;
 NonFinite find_non_finite(const TensorView& t, int threads = 1);
 // Whether any of the n elements of t's data from element `offset` on (fp32 or bf16, one run in

@@ -59,11 +59,12 @@ PY
 cat > "$TMP/fake_python" <<'FAKE'
 #!/usr/bin/env bash
 # Stands in for `PY -c 'import torch'` and `PY bench/torch_sdpa.py ...`: --info, or a run's JSON
-# (1 s a pass).
+# (1 s a pass; 2 s on --memory bthd, torch_bthd_*'s storage).
 [ "$1" = -c ] && exit 0
 [[ " $* " == *" --info "* ]] && { echo '{"torch_version": "2.15.0", "cpu_capability": "AVX512", "python": "3.11"}'; exit 0; }
 [[ " $* " == *" --threads "* && " $* " == *" --dtype "* ]] || { echo "bad arguments: $*" >&2; exit 2; }
-echo '{"fwd_seconds": 1.0, "bwd_seconds": 1.0, "causal_fwd_seconds": 1.0, "causal_bwd_seconds": 1.0, "fwd_gflops": 2.0, "bwd_gflops": 5.0, "causal_fwd_gflops": 1.0, "causal_bwd_gflops": 2.5}'
+[[ " $* " == *" --memory bthd "* ]] && s=2.0 || s=1.0
+echo "{\"fwd_seconds\": $s, \"bwd_seconds\": $s, \"causal_fwd_seconds\": $s, \"causal_bwd_seconds\": $s, \"fwd_gflops\": 2.0, \"bwd_gflops\": 5.0, \"causal_fwd_gflops\": 1.0, \"causal_bwd_gflops\": 2.5}"
 FAKE
 chmod +x "$TMP/fake_python"
 bash "$SRC/bench/cpu_suite.sh" --build "$BUILD" --quick --repeats 1 --torch-python "$TMP/fake_python" \
@@ -76,12 +77,18 @@ done
 grep -qE "^  1 thread: forward [0-9.]+ \([0-9.]+\)" "$TMP/out_t.txt" || fail "no fp32 needs line for 1 thread"
 python3 - "$TMP/t" <<'PY' || fail "the torch runs' peaks"
 import json, os, sys
-for name in ("torch_1t", "torch_2t", "torch_bf16_1t", "torch_bf16_2t"):
+for name in ("torch_1t", "torch_2t", "torch_bf16_1t", "torch_bf16_2t", "torch_bthd_1t",
+             "torch_bthd_2t", "torch_bthd_bf16_1t"):
     r = json.load(open(os.path.join(sys.argv[1], "raw", "rep1", name + ".json")))
     assert r["peak_gflops_before"] > 0 and r["peak_gflops_after"] > 0, (name, r)
-    assert r["fwd_seconds"] == 1.0, (name, r)  # torch_sdpa.py's own JSON kept
-f = json.load(open(os.path.join(sys.argv[1], "summary.json")))["figures"]["vs_torch_at_peak_fwd_1t"]
+    # torch_sdpa.py's own JSON kept; --memory bthd passed to the bthd runs alone
+    assert r["fwd_seconds"] == (2.0 if "bthd" in name else 1.0), (name, r)
+s = json.load(open(os.path.join(sys.argv[1], "summary.json")))
+f = s["figures"]["vs_torch_at_peak_fwd_1t"]
 assert f["repetitions"] == 1 and f["median"] > 0, f
+k = s["medians_of_absolute_figures"]["kernel_1t"]["fwd_seconds"]
+f = s["figures"]["vs_torch_bthd_fwd_1t"]
+assert abs(f["median"] - 2.0 / k) < 1e-9 * f["median"], (f, k)
 PY
 
 expect_usage() {  # expect_usage TEXT ARGS...: exit 2 and TEXT in the message

@@ -64,6 +64,25 @@ TEST(CliOutputs, BenchKernelPeakOnlyTimesNoKernel) {
   EXPECT_EQ(t.out.find("forward"), std::string::npos) << t.out;
 }
 
+// --memory bhtd lays every tensor out as [B, H, T, D] storage under the kernel's [B, T, H, D]
+// views (torch's own layout, bench/torch_sdpa.py's default) and says so; anything else is refused.
+TEST(CliOutputs, BenchKernelMemoryLayouts) {
+  for (const char* memory : {"bthd", "bhtd"}) {
+    const CommandResult r = run_ctxpar(std::string("bench kernel --seq 200 --heads 3 --kv-heads 1 "
+                                                   "--head-dim 32 --repeats 1 --warmup 0 --json "
+                                                   "--memory ") +
+                                       memory);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const nlohmann::json out = nlohmann::json::parse(r.out);
+    EXPECT_EQ(out["memory"], memory);
+    for (const char* f : {"fwd_gflops", "bwd_gflops", "causal_fwd_gflops", "causal_bwd_gflops"})
+      EXPECT_GT(out[f].get<double>(), 0.0) << memory << " " << f;
+  }
+  const CommandResult bad = run_ctxpar("bench kernel --memory bhdt --repeats 1");
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("--memory bhdt: expected bthd or bhtd"), std::string::npos) << bad.err;
+}
+
 // Progress is drawn only on a terminal (or with --progress): `--json 2>&1` is one JSON object,
 // also for a problem big enough that progress lines used to go to a log.
 TEST(CliOutputs, JsonWithStderrMergedIsJson) {

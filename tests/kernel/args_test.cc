@@ -214,6 +214,39 @@ TEST(Args, NonFiniteFoundWhereverItIs) {
   }
 }
 
+// A [B, T, H, D] view of [B, H, T, D] storage (what the torch layer passes for SDPA's tensors) is
+// one run in memory too: a finite one passes, a bad element is found at its indices, and of two
+// the first in index order (b, t, h, d) is the finding, not the first in memory; with 1 and 2
+// threads, above kParallelScan elements as well.
+TEST(Args, NonFiniteFoundInHeadsMajorStorage) {
+  for (DType dt : {DType::f32, DType::bf16})
+    for (const int64_t n : {int64_t{7}, int64_t{4099}}) {
+      const int64_t b = 2, h = 3, d = n == 7 ? 19 : 128;  // 4099: 3.1 M elements
+      Tensor storage(dt, {b, h, n, d});
+      fill_normal(storage.view(), 5);
+      const TensorView t(storage.data(), dt, {b, n, h, d}, {h * n * d, d, n * d, 1});
+      for (int threads : {1, 2}) EXPECT_FALSE(kernel::find_non_finite(t, threads).found());
+      // (1, n - 1, 0, 3) comes before (1, 1, 2, 5) in memory (head 0's rows first), after it in
+      // index order.
+      t.set(std::numeric_limits<float>::infinity(), 1, n - 1, 0, 3);
+      for (int threads : {1, 2}) {
+        const kernel::NonFinite f = kernel::find_non_finite(t, threads);
+        EXPECT_TRUE(f.found() && f.b == 1 && f.t == n - 1 && f.h == 0 && f.d == 3)
+            << dtype_name(dt) << " T " << n << ": found " << f.b << "," << f.t << "," << f.h;
+      }
+      t.set(std::numeric_limits<float>::quiet_NaN(), 1, 1, 2, 5);
+      for (int threads : {1, 2}) {
+        const kernel::NonFinite f = kernel::find_non_finite(t, threads);
+        EXPECT_TRUE(f.found() && f.b == 1 && f.t == 1 && f.h == 2 && f.d == 5 &&
+                    std::isnan(f.value))
+            << dtype_name(dt) << " T " << n << ": found " << f.b << "," << f.t << "," << f.h;
+      }
+      // Tokens 2.. of the view are not one run; the bad element at token 1 is outside them.
+      t.set(1.0f, 1, n - 1, 0, 3);
+      EXPECT_FALSE(kernel::find_non_finite(t.slice(1, 2, n), 2).found()) << dtype_name(dt);
+    }
+}
+
 // From kParallelScan elements on, a tensor that is one run is tested by the call's threads in
 // equal chunks: a bad element in any chunk, at a chunk's edge, or in two chunks at once is found
 // where one thread finds it (the first in memory order), and a finite tensor passes.

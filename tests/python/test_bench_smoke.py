@@ -154,6 +154,35 @@ def test_cpu_suite_report_has_the_fp32_parts_rows(tmp_path):
     assert "one-thread FMA peak over the repetitions: 200 - 200 GFLOP/s" in out
 
 
+def test_cpu_suite_report_sets_ctxpar_beside_torch_on_the_same_memory(tmp_path):
+    """torch_bthd_*: torch's SDPA on [B, T, H, D] storage (a model's transposed projections), the
+    memory ctxpar's kernel reads; the report's same-memory ratios are those runs' seconds over
+    ctxpar's (fp32 at 1 and 2 threads, bf16 default and both AMX tiers), with no goal, and the
+    goal rows keep torch's own-layout runs."""
+    runs = ["kernel_1t", "kernel_2t", "torch_1t", "torch_2t", "kernel_bf16_1t", "torch_bf16_1t",
+            "kernel_bf16_2t", "torch_bf16_2t", "torch_bthd_1t", "torch_bthd_2t",
+            "torch_bthd_bf16_1t", "kernel_bf16amx_1t", "kernel_bf16amxfast_1t", "kernel_bf16fp32_1t"]
+    seconds = {"kernel_1t": 6.0, "kernel_2t": 3.0, "torch_1t": 6.6, "torch_2t": 3.5,
+               "kernel_bf16_1t": 2.0, "torch_bf16_1t": 3.0, "kernel_bf16_2t": 1.0,
+               "torch_bf16_2t": 1.6, "torch_bthd_1t": 7.2, "torch_bthd_2t": 3.9,
+               "torch_bthd_bf16_1t": 3.3, "kernel_bf16amx_1t": 2.2, "kernel_bf16amxfast_1t": 1.5,
+               "kernel_bf16fp32_1t": 4.0}
+    fig, out = _kernel_suite(tmp_path, runs, seconds, "avx512f amx_bf16")
+    for pas in ("fwd", "bwd", "causal_fwd", "causal_bwd"):
+        assert fig[f"vs_torch_bthd_{pas}_1t"]["values"] == [7.2 / 6.0]
+        assert fig[f"vs_torch_bthd_{pas}_2t"]["values"] == [3.9 / 3.0]
+        assert fig[f"vs_torch_bthd_{pas}_bf16_1t"]["values"] == [3.3 / 2.0]
+        assert fig[f"vs_torch_bthd_{pas}_1t"]["goal"] is None
+        assert fig[f"vs_torch_{pas}_1t"]["values"] == [6.6 / 6.0]  # the goal row: torch's layout
+        assert fig[f"vs_torch_{pas}_1t"]["goal"] == 1.2
+    for pas in ("fwd", "bwd"):
+        assert fig[f"bf16amx_vs_torch_bthd_bf16_{pas}"]["values"] == [3.3 / 2.2]
+        assert fig[f"bf16amxfast_vs_torch_bthd_bf16_{pas}"]["values"] == [3.3 / 1.5]
+        assert fig[f"bf16amxfast_vs_torch_bthd_bf16_{pas}"]["goal"] is None
+        assert fig[f"bf16amxfast_vs_torch_bf16_{pas}"]["values"] == [3.0 / 1.5]
+    assert "ctxpar / torch SDPA speed, both on [B,T,H,D] memory, forward, non-causal, 1 thread" in out
+
+
 def test_cpu_suite_report_says_what_the_fp32_goal_needs_of_the_fma_peak(tmp_path):
     """Issue 40 asks, where a CPU kind cannot reach 1.2 x torch in fp32, for why with a
     measurement: the report gives torch's fp32 GFLOP/s (against the FMA peak measured right

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <numeric>
 #include <vector>
@@ -52,6 +53,7 @@ struct KernelBench {
   Bf16Tier tier = Bf16Tier::exact;
   Fp32Products fp32_products = Fp32Products::automatic;
   bool backward = true;
+  bool heads_major = false;  // --memory bhtd: every [B, T, H, D] tensor a view of [B, H, T, D]
 };
 
 Options bench_kernel_options() {
@@ -76,6 +78,11 @@ Options bench_kernel_options() {
       .add("warmup", "1",
            "untimed forward (+ backward) calls at the same shape before timing (0: none, so "
            "the first timed call also pays the first touch of the kernel's buffers)")
+      .add("memory", "bthd",
+           "the memory behind q, k, v, dO, O, dQ, dK and dV (the kernel's [B, T, H, D] views "
+           "either way): bthd ([B, T, H, D] contiguous, as a model's projections lay them out) "
+           "| bhtd ([B, H, T, D] contiguous, the tensors bench/torch_sdpa.py gives torch's "
+           "SDPA: a head's rows side by side)")
       .flag("no-backward", "skip the backward measurements")
       .flag("peak-only",
             "measure the FMA peak alone (--threads, best of --repeats) and time no kernel: what "
@@ -106,6 +113,10 @@ KernelBench kernel_bench_from_options(const Options& o) {
                "bench kernel: --seq, --heads, --batch "
                "and --threads must be >= 1");
   kb.backward = !o.on("no-backward");
+  const std::string memory = o.str("memory");
+  if (memory != "bthd" && memory != "bhtd")
+    throw UsageError("--memory " + memory + ": expected bthd or bhtd");
+  kb.heads_major = memory == "bhtd";
   // Every option is checked before anything is allocated (--kv-heads 65536 was refused only
   // by the kernel, after a long time filling 1 GiB). A shape whose count overflows int64 is
   // refused by Tensor itself (B*T*H*D = 2^64 of in-range options made a 64-byte tensor).
@@ -134,8 +145,15 @@ nlohmann::json run_kernel_bench(const KernelBench& kb) {
   const DType dtype = kb.dtype;
   const Bf16Tier tier = kb.tier;
   const bool backward = kb.backward;
-  Tensor q(dtype, {b, t, hq, d}), k(dtype, {b, t, hkv, d}), v(dtype, {b, t, hkv, d});
-  Tensor dout(dtype, {b, t, hq, d});
+  // A [B, T, H, D] tensor, contiguous or (--memory bhtd) a view of [B, H, T, D] storage.
+  std::vector<Tensor> storage;
+  auto tensor = [&](DType dt, int64_t h) {
+    if (!kb.heads_major) return TensorView(storage.emplace_back(dt, Shape{b, t, h, d}));
+    const Tensor& s = storage.emplace_back(dt, Shape{b, h, t, d});
+    return TensorView(s.data(), dt, {b, t, h, d}, {h * t * d, d, t * d, 1});
+  };
+  const TensorView q = tensor(dtype, hq), k = tensor(dtype, hkv), v = tensor(dtype, hkv);
+  const TensorView dout = tensor(dtype, hq);
   fill_normal(q, 1), fill_normal(k, 2), fill_normal(v, 3), fill_normal(dout, 4);
   std::vector<int64_t> pos(t);
   for (int64_t i = 0; i < t; ++i) pos[i] = i;
@@ -144,9 +162,10 @@ nlohmann::json run_kernel_bench(const KernelBench& kb) {
   cfg.threads = threads;
   cfg.bf16_tier = tier;
   cfg.fp32_products = kb.fp32_products;
-  Tensor out(dtype, {b, t, hq, d}), lse(DType::f32, {b, hq, t}), delta(DType::f32, {b, hq, t});
-  Tensor dq(DType::f32, {b, t, hq, d}), dk(DType::f32, {b, t, hkv, d}),
-      dv(DType::f32, {b, t, hkv, d});
+  const TensorView out = tensor(dtype, hq);
+  Tensor lse(DType::f32, {b, hq, t}), delta(DType::f32, {b, hq, t});
+  const TensorView dq = tensor(DType::f32, hq), dk = tensor(DType::f32, hkv),
+                   dv = tensor(DType::f32, hkv);
 
   const double full = attention_flops(b, hq, t, t, d);
   // The whole forward of one block (attention_forward: the bits of a fresh state's block and
@@ -155,7 +174,8 @@ nlohmann::json run_kernel_bench(const KernelBench& kb) {
     attention_forward(q, tokens, k, v, tokens, mask, out, lse, cfg);
   };
   auto run_backward = [&](const Mask& mask) {
-    dq.fill_zero(), dk.fill_zero(), dv.fill_zero();
+    for (const TensorView* g : {&dq, &dk, &dv})  // each view covers its storage
+      std::memset(g->data(), 0, static_cast<size_t>(g->numel()) * dtype_size(g->dtype()));
     attention_backward_delta(out, dout, delta, cfg);
     attention_backward_block(q, tokens, k, v, tokens, mask, dout, lse, delta, dq, dk, dv, cfg);
   };
@@ -179,6 +199,7 @@ nlohmann::json run_kernel_bench(const KernelBench& kb) {
   j["dtype"] = dtype_name(dtype), j["bf16_tier"] = bf16_tier_name(tier);
   j["fp32_products"] = fp32_products_name(kb.fp32_products);
   j["threads"] = threads, j["repeats"] = repeats, j["warmup"] = kb.warmup;
+  j["memory"] = kb.heads_major ? "bhtd" : "bthd";
   j["simd_target"] = kernel::simd_target_name(), j["simd_lanes"] = kernel::simd_lanes();
   auto put = [&](const char* name, double flops, const Best& s) {
     const std::string n = name;
