@@ -78,6 +78,10 @@ TEST(CliOutputs, BenchKernelMemoryLayouts) {
     for (const char* f : {"fwd_gflops", "bwd_gflops", "causal_fwd_gflops", "causal_bwd_gflops"})
       EXPECT_GT(out[f].get<double>(), 0.0) << memory << " " << f;
   }
+  const CommandResult text = run_ctxpar(
+      "bench kernel --seq 64 --heads 1 --head-dim 16 --repeats 1 --no-backward --memory bhtd");
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("fp32 on [B, H, T, D] memory"), std::string::npos) << text.out;
   const CommandResult bad = run_ctxpar("bench kernel --memory bhdt --repeats 1");
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.err.find("--memory bhdt: expected bthd or bhtd"), std::string::npos) << bad.err;

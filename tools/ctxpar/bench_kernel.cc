@@ -233,10 +233,11 @@ void print_kernel_bench(const KernelBench& kb, const nlohmann::json& j) {
   kernel::Peak peak;
   peak.gflops = j["peak_gflops"], peak.cpu_gflops = j["peak_gflops_cpu"];
   std::printf(
-      "kernel T=%lld Hq=%lld Hkv=%lld D=%lld B=%lld %s, %d thread(s), SIMD %s x%d, best of %d "
-      "after %d warm-up call(s)\n",
+      "kernel T=%lld Hq=%lld Hkv=%lld D=%lld B=%lld %s on %s memory, %d thread(s), SIMD %s x%d, "
+      "best of %d after %d warm-up call(s)\n",
       (long long)t, (long long)hq, (long long)hkv, (long long)d, (long long)b, dtype_name(dtype),
-      threads, kernel::simd_target_name(), kernel::simd_lanes(), repeats, kb.warmup);
+      kb.heads_major ? "[B, H, T, D]" : "[B, T, H, D]", threads, kernel::simd_target_name(),
+      kernel::simd_lanes(), repeats, kb.warmup);
   std::printf("                    GFLOP/s (wall)  of peak   GFLOP/s (cpu)  of peak\n");
   auto line = [&](const char* what, const char* key, bool ratio) {
     const double w = j[std::string(key) + "_gflops"], c = j[std::string(key) + "_gflops_cpu"];
