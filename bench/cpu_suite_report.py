@@ -389,8 +389,8 @@ def main():
         print(f"torch kernels seen: {', '.join(be) or '?'}")
     k, c = m["kernel_shape"], m["cp_shape"]
     print(f"kernel rows: T={k['seq']} H={k['heads']} D={k['head_dim']} B=1, fp32 (and bf16 storage where "
-          f"the row says bf16) (ctxpar [B,T,H,D], "
-          f"torch [B,H,T,D], or [B,T,H,D] memory where the row says so); ring rows: causal T={c['seq']} H={c['heads']} D={c['head_dim']}, "
+          f"the row says bf16) (ctxpar [B,T,H,D], torch [B,H,T,D], or [B,T,H,D] memory where "
+          f"the row says so); ring rows: causal T={c['seq']} H={c['heads']} D={c['head_dim']}, "
           f"forward wall; inner best of {m['inner']}")
     print()
     w = max(len(f["label"]) for f in figs.values())
