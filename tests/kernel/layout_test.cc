@@ -13,6 +13,8 @@
 //   - likewise a key row's dK / dV do not depend on which key tile shares its backward pass
 //     (simd_backward.cc, Note [Key tiles a pass]): the backward of the keys without the
 //     first tile, given the same LSE and delta, reproduces the other rows bitwise;
+//   - the same inputs and outputs as views of [B, H, T, D] storage (any strides: what the torch
+//     layer passes) give the bits of contiguous [B, T, H, D] tensors;
 //   - the kernel's own buffers start on a 64-byte line (Note [Buffers on cache lines],
 //     kernel/lines.h): a tile row off a line touches two lines, and the AMX products ran at a
 //     third of their speed; the alignment itself changes no bit (the grids above).
@@ -173,6 +175,54 @@ TEST(Layout, KeyRowsDoNotDependOnTheirPassNeighbours) {
           << "dv, " << c.mask.describe() << ", threads " << threads;
     }
   }
+}
+
+// The kernel takes [B, T, H, D] views of any strides: the torch layer passes SDPA's [B, H, T, D]
+// tensors transposed, and `ctxpar bench kernel --memory bhtd` times views of [B, H, T, D]
+// storage. Every input and output so laid out (q, k, v, dO, O, dQ, dK, dV) gives the bits of
+// contiguous tensors, fp32 and bf16, causal with GQA, 1 and 2 threads.
+TEST(Layout, HeadsMajorStorageGivesTheSameBits) {
+  for (DType dtype : {DType::f32, DType::bf16})
+    for (int threads : {1, 2}) {
+      Case c;
+      c.tq = c.tk = 150, c.hq = 4, c.hkv = 2, c.d = 64, c.dtype = dtype;
+      c.mask = Mask::causal_mask(), c.seed = 11;
+      const Inputs in = make_inputs(c);
+      KernelConfig config;
+      config.threads = threads;
+      // O, LSE, dQ, dK, dV (contiguous copies) of the kernel on views of [B, H, T, D] storage
+      // (heads_major) or on contiguous [B, T, H, D] tensors.
+      const auto run = [&](bool heads_major) {
+        std::vector<Tensor> storage;
+        const auto tensor = [&](DType dt, const TensorView& like) {
+          const int64_t b = like.dim(0), t = like.dim(1), h = like.dim(2), d = like.dim(3);
+          if (!heads_major) return TensorView(storage.emplace_back(dt, Shape{b, t, h, d}));
+          const Tensor& st = storage.emplace_back(dt, Shape{b, h, t, d});
+          return TensorView(st.data(), dt, {b, t, h, d}, {h * t * d, d, t * d, 1});
+        };
+        const auto input = [&](const Tensor& x) {
+          const TensorView v = tensor(x.dtype(), x);
+          copy_into(x, v);
+          return v;
+        };
+        const TensorView q = input(in.q), k = input(in.k), v = input(in.v), dout = input(in.dout);
+        const TensorView o = tensor(dtype, q), dq = tensor(DType::f32, q),
+                         dk = tensor(DType::f32, k), dv = tensor(DType::f32, k);
+        Tensor lse(DType::f32, {1, c.hq, c.tq}), delta(DType::f32, {1, c.hq, c.tq});
+        attention_forward(q, in.q_tokens(), k, v, in.k_tokens(), c.mask, o, lse, config);
+        attention_backward_delta(o, dout, delta, config);
+        attention_backward_block(q, in.q_tokens(), k, v, in.k_tokens(), c.mask, dout, lse, delta,
+                                 dq, dk, dv, config);
+        EXPECT_EQ(heads_major, !o.contiguous() && !dq.contiguous() && !dk.contiguous());
+        return std::vector<Tensor>{Tensor::copy_of(o), lse, Tensor::copy_of(dq),
+                                   Tensor::copy_of(dk), Tensor::copy_of(dv)};
+      };
+      const std::vector<Tensor> base = run(false), heads = run(true);
+      const char* names[] = {"o", "lse", "dq", "dk", "dv"};
+      for (size_t i = 0; i < base.size(); ++i)
+        EXPECT_TRUE(test::same_bits(heads[i], base[i]))
+            << names[i] << ", " << dtype_name(dtype) << ", " << threads << " thread(s)";
+    }
 }
 
 TEST(Layout, KernelBuffersStartOnALine) {
