@@ -129,7 +129,8 @@ def main(argv=None):
     result = dict(versions(torch), threads=torch.get_num_threads(), batch=a.batch, seq=a.seq,
                   heads=a.heads, head_dim=a.head_dim, dtype=a.dtype, repeats=a.repeats,
                   layout=("[B, H, T, D] contiguous" if a.memory == "bhtd" else
-                          "[B, H, T, D] views of [B, T, H, D] storage"), memory=a.memory, seed=a.seed, warmup_seq=min(a.warmup_seq, a.seq),
+                          "[B, H, T, D] views of [B, T, H, D] storage"), memory=a.memory,
+                  q_stride=list(q.stride()), seed=a.seed, warmup_seq=min(a.warmup_seq, a.seq),
                   omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
     for m in a.masks:
         causal = m == "causal"

@@ -26,6 +26,23 @@ def test_bench_prints_json_with_both_sides():
     assert result["torch_context_parallel"].startswith(("not run: torch", "available but not run"))
 
 
+def test_torch_sdpa_hands_torch_the_memory_asked_for():
+    """bench/torch_sdpa.py with torch itself: --memory bhtd gives SDPA contiguous [B, H, T, D],
+    --memory bthd the [B, H, T, D] transpose of [B, T, H, D] storage (a model's projections);
+    both time torch's CPU flash kernel and say which memory they used."""
+    torch_sdpa = os.path.join(os.path.dirname(BENCH), "torch_sdpa.py")
+    h, t, d = 2, 64, 16
+    for memory, stride in (("bhtd", [h * t * d, t * d, d, 1]), ("bthd", [t * h * d, d, h * d, 1])):
+        run = subprocess.run([sys.executable, torch_sdpa, "--seq", str(t), "--heads", str(h),
+                              "--head-dim", str(d), "--warmup-seq", "32", "--memory", memory],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        result = json.loads(run.stdout)
+        assert result["memory"] == memory and result["q_stride"] == stride, result
+        assert result["fwd_gflops"] > 0 and result["causal_bwd_gflops"] > 0
+        assert any("flash_attention" in k for k in result["backend"]), result["backend"]
+
+
 REPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
                       "cpu_suite_report.py")
 
