@@ -350,12 +350,7 @@ def main():
                      "causal_bwd_gflops", "fwd_seconds", "bwd_seconds", "causal_fwd_seconds",
                      "causal_bwd_seconds"]
     absolute = {name: medians(reps, name, kernel_fields + ["forward_seconds"])
-                for name in ("kernel_1t", "kernel_2t", "torch_1t", "torch_2t", "kernel_bf16_1t",
-                             "kernel_bf16_2t", "kernel_bf16dot_1t", "kernel_bf16dotfast_1t", "kernel_bf16amx_1t",
-                             "kernel_bf16amxfast_1t", "kernel_bf16fp32_1t", "kernel_fp32parts_1t",
-                             "kernel_fp32parts_2t", "torch_bf16_1t", "torch_bf16_2t", "torch_bthd_1t",
-                             "torch_bthd_2t", "torch_bthd_bf16_1t", "ring_p2_zigzag",
-                             "ring_p2_contiguous", "one_rank_2t", "ggml_1t", "ggml_2t", "ggml_f16_2t")}
+                for name in meta.get("runs", []) if name != "decode_1t"}  # decode: rows
     failed = sorted({f"rep{i + 1}/{n}" for i, r in enumerate(reps) for n in meta["runs"]
                      if n not in r and not (n.startswith("torch") and meta.get("torch_skipped"))})
     span, needs = peak_range(reps), fp32_goal_needs(figs)
@@ -382,9 +377,7 @@ def main():
         pin = "pinned" if m["torch_is_pinned_version"] else "NOT the pinned"
         print(f"torch: {t['torch_version']} ({pin} {m['torch_pin']}), "
               f"cpu capability {t['cpu_capability']}, python {t['python']}, {m['torch_python']}")
-        be = sorted({b for r in reps for k in ("torch_1t", "torch_2t", "torch_bf16_1t", "torch_bf16_2t",
-                                               "torch_bthd_1t", "torch_bthd_2t", "torch_bthd_bf16_1t")
-                     if k in r
+        be = sorted({b for r in reps for k in r if k.startswith("torch_")
                      for b in r[k].get("backend", []) + r[k].get("causal_backend", [])})
         print(f"torch kernels seen: {', '.join(be) or '?'}")
     k, c = m["kernel_shape"], m["cp_shape"]

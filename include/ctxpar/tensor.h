@@ -71,6 +71,9 @@ class TensorView {
   void set(float v, int64_t i0, int64_t i1 = 0, int64_t i2 = 0, int64_t i3 = 0) const;
   // Sub-range [begin, end) along dimension `d`, same strides.
   TensorView slice(int d, int64_t begin, int64_t end) const;
+  // The same elements with dimensions d0 and d1 swapped (their sizes and strides), no copy: e.g.
+  // the [B, T, H, D] view of [B, H, T, D] storage is transpose(1, 2).
+  TensorView transpose(int d0, int d1) const;
 
  private:
   void* data_ = nullptr;

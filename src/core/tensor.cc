@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <utility>
 
 namespace ctxpar {
 
@@ -146,6 +147,15 @@ TensorView TensorView::slice(int d, int64_t begin, int64_t end) const {
   TensorView v = *this;
   v.data_ = static_cast<std::byte*>(data_) + begin * strides_[d] * int64_t(dtype_size(dtype_));
   v.shape_[d] = end - begin;
+  return v;
+}
+
+TensorView TensorView::transpose(int d0, int d1) const {
+  CTXPAR_CHECK(d0 >= 0 && d0 < ndim_ && d1 >= 0 && d1 < ndim_, "transpose: dims ", d0, " and ", d1,
+               " out of range for rank ", ndim_);
+  TensorView v = *this;
+  std::swap(v.shape_[d0], v.shape_[d1]);
+  std::swap(v.strides_[d0], v.strides_[d1]);
   return v;
 }
 

@@ -88,6 +88,27 @@ TEST(Tensor, StridedSliceAndCopyConvert) {
   EXPECT_EQ(back.view().get(1, 2, 2, 3), c.view().get(1, 2, 2, 3));
 }
 
+// transpose swaps two dimensions' sizes and strides over the same elements: the [B, T, H, D]
+// view of [B, H, T, D] storage reads element (b, h, t, d) at (b, t, h, d), is not contiguous,
+// and transposed back is the storage's own view; a dimension out of range is refused.
+TEST(Tensor, TransposeSwapsTwoDimensions) {
+  Tensor t(DType::f32, {2, 3, 5, 4});  // [B, H, T, D]
+  for (int64_t i = 0; i < t.numel(); ++i) t.ptr<float>()[i] = static_cast<float>(i);
+  const TensorView v = t.view().transpose(1, 2);
+  EXPECT_EQ(v.shape(), (Shape{2, 5, 3, 4}));
+  EXPECT_EQ(v.strides(), (Shape{60, 4, 20, 1}));
+  EXPECT_FALSE(v.contiguous());
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t h = 0; h < 3; ++h)
+      for (int64_t i = 0; i < 5; ++i)
+        for (int64_t d = 0; d < 4; ++d) EXPECT_EQ(v.get(b, i, h, d), t.view().get(b, h, i, d));
+  const TensorView back = v.transpose(2, 1);
+  EXPECT_EQ(back.shape(), t.shape());
+  EXPECT_TRUE(back.contiguous());
+  EXPECT_THROW(t.view().transpose(1, 4), Error);
+  EXPECT_THROW(t.view().transpose(-1, 0), Error);
+}
+
 TEST(Tensor, BadSliceAndShapeMismatchThrow) {
   Tensor t(DType::f32, {1, 4, 1, 16});
   EXPECT_THROW(t.view().slice(1, 3, 5), Error);

@@ -149,8 +149,7 @@ nlohmann::json run_kernel_bench(const KernelBench& kb) {
   std::vector<Tensor> storage;
   auto tensor = [&](DType dt, int64_t h) {
     if (!kb.heads_major) return TensorView(storage.emplace_back(dt, Shape{b, t, h, d}));
-    const Tensor& s = storage.emplace_back(dt, Shape{b, h, t, d});
-    return TensorView(s.data(), dt, {b, t, h, d}, {h * t * d, d, t * d, 1});
+    return TensorView(storage.emplace_back(dt, Shape{b, h, t, d})).transpose(1, 2);
   };
   const TensorView q = tensor(dtype, hq), k = tensor(dtype, hkv), v = tensor(dtype, hkv);
   const TensorView dout = tensor(dtype, hq);
