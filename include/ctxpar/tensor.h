@@ -61,6 +61,10 @@ class TensorView {
   Shape strides() const { return Shape(strides_.begin(), strides_.begin() + ndim_); }
   int64_t numel() const;
   bool contiguous() const;
+  // Whether the elements are exactly one run of memory from data() on, the dimensions in any
+  // order (contiguous() is the row-major case; transpose(1, 2) of a contiguous view is dense).
+  // A dimension of size 1 may have any stride.
+  bool dense() const;
   bool empty() const { return data_ == nullptr; }
   // Element offset of index (i0, i1, i2, i3) (unused trailing indices are 0).
   int64_t offset(int64_t i0, int64_t i1 = 0, int64_t i2 = 0, int64_t i3 = 0) const {

@@ -1,5 +1,7 @@
 #include "ctxpar/tensor.h"
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -103,6 +105,20 @@ bool TensorView::contiguous() const {
   for (int i = ndim_ - 1; i >= 0; --i) {
     if (shape_[i] != 1 && strides_[i] != stride) return false;
     stride *= shape_[i];
+  }
+  return true;
+}
+
+bool TensorView::dense() const {
+  std::array<int, kMaxDims> order = {0, 1, 2, 3};
+  std::sort(order.begin(), order.begin() + ndim_,
+            [&](int x, int y) { return strides_[x] < strides_[y]; });
+  int64_t next = 1;
+  for (int k = 0; k < ndim_; ++k) {
+    const int i = order[k];
+    if (shape_[i] == 1) continue;
+    if (strides_[i] != next) return false;
+    next *= shape_[i];
   }
   return true;
 }

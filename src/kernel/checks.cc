@@ -1,7 +1,6 @@
 // Argument checks of the kernel calls. Every check names the argument and what was expected,
 // so a strategy author can act on the message without reading this file.
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <utility>
 
@@ -75,22 +74,6 @@ const char* const kNonFiniteHint =
     "attention would silently treat the row as masked; find where the NaN/Inf comes from "
     "(inputs, a diverging step, an uninitialised buffer)";
 
-namespace {
-// Whether t's elements are exactly one run of memory from t.data() on, its dimensions in any
-// order (a dimension of size 1 may have any stride).
-bool one_run(const TensorView& t) {
-  std::array<int, 4> order = {0, 1, 2, 3};
-  std::sort(order.begin(), order.end(), [&](int x, int y) { return t.stride(x) < t.stride(y); });
-  int64_t next = 1;
-  for (int i : order) {
-    if (t.dim(i) == 1) continue;
-    if (t.stride(i) != next) return false;
-    next *= t.dim(i);
-  }
-  return true;
-}
-}  // namespace
-
 NonFinite find_non_finite(const TensorView& t, int threads) {
   // One pass over the block costs O(T H D) against the O(Tq Tk H D) of the attention it guards;
   // a row is re-read element by element only when its vector test (any_non_finite) fails. A
@@ -103,7 +86,7 @@ NonFinite find_non_finite(const TensorView& t, int threads) {
   const int64_t b = t.dim(0), n = t.dim(1), h = t.dim(2), d = t.dim(3);
   const int64_t total = b * n * h * d;
   if (total == 0) return {};
-  if (one_run(t)) {
+  if (t.dense()) {
     const int64_t start = t.offset(0, 0, 0, 0);
     const int64_t chunks = total >= kParallelScan ? std::max(1, threads) : 1;
     const int team = static_cast<int>(chunks);

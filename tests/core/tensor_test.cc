@@ -109,6 +109,19 @@ TEST(Tensor, TransposeSwapsTwoDimensions) {
   EXPECT_THROW(t.view().transpose(-1, 0), Error);
 }
 
+TEST(Tensor, DenseInAnyOrderOfDimensions) {
+  Tensor t(DType::f32, {2, 3, 5, 4});
+  EXPECT_TRUE(t.view().dense());
+  EXPECT_TRUE(t.view().transpose(1, 2).dense());  // [B, T, H, D] view of [B, H, T, D] storage
+  EXPECT_TRUE(t.view().transpose(0, 3).transpose(1, 2).dense());
+  EXPECT_FALSE(t.view().slice(2, 1, 4).dense());  // rows skipped within each run
+  EXPECT_FALSE(t.view().slice(1, 0, 2).transpose(1, 2).dense());
+  EXPECT_TRUE(t.view().slice(0, 1, 2).dense());  // one batch: a run from its own start
+  Tensor one(DType::f32, {1, 6, 1, 4});          // dimensions of size 1 may have any stride
+  EXPECT_TRUE(one.view().transpose(0, 2).dense());
+  EXPECT_TRUE(one.view().transpose(1, 2).dense());
+}
+
 TEST(Tensor, BadSliceAndShapeMismatchThrow) {
   Tensor t(DType::f32, {1, 4, 1, 16});
   EXPECT_THROW(t.view().slice(1, 3, 5), Error);
